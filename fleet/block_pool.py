@@ -1,0 +1,152 @@
+"""A paged KV cache with vLLM's prefix-caching semantics, announcing changes as vLLM KV events.
+
+Mirrors vLLM's BlockPool: only full blocks are cached, keyed by a chained block hash; a finished request's
+blocks go to the tail of a free queue and stay cached until the head of that queue is reused (LRU); one
+hash may be cached in several physical blocks; reusing a cached block announces nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+
+from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+
+MEDIUM = "GPU"
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockHasher:
+    """A chained sha256 over (parent hash, block tokens), seeded like vLLM's NONE_HASH."""
+
+    def __init__(self, seed: str = "0") -> None:
+        self._none_hash = hashlib.sha256(b"kvroute-fleet-none-hash:" + seed.encode()).digest()
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def chain(self, token_ids: list[int], block_size: int, parent: bytes | None = None) -> list[bytes]:
+        hashes: list[bytes] = []
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            parent = hashlib.sha256(
+                self._encode((parent or self._none_hash, token_ids[start : start + block_size]))
+            ).digest()
+            hashes.append(parent)
+        return hashes
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, int_hashes: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._int_hashes = int_hashes
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
+        self._cached: dict[bytes, dict[int, Block]] = {}
+        self.pending_events: list[KVEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """As vLLM reports it: cached but unreferenced blocks count as free."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def wire_hash(self, block_hash: bytes) -> BlockHash:
+        """vLLM sends the low 64 bits as an integer unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
+        return int.from_bytes(block_hash[-8:], "big") if self._int_hashes else block_hash
+
+    def cached_prefix(self, block_hashes: list[bytes]) -> list[Block]:
+        hits: list[Block] = []
+        for block_hash in block_hashes:
+            copies = self._cached.get(block_hash)
+            if not copies:
+                break
+            hits.append(next(iter(copies.values())))
+        return hits
+
+    def touch(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, count: int) -> list[Block]:
+        if count > len(self._free):
+            raise NoFreeBlocks(f"need {count} blocks, {len(self._free)} free")
+        allocated = []
+        for _ in range(count):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            allocated.append(block)
+        return allocated
+
+    def cache_blocks(
+        self, blocks: list[Block], hashes: list[bytes], token_ids: list[int], parent: bytes | None
+    ) -> None:
+        """Mark consecutive newly full blocks as cached; one BlockStored covers them all."""
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            block.block_hash = block_hash
+            self._cached.setdefault(block_hash, {})[block.block_id] = block
+        self.pending_events.append(
+            BlockStored(
+                block_hashes=[self.wire_hash(h) for h in hashes],
+                parent_block_hash=None if parent is None else self.wire_hash(parent),
+                token_ids=token_ids,
+                block_size=self.block_size,
+                lora_id=None,
+                medium=MEDIUM,
+                lora_name=None,
+                extra_keys=[None] * len(hashes),
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            )
+        )
+
+    def free(self, blocks: list[Block]) -> None:
+        # Reversed, as vLLM does, so that a request's last blocks are evicted before its first ones.
+        for block in reversed(blocks):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def reset(self) -> bool:
+        """Drop every cached block; refused (False) while any block is in use, as in vLLM."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self._blocks:
+            block.block_hash = None
+        self._cached.clear()
+        self.pending_events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        copies = self._cached.get(block.block_hash)
+        if copies is not None:
+            copies.pop(block.block_id, None)
+            if not copies:
+                del self._cached[block.block_hash]
+        self.pending_events.append(
+            BlockRemoved(block_hashes=[self.wire_hash(block.block_hash)], medium=MEDIUM, group_idx=0)
+        )
+        block.block_hash = None

@@ -1,0 +1,248 @@
+"""A simulated vLLM engine: a waiting queue, continuous batching and real time spent per step.
+
+Each step decodes one token for every running sequence and spends the rest of a token budget on prefill
+(chunked, first come first served). A step lasts prefill_tokens / prefill rate + one decode time, so a prompt
+costs time in proportion to its uncached tokens. KV blocks are allocated as sequences grow; when none is free
+the newest running request is preempted and recomputed later, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fleet.block_pool import Block, BlockHasher, BlockPool, NoFreeBlocks
+from router.kv_events import KVEvent
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTiming:
+    prefill_tokens_per_s: float = 8000.0
+    decode_s_per_token: float = 0.01
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 2048
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    preemptions: int = 0
+
+
+TokenSampler = Callable[[int], int]
+"""Maps an output position to the token id generated there."""
+
+
+@dataclass(eq=False)
+class _Sequence:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    sample: TokenSampler
+    block_hashes: list[bytes]
+    outputs: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    blocks: list[Block] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_blocks: int = 0
+    num_output: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt (or, after preemption, prompt and output) tokens are still to be computed."""
+        return len(self.token_ids) - self.num_computed > 1 or self.num_output == 0
+
+
+class Engine:
+    def __init__(self, pool: BlockPool, timing: EngineTiming, hasher: BlockHasher) -> None:
+        self.pool = pool
+        self.timing = timing
+        self.stats = EngineStats()
+        self._hasher = hasher
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._wake = asyncio.Event()
+        self._publish: Callable[[list[KVEvent]], None] = lambda events: None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def on_events(self, publish: Callable[[list[KVEvent]], None]) -> None:
+        self._publish = publish
+
+    async def generate(
+        self, prompt_ids: list[int], max_tokens: int, sample: TokenSampler
+    ) -> AsyncIterator[int]:
+        """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks."""
+        seq = _Sequence(
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            max_tokens=max_tokens,
+            sample=sample,
+            block_hashes=self._hasher.chain(prompt_ids, self.pool.block_size),
+        )
+        self.stats.prompt_tokens += len(prompt_ids)
+        self._waiting.append(seq)
+        self._wake.set()
+        finished = False
+        try:
+            while (token := await seq.outputs.get()) is not None:
+                yield token
+            finished = True
+        finally:
+            if not finished:
+                self._abort(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        done = self.pool.reset()
+        self._flush_events()
+        return done
+
+    async def run(self) -> None:
+        while True:
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            prefill_tokens, scheduled = self._schedule()
+            decode_time = (
+                self.timing.decode_s_per_token if any(not seq.prefilling for seq in scheduled) else 0.0
+            )
+            await asyncio.sleep(prefill_tokens / self.timing.prefill_tokens_per_s + decode_time)
+            self._advance(scheduled)
+            self._flush_events()
+
+    def _schedule(self) -> tuple[int, dict[_Sequence, int]]:
+        budget = self.timing.max_batched_tokens
+        scheduled: dict[_Sequence, int] = {}
+        prefill_tokens = 0
+        for seq in list(self._running):
+            if seq not in self._running:  # preempted while making room for an earlier one
+                continue
+            wanted = min(len(seq.token_ids) - seq.num_computed, budget)
+            if wanted <= 0 or not self._reserve(seq, seq.num_computed + wanted):
+                continue
+            scheduled[seq] = wanted
+            budget -= wanted
+            if seq.prefilling:
+                prefill_tokens += wanted
+        while self._waiting and budget > 0 and len(self._running) < self.timing.max_num_seqs:
+            seq = self._waiting[0]
+            hits = self._admit(seq)
+            if hits is None:
+                break
+            self._waiting.popleft()
+            self._running.append(seq)
+            wanted = min(len(seq.token_ids) - seq.num_computed, budget)
+            scheduled[seq] = wanted
+            budget -= wanted
+            prefill_tokens += wanted
+        return prefill_tokens, scheduled
+
+    def _admit(self, seq: _Sequence) -> int | None:
+        """Take the cached prefix and allocate the rest of the prompt; None when the cache is full."""
+        # vLLM recomputes at least the last prompt token to get logits.
+        max_hit_blocks = (len(seq.token_ids) - 1) // self.pool.block_size
+        hits = self.pool.cached_prefix(seq.block_hashes[:max_hit_blocks])
+        needed = -(-len(seq.token_ids) // self.pool.block_size) - len(hits)
+        if needed > self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0):
+            return None
+        self.pool.touch(hits)
+        seq.blocks = hits + self.pool.allocate(needed)
+        seq.num_computed = len(hits) * self.pool.block_size
+        seq.num_cached_blocks = len(hits)
+        if seq.num_output == 0:  # a preempted request is not queried twice
+            self.stats.prefix_cache_queries += len(seq.token_ids)
+            self.stats.prefix_cache_hits += seq.num_computed
+        return len(hits)
+
+    def _reserve(self, seq: _Sequence, num_tokens: int) -> bool:
+        """Grow seq's blocks to hold num_tokens, preempting the newest other sequences if needed."""
+        needed = -(-num_tokens // self.pool.block_size) - len(seq.blocks)
+        while needed > 0:
+            try:
+                seq.blocks += self.pool.allocate(needed)
+                return True
+            except NoFreeBlocks:
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+        return True
+
+    def _preempt(self, seq: _Sequence) -> None:
+        self._running.remove(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks, seq.num_computed, seq.num_cached_blocks = [], 0, 0
+        self._waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _advance(self, scheduled: dict[_Sequence, int]) -> None:
+        for seq, num_tokens in scheduled.items():
+            if seq not in self._running:  # aborted during the step
+                continue
+            seq.num_computed += num_tokens
+            self._cache_full_blocks(seq)
+            if seq.num_computed < len(seq.token_ids):  # a prefill chunk that is not the last
+                continue
+            token = seq.sample(seq.num_output)
+            seq.token_ids.append(token)
+            seq.num_output += 1
+            self.stats.generation_tokens += 1
+            seq.outputs.put_nowait(token)
+            if seq.num_output >= seq.max_tokens:
+                self._finish(seq)
+
+    def _cache_full_blocks(self, seq: _Sequence) -> None:
+        block_size = self.pool.block_size
+        num_full = seq.num_computed // block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        while len(seq.block_hashes) < num_full:  # hashes of blocks filled by generated tokens
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            start = len(seq.block_hashes) * block_size
+            seq.block_hashes += self._hasher.chain(
+                seq.token_ids[start : start + block_size], block_size, parent
+            )
+        first = seq.num_cached_blocks
+        self.pool.cache_blocks(
+            seq.blocks[first:num_full],
+            seq.block_hashes[first:num_full],
+            seq.token_ids[first * block_size : num_full * block_size],
+            seq.block_hashes[first - 1] if first else None,
+        )
+        seq.num_cached_blocks = num_full
+
+    def _finish(self, seq: _Sequence) -> None:
+        self._running.remove(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        self.stats.finished_requests += 1
+        seq.outputs.put_nowait(None)
+
+    def _abort(self, seq: _Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+            self.pool.free(seq.blocks)
+            seq.blocks = []
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        else:
+            return
+        self.stats.aborted_requests += 1
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            self._publish(events)

@@ -1,0 +1,92 @@
+"""Runs N simulated vLLM instances in one process: HTTP server, engine and event publisher each."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleet.block_pool import BlockHasher, BlockPool
+from fleet.engine import Engine, EngineTiming
+from fleet.publisher import EventPublisher
+from fleet.sampling import printable_token_ids
+from fleet.server import SimInstance, serve
+from router.tokenization import PromptTokenizer
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    tokenizer_path: Path
+    instances: int = 3
+    host: str = "127.0.0.1"
+    port: int = 8101
+    event_port: int = 5601
+    replay_port: int = 5701
+    model_name: str = "tiny-llama"
+    block_size: int = 32
+    kv_blocks: int = 2048
+    max_model_len: int = 32768
+    event_encoding: str = "map"
+    int_hashes: bool = True
+    hash_seed: str = "0"
+    name_prefix: str = "fleet-"
+    first_index: int = 0
+    timing: EngineTiming = field(default_factory=EngineTiming)
+
+    def instance_name(self, index: int) -> str:
+        return f"{self.name_prefix}{self.first_index + index}"
+
+
+async def run_fleet(options: FleetOptions, ready: asyncio.Event | None = None) -> None:
+    tokenizer = PromptTokenizer(options.tokenizer_path)
+    vocabulary = printable_token_ids(tokenizer)
+    async with contextlib.AsyncExitStack() as stack:
+        tasks = []
+        for index in range(options.instances):
+            name = options.instance_name(index)
+            engine = Engine(
+                BlockPool(options.kv_blocks, options.block_size, options.int_hashes),
+                options.timing,
+                BlockHasher(options.hash_seed),
+            )
+            publisher = EventPublisher(
+                f"tcp://{options.host}:{options.event_port + index}",
+                f"tcp://{options.host}:{options.replay_port + index}",
+                topic=f"kv@{name}@{options.model_name}",
+                encoding=options.event_encoding,
+            )
+            stack.push_async_callback(publisher.close)
+            publisher.start()
+            engine.on_events(publisher.publish)
+            instance = SimInstance(
+                name,
+                options.model_name,
+                engine,
+                tokenizer,
+                vocabulary,
+                options.max_model_len,
+                int(time.time()),
+            )
+            await stack.enter_async_context(serve(instance, options.host, options.port + index))
+            tasks.append(asyncio.create_task(engine.run(), name=f"engine-{name}"))
+        print(
+            f"fleet ready: {options.instances} instances, http {options.host}:{options.port}"
+            f"-{options.port + options.instances - 1}, events from {options.event_port}, "
+            f"replay from {options.replay_port}",
+            flush=True,
+        )
+        if ready is not None:
+            ready.set()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

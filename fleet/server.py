@@ -1,0 +1,322 @@
+"""One simulated vLLM instance: vLLM's OpenAI API subset, /tokenize, /health and /metrics, over aiohttp."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from fleet.engine import Engine
+from fleet.sampling import request_seed, sampler
+from router.tokenization import InvalidPrompt, PromptTokenizer
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class SimInstance:
+    name: str
+    model_name: str
+    engine: Engine
+    tokenizer: PromptTokenizer
+    vocabulary: list[int]
+    max_model_len: int
+    created: int
+
+
+class _ClientError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.Response(status=status, body=_json.encode(body), content_type="application/json")
+
+
+def _json_response(body: Any) -> web.Response:
+    return web.Response(body=_json.encode(body), content_type="application/json")
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+async def _read_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as exc:
+        raise _ClientError(400, f"invalid JSON body: {exc}", "BadRequestError") from exc
+    if not isinstance(body, dict):
+        raise _ClientError(400, "the request body must be a JSON object", "BadRequestError")
+    return body
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+class _Generation:
+    """What both endpoints share: validation, the engine call, and the response envelopes."""
+
+    def __init__(
+        self, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int], chat: bool
+    ) -> None:
+        self.instance, self.body, self.prompt_ids, self.chat = instance, body, prompt_ids, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        limit = instance.max_model_len
+        default_max = limit - len(prompt_ids) if chat else 16
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+        self.max_tokens = default_max if max_tokens is None else max_tokens
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise _ClientError(400, "max_tokens must be a positive integer", "BadRequestError", "max_tokens")
+        if not prompt_ids:
+            raise _ClientError(400, "the prompt is empty", "BadRequestError", "prompt")
+        if len(prompt_ids) + self.max_tokens > limit:
+            raise _ClientError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt_ids) + self.max_tokens} tokens ({len(prompt_ids)} in the messages, "
+                f"{self.max_tokens} in the completion). Please reduce the length of the messages or "
+                "completion.",
+                "BadRequestError",
+            )
+        if body.get("n", 1) != 1:
+            raise _ClientError(400, "the simulated fleet supports n=1 only", "BadRequestError", "n")
+        seed = request_seed(body.get("seed"), body.get("temperature", 1.0), prompt_ids)
+        self.sample = sampler(instance.vocabulary, seed)
+
+    def tokens(self) -> AsyncIterator[int]:
+        return self.instance.engine.generate(self.prompt_ids, self.max_tokens, self.sample)
+
+    def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if stream and self.chat else ""
+        )
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.instance.model_name,
+            "choices": choices,
+        }
+
+    def choice(self, text: str, finish_reason: str | None, stream: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
+        key = "delta" if stream else "message"
+        message: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
+        return {
+            "index": 0,
+            key: message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+        }
+
+
+async def _complete(request: web.Request, generation: _Generation) -> web.StreamResponse:
+    if generation.body.get("stream"):
+        return await _stream(request, generation)
+    output = [token async for token in generation.tokens()]
+    text = generation.instance.tokenizer.decode(output)
+    body = generation.envelope([generation.choice(text, "length", stream=False)], stream=False)
+    body["usage"] = _usage(len(generation.prompt_ids), len(output))
+    return _json_response(body)
+
+
+async def _stream(request: web.Request, generation: _Generation) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    token_text = generation.instance.tokenizer.token_text
+    count = 0
+    async for token in generation.tokens():
+        if count == 0 and generation.chat:  # vLLM sends the role with the first output, not before
+            first = generation.choice("", None, stream=True)
+            first["delta"] = {"role": "assistant", "content": ""}
+            await response.write(_sse(generation.envelope([first], stream=True)))
+        count += 1
+        finish = "length" if count == generation.max_tokens else None
+        chunk = generation.envelope([generation.choice(token_text(token), finish, stream=True)], stream=True)
+        await response.write(_sse(chunk))
+    options = generation.body.get("stream_options") or {}
+    if isinstance(options, dict) and options.get("include_usage"):
+        tail = generation.envelope([], stream=True)
+        tail["usage"] = _usage(len(generation.prompt_ids), count)
+        await response.write(_sse(tail))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
+    if body.get("model") != instance.model_name:
+        raise _ClientError(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+
+
+def _handler(
+    work: Callable[[SimInstance, web.Request, dict[str, Any]], Any],
+) -> Callable[[web.Request], Any]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        instance: SimInstance = request.app["instance"]
+        try:
+            body = await _read_body(request)
+            return await work(instance, request, body)  # type: ignore[no-any-return]
+        except _ClientError as exc:
+            return _error(exc.status, exc.message, exc.kind, exc.param)
+        except InvalidPrompt as exc:
+            return _error(400, str(exc), "BadRequestError")
+
+    return handle
+
+
+async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    _check_model(instance, body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
+    ids = instance.tokenizer.chat_ids(
+        messages,
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        continue_final_message=body.get("continue_final_message", False),
+        add_special_tokens=body.get("add_special_tokens", False),
+    )
+    return await _complete(request, _Generation(instance, body, ids, chat=True))
+
+
+async def _completion(
+    instance: SimInstance, request: web.Request, body: dict[str, Any]
+) -> web.StreamResponse:
+    _check_model(instance, body)
+    if "prompt" not in body:
+        raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
+    ids = instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
+    return await _complete(request, _Generation(instance, body, ids, chat=False))
+
+
+async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    if "messages" in body:
+        ids = instance.tokenizer.chat_ids(
+            body["messages"],
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            add_special_tokens=body.get("add_special_tokens", False),
+        )
+    elif "prompt" in body:
+        ids = instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
+    else:
+        raise _ClientError(400, "either messages or prompt is required", "BadRequestError")
+    return _json_response(
+        {"count": len(ids), "max_model_len": instance.max_model_len, "tokens": ids, "token_strs": None}
+    )
+
+
+async def _models(request: web.Request) -> web.Response:
+    instance: SimInstance = request.app["instance"]
+    card = {
+        "id": instance.model_name,
+        "object": "model",
+        "created": instance.created,
+        "owned_by": "vllm",
+        "root": instance.model_name,
+        "parent": None,
+        "max_model_len": instance.max_model_len,
+    }
+    return _json_response({"object": "list", "data": [card]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    instance: SimInstance = request.app["instance"]
+    if not instance.engine.reset_prefix_cache():
+        return _error(400, "cannot reset the prefix cache while requests hold blocks", "BadRequestError")
+    return web.Response(status=200)
+
+
+class _EngineCollector:
+    """Exposes the engine's state under vLLM's metric names, read at scrape time."""
+
+    def __init__(self, instance: SimInstance) -> None:
+        self._instance = instance
+
+    def collect(self) -> Iterable[Metric]:
+        engine, labels = self._instance.engine, [self._instance.model_name, "0"]
+        names = ["model_name", "engine"]
+        gauges = {
+            "vllm:num_requests_running": engine.num_running,
+            "vllm:num_requests_waiting": engine.num_waiting,
+            "vllm:kv_cache_usage_perc": engine.pool.usage,
+        }
+        for name, value in gauges.items():
+            gauge = GaugeMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
+            gauge.add_metric(labels, value)
+            yield gauge
+        stats = engine.stats
+        counters = {
+            "vllm:prefix_cache_queries": stats.prefix_cache_queries,
+            "vllm:prefix_cache_hits": stats.prefix_cache_hits,
+            "vllm:prompt_tokens": stats.prompt_tokens,
+            "vllm:generation_tokens": stats.generation_tokens,
+            "vllm:request_success": stats.finished_requests,
+            "vllm:num_preemptions": stats.preemptions,
+        }
+        for name, value in counters.items():
+            counter = CounterMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
+            counter.add_metric(labels, value)
+            yield counter
+
+
+def build_app(instance: SimInstance) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app["instance"] = instance
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(instance))
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
+
+    app.router.add_post("/v1/chat/completions", _handler(_chat))
+    app.router.add_post("/v1/completions", _handler(_completion))
+    app.router.add_post("/tokenize", _handler(_tokenize))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serve(instance: SimInstance, host: str, port: int) -> AsyncIterator[web.AppRunner]:
+    # handler_cancellation: a client that goes away cancels its handler, which aborts the engine request.
+    runner = web.AppRunner(build_app(instance), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield runner
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,144 @@
+"""The ``kvroute`` command: serve, fleet, demo, check-config, build-model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from router.config import ConfigError, load_config
+    from router.server import run_server
+
+    try:
+        config = load_config(Path(args.config))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    run_server(config, args.host, args.port)
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from router.config import ConfigError, load_config
+
+    try:
+        config = load_config(Path(args.config))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(f"{args.config}: ok ({len(config.instances)} instances, policies: {', '.join(config.policies)})")
+    return 0
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from fleet.engine import EngineTiming
+    from fleet.launcher import FleetOptions, run_fleet
+    from router.tokenization import resolve_tokenizer_path
+
+    options = FleetOptions(
+        tokenizer_path=resolve_tokenizer_path(args.tokenizer),
+        instances=args.instances,
+        host=args.host,
+        port=args.port,
+        event_port=args.event_port,
+        replay_port=args.replay_port,
+        model_name=args.model,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        max_model_len=args.max_model_len,
+        event_encoding=args.event_encoding,
+        int_hashes=args.hash_type == "int",
+        name_prefix=args.name_prefix,
+        first_index=args.first_index,
+        timing=EngineTiming(
+            prefill_tokens_per_s=args.prefill_tps,
+            decode_s_per_token=1.0 / args.decode_tps,
+            max_num_seqs=args.max_num_seqs,
+            max_batched_tokens=args.max_batched_tokens,
+        ),
+    )
+    uvloop.run(run_fleet(options))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvroute.demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(sessions=args.sessions, turns=args.turns, instances=args.instances))
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    from kvroute.tinymodel import ensure_model
+
+    print(ensure_model())
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvroute", description="Cache-aware router for vLLM fleets")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the router")
+    serve.add_argument("--config", required=True, help="routing configuration (YAML)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(run=_serve)
+
+    check = commands.add_parser("check-config", help="validate a configuration file without starting")
+    check.add_argument("config")
+    check.set_defaults(run=_check_config)
+
+    fleet = commands.add_parser("fleet", help="run simulated vLLM instances (no GPU needed)")
+    fleet.add_argument("--instances", type=int, default=3)
+    fleet.add_argument("--host", default="127.0.0.1")
+    fleet.add_argument("--port", type=int, default=8101, help="HTTP port of the first instance")
+    fleet.add_argument("--event-port", type=int, default=5601, help="KV event PUB port of the first instance")
+    fleet.add_argument(
+        "--replay-port", type=int, default=5701, help="KV event replay port of the first instance"
+    )
+    fleet.add_argument("--model", default="tiny-llama", help="served model name")
+    fleet.add_argument(
+        "--tokenizer", default="builtin:tiny-llama", help="tokenizer directory or builtin:NAME"
+    )
+    fleet.add_argument("--block-size", type=int, default=32)
+    fleet.add_argument("--kv-blocks", type=int, default=2048, help="KV cache capacity in blocks per instance")
+    fleet.add_argument("--max-model-len", type=int, default=32768)
+    fleet.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens per second")
+    fleet.add_argument("--decode-tps", type=float, default=100.0, help="decode steps (tokens) per second")
+    fleet.add_argument("--max-num-seqs", type=int, default=16, help="concurrent sequences per instance")
+    fleet.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    fleet.add_argument("--event-encoding", choices=["map", "array"], default="map")
+    fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int")
+    fleet.add_argument("--name-prefix", default="fleet-")
+    fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")
+    fleet.set_defaults(run=_fleet)
+
+    demo = commands.add_parser("demo", help="fleet + router + an agentic workload, for every policy")
+    demo.add_argument("--sessions", type=int, default=8)
+    demo.add_argument("--turns", type=int, default=6)
+    demo.add_argument("--instances", type=int, default=3)
+    demo.set_defaults(run=_demo)
+
+    build = commands.add_parser("build-model", help="build the tiny local model and print its directory")
+    build.set_defaults(run=_build_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    code: int = args.run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""``kvroute demo``: a local fleet, the router, and an agentic workload driven through every policy."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
+from kvroute.workload import AgentWorkload
+from router.proxy import INSTANCE_HEADER, POLICY_HEADER, SESSION_HEADER
+
+MODEL = "tiny-llama"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    sessions: int = 8
+    turns: int = 6
+    instances: int = 3
+
+
+@dataclass
+class TurnResult:
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    instance: str = ""
+    error: str = ""
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    turns: list[TurnResult] = field(default_factory=list)
+    hit_rate: float = 0.0
+
+    def ttft_quantile(self, q: float) -> float:
+        values = sorted(t.ttft_s for t in self.turns if t.ok)
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def stream_chat(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    messages: list[dict[str, str]],
+    headers: dict[str, str],
+    max_tokens: int,
+) -> tuple[TurnResult, str]:
+    """One streamed chat completion; TTFT is the time to the first content-bearing chunk."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    started = time.perf_counter()
+    ttft = 0.0
+    text: list[str] = []
+    try:
+        async with http.post(f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
+            if response.status != 200:
+                return TurnResult(False, error=f"HTTP {response.status}"), ""
+            instance = response.headers.get(INSTANCE_HEADER, "?")
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = msgspec.json.decode(line[6:])
+                if "error" in chunk:
+                    return TurnResult(False, error=str(chunk["error"].get("message"))), ""
+                for choice in chunk.get("choices", []):
+                    if ttft == 0.0:
+                        ttft = time.perf_counter() - started
+                    text.append(choice.get("delta", {}).get("content") or "")
+    except aiohttp.ClientError as exc:
+        return TurnResult(False, error=type(exc).__name__), ""
+    return TurnResult(True, ttft, time.perf_counter() - started, instance), "".join(text)
+
+
+async def run_workload(
+    base_url: str, policy: str, workload: AgentWorkload, on_turn: Callable[[], None]
+) -> list[TurnResult]:
+    results: list[TurnResult] = []
+
+    async def session(index: int) -> None:
+        messages = [{"role": "system", "content": workload.system_prompt()}]
+        headers = {POLICY_HEADER: policy, SESSION_HEADER: f"demo-{index}"}
+        for turn in range(workload.turns):
+            messages.append({"role": "user", "content": workload.user_message(index, turn)})
+            result, reply = await stream_chat(http, base_url, messages, headers, workload.max_tokens)
+            results.append(result)
+            messages.append({"role": "assistant", "content": reply})
+            on_turn()
+            await asyncio.sleep(workload.think_time_s)
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        await asyncio.gather(*(session(i) for i in range(workload.sessions)))
+    return results
+
+
+def prefix_cache_counts(instance_urls: list[str]) -> tuple[float, float]:
+    """Summed (hits, queries) of vLLM's prefix-cache token counters over the instances."""
+    hits = queries = 0.0
+    for url in instance_urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:prefix_cache_hits_total":
+                    hits += sample.value
+                elif sample.name == "vllm:prefix_cache_queries_total":
+                    queries += sample.value
+    return hits, queries
+
+
+def reset_prefix_caches(instance_urls: list[str]) -> None:
+    for url in instance_urls:
+        request = urllib.request.Request(url + "/reset_prefix_cache", method="POST")
+        urllib.request.urlopen(request, timeout=5).close()
+
+
+def run_demo(options: DemoOptions) -> int:
+    console = Console(width=None if Console().is_terminal else 150)
+    workload = AgentWorkload(sessions=options.sessions, turns=options.turns)
+    ports = FleetPorts.allocate(options.instances)
+    instance_urls = [f"http://127.0.0.1:{ports.http + i}" for i in range(options.instances)]
+    policies = ["round-robin", "least-loaded"]
+    results: list[PolicyResult] = []
+    with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
+        log_dir = Path(tmp)
+        console.print(f"starting {options.instances} simulated vLLM instances and the router ...")
+        try:
+            with running_fleet(ports, log_dir), running_router(ports.router_config(), log_dir) as router_url:
+                with Progress(console=console, transient=True) as progress:
+                    task = progress.add_task("agentic sessions", total=workload.requests * len(policies))
+                    for policy in policies:
+                        reset_prefix_caches(instance_urls)
+                        hits_before, queries_before = prefix_cache_counts(instance_urls)
+                        progress.update(task, description=f"policy {policy}")
+                        turns = asyncio.run(
+                            run_workload(router_url, policy, workload, lambda: progress.advance(task))
+                        )
+                        hits, queries = prefix_cache_counts(instance_urls)
+                        hit_rate = (hits - hits_before) / max(queries - queries_before, 1.0)
+                        results.append(PolicyResult(policy, turns, hit_rate))
+        except StartupError as exc:
+            console.print(f"[red]could not start the local fleet: {exc}")
+            return 1
+    console.print(_table(results, workload))
+    return 0 if all(t.ok for r in results for t in r.turns) else 1
+
+
+def _table(results: list[PolicyResult], workload: AgentWorkload) -> Table:
+    table = Table(
+        title=f"{workload.sessions} agent sessions x {workload.turns} turns, shared system prompt, streaming"
+    )
+    for column in (
+        "policy",
+        "requests",
+        "failed",
+        "TTFT p50",
+        "TTFT p99",
+        "e2e p50",
+        "prefix hit rate",
+        "requests per instance",
+    ):
+        table.add_column(column)
+    for result in results:
+        ok = [t for t in result.turns if t.ok]
+        spread = Counter(t.instance for t in ok)
+        table.add_row(
+            result.policy,
+            str(len(result.turns)),
+            str(len(result.turns) - len(ok)),
+            f"{result.ttft_quantile(0.5) * 1000:.0f} ms",
+            f"{result.ttft_quantile(0.99) * 1000:.0f} ms",
+            f"{statistics.median(t.e2e_s for t in ok) * 1000:.0f} ms" if ok else "-",
+            f"{result.hit_rate:.1%}",
+            " ".join(f"{name}:{count}" for name, count in sorted(spread.items())),
+        )
+    return table

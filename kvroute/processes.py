@@ -1,0 +1,167 @@
+"""Start the fleet and the router as child processes, wait for them, stop exactly what was started."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import yaml
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the child's own process group, SIGKILL it if it does not exit in time."""
+        if self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout_s)
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def start(name: str, args: Sequence[str], log_dir: Path) -> Child:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    log: IO[bytes] = log_path.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, so stop() reaches its children and nothing else
+    )
+    log.close()
+    return Child(name, process, log_path)
+
+
+def wait_healthy(child: Child, urls: Sequence[str], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        if child.process.poll() is not None:
+            raise StartupError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
+        if time.monotonic() > deadline:
+            raise StartupError(
+                f"{child.name} not healthy after {timeout_s:.0f}s at {pending[0]}:\n{child.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(pending[0], timeout=1.0) as response:
+                if response.status == 200:
+                    pending.pop(0)
+                    continue
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A base port with count consecutive ports free right now (bound and released)."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = int(probe.getsockname()[1])
+        if base + count >= 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for offset in range(count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((host, base + offset))
+            return base
+        except OSError:
+            continue
+    raise StartupError(f"no block of {count} free ports")
+
+
+@dataclass(frozen=True)
+class FleetPorts:
+    http: int
+    events: int
+    replay: int
+    count: int
+
+    @classmethod
+    def allocate(cls, count: int) -> FleetPorts:
+        base = free_port_block(count * 3)
+        return cls(base, base + count, base + 2 * count, count)
+
+    def fleet_args(self) -> list[str]:
+        return [
+            "fleet", "--instances", str(self.count), "--port", str(self.http),
+            "--event-port", str(self.events), "--replay-port", str(self.replay),
+        ]  # fmt: skip
+
+    def health_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.http + i}/health" for i in range(self.count)]
+
+    def router_config(self, block_size: int = 32, **extra: object) -> dict[str, object]:
+        instances = [
+            {
+                "name": f"fleet-{i}",
+                "url": f"http://127.0.0.1:{self.http + i}",
+                "events": f"tcp://127.0.0.1:{self.events + i}",
+                "replay": f"tcp://127.0.0.1:{self.replay + i}",
+            }
+            for i in range(self.count)
+        ]
+        config: dict[str, object] = {
+            "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],
+            "block_size": block_size,
+            "instances": instances,
+        }
+        config.update(extra)
+        return config
+
+
+@contextlib.contextmanager
+def running_fleet(ports: FleetPorts, log_dir: Path, extra_args: Sequence[str] = ()) -> Iterator[Child]:
+    child = start("fleet", [*ports.fleet_args(), *extra_args], log_dir)
+    try:
+        wait_healthy(child, ports.health_urls())
+        yield child
+    finally:
+        child.stop()
+
+
+@contextlib.contextmanager
+def running_router(config: dict[str, object], log_dir: Path, name: str = "router") -> Iterator[str]:
+    """Yields the router's base URL."""
+    config_path = log_dir / f"{name}.yaml"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    port = free_port_block(1)
+    child = start(name, ["serve", "--config", str(config_path), "--port", str(port)], log_dir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(child, [url + "/metrics"])
+        yield url
+    finally:
+        child.stop()

@@ -1,0 +1,46 @@
+"""A multi-turn agentic workload: sessions that resend a growing history every turn.
+
+Every session starts with the same system prompt (as agents of one product do), then each turn appends a
+user (tool output) message and the assistant's reply, so turn N's prompt holds turns 1..N-1 verbatim.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_WORDS = (
+    "def return class import self test assert error file line value request response cache block token "
+    "prefix instance router queue load session turn patch diff commit branch merge build run pass fail "
+    "module function parser client server config yaml json event index score pick stream chunk retry"
+).split()
+
+
+@dataclass(frozen=True)
+class AgentWorkload:
+    sessions: int = 8
+    turns: int = 6
+    system_prompt_words: int = 400
+    min_turn_words: int = 60
+    max_turn_words: int = 180
+    max_tokens: int = 16
+    think_time_s: float = 0.05
+    seed: int = 0
+
+    def system_prompt(self) -> str:
+        rng = random.Random(f"{self.seed}:system")
+        return "You are a coding agent. Tools: " + _text(rng, self.system_prompt_words)
+
+    def user_message(self, session: int, turn: int) -> str:
+        rng = random.Random(f"{self.seed}:{session}:{turn}")
+        return f"[session {session} turn {turn}] tool output: " + _text(
+            rng, rng.randint(self.min_turn_words, self.max_turn_words)
+        )
+
+    @property
+    def requests(self) -> int:
+        return self.sessions * self.turns
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))

@@ -1,0 +1,102 @@
+"""The router's HTTP surface: OpenAI endpoints, /health and /metrics, on FastAPI."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from router.config import RouterConfig
+from router.errors import OpenAIError
+from router.health import HealthChecker
+from router.instances import Fleet
+from router.metrics import RouterMetrics
+from router.openai_body import ChatRequest, CompletionRequest
+from router.policy import Policy
+from router.proxy import Proxy
+from router.supervisor import supervise
+
+_PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    fleet = Fleet(config)
+    metrics = RouterMetrics()
+    policies = {name: Policy(name, policy) for name, policy in config.policies.items()}
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=config.upstream.max_connections_per_instance, keepalive_timeout=60
+        )
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+            health = HealthChecker(fleet, session, config.health, metrics)
+            await health.check_all()
+            app.state.proxy = Proxy(
+                fleet, policies, config.default_policy, session, health, metrics, config.upstream
+            )
+            checks = asyncio.create_task(
+                supervise("health", health.check_all, config.health.interval_s, metrics.task_failures)
+            )
+            try:
+                yield
+            finally:
+                checks.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checks
+
+    app = FastAPI(title="kvroute", lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(exc.status_code, str(exc.detail), kind, str(exc.status_code)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return OpenAIError(400, str(exc), "invalid_request_error", "invalid_request").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await request.app.state.proxy.forward(request, "/v1/chat/completions", ChatRequest)  # type: ignore[no-any-return]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await request.app.state.proxy.forward(request, "/v1/completions", CompletionRequest)  # type: ignore[no-any-return]
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [
+            {"id": name, "object": "model", "created": started, "owned_by": "kvroute"}
+            for name in fleet.served_models()
+        ]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = [i.name for i in fleet.instances if i.healthy]
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "healthy_instances": healthy,
+            "instances": len(fleet.instances),
+        }
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=_PROMETHEUS_TEXT)
+
+    return app

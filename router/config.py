@@ -1,0 +1,173 @@
+"""The router's configuration: typed, strict (unknown keys are errors), every error naming its key path."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from scorers.registry import PICKERS, SCORERS, validate_params
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+_HTTP_URL = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?/?$")
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+)$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1)
+    tokenizer: str = Field(
+        default="builtin:tiny-llama", description="tokenizer directory, or builtin:tiny-llama"
+    )
+
+
+class InstanceConfig(_Strict):
+    name: Annotated[str, Field(pattern=_NAME)]
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    models: list[str] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not _HTTP_URL.match(url):
+            raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
+        return url.rstrip("/")
+
+    @field_validator("events", "replay")
+    @classmethod
+    def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not _ZMQ_ENDPOINT.match(endpoint):
+            raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
+        return endpoint
+
+
+class ScorerSpec(_Strict):
+    type: str
+    weight: float = Field(default=1.0, ge=0.0)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_type(self) -> ScorerSpec:
+        if self.type not in SCORERS:
+            raise ValueError(f"unknown scorer type {self.type!r}; known: {', '.join(sorted(SCORERS))}")
+        validate_params(SCORERS[self.type].params, self.params)
+        return self
+
+
+class PickerSpec(_Strict):
+    type: str = "max-score"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_type(self) -> PickerSpec:
+        if self.type not in PICKERS:
+            raise ValueError(f"unknown picker type {self.type!r}; known: {', '.join(sorted(PICKERS))}")
+        validate_params(PICKERS[self.type].params, self.params)
+        return self
+
+
+class PolicyConfig(_Strict):
+    scorers: list[ScorerSpec] = Field(min_length=1)
+    picker: PickerSpec = Field(default_factory=PickerSpec)
+
+
+def _builtin_policies() -> dict[str, PolicyConfig]:
+    return {
+        "round-robin": PolicyConfig(scorers=[ScorerSpec(type="round-robin")]),
+        "least-loaded": PolicyConfig(scorers=[ScorerSpec(type="inflight-load")]),
+    }
+
+
+class UpstreamConfig(_Strict):
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    first_byte_timeout_s: float = Field(default=600.0, gt=0, description="prefill of a long prompt is slow")
+    max_connections_per_instance: int = Field(default=256, ge=1)
+    attempts: int = Field(default=2, ge=1, description="tries on other instances when one cannot be reached")
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    unhealthy_after: int = Field(default=2, ge=1, description="consecutive failed checks")
+
+
+class RouterConfig(_Strict):
+    models: list[ModelConfig] = Field(min_length=1)
+    block_size: int = Field(default=16, ge=1)
+    instances: list[InstanceConfig] = Field(min_length=1)
+    policies: dict[str, PolicyConfig] = Field(default_factory=_builtin_policies)
+    default_policy: str = "least-loaded"
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RouterConfig:
+        model_names = [m.name for m in self.models]
+        _unique("models", model_names)
+        _unique("instances", [i.name for i in self.instances])
+        for index, instance in enumerate(self.instances):
+            for model in instance.models or []:
+                if model not in model_names:
+                    raise ValueError(
+                        f"instances.{index}.models: {model!r} is not one of models ({model_names})"
+                    )
+        for name in self.policies:
+            if not re.match(_NAME, name):
+                raise ValueError(f"policies: {name!r} is not a valid policy name")
+        if self.default_policy not in self.policies:
+            raise ValueError(
+                f"default_policy: {self.default_policy!r} is not a policy; "
+                f"defined: {', '.join(self.policies)}"
+            )
+        return self
+
+    def models_of(self, instance: InstanceConfig) -> list[str]:
+        return instance.models or [m.name for m in self.models]
+
+
+def _unique(key: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for index, name in enumerate(names):
+        if name in seen:
+            raise ValueError(f"{key}.{index}.name: {name!r} is used twice")
+        seen.add(name)
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names the file, the key path and the problem."""
+
+
+def load_config(path: Path) -> RouterConfig:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: Any, source: str = "config") -> RouterConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return RouterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid configuration\n" + format_errors(exc)) from exc
+
+
+def format_errors(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors(include_url=False):
+        path = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"  {path}: {message}" if path else f"  {message}")
+    return "\n".join(lines)

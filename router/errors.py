@@ -1,0 +1,61 @@
+"""Errors the router answers itself, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import Response
+
+_encode = msgspec.json.Encoder().encode
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.param, self.headers = param, headers or {}
+
+    def response(self) -> Response:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return Response(_encode(body), self.status, headers=self.headers, media_type="application/json")
+
+
+def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", code, param)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist or no instance serves it.",
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
+
+
+def no_healthy_instance(model: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"No healthy instance serves `{model}` right now; retry later.",
+        "service_unavailable_error",
+        "no_healthy_instance",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def upstream_unreachable(model: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(
+        502,
+        f"No instance serving `{model}` could be reached.",
+        "upstream_error",
+        "upstream_unreachable",
+        headers={"Retry-After": str(retry_after_s)},
+    )

@@ -1,0 +1,38 @@
+"""The fleet as the router sees it: each instance's address, models, health and in-flight work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.config import InstanceConfig, RouterConfig
+
+
+@dataclass(eq=False, slots=True)
+class Instance:
+    name: str
+    url: str
+    models: frozenset[str]
+    healthy: bool = True
+    in_flight: int = 0
+    failed_checks: int = 0
+
+    @classmethod
+    def from_config(cls, config: InstanceConfig, models: list[str]) -> Instance:
+        return cls(name=config.name, url=config.url, models=frozenset(models))
+
+
+class Fleet:
+    def __init__(self, config: RouterConfig) -> None:
+        self.instances = [Instance.from_config(i, config.models_of(i)) for i in config.instances]
+        self.models = [m.name for m in config.models]
+        self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
+
+    def serves(self, model: str) -> bool:
+        return bool(self._by_model.get(model))
+
+    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Instance]:
+        """Healthy instances serving model, in configuration order."""
+        return [i for i in self._by_model.get(model, ()) if i.healthy and i.name not in exclude]
+
+    def served_models(self) -> list[str]:
+        return [m for m in self.models if self._by_model[m]]

@@ -1,0 +1,146 @@
+"""vLLM's KV-cache event wire format: typed structs, one decoder for both encodings, frame helpers.
+
+A batch is the msgpack array ``[ts, events, data_parallel_rank]``. Events are tagged structs, encoded as
+maps (``{"type": "BlockStored", ...}``, vLLM >= 0.26) or as arrays (``["BlockStored", ...]``, older, trailing
+defaults omitted). Unknown keys and extra trailing array items are ignored, as newer vLLM adds fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import msgspec
+
+BlockHash: TypeAlias = int | bytes
+
+# Replay answers end with this sequence number (-1, signed) and an empty payload.
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+    pass
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class _BlockStoredArray(BlockStored, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):
+    pass
+
+
+class _BlockRemovedArray(BlockRemoved, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):
+    pass
+
+
+class _AllBlocksClearedArray(
+    AllBlocksCleared, array_like=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"
+):
+    pass
+
+
+_ArrayEvent: TypeAlias = _BlockStoredArray | _BlockRemovedArray | _AllBlocksClearedArray
+_TO_ARRAY_FORM: dict[type[Any], type[Any]] = {
+    BlockStored: _BlockStoredArray,
+    BlockRemoved: _BlockRemovedArray,
+    AllBlocksCleared: _AllBlocksClearedArray,
+}
+
+
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+@dataclass(slots=True)
+class EventBatch:
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None
+    skipped_events: int
+
+
+class MalformedBatch(ValueError):
+    """The payload is not a KV event batch at all; nothing in it can be used."""
+
+
+class EventDecoder:
+    """Decodes batch payloads of either encoding; a bad event is skipped and counted, not fatal."""
+
+    def __init__(self) -> None:
+        self._batch = msgspec.msgpack.Decoder(_RawBatch)
+        self._map_event = msgspec.msgpack.Decoder(KVEvent)
+        self._array_event = msgspec.msgpack.Decoder(_ArrayEvent)
+
+    def decode(self, payload: bytes) -> EventBatch:
+        try:
+            raw = self._batch.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedBatch(str(exc)) from exc
+        events: list[KVEvent] = []
+        skipped = 0
+        for item in raw.events:
+            try:
+                events.append(self._decode_event(item))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                skipped += 1
+        return EventBatch(raw.ts, events, raw.data_parallel_rank, skipped)
+
+    def _decode_event(self, item: msgspec.Raw) -> KVEvent:
+        # msgpack arrays start with 0x90-0x9f, 0xdc or 0xdd; everything else is tried as a map.
+        view = memoryview(item)
+        if view.nbytes and (0x90 <= view[0] <= 0x9F or view[0] in (0xDC, 0xDD)):
+            event: KVEvent = self._array_event.decode(item)
+            return event
+        return self._map_event.decode(item)  # type: ignore[no-any-return]
+
+
+class EventEncoder:
+    """Encodes batches as vLLM does, in map (default) or array encoding."""
+
+    def __init__(self, encoding: str = "map") -> None:
+        if encoding not in ("map", "array"):
+            raise ValueError(f"unknown event encoding {encoding!r}: use 'map' or 'array'")
+        self._array = encoding == "array"
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, ts: float, events: list[KVEvent], data_parallel_rank: int | None = None) -> bytes:
+        wire_events: list[Any] = events
+        if self._array:
+            wire_events = [_TO_ARRAY_FORM[type(event)](*msgspec.structs.astuple(event)) for event in events]
+        batch: list[Any] = [ts, wire_events]
+        if data_parallel_rank is not None:
+            batch.append(data_parallel_rank)
+        return self._encoder.encode(batch)
+
+
+def pack_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def unpack_seq(frame: bytes) -> int:
+    """Sequence numbers are unsigned, except the replay end marker (-1)."""
+    if frame == END_OF_REPLAY:
+        return -1
+    return int.from_bytes(frame, "big")

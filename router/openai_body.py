@@ -1,0 +1,55 @@
+"""The few fields of OpenAI request bodies that routing reads, decoded once at the edge.
+
+The body itself is forwarded byte for byte; unknown fields are the engine's business.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from router.errors import bad_request
+
+
+class ChatRequest(msgspec.Struct):
+    model: str
+    messages: list[Any]
+    stream: bool | None = None
+    user: str | None = None
+
+
+class CompletionRequest(msgspec.Struct):
+    model: str
+    prompt: str | list[Any]
+    stream: bool | None = None
+    user: str | None = None
+
+
+Body = TypeVar("Body", ChatRequest, CompletionRequest)
+
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {
+    kind: msgspec.json.Decoder(kind) for kind in (ChatRequest, CompletionRequest)
+}
+_PARAM = re.compile(r"at `\$\.(\w+)")
+_MISSING = re.compile(r"missing required field `(\w+)`")
+
+
+def decode_body(raw: bytes, kind: type[Body]) -> Body:
+    if not raw.strip():
+        raise bad_request("The request body is empty; expected a JSON object.", "invalid_json")
+    try:
+        body: Body = _decoders[kind].decode(raw)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _PARAM.search(text) or _MISSING.search(text)
+        param = found.group(1) if found else None
+        raise bad_request(f"Invalid request body: {text}", "invalid_field", param) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    if isinstance(body, ChatRequest) and not body.messages:
+        raise bad_request("`messages` must hold at least one message.", "invalid_field", "messages")
+    if not body.model:
+        raise bad_request("`model` must not be empty.", "invalid_field", "model")
+    return body

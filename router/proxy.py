@@ -1,0 +1,158 @@
+"""The request path: parse -> pick a policy -> choose an instance -> forward -> stream back -> observe."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from router.config import UpstreamConfig
+from router.errors import bad_request, model_not_found, no_healthy_instance, upstream_unreachable
+from router.health import HealthChecker
+from router.instances import Fleet, Instance
+from router.metrics import RouterMetrics
+from router.openai_body import Body, decode_body
+from router.policy import Policy
+from scorers.base import RoutingRequest
+
+log = logging.getLogger(__name__)
+
+POLICY_HEADER = "x-kvroute-policy"
+INSTANCE_HEADER = "x-kvroute-instance"
+SESSION_HEADER = "x-session-id"
+_FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
+_RETRY_AFTER_S = 1
+
+
+@dataclass
+class _Routed:
+    instance: Instance
+    policy: Policy
+    upstream: aiohttp.ClientResponse
+    started: float
+
+
+class Proxy:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policies: dict[str, Policy],
+        default_policy: str,
+        session: aiohttp.ClientSession,
+        health: HealthChecker,
+        metrics: RouterMetrics,
+        config: UpstreamConfig,
+    ) -> None:
+        self._fleet, self._policies, self._default_policy = fleet, policies, default_policy
+        self._session, self._health, self._metrics, self._config = session, health, metrics, config
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
+        )
+
+    async def forward(self, request: Request, path: str, kind: type[Body]) -> Response:
+        raw = await request.body()
+        body = decode_body(raw, kind)
+        if not self._fleet.serves(body.model):
+            raise model_not_found(body.model)
+        policy = self._policy(request)
+        routing = RoutingRequest(
+            model=body.model, session_key=request.headers.get(SESSION_HEADER) or body.user
+        )
+        headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        routed = await self._send(routing, policy, path, raw, headers)
+        content_type = routed.upstream.headers.get("content-type", "application/json")
+        debug = {INSTANCE_HEADER: routed.instance.name, POLICY_HEADER: policy.name}
+        if content_type.startswith("text/event-stream"):
+            return StreamingResponse(
+                self._relay(routed), routed.upstream.status, headers=debug, media_type=content_type
+            )
+        try:
+            payload = await routed.upstream.read()
+            self._metrics.ttft.labels(policy=policy.name).observe(time.perf_counter() - routed.started)
+        finally:
+            self._finish(routed)
+        return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
+
+    def _policy(self, request: Request) -> Policy:
+        name = request.headers.get(POLICY_HEADER) or self._default_policy
+        policy = self._policies.get(name)
+        if policy is None:
+            raise bad_request(
+                f"Unknown policy {name!r} in {POLICY_HEADER}; known: {', '.join(self._policies)}.",
+                "unknown_policy",
+            )
+        return policy
+
+    async def _send(
+        self, routing: RoutingRequest, policy: Policy, path: str, raw: bytes, headers: dict[str, str]
+    ) -> _Routed:
+        tried: set[str] = set()
+        for _ in range(self._config.attempts):
+            candidates = self._fleet.candidates(routing.model, exclude=frozenset(tried))
+            if not candidates:
+                break
+            decided = time.perf_counter()
+            instance = candidates[policy.choose(routing, candidates)]
+            started = time.perf_counter()
+            self._metrics.decision.observe(started - decided)
+            self._track(instance, +1)
+            try:
+                upstream = await self._session.post(
+                    instance.url + path, data=raw, headers=headers, timeout=self._timeout
+                )
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                self._track(instance, -1)
+                tried.add(instance.name)
+                kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
+                self._metrics.upstream_errors.labels(instance=instance.name, kind=kind).inc()
+                self._health.mark_unreachable(instance)
+                continue
+            return _Routed(instance, policy, upstream, started)
+        if tried:
+            self._metrics.rejected.labels(reason="upstream_unreachable").inc()
+            raise upstream_unreachable(routing.model, _RETRY_AFTER_S)
+        self._metrics.rejected.labels(reason="no_healthy_instance").inc()
+        raise no_healthy_instance(routing.model, _RETRY_AFTER_S)
+
+    async def _relay(self, routed: _Routed) -> AsyncIterator[bytes]:
+        """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
+        first = True
+        try:
+            async for chunk in routed.upstream.content.iter_any():
+                if first:
+                    self._metrics.ttft.labels(policy=routed.policy.name).observe(
+                        time.perf_counter() - routed.started
+                    )
+                    first = False
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("stream from %s broke: %r", routed.instance.name, exc)
+            self._metrics.upstream_errors.labels(instance=routed.instance.name, kind="stream").inc()
+            yield _sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
+            yield b"data: [DONE]\n\n"
+        finally:
+            self._finish(routed)
+
+    def _finish(self, routed: _Routed) -> None:
+        routed.upstream.release()
+        self._track(routed.instance, -1)
+        status = str(routed.upstream.status)
+        policy = routed.policy.name
+        self._metrics.requests.labels(policy=policy, instance=routed.instance.name, status=status).inc()
+        self._metrics.e2e.labels(policy=policy).observe(time.perf_counter() - routed.started)
+
+    def _track(self, instance: Instance, delta: int) -> None:
+        instance.in_flight += delta
+        self._metrics.in_flight.labels(instance=instance.name).set(instance.in_flight)
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": "stream_broken"}}
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"

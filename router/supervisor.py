@@ -1,0 +1,33 @@
+"""One way to run background loops: repeat, count and log failures, back off, stop cleanly on cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+
+
+async def supervise(
+    name: str,
+    iteration: Callable[[], Awaitable[None]],
+    interval_s: float,
+    failures: Counter,
+    max_backoff_s: float = 30.0,
+) -> None:
+    """Run iteration every interval_s; after a failure wait twice as long, up to max_backoff_s."""
+    delay = interval_s
+    while True:
+        try:
+            await iteration()
+            delay = interval_s
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            failures.labels(task=name).inc()
+            log.exception("background task %s failed; retrying in %.1fs", name, delay)
+            delay = min(max(delay, interval_s) * 2, max_backoff_s)
+        await asyncio.sleep(delay)

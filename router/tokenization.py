@@ -1,0 +1,123 @@
+"""Prompt tokenization exactly as vLLM's OpenAI server does it, shared by the router and the simulated fleet.
+
+Chat: text content parts are joined with newlines, the model's chat template renders the conversation, and
+the rendered text is encoded without adding special tokens (the template has them). Completions: text is
+encoded with special tokens added; token ids pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+
+
+class InvalidPrompt(ValueError):
+    """The request's messages or prompt cannot be tokenized; the message says why."""
+
+
+def resolve_tokenizer_path(spec: str) -> Path:
+    """A directory path, or ``builtin:tiny-llama`` for the locally built tiny model."""
+    if spec.startswith(BUILTIN_PREFIX):
+        from kvroute import tinymodel
+
+        name = spec.removeprefix(BUILTIN_PREFIX)
+        if name != tinymodel.MODEL_NAME:
+            raise ValueError(f"unknown builtin model {name!r}; the only one is {tinymodel.MODEL_NAME!r}")
+        return tinymodel.ensure_model()
+    return Path(spec)
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Turn OpenAI chat messages into what the chat template reads: role and string content."""
+    normalized = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidPrompt(f"messages[{index}] must be an object")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidPrompt(f"messages[{index}].role must be a string")
+        normalized.append({**message, "content": _content_text(message.get("content"), index)})
+    return normalized
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise InvalidPrompt(f"messages[{index}].content: only text parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise InvalidPrompt(f"messages[{index}].content must be a string or a list of text parts")
+
+
+class PromptTokenizer:
+    def __init__(self, path: Path) -> None:
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # torch is not needed here
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def render_chat(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        if add_generation_prompt and continue_final_message:
+            raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
+        rendered = self._tokenizer.apply_chat_template(
+            normalize_messages(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return str(rendered)
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.text_ids(prompt, add_special_tokens)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            if any(t < 0 or t >= self.vocab_size for t in prompt):
+                raise InvalidPrompt(f"prompt token ids must be in [0, {self.vocab_size})")
+            return list(prompt)
+        raise InvalidPrompt("prompt must be a string, a list of token ids, or a list holding one of those")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])

@@ -1,0 +1,32 @@
+"""The one explicit map from a YAML `type` to a scorer or picker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from router import pickers
+from scorers import inflight_load, round_robin
+from scorers.base import Params, Registration, Scorer
+
+SCORERS: dict[str, Registration[Scorer]] = {
+    "round-robin": round_robin.REGISTRATION,
+    "inflight-load": inflight_load.REGISTRATION,
+}
+
+PICKERS: dict[str, Registration[pickers.Picker]] = {
+    "max-score": pickers.MAX_SCORE,
+    "softmax": pickers.SOFTMAX,
+}
+
+
+def validate_params(model: type[Params], raw: dict[str, Any]) -> None:
+    """Raise ValueError naming each bad parameter as params.KEY."""
+    try:
+        model.model_validate(raw)
+    except ValidationError as exc:
+        problems = [
+            f"params.{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+        ]
+        raise ValueError("; ".join(problems)) from None
