@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fleet.block_pool import Block, BlockHasher, BlockPool, NoFreeBlocks
@@ -60,7 +60,13 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, pool: BlockPool, timing: EngineTiming, hasher: BlockHasher) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        timing: EngineTiming,
+        hasher: BlockHasher,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.pool = pool
         self.timing = timing
         self.stats = EngineStats()
@@ -68,6 +74,7 @@ class Engine:
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._wake = asyncio.Event()
+        self._sleep = sleep
         self._publish: Callable[[list[KVEvent]], None] = lambda events: None
 
     @property
@@ -118,7 +125,7 @@ class Engine:
             decode_time = (
                 self.timing.decode_s_per_token if any(not seq.prefilling for seq in scheduled) else 0.0
             )
-            await asyncio.sleep(prefill_tokens / self.timing.prefill_tokens_per_s + decode_time)
+            await self._sleep(prefill_tokens / self.timing.prefill_tokens_per_s + decode_time)
             self._advance(scheduled)
             self._flush_events()
 

@@ -61,6 +61,36 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _max_tokens(limit: int, body: dict[str, Any], prompt_len: int, chat: bool, from_text: bool) -> int:
+    """vLLM 0.32's rules: reject what can never fit, otherwise clamp the output budget to the context."""
+    completion_budget = chat and body.get("max_completion_tokens") is not None
+    param = "max_completion_tokens" if completion_budget else "max_tokens"
+    requested = body.get(param, None if chat else 16)
+    if requested is not None and (type(requested) is not int or requested < 1):
+        raise _ClientError(400, f"{param} must be a positive integer", "BadRequestError", param)
+    if requested is not None and requested > limit:
+        raise _ClientError(
+            400,
+            f"{param}={requested} cannot be greater than max_model_len={limit}. Please request fewer output "
+            f"tokens. (parameter={param}, value={requested})",
+            "BadRequestError",
+            param,
+        )
+    if prompt_len >= limit:
+        # vLLM tokenizes text truncated to limit + 1 tokens, so it only knows "at least" that many.
+        count = f"at least {limit + 1}" if from_text and prompt_len > limit else str(prompt_len)
+        value = limit + 1 if from_text and prompt_len > limit else prompt_len
+        raise _ClientError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+            f"{count} input tokens, which exceeds this limit even without any output tokens. Please "
+            f"reduce the length of the input prompt. (parameter=input_tokens, value={value})",
+            "BadRequestError",
+            "input_tokens",
+        )
+    return min(limit - prompt_len, requested or limit)
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -74,29 +104,14 @@ class _Generation:
     """What both endpoints share: validation, the engine call, and the response envelopes."""
 
     def __init__(
-        self, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int], chat: bool
+        self, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int], chat: bool, from_text: bool
     ) -> None:
         self.instance, self.body, self.prompt_ids, self.chat = instance, body, prompt_ids, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        limit = instance.max_model_len
-        default_max = limit - len(prompt_ids) if chat else 16
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
-        self.max_tokens = default_max if max_tokens is None else max_tokens
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise _ClientError(400, "max_tokens must be a positive integer", "BadRequestError", "max_tokens")
         if not prompt_ids:
-            raise _ClientError(400, "the prompt is empty", "BadRequestError", "prompt")
-        if len(prompt_ids) + self.max_tokens > limit:
-            raise _ClientError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt_ids) + self.max_tokens} tokens ({len(prompt_ids)} in the messages, "
-                f"{self.max_tokens} in the completion). Please reduce the length of the messages or "
-                "completion.",
-                "BadRequestError",
-            )
+            raise _ClientError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
+        self.max_tokens = _max_tokens(instance.max_model_len, body, len(prompt_ids), chat, from_text)
         if body.get("n", 1) != 1:
             raise _ClientError(400, "the simulated fleet supports n=1 only", "BadRequestError", "n")
         seed = request_seed(body.get("seed"), body.get("temperature", 1.0), prompt_ids)
@@ -173,7 +188,12 @@ async def _stream(request: web.Request, generation: _Generation) -> web.StreamRe
 
 def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
     if body.get("model") != instance.model_name:
-        raise _ClientError(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+        raise _ClientError(
+            404,
+            f"The model `{body.get('model')}` does not exist. Valid aliases: {instance.model_name}.",
+            "NotFoundError",
+            "model",
+        )
 
 
 def _handler(
@@ -203,7 +223,7 @@ async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any
         continue_final_message=body.get("continue_final_message", False),
         add_special_tokens=body.get("add_special_tokens", False),
     )
-    return await _complete(request, _Generation(instance, body, ids, chat=True))
+    return await _complete(request, _Generation(instance, body, ids, chat=True, from_text=True))
 
 
 async def _completion(
@@ -213,7 +233,8 @@ async def _completion(
     if "prompt" not in body:
         raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
     ids = instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
-    return await _complete(request, _Generation(instance, body, ids, chat=False))
+    from_text = not isinstance(body["prompt"], list) or any(isinstance(p, str) for p in body["prompt"])
+    return await _complete(request, _Generation(instance, body, ids, chat=False, from_text=from_text))
 
 
 async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -253,9 +274,7 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
-    if not instance.engine.reset_prefix_cache():
-        return _error(400, "cannot reset the prefix cache while requests hold blocks", "BadRequestError")
-    return web.Response(status=200)
+    return _json_response({"success": instance.engine.reset_prefix_cache()})
 
 
 class _EngineCollector:

@@ -53,9 +53,9 @@ def no_healthy_instance(model: str, retry_after_s: int) -> OpenAIError:
 
 def upstream_unreachable(model: str, retry_after_s: int) -> OpenAIError:
     return OpenAIError(
-        502,
-        f"No instance serving `{model}` could be reached.",
-        "upstream_error",
+        503,
+        f"No instance serving `{model}` could be reached; retry later.",
+        "service_unavailable_error",
         "upstream_unreachable",
         headers={"Retry-After": str(retry_after_s)},
     )

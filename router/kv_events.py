@@ -45,17 +45,29 @@ class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=Tru
 KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class _BlockStoredArray(BlockStored, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):
-    pass
+# Array encoding (older vLLM): positional, and older versions send fewer trailing fields, so every field
+# after the first ones has a default here. Decoded arrays are converted to the canonical structs above.
+class _BlockStoredArray(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
-class _BlockRemovedArray(BlockRemoved, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):
-    pass
+class _BlockRemovedArray(msgspec.Struct, array_like=True, gc=False, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
 
 
-class _AllBlocksClearedArray(
-    AllBlocksCleared, array_like=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"
-):
+class _AllBlocksClearedArray(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCleared"):
     pass
 
 
@@ -65,6 +77,7 @@ _TO_ARRAY_FORM: dict[type[Any], type[Any]] = {
     BlockRemoved: _BlockRemovedArray,
     AllBlocksCleared: _AllBlocksClearedArray,
 }
+_FROM_ARRAY_FORM: dict[type[Any], type[Any]] = {array: event for event, array in _TO_ARRAY_FORM.items()}
 
 
 class _RawBatch(msgspec.Struct, array_like=True, gc=False):
@@ -111,8 +124,8 @@ class EventDecoder:
         # msgpack arrays start with 0x90-0x9f, 0xdc or 0xdd; everything else is tried as a map.
         view = memoryview(item)
         if view.nbytes and (0x90 <= view[0] <= 0x9F or view[0] in (0xDC, 0xDD)):
-            event: KVEvent = self._array_event.decode(item)
-            return event
+            event = self._array_event.decode(item)
+            return _FROM_ARRAY_FORM[type(event)](*msgspec.structs.astuple(event))  # type: ignore[no-any-return]
         return self._map_event.decode(item)  # type: ignore[no-any-return]
 
 

@@ -1,0 +1,47 @@
+"""Fixtures that start real processes: a simulated fleet and routers in front of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvroute.processes import FleetPorts, running_fleet, running_router
+from kvroute.tinymodel import ensure_model
+from router.tokenization import PromptTokenizer
+
+INSTANCES = 3
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return ensure_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def fleet_ports() -> FleetPorts:
+    return FleetPorts.allocate(INSTANCES)
+
+
+@pytest.fixture(scope="session")
+def fleet(fleet_ports: FleetPorts, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
+    # Small prefill/decode times keep the suite fast; the engine's timing has its own tests.
+    args = ["--prefill-tps", "200000", "--decode-tps", "1000"]
+    with running_fleet(fleet_ports, tmp_path_factory.mktemp("fleet"), args):
+        yield fleet_ports
+
+
+@pytest.fixture(scope="session")
+def router_url(fleet: FleetPorts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_router(fleet.router_config(), tmp_path_factory.mktemp("router")) as url:
+        yield url
+
+
+def instance_url(ports: FleetPorts, index: int) -> str:
+    return f"http://127.0.0.1:{ports.http + index}"

@@ -1,0 +1,117 @@
+"""The simulated engine: prefix hits, time in proportion to uncached work, preemption and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fleet.block_pool import BlockHasher, BlockPool
+from fleet.engine import Engine, EngineTiming
+from router.kv_events import BlockStored, KVEvent
+
+T = TypeVar("T")
+BS = 16
+
+
+def run(scenario: Callable[[Engine, list[float], list[KVEvent]], Awaitable[T]], blocks: int = 64,
+        timing: EngineTiming | None = None) -> T:  # fmt: skip
+    async def main() -> T:
+        slept: list[float] = []
+
+        async def record(seconds: float) -> None:
+            slept.append(seconds)
+            await asyncio.sleep(0)
+
+        events: list[KVEvent] = []
+        engine = Engine(BlockPool(blocks, BS), timing or EngineTiming(), BlockHasher(), sleep=record)
+        engine.on_events(events.extend)
+        loop = asyncio.create_task(engine.run())
+        try:
+            return await scenario(engine, slept, events)
+        finally:
+            loop.cancel()
+
+    return asyncio.run(main())
+
+
+async def collect(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    return [t async for t in engine.generate(prompt, max_tokens, lambda position: 1000 + position)]
+
+
+def test_outputs_come_from_the_sampler_in_order() -> None:
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> list[int]:
+        return await collect(engine, list(range(20)), 5)
+
+    assert run(scenario) == [1000, 1001, 1002, 1003, 1004]
+
+
+def test_second_identical_prompt_hits_all_but_the_last_token_block() -> None:
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> tuple[int, int]:
+        prompt = list(range(64))  # 4 full blocks
+        await collect(engine, prompt, 1)
+        await collect(engine, prompt, 1)
+        return engine.stats.prefix_cache_queries, engine.stats.prefix_cache_hits
+
+    # vLLM recomputes the last prompt token, so only 3 of the 4 blocks can hit.
+    assert run(scenario) == (128, 48)
+
+
+def test_prefill_time_is_proportional_to_uncached_tokens() -> None:
+    timing = EngineTiming(prefill_tokens_per_s=1000.0, decode_s_per_token=0.5)
+
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> list[float]:
+        prompt = list(range(160))
+        await collect(engine, prompt, 1)
+        await collect(engine, prompt, 1)
+        return slept
+
+    cold, warm = run(scenario, timing=timing)
+    assert cold == 160 / 1000.0  # one step: the whole prompt, then the first token is sampled
+    assert warm == (160 - 144) / 1000.0  # 9 of 10 blocks hit
+
+
+def test_decode_steps_cost_one_decode_time_each() -> None:
+    timing = EngineTiming(prefill_tokens_per_s=1000.0, decode_s_per_token=0.5)
+
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> list[float]:
+        await collect(engine, list(range(10)), 4)
+        return slept
+
+    assert run(scenario, timing=timing) == [0.01, 0.5, 0.5, 0.5]
+
+
+def test_prompt_and_generated_blocks_are_announced() -> None:
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> list[KVEvent]:
+        await collect(engine, list(range(40)), 30)  # 70 tokens: 4 full blocks, the last one 69 computed
+        return events
+
+    stored = [e for e in run(scenario) if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in stored] == [2, 1, 1]
+    assert stored[0].token_ids == list(range(32))
+    assert stored[1].parent_block_hash == stored[0].block_hashes[-1]
+    assert stored[2].token_ids[-1] == 1000 + 63 - 40  # generated tokens are cached too
+
+
+def test_a_full_cache_preempts_and_every_request_still_finishes() -> None:
+    timing = EngineTiming(max_num_seqs=4)
+
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> tuple[list[int], int]:
+        prompts = [[i] * 40 for i in range(3)]  # 3 blocks each at the start, 5 at the end; 10 in the pool
+        outputs = await asyncio.gather(*(collect(engine, p, 40) for p in prompts))
+        return [len(o) for o in outputs], engine.stats.preemptions
+
+    lengths, preemptions = run(scenario, blocks=10, timing=timing)
+    assert lengths == [40, 40, 40]
+    assert preemptions >= 1
+
+
+def test_an_abandoned_request_is_aborted_and_frees_its_blocks() -> None:
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> tuple[int, int, int]:
+        stream = engine.generate(list(range(50)), 1000, lambda position: 7)
+        await anext(stream)
+        running = engine.num_running
+        await stream.aclose()
+        return running, engine.num_running, engine.pool.num_free
+
+    assert run(scenario) == (1, 0, 64)

@@ -1,0 +1,107 @@
+"""Configuration: the shipped files load; bad ones fail with the key path and the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from router.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+VALID = {
+    "models": [{"name": "tiny-llama"}],
+    "instances": [{"name": "a", "url": "http://127.0.0.1:8101"}, {"name": "b", "url": "http://127.0.0.1:8102/"}],
+}
+
+
+def test_local_fleet_config_matches_the_fleets_defaults() -> None:
+    config = load_config(ROOT / "configs" / "local-fleet.yaml")
+    assert [i.name for i in config.instances] == ["fleet-0", "fleet-1", "fleet-2"]
+    assert [i.url for i in config.instances] == [f"http://127.0.0.1:{8101 + i}" for i in range(3)]
+    assert [i.events for i in config.instances] == [f"tcp://127.0.0.1:{5601 + i}" for i in range(3)]
+    assert [i.replay for i in config.instances] == [f"tcp://127.0.0.1:{5701 + i}" for i in range(3)]
+    assert config.block_size == 32
+    assert config.default_policy == "least-loaded"
+
+
+def test_defaults_are_filled_in() -> None:
+    config = parse_config(VALID)
+    assert config.instances[1].url == "http://127.0.0.1:8102"
+    assert set(config.policies) == {"round-robin", "least-loaded"}
+    assert config.models_of(config.instances[0]) == ["tiny-llama"]
+    assert config.upstream.attempts == 2
+
+
+def _with(**changes: object) -> dict[str, object]:
+    return {**VALID, **changes}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (_with(colour="blue"), "  colour: Extra inputs are not permitted"),
+        (_with(models=[]), "  models: List should have at least 1 item after validation, not 0"),
+        ({"models": [{"name": "m"}]}, "  instances: Field required"),
+        (_with(instances=[{"name": "a", "url": "ftp://x"}]),
+         "  instances.0.url: 'ftp://x' is not an http(s)://host[:port] URL"),
+        (_with(instances=[{"name": "a", "url": "http://h:1", "events": "udp://h:5"}]),
+         "  instances.0.events: 'udp://h:5' is not a ZMQ endpoint such as tcp://127.0.0.1:5557"),
+        (_with(instances=[{"name": "a b", "url": "http://h:1"}]),
+         "  instances.0.name: String should match pattern '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'"),
+        (_with(instances=[{"name": "a", "url": "http://h:1", "port": 3}]), "  instances.0.port: Extra inputs are not permitted"),
+        (_with(instances=[{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]),
+         "  instances.1.name: 'a' is used twice"),
+        (_with(instances=[{"name": "a", "url": "http://h:1", "models": ["other"]}]),
+         "  instances.0.models: 'other' is not one of models (['tiny-llama'])"),
+        (_with(policies={"p": {"scorers": [{"type": "magic"}]}}, default_policy="p"),
+         "  policies.p.scorers.0: unknown scorer type 'magic'; known: inflight-load, round-robin"),
+        (_with(policies={"p": {"scorers": [{"type": "round-robin", "params": {"x": 1}}]}}, default_policy="p"),
+         "  policies.p.scorers.0: params.x: Extra inputs are not permitted"),
+        (_with(policies={"p": {"scorers": [{"type": "round-robin", "weight": -1}]}}, default_policy="p"),
+         "  policies.p.scorers.0.weight: Input should be greater than or equal to 0"),
+        (_with(policies={"p": {"scorers": []}}, default_policy="p"),
+         "  policies.p.scorers: List should have at least 1 item after validation, not 0"),
+        (_with(policies={"p": {"scorers": [{"type": "round-robin"}], "picker": {"type": "softmax",
+                                                                               "params": {"temperature": 0}}}},
+               default_policy="p"),
+         "  policies.p.picker: params.temperature: Input should be greater than 0"),
+        (_with(default_policy="fastest"), "  default_policy: 'fastest' is not a policy; defined: round-robin, least-loaded"),
+        (_with(block_size=0), "  block_size: Input should be greater than or equal to 1"),
+        (_with(upstream={"attempts": "many"}),
+         "  upstream.attempts: Input should be a valid integer, unable to parse string as an integer"),
+    ],
+)  # fmt: skip
+def test_invalid_configs_name_the_key_and_the_problem(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, source="bad.yaml")
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "bad.yaml: invalid configuration"
+    assert message in lines[1:]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("models: [", "not valid YAML"),
+        ("- just\n- a list\n", "the top level must be a mapping"),
+        ("!!python/object/apply:os.system ['true']", "not valid YAML"),  # safe_load refuses to run code
+    ],
+)
+def test_unusable_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read: No such file or directory"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_example_configs_are_valid() -> None:
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+        assert yaml.safe_load(path.read_text())

@@ -1,0 +1,73 @@
+"""Dead instances: routed around while others live, 503 with Retry-After when none can serve."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.processes import FleetPorts, free_port_block, running_router
+from tests.router.test_proxy import post
+
+BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
+
+
+def _with_dead_instance(fleet: FleetPorts, dead_port: int, **health: object) -> dict[str, object]:
+    config = fleet.router_config(health=health)
+    instances = config["instances"]
+    assert isinstance(instances, list)
+    instances.append({"name": "dead", "url": f"http://127.0.0.1:{dead_port}"})
+    return config
+
+
+@pytest.fixture(scope="module")
+def router_with_dead_instance(fleet: FleetPorts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # Active checks effectively off: the dead instance is found by the requests themselves.
+    config = _with_dead_instance(fleet, free_port_block(1), interval_s=60, unhealthy_after=100)
+    with running_router(config, tmp_path_factory.mktemp("dead-one")) as url:
+        yield url
+
+
+def test_requests_are_routed_around_a_dead_instance(router_with_dead_instance: str) -> None:
+    results = [
+        post(router_with_dead_instance + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"})
+        for _ in range(8)
+    ]
+    assert [status for status, _, _ in results] == [200] * 8
+    assert {headers["x-kvroute-instance"] for _, headers, _ in results} == {"fleet-0", "fleet-1", "fleet-2"}
+    with urllib.request.urlopen(router_with_dead_instance + "/metrics", timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    errors = {(s.labels["instance"], s.labels["kind"]): s.value for s in families["kvroute_upstream_errors"].samples}
+    assert errors.get(("dead", "connect"), 0) >= 1
+    healthy = {s.labels["instance"]: s.value for s in families["kvroute_instance_healthy"].samples}
+    assert healthy["dead"] == 0
+
+
+@pytest.mark.parametrize("unhealthy_after", [1, 100])
+def test_no_reachable_instance_is_a_503_with_retry_after(tmp_path: Path, unhealthy_after: int) -> None:
+    # 1: health checks find every instance down first; 100: the request itself finds them unreachable.
+    dead = free_port_block(3)
+    config = {
+        "models": [{"name": "tiny-llama"}],
+        "instances": [{"name": f"gone-{i}", "url": f"http://127.0.0.1:{dead + i}"} for i in range(3)],
+        "health": {"interval_s": 60, "unhealthy_after": unhealthy_after},
+    }
+    with running_router(config, tmp_path) as url:
+        for _ in range(3):
+            status, headers, payload = post(url + "/v1/completions", BODY)
+            assert status == 503
+            assert int(headers["retry-after"]) >= 1
+            error = json.loads(payload)["error"]
+            assert error["type"] == "service_unavailable_error"
+            assert error["code"] in ("no_healthy_instance", "upstream_unreachable")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=10).close()
+            pytest.fail("/health answered 200 with every instance down")
+        except urllib.error.HTTPError as error:
+            assert error.code == 503
+            assert json.loads(error.read())["healthy_instances"] == []

@@ -1,0 +1,194 @@
+"""The router in front of the simulated fleet, driven by the official OpenAI client."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.processes import FleetPorts
+from tests.conftest import instance_url
+
+MODEL = "tiny-llama"
+MESSAGES = [
+    {"role": "system", "content": "You are a careful coding agent."},
+    {"role": "user", "content": "The test in client/test_http.py fails with a KeyError; fix it."},
+]
+FLEET_NAMES = {"fleet-0", "fleet-1", "fleet-2"}
+
+
+@pytest.fixture(scope="module")
+def client(router_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(
+        url, data=body, headers={"content-type": "application/json", **(headers or {})}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+def test_chat_non_streaming_carries_usage_and_debug_headers(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=1)
+    completion = raw.parse()
+    assert raw.headers["x-kvroute-instance"] in FLEET_NAMES
+    assert raw.headers["x-kvroute-policy"] == "least-loaded"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_streamed_chat_text_equals_non_streamed(client: openai.OpenAI, seed: int) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, seed=seed)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=20, seed=seed, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 20
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+
+
+def test_streamed_completion_text_equals_non_streamed(client: openai.OpenAI) -> None:
+    prompt = "def parse_retry_after(value):"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=15, seed=5)
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=15, seed=5, stream=True
+        ) if c.choices
+    )  # fmt: skip
+    assert streamed == whole.choices[0].text
+    assert whole.usage is not None and whole.usage.completion_tokens == 15
+
+
+def test_stream_is_relayed_chunk_by_chunk_with_headers(router_url: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": True}).encode()
+    request = urllib.request.Request(
+        router_url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-kvroute-instance"] in FLEET_NAMES
+        events = [line for line in response.read().split(b"\n\n") if line]
+    assert events[-1] == b"data: [DONE]"
+    assert len(events) == 6  # five tokens, then [DONE]
+
+
+def test_models_lists_the_fleets_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_health_reports_healthy_instances(router_url: str) -> None:
+    health = get_json(router_url + "/health")
+    assert health["status"] == "ok"
+    assert set(health["healthy_instances"]) == FLEET_NAMES
+
+
+def _error(status: int, code: str, param: str | None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"status": status, "type": kind, "code": code, "param": param}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected"),
+    [
+        ("/v1/chat/completions", b"{not json", _error(400, "invalid_json", None)),
+        ("/v1/chat/completions", b"", _error(400, "invalid_json", None)),
+        ("/v1/chat/completions", b"[1, 2]", _error(400, "invalid_field", None)),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}',
+         _error(400, "invalid_field", "model")),
+        ("/v1/chat/completions", b'{"model": "tiny-llama"}', _error(400, "invalid_field", "messages")),
+        ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": []}', _error(400, "invalid_field", "messages")),
+        ("/v1/chat/completions", b'{"model": 7, "messages": []}', _error(400, "invalid_field", "model")),
+        ("/v1/completions", b'{"model": "tiny-llama"}', _error(400, "invalid_field", "prompt")),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "stream": "yes"}',
+         _error(400, "invalid_field", "stream")),
+        ("/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', _error(404, "model_not_found", "model")),
+        ("/v1/chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',
+         _error(404, "model_not_found", "model")),
+    ],
+)  # fmt: skip
+def test_client_errors_have_openai_shape(router_url: str, path: str, body: bytes, expected: dict[str, Any]) -> None:
+    status, headers, payload = post(router_url + path, body)
+    assert status == expected["status"]
+    assert headers["content-type"] == "application/json"
+    error = json.loads(payload)
+    assert set(error) == {"error"}
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["type"] == expected["type"]
+    assert error["error"]["code"] == expected["code"]
+    assert error["error"]["param"] == expected["param"]
+    assert error["error"]["message"]
+
+
+def test_unknown_route_is_an_openai_404(router_url: str) -> None:
+    status, _, payload = post(router_url + "/v1/embeddings", b"{}")
+    assert status == 404
+    assert json.loads(payload)["error"]["type"] == "not_found_error"
+
+
+def test_upstream_4xx_is_passed_through_unchanged(router_url: str, fleet: FleetPorts) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "too long", "max_tokens": 10_000_000}).encode()
+    direct_status, _, direct_payload = post(instance_url(fleet, 0) + "/v1/completions", body)
+    status, headers, payload = post(router_url + "/v1/completions", body)
+    assert (status, payload) == (direct_status, direct_payload)
+    assert status == 400
+    assert json.loads(payload)["error"]["param"] == "max_tokens"
+    assert headers["x-kvroute-instance"] in FLEET_NAMES
+
+
+def test_forced_round_robin_cycles_through_the_fleet(router_url: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    chosen = [
+        post(router_url + "/v1/completions", body, {"x-kvroute-policy": "round-robin"})[1]["x-kvroute-instance"]
+        for _ in range(6)
+    ]
+    assert set(chosen[:3]) == FLEET_NAMES
+    assert chosen[3:] == chosen[:3]
+
+
+def test_unknown_forced_policy_is_a_400(router_url: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    status, _, payload = post(router_url + "/v1/completions", body, {"x-kvroute-policy": "nope"})
+    assert status == 400
+    assert json.loads(payload)["error"]["code"] == "unknown_policy"
+
+
+def test_least_loaded_spreads_concurrent_requests(router_url: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hold", "max_tokens": 400}).encode()
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda _: post(router_url + "/v1/completions", body), range(6)))
+    assert all(status == 200 for status, _, _ in responses)
+    spread = Counter(headers["x-kvroute-instance"] for _, headers, _ in responses)
+    assert sorted(spread.values()) == [2, 2, 2]
+
+
+def test_metrics_count_requests_by_policy_instance_and_status(router_url: str, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=1)
+    with urllib.request.urlopen(router_url + "/metrics", timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    requests = families["kvroute_requests"].samples
+    assert any(s.labels["policy"] == "least-loaded" and s.labels["status"] == "200" and s.value >= 1 for s in requests)
+    assert {s.labels["instance"] for s in requests} <= FLEET_NAMES
+    for name in ("kvroute_time_to_first_byte_seconds", "kvroute_request_duration_seconds",
+                 "kvroute_routing_decision_seconds", "kvroute_instance_healthy", "kvroute_rejected_requests"):
+        assert name in families, name

@@ -1,0 +1,55 @@
+"""Every scorer: one score in [0, 1] per candidate, and the ranking it promises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from scorers.base import RoutingRequest
+from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
+from scorers.registry import SCORERS
+from scorers.round_robin import RoundRobinParams, RoundRobinScorer
+
+REQUEST = RoutingRequest(model="m")
+
+
+@dataclass
+class Fake:
+    name: str
+    in_flight: int = 0
+
+
+def fleet(*loads: int) -> list[Fake]:
+    return [Fake(f"i{n}", load) for n, load in enumerate(loads)]
+
+
+@pytest.mark.parametrize(
+    ("loads", "expected"),
+    [
+        ((0, 0, 0), [1.0, 1.0, 1.0]),
+        ((5, 5), [1.0, 1.0]),
+        ((0, 4, 8), [1.0, 0.5, 0.0]),
+        ((3, 1), [0.0, 1.0]),
+        ((7,), [1.0]),
+        ((), []),
+    ],
+)
+def test_inflight_load_normalizes_between_least_and_most_loaded(loads: tuple[int, ...], expected: list[float]) -> None:
+    assert InflightLoadScorer(InflightLoadParams()).score(REQUEST, fleet(*loads)) == expected
+
+
+def test_round_robin_gives_each_candidate_its_turn() -> None:
+    scorer = RoundRobinScorer(RoundRobinParams())
+    winners = [scorer.score(REQUEST, fleet(0, 0, 0)).index(1.0) for _ in range(7)]
+    assert winners == [0, 1, 2, 0, 1, 2, 0]
+    assert scorer.score(REQUEST, []) == []
+
+
+@pytest.mark.parametrize("name", sorted(SCORERS))
+def test_registered_scorers_stay_in_range(name: str) -> None:
+    scorer = SCORERS[name].build({})
+    for loads in [(0,), (0, 1, 2, 100), (9, 9), (3, 0, 3)]:
+        scores = scorer.score(REQUEST, fleet(*loads))
+        assert len(scores) == len(loads)
+        assert all(0.0 <= s <= 1.0 for s in scores)
