@@ -51,7 +51,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._int_hashes = int_hashes
-        self._blocks = [Block(i) for i in range(num_blocks)]
+        if num_blocks < 2:
+            raise ValueError("a block pool needs at least 2 blocks (block 0 is reserved)")
+        # Block 0 is vLLM's null block: never allocated, so num_blocks - 1 hold KV.
+        self._blocks = [Block(i) for i in range(1, num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
         self._cached: dict[bytes, dict[int, Block]] = {}
         self.pending_events: list[KVEvent] = []
@@ -63,7 +66,7 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """As vLLM reports it: cached but unreferenced blocks count as free."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / len(self._blocks)
 
     def wire_hash(self, block_hash: bytes) -> BlockHash:
         """vLLM sends the low 64 bits as an integer unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
@@ -126,7 +129,7 @@ class BlockPool:
 
     def reset(self) -> bool:
         """Drop every cached block; refused (False) while any block is in use, as in vLLM."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != len(self._blocks):
             return False
         for block in self._blocks:
             block.block_hash = None

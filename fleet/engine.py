@@ -31,8 +31,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by vLLM's finished_reason
     preemptions: int = 0
 
 
@@ -112,9 +111,8 @@ class Engine:
                 self._abort(seq)
 
     def reset_prefix_cache(self) -> bool:
-        done = self.pool.reset()
-        self._flush_events()
-        return done
+        """As in vLLM, the AllBlocksCleared event goes out with the next engine step's batch."""
+        return self.pool.reset()
 
     async def run(self) -> None:
         while True:
@@ -234,7 +232,7 @@ class Engine:
         self._running.remove(seq)
         self.pool.free(seq.blocks)
         seq.blocks = []
-        self.stats.finished_requests += 1
+        self.stats.finished["length"] = self.stats.finished.get("length", 0) + 1
         seq.outputs.put_nowait(None)
 
     def _abort(self, seq: _Sequence) -> None:
@@ -246,7 +244,7 @@ class Engine:
             self._waiting.remove(seq)
         else:
             return
-        self.stats.aborted_requests += 1
+        self.stats.finished["abort"] = self.stats.finished.get("abort", 0) + 1
         self._flush_events()
 
     def _flush_events(self) -> None:

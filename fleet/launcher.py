@@ -69,6 +69,7 @@ async def run_fleet(options: FleetOptions, ready: asyncio.Event | None = None) -
                 vocabulary,
                 options.max_model_len,
                 int(time.time()),
+                root=str(options.tokenizer_path),
             )
             await stack.enter_async_context(serve(instance, options.host, options.port + index))
             tasks.append(asyncio.create_task(engine.run(), name=f"engine-{name}"))

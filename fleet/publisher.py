@@ -25,7 +25,9 @@ class EventPublisher:
         encoding: str = "map",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        data_parallel_rank: int = 0,
     ) -> None:
+        self._rank = data_parallel_rank
         self._encoder = EventEncoder(encoding)
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -47,7 +49,7 @@ class EventPublisher:
             self._replay_task = asyncio.create_task(self._serve_replay(self._replay))
 
     def publish(self, events: list[KVEvent]) -> None:
-        payload = self._encoder.encode(time.time(), events)
+        payload = self._encoder.encode(time.time(), events, self._rank)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

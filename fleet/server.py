@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from fleet.engine import Engine
+from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from router.tokenization import InvalidPrompt, PromptTokenizer
 
@@ -30,6 +29,7 @@ class SimInstance:
     vocabulary: list[int]
     max_model_len: int
     created: int
+    root: str = ""
 
 
 class _ClientError(Exception):
@@ -91,15 +91,6 @@ def _max_tokens(limit: int, body: dict[str, Any], prompt_len: int, chat: bool, f
     return min(limit - prompt_len, requested or limit)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
-    }
-
-
 class _Generation:
     """What both endpoints share: validation, the engine call, and the response envelopes."""
 
@@ -107,8 +98,7 @@ class _Generation:
         self, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int], chat: bool, from_text: bool
     ) -> None:
         self.instance, self.body, self.prompt_ids, self.chat = instance, body, prompt_ids, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.envelope = Envelope(chat=chat, model=instance.model_name)
         if not prompt_ids:
             raise _ClientError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
         self.max_tokens = _max_tokens(instance.max_model_len, body, len(prompt_ids), chat, from_text)
@@ -120,67 +110,29 @@ class _Generation:
     def tokens(self) -> AsyncIterator[int]:
         return self.instance.engine.generate(self.prompt_ids, self.max_tokens, self.sample)
 
-    def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (
-            ".chunk" if stream and self.chat else ""
-        )
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.instance.model_name,
-            "choices": choices,
-        }
-
-    def choice(self, text: str, finish_reason: str | None, stream: bool) -> dict[str, Any]:
-        if not self.chat:
-            return {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-        key = "delta" if stream else "message"
-        message: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
-        return {
-            "index": 0,
-            key: message,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-        }
-
 
 async def _complete(request: web.Request, generation: _Generation) -> web.StreamResponse:
     if generation.body.get("stream"):
         return await _stream(request, generation)
     output = [token async for token in generation.tokens()]
     text = generation.instance.tokenizer.decode(output)
-    body = generation.envelope([generation.choice(text, "length", stream=False)], stream=False)
-    body["usage"] = _usage(len(generation.prompt_ids), len(output))
-    return _json_response(body)
+    return _json_response(generation.envelope.body(text, "length", len(generation.prompt_ids), len(output)))
 
 
 async def _stream(request: web.Request, generation: _Generation) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
-    token_text = generation.instance.tokenizer.token_text
+    envelope, token_text = generation.envelope, generation.instance.tokenizer.token_text
     count = 0
     async for token in generation.tokens():
         if count == 0 and generation.chat:  # vLLM sends the role with the first output, not before
-            first = generation.choice("", None, stream=True)
-            first["delta"] = {"role": "assistant", "content": ""}
-            await response.write(_sse(generation.envelope([first], stream=True)))
+            await response.write(_sse(envelope.role_chunk()))
         count += 1
         finish = "length" if count == generation.max_tokens else None
-        chunk = generation.envelope([generation.choice(token_text(token), finish, stream=True)], stream=True)
-        await response.write(_sse(chunk))
+        await response.write(_sse(envelope.token_chunk(token_text(token), finish)))
     options = generation.body.get("stream_options") or {}
     if isinstance(options, dict) and options.get("include_usage"):
-        tail = generation.envelope([], stream=True)
-        tail["usage"] = _usage(len(generation.prompt_ids), count)
-        await response.write(_sse(tail))
+        await response.write(_sse(envelope.usage_chunk(len(generation.prompt_ids), count)))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -256,15 +208,7 @@ async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str,
 
 async def _models(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
-    card = {
-        "id": instance.model_name,
-        "object": "model",
-        "created": instance.created,
-        "owned_by": "vllm",
-        "root": instance.model_name,
-        "parent": None,
-        "max_model_len": instance.max_model_len,
-    }
+    card = model_card(instance.model_name, instance.root, instance.max_model_len, instance.created)
     return _json_response({"object": "list", "data": [card]})
 
 
@@ -278,36 +222,44 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 class _EngineCollector:
-    """Exposes the engine's state under vLLM's metric names, read at scrape time."""
+    """Exposes the engine's state under vLLM's metric names and labels, read at scrape time."""
 
     def __init__(self, instance: SimInstance) -> None:
         self._instance = instance
 
     def collect(self) -> Iterable[Metric]:
         engine, labels = self._instance.engine, [self._instance.model_name, "0"]
+        stats = engine.stats
         names = ["model_name", "engine"]
         gauges = {
             "vllm:num_requests_running": engine.num_running,
             "vllm:num_requests_waiting": engine.num_waiting,
             "vllm:kv_cache_usage_perc": engine.pool.usage,
         }
+        counters = {
+            "vllm:prefix_cache_queries": stats.prefix_cache_queries,
+            "vllm:prefix_cache_hits": stats.prefix_cache_hits,
+            # No connector in the simulated fleet: nothing is ever looked up outside the local cache.
+            "vllm:external_prefix_cache_queries": 0,
+            "vllm:external_prefix_cache_hits": 0,
+            "vllm:prompt_tokens": stats.prompt_tokens,
+            "vllm:generation_tokens": stats.generation_tokens,
+            "vllm:num_preemptions": stats.preemptions,
+        }
         for name, value in gauges.items():
             gauge = GaugeMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
             gauge.add_metric(labels, value)
             yield gauge
-        stats = engine.stats
-        counters = {
-            "vllm:prefix_cache_queries": stats.prefix_cache_queries,
-            "vllm:prefix_cache_hits": stats.prefix_cache_hits,
-            "vllm:prompt_tokens": stats.prompt_tokens,
-            "vllm:generation_tokens": stats.generation_tokens,
-            "vllm:request_success": stats.finished_requests,
-            "vllm:num_preemptions": stats.preemptions,
-        }
         for name, value in counters.items():
             counter = CounterMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
             counter.add_metric(labels, value)
             yield counter
+        success = CounterMetricFamily(
+            "vllm:request_success", "finished requests", labels=["engine", "finished_reason", "model_name"]
+        )
+        for reason in ("stop", "length", "abort", "error"):
+            success.add_metric(["0", reason, self._instance.model_name], stats.finished.get(reason, 0))
+        yield success
 
 
 def build_app(instance: SimInstance) -> web.Application:

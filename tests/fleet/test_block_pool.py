@@ -42,7 +42,7 @@ def test_stored_event_covers_consecutive_blocks(int_hashes: bool, kind: type) ->
 
 
 def test_finished_blocks_stay_cached_until_reused_and_the_tail_goes_first() -> None:
-    pool = BlockPool(6, BS)
+    pool = BlockPool(7, BS)  # 6 usable: block 0 is the null block
     blocks, hashes = _cache_sequence(pool, list(range(12)))  # 3 blocks
     pool.free(blocks)
     pool.take_events()
@@ -58,7 +58,7 @@ def test_finished_blocks_stay_cached_until_reused_and_the_tail_goes_first() -> N
 
 
 def test_touching_a_free_cached_block_protects_it_from_eviction() -> None:
-    pool = BlockPool(3, BS)
+    pool = BlockPool(4, BS)
     blocks, hashes = _cache_sequence(pool, list(range(8)))
     pool.free(blocks)
     pool.touch(pool.cached_prefix(hashes))
@@ -70,7 +70,7 @@ def test_touching_a_free_cached_block_protects_it_from_eviction() -> None:
 
 
 def test_one_hash_in_two_blocks_is_stored_twice_and_survives_one_removal() -> None:
-    pool = BlockPool(2, BS)
+    pool = BlockPool(3, BS)
     first, hashes = _cache_sequence(pool, [1, 2, 3, 4])
     second, _ = _cache_sequence(pool, [1, 2, 3, 4])
     assert [type(e) for e in pool.take_events()] == [BlockStored, BlockStored]
@@ -89,3 +89,10 @@ def test_reset_is_refused_while_blocks_are_in_use() -> None:
     assert pool.reset()
     assert pool.take_events() == [AllBlocksCleared()]
     assert pool.cached_prefix(hashes) == []
+
+
+def test_block_zero_is_reserved_like_vllms_null_block() -> None:
+    pool = BlockPool(5, BS)
+    assert pool.num_free == 4
+    assert 0 not in [b.block_id for b in pool.allocate(4)]
+    assert pool.usage == 1.0

@@ -1,0 +1,167 @@
+"""Response bodies and stream chunks laid out key for key as vLLM 0.32 sends them.
+
+Checked against a capture from real vLLM in tests/fleet/test_vllm_fidelity.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEM_FINGERPRINT = "vllm-0.32.0-kvroute-fleet"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if not stream:
+        body.update(prompt_tokens_details=None, completion_tokens_details=None)
+    return body
+
+
+@dataclass
+class Envelope:
+    """What every body and chunk of one response shares."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:16]
+
+    def _head(self, stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def body(
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        head = self._head(stream=False)
+        if self.chat:
+            message = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            }
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+            return {
+                **head,
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
+                "usage": usage(prompt_tokens, completion_tokens, stream=False),
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
+        return {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": usage(prompt_tokens, completion_tokens, stream=False),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    def role_chunk(self) -> dict[str, Any]:
+        """Chat streams open with the role, sent together with the first output."""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return {**self._head(stream=True), "choices": [choice], "prompt_token_ids": None, "prompt_text": None}
+
+    def token_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            if finish_reason is not None:
+                choice["stop_reason"] = None
+            choice["token_ids"] = None
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
+        return {**self._head(stream=True), "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            **self._head(stream=True),
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens, stream=True),
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+
+
+def model_card(model: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
+    permission = {
+        "id": "modelperm-" + uuid.uuid4().hex[:16],
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [permission],
+    }

@@ -1,0 +1,26 @@
+"""`kvroute demo` runs end to end and reports every policy without failures."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from kvroute.processes import start
+
+
+def test_demo_reports_every_policy(tmp_path: Path) -> None:
+    child = start("demo", ["demo", "--sessions", "3", "--turns", "2", "--instances", "2"], tmp_path)
+    try:
+        code = child.process.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        child.stop()
+        raise
+    output = child.log_path.read_text()
+    assert code == 0, output
+    rows = {line.split("│")[1].strip(): line for line in output.splitlines() if line.count("│") > 5}
+    assert {"round-robin", "least-loaded"} <= set(rows)
+    for policy in ("round-robin", "least-loaded"):
+        cells = [cell.strip() for cell in rows[policy].split("│")[1:-1]]
+        assert cells[1:3] == ["6", "0"], cells  # 3 sessions x 2 turns, none failed
+        assert cells[3].endswith(" ms")
+        assert "fleet-0" in cells[7] and "fleet-1" in cells[7]

@@ -1,0 +1,31 @@
+"""The tiny model builds the same bytes every time, and its tokenizer renders chats as vLLM expects."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvroute.tinymodel import LLAMA_CONFIG, VOCAB_SIZE, ensure_model
+from router.tokenization import PromptTokenizer
+
+
+def test_builds_are_identical_and_reused(tmp_path: Path) -> None:
+    first, second = ensure_model(tmp_path / "a"), ensure_model(tmp_path / "b")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert ensure_model(tmp_path / "a") == first  # already there: not rebuilt
+    assert json.loads((first / "config.json").read_text()) == LLAMA_CONFIG
+
+
+def test_chat_template_adds_bos_once_and_the_generation_prompt(tokenizer: PromptTokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.render_chat(messages)
+    assert text == "<s><|user|>\nhi</s>\n<|assistant|>\n"
+    ids = tokenizer.chat_ids(messages)
+    assert ids[0] == 0 and 0 not in ids[1:]
+    assert tokenizer.vocab_size == VOCAB_SIZE
+
+
+def test_text_content_parts_join_with_newlines(tokenizer: PromptTokenizer) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tokenizer.chat_ids(parts) == tokenizer.chat_ids([{"role": "user", "content": "a\nb"}])
