@@ -45,7 +45,7 @@ class Envelope:
     ) -> dict[str, Any]:
         head = self._head(stream=False)
         if self.chat:
-            message = {
+            message: dict[str, Any] = {
                 "role": "assistant",
                 "content": text,
                 "refusal": None,
@@ -54,7 +54,7 @@ class Envelope:
                 "function_call": None,
                 "reasoning": None,
             }
-            choice = {
+            choice: dict[str, Any] = {
                 "index": 0,
                 "message": message,
                 "logprobs": None,
@@ -63,36 +63,31 @@ class Envelope:
                 "token_ids": None,
                 "routed_experts": None,
             }
-            return {
-                **head,
-                "choices": [choice],
-                "service_tier": None,
-                "system_fingerprint": SYSTEM_FINGERPRINT,
-                "usage": usage(prompt_tokens, completion_tokens, stream=False),
+            prompt_echo: dict[str, Any] = {
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
                 "prompt_text": None,
-                "kv_transfer_params": None,
-                "ec_transfer_params": None,
-                "metrics": None,
             }
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-            "token_ids": None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
-            "routed_experts": None,
-        }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+            }
+            prompt_echo = {}  # completions echo the prompt inside the choice
         return {
             **head,
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": usage(prompt_tokens, completion_tokens, stream=False),
+            **prompt_echo,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
             "metrics": None,

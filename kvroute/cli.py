@@ -7,28 +7,36 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
+
+
+def _load_config(path: str) -> RouterConfig | None:
+    """The configuration, or None after printing why it cannot be used."""
+    from router.config import ConfigError, load_config
+
+    try:
+        return load_config(Path(path))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from router.config import ConfigError, load_config
     from router.server import run_server
 
-    try:
-        config = load_config(Path(args.config))
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = _load_config(args.config)
+    if config is None:
         return 2
     run_server(config, args.host, args.port)
     return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from router.config import ConfigError, load_config
-
-    try:
-        config = load_config(Path(args.config))
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = _load_config(args.config)
+    if config is None:
         return 2
     print(f"{args.config}: ok ({len(config.instances)} instances, policies: {', '.join(config.policies)})")
     return 0

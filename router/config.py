@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from scorers.base import Registration
 from scorers.registry import PICKERS, SCORERS, validate_params
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
@@ -49,6 +51,14 @@ class InstanceConfig(_Strict):
         return endpoint
 
 
+def _check_plugin(
+    kind: str, registry: Mapping[str, Registration[Any]], name: str, params: dict[str, Any]
+) -> None:
+    if name not in registry:
+        raise ValueError(f"unknown {kind} type {name!r}; known: {', '.join(sorted(registry))}")
+    validate_params(registry[name].params, params)
+
+
 class ScorerSpec(_Strict):
     type: str
     weight: float = Field(default=1.0, ge=0.0)
@@ -56,9 +66,7 @@ class ScorerSpec(_Strict):
 
     @model_validator(mode="after")
     def _known_type(self) -> ScorerSpec:
-        if self.type not in SCORERS:
-            raise ValueError(f"unknown scorer type {self.type!r}; known: {', '.join(sorted(SCORERS))}")
-        validate_params(SCORERS[self.type].params, self.params)
+        _check_plugin("scorer", SCORERS, self.type, self.params)
         return self
 
 
@@ -68,9 +76,7 @@ class PickerSpec(_Strict):
 
     @model_validator(mode="after")
     def _known_type(self) -> PickerSpec:
-        if self.type not in PICKERS:
-            raise ValueError(f"unknown picker type {self.type!r}; known: {', '.join(sorted(PICKERS))}")
-        validate_params(PICKERS[self.type].params, self.params)
+        _check_plugin("picker", PICKERS, self.type, self.params)
         return self
 
 

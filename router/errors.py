@@ -41,21 +41,8 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def no_healthy_instance(model: str, retry_after_s: int) -> OpenAIError:
+def unavailable(message: str, code: str, retry_after_s: int) -> OpenAIError:
+    """503: nothing can serve the request now; Retry-After tells well-behaved clients when to come back."""
     return OpenAIError(
-        503,
-        f"No healthy instance serves `{model}` right now; retry later.",
-        "service_unavailable_error",
-        "no_healthy_instance",
-        headers={"Retry-After": str(retry_after_s)},
-    )
-
-
-def upstream_unreachable(model: str, retry_after_s: int) -> OpenAIError:
-    return OpenAIError(
-        503,
-        f"No instance serving `{model}` could be reached; retry later.",
-        "service_unavailable_error",
-        "upstream_unreachable",
-        headers={"Retry-After": str(retry_after_s)},
+        503, message, "service_unavailable_error", code, headers={"Retry-After": str(retry_after_s)}
     )

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from router.config import UpstreamConfig
-from router.errors import bad_request, model_not_found, no_healthy_instance, upstream_unreachable
+from router.errors import bad_request, model_not_found, unavailable
 from router.health import HealthChecker
 from router.instances import Fleet, Instance
 from router.metrics import RouterMetrics
@@ -116,10 +116,11 @@ class Proxy:
                 continue
             return _Routed(instance, policy, upstream, started)
         if tried:
-            self._metrics.rejected.labels(reason="upstream_unreachable").inc()
-            raise upstream_unreachable(routing.model, _RETRY_AFTER_S)
-        self._metrics.rejected.labels(reason="no_healthy_instance").inc()
-        raise no_healthy_instance(routing.model, _RETRY_AFTER_S)
+            message, code = f"No instance serving `{routing.model}` could be reached.", "upstream_unreachable"
+        else:
+            message, code = f"No healthy instance serves `{routing.model}` right now.", "no_healthy_instance"
+        self._metrics.rejected.labels(reason=code).inc()
+        raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
 
     async def _relay(self, routed: _Routed) -> AsyncIterator[bytes]:
         """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
