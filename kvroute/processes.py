@@ -82,22 +82,25 @@ def wait_healthy(child: Child, urls: Sequence[str], timeout_s: float = 60.0) -> 
         time.sleep(0.1)
 
 
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on port now (TIME_WAIT leftovers do not count, as servers reuse them)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
-    """A base port with count consecutive ports free right now (bound and released)."""
+    """A base port with count consecutive ports free right now."""
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind((host, 0))
             base = int(probe.getsockname()[1])
-        if base + count >= 65535:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for offset in range(count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind((host, base + offset))
+        if base + count < 65535 and all(port_free(base + offset, host) for offset in range(count)):
             return base
-        except OSError:
-            continue
     raise StartupError(f"no block of {count} free ports")
 
 

@@ -45,7 +45,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 fleet, policies, config.default_policy, session, health, metrics, config.upstream
             )
             checks = asyncio.create_task(
-                supervise("health", health.check_all, config.health.interval_s, metrics.task_failures)
+                supervise("health", health.check_due, health.tick_s, metrics.task_failures, first_delay=True)
             )
             try:
                 yield

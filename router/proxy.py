@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from router.config import UpstreamConfig
 from router.errors import bad_request, model_not_found, unavailable
@@ -37,6 +38,25 @@ class _Routed:
     policy: Policy
     upstream: aiohttp.ClientResponse
     started: float
+    finished: bool = False
+
+
+class _RelayResponse(StreamingResponse):
+    """A stream whose cleanup runs however it ends: completed, client gone, or never started."""
+
+    def __init__(
+        self, relay: AsyncGenerator[bytes, None], finish: Callable[[], None], status: int,
+        headers: dict[str, str], media_type: str,
+    ) -> None:  # fmt: skip
+        super().__init__(relay, status, headers=headers, media_type=media_type)
+        self._relay, self._finish = relay, finish
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.aclose()
+            self._finish()
 
 
 class Proxy:
@@ -70,8 +90,8 @@ class Proxy:
         content_type = routed.upstream.headers.get("content-type", "application/json")
         debug = {INSTANCE_HEADER: routed.instance.name, POLICY_HEADER: policy.name}
         if content_type.startswith("text/event-stream"):
-            return StreamingResponse(
-                self._relay(routed), routed.upstream.status, headers=debug, media_type=content_type
+            return _RelayResponse(
+                self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
             )
         try:
             payload = await routed.upstream.read()
@@ -122,7 +142,7 @@ class Proxy:
         self._metrics.rejected.labels(reason=code).inc()
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
 
-    async def _relay(self, routed: _Routed) -> AsyncIterator[bytes]:
+    async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
         """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
         first = True
         try:
@@ -142,6 +162,9 @@ class Proxy:
             self._finish(routed)
 
     def _finish(self, routed: _Routed) -> None:
+        if routed.finished:
+            return
+        routed.finished = True
         routed.upstream.release()
         self._track(routed.instance, -1)
         status = str(routed.upstream.status)

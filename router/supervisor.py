@@ -17,9 +17,15 @@ async def supervise(
     interval_s: float,
     failures: Counter,
     max_backoff_s: float = 30.0,
+    first_delay: bool = False,
 ) -> None:
-    """Run iteration every interval_s; after a failure wait twice as long, up to max_backoff_s."""
+    """Run iteration every interval_s; after a failure wait twice as long, up to max_backoff_s.
+
+    first_delay: wait one interval before the first run (the caller has just done one itself).
+    """
     delay = interval_s
+    if first_delay:
+        await asyncio.sleep(interval_s)
     while True:
         try:
             await iteration()

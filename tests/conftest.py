@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.tinymodel import ensure_model
@@ -45,3 +47,15 @@ def router_url(fleet: FleetPorts, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def instance_url(ports: FleetPorts, index: int) -> str:
     return f"http://127.0.0.1:{ports.http + index}"
+
+
+def metric(base_url: str, family: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus family, scraped from base_url/metrics."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for found in text_string_to_metric_families(text):
+        if found.name == family:
+            for sample in found.samples:
+                if all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+    raise AssertionError(f"no sample of {family} with {labels} at {base_url}")

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.processes import FleetPorts, free_port_block, running_router
+from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
+from tests.conftest import metric
 from tests.router.test_proxy import post
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
@@ -40,12 +41,8 @@ def test_requests_are_routed_around_a_dead_instance(router_with_dead_instance: s
     ]
     assert [status for status, _, _ in results] == [200] * 8
     assert {headers["x-kvroute-instance"] for _, headers, _ in results} == {"fleet-0", "fleet-1", "fleet-2"}
-    with urllib.request.urlopen(router_with_dead_instance + "/metrics", timeout=10) as response:
-        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
-    errors = {(s.labels["instance"], s.labels["kind"]): s.value for s in families["kvroute_upstream_errors"].samples}
-    assert errors.get(("dead", "connect"), 0) >= 1
-    healthy = {s.labels["instance"]: s.value for s in families["kvroute_instance_healthy"].samples}
-    assert healthy["dead"] == 0
+    assert metric(router_with_dead_instance, "kvroute_upstream_errors", instance="dead", kind="connect") >= 1
+    assert metric(router_with_dead_instance, "kvroute_instance_healthy", instance="dead") == 0
 
 
 @pytest.mark.parametrize("unhealthy_after", [1, 100])
@@ -71,3 +68,20 @@ def test_no_reachable_instance_is_a_503_with_retry_after(tmp_path: Path, unhealt
         except urllib.error.HTTPError as error:
             assert error.code == 503
             assert json.loads(error.read())["healthy_instances"] == []
+
+
+def test_an_instance_that_comes_up_later_is_taken_back(tmp_path: Path) -> None:
+    ports = FleetPorts.allocate(1)
+    config = ports.router_config(health={"interval_s": 20, "unhealthy_after": 1})
+    with running_router(config, tmp_path / "router") as url:
+        status, _, _ = post(url + "/v1/completions", BODY)
+        assert status == 503  # nothing listens yet
+        with running_fleet(ports, tmp_path / "fleet"):
+            # Down instances are probed every 0.5 s although healthy ones wait 20 s between checks.
+            for _ in range(30):
+                if metric(url, "kvroute_instance_healthy", instance="fleet-0") == 1:
+                    break
+                time.sleep(0.1)
+            status, headers, _ = post(url + "/v1/completions", BODY)
+            assert status == 200
+            assert headers["x-kvroute-instance"] == "fleet-0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -14,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts
-from tests.conftest import instance_url
+from tests.conftest import instance_url, metric
 
 MODEL = "tiny-llama"
 MESSAGES = [
@@ -192,3 +193,25 @@ def test_metrics_count_requests_by_policy_instance_and_status(router_url: str, c
     for name in ("kvroute_time_to_first_byte_seconds", "kvroute_request_duration_seconds",
                  "kvroute_routing_decision_seconds", "kvroute_instance_healthy", "kvroute_rejected_requests"):
         assert name in families, name
+
+
+def test_stream_arrives_while_generating_and_a_hang_up_aborts_it(router_url: str, fleet: FleetPorts) -> None:
+    # 5,000 tokens take 5 s at the fleet's 1,000 tokens/s: the first chunk must arrive long before the end.
+    body = json.dumps({"model": MODEL, "prompt": "long story", "max_tokens": 5000, "stream": True}).encode()
+    request = urllib.request.Request(
+        router_url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    response = urllib.request.urlopen(request, timeout=30)
+    name = response.headers["x-kvroute-instance"]
+    instance = instance_url(fleet, int(name.removeprefix("fleet-")))
+    assert response.readline().startswith(b"data: {")
+    assert metric(instance, "vllm:num_requests_running") == 1  # still generating: the router relayed without buffering
+    assert metric(router_url, "kvroute_instance_in_flight", instance=name) == 1
+    response.close()
+    for _ in range(100):  # the router closes its upstream connection, the engine aborts the request
+        if metric(instance, "vllm:num_requests_running") == 0 and metric(router_url, "kvroute_instance_in_flight", instance=name) == 0:
+            break
+        time.sleep(0.05)
+    assert metric(instance, "vllm:num_requests_running") == 0
+    assert metric(router_url, "kvroute_instance_in_flight", instance=name) == 0
+
