@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,7 @@ from router.policy import Policy
 from router.proxy import Proxy
 from router.supervisor import supervise
 
+log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -41,6 +43,14 @@ def create_app(config: RouterConfig) -> FastAPI:
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             health = HealthChecker(fleet, session, config.health, metrics)
             await health.check_all()
+            healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
+            log.info(
+                "routing %s to %d instances (%d answering), default policy %s",
+                ", ".join(fleet.models),
+                len(fleet.instances),
+                healthy,
+                config.default_policy,
+            )
             app.state.proxy = Proxy(
                 fleet, policies, config.default_policy, session, health, metrics, config.upstream
             )
@@ -54,7 +64,10 @@ def create_app(config: RouterConfig) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await checks
 
-    app = FastAPI(title="kvroute", lifespan=lifespan)
+    # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
+    app = FastAPI(
+        title="kvroute", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False}
+    )
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:

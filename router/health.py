@@ -65,4 +65,4 @@ class HealthChecker:
     def _schedule(self, instance: Instance) -> None:
         interval = self._config.interval_s if instance.healthy else self.tick_s
         self._due[instance.name] = time.monotonic() + interval
-        self._metrics.healthy.labels(instance=instance.name).set(1 if instance.healthy else 0)
+        self._metrics.healthy(instance.name).set(1 if instance.healthy else 0)

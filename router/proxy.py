@@ -95,7 +95,7 @@ class Proxy:
             )
         try:
             payload = await routed.upstream.read()
-            self._metrics.ttft.labels(policy=policy.name).observe(time.perf_counter() - routed.started)
+            self._metrics.ttft(policy.name).observe(time.perf_counter() - routed.started)
         finally:
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
@@ -131,7 +131,7 @@ class Proxy:
                 self._track(instance, -1)
                 tried.add(instance.name)
                 kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
-                self._metrics.upstream_errors.labels(instance=instance.name, kind=kind).inc()
+                self._metrics.upstream_errors(instance.name, kind).inc()
                 self._health.mark_unreachable(instance)
                 continue
             return _Routed(instance, policy, upstream, started)
@@ -139,7 +139,7 @@ class Proxy:
             message, code = f"No instance serving `{routing.model}` could be reached.", "upstream_unreachable"
         else:
             message, code = f"No healthy instance serves `{routing.model}` right now.", "no_healthy_instance"
-        self._metrics.rejected.labels(reason=code).inc()
+        self._metrics.rejected(code).inc()
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
 
     async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
@@ -148,14 +148,12 @@ class Proxy:
         try:
             async for chunk in routed.upstream.content.iter_any():
                 if first:
-                    self._metrics.ttft.labels(policy=routed.policy.name).observe(
-                        time.perf_counter() - routed.started
-                    )
+                    self._metrics.ttft(routed.policy.name).observe(time.perf_counter() - routed.started)
                     first = False
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("stream from %s broke: %r", routed.instance.name, exc)
-            self._metrics.upstream_errors.labels(instance=routed.instance.name, kind="stream").inc()
+            self._metrics.upstream_errors(routed.instance.name, "stream").inc()
             yield _sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
             yield b"data: [DONE]\n\n"
         finally:
@@ -169,12 +167,12 @@ class Proxy:
         self._track(routed.instance, -1)
         status = str(routed.upstream.status)
         policy = routed.policy.name
-        self._metrics.requests.labels(policy=policy, instance=routed.instance.name, status=status).inc()
-        self._metrics.e2e.labels(policy=policy).observe(time.perf_counter() - routed.started)
+        self._metrics.requests(policy, routed.instance.name, status).inc()
+        self._metrics.e2e(policy).observe(time.perf_counter() - routed.started)
 
     def _track(self, instance: Instance, delta: int) -> None:
         instance.in_flight += delta
-        self._metrics.in_flight.labels(instance=instance.name).set(instance.in_flight)
+        self._metrics.in_flight(instance.name).set(instance.in_flight)
 
 
 def _sse_error(message: str) -> bytes:

@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import Counter
 
+from router.metrics import Family
+
 log = logging.getLogger(__name__)
 
 
@@ -15,7 +17,7 @@ async def supervise(
     name: str,
     iteration: Callable[[], Awaitable[None]],
     interval_s: float,
-    failures: Counter,
+    failures: Family[Counter],
     max_backoff_s: float = 30.0,
     first_delay: bool = False,
 ) -> None:
@@ -33,7 +35,7 @@ async def supervise(
         except asyncio.CancelledError:
             raise
         except Exception:
-            failures.labels(task=name).inc()
+            failures(name).inc()
             log.exception("background task %s failed; retrying in %.1fs", name, delay)
             delay = min(max(delay, interval_s) * 2, max_backoff_s)
         await asyncio.sleep(delay)
