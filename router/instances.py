@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.config import InstanceConfig, RouterConfig
+from scorers.base import EngineLoad
 
 
 @dataclass(eq=False, slots=True)
@@ -14,6 +15,8 @@ class Instance:
     models: frozenset[str]
     healthy: bool = True
     in_flight: int = 0
+    in_flight_tokens: int = 0
+    load: EngineLoad | None = None
     failed_checks: int = 0
 
     @classmethod

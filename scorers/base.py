@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
@@ -18,13 +18,47 @@ class Candidate(Protocol):
     def name(self) -> str: ...
 
     @property
-    def in_flight(self) -> int: ...
+    def in_flight(self) -> int:
+        """Requests this router has sent and not yet seen finish."""
+        ...
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """Prompt tokens of those requests."""
+        ...
+
+    @property
+    def load(self) -> EngineLoad | None:
+        """The engine's own view from its /metrics; None until scraped or once stale."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    waiting: float
+    running: float
+    kv_usage: float  # 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class TierMatch:
+    """Contiguous prompt blocks an instance holds from the start of the prompt, by tier."""
+
+    gpu: int = 0
+    cpu: int = 0
+    pool: int = 0
+
+
+NO_MATCH = TierMatch()
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
     model: str
     session_key: str | None = None
+    prompt_tokens: int = 0
+    prompt_blocks: int = 0
+    matches: Mapping[str, TierMatch] = field(default_factory=dict)  # by instance name; absent: no match
 
 
 class Scorer(Protocol):
