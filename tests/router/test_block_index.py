@@ -1,0 +1,216 @@
+"""The block index: store, remove, refcounts, tiers, ranks, restarts, bounds and speculative entries."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router import block_hashing
+from router.block_index import BlockIndex
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from scorers.base import TierMatch
+
+BS = 4
+A, B = ("a", 0), ("b", 0)
+rng = random.Random(0)
+TOKENS = [rng.randrange(1000) for _ in range(40)]  # 10 blocks
+
+
+def vllm_hash(position: int, salt: int = 0, as_bytes: bool = False) -> int | bytes:
+    value = (position + 1) * 1_000_003 + salt * 7 + 2**63  # above 2**63, as vLLM's unsigned ints can be
+    return value.to_bytes(32, "big") if as_bytes else value
+
+
+def stored(first: int, count: int, tokens: list[int] = TOKENS, medium: str | None = "GPU", salt: int = 0,
+           as_bytes: bool = False, lora: str | None = None) -> BlockStored:  # fmt: skip
+    return BlockStored(
+        block_hashes=[vllm_hash(i, salt, as_bytes) for i in range(first, first + count)],
+        parent_block_hash=None if first == 0 else vllm_hash(first - 1, salt, as_bytes),
+        token_ids=tokens[first * BS : (first + count) * BS],
+        block_size=BS,
+        lora_id=None,
+        medium=medium,
+        lora_name=lora,
+    )
+
+
+def removed(*positions: int, medium: str = "GPU", salt: int = 0) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[vllm_hash(p, salt) for p in positions], medium=medium)
+
+
+def prompt(tokens: list[int] = TOKENS) -> list[int]:
+    return block_hashing.chain(tokens, BS)
+
+
+def test_stored_blocks_match_the_same_prompt_and_its_extensions() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 6)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=6)}
+    assert index.match(prompt(TOKENS[:12])) == {"a": TierMatch(gpu=3)}
+    diverging = TOKENS[:8] + [9999] + TOKENS[9:]
+    assert index.match(prompt(diverging)) == {"a": TierMatch(gpu=2)}
+    assert index.match(prompt([7] * 40)) == {}
+    assert index.match([]) == {}
+
+
+def test_chained_events_continue_from_their_parent_in_either_hash_type() -> None:
+    for as_bytes in (False, True):
+        index = BlockIndex(BS)
+        index.apply(A, [stored(0, 3, as_bytes=as_bytes)])
+        index.apply(A, [stored(3, 1, as_bytes=as_bytes), stored(4, 2, as_bytes=as_bytes)])
+        assert index.match(prompt()) == {"a": TierMatch(gpu=6)}
+
+
+def test_a_block_whose_parent_is_unknown_is_not_indexed() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(3, 2)])
+    assert index.match(prompt()) == {}
+    assert index.stats.orphaned == 2
+    assert index.entries == 0
+
+
+def test_each_instance_gets_its_own_contiguous_prefix() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 8)])
+    index.apply(B, [stored(0, 3, salt=1)])  # another engine: other vLLM hashes, same tokens
+    assert index.match(prompt()) == {"a": TierMatch(gpu=8), "b": TierMatch(gpu=3)}
+
+
+def test_removal_cuts_the_prefix_where_the_block_went() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 6)])
+    index.apply(A, [removed(4)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=4)}
+    index.apply(A, [removed(0), removed(77)])  # an unknown hash is ignored
+    assert index.match(prompt()) == {}
+    assert index.entries == 4
+
+
+def test_a_block_stored_twice_survives_one_removal() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2), stored(0, 2)])
+    index.apply(A, [removed(1)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
+    index.apply(A, [removed(1)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=1)}
+
+
+@pytest.mark.parametrize("forget", ["all_blocks_cleared", "drop"])
+def test_clearing_one_owner_leaves_the_others(forget: str) -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 5)])
+    index.apply(B, [stored(0, 2, salt=1)])
+    if forget == "drop":
+        index.drop(A)
+    else:
+        index.apply(A, [AllBlocksCleared()])
+    assert index.match(prompt()) == {"b": TierMatch(gpu=2)}
+    assert index.entries == 2
+    index.apply(A, [stored(0, 1)])  # and it can start again
+    assert index.match(prompt())["a"] == TierMatch(gpu=1)
+
+
+def test_tiers_are_credited_to_the_best_copy() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2), stored(0, 4, medium="CPU", salt=5)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2, cpu=2)}
+    index.apply(A, [removed(0)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=1, cpu=3)}
+    index.apply(A, [removed(0, medium="CPU", salt=5)])
+    assert index.match(prompt()) == {}
+
+
+def test_ranks_of_one_instance_are_kept_apart_and_the_best_counts() -> None:
+    index = BlockIndex(BS)
+    index.apply(("a", 0), [stored(0, 2)])
+    index.apply(("a", 1), [stored(0, 5, salt=1)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=5)}
+    index.drop(("a", 1))
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
+
+
+def test_lora_adapters_are_separate_cache_entries() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 3, lora="sql")])
+    assert index.match(prompt()) == {}
+    assert index.match(block_hashing.chain(TOKENS, BS, block_hashing.root_for("sql"))) == {"a": TierMatch(gpu=3)}
+
+
+def test_events_that_do_not_fit_the_block_size_are_counted_and_skipped() -> None:
+    index = BlockIndex(8)
+    index.apply(A, [stored(0, 2)])  # block_size 4 events, index of 8-token blocks
+    assert index.entries == 0
+    assert index.stats.mismatched == 1
+
+
+def test_memory_is_bounded_and_chains_lose_their_tails_first() -> None:
+    index = BlockIndex(BS, max_entries=8)
+    index.apply(A, [stored(0, 6)])
+    index.apply(B, [stored(0, 6, salt=1)])
+    assert index.entries == 8
+    assert index.stats.evicted == 4
+    matches = index.match(prompt())
+    assert sum(m.gpu for m in matches.values()) == 8
+    assert all(m.gpu >= 4 for m in matches.values())  # tails went, roots stayed
+
+
+def test_speculative_entries_count_until_they_expire() -> None:
+    now = [100.0]
+    index = BlockIndex(BS, speculative_ttl_s=2.0, clock=lambda: now[0])
+    index.apply(A, [stored(0, 2)])
+    index.speculate("b", prompt())
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2), "b": TierMatch(gpu=10)}
+    now[0] = 101.5
+    index.speculate("b", prompt()[:4])  # a second request renews the first four blocks
+    now[0] = 102.5
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2), "b": TierMatch(gpu=4)}
+    now[0] = 104.0
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_event_sequences_agree_with_a_reference_model(seed: int) -> None:
+    """Refcounts never go negative, removed blocks never match, orphans are never indexed: the index's
+    matches equal those of a plain model of per-owner refcounts, after every event."""
+    r = random.Random(seed)
+    index = BlockIndex(BS)
+    model: dict[tuple[str, int], dict[int, int]] = {A: {}, B: {}}
+    for _ in range(80):
+        owner = r.choice([A, B])
+        held = model[owner]
+        kind = r.random()
+        if kind < 0.5:
+            first, count = (r.randrange(1, 6) if r.random() < 0.4 else 0), r.randrange(1, 5)
+            index.apply(owner, [stored(first, count)])
+            if first == 0 or held.get(first - 1, 0) > 0:
+                for position in range(first, first + count):
+                    held[position] = held.get(position, 0) + 1
+        elif kind < 0.92:
+            position = r.randrange(0, 9)
+            index.apply(owner, [removed(position)])
+            if held.get(position, 0) > 0:
+                held[position] -= 1
+        else:
+            index.apply(owner, [AllBlocksCleared()])
+            held.clear()
+        expected = {}
+        for (name, _), counts in model.items():
+            length = 0
+            while counts.get(length, 0) > 0 and length < 10:
+                length += 1
+            if length:
+                expected[name] = TierMatch(gpu=length)
+        assert index.match(prompt()) == expected
+        assert index.entries == sum(1 for counts in model.values() for c in counts.values() if c > 0)
+
+
+@pytest.mark.parametrize("bound", [1, 5, 17])
+def test_bounded_index_stays_within_its_bound_under_random_events(bound: int) -> None:
+    r = random.Random(bound)
+    index = BlockIndex(BS, max_entries=bound)
+    for _ in range(200):
+        owner = r.choice([A, B, ("c", 1)])
+        index.apply(owner, [stored(0, r.randrange(1, 10))] if r.random() < 0.7 else [removed(r.randrange(10))])
+        assert 0 <= index.entries <= bound
+        assert index.entries == sum(sum(sizes) for sizes in index.entries_by_owner().values())
