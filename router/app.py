@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from router.block_index import BlockIndex
 from router.config import RouterConfig
 from router.errors import OpenAIError
 from router.health import HealthChecker
@@ -23,7 +24,9 @@ from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
 from router.proxy import Proxy
+from router.routing import LocalTokenizer, Router
 from router.supervisor import supervise
+from router.tokenization import PromptTokenizer, resolve_tokenizer_path
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,6 +35,11 @@ _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 def create_app(config: RouterConfig) -> FastAPI:
     fleet = Fleet(config)
     metrics = RouterMetrics()
+    index = BlockIndex(config.block_size, config.index.max_entries, config.index.speculative_ttl_s)
+    tokenizers: dict[str, LocalTokenizer] = {
+        m.name: PromptTokenizer(resolve_tokenizer_path(m.tokenizer)) for m in config.models
+    }
+    router = Router(index, tokenizers, config.block_size, metrics)
     policies = {name: Policy(name, policy) for name, policy in config.policies.items()}
     started = int(time.time())
 
@@ -52,7 +60,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 config.default_policy,
             )
             app.state.proxy = Proxy(
-                fleet, policies, config.default_policy, session, health, metrics, config.upstream
+                fleet, policies, config.default_policy, router, session, health, metrics, config.upstream
             )
             checks = asyncio.create_task(
                 supervise("health", health.check_due, health.tick_s, metrics.task_failures, first_delay=True)

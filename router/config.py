@@ -99,6 +99,18 @@ class UpstreamConfig(_Strict):
     attempts: int = Field(default=2, ge=1, description="tries on other instances when one cannot be reached")
 
 
+class IndexConfig(_Strict):
+    max_entries: int = Field(default=10_000_000, ge=1, description="(instance, block) entries kept at most")
+    speculative_ttl_s: float = Field(
+        default=2.0, ge=0, description="how long a routed request's blocks count before their events arrive"
+    )
+
+
+class LoadConfig(_Strict):
+    scrape_interval_s: float = Field(default=0.2, gt=0, description="GET /metrics on every instance")
+    stale_after_s: float = Field(default=1.0, gt=0, description="older engine load is ignored")
+
+
 class HealthConfig(_Strict):
     interval_s: float = Field(default=2.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
@@ -113,6 +125,8 @@ class RouterConfig(_Strict):
     default_policy: str = "least-loaded"
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    load: LoadConfig = Field(default_factory=LoadConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> RouterConfig:

@@ -18,6 +18,10 @@ class ChatRequest(msgspec.Struct):
     messages: list[Any]
     stream: bool | None = None
     user: str | None = None
+    # vLLM's extensions that change the prompt's tokens, with vLLM's defaults
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
 
 
 class CompletionRequest(msgspec.Struct):
@@ -25,6 +29,7 @@ class CompletionRequest(msgspec.Struct):
     prompt: str | list[Any]
     stream: bool | None = None
     user: str | None = None
+    add_special_tokens: bool = True
 
 
 Body = TypeVar("Body", ChatRequest, CompletionRequest)

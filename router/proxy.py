@@ -21,12 +21,14 @@ from router.instances import Fleet, Instance
 from router.metrics import RouterMetrics
 from router.openai_body import Body, decode_body
 from router.policy import Policy
-from scorers.base import RoutingRequest
+from router.routing import Decision, Prepared, Router
 
 log = logging.getLogger(__name__)
 
 POLICY_HEADER = "x-kvroute-policy"
 INSTANCE_HEADER = "x-kvroute-instance"
+CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
+PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 SESSION_HEADER = "x-session-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
@@ -34,11 +36,15 @@ _RETRY_AFTER_S = 1
 
 @dataclass
 class _Routed:
-    instance: Instance
+    decision: Decision
     policy: Policy
     upstream: aiohttp.ClientResponse
     started: float
     finished: bool = False
+
+    @property
+    def instance(self) -> Instance:
+        return self.decision.instance
 
 
 class _RelayResponse(StreamingResponse):
@@ -65,12 +71,14 @@ class Proxy:
         fleet: Fleet,
         policies: dict[str, Policy],
         default_policy: str,
+        router: Router,
         session: aiohttp.ClientSession,
         health: HealthChecker,
         metrics: RouterMetrics,
         config: UpstreamConfig,
     ) -> None:
         self._fleet, self._policies, self._default_policy = fleet, policies, default_policy
+        self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
@@ -82,13 +90,17 @@ class Proxy:
         if not self._fleet.serves(body.model):
             raise model_not_found(body.model)
         policy = self._policy(request)
-        routing = RoutingRequest(
-            model=body.model, session_key=request.headers.get(SESSION_HEADER) or body.user
-        )
+        prepared = self._router.prepare(body, request.headers.get(SESSION_HEADER) or body.user)
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-        routed = await self._send(routing, policy, path, raw, headers)
+        routed = await self._send(prepared, policy, path, raw, headers)
         content_type = routed.upstream.headers.get("content-type", "application/json")
-        debug = {INSTANCE_HEADER: routed.instance.name, POLICY_HEADER: policy.name}
+        decision = routed.decision
+        debug = {
+            INSTANCE_HEADER: routed.instance.name,
+            POLICY_HEADER: policy.name,
+            CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
+            PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
+        }
         if content_type.startswith("text/event-stream"):
             return _RelayResponse(
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
@@ -111,34 +123,34 @@ class Proxy:
         return policy
 
     async def _send(
-        self, routing: RoutingRequest, policy: Policy, path: str, raw: bytes, headers: dict[str, str]
+        self, prepared: Prepared, policy: Policy, path: str, raw: bytes, headers: dict[str, str]
     ) -> _Routed:
+        model = prepared.request.model
         tried: set[str] = set()
         for _ in range(self._config.attempts):
-            candidates = self._fleet.candidates(routing.model, exclude=frozenset(tried))
+            candidates = self._fleet.candidates(model, exclude=frozenset(tried))
             if not candidates:
                 break
-            decided = time.perf_counter()
-            instance = candidates[policy.choose(routing, candidates)]
+            decision = self._router.decide(prepared, policy, candidates)
+            instance = decision.instance
             started = time.perf_counter()
-            self._metrics.decision.observe(started - decided)
-            self._track(instance, +1)
+            self._track(decision, +1)
             try:
                 upstream = await self._session.post(
                     instance.url + path, data=raw, headers=headers, timeout=self._timeout
                 )
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                self._track(instance, -1)
+                self._track(decision, -1)
                 tried.add(instance.name)
                 kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
                 self._metrics.upstream_errors(instance.name, kind).inc()
                 self._health.mark_unreachable(instance)
                 continue
-            return _Routed(instance, policy, upstream, started)
+            return _Routed(decision, policy, upstream, started)
         if tried:
-            message, code = f"No instance serving `{routing.model}` could be reached.", "upstream_unreachable"
+            message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:
-            message, code = f"No healthy instance serves `{routing.model}` right now.", "no_healthy_instance"
+            message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
 
@@ -164,14 +176,16 @@ class Proxy:
             return
         routed.finished = True
         routed.upstream.release()
-        self._track(routed.instance, -1)
+        self._track(routed.decision, -1)
         status = str(routed.upstream.status)
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, status).inc()
         self._metrics.e2e(policy).observe(time.perf_counter() - routed.started)
 
-    def _track(self, instance: Instance, delta: int) -> None:
-        instance.in_flight += delta
+    def _track(self, decision: Decision, sign: int) -> None:
+        instance = decision.instance
+        instance.in_flight += sign
+        instance.in_flight_tokens += sign * decision.prompt_tokens
         self._metrics.in_flight(instance.name).set(instance.in_flight)
 
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from router.config import ConfigError, load_config, parse_config
+from scorers.registry import SCORERS
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = {
@@ -56,7 +57,7 @@ def _with(**changes: object) -> dict[str, object]:
         (_with(instances=[{"name": "a", "url": "http://h:1", "models": ["other"]}]),
          "  instances.0.models: 'other' is not one of models (['tiny-llama'])"),
         (_with(policies={"p": {"scorers": [{"type": "magic"}]}}, default_policy="p"),
-         "  policies.p.scorers.0: unknown scorer type 'magic'; known: inflight-load, round-robin"),
+         f"  policies.p.scorers.0: unknown scorer type 'magic'; known: {', '.join(sorted(SCORERS))}"),
         (_with(policies={"p": {"scorers": [{"type": "round-robin", "params": {"x": 1}}]}}, default_policy="p"),
          "  policies.p.scorers.0: params.x: Extra inputs are not permitted"),
         (_with(policies={"p": {"scorers": [{"type": "round-robin", "weight": -1}]}}, default_policy="p"),

@@ -1,0 +1,104 @@
+"""The routing decision: tokenize -> hash blocks -> look up the index -> score and pick -> speculate.
+
+The HTTP layer (router/proxy.py) calls prepare() once per request and decide() once per attempt, so a retry on
+another instance neither re-tokenizes nor re-hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from router import block_hashing
+from router.block_index import BlockIndex
+from router.instances import Instance
+from router.metrics import RouterMetrics
+from router.openai_body import ChatRequest, CompletionRequest
+from router.policy import Policy
+from router.tokenization import InvalidPrompt
+from scorers.base import NO_MATCH, RoutingRequest
+
+log = logging.getLogger(__name__)
+
+
+class LocalTokenizer(Protocol):
+    def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]: ...
+
+    def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    request: RoutingRequest
+    chain: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    instance: Instance
+    prompt_tokens: int
+    prompt_blocks: int
+    cached_blocks: int
+
+
+class Router:
+    def __init__(
+        self,
+        index: BlockIndex,
+        tokenizers: dict[str, LocalTokenizer],
+        block_size: int,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._index = index
+        self._tokenizers = tokenizers
+        self._block_size = block_size
+        self._metrics = metrics
+
+    def prepare(self, body: ChatRequest | CompletionRequest, session_key: str | None) -> Prepared:
+        ids = self._token_ids(body)
+        chain = block_hashing.chain(ids, self._block_size) if ids else []
+        matches = self._index.match(chain) if chain else {}
+        request = RoutingRequest(body.model, session_key, len(ids), len(chain), matches)
+        return Prepared(request, chain)
+
+    def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
+        started = time.perf_counter()
+        instance = candidates[policy.choose(prepared.request, candidates)]
+        if prepared.chain:
+            self._index.speculate(instance.name, prepared.chain)
+        self._metrics.decision.observe(time.perf_counter() - started)
+        match = prepared.request.matches.get(instance.name, NO_MATCH)
+        return Decision(
+            instance,
+            prepared.request.prompt_tokens,
+            prepared.request.prompt_blocks,
+            match.gpu + match.cpu + match.pool,
+        )
+
+    def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
+        """The prompt's token ids as the engine will see them; [] when they cannot be known here."""
+        tokenizer = self._tokenizers.get(body.model)
+        if tokenizer is None:
+            return []
+        try:
+            if isinstance(body, ChatRequest):
+                return tokenizer.chat_ids(
+                    body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    add_special_tokens=body.add_special_tokens,
+                )
+            return tokenizer.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
+        except InvalidPrompt as exc:
+            # The engine is the judge of what it accepts; the router just routes without prefix knowledge.
+            log.debug("routing without prefix knowledge: %s", exc)
+            return []
