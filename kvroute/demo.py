@@ -135,7 +135,7 @@ def run_demo(options: DemoOptions) -> int:
     workload = AgentWorkload(sessions=options.sessions, turns=options.turns)
     ports = FleetPorts.allocate(options.instances)
     instance_urls = [f"http://127.0.0.1:{ports.http + i}" for i in range(options.instances)]
-    policies = ["round-robin", "least-loaded"]
+    policies = ["round-robin", "least-loaded", "precise-prefix", "kvroute"]
     results: list[PolicyResult] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
         log_dir = Path(tmp)

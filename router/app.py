@@ -20,6 +20,7 @@ from router.config import RouterConfig
 from router.errors import OpenAIError
 from router.health import HealthChecker
 from router.instances import Fleet
+from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
@@ -62,15 +63,21 @@ def create_app(config: RouterConfig) -> FastAPI:
             app.state.proxy = Proxy(
                 fleet, policies, config.default_policy, router, session, health, metrics, config.upstream
             )
-            checks = asyncio.create_task(
-                supervise("health", health.check_due, health.tick_s, metrics.task_failures, first_delay=True)
-            )
+            load = config.load
+            scraper = LoadScraper(fleet, session, load.scrape_interval_s, load.timeout_s, load.stale_after_s)
+            failures = metrics.task_failures
+            tasks = [
+                asyncio.create_task(
+                    supervise("health", health.check_due, health.tick_s, failures, first_delay=True)
+                ),
+                asyncio.create_task(supervise("load", scraper.scrape_all, scraper.interval_s, failures)),
+            ]
             try:
                 yield
             finally:
-                checks.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await checks
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
     app = FastAPI(

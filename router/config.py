@@ -89,6 +89,18 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
     return {
         "round-robin": PolicyConfig(scorers=[ScorerSpec(type="round-robin")]),
         "least-loaded": PolicyConfig(scorers=[ScorerSpec(type="inflight-load")]),
+        # llm-d's precise prefix-cache profile, with its default weights
+        "precise-prefix": PolicyConfig(
+            scorers=[
+                ScorerSpec(type="precise-prefix", weight=2.0),
+                ScorerSpec(type="kv-usage", weight=1.0),
+                ScorerSpec(type="queue-depth", weight=1.0),
+            ]
+        ),
+        # prefix and queued prefill weighed in tokens; the engines' own queues break near-ties
+        "kvroute": PolicyConfig(
+            scorers=[ScorerSpec(type="prefill-cost", weight=1.0), ScorerSpec(type="queue-depth", weight=0.2)]
+        ),
     }
 
 
@@ -108,6 +120,7 @@ class IndexConfig(_Strict):
 
 class LoadConfig(_Strict):
     scrape_interval_s: float = Field(default=0.2, gt=0, description="GET /metrics on every instance")
+    timeout_s: float = Field(default=0.5, gt=0, description="one slow instance must not age the others' load")
     stale_after_s: float = Field(default=1.0, gt=0, description="older engine load is ignored")
 
 
@@ -122,7 +135,7 @@ class RouterConfig(_Strict):
     block_size: int = Field(default=16, ge=1)
     instances: list[InstanceConfig] = Field(min_length=1)
     policies: dict[str, PolicyConfig] = Field(default_factory=_builtin_policies)
-    default_policy: str = "least-loaded"
+    default_policy: str = "kvroute"
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)

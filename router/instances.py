@@ -15,7 +15,7 @@ class Instance:
     models: frozenset[str]
     healthy: bool = True
     in_flight: int = 0
-    in_flight_tokens: int = 0
+    pending_prefill_tokens: int = 0
     load: EngineLoad | None = None
     failed_checks: int = 0
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from router.config import PolicyConfig
 from router.pickers import Picker
-from scorers.base import Candidate, RoutingRequest, Scorer
+from scorers.base import Candidate, Observer, RoutingRequest, Scorer
 from scorers.registry import PICKERS, SCORERS
 
 
@@ -17,13 +17,18 @@ class Policy:
             (SCORERS[spec.type].build(spec.params), spec.weight) for spec in config.scorers
         ]
         self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params)
+        self._observers = [scorer for scorer, _ in self._scorers if isinstance(scorer, Observer)]
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> int:
         """The index of the chosen candidate; candidates is never empty."""
-        if len(candidates) == 1:
-            return 0
+        chosen = 0 if len(candidates) == 1 else self._picker.pick(self._totals(request, candidates))
+        for observer in self._observers:
+            observer.observe(request, candidates[chosen])
+        return chosen
+
+    def _totals(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         totals = [0.0] * len(candidates)
         for scorer, weight in self._scorers:
             for index, score in enumerate(scorer.score(request, candidates)):
                 totals[index] += weight * score
-        return self._picker.pick(totals)
+        return totals

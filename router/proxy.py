@@ -40,6 +40,7 @@ class _Routed:
     policy: Policy
     upstream: aiohttp.ClientResponse
     started: float
+    prefilling: bool = True
     finished: bool = False
 
     @property
@@ -107,7 +108,7 @@ class Proxy:
             )
         try:
             payload = await routed.upstream.read()
-            self._metrics.ttft(policy.name).observe(time.perf_counter() - routed.started)
+            self._first_byte(routed)
         finally:
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
@@ -134,13 +135,13 @@ class Proxy:
             decision = self._router.decide(prepared, policy, candidates)
             instance = decision.instance
             started = time.perf_counter()
-            self._track(decision, +1)
+            self._start(decision)
             try:
                 upstream = await self._session.post(
                     instance.url + path, data=raw, headers=headers, timeout=self._timeout
                 )
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                self._track(decision, -1)
+                self._end(decision, prefilling=True)
                 tried.add(instance.name)
                 kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
                 self._metrics.upstream_errors(instance.name, kind).inc()
@@ -156,12 +157,10 @@ class Proxy:
 
     async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
         """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
-        first = True
         try:
             async for chunk in routed.upstream.content.iter_any():
-                if first:
-                    self._metrics.ttft(routed.policy.name).observe(time.perf_counter() - routed.started)
-                    first = False
+                if routed.prefilling:
+                    self._first_byte(routed)
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("stream from %s broke: %r", routed.instance.name, exc)
@@ -176,16 +175,29 @@ class Proxy:
             return
         routed.finished = True
         routed.upstream.release()
-        self._track(routed.decision, -1)
+        self._end(routed.decision, routed.prefilling)
         status = str(routed.upstream.status)
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, status).inc()
         self._metrics.e2e(policy).observe(time.perf_counter() - routed.started)
 
-    def _track(self, decision: Decision, sign: int) -> None:
+    def _start(self, decision: Decision) -> None:
         instance = decision.instance
-        instance.in_flight += sign
-        instance.in_flight_tokens += sign * decision.prompt_tokens
+        instance.in_flight += 1
+        instance.pending_prefill_tokens += decision.uncached_tokens
+        self._metrics.in_flight(instance.name).set(instance.in_flight)
+
+    def _first_byte(self, routed: _Routed) -> None:
+        """The engine has prefilled the prompt: its tokens no longer queue ahead of others."""
+        routed.prefilling = False
+        routed.instance.pending_prefill_tokens -= routed.decision.uncached_tokens
+        self._metrics.ttft(routed.policy.name).observe(time.perf_counter() - routed.started)
+
+    def _end(self, decision: Decision, prefilling: bool) -> None:
+        instance = decision.instance
+        instance.in_flight -= 1
+        if prefilling:
+            instance.pending_prefill_tokens -= decision.uncached_tokens
         self._metrics.in_flight(instance.name).set(instance.in_flight)
 
 

@@ -48,6 +48,7 @@ class Decision:
     prompt_tokens: int
     prompt_blocks: int
     cached_blocks: int
+    uncached_tokens: int
 
 
 class Router:
@@ -67,7 +68,7 @@ class Router:
         ids = self._token_ids(body)
         chain = block_hashing.chain(ids, self._block_size) if ids else []
         matches = self._index.match(chain) if chain else {}
-        request = RoutingRequest(body.model, session_key, len(ids), len(chain), matches)
+        request = RoutingRequest(body.model, session_key, len(ids), len(chain), self._block_size, matches)
         return Prepared(request, chain)
 
     def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
@@ -77,11 +78,11 @@ class Router:
             self._index.speculate(instance.name, prepared.chain)
         self._metrics.decision.observe(time.perf_counter() - started)
         match = prepared.request.matches.get(instance.name, NO_MATCH)
+        tokens = prepared.request.prompt_tokens
+        # The engine always computes the last prompt token, so a fully cached prompt hits one block less.
+        cached = min(match.gpu + match.cpu + match.pool, max(tokens - 1, 0) // self._block_size)
         return Decision(
-            instance,
-            prepared.request.prompt_tokens,
-            prepared.request.prompt_blocks,
-            match.gpu + match.cpu + match.pool,
+            instance, tokens, prepared.request.prompt_blocks, cached, tokens - cached * self._block_size
         )
 
     def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -23,8 +23,9 @@ class Candidate(Protocol):
         ...
 
     @property
-    def in_flight_tokens(self) -> int:
-        """Prompt tokens of those requests."""
+    def pending_prefill_tokens(self) -> int:
+        """Uncached prompt tokens of those requests that have not produced a first byte yet: the prefill
+        work queued ahead of a new request."""
         ...
 
     @property
@@ -58,6 +59,7 @@ class RoutingRequest:
     session_key: str | None = None
     prompt_tokens: int = 0
     prompt_blocks: int = 0
+    block_size: int = 16
     matches: Mapping[str, TierMatch] = field(default_factory=dict)  # by instance name; absent: no match
 
 
@@ -65,6 +67,13 @@ class Scorer(Protocol):
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         """One score per candidate, in [0, 1], higher is better."""
         ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """A scorer that learns from decisions (session affinity): told the chosen instance after each pick."""
+
+    def observe(self, request: RoutingRequest, chosen: Candidate) -> None: ...
 
 
 class Params(BaseModel):

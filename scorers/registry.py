@@ -7,12 +7,25 @@ from typing import Any
 from pydantic import ValidationError
 
 from router import pickers
-from scorers import inflight_load, round_robin
+from scorers import (
+    inflight_load,
+    kv_usage,
+    precise_prefix,
+    prefill_cost,
+    queue_depth,
+    round_robin,
+    session_affinity,
+)
 from scorers.base import Params, Registration, Scorer
 
 SCORERS: dict[str, Registration[Scorer]] = {
     "round-robin": round_robin.REGISTRATION,
     "inflight-load": inflight_load.REGISTRATION,
+    "queue-depth": queue_depth.REGISTRATION,
+    "kv-usage": kv_usage.REGISTRATION,
+    "session-affinity": session_affinity.REGISTRATION,
+    "precise-prefix": precise_prefix.REGISTRATION,
+    "prefill-cost": prefill_cost.REGISTRATION,
 }
 
 PICKERS: dict[str, Registration[pickers.Picker]] = {

@@ -24,13 +24,14 @@ def test_local_fleet_config_matches_the_fleets_defaults() -> None:
     assert [i.events for i in config.instances] == [f"tcp://127.0.0.1:{5601 + i}" for i in range(3)]
     assert [i.replay for i in config.instances] == [f"tcp://127.0.0.1:{5701 + i}" for i in range(3)]
     assert config.block_size == 32
-    assert config.default_policy == "least-loaded"
+    assert config.default_policy == "kvroute"
 
 
 def test_defaults_are_filled_in() -> None:
     config = parse_config(VALID)
     assert config.instances[1].url == "http://127.0.0.1:8102"
-    assert set(config.policies) == {"round-robin", "least-loaded"}
+    assert set(config.policies) == {"round-robin", "least-loaded", "precise-prefix", "kvroute"}
+    assert config.default_policy == "kvroute"
     assert config.models_of(config.instances[0]) == ["tiny-llama"]
     assert config.upstream.attempts == 2
 
@@ -68,7 +69,7 @@ def _with(**changes: object) -> dict[str, object]:
                                                                                "params": {"temperature": 0}}}},
                default_policy="p"),
          "  policies.p.picker: params.temperature: Input should be greater than 0"),
-        (_with(default_policy="fastest"), "  default_policy: 'fastest' is not a policy; defined: round-robin, least-loaded"),
+        (_with(default_policy="fastest"), "  default_policy: 'fastest' is not a policy; defined: round-robin, least-loaded, precise-prefix, kvroute"),
         (_with(block_size=0), "  block_size: Input should be greater than or equal to 1"),
         (_with(upstream={"attempts": "many"}),
          "  upstream.attempts: Input should be a valid integer, unable to parse string as an integer"),

@@ -50,7 +50,7 @@ def test_chat_non_streaming_carries_usage_and_debug_headers(client: openai.OpenA
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=1)
     completion = raw.parse()
     assert raw.headers["x-kvroute-instance"] in FLEET_NAMES
-    assert raw.headers["x-kvroute-policy"] == "least-loaded"
+    assert raw.headers["x-kvroute-policy"] == "kvroute"
     assert completion.choices[0].message.role == "assistant"
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage is not None and completion.usage.completion_tokens == 12
@@ -176,8 +176,9 @@ def test_unknown_forced_policy_is_a_400(router_url: str) -> None:
 
 def test_least_loaded_spreads_concurrent_requests(router_url: str) -> None:
     body = json.dumps({"model": MODEL, "prompt": "hold", "max_tokens": 400}).encode()
+    forced = {"x-kvroute-policy": "least-loaded"}
     with ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(lambda _: post(router_url + "/v1/completions", body), range(6)))
+        responses = list(pool.map(lambda _: post(router_url + "/v1/completions", body, forced), range(6)))
     assert all(status == 200 for status, _, _ in responses)
     spread = Counter(headers["x-kvroute-instance"] for _, headers, _ in responses)
     assert sorted(spread.values()) == [2, 2, 2]
@@ -188,7 +189,7 @@ def test_metrics_count_requests_by_policy_instance_and_status(router_url: str, c
     with urllib.request.urlopen(router_url + "/metrics", timeout=10) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
     requests = families["kvroute_requests"].samples
-    assert any(s.labels["policy"] == "least-loaded" and s.labels["status"] == "200" and s.value >= 1 for s in requests)
+    assert any(s.labels["policy"] == "kvroute" and s.labels["status"] == "200" and s.value >= 1 for s in requests)
     assert {s.labels["instance"] for s in requests} <= FLEET_NAMES
     for name in ("kvroute_time_to_first_byte_seconds", "kvroute_request_duration_seconds",
                  "kvroute_routing_decision_seconds", "kvroute_instance_healthy", "kvroute_rejected_requests"):

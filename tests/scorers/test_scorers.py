@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from scorers.base import RoutingRequest
+from scorers.base import EngineLoad, RoutingRequest
 from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
 from scorers.registry import SCORERS
 from scorers.round_robin import RoundRobinParams, RoundRobinScorer
@@ -18,6 +18,8 @@ REQUEST = RoutingRequest(model="m")
 class Fake:
     name: str
     in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    load: EngineLoad | None = None
 
 
 def fleet(*loads: int) -> list[Fake]:

@@ -1,0 +1,254 @@
+"""``kvroute bench index``: the index and the routing decision, measured (a benchmark, not a test).
+
+- ingest: BlockStored events of 32 blocks of 16 tokens, spread over 8 instances, applied as the subscriber
+  does; blocks per second on one core, hashing included;
+- memory: bytes the index allocates per indexed block (tracemalloc), at each requested size;
+- lookup + score: index match plus a policy's scores over 8 instances for prompts of 1K, 10K and 100K tokens;
+- the full routing decision (tokenize + hash + lookup + score + pick) for turn 30 of an agent session with
+  ~80K tokens of history, cold and with the tokenization cache warm from turns 1-29.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from router import block_hashing
+from router.block_index import BlockIndex
+from router.config import PolicyConfig, ScorerSpec
+from router.instances import Instance
+from router.kv_events import BlockHash, BlockStored
+from router.metrics import RouterMetrics
+from router.openai_body import ChatRequest
+from router.policy import Policy
+from router.routing import LocalTokenizer, Router
+from scorers.base import RoutingRequest
+
+BLOCK_SIZE = 16
+BLOCKS_PER_EVENT = 32
+INSTANCES = 8
+VOCAB = 150_000
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    sizes: tuple[int, ...] = (1_000_000, 10_000_000)
+    repeats: int = 200
+    out: Path | None = None
+
+
+def _events(blocks: int, seed: int) -> Iterator[tuple[tuple[str, int], BlockStored]]:
+    """Long chains per instance; token lists are reused, parents make every block distinct."""
+    rng = random.Random(seed)
+    pool = [[rng.randrange(VOCAB) for _ in range(BLOCK_SIZE * BLOCKS_PER_EVENT)] for _ in range(64)]
+    parents: list[int | None] = [None] * INSTANCES
+    next_hash = 1 << 62
+    for number in range(blocks // BLOCKS_PER_EVENT):
+        instance = number % INSTANCES
+        hashes: list[BlockHash] = list(range(next_hash, next_hash + BLOCKS_PER_EVENT))
+        next_hash += BLOCKS_PER_EVENT
+        yield (
+            (f"i{instance}", 0),
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parents[instance],
+                token_ids=pool[number % 64],
+                block_size=BLOCK_SIZE,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            ),
+        )
+        parents[instance] = next_hash - 1
+
+
+def measure_ingest(blocks: int) -> dict[str, float]:
+    events = list(_events(blocks, seed=blocks))
+    index = BlockIndex(BLOCK_SIZE, max_entries=blocks + 1)
+    gc.collect()
+    gc.disable()  # as in a long-running router, the collector is not what is measured
+    try:
+        started = time.perf_counter()
+        for owner, event in events:
+            index.apply(owner, (event,))
+        elapsed = time.perf_counter() - started
+    finally:
+        gc.enable()
+    del index
+    gc.collect()
+    tracemalloc.start()
+    index = BlockIndex(BLOCK_SIZE, max_entries=blocks + 1)
+    for owner, event in events:
+        index.apply(owner, (event,))
+    allocated, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "blocks": index.entries,
+        "blocks_per_s": blocks / elapsed,
+        "bytes_per_block": allocated / index.entries,
+    }
+
+
+def _quantiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "p50_ms": statistics.median(ordered) * 1e3,
+        "p99_ms": ordered[int(0.99 * (len(ordered) - 1))] * 1e3,
+    }
+
+
+def _timed(action: Callable[[], object], repeats: int) -> dict[str, float]:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return _quantiles(samples)
+
+
+def _fleet_policy() -> tuple[list[Instance], Policy]:
+    instances = [
+        Instance(f"i{n}", f"http://127.0.0.1:{9000 + n}", frozenset({"m"})) for n in range(INSTANCES)
+    ]
+    policy = Policy(
+        "precise",
+        PolicyConfig(
+            scorers=[
+                ScorerSpec(type="precise-prefix", weight=2.0),
+                ScorerSpec(type="inflight-load", weight=1.0),
+            ]
+        ),
+    )
+    return instances, policy
+
+
+def measure_lookup(prompt_tokens: int, repeats: int) -> dict[str, float]:
+    """Instance n holds the first (n+1)/8 of the prompt, so every lookup walks the whole chain."""
+    rng = random.Random(prompt_tokens)
+    tokens = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
+    chain = block_hashing.chain(tokens, BLOCK_SIZE)
+    index = BlockIndex(BLOCK_SIZE)
+    for n in range(INSTANCES):
+        held = len(chain) * (n + 1) // INSTANCES
+        index.apply(
+            (f"i{n}", 0),
+            [
+                BlockStored(
+                    block_hashes=[(n << 48) + b for b in range(held)],
+                    parent_block_hash=None,
+                    token_ids=tokens[: held * BLOCK_SIZE],
+                    block_size=BLOCK_SIZE,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                )
+            ],
+        )
+    instances, policy = _fleet_policy()
+
+    def lookup_and_score() -> None:
+        matches = index.match(chain)
+        policy.choose(RoutingRequest("m", None, len(tokens), len(chain), BLOCK_SIZE, matches), instances)
+
+    return {"blocks": len(chain), **_timed(lookup_and_score, repeats)}
+
+
+def agent_conversation(turns: int = 30, target_tokens: int = 80_000) -> list[list[dict[str, str]]]:
+    """The message lists of turns 1..turns of one session growing to about target_tokens."""
+    rng = random.Random(30)
+    words = "def return class import self assert error file value cache block token prefix route".split()
+    per_turn_words = target_tokens // turns // 2  # the tiny tokenizer makes about 2 tokens a word
+    messages = [
+        {"role": "system", "content": "You are a coding agent. " + " ".join(rng.choices(words, k=800))}
+    ]
+    history = []
+    for turn in range(turns):
+        messages.append(
+            {"role": "user", "content": f"turn {turn}: " + " ".join(rng.choices(words, k=per_turn_words))}
+        )
+        history.append(list(messages))
+        messages.append({"role": "assistant", "content": " ".join(rng.choices(words, k=40))})
+    return history
+
+
+def measure_decision(make_tokenizer: Callable[[], LocalTokenizer], repeats: int) -> dict[str, Any]:
+    history = agent_conversation()
+    instances, policy = _fleet_policy()
+    results: dict[str, Any] = {}
+    for label, warm in (("cold", False), ("cached", True)):
+        samples = []
+        for _ in range(max(3, repeats // 20)):
+            tokenizer = make_tokenizer()
+            router = Router(BlockIndex(BLOCK_SIZE), {"m": tokenizer}, BLOCK_SIZE, RouterMetrics())
+            if warm:
+                for messages in history[:-1]:
+                    router.prepare(ChatRequest(model="m", messages=messages), "s")
+            body = ChatRequest(model="m", messages=history[-1])
+            started = time.perf_counter()
+            router.decide(router.prepare(body, "s"), policy, instances)
+            samples.append(time.perf_counter() - started)
+        results[label] = _quantiles(samples)
+    last = make_tokenizer().chat_ids(history[-1])
+    results["prompt_tokens"] = len(last)
+    return results
+
+
+def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer]) -> dict[str, Any]:
+    console = Console(width=None if Console().is_terminal else 120)
+    report: dict[str, Any] = {"ingest": [], "lookup": {}, "decision": {}}
+    steps = len(options.sizes) + 3 + 1
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("index benchmark", total=steps)
+        for size in options.sizes:
+            progress.update(task, description=f"ingest {size:,} blocks")
+            report["ingest"].append(measure_ingest(size))
+            progress.advance(task)
+        for tokens in (1_000, 10_000, 100_000):
+            progress.update(task, description=f"lookup+score {tokens:,}-token prompt")
+            report["lookup"][str(tokens)] = measure_lookup(tokens, options.repeats)
+            progress.advance(task)
+        progress.update(task, description="routing decision, 80K-token agent turn")
+        report["decision"] = measure_decision(make_tokenizer, options.repeats)
+        progress.advance(task)
+    console.print(_table(report))
+    if options.out is not None:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {options.out}")
+    return report
+
+
+def _table(report: dict[str, Any]) -> Table:
+    table = Table(title="kvroute index benchmark (one core; 8 instances, 16-token blocks)")
+    for column in ("measure", "result", "target"):
+        table.add_column(column)
+    for ingest in report["ingest"]:
+        size = f"{ingest['blocks']:,} blocks"
+        table.add_row(f"ingest, {size}", f"{ingest['blocks_per_s'] / 1e6:.2f} M blocks/s", ">= 1 M/s")
+        table.add_row(f"memory, {size}", f"{ingest['bytes_per_block']:.0f} bytes/block", "<= 200")
+    for tokens, lookup in report["lookup"].items():
+        table.add_row(
+            f"lookup+score, {int(tokens):,}-token prompt ({lookup['blocks']} blocks)",
+            f"p50 {lookup['p50_ms']:.3f} ms, p99 {lookup['p99_ms']:.3f} ms",
+            "p50 <= 1 ms at 10K" if tokens == "10000" else "",
+        )
+    decision = report["decision"]
+    for label in ("cold", "cached"):
+        table.add_row(
+            f"full decision, turn 30 ({decision['prompt_tokens']:,} tokens), {label}",
+            f"p50 {decision[label]['p50_ms']:.2f} ms, p99 {decision[label]['p99_ms']:.2f} ms",
+            "p50 <= 5 ms" if label == "cached" else "",
+        )
+    return table

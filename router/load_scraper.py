@@ -1,0 +1,121 @@
+"""Engine load from each instance's vLLM /metrics: queue depth, running requests and KV-cache usage.
+
+A load that has not been refreshed within stale_after_s is cleared to None, so scorers never route on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from router.instances import Fleet, Instance
+from scorers.base import EngineLoad
+
+log = logging.getLogger(__name__)
+
+WAITING = b"vllm:num_requests_waiting"
+RUNNING = b"vllm:num_requests_running"
+KV_USAGE = b"vllm:kv_cache_usage_perc"
+
+# vLLM gzips /metrics for clients that accept it: ~0.7 ms of its CPU and ~0.09 ms of ours per scrape
+# to save 50 KB, nine times the cost of the parse below.
+_UNCOMPRESSED = {"Accept-Encoding": "identity"}
+
+
+def _line_start(text: bytes, head: bytes, start: int) -> int:
+    """Where the next line beginning with head[1:] starts at or after start, or -1."""
+    found = text.find(head, start)
+    return -1 if found == -1 else found + 1
+
+
+def _samples(text: bytes, name: bytes) -> list[float] | None:
+    """Every value of the family name, one per labelled sample; None if absent or any value is unusable."""
+    values: list[float] = []
+    head = b"\n" + name
+    at = 0 if text.startswith(name) else _line_start(text, head, 0)
+    while at != -1:
+        end = text.find(b"\n", at)
+        rest = text[at + len(name) : len(text) if end == -1 else end]
+        if rest[:1] == b"{":
+            rest = rest[rest.rfind(b"}") + 1 :]  # label values may hold spaces; the value never holds "}"
+        if rest[:1] == b" ":  # else another name with this prefix, as vllm:num_requests_waiting_by_reason
+            fields = rest.split()  # the value, then an optional timestamp
+            try:
+                value = float(fields[0])
+            except (ValueError, IndexError):
+                return None
+            if not (math.isfinite(value) and value >= 0):
+                return None
+            values.append(value)
+        if end == -1:
+            break
+        if text.startswith(name, end + 1):
+            at = end + 1
+        elif values:
+            break  # the exposition format keeps a family's samples together: the rest holds no more
+        else:
+            at = _line_start(text, head, end)
+    return values or None
+
+
+def parse_engine_load(text: bytes) -> EngineLoad | None:
+    """The load in a vLLM /metrics body, summed over data-parallel engines; None unless all three are there.
+
+    A targeted scan rather than prometheus_client's parser. On the captured 56 KB vLLM body (Python 3.11):
+    ~10 us here against ~13 ms for text_string_to_metric_families, that is 0.005% of a core per instance at
+    5 scrapes a second against 6.5%.
+    """
+    waiting, running, usage = _samples(text, WAITING), _samples(text, RUNNING), _samples(text, KV_USAGE)
+    if waiting is None or running is None or usage is None:
+        return None
+    # Mean usage: with equal engines it is the instance's used fraction of all its blocks, and vLLM's own
+    # data-parallel balancer sends a new request to a less loaded engine, so the fullest one overstates it.
+    return EngineLoad(waiting=sum(waiting), running=sum(running), kv_usage=sum(usage) / len(usage))
+
+
+class LoadScraper:
+    def __init__(
+        self,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        interval_s: float = 0.2,
+        timeout_s: float = 1.0,
+        stale_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fleet, self._session, self._clock = fleet, session, clock
+        self.interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._stale_after_s = stale_after_s
+        self._last_ok: dict[str, float] = {}
+
+    async def scrape_all(self) -> None:
+        """One round: every instance's /metrics, concurrently; loads older than stale_after_s cleared."""
+        await asyncio.gather(*(self._scrape(i) for i in self._fleet.instances))
+
+    async def _scrape(self, instance: Instance) -> None:
+        load = None
+        try:
+            async with self._session.get(
+                instance.url + "/metrics", headers=_UNCOMPRESSED, timeout=self._timeout
+            ) as response:
+                if response.status == 200:
+                    load = parse_engine_load(await response.read())
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        now = self._clock()
+        if load is not None:
+            if instance.load is None and instance.name in self._last_ok:
+                log.info("load of instance %s is fresh again", instance.name)
+            instance.load = load
+            self._last_ok[instance.name] = now
+        elif instance.load is not None:
+            age = now - self._last_ok.get(instance.name, -math.inf)
+            if age > self._stale_after_s:
+                log.warning("load of instance %s is stale: no usable /metrics for %.1fs", instance.name, age)
+                instance.load = None

@@ -1,0 +1,50 @@
+"""Prefill cost: the prefill work an instance would do before this request's first token, in tokens.
+
+    cost = uncached prompt tokens of requests still prefilling there (the queue ahead)
+         + this prompt's tokens it does not hold (matched blocks credited by tier)
+
+The cheapest instance scores 1, the dearest 0, linearly between. Prefix and load are weighed in one unit,
+as Dynamo's cost does, where a weighted sum of separately normalized prefix and load scores cannot: a
+shared system prompt held by one busy instance stops attracting new sessions as soon as its queue costs
+more than recomputing the prompt elsewhere, while a session's long history keeps it where it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from scorers.base import NO_MATCH, Candidate, Params, Registration, RoutingRequest, Scorer
+
+
+class PrefillCostParams(Params):
+    gpu_credit: float = Field(default=1.0, ge=0.0, le=1.0)
+    cpu_credit: float = Field(default=0.8, ge=0.0, le=1.0)
+    pool_credit: float = Field(default=0.6, ge=0.0, le=1.0)
+
+
+class PrefillCostScorer:
+    def __init__(self, params: PrefillCostParams) -> None:
+        self._credits = (params.gpu_credit, params.cpu_credit, params.pool_credit)
+
+    def costs(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        gpu, cpu, pool = self._credits
+        costs = []
+        for candidate in candidates:
+            match = request.matches.get(candidate.name, NO_MATCH)
+            saved = (match.gpu * gpu + match.cpu * cpu + match.pool * pool) * request.block_size
+            costs.append(candidate.pending_prefill_tokens + max(request.prompt_tokens - saved, 0.0))
+        return costs
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        costs = self.costs(request, candidates)
+        if not costs:
+            return []
+        low, high = min(costs), max(costs)
+        if high == low:
+            return [1.0] * len(costs)
+        return [(high - cost) / (high - low) for cost in costs]
+
+
+REGISTRATION: Registration[Scorer] = Registration(PrefillCostParams, PrefillCostScorer)

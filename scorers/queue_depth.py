@@ -1,0 +1,33 @@
+"""Queue depth: fewer requests waiting in the engine scores higher (llm-d's queue-scorer).
+
+Scores are (max - q) / (max - min) over vllm:num_requests_waiting of the candidates whose load is known;
+when those all wait equally, all score 1. A candidate without load data scores 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scorers.base import Candidate, Params, Registration, RoutingRequest, Scorer
+
+
+class QueueDepthParams(Params):
+    pass
+
+
+class QueueDepthScorer:
+    def __init__(self, params: QueueDepthParams) -> None:
+        pass
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        depths = [None if c.load is None else c.load.waiting for c in candidates]
+        known = [d for d in depths if d is not None]
+        if not known:
+            return [0.0] * len(candidates)
+        low, high = min(known), max(known)
+        if high == low:
+            return [0.0 if d is None else 1.0 for d in depths]
+        return [0.0 if d is None else (high - d) / (high - low) for d in depths]
+
+
+REGISTRATION: Registration[Scorer] = Registration(QueueDepthParams, QueueDepthScorer)

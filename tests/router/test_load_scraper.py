@@ -1,0 +1,236 @@
+"""The load scraper: vLLM's /metrics read by a targeted scan, engine load set on each instance, stale load cleared."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet
+from router.config import parse_config
+from router.instances import Fleet
+from router.load_scraper import LoadScraper, parse_engine_load
+from router.metrics import RouterMetrics
+from router.supervisor import supervise
+from scorers.base import EngineLoad
+
+CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
+
+
+def captured_metrics(**values: str) -> bytes:
+    """The /metrics body captured from vLLM, with the values of engine 0 of the named families replaced."""
+    requests = json.loads(CAPTURE.read_text())["requests"]
+    text = str(next(r for r in requests if r["name"] == "metrics")["text"]).encode()
+    for name, value in values.items():
+        head = f'vllm:{name}{{engine="0",model_name="tiny-llama"}} '.encode()
+        start = text.index(head) + len(head)
+        text = text[:start] + value.encode() + text[text.index(b"\n", start) :]
+    return text
+
+
+def exposition(waiting: tuple[str, ...] = ("0.0",), running: tuple[str, ...] = ("0.0",),
+               usage: tuple[str, ...] = ("0.0",)) -> bytes:  # fmt: skip
+    """The three families, one sample per engine, with a look-alike family first (vLLM has it after)."""
+    lines = []
+    for name, values in [("num_requests_waiting_by_reason", ("7.0",)), ("num_requests_running", running),
+                         ("num_requests_waiting", waiting), ("kv_cache_usage_perc", usage)]:  # fmt: skip
+        lines += [f"# HELP vllm:{name} help text", f"# TYPE vllm:{name} gauge"]
+        lines += [f'vllm:{name}{{engine="{e}",model_name="tiny-llama"}} {v}' for e, v in enumerate(values)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (captured_metrics(), EngineLoad(0.0, 0.0, 0.0)),
+        (captured_metrics(num_requests_waiting="3.0", num_requests_running="2.0", kv_cache_usage_perc="0.25"), EngineLoad(3.0, 2.0, 0.25)),
+        (captured_metrics(kv_cache_usage_perc="NaN"), None),
+        (exposition(("1", "2"), ("3", "4"), ("0.2", "0.6")), EngineLoad(3.0, 7.0, 0.4)),  # data parallel: sums, mean usage
+        (exposition(("5",), ("1",), ("1e-1",)), EngineLoad(5.0, 1.0, 0.1)),
+        (b'vllm:num_requests_waiting 2\nvllm:num_requests_running{a="x y}"} 1 1700000000000\nvllm:kv_cache_usage_perc 0.5',
+         EngineLoad(2.0, 1.0, 0.5)),  # first line, no labels, spaces and braces in labels, timestamp, no final newline
+        (exposition(("NaN",)), None),
+        (exposition(usage=("+Inf",)), None),
+        (exposition(running=("-1",)), None),
+        (exposition(("1", "two")), None),  # one bad engine spoils the round
+        (exposition(usage=("",)), None),
+        (exposition().replace(b"vllm:kv_cache_usage_perc{", b"vllm:kv_cache_usage{"), None),
+        (exposition().replace(b"vllm:num_requests_waiting{", b"vllm:num_requests_waiting_total{"), None),  # only look-alikes
+        (b"", None),
+        (b"<html><body>502 Bad Gateway</body></html>", None),
+        (bytes(range(256)) * 64, None),
+        (b"vllm:num_requests_waiting\nvllm:num_requests_running{}\nvllm:kv_cache_usage_perc {", None),
+    ],
+)
+def test_parse_engine_load(body: bytes, expected: EngineLoad | None) -> None:
+    assert parse_engine_load(body) == expected
+
+
+def one_instance_fleet(url: str) -> Fleet:
+    return Fleet(parse_config({"models": [{"name": "m"}], "instances": [{"name": "a", "url": url}]}))
+
+
+class FakeEngine:
+    """An inline /metrics endpoint whose answer the test sets; it records the request headers."""
+
+    def __init__(self) -> None:
+        self.status, self.body, self.hang = 200, exposition(("2",), ("1",), ("0.5",)), False
+        self.headers: list[dict[str, str]] = []
+        self._release = asyncio.Event()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.headers.append(dict(request.headers))
+        if self.hang:
+            await self._release.wait()
+        return web.Response(status=self.status, body=self.body)
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        finally:
+            self._release.set()
+            await runner.cleanup()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "hang"),
+    [
+        (500, exposition(), False),
+        (200, b"garbage", False),
+        (200, exposition(("NaN",)), False),
+        (200, exposition(), True),  # slower than timeout_s
+    ],
+)
+def test_an_unusable_answer_keeps_the_last_load_until_it_is_stale(status: int, body: bytes, hang: bool) -> None:
+    async def main() -> list[EngineLoad | None]:
+        engine, clock = FakeEngine(), Clock()
+        async with engine.serving() as url, aiohttp.ClientSession() as session:
+            fleet = one_instance_fleet(url)
+            scraper = LoadScraper(fleet, session, timeout_s=0.2, stale_after_s=1.0, clock=clock)
+            seen = []
+            await scraper.scrape_all()
+            seen.append(fleet.instances[0].load)
+            engine.status, engine.body, engine.hang = status, body, hang
+            for advance in (0.5, 0.5, 0.1):  # 0.5 and 1.0 s after the last good scrape: fresh; 1.1 s: stale
+                clock.now += advance
+                await scraper.scrape_all()
+                seen.append(fleet.instances[0].load)
+            engine.status, engine.body, engine.hang = 200, exposition(("4",), ("0",), ("0.75",)), False
+            await scraper.scrape_all()
+            seen.append(fleet.instances[0].load)
+            assert all(h.get("Accept-Encoding") == "identity" for h in engine.headers)
+            return seen
+
+    first = EngineLoad(2.0, 1.0, 0.5)
+    assert asyncio.run(main()) == [first, first, first, None, EngineLoad(4.0, 0.0, 0.75)]
+
+
+def test_an_instance_never_scraped_has_no_load() -> None:
+    async def main() -> EngineLoad | None:
+        async with aiohttp.ClientSession() as session:
+            fleet = one_instance_fleet(f"http://127.0.0.1:{free_port_block(1)}")
+            await LoadScraper(fleet, session, timeout_s=0.5).scrape_all()
+            return fleet.instances[0].load
+
+    assert asyncio.run(main()) is None
+
+
+@pytest.fixture(scope="module")
+def two_instances(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
+    ports = FleetPorts.allocate(2)
+    with running_fleet(ports, tmp_path_factory.mktemp("load-fleet"), ["--decode-tps", "20"]):
+        yield ports
+
+
+@contextlib.asynccontextmanager
+async def scraping(scraper: LoadScraper) -> AsyncIterator[None]:
+    """The scraper running as the router runs it, under supervise."""
+    failures = RouterMetrics().task_failures
+    task = asyncio.create_task(supervise("load", scraper.scrape_all, scraper.interval_s, failures))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> float:
+    """Seconds until condition held; fails after timeout_s."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, "condition not met in time"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_load_of_every_instance_is_scraped(two_instances: FleetPorts) -> None:
+    async def main() -> list[EngineLoad | None]:
+        fleet = Fleet(parse_config(two_instances.router_config()))
+        async with aiohttp.ClientSession() as session:
+            await LoadScraper(fleet, session).scrape_all()
+        return [i.load for i in fleet.instances]
+
+    assert asyncio.run(main()) == [EngineLoad(0.0, 0.0, 0.0)] * 2
+
+
+def test_a_request_in_flight_shows_as_running_on_its_instance(two_instances: FleetPorts) -> None:
+    async def main() -> tuple[EngineLoad | None, EngineLoad | None]:
+        fleet = Fleet(parse_config(two_instances.router_config()))
+        busy, idle = fleet.instances[1], fleet.instances[0]
+        body = {"model": "tiny-llama", "prompt": "hello " * 40, "max_tokens": 200, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            scraper = LoadScraper(fleet, session, interval_s=0.05)
+            async with scraping(scraper), session.post(busy.url + "/v1/completions", json=body) as stream:
+                assert stream.status == 200
+                await stream.content.readline()  # the first token is out: the request runs for ~10 s
+                await wait_until(lambda: busy.load is not None and busy.load.running >= 1)
+                return busy.load, idle.load
+
+    busy, idle = asyncio.run(main())
+    assert busy is not None and busy.running == 1 and busy.waiting == 0 and 0 < busy.kv_usage <= 1
+    assert idle == EngineLoad(0.0, 0.0, 0.0)
+
+
+def test_the_load_of_a_stopped_instance_goes_stale(tmp_path: Path) -> None:
+    ports = FleetPorts.allocate(1)
+
+    async def main(child: Child) -> tuple[float, float]:
+        fleet = Fleet(parse_config(ports.router_config()))
+        instance = fleet.instances[0]
+        async with aiohttp.ClientSession() as session:
+            scraper = LoadScraper(fleet, session, interval_s=0.05, timeout_s=0.2, stale_after_s=0.5)
+            async with scraping(scraper):
+                await wait_until(lambda: instance.load is not None)
+                stopping = time.monotonic()  # the last good scrape was at most an interval before this
+                await asyncio.to_thread(child.stop)
+                stopped = time.monotonic()
+                await wait_until(lambda: instance.load is None, timeout_s=5.0)
+                return time.monotonic() - stopping, time.monotonic() - stopped
+
+    with running_fleet(ports, tmp_path) as child:
+        since_stopping, since_stopped = asyncio.run(main(child))
+    assert since_stopping > 0.5 - 0.05  # what it said last held for stale_after_s
+    assert since_stopped < 0.5 + 0.2 + 0.05 + 0.5  # stale_after_s, a timed-out scrape, an interval, slack

@@ -1,0 +1,63 @@
+"""Precise prefix and prefill cost: prefix credit by tier, and prefix weighed against queued work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from scorers.base import EngineLoad, RoutingRequest, TierMatch
+from scorers.precise_prefix import PrecisePrefixParams, PrecisePrefixScorer
+from scorers.prefill_cost import PrefillCostParams, PrefillCostScorer
+
+
+@dataclass
+class Fake:
+    name: str
+    pending_prefill_tokens: int = 0
+    in_flight: int = 0
+    load: EngineLoad | None = None
+
+
+def request(prompt_blocks: int, **matches: TierMatch) -> RoutingRequest:
+    return RoutingRequest("m", None, prompt_blocks * 16 + 5, prompt_blocks, 16, matches)
+
+
+@pytest.mark.parametrize(
+    ("matches", "expected"),
+    [
+        ({}, [0.0, 0.0]),
+        ({"a": TierMatch(gpu=10)}, [1.0, 0.0]),
+        ({"a": TierMatch(gpu=5), "b": TierMatch(gpu=2, cpu=5)}, [0.5, 0.6]),
+        ({"b": TierMatch(pool=10)}, [0.0, 0.6]),
+    ],
+)
+def test_precise_prefix_is_the_credited_share_of_the_prompt(matches: dict[str, TierMatch], expected: list[float]) -> None:
+    scores = PrecisePrefixScorer(PrecisePrefixParams()).score(request(10, **matches), [Fake("a"), Fake("b")])
+    assert scores == pytest.approx(expected)
+
+
+def test_precise_prefix_of_an_empty_prompt_is_zero() -> None:
+    assert PrecisePrefixScorer(PrecisePrefixParams()).score(request(0), [Fake("a")]) == [0.0]
+
+
+def test_prefill_cost_counts_queued_work_plus_uncached_tokens() -> None:
+    scorer = PrefillCostScorer(PrefillCostParams())
+    req = request(10, a=TierMatch(gpu=8), b=TierMatch(cpu=10))
+    candidates = [Fake("a", pending_prefill_tokens=100), Fake("b"), Fake("c", pending_prefill_tokens=50)]
+    assert scorer.costs(req, candidates) == pytest.approx([100 + 165 - 128, 165 - 128, 50 + 165])
+
+
+def test_a_shared_prefix_on_a_busy_instance_loses_to_an_idle_one() -> None:
+    """The hot-spot case: instance a holds the system prompt (8 of 10 blocks) but already prefills 3 sessions."""
+    scorer = PrefillCostScorer(PrefillCostParams())
+    req = request(10, a=TierMatch(gpu=8))
+    busy = Fake("a", pending_prefill_tokens=3 * 165)
+    assert scorer.score(req, [busy, Fake("b")]) == [0.0, 1.0]
+    idle = Fake("a")
+    assert scorer.score(req, [idle, Fake("b")]) == [1.0, 0.0]  # idle, its cache wins
+
+
+def test_prefill_cost_ties_score_one() -> None:
+    assert PrefillCostScorer(PrefillCostParams()).score(request(4), [Fake("a"), Fake("b")]) == [1.0, 1.0]
+    assert PrefillCostScorer(PrefillCostParams()).score(request(4), []) == []
