@@ -97,9 +97,9 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
                 ScorerSpec(type="queue-depth", weight=1.0),
             ]
         ),
-        # prefix and queued prefill weighed in tokens; the engines' own queues break near-ties
+        # prefix and load weighed in tokens; the engines' own queues break near-ties
         "kvroute": PolicyConfig(
-            scorers=[ScorerSpec(type="prefill-cost", weight=1.0), ScorerSpec(type="queue-depth", weight=0.2)]
+            scorers=[ScorerSpec(type="token-cost", weight=1.0), ScorerSpec(type="queue-depth", weight=0.2)]
         ),
     }
 

@@ -15,6 +15,7 @@ class Instance:
     models: frozenset[str]
     healthy: bool = True
     in_flight: int = 0
+    active_tokens: int = 0
     pending_prefill_tokens: int = 0
     load: EngineLoad | None = None
     failed_checks: int = 0

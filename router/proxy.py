@@ -184,6 +184,7 @@ class Proxy:
     def _start(self, decision: Decision) -> None:
         instance = decision.instance
         instance.in_flight += 1
+        instance.active_tokens += decision.prompt_tokens
         instance.pending_prefill_tokens += decision.uncached_tokens
         self._metrics.in_flight(instance.name).set(instance.in_flight)
 
@@ -196,6 +197,7 @@ class Proxy:
     def _end(self, decision: Decision, prefilling: bool) -> None:
         instance = decision.instance
         instance.in_flight -= 1
+        instance.active_tokens -= decision.prompt_tokens
         if prefilling:
             instance.pending_prefill_tokens -= decision.uncached_tokens
         self._metrics.in_flight(instance.name).set(instance.in_flight)

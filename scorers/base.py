@@ -23,6 +23,11 @@ class Candidate(Protocol):
         ...
 
     @property
+    def active_tokens(self) -> int:
+        """Prompt tokens of all requests in flight through this router: the contexts being decoded."""
+        ...
+
+    @property
     def pending_prefill_tokens(self) -> int:
         """Uncached prompt tokens of those requests that have not produced a first byte yet: the prefill
         work queued ahead of a new request."""

@@ -11,10 +11,10 @@ from scorers import (
     inflight_load,
     kv_usage,
     precise_prefix,
-    prefill_cost,
     queue_depth,
     round_robin,
     session_affinity,
+    token_cost,
 )
 from scorers.base import Params, Registration, Scorer
 
@@ -25,7 +25,7 @@ SCORERS: dict[str, Registration[Scorer]] = {
     "kv-usage": kv_usage.REGISTRATION,
     "session-affinity": session_affinity.REGISTRATION,
     "precise-prefix": precise_prefix.REGISTRATION,
-    "prefill-cost": prefill_cost.REGISTRATION,
+    "token-cost": token_cost.REGISTRATION,
 }
 
 PICKERS: dict[str, Registration[pickers.Picker]] = {

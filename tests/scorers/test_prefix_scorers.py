@@ -8,13 +8,14 @@ import pytest
 
 from scorers.base import EngineLoad, RoutingRequest, TierMatch
 from scorers.precise_prefix import PrecisePrefixParams, PrecisePrefixScorer
-from scorers.prefill_cost import PrefillCostParams, PrefillCostScorer
+from scorers.token_cost import TokenCostParams, TokenCostScorer
 
 
 @dataclass
 class Fake:
     name: str
     pending_prefill_tokens: int = 0
+    active_tokens: int = 0
     in_flight: int = 0
     load: EngineLoad | None = None
 
@@ -41,8 +42,8 @@ def test_precise_prefix_of_an_empty_prompt_is_zero() -> None:
     assert PrecisePrefixScorer(PrecisePrefixParams()).score(request(0), [Fake("a")]) == [0.0]
 
 
-def test_prefill_cost_counts_queued_work_plus_uncached_tokens() -> None:
-    scorer = PrefillCostScorer(PrefillCostParams())
+def test_token_cost_counts_queued_prefill_plus_uncached_tokens() -> None:
+    scorer = TokenCostScorer(TokenCostParams())
     req = request(10, a=TierMatch(gpu=8), b=TierMatch(cpu=10))
     candidates = [Fake("a", pending_prefill_tokens=100), Fake("b"), Fake("c", pending_prefill_tokens=50)]
     assert scorer.costs(req, candidates) == pytest.approx([100 + 165 - 128, 165 - 128, 50 + 165])
@@ -50,7 +51,7 @@ def test_prefill_cost_counts_queued_work_plus_uncached_tokens() -> None:
 
 def test_a_shared_prefix_on_a_busy_instance_loses_to_an_idle_one() -> None:
     """The hot-spot case: instance a holds the system prompt (8 of 10 blocks) but already prefills 3 sessions."""
-    scorer = PrefillCostScorer(PrefillCostParams())
+    scorer = TokenCostScorer(TokenCostParams())
     req = request(10, a=TierMatch(gpu=8))
     busy = Fake("a", pending_prefill_tokens=3 * 165)
     assert scorer.score(req, [busy, Fake("b")]) == [0.0, 1.0]
@@ -58,6 +59,19 @@ def test_a_shared_prefix_on_a_busy_instance_loses_to_an_idle_one() -> None:
     assert scorer.score(req, [idle, Fake("b")]) == [1.0, 0.0]  # idle, its cache wins
 
 
-def test_prefill_cost_ties_score_one() -> None:
-    assert PrefillCostScorer(PrefillCostParams()).score(request(4), [Fake("a"), Fake("b")]) == [1.0, 1.0]
-    assert PrefillCostScorer(PrefillCostParams()).score(request(4), []) == []
+def test_token_cost_ties_score_one() -> None:
+    assert TokenCostScorer(TokenCostParams()).score(request(4), [Fake("a"), Fake("b")]) == [1.0, 1.0]
+    assert TokenCostScorer(TokenCostParams()).score(request(4), []) == []
+
+
+def test_decode_pressure_spreads_new_sessions_but_old_ones_stay() -> None:
+    scorer = TokenCostScorer(TokenCostParams(decode_weight=0.5))
+    # a new session: 2,000 shared system-prompt tokens held by a, 50 of its own
+    new = RoutingRequest("m", None, 2050, 64, 32, {"a": TierMatch(gpu=62)})
+    one_session = Fake("a", active_tokens=2050)
+    assert scorer.score(new, [one_session, Fake("b")]) == [1.0, 0.0]  # 1025 + 66 < 2050: share the prompt
+    five_sessions = Fake("a", active_tokens=5 * 2050)
+    assert scorer.score(new, [five_sessions, Fake("b")]) == [0.0, 1.0]  # 5125 + 66 > 2050: recompute elsewhere
+    # an old session with a 20,000-token history cached on the same busy instance stays
+    old = RoutingRequest("m", None, 20_050, 626, 32, {"a": TierMatch(gpu=624)})
+    assert scorer.score(old, [five_sessions, Fake("b")]) == [1.0, 0.0]

@@ -19,6 +19,7 @@ class Fake:
     name: str
     in_flight: int = 0
     pending_prefill_tokens: int = 0
+    active_tokens: int = 0
     load: EngineLoad | None = None
 
 

@@ -1,12 +1,13 @@
-"""Prefill cost: the prefill work an instance would do before this request's first token, in tokens.
+"""Token cost: the work an instance would do for this request, and the work already there, in tokens.
 
-    cost = uncached prompt tokens of requests still prefilling there (the queue ahead)
+    cost = uncached prompt tokens of requests still prefilling there (the prefill queue ahead)
          + this prompt's tokens it does not hold (matched blocks credited by tier)
+         + decode_weight x context tokens of all its requests in flight (decode pressure)
 
-The cheapest instance scores 1, the dearest 0, linearly between. Prefix and load are weighed in one unit,
-as Dynamo's cost does, where a weighted sum of separately normalized prefix and load scores cannot: a
-shared system prompt held by one busy instance stops attracting new sessions as soon as its queue costs
-more than recomputing the prompt elsewhere, while a session's long history keeps it where it is.
+The cheapest instance scores 1, the dearest 0, linearly between. Prefix and load are weighed in one
+unit, as Dynamo's cost does, where a weighted sum of separately normalized prefix and load scores cannot:
+a shared system prompt held by one busy instance stops attracting new sessions once its load costs more
+than recomputing the prompt elsewhere, while a session whose history keeps growing stays where it is cached.
 """
 
 from __future__ import annotations
@@ -18,15 +19,19 @@ from pydantic import Field
 from scorers.base import NO_MATCH, Candidate, Params, Registration, RoutingRequest, Scorer
 
 
-class PrefillCostParams(Params):
+class TokenCostParams(Params):
     gpu_credit: float = Field(default=1.0, ge=0.0, le=1.0)
     cpu_credit: float = Field(default=0.8, ge=0.0, le=1.0)
     pool_credit: float = Field(default=0.6, ge=0.0, le=1.0)
+    decode_weight: float = Field(
+        default=0.5, ge=0.0, description="prefill tokens one in-flight context token is worth"
+    )
 
 
-class PrefillCostScorer:
-    def __init__(self, params: PrefillCostParams) -> None:
+class TokenCostScorer:
+    def __init__(self, params: TokenCostParams) -> None:
         self._credits = (params.gpu_credit, params.cpu_credit, params.pool_credit)
+        self._decode_weight = params.decode_weight
 
     def costs(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         gpu, cpu, pool = self._credits
@@ -34,7 +39,8 @@ class PrefillCostScorer:
         for candidate in candidates:
             match = request.matches.get(candidate.name, NO_MATCH)
             saved = (match.gpu * gpu + match.cpu * cpu + match.pool * pool) * request.block_size
-            costs.append(candidate.pending_prefill_tokens + max(request.prompt_tokens - saved, 0.0))
+            queued = candidate.pending_prefill_tokens + self._decode_weight * candidate.active_tokens
+            costs.append(queued + max(request.prompt_tokens - saved, 0.0))
         return costs
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
@@ -47,4 +53,4 @@ class PrefillCostScorer:
         return [(high - cost) / (high - low) for cost in costs]
 
 
-REGISTRATION: Registration[Scorer] = Registration(PrefillCostParams, PrefillCostScorer)
+REGISTRATION: Registration[Scorer] = Registration(TokenCostParams, TokenCostScorer)
