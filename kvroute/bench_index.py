@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import random
@@ -186,22 +187,22 @@ def agent_conversation(turns: int = 30, target_tokens: int = 80_000) -> list[lis
 def measure_decision(make_tokenizer: Callable[[], LocalTokenizer], repeats: int) -> dict[str, Any]:
     history = agent_conversation()
     instances, policy = _fleet_policy()
+    metrics = RouterMetrics()
+
+    async def once(warm: bool) -> float:
+        router = Router(BlockIndex(BLOCK_SIZE), {"m": make_tokenizer()}, BLOCK_SIZE, metrics)
+        if warm:
+            for messages in history[:-1]:
+                await router.prepare(ChatRequest(model="m", messages=messages), "s")
+        body = ChatRequest(model="m", messages=history[-1])
+        started = time.perf_counter()
+        router.decide(await router.prepare(body, "s"), policy, instances)
+        return time.perf_counter() - started
+
     results: dict[str, Any] = {}
     for label, warm in (("cold", False), ("cached", True)):
-        samples = []
-        for _ in range(max(3, repeats // 20)):
-            tokenizer = make_tokenizer()
-            router = Router(BlockIndex(BLOCK_SIZE), {"m": tokenizer}, BLOCK_SIZE, RouterMetrics())
-            if warm:
-                for messages in history[:-1]:
-                    router.prepare(ChatRequest(model="m", messages=messages), "s")
-            body = ChatRequest(model="m", messages=history[-1])
-            started = time.perf_counter()
-            router.decide(router.prepare(body, "s"), policy, instances)
-            samples.append(time.perf_counter() - started)
-        results[label] = _quantiles(samples)
-    last = make_tokenizer().chat_ids(history[-1])
-    results["prompt_tokens"] = len(last)
+        results[label] = _quantiles([asyncio.run(once(warm)) for _ in range(max(3, repeats // 20))])
+    results["prompt_tokens"] = len(make_tokenizer().chat_ids(history[-1]))
     return results
 
 

@@ -81,6 +81,18 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(DemoOptions(sessions=args.sessions, turns=args.turns, instances=args.instances))
 
 
+def _bench_index(args: argparse.Namespace) -> int:
+    from kvroute.bench_index import BenchOptions, run_bench
+    from router.token_cache import CachedChatTokenizer
+    from router.tokenization import PromptTokenizer, resolve_tokenizer_path
+
+    tokenizer = PromptTokenizer(resolve_tokenizer_path("builtin:tiny-llama"))
+    sizes = tuple(int(size) for size in args.sizes.split(","))
+    out = Path(args.out) if args.out else None
+    run_bench(BenchOptions(sizes, args.repeats, out), lambda: CachedChatTokenizer(tokenizer))
+    return 0
+
+
 def _build_model(args: argparse.Namespace) -> int:
     from kvroute.tinymodel import ensure_model
 
@@ -133,6 +145,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=int, default=6)
     demo.add_argument("--instances", type=int, default=3)
     demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    index = benches.add_parser("index", help="index ingest, memory, lookup and the routing decision")
+    index.add_argument("--sizes", default="1000000,10000000", help="index sizes for ingest and memory")
+    index.add_argument("--repeats", type=int, default=200)
+    index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
+    index.set_defaults(run=_bench_index)
 
     build = commands.add_parser("build-model", help="build the tiny local model and print its directory")
     build.set_defaults(run=_build_model)

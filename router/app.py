@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 import aiohttp
+import zmq.asyncio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
@@ -16,10 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.block_index import BlockIndex
-from router.config import RouterConfig
+from router.config import REMOTE_TOKENIZER, RouterConfig
 from router.errors import OpenAIError
 from router.health import HealthChecker
 from router.instances import Fleet
+from router.kv_subscriber import KVEventSubscriber
 from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
@@ -27,6 +29,7 @@ from router.policy import Policy
 from router.proxy import Proxy
 from router.routing import LocalTokenizer, Router
 from router.supervisor import supervise
+from router.token_cache import CachedChatTokenizer, RemoteTokenizer
 from router.tokenization import PromptTokenizer, resolve_tokenizer_path
 
 log = logging.getLogger(__name__)
@@ -37,10 +40,16 @@ def create_app(config: RouterConfig) -> FastAPI:
     fleet = Fleet(config)
     metrics = RouterMetrics()
     index = BlockIndex(config.block_size, config.index.max_entries, config.index.speculative_ttl_s)
+    cache = config.tokenization
     tokenizers: dict[str, LocalTokenizer] = {
-        m.name: PromptTokenizer(resolve_tokenizer_path(m.tokenizer)) for m in config.models
+        m.name: CachedChatTokenizer(
+            PromptTokenizer(resolve_tokenizer_path(m.tokenizer)),
+            cache.cache_max_entries,
+            cache.cache_max_tokens,
+        )
+        for m in config.models
+        if m.tokenizer != REMOTE_TOKENIZER
     }
-    router = Router(index, tokenizers, config.block_size, metrics)
     policies = {name: Policy(name, policy) for name, policy in config.policies.items()}
     started = int(time.time())
 
@@ -49,8 +58,15 @@ def create_app(config: RouterConfig) -> FastAPI:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=config.upstream.max_connections_per_instance, keepalive_timeout=60
         )
+        zmq_context = zmq.asyncio.Context()
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             health = HealthChecker(fleet, session, config.health, metrics)
+
+            def remote_tokenizer(model: str) -> RemoteTokenizer | None:
+                candidates = fleet.candidates(model)
+                return RemoteTokenizer(session, candidates[0].url, model) if candidates else None
+
+            router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer)
             await health.check_all()
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
             log.info(
@@ -66,7 +82,13 @@ def create_app(config: RouterConfig) -> FastAPI:
             load = config.load
             scraper = LoadScraper(fleet, session, load.scrape_interval_s, load.timeout_s, load.stale_after_s)
             failures = metrics.task_failures
+            subscribers = [
+                KVEventSubscriber(i.name, i.events, i.replay, index, metrics, zmq_context)
+                for i in config.instances
+                if i.events is not None
+            ]
             tasks = [
+                *(asyncio.create_task(subscriber.run()) for subscriber in subscribers),
                 asyncio.create_task(
                     supervise("health", health.check_due, health.tick_s, failures, first_delay=True)
                 ),
@@ -78,6 +100,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                zmq_context.destroy(linger=0)
 
     # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
     app = FastAPI(

@@ -22,11 +22,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+REMOTE_TOKENIZER = "remote"
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     tokenizer: str = Field(
-        default="builtin:tiny-llama", description="tokenizer directory, or builtin:tiny-llama"
+        default="builtin:tiny-llama",
+        description="tokenizer directory, builtin:tiny-llama, or remote (ask an instance's /tokenize)",
     )
+
+
+class TokenizationConfig(_Strict):
+    cache_max_entries: int = Field(default=65_536, ge=1, description="conversation prefixes kept")
+    cache_max_tokens: int = Field(default=2_000_000, ge=1, description="token ids kept over all prefixes")
 
 
 class InstanceConfig(_Strict):
@@ -97,9 +106,14 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
                 ScorerSpec(type="queue-depth", weight=1.0),
             ]
         ),
-        # prefix and load weighed in tokens; the engines' own queues break near-ties
+        # prefix and load weighed in tokens; a session moves only when staying costs over twice the best
+        # alternative (affinity 0.5 against cost ratios); the engines' own queues break near-ties
         "kvroute": PolicyConfig(
-            scorers=[ScorerSpec(type="token-cost", weight=1.0), ScorerSpec(type="queue-depth", weight=0.2)]
+            scorers=[
+                ScorerSpec(type="token-cost", weight=1.0),
+                ScorerSpec(type="session-affinity", weight=0.5),
+                ScorerSpec(type="queue-depth", weight=0.2),
+            ]
         ),
     }
 
@@ -139,6 +153,7 @@ class RouterConfig(_Strict):
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
 
     @model_validator(mode="after")

@@ -76,6 +76,39 @@ class RouterMetrics:
             Counter("kvroute_background_task_failures", "Failed iterations of background tasks",
                     ["task"], registry=r)
         )  # fmt: skip
+        self.kv_events = Family(
+            Counter("kvroute_kv_events", "KV-cache events applied to the index, by instance and event type",
+                    ["instance", "type"], registry=r)
+        )  # fmt: skip
+        self.kv_malformed = Family(
+            Counter("kvroute_kv_malformed_messages", "KV event messages with bad frames or payloads",
+                    ["instance"], registry=r)
+        )  # fmt: skip
+        self.kv_skipped_events = Family(
+            Counter("kvroute_kv_skipped_events", "Undecodable single events inside otherwise good batches",
+                    ["instance"], registry=r)
+        )  # fmt: skip
+        self.kv_gaps = Family(
+            Counter("kvroute_kv_sequence_gaps", "Jumps forward in a KV event stream's sequence numbers",
+                    ["instance"], registry=r)
+        )  # fmt: skip
+        self.kv_replays = Family(
+            Counter("kvroute_kv_replays", "Replays of missed KV events from an instance's buffer, by result",
+                    ["instance", "result"], registry=r)
+        )  # fmt: skip
+        self.kv_restarts = Family(
+            Counter("kvroute_kv_engine_restarts", "Engine restarts seen as a KV event sequence starting over",
+                    ["instance"], registry=r)
+        )  # fmt: skip
+        self.kv_last_event = Family(
+            Gauge("kvroute_kv_last_event_timestamp_seconds", "Engine time of the newest KV event batch",
+                  ["instance"], registry=r)
+        )  # fmt: skip
+
+        self.untokenized = Family(
+            Counter("kvroute_untokenized_prompts", "Prompts routed without prefix knowledge, by reason",
+                    ["reason"], registry=r)
+        )  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -91,7 +91,7 @@ class Proxy:
         if not self._fleet.serves(body.model):
             raise model_not_found(body.model)
         policy = self._policy(request)
-        prepared = self._router.prepare(body, request.headers.get(SESSION_HEADER) or body.user)
+        prepared = await self._router.prepare(body, request.headers.get(SESSION_HEADER) or body.user)
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         routed = await self._send(prepared, policy, path, raw, headers)
         content_type = routed.upstream.headers.get("content-type", "application/json")

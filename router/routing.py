@@ -6,9 +6,10 @@ another instance neither re-tokenizes nor re-hashes.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
+from router.token_cache import RemoteTokenizer, TokenizeFailed
 from router.tokenization import InvalidPrompt
 from scorers.base import NO_MATCH, RoutingRequest
 
@@ -58,14 +60,23 @@ class Router:
         tokenizers: dict[str, LocalTokenizer],
         block_size: int,
         metrics: RouterMetrics,
+        remote: Callable[[str], RemoteTokenizer | None] = lambda model: None,
     ) -> None:
+        """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up."""
         self._index = index
         self._tokenizers = tokenizers
         self._block_size = block_size
         self._metrics = metrics
+        self._remote = remote
 
-    def prepare(self, body: ChatRequest | CompletionRequest, session_key: str | None) -> Prepared:
-        ids = self._token_ids(body)
+    async def prepare(self, body: ChatRequest | CompletionRequest, session_key: str | None) -> Prepared:
+        try:
+            ids = await self._token_ids(body)
+        except (InvalidPrompt, TokenizeFailed) as exc:
+            # The engine is the judge of what it accepts; the router routes without prefix knowledge.
+            log.debug("routing without prefix knowledge: %s", exc)
+            self._metrics.untokenized(type(exc).__name__).inc()
+            ids = []
         chain = block_hashing.chain(ids, self._block_size) if ids else []
         matches = self._index.match(chain) if chain else {}
         request = RoutingRequest(body.model, session_key, len(ids), len(chain), self._block_size, matches)
@@ -85,21 +96,20 @@ class Router:
             instance, tokens, prepared.request.prompt_blocks, cached, tokens - cached * self._block_size
         )
 
-    def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
-        """The prompt's token ids as the engine will see them; [] when they cannot be known here."""
-        tokenizer = self._tokenizers.get(body.model)
+    async def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
+        """The prompt's token ids as the engine will see them; [] when nothing here can tell."""
+        tokenizer: LocalTokenizer | RemoteTokenizer | None = self._tokenizers.get(body.model)
         if tokenizer is None:
-            return []
-        try:
-            if isinstance(body, ChatRequest):
-                return tokenizer.chat_ids(
-                    body.messages,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                    add_special_tokens=body.add_special_tokens,
-                )
-            return tokenizer.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
-        except InvalidPrompt as exc:
-            # The engine is the judge of what it accepts; the router just routes without prefix knowledge.
-            log.debug("routing without prefix knowledge: %s", exc)
-            return []
+            tokenizer = self._remote(body.model)
+            if tokenizer is None:
+                return []
+        if isinstance(body, ChatRequest):
+            ids = tokenizer.chat_ids(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens,
+            )
+        else:
+            ids = tokenizer.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
+        return await ids if inspect.isawaitable(ids) else ids

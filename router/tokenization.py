@@ -7,6 +7,7 @@ encoded with special tokens added; token ids pass through unchanged.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -103,6 +104,23 @@ class PromptTokenizer:
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def texts_ids(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Many texts in one call to the backend; each result equals ``text_ids`` of that text."""
+        if not texts:
+            return []
+        encoded = self._tokenizer(list(texts), add_special_tokens=add_special_tokens).input_ids
+        return [list(ids) for ids in encoded]
+
+    def backend_config(self) -> dict[str, Any]:
+        """The HF tokenizers pipeline as tokenizer.json states it: added tokens, normalizer, pre_tokenizer."""
+        config: dict[str, Any] = json.loads(self._tokenizer.backend_tokenizer.to_str())
+        return config
+
+    @property
+    def splits_special_tokens(self) -> bool:
+        """Whether special-token text is encoded as plain text rather than as the special tokens."""
+        return bool(self._tokenizer.split_special_tokens)
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""

@@ -4,7 +4,9 @@
          + this prompt's tokens it does not hold (matched blocks credited by tier)
          + decode_weight x context tokens of all its requests in flight (decode pressure)
 
-The cheapest instance scores 1, the dearest 0, linearly between. Prefix and load are weighed in one
+Scores are cheapest cost / cost (plus one token, so an idle, fully cached instance is not a division by
+zero): the cheapest instance scores 1 and a score says how many times dearer the others are, so a small
+difference in tokens stays a small difference in score. Prefix and load are weighed in one
 unit, as Dynamo's cost does, where a weighted sum of separately normalized prefix and load scores cannot:
 a shared system prompt held by one busy instance stops attracting new sessions once its load costs more
 than recomputing the prompt elsewhere, while a session whose history keeps growing stays where it is cached.
@@ -24,7 +26,7 @@ class TokenCostParams(Params):
     cpu_credit: float = Field(default=0.8, ge=0.0, le=1.0)
     pool_credit: float = Field(default=0.6, ge=0.0, le=1.0)
     decode_weight: float = Field(
-        default=0.5, ge=0.0, description="prefill tokens one in-flight context token is worth"
+        default=0.25, ge=0.0, description="prefill tokens one in-flight context token is worth"
     )
 
 
@@ -47,10 +49,8 @@ class TokenCostScorer:
         costs = self.costs(request, candidates)
         if not costs:
             return []
-        low, high = min(costs), max(costs)
-        if high == low:
-            return [1.0] * len(costs)
-        return [(high - cost) / (high - low) for cost in costs]
+        cheapest = min(costs) + 1.0
+        return [cheapest / (cost + 1.0) for cost in costs]
 
 
 REGISTRATION: Registration[Scorer] = Registration(TokenCostParams, TokenCostScorer)

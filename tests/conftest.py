@@ -49,13 +49,12 @@ def instance_url(ports: FleetPorts, index: int) -> str:
     return f"http://127.0.0.1:{ports.http + index}"
 
 
-def metric(base_url: str, family: str, **labels: str) -> float:
-    """The value of one sample of a Prometheus family, scraped from base_url/metrics."""
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The value of the sample called name (counters end in _total) with labels, from base_url/metrics."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
         text = response.read().decode()
-    for found in text_string_to_metric_families(text):
-        if found.name == family:
-            for sample in found.samples:
-                if all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return float(sample.value)
-    raise AssertionError(f"no sample of {family} with {labels} at {base_url}")
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no sample {name} with {labels} at {base_url}")

@@ -48,7 +48,7 @@ def test_stored_blocks_match_the_same_prompt_and_its_extensions() -> None:
     index.apply(A, [stored(0, 6)])
     assert index.match(prompt()) == {"a": TierMatch(gpu=6)}
     assert index.match(prompt(TOKENS[:12])) == {"a": TierMatch(gpu=3)}
-    diverging = TOKENS[:8] + [9999] + TOKENS[9:]
+    diverging = [*TOKENS[:8], 9999, *TOKENS[9:]]
     assert index.match(prompt(diverging)) == {"a": TierMatch(gpu=2)}
     assert index.match(prompt([7] * 40)) == {}
     assert index.match([]) == {}

@@ -41,7 +41,7 @@ def test_requests_are_routed_around_a_dead_instance(router_with_dead_instance: s
     ]
     assert [status for status, _, _ in results] == [200] * 8
     assert {headers["x-kvroute-instance"] for _, headers, _ in results} == {"fleet-0", "fleet-1", "fleet-2"}
-    assert metric(router_with_dead_instance, "kvroute_upstream_errors", instance="dead", kind="connect") >= 1
+    assert metric(router_with_dead_instance, "kvroute_upstream_errors_total", instance="dead", kind="connect") >= 1
     assert metric(router_with_dead_instance, "kvroute_instance_healthy", instance="dead") == 0
 
 

@@ -54,9 +54,9 @@ def test_a_shared_prefix_on_a_busy_instance_loses_to_an_idle_one() -> None:
     scorer = TokenCostScorer(TokenCostParams())
     req = request(10, a=TierMatch(gpu=8))
     busy = Fake("a", pending_prefill_tokens=3 * 165)
-    assert scorer.score(req, [busy, Fake("b")]) == [0.0, 1.0]
+    assert scorer.score(req, [busy, Fake("b")]) == pytest.approx([166 / (3 * 165 + 37 + 1), 1.0])
     idle = Fake("a")
-    assert scorer.score(req, [idle, Fake("b")]) == [1.0, 0.0]  # idle, its cache wins
+    assert scorer.score(req, [idle, Fake("b")]) == pytest.approx([1.0, 38 / 166])  # idle: its cache wins
 
 
 def test_token_cost_ties_score_one() -> None:
@@ -65,13 +65,22 @@ def test_token_cost_ties_score_one() -> None:
 
 
 def test_decode_pressure_spreads_new_sessions_but_old_ones_stay() -> None:
-    scorer = TokenCostScorer(TokenCostParams(decode_weight=0.5))
+    scorer = TokenCostScorer(TokenCostParams(decode_weight=0.5))  # the arithmetic below uses 0.5
     # a new session: 2,000 shared system-prompt tokens held by a, 50 of its own
     new = RoutingRequest("m", None, 2050, 64, 32, {"a": TierMatch(gpu=62)})
-    one_session = Fake("a", active_tokens=2050)
-    assert scorer.score(new, [one_session, Fake("b")]) == [1.0, 0.0]  # 1025 + 66 < 2050: share the prompt
+    def best(candidates: list[Fake], req: RoutingRequest = new) -> str:
+        scores = scorer.score(req, candidates)
+        return candidates[scores.index(max(scores))].name
+
+    assert best([Fake("a", active_tokens=2050), Fake("b")]) == "a"  # 1025 + 66 < 2050: share the prompt
     five_sessions = Fake("a", active_tokens=5 * 2050)
-    assert scorer.score(new, [five_sessions, Fake("b")]) == [0.0, 1.0]  # 5125 + 66 > 2050: recompute elsewhere
+    assert best([five_sessions, Fake("b")]) == "b"  # 5125 + 66 > 2050: recompute elsewhere
     # an old session with a 20,000-token history cached on the same busy instance stays
     old = RoutingRequest("m", None, 20_050, 626, 32, {"a": TierMatch(gpu=624)})
-    assert scorer.score(old, [five_sessions, Fake("b")]) == [1.0, 0.0]
+    assert best([five_sessions, Fake("b")], old) == "a"
+
+
+def test_token_cost_scores_are_cost_ratios() -> None:
+    scorer = TokenCostScorer(TokenCostParams())
+    req = RoutingRequest("m", None, 999, 31, 32, {})
+    assert scorer.score(req, [Fake("a"), Fake("b", pending_prefill_tokens=1000)]) == pytest.approx([1.0, 0.5])

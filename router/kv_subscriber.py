@@ -1,0 +1,219 @@
+"""Follows one vLLM instance's KV events and hands them, in order and per owner, to a sink (the index).
+
+Sequence numbers count from 0 per engine process and per data parallel rank, so each rank is tracked on its
+own. A jump forward is a gap, filled from the instance's replay buffer; when it cannot be filled, the owner's
+entries are dropped, as stale entries route worse than none. A jump back is a new engine process, whose
+predecessor's blocks are gone. A jump back to a batch no newer than one already applied is only the live copy
+of a replayed batch, and is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+import zmq
+import zmq.asyncio
+
+from router.kv_events import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventDecoder,
+    KVEvent,
+    MalformedBatch,
+    pack_seq,
+    unpack_seq,
+)
+from router.metrics import RouterMetrics
+from router.supervisor import supervise
+
+log = logging.getLogger(__name__)
+
+Owner: TypeAlias = tuple[str, int]
+"""(instance name, data parallel rank); a batch without a rank belongs to rank 0."""
+
+_Numbered: TypeAlias = tuple[int, EventBatch]
+
+
+class EventSink(Protocol):
+    def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None: ...
+
+    def drop(self, owner: Owner) -> None: ...
+
+
+@dataclass(slots=True)
+class _Position:
+    next_seq: int
+    newest_ts: float
+
+
+class KVEventSubscriber:
+    """Keeps `sink` in step with one instance's events, recovering missed ones through `replay_endpoint`.
+
+    ```
+    subscriber = KVEventSubscriber("a", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5567", index, metrics, context)
+    task = asyncio.create_task(subscriber.run())
+    ```
+    """
+
+    def __init__(
+        self,
+        instance: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        sink: EventSink,
+        metrics: RouterMetrics,
+        context: zmq.asyncio.Context,
+        replay_timeout_s: float = 2.0,
+        max_message_bytes: int = 64 * 2**20,
+    ) -> None:
+        self.instance = instance
+        self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
+        self._sink, self._metrics, self._context = sink, metrics, context
+        self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
+        self._decoder = EventDecoder()
+        self._positions: dict[int, _Position] = {}
+        self._events = {kind: metrics.kv_events(instance, kind.__name__)
+                        for kind in (BlockStored, BlockRemoved, AllBlocksCleared)}  # fmt: skip
+        self._malformed = metrics.kv_malformed(instance)
+        self._skipped = metrics.kv_skipped_events(instance)
+        self._gaps = metrics.kv_gaps(instance)
+        self._replays_ok = metrics.kv_replays(instance, "ok")
+        self._replays_failed = metrics.kv_replays(instance, "failed")
+        self._restarts = metrics.kv_restarts(instance)
+        self._last_event = metrics.kv_last_event(instance)
+
+    async def run(self) -> None:
+        """Follow the instance until cancelled; a failed session is logged, counted and started again."""
+        await supervise(f"kv-events {self.instance}", self._session, 1.0, self._metrics.task_failures)
+
+    async def _session(self) -> None:
+        sub = self._socket(zmq.SUB, self._endpoint)
+        try:
+            await self._warm_start()
+            while True:
+                numbered = self._parse(await sub.recv_multipart())
+                if numbered is not None:
+                    await self._accept(*numbered, live=True)
+        finally:
+            sub.close(linger=0)
+
+    async def _warm_start(self) -> None:
+        """Rebuild from the engine's buffer what a restarted router would otherwise never learn."""
+        if self._replay_endpoint is None:
+            return
+        replayed = await self._replay(0)
+        if replayed is None:
+            self._replays_failed.inc()
+            return
+        self._replays_ok.inc()
+        for seq, batch in replayed:
+            await self._accept(seq, batch, live=False)
+
+    async def _accept(self, seq: int, batch: EventBatch, live: bool) -> None:
+        """Apply a batch in sequence; a gap before a live batch is replayed, one inside a replay cannot be."""
+        rank = batch.data_parallel_rank or 0
+        position = self._positions.get(rank)
+        if position is not None and seq < position.next_seq:
+            if batch.ts <= position.newest_ts:
+                return  # the live copy of a batch a replay applied; a new process would be newer
+            self._restarts.inc()
+            self._drop(rank)
+            position = None
+        if position is not None:
+            expected = position.next_seq
+        elif live and self._replay_endpoint is not None:
+            expected = 0  # a process we have not followed yet: its history is in the buffer from 0
+        else:
+            expected = seq  # the oldest batch still to be had is where history begins
+        if seq > expected:
+            self._gaps.inc()
+            self._fill(rank, expected, seq, await self._replay(expected) if live else None)
+        self._apply(rank, seq, batch)
+
+    def _fill(self, rank: int, start: int, end: int, replayed: list[_Numbered] | None) -> None:
+        """Apply the batches start..end-1 of rank; drop the owner first when some of them are lost."""
+        mine = {seq: batch for seq, batch in replayed or () if (batch.data_parallel_rank or 0) == rank}
+        first = end
+        while first > start and first - 1 in mine:
+            first -= 1
+        if first == start:
+            self._replays_ok.inc()
+        else:
+            self._replays_failed.inc()
+            self._drop(rank)  # what follows the lost batches is still true, so it is applied after the drop
+        for seq in range(first, end):
+            self._apply(rank, seq, mine[seq])
+
+    def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
+        position = self._positions.get(rank)
+        if position is None:
+            self._positions[rank] = _Position(seq + 1, batch.ts)
+        else:
+            position.next_seq, position.newest_ts = seq + 1, max(position.newest_ts, batch.ts)
+        for event in batch.events:
+            self._events[type(event)].inc()
+        if batch.skipped_events:
+            self._skipped.inc(batch.skipped_events)
+        self._last_event.set(batch.ts)
+        try:
+            self._sink.apply((self.instance, rank), batch.events)
+        except Exception:
+            log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
+
+    def _drop(self, rank: int) -> None:
+        self._positions.pop(rank, None)
+        try:
+            self._sink.drop((self.instance, rank))
+        except Exception:
+            log.exception("the KV event sink failed to drop %s rank %d", self.instance, rank)
+
+    async def _replay(self, start: int) -> list[_Numbered] | None:
+        """The buffered batches from start on; None when there is no replay endpoint or no answer in time."""
+        if self._replay_endpoint is None:
+            return None
+        dealer = self._socket(zmq.DEALER, self._replay_endpoint)
+        replayed: list[_Numbered] = []
+        try:
+            async with asyncio.timeout(self._replay_timeout_s):
+                await dealer.send_multipart((b"", pack_seq(start)))
+                while True:
+                    frames = (await dealer.recv_multipart())[1:]  # after the empty delimiter
+                    if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
+                        return replayed
+                    if len(frames) == 2:  # older vLLM answers without the topic
+                        frames.insert(0, b"")
+                    numbered = self._parse(frames)
+                    if numbered is not None:
+                        replayed.append(numbered)
+        except TimeoutError:
+            log.warning("no complete replay from %s in %.1fs", self._replay_endpoint, self._replay_timeout_s)
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def _parse(self, frames: list[bytes]) -> _Numbered | None:
+        """[topic, seq, payload] as (seq, batch); anything else is counted and yields None."""
+        if len(frames) == 3 and len(frames[1]) == 8 and (seq := unpack_seq(frames[1])) >= 0:
+            try:
+                return seq, self._decoder.decode(frames[2])
+            except MalformedBatch:
+                pass
+        self._malformed.inc()
+        return None
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 100_000)  # as vLLM's send side: a busy router replays less
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        return sock

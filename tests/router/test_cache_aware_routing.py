@@ -1,0 +1,118 @@
+"""Cache-aware routing end to end: the router's index follows the engines' KV events and routes by it.
+
+Against a simulated fleet whose engines report their own prefix-cache hits, so every prediction the router
+makes (x-kvroute-cached-blocks) is checked against what the engine really reused.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvroute.processes import FleetPorts, running_fleet, running_router
+from kvroute.workload import AgentWorkload
+from tests.conftest import instance_url, metric
+from tests.router.test_proxy import post
+
+BLOCK = 32
+WORKLOAD = AgentWorkload(system_prompt_words=600, min_turn_words=80, max_turn_words=160, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetPorts, str]]:
+    ports = FleetPorts.allocate(3)
+    # Prefill slow enough that queued prompts are visible to routing; decode fast to keep the test short.
+    args = ["--prefill-tps", "20000", "--decode-tps", "2000"]
+    tmp = tmp_path_factory.mktemp("cache-aware")
+    with running_fleet(ports, tmp / "fleet", args), running_router(ports.router_config(), tmp / "router") as url:
+        yield ports, url
+
+
+def _turn(url: str, messages: list[dict[str, str]], session: str) -> tuple[str, int, int, str]:
+    body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": WORKLOAD.max_tokens,
+                       "temperature": 0}).encode()  # fmt: skip
+    status, headers, payload = post(url + "/v1/chat/completions", body, {"x-session-id": session})
+    assert status == 200, payload
+    reply = json.loads(payload)["choices"][0]["message"]["content"]
+    return (headers["x-kvroute-instance"], int(headers["x-kvroute-cached-blocks"]),
+            int(headers["x-kvroute-prompt-blocks"]), reply)  # fmt: skip
+
+
+def _hits(ports: FleetPorts, name: str) -> float:
+    return metric(instance_url(ports, int(name.removeprefix("fleet-"))), "vllm:prefix_cache_hits_total")
+
+
+def test_later_turns_follow_their_prefix_and_the_prediction_is_what_the_engine_reused(
+    stack: tuple[FleetPorts, str],
+) -> None:
+    ports, url = stack
+    messages = [{"role": "system", "content": f"Session {random.random()}: " + WORKLOAD.system_prompt()}]
+    chosen = []
+    prompt_blocks_before = 0
+    for turn in range(5):
+        messages.append({"role": "user", "content": WORKLOAD.user_message(1000, turn)})
+        before = {f"fleet-{i}": _hits(ports, f"fleet-{i}") for i in range(3)}
+        instance, cached, prompt_blocks, reply = _turn(url, messages, "one-session")
+        engine_hits = (_hits(ports, instance) - before[instance]) / BLOCK
+        assert cached == engine_hits, (turn, cached, engine_hits)
+        assert prompt_blocks > 0
+        if turn:
+            assert cached > 0.8 * prompt_blocks_before  # the whole previous prompt, bar the last block
+        prompt_blocks_before = prompt_blocks
+        chosen.append(instance)
+        messages.append({"role": "assistant", "content": reply})
+    assert chosen[1:] == [chosen[0]] * 4
+
+
+def test_concurrent_sessions_spread_instead_of_piling_on_the_shared_system_prompt(
+    stack: tuple[FleetPorts, str],
+) -> None:
+    _, url = stack
+    system = {"role": "system", "content": WORKLOAD.system_prompt()}  # the same for every session
+    sessions, turns = 9, 4
+
+    def session(number: int) -> list[tuple[str, int]]:
+        messages = [system]
+        seen = []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": WORKLOAD.user_message(number, turn)})
+            instance, cached, _, reply = _turn(url, messages, f"agent-{number}")
+            seen.append((instance, cached))
+            messages.append({"role": "assistant", "content": reply})
+        return seen
+
+    with ThreadPoolExecutor(sessions) as pool:
+        results = list(pool.map(session, range(sessions)))
+    homes = Counter(Counter(instance for instance, _ in seen).most_common(1)[0][0] for seen in results)
+    assert len(homes) == 3, homes  # every instance is home to some sessions
+    assert max(homes.values()) <= 5, homes
+    # A session may move when staying means queuing behind other sessions' first prefills (over twice the
+    # cost elsewhere); most turns stay.
+    stays = sum(instance == seen[0][0] for seen in results for instance, _ in seen[1:])
+    assert stays >= 0.7 * sessions * (turns - 1), results
+    later_hits = [cached > 0 for seen in results for _, cached in seen[1:]]
+    assert sum(later_hits) >= 0.8 * len(later_hits)
+
+
+def test_a_restarted_router_rebuilds_its_index_from_the_engines_replay_buffers(
+    stack: tuple[FleetPorts, str], tmp_path: Path
+) -> None:
+    ports, url = stack
+    messages = [{"role": "system", "content": f"Replay {random.random()}: " + WORKLOAD.system_prompt()},
+                {"role": "user", "content": WORKLOAD.user_message(2000, 0)}]  # fmt: skip
+    first, _, _, reply = _turn(url, messages, "before-restart")
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and now?"}]
+    with running_router(ports.router_config(), tmp_path) as fresh:
+        # The warm start replays every buffered batch before the router answers its first request.
+        for _ in range(50):
+            if metric(fresh, "kvroute_kv_replays_total", instance=first, result="ok") >= 1:
+                break
+        instance, cached, _, _ = _turn(fresh, messages, "after-restart")
+    assert instance == first
+    assert cached > 0

@@ -1,0 +1,412 @@
+"""The KV event subscriber: real vLLM frames, gaps, restarts, warm starts, garbage, DP ranks, a real fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from fleet.publisher import EventPublisher
+from kvroute.processes import FleetPorts, free_port_block, running_fleet
+from router.kv_events import (
+    END_OF_REPLAY,
+    BlockRemoved,
+    BlockStored,
+    EventDecoder,
+    EventEncoder,
+    KVEvent,
+    pack_seq,
+)
+from router.kv_subscriber import KVEventSubscriber, Owner
+from router.metrics import RouterMetrics
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
+TOPIC = b"kv@a@tiny-llama"
+A0: Owner = ("a", 0)
+TIMEOUT_S = 10.0
+
+
+class RecordingSink:
+    """Records applies and drops in order; raises on the batches whose first block hash is in fail_on."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Owner, list[KVEvent]]] = []
+        self.fail_on: set[int] = set()
+        self._changed = asyncio.Event()
+
+    def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
+        self._changed.set()
+        if events and isinstance(events[0], BlockRemoved) and events[0].block_hashes[0] in self.fail_on:
+            raise RuntimeError("the sink is broken")
+        self.log.append(("apply", owner, list(events)))
+
+    def drop(self, owner: Owner) -> None:
+        self.log.append(("drop", owner, []))
+        self._changed.set()
+
+    def ids(self, owner: Owner = A0) -> list[int | str]:
+        """Each applied batch as its first block hash (see batch()), each drop as "drop"."""
+        return [
+            "drop" if kind == "drop" else int(events[0].block_hashes[0])  # type: ignore[union-attr]
+            for kind, who, events in self.log
+            if who == owner
+        ]
+
+    async def wait_for(self, done: Callable[[], bool]) -> None:
+        async with asyncio.timeout(TIMEOUT_S):
+            while not done():
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def wait_applied(self, count: int) -> None:
+        await self.wait_for(lambda: sum(kind == "apply" for kind, _, _ in self.log) >= count)
+
+
+def batch(n: int) -> list[KVEvent]:
+    """A batch the tests can recognise by n."""
+    return [BlockRemoved(block_hashes=[n], medium="GPU")]
+
+
+class FakeEngine:
+    """Publishes like vLLM, on XPUB so that a test can wait for the subscription; can hide batches from PUB
+    (they stay in the replay buffer), send raw frames, and hold its replay answers until released."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None) -> None:
+        self._encoder = EventEncoder()
+        self._context = context = zmq.asyncio.Context()  # its own, like a separate engine process
+        self._pub = context.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self._next_seq: dict[int, int] = {}
+        self.buffer: list[tuple[int, bytes]] = []
+        self.answer_replay = asyncio.Event()
+        self.answer_replay.set()
+        self._task: asyncio.Task[None] | None = None
+        if replay_endpoint is not None:
+            replay = context.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.bind(replay_endpoint)
+            self._task = asyncio.create_task(self._serve(replay))
+
+    async def subscribed(self) -> None:
+        assert await asyncio.wait_for(self._pub.recv(), TIMEOUT_S) == b"\x01"
+
+    def publish(self, events: list[KVEvent], rank: int | None = None, send: bool = True) -> int:
+        seq = self._next_seq.get(rank or 0, 0)
+        self._next_seq[rank or 0] = seq + 1
+        payload = self._encoder.encode(time.time(), events, rank)
+        self.buffer.append((seq, payload))
+        if send:
+            self.send([TOPIC, pack_seq(seq), payload])
+        return seq
+
+    def send(self, frames: Sequence[bytes]) -> None:
+        self._pub.send_multipart(frames)
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            client, _, start = await sock.recv_multipart()
+            await self.answer_replay.wait()
+            for seq, payload in list(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    await sock.send_multipart([client, b"", TOPIC, pack_seq(seq), payload])
+            await sock.send_multipart([client, b"", b"", END_OF_REPLAY, b""])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._context.destroy(linger=0)  # returns once the ports are released: a restart can bind them
+
+
+class Harness:
+    def __init__(self, replay: bool, replay_timeout_s: float = 2.0) -> None:
+        port = free_port_block(2)
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{port + 1}" if replay else None
+        self.context = zmq.asyncio.Context()
+        self.sink = RecordingSink()
+        self.metrics = RouterMetrics()
+        self.subscriber = KVEventSubscriber(
+            "a", self.endpoint, self.replay_endpoint, self.sink, self.metrics, self.context,
+            replay_timeout_s=replay_timeout_s,
+        )  # fmt: skip
+
+    def engine(self) -> FakeEngine:
+        return FakeEngine(self.endpoint, self.replay_endpoint)
+
+    def count(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, {"instance": "a", **labels})
+        return value or 0.0
+
+    def counts(self) -> dict[str, float]:
+        return {
+            "gaps": self.count("kvroute_kv_sequence_gaps_total"),
+            "ok": self.count("kvroute_kv_replays_total", result="ok"),
+            "failed": self.count("kvroute_kv_replays_total", result="failed"),
+            "restarts": self.count("kvroute_kv_engine_restarts_total"),
+            "malformed": self.count("kvroute_kv_malformed_messages_total"),
+            "skipped": self.count("kvroute_kv_skipped_events_total"),
+        }
+
+    def since(self, before: dict[str, float] | None = None) -> dict[str, float]:
+        """The counts that changed (since the start, without before)."""
+        before = before or {}
+        return {name: value - before.get(name, 0.0) for name, value in self.counts().items()
+                if value != before.get(name, 0.0)}  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[asyncio.Task[None]]:
+        task = asyncio.create_task(self.subscriber.run())
+        try:
+            yield task
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            self.context.destroy(linger=0)
+
+
+def _frames(path: Path) -> list[list[bytes]]:
+    return msgspec.msgpack.decode(path.read_bytes())  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("capture", ["events_int.msgpack", "events_bytes.msgpack"])
+def test_real_vllm_frames_arrive_decoded_in_order(capture: str) -> None:
+    frames = _frames(FIXTURES / capture)
+    expected = [EventDecoder().decode(payload).events for _, _, payload in frames]
+
+    async def main() -> None:
+        harness = Harness(replay=False)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            for frame in frames:
+                engine.send(frame)
+            await harness.sink.wait_applied(len(frames))
+        await engine.close()
+        assert harness.sink.log == [("apply", A0, events) for events in expected]
+        assert any(isinstance(e, BlockStored) for events in expected for e in events)
+        assert harness.count("kvroute_kv_events_total", type="BlockStored") > 0
+        newest = EventDecoder().decode(frames[-1][2]).ts
+        assert harness.count("kvroute_kv_last_event_timestamp_seconds") == newest
+        assert harness.since() == {}
+
+    asyncio.run(main())
+
+
+def test_a_gap_is_filled_from_the_replay_buffer() -> None:
+    async def main() -> None:
+        harness = Harness(replay=True)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            engine.publish(batch(0))
+            await harness.sink.wait_applied(1)
+            before = harness.counts()
+            engine.publish(batch(1), send=False)
+            engine.publish(batch(2))
+            engine.publish(batch(3))
+            await harness.sink.wait_applied(4)
+        await engine.close()
+        assert harness.sink.ids() == [0, 1, 2, 3]
+        assert harness.since(before) == {"gaps": 1, "ok": 1}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("replay", ["none", "silent"])
+def test_a_gap_that_cannot_be_replayed_drops_the_owner(replay: str) -> None:
+    async def main() -> None:
+        harness = Harness(replay=replay == "silent", replay_timeout_s=0.2)
+        engine = harness.engine()
+        engine.answer_replay.clear()
+        async with harness.running():
+            await engine.subscribed()
+            engine.publish(batch(0))
+            await harness.sink.wait_applied(1)
+            before = harness.counts()
+            engine.publish(batch(1), send=False)
+            engine.publish(batch(2))
+            await harness.sink.wait_applied(2)
+        await engine.close()
+        assert harness.sink.ids() == [0, "drop", 2]
+        assert harness.since(before) == {"gaps": 1, "failed": 1}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("first_seen", [True, False])
+def test_an_engine_restart_drops_the_owner_once(first_seen: bool) -> None:
+    async def main() -> None:
+        harness = Harness(replay=True)
+        old = harness.engine()
+        async with harness.running():
+            await old.subscribed()
+            for n in range(3):
+                old.publish(batch(n))
+            await harness.sink.wait_applied(3)
+            await old.close()
+            before = harness.counts()
+            new = harness.engine()
+            await new.subscribed()
+            new.publish(batch(100), send=first_seen)  # missed: the new process's history is replayed from 0
+            new.publish(batch(101))
+            await harness.sink.wait_applied(5)
+            await new.close()
+        assert harness.sink.ids() == [0, 1, 2, "drop", 100, 101]
+        assert harness.since(before) == {"restarts": 1} if first_seen else {"restarts": 1, "gaps": 1, "ok": 1}
+
+    asyncio.run(main())
+
+
+def test_a_warm_start_recovers_what_was_published_before() -> None:
+    async def main() -> None:
+        harness = Harness(replay=True)
+        assert harness.replay_endpoint is not None
+        publisher = EventPublisher(harness.endpoint, harness.replay_endpoint, TOPIC.decode())
+        publisher.start()
+        for n in range(3):
+            publisher.publish(batch(n))
+        async with harness.running():
+            await harness.sink.wait_applied(3)
+        await publisher.close()
+        assert harness.sink.ids() == [0, 1, 2]
+        assert harness.since() == {"ok": 1}
+
+    asyncio.run(main())
+
+
+def test_live_copies_of_replayed_batches_are_ignored() -> None:
+    async def main() -> None:
+        harness = Harness(replay=True)
+        engine = harness.engine()
+        engine.answer_replay.clear()  # the warm start waits while the live batches queue up
+        async with harness.running():
+            await engine.subscribed()
+            for n in range(3):
+                engine.publish(batch(n))
+            engine.answer_replay.set()
+            await harness.sink.wait_applied(3)
+            engine.publish(batch(3))
+            await harness.sink.wait_applied(4)
+        await engine.close()
+        assert harness.sink.ids() == [0, 1, 2, 3]
+        assert harness.since() == {"ok": 1}
+
+    asyncio.run(main())
+
+
+def test_garbage_is_counted_and_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    good = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+    good_and_bad = msgspec.msgpack.encode([time.time(), [good, {"type": "Nope"}], 0])
+    garbage: list[list[bytes]] = [
+        [TOPIC, pack_seq(1)],  # two frames
+        [TOPIC, pack_seq(1), good_and_bad, b"extra"],  # four
+        [TOPIC, b"\x01", good_and_bad],  # a one-byte seq
+        [TOPIC, END_OF_REPLAY, good_and_bad],  # the replay end marker, live
+        [TOPIC, pack_seq(1), b"\xc1 not msgpack"],
+        [TOPIC, pack_seq(1), msgspec.msgpack.encode([1.0, "not a list"])],
+    ]
+
+    async def main() -> None:
+        harness = Harness(replay=False)
+        engine = harness.engine()
+        harness.sink.fail_on.add(2)
+        async with harness.running() as task:
+            await engine.subscribed()
+            engine.publish(batch(0))
+            await harness.sink.wait_applied(1)
+            before = harness.counts()
+            for frames in garbage:
+                engine.send(frames)
+            engine.send([TOPIC, pack_seq(1), good_and_bad])
+            engine.publish(batch(1), send=False)  # keep the engine's numbering in step
+            engine.publish(batch(2))  # the sink raises on this one
+            engine.publish(batch(3))
+            await harness.sink.wait_applied(3)
+            assert not task.done()
+        await engine.close()
+        assert harness.sink.ids() == [0, 1, 3]
+        assert harness.since(before) == {"malformed": len(garbage), "skipped": 1}
+        assert "the KV event sink failed" in caplog.text
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(main())
+
+
+def test_data_parallel_ranks_are_tracked_and_owned_separately() -> None:
+    async def main() -> None:
+        harness = Harness(replay=True)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            engine.publish(batch(10), rank=1)
+            await harness.sink.wait_applied(1)
+            before = harness.counts()
+            engine.publish(batch(11), rank=1, send=False)  # rank 1 seq 1, only in the shared replay buffer
+            for n, rank in enumerate([0, None, 0]):  # rank 0 seqs 0-2: the same numbers, another owner
+                engine.publish(batch(n), rank=rank)
+            engine.publish(batch(12), rank=1)
+            await harness.sink.wait_applied(6)
+        await engine.close()
+        assert harness.sink.ids(("a", 0)) == [0, 1, 2]
+        assert harness.sink.ids(("a", 1)) == [10, 11, 12]
+        assert harness.since(before) == {"gaps": 1, "ok": 1}
+
+    asyncio.run(main())
+
+
+def _complete(url: str, prompt: str) -> dict[str, Any]:
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4}).encode()
+    request = urllib.request.Request(url, body, {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+def test_a_simulated_fleet_instance_produces_stored_blocks(model_dir: Path, tmp_path: Path) -> None:
+    ports = FleetPorts.allocate(1)
+    url = f"http://127.0.0.1:{ports.http}/v1/completions"
+
+    def stored(sink: RecordingSink) -> bool:
+        return any(isinstance(e, BlockStored) for _, _, events in sink.log for e in events)
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        sink = RecordingSink()
+        subscriber = KVEventSubscriber(
+            "fleet-0", f"tcp://127.0.0.1:{ports.events}", f"tcp://127.0.0.1:{ports.replay}", sink,
+            RouterMetrics(), context,
+        )  # fmt: skip
+        task = asyncio.create_task(subscriber.run())
+        try:
+            async with asyncio.timeout(TIMEOUT_S * 3):
+                attempt = 0
+                while not stored(sink):  # each prompt is new, so it stores new blocks
+                    prompt = f"attempt {attempt}: " + "the quick brown fox jumps over the lazy dog " * 20
+                    answer = await asyncio.to_thread(_complete, url, prompt)
+                    assert answer["choices"]
+                    attempt += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(sink.wait_for(lambda: stored(sink)), 0.5)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            context.destroy(linger=0)
+        assert {owner for _, owner, _ in sink.log} == {("fleet-0", 0)}
+
+    with running_fleet(ports, tmp_path, ["--prefill-tps", "200000", "--decode-tps", "1000"]):
+        asyncio.run(main())

@@ -1,0 +1,435 @@
+"""The cached chat tokenizer equals a full tokenization every time, reuses what it has seen, stays bounded;
+the remote tokenizer answers what the local one does and names its failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvroute.processes import FleetPorts, free_port_block, running_fleet
+from kvroute.tinymodel import CHAT_TEMPLATE, MODEL_NAME
+from router.token_cache import CachedChatTokenizer, RemoteTokenizer, TokenizeFailed, cut_tokens
+from router.tokenization import InvalidPrompt, PromptTokenizer
+
+CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
+Messages = list[dict[str, Any]]
+
+WORDS = "the cache router token block prefix engine worker def return self import error test".split()
+PIECES = [
+    "hello", " world", "\n", "\n\n", "  ", "\t", "\r\n", "é", "e\u0301", "n\u0303\u0323", "🙂", "👍🏽",
+    "👨\u200d👩\u200d👧", "日本語", "שלום", "\u200b", "ﬁ", "</s>", "<s>", "<pad>", "</s", "s>", "<", ">",
+    "<|user|>\n", "def f(x):\n    return x", " </s> ", "</s></s>", "<</s>>",
+]  # fmt: skip
+
+
+def random_content(rng: random.Random) -> Any:
+    shape = rng.random()
+    if shape < 0.05:
+        return None
+    if shape < 0.1:
+        return ""
+    if shape < 0.13:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2000, 4000)))  # very long
+    text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 12)))
+    if shape < 0.25:
+        return [{"type": "text", "text": text}, {"type": "text", "text": rng.choice(PIECES)}]
+    return text
+
+
+def reference(tokenizer: PromptTokenizer, messages: Messages, **flags: bool) -> list[int] | type[Exception]:
+    try:
+        return tokenizer.chat_ids(messages, **flags)
+    except (InvalidPrompt, ValueError) as exc:  # transformers rejects some continue_final_message chats
+        return type(exc)
+
+
+def check(cached: CachedChatTokenizer, messages: Messages, **flags: bool) -> None:
+    expected = reference(cached.tokenizer, messages, **flags)
+    if isinstance(expected, list):
+        assert cached.chat_ids(messages, **flags) == expected, (messages, flags)
+    else:
+        with pytest.raises(expected):
+            cached.chat_ids(messages, **flags)
+
+
+def play_session(cached: CachedChatTokenizer, rng: random.Random, turns: int, system: str | None) -> Messages:
+    """An agent loop: every turn resends the history plus one message, checked against a full tokenization."""
+    messages: Messages = [] if system is None else [{"role": "system", "content": system}]
+    for _ in range(turns):
+        messages.append({"role": rng.choice(["user", "user", "tool"]), "content": random_content(rng)})
+        mode = rng.random()
+        if mode < 0.15:
+            check(cached, messages, add_generation_prompt=False)
+        elif mode < 0.3:
+            messages.append({"role": "assistant", "content": random_content(rng)})
+            check(cached, messages, add_generation_prompt=False, continue_final_message=True)
+            continue
+        else:
+            check(cached, messages)
+        messages.append({"role": "assistant", "content": random_content(rng)})
+    return messages
+
+
+@pytest.fixture
+def cached(tokenizer: PromptTokenizer) -> CachedChatTokenizer:
+    return CachedChatTokenizer(tokenizer)
+
+
+def test_the_tiny_tokenizer_cuts_after_each_special_token(cached: CachedChatTokenizer) -> None:
+    assert cached.cut_tokens == {"<s>", "</s>", "<pad>"}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sessions_through_one_cache_equal_full_tokenization(cached: CachedChatTokenizer, seed: int) -> None:
+    rng = random.Random(seed)
+    systems = [None, "", "You are a careful coding agent.\n", " 🙂 </s> <s>"]
+    sessions = [play_session(cached, rng, rng.randint(3, 12), rng.choice(systems)) for _ in range(4)]
+    for messages in sessions:  # come back to each: an edit early in the history, then a new turn
+        edited = [dict(m) for m in messages]
+        index = rng.randrange(len(edited))
+        edited[index]["content"] = "edited" + (rng.choice(PIECES) if edited[index]["content"] else "")
+        check(cached, edited)
+        check(cached, [*messages, {"role": "user", "content": random_content(rng)}])
+    assert cached.stats.hits > 0
+
+
+def test_a_long_session_encodes_only_each_turns_tail(cached: CachedChatTokenizer) -> None:
+    tokenizer = cached.tokenizer
+    messages: Messages = [{"role": "system", "content": "You are a careful coding agent. " * 40}]
+    previous = ""
+    for turn in range(30):
+        messages.append({"role": "user", "content": f"Turn {turn}: run the tests. " * 20})
+        before = (cached.stats.tokens_reused, cached.stats.tokens_encoded)
+        ids = cached.chat_ids(messages)
+        reused, encoded = cached.stats.tokens_reused - before[0], cached.stats.tokens_encoded - before[1]
+        assert ids == tokenizer.chat_ids(messages)
+        # Everything up to the previous request's last </s> is reused; the rest is encoded.
+        seen = previous[: previous.rfind("</s>") + len("</s>")] if previous else ""
+        assert reused == len(tokenizer.text_ids(seen, add_special_tokens=False))
+        assert encoded == len(ids) - reused
+        previous = tokenizer.render_chat(messages)
+        messages.append({"role": "assistant", "content": f"Ran them; {turn} failures left.\n" * 30})
+    assert reused > 0.95 * len(ids) and len(ids) > 10_000
+    assert cached.stats.requests == 30 and cached.stats.hits == 29
+
+
+def test_sessions_sharing_a_system_prompt_reuse_only_that(cached: CachedChatTokenizer) -> None:
+    system = {"role": "system", "content": "Shared instructions. " * 50}
+    cached.chat_ids([system, {"role": "user", "content": "first session"}])
+    before = cached.stats.tokens_reused
+    other = [system, {"role": "user", "content": "second session"}]
+    assert cached.chat_ids(other) == cached.tokenizer.chat_ids(other)
+    shared = cached.tokenizer.render_chat([system], add_generation_prompt=False).removesuffix("\n")
+    assert cached.stats.tokens_reused - before == len(cached.tokenizer.text_ids(shared, False))
+
+
+def test_add_special_tokens_and_completions_are_encoded_whole(cached: CachedChatTokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    cached.chat_ids(messages)
+    ids = cached.chat_ids(messages, add_special_tokens=True)
+    assert ids == cached.tokenizer.chat_ids(messages, add_special_tokens=True) and ids[:2] == [0, 0]
+    assert cached.stats.hits == 0
+    assert cached.completion_ids("def f():") == cached.tokenizer.completion_ids("def f():")
+    assert cached.completion_ids([[5, 6]]) == [5, 6]
+
+
+def test_callers_may_change_the_ids_they_get(cached: CachedChatTokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    cached.chat_ids(messages).clear()
+    assert cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages) and cached.stats.hits == 1
+
+
+@pytest.mark.parametrize(
+    ("max_entries", "max_tokens"),
+    [(1, 1_000_000), (3, 1_000_000), (50, 1_000_000), (1_000, 400), (1_000, 3_000), (8, 2_000)],
+)
+def test_the_cache_stays_within_its_bounds(
+    tokenizer: PromptTokenizer, max_entries: int, max_tokens: int
+) -> None:
+    cached = CachedChatTokenizer(tokenizer, max_entries=max_entries, max_tokens=max_tokens)
+    rng = random.Random(max_entries * 7919 + max_tokens)
+    sessions: list[Messages] = [[{"role": "system", "content": f"session {i}"}] for i in range(4)]
+    for _ in range(40):
+        messages = rng.choice(sessions)
+        messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(40))})
+        check(cached, messages)
+        messages.append({"role": "assistant", "content": rng.choice(PIECES)})
+        assert cached.entries <= max_entries and cached.cached_tokens <= max_tokens
+        blocks = {id(entry.block): len(entry.block.ids) for entry in cached._entries.values()}
+        assert cached.cached_tokens == sum(blocks.values())  # each block counted once, freed ones not at all
+    assert cached.stats.evictions > 0
+
+
+def test_an_evicted_prefix_costs_a_full_tokenization(tokenizer: PromptTokenizer) -> None:
+    cached = CachedChatTokenizer(tokenizer, max_entries=2)
+    first = [{"role": "user", "content": "first"}]
+    second = [{"role": "user", "content": "second"}, {"role": "assistant", "content": "x"}]
+    cached.chat_ids(first)
+    cached.chat_ids(second)  # three cuts (<s> and two </s>): keeps the last two, drops "first"'s
+    before = cached.stats.tokens_reused
+    longer = [*first, {"role": "assistant", "content": "ok"}]
+    assert cached.chat_ids(longer) == tokenizer.chat_ids(longer)
+    assert cached.stats.tokens_reused - before == 0
+
+
+def test_a_chat_longer_than_the_token_bound_is_not_cached(tokenizer: PromptTokenizer) -> None:
+    cached = CachedChatTokenizer(tokenizer, max_tokens=10)
+    messages = [{"role": "user", "content": "far more than ten tokens " * 5}]
+    assert cached.chat_ids(messages) == tokenizer.chat_ids(messages)
+    assert cached.entries == 0 and cached.cached_tokens == 0
+
+
+# --- when cutting is safe: tokenizer.json alone, then real pipelines built here --------------------------
+
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+FIRST = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}
+
+
+def config(
+    *tokens: dict[str, Any], pre: Any = BYTE_LEVEL, normalizer: Any = None, **model: Any
+) -> dict[str, Any]:
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    added = [{"id": i, **flags, **token} for i, token in enumerate(tokens)]
+    return {
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre,
+        "model": {"type": "BPE", **model},
+    }
+
+
+S, EOS = {"content": "<s>"}, {"content": "</s>"}
+
+
+@pytest.mark.parametrize(
+    ("name", "tokenizer_json", "splits_special", "expected"),
+    [
+        ("plain special tokens", config(S, EOS), False, {"<s>", "</s>"}),
+        ("non-special added token", config({"content": "<|x|>", "special": False}), False, {"<|x|>"}),
+        ("rstrip eats what follows", config(S, {"content": "</s>", "rstrip": True}), False, {"<s>"}),
+        ("lstrip", config({"content": "</s>", "lstrip": True}), False, set()),
+        ("single_word", config({"content": "</s>", "single_word": True}), False, set()),
+        ("matched after normalization", config({"content": "</s>", "normalized": True}), False, set()),
+        ("contained in another token", config(EOS, {"content": "</s>>"}), False, set()),
+        ("contains another token", config({"content": "<|a|>"}, {"content": "a"}), False, set()),
+        ("suffix is another's prefix", config(S, {"content": "[a|"}, {"content": "|b]"}), False, {"<s>"}),
+        ("overlaps itself", config({"content": "<|<|"}), False, set()),
+        ("whitespace at an edge", config({"content": "\n<x>"}, {"content": "<y> "}), False, set()),
+        ("ends with a word character", config({"content": "<x>x"}), False, set()),
+        ("special tokens split as text", config(S, EOS), True, set()),
+        ("bpe dropout", config(S, EOS, dropout=0.1), False, set()),
+        ("metaspace first", config(S, pre=FIRST), False, set()),
+        (
+            "metaspace first in a sequence",
+            config(S, pre={"type": "Sequence", "pretokenizers": [BYTE_LEVEL, FIRST]}),
+            False,
+            set(),
+        ),
+        ("metaspace always", config(S, pre={**FIRST, "prepend_scheme": "always"}), False, {"<s>"}),
+        ("unknown pre-tokenizer", config(S, pre={"type": "SomethingNew"}), False, set()),
+        (
+            "legacy llama normalizer",
+            config(
+                S,
+                pre=None,
+                normalizer={
+                    "type": "Sequence",
+                    "normalizers": [{"type": "Prepend", "prepend": "▁"}, {"type": "Replace"}],
+                },
+            ),
+            False,
+            {"<s>"},
+        ),
+        ("unknown normalizer", config(S, normalizer={"type": "SomethingNew"}), False, set()),
+    ],
+)
+def test_cut_tokens_from_tokenizer_json(
+    name: str, tokenizer_json: dict[str, Any], splits_special: bool, expected: set[str]
+) -> None:
+    assert set(cut_tokens(tokenizer_json, splits_special)) == expected, name
+
+
+CORPUS = [
+    "hello world, this is a test of the tokenizer",
+    " x  y\nz é 🙂 日本語",
+    "def f(x):\n    return x",
+] * 8
+
+
+def build_tokenizer(directory: Path, pre_tokenizer: Any, normalizer: Any) -> PromptTokenizer:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer, backend.normalizer = pre_tokenizer, normalizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(str(directory))
+    config_path = directory / "tokenizer_config.json"
+    settings = json.loads(config_path.read_text())
+    settings.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
+    config_path.write_text(json.dumps(settings))
+    return PromptTokenizer(directory)
+
+
+def _pipelines() -> dict[str, tuple[Callable[[], Any], Callable[[], Any], bool]]:
+    from tokenizers import normalizers, pre_tokenizers
+
+    legacy = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return {  # name: (pre-tokenizer, normalizer, cut after </s> is exact)
+        "byte level with prefix space": (
+            lambda: pre_tokenizers.ByteLevel(add_prefix_space=True),
+            lambda: None,
+            True,
+        ),
+        "metaspace always": (lambda: pre_tokenizers.Metaspace(prepend_scheme="always"), lambda: None, True),
+        "legacy llama": (lambda: None, lambda: legacy, True),
+        "whitespace, stripped, lowercased": (
+            pre_tokenizers.Whitespace,
+            lambda: normalizers.Sequence([normalizers.Strip(), normalizers.Lowercase()]),
+            True,
+        ),
+        "metaspace first": (lambda: pre_tokenizers.Metaspace(prepend_scheme="first"), lambda: None, False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_pipelines()))
+def test_other_pipelines_cut_only_where_it_is_exact(tmp_path: Path, name: str) -> None:
+    pre_tokenizer, normalizer, safe = _pipelines()[name]
+    tokenizer = build_tokenizer(tmp_path, pre_tokenizer(), normalizer())
+    split = tokenizer.text_ids("a</s>", False) + tokenizer.text_ids("x y", False)
+    assert (split == tokenizer.text_ids("a</s>x y", False)) is safe  # so the refusal below matters
+    cached = CachedChatTokenizer(tokenizer)
+    assert ("</s>" in cached.cut_tokens) is safe
+    rng = random.Random(3)
+    for _ in range(3):
+        play_session(cached, rng, 6, "You are a careful coding agent.")
+    assert (cached.stats.hits > 0) is safe
+
+
+@pytest.mark.parametrize("name", ["tokenize_chat", "tokenize_chat_gen", "tokenize_completion"])
+def test_tiny_tokenizer_ids_equal_real_vllm(cached: CachedChatTokenizer, name: str) -> None:
+    captured = {entry["name"]: entry for entry in json.loads(CAPTURE.read_text())["requests"]}[name]
+    request, expected = captured["request"], captured["response"]["tokens"]
+    if "messages" in request:
+        flags = {"add_generation_prompt": request.get("add_generation_prompt", True)}
+        assert cached.tokenizer.chat_ids(request["messages"], **flags) == expected
+        assert cached.chat_ids(request["messages"], **flags) == expected
+        assert cached.chat_ids(request["messages"], **flags) == expected and cached.stats.hits == 1
+    else:
+        assert cached.completion_ids(request["prompt"]) == expected
+
+
+# --- RemoteTokenizer ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def instance_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ports = FleetPorts.allocate(1)
+    with running_fleet(ports, tmp_path_factory.mktemp("fleet")):
+        yield f"http://127.0.0.1:{ports.http}"
+
+
+async def remote_ids(url: str, method: str, *args: Any, timeout_s: float = 10.0, **kwargs: Any) -> list[int]:
+    async with aiohttp.ClientSession() as session:
+        remote = RemoteTokenizer(session, url, MODEL_NAME, timeout_s)
+        result: list[int] = await getattr(remote, method)(*args, **kwargs)
+        return result
+
+
+CHAT = [
+    {"role": "system", "content": "You are a careful coding agent."},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "fix it 🙂"}, {"type": "text", "text": "now </s>"}],
+    },
+    {"role": "assistant", "content": "On it"},
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "kwargs"),
+    [
+        ("chat_ids", (CHAT,), {}),
+        ("chat_ids", (CHAT,), {"add_generation_prompt": False}),
+        ("chat_ids", (CHAT,), {"add_generation_prompt": False, "continue_final_message": True}),
+        ("chat_ids", (CHAT,), {"add_special_tokens": True}),
+        ("completion_ids", ("def f(x):\n    return x",), {}),
+        ("completion_ids", ("def f(x):",), {"add_special_tokens": False}),
+        ("completion_ids", ([5, 6, 7],), {}),
+    ],
+)
+def test_remote_ids_equal_local_ones(
+    instance_url: str, tokenizer: PromptTokenizer, method: str, args: tuple[Any, ...], kwargs: dict[str, bool]
+) -> None:
+    expected = getattr(tokenizer, method)(*args, **kwargs)
+    assert asyncio.run(remote_ids(instance_url, method, *args, **kwargs)) == expected
+
+
+def test_remote_failures_raise_tokenize_failed(instance_url: str) -> None:
+    dead = f"http://127.0.0.1:{free_port_block(1)}"
+    with pytest.raises(TokenizeFailed) as refused:
+        asyncio.run(remote_ids(dead, "completion_ids", "hi"))
+    assert isinstance(refused.value.__cause__, aiohttp.ClientConnectionError)
+    with pytest.raises(TokenizeFailed, match="answered 400"):  # the instance rejects a message without a role
+        asyncio.run(remote_ids(instance_url, "chat_ids", [{"content": "hi"}]))
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "cause", "message"),
+    [
+        (500, b'{"error": "boom"}', type(None), "answered 500"),
+        (200, b"not json", msgspec.DecodeError, "unreadable"),
+        (200, b'{"count": 1, "tokens": ["a"]}', msgspec.DecodeError, "unreadable"),
+        (200, b'{"count": 3, "tokens": [1]}', type(None), "count 3"),
+    ],
+)
+def test_bad_answers_raise_tokenize_failed(status: int, body: bytes, cause: type, message: str) -> None:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/tokenize", handler)
+        async with TestServer(app, host="127.0.0.1") as server:
+            with pytest.raises(TokenizeFailed, match=message) as failed:
+                await remote_ids(str(server.make_url("")), "completion_ids", "hi")
+            assert isinstance(failed.value.__cause__, cause)
+
+    asyncio.run(main())
+
+
+def test_a_silent_instance_times_out_as_tokenize_failed() -> None:
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def handler(request: web.Request) -> web.Response:
+            await never.wait()
+            return web.Response()
+
+        app = web.Application()
+        app.router.add_post("/tokenize", handler)
+        async with TestServer(app, host="127.0.0.1") as server:
+            with pytest.raises(TokenizeFailed) as failed:
+                await remote_ids(str(server.make_url("")), "completion_ids", "hi", timeout_s=0.2)
+            assert isinstance(failed.value.__cause__, TimeoutError)
+
+    asyncio.run(main())
