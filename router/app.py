@@ -20,6 +20,7 @@ from router.block_index import BlockIndex
 from router.config import REMOTE_TOKENIZER, RouterConfig
 from router.errors import OpenAIError
 from router.health import HealthChecker
+from router.index_metrics import IndexCollector
 from router.instances import Fleet
 from router.kv_subscriber import KVEventSubscriber
 from router.load_scraper import LoadScraper
@@ -40,6 +41,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     fleet = Fleet(config)
     metrics = RouterMetrics()
     index = BlockIndex(config.block_size, config.index.max_entries, config.index.speculative_ttl_s)
+    metrics.registry.register(IndexCollector(index))
     cache = config.tokenization
     tokenizers: dict[str, LocalTokenizer] = {
         m.name: CachedChatTokenizer(

@@ -9,6 +9,7 @@ tokens under another adapter are another cache entry.
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,8 +39,68 @@ def chain(
     data = memoryview(array("I", token_ids[: count * block_size]).tobytes()) if count else memoryview(b"")
     step = block_size * 4
     hashes = [0] * count
-    for index in range(count):
-        if extra_keys is not None and extra_keys[index] is not None:
-            parent = _xxh3(_pack(extra_keys[index]), seed=parent)
-        parent = hashes[index] = _xxh3(data[index * step : (index + 1) * step], seed=parent)
+    if extra_keys is not None and any(key is not None for key in extra_keys):
+        for index in range(count):
+            if extra_keys[index] is not None:
+                parent = _xxh3(_pack(extra_keys[index]), seed=parent)
+            parent = hashes[index] = _xxh3(data[index * step : (index + 1) * step], seed=parent)
+        return hashes
+    for index, start in enumerate(range(0, count * step, step)):
+        parent = hashes[index] = _xxh3(data[start : start + step], seed=parent)
     return hashes
+
+
+class ChainCache:
+    """Reuses the block hashes of recent prompts: an agent's turn resends the previous turn verbatim.
+
+    Every `stride` blocks of a hashed prompt, a digest of its token bytes so far is remembered together with
+    its chain; a later prompt hashes only from the longest remembered boundary it shares. Bounded by the
+    number of chains kept, oldest first.
+    """
+
+    def __init__(self, block_size: int, stride: int = 64, max_chains: int = 256) -> None:
+        self.block_size, self.stride, self.max_chains = block_size, stride, max_chains
+        self._chains: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()  # id -> (chain, digests)
+        self._boundaries: dict[int, tuple[int, int]] = {}  # digest -> (chain id, blocks before it)
+        self._next_id = 0
+        self.reused_blocks = 0
+
+    def chain(self, token_ids: Sequence[int], root: int = ROOT) -> list[int]:
+        size, stride = self.block_size, self.stride
+        count = len(token_ids) // size
+        if count < stride:
+            return chain(token_ids, size, root)
+        data = memoryview(array("I", token_ids[: count * size]).tobytes())
+        span = size * 4 * stride
+        streaming = xxhash.xxh3_64(seed=root)
+        digests = []
+        for end in range(span, count * size * 4 + 1, span):
+            streaming.update(data[end - span : end])
+            digests.append(streaming.intdigest())
+        hashes: list[int] = []
+        for digest in reversed(digests):
+            found = self._boundaries.get(digest)
+            if found is not None:
+                chain_id, blocks = found
+                hashes = self._chains[chain_id][0][:blocks]
+                self._chains.move_to_end(chain_id)
+                break
+        self.reused_blocks += len(hashes)
+        tail_start = len(hashes) * size
+        hashes += chain(token_ids[tail_start : count * size], size, hashes[-1] if hashes else root)
+        self._remember(hashes, digests)
+        return hashes
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def _remember(self, hashes: list[int], digests: list[int]) -> None:
+        chain_id, self._next_id = self._next_id, self._next_id + 1
+        self._chains[chain_id] = (hashes, digests)
+        for number, digest in enumerate(digests, start=1):
+            self._boundaries[digest] = (chain_id, number * self.stride)
+        while len(self._chains) > self.max_chains:
+            old_id, (_, old_digests) = self._chains.popitem(last=False)
+            for digest in old_digests:
+                if self._boundaries.get(digest, (None, 0))[0] == old_id:
+                    del self._boundaries[digest]

@@ -11,12 +11,15 @@ Entries are bounded: past max_entries, the least recently stored entries of the 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import cast
 
 from router import block_hashing
 from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -128,17 +131,31 @@ class BlockIndex:
                 return
             parent = packed >> _COUNT_BITS
         own = block_hashing.chain(event.token_ids, size, parent, event.extra_keys)
+        hashes = event.block_hashes
+        # Integer hashes are vLLM's 64 bits already; only bytes hashes need converting.
+        keys = cast(list[int], hashes) if type(hashes[0]) is int else [_key(h) for h in hashes]
         holders, bit = self._holders[tier], state.bit
+        if not any(map(blocks.__contains__, keys)) and not any(map(holders.__contains__, own)):
+            # The common case, all blocks new to everyone: bulk inserts in C, tail first (see below).
+            holders.update(zip(reversed(own), itertools.repeat(bit)))
+            blocks.update(zip(reversed(keys), [(h << _COUNT_BITS) + 1 for h in reversed(own)], strict=True))
+            self._entries += len(own)
+            self.stats.stored += len(own)
+            return
+        pop, held = blocks.pop, holders.get
+        added = 0
         # Tail first: the bound drops an owner's oldest-inserted entries first, and like vLLM's eviction it
-        # should cut chains from their ends, not their roots.
-        for vllm_hash, own_hash in zip(reversed(event.block_hashes), reversed(own), strict=True):
-            key = _key(vllm_hash)
-            packed = blocks.pop(key, None)
+        # should cut chains from their ends, not their roots. Re-inserting makes an entry the newest.
+        for index in range(len(own) - 1, -1, -1):
+            key, own_hash = keys[index], own[index]
+            packed = pop(key, None)
             if packed is None:
-                packed = own_hash << _COUNT_BITS
-                self._entries += 1
-                holders[own_hash] = holders.get(own_hash, 0) | bit
-            blocks[key] = packed + 1 if packed & _COUNT_MASK != _COUNT_MASK else packed  # re-insert: newest
+                added += 1
+                holders[own_hash] = held(own_hash, 0) | bit
+                blocks[key] = (own_hash << _COUNT_BITS) + 1
+            else:
+                blocks[key] = packed + 1 if packed & _COUNT_MASK != _COUNT_MASK else packed
+        self._entries += added
         self.stats.stored += len(own)
 
     def _remove(self, state: _OwnerState, tier: Tier, vllm_hashes: Sequence[BlockHash]) -> None:
@@ -243,12 +260,12 @@ class BlockIndex:
                 matches[name] = found
         return matches
 
-    def speculate(self, instance: str, chain: Sequence[int]) -> None:
-        """Enter a routed request's blocks for its instance until the real BlockStored events arrive."""
+    def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> None:
+        """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive."""
         bit = self._owner((instance, 0)).bit
         deadline = self._clock() + self._ttl
         pending, until = self._pending, self._pending_until
-        for block in chain:
+        for block in itertools.islice(chain, start, None):
             pending[block] = pending.get(block, 0) | bit
             until[block, bit] = deadline
             self._pending_expiry.append((deadline, block, bit))
@@ -274,6 +291,23 @@ class BlockIndex:
 
     def entries_by_owner(self) -> dict[Owner, tuple[int, ...]]:
         return {owner: tuple(len(b) for b in state.blocks) for owner, state in self._owners.items()}
+
+    def footprint_bytes(self, sample: int = 256) -> int:
+        """Memory held by the index: exact dict tables, key and value objects sized from a sample of each."""
+        maps = [*self._holders, self._pending, *(b for s in self._owners.values() for b in s.blocks)]
+        total = 0
+        for mapping in maps:
+            total += sys.getsizeof(mapping)
+            if mapping:
+                items = list(itertools.islice(mapping.items(), sample))
+                per_item = sum(_object_bytes(k) + _object_bytes(v) for k, v in items) / len(items)
+                total += int(per_item * len(mapping))
+        return total
+
+
+def _object_bytes(value: int) -> int:
+    """CPython shares the ints -5..256: an owner mask of 1, 2 or 4 costs its dict slot only."""
+    return 0 if -5 <= value <= 256 else sys.getsizeof(value)
 
 
 def _bits(mask: int) -> list[int]:

@@ -65,6 +65,7 @@ class Router:
         """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up."""
         self._index = index
         self._tokenizers = tokenizers
+        self._chains = block_hashing.ChainCache(block_size)
         self._block_size = block_size
         self._metrics = metrics
         self._remote = remote
@@ -77,7 +78,7 @@ class Router:
             log.debug("routing without prefix knowledge: %s", exc)
             self._metrics.untokenized(type(exc).__name__).inc()
             ids = []
-        chain = block_hashing.chain(ids, self._block_size) if ids else []
+        chain = self._chains.chain(ids) if ids else []
         matches = self._index.match(chain) if chain else {}
         request = RoutingRequest(body.model, session_key, len(ids), len(chain), self._block_size, matches)
         return Prepared(request, chain)
@@ -85,13 +86,14 @@ class Router:
     def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
         started = time.perf_counter()
         instance = candidates[policy.choose(prepared.request, candidates)]
-        if prepared.chain:
-            self._index.speculate(instance.name, prepared.chain)
-        self._metrics.decision.observe(time.perf_counter() - started)
         match = prepared.request.matches.get(instance.name, NO_MATCH)
+        held = match.gpu + match.cpu + match.pool
+        if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
+            self._index.speculate(instance.name, prepared.chain, start=held)
+        self._metrics.decision.observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
         # The engine always computes the last prompt token, so a fully cached prompt hits one block less.
-        cached = min(match.gpu + match.cpu + match.pool, max(tokens - 1, 0) // self._block_size)
+        cached = min(held, max(tokens - 1, 0) // self._block_size)
         return Decision(
             instance, tokens, prepared.request.prompt_blocks, cached, tokens - cached * self._block_size
         )

@@ -214,3 +214,16 @@ def test_bounded_index_stays_within_its_bound_under_random_events(bound: int) ->
         index.apply(owner, [stored(0, r.randrange(1, 10))] if r.random() < 0.7 else [removed(r.randrange(10))])
         assert 0 <= index.entries <= bound
         assert index.entries == sum(sum(sizes) for sizes in index.entries_by_owner().values())
+
+
+def test_chain_cache_equals_plain_hashing_and_reuses_shared_prefixes() -> None:
+    r = random.Random(5)
+    cache = block_hashing.ChainCache(BS, stride=3, max_chains=4)
+    history: list[int] = []
+    for turn in range(12):
+        history += [r.randrange(500) for _ in range(r.randrange(1, 30))]
+        variant = [*history[:-5], 7, 7, 7] if turn % 4 == 3 else history  # an edited tail now and then
+        assert cache.chain(variant) == block_hashing.chain(variant, BS)
+        assert cache.chain(variant, root=9) == block_hashing.chain(variant, BS, 9)
+    assert cache.reused_blocks > 0
+    assert len(cache) == 4  # chains kept, oldest dropped

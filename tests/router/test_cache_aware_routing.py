@@ -68,6 +68,9 @@ def test_later_turns_follow_their_prefix_and_the_prediction_is_what_the_engine_r
         chosen.append(instance)
         messages.append({"role": "assistant", "content": reply})
     assert chosen[1:] == [chosen[0]] * 4
+    assert metric(url, "kvroute_index_blocks", instance=chosen[0], tier="gpu") >= cached
+    assert metric(url, "kvroute_index_bytes") > 0
+    assert metric(url, "kvroute_kv_events_total", instance=chosen[0], type="BlockStored") >= 5
 
 
 def test_concurrent_sessions_spread_instead_of_piling_on_the_shared_system_prompt(

@@ -1,0 +1,34 @@
+"""The block index as Prometheus sees it, read at scrape time so ingest and lookup pay nothing for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.block_index import BlockIndex, Tier
+
+
+class IndexCollector:
+    def __init__(self, index: BlockIndex) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        index = self._index
+        blocks: dict[tuple[str, str], int] = {}
+        for (instance, _), sizes in index.entries_by_owner().items():  # ranks of an instance add up
+            for tier, size in zip(Tier, sizes, strict=True):
+                key = (instance, tier.name.lower())
+                blocks[key] = blocks.get(key, 0) + size
+        family = GaugeMetricFamily(
+            "kvroute_index_blocks", "Blocks the index holds by instance and tier", labels=["instance", "tier"]
+        )
+        for labels, size in sorted(blocks.items()):
+            family.add_metric(list(labels), size)
+        yield family
+        yield GaugeMetricFamily("kvroute_index_bytes", "Memory the index holds", index.footprint_bytes())
+        yield GaugeMetricFamily("kvroute_index_max_blocks", "Bound on index entries", index.max_entries)
+        stats = index.stats
+        yield CounterMetricFamily("kvroute_index_evicted_blocks", "Dropped for the bound", stats.evicted)
+        yield CounterMetricFamily("kvroute_index_orphaned_blocks", "Parent never seen", stats.orphaned)
+        yield CounterMetricFamily("kvroute_index_mismatched_events", "Wrong block size", stats.mismatched)
