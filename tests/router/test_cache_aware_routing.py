@@ -119,3 +119,18 @@ def test_a_restarted_router_rebuilds_its_index_from_the_engines_replay_buffers(
         instance, cached, _, _ = _turn(fresh, messages, "after-restart")
     assert instance == first
     assert cached > 0
+
+
+def test_without_a_local_tokenizer_the_router_asks_an_instance(stack: tuple[FleetPorts, str], tmp_path: Path) -> None:
+    ports, _ = stack
+    config = ports.router_config()
+    config["models"] = [{"name": "tiny-llama", "tokenizer": "remote"}]
+    messages = [{"role": "system", "content": f"Remote {random.random()}: " + WORKLOAD.system_prompt()},
+                {"role": "user", "content": WORKLOAD.user_message(3000, 0)}]  # fmt: skip
+    with running_router(config, tmp_path) as url:
+        first, _, prompt_blocks, reply = _turn(url, messages, "remote")
+        assert prompt_blocks > 0
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "next"}]
+        instance, cached, _, _ = _turn(url, messages, "remote")
+        assert instance == first
+        assert cached > 0.8 * prompt_blocks
