@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scorers.base import Candidate, Params, Registration, RoutingRequest, Scorer
+from scorers.base import Candidate, Params, Registration, RoutingRequest, Scorer, lower_is_better
 
 
 class InflightLoadParams(Params):
@@ -20,13 +20,6 @@ class InflightLoadScorer:
         pass
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        loads = [c.in_flight for c in candidates]
-        if not loads:
-            return []
-        low, high = min(loads), max(loads)
-        if high == low:
-            return [1.0] * len(loads)
-        return [(high - load) / (high - low) for load in loads]
-
+        return lower_is_better([c.in_flight for c in candidates])
 
 REGISTRATION: Registration[Scorer] = Registration(InflightLoadParams, InflightLoadScorer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scorers.base import Candidate, Params, Registration, RoutingRequest, Scorer
+from scorers.base import Candidate, Params, Registration, RoutingRequest, Scorer, lower_is_better
 
 
 class QueueDepthParams(Params):
@@ -20,14 +20,7 @@ class QueueDepthScorer:
         pass
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        depths = [None if c.load is None else c.load.waiting for c in candidates]
-        known = [d for d in depths if d is not None]
-        if not known:
-            return [0.0] * len(candidates)
-        low, high = min(known), max(known)
-        if high == low:
-            return [0.0 if d is None else 1.0 for d in depths]
-        return [0.0 if d is None else (high - d) / (high - low) for d in depths]
+        return lower_is_better([None if c.load is None else c.load.waiting for c in candidates])
 
 
 REGISTRATION: Registration[Scorer] = Registration(QueueDepthParams, QueueDepthScorer)
