@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,7 @@ def test_concurrent_sessions_spread_instead_of_piling_on_the_shared_system_promp
     sessions, turns = 9, 4
 
     def session(number: int) -> list[tuple[str, int]]:
+        time.sleep(0.03 * number)  # agents start a few ms apart, not in the same millisecond
         messages = [system]
         seen = []
         for turn in range(turns):
@@ -96,9 +98,9 @@ def test_concurrent_sessions_spread_instead_of_piling_on_the_shared_system_promp
     assert len(homes) == 3, homes  # every instance is home to some sessions
     assert max(homes.values()) <= 5, homes
     # A session may move when staying means queuing behind other sessions' first prefills (over twice the
-    # cost elsewhere); most turns stay.
-    stays = sum(instance == seen[0][0] for seen in results for instance, _ in seen[1:])
-    assert stays >= 0.7 * sessions * (turns - 1), results
+    # cost elsewhere); it then stays where it went.
+    moves = sum(seen[t][0] != seen[t - 1][0] for seen in results for t in range(1, turns))
+    assert moves <= 0.2 * sessions * (turns - 1), results
     later_hits = [cached > 0 for seen in results for _, cached in seen[1:]]
     assert sum(later_hits) >= 0.8 * len(later_hits)
 
