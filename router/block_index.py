@@ -11,8 +11,10 @@ Entries are bounded: past max_entries, the least recently stored entries of the 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
+import operator
 import sys
 import time
 from collections import deque
@@ -225,20 +227,16 @@ class BlockIndex:
         tiers = [(tier, holders) for tier, holders in zip(Tier, self._holders, strict=True) if holders]
         if self._pending:
             tiers.append((Tier.GPU, self._pending))
-        ends: dict[int, int] = {}  # owner bit -> length of its contiguous match
-        alive = 0
-        for position, block in enumerate(chain if tiers else ()):
-            held = 0
-            for _, holders in tiers:
-                held |= holders.get(block, 0)
-            still = held if position == 0 else alive & held
-            for bit in _bits(alive & ~still):
-                ends[bit] = position
-            alive = still
-            if not alive:
-                break
-        for bit in _bits(alive):
-            ends[bit] = len(chain)
+        if not tiers or not chain:
+            return {}
+        # All in C: each block's holders, then the running AND (owners holding every block so far). It never
+        # grows, so where an owner's bit leaves it is found by bisection.
+        zeros = itertools.repeat(0)
+        held = list(map(tiers[0][1].get, chain, zeros))
+        for _, holders in tiers[1:]:
+            held = list(map(operator.or_, held, map(holders.get, chain, zeros)))
+        alive = list(itertools.accumulate(held, operator.and_))
+        ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
         return self._attribute(chain, ends, tiers)
 
     def _attribute(
@@ -308,6 +306,11 @@ class BlockIndex:
 def _object_bytes(value: int) -> int:
     """CPython shares the ints -5..256: an owner mask of 1, 2 or 4 costs its dict slot only."""
     return 0 if -5 <= value <= 256 else sys.getsizeof(value)
+
+
+def _match_length(alive: list[int], bit: int) -> int:
+    """Blocks before bit leaves the running AND; the masks never gain bits, so this is a bisection."""
+    return bisect.bisect_left(alive, True, key=lambda mask: not mask & bit)
 
 
 def _bits(mask: int) -> list[int]:

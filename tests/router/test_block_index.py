@@ -121,6 +121,14 @@ def test_tiers_are_credited_to_the_best_copy() -> None:
     assert index.match(prompt()) == {}
 
 
+def test_gpu_cpu_and_speculative_entries_combine() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2), stored(0, 4, medium="CPU", salt=5)])
+    index.speculate("a", prompt(), start=4)
+    index.apply(B, [stored(0, 3, salt=1)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=8, cpu=2), "b": TierMatch(gpu=3)}
+
+
 def test_ranks_of_one_instance_are_kept_apart_and_the_best_counts() -> None:
     index = BlockIndex(BS)
     index.apply(("a", 0), [stored(0, 2)])
