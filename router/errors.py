@@ -46,3 +46,11 @@ def unavailable(message: str, code: str, retry_after_s: int) -> OpenAIError:
     return OpenAIError(
         503, message, "service_unavailable_error", code, headers={"Retry-After": str(retry_after_s)}
     )
+
+
+def upstream_failed(instance: str, cause: BaseException) -> OpenAIError:
+    """502: the instance accepted the request but its answer broke off (the request may have run)."""
+    return OpenAIError(
+        502, f"Instance {instance} failed while answering: {type(cause).__name__}.", "upstream_error",
+        "upstream_failed",
+    )  # fmt: skip

@@ -56,9 +56,10 @@ class RouterMetrics:
             Histogram("kvroute_request_duration_seconds", "End-to-end time of proxied requests",
                       ["policy"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
-        self.decision = Histogram(
-            "kvroute_routing_decision_seconds", "Time to choose an instance", buckets=_DECISION_BUCKETS,
-            registry=r,
+        self.decision = Family(
+            Histogram("kvroute_routing_decision_seconds",
+                      "Routing time by stage: prepare (tokenize, hash, look up) and choose (score, pick)",
+                      ["stage"], buckets=_DECISION_BUCKETS, registry=r)
         )  # fmt: skip
         self.upstream_errors = Family(
             Counter("kvroute_upstream_errors", "Failures reaching an instance, by kind",

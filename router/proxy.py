@@ -15,7 +15,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.config import UpstreamConfig
-from router.errors import bad_request, model_not_found, unavailable
+from router.errors import bad_request, model_not_found, unavailable, upstream_failed
 from router.health import HealthChecker
 from router.instances import Fleet, Instance
 from router.metrics import RouterMetrics
@@ -109,6 +109,9 @@ class Proxy:
         try:
             payload = await routed.upstream.read()
             self._first_byte(routed)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self._metrics.upstream_errors(routed.instance.name, "read").inc()
+            raise upstream_failed(routed.instance.name, exc) from exc
         finally:
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)

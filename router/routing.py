@@ -71,6 +71,7 @@ class Router:
         self._remote = remote
 
     async def prepare(self, body: ChatRequest | CompletionRequest, session_key: str | None) -> Prepared:
+        started = time.perf_counter()
         try:
             ids = await self._token_ids(body)
         except (InvalidPrompt, TokenizeFailed) as exc:
@@ -79,8 +80,15 @@ class Router:
             self._metrics.untokenized(type(exc).__name__).inc()
             ids = []
         chain = self._chains.chain(ids) if ids else []
-        matches = self._index.match(chain) if chain else {}
-        request = RoutingRequest(body.model, session_key, len(ids), len(chain), self._block_size, matches)
+        request = RoutingRequest(
+            model=body.model,
+            session_key=session_key,
+            prompt_tokens=len(ids),
+            prompt_blocks=len(chain),
+            block_size=self._block_size,
+            matches=self._index.match(chain) if chain else {},
+        )
+        self._metrics.decision("prepare").observe(time.perf_counter() - started)
         return Prepared(request, chain)
 
     def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
@@ -90,7 +98,7 @@ class Router:
         held = match.gpu + match.cpu + match.pool
         if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
             self._index.speculate(instance.name, prepared.chain, start=held)
-        self._metrics.decision.observe(time.perf_counter() - started)
+        self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
         # The engine always computes the last prompt token, so a fully cached prompt hits one block less.
         cached = min(held, max(tokens - 1, 0) // self._block_size)

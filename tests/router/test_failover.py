@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from tests.conftest import metric
@@ -85,3 +88,48 @@ def test_an_instance_that_comes_up_later_is_taken_back(tmp_path: Path) -> None:
             status, headers, _ = post(url + "/v1/completions", BODY)
             assert status == 200
             assert headers["x-kvroute-instance"] == "fleet-0"
+
+
+@pytest.fixture
+def breaking_upstream() -> Iterator[int]:
+    """An instance that answers /health but breaks every completion off after its headers."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "1000"})
+        await response.prepare(request)
+        await response.write(b'{"id": "cut')
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", broken)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = free_port_block(1)
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+def test_an_answer_that_breaks_off_is_a_502_in_openai_shape(breaking_upstream: int, tmp_path: Path) -> None:
+    config = {"models": [{"name": "tiny-llama"}],
+              "instances": [{"name": "flaky", "url": f"http://127.0.0.1:{breaking_upstream}"}]}  # fmt: skip
+    with running_router(config, tmp_path) as url:
+        status, _, payload = post(url + "/v1/completions", BODY)
+        assert status == 502
+        assert json.loads(payload)["error"]["code"] == "upstream_failed"
+        assert metric(url, "kvroute_upstream_errors_total", instance="flaky", kind="read") == 1
+        assert metric(url, "kvroute_instance_in_flight", instance="flaky") == 0
