@@ -36,17 +36,21 @@ def chain(
     extra_keys, when given, holds one entry per block (None for most) mixed into that block's hash.
     """
     count = len(token_ids) // block_size
-    data = memoryview(array("I", token_ids[: count * block_size]).tobytes()) if count else memoryview(b"")
+    full = count * block_size
+    data = array("I", token_ids if len(token_ids) == full else token_ids[:full]).tobytes()
     step = block_size * 4
-    hashes = [0] * count
+    hashes: list[int] = []
+    append = hashes.append
     if extra_keys is not None and any(key is not None for key in extra_keys):
         for index in range(count):
             if extra_keys[index] is not None:
-                parent = _xxh3(_pack(extra_keys[index]), seed=parent)
-            parent = hashes[index] = _xxh3(data[index * step : (index + 1) * step], seed=parent)
+                parent = _xxh3(_pack(extra_keys[index]), parent)
+            parent = _xxh3(data[index * step : (index + 1) * step], parent)
+            append(parent)
         return hashes
-    for index, start in enumerate(range(0, count * step, step)):
-        parent = hashes[index] = _xxh3(data[start : start + step], seed=parent)
+    for start in range(0, full * 4, step):  # the hot loop: positional seed, bytes slices, no index
+        parent = _xxh3(data[start : start + step], parent)
+        append(parent)
     return hashes
 
 

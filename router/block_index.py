@@ -137,8 +137,9 @@ class BlockIndex:
         # Integer hashes are vLLM's 64 bits already; only bytes hashes need converting.
         keys = cast(list[int], hashes) if type(hashes[0]) is int else [_key(h) for h in hashes]
         holders, bit = self._holders[tier], state.bit
-        if not any(map(blocks.__contains__, keys)) and not any(map(holders.__contains__, own)):
-            # The common case, all blocks new to everyone: bulk inserts in C, tail first (see below).
+        # Every key in an owner's map has its kvroute hash in the holders map, so blocks no one holds are
+        # also new to this owner: the common case, bulk inserted in C, tail first (see below).
+        if not any(map(holders.__contains__, own)):
             holders.update(zip(reversed(own), itertools.repeat(bit)))
             blocks.update(zip(reversed(keys), [(h << _COUNT_BITS) + 1 for h in reversed(own)], strict=True))
             self._entries += len(own)
