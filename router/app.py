@@ -57,11 +57,15 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Idle upstream connections close before uvicorn's (vLLM's server) 5 s keep-alive would drop them
+        # under a request; bodies are relayed as they come, so nothing asks upstreams to compress.
         connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=config.upstream.max_connections_per_instance, keepalive_timeout=60
+            limit=0, limit_per_host=config.upstream.max_connections_per_instance, keepalive_timeout=4
         )
         zmq_context = zmq.asyncio.Context()
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        async with aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
+        ) as session:
             health = HealthChecker(fleet, session, config.health, metrics)
 
             def remote_tokenizer(model: str) -> RemoteTokenizer | None:

@@ -103,7 +103,8 @@ class BlockIndex:
         state = self._owner(owner)
         for event in events:
             if isinstance(event, BlockStored):
-                self._store(state, event)
+                if event.block_hashes:
+                    self._store(state, event)
             elif isinstance(event, BlockRemoved):
                 self._remove(state, self._tier(event.medium), event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -119,7 +120,13 @@ class BlockIndex:
 
     def _store(self, state: _OwnerState, event: BlockStored) -> None:
         size = self.block_size
-        if event.block_size != size or len(event.token_ids) != len(event.block_hashes) * size:
+        extra = event.extra_keys
+        if (
+            event.block_size != size
+            or len(event.token_ids) != len(event.block_hashes) * size
+            or (extra is not None and len(extra) != len(event.block_hashes))
+            or max(event.token_ids) >= 1 << 32  # kvroute hashes token ids as uint32
+        ):
             self.stats.mismatched += 1
             return
         tier = self._tier(event.medium)
@@ -191,13 +198,18 @@ class BlockIndex:
             blocks.clear()
 
     def _shrink(self) -> None:
-        while self._entries > self.max_entries:
+        """Evict down to 99% of the bound, in batches from the front of the largest owner's largest map
+        (one by one, each front lookup would rescan the slots of the entries popped before it); a batch is at
+        most 1/16 of that owner, so owners shrink evenly."""
+        target = self.max_entries - self.max_entries // 100
+        while self._entries > target:
             state = max(self._owners.values(), key=_OwnerState.size)
             tier = max(Tier, key=lambda t: len(state.blocks[t]))
             blocks = state.blocks[tier]
-            packed = blocks.pop(next(iter(blocks)))
-            self._release(tier, packed >> _COUNT_BITS, state.bit)
-            self.stats.evicted += 1
+            batch = min(self._entries - target, max(1, state.size() // 16))
+            for key in list(itertools.islice(blocks, batch)):
+                self._release(tier, blocks.pop(key) >> _COUNT_BITS, state.bit)
+                self.stats.evicted += 1
 
     def _find(self, state: _OwnerState, key: int) -> int | None:
         for blocks in state.blocks:

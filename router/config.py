@@ -120,9 +120,17 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
 
 class UpstreamConfig(_Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0)
-    first_byte_timeout_s: float = Field(default=600.0, gt=0, description="prefill of a long prompt is slow")
+    first_byte_timeout_s: float = Field(
+        default=600.0, gt=0, description="streams: to the first byte (prefill is slow) and between chunks"
+    )
+    response_timeout_s: float = Field(
+        default=3600.0, gt=0, description="non-streamed requests: the whole answer arrives at the end"
+    )
+    prefill_tokens_per_s_estimate: float = Field(
+        default=10_000.0, gt=0, description="when a non-streamed request's prefill counts as done"
+    )
     max_connections_per_instance: int = Field(default=256, ge=1)
-    attempts: int = Field(default=2, ge=1, description="tries on other instances when one cannot be reached")
+    attempts: int = Field(default=2, ge=1, description="instances tried when one cannot be connected to")
 
 
 class IndexConfig(_Strict):

@@ -81,8 +81,11 @@ class Proxy:
         self._fleet, self._policies, self._default_policy = fleet, policies, default_policy
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
-        self._timeout = aiohttp.ClientTimeout(
+        self._stream_timeout = aiohttp.ClientTimeout(
             total=None, connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
+        )
+        self._response_timeout = aiohttp.ClientTimeout(
+            total=None, connect=config.connect_timeout_s, sock_read=config.response_timeout_s
         )
 
     async def forward(self, request: Request, path: str, kind: type[Body]) -> Response:
@@ -93,7 +96,7 @@ class Proxy:
         policy = self._policy(request)
         prepared = await self._router.prepare(body, request.headers.get(SESSION_HEADER) or body.user)
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-        routed = await self._send(prepared, policy, path, raw, headers)
+        routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
         content_type = routed.upstream.headers.get("content-type", "application/json")
         decision = routed.decision
         debug = {
@@ -127,9 +130,11 @@ class Proxy:
         return policy
 
     async def _send(
-        self, prepared: Prepared, policy: Policy, path: str, raw: bytes, headers: dict[str, str]
+        self, prepared: Prepared, policy: Policy, path: str, raw: bytes, headers: dict[str, str], stream: bool
     ) -> _Routed:
         model = prepared.request.model
+        # A stream's first byte comes after prefill; a whole answer only after the last token.
+        timeout = self._stream_timeout if stream else self._response_timeout
         tried: set[str] = set()
         for _ in range(self._config.attempts):
             candidates = self._fleet.candidates(model, exclude=frozenset(tried))
@@ -141,16 +146,30 @@ class Proxy:
             self._start(decision)
             try:
                 upstream = await self._session.post(
-                    instance.url + path, data=raw, headers=headers, timeout=self._timeout
+                    instance.url + path, data=raw, headers=headers, timeout=timeout
                 )
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+            except aiohttp.ClientConnectorError:
+                # Nothing was sent: safe to try another instance, and this one is down for now.
                 self._end(decision, prefilling=True)
                 tried.add(instance.name)
-                kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
-                self._metrics.upstream_errors(instance.name, kind).inc()
+                self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
                 continue
-            return _Routed(decision, policy, upstream, started)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                # The request may be running there: not retried elsewhere (it is not idempotent).
+                self._end(decision, prefilling=True)
+                kind = "timeout" if isinstance(exc, TimeoutError) else "response"
+                self._metrics.upstream_errors(instance.name, kind).inc()
+                raise upstream_failed(instance.name, exc) from exc
+            except BaseException:
+                self._end(decision, prefilling=True)
+                raise
+            routed = _Routed(decision, policy, upstream, started)
+            if not stream and decision.uncached_tokens:
+                # No first byte before the end of a whole answer: retire its prefill by estimate instead.
+                delay = decision.uncached_tokens / self._config.prefill_tokens_per_s_estimate
+                asyncio.get_running_loop().call_later(delay, self._prefilled, routed)
+            return routed
         if tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:
@@ -192,10 +211,14 @@ class Proxy:
         self._metrics.in_flight(instance.name).set(instance.in_flight)
 
     def _first_byte(self, routed: _Routed) -> None:
-        """The engine has prefilled the prompt: its tokens no longer queue ahead of others."""
-        routed.prefilling = False
-        routed.instance.pending_prefill_tokens -= routed.decision.uncached_tokens
+        self._prefilled(routed)
         self._metrics.ttft(routed.policy.name).observe(time.perf_counter() - routed.started)
+
+    def _prefilled(self, routed: _Routed) -> None:
+        """The engine has prefilled the prompt: its tokens no longer queue ahead of others."""
+        if routed.prefilling and not routed.finished:
+            routed.prefilling = False
+            routed.instance.pending_prefill_tokens -= routed.decision.uncached_tokens
 
     def _end(self, decision: Decision, prefilling: bool) -> None:
         instance = decision.instance

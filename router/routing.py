@@ -19,8 +19,7 @@ from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
-from router.token_cache import RemoteTokenizer, TokenizeFailed
-from router.tokenization import InvalidPrompt
+from router.token_cache import RemoteTokenizer
 from scorers.base import NO_MATCH, RoutingRequest
 
 log = logging.getLogger(__name__)
@@ -74,9 +73,9 @@ class Router:
         started = time.perf_counter()
         try:
             ids = await self._token_ids(body)
-        except (InvalidPrompt, TokenizeFailed) as exc:
+        except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
-            log.debug("routing without prefix knowledge: %s", exc)
+            log.debug("routing without prefix knowledge: %r", exc)
             self._metrics.untokenized(type(exc).__name__).inc()
             ids = []
         chain = self._chains.chain(ids) if ids else []

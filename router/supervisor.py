@@ -28,7 +28,9 @@ async def supervise(
     delay = interval_s
     if first_delay:
         await asyncio.sleep(interval_s)
+    loop = asyncio.get_running_loop()
     while True:
+        started = loop.time()
         try:
             await iteration()
             delay = interval_s
@@ -36,6 +38,12 @@ async def supervise(
             raise
         except Exception:
             failures(name).inc()
+            # A long-running iteration (a subscriber's session) that ends in failure starts over from the
+            # base interval: backing off is for failures that come one after another.
+            if loop.time() - started > max_backoff_s:
+                delay = interval_s
             log.exception("background task %s failed; retrying in %.1fs", name, delay)
-            delay = min(max(delay, interval_s) * 2, max_backoff_s)
+            delay_now, delay = delay, min(max(delay, interval_s) * 2, max_backoff_s)
+            await asyncio.sleep(delay_now)
+            continue
         await asyncio.sleep(delay)

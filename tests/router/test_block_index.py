@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from router import block_hashing
@@ -145,11 +146,19 @@ def test_lora_adapters_are_separate_cache_entries() -> None:
     assert index.match(block_hashing.chain(TOKENS, BS, block_hashing.root_for("sql"))) == {"a": TierMatch(gpu=3)}
 
 
-def test_events_that_do_not_fit_the_block_size_are_counted_and_skipped() -> None:
+def test_events_that_do_not_fit_are_counted_and_skipped_without_losing_their_batch() -> None:
     index = BlockIndex(8)
     index.apply(A, [stored(0, 2)])  # block_size 4 events, index of 8-token blocks
     assert index.entries == 0
     assert index.stats.mismatched == 1
+    index = BlockIndex(BS)
+    empty = BlockStored(block_hashes=[], parent_block_hash=None, token_ids=[], block_size=BS, lora_id=None,
+                        medium="GPU", lora_name=None)  # fmt: skip
+    huge_token = stored(0, 1, tokens=[2**40] * BS)
+    short_extras = BlockStored(**{**msgspec.structs.asdict(stored(0, 2)), "extra_keys": [None]})
+    index.apply(A, [empty, huge_token, short_extras, stored(0, 3)])
+    assert index.stats.mismatched == 2
+    assert index.match(prompt()) == {"a": TierMatch(gpu=3)}
 
 
 def test_memory_is_bounded_and_chains_lose_their_tails_first() -> None:
