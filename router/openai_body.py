@@ -22,6 +22,18 @@ class ChatRequest(msgspec.Struct):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    # Template inputs only the engine renders exactly (the router asks its /tokenize when they are set)
+    tools: list[Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Template inputs no tokenizer endpoint takes: such requests are routed without prefix knowledge
+    documents: Any = None
+    reasoning_effort: Any = None
+
+    def engine_template_inputs(self) -> dict[str, Any]:
+        inputs = {"tools": self.tools, "chat_template": self.chat_template,
+                  "chat_template_kwargs": self.chat_template_kwargs}  # fmt: skip
+        return {key: value for key, value in inputs.items() if value is not None}
 
 
 class CompletionRequest(msgspec.Struct):

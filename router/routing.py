@@ -25,6 +25,10 @@ from scorers.base import NO_MATCH, RoutingRequest
 log = logging.getLogger(__name__)
 
 
+class UnreproducibleTemplate(Exception):
+    """The request feeds the chat template inputs the router cannot render as the engine will."""
+
+
 class LocalTokenizer(Protocol):
     def chat_ids(
         self,
@@ -107,18 +111,26 @@ class Router:
 
     async def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
         """The prompt's token ids as the engine will see them; [] when nothing here can tell."""
-        tokenizer: LocalTokenizer | RemoteTokenizer | None = self._tokenizers.get(body.model)
-        if tokenizer is None:
-            tokenizer = self._remote(body.model)
+        if isinstance(body, CompletionRequest):
+            tokenizer = self._tokenizers.get(body.model) or self._remote(body.model)
             if tokenizer is None:
                 return []
-        if isinstance(body, ChatRequest):
-            ids = tokenizer.chat_ids(
-                body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens,
-            )
-        else:
             ids = tokenizer.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
-        return await ids if inspect.isawaitable(ids) else ids
+            return await ids if inspect.isawaitable(ids) else ids
+        if body.documents is not None or body.reasoning_effort is not None:
+            raise UnreproducibleTemplate("documents or reasoning_effort reach the template")
+        flags = {
+            "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message,
+            "add_special_tokens": body.add_special_tokens,
+        }
+        template_inputs = body.engine_template_inputs()
+        local = self._tokenizers.get(body.model)
+        if local is not None and not template_inputs:
+            return local.chat_ids(body.messages, **flags)
+        # Tools and template overrides are rendered by the engine's own code, exactly.
+        remote = self._remote(body.model)
+        if remote is None:
+            return []
+        return await remote.chat_ids(body.messages, **flags, template_inputs=template_inputs)
+

@@ -275,13 +275,16 @@ class RemoteTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        template_inputs: Mapping[str, Any] | None = None,
     ) -> list[int]:
+        """template_inputs: tools, chat_template, chat_template_kwargs, rendered by the engine itself."""
         return await self._tokenize({
             "model": self.model,
             "messages": list(messages),
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
             "add_special_tokens": add_special_tokens,
+            **(template_inputs or {}),
         })  # fmt: skip
 
     async def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:

@@ -136,3 +136,20 @@ def test_without_a_local_tokenizer_the_router_asks_an_instance(stack: tuple[Flee
         instance, cached, _, _ = _turn(url, messages, "remote")
         assert instance == first
         assert cached > 0.8 * prompt_blocks
+
+
+def test_tool_requests_are_tokenized_by_the_engine_and_documents_route_blind(stack: tuple[FleetPorts, str]) -> None:
+    ports, url = stack
+    tools = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object"}}}]
+    messages = [{"role": "system", "content": f"Tools {random.random()}: " + WORKLOAD.system_prompt()},
+                {"role": "user", "content": WORKLOAD.user_message(4000, 0)}]  # fmt: skip
+    body = {"model": "tiny-llama", "messages": messages, "max_tokens": 4, "tools": tools}
+    status, headers, _ = post(url + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": "tools"})
+    assert status == 200
+    direct = json.loads(post(instance_url(ports, 0) + "/tokenize", json.dumps(body).encode())[2])["count"]
+    assert int(headers["x-kvroute-prompt-blocks"]) == direct // BLOCK
+    body["documents"] = [{"title": "t", "text": "x"}]
+    status, headers, _ = post(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200
+    assert headers["x-kvroute-prompt-blocks"] == "0"
+    assert metric(url, "kvroute_untokenized_prompts_total", reason="UnreproducibleTemplate") == 1

@@ -1,0 +1,64 @@
+"""Which tokenizer the routing decision consults, and what it does when none can tell."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from router.block_index import BlockIndex
+from router.metrics import RouterMetrics
+from router.openai_body import ChatRequest
+from router.routing import Router
+from router.tokenization import PromptTokenizer
+
+MESSAGES = [{"role": "user", "content": "run the tests " * 40}]
+
+
+class RecordingRemote:
+    """Stands in for an instance's /tokenize: records what it was asked, answers with fixed ids."""
+
+    def __init__(self) -> None:
+        self.asked: list[Mapping[str, Any] | None] = []
+
+    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False, add_special_tokens: bool = False,
+                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+        self.asked.append(template_inputs)
+        return list(range(100))
+
+
+def prepare(tokenizer: PromptTokenizer, remote: RecordingRemote, **body: Any) -> int:
+    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
+    prepared = asyncio.run(router.prepare(ChatRequest(model="tiny-llama", messages=MESSAGES, **body), None))
+    return prepared.request.prompt_tokens
+
+
+def test_plain_chats_are_tokenized_locally(tokenizer: PromptTokenizer) -> None:
+    remote = RecordingRemote()
+    assert prepare(tokenizer, remote) == len(tokenizer.chat_ids(MESSAGES))
+    assert remote.asked == []
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        {"tools": [{"type": "function", "function": {"name": "run_tests"}}]},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"chat_template": "{{ messages[0]['content'] }}"},
+    ],
+)
+def test_template_inputs_go_to_the_engine(tokenizer: PromptTokenizer, inputs: dict[str, Any]) -> None:
+    remote = RecordingRemote()
+    assert prepare(tokenizer, remote, **inputs) == 100
+    assert remote.asked == [inputs]
+
+
+@pytest.mark.parametrize("inputs", [{"documents": [{"text": "x"}]}, {"reasoning_effort": "high"}])
+def test_inputs_no_tokenizer_endpoint_takes_route_without_prefix(tokenizer: PromptTokenizer,
+                                                                 inputs: dict[str, Any]) -> None:  # fmt: skip
+    remote = RecordingRemote()
+    assert prepare(tokenizer, remote, **inputs) == 0
+    assert remote.asked == []
