@@ -83,7 +83,15 @@ def create_app(config: RouterConfig) -> FastAPI:
                 config.default_policy,
             )
             app.state.proxy = Proxy(
-                fleet, policies, config.default_policy, router, session, health, metrics, config.upstream
+                fleet,
+                policies,
+                config.default_policy,
+                router,
+                session,
+                health,
+                metrics,
+                config.upstream,
+                config.tokenization.max_body_bytes,
             )
             load = config.load
             scraper = LoadScraper(fleet, session, load.scrape_interval_s, load.timeout_s, load.stale_after_s)

@@ -36,6 +36,11 @@ class ModelConfig(_Strict):
 class TokenizationConfig(_Strict):
     cache_max_entries: int = Field(default=65_536, ge=1, description="conversation prefixes kept")
     cache_max_tokens: int = Field(default=2_000_000, ge=1, description="token ids kept over all prefixes")
+    max_body_bytes: int = Field(
+        default=4 * 2**20,
+        ge=0,
+        description="larger bodies are routed without tokenizing (it would stall the loop)",
+    )
 
 
 class InstanceConfig(_Strict):

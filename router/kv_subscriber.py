@@ -34,6 +34,7 @@ from router.metrics import RouterMetrics
 from router.supervisor import supervise
 
 log = logging.getLogger(__name__)
+_YIELD_EVERY = 256  # batches handled between turns given to the event loop
 
 Owner: TypeAlias = tuple[str, int]
 """(instance name, data parallel rank); a batch without a rank belongs to rank 0."""
@@ -113,8 +114,10 @@ class KVEventSubscriber:
             self._replays_failed.inc()
             return
         self._replays_ok.inc()
-        for seq, batch in replayed:
+        for number, (seq, batch) in enumerate(replayed, start=1):
             await self._accept(seq, batch, live=False)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a buffer of 10,000 batches must not stall every other request
 
     async def _accept(self, seq: int, batch: EventBatch, live: bool) -> None:
         """Apply a batch in sequence; a gap before a live batch is replayed, one inside a replay cannot be."""
@@ -134,7 +137,16 @@ class KVEventSubscriber:
             expected = seq  # the oldest batch still to be had is where history begins
         if seq > expected:
             self._gaps.inc()
-            self._fill(rank, expected, seq, await self._replay(expected) if live else None)
+            replayed = None
+            if live:
+                # From one batch earlier: if the batch applied last comes back different, a new process has
+                # passed our position (its sequence restarted at 0), so its whole history is needed instead.
+                replayed = await self._replay(expected - 1 if position is not None and expected else expected)
+                if position is not None and replayed and _restarted(replayed, rank, expected - 1, position):
+                    self._restarts.inc()
+                    self._drop(rank)
+                    expected, replayed = 0, await self._replay(0)
+            self._fill(rank, expected, seq, replayed)
         self._apply(rank, seq, batch)
 
     def _fill(self, rank: int, start: int, end: int, replayed: list[_Numbered] | None) -> None:
@@ -175,25 +187,28 @@ class KVEventSubscriber:
             log.exception("the KV event sink failed to drop %s rank %d", self.instance, rank)
 
     async def _replay(self, start: int) -> list[_Numbered] | None:
-        """The buffered batches from start on; None when there is no replay endpoint or no answer in time."""
+        """The buffered batches from start on; None when there is no replay endpoint, or when it falls
+        silent for replay_timeout_s (an idle limit: a long buffer may take longer in all)."""
         if self._replay_endpoint is None:
             return None
         dealer = self._socket(zmq.DEALER, self._replay_endpoint)
         replayed: list[_Numbered] = []
         try:
-            async with asyncio.timeout(self._replay_timeout_s):
-                await dealer.send_multipart((b"", pack_seq(start)))
-                while True:
+            await dealer.send_multipart((b"", pack_seq(start)))
+            while True:
+                async with asyncio.timeout(self._replay_timeout_s):
                     frames = (await dealer.recv_multipart())[1:]  # after the empty delimiter
-                    if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
-                        return replayed
-                    if len(frames) == 2:  # older vLLM answers without the topic
-                        frames.insert(0, b"")
-                    numbered = self._parse(frames)
-                    if numbered is not None:
-                        replayed.append(numbered)
+                if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
+                    return replayed
+                if len(frames) == 2:  # older vLLM answers without the topic
+                    frames.insert(0, b"")
+                numbered = self._parse(frames)
+                if numbered is not None:
+                    replayed.append(numbered)
+                if len(replayed) % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # queued messages complete at once: give the loop a turn
         except TimeoutError:
-            log.warning("no complete replay from %s in %.1fs", self._replay_endpoint, self._replay_timeout_s)
+            log.warning("replay from %s fell silent for %.1fs", self._replay_endpoint, self._replay_timeout_s)
             return None
         finally:
             dealer.close(linger=0)
@@ -217,3 +232,11 @@ class KVEventSubscriber:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
         return sock
+
+
+def _restarted(replayed: list[_Numbered], rank: int, seq: int, position: _Position) -> bool:
+    """Whether the buffered batch seq of rank is not the one applied last (found by its engine timestamp)."""
+    for found_seq, batch in replayed:
+        if found_seq == seq and (batch.data_parallel_rank or 0) == rank:
+            return batch.ts != position.newest_ts
+    return False  # no longer buffered: nothing tells, and a gap is the likelier story

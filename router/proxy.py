@@ -77,7 +77,9 @@ class Proxy:
         health: HealthChecker,
         metrics: RouterMetrics,
         config: UpstreamConfig,
+        max_tokenized_bytes: int,
     ) -> None:
+        self._max_tokenized_bytes = max_tokenized_bytes
         self._fleet, self._policies, self._default_policy = fleet, policies, default_policy
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
@@ -94,7 +96,8 @@ class Proxy:
         if not self._fleet.serves(body.model):
             raise model_not_found(body.model)
         policy = self._policy(request)
-        prepared = await self._router.prepare(body, request.headers.get(SESSION_HEADER) or body.user)
+        session = request.headers.get(SESSION_HEADER) or body.user
+        prepared = await self._router.prepare(body, session, tokenize=len(raw) <= self._max_tokenized_bytes)
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
         content_type = routed.upstream.headers.get("content-type", "application/json")

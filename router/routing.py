@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import xxhash
+
 from router import block_hashing
 from router.block_index import BlockIndex
 from router.instances import Instance
@@ -73,10 +75,15 @@ class Router:
         self._metrics = metrics
         self._remote = remote
 
-    async def prepare(self, body: ChatRequest | CompletionRequest, session_key: str | None) -> Prepared:
+    async def prepare(
+        self, body: ChatRequest | CompletionRequest, session_key: str | None, tokenize: bool = True
+    ) -> Prepared:
+        """tokenize=False routes without prefix knowledge (a body too large to tokenize on the event loop)."""
         started = time.perf_counter()
+        if session_key is not None:  # a client's string, kept per session: store a fixed-size digest
+            session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
         try:
-            ids = await self._token_ids(body)
+            ids = await self._token_ids(body) if tokenize else []
         except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
             log.debug("routing without prefix knowledge: %r", exc)
@@ -133,4 +140,3 @@ class Router:
         if remote is None:
             return []
         return await remote.chat_ids(body.messages, **flags, template_inputs=template_inputs)
-

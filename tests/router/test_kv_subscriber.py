@@ -272,6 +272,32 @@ def test_an_engine_restart_drops_the_owner_once(first_seen: bool) -> None:
     asyncio.run(main())
 
 
+def test_a_restart_hidden_behind_a_gap_is_still_a_restart() -> None:
+    """The new process is first seen at a sequence number past the old one's: not a gap to fill in."""
+
+    async def main() -> None:
+        harness = Harness(replay=True)
+        old = harness.engine()
+        async with harness.running():
+            await old.subscribed()
+            for n in range(3):
+                old.publish(batch(n))
+            await harness.sink.wait_applied(3)
+            await old.close()
+            before = harness.counts()
+            new = harness.engine()
+            await new.subscribed()
+            for n in range(100, 105):
+                new.publish(batch(n), send=False)  # missed live; still in the new process's buffer
+            new.publish(batch(105))
+            await harness.sink.wait_applied(9)
+            await new.close()
+        assert harness.sink.ids() == [0, 1, 2, "drop", 100, 101, 102, 103, 104, 105]
+        assert harness.since(before)["restarts"] == 1
+
+    asyncio.run(main())
+
+
 def test_a_warm_start_recovers_what_was_published_before() -> None:
     async def main() -> None:
         harness = Harness(replay=True)
