@@ -164,17 +164,26 @@ def _handler(
     return handle
 
 
+def _chat_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
+    """A chat body's prompt as vLLM tokenizes it, with vLLM's defaults for the flags that change it."""
+    return instance.tokenizer.chat_ids(
+        body["messages"],
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        continue_final_message=body.get("continue_final_message", False),
+        add_special_tokens=body.get("add_special_tokens", False),
+    )
+
+
+def _completion_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
+    return instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
+
+
 async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     _check_model(instance, body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-    ids = instance.tokenizer.chat_ids(
-        messages,
-        add_generation_prompt=body.get("add_generation_prompt", True),
-        continue_final_message=body.get("continue_final_message", False),
-        add_special_tokens=body.get("add_special_tokens", False),
-    )
+    ids = _chat_ids(instance, body)
     return await _complete(request, _Generation(instance, body, ids, chat=True, from_text=True))
 
 
@@ -184,21 +193,16 @@ async def _completion(
     _check_model(instance, body)
     if "prompt" not in body:
         raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
-    ids = instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
+    ids = _completion_ids(instance, body)
     from_text = not isinstance(body["prompt"], list) or any(isinstance(p, str) for p in body["prompt"])
     return await _complete(request, _Generation(instance, body, ids, chat=False, from_text=from_text))
 
 
 async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     if "messages" in body:
-        ids = instance.tokenizer.chat_ids(
-            body["messages"],
-            add_generation_prompt=body.get("add_generation_prompt", True),
-            continue_final_message=body.get("continue_final_message", False),
-            add_special_tokens=body.get("add_special_tokens", False),
-        )
+        ids = _chat_ids(instance, body)
     elif "prompt" in body:
-        ids = instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
+        ids = _completion_ids(instance, body)
     else:
         raise _ClientError(400, "either messages or prompt is required", "BadRequestError")
     return _json_response(
