@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
 
 from router.config import PickerSpec, PolicyConfig, ScorerSpec
 from router.pickers import MaxScoreParams, MaxScorePicker, SoftmaxParams, SoftmaxPicker
 from router.policy import Policy
 from scorers.base import RoutingRequest
+from tests.scorers.candidates import Fake
 
 
 def test_max_score_picks_the_best() -> None:
@@ -33,10 +33,6 @@ def test_softmax_prefers_higher_scores_and_sharpens_as_temperature_falls() -> No
     assert cold > 0.99
 
 
-@dataclass
-class Fake:
-    name: str
-    in_flight: int
 
 
 def test_policy_weights_scorers() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from scorers.base import EngineLoad, RoutingRequest
@@ -11,24 +9,19 @@ from scorers.kv_usage import KvUsageParams, KvUsageScorer
 from scorers.queue_depth import QueueDepthParams, QueueDepthScorer
 from scorers.registry import SCORERS
 from scorers.session_affinity import SessionAffinityParams, SessionAffinityScorer
+from tests.scorers.candidates import Fake
 
 REQUEST = RoutingRequest(model="m")
 
 
-@dataclass
-class Fake:
-    name: str
-    load: EngineLoad | None = None
-    in_flight: int = 0
-    pending_prefill_tokens: int = 0
 
 
 def waiting(*queues: float | None) -> list[Fake]:
-    return [Fake(f"i{n}", None if q is None else EngineLoad(q, 0.0, 0.0)) for n, q in enumerate(queues)]
+    return [Fake(f"i{n}", load=None if q is None else EngineLoad(q, 0.0, 0.0)) for n, q in enumerate(queues)]
 
 
 def usage(*fractions: float | None) -> list[Fake]:
-    return [Fake(f"i{n}", None if u is None else EngineLoad(0.0, 0.0, u)) for n, u in enumerate(fractions)]
+    return [Fake(f"i{n}", load=None if u is None else EngineLoad(0.0, 0.0, u)) for n, u in enumerate(fractions)]
 
 
 @pytest.mark.parametrize(
@@ -151,7 +144,7 @@ LOADS = [None, EngineLoad(0, 0, 0), EngineLoad(3, 2, 0.5), EngineLoad(100, 9, 1.
 def test_registered_load_scorers_stay_in_range(name: str) -> None:
     scorer = SCORERS[name].build({})
     for count in range(len(LOADS) + 1):
-        candidates = [Fake(f"i{n}", load) for n, load in enumerate(LOADS[:count])]
+        candidates = [Fake(f"i{n}", load=load) for n, load in enumerate(LOADS[:count])]
         scores = scorer.score(session("s"), candidates)
         assert len(scores) == count
         assert all(0.0 <= s <= 1.0 for s in scores)

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from scorers.base import EngineLoad, RoutingRequest, TierMatch
+from scorers.base import RoutingRequest, TierMatch
 from scorers.precise_prefix import PrecisePrefixParams, PrecisePrefixScorer
 from scorers.token_cost import TokenCostParams, TokenCostScorer
-
-
-@dataclass
-class Fake:
-    name: str
-    pending_prefill_tokens: int = 0
-    active_tokens: int = 0
-    in_flight: int = 0
-    load: EngineLoad | None = None
+from tests.scorers.candidates import Fake
 
 
 def request(prompt_blocks: int, **matches: TierMatch) -> RoutingRequest:

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from scorers.base import EngineLoad, RoutingRequest
+from scorers.base import RoutingRequest
 from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
 from scorers.registry import SCORERS
 from scorers.round_robin import RoundRobinParams, RoundRobinScorer
+from tests.scorers.candidates import Fake
 
 REQUEST = RoutingRequest(model="m")
 
 
-@dataclass
-class Fake:
-    name: str
-    in_flight: int = 0
-    pending_prefill_tokens: int = 0
-    active_tokens: int = 0
-    load: EngineLoad | None = None
 
 
 def fleet(*loads: int) -> list[Fake]:

@@ -1,0 +1,16 @@
+"""The candidate the scorer tests use: every field a scorer reads, all defaulting to an idle instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scorers.base import EngineLoad
+
+
+@dataclass
+class Fake:
+    name: str
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    active_tokens: int = 0
+    load: EngineLoad | None = None
