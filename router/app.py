@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from router.block_index import BlockIndex
+from router.block_index import BlockIndex, Tier
 from router.config import REMOTE_TOKENIZER, RouterConfig
 from router.errors import OpenAIError
 from router.health import HealthChecker
@@ -27,6 +27,7 @@ from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
+from router.pool import PoolConfirmer
 from router.proxy import Proxy
 from router.routing import LocalTokenizer, Router
 from router.supervisor import supervise
@@ -40,7 +41,14 @@ _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 def create_app(config: RouterConfig) -> FastAPI:
     fleet = Fleet(config)
     metrics = RouterMetrics()
-    index = BlockIndex(config.block_size, config.index.max_entries, config.index.speculative_ttl_s)
+    tiers = config.index.medium_tiers
+    medium_tiers: dict[str | None, Tier] = {medium: Tier[tier.upper()] for medium, tier in tiers.items()}
+    index = BlockIndex(
+        config.block_size,
+        config.index.max_entries,
+        config.index.speculative_ttl_s,
+        medium_tiers={None: Tier.GPU, **medium_tiers},  # events without a medium are vLLM's own GPU cache
+    )
     metrics.registry.register(IndexCollector(index))
     cache = config.tokenization
     tokenizers: dict[str, LocalTokenizer] = {
@@ -72,7 +80,14 @@ def create_app(config: RouterConfig) -> FastAPI:
                 candidates = fleet.candidates(model)
                 return RemoteTokenizer(session, candidates[0].url, model) if candidates else None
 
-            router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer)
+            pool = None
+            if config.pool.master_url is not None:
+                pool_names = {m.name: m.pool_name or m.name for m in config.models}
+                pool = PoolConfirmer(
+                    index, config.pool.master_url, pool_names, session, metrics,
+                    config.pool.confirm_ttl_s, config.pool.timeout_s,
+                )  # fmt: skip
+            router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer, pool)
             await health.check_all()
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
             log.info(

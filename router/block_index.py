@@ -7,6 +7,11 @@ Layout, chosen for lookup speed and memory:
   count, so BlockRemoved resolves and a block stored twice survives one removal.
 An owner is (instance, data parallel rank): ranks publish separately and are cleared separately.
 Entries are bounded: past max_entries, the least recently stored entries of the largest owner go first.
+
+The pool tier is shared: blocks a Mooncake connector wrote to the distributed pool can be loaded by every
+instance connected to it. They are kept once, in a pseudo-owner, and their holders mask names every instance
+that has written to the pool (the ones shown to be connected). The pool never announces eviction, so its
+entries are checked against the Mooncake master before they decide a routing choice (router/pool.py).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ class Tier(IntEnum):
     POOL = 2
 
 
+# vLLM's own tiers are upper case; the MooncakeStoreConnector announces what it wrote to the pool as "cpu".
 DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
-    None: Tier.GPU, "GPU": Tier.GPU, "gpu": Tier.GPU, "CPU": Tier.CPU, "cpu": Tier.CPU, "STORAGE": Tier.CPU,
+    None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.CPU, "cpu": Tier.POOL,
 }  # fmt: skip
 
 
@@ -72,6 +78,7 @@ class IndexStats:
     orphaned: int = 0  # blocks whose parent the index never saw: their chain cannot be rebuilt
     evicted: int = 0  # dropped to stay within max_entries
     mismatched: int = 0  # events whose token count or block size does not fit the configured block size
+    unkeyed: int = 0  # pool blocks announced with integer hashes: no Mooncake key can be built from them
 
 
 class BlockIndex:
@@ -96,6 +103,11 @@ class BlockIndex:
         self._pending: dict[int, int] = {}  # speculative: kvroute hash -> owner mask
         self._pending_until: dict[tuple[int, int], float] = {}  # (hash, owner bit) -> latest deadline
         self._pending_expiry: deque[tuple[float, int, int]] = deque()  # (deadline, hash, bit), in order
+        # The pool's pseudo-owner: its bit is the mask of pool members (see _join_pool), so every pool entry
+        # counts for all of them; entries are not refcounted, a pooled object is one object.
+        self._pool = _OwnerState(bit=0)
+        self._pool_hashes: dict[int, bytes] = {}  # pooled kvroute hash -> vLLM's full hash (its Mooncake key)
+        self._warned_unkeyed = False
 
     # ---- events -------------------------------------------------------------------------------------
 
@@ -103,10 +115,16 @@ class BlockIndex:
         state = self._owner(owner)
         for event in events:
             if isinstance(event, BlockStored):
-                if event.block_hashes:
-                    self._store(state, event)
+                if not event.block_hashes:
+                    continue
+                tier = self._tier(event.medium)
+                if tier is Tier.POOL:
+                    self._store_pooled(state, event)
+                else:
+                    self._store(state, tier, event)
             elif isinstance(event, BlockRemoved):
-                self._remove(state, self._tier(event.medium), event.block_hashes)
+                tier = self._tier(event.medium)
+                self._remove(self._pool if tier is Tier.POOL else state, tier, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self._clear(state)
         if self._entries > self.max_entries:
@@ -118,7 +136,9 @@ class BlockIndex:
         if state is not None:
             self._clear(state)
 
-    def _store(self, state: _OwnerState, event: BlockStored) -> None:
+    def _store(self, state: _OwnerState, tier: Tier, event: BlockStored, counted: bool = True) -> list[int]:
+        """Index the event's blocks for state; their kvroute hashes, or [] when they cannot be indexed.
+        counted=False keeps a block stored twice at one reference."""
         size = self.block_size
         extra = event.extra_keys
         if (
@@ -128,8 +148,7 @@ class BlockIndex:
             or max(event.token_ids) >= 1 << 32  # kvroute hashes token ids as uint32
         ):
             self.stats.mismatched += 1
-            return
-        tier = self._tier(event.medium)
+            return []
         blocks = state.blocks[tier]
         if event.parent_block_hash is None:
             parent = block_hashing.root_for(event.lora_name)
@@ -137,7 +156,7 @@ class BlockIndex:
             packed = self._find(state, _key(event.parent_block_hash))
             if packed is None:
                 self.stats.orphaned += len(event.block_hashes)
-                return
+                return []
             parent = packed >> _COUNT_BITS
         own = block_hashing.chain(event.token_ids, size, parent, event.extra_keys)
         hashes = event.block_hashes
@@ -151,8 +170,9 @@ class BlockIndex:
             blocks.update(zip(reversed(keys), [(h << _COUNT_BITS) + 1 for h in reversed(own)], strict=True))
             self._entries += len(own)
             self.stats.stored += len(own)
-            return
+            return own
         pop, held = blocks.pop, holders.get
+        bump = 1 if counted else 0
         added = 0
         # Tail first: the bound drops an owner's oldest-inserted entries first, and like vLLM's eviction it
         # should cut chains from their ends, not their roots. Re-inserting makes an entry the newest.
@@ -164,9 +184,55 @@ class BlockIndex:
                 holders[own_hash] = held(own_hash, 0) | bit
                 blocks[key] = (own_hash << _COUNT_BITS) + 1
             else:
-                blocks[key] = packed + 1 if packed & _COUNT_MASK != _COUNT_MASK else packed
+                blocks[key] = packed + bump if packed & _COUNT_MASK != _COUNT_MASK else packed
         self._entries += added
         self.stats.stored += len(own)
+        return own
+
+    def _store_pooled(self, publisher: _OwnerState, event: BlockStored) -> None:
+        hashes = event.block_hashes
+        if type(hashes[0]) is not bytes:
+            self.stats.unkeyed += len(hashes)
+            if not self._warned_unkeyed:
+                self._warned_unkeyed = True
+                log.warning("pool blocks announced with integer hashes are ignored: their Mooncake keys need "
+                            "vLLM's full hashes (run vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+            return
+        self._join_pool(publisher)
+        if event.token_ids:
+            own = self._store(self._pool, Tier.POOL, event, counted=False)
+        else:
+            own = self._store_known(publisher, event)
+        self._pool_hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
+
+    def _store_known(self, publisher: _OwnerState, event: BlockStored) -> list[int]:
+        """Pool blocks announced without their tokens: the publisher computed them, so its own cache
+        announced them first, with tokens, under the same vLLM hashes."""
+        holders, blocks, members = self._holders[Tier.POOL], self._pool.blocks[Tier.POOL], self._pool.bit
+        own = []
+        for vllm_hash in event.block_hashes:
+            key = _key(vllm_hash)
+            packed = self._find(publisher, key)
+            if packed is None:
+                self.stats.orphaned += 1
+                continue
+            own_hash = packed >> _COUNT_BITS
+            if blocks.pop(key, None) is None:
+                self._entries += 1
+            blocks[key] = (own_hash << _COUNT_BITS) + 1
+            holders[own_hash] = members
+            own.append(own_hash)
+        self.stats.stored += len(own)
+        return own
+
+    def _join_pool(self, member: _OwnerState) -> None:
+        """An instance that writes to the pool is connected to it: every pool entry now counts for it too."""
+        if self._pool.bit & member.bit:
+            return
+        self._pool.bit |= member.bit
+        holders, members = self._holders[Tier.POOL], self._pool.bit
+        for own_hash in holders:
+            holders[own_hash] = members
 
     def _remove(self, state: _OwnerState, tier: Tier, vllm_hashes: Sequence[BlockHash]) -> None:
         blocks = state.blocks[tier]
@@ -189,6 +255,8 @@ class BlockIndex:
             holders[own_hash] = mask
         else:
             holders.pop(own_hash, None)
+            if tier is Tier.POOL:
+                self._pool_hashes.pop(own_hash, None)
         self._entries -= 1
 
     def _clear(self, state: _OwnerState) -> None:
@@ -203,7 +271,7 @@ class BlockIndex:
         most 1/16 of that owner, so owners shrink evenly."""
         target = self.max_entries - self.max_entries // 100
         while self._entries > target:
-            state = max(self._owners.values(), key=_OwnerState.size)
+            state = max([*self._owners.values(), self._pool], key=_OwnerState.size)
             tier = max(Tier, key=lambda t: len(state.blocks[t]))
             blocks = state.blocks[tier]
             batch = min(self._entries - target, max(1, state.size() // 16))
@@ -212,7 +280,8 @@ class BlockIndex:
                 self.stats.evicted += 1
 
     def _find(self, state: _OwnerState, key: int) -> int | None:
-        for blocks in state.blocks:
+        """A block's packed entry by vLLM key, in any tier of state or in the pool: a parent may be either."""
+        for blocks in (*state.blocks, self._pool.blocks[Tier.POOL]):
             packed = blocks.get(key)
             if packed is not None:
                 return packed
@@ -231,45 +300,75 @@ class BlockIndex:
 
     # ---- routing ------------------------------------------------------------------------------------
 
-    def match(self, chain: Sequence[int]) -> dict[str, TierMatch]:
+    def match(self, chain: Sequence[int], include_pool: bool = True) -> dict[str, TierMatch]:
         """For every instance holding a prefix of chain: its contiguous matched blocks, by best tier.
 
         Speculative entries count as GPU blocks. Of one instance's ranks, the best match counts.
+        Pool blocks count for every pool member, unless include_pool is False.
         """
         self._expire()
-        tiers = [(tier, holders) for tier, holders in zip(Tier, self._holders, strict=True) if holders]
-        if self._pending:
-            tiers.append((Tier.GPU, self._pending))
-        if not tiers or not chain:
+        if not chain:
             return {}
-        # All in C: each block's holders, then the running AND (owners holding every block so far). It never
-        # grows, so where an owner's bit leaves it is found by bisection.
-        zeros = itertools.repeat(0)
-        held = list(map(tiers[0][1].get, chain, zeros))
-        for _, holders in tiers[1:]:
-            held = list(map(operator.or_, held, map(holders.get, chain, zeros)))
+        # All in C: each block's holders per tier, then the running AND (owners holding every block so
+        # far). It never grows, so where an owner's bit leaves it is found by bisection.
+        gpu = self._held(chain, self._holders[Tier.GPU], self._pending)
+        cpu = self._held(chain, self._holders[Tier.CPU])
+        pool = self._held(chain, self._holders[Tier.POOL]) if include_pool else None
+        layers = [layer for layer in (gpu, cpu, pool) if layer is not None]
+        if not layers:
+            return {}
+        held = layers[0]
+        for layer in layers[1:]:
+            held = list(map(operator.or_, held, layer))
         alive = list(itertools.accumulate(held, operator.and_))
         ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
-        return self._attribute(chain, ends, tiers)
+        return self._attribute(ends, gpu, cpu, only_gpu=len(layers) == 1 and gpu is not None)
+
+    @staticmethod
+    def _held(chain: Sequence[int], *maps: dict[int, int]) -> list[int] | None:
+        """Each block's holder mask over maps; None when they are all empty."""
+        present = [mapping for mapping in maps if mapping]
+        if not present:
+            return None
+        zeros = itertools.repeat(0)
+        held = list(map(present[0].get, chain, zeros))
+        for mapping in present[1:]:
+            held = list(map(operator.or_, held, map(mapping.get, chain, zeros)))
+        return held
 
     def _attribute(
-        self, chain: Sequence[int], ends: dict[int, int], tiers: list[tuple[Tier, dict[int, int]]]
+        self, ends: dict[int, int], gpu: list[int] | None, cpu: list[int] | None, only_gpu: bool
     ) -> dict[str, TierMatch]:
+        """Credit each matched block to the best tier its owner holds it in (GPU, then CPU, then pool)."""
+        if cpu is not None and gpu is not None:
+            cpu = list(map(operator.and_, cpu, map(operator.invert, gpu)))  # CPU copies not also on GPU
         matches: dict[str, TierMatch] = {}
-        mixed = any(tier != Tier.GPU for tier, _ in tiers)
         for bit, end in ends.items():
-            if mixed:  # rare: credit each block to the best tier this owner holds it in
-                counts = [0] * len(Tier)
-                for block in chain[:end]:
-                    counts[min(t for t, holders in tiers if holders.get(block, 0) & bit)] += 1
-                found = TierMatch(*counts)
-            else:
+            if only_gpu:
                 found = TierMatch(gpu=end)
+            else:
+                on_gpu = _count_with(gpu, bit, end)
+                on_cpu = _count_with(cpu, bit, end)
+                found = TierMatch(on_gpu, on_cpu, end - on_gpu - on_cpu)
             name = self._owner_by_bit[bit][0]
             known = matches.get(name)
             if known is None or _total(found) > _total(known):
                 matches[name] = found
         return matches
+
+    def pooled(self, chain: Sequence[int], start: int, end: int) -> list[tuple[int, bytes]]:
+        """(position, vLLM's full hash) of the pool blocks among chain[start:end]."""
+        full = self._pool_hashes.get
+        found = []
+        for position in range(start, min(end, len(chain))):
+            vllm_hash = full(chain[position])
+            if vllm_hash is not None:
+                found.append((position, vllm_hash))
+        return found
+
+    def forget_pooled(self, vllm_hashes: Sequence[bytes]) -> None:
+        """Drop pool entries the pool no longer holds (evicted, or lost with a client's segment)."""
+        self._remove(self._pool, Tier.POOL, vllm_hashes)
 
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> None:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive."""
@@ -301,11 +400,23 @@ class BlockIndex:
         return self._entries
 
     def entries_by_owner(self) -> dict[Owner, tuple[int, ...]]:
+        """Entries per instance and rank, by tier; the shared pool's are in pool_entries."""
         return {owner: tuple(len(b) for b in state.blocks) for owner, state in self._owners.items()}
+
+    @property
+    def pool_entries(self) -> int:
+        return len(self._pool.blocks[Tier.POOL])
+
+    def pool_members(self) -> list[str]:
+        """Instances that have written to the pool, which is how the index knows they can read it."""
+        return sorted({name for bit, (name, _) in self._owner_by_bit.items() if bit & self._pool.bit})
 
     def footprint_bytes(self, sample: int = 256) -> int:
         """Memory held by the index: exact dict tables, key and value objects sized from a sample of each."""
-        maps = [*self._holders, self._pending, *(b for s in self._owners.values() for b in s.blocks)]
+        owners = [*self._owners.values(), self._pool]
+        maps: list[Mapping[int, int | bytes]] = [
+            *self._holders, self._pending, *(b for s in owners for b in s.blocks), self._pool_hashes
+        ]
         total = 0
         for mapping in maps:
             total += sys.getsizeof(mapping)
@@ -316,14 +427,21 @@ class BlockIndex:
         return total
 
 
-def _object_bytes(value: int) -> int:
+def _object_bytes(value: int | bytes) -> int:
     """CPython shares the ints -5..256: an owner mask of 1, 2 or 4 costs its dict slot only."""
-    return 0 if -5 <= value <= 256 else sys.getsizeof(value)
+    return 0 if isinstance(value, int) and -5 <= value <= 256 else sys.getsizeof(value)
 
 
 def _match_length(alive: list[int], bit: int) -> int:
     """Blocks before bit leaves the running AND; the masks never gain bits, so this is a bisection."""
     return bisect.bisect_left(alive, True, key=lambda mask: not mask & bit)
+
+
+def _count_with(masks: list[int] | None, bit: int, end: int) -> int:
+    """How many of the first end masks have bit set, counted in C."""
+    if masks is None:
+        return 0
+    return end - list(map(operator.and_, itertools.islice(masks, end), itertools.repeat(bit))).count(0)
 
 
 def _bits(mask: int) -> list[int]:

@@ -5,17 +5,24 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scorers.base import Registration
 from scorers.registry import PICKERS, SCORERS, validate_params
+from scorers.ttft_model import TTFTPriors
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 _HTTP_URL = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?/?$")
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+)$")
+
+
+def _checked_http_url(url: str) -> str:
+    if not _HTTP_URL.match(url):
+        raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
+    return url.rstrip("/")
 
 
 class _Strict(BaseModel):
@@ -30,6 +37,12 @@ class ModelConfig(_Strict):
     tokenizer: str = Field(
         default="builtin:tiny-llama",
         description="tokenizer directory, builtin:tiny-llama, or remote (ask an instance's /tokenize)",
+    )
+    pool_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the model's name in Mooncake pool keys: the last path component of vLLM's --model "
+        "(default: name)",
     )
 
 
@@ -53,9 +66,7 @@ class InstanceConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _http_url(cls, url: str) -> str:
-        if not _HTTP_URL.match(url):
-            raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
-        return url.rstrip("/")
+        return _checked_http_url(url)
 
     @field_validator("events", "replay")
     @classmethod
@@ -111,9 +122,18 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
                 ScorerSpec(type="queue-depth", weight=1.0),
             ]
         ),
+        # the default: each instance's predicted time to first token, prefix, pool and queue in seconds;
+        # affinity is hysteresis: a session moves when staying scores under half the fastest (about twice its
+        # TTFT, past the scorer's resolution), so near-ties do not scatter its cache over the fleet
+        "kvroute": PolicyConfig(
+            scorers=[
+                ScorerSpec(type="ttft-cost", weight=1.0),
+                ScorerSpec(type="session-affinity", weight=0.5),
+            ]
+        ),
         # prefix and load weighed in tokens; a session moves only when staying costs over twice the best
         # alternative (affinity 0.5 against cost ratios); the engines' own queues break near-ties
-        "kvroute": PolicyConfig(
+        "token-cost": PolicyConfig(
             scorers=[
                 ScorerSpec(type="token-cost", weight=1.0),
                 ScorerSpec(type="session-affinity", weight=0.5),
@@ -138,11 +158,38 @@ class UpstreamConfig(_Strict):
     attempts: int = Field(default=2, ge=1, description="instances tried when one cannot be connected to")
 
 
+TierName = Literal["gpu", "cpu", "pool"]
+
+
+def _default_medium_tiers() -> dict[str, TierName]:
+    return {"GPU": "gpu", "CPU": "cpu", "STORAGE": "cpu", "cpu": "pool"}
+
+
 class IndexConfig(_Strict):
     max_entries: int = Field(default=10_000_000, ge=1, description="(instance, block) entries kept at most")
     speculative_ttl_s: float = Field(
         default=2.0, ge=0, description="how long a routed request's blocks count before their events arrive"
     )
+    medium_tiers: dict[str, TierName] = Field(
+        default_factory=_default_medium_tiers,
+        description="tier of a KV event's medium: vLLM's own are GPU, CPU and STORAGE; the "
+        "MooncakeStoreConnector's pool writes say cpu; events without a medium are gpu, unknown ones cpu",
+    )
+
+
+class PoolConfig(_Strict):
+    master_url: str | None = Field(
+        default=None,
+        description="the Mooncake master's admin HTTP (its --metrics_port), e.g. http://127.0.0.1:9003; "
+        "unset: pool blocks from KV events are credited unconfirmed",
+    )
+    confirm_ttl_s: float = Field(default=2.0, ge=0, description="how long the master's yes is trusted")
+    timeout_s: float = Field(default=0.2, gt=0, description="a slower master means no pool credit")
+
+    @field_validator("master_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        return None if url is None else _checked_http_url(url)
 
 
 class LoadConfig(_Strict):
@@ -166,6 +213,8 @@ class RouterConfig(_Strict):
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    ttft: TTFTPriors = Field(default_factory=TTFTPriors)
     tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.config import InstanceConfig, RouterConfig
 from scorers.base import EngineLoad
+from scorers.ttft_model import TTFTModel, TTFTPriors
 
 
 @dataclass(eq=False, slots=True)
@@ -19,15 +20,16 @@ class Instance:
     pending_prefill_tokens: int = 0
     load: EngineLoad | None = None
     failed_checks: int = 0
+    ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
 
     @classmethod
-    def from_config(cls, config: InstanceConfig, models: list[str]) -> Instance:
-        return cls(name=config.name, url=config.url, models=frozenset(models))
+    def from_config(cls, config: InstanceConfig, models: list[str], priors: TTFTPriors) -> Instance:
+        return cls(name=config.name, url=config.url, models=frozenset(models), ttft_model=TTFTModel(priors))
 
 
 class Fleet:
     def __init__(self, config: RouterConfig) -> None:
-        self.instances = [Instance.from_config(i, config.models_of(i)) for i in config.instances]
+        self.instances = [Instance.from_config(i, config.models_of(i), config.ttft) for i in config.instances]
         self.models = [m.name for m in config.models]
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
 

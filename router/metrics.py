@@ -17,6 +17,7 @@ from prometheus_client.metrics import MetricWrapperBase
 disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series double the output, unread
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ERROR_BUCKETS = (-1, -0.25, -0.1, -0.05, -0.025, -0.01, 0, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -109,6 +110,32 @@ class RouterMetrics:
         self.untokenized = Family(
             Counter("kvroute_untokenized_prompts", "Prompts routed without prefix knowledge, by reason",
                     ["reason"], registry=r)
+        )  # fmt: skip
+        self.ttft_predicted = Family(
+            Histogram("kvroute_ttft_predicted_seconds", "The TTFT predicted for the chosen instance",
+                      ["instance"], buckets=_LATENCY_BUCKETS, registry=r)
+        )  # fmt: skip
+        self.ttft_observed = Family(
+            Histogram("kvroute_ttft_observed_seconds", "Streams' time to the first chunk, by instance",
+                      ["instance"], buckets=_LATENCY_BUCKETS, registry=r)
+        )  # fmt: skip
+        self.ttft_error = Family(
+            Histogram("kvroute_ttft_prediction_error_seconds", "Streams' observed minus predicted TTFT",
+                      ["instance"], buckets=_ERROR_BUCKETS, registry=r)
+        )  # fmt: skip
+        self.ttft_rate = Family(
+            Gauge("kvroute_ttft_model_rate",
+                  "Calibrated TTFT model terms: overhead in seconds, the others in seconds per token",
+                  ["instance", "term"], registry=r)
+        )  # fmt: skip
+        self.pool_master_up = Gauge(
+            "kvroute_pool_master_up",
+            "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit",
+            registry=r,
+        )
+        self.pool_lookups = Family(
+            Counter("kvroute_pool_lookups", "Pool blocks looked up on the Mooncake master, by answer",
+                    ["result"], registry=r)
         )  # fmt: skip
 
     def render(self) -> bytes:

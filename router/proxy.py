@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 import msgspec
@@ -29,6 +29,7 @@ POLICY_HEADER = "x-kvroute-policy"
 INSTANCE_HEADER = "x-kvroute-instance"
 CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
 PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
+PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
 SESSION_HEADER = "x-session-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
@@ -40,6 +41,7 @@ class _Routed:
     policy: Policy
     upstream: aiohttp.ClientResponse
     started: float
+    streamed: bool
     prefilling: bool = True
     finished: bool = False
 
@@ -107,6 +109,7 @@ class Proxy:
             POLICY_HEADER: policy.name,
             CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
             PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
+            PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
         }
         if content_type.startswith("text/event-stream"):
             return _RelayResponse(
@@ -114,7 +117,7 @@ class Proxy:
             )
         try:
             payload = await routed.upstream.read()
-            self._first_byte(routed)
+            self._first_byte(routed, _completion_tokens(payload))
         except (TimeoutError, aiohttp.ClientError) as exc:
             self._metrics.upstream_errors(routed.instance.name, "read").inc()
             raise upstream_failed(routed.instance.name, exc) from exc
@@ -167,7 +170,7 @@ class Proxy:
             except BaseException:
                 self._end(decision, prefilling=True)
                 raise
-            routed = _Routed(decision, policy, upstream, started)
+            routed = _Routed(decision, policy, upstream, started, streamed=stream)
             if not stream and decision.uncached_tokens:
                 # No first byte before the end of a whole answer: retire its prefill by estimate instead.
                 delay = decision.uncached_tokens / self._config.prefill_tokens_per_s_estimate
@@ -212,10 +215,27 @@ class Proxy:
         instance.active_tokens += decision.prompt_tokens
         instance.pending_prefill_tokens += decision.uncached_tokens
         self._metrics.in_flight(instance.name).set(instance.in_flight)
+        self._metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
 
-    def _first_byte(self, routed: _Routed) -> None:
+    def _first_byte(self, routed: _Routed, decoded_tokens: int | None = None) -> None:
+        """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown)."""
         self._prefilled(routed)
-        self._metrics.ttft(routed.policy.name).observe(time.perf_counter() - routed.started)
+        elapsed = time.perf_counter() - routed.started
+        self._metrics.ttft(routed.policy.name).observe(elapsed)
+        if routed.upstream.status != 200:
+            return
+        decision, name = routed.decision, routed.instance.name
+        model = routed.instance.ttft_model
+        if routed.streamed:
+            model.observe(decision.features, elapsed)
+            self._metrics.ttft_observed(name).observe(elapsed)
+            self._metrics.ttft_error(name).observe(elapsed - decision.predicted_ttft_s)
+        elif decoded_tokens is not None:
+            model.observe(replace(decision.features, decoded_tokens=decoded_tokens), elapsed)
+        else:
+            return
+        for term, rate in model.rates.items():
+            self._metrics.ttft_rate(name, term).set(rate)
 
     def _prefilled(self, routed: _Routed) -> None:
         """The engine has prefilled the prompt: its tokens no longer queue ahead of others."""
@@ -230,6 +250,26 @@ class Proxy:
         if prefilling:
             instance.pending_prefill_tokens -= decision.uncached_tokens
         self._metrics.in_flight(instance.name).set(instance.in_flight)
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
+def _completion_tokens(payload: bytes) -> int | None:
+    """Tokens a whole answer generated, from its usage; None when it does not say."""
+    try:
+        usage = _decode_answer(payload).usage
+    except msgspec.DecodeError:
+        return None
+    return None if usage is None else usage.completion_tokens
 
 
 def _sse_error(message: str) -> bytes:

@@ -21,8 +21,10 @@ from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
+from router.pool import PoolConfirmer
 from router.token_cache import RemoteTokenizer
 from scorers.base import NO_MATCH, RoutingRequest
+from scorers.ttft_model import TTFTFeatures, features_for
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class Decision:
     prompt_blocks: int
     cached_blocks: int
     uncached_tokens: int
+    features: TTFTFeatures
+    predicted_ttft_s: float
 
 
 class Router:
@@ -66,8 +70,11 @@ class Router:
         block_size: int,
         metrics: RouterMetrics,
         remote: Callable[[str], RemoteTokenizer | None] = lambda model: None,
+        pool: PoolConfirmer | None = None,
     ) -> None:
-        """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up."""
+        """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
+        pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are)."""
+        self._pool = pool
         self._index = index
         self._tokenizers = tokenizers
         self._chains = block_hashing.ChainCache(block_size)
@@ -90,13 +97,16 @@ class Router:
             self._metrics.untokenized(type(exc).__name__).inc()
             ids = []
         chain = self._chains.chain(ids) if ids else []
+        matches = self._index.match(chain) if chain else {}
+        if self._pool is not None and matches:
+            matches = await self._pool.confirm(body.model, chain, matches)
         request = RoutingRequest(
             model=body.model,
             session_key=session_key,
             prompt_tokens=len(ids),
             prompt_blocks=len(chain),
             block_size=self._block_size,
-            matches=self._index.match(chain) if chain else {},
+            matches=matches,
         )
         self._metrics.decision("prepare").observe(time.perf_counter() - started)
         return Prepared(request, chain)
@@ -108,12 +118,17 @@ class Router:
         held = match.gpu + match.cpu + match.pool
         if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
             self._index.speculate(instance.name, prepared.chain, start=held)
+        features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
-        # The engine always computes the last prompt token, so a fully cached prompt hits one block less.
-        cached = min(held, max(tokens - 1, 0) // self._block_size)
         return Decision(
-            instance, tokens, prepared.request.prompt_blocks, cached, tokens - cached * self._block_size
+            instance,
+            tokens,
+            prepared.request.prompt_blocks,
+            cached_blocks=(tokens - features.uncached_tokens) // self._block_size,
+            uncached_tokens=features.uncached_tokens,
+            features=features,
+            predicted_ttft_s=instance.ttft_model.predict(features),
         )
 
     async def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from scorers.ttft_model import TTFTModel
 
 T = TypeVar("T")
 
@@ -36,6 +39,11 @@ class Candidate(Protocol):
     @property
     def load(self) -> EngineLoad | None:
         """The engine's own view from its /metrics; None until scraped or once stale."""
+        ...
+
+    @property
+    def ttft_model(self) -> TTFTModel:
+        """Its time-to-first-token model, calibrated from what the router observes."""
         ...
 
 

@@ -15,6 +15,7 @@ from scorers import (
     round_robin,
     session_affinity,
     token_cost,
+    ttft_cost,
 )
 from scorers.base import Params, Registration, Scorer
 
@@ -26,6 +27,7 @@ SCORERS: dict[str, Registration[Scorer]] = {
     "session-affinity": session_affinity.REGISTRATION,
     "precise-prefix": precise_prefix.REGISTRATION,
     "token-cost": token_cost.REGISTRATION,
+    "ttft-cost": ttft_cost.REGISTRATION,
 }
 
 PICKERS: dict[str, Registration[pickers.Picker]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import msgspec
 import pytest
@@ -184,6 +185,67 @@ def test_speculative_entries_count_until_they_expire() -> None:
     assert index.match(prompt()) == {"a": TierMatch(gpu=2), "b": TierMatch(gpu=4)}
     now[0] = 104.0
     assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
+
+
+OTHER_TOKENS = [t + 1000 for t in TOKENS]
+
+
+def pooled(first: int, count: int, salt: int = 0, tokens: list[int] = TOKENS, with_tokens: bool = True) -> BlockStored:
+    """What the MooncakeStoreConnector announces after writing blocks to the pool: medium "cpu", bytes
+    hashes (the same as the GPU copy's), and its token ids unless it could not tell them."""
+    event = stored(first, count, tokens, medium="cpu", salt=salt, as_bytes=True)
+    return event if with_tokens else msgspec.structs.replace(event, token_ids=[])
+
+
+def test_pool_blocks_count_for_every_instance_that_writes_to_the_pool() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 3, as_bytes=True), pooled(0, 7)])
+    index.apply(B, [pooled(0, 2, salt=9, tokens=OTHER_TOKENS)])  # B writes something else: connected too
+    index.apply(("c", 0), [stored(0, 2, salt=3)])  # C never wrote to the pool
+    assert index.match(prompt()) == {"a": TierMatch(gpu=3, pool=4), "b": TierMatch(pool=7),
+                                     "c": TierMatch(gpu=2)}  # fmt: skip
+    assert index.pool_members() == ["a", "b"]
+    assert index.pool_entries == 9
+    assert index.match(prompt(), include_pool=False) == {"a": TierMatch(gpu=3), "c": TierMatch(gpu=2)}
+
+
+def test_pool_blocks_announced_without_tokens_take_the_publishers_own_copy() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 4, as_bytes=True), pooled(0, 6, with_tokens=False)])
+    assert index.match(prompt(), include_pool=True)["a"] == TierMatch(gpu=4)  # 4, 5: never seen with tokens
+    assert index.stats.orphaned == 2
+    index.apply(A, [removed(0, 1, 2, 3)])
+    index.apply(A, [AllBlocksCleared()])
+    assert index.match(prompt()) == {"a": TierMatch(pool=4)}  # the pool outlives the publisher's own cache
+
+
+def test_pool_entries_are_kept_once_and_forgotten_on_the_masters_word() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [pooled(0, 5)])
+    index.apply(B, [pooled(0, 5)])  # the same objects again: one entry each
+    assert index.pool_entries == 5
+    hashes = [vllm_hash(p, as_bytes=True) for p in range(5)]
+    assert index.pooled(prompt(), 3, 9) == [(3, hashes[3]), (4, hashes[4])]
+    index.forget_pooled([cast(bytes, hashes[2])])
+    assert index.match(prompt()) == {"a": TierMatch(pool=2), "b": TierMatch(pool=2)}
+    assert index.pooled(prompt(), 0, 10) == [(0, hashes[0]), (1, hashes[1]), (3, hashes[3]), (4, hashes[4])]
+    index.drop(A)
+    assert index.match(prompt())["a"] == TierMatch(pool=2)
+
+
+def test_pool_blocks_with_integer_hashes_have_no_key_and_are_skipped() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 3, medium="cpu"), stored(0, 2)])
+    assert index.stats.unkeyed == 3
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
+
+
+def test_the_bound_covers_the_pool() -> None:
+    index = BlockIndex(BS, max_entries=6)
+    index.apply(A, [stored(0, 4, as_bytes=True), pooled(0, 10)])
+    assert index.entries <= 6
+    assert index.pool_entries + sum(map(sum, index.entries_by_owner().values())) == index.entries
+    assert len(index.pooled(prompt(), 0, 10)) == index.pool_entries
 
 
 @pytest.mark.parametrize("seed", range(40))

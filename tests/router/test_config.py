@@ -30,7 +30,7 @@ def test_local_fleet_config_matches_the_fleets_defaults() -> None:
 def test_defaults_are_filled_in() -> None:
     config = parse_config(VALID)
     assert config.instances[1].url == "http://127.0.0.1:8102"
-    assert set(config.policies) == {"round-robin", "least-loaded", "precise-prefix", "kvroute"}
+    assert set(config.policies) == {"round-robin", "least-loaded", "precise-prefix", "token-cost", "kvroute"}
     assert config.default_policy == "kvroute"
     assert config.models_of(config.instances[0]) == ["tiny-llama"]
     assert config.upstream.attempts == 2
@@ -69,7 +69,7 @@ def _with(**changes: object) -> dict[str, object]:
                                                                                "params": {"temperature": 0}}}},
                default_policy="p"),
          "  policies.p.picker: params.temperature: Input should be greater than 0"),
-        (_with(default_policy="fastest"), "  default_policy: 'fastest' is not a policy; defined: round-robin, least-loaded, precise-prefix, kvroute"),
+        (_with(default_policy="fastest"), "  default_policy: 'fastest' is not a policy; defined: round-robin, least-loaded, precise-prefix, kvroute, token-cost"),
         (_with(block_size=0), "  block_size: Input should be greater than or equal to 1"),
         (_with(upstream={"attempts": "many"}),
          "  upstream.attempts: Input should be a valid integer, unable to parse string as an integer"),

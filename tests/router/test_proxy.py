@@ -95,6 +95,18 @@ def test_stream_is_relayed_chunk_by_chunk_with_headers(router_url: str) -> None:
     assert len(events) == 6  # five tokens, then [DONE]
 
 
+def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances_model(router_url: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "calibrate " * 40, "max_tokens": 2, "stream": True}).encode()
+    status, headers, _ = post(router_url + "/v1/completions", body)
+    assert status == 200
+    instance, predicted_ms = headers["x-kvroute-instance"], float(headers["x-kvroute-predicted-ttft-ms"])
+    assert predicted_ms > 0
+    assert metric(router_url, "kvroute_ttft_predicted_seconds_count", instance=instance) >= 1
+    assert metric(router_url, "kvroute_ttft_observed_seconds_count", instance=instance) >= 1
+    assert metric(router_url, "kvroute_ttft_prediction_error_seconds_count", instance=instance) >= 1
+    assert metric(router_url, "kvroute_ttft_model_rate", instance=instance, term="prefill") > 0
+
+
 def test_models_lists_the_fleets_models(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scorers.base import EngineLoad
+from scorers.ttft_model import TTFTModel, TTFTPriors
 
 
 @dataclass
@@ -14,3 +15,4 @@ class Fake:
     pending_prefill_tokens: int = 0
     active_tokens: int = 0
     load: EngineLoad | None = None
+    ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))

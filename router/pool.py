@@ -1,0 +1,125 @@
+"""Pool credit checked against the Mooncake master before it decides a routing choice.
+
+The pool evicts in the background and tells no one, so the index's pool entries are claims. Before a
+decision counts pool blocks, the blocks it would credit are looked up on the master's admin HTTP
+(GET /batch_query_keys: metadata only, no lease, not counted as a hit), in concurrent batches, and an
+answer is trusted for a short while. Blocks the master does not have leave the index. When the master
+cannot be asked, routing goes on without pool credit and kvroute_pool_master_up says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import aiohttp
+import msgspec
+
+from router.block_index import BlockIndex
+from router.metrics import RouterMetrics
+from scorers.base import TierMatch
+
+log = logging.getLogger(__name__)
+
+# The MooncakeStoreConnector's key of one block, tensor/pipeline rank 0, KV cache group 0: every rank
+# writes its own shard, so rank 0's key stands for the block.
+_KEY_LAYOUT = "{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{hash}"
+_KEYS_PER_QUERY = 128  # keeps the query string well under common URL limits (about 14 KB)
+
+
+class _KeyAnswer(msgspec.Struct):
+    ok: bool = False
+
+
+class _BatchAnswer(msgspec.Struct):
+    success: bool
+    data: dict[str, _KeyAnswer] = {}
+
+
+_decode_answer = msgspec.json.Decoder(_BatchAnswer).decode
+
+
+class PoolConfirmer:
+    def __init__(
+        self,
+        index: BlockIndex,
+        master_url: str,
+        pool_names: Mapping[str, str],
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        confirm_ttl_s: float = 2.0,
+        timeout_s: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """pool_names: each routed model's name in pool keys (the last path component of vLLM's --model)."""
+        self._index = index
+        self._url = master_url.rstrip("/") + "/batch_query_keys"
+        self._pool_names = pool_names
+        self._session = session
+        self._metrics = metrics
+        self._ttl = confirm_ttl_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._clock = clock
+        self._confirmed: dict[tuple[str, bytes], float] = {}  # (model, vLLM hash) -> trusted until, in order
+
+    async def confirm(
+        self, model: str, chain: Sequence[int], matches: dict[str, TierMatch]
+    ) -> dict[str, TierMatch]:
+        """matches with their pool credit confirmed: as they are, shortened, or without any pool credit."""
+        credited = [(m.gpu + m.cpu, m.gpu + m.cpu + m.pool) for m in matches.values() if m.pool]
+        if not credited:
+            return matches
+        start, end = min(s for s, _ in credited), max(e for _, e in credited)
+        now = self._clock()
+        self._expire(now)
+        unchecked = [h for _, h in self._index.pooled(chain, start, end) if (model, h) not in self._confirmed]
+        if not unchecked:
+            return matches
+        try:
+            present = await self._query(model, unchecked)
+        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
+            log.debug("Mooncake master not answering, routing without pool credit: %r", exc)
+            self._metrics.pool_master_up.set(0)
+            self._metrics.pool_lookups("error").inc(len(unchecked))
+            return self._index.match(chain, include_pool=False)
+        self._metrics.pool_master_up.set(1)
+        denied = [h for h in unchecked if h not in present]
+        until = now + self._ttl
+        for vllm_hash in present:
+            self._confirmed[model, vllm_hash] = until
+        self._metrics.pool_lookups("present").inc(len(present))
+        if not denied:
+            return matches
+        self._metrics.pool_lookups("gone").inc(len(denied))
+        self._index.forget_pooled(denied)
+        return self._index.match(chain)
+
+    async def _query(self, model: str, hashes: list[bytes]) -> set[bytes]:
+        """The hashes the master holds, asked in concurrent batches."""
+        name = self._pool_names.get(model, model)
+        keys = {_KEY_LAYOUT.format(model=name, hash=h.hex()): h for h in hashes}
+        names = list(keys)
+        batches = [names[i : i + _KEYS_PER_QUERY] for i in range(0, len(names), _KEYS_PER_QUERY)]
+        answers = await asyncio.gather(*(self._ask(batch) for batch in batches))
+        return {keys[key] for answer in answers for key, found in answer.items() if found.ok and key in keys}
+
+    async def _ask(self, keys: list[str]) -> dict[str, _KeyAnswer]:
+        async with self._session.get(
+            self._url, params={"keys": ",".join(keys)}, timeout=self._timeout
+        ) as response:
+            response.raise_for_status()
+            answer = _decode_answer(await response.read())
+        if not answer.success:
+            raise ValueError("the master could not answer the lookup")
+        return answer.data
+
+    def _expire(self, now: float) -> None:
+        """Answers are kept in the order they were given, so the expired ones are at the front."""
+        confirmed = self._confirmed
+        while confirmed:
+            key = next(iter(confirmed))
+            if confirmed[key] > now:
+                break
+            del confirmed[key]

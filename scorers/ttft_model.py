@@ -1,0 +1,113 @@
+"""Time to first token, predicted per instance in seconds and calibrated from the TTFTs the router sees.
+
+    TTFT = overhead
+         + queue rate   x uncached prompt tokens of requests still prefilling there (the wait)
+         + prefill rate x this prompt's tokens in neither its cache nor the pool (computed)
+         + load rate    x this prompt's tokens it loads from the pool or its CPU tier (transferred)
+
+Each instance has its own rates: hardware, model and parallelism differ across a fleet. They start from the
+configured priors and follow observations by exponentially weighted least squares on relative error (a
+TTFT's noise grows with it, and a 50 ms request matters as much as a 5 s one), pulled towards the priors
+(ridge) so that a term the traffic has not exercised yet keeps its prior instead of drifting.
+Non-streamed answers arrive whole: their time includes decoding, which a fifth term (per generated token)
+absorbs while calibrating; predictions leave it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import Field
+
+from scorers.base import NO_MATCH, Candidate, Params, RoutingRequest
+
+TERMS = ("overhead", "queue", "prefill", "load", "decode")
+# Typical size of each feature: the priors count as prior_weight observations of this size, of the TTFT
+# typical lately. The overhead's is larger than its feature's (1): on its own it would soak up the noise of
+# the first few observations.
+_SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 64.0])
+_SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
+
+
+class TTFTPriors(Params):
+    overhead_s: float = Field(default=0.005, ge=0, description="fixed cost of a request: HTTP, scheduling")
+    queue_s_per_token: float = Field(default=1e-4, ge=0, description="per token prefilling ahead of it")
+    prefill_s_per_token: float = Field(default=1e-4, ge=0, description="per prompt token computed")
+    load_s_per_token: float = Field(default=4e-5, ge=0, description="per prompt token loaded from the pool")
+    decode_s_per_token: float = Field(default=0.01, ge=0, description="per generated token (calibration)")
+    calibrate: bool = Field(default=True, description="follow observed TTFTs; false keeps the priors")
+    memory: float = Field(default=50.0, ge=1, description="observations that weigh in, about")
+    prior_weight: float = Field(default=1.0, gt=0, description="the priors count as this many observations")
+
+    def rates(self) -> np.ndarray:
+        return np.array([
+            self.overhead_s, self.queue_s_per_token, self.prefill_s_per_token, self.load_s_per_token,
+            self.decode_s_per_token,
+        ])  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTFeatures:
+    queued_tokens: int
+    uncached_tokens: int
+    loaded_tokens: int
+    decoded_tokens: int = 0  # observations of non-streamed answers only
+
+    def vector(self) -> np.ndarray:
+        return np.array(
+            [1.0, self.queued_tokens, self.uncached_tokens, self.loaded_tokens, self.decoded_tokens]
+        )
+
+
+class TTFTModel:
+    def __init__(self, priors: TTFTPriors) -> None:
+        self._calibrate = priors.calibrate
+        self._prior = priors.rates()
+        self._decay = 1.0 - 1.0 / priors.memory
+        self._prior_weight = priors.prior_weight
+        self._typical_s = float(self._prior @ _SCALES)  # the TTFT of a typical request, tracked
+        self._gram = np.zeros((len(TERMS), len(TERMS)))  # decayed sums of x x^T and of x y
+        self._moment = np.zeros(len(TERMS))
+        self._rates = self._prior.copy()
+        self.observations = 0
+
+    @property
+    def rates(self) -> dict[str, float]:
+        return dict(zip(TERMS, self._rates.tolist(), strict=True))
+
+    def predict(self, features: TTFTFeatures) -> float:
+        rates = self._rates
+        return float(
+            rates[0]
+            + rates[1] * features.queued_tokens
+            + rates[2] * features.uncached_tokens
+            + rates[3] * features.loaded_tokens
+        )
+
+    def observe(self, features: TTFTFeatures, seconds: float) -> None:
+        if not self._calibrate or seconds <= 0:
+            return
+        x = features.vector() / max(seconds, _SHORTEST_S)  # relative error: divide the equation by y
+        self._gram = self._decay * self._gram + np.outer(x, x)
+        self._moment = self._decay * self._moment + x * (seconds / max(seconds, _SHORTEST_S))
+        # A fleet that slows down threefold must not find the priors three times as convincing.
+        self._typical_s = self._decay * self._typical_s + (1 - self._decay) * seconds
+        penalty = np.diag(self._prior_weight * (_SCALES / self._typical_s) ** 2)
+        solved = np.linalg.solve(self._gram + penalty, self._moment + penalty @ self._prior)
+        self._rates = np.maximum(solved, 0.0)  # a negative rate would reward work
+        self.observations += 1
+
+
+def features_for(request: RoutingRequest, candidate: Candidate) -> TTFTFeatures:
+    """What the request would cost there: the engine computes the last prompt token whatever it holds,
+    and reuses whole blocks only."""
+    match = request.matches.get(candidate.name, NO_MATCH)
+    reusable = max(request.prompt_tokens - 1, 0) // request.block_size
+    local = min(match.gpu, reusable)
+    loaded = min(match.cpu + match.pool, reusable - local)
+    return TTFTFeatures(
+        queued_tokens=candidate.pending_prefill_tokens,
+        uncached_tokens=request.prompt_tokens - (local + loaded) * request.block_size,
+        loaded_tokens=loaded * request.block_size,
+    )

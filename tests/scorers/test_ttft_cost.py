@@ -1,0 +1,102 @@
+"""The TTFT model (prediction, online calibration towards the truth, priors kept where data says nothing)
+and the ttft-cost scorer built on it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scorers.base import RoutingRequest, TierMatch
+from scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
+from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors, features_for
+from tests.scorers.candidates import Fake
+
+TRUE_RATES = {"overhead": 0.012, "queue": 3e-4, "prefill": 2.5e-4, "load": 6e-5, "decode": 0.02}
+
+
+def true_seconds(f: TTFTFeatures) -> float:
+    r = TRUE_RATES
+    return (r["overhead"] + r["queue"] * f.queued_tokens + r["prefill"] * f.uncached_tokens
+            + r["load"] * f.loaded_tokens + r["decode"] * f.decoded_tokens)  # fmt: skip
+
+
+def random_features(rng: random.Random, load: bool = True, whole_answers: bool = True) -> TTFTFeatures:
+    return TTFTFeatures(
+        queued_tokens=rng.choice([0, 0, rng.randrange(4096)]),
+        uncached_tokens=rng.randrange(1, 4096),
+        loaded_tokens=rng.randrange(8192) if load and rng.random() < 0.5 else 0,
+        decoded_tokens=rng.randrange(1, 64) if whole_answers and rng.random() < 0.3 else 0,
+    )
+
+
+def prediction_error(model: TTFTModel, slowdown: float = 1.0) -> float:
+    """Mean relative error of predicted TTFTs over fresh requests."""
+    rng = random.Random(99)
+    fresh = [random_features(rng, whole_answers=False) for _ in range(200)]
+    return sum(abs(model.predict(f) / (slowdown * true_seconds(f)) - 1) for f in fresh) / len(fresh)
+
+
+def test_calibration_finds_an_instances_rates_from_noisy_ttfts() -> None:
+    rng = random.Random(1)
+    model = TTFTModel(TTFTPriors())
+    for _ in range(300):
+        features = random_features(rng)
+        model.observe(features, true_seconds(features) * rng.uniform(0.95, 1.05))
+    # The overhead is small beside the noise, and decoding only shows in the few whole answers.
+    for term, truth in TRUE_RATES.items():
+        assert model.rates[term] == pytest.approx(truth, rel=0.25 if term in ("overhead", "decode") else 0.1), term
+    assert prediction_error(model) < 0.03
+
+
+def test_a_term_the_traffic_never_exercises_keeps_its_prior() -> None:
+    rng = random.Random(2)
+    priors = TTFTPriors()
+    model = TTFTModel(priors)
+    for _ in range(200):
+        features = random_features(rng, load=False)
+        model.observe(features, true_seconds(features))
+    assert model.rates["load"] == pytest.approx(priors.load_s_per_token, rel=0.01)
+    assert model.rates["prefill"] == pytest.approx(TRUE_RATES["prefill"], rel=0.05)
+
+
+def test_calibration_follows_an_instance_that_slows_down() -> None:
+    rng = random.Random(3)
+    model = TTFTModel(TTFTPriors(memory=30))
+    for slowdown in (1.0, 3.0):
+        for _ in range(150):
+            features = random_features(rng, whole_answers=False)
+            model.observe(features, slowdown * true_seconds(features))
+        assert prediction_error(model, slowdown) < 0.1
+    assert model.rates["prefill"] == pytest.approx(3 * TRUE_RATES["prefill"], rel=0.1)
+
+
+def test_without_calibration_the_priors_stay() -> None:
+    priors = TTFTPriors(calibrate=False, prefill_s_per_token=1e-3)
+    model = TTFTModel(priors)
+    model.observe(TTFTFeatures(0, 1000, 0), 50.0)
+    assert model.rates["prefill"] == 1e-3
+    assert model.observations == 0
+
+
+def test_features_reuse_whole_blocks_and_never_the_last_token() -> None:
+    request = RoutingRequest("m", prompt_tokens=100, prompt_blocks=3, block_size=32,
+                             matches={"a": TierMatch(gpu=1, pool=2), "b": TierMatch(gpu=3)})  # fmt: skip
+    assert features_for(request, Fake("a", pending_prefill_tokens=7)) == TTFTFeatures(7, 100 - 96, 64)
+    exact = RoutingRequest("m", prompt_tokens=96, prompt_blocks=3, block_size=32, matches=request.matches)
+    assert features_for(exact, Fake("b")) == TTFTFeatures(0, 32, 0)  # the last block is computed again
+    assert features_for(exact, Fake("c")) == TTFTFeatures(0, 96, 0)
+
+
+def test_the_fastest_instance_wins_local_before_pool_before_cold_until_queues_change_that() -> None:
+    scorer = TTFTCostScorer(TTFTCostParams())
+    request = RoutingRequest("m", prompt_tokens=3200, prompt_blocks=100, block_size=32,
+                             matches={"local": TierMatch(gpu=99), "pooled": TierMatch(pool=99)})  # fmt: skip
+    idle = [Fake("local"), Fake("pooled"), Fake("cold")]
+    seconds = scorer.predict(request, idle)
+    assert seconds[0] < seconds[1] < seconds[2]
+    assert scorer.score(request, idle)[0] == 1.0
+    busy = [Fake("local", pending_prefill_tokens=4000), Fake("pooled"), Fake("cold")]
+    scores = scorer.score(request, busy)
+    assert scores.index(1.0) == 1  # the pool copy beats queueing behind 4000 tokens
+    assert 0 < scores[0] < scores[2] < 1  # and even recomputing everything does
