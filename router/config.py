@@ -151,9 +151,6 @@ class UpstreamConfig(_Strict):
     response_timeout_s: float = Field(
         default=3600.0, gt=0, description="non-streamed requests: the whole answer arrives at the end"
     )
-    prefill_tokens_per_s_estimate: float = Field(
-        default=10_000.0, gt=0, description="when a non-streamed request's prefill counts as done"
-    )
     max_connections_per_instance: int = Field(default=256, ge=1)
     attempts: int = Field(default=2, ge=1, description="instances tried when one cannot be connected to")
 

@@ -172,9 +172,9 @@ class Proxy:
                 raise
             routed = _Routed(decision, policy, upstream, started, streamed=stream)
             if not stream and decision.uncached_tokens:
-                # No first byte before the end of a whole answer: retire its prefill by estimate instead.
-                delay = decision.uncached_tokens / self._config.prefill_tokens_per_s_estimate
-                asyncio.get_running_loop().call_later(delay, self._prefilled, routed)
+                # No first byte before the end of a whole answer: its prefill retires when the instance's
+                # TTFT model expects its first token instead.
+                asyncio.get_running_loop().call_later(decision.predicted_ttft_s, self._prefilled, routed)
             return routed
         if tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
