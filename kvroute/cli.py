@@ -93,10 +93,66 @@ def _bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_live(args: argparse.Namespace) -> int:
+    from kvroute.bench_live import DEFAULT_TARGETS, LiveOptions, run_live_bench
+    from kvroute.processes import StartupError
+    from router.config import ConfigError
+
+    options = LiveOptions(
+        config=Path(args.config) if args.config else None,
+        fleet_instances=args.fleet,
+        targets=tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS,
+        sessions=args.sessions,
+        turns=args.turns,
+        concurrency=args.concurrency,
+        time_limit_s=args.time_limit,
+        request_timeout_s=args.request_timeout,
+        max_tokens=args.max_tokens,
+        system_prompt_words=args.system_words,
+        seed=args.seed,
+        vllm_router=args.vllm_router,
+        reset_caches=not args.no_reset,
+        out=Path(args.out) if args.out else None,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+    try:
+        report = run_live_bench(options)
+    except (ConfigError, StartupError, ValueError, OSError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0 if any(r.ok for r in report.results) else 1
+
+
 def _build_model(args: argparse.Namespace) -> int:
     from kvroute.tinymodel import ensure_model
 
     print(ensure_model())
+    return 0
+
+
+def _stack(args: argparse.Namespace) -> int:
+    from kvroute.processes import StartupError
+    from kvroute.stack import stack_down, stack_status, stack_up
+    from kvroute.stack_config import StackConfigError, load_stack_config
+
+    run_dir = Path(args.run_dir)
+    if args.action == "down":
+        stopped = stack_down(run_dir)
+        print(f"stopped: {', '.join(stopped)}" if stopped else f"nothing running from {run_dir}")
+        return 0
+    if args.action == "status":
+        processes = stack_status(run_dir)
+        for name, alive, healthy in processes:
+            print(f"{name:<18} {'alive' if alive else 'dead':<6} {'healthy' if healthy else 'unhealthy'}")
+        return 0 if processes and all(healthy for _, _, healthy in processes) else 1
+    try:
+        stack = stack_up(load_stack_config(Path(args.config)), run_dir)
+    except (StackConfigError, StartupError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    timings = ", ".join(f"{k} {v:.0f}s" for k, v in stack.timings.items())
+    print(f"router {stack.router_url}, instances {' '.join(i.url for i in stack.instances)} ({timings})")
+    print(f"state and logs in {run_dir}; stop with: kvroute stack down --run-dir {run_dir}")
     return 0
 
 
@@ -153,9 +209,36 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--repeats", type=int, default=200)
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)
+    live = benches.add_parser("live", help="agent sessions through kvroute and vllm-router, one fleet")
+    live.add_argument("--config", help="router configuration (YAML) naming the instances; default: --fleet")
+    live.add_argument("--fleet", type=int, default=3, help="without --config: simulated instances to start")
+    live.add_argument(
+        "--targets",
+        help="comma-separated: kvroute[:POLICY], vllm-router:POLICY, NAME=URL (a running router); default: "
+        "kvroute:round-robin,kvroute,vllm-router:round_robin,vllm-router:kv_aware",
+    )
+    live.add_argument("--sessions", type=int, default=8)
+    live.add_argument("--turns", type=int, default=8)
+    live.add_argument("--concurrency", type=int, default=8, help="sessions in flight at once")
+    live.add_argument("--time-limit", type=float, default=300.0, help="seconds per target")
+    live.add_argument("--request-timeout", type=float, default=120.0)
+    live.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn")
+    live.add_argument("--system-words", type=int, default=400, help="words of the shared system prompt")
+    live.add_argument("--seed", type=int, default=1, help="target i replays sessions of seed + i")
+    live.add_argument("--vllm-router", help="vllm-router binary; default: beside this Python or on PATH")
+    live.add_argument("--no-reset", action="store_true", help="do not reset prefix caches between targets")
+    live.add_argument("--out", default="bench-results/live.json", help="JSON results ('' for none)")
+    live.add_argument("--log-dir", help="keep the routers' logs here (default: a temporary directory)")
+    live.set_defaults(run=_bench_live)
 
     build = commands.add_parser("build-model", help="build the tiny local model and print its directory")
     build.set_defaults(run=_build_model)
+
+    stack = commands.add_parser("stack", help="the real stack: vLLM instances, Mooncake master, the router")
+    stack.add_argument("action", choices=["up", "down", "status"])
+    stack.add_argument("--config", default="configs/stack-cpu.yaml", help="stack configuration (YAML)")
+    stack.add_argument("--run-dir", default=".stack", help="state.json, generated configs and logs")
+    stack.set_defaults(run=_stack)
     return parser
 
 

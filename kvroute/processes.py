@@ -30,56 +30,107 @@ class Child:
     log_path: Path
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the child's own process group, SIGKILL it if it does not exit in time."""
-        if self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        """SIGTERM the child's own process group, SIGKILL it if it does not exit in time.
+
+        Returns once the whole group is gone: children the leader left behind are killed too.
+        """
+        if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout_s)
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout_s)
+        stop_group(self.process.pid, timeout_s)
 
     def log_tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
 
-def start(name: str, args: Sequence[str], log_dir: Path) -> Child:
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGTERM process group pgid, SIGKILL what is left of it after timeout_s; return once it is gone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not group_alive(pgid):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + timeout_s
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if group_alive(pgid):
+        raise StartupError(f"process group {pgid} survived SIGKILL")
+
+
+def spawn(
+    name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Child:
+    """Run argv in its own process group (so stop() reaches its children and nothing else), logging to
+    log_dir/name.log."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     log: IO[bytes] = log_path.open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", *args],
+        list(argv),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group, so stop() reaches its children and nothing else
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
     )
     log.close()
     return Child(name, process, log_path)
 
 
+def start(name: str, args: Sequence[str], log_dir: Path) -> Child:
+    """Run a kvroute command (``kvroute ARGS``) with this interpreter."""
+    return spawn(name, [sys.executable, "-m", "kvroute.cli", *args], log_dir)
+
+
 def wait_healthy(child: Child, urls: Sequence[str], timeout_s: float = 60.0) -> None:
+    wait_all_healthy([(child, url) for url in urls], timeout_s)
+
+
+def wait_all_healthy(checks: Sequence[tuple[Child, str]], timeout_s: float = 60.0) -> None:
+    """Wait until every URL answers 200; fail as soon as its child exits, or at the deadline, with its log."""
     deadline = time.monotonic() + timeout_s
-    pending = list(urls)
+    pending = list(checks)
     while pending:
-        if child.process.poll() is not None:
-            raise StartupError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
-        if time.monotonic() > deadline:
-            raise StartupError(
-                f"{child.name} not healthy after {timeout_s:.0f}s at {pending[0]}:\n{child.log_tail()}"
-            )
-        try:
-            with urllib.request.urlopen(pending[0], timeout=1.0) as response:
-                if response.status == 200:
-                    pending.pop(0)
-                    continue
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
+        for child, url in list(pending):
+            if child.process.poll() is not None:
+                raise StartupError(
+                    f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise StartupError(
+                    f"{child.name} not healthy after {timeout_s:.0f}s at {url} (log {child.log_path}):\n"
+                    f"{child.log_tail()}"
+                )
+            if http_ok(url):
+                pending.remove((child, url))
+        if pending:
+            time.sleep(0.1)
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -49,6 +49,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         config.index.speculative_ttl_s,
         medium_tiers={None: Tier.GPU, **medium_tiers},  # events without a medium are vLLM's own GPU cache
     )
+    for member in config.pool_members():
+        index.join_pool(member)
     metrics.registry.register(IndexCollector(index))
     cache = config.tokenization
     tokenizers: dict[str, LocalTokenizer] = {

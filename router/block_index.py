@@ -225,6 +225,10 @@ class BlockIndex:
         self.stats.stored += len(own)
         return own
 
+    def join_pool(self, instance: str) -> None:
+        """Count pool entries for instance before it has written to the pool (it is configured to read it)."""
+        self._join_pool(self._owner((instance, 0)))
+
     def _join_pool(self, member: _OwnerState) -> None:
         """An instance that writes to the pool is connected to it: every pool entry now counts for it too."""
         if self._pool.bit & member.bit:

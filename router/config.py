@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -62,6 +62,11 @@ class InstanceConfig(_Strict):
     events: str | None = None
     replay: str | None = None
     models: list[str] | None = None
+    pool: bool | None = Field(
+        default=None,
+        description="loads from the shared pool (a MooncakeStoreConnector); default: when pool.master_url is "
+        "set. An instance that writes to the pool counts as connected anyway",
+    )
 
     @field_validator("url")
     @classmethod
@@ -236,6 +241,10 @@ class RouterConfig(_Strict):
             )
         return self
 
+    def pool_members(self) -> list[str]:
+        default = self.pool.master_url is not None
+        return [i.name for i in self.instances if (default if i.pool is None else i.pool)]
+
     def models_of(self, instance: InstanceConfig) -> list[str]:
         return instance.models or [m.name for m in self.models]
 
@@ -253,22 +262,33 @@ class ConfigError(Exception):
 
 
 def load_config(path: Path) -> RouterConfig:
+    return parse_config(read_yaml(path), source=str(path))
+
+
+def parse_config(raw: Any, source: str = "config") -> RouterConfig:
+    return validated(RouterConfig, raw, source, "configuration")
+
+
+def read_yaml(path: Path) -> Any:
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    return parse_config(raw, source=str(path))
 
 
-def parse_config(raw: Any, source: str = "config") -> RouterConfig:
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validated(model: type[Model], raw: Any, source: str, what: str) -> Model:
+    """raw as model, or a ConfigError naming source, each bad key path and its problem."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     try:
-        return RouterConfig.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: invalid configuration\n" + format_errors(exc)) from exc
+        raise ConfigError(f"{source}: invalid {what}\n" + format_errors(exc)) from exc
 
 
 def format_errors(exc: ValidationError) -> str:

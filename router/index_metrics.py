@@ -26,6 +26,12 @@ class IndexCollector:
         for labels, size in sorted(blocks.items()):
             family.add_metric(list(labels), size)
         yield family
+        yield GaugeMetricFamily(
+            "kvroute_index_pool_blocks", "Blocks of the shared pool tier (one entry each)", index.pool_entries
+        )
+        yield GaugeMetricFamily(
+            "kvroute_index_pool_members", "Instances pool blocks count for", len(index.pool_members())
+        )
         yield GaugeMetricFamily("kvroute_index_bytes", "Memory the index holds", index.footprint_bytes())
         yield GaugeMetricFamily("kvroute_index_max_blocks", "Bound on index entries", index.max_entries)
         stats = index.stats

@@ -23,10 +23,13 @@ from scorers.base import TierMatch
 
 log = logging.getLogger(__name__)
 
-# The MooncakeStoreConnector's key of one block, tensor/pipeline rank 0, KV cache group 0: every rank
-# writes its own shard, so rank 0's key stands for the block.
-_KEY_LAYOUT = "{model}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{hash}"
 _KEYS_PER_QUERY = 128  # keeps the query string well under common URL limits (about 14 KB)
+
+
+def pool_key(pool_name: str, vllm_hash: bytes) -> str:
+    """The MooncakeStoreConnector's key of a block: tensor/pipeline rank 0, KV cache group 0 (every rank
+    writes its own shard, so rank 0's key stands for the block)."""
+    return f"{pool_name}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{vllm_hash.hex()}"
 
 
 class _KeyAnswer(msgspec.Struct):
@@ -99,7 +102,7 @@ class PoolConfirmer:
     async def _query(self, model: str, hashes: list[bytes]) -> set[bytes]:
         """The hashes the master holds, asked in concurrent batches."""
         name = self._pool_names.get(model, model)
-        keys = {_KEY_LAYOUT.format(model=name, hash=h.hex()): h for h in hashes}
+        keys = {pool_key(name, h): h for h in hashes}
         names = list(keys)
         batches = [names[i : i + _KEYS_PER_QUERY] for i in range(0, len(names), _KEYS_PER_QUERY)]
         answers = await asyncio.gather(*(self._ask(batch) for batch in batches))

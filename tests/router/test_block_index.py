@@ -207,6 +207,8 @@ def test_pool_blocks_count_for_every_instance_that_writes_to_the_pool() -> None:
     assert index.pool_members() == ["a", "b"]
     assert index.pool_entries == 9
     assert index.match(prompt(), include_pool=False) == {"a": TierMatch(gpu=3), "c": TierMatch(gpu=2)}
+    index.join_pool("d")  # configured as connected to the pool, before it has written anything there
+    assert index.match(prompt())["d"] == TierMatch(pool=7)
 
 
 def test_pool_blocks_announced_without_tokens_take_the_publishers_own_copy() -> None:

@@ -105,5 +105,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_example_configs_are_valid() -> None:
     for path in sorted((ROOT / "configs").glob("*.yaml")):
+        if path.name.startswith("stack-"):  # stack configurations: tests/kvroute/test_stack_config.py
+            continue
         load_config(path)
         assert yaml.safe_load(path.read_text())

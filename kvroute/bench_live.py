@@ -1,0 +1,472 @@
+"""``kvroute bench live``: the same agent workload through several routers in front of one fleet.
+
+Targets run one after another against the same instances, each with session content of its own seed (its
+own system prompt too), so none is served from a cache another warmed; prefix caches are also reset
+between targets where the instances allow it. Hit rates come from the engines' own counters
+(``vllm:prefix_cache_*``), summed over instances, before and after each target. The benchmark starts every
+router it measures on 127.0.0.1, in its own process group, and stops exactly those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from kvroute.agent_sessions import SessionPlan, SessionRun, run_sessions
+from kvroute.processes import (
+    FleetPorts,
+    StartupError,
+    free_port_block,
+    running_fleet,
+    running_router,
+    spawn,
+    wait_healthy,
+)
+from kvroute.workload import AgentWorkload
+from router.config import RouterConfig, load_config, parse_config
+
+DEFAULT_TARGETS = ("kvroute:round-robin", "kvroute", "vllm-router:round_robin", "vllm-router:kv_aware")
+ROUND_ROBIN = {"scorers": [{"type": "round-robin"}]}
+
+_QUERIES = "vllm:prefix_cache_queries_total"
+_HITS = "vllm:prefix_cache_hits_total"
+_EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
+_EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+_FINISHED = "vllm:request_success_total"
+_VLLM_ROUTER_METRICS = (
+    "vllm_router_kv_placement_lookups_total",
+    "vllm_router_kv_routing_inputs_total",
+    "vllm_router_prefix_routing_decisions_total",
+)
+
+
+class SkipTarget(Exception):
+    """A target that cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    kind: str  # kvroute, vllm-router or url
+    policy: str = ""
+    url: str = ""
+
+
+def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
+    """``kvroute``, ``kvroute:POLICY``, ``vllm-router:POLICY`` or ``NAME=URL`` (a router already running)."""
+    targets = []
+    for spec in (s.strip() for s in specs):
+        if not spec:
+            continue
+        if "=" in spec:
+            name, url = spec.split("=", 1)
+            targets.append(Target(name, "url", url=url.rstrip("/")))
+            continue
+        kind, _, policy = spec.partition(":")
+        if kind == "kvroute":
+            policy = policy or default_policy
+        elif kind != "vllm-router" or not policy:
+            raise ValueError(
+                f"target {spec!r}: use kvroute[:POLICY], vllm-router:POLICY (e.g. round_robin) or NAME=URL"
+            )
+        targets.append(Target(f"{kind}:{policy}", kind, policy))
+    return targets
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    config: Path | None = None  # the fleet, as a router configuration; None: start a simulated fleet
+    fleet_instances: int = 3
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    sessions: int = 8
+    turns: int = 8
+    concurrency: int = 8
+    time_limit_s: float = 300.0
+    request_timeout_s: float = 120.0
+    max_tokens: int = 16
+    system_prompt_words: int = 400
+    seed: int = 1
+    vllm_router: str | None = None  # the binary; default: found next to this Python or on PATH
+    reset_caches: bool = True
+    out: Path | None = None
+    log_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class Fleet:
+    config: RouterConfig
+    raw: dict[str, Any]  # the YAML as written; the kvroute routers started get it with only the policy set
+
+    @property
+    def model(self) -> str:
+        return self.config.models[0].name
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """vLLM's cumulative token counters summed over instances, and finished requests per instance."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+    external_queries: float | None = None  # None: the engines have no KV connector (no pool)
+    external_hits: float | None = None
+    finished: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TargetResult:
+    target: str
+    kind: str
+    policy: str
+    seed: int
+    skipped: str = ""
+    caches_reset: bool = False
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    rejected: int = 0
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    duration_s: float = 0.0
+    requests_per_s: float = 0.0
+    prompt_tokens: int = 0
+    prompt_tokens_per_s: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    local_hit_rate: float | None = None
+    pool_hit_rate: float | None = None
+    requests_per_instance: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    router_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LiveReport:
+    workload: dict[str, Any]
+    instances: list[str]
+    results: list[TargetResult]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "instances": self.instances,
+            "targets": [dataclasses.asdict(r) for r in self.results],
+        }
+
+
+def run_live_bench(options: LiveOptions, console: Console | None = None) -> LiveReport:
+    console = console or Console(width=None if Console().is_terminal else 160)
+    workload = AgentWorkload(
+        sessions=options.sessions,
+        turns=options.turns,
+        max_tokens=options.max_tokens,
+        system_prompt_words=options.system_prompt_words,
+    )
+    parse_targets(options.targets, default_policy="")  # a typo fails before anything starts
+    with contextlib.ExitStack() as stack:
+        log_dir = options.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlive-")))
+        fleet = stack.enter_context(_fleet(options, log_dir, console))
+        targets = parse_targets(options.targets, fleet.config.default_policy)
+        results = []
+        for index, target in enumerate(targets):
+            seeded = dataclasses.replace(workload, seed=options.seed + index)
+            console.print(f"[bold]{target.label}[/]: {workload.sessions} x {workload.turns} turns ...")
+            result = _run_target(target, seeded, fleet, options, log_dir)
+            console.print(f"  {_summary(result)}")
+            results.append(result)
+    report = LiveReport(_describe(workload, options), [i.name for i in fleet.config.instances], results)
+    console.print(render_table(report))
+    for result in results:
+        for key, value in result.router_metrics.items():
+            console.print(f"  {result.target}: {key} {value:g}")
+    if options.out is not None:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        console.print(f"results: {options.out}")
+    return report
+
+
+@contextlib.contextmanager
+def _fleet(options: LiveOptions, log_dir: Path, console: Console) -> Iterator[Fleet]:
+    if options.config is not None:
+        config = load_config(options.config)  # names the problem if the file is unreadable or invalid
+        yield Fleet(config, yaml.safe_load(options.config.read_text()))
+        return
+    ports = FleetPorts.allocate(options.fleet_instances)
+    console.print(f"starting {options.fleet_instances} simulated vLLM instances ...")
+    with running_fleet(ports, log_dir):
+        raw = ports.router_config()
+        yield Fleet(parse_config(raw), raw)
+
+
+def _run_target(
+    target: Target, workload: AgentWorkload, fleet: Fleet, options: LiveOptions, log_dir: Path
+) -> TargetResult:
+    result = TargetResult(target.label, target.kind, target.policy, workload.seed)
+    plan = SessionPlan(
+        workload,
+        fleet.model,
+        concurrency=options.concurrency,
+        time_limit_s=options.time_limit_s,
+        request_timeout_s=options.request_timeout_s,
+        session_prefix=target.label,
+    )
+    try:
+        with _endpoint(target, fleet, options, log_dir) as (url, metrics_url):
+            result.caches_reset = options.reset_caches and reset_prefix_caches(fleet.config)
+            before = read_engine_counters(fleet.config)
+            router_before = _router_metrics(metrics_url)
+            run = asyncio.run(run_sessions(url, plan))
+            time.sleep(0.3)  # engines count a request's tokens as it finishes; let the last ones land
+            after = read_engine_counters(fleet.config)
+            router_after = _router_metrics(metrics_url)
+    except (SkipTarget, StartupError) as exc:
+        result.skipped = str(exc)
+        return result
+    _fill(result, run, before, after)
+    result.router_metrics = {
+        key: value - router_before.get(key, 0.0) for key, value in router_after.items()
+    }
+    return result
+
+
+@contextlib.contextmanager
+def _endpoint(
+    target: Target, fleet: Fleet, options: LiveOptions, log_dir: Path
+) -> Iterator[tuple[str, str | None]]:
+    """The target's base URL and, for routers with a separate metrics port, its metrics URL."""
+    if target.kind == "url":
+        yield target.url, None
+    elif target.kind == "kvroute":
+        config = kvroute_config(fleet, target.policy)
+        with running_router(config, log_dir, name=f"kvroute-{target.policy}") as url:
+            yield url, None
+    else:
+        binary = find_vllm_router(options.vllm_router)
+        if binary is None:
+            raise SkipTarget("vllm-router is not installed (pip install 'kvroute[bench]')")
+        with running_vllm_router(binary, target.policy, fleet, options, log_dir) as urls:
+            yield urls
+
+
+def kvroute_config(fleet: Fleet, policy: str) -> dict[str, Any]:
+    """The fleet's configuration with ``policy`` as the default (round-robin added if it is missing)."""
+    policies = {name: spec.model_dump(mode="json") for name, spec in fleet.config.policies.items()}
+    policies.setdefault("round-robin", ROUND_ROBIN)
+    if policy not in policies:
+        raise SkipTarget(f"no policy {policy!r} in the configuration; defined: {', '.join(policies)}")
+    config = copy.deepcopy(fleet.raw)
+    config["policies"] = policies
+    config["default_policy"] = policy
+    return config
+
+
+def find_vllm_router(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit if Path(explicit).exists() else shutil.which(explicit)
+    beside = Path(sys.executable).parent / "vllm-router"
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_port: int) -> list[str]:
+    """vllm-router (0.1.17) in front of the fleet; kv_aware also subscribes to every instance's events."""
+    instances = fleet.config.instances
+    args = [
+        binary, "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *(i.url for i in instances),
+        "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--worker-startup-timeout-secs", "120", "--worker-startup-check-interval", "1",
+    ]  # fmt: skip
+    if policy == "kv_aware":
+        missing = [i.name for i in instances if not i.events]
+        if missing:
+            raise SkipTarget(f"kv_aware needs every instance's events; missing: {', '.join(missing)}")
+        for instance in instances:
+            args += ["--kv-event-source", f"{instance.url}={instance.events}"]
+            if instance.replay:
+                args += ["--kv-event-replay-source", f"{instance.url}={instance.replay}"]
+        args += ["--kv-event-block-size", str(fleet.config.block_size), "--kv-event-model", fleet.model]
+    return args
+
+
+@contextlib.contextmanager
+def running_vllm_router(
+    binary: str, policy: str, fleet: Fleet, options: LiveOptions, log_dir: Path
+) -> Iterator[tuple[str, str]]:
+    port = free_port_block(2)
+    args = vllm_router_args(binary, policy, fleet, port, port + 1)
+    child = spawn(f"vllm-router-{policy}", args, log_dir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(child, [url + "/health"], timeout_s=150)  # it answers once every worker is healthy
+        yield url, f"http://127.0.0.1:{port + 1}"
+    finally:
+        child.stop(timeout_s=15)
+
+
+def reset_prefix_caches(config: RouterConfig) -> bool:
+    """Empty every instance's prefix cache; False if one does not allow it (vLLM needs dev mode)."""
+    done = True
+    for instance in config.instances:
+        request = urllib.request.Request(instance.url + "/reset_prefix_cache", method="POST")
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+        except (urllib.error.URLError, OSError):
+            done = False
+    return done
+
+
+def _scrape(url: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, float(sample.value)
+
+
+def read_engine_counters(config: RouterConfig) -> EngineCounters:
+    sums: dict[str, float] = dict.fromkeys((_QUERIES, _HITS, _EXTERNAL_QUERIES, _EXTERNAL_HITS), 0.0)
+    seen: set[str] = set()
+    finished: dict[str, float] = {}
+    for instance in config.instances:
+        finished[instance.name] = 0.0
+        for name, _, value in _scrape(instance.url + "/metrics"):
+            if name in (_QUERIES, _HITS, _EXTERNAL_QUERIES, _EXTERNAL_HITS):
+                sums[name] += value
+                seen.add(name)
+            elif name == _FINISHED:
+                finished[instance.name] += value
+    pool = _EXTERNAL_QUERIES in seen and _EXTERNAL_HITS in seen
+    return EngineCounters(
+        sums[_QUERIES],
+        sums[_HITS],
+        sums[_EXTERNAL_QUERIES] if pool else None,
+        sums[_EXTERNAL_HITS] if pool else None,
+        finished,
+    )
+
+
+def _router_metrics(url: str | None) -> dict[str, float]:
+    if url is None:
+        return {}
+    values: dict[str, float] = {}
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        for name, labels, value in _scrape(url + "/metrics"):
+            if name in _VLLM_ROUTER_METRICS:
+                key = name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                values[key] = value
+    return values
+
+
+def _fill(result: TargetResult, run: SessionRun, before: EngineCounters, after: EngineCounters) -> None:
+    outcomes = run.outcomes
+    ok = [o for o in outcomes if o.status == "ok"]
+    result.sent = len(outcomes)
+    result.ok = len(ok)
+    result.failed = sum(o.status == "failed" for o in outcomes)
+    result.rejected = sum(o.status == "rejected" for o in outcomes)
+    result.errors = dict(Counter(o.error for o in outcomes if o.error).most_common(5))
+    if ok:
+        ttfts = sorted(o.ttft_s for o in ok)
+        result.ttft_p50_ms = _quantile(ttfts, 0.5) * 1000
+        result.ttft_p99_ms = _quantile(ttfts, 0.99) * 1000
+        result.e2e_p50_ms = _quantile(sorted(o.e2e_s for o in ok), 0.5) * 1000
+    result.duration_s = run.duration_s
+    result.prompt_tokens = sum(o.prompt_tokens for o in ok)
+    if run.duration_s > 0:
+        result.requests_per_s = len(ok) / run.duration_s
+        result.prompt_tokens_per_s = result.prompt_tokens / run.duration_s
+    result.prefix_queries = after.queries - before.queries
+    result.prefix_hits = after.hits - before.hits
+    if result.prefix_queries > 0:
+        result.local_hit_rate = result.prefix_hits / result.prefix_queries
+        if after.external_hits is not None and before.external_hits is not None:
+            external_queries = (after.external_queries or 0.0) - (before.external_queries or 0.0)
+            if external_queries > 0:  # a connector that was never asked is no pool
+                pool_hits = after.external_hits - before.external_hits
+                result.pool_hit_rate = pool_hits / result.prefix_queries
+    result.requests_per_instance = {
+        name: round(after.finished.get(name, 0.0) - before.finished.get(name, 0.0))
+        for name in after.finished
+    }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _describe(workload: AgentWorkload, options: LiveOptions) -> dict[str, Any]:
+    return {
+        "sessions": workload.sessions,
+        "turns": workload.turns,
+        "concurrency": options.concurrency,
+        "system_prompt_words": workload.system_prompt_words,
+        "turn_words": [workload.min_turn_words, workload.max_turn_words],
+        "max_tokens": workload.max_tokens,
+        "time_limit_s": options.time_limit_s,
+        "config": str(options.config) if options.config else f"simulated fleet of {options.fleet_instances}",
+    }
+
+
+def _summary(result: TargetResult) -> str:
+    if result.skipped:
+        return f"[yellow]skipped: {result.skipped.splitlines()[0]}"
+    errors = f", errors: {result.errors}" if result.errors else ""
+    return f"{result.ok}/{result.sent} ok in {result.duration_s:.1f} s{errors}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def render_table(report: LiveReport) -> Table:
+    workload = report.workload
+    table = Table(
+        title=f"{workload['sessions']} agent sessions x {workload['turns']} turns, "
+        f"concurrency {workload['concurrency']}, {len(report.instances)} instances, streaming",
+        caption=f"requests per instance: {' / '.join(report.instances)}",
+    )
+    table.add_column("target", no_wrap=True)
+    columns = (
+        "sent", "ok", "failed", "rejected", "TTFT p50", "TTFT p99", "e2e p50",
+        "req/s", "prompt tok/s", "local hit", "pool hit", "per instance",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column)
+    for r in report.results:
+        if r.skipped:
+            table.add_row(r.target, *["-"] * 11, f"skipped: {r.skipped.splitlines()[0]}")
+            continue
+        table.add_row(
+            r.target, str(r.sent), str(r.ok), str(r.failed), str(r.rejected),
+            _ms(r.ttft_p50_ms), _ms(r.ttft_p99_ms), _ms(r.e2e_p50_ms),
+            f"{r.requests_per_s:.1f}", f"{r.prompt_tokens_per_s:.0f}",
+            _rate(r.local_hit_rate), _rate(r.pool_hit_rate),
+            " / ".join(str(count) for count in r.requests_per_instance.values()),
+        )  # fmt: skip
+    return table

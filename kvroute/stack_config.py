@@ -1,0 +1,177 @@
+"""The real stack's configuration: vLLM instances, the Mooncake master and pool client, and the router.
+
+Typed and strict like the router's: unknown keys are errors, and every error names its key path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from router.config import ConfigError, read_yaml, validated
+
+PYTHON_ENV = "KVROUTE_STACK_PYTHON"
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+# Flags the stack sets itself from the rest of the configuration; in `vllm.args` they would contradict it.
+OWN_VLLM_FLAGS = frozenset({
+    "--model", "--served-model-name", "--host", "--port", "--block-size",
+    "--kv-events-config", "--kv-transfer-config",
+})  # fmt: skip
+
+
+StackConfigError = ConfigError  # a stack configuration that cannot be used
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    path: str = Field(default="builtin:tiny-llama", description="model directory, or builtin:tiny-llama")
+    served_name: str = Field(default="tiny-llama", min_length=1, description="--served-model-name")
+
+
+class MasterSection(_Strict):
+    """mooncake_master: metadata, leases and eviction for the pool."""
+
+    rpc_port: Port
+    metrics_port: Port = Field(description="admin HTTP: /health, /metrics, /get_all_keys")
+    args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="more --flag value pairs, e.g. default_kv_lease_ttl: 10000"
+    )
+    startup_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class PoolClientSection(_Strict):
+    """mooncake.json, which every vLLM worker reads through MOONCAKE_CONFIG_PATH."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    metadata_server: str = "P2PHANDSHAKE"
+    device_name: str = Field(default="", description="RDMA devices, e.g. mlx5_0,mlx5_1")
+    global_segment_size: str = Field(default="1GB", description="memory each instance lends the pool")
+    local_buffer_size: str = "256MB"
+
+
+class PoolSection(_Strict):
+    master: MasterSection
+    client: PoolClientSection = Field(default_factory=PoolClientSection)
+    connector: dict[str, Any] = Field(
+        default_factory=lambda: {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
+        description="vLLM's --kv-transfer-config; the stack adds a lookup_rpc_port per instance",
+    )
+
+
+class KVEventsSection(_Strict):
+    bind_host: str = Field(
+        default="[::ffff:127.0.0.1]",
+        description="where the PUB socket binds; vLLM binds only when the endpoint has '*' or '::' "
+        "(and connects otherwise), so loopback-only is the IPv4-mapped [::ffff:127.0.0.1]",
+    )
+    topic: str = Field(default="kv@{instance}@{model}", description="{instance} and {model} are filled in")
+
+    @field_validator("bind_host")
+    @classmethod
+    def _binds(cls, host: str) -> str:
+        if "*" not in host and "::" not in host:
+            raise ValueError(f"{host!r} would make vLLM connect instead of bind; use '*' or '[::ffff:IP]'")
+        return host
+
+
+class VLLMSection(_Strict):
+    instances: int = Field(default=2, ge=1)
+    name_prefix: str = Field(default="vllm-", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,40}$")
+    http_port: Port
+    event_port: Port
+    replay_port: Port
+    start: Literal["parallel", "sequential"] = "parallel"
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    kv_events: KVEventsSection = Field(default_factory=KVEventsSection)
+
+    @field_validator("args")
+    @classmethod
+    def _not_own(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if arg.split("=", 1)[0] in OWN_VLLM_FLAGS:
+                raise ValueError(f"{arg} is set by the stack itself ({', '.join(sorted(OWN_VLLM_FLAGS))})")
+        return args
+
+
+class RouterSection(_Strict):
+    port: Port
+    startup_timeout_s: float = Field(default=60.0, gt=0)
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="merged into the generated router.yaml (policies, pool, ...)"
+    )
+
+
+class StackConfig(_Strict):
+    python: str = Field(
+        default=".venv-stack/bin/python", description=f"the stack venv; {PYTHON_ENV} overrides"
+    )
+    host: str = Field(default="127.0.0.1", description="where every server listens and is reached")
+    block_size: int = Field(default=32, ge=1, description="--block-size of every instance and the router's")
+    model: ModelSection = Field(default_factory=ModelSection)
+    pool: PoolSection | None = None
+    vllm: VLLMSection
+    router: RouterSection
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StackConfig:
+        if self.pool is not None and "PYTHONHASHSEED" not in self.vllm.env:
+            raise ValueError(
+                "vllm.env: PYTHONHASHSEED must be fixed, or instances compute different pool keys"
+            )
+        ports = self.ports()
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise ValueError(f"{name}: port {port} is also {seen[port]}")
+            seen[port] = name
+        return self
+
+    def ports(self) -> dict[str, int]:
+        """Every port the stack listens on, by the key path that sets it (instances after the first: +i)."""
+        ports = {"router.port": self.router.port}
+        if self.pool is not None:
+            ports["pool.master.rpc_port"] = self.pool.master.rpc_port
+            ports["pool.master.metrics_port"] = self.pool.master.metrics_port
+        for key in ("http_port", "event_port", "replay_port"):
+            base = getattr(self.vllm, key)
+            for i in range(self.vllm.instances):
+                ports[f"vllm.{key}" + (f" + {i}" if i else "")] = base + i
+        return ports
+
+    def python_path(self, base_dir: Path) -> Path:
+        path = Path(os.environ.get(PYTHON_ENV) or self.python)
+        return path if path.is_absolute() else base_dir / path
+
+    def with_ports(self, base: int) -> StackConfig:
+        """The same stack on consecutive ports from base (tests: a block that free_port_block found free)."""
+        n = self.vllm.instances
+        update: dict[str, Any] = {
+            "router": self.router.model_copy(update={"port": base}),
+            "vllm": self.vllm.model_copy(
+                update={"http_port": base + 3, "event_port": base + 3 + n, "replay_port": base + 3 + 2 * n}
+            ),
+        }
+        if self.pool is not None:
+            master = self.pool.master.model_copy(update={"rpc_port": base + 1, "metrics_port": base + 2})
+            update["pool"] = self.pool.model_copy(update={"master": master})
+        return self.model_copy(update=update)
+
+    def port_count(self) -> int:
+        return 3 + 3 * self.vllm.instances
+
+
+def parse_stack_config(raw: Any, source: str = "stack config") -> StackConfig:
+    return validated(StackConfig, raw, source, "stack configuration")
+
+
+def load_stack_config(path: Path) -> StackConfig:
+    return parse_stack_config(read_yaml(path), source=str(path))

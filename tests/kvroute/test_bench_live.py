@@ -1,0 +1,122 @@
+"""`kvroute bench live` runs agent sessions through each router in front of the simulated fleet."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvroute.bench_live import (
+    LiveOptions,
+    LiveReport,
+    Target,
+    find_vllm_router,
+    parse_targets,
+    run_live_bench,
+)
+from kvroute.processes import FleetPorts, start
+
+SESSIONS, TURNS = 4, 3  # 4 sessions over 3 instances: round robin moves every session every turn
+
+
+def _options(
+    fleet: FleetPorts, tmp_path: Path, targets: tuple[str, ...], vllm_router: str | None = None
+) -> LiveOptions:
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump(fleet.router_config()))
+    return LiveOptions(
+        config=config, targets=targets, sessions=SESSIONS, turns=TURNS, concurrency=SESSIONS,
+        time_limit_s=120, request_timeout_s=120, max_tokens=4, system_prompt_words=200,
+        vllm_router=vllm_router, out=tmp_path / "live.json", log_dir=tmp_path / "logs",
+    )  # fmt: skip
+
+
+def _check_counts(report: LiveReport) -> None:
+    for result in report.results:
+        if result.skipped:
+            continue
+        assert result.ok + result.failed + result.rejected == result.sent == SESSIONS * TURNS, result
+        assert result.ok == result.sent, result.errors
+        assert result.ttft_p50_ms is not None and result.ttft_p99_ms is not None
+        assert 0 < result.ttft_p50_ms <= result.ttft_p99_ms
+        assert result.e2e_p50_ms is not None and result.e2e_p50_ms >= result.ttft_p50_ms
+        assert result.requests_per_s > 0 and result.prompt_tokens_per_s > 0
+        assert result.prompt_tokens == result.prefix_queries  # the engines counted exactly our prompts
+        assert result.local_hit_rate is not None and 0.0 <= result.local_hit_rate <= 1.0
+        assert result.pool_hit_rate is None  # the simulated fleet has no pool
+        assert sum(result.requests_per_instance.values()) == result.sent
+        assert result.caches_reset
+
+
+def test_kvroute_targets_a_running_router_and_a_missing_binary(
+    fleet: FleetPorts, router_url: str, tmp_path: Path
+) -> None:
+    targets = ("kvroute:round-robin", "kvroute", f"given={router_url}", "vllm-router:round_robin")
+    report = run_live_bench(_options(fleet, tmp_path, targets, vllm_router=str(tmp_path / "missing")))
+
+    by_target = {r.target: r for r in report.results}
+    assert list(by_target) == ["kvroute:round-robin", "kvroute:kvroute", "given", "vllm-router:round_robin"]
+    assert "not installed" in by_target["vllm-router:round_robin"].skipped
+    assert not any(r.skipped for r in report.results[:3]), [r.skipped for r in report.results]
+    assert [r.seed for r in report.results] == [1, 2, 3, 4]  # fresh content for every target
+    _check_counts(report)
+    round_robin, kvroute = by_target["kvroute:round-robin"], by_target["kvroute:kvroute"]
+    assert set(round_robin.requests_per_instance.values()) == {SESSIONS * TURNS // 3}
+    assert kvroute.local_hit_rate >= round_robin.local_hit_rate  # type: ignore[operator]
+
+    written = json.loads((tmp_path / "live.json").read_text())
+    assert written["workload"]["sessions"] == SESSIONS
+    assert [t["target"] for t in written["targets"]] == list(by_target)
+
+
+@pytest.mark.skipif(find_vllm_router(None) is None, reason="vllm-router not installed (pip install '.[bench]')")
+def test_vllm_router_round_robin_and_kv_aware(fleet: FleetPorts, tmp_path: Path) -> None:
+    report = run_live_bench(_options(fleet, tmp_path, ("vllm-router:round_robin", "vllm-router:kv_aware")))
+
+    round_robin, kv_aware = report.results
+    assert not round_robin.skipped and not kv_aware.skipped, (round_robin.skipped, kv_aware.skipped)
+    _check_counts(report)
+    assert set(round_robin.requests_per_instance.values()) == {SESSIONS * TURNS // 3}
+    lookups = sum(v for k, v in kv_aware.router_metrics.items() if "kv_placement_lookups" in k)
+    assert lookups == kv_aware.sent  # it looked every request up in its event-fed index
+
+
+def test_command_starts_its_own_fleet(tmp_path: Path) -> None:
+    out = tmp_path / "live.json"
+    args = ["bench", "live", "--fleet", "2", "--targets", "kvroute:round-robin,kvroute", "--sessions", "2",
+            "--turns", "2", "--max-tokens", "4", "--time-limit", "30", "--out", str(out)]  # fmt: skip
+    child = start("bench-live", args, tmp_path)
+    try:
+        code = child.process.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        child.stop()
+        raise
+    assert code == 0, child.log_tail()
+    results = json.loads(out.read_text())["targets"]
+    assert [(r["target"], r["sent"], r["ok"]) for r in results] == [
+        ("kvroute:round-robin", 4, 4),
+        ("kvroute:kvroute", 4, 4),
+    ]
+    assert "TTFT p50" in child.log_path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("kvroute", Target("kvroute:kvroute", "kvroute", "kvroute")),
+        ("kvroute:round-robin", Target("kvroute:round-robin", "kvroute", "round-robin")),
+        ("vllm-router:kv_aware", Target("vllm-router:kv_aware", "vllm-router", "kv_aware")),
+        ("stack=http://127.0.0.1:8000/", Target("stack", "url", url="http://127.0.0.1:8000")),
+    ],
+)
+def test_parse_targets(spec: str, expected: Target) -> None:
+    assert parse_targets([spec], default_policy="kvroute") == [expected]
+
+
+@pytest.mark.parametrize("spec", ["vllm-router", "sglang:cache_aware"])
+def test_parse_targets_rejects(spec: str) -> None:
+    with pytest.raises(ValueError, match="use kvroute"):
+        parse_targets([spec], default_policy="kvroute")

@@ -1,0 +1,161 @@
+"""Pool credit confirmed against a real mooncake_master: kept while the pool holds the blocks, cut where it
+does not, and switched off while the master does not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvroute.processes import free_port_block
+from router.block_index import BlockIndex
+from router.metrics import RouterMetrics
+from router.pool import PoolConfirmer, pool_key
+from scorers.base import TierMatch
+from tests.router.test_block_index import BS, OTHER_TOKENS, pooled, prompt, stored, vllm_hash
+
+ROOT = Path(__file__).resolve().parents[2]
+STACK_PYTHON = Path(os.environ.get("KVROUTE_STACK_PYTHON", ROOT / ".venv-stack" / "bin" / "python"))
+A, B = ("a", 0), ("b", 0)
+
+
+@dataclass(frozen=True)
+class Master:
+    rpc: str
+    admin_url: str
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    binary = STACK_PYTHON.parent / "mooncake_master"
+    if not binary.exists():
+        pytest.fail(f"{binary} is missing: `make stack-env` installs the stack")
+    base = free_port_block(2)
+    log = (tmp_path_factory.mktemp("master") / "master.log").open("wb")
+    process = subprocess.Popen(
+        [str(binary), "--rpc_address", "127.0.0.1", "--rpc_port", str(base),
+         "--metrics_host", "127.0.0.1", "--metrics_port", str(base + 1)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        admin = f"http://127.0.0.1:{base + 1}"
+        _wait_up(process, admin + "/health")
+        yield Master(f"127.0.0.1:{base}", admin)
+    finally:
+        _stop(process)
+        log.close()
+
+
+def _wait_up(process: subprocess.Popen[bytes], url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "mooncake_master exited at start-up"
+        with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=1):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"mooncake_master not up at {url} after {timeout_s:.0f}s")
+
+
+def metric_value(metrics: RouterMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def key_of(position: int) -> str:
+    full = vllm_hash(position, as_bytes=True)
+    assert isinstance(full, bytes)
+    return pool_key("model", full)
+
+
+@contextlib.contextmanager
+def pool_holding(master: Master, positions: range) -> Iterator[None]:
+    """A pool client that put the blocks at positions and keeps them while the block runs."""
+    keys = [key_of(p) for p in positions]
+    client = subprocess.Popen(
+        [str(STACK_PYTHON), str(ROOT / "scripts" / "pool_put.py"), master.rpc, *keys],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert client.stdout is not None
+        assert client.stdout.readline() == b"ready\n", "the pool client could not put its objects"
+        yield
+    finally:
+        assert client.stdin is not None
+        client.stdin.close()
+        try:
+            client.wait(10)
+        except subprocess.TimeoutExpired:
+            _stop(client)
+
+
+def confirm(index: BlockIndex, url: str, metrics: RouterMetrics) -> dict[str, TierMatch]:
+    async def run() -> dict[str, TierMatch]:
+        async with aiohttp.ClientSession() as session:
+            confirmer = PoolConfirmer(index, url, {"tiny-llama": "model"}, session, metrics, timeout_s=2.0)
+            chain = prompt()
+            return await confirmer.confirm("tiny-llama", chain, index.match(chain))
+
+    return asyncio.run(run())
+
+
+def indexed() -> BlockIndex:
+    """A holds blocks 0-1 itself and wrote 0-5 to the pool; B wrote something else there (a member too)."""
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 6)])
+    index.apply(B, [pooled(0, 1, salt=9, tokens=OTHER_TOKENS)])
+    return index
+
+
+def test_pool_credit_stops_where_the_master_no_longer_has_the_blocks(master: Master) -> None:
+    index, metrics = indexed(), RouterMetrics()
+    with pool_holding(master, range(4)):
+        matches = confirm(index, master.admin_url, metrics)
+    assert matches == {"a": TierMatch(gpu=2, pool=2), "b": TierMatch(pool=4)}
+    assert index.pool_entries == 4 + 1  # blocks 4 and 5 left the index; B's own block was not asked about
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 2
+    assert metric_value(metrics, "kvroute_pool_master_up") == 1
+
+
+def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
+    index, metrics = indexed(), RouterMetrics()
+
+    async def twice() -> None:
+        async with aiohttp.ClientSession() as session:
+            confirmer = PoolConfirmer(index, master.admin_url, {"tiny-llama": "model"}, session, metrics, confirm_ttl_s=60)
+            chain = prompt()
+            with pool_holding(master, range(6)):
+                assert (await confirmer.confirm("tiny-llama", chain, index.match(chain)))["b"] == TierMatch(pool=6)
+            # The pool client is gone and its objects with it, but the answer of a moment ago stands.
+            assert (await confirmer.confirm("tiny-llama", chain, index.match(chain)))["b"] == TierMatch(pool=6)
+
+    asyncio.run(twice())
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 6
+
+
+def test_an_unreachable_master_means_routing_without_pool_credit() -> None:
+    index, metrics = indexed(), RouterMetrics()
+    closed = f"http://127.0.0.1:{free_port_block(1)}"
+    assert confirm(index, closed, metrics) == {"a": TierMatch(gpu=2)}
+    assert index.pool_entries == 7  # nothing is forgotten on no answer
+    assert metric_value(metrics, "kvroute_pool_master_up") == 0
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="error") == 6

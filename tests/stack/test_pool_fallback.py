@@ -1,0 +1,87 @@
+"""A prefix computed on one instance is loaded from the Mooncake pool by the other, faster than computing it.
+
+Prompts are token ids, so prefixes are exact; round robin (`x-kvroute-policy: round-robin`) alternates between
+the two instances, which sends the same prompt to the instance that has not seen it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+import pytest
+
+from kvroute.stack import InstanceInfo, Stack
+from tests.stack.client import (
+    BLOCK,
+    INSTANCE_HEADER,
+    POLICY_HEADER,
+    Reply,
+    complete,
+    metric,
+    random_tokens,
+    wait_steady,
+    wait_until,
+)
+
+pytestmark = pytest.mark.stack
+
+PROMPT_TOKENS = 3000  # long enough that a prefill stands well above this machine's noise
+TRIALS = 3
+ROUND_ROBIN = {POLICY_HEADER: "round-robin"}
+
+
+@dataclass(frozen=True)
+class PoolHit:
+    computed_on: InstanceInfo
+    loaded_on: InstanceInfo
+    reply: Reply  # streamed: reply.ttft_s is the time to the first chunk
+    external_hit_tokens: float
+
+
+def instance(stack: Stack, name: str) -> InstanceInfo:
+    return next(i for i in stack.instances if i.name == name)
+
+
+def pool_keys(stack: Stack) -> float:
+    assert stack.master_url is not None
+    return metric(stack.master_url, "master_key_count")
+
+
+def compute_then_load(stack: Stack, prompt: list[int]) -> PoolHit:
+    """Send prompt round robin until a second instance serves it; the first one computed it into the pool."""
+    keys = pool_keys(stack)
+    first = complete(stack.router_url, prompt, ROUND_ROBIN)
+    computed_on = instance(stack, first.headers[INSTANCE_HEADER])
+    full_blocks = len(prompt) // BLOCK
+    wait_until(
+        lambda: pool_keys(stack) >= keys + full_blocks, f"{full_blocks} blocks of the prompt in the pool"
+    )
+
+    def external_hits(url: str) -> float:
+        return wait_steady(lambda: metric(url, "vllm:external_prefix_cache_hits_total"))
+
+    before = {i.name: external_hits(i.url) for i in stack.instances}
+    for _ in range(len(stack.instances)):
+        reply = complete(stack.router_url, prompt, ROUND_ROBIN, stream=True)
+        loaded_on = instance(stack, reply.headers[INSTANCE_HEADER])
+        if loaded_on != computed_on:
+            hits = external_hits(loaded_on.url) - before[loaded_on.name]
+            return PoolHit(computed_on, loaded_on, reply, hits)
+    raise AssertionError(f"round robin kept sending the prompt to {computed_on.name}")
+
+
+def test_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(stack: Stack) -> None:
+    rng = random.Random(40)
+    pool_ttfts, cold_ttfts = [], []
+    for _ in range(TRIALS):
+        hit = compute_then_load(stack, random_tokens(rng, PROMPT_TOKENS))
+        # All full blocks but the last: the engine always computes the last prompt token itself.
+        assert hit.external_hit_tokens == (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+        # The router knew: its pool tier (confirmed by the master) credited exactly the blocks loaded.
+        assert int(hit.reply.headers["x-kvroute-cached-blocks"]) * BLOCK == hit.external_hit_tokens
+        cold = complete(hit.loaded_on.url, random_tokens(rng, PROMPT_TOKENS), stream=True)
+        pool_ttfts.append(hit.reply.ttft_s)
+        cold_ttfts.append(cold.ttft_s)
+    assert statistics.median(pool_ttfts) < statistics.median(cold_ttfts), (pool_ttfts, cold_ttfts)

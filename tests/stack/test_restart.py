@@ -1,0 +1,40 @@
+"""A restarted vLLM comes back with an empty cache and a KV event sequence from 0: the router drops that
+instance's entries and keeps everyone else's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvroute.stack import Stack
+from tests.stack.client import BLOCK, complete, metric, random_tokens, wait_steady, wait_until
+
+pytestmark = pytest.mark.stack
+
+
+def test_restarted_instance_entries_are_dropped_and_the_others_kept(stack: Stack) -> None:
+    rng = random.Random(60)
+    router = stack.router_url
+    restarted, other = stack.instances[0], stack.instances[1]
+    for instance in (restarted, other):
+        complete(instance.url, random_tokens(rng, 10 * BLOCK + 3))
+
+    def gpu_blocks(name: str) -> float:
+        return metric(router, "kvroute_index_blocks", instance=name, tier="gpu")
+
+    wait_until(
+        lambda: gpu_blocks(restarted.name) >= 10 and gpu_blocks(other.name) >= 10, "both instances indexed"
+    )
+    other_before = wait_steady(lambda: metric(router, "kvroute_index_blocks", instance=other.name))
+    restarts = metric(router, "kvroute_kv_engine_restarts_total", instance=restarted.name)
+
+    stack.restart_vllm(0)
+    complete(restarted.url, random_tokens(rng, 4 * BLOCK + 3))  # the new engine's first events: seq 0 again
+
+    wait_until(
+        lambda: metric(router, "kvroute_kv_engine_restarts_total", instance=restarted.name) == restarts + 1,
+        "the router saw the sequence start over",
+    )
+    assert wait_steady(lambda: gpu_blocks(restarted.name)) == 4  # the new request's blocks, nothing older
+    assert metric(router, "kvroute_index_blocks", instance=other.name) == other_before
