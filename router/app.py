@@ -111,7 +111,10 @@ def create_app(config: RouterConfig) -> FastAPI:
                 config.tokenization.max_body_bytes,
             )
             load = config.load
-            scraper = LoadScraper(fleet, session, load.scrape_interval_s, load.timeout_s, load.stale_after_s)
+            scraper = LoadScraper(
+                fleet, session, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
+                restarted=index.drop_instance,
+            )  # fmt: skip
             failures = metrics.task_failures
             subscribers = [
                 KVEventSubscriber(i.name, i.events, i.replay, index, metrics, zmq_context)

@@ -130,6 +130,11 @@ class BlockIndex:
         if self._entries > self.max_entries:
             self._shrink()
 
+    def drop_instance(self, instance: str) -> None:
+        """Forget everything every rank of instance holds (it restarted)."""
+        for owner in [o for o in self._owners if o[0] == instance]:
+            self.drop(owner)
+
     def drop(self, owner: Owner) -> None:
         """Forget everything an owner holds (engine restart, lost events)."""
         state = self._owners.get(owner)

@@ -1,6 +1,8 @@
 """Engine load from each instance's vLLM /metrics: queue depth, running requests and KV-cache usage.
 
 A load that has not been refreshed within stale_after_s is cleared to None, so scorers never route on it.
+The same scrape tells when an instance restarted (a later process start time after it stopped answering):
+its cache is empty then, even before its first KV event says so.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ log = logging.getLogger(__name__)
 WAITING = b"vllm:num_requests_waiting"
 RUNNING = b"vllm:num_requests_running"
 KV_USAGE = b"vllm:kv_cache_usage_perc"
+START_TIME = b"process_start_time_seconds"
 
 # vLLM gzips /metrics for clients that accept it: ~0.7 ms of its CPU and ~0.09 ms of ours per scrape
 # to save 50 KB, nine times the cost of the parse below.
@@ -78,6 +81,12 @@ def parse_engine_load(text: bytes) -> EngineLoad | None:
     return EngineLoad(waiting=sum(waiting), running=sum(running), kv_usage=sum(usage) / len(usage))
 
 
+def parse_start_time(text: bytes) -> float | None:
+    """The serving process's start time (prometheus_client's process collector), if the body has one."""
+    values = _samples(text, START_TIME)
+    return max(values) if values else None
+
+
 class LoadScraper:
     def __init__(
         self,
@@ -87,8 +96,13 @@ class LoadScraper:
         timeout_s: float = 1.0,
         stale_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        restarted: Callable[[str], None] = lambda name: None,
     ) -> None:
+        """restarted: told the name of an instance that came back as a new process."""
         self._fleet, self._session, self._clock = fleet, session, clock
+        self._restarted = restarted
+        self._started: dict[str, float] = {}  # instance -> latest process start time seen
+        self._unanswered: set[str] = set()  # instances whose /metrics failed since they last answered
         self.interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._stale_after_s = stale_after_s
@@ -99,15 +113,17 @@ class LoadScraper:
         await asyncio.gather(*(self._scrape(i) for i in self._fleet.instances))
 
     async def _scrape(self, instance: Instance) -> None:
-        load = None
+        load, started = None, None
         try:
             async with self._session.get(
                 instance.url + "/metrics", headers=_UNCOMPRESSED, timeout=self._timeout
             ) as response:
                 if response.status == 200:
-                    load = parse_engine_load(await response.read())
+                    body = await response.read()
+                    load, started = parse_engine_load(body), parse_start_time(body)
         except (TimeoutError, aiohttp.ClientError):
             pass
+        self._check_restart(instance.name, answered=load is not None, started=started)
         now = self._clock()
         if load is not None:
             if instance.load is None and instance.name in self._last_ok:
@@ -119,3 +135,17 @@ class LoadScraper:
             if age > self._stale_after_s:
                 log.warning("load of instance %s is stale: no usable /metrics for %.1fs", instance.name, age)
                 instance.load = None
+
+    def _check_restart(self, name: str, answered: bool, started: float | None) -> None:
+        """A restart needs a silence first: servers with several API processes report several start times."""
+        if not answered:
+            self._unanswered.add(name)
+            return
+        if started is None:
+            return
+        known = self._started.get(name)
+        if known is not None and started > known and name in self._unanswered:
+            log.warning("instance %s restarted: its cached blocks are gone", name)
+            self._restarted(name)
+        self._started[name] = started if known is None else max(known, started)
+        self._unanswered.discard(name)

@@ -16,7 +16,7 @@ from aiohttp import web
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet
 from router.config import parse_config
 from router.instances import Fleet
-from router.load_scraper import LoadScraper, parse_engine_load
+from router.load_scraper import LoadScraper, parse_engine_load, parse_start_time
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 from scorers.base import EngineLoad
@@ -145,6 +145,38 @@ def test_an_unusable_answer_keeps_the_last_load_until_it_is_stale(status: int, b
 
     first = EngineLoad(2.0, 1.0, 0.5)
     assert asyncio.run(main()) == [first, first, first, None, EngineLoad(4.0, 0.0, 0.75)]
+
+
+def test_the_captured_body_has_the_servers_start_time() -> None:
+    started = parse_start_time(captured_metrics())
+    assert started is not None and started > 1.7e9
+
+
+def test_a_restart_is_a_later_start_time_after_a_silence() -> None:
+    def started_at(seconds: float) -> bytes:
+        return exposition() + f"process_start_time_seconds {seconds}\n".encode()
+
+    async def main() -> list[str]:
+        engine, restarts = FakeEngine(), []
+        async with engine.serving() as url, aiohttp.ClientSession() as session:
+            scraper = LoadScraper(one_instance_fleet(url), session, timeout_s=0.5, restarted=restarts.append)
+            # Two API server processes answer in turn: different start times, no silence, no restart.
+            for seconds in (1000.0, 1005.0, 1000.0, 1005.0):
+                engine.body = started_at(seconds)
+                await scraper.scrape_all()
+            engine.status = 500  # down ...
+            await scraper.scrape_all()
+            engine.status, engine.body = 200, started_at(1005.0)  # ... and back as the same process
+            await scraper.scrape_all()
+            assert restarts == []
+            engine.status = 503
+            await scraper.scrape_all()
+            engine.status, engine.body = 200, started_at(2000.0)  # back as a new process
+            await scraper.scrape_all()
+            await scraper.scrape_all()
+            return restarts
+
+    assert asyncio.run(main()) == ["a"]
 
 
 def test_an_instance_never_scraped_has_no_load() -> None:

@@ -30,6 +30,9 @@ def test_restarted_instance_entries_are_dropped_and_the_others_kept(stack: Stack
     restarts = metric(router, "kvroute_kv_engine_restarts_total", instance=restarted.name)
 
     stack.restart_vllm(0)
+    # Before any event: its /metrics shows a new process after a silence, so the old entries go at once.
+    wait_until(lambda: gpu_blocks(restarted.name) == 0, "the restarted instance's entries dropped")
+    assert metric(router, "kvroute_index_blocks", instance=other.name) == other_before
     complete(restarted.url, random_tokens(rng, 4 * BLOCK + 3))  # the new engine's first events: seq 0 again
 
     wait_until(
