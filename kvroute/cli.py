@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -247,8 +248,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # A SIGTERM unwinds like Ctrl-C, so the fleets, routers and stacks a command started are stopped too
+    # (uvicorn installs its own handlers for `serve`).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     code: int = args.run(args)
     return code
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
