@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     if config is None:
         return 2
-    run_server(config, args.host, args.port)
+    run_server(config, args.host, args.port, Path(args.config))
     return 0
 
 

@@ -7,6 +7,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import zmq.asyncio
@@ -16,29 +18,32 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from router.admin import admin_routes, admin_token
 from router.block_index import BlockIndex, Tier
 from router.config import REMOTE_TOKENIZER, RouterConfig
 from router.errors import OpenAIError
 from router.health import HealthChecker
 from router.index_metrics import IndexCollector
 from router.instances import Fleet
-from router.kv_subscriber import KVEventSubscriber
 from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
 from router.pool import PoolConfirmer
 from router.proxy import Proxy
+from router.reload import Reloader
 from router.routing import LocalTokenizer, Router
 from router.supervisor import supervise
 from router.token_cache import CachedChatTokenizer, RemoteTokenizer
 from router.tokenization import PromptTokenizer, resolve_tokenizer_path
+from router.traffic import TrafficSplit
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(config: RouterConfig) -> FastAPI:
+def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
+    """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload."""
     fleet = Fleet(config)
     metrics = RouterMetrics()
     tiers = config.index.medium_tiers
@@ -102,7 +107,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             app.state.proxy = Proxy(
                 fleet,
                 policies,
-                config.default_policy,
+                TrafficSplit(config.traffic_weights()),
+                config.traffic,
                 router,
                 session,
                 health,
@@ -116,13 +122,12 @@ def create_app(config: RouterConfig) -> FastAPI:
                 restarted=index.drop_instance,
             )  # fmt: skip
             failures = metrics.task_failures
-            subscribers = [
-                KVEventSubscriber(i.name, i.events, i.replay, index, metrics, zmq_context)
-                for i in config.instances
-                if i.events is not None
-            ]
+            reloader = app.state.reloader = Reloader(
+                config, path, fleet, index, metrics, zmq_context, lambda: app.state.proxy
+            )
+            reloader.subscribe(config.instances)
             tasks = [
-                *(asyncio.create_task(subscriber.run()) for subscriber in subscribers),
+                asyncio.create_task(reloader.watch()),
                 asyncio.create_task(
                     supervise("health", health.check_due, health.tick_s, failures, first_delay=True)
                 ),
@@ -134,11 +139,23 @@ def create_app(config: RouterConfig) -> FastAPI:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await reloader.stop()
                 zmq_context.destroy(linger=0)
 
     # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
     app = FastAPI(
         title="kvroute", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False}
+    )
+
+    def current_config() -> RouterConfig:
+        reloader = getattr(app.state, "reloader", None)
+        return config if reloader is None else reloader.config
+
+    async def reload() -> dict[str, Any]:
+        return await app.state.reloader.reload()  # type: ignore[no-any-return]
+
+    app.include_router(
+        admin_routes(lambda: admin_token(current_config().admin), lambda: app.state.proxy, reload)
     )
 
     @app.exception_handler(OpenAIError)

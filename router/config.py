@@ -148,6 +148,38 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
     }
 
 
+class TrafficConfig(_Strict):
+    split: dict[str, float] | None = Field(
+        default=None,
+        description="policy -> weight (>= 0): each session goes to one policy, by weight; "
+        "default: everything to default_policy",
+    )
+    session_header: str = Field(
+        default="x-session-id", min_length=1, description="the session key; else the body's `user`"
+    )
+    force_header: str = Field(
+        default="x-kvroute-policy", min_length=1, description="names the policy for one request"
+    )
+
+    @field_validator("split")
+    @classmethod
+    def _weights(cls, split: dict[str, float] | None) -> dict[str, float] | None:
+        if split is None:
+            return None
+        if any(w < 0 for w in split.values()):
+            raise ValueError("weights must be >= 0")
+        if not any(w > 0 for w in split.values()):
+            raise ValueError("at least one policy needs a weight above 0")
+        return split
+
+
+class AdminConfig(_Strict):
+    token: str | None = Field(default=None, min_length=16, description="bearer token of /admin/*")
+    token_env: str | None = Field(
+        default="KVROUTE_ADMIN_TOKEN", description="environment variable holding the token, if token is unset"
+    )
+
+
 class UpstreamConfig(_Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     first_byte_timeout_s: float = Field(
@@ -212,6 +244,8 @@ class RouterConfig(_Strict):
     instances: list[InstanceConfig] = Field(min_length=1)
     policies: dict[str, PolicyConfig] = Field(default_factory=_builtin_policies)
     default_policy: str = "kvroute"
+    traffic: TrafficConfig = Field(default_factory=TrafficConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
@@ -239,7 +273,15 @@ class RouterConfig(_Strict):
                 f"default_policy: {self.default_policy!r} is not a policy; "
                 f"defined: {', '.join(self.policies)}"
             )
+        for name in self.traffic.split or {}:
+            if name not in self.policies:
+                raise ValueError(
+                    f"traffic.split: {name!r} is not a policy; defined: {', '.join(self.policies)}"
+                )
         return self
+
+    def traffic_weights(self) -> dict[str, float]:
+        return dict(self.traffic.split) if self.traffic.split else {self.default_policy: 1.0}
 
     def pool_members(self) -> list[str]:
         default = self.pool.master_url is not None

@@ -31,7 +31,26 @@ class Fleet:
     def __init__(self, config: RouterConfig) -> None:
         self.instances = [Instance.from_config(i, config.models_of(i), config.ttft) for i in config.instances]
         self.models = [m.name for m in config.models]
+        self._configs = {i.name: i for i in config.instances}
+        self._index()
+
+    def _index(self) -> None:
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
+
+    def update(self, config: RouterConfig) -> tuple[list[InstanceConfig], list[str]]:
+        """Take config's instances: unchanged ones keep their state (health, load, calibration, requests in
+        flight); changed ones count as removed and added. Returns (added, removed names). A removed instance
+        gets no new requests; those in flight finish, as they hold it."""
+        kept = {i.name: i for i in self.instances if self._configs.get(i.name) in config.instances}
+        added = [i for i in config.instances if i.name not in kept]
+        removed = [name for name in self._configs if name not in kept]
+        self.instances = [
+            kept.get(i.name) or Instance.from_config(i, config.models_of(i), config.ttft)
+            for i in config.instances
+        ]
+        self._configs = {i.name: i for i in config.instances}
+        self._index()
+        return added, removed
 
     def serves(self, model: str) -> bool:
         return bool(self._by_model.get(model))

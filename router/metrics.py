@@ -128,6 +128,10 @@ class RouterMetrics:
                   "Calibrated TTFT model terms: overhead in seconds, the others in seconds per token",
                   ["instance", "term"], registry=r)
         )  # fmt: skip
+        self.config_reloads = Family(
+            Counter("kvroute_config_reloads", "Configuration reloads by result (ok, invalid)",
+                    ["result"], registry=r)
+        )  # fmt: skip
         self.pool_master_up = Gauge(
             "kvroute_pool_master_up",
             "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit",

@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router.config import UpstreamConfig
+from router.ab import ABStats
+from router.config import TrafficConfig, UpstreamConfig
 from router.errors import bad_request, model_not_found, unavailable, upstream_failed
 from router.health import HealthChecker
 from router.instances import Fleet, Instance
@@ -22,15 +23,16 @@ from router.metrics import RouterMetrics
 from router.openai_body import Body, decode_body
 from router.policy import Policy
 from router.routing import Decision, Prepared, Router
+from router.traffic import TrafficSplit
 
 log = logging.getLogger(__name__)
 
 POLICY_HEADER = "x-kvroute-policy"
+SESSION_HEADER = "x-session-id"  # traffic.session_header's default, for clients
 INSTANCE_HEADER = "x-kvroute-instance"
 CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
 PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
-SESSION_HEADER = "x-session-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
 
@@ -44,6 +46,7 @@ class _Routed:
     streamed: bool
     prefilling: bool = True
     finished: bool = False
+    broken: bool = False  # the stream from upstream broke off
 
     @property
     def instance(self) -> Instance:
@@ -73,7 +76,8 @@ class Proxy:
         self,
         fleet: Fleet,
         policies: dict[str, Policy],
-        default_policy: str,
+        traffic: TrafficSplit,
+        traffic_config: TrafficConfig,
         router: Router,
         session: aiohttp.ClientSession,
         health: HealthChecker,
@@ -82,7 +86,10 @@ class Proxy:
         max_tokenized_bytes: int,
     ) -> None:
         self._max_tokenized_bytes = max_tokenized_bytes
-        self._fleet, self._policies, self._default_policy = fleet, policies, default_policy
+        self._fleet = fleet
+        # Replaced whole by a reload or PUT /admin/traffic; a request keeps the ones it started with.
+        self.policies, self.traffic, self.traffic_config = policies, traffic, traffic_config
+        self.ab = ABStats()
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
         self._stream_timeout = aiohttp.ClientTimeout(
@@ -97,8 +104,8 @@ class Proxy:
         body = decode_body(raw, kind)
         if not self._fleet.serves(body.model):
             raise model_not_found(body.model)
-        policy = self._policy(request)
-        session = request.headers.get(SESSION_HEADER) or body.user
+        session = request.headers.get(self.traffic_config.session_header) or body.user
+        policy = self._policy(request, session)
         prepared = await self._router.prepare(body, session, tokenize=len(raw) <= self._max_tokenized_bytes)
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
@@ -117,7 +124,12 @@ class Proxy:
             )
         try:
             payload = await routed.upstream.read()
-            self._first_byte(routed, _completion_tokens(payload))
+            usage = _usage(payload)
+            self._first_byte(routed, None if usage is None else usage.completion_tokens)
+            if usage is not None and usage.prompt_tokens_details is not None:
+                self.ab.observed_cache(
+                    routed.policy.name, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+                )
         except (TimeoutError, aiohttp.ClientError) as exc:
             self._metrics.upstream_errors(routed.instance.name, "read").inc()
             raise upstream_failed(routed.instance.name, exc) from exc
@@ -125,12 +137,15 @@ class Proxy:
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
 
-    def _policy(self, request: Request) -> Policy:
-        name = request.headers.get(POLICY_HEADER) or self._default_policy
-        policy = self._policies.get(name)
+    def _policy(self, request: Request, session: str | None) -> Policy:
+        header = self.traffic_config.force_header
+        forced = request.headers.get(header)
+        if forced is None:
+            return self.policies[self.traffic.policy_for(session)]
+        policy = self.policies.get(forced)
         if policy is None:
             raise bad_request(
-                f"Unknown policy {name!r} in {POLICY_HEADER}; known: {', '.join(self._policies)}.",
+                f"Unknown policy {forced!r} in {header}; known: {', '.join(self.policies)}.",
                 "unknown_policy",
             )
         return policy
@@ -166,6 +181,7 @@ class Proxy:
                 self._end(decision, prefilling=True)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "response"
                 self._metrics.upstream_errors(instance.name, kind).inc()
+                self.ab.failed(policy.name)
                 raise upstream_failed(instance.name, exc) from exc
             except BaseException:
                 self._end(decision, prefilling=True)
@@ -181,6 +197,7 @@ class Proxy:
         else:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
+        self.ab.rejected(policy.name)
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
 
     async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
@@ -192,6 +209,7 @@ class Proxy:
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("stream from %s broke: %r", routed.instance.name, exc)
+            routed.broken = True
             self._metrics.upstream_errors(routed.instance.name, "stream").inc()
             yield _sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
             yield b"data: [DONE]\n\n"
@@ -207,7 +225,13 @@ class Proxy:
         status = str(routed.upstream.status)
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, status).inc()
-        self._metrics.e2e(policy).observe(time.perf_counter() - routed.started)
+        elapsed = time.perf_counter() - routed.started
+        self._metrics.e2e(policy).observe(elapsed)
+        decision = routed.decision
+        self.ab.finished(
+            policy, routed.instance.name, 502 if routed.broken else routed.upstream.status, elapsed,
+            decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
+        )  # fmt: skip
 
     def _start(self, decision: Decision) -> None:
         instance = decision.instance
@@ -222,6 +246,7 @@ class Proxy:
         self._prefilled(routed)
         elapsed = time.perf_counter() - routed.started
         self._metrics.ttft(routed.policy.name).observe(elapsed)
+        self.ab.first_byte(routed.policy.name, elapsed)
         if routed.upstream.status != 200:
             return
         decision, name = routed.decision, routed.instance.name
@@ -252,8 +277,14 @@ class Proxy:
         self._metrics.in_flight(instance.name).set(instance.in_flight)
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
 class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: _PromptDetails | None = None
 
 
 class _Answer(msgspec.Struct):
@@ -263,13 +294,12 @@ class _Answer(msgspec.Struct):
 _decode_answer = msgspec.json.Decoder(_Answer).decode
 
 
-def _completion_tokens(payload: bytes) -> int | None:
-    """Tokens a whole answer generated, from its usage; None when it does not say."""
+def _usage(payload: bytes) -> _Usage | None:
+    """A whole answer's usage, if it has one."""
     try:
-        usage = _decode_answer(payload).usage
+        return _decode_answer(payload).usage
     except msgspec.DecodeError:
         return None
-    return None if usage is None else usage.completion_tokens
 
 
 def _sse_error(message: str) -> bytes:

@@ -1,0 +1,154 @@
+"""A/B results per policy on live traffic: counts, latency quantiles, cache predictions, and whether the
+difference in TTFT between the baseline (the first policy of the split) and each other policy is real.
+
+The difference of medians gets a 95% bootstrap confidence interval (resampling each policy's recent TTFTs),
+which assumes nothing about the shape of latency distributions; the verdict names a winner only when the
+interval excludes zero.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+MIN_SAMPLES = 30  # per policy, before a verdict
+_BOOTSTRAP_ROUNDS = 2000
+_BOOTSTRAP_SAMPLES = 2000  # the most recent TTFTs of each policy that a comparison resamples
+
+
+@dataclass
+class _PolicyStats:
+    max_samples: int
+    requests: int = 0
+    errors: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    observed_cached_tokens: int = 0  # from answers whose usage reports cached tokens
+    observed_prompt_tokens: int = 0  # the prompt tokens of those answers
+    by_instance: Counter[str] = field(default_factory=Counter)
+    ttft: deque[float] = field(init=False)
+    e2e: deque[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ttft = deque(maxlen=self.max_samples)
+        self.e2e = deque(maxlen=self.max_samples)
+
+
+class ABStats:
+    def __init__(self, max_samples: int = 20_000, seed: int = 0) -> None:
+        """max_samples: the most recent latencies kept per policy, for quantiles and comparisons."""
+        self._max_samples = max_samples
+        self._seed = seed
+        self._stats: dict[str, _PolicyStats] = {}
+
+    def _of(self, policy: str) -> _PolicyStats:
+        stats = self._stats.get(policy)
+        if stats is None:
+            stats = self._stats[policy] = _PolicyStats(self._max_samples)
+        return stats
+
+    def first_byte(self, policy: str, seconds: float) -> None:
+        self._of(policy).ttft.append(seconds)
+
+    def finished(
+        self, policy: str, instance: str, status: int, seconds: float, prompt_tokens: int,
+        predicted_cached: int,
+    ) -> None:  # fmt: skip
+        stats = self._of(policy)
+        stats.requests += 1
+        stats.errors += status >= 500
+        stats.by_instance[instance] += 1
+        stats.e2e.append(seconds)
+        stats.prompt_tokens += prompt_tokens
+        stats.predicted_cached_tokens += predicted_cached
+
+    def observed_cache(self, policy: str, prompt_tokens: int, cached_tokens: int) -> None:
+        stats = self._of(policy)
+        stats.observed_prompt_tokens += prompt_tokens
+        stats.observed_cached_tokens += cached_tokens
+
+    def failed(self, policy: str) -> None:
+        """A request sent upstream that brought no answer (connection lost, timeout)."""
+        stats = self._of(policy)
+        stats.requests += 1
+        stats.errors += 1
+
+    def rejected(self, policy: str) -> None:
+        """A request the router answered itself (no instance could take it)."""
+        stats = self._of(policy)
+        stats.requests += 1
+        stats.rejected += 1
+
+    def reset(self) -> None:
+        self._stats.clear()
+
+    def report(self, split: dict[str, float]) -> dict[str, Any]:
+        """The A/B JSON: the split (shares), per-policy results, and each policy against the baseline."""
+        total = sum(split.values()) or 1.0
+        names = list(dict.fromkeys([*split, *self._stats]))
+        baseline = next(iter(split), None)
+        return {
+            "split": {name: split.get(name, 0.0) / total for name in names},
+            "baseline": baseline,
+            "policies": {name: self._summary(self._of(name)) for name in names},
+            "comparisons": [
+                self.compare(baseline, other) for other in names if baseline and other != baseline
+            ],
+        }
+
+    def compare(self, baseline: str, candidate: str) -> dict[str, Any]:
+        a, b = self._of(baseline).ttft, self._of(candidate).ttft
+        result: dict[str, Any] = {"baseline": baseline, "candidate": candidate, "samples": [len(a), len(b)]}
+        if min(len(a), len(b)) < MIN_SAMPLES:
+            result["verdict"] = (
+                f"not enough data yet ({len(a)} and {len(b)} TTFTs, {MIN_SAMPLES} each needed)"
+            )
+            return result
+        recent_a, recent_b = _recent(a), _recent(b)
+        diff = (float(np.median(recent_a)) - float(np.median(recent_b))) * 1000
+        rng = np.random.default_rng(self._seed)
+        medians_a = np.median(rng.choice(recent_a, (_BOOTSTRAP_ROUNDS, len(recent_a))), axis=1)
+        medians_b = np.median(rng.choice(recent_b, (_BOOTSTRAP_ROUNDS, len(recent_b))), axis=1)
+        low, high = (float(v) * 1000 for v in np.percentile(medians_a - medians_b, [2.5, 97.5]))
+        result.update(ttft_p50_diff_ms=round(diff, 1), ci95_ms=[round(low, 1), round(high, 1)])
+        if low > 0:
+            verdict = f"{candidate} is faster by {diff:.0f} ms p50, 95% CI [{low:.0f}, {high:.0f}]"
+        elif high < 0:
+            verdict = f"{baseline} is faster by {-diff:.0f} ms p50, 95% CI [{-high:.0f}, {-low:.0f}]"
+        else:
+            verdict = f"no significant difference yet (p50 difference 95% CI [{low:.0f}, {high:.0f}] ms)"
+        result["verdict"] = verdict
+        return result
+
+    @staticmethod
+    def _summary(stats: _PolicyStats) -> dict[str, Any]:
+        return {
+            "requests": stats.requests,
+            "errors": stats.errors,
+            "rejected": stats.rejected,
+            "ttft_ms": _quantiles(stats.ttft),
+            "e2e_ms": _quantiles(stats.e2e),
+            "prompt_tokens": stats.prompt_tokens,
+            "predicted_cached_tokens": stats.predicted_cached_tokens,
+            "observed_cached_tokens": stats.observed_cached_tokens if stats.observed_prompt_tokens else None,
+            "requests_per_instance": dict(sorted(stats.by_instance.items())),
+        }
+
+
+def _recent(samples: deque[float]) -> np.ndarray:
+    start = max(len(samples) - _BOOTSTRAP_SAMPLES, 0)
+    return np.fromiter(itertools.islice(samples, start, None), dtype=float)
+
+
+def _quantiles(samples: Iterable[float]) -> dict[str, float | None]:
+    values = np.fromiter(samples, dtype=float)
+    if not len(values):
+        return {"p50": None, "p95": None, "p99": None}
+    p50, p95, p99 = np.percentile(values, [50, 95, 99]) * 1000
+    return {"p50": round(float(p50), 1), "p95": round(float(p95), 1), "p99": round(float(p99), 1)}

@@ -1,0 +1,88 @@
+"""The operator's API under /admin: A/B results, the traffic split, configuration reload.
+
+Every route needs `Authorization: Bearer <token>`, the token from the configuration or its environment
+variable; with no token configured the routes do not exist (404). A missing token is a 401, a wrong one 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import JSONResponse
+
+from router.config import AdminConfig
+from router.errors import OpenAIError, bad_request
+from router.proxy import Proxy
+from router.traffic import TrafficSplit
+
+
+def admin_token(config: AdminConfig) -> str | None:
+    """The configured token, else its environment variable's; None: the admin routes are off."""
+    if config.token is not None:
+        return config.token
+    if config.token_env is None:
+        return None
+    return os.environ.get(config.token_env) or None
+
+
+class _TrafficBody(msgspec.Struct, forbid_unknown_fields=True):
+    split: dict[str, float]
+
+
+def admin_routes(
+    token: Callable[[], str | None], proxy: Callable[[], Proxy], reload: Callable[[], Awaitable[Any]]
+) -> APIRouter:
+    """token: the current token (a reload may change it); reload: re-reads the configuration file, raises
+    OpenAIError with the reason when the new one cannot be used."""
+
+    def authorized(request: Request) -> None:
+        expected = token()
+        if expected is None:
+            raise OpenAIError(404, "Not Found", "not_found_error", "404")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise OpenAIError(401, "Admin routes need `Authorization: Bearer <token>`.",
+                              "authentication_error", "missing_token",
+                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise OpenAIError(403, "Wrong admin token.", "permission_error", "wrong_token")
+
+    routes = APIRouter(prefix="/admin", dependencies=[Depends(authorized)])
+
+    @routes.get("/ab")
+    async def ab() -> JSONResponse:
+        current = proxy()
+        return JSONResponse(current.ab.report(current.traffic.weights))
+
+    @routes.post("/ab/reset")
+    async def ab_reset() -> JSONResponse:
+        proxy().ab.reset()
+        return JSONResponse({"status": "reset"})
+
+    @routes.put("/traffic")
+    async def traffic(request: Request) -> JSONResponse:
+        current = proxy()
+        try:
+            body = msgspec.json.decode(await request.body(), type=_TrafficBody)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f'The body must be {{"split": {{"policy": weight, ...}}}}: {exc}') from exc
+        unknown = [name for name in body.split if name not in current.policies]
+        if unknown:
+            known = ", ".join(current.policies)
+            raise bad_request(f"Unknown policies {unknown}; known: {known}.", param="split")
+        try:
+            current.traffic = TrafficSplit(body.split)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="split") from exc
+        return JSONResponse({"split": current.traffic.shares()})
+
+    @routes.post("/reload")
+    async def reload_config() -> JSONResponse:
+        return JSONResponse(await reload())
+
+    return routes

@@ -1,0 +1,149 @@
+"""Configuration reload while serving: on a change of the file, SIGHUP, or POST /admin/reload.
+
+A new file that does not validate, or that changes what only a restart can (models, tokenizers, block size,
+index, pool, upstream and tokenization settings), is refused with the reason, and the running configuration
+stays. Otherwise policies, the traffic split, the admin token and the instances are taken over: new instances
+are subscribed to, removed ones get no new requests while those in flight finish, and their index entries go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import watchfiles
+import zmq.asyncio
+
+from router.block_index import BlockIndex
+from router.config import ConfigError, InstanceConfig, RouterConfig, load_config
+from router.errors import OpenAIError
+from router.instances import Fleet
+from router.kv_subscriber import KVEventSubscriber
+from router.metrics import RouterMetrics
+from router.policy import Policy
+from router.proxy import Proxy
+from router.traffic import TrafficSplit
+
+log = logging.getLogger(__name__)
+
+# What a reload may change; everything else is built into running parts and needs a restart.
+RELOADABLE = frozenset({"policies", "default_policy", "traffic", "admin", "instances"})
+
+
+class Reloader:
+    def __init__(
+        self,
+        config: RouterConfig,
+        path: Path | None,
+        fleet: Fleet,
+        index: BlockIndex,
+        metrics: RouterMetrics,
+        zmq_context: zmq.asyncio.Context,
+        proxy: Callable[[], Proxy],
+    ) -> None:
+        self.config = config
+        self._path = None if path is None else path.absolute()  # the watch compares absolute paths
+        self._fleet, self._index, self._metrics = fleet, index, metrics
+        self._zmq, self._proxy = zmq_context, proxy
+        self._subscriptions: dict[str, asyncio.Task[None]] = {}
+        self._lock = asyncio.Lock()
+
+    def subscribe(self, instances: list[InstanceConfig]) -> None:
+        for instance in instances:
+            if instance.events is None:
+                continue
+            subscriber = KVEventSubscriber(
+                instance.name, instance.events, instance.replay, self._index, self._metrics, self._zmq
+            )
+            self._subscriptions[instance.name] = asyncio.create_task(subscriber.run())
+
+    async def stop(self) -> None:
+        tasks = list(self._subscriptions.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._subscriptions.clear()
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the file; raises OpenAIError (400) with the reason when the new one cannot be used."""
+        if self._path is None:
+            raise OpenAIError(
+                400, "The router was not started from a file.", "invalid_request_error", "no_file"
+            )
+        async with self._lock:
+            try:
+                new = load_config(self._path)
+                summary = await self.apply(new)
+            except ConfigError as exc:
+                self._metrics.config_reloads("invalid").inc()
+                log.error("configuration reload refused, the running one stays:\n%s", exc)
+                raise OpenAIError(400, str(exc), "invalid_request_error", "invalid_config") from exc
+        self._metrics.config_reloads("ok").inc()
+        log.info("configuration reloaded: %s", summary)
+        return summary
+
+    async def apply(self, new: RouterConfig) -> dict[str, Any]:
+        old = self.config
+        fixed = [
+            key
+            for key in type(new).model_fields
+            if key not in RELOADABLE and getattr(new, key) != getattr(old, key)
+        ]
+        if fixed:
+            raise ConfigError(f"{self._path}: changing {', '.join(fixed)} needs a restart")
+        added, removed = self._fleet.update(new)
+        for name in removed:
+            task = self._subscriptions.pop(name, None)
+            if task is not None:
+                task.cancel()
+            self._index.drop_instance(name)
+        self.subscribe(added)
+        for member in new.pool_members():
+            self._index.join_pool(member)
+        proxy = self._proxy()
+        proxy.policies = {name: Policy(name, policy) for name, policy in new.policies.items()}
+        proxy.traffic = TrafficSplit(new.traffic_weights())
+        proxy.traffic_config = new.traffic
+        self.config = new
+        return {"added": [i.name for i in added], "removed": removed, "policies": list(new.policies),
+                "split": proxy.traffic.shares()}  # fmt: skip
+
+    async def watch(self) -> None:
+        """Reload when the file changes (editors replace it: the directory is watched) or on SIGHUP."""
+        if self._path is None:
+            return
+        hangup = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, hangup.set)
+        try:
+            async for _ in _changes(self._path, hangup):
+                try:
+                    await self.reload()
+                except OpenAIError:
+                    pass  # logged and counted by reload()
+        finally:
+            loop.remove_signal_handler(signal.SIGHUP)
+
+
+async def _changes(path: Path, hangup: asyncio.Event) -> Any:
+    """Yields whenever path (absolute) changes or hangup is set."""
+    changes = watchfiles.awatch(path.parent, watch_filter=lambda _, changed: Path(changed) == path)
+    next_change = asyncio.ensure_future(anext(changes))
+    next_hangup = asyncio.ensure_future(hangup.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait({next_change, next_hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if next_hangup in done:
+                hangup.clear()
+                next_hangup = asyncio.ensure_future(hangup.wait())
+            if next_change in done:
+                next_change.result()
+                next_change = asyncio.ensure_future(anext(changes))
+            yield
+    finally:
+        next_change.cancel()
+        next_hangup.cancel()

@@ -1,0 +1,159 @@
+"""The operator's API on a running router: auth, A/B results, the split at runtime, reloads good and bad
+(by request and by editing the file), and instances removed while requests are in flight."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvroute.processes import FleetPorts, running_router
+from tests.conftest import metric
+from tests.router.test_proxy import post
+
+TOKEN = "test-admin-token-0123456789"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def config_of(fleet: FleetPorts, **extra: Any) -> dict[str, Any]:
+    return fleet.router_config(admin={"token": TOKEN}, traffic={"split": {"round-robin": 50, "kvroute": 50}},
+                               **extra)  # fmt: skip
+
+
+@pytest.fixture()
+def admin_router(fleet: FleetPorts, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    with running_router(config_of(fleet), tmp_path, name="admin") as url:
+        yield url, tmp_path / "admin.yaml"
+
+
+def call(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"content-type": "application/json", **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def chat(url: str, session: str, headers: dict[str, str] | None = None, stream: bool = False) -> dict[str, str]:
+    body = json.dumps({"model": "tiny-llama", "max_tokens": 2, "stream": stream,
+                       "messages": [{"role": "user", "content": f"hello from {session}"}]}).encode()  # fmt: skip
+    status, response_headers, payload = post(url + "/v1/chat/completions", body, {"x-session-id": session, **(headers or {})})
+    assert status == 200, payload
+    return {k.lower(): v for k, v in response_headers.items()}
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_admin_routes_need_the_token(admin_router: tuple[str, Path]) -> None:
+    url, _ = admin_router
+    assert call("GET", url + "/admin/ab")[0] == 401
+    status, body = call("GET", url + "/admin/ab", headers={"authorization": "Bearer wrong-token-0000000000"})
+    assert status == 403 and body["error"]["code"] == "wrong_token"
+    assert call("GET", url + "/admin/ab", headers=AUTH)[0] == 200
+
+
+def test_without_a_token_the_admin_routes_are_off(router_url: str) -> None:
+    assert call("GET", router_url + "/admin/ab", headers=AUTH)[0] == 404
+
+
+def test_sessions_follow_the_split_and_the_header_forces_a_policy(admin_router: tuple[str, Path]) -> None:
+    url, _ = admin_router
+    seen = {f"s{i}": chat(url, f"s{i}")["x-kvroute-policy"] for i in range(40)}
+    assert set(seen.values()) == {"round-robin", "kvroute"}
+    assert all(chat(url, s)["x-kvroute-policy"] == policy for s, policy in list(seen.items())[:10])  # sticky
+    assert chat(url, "s0", {"x-kvroute-policy": "precise-prefix"})["x-kvroute-policy"] == "precise-prefix"
+
+    status, body = call("GET", url + "/admin/ab", headers=AUTH)
+    assert status == 200
+    counts = Counter(seen.values()) + Counter(seen[s] for s in list(seen)[:10])
+    for policy in ("round-robin", "kvroute"):
+        results = body["policies"][policy]
+        assert results["requests"] == counts[policy]
+        assert results["errors"] == results["rejected"] == 0
+        assert results["ttft_ms"]["p50"] is not None
+        assert sum(results["requests_per_instance"].values()) == counts[policy]
+    assert body["policies"]["precise-prefix"]["requests"] == 1
+    assert body["split"] == {"round-robin": 0.5, "kvroute": 0.5, "precise-prefix": 0.0}
+    assert body["comparisons"][0]["baseline"] == "round-robin"
+    assert "verdict" in body["comparisons"][0]
+
+
+def test_the_split_changes_at_runtime(admin_router: tuple[str, Path]) -> None:
+    url, _ = admin_router
+    assert call("PUT", url + "/admin/traffic", {"split": {"round-robin": 0, "kvroute": 100}}, AUTH) == (
+        200, {"split": {"round-robin": 0.0, "kvroute": 1.0}})  # fmt: skip
+    assert {chat(url, f"t{i}")["x-kvroute-policy"] for i in range(20)} == {"kvroute"}
+    status, body = call("PUT", url + "/admin/traffic", {"split": {"nope": 1}}, AUTH)
+    assert status == 400 and "Unknown policies ['nope']" in body["error"]["message"]
+    assert call("PUT", url + "/admin/traffic", {"split": {"kvroute": -1}}, AUTH)[0] == 400
+
+
+def test_a_bad_file_is_refused_and_the_running_config_stays(admin_router: tuple[str, Path], fleet: FleetPorts) -> None:
+    url, path = admin_router
+    path.write_text("policies: [not, a, mapping")
+    status, body = call("POST", url + "/admin/reload", headers=AUTH)
+    assert status == 400 and "not valid YAML" in body["error"]["message"]
+    path.write_text(yaml.safe_dump(config_of(fleet, block_size=16)))
+    status, body = call("POST", url + "/admin/reload", headers=AUTH)
+    assert status == 400 and "changing block_size needs a restart" in body["error"]["message"]
+    assert metric(url, "kvroute_config_reloads_total", result="invalid") >= 2
+    assert {chat(url, f"b{i}")["x-kvroute-policy"] for i in range(20)} == {"round-robin", "kvroute"}
+
+
+def test_a_good_file_is_taken_over_on_request_and_on_change(admin_router: tuple[str, Path], fleet: FleetPorts) -> None:
+    url, path = admin_router
+    fast = {"scorers": [{"type": "ttft-cost"}]}
+    config = config_of(fleet)
+    config["policies"] = {"kvroute": fast, "round-robin": {"scorers": [{"type": "round-robin"}]}, "fast": fast}
+    config["traffic"] = {"split": {"fast": 1}}
+    path.write_text(yaml.safe_dump(config))
+    status, body = call("POST", url + "/admin/reload", headers=AUTH)
+    assert status == 200 and body["split"] == {"fast": 1.0}
+    assert chat(url, "g1")["x-kvroute-policy"] == "fast"
+    config["traffic"] = {"split": {"round-robin": 1}}
+    path.write_text(yaml.safe_dump(config))  # no request: the router watches its file
+    wait_for(lambda: chat(url, "g2")["x-kvroute-policy"] == "round-robin", "the edited file to take effect")
+    assert metric(url, "kvroute_config_reloads_total", result="ok") >= 2
+
+
+def test_removed_instances_finish_what_they_have_and_get_nothing_new(admin_router: tuple[str, Path], fleet: FleetPorts) -> None:
+    url, path = admin_router
+    config = config_of(fleet)
+
+    def stream(i: int) -> tuple[str, bytes]:
+        body = json.dumps({"model": "tiny-llama", "max_tokens": 200, "stream": True,
+                           "messages": [{"role": "user", "content": f"long answer {i}"}]}).encode()  # fmt: skip
+        status, headers, payload = post(url + "/v1/chat/completions", body, {"x-kvroute-policy": "round-robin"})
+        assert status == 200
+        return headers["x-kvroute-instance"], payload
+
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream, i) for i in range(6)]
+        time.sleep(0.3)  # all in flight, two on each instance
+        config["instances"] = config["instances"][:2]
+        path.write_text(yaml.safe_dump(config))
+        status, body = call("POST", url + "/admin/reload", headers=AUTH)
+        assert status == 200 and body["removed"] == ["fleet-2"]
+        results = [s.result() for s in streams]
+    assert "fleet-2" in {instance for instance, _ in results}  # it was serving when it was removed
+    assert all(payload.rstrip().endswith(b"data: [DONE]") for _, payload in results)
+    assert {chat(url, f"r{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(12)} == {
+        "fleet-0", "fleet-1"}  # fmt: skip
+    wait_for(lambda: metric(url, "kvroute_index_blocks", instance="fleet-0", tier="gpu") > 0, "index kept")

@@ -1,0 +1,155 @@
+"""The metric families and label sets the dashboard reads, as the router exports them after real traffic."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import metric
+from tests.router.test_grafana_dashboard import CHARTS, EXPORTED, metric_names
+from tests.router.test_proxy import post
+
+MODEL = "tiny-llama"
+SESSION = "metrics-names"
+FLEET_NAMES = ("fleet-0", "fleet-1", "fleet-2")
+TERMS = ("overhead", "queue", "prefill", "load", "decode")
+# Long enough for several full 32-token blocks, so the engine stores some and says so in KV events.
+SYSTEM = "You are a careful coding agent working through a failing test suite, one file at a time. " * 8
+
+
+@dataclass(frozen=True)
+class Served:
+    instance: str
+    policy: str
+    stream: bool
+
+
+@pytest.fixture(scope="module")
+def traffic(router_url: str) -> list[Served]:
+    served = []
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn, stream in enumerate((False, True, False, True)):
+        messages.append({"role": "user", "content": f"Turn {turn}: run the tests in tests/test_{turn}.py."})
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "stream": stream}
+        status, headers, payload = post(
+            router_url + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": SESSION}
+        )
+        assert status == 200, payload
+        served.append(Served(headers["x-kvroute-instance"], headers["x-kvroute-policy"], stream))
+        messages.append({"role": "assistant", "content": "Running them now."})
+    # KV events and the end of a relayed stream are recorded after the client has its answer.
+    for instance in {s.instance for s in served}:
+        _eventually(
+            lambda i=instance: _value(router_url, "kvroute_kv_events_total", instance=i, type="BlockStored")
+        )
+        _eventually(lambda i=instance: _value(router_url, "kvroute_instance_in_flight", instance=i) == 0)
+    return served
+
+
+def _value(url: str, name: str, **labels: str) -> float | None:
+    try:
+        return metric(url, name, **labels)
+    except AssertionError:
+        return None
+
+
+def _eventually(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the router's metrics did not catch up"
+        time.sleep(0.05)
+
+
+def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
+    """Family name (counters without _total) -> the label name sets its samples carry, le aside."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        family.name: {frozenset(sample.labels) - {"le"} for sample in family.samples}
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("kvroute_")
+    }
+
+
+@pytest.mark.parametrize(
+    ("family", "labels"),
+    [
+        ("kvroute_requests", {"policy", "instance", "status"}),
+        ("kvroute_time_to_first_byte_seconds", {"policy"}),
+        ("kvroute_request_duration_seconds", {"policy"}),
+        ("kvroute_routing_decision_seconds", {"stage"}),
+        ("kvroute_index_blocks", {"instance", "tier"}),
+        ("kvroute_kv_events", {"instance", "type"}),
+        ("kvroute_instance_healthy", {"instance"}),
+        ("kvroute_instance_in_flight", {"instance"}),
+        ("kvroute_ttft_predicted_seconds", {"instance"}),
+        ("kvroute_ttft_observed_seconds", {"instance"}),
+        ("kvroute_ttft_prediction_error_seconds", {"instance"}),
+        ("kvroute_ttft_model_rate", {"instance", "term"}),
+        ("kvroute_index_bytes", set()),
+        ("kvroute_index_pool_blocks", set()),
+    ],
+)
+def test_families_carry_exactly_their_labels(
+    router_url: str, traffic: list[Served], family: str, labels: set[str]
+) -> None:
+    assert _label_names(router_url).get(family) == {frozenset(labels)}
+
+
+def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
+    """(sample, labels, at least): what the traffic must have left in the router's metrics."""
+    present = float("-inf")
+    streams = [s for s in served if s.stream]
+    samples: list[tuple[str, dict[str, str], float]] = [
+        ("kvroute_routing_decision_seconds_count", {"stage": "prepare"}, len(served)),
+        ("kvroute_routing_decision_seconds_count", {"stage": "choose"}, len(served)),
+    ]
+    for policy, count in Counter(s.policy for s in served).items():
+        samples += [
+            ("kvroute_time_to_first_byte_seconds_count", {"policy": policy}, count),
+            ("kvroute_request_duration_seconds_count", {"policy": policy}, count),
+        ]
+    for s in served:
+        samples += [
+            ("kvroute_requests_total", {"policy": s.policy, "instance": s.instance, "status": "200"}, 1),
+            ("kvroute_ttft_predicted_seconds_count", {"instance": s.instance}, 1),
+            ("kvroute_index_blocks", {"instance": s.instance, "tier": "gpu"}, 1),
+            ("kvroute_kv_events_total", {"instance": s.instance, "type": "BlockStored"}, 1),
+            ("kvroute_instance_in_flight", {"instance": s.instance}, present),
+        ]
+    for s in streams:
+        samples += [
+            ("kvroute_ttft_observed_seconds_count", {"instance": s.instance}, 1),
+            ("kvroute_ttft_prediction_error_seconds_count", {"instance": s.instance}, 1),
+            *[("kvroute_ttft_model_rate", {"instance": s.instance, "term": term}, present) for term in TERMS],
+        ]
+    return samples
+
+
+def test_traffic_is_counted_by_policy_instance_and_stage(router_url: str, traffic: list[Served]) -> None:
+    for name, labels, least in _counts(traffic):
+        assert metric(router_url, name, **labels) >= least, (name, labels)
+
+
+@pytest.mark.parametrize("instance", FLEET_NAMES)
+def test_every_instance_reports_its_health(router_url: str, traffic: list[Served], instance: str) -> None:
+    assert metric(router_url, "kvroute_instance_healthy", instance=instance) == 1
+
+
+def test_the_running_router_exports_every_family_the_dashboard_reads(
+    router_url: str, traffic: list[Served]
+) -> None:
+    read = {
+        EXPORTED[name].family
+        for panel in CHARTS
+        for t in panel["targets"]
+        for name in metric_names(t["expr"])
+    }
+    assert read - _label_names(router_url).keys() == set()
