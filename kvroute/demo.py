@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import statistics
 import tempfile
 import time
@@ -11,11 +12,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import Progress
 from rich.table import Table
 
@@ -88,13 +90,16 @@ async def stream_chat(
 
 
 async def run_workload(
-    base_url: str, policy: str, workload: AgentWorkload, on_turn: Callable[[], None]
+    base_url: str, policy: str | None, workload: AgentWorkload, on_turn: Callable[[], None]
 ) -> list[TurnResult]:
+    """policy: forced on every request; None leaves each session to the router's traffic split."""
     results: list[TurnResult] = []
 
     async def session(index: int) -> None:
         messages = [{"role": "system", "content": workload.system_prompt()}]
-        headers = {POLICY_HEADER: policy, SESSION_HEADER: f"demo-{index}"}
+        headers = {SESSION_HEADER: f"demo-{policy or 'split'}-{index}"}
+        if policy is not None:
+            headers[POLICY_HEADER] = policy
         for turn in range(workload.turns):
             messages.append({"role": "user", "content": workload.user_message(index, turn)})
             result, reply = await stream_chat(http, base_url, messages, headers, workload.max_tokens)
@@ -133,7 +138,13 @@ def reset_prefix_caches(instance_urls: list[str]) -> None:
 def run_demo(options: DemoOptions) -> int:
     console = Console(width=None if Console().is_terminal else 150)
     workload = AgentWorkload(sessions=options.sessions, turns=options.turns)
+    # The A/B: the traffic split sends half the sessions to round robin, half to the default policy.
+    ab_workload = AgentWorkload(sessions=max(16, 2 * options.sessions), turns=options.turns, seed=7)
+    token = secrets.token_urlsafe(24)
     ports = FleetPorts.allocate(options.instances)
+    config = ports.router_config(
+        admin={"token": token}, traffic={"split": {"round-robin": 50, "kvroute": 50}}
+    )
     instance_urls = [f"http://127.0.0.1:{ports.http + i}" for i in range(options.instances)]
     policies = ["round-robin", "least-loaded", "precise-prefix", "kvroute"]
     results: list[PolicyResult] = []
@@ -141,9 +152,10 @@ def run_demo(options: DemoOptions) -> int:
         log_dir = Path(tmp)
         console.print(f"starting {options.instances} simulated vLLM instances and the router ...")
         try:
-            with running_fleet(ports, log_dir), running_router(ports.router_config(), log_dir) as router_url:
+            with running_fleet(ports, log_dir), running_router(config, log_dir) as router_url:
+                total = workload.requests * len(policies) + ab_workload.requests
                 with Progress(console=console, transient=True) as progress:
-                    task = progress.add_task("agentic sessions", total=workload.requests * len(policies))
+                    task = progress.add_task("agentic sessions", total=total)
                     for policy in policies:
                         reset_prefix_caches(instance_urls)
                         hits_before, queries_before = prefix_cache_counts(instance_urls)
@@ -154,11 +166,51 @@ def run_demo(options: DemoOptions) -> int:
                         hits, queries = prefix_cache_counts(instance_urls)
                         hit_rate = (hits - hits_before) / max(queries - queries_before, 1.0)
                         results.append(PolicyResult(policy, turns, hit_rate))
+                    reset_prefix_caches(instance_urls)
+                    _admin(router_url, "/admin/ab/reset", token, "POST")
+                    progress.update(task, description="A/B: round-robin 50 / kvroute 50")
+                    ab_turns = asyncio.run(
+                        run_workload(router_url, None, ab_workload, lambda: progress.advance(task))
+                    )
+                ab = _admin(router_url, "/admin/ab", token)
         except StartupError as exc:
             console.print(f"[red]could not start the local fleet: {exc}")
             return 1
     console.print(_table(results, workload))
-    return 0 if all(t.ok for r in results for t in r.turns) else 1
+    console.print(_ab_table(ab, ab_workload))
+    ok = all(t.ok for r in results for t in r.turns) and all(t.ok for t in ab_turns)
+    return 0 if ok else 1
+
+
+def _admin(base_url: str, path: str, token: str, method: str = "GET") -> dict[str, Any]:
+    request = urllib.request.Request(
+        base_url + path, method=method, headers={"authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer: dict[str, Any] = msgspec.json.decode(response.read())
+    return answer
+
+
+def _ab_table(report: dict[str, Any], workload: AgentWorkload) -> Group:
+    sessions = f"{workload.sessions} sessions x {workload.turns} turns"
+    table = Table(title=f"A/B on live traffic (/admin/ab): {sessions}, split by session")
+    for column in ("policy", "share", "requests", "errors", "rejected", "TTFT p50", "TTFT p95", "TTFT p99",
+                   "e2e p50", "predicted cached", "requests per instance"):  # fmt: skip
+        table.add_column(column)
+    for name, result in report["policies"].items():
+        ttft, e2e = result["ttft_ms"], result["e2e_ms"]
+        cached = result["predicted_cached_tokens"] / max(result["prompt_tokens"], 1)
+        table.add_row(
+            name, f"{report['split'][name]:.0%}", str(result["requests"]), str(result["errors"]),
+            str(result["rejected"]), _ms(ttft["p50"]), _ms(ttft["p95"]), _ms(ttft["p99"]), _ms(e2e["p50"]),
+            f"{cached:.1%}", " ".join(f"{k}:{v}" for k, v in result["requests_per_instance"].items()),
+        )  # fmt: skip
+    verdicts = [f"verdict: {c['verdict']}" for c in report["comparisons"]]
+    return Group(table, *verdicts)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
 
 
 def _table(results: list[PolicyResult], workload: AgentWorkload) -> Table:
