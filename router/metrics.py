@@ -128,6 +128,11 @@ class RouterMetrics:
                   "Calibrated TTFT model terms: overhead in seconds, the others in seconds per token",
                   ["instance", "term"], registry=r)
         )  # fmt: skip
+        self.predicted_cached = Family(
+            Counter("kvroute_predicted_cached_tokens",
+                    "Prompt tokens the chosen instance was predicted to reuse, by policy and tier",
+                    ["policy", "tier"], registry=r)
+        )  # fmt: skip
         self.config_reloads = Family(
             Counter("kvroute_config_reloads", "Configuration reloads by result (ok, invalid)",
                     ["result"], registry=r)

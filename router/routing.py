@@ -121,6 +121,13 @@ class Router:
         features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
+        loaded_blocks = features.loaded_tokens // self._block_size
+        from_cpu = min(match.cpu, loaded_blocks) * self._block_size  # features_for credits the CPU tier first
+        by_tier = (tokens - features.uncached_tokens - features.loaded_tokens, from_cpu,
+                   features.loaded_tokens - from_cpu)  # fmt: skip
+        for tier, cached in zip(("gpu", "cpu", "pool"), by_tier, strict=True):
+            if cached:
+                self._metrics.predicted_cached(policy.name, tier).inc(cached)
         return Decision(
             instance,
             tokens,

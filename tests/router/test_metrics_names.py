@@ -93,6 +93,7 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
         ("kvroute_ttft_observed_seconds", {"instance"}),
         ("kvroute_ttft_prediction_error_seconds", {"instance"}),
         ("kvroute_ttft_model_rate", {"instance", "term"}),
+        ("kvroute_predicted_cached_tokens", {"policy", "tier"}),
         ("kvroute_index_bytes", set()),
         ("kvroute_index_pool_blocks", set()),
     ],
