@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 STACK_VENV ?= .venv-stack
 STACK_STAMP := $(STACK_VENV)/.installed
 
-.PHONY: setup stack-env demo test unit lint model clean
+.PHONY: setup stack-env browser demo test unit lint model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,14 @@ $(STACK_STAMP): scripts/install_stack.sh
 
 stack-env: $(STACK_STAMP)
 
+# Debian's Chromium, for the dashboard's headless browser tests.
+BROWSER_STAMP := $(VENV)/.browser
+$(BROWSER_STAMP): scripts/install_browser.sh
+	scripts/install_browser.sh
+	mkdir -p $(VENV) && touch $(BROWSER_STAMP)
+
+browser: $(BROWSER_STAMP)
+
 model: setup
 	$(VENV)/bin/kvroute build-model
 
@@ -33,7 +41,7 @@ lint: setup
 	$(VENV)/bin/ruff check router scorers fleet kvroute tests scripts
 	$(VENV)/bin/mypy
 
-test: model lint stack-env
+test: model lint stack-env browser
 	$(PY) -m pytest -q
 
 clean:

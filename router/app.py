@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from router.admin import admin_routes, admin_token
 from router.block_index import BlockIndex, Tier
 from router.config import REMOTE_TOKENIZER, RouterConfig
+from router.dashboard import dashboard_routes
 from router.errors import OpenAIError
 from router.health import HealthChecker
 from router.index_metrics import IndexCollector
@@ -157,6 +158,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
     app.include_router(
         admin_routes(lambda: admin_token(current_config().admin), lambda: app.state.proxy, reload)
     )
+    app.include_router(dashboard_routes(fleet, index, lambda: app.state.proxy))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
