@@ -1,0 +1,77 @@
+"""A read-only live dashboard: GET /dashboard, one self-contained page that polls GET /dashboard/state.
+
+Neither route needs the admin token: they show what /metrics and the A/B report already tell, and change
+nothing. Instance URLs are left out, so the page does not tell strangers where the engines listen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.responses import HTMLResponse, JSONResponse
+
+from router.block_index import BlockIndex, Tier
+from router.instances import Fleet, Instance
+from router.proxy import Proxy
+
+# The page loads nothing from elsewhere; the policy makes the browser hold it to that.
+_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
+    "cache-control": "no-store",
+}
+
+
+def dashboard_routes(fleet: Fleet, index: BlockIndex, proxy: Callable[[], Proxy]) -> APIRouter:
+    page = resources.files("router").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+    routes = APIRouter(prefix="/dashboard")
+
+    @routes.get("")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page, headers=_HEADERS)
+
+    @routes.get("/state")
+    async def state() -> JSONResponse:
+        current = proxy()
+        body = {
+            "instances": instances_state(fleet, index),
+            "index": {
+                "entries": index.entries,
+                "max_entries": index.max_entries,
+                "bytes": index.footprint_bytes(),
+                "pool_entries": index.pool_entries,
+            },
+            "ab": current.ab.report(current.traffic.weights),
+        }
+        return JSONResponse(body, headers={"cache-control": "no-store"})
+
+    return routes
+
+
+def instances_state(fleet: Fleet, index: BlockIndex) -> list[dict[str, Any]]:
+    """Each instance as the router sees it, with the blocks the index holds for it by tier (ranks added)."""
+    blocks: dict[str, list[int]] = {i.name: [0] * len(Tier) for i in fleet.instances}
+    for (name, _), sizes in index.entries_by_owner().items():
+        totals = blocks.setdefault(name, [0] * len(Tier))
+        for tier, size in zip(Tier, sizes, strict=True):
+            totals[tier] += size
+    return [_instance(i, blocks[i.name]) for i in fleet.instances]
+
+
+def _instance(instance: Instance, blocks: list[int]) -> dict[str, Any]:
+    load = instance.load
+    return {
+        "name": instance.name,
+        "healthy": instance.healthy,
+        "in_flight": instance.in_flight,
+        "active_tokens": instance.active_tokens,
+        "pending_prefill_tokens": instance.pending_prefill_tokens,
+        "load": None
+        if load is None
+        else {"waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage},
+        "blocks": {tier.name.lower(): blocks[tier] for tier in Tier},
+        "ttft_rates": instance.ttft_model.rates,
+    }

@@ -1,0 +1,171 @@
+"""The dashboard on the session router: open and self-contained, and, rendered by headless Chromium, showing
+the running fleet and the same A/B numbers as /dashboard/state, which counts what was sent."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.router.test_proxy import get_json, post
+
+CHROMIUM = Path("/usr/bin/chromium")
+FLEET_NAMES = {"fleet-0", "fleet-1", "fleet-2"}
+SENT = {"kvroute": 4, "round-robin": 3, "least-loaded": 2}
+
+
+def test_dashboard_needs_no_token_and_loads_nothing_from_elsewhere(router_url: str) -> None:
+    with urllib.request.urlopen(router_url + "/dashboard", timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["content-type"].startswith("text/html")
+        assert "default-src 'none'" in response.headers["content-security-policy"]
+        page = response.read().decode()
+    assert re.findall(r"(?i)https?://|//[a-z0-9.-]+\.[a-z]{2,}/", page) == []
+    assert re.findall(r"(?i)<(?:link|img|iframe)\b|<script\b[^>]*\bsrc=|@import|url\(", page) == []
+    state = get_json(router_url + "/dashboard/state")
+    assert {i["name"] for i in state["instances"]} == FLEET_NAMES
+    assert set(state["index"]) == {"entries", "max_entries", "bytes", "pool_entries"}
+    assert set(state["ab"]) == {"split", "baseline", "policies", "comparisons"}
+
+
+def requests_by_policy(router_url: str) -> dict[str, dict[str, Any]]:
+    policies: dict[str, dict[str, Any]] = get_json(router_url + "/dashboard/state")["ab"]["policies"]
+    return policies
+
+
+def send(router_url: str) -> dict[str, Counter[str]]:
+    """Sends SENT's chat completions; the instances that answered, per policy."""
+    served: dict[str, Counter[str]] = {policy: Counter() for policy in SENT}
+    for policy, count in SENT.items():
+        for turn in range(count):
+            body = json.dumps({
+                "model": "tiny-llama", "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"dashboard check {policy} {turn}"}],
+            }).encode()  # fmt: skip
+            status, headers, payload = post(router_url + "/v1/chat/completions", body,
+                                            {"x-kvroute-policy": policy, "x-session-id": f"dash-{turn}"})  # fmt: skip
+            assert status == 200, payload
+            headers = {k.lower(): v for k, v in headers.items()}
+            assert headers["x-kvroute-policy"] == policy
+            served[policy][headers["x-kvroute-instance"]] += 1
+    return served
+
+
+class DashboardDom(HTMLParser):
+    """The dumped DOM's data-field elements as {(row, field): (text, data-value)}; row is the enclosing
+    data-instance, data-policy or data-comparison, or None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fields: dict[tuple[str | None, str], tuple[str, Any]] = {}
+        self.chart_bars: list[tuple[str, str]] = []
+        self._row: str | None = None
+        self._open: tuple[str, str, Any] | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        row = a.get("data-instance") or a.get("data-policy") or a.get("data-comparison")
+        if tag in ("tr", "li") and row is not None:
+            self._row = row
+        if tag == "rect" and a.get("data-policy"):
+            self.chart_bars.append((a["data-policy"] or "", a.get("data-quantile") or ""))
+        if a.get("data-field"):
+            value = a.get("data-value")
+            self._open = (tag, a["data-field"] or "", None if value is None else json.loads(value))
+            self._text = []
+
+    def handle_data(self, data: str) -> None:
+        if self._open is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._open is not None and tag == self._open[0]:
+            _, field, value = self._open
+            self.fields[(self._row, field)] = ("".join(self._text).strip(), value)
+            self._open = None
+        if tag in ("tr", "li"):
+            self._row = None
+
+
+def render(url: str, profile: Path, timeout_s: float = 60.0) -> str:
+    """The DOM after the page's scripts ran for 8 s of virtual time (four refreshes)."""
+    args = [
+        str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom", url,
+    ]  # fmt: skip
+    browser = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = browser.communicate(timeout=timeout_s)
+    finally:
+        # Chromium's helpers share its process group; none may outlive the test.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(browser.pid, signal.SIGKILL)
+        browser.communicate()
+    assert browser.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out.decode()
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium: make browser")
+def test_dashboard_renders_the_fleet_and_the_ab_numbers(router_url: str, tmp_path: Path) -> None:
+    before = requests_by_policy(router_url)
+    served = send(router_url)
+
+    def counted(policy: str, field: str) -> Any:
+        return before.get(policy, {}).get(field, 0)
+
+    # A request is counted once its answer is relayed, which may be just after the client has it.
+    deadline = time.monotonic() + 10
+    while True:
+        state = get_json(router_url + "/dashboard/state")
+        policies = state["ab"]["policies"]
+        if all(policies[p]["requests"] == counted(p, "requests") + n for p, n in SENT.items()):
+            break
+        assert time.monotonic() < deadline, f"A/B counts never reached {SENT}: {policies}"
+        time.sleep(0.05)
+    for policy in SENT:
+        per_instance = Counter(policies[policy]["requests_per_instance"])
+        per_instance.subtract(counted(policy, "requests_per_instance") or {})
+        assert +per_instance == served[policy]
+        assert policies[policy]["errors"] == counted(policy, "errors")
+
+    started = time.monotonic()
+    dom = DashboardDom()
+    dom.feed(render(router_url + "/dashboard", tmp_path / "profile"))
+    rendered_s = time.monotonic() - started
+    fields = dom.fields
+    after = get_json(router_url + "/dashboard/state")
+    assert after["ab"] == state["ab"], "no request ran, so the A/B report stands still"
+
+    assert fields[(None, "status")][0] == "live", fields.get((None, "status"))
+    assert {row for row, field in fields if field == "health"} == FLEET_NAMES
+    for instance in after["instances"]:
+        name = instance["name"]
+        assert fields[(name, "health")][0] == ("up" if instance["healthy"] else "down")
+        assert fields[(name, "in-flight")][1] == instance["in_flight"]
+        assert fields[(name, "blocks-gpu")][1] == instance["blocks"]["gpu"]
+    assert {row for row, field in fields if field == "requests"} == set(after["ab"]["policies"])
+    for policy, stats in after["ab"]["policies"].items():
+        assert fields[(policy, "requests")] == (str(stats["requests"]), stats["requests"])
+        text, value = fields[(policy, "ttft-p50")]
+        assert value == stats["ttft_ms"]["p50"]
+        assert value is None or float(text) == value
+        assert fields[(policy, "e2e-p50")][1] == stats["e2e_ms"]["p50"]
+        assert fields[(policy, "requests-per-instance")][1] == stats["requests_per_instance"]
+    assert Counter(p for p, _ in dom.chart_bars) == {p: 3 for p in after["ab"]["policies"]}
+    for comparison in after["ab"]["comparisons"]:
+        key = f"{comparison['baseline']}:{comparison['candidate']}"
+        assert fields[(key, "verdict")][0] == comparison["verdict"]
+    assert rendered_s < 30, f"Chromium took {rendered_s:.1f} s"
