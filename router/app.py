@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,8 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.admin import admin_routes, admin_token
+from router.admission import Admission
 from router.block_index import BlockIndex, Tier
-from router.config import REMOTE_TOKENIZER, RouterConfig
+from router.config import REMOTE_TOKENIZER, ClientAuthConfig, RouterConfig
 from router.dashboard import dashboard_routes
 from router.errors import OpenAIError
 from router.health import HealthChecker
@@ -33,6 +36,7 @@ from router.policy import Policy
 from router.pool import PoolConfirmer
 from router.proxy import Proxy
 from router.reload import Reloader
+from router.request_limits import RequestLimits
 from router.routing import LocalTokenizer, Router
 from router.supervisor import supervise
 from router.token_cache import CachedChatTokenizer, RemoteTokenizer
@@ -41,6 +45,12 @@ from router.traffic import TrafficSplit
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def client_key_digests(auth: ClientAuthConfig) -> frozenset[bytes]:
+    """SHA-256 digests of the clients' API keys from the environment; empty: no client authentication."""
+    raw = os.environ.get(auth.api_keys_env, "") if auth.api_keys_env else ""
+    return frozenset(hashlib.sha256(key.strip().encode()).digest() for key in raw.split(",") if key.strip())
 
 
 def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
@@ -105,6 +115,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
                 healthy,
                 config.default_policy,
             )
+            admission = config.admission
             app.state.proxy = Proxy(
                 fleet,
                 policies,
@@ -116,6 +127,9 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
                 metrics,
                 config.upstream,
                 config.tokenization.max_body_bytes,
+                Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s),
+                admission.max_in_flight_per_instance,
+                client_key_digests(config.auth),
             )
             load = config.load
             scraper = LoadScraper(
@@ -151,6 +165,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
     def current_config() -> RouterConfig:
         reloader = getattr(app.state, "reloader", None)
         return config if reloader is None else reloader.config
+
+    app.add_middleware(RequestLimits, max_body_bytes=lambda: current_config().limits.max_body_bytes)
 
     async def reload() -> dict[str, Any]:
         return await app.state.reloader.reload()  # type: ignore[no-any-return]

@@ -39,7 +39,6 @@ Owner = tuple[str, int]
 
 _COUNT_BITS = 16
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
-_LOW64 = (1 << 64) - 1
 
 
 class Tier(IntEnum):
@@ -55,10 +54,10 @@ DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
 
 
 def _key(vllm_hash: BlockHash) -> int:
-    """vLLM's hash as a 64-bit int: integer hashes already are; bytes hashes keep their low 64 bits."""
+    """vLLM's hash as a key: integers as they are (as _store keys them), bytes by their low 64 bits."""
     if isinstance(vllm_hash, bytes):
         return int.from_bytes(vllm_hash[-8:], "big")
-    return vllm_hash & _LOW64
+    return vllm_hash
 
 
 @dataclass
@@ -163,7 +162,11 @@ class BlockIndex:
                 self.stats.orphaned += len(event.block_hashes)
                 return []
             parent = packed >> _COUNT_BITS
-        own = block_hashing.chain(event.token_ids, size, parent, event.extra_keys)
+        try:
+            own = block_hashing.chain(event.token_ids, size, parent, event.extra_keys)
+        except OverflowError:  # a negative token id: no uint32
+            self.stats.mismatched += 1
+            return []
         hashes = event.block_hashes
         # Integer hashes are vLLM's 64 bits already; only bytes hashes need converting.
         keys = cast(list[int], hashes) if type(hashes[0]) is int else [_key(h) for h in hashes]

@@ -180,6 +180,23 @@ class AdminConfig(_Strict):
     )
 
 
+class AdmissionConfig(_Strict):
+    max_in_flight: int = Field(default=4096, ge=1, description="requests in the router at once")
+    max_in_flight_per_instance: int = Field(
+        default=1024, ge=1, description="requests at one instance at once; a full instance is not a candidate"
+    )
+    queue_size: int = Field(default=1024, ge=0, description="requests waiting for a slot; past it: 429")
+    queue_timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a slot; past it: 429")
+
+
+class ClientAuthConfig(_Strict):
+    api_keys_env: str | None = Field(
+        default=None,
+        description="environment variable with the clients' API keys, comma-separated; unset or empty: "
+        "no client authentication",
+    )
+
+
 class UpstreamConfig(_Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     first_byte_timeout_s: float = Field(
@@ -238,6 +255,12 @@ class HealthConfig(_Strict):
     unhealthy_after: int = Field(default=2, ge=1, description="consecutive failed checks")
 
 
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(
+        default=32 * 2**20, ge=1, description="POST /v1/* bodies larger than this are answered 413"
+    )
+
+
 class RouterConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     block_size: int = Field(default=16, ge=1)
@@ -246,6 +269,8 @@ class RouterConfig(_Strict):
     default_policy: str = "kvroute"
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
@@ -253,6 +278,7 @@ class RouterConfig(_Strict):
     ttft: TTFTPriors = Field(default_factory=TTFTPriors)
     tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> RouterConfig:

@@ -54,3 +54,15 @@ def upstream_failed(instance: str, cause: BaseException) -> OpenAIError:
         502, f"Instance {instance} failed while answering: {type(cause).__name__}.", "upstream_error",
         "upstream_failed",
     )  # fmt: skip
+
+
+def too_many_requests(message: str, code: str, retry_after_s: int) -> OpenAIError:
+    """429: the router is at capacity; Retry-After says when to try again."""
+    return OpenAIError(429, message, "rate_limit_error", code, headers={"Retry-After": str(retry_after_s)})
+
+
+def invalid_api_key() -> OpenAIError:
+    message = "Incorrect or missing API key: send `Authorization: Bearer <key>`."
+    return OpenAIError(
+        401, message, "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )

@@ -109,14 +109,14 @@ class EventDecoder:
     def decode(self, payload: bytes) -> EventBatch:
         try:
             raw = self._batch.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # too deeply nested
             raise MalformedBatch(str(exc)) from exc
         events: list[KVEvent] = []
         skipped = 0
         for item in raw.events:
             try:
                 events.append(self._decode_event(item))
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 skipped += 1
         return EventBatch(raw.ts, events, raw.data_parallel_rank, skipped)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -15,8 +16,16 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.ab import ABStats
+from router.admission import Admission, Overloaded
 from router.config import TrafficConfig, UpstreamConfig
-from router.errors import bad_request, model_not_found, unavailable, upstream_failed
+from router.errors import (
+    bad_request,
+    invalid_api_key,
+    model_not_found,
+    too_many_requests,
+    unavailable,
+    upstream_failed,
+)
 from router.health import HealthChecker
 from router.instances import Fleet, Instance
 from router.metrics import RouterMetrics
@@ -84,7 +93,12 @@ class Proxy:
         metrics: RouterMetrics,
         config: UpstreamConfig,
         max_tokenized_bytes: int,
+        admission: Admission,
+        per_instance_limit: int,
+        api_keys: frozenset[bytes] = frozenset(),
     ) -> None:
+        """api_keys: SHA-256 digests of the clients' keys; empty: clients need none."""
+        self._admission, self._per_instance_limit, self._api_keys = admission, per_instance_limit, api_keys
         self._max_tokenized_bytes = max_tokenized_bytes
         self._fleet = fleet
         # Replaced whole by a reload or PUT /admin/traffic; a request keeps the ones it started with.
@@ -100,15 +114,28 @@ class Proxy:
         )
 
     async def forward(self, request: Request, path: str, kind: type[Body]) -> Response:
-        raw = await request.body()
-        body = decode_body(raw, kind)
-        if not self._fleet.serves(body.model):
-            raise model_not_found(body.model)
-        session = request.headers.get(self.traffic_config.session_header) or body.user
-        policy = self._policy(request, session)
-        prepared = await self._router.prepare(body, session, tokenize=len(raw) <= self._max_tokenized_bytes)
-        headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-        routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
+        self._authenticate(request)  # before any work
+        try:
+            await self._admission.enter()
+        except Overloaded as exc:
+            self._metrics.rejected(str(exc)).inc()
+            message = "The router is at capacity; retry later."
+            raise too_many_requests(message, str(exc), _RETRY_AFTER_S) from exc
+        try:
+            raw = await request.body()
+            body = decode_body(raw, kind)
+            if not self._fleet.serves(body.model):
+                raise model_not_found(body.model)
+            session = request.headers.get(self.traffic_config.session_header) or body.user
+            policy = self._policy(request, session)
+            tokenize = len(raw) <= self._max_tokenized_bytes
+            prepared = await self._router.prepare(body, session, tokenize=tokenize)
+            # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
+            headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+            routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
+        except BaseException:
+            self._admission.leave()
+            raise
         content_type = routed.upstream.headers.get("content-type", "application/json")
         decision = routed.decision
         debug = {
@@ -137,6 +164,15 @@ class Proxy:
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
 
+    def _authenticate(self, request: Request) -> None:
+        if not self._api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        # Digests of equal length are looked up in a set: no timing difference tells a prefix of a key.
+        if scheme.lower() != "bearer" or hashlib.sha256(key.encode()).digest() not in self._api_keys:
+            self._metrics.rejected("invalid_api_key").inc()
+            raise invalid_api_key()
+
     def _policy(self, request: Request, session: str | None) -> Policy:
         header = self.traffic_config.force_header
         forced = request.headers.get(header)
@@ -158,7 +194,15 @@ class Proxy:
         timeout = self._stream_timeout if stream else self._response_timeout
         tried: set[str] = set()
         for _ in range(self._config.attempts):
-            candidates = self._fleet.candidates(model, exclude=frozenset(tried))
+            healthy = self._fleet.candidates(model, exclude=frozenset(tried))
+            candidates = [i for i in healthy if i.in_flight < self._per_instance_limit]
+            if healthy and not candidates:
+                self._metrics.rejected("instances_full").inc()
+                self.ab.rejected(policy.name)
+                raise too_many_requests(
+                    f"Every instance serving `{model}` is at capacity; retry later.", "instances_full",
+                    _RETRY_AFTER_S,
+                )  # fmt: skip
             if not candidates:
                 break
             decision = self._router.decide(prepared, policy, candidates)
@@ -220,6 +264,7 @@ class Proxy:
         if routed.finished:
             return
         routed.finished = True
+        self._admission.leave()
         routed.upstream.release()
         self._end(routed.decision, routed.prefilling)
         status = str(routed.upstream.status)

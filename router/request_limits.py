@@ -1,0 +1,117 @@
+"""Rejects bad input to the OpenAI endpoints before it reaches routing: too large, not JSON, not UTF-8.
+
+A pure ASGI middleware: only `receive` is wrapped, so streamed responses pass through untouched.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.errors import OpenAIError
+
+_GUARDED_PREFIX = "/v1/"
+_JSON = "application/json"
+
+
+class _Rejected(Exception):
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        413, f"The request body is larger than {limit} bytes.", "invalid_request_error", "body_too_large"
+    )
+
+
+def unsupported_media_type(content_type: str) -> OpenAIError:
+    return OpenAIError(
+        415,
+        f"Unsupported Content-Type {content_type or '(none)'!r}; only {_JSON} is accepted.",
+        "invalid_request_error",
+        "unsupported_media_type",
+    )
+
+
+def _invalid(message: str, code: str) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", code)
+
+
+class RequestLimits:
+    """POST /v1/*: 413 over max_body_bytes (read at each request, so a reload applies), 415 unless JSON,
+    400 for a body that is not UTF-8 or nests deeper than the JSON decoder can follow."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: Callable[[], int]) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = scope["type"] == "http" and scope["method"] == "POST"
+        if not guarded or not scope["path"].startswith(_GUARDED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes()
+        error = _check_headers(scope, limit)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, _LimitedBody(receive, limit), send_tracked)
+        except _Rejected as rejected:
+            if started:
+                raise
+            await rejected.error.response()(scope, receive, send)
+        except RecursionError:
+            # msgspec gives up on JSON nested past Python's recursion limit; no real request nests so deep.
+            if started:
+                raise
+            error = _invalid("The request body nests too deeply.", "invalid_json")
+            await error.response()(scope, receive, send)
+
+
+def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:
+    headers = dict(scope["headers"])
+    content_type = headers.get(b"content-type", b"").decode("latin-1")
+    if content_type.partition(";")[0].strip().lower() != _JSON:
+        return unsupported_media_type(content_type)
+    length = headers.get(b"content-length")
+    if length is None:
+        return None
+    if not length.isdigit():
+        return _invalid("The Content-Length header is not a number.", "invalid_content_length")
+    return too_large(limit) if int(length) > limit else None
+
+
+class _LimitedBody:
+    """receive, counting the body's bytes against the limit and checking they decode as UTF-8."""
+
+    def __init__(self, receive: Receive, limit: int) -> None:
+        self._receive, self._limit, self._received = receive, limit, 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
+
+    async def __call__(self) -> Message:
+        message = await self._receive()
+        if message["type"] != "http.request":
+            return message
+        chunk: bytes = message.get("body", b"")
+        self._received += len(chunk)
+        if self._received > self._limit:
+            raise _Rejected(too_large(self._limit))
+        if chunk.isascii() and not self._utf8.getstate()[0]:
+            return message  # the common case, checked without copying the chunk
+        try:
+            self._utf8.decode(chunk, final=not message.get("more_body", False))
+        except UnicodeDecodeError:
+            raise _Rejected(_invalid("The request body is not valid UTF-8.", "invalid_encoding")) from None
+        return message
