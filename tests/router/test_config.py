@@ -122,3 +122,12 @@ def test_example_configs_are_valid() -> None:
             continue
         load_config(path)
         assert yaml.safe_load(path.read_text())
+
+
+def test_the_readmes_configuration_reference_is_a_valid_configuration() -> None:
+    readme = (ROOT / "README.md").read_text()
+    reference = readme[readme.index("## Configuration reference") :]
+    block = reference.split("```yaml", 1)[1].split("```", 1)[0]
+    config = parse_config(yaml.safe_load(block), source="README.md")
+    assert config.traffic.split == {"round-robin": 10, "kvroute": 90}
+    assert config.pool.master_url == "http://127.0.0.1:9003"
