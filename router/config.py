@@ -206,7 +206,9 @@ class UpstreamConfig(_Strict):
         default=3600.0, gt=0, description="non-streamed requests: the whole answer arrives at the end"
     )
     max_connections_per_instance: int = Field(default=256, ge=1)
-    attempts: int = Field(default=2, ge=1, description="instances tried when one cannot be connected to")
+    attempts: int = Field(
+        default=2, ge=1, description="instances tried when one refuses the connection or drops the request"
+    )
 
 
 TierName = Literal["gpu", "cpu", "pool"]

@@ -66,6 +66,10 @@ class RouterMetrics:
             Counter("kvroute_upstream_errors", "Failures reaching an instance, by kind",
                     ["instance", "kind"], registry=r)
         )  # fmt: skip
+        self.retries = Family(
+            Counter("kvroute_retries", "Requests sent elsewhere after this instance dropped them unanswered",
+                    ["instance"], registry=r)
+        )  # fmt: skip
         self.in_flight = Family(
             Gauge("kvroute_instance_in_flight", "Requests in flight through this router",
                   ["instance"], registry=r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
@@ -44,6 +45,24 @@ PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
+_RETRY_BACKOFF_S = 0.05
+
+
+class RetryBudget:
+    """Retries of sent requests stay a fraction of the traffic: each request earns `ratio` of a retry (up to
+    `burst` saved), each retry spends one, so a failing fleet is not hit with a storm of repeats."""
+
+    def __init__(self, ratio: float = 0.2, burst: float = 10.0) -> None:
+        self._ratio, self._burst, self._tokens = ratio, burst, burst
+
+    def earn(self) -> None:
+        self._tokens = min(self._burst, self._tokens + self._ratio)
+
+    def spend(self) -> bool:
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
 
 @dataclass
@@ -104,6 +123,7 @@ class Proxy:
         # Replaced whole by a reload or PUT /admin/traffic; a request keeps the ones it started with.
         self.policies, self.traffic, self.traffic_config = policies, traffic, traffic_config
         self.ab = ABStats()
+        self._retry_budget = RetryBudget()
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
         self._stream_timeout = aiohttp.ClientTimeout(
@@ -193,6 +213,7 @@ class Proxy:
         # A stream's first byte comes after prefill; a whole answer only after the last token.
         timeout = self._stream_timeout if stream else self._response_timeout
         tried: set[str] = set()
+        self._retry_budget.earn()
         for _ in range(self._config.attempts):
             healthy = self._fleet.candidates(model, exclude=frozenset(tried))
             candidates = [i for i in healthy if i.in_flight < self._per_instance_limit]
@@ -220,8 +241,21 @@ class Proxy:
                 self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
                 continue
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # Sent, but the instance went away before answering (it died or restarted): the client has
+                # had nothing yet, so another instance may serve it, within the retry budget.
+                self._end(decision, prefilling=True)
+                tried.add(instance.name)
+                self._metrics.upstream_errors(instance.name, "disconnected").inc()
+                self._health.mark_unreachable(instance)
+                if not self._retry_budget.spend():
+                    self.ab.failed(policy.name)
+                    raise upstream_failed(instance.name, exc) from exc
+                self._metrics.retries(instance.name).inc()
+                await asyncio.sleep(_RETRY_BACKOFF_S * len(tried) * random.uniform(0.5, 1.5))
+                continue
             except (TimeoutError, aiohttp.ClientError) as exc:
-                # The request may be running there: not retried elsewhere (it is not idempotent).
+                # Timed out or answered badly: it may still be running there, so it is not sent again.
                 self._end(decision, prefilling=True)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "response"
                 self._metrics.upstream_errors(instance.name, kind).inc()

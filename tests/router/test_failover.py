@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
+from router.proxy import RetryBudget
 from tests.conftest import metric
 from tests.router.test_proxy import post
 
@@ -133,3 +134,63 @@ def test_an_answer_that_breaks_off_is_a_502_in_openai_shape(breaking_upstream: i
         assert json.loads(payload)["error"]["code"] == "upstream_failed"
         assert metric(url, "kvroute_upstream_errors_total", instance="flaky", kind="read") == 1
         assert metric(url, "kvroute_instance_in_flight", instance="flaky") == 0
+
+
+@pytest.fixture
+def dropping_upstream() -> Iterator[int]:
+    """An instance that answers /health but closes every completion's connection without an answer, as one
+    that dies while prefilling does."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def drop(request: web.Request) -> web.Response:
+        await request.read()
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", drop)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = free_port_block(1)
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+def test_a_request_dropped_unanswered_is_served_by_another_instance(
+    dropping_upstream: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
+    config = fleet.router_config()
+    config["instances"] = [{"name": "dropper", "url": f"http://127.0.0.1:{dropping_upstream}"},
+                           config["instances"][0]]  # fmt: skip
+    with running_router(config, tmp_path) as url:
+        body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2}).encode()
+        served = []
+        for _ in range(6):  # round robin: every other request goes to the dropper first
+            status, headers, payload = post(url + "/v1/completions", body, {"x-kvroute-policy": "round-robin"})
+            assert status == 200, payload
+            served.append(headers["x-kvroute-instance"])
+            time.sleep(0.6)  # the dropper answers /health, so it is taken back between requests
+        assert set(served) == {"fleet-0"}
+        assert metric(url, "kvroute_retries_total", instance="dropper") >= 1
+        assert metric(url, "kvroute_upstream_errors_total", instance="dropper", kind="disconnected") >= 1
+
+
+def test_the_retry_budget_is_a_share_of_the_traffic() -> None:
+    budget = RetryBudget(ratio=0.25, burst=2)
+    assert [budget.spend() for _ in range(3)] == [True, True, False]
+    for _ in range(4):
+        budget.earn()
+    assert [budget.spend() for _ in range(2)] == [True, False]
