@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from kvroute.processes import FleetPorts, free_port_block, running_fleet, runnin
 from router.proxy import RetryBudget
 from tests.conftest import metric
 from tests.router.test_proxy import post
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
 
@@ -91,6 +94,28 @@ def test_an_instance_that_comes_up_later_is_taken_back(tmp_path: Path) -> None:
             assert headers["x-kvroute-instance"] == "fleet-0"
 
 
+@contextlib.contextmanager
+def _serving(health: Handler, completions: Handler) -> Iterator[int]:
+    """A fake instance on its own loop and thread: GET /health and POST /v1/completions; yields its port."""
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = free_port_block(1)
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
 @pytest.fixture
 def breaking_upstream() -> Iterator[int]:
     """An instance that answers /health but breaks every completion off after its headers."""
@@ -106,23 +131,8 @@ def breaking_upstream() -> Iterator[int]:
         request.transport.close()
         return response
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", broken)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    port = free_port_block(1)
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with _serving(health, broken) as port:
         yield port
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
 
 
 def test_an_answer_that_breaks_off_is_a_502_in_openai_shape(breaking_upstream: int, tmp_path: Path) -> None:
@@ -150,23 +160,8 @@ def dropping_upstream() -> Iterator[int]:
         request.transport.close()
         return web.Response()
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", drop)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    port = free_port_block(1)
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with _serving(health, drop) as port:
         yield port
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
 
 
 def test_a_request_dropped_unanswered_is_served_by_another_instance(
