@@ -118,7 +118,10 @@ class Reloader:
             return
         hangup = asyncio.Event()
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, hangup.set)
+        try:
+            loop.add_signal_handler(signal.SIGHUP, hangup.set)
+        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread, or no signals here
+            log.warning("SIGHUP cannot reload here; the file is still watched")
         try:
             async for _ in _changes(self._path, hangup):
                 try:
