@@ -24,7 +24,7 @@ from router.policy import Policy
 from router.pool import PoolConfirmer
 from router.token_cache import RemoteTokenizer
 from scorers.base import NO_MATCH, RoutingRequest
-from scorers.ttft_model import TTFTFeatures, features_for
+from scorers.ttft_model import TTFTFeatures, features_for, reused_blocks
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +121,10 @@ class Router:
         features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
-        loaded_blocks = features.loaded_tokens // self._block_size
-        from_cpu = min(match.cpu, loaded_blocks) * self._block_size  # features_for credits the CPU tier first
-        by_tier = (tokens - features.uncached_tokens - features.loaded_tokens, from_cpu,
-                   features.loaded_tokens - from_cpu)  # fmt: skip
-        for tier, cached in zip(("gpu", "cpu", "pool"), by_tier, strict=True):
-            if cached:
-                self._metrics.predicted_cached(policy.name, tier).inc(cached)
+        reused = reused_blocks(prepared.request, instance.name)
+        for tier, blocks in zip(("gpu", "cpu", "pool"), (reused.gpu, reused.cpu, reused.pool), strict=True):
+            if blocks:
+                self._metrics.predicted_cached(policy.name, tier).inc(blocks * self._block_size)
         return Decision(
             instance,
             tokens,

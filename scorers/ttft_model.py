@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import Field
 
-from scorers.base import NO_MATCH, Candidate, Params, RoutingRequest
+from scorers.base import NO_MATCH, Candidate, Params, RoutingRequest, TierMatch
 
 TERMS = ("overhead", "queue", "prefill", "load", "decode")
 # Typical size of each feature: the priors count as prior_weight observations of this size, of the TTFT
@@ -99,15 +99,22 @@ class TTFTModel:
         self.observations += 1
 
 
-def features_for(request: RoutingRequest, candidate: Candidate) -> TTFTFeatures:
-    """What the request would cost there: the engine computes the last prompt token whatever it holds,
-    and reuses whole blocks only."""
-    match = request.matches.get(candidate.name, NO_MATCH)
+def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:
+    """The blocks instance name would reuse, by tier (its GPU copy first, then CPU, then the pool): whole
+    blocks only, and never the last prompt token's, which the engine computes whatever it holds."""
+    match = request.matches.get(name, NO_MATCH)
     reusable = max(request.prompt_tokens - 1, 0) // request.block_size
-    local = min(match.gpu, reusable)
-    loaded = min(match.cpu + match.pool, reusable - local)
+    gpu = min(match.gpu, reusable)
+    cpu = min(match.cpu, reusable - gpu)
+    return TierMatch(gpu, cpu, min(match.pool, reusable - gpu - cpu))
+
+
+def features_for(request: RoutingRequest, candidate: Candidate) -> TTFTFeatures:
+    """What the request would cost there."""
+    reused = reused_blocks(request, candidate.name)
+    loaded = reused.cpu + reused.pool
     return TTFTFeatures(
         queued_tokens=candidate.pending_prefill_tokens,
-        uncached_tokens=request.prompt_tokens - (local + loaded) * request.block_size,
+        uncached_tokens=request.prompt_tokens - (reused.gpu + loaded) * request.block_size,
         loaded_tokens=loaded * request.block_size,
     )
