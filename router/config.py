@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from router.traffic import TrafficSplit
 from scorers.base import Registration
 from scorers.registry import PICKERS, SCORERS, validate_params
 from scorers.ttft_model import TTFTPriors
@@ -164,12 +165,8 @@ class TrafficConfig(_Strict):
     @field_validator("split")
     @classmethod
     def _weights(cls, split: dict[str, float] | None) -> dict[str, float] | None:
-        if split is None:
-            return None
-        if any(w < 0 for w in split.values()):
-            raise ValueError("weights must be >= 0")
-        if not any(w > 0 for w in split.values()):
-            raise ValueError("at least one policy needs a weight above 0")
+        if split is not None:
+            TrafficSplit(split)  # the split's own checks, the same as PUT /admin/traffic gets
         return split
 
 

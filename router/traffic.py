@@ -26,7 +26,7 @@ class TrafficSplit:
             raise ValueError("weights must be >= 0")
         total = sum(live.values())
         if total <= 0:
-            raise ValueError("a traffic split needs a policy with a weight above 0")
+            raise ValueError("at least one policy needs a weight above 0")
         self.weights = live
         self._names = [name for name, weight in live.items() if weight > 0]
         self._bounds = list(itertools.accumulate(live[name] / total for name in self._names))
