@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +44,8 @@ class SessionPlan:
     time_limit_s: float = 300.0
     request_timeout_s: float = 120.0
     session_prefix: str = "bench"
+    headers: Mapping[str, str] = field(default_factory=dict)  # sent with every turn, e.g. a forced policy
+    on_turn: Callable[[], None] = lambda: None  # told after every turn (progress bars)
 
 
 @dataclass
@@ -106,7 +109,7 @@ async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:
     async def session(http: aiohttp.ClientSession, index: int) -> None:
         async with slots:
             messages = [{"role": "system", "content": workload.system_prompt()}]
-            headers = {SESSION_HEADER: f"{plan.session_prefix}-{workload.seed}-{index}"}
+            headers = {**plan.headers, SESSION_HEADER: f"{plan.session_prefix}-{workload.seed}-{index}"}
             for turn in range(workload.turns):
                 if time.perf_counter() >= deadline:
                     return
@@ -121,6 +124,7 @@ async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:
                 }
                 outcome, reply = await stream_chat(http, base_url, body, headers)
                 run.outcomes.append(outcome)
+                plan.on_turn()
                 messages.append({"role": "assistant", "content": reply})
                 await asyncio.sleep(workload.think_time_s)
 

@@ -6,7 +6,6 @@ import asyncio
 import secrets
 import statistics
 import tempfile
-import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
@@ -14,16 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.progress import Progress
 from rich.table import Table
 
+from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
 from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
 from kvroute.workload import AgentWorkload
-from router.proxy import INSTANCE_HEADER, POLICY_HEADER, SESSION_HEADER
+from router.proxy import POLICY_HEADER
 
 MODEL = "tiny-llama"
 
@@ -36,82 +35,27 @@ class DemoOptions:
 
 
 @dataclass
-class TurnResult:
-    ok: bool
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    instance: str = ""
-    error: str = ""
-
-
-@dataclass
 class PolicyResult:
     policy: str
-    turns: list[TurnResult] = field(default_factory=list)
+    turns: list[TurnOutcome] = field(default_factory=list)
     hit_rate: float = 0.0
 
     def ttft_quantile(self, q: float) -> float:
-        values = sorted(t.ttft_s for t in self.turns if t.ok)
+        values = sorted(t.ttft_s for t in self.turns if t.status == "ok")
         if not values:
             return float("nan")
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def stream_chat(
-    http: aiohttp.ClientSession,
-    base_url: str,
-    messages: list[dict[str, str]],
-    headers: dict[str, str],
-    max_tokens: int,
-) -> tuple[TurnResult, str]:
-    """One streamed chat completion; TTFT is the time to the first content-bearing chunk."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0}
-    started = time.perf_counter()
-    ttft = 0.0
-    text: list[str] = []
-    try:
-        async with http.post(f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
-            if response.status != 200:
-                return TurnResult(False, error=f"HTTP {response.status}"), ""
-            instance = response.headers.get(INSTANCE_HEADER, "?")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = msgspec.json.decode(line[6:])
-                if "error" in chunk:
-                    return TurnResult(False, error=str(chunk["error"].get("message"))), ""
-                for choice in chunk.get("choices", []):
-                    if ttft == 0.0:
-                        ttft = time.perf_counter() - started
-                    text.append(choice.get("delta", {}).get("content") or "")
-    except aiohttp.ClientError as exc:
-        return TurnResult(False, error=type(exc).__name__), ""
-    return TurnResult(True, ttft, time.perf_counter() - started, instance), "".join(text)
-
-
-async def run_workload(
+def run_workload(
     base_url: str, policy: str | None, workload: AgentWorkload, on_turn: Callable[[], None]
-) -> list[TurnResult]:
+) -> list[TurnOutcome]:
     """policy: forced on every request; None leaves each session to the router's traffic split."""
-    results: list[TurnResult] = []
-
-    async def session(index: int) -> None:
-        messages = [{"role": "system", "content": workload.system_prompt()}]
-        headers = {SESSION_HEADER: f"demo-{policy or 'split'}-{index}"}
-        if policy is not None:
-            headers[POLICY_HEADER] = policy
-        for turn in range(workload.turns):
-            messages.append({"role": "user", "content": workload.user_message(index, turn)})
-            result, reply = await stream_chat(http, base_url, messages, headers, workload.max_tokens)
-            results.append(result)
-            messages.append({"role": "assistant", "content": reply})
-            on_turn()
-            await asyncio.sleep(workload.think_time_s)
-
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        await asyncio.gather(*(session(i) for i in range(workload.sessions)))
-    return results
+    plan = SessionPlan(
+        workload, MODEL, concurrency=workload.sessions, session_prefix=f"demo-{policy or 'split'}",
+        headers={} if policy is None else {POLICY_HEADER: policy}, on_turn=on_turn,
+    )  # fmt: skip
+    return asyncio.run(run_sessions(base_url, plan)).outcomes
 
 
 def prefix_cache_counts(instance_urls: list[str]) -> tuple[float, float]:
@@ -160,25 +104,21 @@ def run_demo(options: DemoOptions) -> int:
                         reset_prefix_caches(instance_urls)
                         hits_before, queries_before = prefix_cache_counts(instance_urls)
                         progress.update(task, description=f"policy {policy}")
-                        turns = asyncio.run(
-                            run_workload(router_url, policy, workload, lambda: progress.advance(task))
-                        )
+                        turns = run_workload(router_url, policy, workload, lambda: progress.advance(task))
                         hits, queries = prefix_cache_counts(instance_urls)
                         hit_rate = (hits - hits_before) / max(queries - queries_before, 1.0)
                         results.append(PolicyResult(policy, turns, hit_rate))
                     reset_prefix_caches(instance_urls)
                     _admin(router_url, "/admin/ab/reset", token, "POST")
                     progress.update(task, description="A/B: round-robin 50 / kvroute 50")
-                    ab_turns = asyncio.run(
-                        run_workload(router_url, None, ab_workload, lambda: progress.advance(task))
-                    )
+                    ab_turns = run_workload(router_url, None, ab_workload, lambda: progress.advance(task))
                 ab = _admin(router_url, "/admin/ab", token)
         except StartupError as exc:
             console.print(f"[red]could not start the local fleet: {exc}")
             return 1
     console.print(_table(results, workload))
     console.print(_ab_table(ab, ab_workload))
-    ok = all(t.ok for r in results for t in r.turns) and all(t.ok for t in ab_turns)
+    ok = all(t.status == "ok" for t in [*ab_turns, *(t for r in results for t in r.turns)])
     return 0 if ok else 1
 
 
@@ -229,7 +169,7 @@ def _table(results: list[PolicyResult], workload: AgentWorkload) -> Table:
     ):
         table.add_column(column)
     for result in results:
-        ok = [t for t in result.turns if t.ok]
+        ok = [t for t in result.turns if t.status == "ok"]
         spread = Counter(t.instance for t in ok)
         table.add_row(
             result.policy,
