@@ -197,7 +197,10 @@ class ClientAuthConfig(_Strict):
 class UpstreamConfig(_Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     first_byte_timeout_s: float = Field(
-        default=600.0, gt=0, description="streams: to the first byte (prefill is slow) and between chunks"
+        default=600.0, gt=0, description="streams: to the first chunk (prefill is slow, queues are long)"
+    )
+    stream_idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="streams: between chunks once the first one has arrived"
     )
     response_timeout_s: float = Field(
         default=3600.0, gt=0, description="non-streamed requests: the whole answer arrives at the end"
@@ -254,6 +257,13 @@ class HealthConfig(_Strict):
     unhealthy_after: int = Field(default=2, ge=1, description="consecutive failed checks")
 
 
+class CircuitBreakerConfig(_Strict):
+    failures: int = Field(
+        default=5, ge=1, description="consecutive connection errors, timeouts or 5xx that open the breaker"
+    )
+    open_s: float = Field(default=10.0, gt=0, description="no requests for this long, then one probe")
+
+
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(
         default=32 * 2**20, ge=1, description="POST /v1/* bodies larger than this are answered 413"
@@ -272,6 +282,7 @@ class RouterConfig(_Strict):
     auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     ttft: TTFTPriors = Field(default_factory=TTFTPriors)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.config import InstanceConfig, RouterConfig
+from router.circuit_breaker import CircuitBreaker
+from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig
 from scorers.base import EngineLoad
 from scorers.ttft_model import TTFTModel, TTFTPriors
 
@@ -21,15 +22,23 @@ class Instance:
     load: EngineLoad | None = None
     failed_checks: int = 0
     ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @classmethod
-    def from_config(cls, config: InstanceConfig, models: list[str], priors: TTFTPriors) -> Instance:
-        return cls(name=config.name, url=config.url, models=frozenset(models), ttft_model=TTFTModel(priors))
+    def from_config(cls, config: InstanceConfig, router: RouterConfig) -> Instance:
+        breaker: CircuitBreakerConfig = router.circuit_breaker
+        return cls(
+            name=config.name,
+            url=config.url,
+            models=frozenset(router.models_of(config)),
+            ttft_model=TTFTModel(router.ttft),
+            breaker=CircuitBreaker(breaker.failures, breaker.open_s),
+        )
 
 
 class Fleet:
     def __init__(self, config: RouterConfig) -> None:
-        self.instances = [Instance.from_config(i, config.models_of(i), config.ttft) for i in config.instances]
+        self.instances = [Instance.from_config(i, config) for i in config.instances]
         self.models = [m.name for m in config.models]
         self._configs = {i.name: i for i in config.instances}
         self._index()
@@ -45,7 +54,7 @@ class Fleet:
         added = [i for i in config.instances if i.name not in kept]
         removed = [name for name in self._configs if name not in kept]
         self.instances = [
-            kept.get(i.name) or Instance.from_config(i, config.models_of(i), config.ttft)
+            kept.get(i.name) or Instance.from_config(i, config)
             for i in config.instances
         ]
         self._configs = {i.name: i for i in config.instances}
@@ -56,8 +65,13 @@ class Fleet:
         return bool(self._by_model.get(model))
 
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Instance]:
-        """Healthy instances serving model, in configuration order."""
-        return [i for i in self._by_model.get(model, ()) if i.healthy and i.name not in exclude]
+        """Healthy instances serving model whose circuit breaker lets a request through, in configuration
+        order."""
+        return [
+            i
+            for i in self._by_model.get(model, ())
+            if i.healthy and i.name not in exclude and i.breaker.allows()
+        ]
 
     def served_models(self) -> list[str]:
         return [m for m in self.models if self._by_model[m]]

@@ -70,6 +70,15 @@ class RouterMetrics:
             Counter("kvroute_retries", "Requests sent elsewhere after this instance dropped them unanswered",
                     ["instance"], registry=r)
         )  # fmt: skip
+        self.circuit_open = Family(
+            Gauge("kvroute_circuit_open",
+                  "1 from the moment the instance's circuit breaker opens until a probe request succeeds",
+                  ["instance"], registry=r)
+        )  # fmt: skip
+        self.circuit_opens = Family(
+            Counter("kvroute_circuit_opens", "Times the instance's circuit breaker opened", ["instance"],
+                    registry=r)
+        )  # fmt: skip
         self.in_flight = Family(
             Gauge("kvroute_instance_in_flight", "Requests in flight through this router",
                   ["instance"], registry=r)

@@ -46,6 +46,8 @@ PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
 _RETRY_BACKOFF_S = 0.05
+# The instance dropped the connection before answering: it died or restarted.
+_DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
 
 
 class RetryBudget:
@@ -75,6 +77,7 @@ class _Routed:
     prefilling: bool = True
     finished: bool = False
     broken: bool = False  # the stream from upstream broke off
+    first: bytes = b""  # a stream's first chunk, or the whole answer
 
     @property
     def instance(self) -> Instance:
@@ -169,17 +172,14 @@ class Proxy:
             return _RelayResponse(
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
             )
+        payload = routed.first
         try:
-            payload = await routed.upstream.read()
             usage = _usage(payload)
             self._first_byte(routed, None if usage is None else usage.completion_tokens)
             if usage is not None and usage.prompt_tokens_details is not None:
                 self.ab.observed_cache(
                     routed.policy.name, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
                 )
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            self._metrics.upstream_errors(routed.instance.name, "read").inc()
-            raise upstream_failed(routed.instance.name, exc) from exc
         finally:
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
@@ -209,10 +209,13 @@ class Proxy:
     async def _send(
         self, prepared: Prepared, policy: Policy, path: str, raw: bytes, headers: dict[str, str], stream: bool
     ) -> _Routed:
+        """Send to the best instance and wait for the first bytes of its answer (a stream's first chunk, a
+        whole answer): until then the client has had nothing, so an instance that fails may be replaced."""
         model = prepared.request.model
         # A stream's first byte comes after prefill; a whole answer only after the last token.
         timeout = self._stream_timeout if stream else self._response_timeout
         tried: set[str] = set()
+        dropped: tuple[str, Exception] | None = None  # the last instance that broke off unanswered
         self._retry_budget.earn()
         for _ in range(self._config.attempts):
             healthy = self._fleet.candidates(model, exclude=frozenset(tried))
@@ -230,24 +233,27 @@ class Proxy:
             instance = decision.instance
             started = time.perf_counter()
             self._start(decision)
+            upstream: aiohttp.ClientResponse | None = None
             try:
                 upstream = await self._session.post(
                     instance.url + path, data=raw, headers=headers, timeout=timeout
                 )
+                first = await _first_bytes(upstream, stream)
             except aiohttp.ClientConnectorError:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
-                self._end(decision, prefilling=True)
+                self._abandon(decision, upstream)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
                 continue
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                # Sent, but the instance went away before answering (it died or restarted): the client has
-                # had nothing yet, so another instance may serve it, within the retry budget.
-                self._end(decision, prefilling=True)
+            except _DROPPED as exc:
+                # Sent, but the instance went away before its first byte (it died or restarted): the client
+                # has had nothing yet, so another instance may serve it, within the retry budget.
+                self._abandon(decision, upstream)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 self._health.mark_unreachable(instance)
+                dropped = instance.name, exc
                 if not self._retry_budget.spend():
                     self.ab.failed(policy.name)
                     raise upstream_failed(instance.name, exc) from exc
@@ -256,39 +262,73 @@ class Proxy:
                 continue
             except (TimeoutError, aiohttp.ClientError) as exc:
                 # Timed out or answered badly: it may still be running there, so it is not sent again.
-                self._end(decision, prefilling=True)
+                self._abandon(decision, upstream)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "response"
                 self._metrics.upstream_errors(instance.name, kind).inc()
                 self.ab.failed(policy.name)
                 raise upstream_failed(instance.name, exc) from exc
             except BaseException:
-                self._end(decision, prefilling=True)
+                self._abandon(decision, upstream, failed=False)
                 raise
-            routed = _Routed(decision, policy, upstream, started, streamed=stream)
-            if not stream and decision.uncached_tokens:
+            routed = _Routed(decision, policy, upstream, started, streamed=stream, first=first)
+            if stream:
+                self._first_byte(routed)
+            elif decision.uncached_tokens:
                 # No first byte before the end of a whole answer: its prefill retires when the instance's
                 # TTFT model expects its first token instead.
                 asyncio.get_running_loop().call_later(decision.predicted_ttft_s, self._prefilled, routed)
             return routed
+        if dropped is not None:
+            self.ab.failed(policy.name)
+            raise upstream_failed(*dropped)
+        self.ab.rejected(policy.name)
         if tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
-        self.ab.rejected(policy.name)
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
+
+    def _abandon(
+        self, decision: Decision, upstream: aiohttp.ClientResponse | None, failed: bool = True
+    ) -> None:
+        """A request that never reached the client: free what it held; failed: count it against the
+        instance's circuit breaker."""
+        if upstream is not None:
+            upstream.close()  # not released to the pool: the engine must see the connection go (abort)
+        self._end(decision, prefilling=True)
+        if failed:
+            self._breaker_failed(decision.instance)
+
+    def _breaker_failed(self, instance: Instance) -> None:
+        if instance.breaker.failed():
+            failures = instance.breaker.failures
+            log.warning("circuit breaker for %s opened after %d failures in a row", instance.name, failures)
+            self._metrics.circuit_opens(instance.name).inc()
+            self._metrics.circuit_open(instance.name).set(1)
+
+    def _breaker_succeeded(self, instance: Instance) -> None:
+        if instance.breaker.opened_at is not None:
+            log.info("circuit breaker for %s closed: a probe request succeeded", instance.name)
+        instance.breaker.succeeded()
+        self._metrics.circuit_open(instance.name).set(0)
 
     async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
         """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
+        content, idle_s = routed.upstream.content, self._config.stream_idle_timeout_s
         try:
-            async for chunk in routed.upstream.content.iter_any():
-                if routed.prefilling:
-                    self._first_byte(routed)
+            yield routed.first
+            while True:
+                async with asyncio.timeout(idle_s):
+                    chunk = await content.readany()
+                if not chunk:
+                    return
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("stream from %s broke: %r", routed.instance.name, exc)
             routed.broken = True
-            self._metrics.upstream_errors(routed.instance.name, "stream").inc()
+            kind = "stream_idle" if isinstance(exc, TimeoutError) else "stream"
+            self._metrics.upstream_errors(routed.instance.name, kind).inc()
             yield _sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
             yield b"data: [DONE]\n\n"
         finally:
@@ -301,6 +341,10 @@ class Proxy:
         self._admission.leave()
         routed.upstream.release()
         self._end(routed.decision, routed.prefilling)
+        if routed.broken or routed.upstream.status >= 500:
+            self._breaker_failed(routed.instance)
+        else:  # a 4xx is the client's problem, not the instance's
+            self._breaker_succeeded(routed.instance)
         status = str(routed.upstream.status)
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, status).inc()
@@ -314,6 +358,7 @@ class Proxy:
 
     def _start(self, decision: Decision) -> None:
         instance = decision.instance
+        instance.breaker.sent()
         instance.in_flight += 1
         instance.active_tokens += decision.prompt_tokens
         instance.pending_prefill_tokens += decision.uncached_tokens
@@ -379,6 +424,16 @@ def _usage(payload: bytes) -> _Usage | None:
         return _decode_answer(payload).usage
     except msgspec.DecodeError:
         return None
+
+
+async def _first_bytes(upstream: aiohttp.ClientResponse, stream: bool) -> bytes:
+    """A successful stream's first chunk; otherwise the whole answer (an error's is short)."""
+    if not (stream and upstream.status == 200):
+        return await upstream.read()
+    first = await upstream.content.readany()
+    if not first:  # a 200 stream that ends before its first chunk is broken, not empty
+        raise aiohttp.ServerDisconnectedError()
+    return first
 
 
 def _sse_error(message: str) -> bytes:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +15,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from router.proxy import RetryBudget
 from tests.conftest import metric
+from tests.router.fake_upstreams import serving
 from tests.router.test_proxy import post
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -94,28 +92,6 @@ def test_an_instance_that_comes_up_later_is_taken_back(tmp_path: Path) -> None:
             assert headers["x-kvroute-instance"] == "fleet-0"
 
 
-@contextlib.contextmanager
-def _serving(health: Handler, completions: Handler) -> Iterator[int]:
-    """A fake instance on its own loop and thread: GET /health and POST /v1/completions; yields its port."""
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", completions)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    port = free_port_block(1)
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield port
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-
 @pytest.fixture
 def breaking_upstream() -> Iterator[int]:
     """An instance that answers /health but breaks every completion off after its headers."""
@@ -131,18 +107,20 @@ def breaking_upstream() -> Iterator[int]:
         request.transport.close()
         return response
 
-    with _serving(health, broken) as port:
+    with serving(health, broken) as port:
         yield port
 
 
-def test_an_answer_that_breaks_off_is_a_502_in_openai_shape(breaking_upstream: int, tmp_path: Path) -> None:
+def test_an_answer_that_breaks_off_with_no_other_instance_is_a_502_in_openai_shape(
+    breaking_upstream: int, tmp_path: Path
+) -> None:
     config = {"models": [{"name": "tiny-llama"}],
               "instances": [{"name": "flaky", "url": f"http://127.0.0.1:{breaking_upstream}"}]}  # fmt: skip
     with running_router(config, tmp_path) as url:
         status, _, payload = post(url + "/v1/completions", BODY)
         assert status == 502
         assert json.loads(payload)["error"]["code"] == "upstream_failed"
-        assert metric(url, "kvroute_upstream_errors_total", instance="flaky", kind="read") == 1
+        assert metric(url, "kvroute_upstream_errors_total", instance="flaky", kind="disconnected") == 1
         assert metric(url, "kvroute_instance_in_flight", instance="flaky") == 0
 
 
@@ -160,7 +138,7 @@ def dropping_upstream() -> Iterator[int]:
         request.transport.close()
         return web.Response()
 
-    with _serving(health, drop) as port:
+    with serving(health, drop) as port:
         yield port
 
 

@@ -1,0 +1,40 @@
+"""Hand-made upstreams that fail in exact ways a real engine can: served from a thread on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+
+from aiohttp import web
+
+from kvroute.processes import free_port_block
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def healthy(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+@contextlib.contextmanager
+def serving(health: Handler, completions: Handler) -> Iterator[int]:
+    """A fake instance on its own loop and thread: GET /health and POST /v1/completions; yields its port."""
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = free_port_block(1)
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()

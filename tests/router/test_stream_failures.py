@@ -1,0 +1,98 @@
+"""Streams whose instance fails: before the first chunk the request moves to another instance; after it, the
+stream ends with an SSE error event and `data: [DONE]`, never a hang or a silent cut."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from kvroute.processes import FleetPorts, running_router
+from tests.conftest import metric
+from tests.router.fake_upstreams import healthy, serving
+from tests.router.test_proxy import post
+
+STREAM = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+ROUND_ROBIN = {"x-kvroute-policy": "round-robin"}
+CHUNK = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n'
+
+
+def _stream_headers() -> web.StreamResponse:
+    return web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+
+
+@pytest.fixture
+def dies_before_first_chunk() -> Iterator[int]:
+    """Sends a stream's headers at once, as vLLM does, then dies while prefilling."""
+
+    async def die(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = _stream_headers()
+        await response.prepare(request)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    with serving(healthy, die) as port:
+        yield port
+
+
+@pytest.fixture
+def stalls_after_first_chunk() -> Iterator[int]:
+    """Sends one chunk, then nothing for 5 s (a wedged engine)."""
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = _stream_headers()
+        await response.prepare(request)
+        await response.write(CHUNK)
+        await asyncio.sleep(5)
+        return response
+
+    with serving(healthy, stall) as port:
+        yield port
+
+
+def _with(fleet: FleetPorts, name: str, port: int, **extra: object) -> dict[str, object]:
+    config = fleet.router_config(**extra)
+    instances = config["instances"]
+    assert isinstance(instances, list)
+    instances.insert(0, {"name": name, "url": f"http://127.0.0.1:{port}"})
+    return config
+
+
+def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere(
+    dies_before_first_chunk: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
+    with running_router(_with(fleet, "dying", dies_before_first_chunk), tmp_path) as url:
+        for _ in range(4):  # round robin: the dying instance is tried first at least once
+            status, headers, payload = post(url + "/v1/completions", STREAM, ROUND_ROBIN)
+            assert status == 200
+            assert headers["x-kvroute-instance"] != "dying"
+            events = [e for e in payload.split(b"\n\n") if e.strip()]
+            assert events[-1] == b"data: [DONE]" and len(events) == 4  # three tokens, all of them
+        assert metric(url, "kvroute_retries_total", instance="dying") >= 1
+
+
+def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
+    stalls_after_first_chunk: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
+    config = _with(fleet, "stalling", stalls_after_first_chunk, upstream={"stream_idle_timeout_s": 0.5})
+    config["default_policy"] = "round-robin"
+    with running_router(config, tmp_path) as url:
+        started = time.monotonic()
+        status, headers, payload = post(url + "/v1/completions", STREAM)
+        elapsed = time.monotonic() - started
+        assert status == 200 and headers["x-kvroute-instance"] == "stalling"
+        events = [e for e in payload.split(b"\n\n") if e.strip()]
+        assert events[0] == CHUNK.strip()
+        error = json.loads(events[1].removeprefix(b"data: "))["error"]
+        assert error["code"] == "stream_broken"
+        assert events[2] == b"data: [DONE]"
+        assert elapsed < 4, "the router waited for the upstream instead of its idle timeout"
+        assert metric(url, "kvroute_upstream_errors_total", instance="stalling", kind="stream_idle") == 1
