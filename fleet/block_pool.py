@@ -64,6 +64,11 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def cached_hashes(self) -> int:
+        """Distinct block hashes held: what a router's index should hold for this instance."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
         """As vLLM reports it: cached but unreferenced blocks count as free."""
         return 1.0 - len(self._free) / len(self._blocks)

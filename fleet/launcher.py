@@ -34,6 +34,7 @@ class FleetOptions:
     hash_seed: str = "0"
     name_prefix: str = "fleet-"
     first_index: int = 0
+    drop_events: float = 0.0  # share of event batches not published live (replay still has them)
     timing: EngineTiming = field(default_factory=EngineTiming)
 
     def instance_name(self, index: int) -> str:
@@ -57,6 +58,7 @@ async def run_fleet(options: FleetOptions, ready: asyncio.Event | None = None) -
                 f"tcp://{options.host}:{options.replay_port + index}",
                 topic=f"kv@{name}@{options.model_name}",
                 encoding=options.event_encoding,
+                drop_ratio=options.drop_events,
             )
             stack.push_async_callback(publisher.close)
             publisher.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import deque
 
@@ -26,8 +27,12 @@ class EventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         data_parallel_rank: int = 0,
+        drop_ratio: float = 0.0,
     ) -> None:
+        """drop_ratio: the share of batches not sent live (still buffered for replay), as a PUB socket past
+        its high-water mark drops them: for tests of the subscriber's gap handling."""
         self._rank = data_parallel_rank
+        self._drop_ratio, self._drops = drop_ratio, random.Random(topic)
         self._encoder = EventEncoder(encoding)
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -53,6 +58,8 @@ class EventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
+        if self._drop_ratio and self._drops.random() < self._drop_ratio:
+            return
         # PUB never blocks: past the high-water mark the frame is dropped, a gap the subscriber must replay.
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart((self._topic, pack_seq(seq), payload), flags=zmq.NOBLOCK)

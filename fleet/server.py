@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -30,6 +31,7 @@ class SimInstance:
     max_model_len: int
     created: int
     root: str = ""
+    started: float = field(default_factory=time.time)  # as vLLM's process_start_time_seconds
 
 
 class _ClientError(Exception):
@@ -225,6 +227,11 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
     return _json_response({"success": instance.engine.reset_prefix_cache()})
 
 
+async def _cache_state(request: web.Request) -> web.Response:
+    instance: SimInstance = request.app["instance"]
+    return _json_response({"block_hashes": instance.engine.pool.cached_hashes})
+
+
 class _EngineCollector:
     """Exposes the engine's state under vLLM's metric names and labels, read at scrape time."""
 
@@ -250,6 +257,11 @@ class _EngineCollector:
             "vllm:generation_tokens": stats.generation_tokens,
             "vllm:num_preemptions": stats.preemptions,
         }
+        # vLLM's /metrics carries its process's start time; a router tells a restart by it.
+        yield GaugeMetricFamily(
+            "process_start_time_seconds", "Start time of the process since unix epoch in seconds",
+            self._instance.started,
+        )  # fmt: skip
         for name, value in gauges.items():
             gauge = GaugeMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
             gauge.add_metric(labels, value)
@@ -282,6 +294,7 @@ def build_app(instance: SimInstance) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    app.router.add_get("/debug/cache", _cache_state)  # not vLLM's: what the router's index should hold
     return app
 
 

@@ -65,6 +65,7 @@ def _fleet(args: argparse.Namespace) -> int:
         int_hashes=args.hash_type == "int",
         name_prefix=args.name_prefix,
         first_index=args.first_index,
+        drop_events=args.drop_events,
         timing=EngineTiming(
             prefill_tokens_per_s=args.prefill_tps,
             decode_s_per_token=1.0 / args.decode_tps,
@@ -195,6 +196,10 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int")
     fleet.add_argument("--name-prefix", default="fleet-")
     fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")
+    fleet.add_argument(
+        "--drop-events", type=float, default=0.0,
+        help="share of KV event batches not published live (replay still has them), to test gap handling",
+    )  # fmt: skip
     fleet.set_defaults(run=_fleet)
 
     demo = commands.add_parser("demo", help="fleet + router + an agentic workload, for every policy")

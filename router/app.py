@@ -166,7 +166,14 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
         reloader = getattr(app.state, "reloader", None)
         return config if reloader is None else reloader.config
 
-    app.add_middleware(RequestLimits, max_body_bytes=lambda: current_config().limits.max_body_bytes)
+    def client_error(error: OpenAIError) -> None:
+        # 429s and 401s are counted where they are decided, with the router's own rejections.
+        if error.status < 500 and error.status not in (401, 429):
+            metrics.client_errors(str(error.code)).inc()
+
+    app.add_middleware(
+        RequestLimits, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
+    )
 
     async def reload() -> dict[str, Any]:
         return await app.state.reloader.reload()  # type: ignore[no-any-return]
@@ -178,16 +185,21 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        client_error(exc)
         return exc.response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return OpenAIError(exc.status_code, str(exc.detail), kind, str(exc.status_code)).response()
+        error = OpenAIError(exc.status_code, str(exc.detail), kind, str(exc.status_code))
+        client_error(error)
+        return error.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return OpenAIError(400, str(exc), "invalid_request_error", "invalid_request").response()
+        error = OpenAIError(400, str(exc), "invalid_request_error", "invalid_request")
+        client_error(error)
+        return error.response()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

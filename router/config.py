@@ -289,6 +289,9 @@ class RouterConfig(_Strict):
     tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    shutdown_grace_s: float = Field(
+        default=30.0, gt=0, description="on SIGTERM: new connections are refused, streams get this long"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RouterConfig:

@@ -88,6 +88,8 @@ class KVEventSubscriber:
         self._replays_ok = metrics.kv_replays(instance, "ok")
         self._replays_failed = metrics.kv_replays(instance, "failed")
         self._restarts = metrics.kv_restarts(instance)
+        self._warm = metrics.kv_warm(instance)
+        self._warm.set(0)
         self._last_event = metrics.kv_last_event(instance)
 
     async def run(self) -> None:
@@ -118,6 +120,7 @@ class KVEventSubscriber:
             await self._accept(seq, batch, live=False)
             if number % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # a buffer of 10,000 batches must not stall every other request
+        self._warm.set(1)
 
     async def _accept(self, seq: int, batch: EventBatch, live: bool) -> None:
         """Apply a batch in sequence; a gap before a live batch is replayed, one inside a replay cannot be."""

@@ -70,6 +70,11 @@ class RouterMetrics:
             Counter("kvroute_retries", "Requests sent elsewhere after this instance dropped them unanswered",
                     ["instance"], registry=r)
         )  # fmt: skip
+        self.client_errors = Family(
+            Counter("kvroute_client_errors",
+                    "Requests answered 4xx by the router for what the client sent (401 and 429 are in "
+                    "kvroute_rejected_requests_total), by error code", ["code"], registry=r)
+        )  # fmt: skip
         self.circuit_open = Family(
             Gauge("kvroute_circuit_open",
                   "1 from the moment the instance's circuit breaker opens until a probe request succeeds",
@@ -110,6 +115,12 @@ class RouterMetrics:
         self.kv_replays = Family(
             Counter("kvroute_kv_replays", "Replays of missed KV events from an instance's buffer, by result",
                     ["instance", "result"], registry=r)
+        )  # fmt: skip
+        self.kv_warm = Family(
+            Gauge("kvroute_kv_warm",
+                  "1 once the events an instance published before this router subscribed were replayed into "
+                  "the index; 0 while they are missing (replay pending, failed, or no replay endpoint)",
+                  ["instance"], registry=r)
         )  # fmt: skip
         self.kv_restarts = Family(
             Counter("kvroute_kv_engine_restarts", "Engine restarts seen as a KV event sequence starting over",

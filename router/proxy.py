@@ -43,6 +43,7 @@ INSTANCE_HEADER = "x-kvroute-instance"
 CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
 PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
+ATTEMPTS_HEADER = "x-kvroute-attempts"  # instances tried: more than 1 after a retry
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
 _RETRY_BACKOFF_S = 0.05
@@ -67,7 +68,7 @@ class RetryBudget:
         return True
 
 
-@dataclass
+@dataclass(eq=False)  # kept in a set by identity
 class _Routed:
     decision: Decision
     policy: Policy
@@ -77,7 +78,9 @@ class _Routed:
     prefilling: bool = True
     finished: bool = False
     broken: bool = False  # the stream from upstream broke off
+    cut: bool = False  # ended by the router (shutting down), not by the instance
     first: bytes = b""  # a stream's first chunk, or the whole answer
+    attempts: int = 1
 
     @property
     def instance(self) -> Instance:
@@ -126,6 +129,7 @@ class Proxy:
         # Replaced whole by a reload or PUT /admin/traffic; a request keeps the ones it started with.
         self.policies, self.traffic, self.traffic_config = policies, traffic, traffic_config
         self.ab = ABStats()
+        self._streams: set[_Routed] = set()  # being relayed to clients
         self._retry_budget = RetryBudget()
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
@@ -167,6 +171,7 @@ class Proxy:
             CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
             PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
             PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
+            ATTEMPTS_HEADER: str(routed.attempts),
         }
         if content_type.startswith("text/event-stream"):
             return _RelayResponse(
@@ -270,7 +275,9 @@ class Proxy:
             except BaseException:
                 self._abandon(decision, upstream, failed=False)
                 raise
-            routed = _Routed(decision, policy, upstream, started, streamed=stream, first=first)
+            routed = _Routed(
+                decision, policy, upstream, started, streamed=stream, first=first, attempts=len(tried) + 1
+            )
             if stream:
                 self._first_byte(routed)
             elif decision.uncached_tokens:
@@ -316,23 +323,37 @@ class Proxy:
     async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
         """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
         content, idle_s = routed.upstream.content, self._config.stream_idle_timeout_s
+        self._streams.add(routed)
         try:
             yield routed.first
             while True:
                 async with asyncio.timeout(idle_s):
                     chunk = await content.readany()
                 if not chunk:
+                    if routed.cut:  # closed under the read, which saw an end rather than an error
+                        raise aiohttp.ClientConnectionError("ended by the router")
                     return
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
-            log.warning("stream from %s broke: %r", routed.instance.name, exc)
             routed.broken = True
-            kind = "stream_idle" if isinstance(exc, TimeoutError) else "stream"
-            self._metrics.upstream_errors(routed.instance.name, kind).inc()
-            yield _sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
+            if routed.cut:
+                yield _sse_error("the router is shutting down; the stream was ended early", "shutting_down")
+            else:
+                log.warning("stream from %s broke: %r", routed.instance.name, exc)
+                kind = "stream_idle" if isinstance(exc, TimeoutError) else "stream"
+                self._metrics.upstream_errors(routed.instance.name, kind).inc()
+                yield _sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
             yield b"data: [DONE]\n\n"
         finally:
+            self._streams.discard(routed)
             self._finish(routed)
+
+    def end_streams(self) -> None:
+        """Shutting down: end every stream still relayed with an error event and [DONE], now, rather than
+        have the server cut the connections without notice."""
+        for routed in list(self._streams):
+            routed.cut = True
+            routed.upstream.close()  # the relay's read fails at once; the engine aborts the request
 
     def _finish(self, routed: _Routed) -> None:
         if routed.finished:
@@ -341,7 +362,9 @@ class Proxy:
         self._admission.leave()
         routed.upstream.release()
         self._end(routed.decision, routed.prefilling)
-        if routed.broken or routed.upstream.status >= 500:
+        if routed.cut:
+            pass  # the router ended it: says nothing about the instance
+        elif routed.broken or routed.upstream.status >= 500:
             self._breaker_failed(routed.instance)
         else:  # a 4xx is the client's problem, not the instance's
             self._breaker_succeeded(routed.instance)
@@ -436,6 +459,6 @@ async def _first_bytes(upstream: aiohttp.ClientResponse, stream: bool) -> bytes:
     return first
 
 
-def _sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": "stream_broken"}}
+def _sse_error(message: str, code: str = "stream_broken") -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
     return b"data: " + msgspec.json.encode(body) + b"\n\n"

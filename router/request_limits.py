@@ -45,9 +45,13 @@ class RequestLimits:
     """POST /v1/*: 413 over max_body_bytes (read at each request, so a reload applies), 415 unless JSON,
     400 for a body that is not UTF-8 or nests deeper than the JSON decoder can follow."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: Callable[[], int]) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: Callable[[], int], rejected: Callable[[OpenAIError], None]
+    ) -> None:
+        """rejected: told of every request answered here with an error."""
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self._rejected = rejected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         guarded = scope["type"] == "http" and scope["method"] == "POST"
@@ -57,7 +61,7 @@ class RequestLimits:
         limit = self.max_body_bytes()
         error = _check_headers(scope, limit)
         if error is not None:
-            await error.response()(scope, receive, send)
+            await self._answer(error, scope, receive, send)
             return
         started = False
 
@@ -71,13 +75,17 @@ class RequestLimits:
         except _Rejected as rejected:
             if started:
                 raise
-            await rejected.error.response()(scope, receive, send)
+            await self._answer(rejected.error, scope, receive, send)
         except RecursionError:
             # msgspec gives up on JSON nested past Python's recursion limit; no real request nests so deep.
             if started:
                 raise
             error = _invalid("The request body nests too deeply.", "invalid_json")
-            await error.response()(scope, receive, send)
+            await self._answer(error, scope, receive, send)
+
+    async def _answer(self, error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+        self._rejected(error)
+        await error.response()(scope, receive, send)
 
 
 def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:

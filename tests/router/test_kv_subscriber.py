@@ -287,11 +287,13 @@ def test_a_warm_start_recovers_what_was_published_before() -> None:
         publisher.start()
         for n in range(3):
             publisher.publish(batch(n))
+        assert harness.count("kvroute_kv_warm") == 0
         async with harness.running():
             await harness.sink.wait_applied(3)
         await publisher.close()
         assert harness.sink.ids() == [0, 1, 2]
         assert harness.since() == {"ok": 1}
+        assert harness.count("kvroute_kv_warm") == 1
 
     asyncio.run(main())
 

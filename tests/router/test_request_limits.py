@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.conftest import metric
 from tests.router.test_proxy import post
 
 MODEL = "tiny-llama"
@@ -190,3 +191,18 @@ def test_get_and_other_paths_are_untouched(router_url: str) -> None:
     assert status == 415  # every POST /v1/* is JSON
     status, _, body = post(router_url + "/admin/reload", b"", {"content-type": "text/plain"})
     assert status != 415, body  # outside /v1/: not this middleware's business
+
+
+def test_client_errors_are_counted_by_code(router_url: str) -> None:
+    def count(code: str) -> float:
+        try:
+            return metric(router_url, "kvroute_client_errors_total", code=code)
+        except AssertionError:
+            return 0.0
+
+    codes = ("body_too_large", "unsupported_media_type", "model_not_found")
+    before = {code: count(code) for code in codes}
+    exchange(router_url + CHAT, {"Content-Type": "application/json", "Content-Length": str(2 * LIMIT)}, [])
+    post(router_url + CHAT, chat(), {"content-type": "text/plain"})
+    post(router_url + CHAT, chat(model="no-such-model"), {"content-type": "application/json"})
+    assert {code: count(code) - before[code] for code in codes} == dict.fromkeys(codes, 1)
