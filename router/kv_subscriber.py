@@ -10,6 +10,7 @@ of a replayed batch, and is ignored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ class KVEventSubscriber:
 
     async def _session(self) -> None:
         sub = self._socket(zmq.SUB, self._endpoint)
+        reconnecting = asyncio.create_task(self._reconnect_when_dropped(sub))
         try:
             await self._warm_start()
             while True:
@@ -105,7 +107,24 @@ class KVEventSubscriber:
                 if numbered is not None:
                     await self._accept(*numbered, live=True)
         finally:
+            reconnecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reconnecting
             sub.close(linger=0)
+
+    async def _reconnect_when_dropped(self, sub: zmq.asyncio.Socket) -> None:
+        """libzmq drops a connection that sends a message over MAXMSGSIZE and never reconnects it (a protocol
+        error, unlike a lost peer): connect again, and the next batch's sequence gap is handled as any gap."""
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                log.info("KV events connection to %s dropped; connecting again", self.instance)
+                sub.disconnect(self._endpoint)
+                sub.connect(self._endpoint)
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
 
     async def _warm_start(self) -> None:
         """Rebuild from the engine's buffer what a restarted router would otherwise never learn."""

@@ -132,7 +132,7 @@ class FakeEngine:
 
 
 class Harness:
-    def __init__(self, replay: bool, replay_timeout_s: float = 2.0) -> None:
+    def __init__(self, replay: bool, replay_timeout_s: float = 2.0, max_message_bytes: int = 64 * 2**20) -> None:
         port = free_port_block(2)
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{port + 1}" if replay else None
@@ -141,7 +141,7 @@ class Harness:
         self.metrics = RouterMetrics()
         self.subscriber = KVEventSubscriber(
             "a", self.endpoint, self.replay_endpoint, self.sink, self.metrics, self.context,
-            replay_timeout_s=replay_timeout_s,
+            replay_timeout_s=replay_timeout_s, max_message_bytes=max_message_bytes,
         )  # fmt: skip
 
     def engine(self) -> FakeEngine:
@@ -223,6 +223,31 @@ def test_a_gap_is_filled_from_the_replay_buffer() -> None:
         await engine.close()
         assert harness.sink.ids() == [0, 1, 2, 3]
         assert harness.since(before) == {"gaps": 1, "ok": 1}
+
+    asyncio.run(main())
+
+
+def test_a_message_over_the_size_limit_never_reaches_the_decoder_and_leaves_a_gap() -> None:
+    async def main() -> None:
+        harness = Harness(replay=False, max_message_bytes=4096)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            engine.publish(batch(0))
+            await harness.sink.wait_applied(1)
+            before = harness.counts()
+            engine.publish([BlockRemoved(block_hashes=list(range(10, 3000)), medium="GPU")])  # ~9 KB
+            # ZMQ drops the connection that carried it and reconnects; batches sent meanwhile are lost too.
+            n = 3000
+            async with asyncio.timeout(TIMEOUT_S):
+                while not any(isinstance(i, int) and i >= 3000 for i in harness.sink.ids()):
+                    engine.publish(batch(n))
+                    n += 1
+                    await asyncio.sleep(0.05)
+        await engine.close()
+        ids = harness.sink.ids()
+        assert ids[:2] == [0, "drop"] and all(i == "drop" or i >= 3000 for i in ids[2:])  # never batch 10
+        assert harness.since(before)["gaps"] >= 1
 
     asyncio.run(main())
 
