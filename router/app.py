@@ -26,6 +26,7 @@ from router.block_index import BlockIndex, Tier
 from router.config import REMOTE_TOKENIZER, ClientAuthConfig, RouterConfig
 from router.dashboard import dashboard_routes
 from router.errors import OpenAIError
+from router.fast_path import OpenAIFastPath
 from router.health import HealthChecker
 from router.index_metrics import IndexCollector
 from router.instances import Fleet
@@ -90,7 +91,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
         )
         zmq_context = zmq.asyncio.Context()
         async with aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
+            connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent")
         ) as session:
             health = HealthChecker(fleet, session, config.health, metrics)
 
@@ -171,6 +172,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
         if error.status < 500 and error.status not in (401, 429):
             metrics.client_errors(str(error.code)).inc()
 
+    # Added last, so outermost: the limits apply to the fast path too.
+    app.add_middleware(OpenAIFastPath, proxy=lambda: app.state.proxy, rejected=client_error)
     app.add_middleware(
         RequestLimits, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
     )

@@ -406,8 +406,9 @@ class Proxy:
             model.observe(replace(decision.features, decoded_tokens=decoded_tokens), elapsed)
         else:
             return
-        for term, rate in model.rates.items():
-            self._metrics.ttft_rate(name, term).set(rate)
+        if model.solved == model.observations:  # the rates just changed
+            for term, rate in model.rates.items():
+                self._metrics.ttft_rate(name, term).set(rate)
 
     def _prefilled(self, routed: _Routed) -> None:
         """The engine has prefilled the prompt: its tokens no longer queue ahead of others."""

@@ -28,6 +28,10 @@ TERMS = ("overhead", "queue", "prefill", "load", "decode")
 # the first few observations.
 _SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 64.0])
 _SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
+# The sums take every observation, the rates are solved from them on the first ones and then every this many
+# (a 5x5 solve costs more than the rest of a routing decision; rates that many requests old predict as well).
+_SOLVE_EVERY = 16
+_SOLVE_EACH_UNTIL = 32
 
 
 class TTFTPriors(Params):
@@ -71,6 +75,7 @@ class TTFTModel:
         self._moment = np.zeros(len(TERMS))
         self._rates = self._prior.copy()
         self.observations = 0
+        self.solved = 0  # the observations the rates were solved from
 
     @property
     def rates(self) -> dict[str, float]:
@@ -93,10 +98,15 @@ class TTFTModel:
         self._moment = self._decay * self._moment + x * (seconds / max(seconds, _SHORTEST_S))
         # A fleet that slows down threefold must not find the priors three times as convincing.
         self._typical_s = self._decay * self._typical_s + (1 - self._decay) * seconds
+        self.observations += 1
+        if self.observations <= _SOLVE_EACH_UNTIL or self.observations % _SOLVE_EVERY == 0:
+            self._solve()
+
+    def _solve(self) -> None:
         penalty = np.diag(self._prior_weight * (_SCALES / self._typical_s) ** 2)
         solved = np.linalg.solve(self._gram + penalty, self._moment + penalty @ self._prior)
         self._rates = np.maximum(solved, 0.0)  # a negative rate would reward work
-        self.observations += 1
+        self.solved = self.observations
 
 
 def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:
