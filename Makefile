@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 STACK_VENV ?= .venv-stack
 STACK_STAMP := $(STACK_VENV)/.installed
 
-.PHONY: setup stack-env browser demo test unit lint model clean
+.PHONY: setup stack-env browser bench-tools demo test unit lint model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,14 @@ $(BROWSER_STAMP): scripts/install_browser.sh
 
 browser: $(BROWSER_STAMP)
 
+# Debian's nginx and wrk, for `kvroute bench overhead` and its test.
+BENCH_TOOLS_STAMP := $(VENV)/.bench-tools
+$(BENCH_TOOLS_STAMP): scripts/install_bench_tools.sh
+	scripts/install_bench_tools.sh
+	mkdir -p $(VENV) && touch $(BENCH_TOOLS_STAMP)
+
+bench-tools: $(BENCH_TOOLS_STAMP)
+
 model: setup
 	$(VENV)/bin/kvroute build-model
 
@@ -41,7 +49,7 @@ lint: setup
 	$(VENV)/bin/ruff check router scorers fleet kvroute tests scripts
 	$(VENV)/bin/mypy
 
-test: model lint stack-env browser
+test: model lint stack-env browser bench-tools
 	$(PY) -m pytest -q
 
 clean:

@@ -295,6 +295,9 @@ def build_app(instance: SimInstance) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/debug/cache", _cache_state)  # not vLLM's: what the router's index should hold
+    from fleet.render import add_render_routes  # here: fleet.render builds on this module's handlers
+
+    add_render_routes(app)
     return app
 
 

@@ -1,7 +1,8 @@
-"""``kvroute bench live``: the same agent workload through several routers in front of one fleet.
+"""``kvroute bench live``: the same workload through several routers in front of one fleet.
 
-Targets run one after another against the same instances, each with session content of its own seed (its
-own system prompt too), so none is served from a cache another warmed; prefix caches are also reset
+The workload is generated agent sessions or a request trace replayed open loop (kvroute/live_workloads.py).
+Targets run one after another against the same instances, each with content of its own seed (its own
+system prompt too), so none is served from a cache another warmed; prefix caches are also reset
 between targets where the instances allow it. Hit rates come from the engines' own counters
 (``vllm:prefix_cache_*``), summed over instances, before and after each target. The benchmark starts every
 router it measures on 127.0.0.1, in its own process group, and stops exactly those.
@@ -21,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.agent_sessions import SessionPlan, SessionRun, run_sessions
+from kvroute.agent_sessions import SessionRun
+from kvroute.live_plots import write_plots
+from kvroute.live_view import bench_view
+from kvroute.live_workloads import LiveWorkload, SessionWorkload, TraceWorkload
 from kvroute.processes import (
     FleetPorts,
     StartupError,
@@ -41,11 +45,22 @@ from kvroute.processes import (
     spawn,
     wait_healthy,
 )
+from kvroute.trace_replay import ReplayPlan, ReplayRun, resolve_trace
+from kvroute.traces import Trace
 from kvroute.workload import AgentWorkload
 from router.config import RouterConfig, load_config, parse_config
 
-DEFAULT_TARGETS = ("kvroute:round-robin", "kvroute", "vllm-router:round_robin", "vllm-router:kv_aware")
+DEFAULT_TARGETS = (
+    "kvroute:round-robin",
+    "kvroute",
+    "vllm-router:round_robin",
+    "vllm-router:cache_aware",
+    "vllm-router:kv_aware",
+)
 ROUND_ROBIN = {"scorers": [{"type": "round-robin"}]}
+# A GPU's prefill rate on the trace's own token counts. Replayed with fewer tokens per hash id, the simulated
+# fleet prefills that much slower, so a request costs the time it would at the trace's scale.
+TRACE_PREFILL_TOKENS_PER_S = 32_000
 
 _QUERIES = "vllm:prefix_cache_queries_total"
 _HITS = "vllm:prefix_cache_hits_total"
@@ -96,6 +111,7 @@ def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
 class LiveOptions:
     config: Path | None = None  # the fleet, as a router configuration; None: start a simulated fleet
     fleet_instances: int = 3
+    fleet_args: tuple[str, ...] | None = None  # kvroute fleet options; None: scaled timings for a trace
     targets: tuple[str, ...] = DEFAULT_TARGETS
     sessions: int = 8
     turns: int = 8
@@ -104,6 +120,11 @@ class LiveOptions:
     request_timeout_s: float = 120.0
     max_tokens: int = 16
     system_prompt_words: int = 400
+    trace: str | None = None  # agentic, mooncake or a JSONL path: replay it instead of sessions
+    rate: float = 5.0  # multiplies the trace's arrival rate
+    requests: int | None = 400  # the trace's first N requests (None: all)
+    block_tokens: int = 32  # real tokens per trace hash id
+    max_prompt_tokens: int | None = None  # trace prompts longer than this are not sent
     seed: int = 1
     vllm_router: str | None = None  # the binary; default: found next to this Python or on PATH
     reset_caches: bool = True
@@ -147,6 +168,8 @@ class TargetResult:
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     e2e_p50_ms: float | None = None
+    not_sent: int = 0  # trace prompts over max_prompt_tokens
+    late_s: float = 0.0  # how far the client fell behind the trace's schedule
     duration_s: float = 0.0
     requests_per_s: float = 0.0
     prompt_tokens: int = 0
@@ -158,6 +181,7 @@ class TargetResult:
     requests_per_instance: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     router_metrics: dict[str, float] = field(default_factory=dict)
+    ttft_ms: list[float] = field(default_factory=list)  # every ok request's, in completion order
 
 
 @dataclass
@@ -176,67 +200,95 @@ class LiveReport:
 
 def run_live_bench(options: LiveOptions, console: Console | None = None) -> LiveReport:
     console = console or Console(width=None if Console().is_terminal else 160)
-    workload = AgentWorkload(
-        sessions=options.sessions,
-        turns=options.turns,
-        max_tokens=options.max_tokens,
-        system_prompt_words=options.system_prompt_words,
-    )
     parse_targets(options.targets, default_policy="")  # a typo fails before anything starts
+    trace = None if options.trace is None else resolve_trace(options.trace, options.requests, options.rate)
+    fleet_args = () if options.config else _fleet_args(options, trace)
     with contextlib.ExitStack() as stack:
         log_dir = options.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlive-")))
-        fleet = stack.enter_context(_fleet(options, log_dir, console))
+        fleet = stack.enter_context(_fleet(options, fleet_args, log_dir, console))
+        workload = _workload(options, fleet, trace)
         targets = parse_targets(options.targets, fleet.config.default_policy)
-        results = []
-        for index, target in enumerate(targets):
-            seeded = dataclasses.replace(workload, seed=options.seed + index)
-            console.print(f"[bold]{target.label}[/]: {workload.sessions} x {workload.turns} turns ...")
-            result = _run_target(target, seeded, fleet, options, log_dir)
-            console.print(f"  {_summary(result)}")
-            results.append(result)
-    report = LiveReport(_describe(workload, options), [i.name for i in fleet.config.instances], results)
+        described = _describe(workload, options, fleet_args)
+        report = LiveReport(described, [i.name for i in fleet.config.instances], [])
+        with bench_view(console, lambda: render_table(report)) as view:
+            for index, target in enumerate(targets):
+                seed = options.seed + index
+                progress = view.target(target.label, workload.size)
+                result = _run_target(target, seed, workload, progress, fleet, options, log_dir)
+                report.results.append(result)
+                view.done(_summary(result))
     console.print(render_table(report))
-    for result in results:
+    for result in report.results:
         for key, value in result.router_metrics.items():
             console.print(f"  {result.target}: {key} {value:g}")
     if options.out is not None:
         options.out.parent.mkdir(parents=True, exist_ok=True)
         options.out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        console.print(f"results: {options.out}")
+        plots = write_plots(report.results, workload.title, options.out.with_suffix(""))
+        console.print(f"results: {options.out}, plots: {', '.join(str(p) for p in plots)}")
     return report
 
 
+def _workload(options: LiveOptions, fleet: Fleet, trace: Trace | None) -> LiveWorkload:
+    if trace is None:
+        sessions = AgentWorkload(
+            sessions=options.sessions,
+            turns=options.turns,
+            max_tokens=options.max_tokens,
+            system_prompt_words=options.system_prompt_words,
+        )
+        return SessionWorkload(
+            sessions, fleet.model, options.concurrency, options.time_limit_s, options.request_timeout_s
+        )
+    plan = ReplayPlan(
+        trace,
+        fleet.model,
+        block_tokens=options.block_tokens,
+        max_tokens=options.max_tokens,
+        max_prompt_tokens=options.max_prompt_tokens,
+        time_limit_s=options.time_limit_s,
+        request_timeout_s=options.request_timeout_s,
+        session_header=fleet.config.traffic.session_header,
+    )
+    return TraceWorkload(plan, options.rate)
+
+
+def _fleet_args(options: LiveOptions, trace: Trace | None) -> tuple[str, ...]:
+    if options.fleet_args is not None or trace is None:
+        return options.fleet_args or ()
+    rate = TRACE_PREFILL_TOKENS_PER_S * options.block_tokens / trace.block_tokens
+    return ("--prefill-tps", f"{rate:g}")
+
+
 @contextlib.contextmanager
-def _fleet(options: LiveOptions, log_dir: Path, console: Console) -> Iterator[Fleet]:
+def _fleet(options: LiveOptions, args: Sequence[str], log_dir: Path, console: Console) -> Iterator[Fleet]:
     if options.config is not None:
         config = load_config(options.config)  # names the problem if the file is unreadable or invalid
         yield Fleet(config, yaml.safe_load(options.config.read_text()))
         return
     ports = FleetPorts.allocate(options.fleet_instances)
     console.print(f"starting {options.fleet_instances} simulated vLLM instances ...")
-    with running_fleet(ports, log_dir):
+    with running_fleet(ports, log_dir, args):
         raw = ports.router_config()
         yield Fleet(parse_config(raw), raw)
 
 
 def _run_target(
-    target: Target, workload: AgentWorkload, fleet: Fleet, options: LiveOptions, log_dir: Path
+    target: Target,
+    seed: int,
+    workload: LiveWorkload,
+    progress: Callable[[], None],
+    fleet: Fleet,
+    options: LiveOptions,
+    log_dir: Path,
 ) -> TargetResult:
-    result = TargetResult(target.label, target.kind, target.policy, workload.seed)
-    plan = SessionPlan(
-        workload,
-        fleet.model,
-        concurrency=options.concurrency,
-        time_limit_s=options.time_limit_s,
-        request_timeout_s=options.request_timeout_s,
-        session_prefix=target.label,
-    )
+    result = TargetResult(target.label, target.kind, target.policy, seed)
     try:
         with _endpoint(target, fleet, options, log_dir) as (url, metrics_url):
             result.caches_reset = options.reset_caches and reset_prefix_caches(fleet.config)
             before = read_engine_counters(fleet.config)
             router_before = _router_metrics(metrics_url)
-            run = asyncio.run(run_sessions(url, plan))
+            run = asyncio.run(workload.run(url, seed, target.label, progress))
             time.sleep(0.3)  # engines count a request's tokens as it finishes; let the last ones land
             after = read_engine_counters(fleet.config)
             router_after = _router_metrics(metrics_url)
@@ -387,6 +439,9 @@ def _fill(result: TargetResult, run: SessionRun, before: EngineCounters, after: 
     result.failed = sum(o.status == "failed" for o in outcomes)
     result.rejected = sum(o.status == "rejected" for o in outcomes)
     result.errors = dict(Counter(o.error for o in outcomes if o.error).most_common(5))
+    if isinstance(run, ReplayRun):
+        result.not_sent, result.late_s = run.not_sent, run.late_s
+    result.ttft_ms = [round(o.ttft_s * 1000, 2) for o in ok]
     if ok:
         ttfts = sorted(o.ttft_s for o in ok)
         result.ttft_p50_ms = _quantile(ttfts, 0.5) * 1000
@@ -416,15 +471,11 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _describe(workload: AgentWorkload, options: LiveOptions) -> dict[str, Any]:
+def _describe(workload: LiveWorkload, options: LiveOptions, fleet_args: Sequence[str]) -> dict[str, Any]:
     return {
-        "sessions": workload.sessions,
-        "turns": workload.turns,
-        "concurrency": options.concurrency,
-        "system_prompt_words": workload.system_prompt_words,
-        "turn_words": [workload.min_turn_words, workload.max_turn_words],
-        "max_tokens": workload.max_tokens,
-        "time_limit_s": options.time_limit_s,
+        **workload.describe(),
+        "fleet_args": list(fleet_args),
+        "title": workload.title,
         "config": str(options.config) if options.config else f"simulated fleet of {options.fleet_instances}",
     }
 
@@ -433,7 +484,8 @@ def _summary(result: TargetResult) -> str:
     if result.skipped:
         return f"[yellow]skipped: {result.skipped.splitlines()[0]}"
     errors = f", errors: {result.errors}" if result.errors else ""
-    return f"{result.ok}/{result.sent} ok in {result.duration_s:.1f} s{errors}"
+    not_sent = f", {result.not_sent} too long, not sent" if result.not_sent else ""
+    return f"{result.ok}/{result.sent} ok in {result.duration_s:.1f} s{not_sent}{errors}"
 
 
 def _ms(value: float | None) -> str:
@@ -445,10 +497,8 @@ def _rate(value: float | None) -> str:
 
 
 def render_table(report: LiveReport) -> Table:
-    workload = report.workload
     table = Table(
-        title=f"{workload['sessions']} agent sessions x {workload['turns']} turns, "
-        f"concurrency {workload['concurrency']}, {len(report.instances)} instances, streaming",
+        title=f"{report.workload['title']}, {len(report.instances)} instances, streaming",
         caption=f"requests per instance: {' / '.join(report.instances)}",
     )
     table.add_column("target", no_wrap=True)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvroute.bench_overhead import add_overhead_parser
+
 if TYPE_CHECKING:
     from router.config import RouterConfig
 
@@ -96,6 +98,8 @@ def _bench_index(args: argparse.Namespace) -> int:
 
 
 def _bench_live(args: argparse.Namespace) -> int:
+    import shlex
+
     from kvroute.bench_live import DEFAULT_TARGETS, LiveOptions, run_live_bench
     from kvroute.processes import StartupError
     from router.config import ConfigError
@@ -103,6 +107,7 @@ def _bench_live(args: argparse.Namespace) -> int:
     options = LiveOptions(
         config=Path(args.config) if args.config else None,
         fleet_instances=args.fleet,
+        fleet_args=None if args.fleet_args is None else tuple(shlex.split(args.fleet_args)),
         targets=tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS,
         sessions=args.sessions,
         turns=args.turns,
@@ -111,6 +116,11 @@ def _bench_live(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         max_tokens=args.max_tokens,
         system_prompt_words=args.system_words,
+        trace=args.trace,
+        rate=args.rate,
+        requests=args.requests or None,
+        block_tokens=args.block_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
         seed=args.seed,
         vllm_router=args.vllm_router,
         reset_caches=not args.no_reset,
@@ -215,20 +225,26 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--repeats", type=int, default=200)
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)
-    live = benches.add_parser("live", help="agent sessions through kvroute and vllm-router, one fleet")
+    live = benches.add_parser("live", help="agent sessions or a trace through several routers, one fleet")
     live.add_argument("--config", help="router configuration (YAML) naming the instances; default: --fleet")
     live.add_argument("--fleet", type=int, default=3, help="without --config: simulated instances to start")
+    live.add_argument("--fleet-args", help="kvroute fleet options for it (trace default: scaled timings)")
     live.add_argument(
         "--targets",
         help="comma-separated: kvroute[:POLICY], vllm-router:POLICY, NAME=URL (a running router); default: "
-        "kvroute:round-robin,kvroute,vllm-router:round_robin,vllm-router:kv_aware",
+        "kvroute:round-robin,kvroute,vllm-router:round_robin,vllm-router:cache_aware,vllm-router:kv_aware",
     )
+    live.add_argument("--trace", help="replay agentic, mooncake or a JSONL file (open loop), not sessions")
+    live.add_argument("--rate", type=float, default=5.0, help="trace: multiplies its arrival rate")
+    live.add_argument("--requests", type=int, default=400, help="trace: its first N requests (0: all)")
+    live.add_argument("--block-tokens", type=int, default=32, help="trace: real tokens per hash id")
+    live.add_argument("--max-prompt-tokens", type=int, help="trace: longer prompts are not sent")
     live.add_argument("--sessions", type=int, default=8)
     live.add_argument("--turns", type=int, default=8)
     live.add_argument("--concurrency", type=int, default=8, help="sessions in flight at once")
-    live.add_argument("--time-limit", type=float, default=300.0, help="seconds per target")
+    live.add_argument("--time-limit", type=float, default=300.0, help="seconds per target (trace: arrivals)")
     live.add_argument("--request-timeout", type=float, default=120.0)
-    live.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn")
+    live.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn (trace: at most)")
     live.add_argument("--system-words", type=int, default=400, help="words of the shared system prompt")
     live.add_argument("--seed", type=int, default=1, help="target i replays sessions of seed + i")
     live.add_argument("--vllm-router", help="vllm-router binary; default: beside this Python or on PATH")
@@ -236,6 +252,7 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--out", default="bench-results/live.json", help="JSON results ('' for none)")
     live.add_argument("--log-dir", help="keep the routers' logs here (default: a temporary directory)")
     live.set_defaults(run=_bench_live)
+    add_overhead_parser(benches)
 
     build = commands.add_parser("build-model", help="build the tiny local model and print its directory")
     build.set_defaults(run=_build_model)

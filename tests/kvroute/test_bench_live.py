@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -10,9 +11,11 @@ import pytest
 import yaml
 
 from kvroute.bench_live import (
+    DEFAULT_TARGETS,
     LiveOptions,
     LiveReport,
     Target,
+    TargetResult,
     find_vllm_router,
     parse_targets,
     run_live_bench,
@@ -101,6 +104,35 @@ def test_command_starts_its_own_fleet(tmp_path: Path) -> None:
         ("kvroute:kvroute", 4, 4),
     ]
     assert "TTFT p50" in child.log_path.read_text()
+
+
+def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
+    """The small run `make test` keeps: it finishes, and the JSON and plots have everything (not the numbers)."""
+    out = tmp_path / "live.json"
+    args = ["bench", "live", "--fleet", "2", "--trace", "agentic", "--requests", "16", "--rate", "20",
+            "--max-tokens", "4", "--time-limit", "30", "--out", str(out)]  # fmt: skip
+    child = start("bench-live-trace", args, tmp_path)
+    try:
+        code = child.process.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        child.stop()
+        raise
+    assert code == 0, child.log_tail()
+    written = json.loads(out.read_text())
+    workload = written["workload"]
+    assert workload["mode"] == "trace" and workload["trace"] == "agentic-0" and workload["requests"] == 16
+    assert {"rate", "sessions", "block_tokens", "trace_block_tokens", "max_tokens", "title", "fleet_args"} <= set(workload)
+    assert workload["fleet_args"] == ["--prefill-tps", "2000"]  # scaled: 32 of 512 tokens per hash id
+    fields = {f.name for f in dataclasses.fields(TargetResult)}
+    assert [t["target"] for t in written["targets"]] == [
+        t if ":" in t else f"{t}:kvroute" for t in DEFAULT_TARGETS
+    ]
+    for target in written["targets"]:
+        assert set(target) == fields, target["target"]
+        if not target["skipped"]:
+            assert target["sent"] == 16 and len(target["ttft_ms"]) == target["ok"], target
+    for plot in ("live-ttft.png", "live-hits.png"):
+        assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG"), plot
 
 
 @pytest.mark.parametrize(

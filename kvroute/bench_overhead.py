@@ -1,0 +1,314 @@
+"""`kvroute bench overhead`: what the router itself costs per request.
+
+Two parts, each with its own fixed backend and every router started at once in front of it:
+the grid (wrk against nginx: direct vs each router, concurrency x body size x hot/cold, interleaved) and the
+long-prompt case (agent turns of 10K-100K tokens, where the routing decision needs the prompt's token ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvroute.overhead_backend import find_nginx, start_nginx, start_render_backends
+from kvroute.overhead_grid import Cell, CellResult, grid, run_grid, warm_up
+from kvroute.overhead_long import LongResult, run_long, summarize, vllm_router_counters
+from kvroute.overhead_profile import CellProfile, Profiler, find_py_spy
+from kvroute.overhead_report import grid_table, long_table, plot, verdict_table, verdicts
+from kvroute.overhead_targets import (
+    Running,
+    backend_fleet,
+    parse_overhead_targets,
+    peak_rss_mib,
+    running_targets,
+)
+from kvroute.overhead_wrk import find_wrk
+from kvroute.processes import StartupError, free_port_block
+
+GRID_TARGETS = ("direct", "kvroute", "kvroute:round-robin", "vllm-router:round_robin")
+LONG_TARGETS = ("direct", "kvroute", "vllm-router:round_robin", "vllm-router:kv_aware")
+
+
+@dataclass(frozen=True)
+class OverheadOptions:
+    duration_s: float = 5.0
+    concurrency: tuple[int, ...] = (1, 64)
+    sizes: tuple[int, ...] = (200, 2048, 16384)
+    prompts: tuple[str, ...] = ("hot", "cold")
+    targets: tuple[str, ...] = GRID_TARGETS
+    long_tokens: tuple[int, ...] = (10_000, 50_000, 100_000)
+    long_turns: int = 4
+    long_targets: tuple[str, ...] = LONG_TARGETS
+    vllm_router: str | None = None
+    out: Path | None = Path("bench-results/overhead.json")
+    plots: Path | None = Path("bench-results")  # PNGs named overhead-*.png
+    log_dir: Path | None = None
+    profile_dir: Path | None = None  # py-spy kvroute at the highest concurrency, raw stacks here
+
+
+@dataclass
+class RouterProcess:
+    phase: str  # grid or long
+    target: str
+    skipped: str = ""
+    peak_rss_mib: float | None = None
+
+
+@dataclass
+class OverheadReport:
+    settings: dict[str, Any]
+    routers: list[RouterProcess] = field(default_factory=list)
+    cells: list[CellResult] = field(default_factory=list)
+    long_turns: list[LongResult] = field(default_factory=list)
+    vllm_router_counters: dict[str, float] = field(default_factory=dict)
+    profiles: list[CellProfile] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        summaries = summarize(self.long_turns)
+        return {
+            "settings": self.settings,
+            "routers": [dataclasses.asdict(r) for r in self.routers],
+            "cells": [dataclasses.asdict(c) for c in self.cells],
+            "long_prompt": {
+                "turns": [dataclasses.asdict(t) for t in self.long_turns],
+                "summary": [dataclasses.asdict(s) for s in summaries],
+                "vllm_router_counters": self.vllm_router_counters,
+            },
+            "verdicts": [dataclasses.asdict(v) for v in verdicts(self.cells, summaries)],
+            "profiles": [dataclasses.asdict(p) for p in self.profiles],
+            "plots": self.plots,
+        }
+
+
+class MissingTool(Exception):
+    pass
+
+
+def run_overhead_bench(options: OverheadOptions, console: Console | None = None) -> OverheadReport:
+    console = console or Console(width=None if Console().is_terminal else 160)
+    cells = grid(options.concurrency, options.sizes, options.prompts) if options.targets else []
+    wrk, nginx = find_wrk(), find_nginx()
+    if cells and (wrk is None or nginx is None):
+        missing = " and ".join(name for name, path in (("wrk", wrk), ("nginx", nginx)) if path is None)
+        raise MissingTool(f"{missing} not found: run `make bench-tools` (or apt-get install nginx wrk)")
+    grid_targets = parse_overhead_targets(options.targets)
+    long_targets = parse_overhead_targets(options.long_targets) if options.long_tokens else []
+    if long_targets and all(t.kind != "direct" for t in long_targets):
+        raise ValueError("--long-targets needs direct: added latency is measured against it")
+    report = OverheadReport(_settings(options))
+    total = len(cells) * len(grid_targets) + len(options.long_tokens) * options.long_turns * len(long_targets)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    task = progress.add_task("starting", total=total)
+    with contextlib.ExitStack() as stack:
+        log_dir = options.log_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoverhead-"))
+        )
+        live = stack.enter_context(
+            Live(Group(grid_table([]), progress), console=console, refresh_per_second=4)
+        )
+
+        def show() -> None:
+            live.update(Group(grid_table(report.cells), long_table(summarize(report.long_turns)), progress))
+
+        def advance(label: str) -> Callable[[Any], None]:
+            def on_result(result: Any) -> None:
+                progress.update(task, advance=1, description=label)
+                (report.cells if isinstance(result, CellResult) else report.long_turns).append(result)
+                show()
+                if not console.is_terminal:  # a log has no live display: one line per measurement instead
+                    done = int(progress.tasks[0].completed)
+                    console.print(f"[{done}/{total}] {_one_line(result)}", highlight=False)
+
+            return on_result
+
+        if cells and wrk is not None and nginx is not None:
+            progress.update(task, description="grid: starting nginx and the routers")
+            with _grid_fleet(nginx, grid_targets, options, log_dir) as runs:
+                warm_up(wrk, runs, log_dir / "lua")
+                profiler = _profiler(options, cells)
+                run_grid(wrk, runs, cells, options.duration_s, log_dir / "lua", advance("grid"), profiler)
+                report.profiles = [] if profiler is None else profiler.profiles
+                order = [t.label for t in grid_targets]
+                report.cells.sort(
+                    key=lambda r: (r.concurrency, r.size_bytes, r.prompt, order.index(r.target))
+                )
+                report.routers += _processes("grid", runs)
+        if long_targets:
+            progress.update(task, description="long prompts: starting backends and the routers")
+            with _long_fleet(long_targets, options, log_dir) as runs:
+                asyncio.run(run_long(runs, options.long_tokens, options.long_turns, advance("long prompts")))
+                report.routers += _processes("long", runs)
+                report.vllm_router_counters = _kv_aware_counters(runs)
+        show()
+    summaries = summarize(report.long_turns)
+    console.print(verdict_table(verdicts(report.cells, summaries)))
+    for process in report.routers:
+        if process.skipped:
+            console.print(f"[yellow]{process.phase} {process.target} skipped: {process.skipped}")
+    if options.plots is not None:
+        report.plots = [str(p) for p in plot(report.cells, report.long_turns, options.plots, "overhead")]
+    if options.out is not None:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        console.print(
+            f"results: {options.out}" + (f", plots: {', '.join(report.plots)}" if report.plots else "")
+        )
+    return report
+
+
+def _profiler(options: OverheadOptions, cells: Sequence[Cell]) -> Profiler | None:
+    if options.profile_dir is None:
+        return None
+    binary = find_py_spy()
+    if binary is None:
+        raise MissingTool("py-spy not found: pip install 'kvroute[bench]'")
+    return Profiler(binary, options.profile_dir, options.duration_s, max(c.concurrency for c in cells))
+
+
+def _one_line(result: CellResult | LongResult) -> str:
+    if isinstance(result, CellResult):
+        return (
+            f"{result.target} c={result.concurrency} {result.size_bytes} B {result.prompt}: "
+            f"{result.requests_per_s:,.0f} req/s, p50 {result.p50_ms:.2f} ms, p99 {result.p99_ms:.2f} ms"
+            + (f", failed: {result.failed}" if result.failed else "")
+        )
+    latency = "-" if result.latency_ms is None else f"{result.latency_ms:.1f} ms"
+    return f"{result.target} {result.tokens:,} tokens turn {result.turn + 1}: {latency} {result.error}"
+
+
+@contextlib.contextmanager
+def _grid_fleet(
+    nginx: str, targets: Sequence[Any], options: OverheadOptions, log_dir: Path
+) -> Iterator[list[Running]]:
+    base = free_port_block(2)
+    ports = [base, base + 1]
+    server = start_nginx(nginx, ports, log_dir)
+    try:
+        with running_targets(targets, backend_fleet(ports), log_dir, options.vllm_router) as runs:
+            yield runs
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def _long_fleet(targets: Sequence[Any], options: OverheadOptions, log_dir: Path) -> Iterator[list[Running]]:
+    base = free_port_block(4)
+    ports = [base, base + 1]
+    backends = start_render_backends(ports, log_dir)
+    try:
+        fleet = backend_fleet(ports, event_ports=[base + 2, base + 3])
+        with running_targets(targets, fleet, log_dir, options.vllm_router) as runs:
+            yield runs
+    finally:
+        for backend in backends:
+            backend.stop()
+
+
+def _processes(phase: str, runs: Sequence[Running]) -> list[RouterProcess]:
+    return [
+        RouterProcess(phase, r.target.label, r.skipped, None if r.pid is None else peak_rss_mib(r.pid))
+        for r in runs
+        if r.target.kind != "direct"
+    ]
+
+
+def _kv_aware_counters(runs: Sequence[Running]) -> dict[str, float]:
+    for run in runs:
+        if run.target.label == "vllm-router:kv_aware" and run.url:
+            host, _, port = run.url.rpartition(":")
+            return vllm_router_counters(f"{host}:{int(port) + 1}")  # its metrics port, next to its own
+    return {}
+
+
+def _settings(options: OverheadOptions) -> dict[str, Any]:
+    return {
+        "duration_s": options.duration_s,
+        "concurrency": list(options.concurrency),
+        "sizes_bytes": list(options.sizes),
+        "prompts": list(options.prompts),
+        "targets": list(options.targets),
+        "long_tokens": list(options.long_tokens),
+        "long_turns": options.long_turns,
+        "long_targets": list(options.long_targets),
+        "cpus": os.cpu_count(),
+        "backend": "nginx, 1 worker, canned chat completion; long prompts: aiohttp backend that tokenizes",
+        "load_generator": "wrk -t1",
+    }
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def add_overhead_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    overhead = benches.add_parser("overhead", help="the router's own latency, throughput and CPU cost")
+    add = overhead.add_argument
+    add("--duration", type=float, default=5.0, help="seconds of wrk per grid cell and target (default 5)")
+    add("--concurrency", type=_ints, default=(1, 64), help="wrk connections, comma-separated (default 1,64)")
+    add("--sizes", type=_ints, default=(200, 2048, 16384), help="request body bytes (default 200,2048,16384)")
+    add("--prompts", type=_names, default=("hot", "cold"), help="hot (one prompt repeated), cold (each new)")
+    add("--targets", type=_names, default=GRID_TARGETS,
+        help=f"grid targets ('' for no grid; default {','.join(GRID_TARGETS)})")  # fmt: skip
+    add("--long-tokens", type=_ints, default=(10_000, 50_000, 100_000),
+        help="long-prompt sizes in tokens ('' to skip; default 10000,50000,100000)")  # fmt: skip
+    add("--long-turns", type=int, default=4, help="agent turns per long-prompt session (default 4)")
+    add("--long-targets", type=_names, default=LONG_TARGETS, help=f"default {','.join(LONG_TARGETS)}")
+    add("--vllm-router", help="the vllm-router binary (default: next to this Python, or on PATH)")
+    add("--out", default="bench-results/overhead.json", help="JSON results ('' for none)")
+    add("--plots", default="bench-results", help="directory for overhead-*.png ('' for none)")
+    add("--log-dir", help="keep the processes' logs here (default: a temporary directory)")
+    add("--profile", metavar="DIR",
+        help="also run each kvroute grid cell at the highest concurrency under py-spy, raw stacks to DIR, "
+        "top functions in the JSON")  # fmt: skip
+    overhead.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = OverheadOptions(
+        duration_s=args.duration,
+        concurrency=args.concurrency,
+        sizes=args.sizes,
+        prompts=args.prompts,
+        targets=args.targets,
+        long_tokens=args.long_tokens,
+        long_turns=args.long_turns,
+        long_targets=args.long_targets,
+        vllm_router=args.vllm_router,
+        out=Path(args.out) if args.out else None,
+        plots=Path(args.plots) if args.plots else None,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        profile_dir=Path(args.profile) if args.profile else None,
+    )
+    bad = [p for p in options.prompts if p not in ("hot", "cold")]
+    if bad:
+        raise SystemExit(f"--prompts: {', '.join(bad)}: use hot and/or cold")
+    try:
+        run_overhead_bench(options)
+    except (MissingTool, StartupError, ValueError) as exc:
+        Console(stderr=True).print(f"[red]bench overhead: {exc}")
+        return 2
+    return 0

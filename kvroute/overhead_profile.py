@@ -1,0 +1,130 @@
+"""py-spy on a router while wrk loads it: raw stacks to a file, and the functions that hold most samples.
+
+Sampling pauses the process (py-spy's default, so stacks are consistent), which slows the router down: the
+cell's own numbers are not used when it is profiled, only its shares of time.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LINE = re.compile(r":\d+\)")  # "f (file.py:12)" -> "f (file.py)": functions, not lines
+# Threads that only wait (the tokenizer's pool, anyio's workers) would count as busy in blocking mode.
+_IDLE_THREADS = ("Thread._bootstrap",)
+
+
+@dataclass(frozen=True)
+class Hotspot:
+    function: str
+    inclusive: float  # share of the samples with this function on the stack
+    own: float  # share with this function on top
+
+
+def find_py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def start_recording(binary: str, pid: int, duration_s: float, out: Path) -> subprocess.Popen[bytes]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [binary, "record", "--pid", str(pid), "--duration", str(max(int(duration_s), 1)),
+            "--rate", "250", "--format", "raw", "--output", str(out)]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def finish_recording(process: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """'' once py-spy wrote its file, else why not (ptrace not allowed, the process gone...)."""
+    try:
+        _, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        return "py-spy did not finish"
+    return "" if process.returncode == 0 else stderr.decode(errors="replace").strip()[-300:]
+
+
+def hotspots(raw: Path, top: int = 25) -> list[Hotspot]:
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or stack.startswith(_IDLE_THREADS):
+            continue
+        samples = int(count)
+        total += samples
+        frames = [_LINE.sub(")", frame) for frame in stack.split(";")]
+        for frame in set(frames):
+            inclusive[frame] += samples
+        own[frames[-1]] += samples
+    if not total:
+        return []
+    return [
+        Hotspot(function, round(count / total, 4), round(own[function] / total, 4))
+        for function, count in inclusive.most_common(top)
+    ]
+
+
+@dataclass
+class CellProfile:
+    target: str
+    concurrency: int
+    size_bytes: int
+    prompt: str
+    raw: str  # py-spy's raw (collapsed) stacks: flamegraph.pl or speedscope read them
+    error: str = ""
+    hotspots: list[Hotspot] = field(default_factory=list)
+
+
+class Profiler:
+    """Records every kvroute router during the cells at the highest concurrency."""
+
+    def __init__(self, binary: str, out_dir: Path, duration_s: float, concurrency: int) -> None:
+        self._binary, self._dir, self._duration_s = binary, out_dir, duration_s
+        self._concurrency = concurrency
+        self.profiles: list[CellProfile] = []
+
+    def start(
+        self, target: str, kind: str, pid: int | None, concurrency: int, size_bytes: int, prompt: str
+    ) -> _Recording | None:
+        if kind != "kvroute" or pid is None or concurrency != self._concurrency:
+            return None
+        name = f"{target.replace(':', '-')}-c{concurrency}-{size_bytes}-{prompt}.txt"
+        profile = CellProfile(target, concurrency, size_bytes, prompt, str(self._dir / name))
+        return _Recording(self._binary, pid, self._duration_s, profile)
+
+    def finish(self, recording: _Recording) -> None:
+        recording.finish(self._duration_s + 30)
+        profile = recording.profile
+        if not profile.error:
+            profile.hotspots = [h for h in hotspots(Path(profile.raw), 60) if h.inclusive < 0.99][:40]
+        self.profiles.append(profile)
+
+
+class _Recording:
+    """py-spy from 1 s into the wrk run to 1 s before its end: neither 64 connections opening (which py-spy
+    sees as frames of coroutines just started) nor the router idle afterwards."""
+
+    def __init__(self, binary: str, pid: int, duration_s: float, profile: CellProfile) -> None:
+        self.profile = profile
+        self._process: subprocess.Popen[bytes] | None = None
+        args = (binary, pid, max(duration_s - 2, 1), Path(profile.raw))
+        self._timer = threading.Timer(1.0, self._start, args)
+        self._timer.start()
+
+    def _start(self, binary: str, pid: int, duration_s: float, out: Path) -> None:
+        self._process = start_recording(binary, pid, duration_s, out)
+
+    def finish(self, timeout_s: float) -> None:
+        self._timer.join()
+        if self._process is None:
+            self.profile.error = "py-spy did not start"
+        else:
+            self.profile.error = finish_recording(self._process, timeout_s)

@@ -1,0 +1,208 @@
+"""What ``kvroute bench overhead`` prints and draws: tables, the verdicts on its targets, PNG plots."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from kvroute.overhead_grid import CellResult
+from kvroute.overhead_long import LongResult, LongSummary
+
+KVROUTE = "kvroute:kvroute"
+VLLM_RR = "vllm-router:round_robin"
+VLLM_KV = "vllm-router:kv_aware"
+
+
+@dataclass
+class Verdict:
+    name: str
+    goal: str
+    value: str
+    met: bool | None  # None: not measured in this run
+
+
+def _num(value: float | None, spec: str = ".2f", unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def grid_table(results: Sequence[CellResult]) -> Table:
+    table = Table(title="router overhead: wrk against nginx (canned completion)")
+    columns = (
+        "target", "c", "body", "prompt", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms",
+        "x direct", "x vllm-rr", "CPU ms/1k req", "RSS MiB", "errors",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column, no_wrap=True)
+    for r in results:
+        table.add_row(
+            r.target, str(r.concurrency), _size(r.size_bytes), r.prompt,
+            f"{r.requests_per_s:,.0f}", f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}",
+            _num(r.added_p50_ms), _num(r.added_p99_ms),
+            _num(r.throughput_vs_direct), _num(r.throughput_vs_vllm_router),
+            _num(r.cpu_ms_per_1k, ",.0f"), _num(r.peak_rss_mib, ".0f"),
+            r.failed[:40] if r.failed else str(r.errors),
+        )  # fmt: skip
+    return table
+
+
+def long_table(summaries: Sequence[LongSummary]) -> Table:
+    table = Table(title="long prompts: latency of an agent turn, and what the router adds over the backend")
+    for column in ("target", "tokens", "turn 1 ms", "later turns ms", "turn 1 +ms", "later turns +ms"):
+        table.add_column(column, no_wrap=True)
+    for s in summaries:
+        table.add_row(
+            s.target, f"{s.tokens:,}", _num(s.first_turn_ms, ".1f"), _num(s.later_turns_ms, ".1f"),
+            _num(s.first_turn_added_ms, ".1f"), _num(s.later_turns_added_ms, ".1f"),
+        )  # fmt: skip
+    return table
+
+
+def verdict_table(verdicts: Sequence[Verdict]) -> Table:
+    table = Table(title="targets")
+    for column in ("target", "goal", "measured", "met"):
+        table.add_column(column)
+    for v in verdicts:
+        met = "n/a" if v.met is None else ("[green]met" if v.met else "[red]missed")
+        table.add_row(v.name, v.goal, v.value, met)
+    return table
+
+
+def _size(size: int) -> str:
+    return f"{size // 1024} KiB" if size >= 1024 and size % 1024 == 0 else f"{size} B"
+
+
+def _pairs(results: Sequence[CellResult], concurrency: int) -> list[tuple[CellResult, CellResult]]:
+    """(kvroute, vllm-router round_robin) in the same cell."""
+    by_cell: dict[tuple[int, int, str], dict[str, CellResult]] = {}
+    for r in results:
+        if r.concurrency == concurrency and not r.failed:
+            by_cell.setdefault((r.concurrency, r.size_bytes, r.prompt), {})[r.target] = r
+    return [
+        (cell[KVROUTE], cell[VLLM_RR]) for cell in by_cell.values() if KVROUTE in cell and VLLM_RR in cell
+    ]
+
+
+def verdicts(results: Sequence[CellResult], long: Sequence[LongSummary]) -> list[Verdict]:
+    """Each target judged over every cell it applies to: met only if it holds in all of them."""
+    out = []
+    ratios = [
+        k.added_p50_ms / v.added_p50_ms
+        for k, v in _pairs(results, 1)
+        if k.added_p50_ms is not None and v.added_p50_ms is not None and v.added_p50_ms > 0
+    ]
+    out.append(
+        Verdict(
+            "added p50 at c=1",
+            "<= 1.5x vllm-router round_robin's",
+            _spread(ratios, "x"),
+            None if not ratios else max(ratios) <= 1.5,
+        )
+    )
+    shares = [k.requests_per_s / v.requests_per_s for k, v in _pairs(results, 64) if v.requests_per_s]
+    out.append(
+        Verdict(
+            "throughput at c=64",
+            ">= 0.5x vllm-router round_robin's",
+            _spread(shares, "x"),
+            None if not shares else min(shares) >= 0.5,
+        )
+    )
+    for field, label in (("first_turn_added_ms", "turn 1"), ("later_turns_added_ms", "later turns")):
+        ratios = []
+        for mine in (s for s in long if s.target == KVROUTE):
+            theirs = next((s for s in long if s.target == VLLM_KV and s.tokens == mine.tokens), None)
+            a = getattr(mine, field)
+            b = None if theirs is None else getattr(theirs, field)
+            if a is not None and b is not None and b > 0:
+                ratios.append(a / b)
+        out.append(
+            Verdict(
+                f"long-prompt decision, {label}",
+                "faster than vllm-router kv_aware (ratio < 1)",
+                _spread(ratios, "x"),
+                None if not ratios else max(ratios) < 1,
+            )
+        )
+    return out
+
+
+def _spread(values: Sequence[float], unit: str) -> str:
+    if not values:
+        return "not measured"
+    return f"median {statistics.median(values):.2f}{unit} (range {min(values):.2f}-{max(values):.2f}{unit})"
+
+
+def plot(results: Sequence[CellResult], long: Sequence[LongResult], out_dir: Path, prefix: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    targets = list(dict.fromkeys(r.target for r in results))
+    cells = list(dict.fromkeys((r.size_bytes, r.prompt) for r in results))
+    labels = [f"{_size(s)}\n{p}" for s, p in cells]
+    for concurrency, metric, ylabel, name in (
+        (1, "added_p50_ms", "added p50 latency over direct (ms)", "latency-c1"),
+        (64, "requests_per_s", "requests/s", "throughput-c64"),
+        (64, "cpu_ms_per_1k", "router CPU ms per 1,000 requests", "cpu-c64"),
+    ):
+        rows = {(r.target, r.size_bytes, r.prompt): r for r in results if r.concurrency == concurrency}
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        width = 0.8 / max(len(targets), 1)
+        for t_index, target in enumerate(targets):
+            values = [
+                getattr(rows[(target, *cell)], metric) if (target, *cell) in rows else None for cell in cells
+            ]
+            if all(v is None for v in values):
+                continue
+            xs = [i + t_index * width for i in range(len(cells))]
+            ax.bar(xs, [v or 0 for v in values], width, label=target)
+        ax.set_xticks([i + width * (len(targets) - 1) / 2 for i in range(len(cells))], labels)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{ylabel}, concurrency {concurrency}")
+        if metric != "added_p50_ms":
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}-{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    if long:
+        written.append(_plot_long(long, out_dir / f"{prefix}-long-prompt.png"))
+    return written
+
+
+def _plot_long(long: Sequence[LongResult], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, later, title in ((axes[0], False, "turn 1 (cold)"), (axes[1], True, "later turns (median)")):
+        for target in dict.fromkeys(r.target for r in long if r.added_ms is not None):
+            sizes = sorted({r.tokens for r in long if r.target == target})
+            values = []
+            for size in sizes:
+                added = [
+                    r.added_ms
+                    for r in long
+                    if (r.target, r.tokens, r.turn > 0) == (target, size, later) and r.added_ms is not None
+                ]
+                values.append(statistics.median(added) if added else float("nan"))
+            ax.plot([s / 1000 for s in sizes], values, marker="o", label=target)
+        ax.set_title(title)
+        ax.set_xlabel("prompt tokens (thousands)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("added latency over the backend (ms)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,183 @@
+"""Replay a request trace over HTTP, open loop: every request is sent at its (scaled) arrival time.
+
+Prompts are token ids synthesized per hash id, deterministic per (seed, hash id), so requests that share
+leading hash ids share exactly those tokens, and a router or engine sees the trace's prefix structure.
+Each hash id stands for ``block_tokens`` real tokens instead of the trace's 512, and outputs are capped,
+so a trace written for large GPUs fits a small fleet (the real stack here has a 4,096-token context).
+Latencies count from the scheduled arrival, so a client or router that falls behind pays for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from kvroute.agent_sessions import REJECT_STATUSES, SessionRun, Status, TurnOutcome
+from kvroute.tinymodel import VOCAB_SIZE
+from kvroute.traces import MOONCAKE_TRACE, Trace, TraceRequest, agentic_trace, load_trace
+from router.proxy import INSTANCE_HEADER, SESSION_HEADER
+
+# Token ids of the tiny model's vocabulary with the special tokens (0-2) left out.
+VOCABULARY = range(3, VOCAB_SIZE)
+
+
+def resolve_trace(spec: str, requests: int | None = None, rate: float = 1.0) -> Trace:
+    """``agentic`` (generated), ``mooncake`` (the conversation trace, where this machine has it) or a path."""
+    if spec == "agentic":
+        trace = agentic_trace()
+    elif spec == "mooncake":
+        if not MOONCAKE_TRACE.is_file():
+            raise ValueError(f"the Mooncake trace is not on this machine ({MOONCAKE_TRACE})")
+        trace = load_trace(MOONCAKE_TRACE, name="mooncake-conversation")
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"--trace {spec!r}: not agentic, mooncake or a trace file")
+        trace = load_trace(path)
+    if requests is not None:
+        trace = trace.head(requests)
+    return trace.with_rate(rate)
+
+
+class PromptSynth:
+    """Token ids for a trace request: ``block_tokens`` ids per hash id, the last hash id cut in proportion."""
+
+    def __init__(self, seed: int, block_tokens: int, trace_block_tokens: int) -> None:
+        self._seed, self._block, self._scale = seed, block_tokens, block_tokens / trace_block_tokens
+        self._blocks: dict[int, list[int]] = {}
+
+    def prompt(self, request: TraceRequest) -> list[int]:
+        count = len(request.block_ids)
+        length = min(count * self._block, max((count - 1) * self._block + 1, self.length(request)))
+        ids: list[int] = []
+        for hash_id in request.block_ids:
+            ids += self._tokens(hash_id)
+        return ids[:length]
+
+    def length(self, request: TraceRequest) -> int:
+        return max(1, math.ceil(request.input_tokens * self._scale))
+
+    def _tokens(self, hash_id: int) -> list[int]:
+        tokens = self._blocks.get(hash_id)
+        if tokens is None:
+            rng = random.Random(f"{self._seed}:{hash_id}")
+            tokens = self._blocks[hash_id] = [rng.choice(VOCABULARY) for _ in range(self._block)]
+        return tokens
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    trace: Trace
+    model: str
+    seed: int = 0
+    block_tokens: int = 32  # real tokens per hash id
+    max_tokens: int = 16  # output tokens per request, at most
+    max_prompt_tokens: int | None = None  # longer prompts are not sent (the engine would refuse them)
+    time_limit_s: float = 300.0  # no request is sent later than this after the first
+    request_timeout_s: float = 120.0
+    max_connections: int = 256
+    session_header: str = SESSION_HEADER  # set to the trace's session, when it has them
+    session_prefix: str = "trace"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    on_request: Callable[[], None] = lambda: None  # told after every request (progress bars)
+
+
+@dataclass
+class ReplayRun(SessionRun):
+    not_sent: int = 0  # prompts over max_prompt_tokens
+    late_s: float = 0.0  # how far behind schedule the slowest send was (client saturation)
+
+
+_decoder = msgspec.json.Decoder()
+
+
+async def stream_completion(
+    http: aiohttp.ClientSession, base_url: str, body: dict[str, Any], headers: Mapping[str, str], start: float
+) -> TurnOutcome:
+    """One streamed completion; TTFT runs from ``start`` to the first chunk with a choice."""
+    ttft = 0.0
+    prompt_tokens = 0
+    try:
+        async with http.post(f"{base_url}/v1/completions", json=body, headers=headers) as response:
+            if response.status != 200:
+                detail = (await response.text())[:200]
+                status: Status = "rejected" if response.status in REJECT_STATUSES else "failed"
+                return TurnOutcome(status, error=f"HTTP {response.status}: {detail}")
+            instance = response.headers.get(INSTANCE_HEADER, "")
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = _decoder.decode(line[6:])
+                if "error" in chunk:
+                    return TurnOutcome("failed", error=str(chunk["error"].get("message")))
+                if chunk.get("choices") and not ttft:
+                    ttft = time.perf_counter() - start
+                usage = chunk.get("usage")
+                if usage:
+                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return TurnOutcome("failed", error=type(exc).__name__)
+    except msgspec.DecodeError:
+        return TurnOutcome("failed", error="malformed SSE chunk")
+    if not ttft:
+        return TurnOutcome("failed", error="stream ended without a chunk")
+    return TurnOutcome("ok", ttft, time.perf_counter() - start, prompt_tokens, instance)
+
+
+async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
+    synth = PromptSynth(plan.seed, plan.block_tokens, plan.trace.block_tokens)
+    run = ReplayRun()
+    requests = plan.trace.requests
+    origin = requests[0].arrival_s if requests else 0.0
+
+    async def send(http: aiohttp.ClientSession, request: TraceRequest, due: float) -> None:
+        headers = dict(plan.headers)
+        if request.session is not None:
+            headers[plan.session_header] = f"{plan.session_prefix}-{plan.seed}-{request.session}"
+        body = {
+            "model": plan.model,
+            "prompt": synth.prompt(request),
+            "max_tokens": max(1, min(plan.max_tokens, request.output_tokens)),
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        run.outcomes.append(await stream_completion(http, base_url, body, headers, due))
+        plan.on_request()
+
+    timeout = aiohttp.ClientTimeout(total=plan.request_timeout_s)
+    connector = aiohttp.TCPConnector(limit=plan.max_connections)
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        tasks: list[asyncio.Task[None]] = []
+        for request in requests:
+            offset = request.arrival_s - origin
+            if offset > plan.time_limit_s:
+                break
+            if plan.max_prompt_tokens is not None and synth.length(request) > plan.max_prompt_tokens:
+                run.not_sent += 1
+                plan.on_request()
+                continue
+            due = started + offset
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            run.late_s = max(run.late_s, time.perf_counter() - due)
+            tasks.append(asyncio.create_task(send(http, request, due)))
+        await asyncio.gather(*tasks)
+    run.duration_s = time.perf_counter() - started
+    return run
+
+
+def replay_size(plan: ReplayPlan) -> int:
+    """Requests the replay will go through (sent or not), for progress bars."""
+    requests = plan.trace.requests
+    origin = requests[0].arrival_s if requests else 0.0
+    return sum(1 for r in requests if r.arrival_s - origin <= plan.time_limit_s)

@@ -1,0 +1,150 @@
+"""Request traces for replay and simulation: the Mooncake JSONL format and a generated agentic workload.
+
+A trace names each prompt by hash ids, one per `block_tokens` tokens (the last may be partial): two requests
+share a prefix exactly as far as their leading hash ids agree. Times are seconds from the trace's start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+# The Mooncake conversation trace lives beside the repository on the benchmark machines, not in it.
+MOONCAKE_TRACE = _REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    block_ids: tuple[int, ...]
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    block_tokens: int
+    requests: tuple[TraceRequest, ...]
+
+    def with_rate(self, multiplier: float) -> Trace:
+        """The same requests arriving `multiplier` times as fast (x2: twice the rate)."""
+        if multiplier <= 0:
+            raise ValueError(f"rate multiplier must be positive, not {multiplier}")
+        requests = tuple(replace(r, arrival_s=r.arrival_s / multiplier) for r in self.requests)
+        return replace(self, requests=requests)
+
+    def head(self, count: int) -> Trace:
+        return replace(self, requests=self.requests[:count])
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0
+
+
+def load_trace(path: Path, block_tokens: int = 512, name: str | None = None) -> Trace:
+    """A JSONL trace: one `{"timestamp" (ms), "input_length", "output_length", "hash_ids"}` per line."""
+    requests: list[TraceRequest] = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                requests.append(_parse_line(line))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: malformed trace line: {exc}") from exc
+    requests.sort(key=lambda r: r.arrival_s)
+    start = requests[0].arrival_s if requests else 0.0
+    requests = [replace(r, arrival_s=r.arrival_s - start) for r in requests]
+    return Trace(name or path.stem, block_tokens, tuple(requests))
+
+
+def _parse_line(line: str) -> TraceRequest:
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    hash_ids = record["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
+        raise ValueError("hash_ids must be a list of integers")
+    timestamp, input_length, output_length = (
+        record["timestamp"],
+        record["input_length"],
+        record["output_length"],
+    )
+    if not isinstance(timestamp, int | float) or not math.isfinite(timestamp):
+        raise ValueError("timestamp must be a number of milliseconds")
+    if not isinstance(input_length, int) or input_length < 1:
+        raise ValueError("input_length must be a positive integer")
+    if not isinstance(output_length, int) or output_length < 0:
+        raise ValueError("output_length must be a non-negative integer")
+    session = record.get("session")
+    return TraceRequest(
+        timestamp / 1000.0, input_length, output_length, tuple(hash_ids), str(session) if session else None
+    )
+
+
+def agentic_trace(
+    seed: int = 0,
+    sessions: int = 120,
+    block_tokens: int = 512,
+    *,
+    span_s: float = 1800.0,
+    median_turns: int = 33,
+    system_tokens: int = 4000,
+    median_new_tokens: int = 1800,
+    max_context_tokens: int = 180_000,
+    input_output_ratio: float = 131.0,
+    median_think_s: float = 8.0,
+    max_think_s: float = 80.0,
+) -> Trace:
+    """Agent sessions that resend a growing context every turn.
+
+    Every session starts with the same `system_tokens` (their full blocks share hash ids across sessions);
+    each turn appends a few hundred to a few thousand tokens (tool output, the previous answer), so a turn's
+    hash ids extend the previous turn's. Turns per session are log-normal around `median_turns`; contexts
+    end near 80K tokens, none past `max_context_tokens`. Sessions start uniformly over `span_s`; the next
+    turn arrives a think time (seconds, at most `max_think_s`) after the previous one. Output lengths are
+    scaled so that prompt tokens : output tokens is `input_output_ratio` over the trace.
+    """
+    rng = random.Random(seed)
+    shared_blocks = system_tokens // block_tokens
+    next_id = shared_blocks
+    drafts: list[tuple[float, int, float, tuple[int, ...], str]] = []
+    for number in range(sessions):
+        name = f"s{seed}-{number}"
+        turns = max(2, min(150, round(median_turns * math.exp(rng.gauss(0.0, 0.45)))))
+        arrival = rng.uniform(0.0, span_s)
+        context = system_tokens
+        ids: list[int] = list(range(shared_blocks))
+        for _ in range(turns):
+            context += max(100, min(12_000, round(median_new_tokens * math.exp(rng.gauss(0.0, 0.7)))))
+            if context > max_context_tokens:
+                break
+            while len(ids) * block_tokens < context:
+                ids.append(next_id)
+                next_id += 1
+            drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), tuple(ids), name))
+            arrival += min(max_think_s, max(1.0, median_think_s * math.exp(rng.gauss(0.0, 1.0))))
+    input_total = sum(d[1] for d in drafts)
+    weight_total = sum(d[2] for d in drafts)
+    scale = input_total / input_output_ratio / weight_total if weight_total else 0.0
+    requests = sorted(
+        (
+            TraceRequest(a, context, max(1, round(w * scale)), ids, name)
+            for a, context, w, ids, name in drafts
+        ),
+        key=lambda r: r.arrival_s,
+    )
+    return Trace(f"agentic-{seed}", block_tokens, tuple(requests))
+
+
+def default_trace() -> Trace:
+    """The Mooncake conversation trace where this machine has it, else the generated agentic trace."""
+    if MOONCAKE_TRACE.is_file():
+        return load_trace(MOONCAKE_TRACE, name="mooncake-conversation")
+    return agentic_trace()

@@ -1,0 +1,131 @@
+"""`kvroute bench overhead`: wrk against nginx through each router, and the long-prompt case."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvroute.bench_live import find_vllm_router
+from kvroute.overhead_backend import find_nginx
+from kvroute.overhead_grid import CellResult
+from kvroute.overhead_long import LongResult, LongSummary
+from kvroute.overhead_report import KVROUTE, VLLM_KV, VLLM_RR, Verdict, verdicts
+from kvroute.overhead_targets import parse_overhead_targets
+from kvroute.overhead_wrk import Prompt, WrkResult, find_wrk
+
+
+@pytest.mark.parametrize("size", [200, 2048, 16384])
+@pytest.mark.parametrize("cold", [False, True])
+def test_prompt_bodies_are_json_of_the_size_asked(size: int, cold: bool) -> None:
+    prompt = Prompt(size, cold, "tag")
+    head, tail = prompt.body_parts()
+    body = json.loads(head + "12345" + tail if cold else prompt.body())
+    assert body["messages"][0]["content"].startswith("tag ")
+    assert abs(len(prompt.body()) + (5 if cold else 0) - size) <= 8
+
+
+def test_cold_prompts_vary_at_the_start_of_the_content() -> None:
+    lua = Prompt(300, True, "tag").lua()
+    assert "request = function()" in lua and "head .. n .. tail" in lua
+    assert "request = function()" not in Prompt(300, False, "tag").lua()
+
+
+def _cell(target: str, concurrency: int, rps: float, added_p50: float | None) -> CellResult:
+    return CellResult(target, concurrency, 200, "hot", requests_per_s=rps, added_p50_ms=added_p50)
+
+
+def _long(target: str, first: float, later: float) -> LongSummary:
+    return LongSummary(target, 10_000, None, None, first, later)
+
+
+def test_verdicts_hold_only_if_every_cell_meets_the_target() -> None:
+    cells = [
+        _cell(KVROUTE, 1, 900, 0.6), _cell(VLLM_RR, 1, 3000, 0.5),
+        _cell(KVROUTE, 64, 1000, None), _cell(VLLM_RR, 64, 10_000, None),
+    ]  # fmt: skip
+    long = [_long(KVROUTE, 20, 5), _long(VLLM_KV, 30, 4)]
+    met = {v.name: v.met for v in verdicts(cells, long)}
+    assert met == {
+        "added p50 at c=1": True,
+        "throughput at c=64": False,
+        "long-prompt decision, turn 1": True,
+        "long-prompt decision, later turns": False,
+    }
+    assert all(v.met is None for v in verdicts([], []))
+
+
+@pytest.mark.skipif(
+    find_wrk() is None or find_nginx() is None,
+    reason="needs wrk and nginx: `make bench-tools` (scripts/install_bench_tools.sh) installs them",
+)
+def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
+    has_vllm_router = find_vllm_router(None) is not None
+    grid_targets = "direct,kvroute,kvroute:round-robin" + (
+        ",vllm-router:round_robin" if has_vllm_router else ""
+    )
+    long_targets = "direct,kvroute" + (",vllm-router:kv_aware" if has_vllm_router else "")
+    out = tmp_path / "overhead.json"
+    argv = [
+        sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--duration", "1",
+        "--concurrency", "1,64", "--sizes", "200", "--prompts", "cold", "--targets", grid_targets,
+        "--long-tokens", "2000", "--long-turns", "2", "--long-targets", long_targets,
+        "--out", str(out), "--plots", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert set(report) == {"settings", "routers", "cells", "long_prompt", "verdicts", "profiles", "plots"}
+    assert report["profiles"] == []  # only with --profile
+    cell_fields = {f.name for f in dataclasses.fields(CellResult)}
+    targets = grid_targets.split(",")
+    assert len(report["cells"]) == 2 * len(targets)
+    for cell in report["cells"]:
+        assert set(cell) == cell_fields
+        assert cell["failed"] == "" and cell["requests"] > 0 and cell["errors"] == 0, cell
+        routed = cell["target"] != "direct"
+        assert (cell["cpu_ms_per_1k"] is not None) == routed
+        assert (cell["peak_rss_mib"] is not None) == routed
+        assert (cell["added_p50_ms"] is not None) == routed
+        assert (cell["throughput_vs_vllm_router"] is not None) == has_vllm_router
+    assert {r["target"] for r in report["routers"] if not r["skipped"]} >= {KVROUTE, "kvroute:round-robin"}
+
+    long = report["long_prompt"]
+    assert set(long) == {"turns", "summary", "vllm_router_counters"}
+    long_target_list = [t.label for t in parse_overhead_targets(long_targets.split(","))]
+    assert len(long["turns"]) == 2 * len(long_target_list)
+    for turn in long["turns"]:
+        assert set(turn) == {f.name for f in dataclasses.fields(LongResult)}
+        assert turn["error"] == "" and turn["latency_ms"] > 0, turn
+    assert all(t["prompt_blocks"] > 0 for t in long["turns"] if t["target"] == KVROUTE)  # it did tokenize
+    assert {s["target"] for s in long["summary"]} == set(long_target_list)
+    for summary in long["summary"]:
+        assert set(summary) == {f.name for f in dataclasses.fields(LongSummary)}
+    if has_vllm_router:
+        assert any("render" in key for key in long["vllm_router_counters"])
+
+    assert [v["name"] for v in report["verdicts"]] == [
+        "added p50 at c=1", "throughput at c=64",
+        "long-prompt decision, turn 1", "long-prompt decision, later turns",
+    ]  # fmt: skip
+    assert all(set(v) == {f.name for f in dataclasses.fields(Verdict)} for v in report["verdicts"])
+    assert report["plots"] and all(Path(p).stat().st_size > 0 for p in report["plots"])
+
+
+def test_wrk_results_count_every_kind_of_error() -> None:
+    result = WrkResult(10, 1_000_000, 1, 2, 1.5, 3, connect=1, read=2, write=3, status=4, timeout=5)
+    assert result.errors == 15 and result.requests_per_s == 10
+
+
+def test_the_command_explains_missing_tools(tmp_path: Path) -> None:
+    env = {"PATH": str(tmp_path)}  # neither wrk nor nginx on it
+    done = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--long-tokens", "", "--out", ""],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2 and "wrk" in done.stderr and "make bench-tools" in done.stderr
