@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvroute.bench_overhead import add_overhead_parser
+from kvroute.simulate.command import add_simulate_parser
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
@@ -252,6 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--out", default="bench-results/live.json", help="JSON results ('' for none)")
     live.add_argument("--log-dir", help="keep the routers' logs here (default: a temporary directory)")
     live.set_defaults(run=_bench_live)
+    add_simulate_parser(benches)
     add_overhead_parser(benches)
 
     build = commands.add_parser("build-model", help="build the tiny local model and print its directory")

@@ -1,0 +1,133 @@
+"""The runs behind `kvroute bench simulate`: one comparison of policies, or a sweep, with progress."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvroute.simulate import report
+from kvroute.simulate.blocks import TraceBlocks
+from kvroute.simulate.hardware import FleetSpec
+from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
+from kvroute.simulate.run import RunResult, simulate
+from kvroute.traces import Trace
+
+
+def rate_for_load(blocks: TraceBlocks, fleet: FleetSpec, load: float, ideal: float) -> float:
+    """The rate multiplier at which the prefill a perfect router could not avoid (the ideal cache's
+    misses) takes `load` of the fleet's prefill capacity."""
+    requests = blocks.trace.requests
+    tokens_per_s = sum(r.input_tokens for r in requests) / max(blocks.trace.duration_s, 1e-9)
+    capacity = fleet.instances * fleet.engine.prefill_tokens_per_s
+    return load * capacity / (tokens_per_s * (1.0 - ideal))
+
+
+def offered_load(blocks: TraceBlocks, fleet: FleetSpec, rate: float, ideal: float) -> float:
+    return rate / rate_for_load(blocks, fleet, 1.0, ideal)
+
+
+class Bench:
+    def __init__(self, fleet: FleetSpec, policies: Sequence[str], out: Path) -> None:
+        self.fleet, self.policies, self.out = fleet, list(policies), out
+        self.console = Console(width=160)
+
+    def _runs(
+        self, label: str, blocks: TraceBlocks, fleet: FleetSpec, ideal: float, progress: Progress
+    ) -> list[RunResult]:
+        results = []
+        total = len(blocks.trace.requests)
+        for name in self.policies:
+            task = progress.add_task(f"{label} {name}", total=total)
+            make = POLICIES.get(name) or EXTRA_POLICIES[name]
+            result = simulate(blocks, fleet, make(fleet), ideal,
+                              progress=lambda n, task=task: progress.update(task, completed=n))  # type: ignore[misc]  # fmt: skip
+            progress.update(task, completed=total)
+            results.append(result)
+        return results
+
+    def _progress(self) -> Progress:
+        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=self.console)  # fmt: skip
+
+    def _prepare(self, trace: Trace) -> tuple[TraceBlocks, float]:
+        with self.console.status(f"hashing {len(trace.requests)} prompts of {trace.name} into blocks"):
+            blocks = TraceBlocks(trace, self.fleet.engine.block_size)
+            return blocks, blocks.ideal_hit_rate()
+
+    def _document(self, trace: Trace, ideal: float, **extra: Any) -> dict[str, Any]:
+        return {"trace": trace.name, "requests": len(trace.requests), "ideal_hit_rate": ideal,
+                "setup": asdict(self.fleet), **extra}  # fmt: skip
+
+    def compare(self, trace: Trace, rate: float | None, load: float) -> list[RunResult]:
+        base, ideal = self._prepare(trace)
+        rate = rate if rate is not None else rate_for_load(base, self.fleet, load, ideal)
+        blocks = _rescaled(base, rate)
+        title = (f"{trace.name}: {len(trace.requests)} requests at x{rate:.2f} "
+                 f"(offered load {offered_load(base, self.fleet, rate, ideal):.2f}), {self.fleet.instances} "
+                 f"instances, pool {'on' if self.fleet.pool else 'off'}")  # fmt: skip
+        with self._progress() as progress:
+            results = self._runs("", blocks, self.fleet, ideal, progress)
+        self.console.print(report.table(title, results))
+        document = self._document(trace, ideal, rate=rate, load=offered_load(base, self.fleet, rate, ideal),
+                                  policies={r.policy: report.as_json(r) for r in results})  # fmt: skip
+        report.write_json(self.out / "results.json", document)
+        report.plot_policies(self.out / "simulate-policies.png", title, results)
+        self.console.print(
+            f"results: {self.out / 'results.json'}, plot: {self.out / 'simulate-policies.png'}"
+        )
+        return results
+
+    def sweep_rate(self, trace: Trace, loads: Sequence[float], slo_s: float) -> None:
+        base, ideal = self._prepare(trace)
+        points: dict[str, list[tuple[float, RunResult]]] = {name: [] for name in self.policies}
+        with self._progress() as progress:
+            for load in loads:
+                rate = rate_for_load(base, self.fleet, load, ideal)
+                for result in self._runs(
+                    f"load {load:.1f}", _rescaled(base, rate), self.fleet, ideal, progress
+                ):
+                    points[result.policy].append((load, result))
+        self._finish_sweep("rate", trace, ideal, points, slo_s, "offered load")
+
+    def sweep_instances(self, trace: Trace, counts: Sequence[int], load: float, slo_s: float) -> None:
+        base, ideal = self._prepare(trace)
+        points: dict[str, list[tuple[float, RunResult]]] = {name: [] for name in self.policies}
+        with self._progress() as progress:
+            for count in counts:
+                fleet = replace(self.fleet, instances=count)
+                rate = rate_for_load(base, fleet, load, ideal)
+                for result in self._runs(f"{count} instances", _rescaled(base, rate), fleet, ideal, progress):
+                    points[result.policy].append((count, result))
+        self._finish_sweep("instances", trace, ideal, points, slo_s, "instances")
+
+    def _finish_sweep(
+        self, kind: str, trace: Trace, ideal: float, points: dict[str, list[tuple[float, RunResult]]],
+        slo_s: float, xlabel: str,
+    ) -> None:  # fmt: skip
+        for x in sorted({x for series in points.values() for x, _ in series}):
+            results = [r for series in points.values() for px, r in series if px == x]
+            self.console.print(report.table(f"{trace.name}, {xlabel} {x:g}", results))
+        sustainable = {
+            name: max((x for x, r in series if r.ttft_p99_s <= slo_s and r.rejected == 0), default=None)
+            for name, series in points.items()
+        }
+        self.console.print(
+            f"highest {xlabel} with TTFT p99 <= {slo_s:g} s and nothing rejected: {sustainable}"
+        )
+        series_json = {name: [{"x": x, **report.as_json(r)} for x, r in s] for name, s in points.items()}
+        document = self._document(
+            trace, ideal, sweep=kind, slo_s=slo_s, sustainable=sustainable, points=series_json
+        )
+        report.write_json(self.out / f"sweep-{kind}.json", document)
+        report.plot_sweep(self.out / f"simulate-sweep-{kind}.png", f"{trace.name}: {xlabel} sweep", xlabel,
+                          points, slo_s)  # fmt: skip
+
+
+def _rescaled(blocks: TraceBlocks, rate: float) -> TraceBlocks:
+    """The same prompts (their hashed chains reused) arriving rate times as fast."""
+    return blocks.with_trace(blocks.trace.with_rate(rate))

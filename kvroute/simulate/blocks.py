@@ -1,0 +1,110 @@
+"""A trace's prompts as the engine's 16-token blocks, hashed with kvroute's own chain hash.
+
+A trace names a prompt by hash ids of `block_tokens` tokens (512 in the Mooncake trace). Each becomes
+block_tokens / block_size engine blocks with synthetic token ids that depend only on (hash id, position),
+so two prompts share exactly the blocks their hash ids share, and the chain hash the index computes from
+a BlockStored event's tokens equals the one computed here from the prompt (router/block_hashing.py).
+A partial last block is not hashed, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvroute.traces import Trace, TraceRequest
+from router import block_hashing
+
+_LOW = 0xFFFFFFFF
+
+
+def block_tokens(
+    request_ids: Sequence[int], sub_blocks: int, block_size: int, start: int, end: int
+) -> list[int]:
+    """Token ids of engine blocks [start, end) of a prompt with trace hash ids request_ids."""
+    padding = [0] * (block_size - 3)
+    tokens: list[int] = []
+    for position in range(start, end):
+        trace_id = request_ids[position // sub_blocks]
+        tokens += (trace_id & _LOW, (trace_id >> 32) & _LOW, position % sub_blocks, *padding)
+    return tokens
+
+
+class TraceBlocks:
+    """Every request's chain of engine block hashes, computed once per trace and shared by all runs."""
+
+    def __init__(self, trace: Trace, block_size: int = 16, chains: list[array[int]] | None = None) -> None:
+        if trace.block_tokens % block_size:
+            raise ValueError(f"trace blocks of {trace.block_tokens} tokens are no multiple of {block_size}")
+        self.trace = trace
+        self.block_size = block_size
+        self.sub_blocks = trace.block_tokens // block_size
+        if chains is None:
+            # A session's turn resends the previous turn: only the blocks after its full ones are hashed.
+            previous: dict[str, tuple[TraceRequest, array[int]]] = {}
+            chains = []
+            for request in trace.requests:
+                known = previous.get(request.session) if request.session is not None else None
+                chain = self._chain(request, *known) if known else self._chain(request)
+                chains.append(chain)
+                if request.session is not None:
+                    previous[request.session] = (request, chain)
+        self.chains = chains
+
+    def with_trace(self, trace: Trace) -> TraceBlocks:
+        """The same prompts at other times (with_rate): the chains are reused, not hashed again."""
+        return TraceBlocks(trace, self.block_size, self.chains[: len(trace.requests)])
+
+    def _chain(
+        self,
+        request: TraceRequest,
+        before: TraceRequest | None = None,
+        before_chain: array[int] | None = None,
+    ) -> array[int]:
+        """block_tokens() for the prompt, vectorized (this runs over every block of the trace), reusing
+        before's chain as far as its full trace blocks are a prefix of this prompt."""
+        full = request.input_tokens // self.block_size
+        start = 0
+        if before is not None and before_chain is not None:
+            shared = len(before.block_ids) - 1
+            if before.block_ids[:shared] == request.block_ids[:shared]:
+                start = min(shared * self.sub_blocks, full, len(before_chain))
+        positions = np.arange(start, full, dtype=np.int64)
+        trace_ids = np.asarray(request.block_ids, dtype=np.int64)[positions // self.sub_blocks]
+        tokens = np.zeros((full - start, self.block_size), dtype=np.int64)
+        tokens[:, 0] = trace_ids & _LOW
+        tokens[:, 1] = (trace_ids >> 32) & _LOW
+        tokens[:, 2] = positions % self.sub_blocks
+        parent = before_chain[start - 1] if start and before_chain is not None else block_hashing.ROOT
+        chain = before_chain[:start] if start and before_chain is not None else array("Q")
+        chain.extend(block_hashing.chain(tokens.ravel().tolist(), self.block_size, parent))
+        return chain
+
+    def tokens(self, request: TraceRequest, start: int, end: int) -> list[int]:
+        return block_tokens(request.block_ids, self.sub_blocks, self.block_size, start, end)
+
+    def ideal_hit_rate(self) -> float:
+        """Prompt tokens a single infinite shared prefix cache would serve, as a share of all prompt tokens.
+
+        Like vLLM, whole blocks only and never the last prompt token. A trace block's engine blocks follow
+        from its first one (same prefix, same hash id), so the cache is kept per trace block: the most of
+        its engine blocks ever computed.
+        """
+        seen: dict[int, int] = {}
+        hit_tokens = total_tokens = 0
+        size, per = self.block_size, self.sub_blocks
+        for request, chain in zip(self.trace.requests, self.chains, strict=True):
+            total_tokens += request.input_tokens
+            hits, counting = 0, True
+            for first in range(0, len(chain), per):
+                full = min(per, len(chain) - first)
+                known = seen.get(chain[first], 0)
+                if counting:
+                    hits += min(known, full)
+                    counting = known >= full
+                if full > known:
+                    seen[chain[first]] = full
+            hit_tokens += min(hits, (request.input_tokens - 1) // size) * size
+        return hit_tokens / total_tokens if total_tokens else 0.0

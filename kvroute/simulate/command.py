@@ -1,0 +1,85 @@
+"""`kvroute bench simulate`: its arguments and entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvroute.simulate.hardware import POOL_PRESETS, EngineSpec, FleetSpec, PoolSpec
+from kvroute.traces import MOONCAKE_TRACE, Trace, agentic_trace, load_trace
+
+SWEEP_LOADS = (0.3, 0.45, 0.6, 0.75, 0.9)
+SWEEP_INSTANCES = (4, 8, 16, 32)
+
+
+def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    simulate = benches.add_parser("simulate", help="the fleet at scale, in simulated time")
+    simulate.add_argument("--trace", default=None,
+                          help="a JSONL trace, `mooncake` or `agentic`; default: the Mooncake "
+                               "conversation trace when present, else the agentic one")  # fmt: skip
+    simulate.add_argument("--instances", type=int, default=8)
+    simulate.add_argument(
+        "--rate", type=float, default=None, help="arrival rate multiplier (x2: twice as fast)"
+    )
+    simulate.add_argument("--load", type=float, default=0.7,
+                          help="without --rate: the offered load, prefill the ideal cache leaves / fleet "
+                               "prefill capacity")  # fmt: skip
+    simulate.add_argument("--policies", default=None, help="comma-separated; default: all")
+    simulate.add_argument("--pool", choices=["on", "off"], default="on")
+    simulate.add_argument("--pool-link", choices=sorted(POOL_PRESETS), default="rdma")
+    simulate.add_argument(
+        "--event-delay", type=float, default=0.05, help="seconds until KV events reach the index"
+    )
+    simulate.add_argument("--requests", type=int, default=None, help="only the first N requests of the trace")
+    simulate.add_argument("--sessions", type=int, default=40, help="sessions of the agentic trace")
+    simulate.add_argument("--seed", type=int, default=0, help="seed of the agentic trace")
+    simulate.add_argument("--sweep", choices=["rate", "instances"], default=None)
+    simulate.add_argument("--sweep-requests", type=int, default=3000, help="requests per sweep point")
+    simulate.add_argument("--slo", type=float, default=10.0, help="TTFT p99 SLO (s) for the sustainable rate")
+    simulate.add_argument(
+        "--out", default="bench-results/simulate", help="directory for results.json and plots"
+    )
+    simulate.set_defaults(run=_run)
+
+
+def _trace(args: argparse.Namespace) -> Trace:
+    if args.trace == "agentic" or (args.trace is None and not MOONCAKE_TRACE.is_file()):
+        return agentic_trace(seed=args.seed, sessions=args.sessions)
+    path = MOONCAKE_TRACE if args.trace in (None, "mooncake") else Path(args.trace)
+    return load_trace(path, name="mooncake-conversation" if path == MOONCAKE_TRACE else None)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
+
+    names = args.policies.split(",") if args.policies else list(POLICIES)
+    known = {**POLICIES, **EXTRA_POLICIES}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"unknown policies: {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    try:
+        trace = _trace(args)
+    except (OSError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.requests:
+        trace = trace.head(args.requests)
+    if len(trace.requests) < 2:
+        print("the trace needs at least two requests", file=sys.stderr)
+        return 2
+    pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link]) if args.pool == "on" else None
+    fleet = FleetSpec(
+        instances=args.instances, engine=EngineSpec(), pool=pool, event_delay_s=args.event_delay
+    )
+    from kvroute.simulate.bench import Bench
+
+    bench = Bench(fleet, names, Path(args.out))
+    if args.sweep == "rate":
+        bench.sweep_rate(trace.head(args.sweep_requests), SWEEP_LOADS, args.slo)
+    elif args.sweep == "instances":
+        bench.sweep_instances(trace.head(args.sweep_requests), SWEEP_INSTANCES, args.load, args.slo)
+    else:
+        bench.compare(trace, args.rate, args.load)
+    return 0

@@ -1,0 +1,50 @@
+"""The simulated hardware: one instance's engine, the shared pool, and the fleet's signal delays.
+
+The reference setup (docs/bench-simulate.md): an 8B model on H100-class GPUs, 16-token blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Seconds per token loaded from the pool into an instance's GPU. An 8B Llama's KV is 128 KiB a token
+# (32 layers x 8 KV heads x 128 x 2 x fp16): RDMA at ~200 Gb/s moves ~25 GB/s, TCP at ~25 Gb/s ~3 GB/s.
+POOL_PRESETS: dict[str, float] = {"rdma": 5e-6, "tcp": 4e-5}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    prefill_tokens_per_s: float = 20_000.0
+    decode_step_s: float = 0.012  # one decode step of a small batch
+    decode_step_s_per_seq: float = 5e-5  # grows with the batch (attention over every running context)
+    kv_blocks: int = 25_000  # 400K tokens
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192  # chunked prefill: prompt tokens an engine step takes at most
+    max_waiting: int = 64  # a request arriving at a longer waiting queue is refused (HTTP 503), not queued
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    tokens_per_instance: int = 4_000_000
+    load_s_per_token: float = POOL_PRESETS["rdma"]
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    instances: int = 8
+    engine: EngineSpec = EngineSpec()
+    pool: PoolSpec | None = PoolSpec()
+    event_delay_s: float = 0.05  # KV events reach the router's index this long after the engine step
+    model: str = "llama-8b"
+
+    def pool_blocks(self) -> int:
+        return (
+            0
+            if self.pool is None
+            else self.pool.tokens_per_instance * self.instances // self.engine.block_size
+        )

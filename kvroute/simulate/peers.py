@@ -1,0 +1,212 @@
+"""Other routers' published algorithms with their default parameters (shared/reference/peers.md).
+
+Each reads only what that router can know: its own in-flight counts, its own routing history, or an index
+fed by KV events (kvroute's BlockIndex, which holds the same facts as theirs), never the engines' state.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import zlib
+from collections.abc import Sequence
+
+from kvroute.simulate.engine import SimRequest
+from kvroute.simulate.policies import SimPolicy
+from kvroute.simulate.view import RouterView
+from scorers.base import NO_MATCH
+
+
+def _least_loaded(loads: Sequence[float], rng: random.Random) -> int:
+    low = min(loads)
+    return rng.choice([i for i, load in enumerate(loads) if load == low])
+
+
+class ConsistentHash(SimPolicy):
+    """vllm-router `consistent_hash`: a hash ring of workers, each at `virtual_nodes` points (160, as
+    ketama); a request goes to the first point clockwise of its session key's hash."""
+
+    name = "consistent-hash"
+
+    def __init__(self, virtual_nodes: int = 160) -> None:
+        self._virtual_nodes = virtual_nodes
+
+    def bind(self, view: RouterView) -> None:
+        super().bind(view)
+        ring = sorted(
+            (zlib.crc32(f"{instance.name}#{v}".encode()), number)
+            for number, instance in enumerate(view.instances)
+            for v in range(self._virtual_nodes)
+        )
+        self._points = [point for point, _ in ring]
+        self._owners = [owner for _, owner in ring]
+
+    def route(self, request: SimRequest) -> int:
+        key = zlib.crc32((request.session or str(request.number)).encode())
+        position = bisect.bisect(self._points, key) % len(self._points)
+        return self._owners[position]
+
+
+class PowerOfTwo(SimPolicy):
+    """vllm-router `power_of_two`: two distinct workers at random, the one with fewer requests in flight."""
+
+    name = "power-of-two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def route(self, request: SimRequest) -> int:
+        instances = self.view.instances
+        first, second = self._rng.sample(range(len(instances)), 2) if len(instances) > 1 else (0, 0)
+        return first if instances[first].in_flight <= instances[second].in_flight else second
+
+
+class SGLangCacheAware(SimPolicy):
+    """SGLang model gateway `cache_aware` (also vllm-router's default): an approximate radix tree per worker
+    of the prompts routed there, LRU-trimmed to max_tree_size every eviction_interval_s (120 s).
+
+    Imbalanced (max - min in-flight > balance_abs_threshold 64 and max > balance_rel_threshold 1.5 x min):
+    the least loaded worker. Otherwise the worker with the longest match if it covers more than
+    cache_threshold (0.3) of the prompt, else the least loaded. The chosen worker's tree gets the prompt.
+    The tree is over tokens (as vllm-router 0.1.17 keys it; SGLang's over characters), kept per block of
+    16 tokens by its chained hash, which names the whole prefix up to it just as a path in a radix tree does.
+    """
+
+    name = "sglang-cache-aware"
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        eviction_interval_s: float = 120.0,
+        max_tree_size: int = 2**26,
+        seed: int = 0,
+    ) -> None:
+        self._threshold, self._abs, self._rel = cache_threshold, balance_abs_threshold, balance_rel_threshold
+        self._interval, self._max_tokens = eviction_interval_s, max_tree_size
+        self._rng = random.Random(seed)
+        self._next_eviction = eviction_interval_s
+
+    def bind(self, view: RouterView) -> None:
+        super().bind(view)
+        self._trees: list[dict[int, float]] = [{} for _ in view.instances]  # block hash -> last routed
+
+    def route(self, request: SimRequest) -> int:
+        now = self.view.loop.now
+        if now >= self._next_eviction:
+            self._evict()
+            self._next_eviction = now + self._interval
+        loads = [instance.in_flight for instance in self.view.instances]
+        chain = request.chain
+        if max(loads) - min(loads) > self._abs and max(loads) > self._rel * min(loads):
+            chosen = _least_loaded(loads, self._rng)
+        else:
+            matched = [self._matched(tree, chain) for tree in self._trees]
+            best = max(matched)
+            ratio = best * self.view.block_size / request.trace.input_tokens
+            if ratio > self._threshold:
+                chosen = self._rng.choice([i for i, m in enumerate(matched) if m == best])
+            else:
+                chosen = _least_loaded(loads, self._rng)
+        tree = self._trees[chosen]
+        for block_hash in chain:
+            tree[block_hash] = now
+        return chosen
+
+    @staticmethod
+    def _matched(tree: dict[int, float], chain: Sequence[int]) -> int:
+        count = 0
+        for block_hash in chain:
+            if block_hash not in tree:
+                break
+            count += 1
+        return count
+
+    def _evict(self) -> None:
+        limit = self._max_tokens // self.view.block_size
+        for number, tree in enumerate(self._trees):
+            if len(tree) > limit:  # a prefix is routed whenever its extensions are: oldest are leaves
+                kept = sorted(tree.items(), key=lambda item: item[1])[len(tree) - limit :]
+                self._trees[number] = dict(kept)
+
+
+class ActiveWork:
+    """A router's own count, per worker, of prefill tokens not yet answered and KV blocks in flight."""
+
+    def __init__(self, workers: int) -> None:
+        self.prefill_tokens = [0] * workers
+        self.blocks = [0] * workers
+
+
+class DynamoCost(SimPolicy):
+    """NVIDIA Dynamo's KV router: the lowest
+
+        cost = prefill_load_scale x max(active prefill blocks + prompt blocks - overlap credit, 0)
+             + decode blocks
+
+    with prefill_load_scale 1.0 and overlap credit per matched block by tier: GPU 1.0, host 0.75, disk 0.25
+    (the shared pool is credited as disk, its slowest tier), temperature 0 (ties at random). Active prefill
+    and decode blocks are its own bookkeeping of the requests it routed. No speculative entries.
+    """
+
+    name = "dynamo"
+    credits = (1.0, 0.75, 0.25)
+    speculate = False
+    least_loaded_on_miss = False
+
+    def __init__(self, prefill_load_scale: float = 1.0, seed: int = 0) -> None:
+        self._scale = prefill_load_scale
+        self._rng = random.Random(seed)
+
+    def bind(self, view: RouterView) -> None:
+        super().bind(view)
+        self._active = ActiveWork(len(view.instances))
+
+    def route(self, request: SimRequest) -> int:
+        view, active, size = self.view, self._active, self.view.block_size
+        chain = request.chain.tolist()
+        matches = view.matches(chain)
+        prompt_blocks = -(-request.trace.input_tokens // size)
+        gpu, cpu, pool = self.credits
+        if self.least_loaded_on_miss and not any(m.gpu + m.cpu + m.pool for m in matches.values()):
+            chosen = _least_loaded([i.in_flight for i in view.instances], self._rng)
+        else:
+            costs = []
+            for number, instance in enumerate(view.instances):
+                match = matches.get(instance.name, NO_MATCH)
+                credit = gpu * match.gpu + cpu * match.cpu + pool * match.pool
+                prefill = active.prefill_tokens[number] / size + prompt_blocks - credit
+                costs.append(self._scale * max(prefill, 0.0) + active.blocks[number])
+            chosen = _least_loaded(costs, self._rng)
+        match = matches.get(view.instances[chosen].name, NO_MATCH)
+        held = match.gpu + match.cpu + match.pool
+        if self.speculate and len(chain) > held:
+            view.index.speculate(view.instances[chosen].name, chain, start=held)
+        request.uncached_estimate = max(request.trace.input_tokens - match.gpu * size, 0)
+        active.prefill_tokens[chosen] += request.uncached_estimate
+        active.blocks[chosen] += prompt_blocks
+        return chosen
+
+    def first_token(self, request: SimRequest) -> None:
+        self._active.prefill_tokens[request.instance] -= request.uncached_estimate
+
+    def finished(self, request: SimRequest) -> None:
+        self._active.blocks[request.instance] -= -(-request.trace.input_tokens // self.view.block_size)
+
+    def refused(self, request: SimRequest) -> None:
+        self.first_token(request)
+        self.finished(request)
+
+
+class VllmRouterKvAware(DynamoCost):
+    """vllm-router `kv_aware`: an exact index from the engines' KV events, longest contiguous prefix,
+    speculative entries (TTL 2 s) for the blocks just routed, the least loaded worker when no worker holds
+    any block, otherwise Dynamo's cost with tier credits GPU 1.0, host 0.8, external (the pool) 0.6,
+    temperature 0. The real 0.1.17 found no blocks in our live runs (shared/reference/measurements.md);
+    this is the algorithm as published, working."""
+
+    name = "vllm-router-kv-aware"
+    credits = (1.0, 0.8, 0.6)
+    speculate = True
+    least_loaded_on_miss = True

@@ -1,0 +1,139 @@
+"""Routing policies under simulation: kvroute's own, built as the router builds them, and the seam peers use.
+
+kvroute's default policy is the configuration's builtin `kvroute` policy, made by router.policy.Policy from
+a RouterConfig parsed like an operator's YAML, and decided by router.routing.Router.decide (which also enters
+speculative blocks), so the simulation runs the product's code, not a copy of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvroute.simulate.engine import SimRequest
+from kvroute.simulate.hardware import FleetSpec
+from kvroute.simulate.view import RouterView, instance_name
+from router.config import RouterConfig, parse_config
+from router.instances import Instance
+from router.metrics import RouterMetrics
+from router.policy import Policy
+from router.routing import Prepared, Router
+from scorers.base import RoutingRequest
+from scorers.ttft_model import TTFTFeatures, TTFTPriors, features_for
+
+
+class SimPolicy:
+    """A router's policy in the simulation: told where requests start, answer and finish."""
+
+    name = "policy"
+    scrape_interval_s: float | None = None  # engine /metrics it reads, scraped this often
+
+    def bind(self, view: RouterView) -> None:
+        self.view = view
+
+    def route(self, request: SimRequest) -> int:
+        """The instance (its number) for request; may set request.uncached_estimate."""
+        raise NotImplementedError
+
+    def first_token(self, request: SimRequest) -> None:
+        pass
+
+    def finished(self, request: SimRequest) -> None:
+        pass
+
+    def refused(self, request: SimRequest) -> None:
+        """The instance refused the request (its queue was full): it never started."""
+
+
+def priors_for(fleet: FleetSpec) -> TTFTPriors:
+    """The TTFT priors an operator would configure for this hardware (kvroute's defaults are for the
+    simulated CPU fleet): the engine's prefill rate, the pool's load rate, a decode step as the overhead."""
+    engine = fleet.engine
+    per_token = 1.0 / engine.prefill_tokens_per_s
+    return TTFTPriors(
+        overhead_s=engine.decode_step_s,
+        queue_s_per_token=per_token,
+        prefill_s_per_token=per_token,
+        load_s_per_token=fleet.pool.load_s_per_token if fleet.pool is not None else per_token,
+        decode_s_per_token=engine.decode_step_s,
+    )
+
+
+def router_config(instances: int, model: str, block_size: int, priors: TTFTPriors) -> RouterConfig:
+    """The configuration an operator would write for the simulated fleet."""
+    raw: dict[str, Any] = {
+        "models": [{"name": model}],
+        "block_size": block_size,
+        "instances": [
+            {"name": instance_name(n), "url": f"http://{instance_name(n)}"} for n in range(instances)
+        ],
+        "ttft": priors.model_dump(),
+    }
+    return parse_config(raw, source="simulation")
+
+
+class ConfiguredPolicy(SimPolicy):
+    """A policy from a RouterConfig, routed through router.routing.Router as the proxy routes it.
+
+    decide=False asks the policy directly, for peers whose algorithm kvroute's scorers express but which
+    neither speculate nor know the pool (llm-d); lookup=False skips the index for policies that never read
+    it (round robin).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: RouterConfig,
+        policy: str,
+        *,
+        decide: bool = True,
+        lookup: bool = True,
+        include_pool: bool = True,
+        calibrate: bool = True,
+        scrape_interval_s: float | None = None,
+    ) -> None:
+        self.name = name
+        self.scrape_interval_s = scrape_interval_s if scrape_interval_s else config.load.scrape_interval_s
+        self._config, self._policy_name = config, policy
+        self._decide, self._include_pool, self._calibrate = decide, include_pool, calibrate
+        self._lookup = lookup
+        self._limit = config.admission.max_in_flight_per_instance
+
+    def bind(self, view: RouterView) -> None:
+        super().bind(view)
+        self._router = Router(view.index, {}, view.block_size, RouterMetrics())
+        self._policy = Policy(self._policy_name, self._config.policies[self._policy_name])
+
+    def route(self, request: SimRequest) -> int:
+        view = self.view
+        chain = request.chain.tolist()
+        if not self._lookup:
+            matches = {}
+        elif not self._include_pool:
+            matches = view.matches(chain, include_pool=False)
+        else:
+            matches = view.confirmed_matches(chain)
+        routing = RoutingRequest(
+            model=view.model,
+            session_key=request.session,
+            prompt_tokens=request.trace.input_tokens,
+            prompt_blocks=len(chain),
+            block_size=view.block_size,
+            matches=matches,
+        )
+        candidates = [i for i in view.instances if i.in_flight < self._limit] or view.instances
+        if self._decide:
+            decision = self._router.decide(Prepared(routing, chain), self._policy, candidates)
+            instance: Instance = decision.instance
+            request.uncached_estimate = decision.uncached_tokens
+            request.policy_state = decision.features
+        else:
+            instance = candidates[self._policy.choose(routing, candidates)]
+            request.uncached_estimate = features_for(routing, instance).uncached_tokens
+        return view.by_name[instance.name]
+
+    def first_token(self, request: SimRequest) -> None:
+        """The proxy calibrates the chosen instance's TTFT model with every first chunk it sees."""
+        features = request.policy_state
+        if self._calibrate and isinstance(features, TTFTFeatures):
+            ttft = request.first_token_s - request.sent_s
+            self.view.instances[request.instance].ttft_model.observe(features, ttft)

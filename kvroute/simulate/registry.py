@@ -1,0 +1,68 @@
+"""The policies `kvroute bench simulate` compares, by name, each made fresh for a run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvroute.simulate.hardware import FleetSpec
+from kvroute.simulate.peers import ConsistentHash, DynamoCost, PowerOfTwo, SGLangCacheAware, VllmRouterKvAware
+from kvroute.simulate.policies import ConfiguredPolicy, SimPolicy, priors_for, router_config
+from router.config import PolicyConfig, ScorerSpec
+
+LLMD_SCRAPE_S = 0.05  # llm-d scrapes the engines' /metrics every 50 ms
+
+
+def _configured(
+    name: str, policy: str, calibrate: bool = True, **options: object
+) -> Callable[[FleetSpec], SimPolicy]:
+    def make(fleet: FleetSpec) -> SimPolicy:
+        priors = priors_for(fleet).model_copy(update={"calibrate": calibrate})
+        config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors)
+        return ConfiguredPolicy(name, config, policy, calibrate=calibrate, **options)  # type: ignore[arg-type]
+
+    return make
+
+
+def _llmd(fleet: FleetSpec) -> SimPolicy:
+    """llm-d's precise prefix-cache profile: precise-prefix 2, kv-cache-utilization 1, queue 1, max score.
+    Its index has no pool tier, so GPU blocks only; it reads the engines' metrics scraped every 50 ms."""
+    config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors_for(fleet))
+    config.policies["llm-d"] = PolicyConfig(
+        scorers=[
+            ScorerSpec(type="precise-prefix", weight=2.0),
+            ScorerSpec(type="kv-usage", weight=1.0),
+            ScorerSpec(type="queue-depth", weight=1.0),
+        ]
+    )
+    return ConfiguredPolicy("llm-d", config, "llm-d", decide=False, include_pool=False,
+                            calibrate=False, scrape_interval_s=LLMD_SCRAPE_S)  # fmt: skip
+
+
+POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
+    "round-robin": _configured("round-robin", "round-robin", calibrate=False, decide=False, lookup=False),
+    "consistent-hash": lambda fleet: ConsistentHash(),
+    "power-of-two": lambda fleet: PowerOfTwo(),
+    "sglang-cache-aware": lambda fleet: SGLangCacheAware(),
+    "llm-d": _llmd,
+    "dynamo": lambda fleet: DynamoCost(),
+    "vllm-router-kv-aware": lambda fleet: VllmRouterKvAware(),
+    "kvroute": _configured("kvroute", "kvroute"),
+}
+
+
+def _with_kv_usage(fleet: FleetSpec) -> SimPolicy:
+    """kvroute's default plus llm-d's kv-cache-utilization scorer at weight 0.5: the engines' KV occupancy,
+    which the TTFT model does not see, breaks its ties."""
+    config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors_for(fleet))
+    config.policies["kvroute+kv-usage"] = PolicyConfig(
+        scorers=[*config.policies["kvroute"].scorers, ScorerSpec(type="kv-usage", weight=0.5)]
+    )
+    return ConfiguredPolicy("kvroute+kv-usage", config, "kvroute+kv-usage")
+
+
+# Variants of kvroute's own configuration, run only when named: what an operator could change.
+EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
+    "kvroute-priors": _configured("kvroute-priors", "kvroute", calibrate=False),
+    "token-cost": _configured("token-cost", "token-cost", calibrate=False),
+    "kvroute+kv-usage": _with_kv_usage,
+}

@@ -1,0 +1,201 @@
+"""One simulation: a trace through a fleet of engines behind one policy, and what came out of it."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvroute.simulate.blocks import TraceBlocks
+from kvroute.simulate.clock import EventLoop
+from kvroute.simulate.engine import Engine, SimRequest
+from kvroute.simulate.hardware import FleetSpec
+from kvroute.simulate.policies import SimPolicy, priors_for
+from kvroute.simulate.pool import PoolStore
+from kvroute.simulate.view import RouterView
+from kvroute.traces import TraceRequest
+from scorers.ttft_model import TTFTPriors
+
+RESULT_FIELDS = (
+    "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_rps", "local_hit_rate",
+    "pool_hit_rate", "ideal_hit_rate", "load_imbalance", "rejected",
+)  # fmt: skip
+
+
+@dataclass
+class RunResult:
+    policy: str
+    ttft_p50_s: float
+    ttft_p99_s: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+    throughput_rps: float
+    local_hit_rate: float
+    pool_hit_rate: float
+    ideal_hit_rate: float
+    load_imbalance: float  # max / mean busy time over instances
+    rejected: int
+    completed: int = 0
+    utilization: float = 0.0  # mean busy time / the span from the first arrival to the last finish
+    requests_per_instance: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        return {name: getattr(self, name) for name in RESULT_FIELDS}
+
+
+def session_of(request: TraceRequest) -> str | None:
+    """The session a client would name: the trace's, or for traces without one (Mooncake's), the
+    conversation, named by its first block after the shared first one."""
+    if request.session is not None:
+        return request.session
+    return f"conversation-{request.block_ids[1] if len(request.block_ids) > 1 else request.block_ids[0]}"
+
+
+def simulate(
+    blocks: TraceBlocks,
+    fleet: FleetSpec,
+    policy: SimPolicy,
+    ideal_hit_rate: float,
+    priors: TTFTPriors | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    started = time.perf_counter()
+    loop = EventLoop()
+    pool = PoolStore(fleet.pool_blocks()) if fleet.pool is not None else None
+    load_s = fleet.pool.load_s_per_token if fleet.pool is not None else 0.0
+    engines = [Engine(n, fleet.engine, blocks, loop, pool, load_s) for n in range(fleet.instances)]
+    view = RouterView(fleet, loop, engines, pool, priors or priors_for(fleet))
+    policy.bind(view)
+    trace = blocks.trace.requests
+    done: list[SimRequest] = []
+    rejected = 0
+    outstanding = 0
+
+    def first_token(request: SimRequest) -> None:
+        view.instances[request.instance].pending_prefill_tokens -= request.uncached_estimate
+        policy.first_token(request)
+
+    def finish(request: SimRequest) -> None:
+        nonlocal outstanding
+        instance = view.instances[request.instance]
+        instance.in_flight -= 1
+        instance.active_tokens -= request.trace.input_tokens
+        policy.finished(request)
+        done.append(request)
+        outstanding -= 1
+        release(request)
+
+    # An agent sends its next turn only once it has the answer to the previous one: a session's turn waits
+    # for that, however early the trace has it (traces without sessions are open loop).
+    busy_sessions: set[str] = set()
+    held_back: dict[str, deque[int]] = {}
+
+    def release(request: SimRequest) -> None:
+        session = request.trace.session
+        if session is None:
+            return
+        waiting = held_back.get(session)
+        if waiting:
+            number = waiting.popleft()
+            if not waiting:
+                del held_back[session]
+            submit(number)
+        else:
+            busy_sessions.discard(session)
+
+    for engine in engines:
+        engine.on_first_token, engine.on_finish = first_token, finish
+
+    def arrive(number: int) -> None:
+        if number + 1 < len(trace):
+            loop.at(trace[number + 1].arrival_s, lambda: arrive(number + 1))
+        if progress is not None and number % 500 == 0:
+            progress(number)
+        session = trace[number].session
+        if session is not None:
+            if session in busy_sessions:
+                held_back.setdefault(session, deque()).append(number)
+                return
+            busy_sessions.add(session)
+        submit(number)
+
+    def submit(number: int) -> None:
+        nonlocal rejected, outstanding
+        traced = trace[number]
+        request = SimRequest(number, traced, blocks.chains[number], session_of(traced), loop.now)
+        if not engines[0].fits(traced):
+            rejected += 1
+            release(request)
+            return
+        request.uncached_estimate = traced.input_tokens
+        request.instance = chosen = policy.route(request)
+        instance = view.instances[chosen]
+        instance.in_flight += 1
+        instance.active_tokens += traced.input_tokens
+        instance.pending_prefill_tokens += request.uncached_estimate
+        outstanding += 1
+        if not engines[chosen].enqueue(request):
+            rejected += 1
+            outstanding -= 1
+            instance.in_flight -= 1
+            instance.active_tokens -= traced.input_tokens
+            instance.pending_prefill_tokens -= request.uncached_estimate
+            policy.refused(request)
+            release(request)
+
+    interval = policy.scrape_interval_s
+
+    def scrape() -> None:
+        view.scrape()
+        if interval is not None and (outstanding or held_back or loop.now < trace[-1].arrival_s):
+            loop.at(loop.now + interval, scrape)
+
+    if trace:
+        loop.at(trace[0].arrival_s, lambda: arrive(0))
+        if interval is not None:
+            loop.at(trace[0].arrival_s, scrape)
+    loop.run()
+    return _result(policy.name, done, rejected, engines, ideal_hit_rate, fleet, time.perf_counter() - started)
+
+
+def _result(
+    name: str,
+    done: list[SimRequest],
+    rejected: int,
+    engines: list[Engine],
+    ideal_hit_rate: float,
+    fleet: FleetSpec,
+    wall_s: float,
+) -> RunResult:
+    size = fleet.engine.block_size
+    ttft = np.array([r.first_token_s - r.sent_s for r in done]) if done else np.zeros(1)
+    e2e = np.array([r.finish_s - r.sent_s for r in done]) if done else np.zeros(1)
+    prompt = sum(r.trace.input_tokens for r in done) or 1
+    busy = np.array([e.busy_s for e in engines])
+    start = min((r.sent_s for r in done), default=0.0)
+    end = max((r.finish_s for r in done), default=0.0)
+    span = max(end - start, 1e-9)
+    per_instance = [0] * len(engines)
+    for request in done:
+        per_instance[request.instance] += 1
+    return RunResult(
+        policy=name,
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        e2e_p50_s=float(np.percentile(e2e, 50)),
+        e2e_p99_s=float(np.percentile(e2e, 99)),
+        throughput_rps=len(done) / span,
+        local_hit_rate=sum(r.local_hit_blocks for r in done) * size / prompt,
+        pool_hit_rate=sum(r.pool_hit_blocks for r in done) * size / prompt,
+        ideal_hit_rate=ideal_hit_rate,
+        load_imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
+        rejected=rejected,
+        completed=len(done),
+        utilization=float(busy.mean() / span),
+        requests_per_instance=per_instance,
+        wall_s=wall_s,
+    )

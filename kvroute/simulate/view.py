@@ -1,0 +1,85 @@
+"""The router's side of the simulation: what a router can know, and how late.
+
+- the real BlockIndex, fed the engines' KV events event_delay_s after the engine step that caused them;
+- router.instances.Instance objects carrying the router's own bookkeeping (requests in flight, their
+  tokens, prefill not yet answered) and the engines' load as of the last scrape;
+- pool credit confirmed against the pool itself, as router/pool.py asks the Mooncake master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvroute.simulate.clock import EventLoop
+from kvroute.simulate.engine import Engine
+from kvroute.simulate.hardware import FleetSpec
+from kvroute.simulate.pool import PoolStore
+from router.block_index import BlockIndex
+from router.instances import Instance
+from router.kv_events import KVEvent
+from scorers.base import TierMatch
+from scorers.ttft_model import TTFTModel, TTFTPriors
+
+
+def instance_name(number: int) -> str:
+    return f"sim-{number}"
+
+
+class RouterView:
+    def __init__(
+        self,
+        fleet: FleetSpec,
+        loop: EventLoop,
+        engines: Sequence[Engine],
+        pool: PoolStore | None,
+        priors: TTFTPriors,
+        speculative_ttl_s: float = 2.0,
+    ) -> None:
+        self.loop = loop
+        self.block_size = fleet.engine.block_size
+        self.model = fleet.model
+        self.index = BlockIndex(
+            fleet.engine.block_size, speculative_ttl_s=speculative_ttl_s, clock=loop.clock
+        )
+        self.instances = [
+            Instance(
+                name=instance_name(e.number),
+                url=f"http://{instance_name(e.number)}",
+                models=frozenset({fleet.model}),
+                ttft_model=TTFTModel(priors),
+            )
+            for e in engines
+        ]
+        self.by_name = {instance.name: number for number, instance in enumerate(self.instances)}
+        self._engines, self._pool, self._delay = engines, pool, fleet.event_delay_s
+        for engine, instance in zip(engines, self.instances, strict=True):
+            if pool is not None:
+                self.index.join_pool(instance.name)
+            engine.on_events = lambda events, name=instance.name: self._deliver(name, events)  # type: ignore[misc]
+
+    def _deliver(self, name: str, events: list[KVEvent]) -> None:
+        owner = (name, 0)
+        self.loop.at(self.loop.now + self._delay, lambda: self.index.apply(owner, events))
+
+    def scrape(self) -> None:
+        for engine, instance in zip(self._engines, self.instances, strict=True):
+            instance.load = engine.load()
+
+    def matches(self, chain: Sequence[int], include_pool: bool = True) -> dict[str, TierMatch]:
+        """The index's matches, pool credit unconfirmed (what a router without a master sees)."""
+        return self.index.match(chain, include_pool=include_pool and self._pool is not None)
+
+    def confirmed_matches(self, chain: Sequence[int]) -> dict[str, TierMatch]:
+        """Matches with pool credit confirmed block by block, as router/pool.py's PoolConfirmer does."""
+        matches = self.matches(chain)
+        credited = [(m.gpu + m.cpu, m.gpu + m.cpu + m.pool) for m in matches.values() if m.pool]
+        if not credited or self._pool is None:
+            return matches
+        start, end = min(s for s, _ in credited), max(e for _, e in credited)
+        pool = self._pool
+        # The engines' pool keys are the chain hashes themselves (their vLLM hash is kvroute's).
+        denied = [h for position, h in self.index.pooled(chain, start, end) if chain[position] not in pool]
+        if not denied:
+            return matches
+        self.index.forget_pooled(denied)
+        return self.matches(chain)

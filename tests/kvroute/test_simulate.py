@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fleet.block_pool import BlockPool
+from kvroute.cli import main
+from kvroute.simulate.blocks import TraceBlocks
+from kvroute.simulate.hardware import EngineSpec, FleetSpec, PoolSpec
+from kvroute.simulate.kv_cache import KVCache
+from kvroute.simulate.policies import SimPolicy
+from kvroute.simulate.registry import POLICIES
+from kvroute.simulate.run import RESULT_FIELDS, simulate
+from kvroute.traces import Trace, TraceRequest
+from router.kv_events import BlockRemoved, BlockStored, KVEvent
+
+SIZE = 4
+
+
+def _flat(events: list[KVEvent]) -> list[tuple[str, int]]:
+    flat: list[tuple[str, int]] = []
+    for event in events:
+        assert isinstance(event, BlockStored | BlockRemoved)
+        kind = "stored" if isinstance(event, BlockStored) else "removed"
+        flat += [(kind, h if isinstance(h, int) else int.from_bytes(h, "big")) for h in event.block_hashes]
+    return flat
+
+
+class _Both:
+    """The same requests through the simulation's KVCache and the fleet's BlockPool (vLLM's semantics)."""
+
+    def __init__(self, blocks: int) -> None:
+        self.cache = KVCache(blocks, SIZE)
+        self.pool = BlockPool(blocks + 1, SIZE)  # block 0 is vLLM's null block
+
+    def run(self, hashes: list[int], extra_blocks: int = 0) -> None:
+        hits = self.cache.cached_prefix(hashes, 0, len(hashes))
+        pool_hits = self.pool.cached_prefix([h.to_bytes(8, "big") for h in hashes])
+        assert hits == len(pool_hits)
+        new = len(hashes) - hits + extra_blocks
+        held = hashes[:hits]
+        assert self.cache.can_take(held, new)
+        self.cache.touch(held)
+        self.cache.allocate(new)
+        self.pool.touch(pool_hits)
+        allocated = self.pool.allocate(new)
+        tokens = [1] * SIZE * (len(hashes) - hits)
+        parent = hashes[hits - 1] if hits else None
+        taken = self.cache.cache(hashes[hits:], parent, tokens)
+        self.pool.cache_blocks(
+            allocated[: len(hashes) - hits],
+            [h.to_bytes(8, "big") for h in hashes[hits:]],
+            tokens,
+            None if parent is None else parent.to_bytes(8, "big"),
+        )
+        self.cache.free(held + taken, new - len(taken))
+        self.pool.free(pool_hits + allocated)
+
+    def assert_same(self) -> None:
+        assert _flat(self.cache.take_events()) == _flat(self.pool.take_events())
+        assert self.cache.num_free == self.pool.num_free
+
+
+def test_kv_cache_announces_what_vllms_block_pool_announces() -> None:
+    both = _Both(blocks=6)
+    both.run([11, 12, 13])
+    both.run([21, 22, 23])
+    both.assert_same()
+    both.run([31, 32])  # evicts from the head of the free queue: request 1's last blocks first
+    events = both.cache.events[:]
+    both.assert_same()
+    assert _flat(events)[:2] == [("removed", 13), ("removed", 12)]
+    both.run([21, 22, 41], extra_blocks=1)  # two hits, a new block and a decode block
+    both.assert_same()
+    assert 11 not in both.cache and 23 not in both.cache  # the next two at the head went
+    assert {21, 22, 41, 31, 32} <= {h for h in (21, 22, 41, 31, 32) if h in both.cache}
+
+
+def test_lru_keeps_the_blocks_used_last() -> None:
+    cache = KVCache(4, SIZE)
+    for hashes in ([1, 2], [3, 4]):
+        cache.allocate(2)
+        held = cache.cache(hashes, None, [0] * SIZE * 2)
+        cache.free(held, 0)
+    cache.touch([1, 2])  # a hit makes them busy, then most recently freed
+    cache.free([1, 2], 0)
+    cache.allocate(2)
+    assert 3 not in cache and 4 not in cache and 1 in cache and 2 in cache
+    assert cache.usage == pytest.approx(0.5)
+    assert not cache.can_take([], 3)
+
+
+def _trace(*requests: tuple[float, int, tuple[int, ...]]) -> Trace:
+    return Trace("hand", 32, tuple(TraceRequest(a, n, 2, ids) for a, n, ids in requests))
+
+
+def test_ideal_hit_rate_is_exact() -> None:
+    trace = _trace((0, 64, (1, 2)), (1, 80, (1, 2, 3)), (2, 40, (1, 4)), (3, 64, (1, 2)))
+    blocks = TraceBlocks(trace, block_size=16)
+    # r2: 4 blocks of r1; r3: block 1's 2 (block 4 is partial); r4: all 4, but never its last token: 3
+    assert blocks.ideal_hit_rate() == pytest.approx((0 + 64 + 32 + 48) / (64 + 80 + 40 + 64))
+    seen: set[int] = set()
+    hits = 0
+    for request, chain in zip(trace.requests, blocks.chains, strict=True):
+        prefix = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
+        hits += min(prefix, (request.input_tokens - 1) // 16) * 16
+        seen.update(chain)
+    assert blocks.ideal_hit_rate() == pytest.approx(hits / 248)
+    assert blocks.chains[0][:2] == blocks.chains[2] and blocks.chains[1][:4] == blocks.chains[0]
+
+
+class _Fixed(SimPolicy):
+    name = "fixed"
+
+    def __init__(self, *targets: int) -> None:
+        self._targets = list(targets)
+
+    def route(self, request: object) -> int:
+        return self._targets.pop(0)
+
+
+def _fleet(instances: int, pool: bool) -> FleetSpec:
+    engine = EngineSpec(kv_blocks=400, max_waiting=8)
+    return FleetSpec(
+        instances, engine, PoolSpec(tokens_per_instance=10_000) if pool else None, event_delay_s=0.01
+    )
+
+
+def test_instances_feed_the_index_and_hit_their_own_cache() -> None:
+    blocks = TraceBlocks(
+        _trace((0, 320, (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (30, 330, tuple(range(1, 12)))), 16
+    )
+    policy = _Fixed(0, 0)
+    result = simulate(blocks, _fleet(2, pool=False), policy, ideal_hit_rate=0.0)
+    assert result.completed == 2 and result.rejected == 0
+    assert result.local_hit_rate == pytest.approx(320 / 650)  # the second reuses all 20 blocks of the first
+    assert result.pool_hit_rate == 0.0
+    matches = policy.view.index.match(blocks.chains[1].tolist())
+    assert set(matches) == {"sim-0"} and matches["sim-0"].gpu == 20
+
+
+def test_another_instance_loads_the_prefix_from_the_pool() -> None:
+    blocks = TraceBlocks(_trace((0, 320, tuple(range(1, 11))), (30, 330, tuple(range(1, 12)))), 16)
+    result = simulate(blocks, _fleet(2, pool=True), _Fixed(0, 1), ideal_hit_rate=0.0)
+    assert result.local_hit_rate == 0.0
+    assert result.pool_hit_rate == pytest.approx(320 / 650)
+
+
+def test_a_full_queue_refuses() -> None:
+    blocks = TraceBlocks(_trace(*((0.0, 320, (i,) * 10) for i in range(12))), 16)
+    result = simulate(blocks, _fleet(1, pool=False), _Fixed(*[0] * 12), ideal_hit_rate=0.0)
+    assert result.rejected > 0
+    assert result.completed + result.rejected == 12
+
+
+def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["policies"]) == set(POLICIES) and "kvroute" in results["policies"]
+    for name, fields in results["policies"].items():
+        assert set(RESULT_FIELDS) <= set(fields), name
+        assert fields["rejected"] + fields["completed"] == 30
+    assert (out / "simulate-policies.png").stat().st_size > 0
+
+
+def test_unknown_policy_is_an_error(tmp_path: Path) -> None:
+    assert main(["bench", "simulate", "--policies", "magic", "--out", str(tmp_path)]) == 2
+
+
+def test_a_sessions_next_turn_waits_for_the_previous_answer() -> None:
+    turns = (
+        TraceRequest(0.0, 320, 50, tuple(range(1, 11)), "s"),
+        TraceRequest(0.1, 330, 2, tuple(range(1, 12)), "s"),
+    )
+    blocks = TraceBlocks(Trace("session", 32, turns), 16)
+    policy = _Fixed(0, 0)
+    result = simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
+    assert result.completed == 2
+    assert result.local_hit_rate == pytest.approx(320 / 650)  # sent after the first finished: all cached
+
+
+def test_session_chains_reused_equal_chains_hashed_whole() -> None:
+    turns = tuple(
+        TraceRequest(float(t), n, 1, tuple(range(-(-n // 32))), "s") for t, n in enumerate((40, 64, 100, 130))
+    )
+    reused = TraceBlocks(Trace("s", 32, turns), 16).chains
+    whole = TraceBlocks(Trace("s", 32, tuple(replace(t, session=None) for t in turns)), 16).chains
+    assert reused == whole and [len(c) for c in whole] == [2, 4, 6, 8]
