@@ -17,13 +17,12 @@ from aiohttp import web
 
 from fleet.server import (
     SimInstance,
-    _chat_ids,
-    _check_model,
     _ClientError,
-    _completion_ids,
     _handler,
     _json_response,
     _max_tokens,
+    _validated_chat,
+    _validated_completion,
 )
 
 CHAT_PATH = "/v1/chat/completions/render"
@@ -39,11 +38,7 @@ def add_render_routes(app: web.Application) -> None:
 
 
 async def _render_chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.Response:
-    _check_model(instance, body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-    ids = _chat_ids(instance, body)
+    ids = _validated_chat(instance, body)
     request_id = "chatcmpl-" + _base_id(request, body)
     return _json_response(_generate_request(instance, body, ids, request_id, chat=True, from_text=True))
 
@@ -51,11 +46,7 @@ async def _render_chat(instance: SimInstance, request: web.Request, body: dict[s
 async def _render_completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.Response:
-    _check_model(instance, body)
-    if "prompt" not in body:
-        raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
-    ids = _completion_ids(instance, body)
-    from_text = not isinstance(body["prompt"], list) or any(isinstance(p, str) for p in body["prompt"])
+    ids, from_text = _validated_completion(instance, body)
     request_id = "cmpl-" + _base_id(request, body)
     rendered = _generate_request(instance, body, ids, request_id, chat=False, from_text=from_text)
     return _json_response([rendered])

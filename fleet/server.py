@@ -180,23 +180,34 @@ def _completion_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     return instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
 
 
-async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+def _validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
+    """A chat request's prompt token ids, after the checks vLLM makes first (generate and render alike)."""
     _check_model(instance, body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-    ids = _chat_ids(instance, body)
+    return _chat_ids(instance, body)
+
+
+def _validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:
+    """A completion's prompt token ids and whether they came from text, after vLLM's first checks."""
+    _check_model(instance, body)
+    if "prompt" not in body:
+        raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
+    ids = _completion_ids(instance, body)
+    from_text = not isinstance(body["prompt"], list) or any(isinstance(p, str) for p in body["prompt"])
+    return ids, from_text
+
+
+async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    ids = _validated_chat(instance, body)
     return await _complete(request, _Generation(instance, body, ids, chat=True, from_text=True))
 
 
 async def _completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.StreamResponse:
-    _check_model(instance, body)
-    if "prompt" not in body:
-        raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
-    ids = _completion_ids(instance, body)
-    from_text = not isinstance(body["prompt"], list) or any(isinstance(p, str) for p in body["prompt"])
+    ids, from_text = _validated_completion(instance, body)
     return await _complete(request, _Generation(instance, body, ids, chat=False, from_text=from_text))
 
 

@@ -57,46 +57,68 @@ class SessionRun:
 _chunk_decoder = msgspec.json.Decoder()
 
 
+@dataclass(frozen=True)
+class Streamed:
+    instance: str  # the router's x-kvroute-instance, if any
+    prompt_tokens: int  # from the stream's usage chunk, if it had one
+
+
+async def post_stream(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: Mapping[str, str],
+    on_chunk: Callable[[dict[str, Any]], None],
+) -> Streamed | TurnOutcome:  # fmt: skip
+    """POST a streamed request and hand every SSE data chunk to on_chunk; a failure (an HTTP error, an
+    error event, a broken connection) comes back as its TurnOutcome."""
+    prompt_tokens = 0
+    try:
+        async with http.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                detail = (await response.text())[:200]
+                status: Status = "rejected" if response.status in REJECT_STATUSES else "failed"
+                return TurnOutcome(status, error=f"HTTP {response.status}: {detail}")
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = _chunk_decoder.decode(line[6:])
+                if "error" in chunk:
+                    return TurnOutcome("failed", error=str(chunk["error"].get("message")))
+                usage = chunk.get("usage")
+                if usage:
+                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                on_chunk(chunk)
+            return Streamed(response.headers.get(INSTANCE_HEADER, ""), prompt_tokens)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return TurnOutcome("failed", error=type(exc).__name__)
+    except msgspec.DecodeError:
+        return TurnOutcome("failed", error="malformed SSE chunk")
+
+
 async def stream_chat(
     http: aiohttp.ClientSession, base_url: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[TurnOutcome, str]:
     """One streamed chat completion: TTFT is the time to the first chunk carrying content."""
     started = time.perf_counter()
     first_chunk = first_content = 0.0
-    prompt_tokens = 0
     text: list[str] = []
-    try:
-        async with http.post(f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
-            if response.status != 200:
-                detail = (await response.text())[:200]
-                status: Status = "rejected" if response.status in REJECT_STATUSES else "failed"
-                return TurnOutcome(status, error=f"HTTP {response.status}: {detail}"), ""
-            instance = response.headers.get(INSTANCE_HEADER, "")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = _chunk_decoder.decode(line[6:])
-                if "error" in chunk:
-                    return TurnOutcome("failed", error=str(chunk["error"].get("message"))), ""
-                usage = chunk.get("usage")
-                if usage:
-                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                for choice in chunk.get("choices") or ():
-                    now = time.perf_counter() - started
-                    first_chunk = first_chunk or now
-                    content = (choice.get("delta") or {}).get("content") or ""
-                    if content:
-                        first_content = first_content or now
-                        text.append(content)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return TurnOutcome("failed", error=type(exc).__name__), ""
-    except msgspec.DecodeError:
-        return TurnOutcome("failed", error="malformed SSE chunk"), ""
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        nonlocal first_chunk, first_content
+        for choice in chunk.get("choices") or ():
+            now = time.perf_counter() - started
+            first_chunk = first_chunk or now
+            content = (choice.get("delta") or {}).get("content") or ""
+            if content:
+                first_content = first_content or now
+                text.append(content)
+
+    streamed = await post_stream(http, f"{base_url}/v1/chat/completions", body, headers, on_chunk)
+    if isinstance(streamed, TurnOutcome):
+        return streamed, ""
     ttft = first_content or first_chunk  # a reply of tokens that decode to nothing still has a first chunk
     if not ttft:
         return TurnOutcome("failed", error="stream ended without a chunk"), ""
     e2e = time.perf_counter() - started
-    return TurnOutcome("ok", ttft, e2e, prompt_tokens, instance), "".join(text)
+    return TurnOutcome("ok", ttft, e2e, streamed.prompt_tokens, streamed.instance), "".join(text)
 
 
 async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 
-from kvroute.agent_sessions import REJECT_STATUSES, SessionRun, Status, TurnOutcome
+from kvroute.agent_sessions import SessionRun, TurnOutcome, post_stream
 from kvroute.tinymodel import VOCAB_SIZE
 from kvroute.traces import MOONCAKE_TRACE, Trace, TraceRequest, agentic_trace, load_trace
-from router.proxy import INSTANCE_HEADER, SESSION_HEADER
+from router.proxy import SESSION_HEADER
 
 # Token ids of the tiny model's vocabulary with the special tokens (0-2) left out.
 VOCABULARY = range(3, VOCAB_SIZE)
@@ -97,7 +96,6 @@ class ReplayRun(SessionRun):
     late_s: float = 0.0  # how far behind schedule the slowest send was (client saturation)
 
 
-_decoder = msgspec.json.Decoder()
 
 
 async def stream_completion(
@@ -105,32 +103,18 @@ async def stream_completion(
 ) -> TurnOutcome:
     """One streamed completion; TTFT runs from ``start`` to the first chunk with a choice."""
     ttft = 0.0
-    prompt_tokens = 0
-    try:
-        async with http.post(f"{base_url}/v1/completions", json=body, headers=headers) as response:
-            if response.status != 200:
-                detail = (await response.text())[:200]
-                status: Status = "rejected" if response.status in REJECT_STATUSES else "failed"
-                return TurnOutcome(status, error=f"HTTP {response.status}: {detail}")
-            instance = response.headers.get(INSTANCE_HEADER, "")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = _decoder.decode(line[6:])
-                if "error" in chunk:
-                    return TurnOutcome("failed", error=str(chunk["error"].get("message")))
-                if chunk.get("choices") and not ttft:
-                    ttft = time.perf_counter() - start
-                usage = chunk.get("usage")
-                if usage:
-                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return TurnOutcome("failed", error=type(exc).__name__)
-    except msgspec.DecodeError:
-        return TurnOutcome("failed", error="malformed SSE chunk")
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        nonlocal ttft
+        if chunk.get("choices") and not ttft:
+            ttft = time.perf_counter() - start
+
+    streamed = await post_stream(http, f"{base_url}/v1/completions", body, headers, on_chunk)
+    if isinstance(streamed, TurnOutcome):
+        return streamed
     if not ttft:
         return TurnOutcome("failed", error="stream ended without a chunk")
-    return TurnOutcome("ok", ttft, time.perf_counter() - start, prompt_tokens, instance)
+    return TurnOutcome("ok", ttft, time.perf_counter() - start, streamed.prompt_tokens, streamed.instance)
 
 
 async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:

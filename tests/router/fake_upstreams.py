@@ -9,13 +9,22 @@ from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 
-from kvroute.processes import free_port_block
+from kvroute.processes import FleetPorts, free_port_block
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def healthy(request: web.Request) -> web.Response:
     return web.Response()
+
+
+def first_in_config(fleet: FleetPorts, name: str, port: int, **extra: object) -> dict[str, object]:
+    """The fleet's router configuration with the fake instance name on port put first."""
+    config = fleet.router_config(**extra)
+    instances = config["instances"]
+    assert isinstance(instances, list)
+    instances.insert(0, {"name": name, "url": f"http://127.0.0.1:{port}"})
+    return config
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, running_router
 from router.circuit_breaker import CircuitBreaker
 from tests.conftest import metric
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import first_in_config, healthy, serving
 from tests.router.test_proxy import post
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
@@ -69,11 +69,7 @@ def refusing_upstream() -> Iterator[int]:
 
 
 def _router_config(fleet: FleetPorts, name: str, port: int) -> dict[str, object]:
-    config = fleet.router_config(circuit_breaker={"failures": 3, "open_s": 60})
-    instances = config["instances"]
-    assert isinstance(instances, list)
-    instances.insert(0, {"name": name, "url": f"http://127.0.0.1:{port}"})
-    return config
+    return first_in_config(fleet, name, port, circuit_breaker={"failures": 3, "open_s": 60})
 
 
 def test_an_instance_answering_5xx_is_cut_off_after_consecutive_failures(

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from kvroute.processes import FleetPorts, running_router
 from tests.conftest import metric
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import first_in_config, healthy, serving
 from tests.router.test_proxy import post
 
 STREAM = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
@@ -58,18 +58,10 @@ def stalls_after_first_chunk() -> Iterator[int]:
         yield port
 
 
-def _with(fleet: FleetPorts, name: str, port: int, **extra: object) -> dict[str, object]:
-    config = fleet.router_config(**extra)
-    instances = config["instances"]
-    assert isinstance(instances, list)
-    instances.insert(0, {"name": name, "url": f"http://127.0.0.1:{port}"})
-    return config
-
-
 def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere(
     dies_before_first_chunk: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
-    with running_router(_with(fleet, "dying", dies_before_first_chunk), tmp_path) as url:
+    with running_router(first_in_config(fleet, "dying", dies_before_first_chunk), tmp_path) as url:
         for _ in range(4):  # round robin: the dying instance is tried first at least once
             status, headers, payload = post(url + "/v1/completions", STREAM, ROUND_ROBIN)
             assert status == 200
@@ -82,7 +74,7 @@ def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere
 def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
     stalls_after_first_chunk: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
-    config = _with(fleet, "stalling", stalls_after_first_chunk, upstream={"stream_idle_timeout_s": 0.5})
+    config = first_in_config(fleet, "stalling", stalls_after_first_chunk, upstream={"stream_idle_timeout_s": 0.5})
     config["default_policy"] = "round-robin"
     with running_router(config, tmp_path) as url:
         started = time.monotonic()
