@@ -39,6 +39,11 @@ class CircuitBreaker:
         if self.opened_at is not None:
             self.probing = True
 
+    def abandoned(self) -> None:
+        """The request ended without telling anything about the instance (the client left, the router is
+        shutting down): a probe's slot is free again."""
+        self.probing = False
+
     def succeeded(self) -> None:
         self.consecutive, self.opened_at, self.probing = 0, None, False
 

@@ -306,6 +306,8 @@ class Proxy:
         self._end(decision, prefilling=True)
         if failed:
             self._breaker_failed(decision.instance)
+        else:
+            decision.instance.breaker.abandoned()
 
     def _breaker_failed(self, instance: Instance) -> None:
         if instance.breaker.failed():
@@ -362,8 +364,8 @@ class Proxy:
         self._admission.leave()
         routed.upstream.release()
         self._end(routed.decision, routed.prefilling)
-        if routed.cut:
-            pass  # the router ended it: says nothing about the instance
+        if routed.cut:  # the router ended it: says nothing about the instance
+            routed.instance.breaker.abandoned()
         elif routed.broken or routed.upstream.status >= 500:
             self._breaker_failed(routed.instance)
         else:  # a 4xx is the client's problem, not the instance's
