@@ -66,12 +66,10 @@ class Fleet:
 
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Instance]:
         """Healthy instances serving model whose circuit breaker lets a request through, in configuration
-        order."""
-        return [
-            i
-            for i in self._by_model.get(model, ())
-            if i.healthy and i.name not in exclude and i.breaker.allows()
-        ]
+        order. When every healthy one's breaker is open the breakers step aside (as Envoy's panic mode): a
+        client whose requests make every engine fail must not black out the model for everyone."""
+        healthy = [i for i in self._by_model.get(model, ()) if i.healthy and i.name not in exclude]
+        return [i for i in healthy if i.breaker.allows()] or healthy
 
     def served_models(self) -> list[str]:
         return [m for m in self.models if self._by_model[m]]

@@ -10,7 +10,6 @@ of a replayed batch, and is ignored.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,10 +106,11 @@ class KVEventSubscriber:
                 if numbered is not None:
                     await self._accept(*numbered, live=True)
         finally:
-            reconnecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reconnecting
-            sub.close(linger=0)
+            try:
+                reconnecting.cancel()
+                await asyncio.gather(reconnecting, return_exceptions=True)
+            finally:
+                sub.close(linger=0)
 
     async def _reconnect_when_dropped(self, sub: zmq.asyncio.Socket) -> None:
         """libzmq drops a connection that sends a message over MAXMSGSIZE and never reconnects it (a protocol
@@ -120,8 +120,11 @@ class KVEventSubscriber:
             while True:
                 await monitor.recv_multipart()
                 log.info("KV events connection to %s dropped; connecting again", self.instance)
-                sub.disconnect(self._endpoint)
-                sub.connect(self._endpoint)
+                try:
+                    sub.disconnect(self._endpoint)
+                    sub.connect(self._endpoint)
+                except zmq.ZMQError as exc:  # the socket goes on as libzmq left it; the next drop retries
+                    log.warning("could not reconnect to %s's KV events: %s", self.instance, exc)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)

@@ -81,6 +81,7 @@ class _Routed:
     cut: bool = False  # ended by the router (shutting down), not by the instance
     first: bytes = b""  # a stream's first chunk, or the whole answer
     attempts: int = 1
+    probe: bool = False  # the instance's half-open circuit breaker let it through as its probe
 
     @property
     def instance(self) -> Instance:
@@ -130,6 +131,7 @@ class Proxy:
         self.policies, self.traffic, self.traffic_config = policies, traffic, traffic_config
         self.ab = ABStats()
         self._streams: set[_Routed] = set()  # being relayed to clients
+        self._closing = False  # shutting down: streams still starting end at once
         self._retry_budget = RetryBudget()
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
@@ -237,7 +239,7 @@ class Proxy:
             decision = self._router.decide(prepared, policy, candidates)
             instance = decision.instance
             started = time.perf_counter()
-            self._start(decision)
+            probe = self._start(decision)
             upstream: aiohttp.ClientResponse | None = None
             try:
                 upstream = await self._session.post(
@@ -246,7 +248,7 @@ class Proxy:
                 first = await _first_bytes(upstream, stream)
             except aiohttp.ClientConnectorError:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
-                self._abandon(decision, upstream)
+                self._abandon(decision, upstream, probe)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
@@ -254,7 +256,7 @@ class Proxy:
             except _DROPPED as exc:
                 # Sent, but the instance went away before its first byte (it died or restarted): the client
                 # has had nothing yet, so another instance may serve it, within the retry budget.
-                self._abandon(decision, upstream)
+                self._abandon(decision, upstream, probe)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 self._health.mark_unreachable(instance)
@@ -267,23 +269,28 @@ class Proxy:
                 continue
             except (TimeoutError, aiohttp.ClientError) as exc:
                 # Timed out or answered badly: it may still be running there, so it is not sent again.
-                self._abandon(decision, upstream)
+                self._abandon(decision, upstream, probe)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "response"
                 self._metrics.upstream_errors(instance.name, kind).inc()
                 self.ab.failed(policy.name)
                 raise upstream_failed(instance.name, exc) from exc
             except BaseException:
-                self._abandon(decision, upstream, failed=False)
+                self._abandon(decision, upstream, probe, failed=False)
                 raise
             routed = _Routed(
-                decision, policy, upstream, started, streamed=stream, first=first, attempts=len(tried) + 1
-            )
-            if stream:
-                self._first_byte(routed)
-            elif decision.uncached_tokens:
-                # No first byte before the end of a whole answer: its prefill retires when the instance's
-                # TTFT model expects its first token instead.
-                asyncio.get_running_loop().call_later(decision.predicted_ttft_s, self._prefilled, routed)
+                decision, policy, upstream, started, streamed=stream, first=first, attempts=len(tried) + 1,
+                probe=probe,
+            )  # fmt: skip
+            try:
+                if stream:
+                    self._first_byte(routed)
+                elif decision.uncached_tokens:
+                    # No first byte before the end of a whole answer: its prefill retires when the instance's
+                    # TTFT model expects its first token instead.
+                    asyncio.get_running_loop().call_later(decision.predicted_ttft_s, self._prefilled, routed)
+            except BaseException:
+                self._abandon(decision, upstream, probe, failed=False)
+                raise
             return routed
         if dropped is not None:
             self.ab.failed(policy.name)
@@ -297,7 +304,7 @@ class Proxy:
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
 
     def _abandon(
-        self, decision: Decision, upstream: aiohttp.ClientResponse | None, failed: bool = True
+        self, decision: Decision, upstream: aiohttp.ClientResponse | None, probe: bool, failed: bool = True
     ) -> None:
         """A request that never reached the client: free what it held; failed: count it against the
         instance's circuit breaker."""
@@ -305,22 +312,23 @@ class Proxy:
             upstream.close()  # not released to the pool: the engine must see the connection go (abort)
         self._end(decision, prefilling=True)
         if failed:
-            self._breaker_failed(decision.instance)
+            self._breaker_failed(decision.instance, probe)
         else:
-            decision.instance.breaker.abandoned()
+            decision.instance.breaker.abandoned(probe)
 
-    def _breaker_failed(self, instance: Instance) -> None:
-        if instance.breaker.failed():
+    def _breaker_failed(self, instance: Instance, probe: bool) -> None:
+        if instance.breaker.failed(probe):
             failures = instance.breaker.failures
             log.warning("circuit breaker for %s opened after %d failures in a row", instance.name, failures)
             self._metrics.circuit_opens(instance.name).inc()
             self._metrics.circuit_open(instance.name).set(1)
 
-    def _breaker_succeeded(self, instance: Instance) -> None:
-        if instance.breaker.opened_at is not None:
+    def _breaker_succeeded(self, instance: Instance, probe: bool) -> None:
+        if probe:
             log.info("circuit breaker for %s closed: a probe request succeeded", instance.name)
-        instance.breaker.succeeded()
-        self._metrics.circuit_open(instance.name).set(0)
+        instance.breaker.succeeded(probe)
+        if instance.breaker.opened_at is None:
+            self._metrics.circuit_open(instance.name).set(0)
 
     async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
         """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
@@ -328,6 +336,9 @@ class Proxy:
         self._streams.add(routed)
         try:
             yield routed.first
+            if self._closing:  # its first chunk came after end_streams
+                routed.cut = True
+                routed.upstream.close()
             while True:
                 async with asyncio.timeout(idle_s):
                     chunk = await content.readany()
@@ -353,6 +364,7 @@ class Proxy:
     def end_streams(self) -> None:
         """Shutting down: end every stream still relayed with an error event and [DONE], now, rather than
         have the server cut the connections without notice."""
+        self._closing = True
         for routed in list(self._streams):
             routed.cut = True
             routed.upstream.close()  # the relay's read fails at once; the engine aborts the request
@@ -364,12 +376,14 @@ class Proxy:
         self._admission.leave()
         routed.upstream.release()
         self._end(routed.decision, routed.prefilling)
-        if routed.cut:  # the router ended it: says nothing about the instance
-            routed.instance.breaker.abandoned()
-        elif routed.broken or routed.upstream.status >= 500:
-            self._breaker_failed(routed.instance)
-        else:  # a 4xx is the client's problem, not the instance's
-            self._breaker_succeeded(routed.instance)
+        status_code = routed.upstream.status
+        if (routed.broken and not routed.cut) or status_code >= 500:
+            self._breaker_failed(routed.instance, routed.probe)
+        elif routed.cut or status_code >= 400:
+            # Ended by the router, or the client's mistake: nothing learnt about the instance.
+            routed.instance.breaker.abandoned(routed.probe)
+        else:
+            self._breaker_succeeded(routed.instance, routed.probe)
         status = str(routed.upstream.status)
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, status).inc()
@@ -381,14 +395,16 @@ class Proxy:
             decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
         )  # fmt: skip
 
-    def _start(self, decision: Decision) -> None:
+    def _start(self, decision: Decision) -> bool:
+        """Count the request against its instance; True when it is the instance's circuit-breaker probe."""
         instance = decision.instance
-        instance.breaker.sent()
+        probe = instance.breaker.sent()
         instance.in_flight += 1
         instance.active_tokens += decision.prompt_tokens
         instance.pending_prefill_tokens += decision.uncached_tokens
         self._metrics.in_flight(instance.name).set(instance.in_flight)
         self._metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
+        return probe
 
     def _first_byte(self, routed: _Routed, decoded_tokens: int | None = None) -> None:
         """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown)."""

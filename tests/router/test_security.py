@@ -62,6 +62,13 @@ class Listener(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         self.join(5)
+        self.sock.setblocking(False)
+        while True:  # connections still in the backlog count too
+            try:
+                self.sock.accept()[0].close()
+            except BlockingIOError:
+                break
+            self.accepted += 1
         self.sock.close()
 
 
