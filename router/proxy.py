@@ -376,22 +376,21 @@ class Proxy:
         self._admission.leave()
         routed.upstream.release()
         self._end(routed.decision, routed.prefilling)
-        status_code = routed.upstream.status
-        if (routed.broken and not routed.cut) or status_code >= 500:
+        status = routed.upstream.status
+        if (routed.broken and not routed.cut) or status >= 500:
             self._breaker_failed(routed.instance, routed.probe)
-        elif routed.cut or status_code >= 400:
+        elif routed.cut or status >= 400:
             # Ended by the router, or the client's mistake: nothing learnt about the instance.
             routed.instance.breaker.abandoned(routed.probe)
         else:
             self._breaker_succeeded(routed.instance, routed.probe)
-        status = str(routed.upstream.status)
         policy = routed.policy.name
-        self._metrics.requests(policy, routed.instance.name, status).inc()
+        self._metrics.requests(policy, routed.instance.name, str(status)).inc()
         elapsed = time.perf_counter() - routed.started
         self._metrics.e2e(policy).observe(elapsed)
         decision = routed.decision
         self.ab.finished(
-            policy, routed.instance.name, 502 if routed.broken else routed.upstream.status, elapsed,
+            policy, routed.instance.name, 502 if routed.broken else status, elapsed,
             decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
         )  # fmt: skip
 
