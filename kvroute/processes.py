@@ -46,6 +46,15 @@ class Child:
                 self.process.wait(timeout_s)
         stop_group(self.process.pid, timeout_s)
 
+    def wait(self, timeout_s: float) -> int:
+        """Its exit code; one still running after timeout_s is stopped, its whole group, and the timeout
+        raised."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+
     def log_tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])

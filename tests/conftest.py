@@ -49,12 +49,21 @@ def instance_url(ports: FleetPorts, index: int) -> str:
     return f"http://127.0.0.1:{ports.http + index}"
 
 
-def metric(base_url: str, name: str, **labels: str) -> float:
-    """The value of the sample called name (counters end in _total) with labels, from base_url/metrics."""
+def sample(base_url: str, name: str, **labels: str) -> float | None:
+    """The value of the sample called name (counters end in _total) with labels, from base_url/metrics; None
+    when there is none (a labelled metric not touched yet)."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
         text = response.read().decode()
     for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    raise AssertionError(f"no sample {name} with {labels} at {base_url}")
+        for found in family.samples:
+            if found.name == name and all(found.labels.get(k) == v for k, v in labels.items()):
+                return float(found.value)
+    return None
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The value of the sample called name with labels; fails the test when there is none."""
+    value = sample(base_url, name, **labels)
+    if value is None:
+        raise AssertionError(f"no sample {name} with {labels} at {base_url}")
+    return value

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,11 +91,7 @@ def test_command_starts_its_own_fleet(tmp_path: Path) -> None:
     args = ["bench", "live", "--fleet", "2", "--targets", "kvroute:round-robin,kvroute", "--sessions", "2",
             "--turns", "2", "--max-tokens", "4", "--time-limit", "30", "--out", str(out)]  # fmt: skip
     child = start("bench-live", args, tmp_path)
-    try:
-        code = child.process.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        child.stop()
-        raise
+    code = child.wait(180)
     assert code == 0, child.log_tail()
     results = json.loads(out.read_text())["targets"]
     assert [(r["target"], r["sent"], r["ok"]) for r in results] == [
@@ -112,11 +107,7 @@ def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
     args = ["bench", "live", "--fleet", "2", "--trace", "agentic", "--requests", "16", "--rate", "20",
             "--max-tokens", "4", "--time-limit", "30", "--out", str(out)]  # fmt: skip
     child = start("bench-live-trace", args, tmp_path)
-    try:
-        code = child.process.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        child.stop()
-        raise
+    code = child.wait(300)
     assert code == 0, child.log_tail()
     written = json.loads(out.read_text())
     workload = written["workload"]

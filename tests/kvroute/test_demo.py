@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from kvroute.processes import start
@@ -10,11 +9,7 @@ from kvroute.processes import start
 
 def test_demo_reports_every_policy(tmp_path: Path) -> None:
     child = start("demo", ["demo", "--sessions", "3", "--turns", "2", "--instances", "2"], tmp_path)
-    try:
-        code = child.process.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        child.stop()
-        raise
+    code = child.wait(180)
     output = child.log_path.read_text()
     assert code == 0, output
     policies, ab = output.split("A/B on live traffic")

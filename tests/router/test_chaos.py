@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from kvroute.processes import Child, FleetPorts, running_router, start, wait_healthy
-from tests.conftest import metric
+from tests.conftest import metric, sample
 
 INSTANCES = 3
 KILLED, LOSSY = 1, 2  # fleet-1 is killed and restarted; fleet-2 drops event batches throughout
@@ -125,10 +125,8 @@ def cached_on_instance(ports: FleetPorts, index: int) -> int:
 
 
 def indexed_for(router_url: str, index: int) -> int:
-    try:
-        return int(metric(router_url, "kvroute_index_blocks", instance=f"fleet-{index}", tier="gpu"))
-    except AssertionError:  # no entries at all
-        return 0
+    blocks = sample(router_url, "kvroute_index_blocks", instance=f"fleet-{index}", tier="gpu")
+    return int(blocks or 0)  # no sample: no entries at all
 
 
 def seconds_to_converge(router_url: str, ports: FleetPorts, index: int, limit_s: float) -> float | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import metric
+from tests.conftest import metric, sample
 from tests.router.test_grafana_dashboard import CHARTS, EXPORTED, metric_names
 from tests.router.test_proxy import post
 
@@ -47,17 +47,10 @@ def traffic(router_url: str) -> list[Served]:
     # KV events and the end of a relayed stream are recorded after the client has its answer.
     for instance in {s.instance for s in served}:
         _eventually(
-            lambda i=instance: _value(router_url, "kvroute_kv_events_total", instance=i, type="BlockStored")
+            lambda i=instance: sample(router_url, "kvroute_kv_events_total", instance=i, type="BlockStored")
         )
-        _eventually(lambda i=instance: _value(router_url, "kvroute_instance_in_flight", instance=i) == 0)
+        _eventually(lambda i=instance: sample(router_url, "kvroute_instance_in_flight", instance=i) == 0)
     return served
-
-
-def _value(url: str, name: str, **labels: str) -> float | None:
-    try:
-        return metric(url, name, **labels)
-    except AssertionError:
-        return None
 
 
 def _eventually(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
