@@ -13,6 +13,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from fleet.cache_config import cache_config_labels
 from fleet.engine import Engine
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
@@ -281,6 +282,12 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
             counter.add_metric(labels, value)
             yield counter
+        config = cache_config_labels(engine.pool.num_blocks, engine.pool.block_size)
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(config)
+        )
+        cache.add_metric(list(config.values()), 1.0)
+        yield cache
         success = CounterMetricFamily(
             "vllm:request_success", "finished requests", labels=["engine", "finished_reason", "model_name"]
         )

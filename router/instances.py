@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.circuit_breaker import CircuitBreaker
 from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig
+from router.context_hold import ContextHold
 from scorers.base import EngineLoad
 from scorers.ttft_model import TTFTModel, TTFTPriors
 
@@ -17,12 +20,38 @@ class Instance:
     models: frozenset[str]
     healthy: bool = True
     in_flight: int = 0
-    active_tokens: int = 0
     pending_prefill_tokens: int = 0
     load: EngineLoad | None = None
+    kv_capacity_tokens: int | None = None  # from the engine's vllm:cache_config_info once scraped
     failed_checks: int = 0
     ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    clock: Callable[[], float] = time.monotonic
+    contexts: ContextHold = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.contexts = ContextHold(self.clock)
+
+    @property
+    def active_tokens(self) -> int:
+        """Prompt tokens of the requests in flight here."""
+        return self.contexts.tokens
+
+    @property
+    def context_hold_s(self) -> float | None:
+        return self.contexts.seconds
+
+    def start(self, prompt_tokens: int, uncached_tokens: int) -> None:
+        """A request was sent here: its context is held and its uncached tokens queue for prefill."""
+        self.in_flight += 1
+        self.contexts.add(prompt_tokens)
+        self.pending_prefill_tokens += uncached_tokens
+
+    def end(self, prompt_tokens: int, still_prefilling_tokens: int = 0) -> None:
+        """A request sent here is over (answered, failed or refused)."""
+        self.in_flight -= 1
+        self.contexts.release(prompt_tokens)
+        self.pending_prefill_tokens -= still_prefilling_tokens
 
     @classmethod
     def from_config(cls, config: InstanceConfig, router: RouterConfig) -> Instance:

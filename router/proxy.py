@@ -398,9 +398,7 @@ class Proxy:
         """Count the request against its instance; True when it is the instance's circuit-breaker probe."""
         instance = decision.instance
         probe = instance.breaker.sent()
-        instance.in_flight += 1
-        instance.active_tokens += decision.prompt_tokens
-        instance.pending_prefill_tokens += decision.uncached_tokens
+        instance.start(decision.prompt_tokens, decision.uncached_tokens)
         self._metrics.in_flight(instance.name).set(instance.in_flight)
         self._metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
         return probe
@@ -435,10 +433,7 @@ class Proxy:
 
     def _end(self, decision: Decision, prefilling: bool) -> None:
         instance = decision.instance
-        instance.in_flight -= 1
-        instance.active_tokens -= decision.prompt_tokens
-        if prefilling:
-            instance.pending_prefill_tokens -= decision.uncached_tokens
+        instance.end(decision.prompt_tokens, decision.uncached_tokens if prefilling else 0)
         self._metrics.in_flight(instance.name).set(instance.in_flight)
 
 

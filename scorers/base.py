@@ -37,6 +37,16 @@ class Candidate(Protocol):
         ...
 
     @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens its KV cache holds (the engine's vllm:cache_config_info); None until known."""
+        ...
+
+    @property
+    def context_hold_s(self) -> float | None:
+        """How long a context token stays there, dispatch to last token (measured); None until known."""
+        ...
+
+    @property
     def load(self) -> EngineLoad | None:
         """The engine's own view from its /metrics; None until scraped or once stale."""
         ...

@@ -4,6 +4,13 @@
          + queue rate   x uncached prompt tokens of requests still prefilling there (the wait)
          + prefill rate x this prompt's tokens in neither its cache nor the pool (computed)
          + load rate    x this prompt's tokens it loads from the pool or its CPU tier (transferred)
+         + memory factor x the wait for KV memory, in seconds (admission)
+
+The last term is what long contexts cost: an engine admits a request only when its context fits in the KV
+cache beside those already there. With C tokens of KV capacity, A context tokens in flight and a prompt of P,
+A + P - C tokens have to leave first; contexts leave at A / H tokens a second, H being how long a context
+token stays (measured, router/context_hold.py), so the wait is H x (A + P - C) / A. Its factor is not
+calibrated: when memory frees up depends on when other requests finish, which no linear term describes.
 
 Each instance has its own rates: hardware, model and parallelism differ across a fleet. They start from the
 configured priors and follow observations by exponentially weighted least squares on relative error (a
@@ -22,11 +29,11 @@ from pydantic import Field
 
 from scorers.base import NO_MATCH, Candidate, Params, RoutingRequest, TierMatch
 
-TERMS = ("overhead", "queue", "prefill", "load", "decode")
+TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode")
 # Typical size of each feature: the priors count as prior_weight observations of this size, of the TTFT
 # typical lately. The overhead's is larger than its feature's (1): on its own it would soak up the noise of
 # the first few observations.
-_SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 64.0])
+_SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 0.25, 64.0])
 _SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
 # The sums take every observation, the rates are solved from them on the first ones and then every this many
 # (a 5x5 solve costs more than the rest of a routing decision; rates that many requests old predict as well).
@@ -39,6 +46,9 @@ class TTFTPriors(Params):
     queue_s_per_token: float = Field(default=1e-4, ge=0, description="per token prefilling ahead of it")
     prefill_s_per_token: float = Field(default=1e-4, ge=0, description="per prompt token computed")
     load_s_per_token: float = Field(default=4e-5, ge=0, description="per prompt token loaded from the pool")
+    memory_wait_factor: float = Field(
+        default=1.0, ge=0, description="x the wait for KV memory estimated from contexts in flight (fixed)"
+    )
     decode_s_per_token: float = Field(default=0.01, ge=0, description="per generated token (calibration)")
     calibrate: bool = Field(default=True, description="follow observed TTFTs; false keeps the priors")
     memory: float = Field(default=50.0, ge=1, description="observations that weigh in, about")
@@ -47,7 +57,7 @@ class TTFTPriors(Params):
     def rates(self) -> np.ndarray:
         return np.array([
             self.overhead_s, self.queue_s_per_token, self.prefill_s_per_token, self.load_s_per_token,
-            self.decode_s_per_token,
+            self.memory_wait_factor, self.decode_s_per_token,
         ])  # fmt: skip
 
 
@@ -56,12 +66,14 @@ class TTFTFeatures:
     queued_tokens: int
     uncached_tokens: int
     loaded_tokens: int
+    memory_wait_s: float = 0.0
     decoded_tokens: int = 0  # observations of non-streamed answers only
 
     def vector(self) -> np.ndarray:
-        return np.array(
-            [1.0, self.queued_tokens, self.uncached_tokens, self.loaded_tokens, self.decoded_tokens]
-        )
+        return np.array([
+            1.0, self.queued_tokens, self.uncached_tokens, self.loaded_tokens, self.memory_wait_s,
+            self.decoded_tokens,
+        ])  # fmt: skip
 
 
 class TTFTModel:
@@ -88,10 +100,13 @@ class TTFTModel:
             + rates[1] * features.queued_tokens
             + rates[2] * features.uncached_tokens
             + rates[3] * features.loaded_tokens
+            + rates[4] * features.memory_wait_s
         )
 
     def observe(self, features: TTFTFeatures, seconds: float) -> None:
-        if not self._calibrate or seconds <= 0:
+        # A wait for memory depends on when other requests finish, which no linear term describes: such
+        # requests do not calibrate, and the memory term keeps its configured factor.
+        if not self._calibrate or seconds <= 0 or features.memory_wait_s > 0:
             return
         x = features.vector() / max(seconds, _SHORTEST_S)  # relative error: divide the equation by y
         self._gram = self._decay * self._gram + np.outer(x, x)
@@ -119,6 +134,22 @@ def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:
     return TierMatch(gpu, cpu, min(match.pool, reusable - gpu - cpu))
 
 
+def memory_wait_s(candidate: Candidate, prompt_tokens: int) -> float:
+    """How long a prompt would wait there for KV memory; 0 while its capacity or hold time is unknown.
+    Held tokens are the router's own in-flight contexts, or the engine's reported usage when that is more
+    (other clients); at most every context in flight has to leave."""
+    capacity, hold_s = candidate.kv_capacity_tokens, candidate.context_hold_s
+    if not capacity or hold_s is None:
+        return 0.0
+    held = float(candidate.active_tokens)
+    if candidate.load is not None:
+        held = max(held, candidate.load.kv_usage * capacity)
+    excess = held + prompt_tokens - capacity
+    if excess <= 0 or held <= 0:
+        return 0.0
+    return hold_s * min(excess / held, 1.0)
+
+
 def features_for(request: RoutingRequest, candidate: Candidate) -> TTFTFeatures:
     """What the request would cost there."""
     reused = reused_blocks(request, candidate.name)
@@ -127,4 +158,5 @@ def features_for(request: RoutingRequest, candidate: Candidate) -> TTFTFeatures:
         queued_tokens=candidate.pending_prefill_tokens,
         uncached_tokens=request.prompt_tokens - (reused.gpu + loaded) * request.block_size,
         loaded_tokens=loaded * request.block_size,
+        memory_wait_s=memory_wait_s(candidate, request.prompt_tokens),
     )

@@ -86,17 +86,21 @@ class TraceBlocks:
         return block_tokens(request.block_ids, self.sub_blocks, self.block_size, start, end)
 
     def ideal_hit_rate(self) -> float:
-        """Prompt tokens a single infinite shared prefix cache would serve, as a share of all prompt tokens.
+        """The share of prompt tokens a single infinite shared prefix cache would serve."""
+        total = sum(r.input_tokens for r in self.trace.requests)
+        return sum(self.ideal_hits()) / total if total else 0.0
+
+    def ideal_hits(self) -> list[int]:
+        """Each request's prompt tokens a single infinite shared prefix cache would serve.
 
         Like vLLM, whole blocks only and never the last prompt token. A trace block's engine blocks follow
         from its first one (same prefix, same hash id), so the cache is kept per trace block: the most of
         its engine blocks ever computed.
         """
         seen: dict[int, int] = {}
-        hit_tokens = total_tokens = 0
         size, per = self.block_size, self.sub_blocks
+        served = []
         for request, chain in zip(self.trace.requests, self.chains, strict=True):
-            total_tokens += request.input_tokens
             hits, counting = 0, True
             for first in range(0, len(chain), per):
                 full = min(per, len(chain) - first)
@@ -106,5 +110,5 @@ class TraceBlocks:
                     counting = known >= full
                 if full > known:
                     seen[chain[first]] = full
-            hit_tokens += min(hits, (request.input_tokens - 1) // size) * size
-        return hit_tokens / total_tokens if total_tokens else 0.0
+            served.append(min(hits, (request.input_tokens - 1) // size) * size)
+        return served

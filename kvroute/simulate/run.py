@@ -81,9 +81,7 @@ def simulate(
 
     def finish(request: SimRequest) -> None:
         nonlocal outstanding
-        instance = view.instances[request.instance]
-        instance.in_flight -= 1
-        instance.active_tokens -= request.trace.input_tokens
+        view.instances[request.instance].end(request.trace.input_tokens)
         policy.finished(request)
         done.append(request)
         outstanding -= 1
@@ -134,16 +132,12 @@ def simulate(
         request.uncached_estimate = traced.input_tokens
         request.instance = chosen = policy.route(request)
         instance = view.instances[chosen]
-        instance.in_flight += 1
-        instance.active_tokens += traced.input_tokens
-        instance.pending_prefill_tokens += request.uncached_estimate
+        instance.start(traced.input_tokens, request.uncached_estimate)
         outstanding += 1
         if not engines[chosen].enqueue(request):
             rejected += 1
             outstanding -= 1
-            instance.in_flight -= 1
-            instance.active_tokens -= traced.input_tokens
-            instance.pending_prefill_tokens -= request.uncached_estimate
+            instance.end(traced.input_tokens, request.uncached_estimate)
             policy.refused(request)
             release(request)
 

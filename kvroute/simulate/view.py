@@ -47,6 +47,8 @@ class RouterView:
                 url=f"http://{instance_name(e.number)}",
                 models=frozenset({fleet.model}),
                 ttft_model=TTFTModel(priors),
+                kv_capacity_tokens=fleet.engine.kv_tokens,
+                clock=loop.clock,
             )
             for e in engines
         ]

@@ -16,7 +16,7 @@ from aiohttp import web
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet
 from router.config import parse_config
 from router.instances import Fleet
-from router.load_scraper import LoadScraper, parse_engine_load, parse_start_time
+from router.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity, parse_start_time
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 from scorers.base import EngineLoad
@@ -218,14 +218,34 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
     return time.monotonic() - start
 
 
-def test_load_of_every_instance_is_scraped(two_instances: FleetPorts) -> None:
-    async def main() -> list[EngineLoad | None]:
+def test_load_and_kv_capacity_of_every_instance_are_scraped(two_instances: FleetPorts) -> None:
+    async def main() -> list[tuple[EngineLoad | None, int | None]]:
         fleet = Fleet(parse_config(two_instances.router_config()))
         async with aiohttp.ClientSession() as session:
             await LoadScraper(fleet, session).scrape_all()
-        return [i.load for i in fleet.instances]
+        return [(i.load, i.kv_capacity_tokens) for i in fleet.instances]
 
-    assert asyncio.run(main()) == [EngineLoad(0.0, 0.0, 0.0)] * 2
+    # the fleet's defaults: 2,048 blocks of 32 tokens
+    assert asyncio.run(main()) == [(EngineLoad(0.0, 0.0, 0.0), 2048 * 32)] * 2
+
+
+def cache_config_line(engine: int, blocks: str, block_size: str = "16") -> str:
+    return (f'vllm:cache_config_info{{block_size="{block_size}",engine="{engine}",num_gpu_blocks="{blocks}",'
+            f'num_gpu_blocks_override="1"}} 1.0')  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (captured_metrics(), 72 * 32),  # vLLM's: kv_cache_size_tokens="2304" beside it
+        (("# HELP x\n" + cache_config_line(0, "100") + "\n" + cache_config_line(1, "50") + "\n").encode(),
+         150 * 16),  # data parallel: every engine's blocks
+        (("# HELP x\n" + cache_config_line(0, "None") + "\n").encode(), None),  # before profiling
+        (exposition(), None),  # no such family
+    ],
+)
+def test_parse_kv_capacity(body: bytes, expected: int | None) -> None:
+    assert parse_kv_capacity(body) == expected
 
 
 def test_a_request_in_flight_shows_as_running_on_its_instance(two_instances: FleetPorts) -> None:

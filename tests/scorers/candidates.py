@@ -15,4 +15,6 @@ class Fake:
     pending_prefill_tokens: int = 0
     active_tokens: int = 0
     load: EngineLoad | None = None
+    kv_capacity_tokens: int | None = None
+    context_hold_s: float | None = None
     ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from scorers.base import RoutingRequest, TierMatch
+from scorers.base import EngineLoad, RoutingRequest, TierMatch
 from scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
-from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors, features_for
+from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors, features_for, memory_wait_s
 from tests.scorers.candidates import Fake
 
 TRUE_RATES = {"overhead": 0.012, "queue": 3e-4, "prefill": 2.5e-4, "load": 6e-5, "decode": 0.02}
@@ -86,6 +86,47 @@ def test_features_reuse_whole_blocks_and_never_the_last_token() -> None:
     exact = RoutingRequest("m", prompt_tokens=96, prompt_blocks=3, block_size=32, matches=request.matches)
     assert features_for(exact, Fake("b")) == TTFTFeatures(0, 32, 0)  # the last block is computed again
     assert features_for(exact, Fake("c")) == TTFTFeatures(0, 96, 0)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "prompt", "expected"),
+    [
+        (Fake("unknown capacity", active_tokens=900_000, context_hold_s=8.0), 10_000, 0.0),
+        (Fake("nothing finished yet", active_tokens=900_000, kv_capacity_tokens=400_000), 10_000, 0.0),
+        (Fake("fits", active_tokens=300_000, kv_capacity_tokens=400_000, context_hold_s=8.0), 100_000, 0.0),
+        # 50K of the 400K in flight must leave first; they leave at 400K per 8 s
+        (Fake("full", active_tokens=400_000, kv_capacity_tokens=400_000, context_hold_s=8.0), 50_000, 1.0),
+        # the engine reports more held than this router sent there (other clients)
+        (Fake("shared", active_tokens=100_000, kv_capacity_tokens=400_000, context_hold_s=8.0,
+              load=EngineLoad(0, 4, 1.0)), 50_000, 1.0),
+        # at most every context in flight has to leave
+        (Fake("overflowing", active_tokens=100_000, kv_capacity_tokens=120_000, context_hold_s=8.0), 500_000, 8.0),
+    ],
+    ids=lambda value: value.name if isinstance(value, Fake) else None,
+)
+def test_memory_wait(candidate: Fake, prompt: int, expected: float) -> None:
+    assert memory_wait_s(candidate, prompt) == pytest.approx(expected)
+
+
+def test_a_predicted_wait_for_memory_adds_to_the_ttft_and_does_not_calibrate() -> None:
+    model = TTFTModel(TTFTPriors())
+    fits, waits = TTFTFeatures(0, 1000, 0), TTFTFeatures(0, 1000, 0, memory_wait_s=2.0)
+    assert model.predict(waits) == pytest.approx(model.predict(fits) + 2.0)
+    model.observe(waits, 30.0)
+    assert model.observations == 0 and model.rates["memory"] == 1.0
+
+
+def test_a_full_instance_loses_to_loading_from_the_pool() -> None:
+    scorer = TTFTCostScorer(TTFTCostParams())
+    request = RoutingRequest("m", prompt_tokens=64_000, prompt_blocks=2000, block_size=32,
+                             matches={"roomy": TierMatch(gpu=1999), "full": TierMatch(gpu=1999),
+                                      "free": TierMatch(pool=1999)})  # fmt: skip
+    roomy = Fake("roomy", active_tokens=300_000, kv_capacity_tokens=400_000, context_hold_s=30.0)
+    full = Fake("full", active_tokens=380_000, kv_capacity_tokens=400_000, context_hold_s=30.0)
+    free = Fake("free", active_tokens=100_000, kv_capacity_tokens=400_000, context_hold_s=30.0)
+    assert scorer.score(request, [roomy, free])[0] == 1.0  # a local hit beats a 64K-token load from the pool
+    full_score, free_score = scorer.score(request, [full, free])  # until its memory is full: 3.5 s of wait
+    assert free_score == 1.0 and full_score < 0.8
 
 
 def test_the_fastest_instance_wins_local_before_pool_before_cold_until_queues_change_that() -> None:
