@@ -7,6 +7,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -25,6 +26,17 @@ def rate_for_load(blocks: TraceBlocks, fleet: FleetSpec, load: float, ideal: flo
     tokens_per_s = sum(r.input_tokens for r in requests) / max(blocks.trace.duration_s, 1e-9)
     capacity = fleet.instances * fleet.engine.prefill_tokens_per_s
     return load * capacity / (tokens_per_s * (1.0 - ideal))
+
+
+def ttft_floor(blocks: TraceBlocks, fleet: FleetSpec) -> dict[str, float]:
+    """TTFT p50 and p99 if every request ran alone on an idle instance holding everything the trace computed
+    before it (one infinite shared cache): its own prefill and nothing else. No router gets below it."""
+    engine = fleet.engine
+    seconds = [
+        (request.input_tokens - hits) / engine.prefill_tokens_per_s + engine.decode_step_s
+        for request, hits in zip(blocks.trace.requests, blocks.ideal_hits(), strict=True)
+    ]
+    return {"p50_s": float(np.percentile(seconds, 50)), "p99_s": float(np.percentile(seconds, 99))}
 
 
 def offered_load(blocks: TraceBlocks, fleet: FleetSpec, rate: float, ideal: float) -> float:
@@ -67,13 +79,16 @@ class Bench:
         base, ideal = self._prepare(trace)
         rate = rate if rate is not None else rate_for_load(base, self.fleet, load, ideal)
         blocks = _rescaled(base, rate)
+        floor = ttft_floor(base, self.fleet)
         title = (f"{trace.name}: {len(trace.requests)} requests at x{rate:.2f} "
                  f"(offered load {offered_load(base, self.fleet, rate, ideal):.2f}), {self.fleet.instances} "
-                 f"instances, pool {'on' if self.fleet.pool else 'off'}")  # fmt: skip
+                 f"instances, pool {'on' if self.fleet.pool else 'off'}; "
+                 f"TTFT floor p50 {floor['p50_s']:.2f} s, p99 {floor['p99_s']:.2f} s")  # fmt: skip
         with self._progress() as progress:
             results = self._runs("", blocks, self.fleet, ideal, progress)
         self.console.print(report.table(title, results))
         document = self._document(trace, ideal, rate=rate, load=offered_load(base, self.fleet, rate, ideal),
+                                  ttft_floor=floor,
                                   policies={r.policy: report.as_json(r) for r in results})  # fmt: skip
         report.write_json(self.out / "results.json", document)
         report.plot_policies(self.out / "simulate-policies.png", title, results)

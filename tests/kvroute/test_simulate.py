@@ -4,10 +4,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fleet.block_pool import BlockPool
 from kvroute.cli import main
+from kvroute.simulate.bench import ttft_floor
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.hardware import EngineSpec, FleetSpec, PoolSpec
 from kvroute.simulate.kv_cache import KVCache
@@ -102,6 +104,9 @@ def test_ideal_hit_rate_is_exact() -> None:
     blocks = TraceBlocks(trace, block_size=16)
     # r2: 4 blocks of r1; r3: block 1's 2 (block 4 is partial); r4: all 4, but never its last token: 3
     assert blocks.ideal_hit_rate() == pytest.approx((0 + 64 + 32 + 48) / (64 + 80 + 40 + 64))
+    assert blocks.ideal_hits() == [0, 64, 32, 48]
+    floor = ttft_floor(blocks, FleetSpec(engine=EngineSpec(prefill_tokens_per_s=1000.0, decode_step_s=0.0)))
+    assert floor["p99_s"] == pytest.approx(np.percentile([0.064, 0.016, 0.008, 0.016], 99))
     seen: set[int] = set()
     hits = 0
     for request, chain in zip(trace.requests, blocks.chains, strict=True):
@@ -163,6 +168,7 @@ def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["policies"]) == set(POLICIES) and "kvroute" in results["policies"]
+    assert 0 < results["ttft_floor"]["p50_s"] <= results["ttft_floor"]["p99_s"]
     for name, fields in results["policies"].items():
         assert set(RESULT_FIELDS) <= set(fields), name
         assert fields["rejected"] + fields["completed"] == 30
