@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import zmq.asyncio
@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
 from router.admin import admin_routes, admin_token
 from router.admission import Admission
@@ -54,7 +55,12 @@ def client_key_digests(auth: ClientAuthConfig) -> frozenset[bytes]:
     return frozenset(hashlib.sha256(key.strip().encode()).digest() for key in raw.split(",") if key.strip())
 
 
-def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
+class RouterApp(NamedTuple):
+    api: FastAPI  # every route; its state holds the proxy once the lifespan has started
+    asgi: ASGIApp  # what the server runs: the request limits and the OpenAI fast path in front of api
+
+
+def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload."""
     fleet = Fleet(config)
     metrics = RouterMetrics()
@@ -172,12 +178,6 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
         if error.status < 500 and error.status not in (401, 429):
             metrics.client_errors(str(error.code)).inc()
 
-    # Added last, so outermost: the limits apply to the fast path too.
-    app.add_middleware(OpenAIFastPath, proxy=lambda: app.state.proxy, rejected=client_error)
-    app.add_middleware(
-        RequestLimits, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
-    )
-
     async def reload() -> dict[str, Any]:
         return await app.state.reloader.reload()  # type: ignore[no-any-return]
 
@@ -234,4 +234,10 @@ def create_app(config: RouterConfig, path: Path | None = None) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=_PROMETHEUS_TEXT)
 
-    return app
+    # Outside FastAPI, whose middleware stack would wrap every request and every send; the limits apply to
+    # the fast path and to the app's routes alike.
+    fast = OpenAIFastPath(app, proxy=lambda: app.state.proxy, rejected=client_error)
+    limits = RequestLimits(
+        fast, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
+    )
+    return RouterApp(app, limits)

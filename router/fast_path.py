@@ -1,8 +1,9 @@
-"""POST /v1/chat/completions and /v1/completions straight to the proxy, past FastAPI's routing.
+"""POST /v1/chat/completions and /v1/completions straight to the proxy, past FastAPI.
 
-FastAPI's exception middleware, routing and dependency solving cost more per request than kvroute's routing
+FastAPI's middleware stack, routing and dependency solving cost more per request than kvroute's routing
 decision (py-spy, docs/bench-overhead.md). The two OpenAI routes are still declared on the app (for its
-OpenAPI schema); this middleware answers them before the router is reached.
+OpenAPI schema); this wrapper, outside the app, answers them before FastAPI sees them. Errors other than
+OpenAIError reach the server, which answers 500 as FastAPI would.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def run_server(config: RouterConfig, host: str, port: int, path: Path | None = N
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
     server_config = uvicorn.Config(
-        app,
+        app.asgi,
         host=host,
         port=port,
         loop="uvloop",
@@ -60,4 +60,4 @@ def run_server(config: RouterConfig, host: str, port: int, path: Path | None = N
         server_header=False,
         timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S,
     )
-    _GracefulServer(server_config, app, config.shutdown_grace_s).run()
+    _GracefulServer(server_config, app.api, config.shutdown_grace_s).run()
