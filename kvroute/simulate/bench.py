@@ -34,7 +34,7 @@ def ttft_floor(blocks: TraceBlocks, fleet: FleetSpec) -> dict[str, float]:
     engine = fleet.engine
     seconds = [
         (request.input_tokens - hits) / engine.prefill_tokens_per_s + engine.decode_step_s
-        for request, hits in zip(blocks.trace.requests, blocks.ideal_hits(), strict=True)
+        for request, hits in zip(blocks.trace.requests, blocks.ideal_hits, strict=True)
     ]
     return {"p50_s": float(np.percentile(seconds, 50)), "p99_s": float(np.percentile(seconds, 99))}
 

@@ -104,7 +104,7 @@ def test_ideal_hit_rate_is_exact() -> None:
     blocks = TraceBlocks(trace, block_size=16)
     # r2: 4 blocks of r1; r3: block 1's 2 (block 4 is partial); r4: all 4, but never its last token: 3
     assert blocks.ideal_hit_rate() == pytest.approx((0 + 64 + 32 + 48) / (64 + 80 + 40 + 64))
-    assert blocks.ideal_hits() == [0, 64, 32, 48]
+    assert blocks.ideal_hits == [0, 64, 32, 48]
     floor = ttft_floor(blocks, FleetSpec(engine=EngineSpec(prefill_tokens_per_s=1000.0, decode_step_s=0.0)))
     assert floor["p99_s"] == pytest.approx(np.percentile([0.064, 0.016, 0.008, 0.016], 99))
     seen: set[int] = set()
