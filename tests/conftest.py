@@ -16,6 +16,16 @@ from router.tokenization import PromptTokenizer
 INSTANCES = 3
 
 
+class ManualClock:
+    """A clock for code that takes one (clock=...): it stands still until a test sets now."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return ensure_model()

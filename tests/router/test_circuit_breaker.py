@@ -11,7 +11,7 @@ from aiohttp import web
 
 from kvroute.processes import FleetPorts, running_router
 from router.circuit_breaker import CircuitBreaker
-from tests.conftest import metric, sample
+from tests.conftest import ManualClock, metric, sample
 from tests.router.fake_upstreams import first_in_config, healthy, serving
 from tests.router.test_proxy import post
 
@@ -19,16 +19,8 @@ BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).enco
 ROUND_ROBIN = {"x-kvroute-policy": "round-robin"}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_breaker_opens_after_consecutive_failures_and_only_its_probe_decides() -> None:
-    clock = Clock()
+    clock = ManualClock()
     breaker = CircuitBreaker(failures=3, open_s=10, clock=clock)
     assert [breaker.failed(probe=False) for _ in range(2)] == [False, False]
     breaker.succeeded(probe=False)  # a success in between: the count starts again

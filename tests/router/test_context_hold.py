@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from router.context_hold import ContextHold
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.conftest import ManualClock
 
 
 def test_unknown_until_a_request_finishes() -> None:
-    clock = Clock()
+    clock = ManualClock()
     hold = ContextHold(clock)
     hold.add(1000)
     clock.now = 5.0
@@ -28,7 +21,7 @@ def test_unknown_until_a_request_finishes() -> None:
 
 def test_steady_overlapping_requests_give_their_duration() -> None:
     """A request of 2,000 tokens every second, each held 3 s: three in flight at any time."""
-    clock = Clock()
+    clock = ManualClock()
     hold = ContextHold(clock, memory=20)
     ends: list[float] = []
     for second in range(200):
@@ -45,7 +38,7 @@ def test_steady_overlapping_requests_give_their_duration() -> None:
 def test_long_contexts_weigh_by_their_tokens() -> None:
     """One 90K-token context held 10 s beside nine 1K-token ones held 1 s: memory frees at the pace of
     the long one, so the token-weighted hold is near 10 s, not the requests' mean of 1.9 s."""
-    clock = Clock()
+    clock = ManualClock()
     hold = ContextHold(clock)
     hold.add(90_000)
     for second in range(9):

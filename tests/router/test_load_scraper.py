@@ -20,6 +20,7 @@ from router.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacit
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 from scorers.base import EngineLoad
+from tests.conftest import ManualClock
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
 
@@ -106,14 +107,6 @@ class FakeEngine:
             await runner.cleanup()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.parametrize(
     ("status", "body", "hang"),
     [
@@ -125,7 +118,7 @@ class Clock:
 )
 def test_an_unusable_answer_keeps_the_last_load_until_it_is_stale(status: int, body: bytes, hang: bool) -> None:
     async def main() -> list[EngineLoad | None]:
-        engine, clock = FakeEngine(), Clock()
+        engine, clock = FakeEngine(), ManualClock(1000.0)
         async with engine.serving() as url, aiohttp.ClientSession() as session:
             fleet = one_instance_fleet(url)
             scraper = LoadScraper(fleet, session, timeout_s=0.2, stale_after_s=1.0, clock=clock)

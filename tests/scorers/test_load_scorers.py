@@ -9,6 +9,7 @@ from scorers.kv_usage import KvUsageParams, KvUsageScorer
 from scorers.queue_depth import QueueDepthParams, QueueDepthScorer
 from scorers.registry import SCORERS
 from scorers.session_affinity import SessionAffinityParams, SessionAffinityScorer
+from tests.conftest import ManualClock
 from tests.scorers.candidates import Fake
 
 REQUEST = RoutingRequest(model="m")
@@ -56,19 +57,11 @@ def test_kv_usage_scores_the_free_fraction(fractions: tuple[float | None, ...], 
     assert KvUsageScorer(KvUsageParams()).score(REQUEST, usage(*fractions)) == expected
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def session(key: str | None) -> RoutingRequest:
     return RoutingRequest(model="m", session_key=key)
 
 
-def affinity(clock: Clock, **params: float) -> SessionAffinityScorer:
+def affinity(clock: ManualClock, **params: float) -> SessionAffinityScorer:
     return SessionAffinityScorer(SessionAffinityParams.model_validate(params), clock=clock)
 
 
@@ -76,7 +69,7 @@ FLEET = [Fake("a"), Fake("b"), Fake("c")]
 
 
 def test_session_affinity_follows_the_last_choice() -> None:
-    scorer = affinity(Clock())
+    scorer = affinity(ManualClock())
     assert scorer.score(session("s1"), FLEET) == [0.0, 0.0, 0.0]  # not seen yet
     scorer.observe(session("s1"), FLEET[1])
     assert scorer.score(session("s1"), FLEET) == [0.0, 1.0, 0.0]
@@ -87,7 +80,7 @@ def test_session_affinity_follows_the_last_choice() -> None:
 
 
 def test_requests_without_a_session_key_have_no_affinity() -> None:
-    scorer = affinity(Clock())
+    scorer = affinity(ManualClock())
     scorer.observe(session(None), FLEET[0])
     assert len(scorer) == 0
     assert scorer.score(session(None), FLEET) == [0.0, 0.0, 0.0]
@@ -98,7 +91,7 @@ def test_requests_without_a_session_key_have_no_affinity() -> None:
     [(0.0, [1.0, 0.0, 0.0]), (10.0, [1.0, 0.0, 0.0]), (10.01, [0.0, 0.0, 0.0]), (1e6, [0.0, 0.0, 0.0])],
 )
 def test_session_affinity_expires_ttl_after_the_last_request(elapsed_s: float, expected: list[float]) -> None:
-    clock = Clock()
+    clock = ManualClock()
     scorer = affinity(clock, ttl_s=10)
     scorer.observe(session("s"), FLEET[0])
     clock.now += elapsed_s
@@ -106,7 +99,7 @@ def test_session_affinity_expires_ttl_after_the_last_request(elapsed_s: float, e
 
 
 def test_each_request_of_a_session_renews_its_ttl() -> None:
-    clock = Clock()
+    clock = ManualClock()
     scorer = affinity(clock, ttl_s=10)
     for _ in range(5):
         scorer.observe(session("s"), FLEET[0])
@@ -118,7 +111,7 @@ def test_each_request_of_a_session_renews_its_ttl() -> None:
 
 
 def test_the_least_recently_sent_session_is_dropped_first() -> None:
-    scorer = affinity(Clock(), max_sessions=2)
+    scorer = affinity(ManualClock(), max_sessions=2)
     scorer.observe(session("old"), FLEET[0])
     scorer.observe(session("mid"), FLEET[1])
     scorer.observe(session("old"), FLEET[0])  # now more recent than mid
