@@ -27,6 +27,7 @@ any cut token, with add_special_tokens=True, or without a cut in the text, the w
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,8 @@ import msgspec
 import xxhash
 
 from router.tokenization import PromptTokenizer
+
+log = logging.getLogger(__name__)
 
 # Kinds that transform each piece on its own, whatever precedes it in the text (tokenizers 0.19 - 0.23).
 _PIECEWISE_NORMALIZERS = frozenset({
@@ -152,6 +155,15 @@ class CachedChatTokenizer:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._cached_tokens = 0
         self.stats = TokenCacheStats()
+        self._compile_template()
+
+    def _compile_template(self) -> None:
+        """Render once now: transformers compiles the chat template on first use, ~4 ms a first request
+        would otherwise wait for."""
+        try:
+            self.tokenizer.render_chat([{"role": "user", "content": "hi"}])
+        except Exception as exc:  # a template that wants another chat: it compiled, or requests will say why
+            log.debug("rendering a one-message chat at start-up failed: %r", exc)
 
     @property
     def entries(self) -> int:
@@ -178,7 +190,7 @@ class CachedChatTokenizer:
         pattern = None if add_special_tokens else self._cut_pattern
         cuts = [match.end() for match in pattern.finditer(data)] if pattern is not None else []
         if not cuts:
-            ids = self.tokenizer.text_ids(text, add_special_tokens)
+            ids = self.tokenizer.texts_ids([text], add_special_tokens)[0]
             self.stats.tokens_encoded += len(ids)
             return ids
         keys = _prefix_keys(data, cuts)

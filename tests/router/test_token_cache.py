@@ -149,6 +149,20 @@ def test_callers_may_change_the_ids_they_get(cached: CachedChatTokenizer) -> Non
     assert cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages) and cached.stats.hits == 1
 
 
+def test_a_template_that_rejects_the_start_up_render_still_serves(model_dir: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    settings["chat_template"] = (
+        "{% if messages[0].role != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
+        "{% for m in messages %}{{ m.content }}</s>{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    cached = CachedChatTokenizer(PromptTokenizer(tmp_path))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages)
+
+
 @pytest.mark.parametrize(
     ("max_entries", "max_tokens"),
     [(1, 1_000_000), (3, 1_000_000), (50, 1_000_000), (1_000, 400), (1_000, 3_000), (8, 2_000)],
