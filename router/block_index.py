@@ -100,8 +100,9 @@ class BlockIndex:
         self._owner_by_bit: dict[int, Owner] = {}
         self._entries = 0
         self._pending: dict[int, int] = {}  # speculative: kvroute hash -> owner mask
-        self._pending_until: dict[tuple[int, int], float] = {}  # (hash, owner bit) -> latest deadline
-        self._pending_expiry: deque[tuple[float, int, int]] = deque()  # (deadline, hash, bit), in order
+        self._pending_until: dict[int, dict[int, float]] = {}  # owner bit -> hash -> latest deadline
+        # one record per speculate call, (deadline, bit, hashes), oldest first
+        self._pending_expiry: deque[tuple[float, int, list[int]]] = deque()
         # The pool's pseudo-owner: its bit is the mask of pool members (see _join_pool), so every pool entry
         # counts for all of them; entries are not refcounted, a pooled object is one object.
         self._pool = _OwnerState(bit=0)
@@ -383,27 +384,34 @@ class BlockIndex:
         self._remove(self._pool, Tier.POOL, vllm_hashes)
 
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> None:
-        """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive."""
+        """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive.
+
+        A long prompt enters thousands of blocks: one expiry record per request, deadlines keyed by the hash
+        alone (no tuple per block).
+        """
         bit = self._owner((instance, 0)).bit
         deadline = self._clock() + self._ttl
-        pending, until = self._pending, self._pending_until
-        for block in itertools.islice(chain, start, None):
+        blocks = list(itertools.islice(chain, start, None))
+        pending, until = self._pending, self._pending_until.setdefault(bit, {})
+        for block in blocks:
             pending[block] = pending.get(block, 0) | bit
-            until[block, bit] = deadline
-            self._pending_expiry.append((deadline, block, bit))
+            until[block] = deadline
+        self._pending_expiry.append((deadline, bit, blocks))
 
     def _expire(self) -> None:
-        now, expiry, pending, until = self._clock(), self._pending_expiry, self._pending, self._pending_until
+        now, expiry, pending = self._clock(), self._pending_expiry, self._pending
         while expiry and expiry[0][0] <= now:
-            _, block, bit = expiry.popleft()
-            if until.get((block, bit), 0.0) > now:  # speculated again since: the later deadline holds
-                continue
-            until.pop((block, bit), None)
-            mask = pending.get(block, 0) & ~bit
-            if mask:
-                pending[block] = mask
-            else:
-                pending.pop(block, None)
+            _, bit, blocks = expiry.popleft()
+            until, keep = self._pending_until[bit], ~bit
+            for block in blocks:
+                if until.get(block, 0.0) > now:  # speculated again since: the later deadline holds
+                    continue
+                until.pop(block, None)
+                mask = pending.get(block, 0) & keep
+                if mask:
+                    pending[block] = mask
+                else:
+                    pending.pop(block, None)
 
     # ---- observation --------------------------------------------------------------------------------
 

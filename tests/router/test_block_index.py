@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import cast
 
@@ -12,6 +13,7 @@ from router import block_hashing
 from router.block_index import BlockIndex
 from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scorers.base import TierMatch
+from tests.conftest import ManualClock
 
 BS = 4
 A, B = ("a", 0), ("b", 0)
@@ -186,6 +188,31 @@ def test_speculative_entries_count_until_they_expire() -> None:
     now[0] = 104.0
     assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
 
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_speculative_block_counts_while_its_latest_deadline_is_ahead(seed: int) -> None:
+    """Random requests and clock steps against a model: (block, instance) -> latest deadline; chains share
+    prefixes and repeat blocks, and the clock lands on deadlines exactly."""
+    rng = random.Random(seed)
+    clock = ManualClock(100.0)
+    index = BlockIndex(BS, speculative_ttl_s=2.0, clock=clock)
+    chains = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9], [7, 7, 8, 7], [1, 2], [5, 6, 1]]
+    deadlines: dict[tuple[int, str], float] = {}
+    for _ in range(300):
+        if rng.random() < 0.4:
+            clock.now += rng.choice([0.5, 1.0, 2.0])
+        chain, instance = rng.choice(chains), rng.choice("abc")
+        start = rng.randrange(len(chain) + 1)
+        index.speculate(instance, chain, start=start)
+        deadlines.update({(block, instance): clock.now + 2.0 for block in chain[start:]})
+        probe = rng.choice(chains)
+        alive = {name: [deadlines.get((block, name), 0) > clock.now for block in probe] for name in "abc"}
+        held = {name: len(list(itertools.takewhile(bool, flags))) for name, flags in alive.items()}
+        assert index.match(probe) == {name: TierMatch(gpu=n) for name, n in held.items() if n}
+    clock.now += 2.0
+    assert index.match(chains[0]) == {}
+    assert not index._pending and not any(index._pending_until.values())  # nothing left behind
 
 OTHER_TOKENS = [t + 1000 for t in TOKENS]
 
