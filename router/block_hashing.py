@@ -35,21 +35,32 @@ def chain(
 
     extra_keys, when given, holds one entry per block (None for most) mixed into that block's hash.
     """
-    count = len(token_ids) // block_size
-    full = count * block_size
-    data = array("I", token_ids if len(token_ids) == full else token_ids[:full]).tobytes()
+    data = _full_blocks(token_ids, block_size)
     step = block_size * 4
-    hashes: list[int] = []
-    append = hashes.append
     if extra_keys is not None and any(key is not None for key in extra_keys):
-        for index in range(count):
+        hashes: list[int] = []
+        for index in range(len(data) // step):
             if extra_keys[index] is not None:
                 parent = _xxh3(_pack(extra_keys[index]), parent)
             parent = _xxh3(data[index * step : (index + 1) * step], parent)
-            append(parent)
+            hashes.append(parent)
         return hashes
-    for start in range(0, full * 4, step):  # the hot loop: positional seed, bytes slices, no index
-        parent = _xxh3(data[start : start + step], parent)
+    return _chain_from(data, step, parent)
+
+
+def _full_blocks(token_ids: Sequence[int], block_size: int) -> bytes:
+    """The full blocks' token ids as uint32 bytes."""
+    data = array("I", token_ids)
+    del data[len(data) // block_size * block_size :]
+    return data.tobytes()
+
+
+def _chain_from(data: bytes, step: int, parent: int, start: int = 0) -> list[int]:
+    """The chained hashes of data's blocks of step bytes, from byte start on."""
+    hashes: list[int] = []
+    append = hashes.append
+    for offset in range(start, len(data), step):  # the hot loop: positional seed, bytes slices, no index
+        parent = _xxh3(data[offset : offset + step], parent)
         append(parent)
     return hashes
 
@@ -74,12 +85,12 @@ class ChainCache:
         count = len(token_ids) // size
         if count < stride:
             return chain(token_ids, size, root)
-        data = memoryview(array("I", token_ids[: count * size]).tobytes())
-        span = size * 4 * stride
+        data = _full_blocks(token_ids, size)  # converted once: the digests and the tail's hashes read it
+        view, span = memoryview(data), size * 4 * stride
         streaming = xxhash.xxh3_64(seed=root)
         digests = []
-        for end in range(span, count * size * 4 + 1, span):
-            streaming.update(data[end - span : end])
+        for end in range(span, len(data) + 1, span):
+            streaming.update(view[end - span : end])
             digests.append(streaming.intdigest())
         hashes: list[int] = []
         for digest in reversed(digests):
@@ -90,8 +101,7 @@ class ChainCache:
                 self._chains.move_to_end(chain_id)
                 break
         self.reused_blocks += len(hashes)
-        tail_start = len(hashes) * size
-        hashes += chain(token_ids[tail_start : count * size], size, hashes[-1] if hashes else root)
+        hashes += _chain_from(data, size * 4, hashes[-1] if hashes else root, start=len(hashes) * size * 4)
         self._remember(hashes, digests)
         return hashes
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import random
+import struct
 from typing import cast
 
 import msgspec
 import pytest
+import xxhash
 
 from router import block_hashing
 from router.block_index import BlockIndex
@@ -322,6 +324,17 @@ def test_bounded_index_stays_within_its_bound_under_random_events(bound: int) ->
         index.apply(owner, [stored(0, r.randrange(1, 10))] if r.random() < 0.7 else [removed(r.randrange(10))])
         assert 0 <= index.entries <= bound
         assert index.entries == sum(sum(sizes) for sizes in index.entries_by_owner().values())
+
+
+@pytest.mark.parametrize("length", [0, 3, 4, 13, 64, 67])
+def test_block_hashes_are_xxh3_of_uint32_ids_seeded_with_the_parent(length: int) -> None:
+    tokens = [r * 2_654_435_761 % 2**32 for r in range(length)]
+    expected, parent = [], 77
+    for start in range(0, length - BS + 1, BS):
+        parent = xxhash.xxh3_64_intdigest(struct.pack(f"<{BS}I", *tokens[start : start + BS]), parent)
+        expected.append(parent)
+    assert block_hashing.chain(tokens, BS, 77) == expected
+    assert block_hashing.ChainCache(BS, stride=2).chain(tokens, root=77) == expected
 
 
 def test_chain_cache_equals_plain_hashing_and_reuses_shared_prefixes() -> None:
