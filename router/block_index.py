@@ -100,7 +100,9 @@ class BlockIndex:
         self._owner_by_bit: dict[int, Owner] = {}
         self._entries = 0
         self._pending: dict[int, int] = {}  # speculative: kvroute hash -> owner mask
-        self._pending_until: dict[int, dict[int, float]] = {}  # owner bit -> hash -> latest deadline
+        # owner bit -> hash -> latest deadline, for blocks speculated again while pending (the rest expire
+        # with their request's record); small, so the common case touches one big map, not two
+        self._respeculated: dict[int, dict[int, float]] = {}
         # one record per speculate call, (deadline, bit, hashes), oldest first
         self._pending_expiry: deque[tuple[float, int, list[int]]] = deque()
         # The pool's pseudo-owner: its bit is the mask of pool members (see _join_pool), so every pool entry
@@ -386,27 +388,33 @@ class BlockIndex:
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> None:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive.
 
-        A long prompt enters thousands of blocks: one expiry record per request, deadlines keyed by the hash
-        alone (no tuple per block).
+        A long prompt enters thousands of blocks: one expiry record per request, and a deadline of its own
+        only for a block this instance already had pending.
         """
         bit = self._owner((instance, 0)).bit
         deadline = self._clock() + self._ttl
         blocks = list(itertools.islice(chain, start, None))
-        pending, until = self._pending, self._pending_until.setdefault(bit, {})
+        pending, later = self._pending, self._respeculated.setdefault(bit, {})
         for block in blocks:
-            pending[block] = pending.get(block, 0) | bit
-            until[block] = deadline
+            mask = pending.get(block, 0)
+            if mask & bit:
+                later[block] = deadline
+            else:
+                pending[block] = mask | bit
         self._pending_expiry.append((deadline, bit, blocks))
 
     def _expire(self) -> None:
         now, expiry, pending = self._clock(), self._pending_expiry, self._pending
         while expiry and expiry[0][0] <= now:
             _, bit, blocks = expiry.popleft()
-            until, keep = self._pending_until[bit], ~bit
+            later, keep = self._respeculated[bit], ~bit
             for block in blocks:
-                if until.get(block, 0.0) > now:  # speculated again since: the later deadline holds
-                    continue
-                until.pop(block, None)
+                if later:
+                    until = later.get(block)
+                    if until is not None:
+                        if until > now:  # speculated again since: the later deadline holds
+                            continue
+                        del later[block]
                 mask = pending.get(block, 0) & keep
                 if mask:
                     pending[block] = mask

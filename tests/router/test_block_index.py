@@ -214,7 +214,7 @@ def test_a_speculative_block_counts_while_its_latest_deadline_is_ahead(seed: int
         assert index.match(probe) == {name: TierMatch(gpu=n) for name, n in held.items() if n}
     clock.now += 2.0
     assert index.match(chains[0]) == {}
-    assert not index._pending and not any(index._pending_until.values())  # nothing left behind
+    assert not index._pending and not any(index._respeculated.values())  # nothing left behind
 
 OTHER_TOKENS = [t + 1000 for t in TOKENS]
 
