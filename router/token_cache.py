@@ -175,7 +175,12 @@ class CachedChatTokenizer:
         return self._cached_tokens
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.completion_ids(prompt, add_special_tokens)
+        """The ids PromptTokenizer.completion_ids gives, a text prompt through the batch path (no offsets:
+        half the time of a long prompt)."""
+        text_or_ids = self.tokenizer.completion_prompt(prompt)
+        if isinstance(text_or_ids, str):
+            return self.tokenizer.texts_ids([text_or_ids], add_special_tokens)[0]
+        return text_or_ids
 
     def chat_ids(
         self,

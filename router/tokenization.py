@@ -133,10 +133,17 @@ class PromptTokenizer:
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""
+        text_or_ids = self.completion_prompt(prompt)
+        if isinstance(text_or_ids, str):
+            return self.text_ids(text_or_ids, add_special_tokens)
+        return text_or_ids
+
+    def completion_prompt(self, prompt: Any) -> str | list[int]:
+        """A completions ``prompt`` as its text, or as its token ids once checked against the vocabulary."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.text_ids(prompt, add_special_tokens)
+            return prompt
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             if any(t < 0 or t >= self.vocab_size for t in prompt):
                 raise InvalidPrompt(f"prompt token ids must be in [0, {self.vocab_size})")

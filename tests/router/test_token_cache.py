@@ -143,6 +143,20 @@ def test_add_special_tokens_and_completions_are_encoded_whole(cached: CachedChat
     assert cached.completion_ids([[5, 6]]) == [5, 6]
 
 
+@pytest.mark.parametrize("add_special_tokens", [False, True])
+def test_text_completions_take_the_batch_path_to_the_same_ids(
+    cached: CachedChatTokenizer, add_special_tokens: bool
+) -> None:
+    texts = ["", "</s> <s>x</s>", "def f(x):\n    return x\n" * 300, " ".join(["cache block"] * 3000)]
+    for prompt in [*texts, *([text] for text in texts)]:
+        expected = cached.tokenizer.completion_ids(prompt, add_special_tokens)
+        assert cached.completion_ids(prompt, add_special_tokens) == expected
+    with pytest.raises(InvalidPrompt):
+        cached.completion_ids([cached.tokenizer.vocab_size])
+    with pytest.raises(InvalidPrompt):
+        cached.completion_ids(["a", "b"])
+
+
 def test_callers_may_change_the_ids_they_get(cached: CachedChatTokenizer) -> None:
     messages = [{"role": "user", "content": "hi"}]
     cached.chat_ids(messages).clear()
