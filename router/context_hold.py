@@ -37,6 +37,12 @@ class ContextHold:
         self._released = self._released * self._decay + tokens
         self._recent = 0.0
 
+    def withdraw(self, tokens: int) -> None:
+        """A request the engine refused or never got: it held no memory, so it does not count as a release
+        (at a hold of ~0 s it would pull the estimate down whenever an instance sheds load)."""
+        self._advance()
+        self.tokens -= tokens
+
     @property
     def seconds(self) -> float | None:
         """The mean time a context token stays; None until a request has finished."""

@@ -47,10 +47,14 @@ class Instance:
         self.contexts.add(prompt_tokens)
         self.pending_prefill_tokens += uncached_tokens
 
-    def end(self, prompt_tokens: int, still_prefilling_tokens: int = 0) -> None:
-        """A request sent here is over (answered, failed or refused)."""
+    def end(self, prompt_tokens: int, still_prefilling_tokens: int = 0, admitted: bool = True) -> None:
+        """A request sent here is over: answered or failed (admitted: the engine held its context), or
+        refused or never delivered."""
         self.in_flight -= 1
-        self.contexts.release(prompt_tokens)
+        if admitted:
+            self.contexts.release(prompt_tokens)
+        else:
+            self.contexts.withdraw(prompt_tokens)
         self.pending_prefill_tokens -= still_prefilling_tokens
 
     @classmethod

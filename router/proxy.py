@@ -310,7 +310,7 @@ class Proxy:
         instance's circuit breaker."""
         if upstream is not None:
             upstream.close()  # not released to the pool: the engine must see the connection go (abort)
-        self._end(decision, prefilling=True)
+        self._end(decision, prefilling=True, admitted=False)
         if failed:
             self._breaker_failed(decision.instance, probe)
         else:
@@ -375,8 +375,8 @@ class Proxy:
         routed.finished = True
         self._admission.leave()
         routed.upstream.release()
-        self._end(routed.decision, routed.prefilling)
         status = routed.upstream.status
+        self._end(routed.decision, routed.prefilling, admitted=status == 200)
         if (routed.broken and not routed.cut) or status >= 500:
             self._breaker_failed(routed.instance, routed.probe)
         elif routed.cut or status >= 400:
@@ -431,9 +431,9 @@ class Proxy:
             routed.prefilling = False
             routed.instance.pending_prefill_tokens -= routed.decision.uncached_tokens
 
-    def _end(self, decision: Decision, prefilling: bool) -> None:
+    def _end(self, decision: Decision, prefilling: bool, admitted: bool) -> None:
         instance = decision.instance
-        instance.end(decision.prompt_tokens, decision.uncached_tokens if prefilling else 0)
+        instance.end(decision.prompt_tokens, decision.uncached_tokens if prefilling else 0, admitted)
         self._metrics.in_flight(instance.name).set(instance.in_flight)
 
 

@@ -137,7 +137,7 @@ def simulate(
         if not engines[chosen].enqueue(request):
             rejected += 1
             outstanding -= 1
-            instance.end(traced.input_tokens, request.uncached_estimate)
+            instance.end(traced.input_tokens, request.uncached_estimate, admitted=False)
             policy.refused(request)
             release(request)
 

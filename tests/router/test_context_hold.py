@@ -49,3 +49,18 @@ def test_long_contexts_weigh_by_their_tokens() -> None:
     clock.now = 10.0
     hold.release(90_000)
     assert hold.seconds == pytest.approx((90_000 * 10 + 9 * 1000) / 99_000, rel=0.05)
+
+
+def test_refused_requests_leave_the_estimate_alone() -> None:
+    """Requests held 4 s each, and as many refused at once: the hold stays 4 s, the tokens in flight 0."""
+    clock = ManualClock()
+    hold = ContextHold(clock)
+    for second in range(0, 40, 4):
+        clock.now = float(second)
+        hold.add(1000)
+        hold.add(5000)
+        hold.withdraw(5000)
+        clock.now = second + 4.0
+        hold.release(1000)
+    assert hold.tokens == 0
+    assert hold.seconds == pytest.approx(4.0)
