@@ -137,6 +137,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s),
                 admission.max_in_flight_per_instance,
                 client_key_digests(config.auth),
+                admission.memory_hold_s,
             )
             load = config.load
             scraper = LoadScraper(

@@ -187,6 +187,12 @@ class AdmissionConfig(_Strict):
     )
     queue_size: int = Field(default=1024, ge=0, description="requests waiting for a slot; past it: 429")
     queue_timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a slot; past it: 429")
+    memory_hold_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="a request no instance has KV memory for waits in the router up to this long, then goes "
+        "where memory frees first (router/memory_hold.py); 0: off",
+    )
 
 
 class ClientAuthConfig(_Strict):

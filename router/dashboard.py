@@ -68,6 +68,7 @@ def _instance(instance: Instance, blocks: list[int]) -> dict[str, Any]:
         "healthy": instance.healthy,
         "in_flight": instance.in_flight,
         "active_tokens": instance.active_tokens,
+        "kv_capacity_tokens": instance.kv_capacity_tokens,
         "pending_prefill_tokens": instance.pending_prefill_tokens,
         "load": None
         if load is None

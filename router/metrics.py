@@ -62,6 +62,12 @@ class RouterMetrics:
                       "Routing time by stage: prepare (tokenize, hash, look up) and choose (score, pick)",
                       ["stage"], buckets=_DECISION_BUCKETS, registry=r)
         )  # fmt: skip
+        self.memory_hold = Family(
+            Histogram("kvroute_memory_hold_seconds",
+                      "Time requests waited in the router for an instance with KV memory for them "
+                      "(admission.memory_hold_s; not in the time to first byte)",
+                      ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        )  # fmt: skip
         self.upstream_errors = Family(
             Counter("kvroute_upstream_errors", "Failures reaching an instance, by kind",
                     ["instance", "kind"], registry=r)

@@ -29,6 +29,7 @@ from router.errors import (
 )
 from router.health import HealthChecker
 from router.instances import Fleet, Instance
+from router.memory_hold import MemoryHold
 from router.metrics import RouterMetrics
 from router.openai_body import Body, decode_body
 from router.policy import Policy
@@ -122,9 +123,12 @@ class Proxy:
         admission: Admission,
         per_instance_limit: int,
         api_keys: frozenset[bytes] = frozenset(),
+        memory_hold_s: float = 0.0,
     ) -> None:
-        """api_keys: SHA-256 digests of the clients' keys; empty: clients need none."""
+        """api_keys: SHA-256 digests of the clients' keys; empty: clients need none. memory_hold_s: see
+        router/memory_hold.py."""
         self._admission, self._per_instance_limit, self._api_keys = admission, per_instance_limit, api_keys
+        self._memory_hold: MemoryHold[asyncio.Future[None]] = MemoryHold(memory_hold_s)
         self._max_tokenized_bytes = max_tokenized_bytes
         self._fleet = fleet
         # Replaced whole by a reload or PUT /admin/traffic; a request keeps the ones it started with.
@@ -224,6 +228,9 @@ class Proxy:
         tried: set[str] = set()
         dropped: tuple[str, Exception] | None = None  # the last instance that broke off unanswered
         self._retry_budget.earn()
+        prompt_tokens = prepared.request.prompt_tokens
+        if self._memory_hold.must_wait(prompt_tokens, self._fleet.candidates(model)):
+            await self._hold_for_memory(model, prompt_tokens)
         for _ in range(self._config.attempts):
             healthy = self._fleet.candidates(model, exclude=frozenset(tried))
             candidates = [i for i in healthy if i.in_flight < self._per_instance_limit]
@@ -302,6 +309,24 @@ class Proxy:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
+
+    async def _hold_for_memory(self, model: str, prompt_tokens: int) -> None:
+        """Wait until some instance has KV memory for the prompt, or the hold's bound passes."""
+        hold, held = self._memory_hold, time.perf_counter()
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        hold.hold(released, prompt_tokens, lambda: self._fleet.candidates(model))
+        try:
+            await asyncio.wait_for(asyncio.shield(released), hold.max_hold_s)
+        except TimeoutError:
+            pass
+        finally:
+            # No await from here to the decision: a released prompt goes from granted to in flight at once.
+            if released.done():
+                hold.started(prompt_tokens)
+            else:
+                released.cancel()
+                hold.drop(released)
+            self._metrics.memory_hold(model).observe(time.perf_counter() - held)
 
     def _abandon(
         self, decision: Decision, upstream: aiohttp.ClientResponse | None, probe: bool, failed: bool = True
@@ -435,6 +460,9 @@ class Proxy:
         instance = decision.instance
         instance.end(decision.prompt_tokens, decision.uncached_tokens if prefilling else 0, admitted)
         self._metrics.in_flight(instance.name).set(instance.in_flight)
+        if len(self._memory_hold):  # memory freed up: the held requests that now fit go
+            for released in self._memory_hold.release():
+                released.set_result(None)
 
 
 class _PromptDetails(msgspec.Struct):

@@ -26,6 +26,7 @@ class SimPolicy:
 
     name = "policy"
     scrape_interval_s: float | None = None  # engine /metrics it reads, scraped this often
+    memory_hold_s = 0.0  # the router holds requests no instance has memory for (router/memory_hold.py)
 
     def bind(self, view: RouterView) -> None:
         self.view = view
@@ -97,6 +98,8 @@ class ConfiguredPolicy(SimPolicy):
         self._decide, self._include_pool, self._calibrate = decide, include_pool, calibrate
         self._lookup = lookup
         self._limit = config.admission.max_in_flight_per_instance
+        if decide:  # the proxy's own admission; peers built from scorers (llm-d) have none
+            self.memory_hold_s = config.admission.memory_hold_s
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)

@@ -60,9 +60,18 @@ def _with_kv_usage(fleet: FleetSpec) -> SimPolicy:
     return ConfiguredPolicy("kvroute+kv-usage", config, "kvroute+kv-usage")
 
 
+def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
+    """kvroute's default with requests held in the router, up to 5 s, while no instance has memory."""
+    config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors_for(fleet))
+    admission = config.admission.model_copy(update={"memory_hold_s": 5.0})
+    config = config.model_copy(update={"admission": admission})
+    return ConfiguredPolicy("kvroute+memory-hold", config, "kvroute")
+
+
 # Variants of kvroute's own configuration, run only when named: what an operator could change.
 EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-priors": _configured("kvroute-priors", "kvroute", calibrate=False),
     "token-cost": _configured("token-cost", "token-cost", calibrate=False),
     "kvroute+kv-usage": _with_kv_usage,
+    "kvroute+memory-hold": _with_memory_hold,
 }

@@ -17,6 +17,7 @@ from kvroute.simulate.policies import SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
+from router.memory_hold import MemoryHold
 from scorers.ttft_model import TTFTPriors
 
 RESULT_FIELDS = (
@@ -73,7 +74,8 @@ def simulate(
     trace = blocks.trace.requests
     done: list[SimRequest] = []
     rejected = 0
-    outstanding = 0
+    outstanding = 0  # sent and not finished, held in the router included
+    hold: MemoryHold[SimRequest] = MemoryHold(policy.memory_hold_s, loop.clock)
 
     def first_token(request: SimRequest) -> None:
         view.instances[request.instance].pending_prefill_tokens -= request.uncached_estimate
@@ -86,6 +88,10 @@ def simulate(
         done.append(request)
         outstanding -= 1
         release(request)
+        if len(hold):
+            for held in hold.release():
+                hold.started(held.trace.input_tokens)
+                dispatch(held)
 
     # An agent sends its next turn only once it has the answer to the previous one: a session's turn waits
     # for that, however early the trace has it (traces without sessions are open loop).
@@ -129,11 +135,19 @@ def simulate(
             rejected += 1
             release(request)
             return
+        outstanding += 1
+        if hold.must_wait(traced.input_tokens, view.instances):
+            hold.hold(request, traced.input_tokens, lambda: view.instances)
+            return
+        dispatch(request)
+
+    def dispatch(request: SimRequest) -> None:
+        nonlocal rejected, outstanding
+        traced = request.trace
         request.uncached_estimate = traced.input_tokens
         request.instance = chosen = policy.route(request)
         instance = view.instances[chosen]
         instance.start(traced.input_tokens, request.uncached_estimate)
-        outstanding += 1
         if not engines[chosen].enqueue(request):
             rejected += 1
             outstanding -= 1

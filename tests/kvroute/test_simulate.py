@@ -161,6 +161,35 @@ def test_a_full_queue_refuses() -> None:
     assert result.completed + result.rejected == 12
 
 
+class _Holding(_Fixed):
+    """Routes as told, with the router's memory hold on; records when each request is routed."""
+
+    memory_hold_s = 30.0
+
+    def __init__(self, *targets: int) -> None:
+        super().__init__(*targets)
+        self.routed_at: list[float] = []
+        self.finished_at: list[float] = []
+
+    def route(self, request: object) -> int:
+        self.routed_at.append(self.view.loop.now)
+        return super().route(request)
+
+    def finished(self, request: object) -> None:
+        self.finished_at.append(self.view.loop.now)
+
+
+def test_the_memory_hold_routes_a_prompt_only_once_memory_frees() -> None:
+    """One instance of 6,400 tokens: the second 4,000-token prompt waits in the router for the first."""
+    first, second, small = (tuple(range(start, start + n)) for start, n in ((0, 125), (1000, 125), (2000, 4)))
+    blocks = TraceBlocks(_trace((0.0, 4000, first), (0.001, 4000, second), (0.002, 100, small)), 16)
+    policy = _Holding(0, 0, 0)
+    result = simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
+    assert result.completed == 3 and result.rejected == 0
+    assert policy.routed_at[0] == 0.0 and policy.routed_at[1] == 0.002  # the small one fits and goes
+    assert policy.routed_at[2] >= policy.finished_at[0]  # the big one waited for the first to end
+
+
 def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
     out = tmp_path / "sim"
     code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30",

@@ -1,0 +1,85 @@
+"""Requests wait in the router while no instance has KV memory for them, then go where memory frees first.
+
+An engine admits a prompt only when its context fits beside those in flight, so a request sent to a full
+instance waits for that instance alone. Held in the router instead, it is routed when a request ends
+anywhere and some instance has room: one queue for the fleet instead of one per engine, and the decision is
+made on fresher state. A request that fits passes those that do not (first fit: in simulation, letting
+nothing pass the oldest cost more than it saved), and none is held longer than the bound, after which it is
+routed as if there were no hold. Off by default: the router counts each request's whole prompt, so prompts
+sharing a prefix overstate memory (the engine holds the shared blocks once) and the hold would wait for room
+that exists.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from router.instances import Instance
+
+T = TypeVar("T")
+Candidates = Callable[[], Sequence[Instance]]
+
+
+@dataclass(eq=False, slots=True)
+class _Held(Generic[T]):
+    item: T
+    prompt_tokens: int
+    candidates: Candidates
+    since: float
+
+
+class MemoryHold(Generic[T]):
+    def __init__(self, max_hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """max_hold_s: the longest a request is held; 0 turns the hold off."""
+        self.max_hold_s, self._clock = max_hold_s, clock
+        self._held: list[_Held[T]] = []  # in arrival order
+        self._granted = 0  # prompt tokens let go and not yet counted in flight on an instance
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def must_wait(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
+        """The hold is on and no candidate has room for this prompt now."""
+        return self.max_hold_s > 0 and not self._fits(prompt_tokens, candidates)
+
+    def hold(self, item: T, prompt_tokens: int, candidates: Candidates) -> None:
+        self._held.append(_Held(item, prompt_tokens, candidates, self._clock()))
+
+    def drop(self, item: T) -> None:
+        """item leaves without being released (its client went away, or it stopped waiting)."""
+        self._held = [held for held in self._held if held.item is not item]
+
+    def release(self) -> list[T]:
+        """The held requests that may go now, in arrival order: call it whenever a request ends. Their
+        prompts count against the room left until started() says they are in flight."""
+        now = self._clock()
+        going: list[T] = []
+        kept: list[_Held[T]] = []
+        for held in self._held:
+            if now - held.since >= self.max_hold_s or self._fits(held.prompt_tokens, held.candidates()):
+                self._granted += held.prompt_tokens
+                going.append(held.item)
+            else:
+                kept.append(held)
+        self._held = kept
+        return going
+
+    def started(self, prompt_tokens: int) -> None:
+        """A released request was counted in flight on its instance (or gave up): it no longer holds room."""
+        self._granted -= prompt_tokens
+
+    def _fits(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
+        """Some candidate's capacity, less its contexts in flight, less what was let go and is not yet in
+        flight anywhere, takes the prompt; an instance whose capacity is unknown always does."""
+        room = max(
+            (
+                i.kv_capacity_tokens - i.active_tokens if i.kv_capacity_tokens else math.inf
+                for i in candidates
+            ),
+            default=math.inf,
+        )
+        return room - self._granted >= prompt_tokens
