@@ -5,9 +5,10 @@ instance waits for that instance alone. Held in the router instead, it is routed
 anywhere and some instance has room: one queue for the fleet instead of one per engine, and the decision is
 made on fresher state. A request that fits passes those that do not (first fit: in simulation, letting
 nothing pass the oldest cost more than it saved), and none is held longer than the bound, after which it is
-routed as if there were no hold. Off by default: the router counts each request's whole prompt, so prompts
-sharing a prefix overstate memory (the engine holds the shared blocks once) and the hold would wait for room
-that exists.
+routed as if there were no hold (the proxy times each hold; the simulation, which has no timers, lets an
+expired one go at the next request's end). Off by default: the router counts each request's whole prompt,
+so prompts sharing a prefix overstate memory (the engine holds the shared blocks once) and the hold would
+wait for room that exists.
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ class MemoryHold(Generic[T]):
         return len(self._held)
 
     def must_wait(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
-        """The hold is on and no candidate has room for this prompt now."""
-        return self.max_hold_s > 0 and not self._fits(prompt_tokens, candidates)
+        """The hold is on, no candidate has room for this prompt now, and one would when empty (a prompt
+        larger than every instance's memory would only wait out the bound)."""
+        if self.max_hold_s <= 0 or self._fits(prompt_tokens, candidates):
+            return False
+        largest = max((i.kv_capacity_tokens or 0 for i in candidates), default=0)
+        return prompt_tokens <= largest
 
     def hold(self, item: T, prompt_tokens: int, candidates: Candidates) -> None:
         self._held.append(_Held(item, prompt_tokens, candidates, self._clock()))
@@ -74,7 +79,8 @@ class MemoryHold(Generic[T]):
 
     def _fits(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
         """Some candidate's capacity, less its contexts in flight, less what was let go and is not yet in
-        flight anywhere, takes the prompt; an instance whose capacity is unknown always does."""
+        flight anywhere (one tally for every instance and model: cautious, and it clears as soon as the
+        released requests start), takes the prompt; an instance whose capacity is unknown always does."""
         room = max(
             (
                 i.kv_capacity_tokens - i.active_tokens if i.kv_capacity_tokens else math.inf

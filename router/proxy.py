@@ -255,7 +255,7 @@ class Proxy:
                 first = await _first_bytes(upstream, stream)
             except aiohttp.ClientConnectorError:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
-                self._abandon(decision, upstream, probe)
+                self._abandon(decision, upstream, probe, admitted=False)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
@@ -316,7 +316,10 @@ class Proxy:
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         hold.hold(released, prompt_tokens, lambda: self._fleet.candidates(model))
         try:
-            await asyncio.wait_for(asyncio.shield(released), hold.max_hold_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns a result that came in the same turn as a
+            # cancellation, and the request would go upstream for a client that has gone.
+            async with asyncio.timeout(hold.max_hold_s):
+                await asyncio.shield(released)
         except TimeoutError:
             pass
         finally:
@@ -329,13 +332,18 @@ class Proxy:
             self._metrics.memory_hold(model).observe(time.perf_counter() - held)
 
     def _abandon(
-        self, decision: Decision, upstream: aiohttp.ClientResponse | None, probe: bool, failed: bool = True
+        self,
+        decision: Decision,
+        upstream: aiohttp.ClientResponse | None,
+        probe: bool,
+        failed: bool = True,
+        admitted: bool = True,
     ) -> None:
         """A request that never reached the client: free what it held; failed: count it against the
-        instance's circuit breaker."""
+        instance's circuit breaker; admitted: the engine may have held its context (it was sent)."""
         if upstream is not None:
             upstream.close()  # not released to the pool: the engine must see the connection go (abort)
-        self._end(decision, prefilling=True, admitted=False)
+        self._end(decision, prefilling=True, admitted=admitted)
         if failed:
             self._breaker_failed(decision.instance, probe)
         else:

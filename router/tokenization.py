@@ -71,6 +71,10 @@ class PromptTokenizer:
 
         self.path = path
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        # tokenizer.json may set truncation or padding, which transformers clears on each of its own calls and
+        # vLLM never applies to a prompt; texts_ids calls the backend directly, so it clears them once here.
+        self._tokenizer.backend_tokenizer.no_truncation()
+        self._tokenizer.backend_tokenizer.no_padding()
 
     @property
     def vocab_size(self) -> int:

@@ -88,6 +88,10 @@ def simulate(
         done.append(request)
         outstanding -= 1
         release(request)
+        release_held()
+
+    def release_held() -> None:
+        """Memory freed up: the requests held in the router that now fit go (router/memory_hold.py)."""
         if len(hold):
             for held in hold.release():
                 hold.started(held.trace.input_tokens)
@@ -154,6 +158,7 @@ def simulate(
             instance.end(traced.input_tokens, request.uncached_estimate, admitted=False)
             policy.refused(request)
             release(request)
+            release_held()
 
     interval = policy.scrape_interval_s
 

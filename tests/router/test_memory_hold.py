@@ -104,3 +104,10 @@ def test_the_proxy_holds_a_prompt_until_the_one_filling_memory_ends(tmp_path: Pa
             assert not second.is_alive()
             assert metric(url, "kvroute_memory_hold_seconds_count", model="tiny-llama") == 1
             assert metric(url, "kvroute_memory_hold_seconds_sum", model="tiny-llama") > 0.3
+
+
+def test_a_prompt_larger_than_every_instance_is_not_held() -> None:
+    fleet = [instance("a", 1_000, 900), instance("b", 2_000, 1_900)]
+    hold = MemoryHold[str](30.0)
+    assert hold.must_wait(1_500, fleet)
+    assert not hold.must_wait(2_500, fleet)  # no instance could ever take it: the engine says so at once

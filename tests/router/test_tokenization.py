@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from router.tokenization import PromptTokenizer
@@ -23,3 +27,16 @@ def test_texts_ids_equal_text_ids(tokenizer: PromptTokenizer, add_special_tokens
     assert tokenizer.texts_ids(TEXTS, add_special_tokens) == expected
     assert [tokenizer.texts_ids([text], add_special_tokens)[0] for text in TEXTS] == expected
     assert tokenizer.texts_ids([], add_special_tokens) == []
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_not_applied(model_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    path = copy / "tokenizer.json"
+    config = json.loads(path.read_text())
+    config["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    path.write_text(json.dumps(config))
+    tokenizer = PromptTokenizer(copy)
+    long_text = TEXTS[-1]
+    assert len(tokenizer.texts_ids([long_text])[0]) > 8
+    assert tokenizer.texts_ids([long_text]) == [tokenizer.text_ids(long_text)]
