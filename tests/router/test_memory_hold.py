@@ -22,6 +22,16 @@ def instance(name: str, capacity: int | None, in_flight_tokens: int = 0) -> Inst
     return made
 
 
+def holding(
+    fleet: list[Instance], max_hold_s: float, clock: ManualClock, *requests: tuple[str, int]
+) -> MemoryHold[str]:
+    """A hold with these requests (name, prompt tokens) held, in order, for fleet."""
+    hold = MemoryHold[str](max_hold_s, clock)
+    for name, tokens in requests:
+        hold.hold(name, tokens, lambda: fleet)
+    return hold
+
+
 def test_off_by_default_and_without_known_capacity() -> None:
     full = [instance("a", 1000, 1000)]
     assert not MemoryHold[str](0.0).must_wait(500, full)
@@ -32,11 +42,8 @@ def test_off_by_default_and_without_known_capacity() -> None:
 
 
 def test_a_request_that_fits_passes_those_that_do_not() -> None:
-    clock = ManualClock()
     fleet = [instance("a", 10_000, 9_000)]
-    hold = MemoryHold[str](30.0, clock)
-    hold.hold("big", 5_000, lambda: fleet)
-    hold.hold("small", 800, lambda: fleet)
+    hold = holding(fleet, 30.0, ManualClock(), ("big", 5_000), ("small", 800))
     assert hold.release() == ["small"]
     hold.started(800)
     fleet[0].start(800, 0)
@@ -47,9 +54,7 @@ def test_a_request_that_fits_passes_those_that_do_not() -> None:
 
 def test_released_prompts_count_until_they_are_in_flight() -> None:
     fleet = [instance("a", 1_000)]
-    hold = MemoryHold[str](30.0, ManualClock())
-    for name in ("first", "second"):
-        hold.hold(name, 600, lambda: fleet)
+    hold = holding(fleet, 30.0, ManualClock(), ("first", 600), ("second", 600))
     assert hold.release() == ["first"]  # the second does not fit beside it, though it is not started yet
     assert hold.release() == []
     hold.started(600)
@@ -60,10 +65,7 @@ def test_released_prompts_count_until_they_are_in_flight() -> None:
 
 def test_none_is_held_past_the_bound_and_a_leaver_is_dropped() -> None:
     clock = ManualClock()
-    fleet = [instance("a", 1_000, 1_000)]
-    hold = MemoryHold[str](5.0, clock)
-    hold.hold("gone", 100, lambda: fleet)
-    hold.hold("patient", 100, lambda: fleet)
+    hold = holding([instance("a", 1_000, 1_000)], 5.0, clock, ("gone", 100), ("patient", 100))
     hold.drop("gone")
     clock.now = 4.9
     assert hold.release() == []
