@@ -59,15 +59,16 @@ def priors_for(fleet: FleetSpec) -> TTFTPriors:
     )
 
 
-def router_config(instances: int, model: str, block_size: int, priors: TTFTPriors) -> RouterConfig:
-    """The configuration an operator would write for the simulated fleet."""
+def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterConfig:
+    """The configuration an operator would write for the simulated fleet; priors: its hardware's unless
+    given."""
     raw: dict[str, Any] = {
-        "models": [{"name": model}],
-        "block_size": block_size,
+        "models": [{"name": fleet.model}],
+        "block_size": fleet.engine.block_size,
         "instances": [
-            {"name": instance_name(n), "url": f"http://{instance_name(n)}"} for n in range(instances)
+            {"name": instance_name(n), "url": f"http://{instance_name(n)}"} for n in range(fleet.instances)
         ],
-        "ttft": priors.model_dump(),
+        "ttft": (priors or priors_for(fleet)).model_dump(),
     }
     return parse_config(raw, source="simulation")
 

@@ -17,7 +17,7 @@ def _configured(
 ) -> Callable[[FleetSpec], SimPolicy]:
     def make(fleet: FleetSpec) -> SimPolicy:
         priors = priors_for(fleet).model_copy(update={"calibrate": calibrate})
-        config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors)
+        config = router_config(fleet, priors)
         return ConfiguredPolicy(name, config, policy, calibrate=calibrate, **options)  # type: ignore[arg-type]
 
     return make
@@ -26,7 +26,7 @@ def _configured(
 def _llmd(fleet: FleetSpec) -> SimPolicy:
     """llm-d's precise prefix-cache profile: precise-prefix 2, kv-cache-utilization 1, queue 1, max score.
     Its index has no pool tier, so GPU blocks only; it reads the engines' metrics scraped every 50 ms."""
-    config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors_for(fleet))
+    config = router_config(fleet)
     config.policies["llm-d"] = PolicyConfig(
         scorers=[
             ScorerSpec(type="precise-prefix", weight=2.0),
@@ -53,7 +53,7 @@ POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
 def _with_kv_usage(fleet: FleetSpec) -> SimPolicy:
     """kvroute's default plus llm-d's kv-cache-utilization scorer at weight 0.5: the engines' KV occupancy,
     which the TTFT model does not see, breaks its ties."""
-    config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors_for(fleet))
+    config = router_config(fleet)
     config.policies["kvroute+kv-usage"] = PolicyConfig(
         scorers=[*config.policies["kvroute"].scorers, ScorerSpec(type="kv-usage", weight=0.5)]
     )
@@ -62,7 +62,7 @@ def _with_kv_usage(fleet: FleetSpec) -> SimPolicy:
 
 def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
     """kvroute's default with requests held in the router, up to 5 s, while no instance has memory."""
-    config = router_config(fleet.instances, fleet.model, fleet.engine.block_size, priors_for(fleet))
+    config = router_config(fleet)
     admission = config.admission.model_copy(update={"memory_hold_s": 5.0})
     config = config.model_copy(update={"admission": admission})
     return ConfiguredPolicy("kvroute+memory-hold", config, "kvroute")
