@@ -211,17 +211,18 @@ class BlockIndex:
             return
         self._join_pool(publisher)
         if event.token_ids:
-            own = self._store(self._pool, Tier.POOL, event, counted=False)
+            own = self._store(self._pool, Tier.POOL, event, counted=False)  # all of the blocks or none
+            self._pool_hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
         else:
-            own = self._store_known(publisher, event)
-        self._pool_hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
+            self._pool_hashes.update(self._store_known(publisher, event))
 
-    def _store_known(self, publisher: _OwnerState, event: BlockStored) -> list[int]:
+    def _store_known(self, publisher: _OwnerState, event: BlockStored) -> list[tuple[int, bytes]]:
         """Pool blocks announced without their tokens: the publisher computed them, so its own cache
-        announced them first, with tokens, under the same vLLM hashes."""
+        announced them first, with tokens, under the same vLLM hashes. (kvroute hash, vLLM hash) of those
+        it knew: the others are skipped, so positions in the event say nothing."""
         holders, blocks, members = self._holders[Tier.POOL], self._pool.blocks[Tier.POOL], self._pool.bit
-        own = []
-        for vllm_hash in event.block_hashes:
+        known = []
+        for vllm_hash in cast(list[bytes], event.block_hashes):
             key = _key(vllm_hash)
             packed = self._find(publisher, key)
             if packed is None:
@@ -232,9 +233,9 @@ class BlockIndex:
                 self._entries += 1
             blocks[key] = (own_hash << _COUNT_BITS) + 1
             holders[own_hash] = members
-            own.append(own_hash)
-        self.stats.stored += len(own)
-        return own
+            known.append((own_hash, vllm_hash))
+        self.stats.stored += len(known)
+        return known
 
     def join_pool(self, instance: str) -> None:
         """Count pool entries for instance before it has written to the pool (it is configured to read it)."""

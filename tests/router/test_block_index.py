@@ -250,6 +250,14 @@ def test_pool_blocks_announced_without_tokens_take_the_publishers_own_copy() -> 
     assert index.match(prompt()) == {"a": TierMatch(pool=4)}  # the pool outlives the publisher's own cache
 
 
+def test_pool_keys_stay_with_their_blocks_when_the_publisher_no_longer_knows_one() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 3, as_bytes=True), removed(0), pooled(0, 3, with_tokens=False)])
+    hashes = [vllm_hash(p, as_bytes=True) for p in range(3)]
+    assert index.stats.orphaned == 1
+    assert index.pooled(prompt(), 0, 3) == [(1, hashes[1]), (2, hashes[2])]
+
+
 def test_pool_entries_are_kept_once_and_forgotten_on_the_masters_word() -> None:
     index = BlockIndex(BS)
     index.apply(A, [pooled(0, 5)])
