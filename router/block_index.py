@@ -23,7 +23,7 @@ import operator
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import cast
@@ -128,7 +128,8 @@ class BlockIndex:
                 tier = self._tier(event.medium)
                 self._remove(self._pool if tier is Tier.POOL else state, tier, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                self._clear(state)
+                # vLLM sends it from its GPU block pool's prefix cache reset only: offloaded copies stay.
+                self._clear(state, (self._tier("GPU"),))
         if self._entries > self.max_entries:
             self._shrink()
 
@@ -275,8 +276,9 @@ class BlockIndex:
                 self._pool_hashes.pop(own_hash, None)
         self._entries -= 1
 
-    def _clear(self, state: _OwnerState) -> None:
-        for tier, blocks in zip(Tier, state.blocks, strict=True):
+    def _clear(self, state: _OwnerState, tiers: Iterable[Tier] = Tier) -> None:
+        for tier in tiers:
+            blocks = state.blocks[tier]
             for packed in blocks.values():
                 self._release(tier, packed >> _COUNT_BITS, state.bit)
             blocks.clear()

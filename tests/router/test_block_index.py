@@ -117,6 +117,20 @@ def test_clearing_one_owner_leaves_the_others(forget: str) -> None:
     assert index.match(prompt())["a"] == TierMatch(gpu=1)
 
 
+def test_a_prefix_cache_reset_clears_the_gpu_tier_and_offloaded_copies_stay() -> None:
+    """vLLM sends AllBlocksCleared from its GPU block pool's reset only; a restart loses everything."""
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2), stored(0, 2, medium="CPU")])
+    index.apply(A, [AllBlocksCleared()])
+    assert index.match(prompt()) == {"a": TierMatch(cpu=2)}
+    index.apply(A, [stored(2, 1, medium="CPU")])  # the offloader goes on from its own copies
+    assert index.match(prompt()) == {"a": TierMatch(cpu=3)}
+    assert index.entries == 3
+    index.drop(A)
+    assert index.match(prompt()) == {}
+    assert index.entries == 0
+
+
 def test_tiers_are_credited_to_the_best_copy() -> None:
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 2), stored(0, 4, medium="CPU", salt=5)])
