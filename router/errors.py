@@ -66,3 +66,8 @@ def invalid_api_key() -> OpenAIError:
     return OpenAIError(
         401, message, "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
     )
+
+
+def client_closed() -> OpenAIError:
+    """499 (nginx's code): the client disconnected before the answer began; nobody reads this body."""
+    return OpenAIError(499, "The client closed the request.", "invalid_request_error", "client_closed")

@@ -21,6 +21,7 @@ from router.admission import Admission, Overloaded
 from router.config import TrafficConfig, UpstreamConfig
 from router.errors import (
     bad_request,
+    client_closed,
     invalid_api_key,
     model_not_found,
     too_many_requests,
@@ -47,7 +48,11 @@ PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
 ATTEMPTS_HEADER = "x-kvroute-attempts"  # instances tried: more than 1 after a retry
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
+_MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the message
 _RETRY_BACKOFF_S = 0.05
+# No connection to the instance: nothing was sent. A connect timeout is also a TimeoutError, so it is caught
+# before the timeouts of requests that were sent.
+_NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # The instance dropped the connection before answering: it died or restarted.
 _DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
 
@@ -67,6 +72,41 @@ class RetryBudget:
             return False
         self._tokens -= 1
         return True
+
+
+class _ClientWatch:
+    """Cancels the task that opens it when the client disconnects, until it is closed: a client that leaves
+    while its request is routed or waits for its first byte must not keep an engine computing for no one."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task = asyncio.current_task()
+        self._left = self._closed = False
+        self._watcher: asyncio.Task[None] | None = None
+
+    def __enter__(self) -> _ClientWatch:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # No await between the work's end and here, so the watcher cannot cancel what has finished.
+        self._closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    def client_left(self) -> bool:
+        """The cancellation came from here: undo its count on the task, which goes on to answer."""
+        if self._left and self._task is not None:
+            self._task.uncancel()
+        return self._left
+
+    async def _watch(self) -> None:
+        # The body has been read, so the server has nothing more to give but the disconnect.
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if not self._closed and self._task is not None:
+            self._left = True
+            self._task.cancel()
 
 
 @dataclass(eq=False)  # kept in a set by identity
@@ -162,10 +202,16 @@ class Proxy:
             session = request.headers.get(self.traffic_config.session_header) or body.user
             policy = self._policy(request, session)
             tokenize = len(raw) <= self._max_tokenized_bytes
-            prepared = await self._router.prepare(body, session, tokenize=tokenize)
             # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
             headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-            routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
+            with _ClientWatch(request.receive) as watch:
+                try:
+                    prepared = await self._router.prepare(body, session, tokenize=tokenize)
+                    routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
+                except asyncio.CancelledError:
+                    if not watch.client_left():
+                        raise
+                    raise client_closed() from None  # counted with the client errors
         except BaseException:
             self._admission.leave()
             raise
@@ -184,6 +230,8 @@ class Proxy:
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
             )
         payload = routed.first
+        if routed.upstream.status >= 400:
+            payload, content_type = _openai_error_body(payload, routed.upstream.status), "application/json"
         try:
             usage = _usage(payload)
             self._first_byte(routed, None if usage is None else usage.completion_tokens)
@@ -253,7 +301,7 @@ class Proxy:
                     instance.url + path, data=raw, headers=headers, timeout=timeout
                 )
                 first = await _first_bytes(upstream, stream)
-            except aiohttp.ClientConnectorError:
+            except _NOT_CONNECTED:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
                 self._abandon(decision, upstream, probe, admitted=False)
                 tried.add(instance.name)
@@ -506,6 +554,23 @@ async def _first_bytes(upstream: aiohttp.ClientResponse, stream: bool) -> bytes:
     if not first:  # a 200 stream that ends before its first chunk is broken, not empty
         raise aiohttp.ServerDisconnectedError()
     return first
+
+
+class _ErrorShape(msgspec.Struct):
+    error: dict[str, object]
+
+
+def _openai_error_body(payload: bytes, status: int) -> bytes:
+    """An upstream error answer in OpenAI's shape: as it is when it has one, else its text wrapped in one."""
+    try:
+        msgspec.json.decode(payload, type=_ErrorShape)
+        return payload
+    except msgspec.DecodeError:
+        pass
+    text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
+    kind = "upstream_error" if status >= 500 else "invalid_request_error"
+    message = f"The instance answered {status}: {text}"
+    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": str(status)}})
 
 
 def _sse_error(message: str, code: str = "stream_broken") -> bytes:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -14,8 +16,8 @@ from aiohttp import web
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from router.proxy import RetryBudget
-from tests.conftest import metric
-from tests.router.fake_upstreams import serving
+from tests.conftest import metric, sample
+from tests.router.fake_upstreams import healthy, serving
 from tests.router.test_proxy import post
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -46,7 +48,10 @@ def test_requests_are_routed_around_a_dead_instance(router_with_dead_instance: s
     ]
     assert [status for status, _, _ in results] == [200] * 8
     assert {headers["x-kvroute-instance"] for _, headers, _ in results} == {"fleet-0", "fleet-1", "fleet-2"}
-    assert metric(router_with_dead_instance, "kvroute_upstream_errors_total", instance="dead", kind="connect") >= 1
+    assert (
+        metric(router_with_dead_instance, "kvroute_upstream_errors_total", instance="dead", kind="connect")
+        >= 1
+    )
     assert metric(router_with_dead_instance, "kvroute_instance_healthy", instance="dead") == 0
 
 
@@ -152,7 +157,9 @@ def test_a_request_dropped_unanswered_is_served_by_another_instance(
         body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2}).encode()
         served = []
         for _ in range(6):  # round robin: every other request goes to the dropper first
-            status, headers, payload = post(url + "/v1/completions", body, {"x-kvroute-policy": "round-robin"})
+            status, headers, payload = post(
+                url + "/v1/completions", body, {"x-kvroute-policy": "round-robin"}
+            )
             assert status == 200, payload
             served.append(headers["x-kvroute-instance"])
             time.sleep(0.6)  # the dropper answers /health, so it is taken back between requests
@@ -167,3 +174,120 @@ def test_the_retry_budget_is_a_share_of_the_traffic() -> None:
     for _ in range(4):
         budget.earn()
     assert [budget.spend() for _ in range(2)] == [True, False]
+
+
+@pytest.fixture
+def never_accepting_port() -> Iterator[int]:
+    """A port whose listen backlog is full and never drained: connecting to it neither fails nor succeeds."""
+    port = free_port_block(1)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", port))
+    listener.listen(0)
+    fillers = []
+    for _ in range(3):  # whatever the kernel queues beyond backlog 0, later SYNs are dropped
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield port
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+def test_an_instance_that_never_accepts_is_a_connect_failure_served_elsewhere(
+    never_accepting_port: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
+    config = fleet.router_config(health={"interval_s": 60, "unhealthy_after": 100})
+    config["upstream"] = {"connect_timeout_s": 0.3}
+    config["instances"] = [{"name": "stuck", "url": f"http://127.0.0.1:{never_accepting_port}"},
+                           config["instances"][0]]  # fmt: skip
+    with running_router(config, tmp_path) as url:
+        for _ in range(4):
+            status, headers, payload = post(
+                url + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"}
+            )
+            assert status == 200, payload
+            assert headers["x-kvroute-instance"] == "fleet-0"
+        assert metric(url, "kvroute_upstream_errors_total", instance="stuck", kind="connect") >= 1
+        assert sample(url, "kvroute_upstream_errors_total", instance="stuck", kind="timeout") is None
+        assert metric(url, "kvroute_instance_healthy", instance="stuck") == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "answer", "passed_as_is"),
+    [
+        (500, "text/html", b"<html>Internal Server Error</html>", False),
+        (404, "text/plain", b"404: Not Found", False),
+        (400, "application/json", b'{"detail": "not OpenAI"}', False),
+        (
+            400,
+            "application/json",
+            b'{"error": {"message": "too long", "type": "x", "param": null, "code": 400}}',
+            True,
+        ),
+    ],
+)
+def test_an_upstream_error_reaches_the_client_in_openai_shape(
+    status: int, content_type: str, answer: bytes, passed_as_is: bool, tmp_path: Path
+) -> None:
+    async def fail(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=status, body=answer, content_type=content_type)
+
+    with serving(healthy, fail) as port:
+        config = {
+            "models": [{"name": "tiny-llama"}],
+            "instances": [{"name": "odd", "url": f"http://127.0.0.1:{port}"}],
+        }
+        with running_router(config, tmp_path) as url:
+            got_status, headers, payload = post(url + "/v1/completions", BODY)
+    assert got_status == status
+    assert headers["content-type"] == "application/json"
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if passed_as_is:
+        assert payload == answer
+    else:
+        assert answer.decode() in error["message"]
+
+
+def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_path: Path) -> None:
+    """A whole answer that takes 10 s: the client hangs up after 0.5 s, and the router must close the
+    upstream request then (so the engine aborts it), not when the answer would have come."""
+    noticed: list[float] = []
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        for _ in range(100):
+            if request.transport is None or request.transport.is_closing():
+                noticed.append(time.monotonic())
+                break
+            await asyncio.sleep(0.1)
+        return web.json_response({"choices": []})
+
+    with serving(healthy, slow) as port:
+        config = {
+            "models": [{"name": "tiny-llama"}],
+            "instances": [{"name": "slow", "url": f"http://127.0.0.1:{port}"}],
+        }
+        with running_router(config, tmp_path) as url:
+            host, router_port = url.removeprefix("http://").split(":")
+            client = socket.create_connection((host, int(router_port)))
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(BODY)}\r\n\r\n".encode()
+                + BODY
+            )
+            time.sleep(0.5)
+            assert metric(url, "kvroute_instance_in_flight", instance="slow") == 1
+            left = time.monotonic()
+            client.close()
+            deadline = left + 3
+            while not noticed and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert noticed, "the upstream request stayed open after the client left"
+            assert noticed[0] - left < 2
+            assert metric(url, "kvroute_instance_in_flight", instance="slow") == 0
+            assert metric(url, "kvroute_client_errors_total", code="client_closed") == 1
