@@ -74,7 +74,7 @@ class _OwnerState:
 class IndexStats:
     stored: int = 0
     removed: int = 0
-    orphaned: int = 0  # blocks whose parent the index never saw: their chain cannot be rebuilt
+    orphaned: int = 0  # blocks whose parent (or, announced without tokens, own copy) the index never saw
     evicted: int = 0  # dropped to stay within max_entries
     mismatched: int = 0  # events whose token count or block size does not fit the configured block size
     unkeyed: int = 0  # pool blocks announced with integer hashes: no Mooncake key can be built from them
@@ -122,8 +122,10 @@ class BlockIndex:
                 tier = self._tier(event.medium)
                 if tier is Tier.POOL:
                     self._store_pooled(state, event)
-                else:
+                elif event.token_ids:
                     self._store(state, tier, event)
+                else:  # the OffloadingConnector's default announcement: a key alone
+                    self._store_known(state, state, tier, event)
             elif isinstance(event, BlockRemoved):
                 tier = self._tier(event.medium)
                 self._remove(self._pool if tier is Tier.POOL else state, tier, event.block_hashes)
@@ -215,26 +217,34 @@ class BlockIndex:
             own = self._store(self._pool, Tier.POOL, event, counted=False)  # all of the blocks or none
             self._pool_hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
         else:
-            self._pool_hashes.update(self._store_known(publisher, event))
+            known = self._store_known(publisher, self._pool, Tier.POOL, event, counted=False)
+            self._pool_hashes.update(cast(list[tuple[int, bytes]], known))
 
-    def _store_known(self, publisher: _OwnerState, event: BlockStored) -> list[tuple[int, bytes]]:
-        """Pool blocks announced without their tokens: the publisher computed them, so its own cache
-        announced them first, with tokens, under the same vLLM hashes. (kvroute hash, vLLM hash) of those
-        it knew: the others are skipped, so positions in the event say nothing."""
-        holders, blocks, members = self._holders[Tier.POOL], self._pool.blocks[Tier.POOL], self._pool.bit
-        known = []
-        for vllm_hash in cast(list[bytes], event.block_hashes):
+    def _store_known(
+        self, publisher: _OwnerState, state: _OwnerState, tier: Tier, event: BlockStored, counted: bool = True
+    ) -> list[tuple[int, BlockHash]]:
+        """Blocks announced without their tokens (pool writes, offloads): the publisher computed them, so its
+        own cache announced them first, with tokens, under the same vLLM hashes. Indexed for state as
+        _store would; (kvroute hash, vLLM hash) of those known, as the others are skipped."""
+        blocks, holders, bit = state.blocks[tier], self._holders[tier], state.bit
+        bump = 1 if counted else 0
+        known: list[tuple[int, BlockHash]] = []
+        for vllm_hash in reversed(event.block_hashes):  # tail first, as _store
             key = _key(vllm_hash)
-            packed = self._find(publisher, key)
+            packed = blocks.pop(key, None)
             if packed is None:
-                self.stats.orphaned += 1
-                continue
-            own_hash = packed >> _COUNT_BITS
-            if blocks.pop(key, None) is None:
+                found = self._find(publisher, key)
+                if found is None:
+                    self.stats.orphaned += 1
+                    continue
+                own_hash = found >> _COUNT_BITS
+                packed = (own_hash << _COUNT_BITS) + 1
+                holders[own_hash] = holders.get(own_hash, 0) | bit  # the pool's bit is its members' mask
                 self._entries += 1
-            blocks[key] = (own_hash << _COUNT_BITS) + 1
-            holders[own_hash] = members
-            known.append((own_hash, vllm_hash))
+            elif packed & _COUNT_MASK != _COUNT_MASK:
+                packed += bump
+            blocks[key] = packed
+            known.append((packed >> _COUNT_BITS, vllm_hash))
         self.stats.stored += len(known)
         return known
 

@@ -141,6 +141,27 @@ def test_tiers_are_credited_to_the_best_copy() -> None:
     assert index.match(prompt()) == {}
 
 
+def placeholder(position: int, as_bytes: bool = False) -> BlockStored:
+    """What vLLM's OffloadingConnector announces by default (self_describing_kv_events off): a key alone."""
+    return BlockStored(block_hashes=[vllm_hash(position, as_bytes=as_bytes)], parent_block_hash=None, token_ids=[],
+                       block_size=0, lora_id=None, medium="CPU", lora_name=None, group_idx=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_offloaded_blocks_announced_without_tokens_take_the_owners_own_copy(as_bytes: bool) -> None:
+    index = BlockIndex(BS)
+    offloaded = [placeholder(p, as_bytes) for p in (0, 1, 1, 7)]  # 1 twice; 7 never seen with tokens
+    index.apply(A, [stored(0, 3, as_bytes=as_bytes), *offloaded])
+    assert (index.stats.orphaned, index.stats.mismatched) == (1, 0)
+    index.apply(A, [removed(0, 1, 2)])  # the GPU copies go
+    assert index.match(prompt()) == {"a": TierMatch(cpu=2)}
+    index.apply(A, [removed(1, medium="CPU")])
+    assert index.match(prompt()) == {"a": TierMatch(cpu=2)}
+    index.apply(A, [removed(1, medium="CPU")])
+    assert index.match(prompt()) == {"a": TierMatch(cpu=1)}
+    assert index.entries == 1
+
+
 def test_gpu_cpu_and_speculative_entries_combine() -> None:
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 2), stored(0, 4, medium="CPU", salt=5)])
