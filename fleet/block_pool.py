@@ -36,12 +36,18 @@ class BlockHasher:
         self._none_hash = hashlib.sha256(b"kvroute-fleet-none-hash:" + seed.encode()).digest()
         self._encode = msgspec.msgpack.Encoder().encode
 
-    def chain(self, token_ids: list[int], block_size: int, parent: bytes | None = None) -> list[bytes]:
+    def chain(
+        self, token_ids: list[int], block_size: int, parent: bytes | None = None, salt: str | None = None
+    ) -> list[bytes]:
+        """salt: vLLM's cache_salt, mixed into a sequence's first block only (parent None)."""
         hashes: list[bytes] = []
         for start in range(0, len(token_ids) - block_size + 1, block_size):
-            parent = hashlib.sha256(
-                self._encode((parent or self._none_hash, token_ids[start : start + block_size]))
-            ).digest()
+            block = token_ids[start : start + block_size]
+            if parent is not None:
+                key: tuple[object, ...] = (parent, block)
+            else:
+                key = (self._none_hash, block, salt) if salt else (self._none_hash, block)
+            parent = hashlib.sha256(self._encode(key)).digest()
             hashes.append(parent)
         return hashes
 
@@ -104,9 +110,14 @@ class BlockPool:
         return allocated
 
     def cache_blocks(
-        self, blocks: list[Block], hashes: list[bytes], token_ids: list[int], parent: bytes | None
+        self, blocks: list[Block], hashes: list[bytes], token_ids: list[int], parent: bytes | None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Mark consecutive newly full blocks as cached; one BlockStored covers them all."""
+        """Mark consecutive newly full blocks as cached; one BlockStored covers them all. A salt is announced
+        in the extra keys of a sequence's first block (parent None), untagged, as vLLM announces it."""
+        extra_keys: list[tuple[str, ...] | None] = [None] * len(hashes)
+        if cache_salt and parent is None and hashes:
+            extra_keys[0] = (cache_salt,)
         for block, block_hash in zip(blocks, hashes, strict=True):
             block.block_hash = block_hash
             self._cached.setdefault(block_hash, {})[block.block_id] = block
@@ -119,7 +130,7 @@ class BlockPool:
                 lora_id=None,
                 medium=MEDIUM,
                 lora_name=None,
-                extra_keys=[None] * len(hashes),
+                extra_keys=extra_keys,
                 group_idx=0,
                 kv_cache_spec_kind="full_attention",
             )

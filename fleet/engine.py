@@ -46,6 +46,7 @@ class _Sequence:
     max_tokens: int
     sample: TokenSampler
     block_hashes: list[bytes]
+    cache_salt: str | None = None
     outputs: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     blocks: list[Block] = field(default_factory=list)
     num_computed: int = 0
@@ -88,15 +89,17 @@ class Engine:
         self._publish = publish
 
     async def generate(
-        self, prompt_ids: list[int], max_tokens: int, sample: TokenSampler
+        self, prompt_ids: list[int], max_tokens: int, sample: TokenSampler, cache_salt: str | None = None
     ) -> AsyncIterator[int]:
-        """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks."""
+        """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
+        cache_salt: vLLM's, which makes the prompt's cache entries its own."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
             sample=sample,
-            block_hashes=self._hasher.chain(prompt_ids, self.pool.block_size),
+            block_hashes=self._hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt),
+            cache_salt=cache_salt,
         )
         self.stats.prompt_tokens += len(prompt_ids)
         self._waiting.append(seq)
@@ -217,7 +220,7 @@ class Engine:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             start = len(seq.block_hashes) * block_size
             seq.block_hashes += self._hasher.chain(
-                seq.token_ids[start : start + block_size], block_size, parent
+                seq.token_ids[start : start + block_size], block_size, parent, seq.cache_salt
             )
         first = seq.num_cached_blocks
         self.pool.cache_blocks(
@@ -225,6 +228,7 @@ class Engine:
             seq.block_hashes[first:num_full],
             seq.token_ids[first * block_size : num_full * block_size],
             seq.block_hashes[first - 1] if first else None,
+            seq.cache_salt,
         )
         seq.num_cached_blocks = num_full
 

@@ -111,7 +111,10 @@ class _Generation:
         self.sample = sampler(instance.vocabulary, seed)
 
     def tokens(self) -> AsyncIterator[int]:
-        return self.instance.engine.generate(self.prompt_ids, self.max_tokens, self.sample)
+        salt = self.body.get("cache_salt")
+        return self.instance.engine.generate(
+            self.prompt_ids, self.max_tokens, self.sample, salt if isinstance(salt, str) else None
+        )
 
 
 async def _complete(request: web.Request, generation: _Generation) -> web.StreamResponse:

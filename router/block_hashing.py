@@ -25,6 +25,13 @@ def root_for(lora_name: str | None) -> int:
     return ROOT if lora_name is None else _xxh3(b"lora\x00" + lora_name.encode())
 
 
+def salted_root(cache_salt: str | None) -> int:
+    """The root of a prompt sent with vLLM's cache_salt. vLLM puts the salt in the first block's extra keys,
+    and chain() mixes a block's extra keys into its parent first, so this root gives the same hashes as the
+    engine's events for those blocks."""
+    return _xxh3(_pack((cache_salt,)), ROOT) if cache_salt else ROOT
+
+
 def chain(
     token_ids: Sequence[int],
     block_size: int,

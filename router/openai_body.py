@@ -22,6 +22,7 @@ class ChatRequest(msgspec.Struct):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    cache_salt: str | None = None  # vLLM's: the prompt's cache entries are the salt's alone
     # Template inputs only the engine renders exactly (the router asks its /tokenize when they are set)
     tools: list[Any] | None = None
     chat_template: str | None = None
@@ -42,6 +43,7 @@ class CompletionRequest(msgspec.Struct):
     stream: bool | None = None
     user: str | None = None
     add_special_tokens: bool = True
+    cache_salt: str | None = None
 
 
 Body = TypeVar("Body", ChatRequest, CompletionRequest)

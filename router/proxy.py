@@ -570,7 +570,8 @@ def _openai_error_body(payload: bytes, status: int) -> bytes:
     text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
     kind = "upstream_error" if status >= 500 else "invalid_request_error"
     message = f"The instance answered {status}: {text}"
-    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": str(status)}})
+    error = {"message": message, "type": kind, "param": None, "code": str(status)}
+    return msgspec.json.encode({"error": error})
 
 
 def _sse_error(message: str, code: str = "stream_broken") -> bytes:

@@ -96,7 +96,7 @@ class Router:
             log.debug("routing without prefix knowledge: %r", exc)
             self._metrics.untokenized(type(exc).__name__).inc()
             ids = []
-        chain = self._chains.chain(ids) if ids else []
+        chain = self._chains.chain(ids, block_hashing.salted_root(body.cache_salt)) if ids else []
         matches = self._index.match(chain) if chain else {}
         if self._pool is not None and matches:
             matches = await self._pool.confirm(body.model, chain, matches)

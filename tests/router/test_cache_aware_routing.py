@@ -31,7 +31,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetPorts
     # Prefill slow enough that queued prompts are visible to routing; decode fast to keep the test short.
     args = ["--prefill-tps", "20000", "--decode-tps", "2000"]
     tmp = tmp_path_factory.mktemp("cache-aware")
-    with running_fleet(ports, tmp / "fleet", args), running_router(ports.router_config(), tmp / "router") as url:
+    with (
+        running_fleet(ports, tmp / "fleet", args),
+        running_router(ports.router_config(), tmp / "router") as url,
+    ):
         yield ports, url
 
 
@@ -123,7 +126,9 @@ def test_a_restarted_router_rebuilds_its_index_from_the_engines_replay_buffers(
     assert cached > 0
 
 
-def test_without_a_local_tokenizer_the_router_asks_an_instance(stack: tuple[FleetPorts, str], tmp_path: Path) -> None:
+def test_without_a_local_tokenizer_the_router_asks_an_instance(
+    stack: tuple[FleetPorts, str], tmp_path: Path
+) -> None:
     ports, _ = stack
     config = ports.router_config()
     config["models"] = [{"name": "tiny-llama", "tokenizer": "remote"}]
@@ -138,13 +143,17 @@ def test_without_a_local_tokenizer_the_router_asks_an_instance(stack: tuple[Flee
         assert cached > 0.8 * prompt_blocks
 
 
-def test_tool_requests_are_tokenized_by_the_engine_and_documents_route_blind(stack: tuple[FleetPorts, str]) -> None:
+def test_tool_requests_are_tokenized_by_the_engine_and_documents_route_blind(
+    stack: tuple[FleetPorts, str],
+) -> None:
     ports, url = stack
     tools = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object"}}}]
     messages = [{"role": "system", "content": f"Tools {random.random()}: " + WORKLOAD.system_prompt()},
                 {"role": "user", "content": WORKLOAD.user_message(4000, 0)}]  # fmt: skip
     body = {"model": "tiny-llama", "messages": messages, "max_tokens": 4, "tools": tools}
-    status, headers, _ = post(url + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": "tools"})
+    status, headers, _ = post(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": "tools"}
+    )
     assert status == 200
     direct = json.loads(post(instance_url(ports, 0) + "/tokenize", json.dumps(body).encode())[2])["count"]
     assert int(headers["x-kvroute-prompt-blocks"]) == direct // BLOCK
@@ -153,3 +162,36 @@ def test_tool_requests_are_tokenized_by_the_engine_and_documents_route_blind(sta
     assert status == 200
     assert headers["x-kvroute-prompt-blocks"] == "0"
     assert metric(url, "kvroute_untokenized_prompts_total", reason="UnreproducibleTemplate") == 1
+
+
+def test_a_cache_salt_keeps_a_prompt_cache_to_itself_in_the_index_as_in_the_engine(
+    stack: tuple[FleetPorts, str],
+) -> None:
+    """vLLM's cache_salt: the same prompt under another salt, or none, reuses nothing, and the router's
+    prediction says so; under its own salt it reuses the prompt, and the prediction matches the engine."""
+    ports, url = stack
+    messages = [{"role": "system", "content": f"Tenant {random.random()}: " + WORKLOAD.system_prompt()},
+                {"role": "user", "content": WORKLOAD.user_message(1000, 0)}]  # fmt: skip
+
+    def send(salt: str | None) -> tuple[str, int, float]:
+        fields = {"model": "tiny-llama", "messages": messages, "max_tokens": 2, "temperature": 0}
+        body = json.dumps(fields | ({} if salt is None else {"cache_salt": salt})).encode()
+        before = {f"fleet-{i}": _hits(ports, f"fleet-{i}") for i in range(3)}
+        status, headers, payload = post(url + "/v1/chat/completions", body)
+        assert status == 200, payload
+        instance = headers["x-kvroute-instance"]
+        time.sleep(0.2)  # the engine's events reach the index
+        return (
+            instance,
+            int(headers["x-kvroute-cached-blocks"]),
+            (_hits(ports, instance) - before[instance]) / BLOCK,
+        )
+
+    first, cached, reused = send("tenant-a")
+    assert (cached, reused) == (0, 0)
+    for other in ("tenant-b", None):
+        _, cached, reused = send(other)
+        assert (cached, reused) == (0, 0), other
+    instance, cached, reused = send("tenant-a")
+    assert instance == first
+    assert cached > 0 and cached == reused

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from router.block_index import BlockIndex
+from router.kv_events import BlockStored
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest
 from router.routing import Router
@@ -62,3 +63,34 @@ def test_inputs_no_tokenizer_endpoint_takes_route_without_prefix(tokenizer: Prom
     remote = RecordingRemote()
     assert prepare(tokenizer, remote, **inputs) == 0
     assert remote.asked == []
+
+
+def test_a_salted_prompt_matches_only_blocks_cached_under_its_salt(tokenizer: PromptTokenizer) -> None:
+    """vLLM's cache_salt goes into the first block's extra keys, so a salted prompt's cache is its own: the
+    instance holding the same tokens unsalted (or under another salt) holds nothing for it."""
+    ids = tokenizer.chat_ids(MESSAGES)
+    blocks = len(ids) // 32
+    index = BlockIndex(32)
+
+    def stored(salt: str | None) -> BlockStored:
+        extra = None if salt is None else [[salt]] + [None] * (blocks - 1)  # as msgpack decodes vLLM's tuples
+        return BlockStored(
+            block_hashes=[(7 if salt else 9) << 20 | i for i in range(blocks)], parent_block_hash=None,
+            token_ids=ids[: blocks * 32], block_size=32, lora_id=None, medium="GPU", lora_name=None,
+            extra_keys=extra,
+        )  # fmt: skip
+
+    index.apply(("salted", 0), [stored("tenant-a")])
+    index.apply(("plain", 0), [stored(None)])
+    router = Router(index, {"tiny-llama": tokenizer}, 32, RouterMetrics())  # type: ignore[dict-item]
+
+    def matched(salt: str | None) -> dict[str, int]:
+        body = ChatRequest(model="tiny-llama", messages=MESSAGES, cache_salt=salt)
+        prepared = asyncio.run(router.prepare(body, None))
+        return {name: match.gpu for name, match in prepared.request.matches.items()}
+
+    assert blocks >= 2
+    assert matched("tenant-a") == {"salted": blocks}
+    assert matched(None) == {"plain": blocks}
+    assert matched("tenant-b") == {}
+    assert matched("") == {"plain": blocks}  # vLLM ignores an empty salt
