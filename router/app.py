@@ -138,6 +138,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 admission.max_in_flight_per_instance,
                 client_key_digests(config.auth),
                 admission.memory_hold_s,
+                config.tokenization.thread_above_bytes,
             )
             load = config.load
             scraper = LoadScraper(
@@ -163,6 +164,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await reloader.stop()
+                router.close()
                 zmq_context.destroy(linger=0)
 
     # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.

@@ -53,7 +53,12 @@ class TokenizationConfig(_Strict):
     max_body_bytes: int = Field(
         default=4 * 2**20,
         ge=0,
-        description="larger bodies are routed without tokenizing (it would stall the loop)",
+        description="larger bodies are routed without tokenizing (CPU and memory a request may take)",
+    )
+    thread_above_bytes: int = Field(
+        default=64 * 2**10,
+        ge=0,
+        description="larger bodies are tokenized on a worker thread, so the event loop goes on serving",
     )
 
 

@@ -164,12 +164,15 @@ class Proxy:
         per_instance_limit: int,
         api_keys: frozenset[bytes] = frozenset(),
         memory_hold_s: float = 0.0,
+        thread_above_bytes: int | None = None,
     ) -> None:
         """api_keys: SHA-256 digests of the clients' keys; empty: clients need none. memory_hold_s: see
-        router/memory_hold.py."""
+        router/memory_hold.py. thread_above_bytes: larger bodies are tokenized on a worker thread (None:
+        none)."""
         self._admission, self._per_instance_limit, self._api_keys = admission, per_instance_limit, api_keys
         self._memory_hold: MemoryHold[asyncio.Future[None]] = MemoryHold(memory_hold_s)
         self._max_tokenized_bytes = max_tokenized_bytes
+        self._thread_above_bytes = max_tokenized_bytes if thread_above_bytes is None else thread_above_bytes
         self._fleet = fleet
         # Replaced whole by a reload or PUT /admin/traffic; a request keeps the ones it started with.
         self.policies, self.traffic, self.traffic_config = policies, traffic, traffic_config
@@ -206,7 +209,8 @@ class Proxy:
             headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
             with _ClientWatch(request.receive) as watch:
                 try:
-                    prepared = await self._router.prepare(body, session, tokenize=tokenize)
+                    off_loop = len(raw) > self._thread_above_bytes
+                    prepared = await self._router.prepare(body, session, tokenize, off_loop)
                     routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
                 except asyncio.CancelledError:
                     if not watch.client_left():

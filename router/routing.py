@@ -6,10 +6,11 @@ another instance neither re-tokenizes nor re-hashes.
 
 from __future__ import annotations
 
-import inspect
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -81,16 +82,23 @@ class Router:
         self._block_size = block_size
         self._metrics = metrics
         self._remote = remote
+        # One thread: long prompts take turns there, and the event loop keeps the other core's share.
+        self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
 
     async def prepare(
-        self, body: ChatRequest | CompletionRequest, session_key: str | None, tokenize: bool = True
+        self,
+        body: ChatRequest | CompletionRequest,
+        session_key: str | None,
+        tokenize: bool = True,
+        off_loop: bool = False,
     ) -> Prepared:
-        """tokenize=False routes without prefix knowledge (a body too large to tokenize on the event loop)."""
+        """tokenize=False routes without prefix knowledge (a body too large to tokenize); off_loop: tokenize
+        on the worker thread (a long prompt would hold up every other request on the event loop)."""
         started = time.perf_counter()
         if session_key is not None:  # a client's string, kept per session: store a fixed-size digest
             session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
         try:
-            ids = await self._token_ids(body) if tokenize else []
+            ids = await self._token_ids(body, off_loop) if tokenize else []
         except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
             log.debug("routing without prefix knowledge: %r", exc)
@@ -135,14 +143,19 @@ class Router:
             predicted_ttft_s=instance.ttft_model.predict(features),
         )
 
-    async def _token_ids(self, body: ChatRequest | CompletionRequest) -> list[int]:
+    def close(self) -> None:
+        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:
         """The prompt's token ids as the engine will see them; [] when nothing here can tell."""
+        local = self._tokenizers.get(body.model)
         if isinstance(body, CompletionRequest):
-            tokenizer = self._tokenizers.get(body.model) or self._remote(body.model)
-            if tokenizer is None:
+            if local is not None:
+                return await self._local(off_loop, local.completion_ids, body.prompt, body.add_special_tokens)
+            remote = self._remote(body.model)
+            if remote is None:
                 return []
-            ids = tokenizer.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
-            return await ids if inspect.isawaitable(ids) else ids
+            return await remote.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
         if body.documents is not None or body.reasoning_effort is not None:
             raise UnreproducibleTemplate("documents or reasoning_effort reach the template")
         flags = {
@@ -151,11 +164,18 @@ class Router:
             "add_special_tokens": body.add_special_tokens,
         }
         template_inputs = body.engine_template_inputs()
-        local = self._tokenizers.get(body.model)
         if local is not None and not template_inputs:
-            return local.chat_ids(body.messages, **flags)
+            return await self._local(
+                off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
+                body.continue_final_message, body.add_special_tokens,
+            )  # fmt: skip
         # Tools and template overrides are rendered by the engine's own code, exactly.
         remote = self._remote(body.model)
         if remote is None:
             return []
         return await remote.chat_ids(body.messages, **flags, template_inputs=template_inputs)
+
+    async def _local(self, off_loop: bool, tokenize: Callable[..., list[int]], *args: Any) -> list[int]:
+        if not off_loop:
+            return tokenize(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, tokenize, *args)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -137,7 +138,9 @@ class _Entry(NamedTuple):
 
 
 class CachedChatTokenizer:
-    """``PromptTokenizer.chat_ids``, reusing the ids of the longest prefix seen before. Not thread-safe.
+    """``PromptTokenizer.chat_ids``, reusing the ids of the longest prefix seen before. Thread-safe: the
+    cache is read and updated under a lock, rendering and encoding run outside it (the encode releases the
+    GIL), so a long prompt tokenized on a worker thread does not hold up the event loop's short ones.
 
     Bounded by ``max_entries`` prefixes and ``max_tokens`` ids held (a list of ids costs 8 to 36 bytes
     each); the least recently used prefixes go first. A chat longer than ``max_tokens`` is not cached.
@@ -154,6 +157,7 @@ class CachedChatTokenizer:
         self._cut_pattern = re.compile(b"|".join(alternatives)) if alternatives else None
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._cached_tokens = 0
+        self._lock = threading.Lock()  # over _entries, _cached_tokens and stats
         self.stats = TokenCacheStats()
         self._compile_template()
 
@@ -190,34 +194,39 @@ class CachedChatTokenizer:
         add_special_tokens: bool = False,
     ) -> list[int]:
         text = self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message)
-        self.stats.requests += 1
         data = text.encode()
         pattern = None if add_special_tokens else self._cut_pattern
         cuts = [match.end() for match in pattern.finditer(data)] if pattern is not None else []
         if not cuts:
             ids = self.tokenizer.texts_ids([text], add_special_tokens)[0]
-            self.stats.tokens_encoded += len(ids)
+            with self._lock:
+                self.stats.requests += 1
+                self.stats.tokens_encoded += len(ids)
             return ids
         keys = _prefix_keys(data, cuts)
-        hit = self._longest_cached(keys, cuts)
-        if hit < 0:
-            start, ids = 0, []
-        else:
-            entry = self._entries[keys[hit]]
-            start, ids = cuts[hit], entry.block.ids[: entry.tokens]
-            self.stats.hits += 1
-            self.stats.tokens_reused += entry.tokens
+        with self._lock:
+            self.stats.requests += 1
+            hit = self._longest_cached(keys, cuts)
+            if hit < 0:
+                start, ids = 0, []
+            else:
+                entry = self._entries[keys[hit]]
+                start, ids = cuts[hit], entry.block.ids[: entry.tokens]
+                self.stats.hits += 1
+                self.stats.tokens_reused += entry.tokens
+            ends = [
+                self._known_tokens(key, nbytes)
+                for key, nbytes in zip(keys[: hit + 1], cuts[: hit + 1], strict=True)
+            ]
+        reused = len(ids)
         bounds = [start, *cuts[hit + 1 :], len(data)]
         segments = [data[a:b].decode() for a, b in pairwise(bounds)]
-        ends = [
-            self._known_tokens(key, nbytes)
-            for key, nbytes in zip(keys[: hit + 1], cuts[: hit + 1], strict=True)
-        ]
         for part in self.tokenizer.texts_ids(segments, add_special_tokens=False):
             ids += part
             ends.append(len(ids))
-            self.stats.tokens_encoded += len(part)
-        self._remember(keys, cuts, ends, ids)
+        with self._lock:
+            self.stats.tokens_encoded += len(ids) - reused
+            self._remember(keys, cuts, ends, ids)
         return ids.copy()
 
     def _longest_cached(self, keys: list[int], cuts: list[int]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,8 +12,9 @@ import pytest
 from router.block_index import BlockIndex
 from router.kv_events import BlockStored
 from router.metrics import RouterMetrics
-from router.openai_body import ChatRequest
+from router.openai_body import ChatRequest, CompletionRequest
 from router.routing import Router
+from router.token_cache import CachedChatTokenizer
 from router.tokenization import PromptTokenizer
 
 MESSAGES = [{"role": "user", "content": "run the tests " * 40}]
@@ -94,3 +96,38 @@ def test_a_salted_prompt_matches_only_blocks_cached_under_its_salt(tokenizer: Pr
     assert matched(None) == {"plain": blocks}
     assert matched("tenant-b") == {}
     assert matched("") == {"plain": blocks}  # vLLM ignores an empty salt
+
+
+def test_off_loop_tokenization_runs_on_the_worker_thread_with_the_same_ids(
+    tokenizer: PromptTokenizer,
+) -> None:
+    threads: list[str] = []
+
+    class Recording(CachedChatTokenizer):
+        def chat_ids(self, *args: Any, **kwargs: Any) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return super().chat_ids(*args, **kwargs)
+
+        def completion_ids(self, *args: Any, **kwargs: Any) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return super().completion_ids(*args, **kwargs)
+
+    local = Recording(tokenizer)
+    router = Router(BlockIndex(32), {"tiny-llama": local}, 32, RouterMetrics())
+
+    async def tokens(body: ChatRequest | CompletionRequest, off_loop: bool) -> int:
+        return (await router.prepare(body, None, off_loop=off_loop)).request.prompt_tokens
+
+    chat = ChatRequest(model="tiny-llama", messages=MESSAGES)
+    completion = CompletionRequest(model="tiny-llama", prompt="run the tests " * 40)
+    counts = [
+        asyncio.run(tokens(body, off_loop)) for body in (chat, completion) for off_loop in (False, True)
+    ]
+    router.close()
+    assert (
+        counts
+        == [len(tokenizer.chat_ids(MESSAGES))] * 2 + [len(tokenizer.completion_ids(completion.prompt))] * 2
+    )
+    main = threading.current_thread().name
+    assert [name == main for name in threads] == [True, False, True, False]
+    assert all(name.startswith("kvroute-tokenize") for name in threads[1::2])

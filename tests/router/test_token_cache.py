@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,32 @@ def test_sessions_through_one_cache_equal_full_tokenization(cached: CachedChatTo
         check(cached, edited)
         check(cached, [*messages, {"role": "user", "content": random_content(rng)}])
     assert cached.stats.hits > 0
+
+
+def test_sessions_on_several_threads_through_one_cache_equal_full_tokenization(
+    cached: CachedChatTokenizer,
+) -> None:
+    """The router tokenizes long prompts on a worker thread and short ones on the event loop, both through
+    one cache: sessions played on four threads at once, sharing system prompts, each turn checked."""
+    systems = ["You are a careful coding agent.\n" * 20, " 🙂 </s> <s>" * 30]
+    failures: list[BaseException] = []
+
+    def play(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(3):
+                play_session(cached, rng, rng.randint(4, 10), rng.choice(systems))
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=play, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures, failures[0]
+    assert cached.stats.hits > 0
+    assert 0 < cached.cached_tokens <= cached.max_tokens
 
 
 def test_a_long_session_encodes_only_each_turns_tail(cached: CachedChatTokenizer) -> None:
