@@ -110,6 +110,7 @@ class BlockIndex:
         self._pool = _OwnerState(bit=0)
         self._pool_hashes: dict[int, bytes] = {}  # pooled kvroute hash -> vLLM's full hash (its Mooncake key)
         self._warned_unkeyed = False
+        self._warned_drift = False
 
     # ---- events -------------------------------------------------------------------------------------
 
@@ -177,9 +178,10 @@ class BlockIndex:
         # Integer hashes are vLLM's 64 bits already; only bytes hashes need converting.
         keys = cast(list[int], hashes) if type(hashes[0]) is int else [_key(h) for h in hashes]
         holders, bit = self._holders[tier], state.bit
-        # Every key in an owner's map has its kvroute hash in the holders map, so blocks no one holds are
-        # also new to this owner: the common case, bulk inserted in C, tail first (see below).
-        if not any(map(holders.__contains__, own)):
+        # Blocks no one holds, under keys the owner does not use: the common case, bulk inserted in C, tail
+        # first (see below). A key in use with other content (an inconsistent publisher, a 64-bit collision)
+        # must take the per-block path: overwritten, it would be counted twice and its old hash kept.
+        if holders.keys().isdisjoint(own) and blocks.keys().isdisjoint(keys):
             holders.update(zip(reversed(own), itertools.repeat(bit)))
             blocks.update(zip(reversed(keys), [(h << _COUNT_BITS) + 1 for h in reversed(own)], strict=True))
             self._entries += len(own)
@@ -296,10 +298,18 @@ class BlockIndex:
     def _shrink(self) -> None:
         """Evict down to 99% of the bound, in batches from the front of the largest owner's largest map
         (one by one, each front lookup would rescan the slots of the entries popped before it); a batch is at
-        most 1/16 of that owner, so owners shrink evenly."""
+        most 1/16 of that owner, so owners shrink evenly. The count is checked against the maps first: were
+        it above their size, this would cut too much, and past their size it would never end."""
+        owners = [*self._owners.values(), self._pool]
+        size = sum(map(_OwnerState.size, owners))
+        if size != self._entries:
+            if not self._warned_drift:
+                self._warned_drift = True
+                log.warning("block index: %d entries counted, %d held; count resynced", self._entries, size)
+            self._entries = size
         target = self.max_entries - self.max_entries // 100
         while self._entries > target:
-            state = max([*self._owners.values(), self._pool], key=_OwnerState.size)
+            state = max(owners, key=_OwnerState.size)
             tier = max(Tier, key=lambda t: len(state.blocks[t]))
             blocks = state.blocks[tier]
             batch = min(self._entries - target, max(1, state.size() // 16))

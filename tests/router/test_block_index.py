@@ -212,6 +212,31 @@ def test_memory_is_bounded_and_chains_lose_their_tails_first() -> None:
     assert all(m.gpu >= 4 for m in matches.values())  # tails went, roots stayed
 
 
+def test_a_key_stored_again_with_other_content_is_counted_once_and_leaves_nothing_behind() -> None:
+    """An inconsistent publisher, or two bytes hashes sharing their low 64 bits: the first content stays."""
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 1), stored(0, 1, tokens=OTHER_TOKENS)])
+    assert index.entries == 1
+    assert index.match(prompt()) == {"a": TierMatch(gpu=1)}
+    assert index.match(prompt(OTHER_TOKENS)) == {}
+    index.apply(A, [removed(0), removed(0)])
+    assert index.entries == 0
+    assert index.match(prompt()) == index.match(prompt(OTHER_TOKENS)) == {}
+
+
+def test_a_drifted_entry_count_is_resynced_before_evicting(caplog: pytest.LogCaptureFixture) -> None:
+    """Evicting by a count above the maps' size cuts too much, and past their size never ends."""
+    index = BlockIndex(BS, max_entries=10)
+    index.apply(A, [stored(0, 6)])
+    index._entries += 5  # a bookkeeping slip
+    index.apply(B, [stored(0, 6, salt=1)])
+    assert index.entries == sum(map(sum, index.entries_by_owner().values())) == 10
+    index._entries += 5
+    index.apply(B, [stored(6, 1, salt=1)])
+    assert index.entries == sum(map(sum, index.entries_by_owner().values())) == 10
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+
+
 def test_speculative_entries_count_until_they_expire() -> None:
     now = [100.0]
     index = BlockIndex(BS, speculative_ttl_s=2.0, clock=lambda: now[0])
