@@ -211,8 +211,10 @@ class BlockIndex:
             self.stats.unkeyed += len(hashes)
             if not self._warned_unkeyed:
                 self._warned_unkeyed = True
-                log.warning("pool blocks announced with integer hashes are ignored: their Mooncake keys need "
-                            "vLLM's full hashes (run vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+                log.warning(
+                    "pool blocks announced with integer hashes are ignored: their Mooncake keys need "
+                    "vLLM's full hashes (run vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)"
+                )
             return
         self._join_pool(publisher)
         if event.token_ids:
@@ -466,7 +468,10 @@ class BlockIndex:
         """Memory held by the index: exact dict tables, key and value objects sized from a sample of each."""
         owners = [*self._owners.values(), self._pool]
         maps: list[Mapping[int, int | bytes]] = [
-            *self._holders, self._pending, *(b for s in owners for b in s.blocks), self._pool_hashes
+            *self._holders,
+            self._pending,
+            *(b for s in owners for b in s.blocks),
+            self._pool_hashes,
         ]
         total = 0
         for mapping in maps:

@@ -183,7 +183,9 @@ def test_lora_adapters_are_separate_cache_entries() -> None:
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 3, lora="sql")])
     assert index.match(prompt()) == {}
-    assert index.match(block_hashing.chain(TOKENS, BS, block_hashing.root_for("sql"))) == {"a": TierMatch(gpu=3)}
+    assert index.match(block_hashing.chain(TOKENS, BS, block_hashing.root_for("sql"))) == {
+        "a": TierMatch(gpu=3)
+    }
 
 
 def test_events_that_do_not_fit_are_counted_and_skipped_without_losing_their_batch() -> None:
@@ -251,7 +253,6 @@ def test_speculative_entries_count_until_they_expire() -> None:
     assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
 
 
-
 @pytest.mark.parametrize("seed", range(4))
 def test_a_speculative_block_counts_while_its_latest_deadline_is_ahead(seed: int) -> None:
     """Random requests and clock steps against a model: (block, instance) -> latest deadline; chains share
@@ -276,10 +277,13 @@ def test_a_speculative_block_counts_while_its_latest_deadline_is_ahead(seed: int
     assert index.match(chains[0]) == {}
     assert not index._pending and not any(index._respeculated.values())  # nothing left behind
 
+
 OTHER_TOKENS = [t + 1000 for t in TOKENS]
 
 
-def pooled(first: int, count: int, salt: int = 0, tokens: list[int] = TOKENS, with_tokens: bool = True) -> BlockStored:
+def pooled(
+    first: int, count: int, salt: int = 0, tokens: list[int] = TOKENS, with_tokens: bool = True
+) -> BlockStored:
     """What the MooncakeStoreConnector announces after writing blocks to the pool: medium "cpu", bytes
     hashes (the same as the GPU copy's), and its token ids unless it could not tell them."""
     event = stored(first, count, tokens, medium="cpu", salt=salt, as_bytes=True)
@@ -389,7 +393,9 @@ def test_bounded_index_stays_within_its_bound_under_random_events(bound: int) ->
     index = BlockIndex(BS, max_entries=bound)
     for _ in range(200):
         owner = r.choice([A, B, ("c", 1)])
-        index.apply(owner, [stored(0, r.randrange(1, 10))] if r.random() < 0.7 else [removed(r.randrange(10))])
+        index.apply(
+            owner, [stored(0, r.randrange(1, 10))] if r.random() < 0.7 else [removed(r.randrange(10))]
+        )
         assert 0 <= index.entries <= bound
         assert index.entries == sum(sum(sizes) for sizes in index.entries_by_owner().values())
 
