@@ -197,7 +197,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        error = OpenAIError(exc.status_code, str(exc.detail), kind, str(exc.status_code))
+        headers = dict(exc.headers or {})  # a 405's Allow, say
+        error = OpenAIError(exc.status_code, str(exc.detail), kind, str(exc.status_code), headers=headers)
         client_error(error)
         return error.response()
 
@@ -215,7 +216,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     async def completions(request: Request) -> Response:
         return await request.app.state.proxy.forward(request, "/v1/completions", CompletionRequest)  # type: ignore[no-any-return]
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
         cards = [
             {"id": name, "object": "model", "created": started, "owned_by": "kvroute"}
@@ -223,7 +224,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         ]
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
         healthy = [i.name for i in fleet.instances if i.healthy]
         body = {

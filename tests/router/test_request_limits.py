@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -203,3 +205,16 @@ def test_client_errors_are_counted_by_code(router_url: str) -> None:
     post(router_url + CHAT, chat(), {"content-type": "text/plain"})
     post(router_url + CHAT, chat(model="no-such-model"), {"content-type": "application/json"})
     assert {code: count(code) - before[code] for code in codes} == dict.fromkeys(codes, 1)
+
+
+def test_head_probes_and_wrong_methods_are_answered_properly(router_url: str) -> None:
+    for path in ("/health", "/v1/models"):
+        with urllib.request.urlopen(urllib.request.Request(router_url + path, method="HEAD"), timeout=10) as answer:
+            assert answer.status == 200, path
+            assert answer.read() == b""
+    request = urllib.request.Request(router_url + "/v1/models", data=b"{}", method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=10)
+    assert raised.value.code == 405
+    assert "GET" in raised.value.headers["allow"]
+    assert_openai_error(405, raised.value.read())
