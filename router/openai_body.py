@@ -1,6 +1,7 @@
 """The few fields of OpenAI request bodies that routing reads, decoded once at the edge.
 
-The body itself is forwarded byte for byte; unknown fields are the engine's business.
+The body itself is forwarded byte for byte (but for one vLLM field, see without_full_kv_report); unknown
+fields are the engine's business.
 """
 
 from __future__ import annotations
@@ -72,3 +73,22 @@ def decode_body(raw: bytes, kind: type[Body]) -> Body:
     if not body.model:
         raise bad_request("`model` must not be empty.", "invalid_field", "model")
     return body
+
+
+_REPORT_MODE = "kv_cache_report_mode"
+
+
+def without_full_kv_report(raw: bytes) -> bytes:
+    """The body without ``vllm_xargs.kv_cache_report_mode``. In its "full" mode vLLM announces every reused
+    prefix block again as BlockStored, with no BlockRemoved to match, and the index would count each as one
+    more copy of the block, crediting it after its eviction. The router is the events' consumer here, so it
+    keeps vLLM's default (incremental) mode; the answer to the client does not depend on it."""
+    if _REPORT_MODE.encode() not in raw:  # the common case: one scan of the bytes, no decoding
+        return raw
+    fields = msgspec.json.decode(raw)
+    xargs = fields.get("vllm_xargs") if isinstance(fields, dict) else None
+    if not isinstance(xargs, dict) or xargs.pop(_REPORT_MODE, None) is None:
+        return raw
+    if not xargs:
+        del fields["vllm_xargs"]
+    return msgspec.json.encode(fields)

@@ -32,7 +32,7 @@ from router.health import HealthChecker
 from router.instances import Fleet, Instance
 from router.memory_hold import MemoryHold
 from router.metrics import RouterMetrics
-from router.openai_body import Body, decode_body
+from router.openai_body import Body, decode_body, without_full_kv_report
 from router.policy import Policy
 from router.routing import Decision, Prepared, Router
 from router.traffic import TrafficSplit
@@ -205,6 +205,7 @@ class Proxy:
             session = request.headers.get(self.traffic_config.session_header) or body.user
             policy = self._policy(request, session)
             tokenize = len(raw) <= self._max_tokenized_bytes
+            raw = without_full_kv_report(raw)
             # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
             headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
             with _ClientWatch(request.receive) as watch:
