@@ -314,12 +314,14 @@ class Proxy:
                 self._health.mark_unreachable(instance)
                 continue
             except _DROPPED as exc:
-                # Sent, but the instance went away before its first byte (it died or restarted): the client
-                # has had nothing yet, so another instance may serve it, within the retry budget.
+                # Sent, but the connection broke before the first byte (the instance died or restarted, or
+                # closed a kept-alive connection as it was reused): the client has had nothing yet, so another
+                # instance may serve it, within the retry budget. One drop does not mark the instance down (a
+                # request every engine drops would black out the model): its circuit breaker counts it, and a
+                # dead instance refuses the next connection.
                 self._abandon(decision, upstream, probe)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
-                self._health.mark_unreachable(instance)
                 dropped = instance.name, exc
                 if not self._retry_budget.spend():
                     self.ab.failed(policy.name)

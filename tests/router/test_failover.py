@@ -291,3 +291,28 @@ def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_p
             assert noticed[0] - left < 2
             assert metric(url, "kvroute_instance_in_flight", instance="slow") == 0
             assert metric(url, "kvroute_client_errors_total", code="client_closed") == 1
+
+
+def test_a_request_every_instance_drops_does_not_take_the_model_down(tmp_path: Path) -> None:
+    async def picky(request: web.Request) -> web.Response:
+        if b"poison" in await request.read():
+            assert request.transport is not None
+            request.transport.close()
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    with serving(healthy, picky) as first, serving(healthy, picky) as second:
+        config = {
+            "models": [{"name": "tiny-llama"}],
+            "instances": [
+                {"name": f"i{n}", "url": f"http://127.0.0.1:{port}"} for n, port in enumerate((first, second))
+            ],
+            "health": {"interval_s": 60},
+        }
+        with running_router(config, tmp_path) as url:
+            poison = json.dumps({"model": "tiny-llama", "prompt": "poison", "max_tokens": 1}).encode()
+            status, _, payload = post(url + "/v1/completions", poison)
+            assert status == 502, payload
+            status, _, payload = post(url + "/v1/completions", BODY)
+            assert status == 200, payload
+            assert metric(url, "kvroute_instance_healthy", instance="i0") == 1
+            assert metric(url, "kvroute_instance_healthy", instance="i1") == 1
