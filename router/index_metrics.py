@@ -36,5 +36,9 @@ class IndexCollector:
         yield GaugeMetricFamily("kvroute_index_max_blocks", "Bound on index entries", index.max_entries)
         stats = index.stats
         yield CounterMetricFamily("kvroute_index_evicted_blocks", "Dropped for the bound", stats.evicted)
-        yield CounterMetricFamily("kvroute_index_orphaned_blocks", "Parent never seen", stats.orphaned)
+        yield CounterMetricFamily(
+            "kvroute_index_orphaned_blocks",
+            "Blocks not indexed: parent never seen, or a token-less store of a key the instance never stored",
+            stats.orphaned,
+        )
         yield CounterMetricFamily("kvroute_index_mismatched_events", "Wrong block size", stats.mismatched)
