@@ -57,7 +57,7 @@ def admin_routes(
     @routes.get("/ab")
     async def ab() -> JSONResponse:
         current = proxy()
-        return JSONResponse(current.ab.report(current.traffic.weights))
+        return JSONResponse(await current.ab.report_off_loop(current.traffic.weights))
 
     @routes.post("/ab/reset")
     async def ab_reset() -> JSONResponse:

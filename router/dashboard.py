@@ -44,7 +44,7 @@ def dashboard_routes(fleet: Fleet, index: BlockIndex, proxy: Callable[[], Proxy]
                 "bytes": index.footprint_bytes(),
                 "pool_entries": index.pool_entries,
             },
-            "ab": current.ab.report(current.traffic.weights),
+            "ab": await current.ab.report_off_loop(current.traffic.weights),
         }
         return JSONResponse(body, headers={"cache-control": "no-store"})
 

@@ -50,11 +50,11 @@ class RouterMetrics:
         )  # fmt: skip
         self.ttft = Family(
             Histogram("kvroute_time_to_first_byte_seconds",
-                      "Time from routing to the upstream's first response byte (TTFT for streams)",
+                      "Routing to an answer's (200) first byte: TTFT for streams",
                       ["policy"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
         self.e2e = Family(
-            Histogram("kvroute_request_duration_seconds", "End-to-end time of proxied requests",
+            Histogram("kvroute_request_duration_seconds", "End-to-end time of proxied requests answered 200",
                       ["policy"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
         self.decision = Family(

@@ -239,7 +239,8 @@ class Proxy:
             payload, content_type = _openai_error_body(payload, routed.upstream.status), "application/json"
         try:
             usage = _usage(payload)
-            self._first_byte(routed, None if usage is None else usage.completion_tokens)
+            if not routed.streamed:  # a stream's first byte was taken when it came (even if not a stream)
+                self._first_byte(routed, None if usage is None else usage.completion_tokens)
             if usage is not None and usage.prompt_tokens_details is not None:
                 self.ab.observed_cache(
                     routed.policy.name, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
@@ -475,10 +476,12 @@ class Proxy:
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, str(status)).inc()
         elapsed = time.perf_counter() - routed.started
-        self._metrics.e2e(policy).observe(elapsed)
+        answered = status == 200 and not routed.broken
+        if answered:
+            self._metrics.e2e(policy).observe(elapsed)
         decision = routed.decision
         self.ab.finished(
-            policy, routed.instance.name, 502 if routed.broken else status, elapsed,
+            policy, routed.instance.name, 502 if routed.broken else status, elapsed if answered else None,
             decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
         )  # fmt: skip
 
@@ -492,13 +495,14 @@ class Proxy:
         return probe
 
     def _first_byte(self, routed: _Routed, decoded_tokens: int | None = None) -> None:
-        """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown)."""
+        """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown). Only answers
+        (200) count as TTFT samples: an error comes back fast and would flatter its policy."""
         self._prefilled(routed)
+        if routed.upstream.status != 200:
+            return
         elapsed = time.perf_counter() - routed.started
         self._metrics.ttft(routed.policy.name).observe(elapsed)
         self.ab.first_byte(routed.policy.name, elapsed)
-        if routed.upstream.status != 200:
-            return
         decision, name = routed.decision, routed.instance.name
         model = routed.instance.ttft_model
         if routed.streamed:
