@@ -7,6 +7,7 @@ variable; with no token configured the routes do not exist (404). A missing toke
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,19 +16,30 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
-from router.config import AdminConfig
+from router.config import MIN_TOKEN_LENGTH, AdminConfig
 from router.errors import OpenAIError, bad_request
 from router.proxy import Proxy
 from router.traffic import TrafficSplit
 
+log = logging.getLogger(__name__)
+_warned_short: set[str] = set()  # environment variables already warned about
+
 
 def admin_token(config: AdminConfig) -> str | None:
-    """The configured token, else its environment variable's; None: the admin routes are off."""
+    """The configured token, else its environment variable's; None: the admin routes are off. A token from
+    the environment is held to the length a configured one must have: shorter, the routes stay off."""
     if config.token is not None:
         return config.token
     if config.token_env is None:
         return None
-    return os.environ.get(config.token_env) or None
+    token = os.environ.get(config.token_env) or None
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        if config.token_env not in _warned_short:
+            _warned_short.add(config.token_env)
+            log.warning("$%s holds fewer than %d characters: the admin routes stay off", config.token_env,
+                        MIN_TOKEN_LENGTH)
+        return None
+    return token
 
 
 class _TrafficBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -27,10 +27,12 @@ def _checked_http_url(url: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No setting means infinity: an .inf weight or timeout is a typo, and inf * 0 = nan breaks scoring.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 REMOTE_TOKENIZER = "remote"
+MIN_TOKEN_LENGTH = 16  # of the admin token: guessing it must be out of reach
 
 
 class ModelConfig(_Strict):
@@ -179,7 +181,9 @@ class TrafficConfig(_Strict):
 
 
 class AdminConfig(_Strict):
-    token: str | None = Field(default=None, min_length=16, description="bearer token of /admin/*")
+    token: str | None = Field(
+        default=None, min_length=MIN_TOKEN_LENGTH, description="bearer token of /admin/*"
+    )
     token_env: str | None = Field(
         default="KVROUTE_ADMIN_TOKEN", description="environment variable holding the token, if token is unset"
     )

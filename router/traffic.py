@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import random
 from collections.abc import Mapping
 
@@ -22,9 +23,11 @@ class TrafficSplit:
     def __init__(self, weights: Mapping[str, float], rng: random.Random | None = None) -> None:
         """weights: policy name -> weight (>= 0, not all 0), in the order their ranges are laid out."""
         live = {name: float(w) for name, w in weights.items()}
-        if any(weight < 0 for weight in live.values()):
-            raise ValueError("weights must be >= 0")
+        if not all(0 <= weight < math.inf for weight in live.values()):  # nan fails both comparisons
+            raise ValueError("weights must be finite numbers >= 0")
         total = sum(live.values())
+        if total == math.inf:
+            raise ValueError("the weights add up to more than a float holds; use smaller ones")
         if total <= 0:
             raise ValueError("at least one policy needs a weight above 0")
         self.weights = live

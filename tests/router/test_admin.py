@@ -17,6 +17,8 @@ import pytest
 import yaml
 
 from kvroute.processes import FleetPorts, running_router
+from router.admin import admin_token
+from router.config import AdminConfig
 from tests.conftest import metric
 from tests.router.test_proxy import post
 
@@ -157,3 +159,10 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(admin_route
     assert {chat(url, f"r{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(12)} == {
         "fleet-0", "fleet-1"}  # fmt: skip
     wait_for(lambda: metric(url, "kvroute_index_blocks", instance="fleet-0", tier="gpu") > 0, "index kept")
+
+
+def test_a_short_token_from_the_environment_leaves_the_admin_routes_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_TEST_ADMIN_TOKEN", "abc")
+    assert admin_token(AdminConfig(token_env="KVROUTE_TEST_ADMIN_TOKEN")) is None
+    monkeypatch.setenv("KVROUTE_TEST_ADMIN_TOKEN", "x" * 16)
+    assert admin_token(AdminConfig(token_env="KVROUTE_TEST_ADMIN_TOKEN")) == "x" * 16

@@ -44,7 +44,10 @@ def test_requests_without_a_session_are_drawn_one_by_one() -> None:
     assert abs(counts["b"] - 3000) <= 110
 
 
-@pytest.mark.parametrize("weights", [{"a": 0}, {"a": -1, "b": 2}, {}])
+@pytest.mark.parametrize(
+    "weights",
+    [{"a": 0}, {"a": -1, "b": 2}, {}, {"a": float("inf"), "b": 1}, {"a": float("nan")}, {"a": 1e308, "b": 1e308}],
+)
 def test_a_split_needs_a_positive_weight_and_no_negative_one(weights: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         TrafficSplit(weights)
