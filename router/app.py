@@ -35,7 +35,7 @@ from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
-from router.pool import PoolConfirmer
+from router.pool import PoolConfirmer, place_instances, pool_names
 from router.proxy import Proxy
 from router.reload import Reloader
 from router.request_limits import RequestLimits
@@ -72,8 +72,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         config.index.speculative_ttl_s,
         medium_tiers={None: Tier.GPU, **medium_tiers},  # events without a medium are vLLM's own GPU cache
     )
-    for member in config.pool_members():
-        index.join_pool(member)
+    place_instances(index, config)
     metrics.registry.register(IndexCollector(index))
     cache = config.tokenization
     tokenizers: dict[str, LocalTokenizer] = {
@@ -107,9 +106,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
 
             pool = None
             if config.pool.master_url is not None:
-                pool_names = {m.name: m.pool_name or m.name for m in config.models}
                 pool = PoolConfirmer(
-                    index, config.pool.master_url, pool_names, session, metrics,
+                    index, config.pool.master_url, pool_names(config), session, metrics,
                     config.pool.confirm_ttl_s, config.pool.timeout_s,
                 )  # fmt: skip
             router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer, pool)

@@ -8,10 +8,13 @@ Layout, chosen for lookup speed and memory:
 An owner is (instance, data parallel rank): ranks publish separately and are cleared separately.
 Entries are bounded: past max_entries, the least recently stored entries of the largest owner go first.
 
-The pool tier is shared: blocks a Mooncake connector wrote to the distributed pool can be loaded by every
-instance connected to it. They are kept once, in a pseudo-owner, and their holders mask names every instance
-that has written to the pool (the ones shown to be connected). The pool never announces eviction, so its
-entries are checked against the Mooncake master before they decide a routing choice (router/pool.py).
+The pool tier is shared per pool name: blocks a Mooncake connector wrote to the distributed pool are keyed
+there by their model's name (its pool name) too, so they can be loaded by every instance connected to the
+pool that runs a model of the same pool name. They are kept once per pool name, in a pseudo-owner whose bit
+is the mask of that pool name's members: its instances that have written to the pool (the ones shown to be
+connected) or are configured to read it. An instance's pool name comes from the configuration; instances
+never given one share the unnamed pool. The pool never announces eviction, so its entries are checked
+against the Mooncake master, pool name by pool name, before they decide a routing choice (router/pool.py).
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ class _OwnerState:
 
 
 @dataclass
+class _PoolState(_OwnerState):
+    """One pool name's share of the pool: its bit is the mask of its members."""
+
+    name: str = ""
+    hashes: dict[int, bytes] = field(default_factory=dict)  # kvroute hash -> vLLM's full hash (Mooncake key)
+
+
+@dataclass
 class IndexStats:
     stored: int = 0
     removed: int = 0
@@ -105,10 +116,12 @@ class BlockIndex:
         self._respeculated: dict[int, dict[int, float]] = {}
         # one record per speculate call, (deadline, bit, hashes), oldest first
         self._pending_expiry: deque[tuple[float, int, list[int]]] = deque()
-        # The pool's pseudo-owner: its bit is the mask of pool members (see _join_pool), so every pool entry
-        # counts for all of them; entries are not refcounted, a pooled object is one object.
-        self._pool = _OwnerState(bit=0)
-        self._pool_hashes: dict[int, bytes] = {}  # pooled kvroute hash -> vLLM's full hash (its Mooncake key)
+        # The pool's pseudo-owners, one per pool name: each one's bit is the mask of its members (see
+        # _join_pool), so its entries count for all of them; entries are not refcounted, a pooled object is
+        # one object. An instance is in one pool name's mask at most, so the masks never overlap.
+        self._unnamed = _PoolState(bit=0)
+        self._pools: dict[str, _PoolState] = {"": self._unnamed}
+        self._pool_of: dict[str, _PoolState] = {}  # instance -> its pool name's pseudo-owner, when named
         self._warned_unkeyed = False
         self._warned_drift = False
 
@@ -116,20 +129,21 @@ class BlockIndex:
 
     def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
         state = self._owner(owner)
+        pool = self._pool_of.get(owner[0], self._unnamed)
         for event in events:
             if isinstance(event, BlockStored):
                 if not event.block_hashes:
                     continue
                 tier = self._tier(event.medium)
                 if tier is Tier.POOL:
-                    self._store_pooled(state, event)
+                    self._store_pooled(state, pool, event)
                 elif event.token_ids:
-                    self._store(state, tier, event)
+                    self._store(state, tier, event, pool)
                 else:  # the OffloadingConnector's default announcement: a key alone
-                    self._store_known(state, state, tier, event)
+                    self._store_known(state, state, tier, event, pool)
             elif isinstance(event, BlockRemoved):
                 tier = self._tier(event.medium)
-                self._remove(self._pool if tier is Tier.POOL else state, tier, event.block_hashes)
+                self._remove(pool if tier is Tier.POOL else state, tier, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 # vLLM sends it from its GPU block pool's prefix cache reset only: offloaded copies stay.
                 self._clear(state, (self._tier("GPU"),))
@@ -147,9 +161,11 @@ class BlockIndex:
         if state is not None:
             self._clear(state)
 
-    def _store(self, state: _OwnerState, tier: Tier, event: BlockStored, counted: bool = True) -> list[int]:
-        """Index the event's blocks for state; their kvroute hashes, or [] when they cannot be indexed.
-        counted=False keeps a block stored twice at one reference."""
+    def _store(
+        self, state: _OwnerState, tier: Tier, event: BlockStored, pool: _PoolState, counted: bool = True
+    ) -> list[int]:
+        """Index the event's blocks for state, whose parent may be in pool; their kvroute hashes, or [] when
+        they cannot be indexed. counted=False keeps a block stored twice at one reference."""
         size = self.block_size
         extra = event.extra_keys
         if (
@@ -164,7 +180,7 @@ class BlockIndex:
         if event.parent_block_hash is None:
             parent = block_hashing.root_for(event.lora_name)
         else:
-            packed = self._find(state, _key(event.parent_block_hash))
+            packed = self._find(state, _key(event.parent_block_hash), pool)
             if packed is None:
                 self.stats.orphaned += len(event.block_hashes)
                 return []
@@ -205,7 +221,7 @@ class BlockIndex:
         self.stats.stored += len(own)
         return own
 
-    def _store_pooled(self, publisher: _OwnerState, event: BlockStored) -> None:
+    def _store_pooled(self, publisher: _OwnerState, pool: _PoolState, event: BlockStored) -> None:
         hashes = event.block_hashes
         if type(hashes[0]) is not bytes:
             self.stats.unkeyed += len(hashes)
@@ -216,16 +232,22 @@ class BlockIndex:
                     "vLLM's full hashes (run vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)"
                 )
             return
-        self._join_pool(publisher)
+        self._join_pool(publisher, pool)
         if event.token_ids:
-            own = self._store(self._pool, Tier.POOL, event, counted=False)  # all of the blocks or none
-            self._pool_hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
+            own = self._store(pool, Tier.POOL, event, pool, counted=False)  # all of the blocks or none
+            pool.hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
         else:
-            known = self._store_known(publisher, self._pool, Tier.POOL, event, counted=False)
-            self._pool_hashes.update(cast(list[tuple[int, bytes]], known))
+            known = self._store_known(publisher, pool, Tier.POOL, event, pool, counted=False)
+            pool.hashes.update(cast(list[tuple[int, bytes]], known))
 
     def _store_known(
-        self, publisher: _OwnerState, state: _OwnerState, tier: Tier, event: BlockStored, counted: bool = True
+        self,
+        publisher: _OwnerState,
+        state: _OwnerState,
+        tier: Tier,
+        event: BlockStored,
+        pool: _PoolState,
+        counted: bool = True,
     ) -> list[tuple[int, BlockHash]]:
         """Blocks announced without their tokens (pool writes, offloads): the publisher computed them, so its
         own cache announced them first, with tokens, under the same vLLM hashes. Indexed for state as
@@ -237,7 +259,7 @@ class BlockIndex:
             key = _key(vllm_hash)
             packed = blocks.pop(key, None)
             if packed is None:
-                found = self._find(publisher, key)
+                found = self._find(publisher, key, pool)
                 if found is None:
                     self.stats.orphaned += 1
                     continue
@@ -252,18 +274,52 @@ class BlockIndex:
         self.stats.stored += len(known)
         return known
 
-    def join_pool(self, instance: str) -> None:
-        """Count pool entries for instance before it has written to the pool (it is configured to read it)."""
-        self._join_pool(self._owner((instance, 0)))
-
-    def _join_pool(self, member: _OwnerState) -> None:
-        """An instance that writes to the pool is connected to it: every pool entry now counts for it too."""
-        if self._pool.bit & member.bit:
+    def set_pool_name(self, instance: str, pool_name: str) -> None:
+        """instance's model is named pool_name in Mooncake keys: the pool blocks it writes are pool_name's,
+        and of the pool's blocks only pool_name's count for it."""
+        pool = self._pools.get(pool_name)
+        if pool is None:
+            pool = self._pools[pool_name] = _PoolState(bit=0, name=pool_name)
+        old = self._pool_of.get(instance, self._unnamed)
+        if pool is old:
             return
-        self._pool.bit |= member.bit
-        holders, members = self._holders[Tier.POOL], self._pool.bit
-        for own_hash in holders:
-            holders[own_hash] = members
+        self._pool_of[instance] = pool
+        moving = old.bit & self._bits_of(instance)
+        if moving:
+            self._set_members(old, old.bit & ~moving)
+            self._set_members(pool, pool.bit | moving)
+
+    def join_pool(self, instance: str) -> None:
+        """Count its pool name's entries for instance before it has written to the pool (it is configured to
+        read it)."""
+        self._join_pool(self._owner((instance, 0)), self._pool_of.get(instance, self._unnamed))
+
+    def leave_pool(self, instance: str) -> None:
+        """instance left the fleet: pool entries no longer count for it, and its pool name is forgotten."""
+        pool, bits = self._pool_of.pop(instance, self._unnamed), self._bits_of(instance)
+        if pool.bit & bits:
+            self._set_members(pool, pool.bit & ~bits)
+
+    def _join_pool(self, member: _OwnerState, pool: _PoolState) -> None:
+        """An instance that writes to the pool is connected to it: its pool name's entries count for it."""
+        if not pool.bit & member.bit:
+            self._set_members(pool, pool.bit | member.bit)
+
+    def _set_members(self, pool: _PoolState, members: int) -> None:
+        """pool's entries count for members from now on; other pool names' bits in holders stay."""
+        holders, old = self._holders[Tier.POOL], pool.bit
+        pool.bit = members
+        for packed in pool.blocks[Tier.POOL].values():
+            own_hash = packed >> _COUNT_BITS
+            mask = (holders.get(own_hash, 0) & ~old) | members
+            if mask:
+                holders[own_hash] = mask
+            else:
+                holders.pop(own_hash, None)
+
+    def _bits_of(self, instance: str) -> int:
+        """The bits of every rank of instance."""
+        return sum(state.bit for (name, _), state in self._owners.items() if name == instance)
 
     def _remove(self, state: _OwnerState, tier: Tier, vllm_hashes: Sequence[BlockHash]) -> None:
         blocks = state.blocks[tier]
@@ -276,25 +332,25 @@ class BlockIndex:
                 blocks[key] = packed - 1
                 continue
             del blocks[key]
-            self._release(tier, packed >> _COUNT_BITS, state.bit)
+            self._release(state, tier, packed >> _COUNT_BITS)
             self.stats.removed += 1
 
-    def _release(self, tier: Tier, own_hash: int, bit: int) -> None:
+    def _release(self, state: _OwnerState, tier: Tier, own_hash: int) -> None:
         holders = self._holders[tier]
-        mask = holders.get(own_hash, 0) & ~bit
+        mask = holders.get(own_hash, 0) & ~state.bit
         if mask:
             holders[own_hash] = mask
         else:
             holders.pop(own_hash, None)
-            if tier is Tier.POOL:
-                self._pool_hashes.pop(own_hash, None)
+        if tier is Tier.POOL:
+            cast(_PoolState, state).hashes.pop(own_hash, None)
         self._entries -= 1
 
     def _clear(self, state: _OwnerState, tiers: Iterable[Tier] = Tier) -> None:
         for tier in tiers:
             blocks = state.blocks[tier]
             for packed in blocks.values():
-                self._release(tier, packed >> _COUNT_BITS, state.bit)
+                self._release(state, tier, packed >> _COUNT_BITS)
             blocks.clear()
 
     def _shrink(self) -> None:
@@ -302,7 +358,7 @@ class BlockIndex:
         (one by one, each front lookup would rescan the slots of the entries popped before it); a batch is at
         most 1/16 of that owner, so owners shrink evenly. The count is checked against the maps first: were
         it above their size, this would cut too much, and past their size it would never end."""
-        owners = [*self._owners.values(), self._pool]
+        owners = [*self._owners.values(), *self._pools.values()]
         size = sum(map(_OwnerState.size, owners))
         if size != self._entries:
             if not self._warned_drift:
@@ -316,12 +372,12 @@ class BlockIndex:
             blocks = state.blocks[tier]
             batch = min(self._entries - target, max(1, state.size() // 16))
             for key in list(itertools.islice(blocks, batch)):
-                self._release(tier, blocks.pop(key) >> _COUNT_BITS, state.bit)
+                self._release(state, tier, blocks.pop(key) >> _COUNT_BITS)
                 self.stats.evicted += 1
 
-    def _find(self, state: _OwnerState, key: int) -> int | None:
-        """A block's packed entry by vLLM key, in any tier of state or in the pool: a parent may be either."""
-        for blocks in (*state.blocks, self._pool.blocks[Tier.POOL]):
+    def _find(self, state: _OwnerState, key: int, pool: _PoolState) -> int | None:
+        """A block's packed entry by vLLM key, in any tier of state or in pool: a parent may be either."""
+        for blocks in (*state.blocks, pool.blocks[Tier.POOL]):
             packed = blocks.get(key)
             if packed is not None:
                 return packed
@@ -344,7 +400,7 @@ class BlockIndex:
         """For every instance holding a prefix of chain: its contiguous matched blocks, by best tier.
 
         Speculative entries count as GPU blocks. Of one instance's ranks, the best match counts.
-        Pool blocks count for every pool member, unless include_pool is False.
+        Pool blocks count for every member of their pool name, unless include_pool is False.
         """
         self._expire()
         if not chain:
@@ -396,9 +452,14 @@ class BlockIndex:
                 matches[name] = found
         return matches
 
-    def pooled(self, chain: Sequence[int], start: int, end: int) -> list[tuple[int, bytes]]:
-        """(position, vLLM's full hash) of the pool blocks among chain[start:end]."""
-        full = self._pool_hashes.get
+    def pooled(
+        self, chain: Sequence[int], start: int, end: int, pool_name: str = ""
+    ) -> list[tuple[int, bytes]]:
+        """(position, vLLM's full hash) of pool_name's pool blocks among chain[start:end]."""
+        pool = self._pools.get(pool_name)
+        if pool is None:
+            return []
+        full = pool.hashes.get
         found = []
         for position in range(start, min(end, len(chain))):
             vllm_hash = full(chain[position])
@@ -406,9 +467,11 @@ class BlockIndex:
                 found.append((position, vllm_hash))
         return found
 
-    def forget_pooled(self, vllm_hashes: Sequence[bytes]) -> None:
-        """Drop pool entries the pool no longer holds (evicted, or lost with a client's segment)."""
-        self._remove(self._pool, Tier.POOL, vllm_hashes)
+    def forget_pooled(self, vllm_hashes: Sequence[bytes], pool_name: str = "") -> None:
+        """Drop pool_name's entries the pool no longer holds (evicted, or lost with a client's segment)."""
+        pool = self._pools.get(pool_name)
+        if pool is not None:
+            self._remove(pool, Tier.POOL, vllm_hashes)
 
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> None:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive.
@@ -458,20 +521,27 @@ class BlockIndex:
 
     @property
     def pool_entries(self) -> int:
-        return len(self._pool.blocks[Tier.POOL])
+        return sum(len(pool.blocks[Tier.POOL]) for pool in self._pools.values())
 
     def pool_members(self) -> list[str]:
-        """Instances that have written to the pool, which is how the index knows they can read it."""
-        return sorted({name for bit, (name, _) in self._owner_by_bit.items() if bit & self._pool.bit})
+        """Instances that read the pool: configured to, or shown to by writing to it."""
+        members = 0
+        for pool in self._pools.values():
+            members |= pool.bit
+        return sorted({name for bit, (name, _) in self._owner_by_bit.items() if bit & members})
+
+    def pool_name(self, instance: str) -> str:
+        """The pool name whose pool entries count for instance ("" when it was never given one)."""
+        return self._pool_of.get(instance, self._unnamed).name
 
     def footprint_bytes(self, sample: int = 256) -> int:
         """Memory held by the index: exact dict tables, key and value objects sized from a sample of each."""
-        owners = [*self._owners.values(), self._pool]
+        owners = [*self._owners.values(), *self._pools.values()]
         maps: list[Mapping[int, int | bytes]] = [
             *self._holders,
             self._pending,
             *(b for s in owners for b in s.blocks),
-            self._pool_hashes,
+            *(pool.hashes for pool in self._pools.values()),
         ]
         total = 0
         for mapping in maps:

@@ -5,6 +5,9 @@ decision counts pool blocks, the blocks it would credit are looked up on the mas
 (GET /batch_query_keys: metadata only, no lease, not counted as a hit), in concurrent batches, and an
 answer is trusted for a short while. Blocks the master does not have leave the index. When the master
 cannot be asked, routing goes on without pool credit and kvroute_pool_master_up says so.
+
+Pool keys carry the model's name (its pool name), so a request's pool credit is the pool entries of its
+model's pool name, on the instances serving a model of that name; place_instances tells the index who is who.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import aiohttp
 import msgspec
 
 from router.block_index import BlockIndex
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from scorers.base import TierMatch
 
@@ -30,6 +34,29 @@ def pool_key(pool_name: str, vllm_hash: bytes) -> str:
     """The MooncakeStoreConnector's key of a block: tensor/pipeline rank 0, KV cache group 0 (every rank
     writes its own shard, so rank 0's key stands for the block)."""
     return f"{pool_name}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{vllm_hash.hex()}"
+
+
+def pool_names(config: RouterConfig) -> dict[str, str]:
+    """Each model's name in pool keys."""
+    return {m.name: m.pool_name or m.name for m in config.models}
+
+
+def place_instances(index: BlockIndex, config: RouterConfig) -> None:
+    """Give the index each instance's pool name, that of its (first) model, and join the configured pool
+    members. An instance listed for models of several pool names runs one of them; the first is assumed."""
+    names, members = pool_names(config), set(config.pool_members())
+    for instance in config.instances:
+        models = config.models_of(instance)
+        name, served = names[models[0]], {names[model] for model in models}
+        if len(served) > 1 and instance.name in members:
+            log.warning(
+                "instance %s serves models of pool names %s; its pool credit assumes %s (list its models, "
+                "or give aliases one pool_name)",
+                instance.name, ", ".join(sorted(served)), name,
+            )  # fmt: skip
+        index.set_pool_name(instance.name, name)
+        if instance.name in members:
+            index.join_pool(instance.name)
 
 
 class _KeyAnswer(msgspec.Struct):
@@ -70,18 +97,23 @@ class PoolConfirmer:
     async def confirm(
         self, model: str, chain: Sequence[int], matches: dict[str, TierMatch]
     ) -> dict[str, TierMatch]:
-        """matches with their pool credit confirmed: as they are, shortened, or without any pool credit."""
-        credited = [(m.gpu + m.cpu, m.gpu + m.cpu + m.pool) for m in matches.values() if m.pool]
+        """matches with the pool credit of model's pool name confirmed: as they are, shortened, or without any
+        pool credit. Instances of other pool names, which do not serve model, keep theirs unconfirmed."""
+        name = self._pool_names.get(model, model)
+        pool_of = self._index.pool_name
+        credited = [(m.gpu + m.cpu, m.gpu + m.cpu + m.pool)
+                    for instance, m in matches.items() if m.pool and pool_of(instance) == name]  # fmt: skip
         if not credited:
             return matches
         start, end = min(s for s, _ in credited), max(e for _, e in credited)
         now = self._clock()
         self._expire(now)
-        unchecked = [h for _, h in self._index.pooled(chain, start, end) if (model, h) not in self._confirmed]
+        pooled = self._index.pooled(chain, start, end, name)
+        unchecked = [h for _, h in pooled if (model, h) not in self._confirmed]
         if not unchecked:
             return matches
         try:
-            present = await self._query(model, unchecked)
+            present = await self._query(name, unchecked)
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
             log.debug("Mooncake master not answering, routing without pool credit: %r", exc)
             self._metrics.pool_master_up.set(0)
@@ -96,13 +128,12 @@ class PoolConfirmer:
         if not denied:
             return matches
         self._metrics.pool_lookups("gone").inc(len(denied))
-        self._index.forget_pooled(denied)
+        self._index.forget_pooled(denied, name)
         return self._index.match(chain)
 
-    async def _query(self, model: str, hashes: list[bytes]) -> set[bytes]:
-        """The hashes the master holds, asked in concurrent batches."""
-        name = self._pool_names.get(model, model)
-        keys = {pool_key(name, h): h for h in hashes}
+    async def _query(self, pool_name: str, hashes: list[bytes]) -> set[bytes]:
+        """The hashes the master holds under pool_name, asked in concurrent batches."""
+        keys = {pool_key(pool_name, h): h for h in hashes}
         names = list(keys)
         batches = [names[i : i + _KEYS_PER_QUERY] for i in range(0, len(names), _KEYS_PER_QUERY)]
         answers = await asyncio.gather(*(self._ask(batch) for batch in batches))

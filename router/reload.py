@@ -25,6 +25,7 @@ from router.instances import Fleet
 from router.kv_subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
 from router.policy import Policy
+from router.pool import place_instances
 from router.proxy import Proxy
 from router.traffic import TrafficSplit
 
@@ -101,9 +102,9 @@ class Reloader:
             if task is not None:
                 task.cancel()
             self._index.drop_instance(name)
+            self._index.leave_pool(name)
         self.subscribe(added)
-        for member in new.pool_members():
-            self._index.join_pool(member)
+        place_instances(self._index, new)
         proxy = self._proxy()
         proxy.policies = {name: Policy(name, policy) for name, policy in new.policies.items()}
         proxy.traffic = TrafficSplit(new.traffic_weights())

@@ -304,6 +304,45 @@ def test_pool_blocks_count_for_every_instance_that_writes_to_the_pool() -> None:
     assert index.match(prompt())["d"] == TierMatch(pool=7)
 
 
+def test_pool_blocks_count_only_for_members_of_the_pool_name_they_were_written_under() -> None:
+    """Two models of one tokenizer and one Mooncake pool (an 8B and a 70B): their token hashes and vLLM's
+    block hashes are the same, their pool objects are not, as Mooncake keys carry the model's name."""
+    index = BlockIndex(BS)
+    for instance, pool_name in (("a", "m8"), ("a2", "m8"), ("b", "m70")):
+        index.set_pool_name(instance, pool_name)
+        index.join_pool(instance)
+    index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 6)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2, pool=4), "a2": TierMatch(pool=6)}
+    assert index.pooled(prompt(), 0, 10, "m70") == []
+    index.apply(B, [pooled(0, 3)])  # the 70B's own objects for the first blocks
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2, pool=4), "a2": TierMatch(pool=6),
+                                     "b": TierMatch(pool=3)}  # fmt: skip
+    assert index.pool_entries == 9
+    hashes = [cast(bytes, vllm_hash(p, as_bytes=True)) for p in range(6)]
+    assert index.pooled(prompt(), 0, 10, "m70") == list(enumerate(hashes[:3]))
+    index.forget_pooled(hashes, "m70")  # the master has none of them under the 70B's name
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2, pool=4), "a2": TierMatch(pool=6)}
+    assert index.pooled(prompt(), 0, 10, "m8") == list(enumerate(hashes))
+
+
+def test_an_instance_given_another_pool_name_takes_its_membership_along() -> None:
+    index = BlockIndex(BS)
+    index.set_pool_name("a", "m8")
+    index.apply(A, [pooled(0, 4)])
+    index.apply(B, [pooled(0, 2, salt=9, tokens=OTHER_TOKENS)])  # b wrote before it had a pool name
+    assert index.match(prompt()) == {"a": TierMatch(pool=4)}
+    assert index.match(prompt(OTHER_TOKENS)) == {"b": TierMatch(pool=2)}
+    index.set_pool_name("b", "m8")  # a reload: b serves the 8B now
+    assert index.match(prompt()) == {"a": TierMatch(pool=4), "b": TierMatch(pool=4)}
+    assert index.match(prompt(OTHER_TOKENS)) == {}  # the unnamed pool's blocks have no member left
+    index.set_pool_name("a", "m70")
+    assert index.match(prompt()) == {"b": TierMatch(pool=4)}
+    index.leave_pool("b")  # b left the fleet
+    assert index.match(prompt()) == {}
+    assert index.pool_members() == ["a"]
+    assert (index.pool_name("a"), index.pool_name("b")) == ("m70", "")
+
+
 def test_pool_blocks_announced_without_tokens_take_the_publishers_own_copy() -> None:
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 4, as_bytes=True), pooled(0, 6, with_tokens=False)])

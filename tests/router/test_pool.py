@@ -81,16 +81,16 @@ def metric_value(metrics: RouterMetrics, name: str, **labels: str) -> float | No
     return metrics.registry.get_sample_value(name, labels)
 
 
-def key_of(position: int) -> str:
+def key_of(position: int, pool_name: str = "model") -> str:
     full = vllm_hash(position, as_bytes=True)
     assert isinstance(full, bytes)
-    return pool_key("model", full)
+    return pool_key(pool_name, full)
 
 
 @contextlib.contextmanager
-def pool_holding(master: Master, positions: range) -> Iterator[None]:
-    """A pool client that put the blocks at positions and keeps them while the block runs."""
-    keys = [key_of(p) for p in positions]
+def pool_holding(master: Master, positions: range, pool_name: str = "model") -> Iterator[None]:
+    """A pool client that put pool_name's blocks at positions and keeps them while the block runs."""
+    keys = [key_of(p, pool_name) for p in positions]
     client = subprocess.Popen(
         [str(STACK_PYTHON), str(ROOT / "scripts" / "pool_put.py"), master.rpc, *keys],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -108,12 +108,17 @@ def pool_holding(master: Master, positions: range) -> Iterator[None]:
             _stop(client)
 
 
-def confirm(index: BlockIndex, url: str, metrics: RouterMetrics) -> dict[str, TierMatch]:
-    async def run() -> dict[str, TierMatch]:
+def confirm(
+    index: BlockIndex, url: str, metrics: RouterMetrics, models: tuple[str, ...] = ("tiny-llama",)
+) -> list[dict[str, TierMatch]]:
+    """The confirmed matches of a request for each of models in turn."""
+    pool_names = {"tiny-llama": "model", "llama-8b": "Llama-3.1-8B", "llama-70b": "Llama-3.1-70B"}
+
+    async def run() -> list[dict[str, TierMatch]]:
         async with aiohttp.ClientSession() as session:
-            confirmer = PoolConfirmer(index, url, {"tiny-llama": "model"}, session, metrics, timeout_s=2.0)
+            confirmer = PoolConfirmer(index, url, pool_names, session, metrics, timeout_s=2.0)
             chain = prompt()
-            return await confirmer.confirm("tiny-llama", chain, index.match(chain))
+            return [await confirmer.confirm(model, chain, index.match(chain)) for model in models]
 
     return asyncio.run(run())
 
@@ -121,6 +126,8 @@ def confirm(index: BlockIndex, url: str, metrics: RouterMetrics) -> dict[str, Ti
 def indexed() -> BlockIndex:
     """A holds blocks 0-1 itself and wrote 0-5 to the pool; B wrote something else there (a member too)."""
     index = BlockIndex(BS)
+    index.set_pool_name("a", "model")
+    index.set_pool_name("b", "model")
     index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 6)])
     index.apply(B, [pooled(0, 1, salt=9, tokens=OTHER_TOKENS)])
     return index
@@ -129,7 +136,7 @@ def indexed() -> BlockIndex:
 def test_pool_credit_stops_where_the_master_no_longer_has_the_blocks(master: Master) -> None:
     index, metrics = indexed(), RouterMetrics()
     with pool_holding(master, range(4)):
-        matches = confirm(index, master.admin_url, metrics)
+        [matches] = confirm(index, master.admin_url, metrics)
     assert matches == {"a": TierMatch(gpu=2, pool=2), "b": TierMatch(pool=4)}
     assert index.pool_entries == 4 + 1  # blocks 4 and 5 left the index; B's own block was not asked about
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 2
@@ -155,7 +162,28 @@ def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
 def test_an_unreachable_master_means_routing_without_pool_credit() -> None:
     index, metrics = indexed(), RouterMetrics()
     closed = f"http://127.0.0.1:{free_port_block(1)}"
-    assert confirm(index, closed, metrics) == {"a": TierMatch(gpu=2)}
+    assert confirm(index, closed, metrics) == [{"a": TierMatch(gpu=2)}]
     assert index.pool_entries == 7  # nothing is forgotten on no answer
     assert metric_value(metrics, "kvroute_pool_master_up") == 0
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="error") == 6
+
+
+def test_a_denial_for_one_model_leaves_the_pool_blocks_of_another_with_the_same_tokenizer(
+    master: Master,
+) -> None:
+    """An 8B and a 70B of one family share a tokenizer, a system prompt and the pool: A (8B) wrote blocks 0-5,
+    B (70B) blocks 0-3, which the pool has since evicted. The master's no for the 70B's keys cuts B's credit
+    only, and A's blocks still count for A's model."""
+    index, metrics = BlockIndex(BS), RouterMetrics()
+    index.set_pool_name("a", "Llama-3.1-8B")
+    index.set_pool_name("b", "Llama-3.1-70B")
+    index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 6)])
+    index.apply(B, [pooled(0, 4)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2, pool=4), "b": TierMatch(pool=4)}
+    with pool_holding(master, range(6), "Llama-3.1-8B"):
+        for_70b, for_8b = confirm(index, master.admin_url, metrics, ("llama-70b", "llama-8b"))
+    assert for_70b == {"a": TierMatch(gpu=2, pool=4)}  # a does not serve the 70B: its credit is not asked
+    assert for_8b == {"a": TierMatch(gpu=2, pool=4)}
+    assert index.pool_entries == 6
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 4  # B's 0-3
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 4  # A's credit, 2-5

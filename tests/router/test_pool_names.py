@@ -1,0 +1,66 @@
+"""Pool names from the configuration: an instance counts the pool blocks of its model's pool name only, as
+the router starts and across reloads that add, change and remove instances."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any, cast
+
+import zmq.asyncio
+
+from router.block_index import BlockIndex
+from router.config import RouterConfig, parse_config
+from router.instances import Fleet
+from router.metrics import RouterMetrics
+from router.pool import place_instances
+from router.proxy import Proxy
+from router.reload import Reloader
+from scorers.base import TierMatch
+from tests.router.test_block_index import BS, pooled, prompt
+
+
+def config(*instances: tuple[str, str]) -> RouterConfig:
+    """An 8B and a 70B of one family (one tokenizer) sharing a Mooncake pool; instances as (name, model)."""
+    raw: dict[str, Any] = {
+        "models": [{"name": "llama-8b", "pool_name": "Llama-3.1-8B"}, {"name": "llama-70b"}],
+        "block_size": BS,
+        "instances": [
+            {"name": name, "url": f"http://127.0.0.1:{9001 + number}", "models": [model]}
+            for number, (name, model) in enumerate(instances)
+        ],
+        "pool": {"master_url": "http://127.0.0.1:9003"},
+    }
+    return parse_config(raw)
+
+
+def test_each_instance_counts_the_pool_blocks_of_its_models_pool_name() -> None:
+    index = BlockIndex(BS)
+    place_instances(index, config(("a", "llama-8b"), ("a2", "llama-8b"), ("b", "llama-70b")))
+    index.apply(("a", 0), [pooled(0, 6)])
+    assert index.match(prompt()) == {"a": TierMatch(pool=6), "a2": TierMatch(pool=6)}
+    assert [index.pool_name(i) for i in ("a", "a2", "b")] == ["Llama-3.1-8B", "Llama-3.1-8B", "llama-70b"]
+    assert index.pool_members() == ["a", "a2", "b"]
+
+
+def test_a_reload_moves_changed_instances_to_their_new_pool_name_and_removed_ones_out() -> None:
+    async def reload() -> BlockIndex:
+        first = config(("a", "llama-8b"), ("b", "llama-70b"), ("c", "llama-70b"))
+        index, context = BlockIndex(BS), zmq.asyncio.Context()
+        place_instances(index, first)
+        index.apply(("a", 0), [pooled(0, 6)])
+        index.apply(("b", 0), [pooled(0, 2)])
+        proxy = cast(Proxy, types.SimpleNamespace())
+        reloader = Reloader(first, None, Fleet(first), index, RouterMetrics(), context, lambda: proxy)
+        try:
+            # b serves the 8B now (a changed instance: removed, then added); c is gone; d is new.
+            await reloader.apply(config(("a", "llama-8b"), ("b", "llama-8b"), ("d", "llama-70b")))
+        finally:
+            await reloader.stop()
+            context.destroy(linger=0)
+        return index
+
+    index = asyncio.run(reload())
+    # What b wrote as a 70B is in the pool under the 70B's name still: it counts for the new 70B, d.
+    assert index.match(prompt()) == {"a": TierMatch(pool=6), "b": TierMatch(pool=6), "d": TierMatch(pool=2)}
+    assert index.pool_members() == ["a", "b", "d"]
