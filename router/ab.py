@@ -103,6 +103,11 @@ class ABStats:
         self._stats.clear()
         self._last_report = None
 
+    def forget(self, policy: str) -> None:
+        """Start a policy's results afresh (it was redefined)."""
+        self._stats.pop(policy, None)
+        self._last_report = None
+
     async def report_off_loop(self, split: dict[str, float]) -> dict[str, Any]:
         """report(), computed on a worker thread from a copy of the samples and at most once a second: its
         bootstraps take a few hundred milliseconds of CPU, which on the event loop would stall every request,

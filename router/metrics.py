@@ -36,6 +36,16 @@ class Family(Generic[M]):
             child = self._children[values] = self.metric.labels(*values)
         return child
 
+    def forget(self, label: str, value: str) -> None:
+        """Drop the series whose label is value: an instance a reload removed must not linger in /metrics."""
+        names = list(self.metric._labelnames)  # set by prometheus_client's constructor, never changed
+        if label not in names:
+            return
+        at = names.index(label)
+        for values in [values for values in self._children if values[at] == value]:
+            del self._children[values]
+            self.metric.remove(*values)
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -176,6 +186,11 @@ class RouterMetrics:
             Counter("kvroute_pool_lookups", "Pool blocks looked up on the Mooncake master, by answer",
                     ["result"], registry=r)
         )  # fmt: skip
+
+    def forget_instance(self, name: str) -> None:
+        for family in vars(self).values():
+            if isinstance(family, Family):
+                family.forget("instance", name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

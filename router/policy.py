@@ -12,7 +12,7 @@ from scorers.registry import PICKERS, SCORERS
 
 class Policy:
     def __init__(self, name: str, config: PolicyConfig) -> None:
-        self.name = name
+        self.name, self.config = name, config
         self._scorers: list[tuple[Scorer, float]] = [
             (SCORERS[spec.type].build(spec.params), spec.weight) for spec in config.scorers
         ]

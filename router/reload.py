@@ -103,11 +103,16 @@ class Reloader:
                 task.cancel()
             self._index.drop_instance(name)
             self._index.leave_pool(name)
+            self._metrics.forget_instance(name)
         self.subscribe(added)
         place_instances(self._index, new)
         proxy = self._proxy()
-        proxy.policies = {name: Policy(name, policy) for name, policy in new.policies.items()}
-        proxy.traffic = TrafficSplit(new.traffic_weights())
+        _swap_policies(proxy, new)
+        # A split set at runtime (PUT /admin/traffic) stays unless the file's own split changed or the
+        # running one names a policy that is gone.
+        running = proxy.traffic.weights.keys()
+        if new.traffic_weights() != old.traffic_weights() or not running <= new.policies.keys():
+            proxy.traffic = TrafficSplit(new.traffic_weights())
         proxy.traffic_config = new.traffic
         self.config = new
         return {"added": [i.name for i in added], "removed": removed, "policies": list(new.policies),
@@ -131,6 +136,16 @@ class Reloader:
                     pass  # logged and counted by reload()
         finally:
             loop.remove_signal_handler(signal.SIGHUP)
+
+
+def _swap_policies(proxy: Proxy, new: RouterConfig) -> None:
+    """A policy whose definition stays keeps its state (session affinity, round-robin position); one
+    redefined starts afresh, and so do its A/B results, which would otherwise mix two policies."""
+    old = proxy.policies
+    kept = {name: policy for name, policy in old.items() if new.policies.get(name) == policy.config}
+    for name in (old.keys() & new.policies.keys()) - kept.keys():
+        proxy.ab.forget(name)
+    proxy.policies = {name: kept.get(name) or Policy(name, config) for name, config in new.policies.items()}
 
 
 async def _changes(path: Path, hangup: asyncio.Event) -> Any:

@@ -11,15 +11,19 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
 
 from kvroute.processes import FleetPorts, running_router
+from router.ab import ABStats
 from router.admin import admin_token
-from router.config import AdminConfig
-from tests.conftest import metric
+from router.config import AdminConfig, parse_config
+from router.policy import Policy
+from router.reload import _swap_policies
+from tests.conftest import metric, sample
 from tests.router.test_proxy import post
 
 TOKEN = "test-admin-token-0123456789"
@@ -48,10 +52,14 @@ def call(method: str, url: str, body: Any = None, headers: dict[str, str] | None
         return error.code, json.load(error)
 
 
-def chat(url: str, session: str, headers: dict[str, str] | None = None, stream: bool = False) -> dict[str, str]:
+def chat(
+    url: str, session: str, headers: dict[str, str] | None = None, stream: bool = False
+) -> dict[str, str]:
     body = json.dumps({"model": "tiny-llama", "max_tokens": 2, "stream": stream,
                        "messages": [{"role": "user", "content": f"hello from {session}"}]}).encode()  # fmt: skip
-    status, response_headers, payload = post(url + "/v1/chat/completions", body, {"x-session-id": session, **(headers or {})})
+    status, response_headers, payload = post(
+        url + "/v1/chat/completions", body, {"x-session-id": session, **(headers or {})}
+    )
     assert status == 200, payload
     return {k.lower(): v for k, v in response_headers.items()}
 
@@ -107,7 +115,9 @@ def test_the_split_changes_at_runtime(admin_router: tuple[str, Path]) -> None:
     assert call("PUT", url + "/admin/traffic", {"split": {"kvroute": -1}}, AUTH)[0] == 400
 
 
-def test_a_bad_file_is_refused_and_the_running_config_stays(admin_router: tuple[str, Path], fleet: FleetPorts) -> None:
+def test_a_bad_file_is_refused_and_the_running_config_stays(
+    admin_router: tuple[str, Path], fleet: FleetPorts
+) -> None:
     url, path = admin_router
     path.write_text("policies: [not, a, mapping")
     status, body = call("POST", url + "/admin/reload", headers=AUTH)
@@ -119,11 +129,17 @@ def test_a_bad_file_is_refused_and_the_running_config_stays(admin_router: tuple[
     assert {chat(url, f"b{i}")["x-kvroute-policy"] for i in range(20)} == {"round-robin", "kvroute"}
 
 
-def test_a_good_file_is_taken_over_on_request_and_on_change(admin_router: tuple[str, Path], fleet: FleetPorts) -> None:
+def test_a_good_file_is_taken_over_on_request_and_on_change(
+    admin_router: tuple[str, Path], fleet: FleetPorts
+) -> None:
     url, path = admin_router
     fast = {"scorers": [{"type": "ttft-cost"}]}
     config = config_of(fleet)
-    config["policies"] = {"kvroute": fast, "round-robin": {"scorers": [{"type": "round-robin"}]}, "fast": fast}
+    config["policies"] = {
+        "kvroute": fast,
+        "round-robin": {"scorers": [{"type": "round-robin"}]},
+        "fast": fast,
+    }
     config["traffic"] = {"split": {"fast": 1}}
     path.write_text(yaml.safe_dump(config))
     status, body = call("POST", url + "/admin/reload", headers=AUTH)
@@ -135,14 +151,18 @@ def test_a_good_file_is_taken_over_on_request_and_on_change(admin_router: tuple[
     assert metric(url, "kvroute_config_reloads_total", result="ok") >= 2
 
 
-def test_removed_instances_finish_what_they_have_and_get_nothing_new(admin_router: tuple[str, Path], fleet: FleetPorts) -> None:
+def test_removed_instances_finish_what_they_have_and_get_nothing_new(
+    admin_router: tuple[str, Path], fleet: FleetPorts
+) -> None:
     url, path = admin_router
     config = config_of(fleet)
 
     def stream(i: int) -> tuple[str, bytes]:
         body = json.dumps({"model": "tiny-llama", "max_tokens": 200, "stream": True,
                            "messages": [{"role": "user", "content": f"long answer {i}"}]}).encode()  # fmt: skip
-        status, headers, payload = post(url + "/v1/chat/completions", body, {"x-kvroute-policy": "round-robin"})
+        status, headers, payload = post(
+            url + "/v1/chat/completions", body, {"x-kvroute-policy": "round-robin"}
+        )
         assert status == 200
         return headers["x-kvroute-instance"], payload
 
@@ -159,9 +179,52 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(admin_route
     assert {chat(url, f"r{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(12)} == {
         "fleet-0", "fleet-1"}  # fmt: skip
     wait_for(lambda: metric(url, "kvroute_index_blocks", instance="fleet-0", tier="gpu") > 0, "index kept")
+    assert sample(url, "kvroute_instance_healthy", instance="fleet-2") is None  # its series went with it
+    assert sample(url, "kvroute_instance_healthy", instance="fleet-0") == 1
 
 
-def test_a_short_token_from_the_environment_leaves_the_admin_routes_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_runtime_split_stays_until_the_files_split_changes(
+    admin_router: tuple[str, Path], fleet: FleetPorts
+) -> None:
+    url, path = admin_router
+    assert call("PUT", url + "/admin/traffic", {"split": {"kvroute": 1}}, AUTH)[0] == 200
+    config = config_of(fleet)
+    config["policies"] = {
+        **parse_config(config).model_dump(mode="json")["policies"],
+        "spare": {"scorers": [{"type": "round-robin"}]},
+    }  # an edit that leaves the split
+    path.write_text(yaml.safe_dump(config))
+    status, body = call("POST", url + "/admin/reload", headers=AUTH)
+    assert status == 200 and body["split"] == {"kvroute": 1.0}
+    config["traffic"] = {"split": {"round-robin": 1}}
+    path.write_text(yaml.safe_dump(config))
+    status, body = call("POST", url + "/admin/reload", headers=AUTH)
+    assert status == 200 and body["split"] == {"round-robin": 1.0}
+
+
+def test_a_reload_keeps_the_state_of_policies_it_does_not_change(fleet: FleetPorts) -> None:
+    raw = config_of(fleet)
+    old = parse_config(raw)
+    proxy = SimpleNamespace(
+        policies={name: Policy(name, c) for name, c in old.policies.items()}, ab=ABStats()
+    )
+    before = dict(proxy.policies)
+    for name in before:
+        proxy.ab.first_byte(name, 0.1)
+    raw["policies"] = {name: spec.model_dump(mode="json") for name, spec in old.policies.items()}
+    raw["policies"]["round-robin"] = {"scorers": [{"type": "inflight-load"}]}
+    _swap_policies(proxy, parse_config(raw))  # type: ignore[arg-type]
+    assert proxy.policies["round-robin"] is not before["round-robin"]
+    assert all(proxy.policies[name] is before[name] for name in before if name != "round-robin")
+    report = proxy.ab.report({"kvroute": 1, "round-robin": 1, "least-loaded": 1})
+    samples = {comparison["candidate"]: comparison["samples"] for comparison in report["comparisons"]}
+    assert samples["round-robin"] == [1, 0]  # the redefined one starts afresh
+    assert samples["least-loaded"] == [1, 1]
+
+
+def test_a_short_token_from_the_environment_leaves_the_admin_routes_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("KVROUTE_TEST_ADMIN_TOKEN", "abc")
     assert admin_token(AdminConfig(token_env="KVROUTE_TEST_ADMIN_TOKEN")) is None
     monkeypatch.setenv("KVROUTE_TEST_ADMIN_TOKEN", "x" * 16)
