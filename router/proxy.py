@@ -109,14 +109,31 @@ class _ClientWatch:
             self._task.cancel()
 
 
+@dataclass(eq=False)
+class _Prefill:
+    """A request's uncached prompt tokens, queued in its instance's prefill count until the engine is past
+    them: at the first byte, when the predicted TTFT of a whole answer passes, or at the end at the latest."""
+
+    instance: Instance
+    tokens: int
+
+    def take(self) -> int:
+        """The tokens still queued, from now on not (0 once taken)."""
+        tokens, self.tokens = self.tokens, 0
+        return tokens
+
+    def retire(self) -> None:
+        self.instance.pending_prefill_tokens -= self.take()
+
+
 @dataclass(eq=False)  # kept in a set by identity
 class _Routed:
     decision: Decision
     policy: Policy
     upstream: aiohttp.ClientResponse
     started: float
+    prefill: _Prefill
     streamed: bool
-    prefilling: bool = True
     finished: bool = False
     broken: bool = False  # the stream from upstream broke off
     cut: bool = False  # ended by the router (shutting down), not by the instance
@@ -301,6 +318,11 @@ class Proxy:
             instance = decision.instance
             started = time.perf_counter()
             probe = self._start(decision)
+            prefill = _Prefill(instance, decision.uncached_tokens)
+            if not stream and prefill.tokens:
+                # A whole answer's first byte comes with its last: its prefill retires when the instance's
+                # TTFT model expects the first token instead (an engine answers whole only at the end).
+                asyncio.get_running_loop().call_later(decision.predicted_ttft_s, prefill.retire)
             upstream: aiohttp.ClientResponse | None = None
             try:
                 upstream = await self._session.post(
@@ -309,7 +331,7 @@ class Proxy:
                 first = await _first_bytes(upstream, stream)
             except _NOT_CONNECTED:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
-                self._abandon(decision, upstream, probe, admitted=False)
+                self._abandon(decision, upstream, probe, prefill, admitted=False)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
@@ -320,7 +342,7 @@ class Proxy:
                 # instance may serve it, within the retry budget. One drop does not mark the instance down (a
                 # request every engine drops would black out the model): its circuit breaker counts it, and a
                 # dead instance refuses the next connection.
-                self._abandon(decision, upstream, probe)
+                self._abandon(decision, upstream, probe, prefill)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 dropped = instance.name, exc
@@ -332,27 +354,23 @@ class Proxy:
                 continue
             except (TimeoutError, aiohttp.ClientError) as exc:
                 # Timed out or answered badly: it may still be running there, so it is not sent again.
-                self._abandon(decision, upstream, probe)
+                self._abandon(decision, upstream, probe, prefill)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "response"
                 self._metrics.upstream_errors(instance.name, kind).inc()
                 self.ab.failed(policy.name)
                 raise upstream_failed(instance.name, exc) from exc
             except BaseException:
-                self._abandon(decision, upstream, probe, failed=False)
+                self._abandon(decision, upstream, probe, prefill, failed=False)
                 raise
             routed = _Routed(
-                decision, policy, upstream, started, streamed=stream, first=first, attempts=len(tried) + 1,
-                probe=probe,
+                decision, policy, upstream, started, prefill, streamed=stream, first=first,
+                attempts=len(tried) + 1, probe=probe,
             )  # fmt: skip
             try:
                 if stream:
                     self._first_byte(routed)
-                elif decision.uncached_tokens:
-                    # No first byte before the end of a whole answer: its prefill retires when the instance's
-                    # TTFT model expects its first token instead.
-                    asyncio.get_running_loop().call_later(decision.predicted_ttft_s, self._prefilled, routed)
             except BaseException:
-                self._abandon(decision, upstream, probe, failed=False)
+                self._abandon(decision, upstream, probe, prefill, failed=False)
                 raise
             return routed
         if dropped is not None:
@@ -392,6 +410,7 @@ class Proxy:
         decision: Decision,
         upstream: aiohttp.ClientResponse | None,
         probe: bool,
+        prefill: _Prefill,
         failed: bool = True,
         admitted: bool = True,
     ) -> None:
@@ -399,7 +418,7 @@ class Proxy:
         instance's circuit breaker; admitted: the engine may have held its context (it was sent)."""
         if upstream is not None:
             upstream.close()  # not released to the pool: the engine must see the connection go (abort)
-        self._end(decision, prefilling=True, admitted=admitted)
+        self._end(decision, prefill, admitted=admitted)
         if failed:
             self._breaker_failed(decision.instance, probe)
         else:
@@ -465,7 +484,7 @@ class Proxy:
         self._admission.leave()
         routed.upstream.release()
         status = routed.upstream.status
-        self._end(routed.decision, routed.prefilling, admitted=status == 200)
+        self._end(routed.decision, routed.prefill, admitted=status == 200)
         if (routed.broken and not routed.cut) or status >= 500:
             self._breaker_failed(routed.instance, routed.probe)
         elif routed.cut or status >= 400:
@@ -497,7 +516,7 @@ class Proxy:
     def _first_byte(self, routed: _Routed, decoded_tokens: int | None = None) -> None:
         """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown). Only answers
         (200) count as TTFT samples: an error comes back fast and would flatter its policy."""
-        self._prefilled(routed)
+        routed.prefill.retire()
         if routed.upstream.status != 200:
             return
         elapsed = time.perf_counter() - routed.started
@@ -517,15 +536,9 @@ class Proxy:
             for term, rate in model.rates.items():
                 self._metrics.ttft_rate(name, term).set(rate)
 
-    def _prefilled(self, routed: _Routed) -> None:
-        """The engine has prefilled the prompt: its tokens no longer queue ahead of others."""
-        if routed.prefilling and not routed.finished:
-            routed.prefilling = False
-            routed.instance.pending_prefill_tokens -= routed.decision.uncached_tokens
-
-    def _end(self, decision: Decision, prefilling: bool, admitted: bool) -> None:
+    def _end(self, decision: Decision, prefill: _Prefill, admitted: bool) -> None:
         instance = decision.instance
-        instance.end(decision.prompt_tokens, decision.uncached_tokens if prefilling else 0, admitted)
+        instance.end(decision.prompt_tokens, prefill.take(), admitted)
         self._metrics.in_flight(instance.name).set(instance.in_flight)
         if len(self._memory_hold):  # memory freed up: the held requests that now fit go
             for released in self._memory_hold.release():
