@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import zmq.asyncio
 
+from router.ab import ABStats
 from router.block_index import BlockIndex
 from router.config import RouterConfig, parse_config
 from router.instances import Fleet
@@ -16,6 +17,7 @@ from router.metrics import RouterMetrics
 from router.pool import place_instances
 from router.proxy import Proxy
 from router.reload import Reloader
+from router.traffic import TrafficSplit
 from scorers.base import TierMatch
 from tests.router.test_block_index import BS, pooled, prompt
 
@@ -50,7 +52,9 @@ def test_a_reload_moves_changed_instances_to_their_new_pool_name_and_removed_one
         place_instances(index, first)
         index.apply(("a", 0), [pooled(0, 6)])
         index.apply(("b", 0), [pooled(0, 2)])
-        proxy = cast(Proxy, types.SimpleNamespace())
+        proxy = cast(
+            Proxy, types.SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit({"kvroute": 1}))
+        )
         reloader = Reloader(first, None, Fleet(first), index, RouterMetrics(), context, lambda: proxy)
         try:
             # b serves the 8B now (a changed instance: removed, then added); c is gone; d is new.
