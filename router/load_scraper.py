@@ -80,6 +80,8 @@ def parse_engine_load(text: bytes) -> EngineLoad | None:
     waiting, running, usage = _samples(text, WAITING), _samples(text, RUNNING), _samples(text, KV_USAGE)
     if waiting is None or running is None or usage is None:
         return None
+    if max(usage) > 1:  # a fraction; a percentage (or garbage) would make every prompt wait for memory
+        return None
     # Mean usage: with equal engines it is the instance's used fraction of all its blocks, and vLLM's own
     # data-parallel balancer sends a new request to a less loaded engine, so the fullest one overstates it.
     return EngineLoad(waiting=sum(waiting), running=sum(running), kv_usage=sum(usage) / len(usage))

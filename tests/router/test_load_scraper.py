@@ -59,6 +59,8 @@ def exposition(waiting: tuple[str, ...] = ("0.0",), running: tuple[str, ...] = (
          EngineLoad(2.0, 1.0, 0.5)),  # first line, no labels, spaces and braces in labels, timestamp, no final newline
         (exposition(("NaN",)), None),
         (exposition(usage=("+Inf",)), None),
+        (exposition(usage=("12.5",)), None),  # a percentage, not vLLM's fraction
+        (exposition(usage=("1.0",)), EngineLoad(0.0, 0.0, 1.0)),
         (exposition(running=("-1",)), None),
         (exposition(("1", "two")), None),  # one bad engine spoils the round
         (exposition(usage=("",)), None),
