@@ -82,14 +82,25 @@ class Fleet:
     def update(self, config: RouterConfig) -> tuple[list[InstanceConfig], list[str]]:
         """Take config's instances: unchanged ones keep their state (health, load, calibration, requests in
         flight); changed ones count as removed and added. Returns (added, removed names). A removed instance
-        gets no new requests; those in flight finish, as they hold it."""
+        gets no new requests; those in flight finish, as they hold it. A changed one at the same URL is the
+        same engine (other events endpoints or models): it stays the same object, so the requests it is
+        serving still count against it, and they end on it."""
         kept = {i.name: i for i in self.instances if self._configs.get(i.name) in config.instances}
         added = [i for i in config.instances if i.name not in kept]
         removed = [name for name in self._configs if name not in kept]
-        self.instances = [
-            kept.get(i.name) or Instance.from_config(i, config)
-            for i in config.instances
-        ]
+        same_url = {i.name: i for i in self.instances}
+        instances = []
+        for spec in config.instances:
+            instance = kept.get(spec.name)
+            if instance is None:
+                previous = same_url.get(spec.name)
+                if previous is not None and previous.url == spec.url:
+                    previous.models = frozenset(config.models_of(spec))
+                    instance = previous
+                else:
+                    instance = Instance.from_config(spec, config)
+            instances.append(instance)
+        self.instances = instances
         self._configs = {i.name: i for i in config.instances}
         self._index()
         return added, removed

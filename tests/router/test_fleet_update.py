@@ -1,0 +1,33 @@
+"""A reload's changes to the fleet: which instances keep their state and their requests in flight."""
+
+from __future__ import annotations
+
+from router.config import RouterConfig, parse_config
+from router.instances import Fleet
+
+
+def config(**instance: object) -> RouterConfig:
+    entry = {"name": "a", "url": "http://127.0.0.1:9001", **instance}
+    return parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [entry]})
+
+
+def test_an_instance_changed_at_the_same_url_keeps_its_requests_in_flight() -> None:
+    fleet = Fleet(config())
+    (before,) = fleet.instances
+    before.start(prompt_tokens=4000, uncached_tokens=4000)  # a request it is serving
+    added, removed = fleet.update(config(events="tcp://127.0.0.1:5557", models=["m", "n"]))
+    assert removed == ["a"] and [i.name for i in added] == ["a"]  # resubscribed, its index entries redone
+    (after,) = fleet.instances
+    assert after is before and after.in_flight == 1 and after.pending_prefill_tokens == 4000
+    assert after.models == {"m", "n"} and fleet.serves("n")
+    after.end(4000, 4000)
+    assert (after.in_flight, after.pending_prefill_tokens, after.active_tokens) == (0, 0, 0)
+
+
+def test_an_instance_moved_to_another_url_starts_afresh() -> None:
+    fleet = Fleet(config())
+    (before,) = fleet.instances
+    before.start(prompt_tokens=10, uncached_tokens=10)
+    fleet.update(config(url="http://127.0.0.1:9002"))
+    (after,) = fleet.instances
+    assert after is not before and after.in_flight == 0
