@@ -35,6 +35,8 @@ TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode")
 # the first few observations.
 _SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 0.25, 64.0])
 _SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
+_MAX_SURPRISE = 4.0  # an observed TTFT counts as at most this many times off the prediction
+_HUBER_DELTA = 0.5  # relative errors beyond this weigh less and less
 # The sums take every observation, the rates are solved from them on the first ones and then every this many
 # (a 5x5 solve costs more than the rest of a routing decision; rates that many requests old predict as well).
 _SOLVE_EVERY = 16
@@ -108,9 +110,21 @@ class TTFTModel:
         # requests do not calibrate, and the memory term keeps its configured factor.
         if not self._calibrate or seconds <= 0 or features.memory_wait_s > 0:
             return
-        x = features.vector() / max(seconds, _SHORTEST_S)  # relative error: divide the equation by y
-        self._gram = self._decay * self._gram + np.outer(x, x)
-        self._moment = self._decay * self._moment + x * (seconds / max(seconds, _SHORTEST_S))
+        # Robust: an observation far off the prediction counts as at most _MAX_SURPRISE times off, and past
+        # _HUBER_DELTA of relative error with a weight falling as the error grows (Huber). On plain relative
+        # error one 2 ms answer where 0.8 s was due (a prompt cached that the index did not know) outweighed
+        # fifty sound ones and zeroed the prefill rate for hundreds of requests. Rates far off still converge.
+        x = features.vector()
+        weight = 1.0
+        predicted = float(self._rates @ x)  # with the decoding a whole answer includes
+        if predicted > 0:
+            seconds = min(max(seconds, predicted / _MAX_SURPRISE), predicted * _MAX_SURPRISE)
+            error = abs(predicted - seconds) / seconds
+            weight = min(1.0, _HUBER_DELTA / error) if error else 1.0
+        y = max(seconds, _SHORTEST_S)
+        x = x / y  # relative error: divide the equation by y
+        self._gram = self._decay * self._gram + weight * np.outer(x, x)
+        self._moment = self._decay * self._moment + weight * x * (seconds / y)
         # A fleet that slows down threefold must not find the priors three times as convincing.
         self._typical_s = self._decay * self._typical_s + (1 - self._decay) * seconds
         self.observations += 1

@@ -71,6 +71,20 @@ def test_calibration_follows_an_instance_that_slows_down() -> None:
     assert model.rates["prefill"] == pytest.approx(3 * TRUE_RATES["prefill"], rel=0.1)
 
 
+def test_one_answer_far_faster_than_predicted_does_not_undo_the_calibration() -> None:
+    """A 2 ms first byte for 8,000 uncached tokens (the engine had them cached, the index did not know): on
+    plain relative error it zeroed the prefill rate, and caching stopped counting in any decision."""
+    rng = random.Random(4)
+    model = TTFTModel(TTFTPriors())
+    for _ in range(300):
+        features = random_features(rng)
+        model.observe(features, true_seconds(features) * rng.uniform(0.9, 1.1))
+    model.observe(TTFTFeatures(3000, 8000, 0), 0.002)
+    model._solve()  # at once, not at the next 16th observation
+    assert model.rates["prefill"] == pytest.approx(TRUE_RATES["prefill"], rel=0.3)
+    assert prediction_error(model) < 0.15
+
+
 def test_without_calibration_the_priors_stay() -> None:
     priors = TTFTPriors(calibrate=False, prefill_s_per_token=1e-3)
     model = TTFTModel(priors)
