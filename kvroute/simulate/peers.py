@@ -132,11 +132,44 @@ class SGLangCacheAware(SimPolicy):
 
 
 class ActiveWork:
-    """A router's own count, per worker, of prefill tokens not yet answered and KV blocks in flight."""
+    """A router's own count, per worker, of prefill tokens not yet answered and KV blocks in flight. With
+    assume_kv_reuse (Dynamo's default, router_assume_kv_reuse) a block shared by requests in flight on a
+    worker counts once there: the blocks are the distinct hashes in flight, each with its requests' count."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, assume_kv_reuse: bool) -> None:
         self.prefill_tokens = [0] * workers
         self.blocks = [0] * workers
+        self._reuse = assume_kv_reuse
+        self._hashes: list[dict[int, int]] = [{} for _ in range(workers)]
+
+    def decode_blocks(self, worker: int, chain: Sequence[int], prompt_blocks: int) -> int:
+        """The worker's blocks in flight if this prompt went there too."""
+        if not self._reuse:
+            return self.blocks[worker] + prompt_blocks
+        active = self._hashes[worker]
+        partial = prompt_blocks - len(chain)  # the last, partial block has no hash: never shared
+        return self.blocks[worker] + sum(1 for h in chain if h not in active) + partial
+
+    def add(self, worker: int, chain: Sequence[int], prompt_blocks: int) -> None:
+        self.blocks[worker] = self.decode_blocks(worker, chain, prompt_blocks)
+        if self._reuse:
+            active = self._hashes[worker]
+            for h in chain:
+                active[h] = active.get(h, 0) + 1
+
+    def remove(self, worker: int, chain: Sequence[int], prompt_blocks: int) -> None:
+        if not self._reuse:
+            self.blocks[worker] -= prompt_blocks
+            return
+        active, freed = self._hashes[worker], prompt_blocks - len(chain)
+        for h in chain:
+            count = active[h] - 1
+            if count:
+                active[h] = count
+            else:
+                del active[h]
+                freed += 1
+        self.blocks[worker] -= freed
 
 
 class DynamoCost(SimPolicy):
@@ -147,13 +180,16 @@ class DynamoCost(SimPolicy):
 
     with prefill_load_scale 1.0 and overlap credit per matched block by tier: GPU 1.0, host 0.75, disk 0.25
     (the shared pool is credited as disk, its slowest tier), temperature 0 (ties at random). Active prefill
-    and decode blocks are its own bookkeeping of the requests it routed. No speculative entries.
+    and decode blocks are its own bookkeeping of the requests it routed, decode blocks with
+    router_assume_kv_reuse on (its default): blocks shared by requests in flight on a worker count once, and
+    a new request adds only its blocks not already there. No speculative entries.
     """
 
     name = "dynamo"
     credits = (1.0, 0.75, 0.25)
     speculate = False
     least_loaded_on_miss = False
+    assume_kv_reuse = True
 
     def __init__(self, prefill_load_scale: float = 1.0, seed: int = 0) -> None:
         self._scale = prefill_load_scale
@@ -161,7 +197,7 @@ class DynamoCost(SimPolicy):
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)
-        self._active = ActiveWork(len(view.instances))
+        self._active = ActiveWork(len(view.instances), self.assume_kv_reuse)
 
     def route(self, request: SimRequest) -> int:
         view, active, size = self.view, self._active, self.view.block_size
@@ -177,7 +213,8 @@ class DynamoCost(SimPolicy):
                 match = matches.get(instance.name, NO_MATCH)
                 credit = gpu * match.gpu + cpu * match.cpu + pool * match.pool
                 prefill = active.prefill_tokens[number] / size + prompt_blocks - credit
-                costs.append(self._scale * max(prefill, 0.0) + active.blocks[number])
+                decode = active.decode_blocks(number, chain, prompt_blocks)
+                costs.append(self._scale * max(prefill, 0.0) + decode)
             chosen = _least_loaded(costs, self._rng)
         match = matches.get(view.instances[chosen].name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
@@ -185,14 +222,15 @@ class DynamoCost(SimPolicy):
             view.index.speculate(view.instances[chosen].name, chain, start=held)
         request.uncached_estimate = max(request.trace.input_tokens - match.gpu * size, 0)
         active.prefill_tokens[chosen] += request.uncached_estimate
-        active.blocks[chosen] += prompt_blocks
+        active.add(chosen, chain, prompt_blocks)
         return chosen
 
     def first_token(self, request: SimRequest) -> None:
         self._active.prefill_tokens[request.instance] -= request.uncached_estimate
 
     def finished(self, request: SimRequest) -> None:
-        self._active.blocks[request.instance] -= -(-request.trace.input_tokens // self.view.block_size)
+        prompt_blocks = -(-request.trace.input_tokens // self.view.block_size)
+        self._active.remove(request.instance, request.chain.tolist(), prompt_blocks)
 
     def refused(self, request: SimRequest) -> None:
         self.first_token(request)
@@ -210,3 +248,4 @@ class VllmRouterKvAware(DynamoCost):
     credits = (1.0, 0.8, 0.6)
     speculate = True
     least_loaded_on_miss = True
+    assume_kv_reuse = False  # its load bookkeeping is not published; each request's blocks count

@@ -13,6 +13,7 @@ from kvroute.simulate.bench import ttft_floor
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.hardware import EngineSpec, FleetSpec, PoolSpec
 from kvroute.simulate.kv_cache import KVCache
+from kvroute.simulate.peers import ActiveWork
 from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.registry import POLICIES
 from kvroute.simulate.run import RESULT_FIELDS, simulate
@@ -227,3 +228,19 @@ def test_session_chains_reused_equal_chains_hashed_whole() -> None:
     reused = TraceBlocks(Trace("s", 32, turns), 16).chains
     whole = TraceBlocks(Trace("s", 32, tuple(replace(t, session=None) for t in turns)), 16).chains
     assert reused == whole and [len(c) for c in whole] == [2, 4, 6, 8]
+
+
+def test_dynamos_decode_blocks_count_a_shared_prefix_once_on_a_worker() -> None:
+    """router_assume_kv_reuse (Dynamo's default): requests in flight on one worker that share blocks hold
+    them once, and a new request adds only what is not there yet; the last partial block is never shared."""
+    reuse, plain = ActiveWork(2, assume_kv_reuse=True), ActiveWork(2, assume_kv_reuse=False)
+    first, second = [1, 2, 3, 4], [1, 2, 3, 9]  # a shared 3-block prefix; 5 blocks each with a partial one
+    for work in (reuse, plain):
+        work.add(0, first, 5)
+    assert reuse.decode_blocks(0, second, 5) == 5 + 2 and plain.decode_blocks(0, second, 5) == 10
+    assert reuse.decode_blocks(1, second, 5) == 5  # nothing of it on the other worker
+    reuse.add(0, second, 5)
+    reuse.remove(0, first, 5)
+    assert reuse.blocks[0] == 5  # the shared blocks stay with the second request
+    reuse.remove(0, second, 5)
+    assert reuse.blocks == [0, 0]
