@@ -58,6 +58,7 @@ class ABStats:
         self._stats: dict[str, _PolicyStats] = {}
         self._reporting = asyncio.Lock()
         self._last_report: tuple[float, dict[str, float], dict[str, Any]] | None = None
+        self._generation = 0  # a reset or forget while a report is computed makes that report stale
 
     def _of(self, policy: str) -> _PolicyStats:
         stats = self._stats.get(policy)
@@ -102,11 +103,13 @@ class ABStats:
     def reset(self) -> None:
         self._stats.clear()
         self._last_report = None
+        self._generation += 1
 
     def forget(self, policy: str) -> None:
         """Start a policy's results afresh (it was redefined)."""
         self._stats.pop(policy, None)
         self._last_report = None
+        self._generation += 1
 
     async def report_off_loop(self, split: dict[str, float]) -> dict[str, Any]:
         """report(), computed on a worker thread from a copy of the samples and at most once a second: its
@@ -118,8 +121,10 @@ class ABStats:
                 return last[2]
             snapshot = ABStats(self._max_samples, self._seed)
             snapshot._stats = {name: stats.copy() for name, stats in self._stats.items()}
+            generation = self._generation
             report = await asyncio.to_thread(snapshot.report, split)
-            self._last_report = time.monotonic(), dict(split), report
+            if generation == self._generation:
+                self._last_report = time.monotonic(), dict(split), report
             return report
 
     def report(self, split: dict[str, float]) -> dict[str, Any]:

@@ -105,6 +105,8 @@ class BlockIndex:
         self.stats = IndexStats()
         self._ttl = speculative_ttl_s
         self._medium_tiers = medium_tiers
+        # Where the GPU's blocks are kept: announced as "GPU" or with no medium (older vLLM).
+        self._gpu_tiers = {medium_tiers[m] for m in (None, "GPU") if m in medium_tiers} or {Tier.GPU}
         self._clock = clock
         self._holders: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
         self._owners: dict[Owner, _OwnerState] = {}
@@ -146,7 +148,7 @@ class BlockIndex:
                 self._remove(pool if tier is Tier.POOL else state, tier, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 # vLLM sends it from its GPU block pool's prefix cache reset only: offloaded copies stay.
-                self._clear(state, (self._tier("GPU"),))
+                self._clear(state, self._gpu_tiers)
         if self._entries > self.max_entries:
             self._shrink()
 

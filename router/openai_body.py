@@ -85,7 +85,10 @@ def without_full_kv_report(raw: bytes) -> bytes:
     keeps vLLM's default (incremental) mode; the answer to the client does not depend on it."""
     if _REPORT_MODE.encode() not in raw:  # the common case: one scan of the bytes, no decoding
         return raw
-    fields = msgspec.json.decode(raw)
+    try:
+        fields = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):  # what decode_body accepted but plain JSON cannot hold
+        return raw
     xargs = fields.get("vllm_xargs") if isinstance(fields, dict) else None
     if not isinstance(xargs, dict) or xargs.pop(_REPORT_MODE, None) is None:
         return raw

@@ -262,9 +262,10 @@ class Proxy:
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
             )
         payload = routed.first
-        if routed.upstream.status >= 400:
-            payload, content_type = _openai_error_body(payload, routed.upstream.status), "application/json"
         try:
+            status = routed.upstream.status
+            if status >= 400:
+                payload, content_type = _openai_error_body(payload, status), "application/json"
             usage = _usage(payload)
             if not routed.streamed:  # a stream's first byte was taken when it came (even if not a stream)
                 self._first_byte(routed, None if usage is None else usage.completion_tokens)
@@ -576,7 +577,7 @@ def _usage(payload: bytes) -> _Usage | None:
     """A whole answer's usage, if it has one."""
     try:
         return _decode_answer(payload).usage
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # an engine's answer nested past the decoder's depth
         return None
 
 
@@ -599,7 +600,7 @@ def _openai_error_body(payload: bytes, status: int) -> bytes:
     try:
         msgspec.json.decode(payload, type=_ErrorShape)
         return payload
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         pass
     text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
     kind = "upstream_error" if status >= 500 else "invalid_request_error"

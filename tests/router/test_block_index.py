@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from router import block_hashing
-from router.block_index import BlockIndex
+from router.block_index import BlockIndex, Tier
 from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scorers.base import TierMatch
 from tests.conftest import ManualClock
@@ -461,3 +461,12 @@ def test_chain_cache_equals_plain_hashing_and_reuses_shared_prefixes() -> None:
         assert cache.chain(variant, root=9) == block_hashing.chain(variant, BS, 9)
     assert cache.reused_blocks > 0
     assert len(cache) == 4  # chains kept, oldest dropped
+
+
+def test_all_blocks_cleared_clears_where_the_gpus_blocks_are_kept_whatever_the_tier_map() -> None:
+    """A configured tier map without a "GPU" key: blocks announced with no medium are the GPU's, and a
+    prefix cache reset must clear them, not the CPU copies."""
+    index = BlockIndex(BS, medium_tiers={None: Tier.GPU, "CPU": Tier.CPU, "cpu": Tier.POOL})
+    index.apply(("a", 0), [stored(0, 2, medium=None), stored(0, 2, medium="CPU")])
+    index.apply(("a", 0), [AllBlocksCleared()])
+    assert index.match(prompt()) == {"a": TierMatch(cpu=2)}

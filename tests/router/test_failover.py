@@ -316,3 +316,22 @@ def test_a_request_every_instance_drops_does_not_take_the_model_down(tmp_path: P
             assert status == 200, payload
             assert metric(url, "kvroute_instance_healthy", instance="i0") == 1
             assert metric(url, "kvroute_instance_healthy", instance="i1") == 1
+
+
+def test_an_upstream_error_nested_past_the_decoders_depth_still_ends_the_request(tmp_path: Path) -> None:
+    nested = b'{"error": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+
+    async def fail(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=500, body=nested, content_type="application/json")
+
+    with serving(healthy, fail) as port:
+        config = {
+            "models": [{"name": "tiny-llama"}],
+            "instances": [{"name": "deep", "url": f"http://127.0.0.1:{port}"}],
+        }
+        with running_router(config, tmp_path) as url:
+            status, _, payload = post(url + "/v1/completions", BODY)
+            assert status == 500
+            assert set(json.loads(payload)["error"]) == {"message", "type", "param", "code"}
+            assert metric(url, "kvroute_instance_in_flight", instance="deep") == 0

@@ -55,13 +55,19 @@ def test_a_reload_moves_changed_instances_to_their_new_pool_name_and_removed_one
         proxy = cast(
             Proxy, types.SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit({"kvroute": 1}))
         )
-        reloader = Reloader(first, None, Fleet(first), index, RouterMetrics(), context, lambda: proxy)
+        metrics = RouterMetrics()
+        for name in ("b", "c"):  # set once, when a breaker opens: a reload must not lose b's (same URL)
+            metrics.circuit_open(name).set(1)
+        reloader = Reloader(first, None, Fleet(first), index, metrics, context, lambda: proxy)
         try:
             # b serves the 8B now (a changed instance: removed, then added); c is gone; d is new.
             await reloader.apply(config(("a", "llama-8b"), ("b", "llama-8b"), ("d", "llama-70b")))
         finally:
             await reloader.stop()
             context.destroy(linger=0)
+        series = metrics.render().decode()
+        assert 'kvroute_circuit_open{instance="b"} 1.0' in series
+        assert 'instance="c"' not in series  # removed: its series go
         return index
 
     index = asyncio.run(reload())
