@@ -18,6 +18,14 @@ async def healthy(request: web.Request) -> web.Response:
     return web.Response()
 
 
+def only_instance(name: str, port: int) -> dict[str, object]:
+    """A router configuration whose one instance, name, is the fake on port."""
+    return {
+        "models": [{"name": "tiny-llama"}],
+        "instances": [{"name": name, "url": f"http://127.0.0.1:{port}"}],
+    }
+
+
 def first_in_config(fleet: FleetPorts, name: str, port: int, **extra: object) -> dict[str, object]:
     """The fleet's router configuration with the fake instance name on port put first."""
     config = fleet.router_config(**extra)

@@ -14,7 +14,7 @@ from aiohttp import web
 from kvroute.processes import running_router
 from router.ab import ABStats
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 
@@ -31,10 +31,7 @@ def test_error_answers_are_no_latency_samples_and_streams_count_once(tmp_path: P
         return response
 
     with serving(healthy, answer) as port:
-        config = {
-            "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "a", "url": f"http://127.0.0.1:{port}"}],
-        }
+        config = only_instance("a", port)
         with running_router(config, tmp_path) as url:
             for prompt in ("bad", "bad", "bad", "good", "good"):
                 body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "stream": True})

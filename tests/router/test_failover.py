@@ -17,7 +17,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from router.proxy import RetryBudget
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -119,8 +119,7 @@ def breaking_upstream() -> Iterator[int]:
 def test_an_answer_that_breaks_off_with_no_other_instance_is_a_502_in_openai_shape(
     breaking_upstream: int, tmp_path: Path
 ) -> None:
-    config = {"models": [{"name": "tiny-llama"}],
-              "instances": [{"name": "flaky", "url": f"http://127.0.0.1:{breaking_upstream}"}]}  # fmt: skip
+    config = only_instance("flaky", breaking_upstream)
     with running_router(config, tmp_path) as url:
         status, _, payload = post(url + "/v1/completions", BODY)
         assert status == 502
@@ -237,10 +236,7 @@ def test_an_upstream_error_reaches_the_client_in_openai_shape(
         return web.Response(status=status, body=answer, content_type=content_type)
 
     with serving(healthy, fail) as port:
-        config = {
-            "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "odd", "url": f"http://127.0.0.1:{port}"}],
-        }
+        config = only_instance("odd", port)
         with running_router(config, tmp_path) as url:
             got_status, headers, payload = post(url + "/v1/completions", BODY)
     assert got_status == status
@@ -268,10 +264,7 @@ def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_p
         return web.json_response({"choices": []})
 
     with serving(healthy, slow) as port:
-        config = {
-            "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "slow", "url": f"http://127.0.0.1:{port}"}],
-        }
+        config = only_instance("slow", port)
         with running_router(config, tmp_path) as url:
             host, router_port = url.removeprefix("http://").split(":")
             client = socket.create_connection((host, int(router_port)))
@@ -326,10 +319,7 @@ def test_an_upstream_error_nested_past_the_decoders_depth_still_ends_the_request
         return web.Response(status=500, body=nested, content_type="application/json")
 
     with serving(healthy, fail) as port:
-        config = {
-            "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "deep", "url": f"http://127.0.0.1:{port}"}],
-        }
+        config = only_instance("deep", port)
         with running_router(config, tmp_path) as url:
             status, _, payload = post(url + "/v1/completions", BODY)
             assert status == 500

@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvroute.processes import running_router
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import get_json, post
 
 
@@ -25,10 +25,7 @@ def test_a_whole_answer_leaves_the_prefill_queue_when_its_ttft_is_due_not_at_its
         return web.json_response({"choices": [{"text": "ok"}]})
 
     with serving(healthy, slow) as port:
-        config = {
-            "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "a", "url": f"http://127.0.0.1:{port}"}],
-        }
+        config = only_instance("a", port)
         with running_router(config, tmp_path) as url:
             body = json.dumps({"model": "tiny-llama", "prompt": "summarize the tests " * 50, "max_tokens": 1})
             answer = threading.Thread(target=post, args=(url + "/v1/completions", body.encode()))

@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvroute.processes import running_router
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 WORDS = "alpha beta gamma delta run tests fix the bug in module parse json value error trace".split()
@@ -25,10 +25,7 @@ def test_the_router_answers_others_while_it_tokenizes_a_megabyte_prompt(tmp_path
     prompt = " ".join(WORDS[i * 7 % len(WORDS)] + str(i % 97) for i in range(110_000))  # ~1 MiB, ~0.5M tokens
     body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}).encode()
     with serving(healthy, complete) as port:
-        config = {
-            "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "a", "url": f"http://127.0.0.1:{port}"}],
-        }
+        config = only_instance("a", port)
         with running_router(config, tmp_path) as url:
             waits: list[float] = []
             done = threading.Event()

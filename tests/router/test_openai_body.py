@@ -11,7 +11,7 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from router.openai_body import without_full_kv_report
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 
@@ -53,10 +53,7 @@ def test_the_engine_never_gets_the_full_kv_report_mode(tmp_path: Path) -> None:
         "vllm_xargs": {"kv_cache_report_mode": "full"},
     }
     with serving(healthy, complete) as port:
-        config = {
-            "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "a", "url": f"http://127.0.0.1:{port}"}],
-        }
+        config = only_instance("a", port)
         with running_router(config, tmp_path) as url:
             status, _, payload = post(url + "/v1/completions", json.dumps(body).encode())
     assert status == 200, payload

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import free_port_block, running_router
-from tests.router.fake_upstreams import healthy, serving
+from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 MARKER = "zebra-quartz-7731"  # a word no log line would contain by chance
@@ -34,8 +34,7 @@ class Recorder:
 def recorded(tmp_path: Path) -> Iterator[tuple[str, Recorder, Path]]:
     recorder = Recorder()
     with serving(healthy, recorder.answer) as port:
-        config = {"models": [{"name": "tiny-llama"}],
-                  "instances": [{"name": "only", "url": f"http://127.0.0.1:{port}"}]}  # fmt: skip
+        config = only_instance("only", port)
         with running_router(config, tmp_path) as url:
             yield url, recorder, tmp_path / "router.log"
 
