@@ -23,8 +23,13 @@ class OpenAIError(Exception):
         self.param, self.headers = param, headers or {}
 
     def response(self) -> Response:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return Response(_encode(body), self.status, headers=self.headers, media_type="application/json")
+        body = error_json(self.message, self.kind, self.code, self.param)
+        return Response(body, self.status, headers=self.headers, media_type="application/json")
+
+
+def error_json(message: str, kind: str, code: str, param: str | None = None) -> bytes:
+    """OpenAI's error object, encoded: for answers the router makes itself and for SSE error events."""
+    return _encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> OpenAIError:

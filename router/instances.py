@@ -88,12 +88,12 @@ class Fleet:
         kept = {i.name: i for i in self.instances if self._configs.get(i.name) in config.instances}
         added = [i for i in config.instances if i.name not in kept]
         removed = [name for name in self._configs if name not in kept]
-        same_url = {i.name: i for i in self.instances}
+        previous_by_name = {i.name: i for i in self.instances}
         instances = []
         for spec in config.instances:
             instance = kept.get(spec.name)
             if instance is None:
-                previous = same_url.get(spec.name)
+                previous = previous_by_name.get(spec.name)
                 if previous is not None and previous.url == spec.url:
                     previous.models = frozenset(config.models_of(spec))
                     instance = previous

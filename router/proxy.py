@@ -22,6 +22,7 @@ from router.config import TrafficConfig, UpstreamConfig
 from router.errors import (
     bad_request,
     client_closed,
+    error_json,
     invalid_api_key,
     model_not_found,
     too_many_requests,
@@ -604,11 +605,8 @@ def _openai_error_body(payload: bytes, status: int) -> bytes:
         pass
     text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
     kind = "upstream_error" if status >= 500 else "invalid_request_error"
-    message = f"The instance answered {status}: {text}"
-    error = {"message": message, "type": kind, "param": None, "code": str(status)}
-    return msgspec.json.encode({"error": error})
+    return error_json(f"The instance answered {status}: {text}", kind, str(status))
 
 
 def _sse_error(message: str, code: str = "stream_broken") -> bytes:
-    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+    return b"data: " + error_json(message, "upstream_error", code) + b"\n\n"
