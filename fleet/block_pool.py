@@ -29,6 +29,15 @@ class NoFreeBlocks(RuntimeError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter an instance serves: its name, as requests give it, and vLLM's id, 1 up in the order
+    of --lora-modules."""
+
+    name: str
+    id: int
+
+
 class BlockHasher:
     """A chained sha256 over (parent hash, block tokens), seeded like vLLM's NONE_HASH."""
 
@@ -37,17 +46,22 @@ class BlockHasher:
         self._encode = msgspec.msgpack.Encoder().encode
 
     def chain(
-        self, token_ids: list[int], block_size: int, parent: bytes | None = None, salt: str | None = None
+        self,
+        token_ids: list[int],
+        block_size: int,
+        parent: bytes | None = None,
+        salt: str | None = None,
+        lora: Adapter | None = None,
     ) -> list[bytes]:
-        """salt: vLLM's cache_salt, mixed into a sequence's first block only (parent None)."""
+        """salt: vLLM's cache_salt, mixed into a sequence's first block only (parent None); lora: the adapter
+        the request runs with, mixed into every block, as vLLM does."""
         hashes: list[bytes] = []
         for start in range(0, len(token_ids) - block_size + 1, block_size):
             block = token_ids[start : start + block_size]
-            if parent is not None:
-                key: tuple[object, ...] = (parent, block)
-            else:
-                key = (self._none_hash, block, salt) if salt else (self._none_hash, block)
-            parent = hashlib.sha256(self._encode(key)).digest()
+            extra: list[object] = [salt] if salt and parent is None else []
+            if lora is not None:
+                extra.append(("lora", lora.name))
+            parent = hashlib.sha256(self._encode((parent or self._none_hash, block, *extra))).digest()
             hashes.append(parent)
         return hashes
 
@@ -111,13 +125,15 @@ class BlockPool:
 
     def cache_blocks(
         self, blocks: list[Block], hashes: list[bytes], token_ids: list[int], parent: bytes | None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, lora: Adapter | None = None,
     ) -> None:
-        """Mark consecutive newly full blocks as cached; one BlockStored covers them all. A salt is announced
-        in the extra keys of a sequence's first block (parent None), untagged, as vLLM announces it."""
-        extra_keys: list[tuple[str, ...] | None] = [None] * len(hashes)
+        """Mark consecutive newly full blocks as cached; one BlockStored covers them all. As vLLM announces
+        them, untagged: an adapter's name in every block's extra keys, then a salt in a sequence's first
+        block's (parent None)."""
+        adapter = () if lora is None else (lora.name,)
+        extra_keys: list[tuple[str, ...] | None] = [adapter or None] * len(hashes)
         if cache_salt and parent is None and hashes:
-            extra_keys[0] = (cache_salt,)
+            extra_keys[0] = (*adapter, cache_salt)
         for block, block_hash in zip(blocks, hashes, strict=True):
             block.block_hash = block_hash
             self._cached.setdefault(block_hash, {})[block.block_id] = block
@@ -127,9 +143,9 @@ class BlockPool:
                 parent_block_hash=None if parent is None else self.wire_hash(parent),
                 token_ids=token_ids,
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=None if lora is None else lora.id,
                 medium=MEDIUM,
-                lora_name=None,
+                lora_name=None if lora is None else lora.name,
                 extra_keys=extra_keys,
                 group_idx=0,
                 kv_cache_spec_kind="full_attention",

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from fleet.block_pool import Block, BlockHasher, BlockPool, NoFreeBlocks
+from fleet.block_pool import Adapter, Block, BlockHasher, BlockPool, NoFreeBlocks
 from router.kv_events import KVEvent
 
 
@@ -47,6 +47,7 @@ class _Sequence:
     sample: TokenSampler
     block_hashes: list[bytes]
     cache_salt: str | None = None
+    lora: Adapter | None = None
     outputs: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     blocks: list[Block] = field(default_factory=list)
     num_computed: int = 0
@@ -89,17 +90,24 @@ class Engine:
         self._publish = publish
 
     async def generate(
-        self, prompt_ids: list[int], max_tokens: int, sample: TokenSampler, cache_salt: str | None = None
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sample: TokenSampler,
+        cache_salt: str | None = None,
+        lora: Adapter | None = None,
     ) -> AsyncIterator[int]:
         """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
-        cache_salt: vLLM's, which makes the prompt's cache entries its own."""
+        cache_salt: vLLM's, which makes the prompt's cache entries its own; lora: the adapter it runs with,
+        whose cache entries are its own too."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
             sample=sample,
-            block_hashes=self._hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt),
+            block_hashes=self._hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt, lora=lora),
             cache_salt=cache_salt,
+            lora=lora,
         )
         self.stats.prompt_tokens += len(prompt_ids)
         self._waiting.append(seq)
@@ -220,7 +228,7 @@ class Engine:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             start = len(seq.block_hashes) * block_size
             seq.block_hashes += self._hasher.chain(
-                seq.token_ids[start : start + block_size], block_size, parent, seq.cache_salt
+                seq.token_ids[start : start + block_size], block_size, parent, seq.cache_salt, seq.lora
             )
         first = seq.num_cached_blocks
         self.pool.cache_blocks(
@@ -229,6 +237,7 @@ class Engine:
             seq.token_ids[first * block_size : num_full * block_size],
             seq.block_hashes[first - 1] if first else None,
             seq.cache_salt,
+            seq.lora,
         )
         seq.num_cached_blocks = num_full
 

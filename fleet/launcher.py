@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleet.block_pool import BlockHasher, BlockPool
+from fleet.block_pool import Adapter, BlockHasher, BlockPool
 from fleet.engine import Engine, EngineTiming
 from fleet.publisher import EventPublisher
 from fleet.sampling import printable_token_ids
@@ -35,6 +35,7 @@ class FleetOptions:
     name_prefix: str = "fleet-"
     first_index: int = 0
     drop_events: float = 0.0  # share of event batches not published live (replay still has them)
+    lora_modules: tuple[str, ...] = ()  # names of the LoRA adapters every instance serves
     timing: EngineTiming = field(default_factory=EngineTiming)
 
     def instance_name(self, index: int) -> str:
@@ -72,6 +73,7 @@ async def run_fleet(options: FleetOptions, ready: asyncio.Event | None = None) -
                 options.max_model_len,
                 int(time.time()),
                 root=str(options.tokenizer_path),
+                adapters=tuple(Adapter(name, id) for id, name in enumerate(options.lora_modules, start=1)),
             )
             await stack.enter_async_context(serve(instance, options.host, options.port + index))
             tasks.append(asyncio.create_task(engine.run(), name=f"engine-{name}"))

@@ -135,7 +135,9 @@ class Envelope:
         }
 
 
-def model_card(model: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
+def model_card(
+    model: str, root: str, max_model_len: int | None, created: int, parent: str | None = None
+) -> dict[str, Any]:
     permission = {
         "id": "modelperm-" + uuid.uuid4().hex[:16],
         "object": "model_permission",
@@ -156,7 +158,7 @@ def model_card(model: str, root: str, max_model_len: int, created: int) -> dict[
         "created": created,
         "owned_by": "vllm",
         "root": root,
-        "parent": None,
+        "parent": parent,
         "max_model_len": max_model_len,
         "permission": [permission],
     }

@@ -13,6 +13,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from fleet.block_pool import Adapter
 from fleet.cache_config import cache_config_labels
 from fleet.engine import Engine
 from fleet.responses import Envelope, model_card
@@ -33,6 +34,10 @@ class SimInstance:
     created: int
     root: str = ""
     started: float = field(default_factory=time.time)  # as vLLM's process_start_time_seconds
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters, by --lora-modules
+
+    def adapter(self, model: object) -> Adapter | None:
+        return next((a for a in self.adapters if a.name == model), None)
 
 
 class _ClientError(Exception):
@@ -101,7 +106,8 @@ class _Generation:
         self, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int], chat: bool, from_text: bool
     ) -> None:
         self.instance, self.body, self.prompt_ids, self.chat = instance, body, prompt_ids, chat
-        self.envelope = Envelope(chat=chat, model=instance.model_name)
+        self.lora = instance.adapter(body.get("model"))
+        self.envelope = Envelope(chat=chat, model=body["model"])  # the base's name or an adapter's
         if not prompt_ids:
             raise _ClientError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
         self.max_tokens = _max_tokens(instance.max_model_len, body, len(prompt_ids), chat, from_text)
@@ -113,7 +119,7 @@ class _Generation:
     def tokens(self) -> AsyncIterator[int]:
         salt = self.body.get("cache_salt")
         return self.instance.engine.generate(
-            self.prompt_ids, self.max_tokens, self.sample, salt if isinstance(salt, str) else None
+            self.prompt_ids, self.max_tokens, self.sample, salt if isinstance(salt, str) else None, self.lora
         )
 
 
@@ -145,7 +151,7 @@ async def _stream(request: web.Request, generation: _Generation) -> web.StreamRe
 
 
 def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
-    if body.get("model") != instance.model_name:
+    if body.get("model") != instance.model_name and instance.adapter(body.get("model")) is None:
         raise _ClientError(
             404,
             f"The model `{body.get('model')}` does not exist. Valid aliases: {instance.model_name}.",
@@ -230,7 +236,11 @@ async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str,
 async def _models(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
     card = model_card(instance.model_name, instance.root, instance.max_model_len, instance.created)
-    return _json_response({"object": "list", "data": [card]})
+    adapters = [  # as vLLM lists them: the base as parent, no max_model_len
+        model_card(a.name, a.name, None, instance.created, parent=instance.model_name)
+        for a in instance.adapters
+    ]
+    return _json_response({"object": "list", "data": [card, *adapters]})
 
 
 async def _health(request: web.Request) -> web.Response:

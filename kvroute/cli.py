@@ -69,6 +69,7 @@ def _fleet(args: argparse.Namespace) -> int:
         name_prefix=args.name_prefix,
         first_index=args.first_index,
         drop_events=args.drop_events,
+        lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
         timing=EngineTiming(
             prefill_tokens_per_s=args.prefill_tps,
             decode_s_per_token=1.0 / args.decode_tps,
@@ -210,6 +211,10 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument(
         "--drop-events", type=float, default=0.0,
         help="share of KV event batches not published live (replay still has them), to test gap handling",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--lora-modules", nargs="*", default=[], metavar="NAME[=PATH]",
+        help="LoRA adapters every instance serves, named as vLLM's option names them (no weights here)",
     )  # fmt: skip
     fleet.set_defaults(run=_fleet)
 

@@ -85,6 +85,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         if m.tokenizer != REMOTE_TOKENIZER
     }
     policies = {name: Policy(name, policy) for name, policy in config.policies.items()}
+    bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -110,7 +111,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                     index, config.pool.master_url, pool_names(config), session, metrics,
                     config.pool.confirm_ttl_s, config.pool.timeout_s,
                 )  # fmt: skip
-            router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer, pool)
+            adapters = frozenset(m.name for m in config.models if m.lora_of is not None)
+            router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer, pool, adapters)
             await health.check_all()
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
             log.info(
@@ -218,6 +220,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     async def models() -> JSONResponse:
         cards = [
             {"id": name, "object": "model", "created": started, "owned_by": "kvroute"}
+            | ({"parent": bases[name]} if bases.get(name) else {})  # an adapter's base, as vLLM lists it
             for name in fleet.served_models()
         ]
         return JSONResponse({"object": "list", "data": cards})

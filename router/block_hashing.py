@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import xxhash
@@ -25,11 +25,25 @@ def root_for(lora_name: str | None) -> int:
     return ROOT if lora_name is None else _xxh3(b"lora\x00" + lora_name.encode())
 
 
-def salted_root(cache_salt: str | None) -> int:
-    """The root of a prompt sent with vLLM's cache_salt. vLLM puts the salt in the first block's extra keys,
-    and chain() mixes a block's extra keys into its parent first, so this root gives the same hashes as the
-    engine's events for those blocks."""
-    return _xxh3(_pack((cache_salt,)), ROOT) if cache_salt else ROOT
+class PromptKey(NamedTuple):
+    """What keys a prompt's blocks besides their tokens, as the engine's events announce it: vLLM's extra
+    keys, which chain() mixes into a block's parent before the block. The first block's are folded into root;
+    later, when set, is mixed in before every later block."""
+
+    root: int
+    later: bytes | None = None
+
+
+PLAIN = PromptKey(ROOT)
+
+
+def prompt_key(cache_salt: str | None = None, lora_name: str | None = None) -> PromptKey:
+    """vLLM announces a request's cache_salt in its first block's extra keys, and a LoRA adapter's name in
+    every block's (before the salt), with the adapter's root under the first block (root_for)."""
+    if lora_name is None:
+        return PromptKey(_xxh3(_pack((cache_salt,)), ROOT)) if cache_salt else PLAIN
+    first = (lora_name, cache_salt) if cache_salt else (lora_name,)
+    return PromptKey(_xxh3(_pack(first), root_for(lora_name)), _pack((lora_name,)))
 
 
 def chain(
@@ -62,11 +76,19 @@ def _full_blocks(token_ids: Sequence[int], block_size: int) -> bytes:
     return data.tobytes()
 
 
-def _chain_from(data: bytes, step: int, parent: int, start: int = 0) -> list[int]:
-    """The chained hashes of data's blocks of step bytes, from byte start on."""
+def _chain_from(data: bytes, step: int, parent: int, start: int = 0, later: bytes | None = None) -> list[int]:
+    """The chained hashes of data's blocks of step bytes, from byte start on; later: extra keys mixed in
+    before every block but the first (PromptKey)."""
     hashes: list[int] = []
     append = hashes.append
-    for offset in range(start, len(data), step):  # the hot loop: positional seed, bytes slices, no index
+    if later is None:
+        for offset in range(start, len(data), step):  # the hot loop: positional seed, bytes slices, no index
+            parent = _xxh3(data[offset : offset + step], parent)
+            append(parent)
+        return hashes
+    for offset in range(start, len(data), step):
+        if offset:
+            parent = _xxh3(later, parent)
         parent = _xxh3(data[offset : offset + step], parent)
         append(parent)
     return hashes
@@ -87,14 +109,14 @@ class ChainCache:
         self._next_id = 0
         self.reused_blocks = 0
 
-    def chain(self, token_ids: Sequence[int], root: int = ROOT) -> list[int]:
+    def chain(self, token_ids: Sequence[int], key: PromptKey = PLAIN) -> list[int]:
         size, stride = self.block_size, self.stride
-        count = len(token_ids) // size
-        if count < stride:
-            return chain(token_ids, size, root)
         data = _full_blocks(token_ids, size)  # converted once: the digests and the tail's hashes read it
+        if len(data) < stride * size * 4:
+            return _chain_from(data, size * 4, key.root, later=key.later)
         view, span = memoryview(data), size * 4 * stride
-        streaming = xxhash.xxh3_64(seed=root)
+        # Seeded with the root, which differs for every salt and adapter: their chains are not shared.
+        streaming = xxhash.xxh3_64(seed=key.root)
         digests = []
         for end in range(span, len(data) + 1, span):
             streaming.update(view[end - span : end])
@@ -108,7 +130,8 @@ class ChainCache:
                 self._chains.move_to_end(chain_id)
                 break
         self.reused_blocks += len(hashes)
-        hashes += _chain_from(data, size * 4, hashes[-1] if hashes else root, start=len(hashes) * size * 4)
+        parent = hashes[-1] if hashes else key.root
+        hashes += _chain_from(data, size * 4, parent, start=len(hashes) * size * 4, later=key.later)
         self._remember(hashes, digests)
         return hashes
 

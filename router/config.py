@@ -45,7 +45,13 @@ class ModelConfig(_Strict):
         default=None,
         min_length=1,
         description="the model's name in Mooncake pool keys: the last path component of vLLM's --model "
-        "(default: name)",
+        "(default: name; for an adapter, its base's)",
+    )
+    lora_of: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a LoRA adapter (vLLM --lora-modules NAME=PATH) running on this base model: its cache "
+        "is its own, and its tokenizer and pool name default to the base's",
     )
 
 
@@ -311,10 +317,36 @@ class RouterConfig(_Strict):
         default=30.0, gt=0, description="on SIGTERM: new connections are refused, streams get this long"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _adapters_take_their_base(cls, raw: Any) -> Any:
+        """An adapter without a tokenizer or pool name of its own takes its listed base's: vLLM tokenizes for
+        an adapter with the base's tokenizer unless the adapter ships one, and its pool keys carry the
+        engine's --model whatever the adapter."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("models"), list):
+            return raw
+        named = [m for m in raw["models"] if isinstance(m, dict) and isinstance(m.get("name"), str)]
+        bases = {m["name"]: m for m in named}
+        models = []
+        for model in raw["models"]:
+            lora_of = model.get("lora_of") if isinstance(model, dict) else None
+            base = bases.get(lora_of) if isinstance(lora_of, str) else None
+            if base is not None:
+                inherited = {"tokenizer": base.get("tokenizer"), "pool_name": base.get("pool_name", lora_of)}
+                model = {key: value for key, value in inherited.items() if value is not None} | model
+            models.append(model)
+        return {**raw, "models": models}
+
     @model_validator(mode="after")
     def _consistent(self) -> RouterConfig:
         model_names = [m.name for m in self.models]
         _unique("models", model_names)
+        for index, adapter in enumerate(self.models):
+            base = next((m for m in self.models if m.name == adapter.lora_of), None)
+            if base is adapter:
+                raise ValueError(f"models.{index}.lora_of: {base.name!r} cannot be an adapter of itself")
+            if base is not None and base.lora_of is not None:
+                raise ValueError(f"models.{index}.lora_of: {base.name!r} is an adapter, not a base model")
         _unique("instances", [i.name for i in self.instances])
         for index, instance in enumerate(self.instances):
             for model in instance.models or []:

@@ -37,8 +37,8 @@ def pool_key(pool_name: str, vllm_hash: bytes) -> str:
 
 
 def pool_names(config: RouterConfig) -> dict[str, str]:
-    """Each model's name in pool keys."""
-    return {m.name: m.pool_name or m.name for m in config.models}
+    """Each model's name in pool keys; an adapter's blocks are keyed by the engine's model, its base."""
+    return {m.name: m.pool_name or m.lora_of or m.name for m in config.models}
 
 
 def place_instances(index: BlockIndex, config: RouterConfig) -> None:

@@ -72,10 +72,13 @@ class Router:
         metrics: RouterMetrics,
         remote: Callable[[str], RemoteTokenizer | None] = lambda model: None,
         pool: PoolConfirmer | None = None,
+        adapters: frozenset[str] = frozenset(),
     ) -> None:
         """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
-        pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are)."""
+        pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
+        adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name."""
         self._pool = pool
+        self._adapters = adapters
         self._index = index
         self._tokenizers = tokenizers
         self._chains = block_hashing.ChainCache(block_size)
@@ -104,7 +107,8 @@ class Router:
             log.debug("routing without prefix knowledge: %r", exc)
             self._metrics.untokenized(type(exc).__name__).inc()
             ids = []
-        chain = self._chains.chain(ids, block_hashing.salted_root(body.cache_salt)) if ids else []
+        lora_name = body.model if body.model in self._adapters else None
+        chain = self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
         matches = self._index.match(chain) if chain else {}
         if self._pool is not None and matches:
             matches = await self._pool.confirm(body.model, chain, matches)

@@ -6,9 +6,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from fleet.block_pool import BlockHasher, BlockPool
+import pytest
+
+from fleet.block_pool import Adapter, BlockHasher, BlockPool
 from fleet.engine import Engine, EngineTiming
+from router import block_hashing
+from router.block_index import BlockIndex
 from router.kv_events import BlockStored, KVEvent
+from scorers.base import TierMatch
 
 T = TypeVar("T")
 BS = 16
@@ -55,6 +60,39 @@ def test_second_identical_prompt_hits_all_but_the_last_token_block() -> None:
 
     # vLLM recomputes the last prompt token, so only 3 of the 4 blocks can hit.
     assert run(scenario) == (128, 48)
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_an_adapters_blocks_are_its_own_and_announced_as_vllm_announces_them(salt: str | None) -> None:
+    """A LoRA request reuses nothing the base model (or another adapter) cached; its events carry the
+    adapter's name and id, its name in every block's extra keys and the salt after it in the first block's;
+    the router's index, fed those events, matches the prompt as the router keys it."""
+    sql = Adapter("sql", 1)
+
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> list[int]:
+        hits = []
+        for lora in (None, sql, Adapter("chat", 2), sql):
+            before = engine.stats.prefix_cache_hits
+            _ = [t async for t in engine.generate(list(range(64)), 1, lambda position: 1000, salt, lora)]
+            hits.append(engine.stats.prefix_cache_hits - before)
+        published.extend(events)
+        return hits
+
+    published: list[KVEvent] = []
+    # only the adapter's own second request hits (4 blocks of 16 tokens, the last one recomputed)
+    assert run(scenario) == [0, 0, 0, 48]
+    events = published
+    adapter_events = [e for e in events if isinstance(e, BlockStored) and e.lora_name == "sql"]
+    assert adapter_events and {e.lora_id for e in adapter_events} == {1}
+    first = adapter_events[0]
+    assert first.parent_block_hash is None
+    assert first.extra_keys == [("sql", salt) if salt else ("sql",), *[("sql",)] * (len(first.block_hashes) - 1)]
+    index = BlockIndex(BS)
+    index.apply(("e", 0), events)
+    hashed = block_hashing.ChainCache(BS)
+    assert index.match(hashed.chain(list(range(64)), block_hashing.prompt_key(salt, "sql"))) == {"e": TierMatch(4)}
+    assert index.match(hashed.chain(list(range(64)), block_hashing.prompt_key(salt))) == {"e": TierMatch(4)}
+    assert index.match(block_hashing.chain(list(range(64)), BS, block_hashing.root_for("sql"))) == {}
 
 
 def test_prefill_time_is_proportional_to_uncached_tokens() -> None:

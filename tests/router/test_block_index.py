@@ -447,7 +447,7 @@ def test_block_hashes_are_xxh3_of_uint32_ids_seeded_with_the_parent(length: int)
         parent = xxhash.xxh3_64_intdigest(struct.pack(f"<{BS}I", *tokens[start : start + BS]), parent)
         expected.append(parent)
     assert block_hashing.chain(tokens, BS, 77) == expected
-    assert block_hashing.ChainCache(BS, stride=2).chain(tokens, root=77) == expected
+    assert block_hashing.ChainCache(BS, stride=2).chain(tokens, block_hashing.PromptKey(77)) == expected
 
 
 def test_chain_cache_equals_plain_hashing_and_reuses_shared_prefixes() -> None:
@@ -458,9 +458,30 @@ def test_chain_cache_equals_plain_hashing_and_reuses_shared_prefixes() -> None:
         history += [r.randrange(500) for _ in range(r.randrange(1, 30))]
         variant = [*history[:-5], 7, 7, 7] if turn % 4 == 3 else history  # an edited tail now and then
         assert cache.chain(variant) == block_hashing.chain(variant, BS)
-        assert cache.chain(variant, root=9) == block_hashing.chain(variant, BS, 9)
+        assert cache.chain(variant, block_hashing.PromptKey(9)) == block_hashing.chain(variant, BS, 9)
     assert cache.reused_blocks > 0
     assert len(cache) == 4  # chains kept, oldest dropped
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_chain_cache_keys_an_adapters_prompts_as_the_engines_events_do(salt: str | None) -> None:
+    """A LoRA request's prompt, hashed through the cache (reusing chains of its own adapter only), equals
+    the hashes its events give: the adapter's root, its name before every block, the salt on the first."""
+    r = random.Random(6)
+    cache = block_hashing.ChainCache(BS, stride=3, max_chains=8)
+    history: list[int] = []
+    for _ in range(6):
+        history += [r.randrange(500) for _ in range(r.randrange(1, 30))]
+        count = len(history) // BS
+        extra: list[object] = [("sql",)] * count
+        if salt and count:
+            extra[0] = ("sql", salt)
+        events = block_hashing.chain(history, BS, block_hashing.root_for("sql"), extra)
+        assert cache.chain(history, block_hashing.prompt_key(salt, "sql")) == events
+        assert cache.chain(history, block_hashing.prompt_key(salt)) != events or not events
+        other = block_hashing.chain(history, BS, block_hashing.root_for("chat"), [("chat",)] * count)
+        assert cache.chain(history, block_hashing.prompt_key(None, "chat")) == other
+    assert cache.reused_blocks > 0
 
 
 def test_all_blocks_cleared_clears_where_the_gpus_blocks_are_kept_whatever_the_tier_map() -> None:

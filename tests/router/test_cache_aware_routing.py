@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,11 +30,14 @@ WORKLOAD = AgentWorkload(system_prompt_words=600, min_turn_words=80, max_turn_wo
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetPorts, str]]:
     ports = FleetPorts.allocate(3)
     # Prefill slow enough that queued prompts are visible to routing; decode fast to keep the test short.
-    args = ["--prefill-tps", "20000", "--decode-tps", "2000"]
+    args = ["--prefill-tps", "20000", "--decode-tps", "2000", "--lora-modules", "tiny-lora=/adapters/tiny-lora"]
     tmp = tmp_path_factory.mktemp("cache-aware")
+    config = ports.router_config()
+    config["models"] = [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"},
+                        {"name": "tiny-lora", "lora_of": "tiny-llama"}]  # fmt: skip
     with (
         running_fleet(ports, tmp / "fleet", args),
-        running_router(ports.router_config(), tmp / "router") as url,
+        running_router(config, tmp / "router") as url,
     ):
         yield ports, url
 
@@ -170,11 +174,46 @@ def test_a_cache_salt_keeps_a_prompt_cache_to_itself_in_the_index_as_in_the_engi
     """vLLM's cache_salt: the same prompt under another salt, or none, reuses nothing, and the router's
     prediction says so; under its own salt it reuses the prompt, and the prediction matches the engine."""
     ports, url = stack
-    messages = [{"role": "system", "content": f"Tenant {random.random()}: " + WORKLOAD.system_prompt()},
+    send = _sender(ports, url, "Tenant")
+    first, cached, reused = send("tenant-a")
+    assert (cached, reused) == (0, 0)
+    for other in ("tenant-b", None):
+        _, cached, reused = send(other)
+        assert (cached, reused) == (0, 0), other
+    instance, cached, reused = send("tenant-a")
+    assert instance == first
+    assert cached > 0 and cached == reused
+
+
+def test_a_lora_adapters_prompt_is_credited_with_its_own_cache_only_as_the_engine_reuses_it(
+    stack: tuple[FleetPorts, str],
+) -> None:
+    """An adapter's blocks are its own in vLLM: the same prompt cached by the base model is nothing to the
+    adapter, and the router's prediction says so (it credited the base's blocks before); the adapter's second
+    request reuses its first's, salted or not, and the prediction matches the engine."""
+    ports, url = stack
+    listed = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"]
+    assert [(m["id"], m.get("parent")) for m in listed] == [("tiny-llama", None), ("tiny-lora", "tiny-llama")]
+    for salt in (None, "tenant-a"):
+        send = _sender(ports, url, f"Adapter {salt}")
+        _, cached, reused = send(salt)
+        assert (cached, reused) == (0, 0)
+        _, cached, reused = send(salt, "tiny-lora")
+        assert (cached, reused) == (0, 0), salt
+        _, cached, reused = send(salt, "tiny-lora")
+        assert cached > 0 and cached == reused, salt
+        _, cached, reused = send(salt)
+        assert cached > 0 and cached == reused, salt  # the base's own entries are still its own
+
+
+def _sender(ports: FleetPorts, url: str, tag: str) -> Callable[..., tuple[str, int, float]]:
+    """Sends one new prompt, under a salt and a model, and says where it went, the blocks the router
+    predicted cached there, and the blocks the engine reused."""
+    messages = [{"role": "system", "content": f"{tag} {random.random()}: " + WORKLOAD.system_prompt()},
                 {"role": "user", "content": WORKLOAD.user_message(1000, 0)}]  # fmt: skip
 
-    def send(salt: str | None) -> tuple[str, int, float]:
-        fields = {"model": "tiny-llama", "messages": messages, "max_tokens": 2, "temperature": 0}
+    def send(salt: str | None, model: str = "tiny-llama") -> tuple[str, int, float]:
+        fields = {"model": model, "messages": messages, "max_tokens": 2, "temperature": 0}
         body = json.dumps(fields | ({} if salt is None else {"cache_salt": salt})).encode()
         before = {f"fleet-{i}": _hits(ports, f"fleet-{i}") for i in range(3)}
         status, headers, payload = post(url + "/v1/chat/completions", body)
@@ -187,11 +226,4 @@ def test_a_cache_salt_keeps_a_prompt_cache_to_itself_in_the_index_as_in_the_engi
             (_hits(ports, instance) - before[instance]) / BLOCK,
         )
 
-    first, cached, reused = send("tenant-a")
-    assert (cached, reused) == (0, 0)
-    for other in ("tenant-b", None):
-        _, cached, reused = send(other)
-        assert (cached, reused) == (0, 0), other
-    instance, cached, reused = send("tenant-a")
-    assert instance == first
-    assert cached > 0 and cached == reused
+    return send

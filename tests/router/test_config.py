@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from router.config import ConfigError, load_config, parse_config
+from router.pool import pool_names
 from scorers.registry import SCORERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,24 @@ def test_defaults_are_filled_in() -> None:
     assert config.default_policy == "kvroute"
     assert config.models_of(config.instances[0]) == ["tiny-llama"]
     assert config.upstream.attempts == 2
+
+
+def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_own() -> None:
+    """vLLM tokenizes for a LoRA adapter with the base's tokenizer unless the adapter ships one, and names
+    Mooncake keys by the engine's --model, the base, whatever the adapter."""
+    config = parse_config(_with(models=[
+        {"name": "llama", "tokenizer": "/models/llama", "pool_name": "Llama-3.1-8B"},
+        {"name": "sql", "lora_of": "llama"},
+        {"name": "chat", "lora_of": "llama", "tokenizer": "/adapters/chat"},
+        {"name": "unlisted-base", "lora_of": "qwen"},
+    ]))  # fmt: skip
+    tokenizers = {m.name: m.tokenizer for m in config.models}
+    assert tokenizers == {"llama": "/models/llama", "sql": "/models/llama", "chat": "/adapters/chat",
+                          "unlisted-base": "builtin:tiny-llama"}  # fmt: skip
+    assert pool_names(config) == {"llama": "Llama-3.1-8B", "sql": "Llama-3.1-8B", "chat": "Llama-3.1-8B",
+                                  "unlisted-base": "qwen"}  # fmt: skip
+    plain = parse_config(_with(models=[{"name": "llama"}, {"name": "sql", "lora_of": "llama"}]))
+    assert pool_names(plain) == {"llama": "llama", "sql": "llama"}
 
 
 def _with(**changes: object) -> dict[str, object]:
@@ -92,6 +111,10 @@ def _with(**changes: object) -> dict[str, object]:
         (_with(ttft={"prefill_s_per_token": -1}), "  ttft.prefill_s_per_token: Input should be greater than or equal to 0"),
         (_with(index={"medium_tiers": {"cpu": "disk"}}),
          "  index.medium_tiers.cpu: Input should be 'gpu', 'cpu' or 'pool'"),
+        (_with(models=[{"name": "sql", "lora_of": "sql"}]), "  models.0.lora_of: 'sql' cannot be an adapter of itself"),
+        (_with(models=[{"name": "tiny-llama"}, {"name": "a", "lora_of": "tiny-llama"}, {"name": "b", "lora_of": "a"}]),
+         "  models.2.lora_of: 'a' is an adapter, not a base model"),
+        (_with(models=[{"name": "a", "lora_of": ["tiny-llama"]}]), "  models.0.lora_of: Input should be a valid string"),
     ],
 )  # fmt: skip
 def test_invalid_configs_name_the_key_and_the_problem(raw: dict[str, object], message: str) -> None:

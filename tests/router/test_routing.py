@@ -98,6 +98,47 @@ def test_a_salted_prompt_matches_only_blocks_cached_under_its_salt(tokenizer: Pr
     assert matched("") == {"plain": blocks}  # vLLM ignores an empty salt
 
 
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_an_adapters_prompt_matches_only_blocks_cached_under_that_adapter(
+    tokenizer: PromptTokenizer, salt: str | None
+) -> None:
+    """vLLM keys a LoRA request's blocks by the adapter: its name in every block's extra keys (the salt
+    after it in the first block's), announced in two events here, the second continuing the first. The
+    adapter's prompt matches them, and neither the base model's cache nor another adapter's."""
+    ids = tokenizer.chat_ids(MESSAGES)
+    blocks = len(ids) // 32
+    index = BlockIndex(32)
+
+    def stored(lora: str | None, first: int, count: int, tag: int) -> BlockStored:
+        extra: list[list[str] | None] = [None if lora is None else [lora] for _ in range(count)]
+        if salt and first == 0:
+            extra[0] = [*(extra[0] or []), salt]
+        return BlockStored(
+            block_hashes=[tag << 20 | i for i in range(first, first + count)],
+            parent_block_hash=None if first == 0 else tag << 20 | first - 1,
+            token_ids=ids[first * 32 : (first + count) * 32], block_size=32, lora_id=None if lora is None else 1,
+            medium="GPU", lora_name=lora, extra_keys=extra,
+        )  # fmt: skip
+
+    split = blocks // 2
+    index.apply(("sql", 0), [stored("sql-lora", 0, split, 1), stored("sql-lora", split, blocks - split, 1)])
+    index.apply(("base", 0), [stored(None, 0, blocks, 2)])
+    index.apply(("chat", 0), [stored("chat-lora", 0, blocks, 3)])
+    local = {name: tokenizer for name in ("tiny-llama", "sql-lora", "chat-lora")}
+    adapters = frozenset({"sql-lora", "chat-lora"})
+    router = Router(index, local, 32, RouterMetrics(), adapters=adapters)  # type: ignore[arg-type]
+
+    def matched(model: str) -> dict[str, int]:
+        body = ChatRequest(model=model, messages=MESSAGES, cache_salt=salt)
+        prepared = asyncio.run(router.prepare(body, None))
+        return {name: match.gpu for name, match in prepared.request.matches.items()}
+
+    assert split >= 1
+    assert matched("sql-lora") == {"sql": blocks}
+    assert matched("chat-lora") == {"chat": blocks}
+    assert matched("tiny-llama") == {"base": blocks}
+
+
 def test_off_loop_tokenization_runs_on_the_worker_thread_with_the_same_ids(
     tokenizer: PromptTokenizer,
 ) -> None:
