@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from router.circuit_breaker import CircuitBreaker
 from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig
@@ -69,6 +70,12 @@ class Instance:
         )
 
 
+class FleetChanges(NamedTuple):
+    added: list[InstanceConfig]
+    removed: list[str]
+    in_place: frozenset[str]  # of both: changed at the same URL, the same Instance object
+
+
 class Fleet:
     def __init__(self, config: RouterConfig) -> None:
         self.instances = [Instance.from_config(i, config) for i in config.instances]
@@ -79,17 +86,17 @@ class Fleet:
     def _index(self) -> None:
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
 
-    def update(self, config: RouterConfig) -> tuple[list[InstanceConfig], list[str]]:
+    def update(self, config: RouterConfig) -> FleetChanges:
         """Take config's instances: unchanged ones keep their state (health, load, calibration, requests in
-        flight); changed ones count as removed and added. Returns (added, removed names). A removed instance
-        gets no new requests; those in flight finish, as they hold it. A changed one at the same URL is the
-        same engine (other events endpoints or models): it stays the same object, so the requests it is
-        serving still count against it, and they end on it."""
+        flight); changed ones count as removed and added. A removed instance gets no new requests; those in
+        flight finish, as they hold it. A changed one at the same URL is the same engine (other events
+        endpoints or models): it stays the same object, so the requests it is serving still count against
+        it, and they end on it."""
         kept = {i.name: i for i in self.instances if self._configs.get(i.name) in config.instances}
         added = [i for i in config.instances if i.name not in kept]
         removed = [name for name in self._configs if name not in kept]
         previous_by_name = {i.name: i for i in self.instances}
-        instances = []
+        instances, in_place = [], set()
         for spec in config.instances:
             instance = kept.get(spec.name)
             if instance is None:
@@ -97,13 +104,14 @@ class Fleet:
                 if previous is not None and previous.url == spec.url:
                     previous.models = frozenset(config.models_of(spec))
                     instance = previous
+                    in_place.add(spec.name)
                 else:
                     instance = Instance.from_config(spec, config)
             instances.append(instance)
         self.instances = instances
         self._configs = {i.name: i for i in config.instances}
         self._index()
-        return added, removed
+        return FleetChanges(added, removed, frozenset(in_place))
 
     def serves(self, model: str) -> bool:
         return bool(self._by_model.get(model))

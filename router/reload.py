@@ -96,18 +96,16 @@ class Reloader:
         ]
         if fixed:
             raise ConfigError(f"{self._path}: changing {', '.join(fixed)} needs a restart")
-        before = {instance.name: instance for instance in self._fleet.instances}
-        added, removed = self._fleet.update(new)
+        added, removed, in_place = self._fleet.update(new)
         # Changed at the same URL: the same engine, and the same object (router/instances.py). Its events are
         # subscribed to afresh, but its pool membership and its metric series (an open breaker's gauge, the
         # calibrated rates, set only when they change) stay.
-        same = {i.name for i in self._fleet.instances if before.get(i.name) is i}
         for name in removed:
             task = self._subscriptions.pop(name, None)
             if task is not None:
                 task.cancel()
             self._index.drop_instance(name)
-            if name not in same:
+            if name not in in_place:
                 self._index.leave_pool(name)
                 self._metrics.forget_instance(name)
         self.subscribe(added)

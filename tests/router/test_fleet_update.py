@@ -15,8 +15,9 @@ def test_an_instance_changed_at_the_same_url_keeps_its_requests_in_flight() -> N
     fleet = Fleet(config())
     (before,) = fleet.instances
     before.start(prompt_tokens=4000, uncached_tokens=4000)  # a request it is serving
-    added, removed = fleet.update(config(events="tcp://127.0.0.1:5557", models=["m", "n"]))
+    added, removed, in_place = fleet.update(config(events="tcp://127.0.0.1:5557", models=["m", "n"]))
     assert removed == ["a"] and [i.name for i in added] == ["a"]  # resubscribed, its index entries redone
+    assert in_place == {"a"}
     (after,) = fleet.instances
     assert after is before and after.in_flight == 1 and after.pending_prefill_tokens == 4000
     assert after.models == {"m", "n"} and fleet.serves("n")
@@ -28,6 +29,6 @@ def test_an_instance_moved_to_another_url_starts_afresh() -> None:
     fleet = Fleet(config())
     (before,) = fleet.instances
     before.start(prompt_tokens=10, uncached_tokens=10)
-    fleet.update(config(url="http://127.0.0.1:9002"))
+    assert fleet.update(config(url="http://127.0.0.1:9002")).in_place == set()
     (after,) = fleet.instances
     assert after is not before and after.in_flight == 0
