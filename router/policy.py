@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from router.config import PolicyConfig
 from router.pickers import Picker
@@ -11,10 +12,11 @@ from scorers.registry import PICKERS, SCORERS
 
 
 class Policy:
-    def __init__(self, name: str, config: PolicyConfig) -> None:
+    def __init__(self, name: str, config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        """clock: what scorers whose state expires (session affinity) read the time from."""
         self.name, self.config = name, config
         self._scorers: list[tuple[Scorer, float]] = [
-            (SCORERS[spec.type].build(spec.params), spec.weight) for spec in config.scorers
+            (SCORERS[spec.type].build(spec.params, clock), spec.weight) for spec in config.scorers
         ]
         self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params)
         self._observers = [scorer for scorer, _ in self._scorers if isinstance(scorer, Observer)]

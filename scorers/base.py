@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -121,7 +122,9 @@ class Registration(Generic[T]):
     """How the YAML `type` of a plugin becomes an object: its parameters model and its factory."""
 
     params: type[Params]
-    factory: Callable[[Any], T]
+    factory: Callable[..., T]
+    clocked: bool = False  # the factory takes a clock after the parameters (state that expires)
 
-    def build(self, raw_params: dict[str, Any]) -> T:
-        return self.factory(self.params.model_validate(raw_params))
+    def build(self, raw_params: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> T:
+        params = self.params.model_validate(raw_params)
+        return self.factory(params, clock) if self.clocked else self.factory(params)

@@ -55,4 +55,4 @@ class SessionAffinityScorer:
         return len(self._sessions)
 
 
-REGISTRATION: Registration[Scorer] = Registration(SessionAffinityParams, SessionAffinityScorer)
+REGISTRATION: Registration[Scorer] = Registration(SessionAffinityParams, SessionAffinityScorer, clocked=True)

@@ -105,7 +105,8 @@ class ConfiguredPolicy(SimPolicy):
     def bind(self, view: RouterView) -> None:
         super().bind(view)
         self._router = Router(view.index, {}, view.block_size, RouterMetrics())
-        self._policy = Policy(self._policy_name, self._config.policies[self._policy_name])
+        # Simulated time: session affinity's TTL expires as it would on the trace's clock.
+        self._policy = Policy(self._policy_name, self._config.policies[self._policy_name], view.loop.clock)
 
     def route(self, request: SimRequest) -> int:
         view = self.view

@@ -9,6 +9,7 @@ from router.config import PickerSpec, PolicyConfig, ScorerSpec
 from router.pickers import MaxScoreParams, MaxScorePicker, SoftmaxParams, SoftmaxPicker
 from router.policy import Policy
 from scorers.base import RoutingRequest
+from tests.conftest import ManualClock
 from tests.scorers.candidates import Fake
 
 
@@ -44,3 +45,23 @@ def test_policy_weights_scorers() -> None:
     candidates = [Fake("a", 0), Fake("b", 10)]
     # Round robin (weight 3) outweighs load (weight 1): the turn goes a, b, a, b.
     assert [policy.choose(RoutingRequest("m"), candidates) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_session_affinity_in_a_policy_expires_on_the_policys_clock() -> None:
+    """The simulation runs policies on simulated time: a session's affinity must end ttl_s after its last
+    request on that clock, not on the wall's."""
+    clock = ManualClock()
+    config = PolicyConfig(
+        scorers=[
+            ScorerSpec(type="session-affinity", weight=1.0, params={"ttl_s": 60}),
+            ScorerSpec(type="inflight-load", weight=0.5),
+        ],
+        picker=PickerSpec(type="max-score"),
+    )
+    policy = Policy("sticky", config, clock)
+    idle, busy = Fake("idle", 0), Fake("busy", 5)
+    session = RoutingRequest("m", session_key="s1")
+    assert policy.choose(session, [busy, idle]) == 1
+    assert policy.choose(session, [Fake("busy", 0), Fake("idle", 5)]) == 1  # stays while it is fresh
+    clock.now = 61
+    assert policy.choose(session, [Fake("busy", 0), Fake("idle", 5)]) == 0  # expired: load decides
