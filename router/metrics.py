@@ -52,7 +52,7 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Family(
             Counter("kvroute_requests", "Proxied requests by policy, instance and HTTP status",
-                    ["policy", "instance", "status"], registry=r)
+                    ["policy", "vllm_instance", "status"], registry=r)
         )  # fmt: skip
         self.rejected = Family(
             Counter("kvroute_rejected_requests", "Requests the router answered itself with an error",
@@ -80,11 +80,11 @@ class RouterMetrics:
         )  # fmt: skip
         self.upstream_errors = Family(
             Counter("kvroute_upstream_errors", "Failures reaching an instance, by kind",
-                    ["instance", "kind"], registry=r)
+                    ["vllm_instance", "kind"], registry=r)
         )  # fmt: skip
         self.retries = Family(
             Counter("kvroute_retries", "Requests sent elsewhere after this instance dropped them unanswered",
-                    ["instance"], registry=r)
+                    ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.client_errors = Family(
             Counter("kvroute_client_errors",
@@ -94,19 +94,19 @@ class RouterMetrics:
         self.circuit_open = Family(
             Gauge("kvroute_circuit_open",
                   "1 from the moment the instance's circuit breaker opens until a probe request succeeds",
-                  ["instance"], registry=r)
+                  ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.circuit_opens = Family(
-            Counter("kvroute_circuit_opens", "Times the instance's circuit breaker opened", ["instance"],
+            Counter("kvroute_circuit_opens", "Times the instance's circuit breaker opened", ["vllm_instance"],
                     registry=r)
         )  # fmt: skip
         self.in_flight = Family(
             Gauge("kvroute_instance_in_flight", "Requests in flight through this router",
-                  ["instance"], registry=r)
+                  ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.healthy = Family(
             Gauge("kvroute_instance_healthy", "1 when the instance passes health checks",
-                  ["instance"], registry=r)
+                  ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.task_failures = Family(
             Counter("kvroute_background_task_failures", "Failed iterations of background tasks",
@@ -114,37 +114,37 @@ class RouterMetrics:
         )  # fmt: skip
         self.kv_events = Family(
             Counter("kvroute_kv_events", "KV-cache events applied to the index, by instance and event type",
-                    ["instance", "type"], registry=r)
+                    ["vllm_instance", "type"], registry=r)
         )  # fmt: skip
         self.kv_malformed = Family(
             Counter("kvroute_kv_malformed_messages", "KV event messages with bad frames or payloads",
-                    ["instance"], registry=r)
+                    ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.kv_skipped_events = Family(
             Counter("kvroute_kv_skipped_events", "Undecodable single events inside otherwise good batches",
-                    ["instance"], registry=r)
+                    ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.kv_gaps = Family(
             Counter("kvroute_kv_sequence_gaps", "Jumps forward in a KV event stream's sequence numbers",
-                    ["instance"], registry=r)
+                    ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.kv_replays = Family(
             Counter("kvroute_kv_replays", "Replays of missed KV events from an instance's buffer, by result",
-                    ["instance", "result"], registry=r)
+                    ["vllm_instance", "result"], registry=r)
         )  # fmt: skip
         self.kv_warm = Family(
             Gauge("kvroute_kv_warm",
                   "1 once the events an instance published before this router subscribed were replayed into "
                   "the index; 0 while they are missing (replay pending, failed, or no replay endpoint)",
-                  ["instance"], registry=r)
+                  ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.kv_restarts = Family(
             Counter("kvroute_kv_engine_restarts", "Engine restarts seen as a KV event sequence starting over",
-                    ["instance"], registry=r)
+                    ["vllm_instance"], registry=r)
         )  # fmt: skip
         self.kv_last_event = Family(
             Gauge("kvroute_kv_last_event_timestamp_seconds", "Engine time of the newest KV event batch",
-                  ["instance"], registry=r)
+                  ["vllm_instance"], registry=r)
         )  # fmt: skip
 
         self.untokenized = Family(
@@ -153,20 +153,20 @@ class RouterMetrics:
         )  # fmt: skip
         self.ttft_predicted = Family(
             Histogram("kvroute_ttft_predicted_seconds", "The TTFT predicted for the chosen instance",
-                      ["instance"], buckets=_LATENCY_BUCKETS, registry=r)
+                      ["vllm_instance"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
         self.ttft_observed = Family(
             Histogram("kvroute_ttft_observed_seconds", "Streams' time to the first chunk, by instance",
-                      ["instance"], buckets=_LATENCY_BUCKETS, registry=r)
+                      ["vllm_instance"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
         self.ttft_error = Family(
             Histogram("kvroute_ttft_prediction_error_seconds", "Streams' observed minus predicted TTFT",
-                      ["instance"], buckets=_ERROR_BUCKETS, registry=r)
+                      ["vllm_instance"], buckets=_ERROR_BUCKETS, registry=r)
         )  # fmt: skip
         self.ttft_rate = Family(
             Gauge("kvroute_ttft_model_rate",
                   "Calibrated TTFT model terms: overhead in seconds, the others in seconds per token",
-                  ["instance", "term"], registry=r)
+                  ["vllm_instance", "term"], registry=r)
         )  # fmt: skip
         self.predicted_cached = Family(
             Counter("kvroute_predicted_cached_tokens",
@@ -190,7 +190,7 @@ class RouterMetrics:
     def forget_instance(self, name: str) -> None:
         for family in vars(self).values():
             if isinstance(family, Family):
-                family.forget("instance", name)
+                family.forget("vllm_instance", name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

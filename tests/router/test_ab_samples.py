@@ -38,10 +38,10 @@ def test_error_answers_are_no_latency_samples_and_streams_count_once(tmp_path: P
                 status, _, payload = post(url + "/v1/completions", body.encode())
                 assert status == (400 if prompt == "bad" else 200), payload
             policy = "kvroute"
-            assert metric(url, "kvroute_requests_total", policy=policy, instance="a", status="400") == 3
+            assert metric(url, "kvroute_requests_total", policy=policy, vllm_instance="a", status="400") == 3
             assert metric(url, "kvroute_time_to_first_byte_seconds_count", policy=policy) == 2
             assert metric(url, "kvroute_request_duration_seconds_count", policy=policy) == 2
-            assert sample(url, "kvroute_requests_total", policy=policy, instance="a", status="200") == 2
+            assert sample(url, "kvroute_requests_total", policy=policy, vllm_instance="a", status="200") == 2
 
 
 def test_an_error_adds_no_end_to_end_sample() -> None:

@@ -178,9 +178,9 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
     assert all(payload.rstrip().endswith(b"data: [DONE]") for _, payload in results)
     assert {chat(url, f"r{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(12)} == {
         "fleet-0", "fleet-1"}  # fmt: skip
-    wait_for(lambda: metric(url, "kvroute_index_blocks", instance="fleet-0", tier="gpu") > 0, "index kept")
-    assert sample(url, "kvroute_instance_healthy", instance="fleet-2") is None  # its series went with it
-    assert sample(url, "kvroute_instance_healthy", instance="fleet-0") == 1
+    wait_for(lambda: metric(url, "kvroute_index_blocks", vllm_instance="fleet-0", tier="gpu") > 0, "index kept")
+    assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") is None  # its series went with it
+    assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-0") == 1
 
 
 def test_a_runtime_split_stays_until_the_files_split_changes(

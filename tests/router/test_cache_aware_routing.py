@@ -76,9 +76,9 @@ def test_later_turns_follow_their_prefix_and_the_prediction_is_what_the_engine_r
         chosen.append(instance)
         messages.append({"role": "assistant", "content": reply})
     assert chosen[1:] == [chosen[0]] * 4
-    assert metric(url, "kvroute_index_blocks", instance=chosen[0], tier="gpu") >= cached
+    assert metric(url, "kvroute_index_blocks", vllm_instance=chosen[0], tier="gpu") >= cached
     assert metric(url, "kvroute_index_bytes") > 0
-    assert metric(url, "kvroute_kv_events_total", instance=chosen[0], type="BlockStored") >= 5
+    assert metric(url, "kvroute_kv_events_total", vllm_instance=chosen[0], type="BlockStored") >= 5
 
 
 def test_concurrent_sessions_spread_instead_of_piling_on_the_shared_system_prompt(
@@ -123,7 +123,7 @@ def test_a_restarted_router_rebuilds_its_index_from_the_engines_replay_buffers(
     with running_router(ports.router_config(), tmp_path) as fresh:
         # The warm start replays every buffered batch before the router answers its first request.
         for _ in range(50):
-            if metric(fresh, "kvroute_kv_replays_total", instance=first, result="ok") >= 1:
+            if metric(fresh, "kvroute_kv_replays_total", vllm_instance=first, result="ok") >= 1:
                 break
         instance, cached, _, _ = _turn(fresh, messages, "after-restart")
     assert instance == first

@@ -125,7 +125,7 @@ def cached_on_instance(ports: FleetPorts, index: int) -> int:
 
 
 def indexed_for(router_url: str, index: int) -> int:
-    blocks = sample(router_url, "kvroute_index_blocks", instance=f"fleet-{index}", tier="gpu")
+    blocks = sample(router_url, "kvroute_index_blocks", vllm_instance=f"fleet-{index}", tier="gpu")
     return int(blocks or 0)  # no sample: no entries at all
 
 
@@ -194,7 +194,7 @@ def test_chaos_no_request_lost_or_hung_and_the_index_converges(
         kinds = Counter(o.kind for o in outcomes)
         retried = sum(1 for o in outcomes if o.kind == "ok" and o.attempts > 1)
         failed_before_streaming = [o for o in outcomes if o.kind == "failed_clean" and not o.started]
-        gaps = metric(router_url, "kvroute_kv_sequence_gaps_total", instance=f"fleet-{LOSSY}")
+        gaps = metric(router_url, "kvroute_kv_sequence_gaps_total", vllm_instance=f"fleet-{LOSSY}")
         print(
             f"\nchaos: {len(outcomes)} requests: {kinds['ok']} completed ({retried} after a retry), "
             f"{kinds['failed_clean']} failed cleanly, {kinds['lost']} lost, {kinds['hung']} hung; "

@@ -80,9 +80,9 @@ def test_an_instance_answering_5xx_is_cut_off_after_consecutive_failures(
         to_failing = [status for status, headers, _ in served if headers["x-kvroute-instance"] == "failing"]
         assert to_failing == [500, 500, 500]  # relayed as they came, then no more requests go there
         assert all(status == 200 for status, headers, _ in served if headers["x-kvroute-instance"] != "failing")
-        assert metric(url, "kvroute_circuit_open", instance="failing") == 1
-        assert metric(url, "kvroute_circuit_opens_total", instance="failing") == 1
-        assert metric(url, "kvroute_instance_healthy", instance="failing") == 1  # /health alone says fine
+        assert metric(url, "kvroute_circuit_open", vllm_instance="failing") == 1
+        assert metric(url, "kvroute_circuit_opens_total", vllm_instance="failing") == 1
+        assert metric(url, "kvroute_instance_healthy", vllm_instance="failing") == 1  # /health alone says fine
 
 
 def test_4xx_answers_never_open_the_breaker(refusing_upstream: int, fleet: FleetPorts, tmp_path: Path) -> None:
@@ -93,5 +93,5 @@ def test_4xx_answers_never_open_the_breaker(refusing_upstream: int, fleet: Fleet
         # health on a busy machine).
         assert len(to_refusing) >= 3 and set(to_refusing) == {400}
         # Never touched has no sample yet: that counts as 0.
-        assert (sample(url, "kvroute_circuit_opens_total", instance="refusing") or 0) == 0
-        assert (sample(url, "kvroute_circuit_open", instance="refusing") or 0) == 0
+        assert (sample(url, "kvroute_circuit_opens_total", vllm_instance="refusing") or 0) == 0
+        assert (sample(url, "kvroute_circuit_open", vllm_instance="refusing") or 0) == 0

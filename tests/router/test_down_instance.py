@@ -61,10 +61,10 @@ def test_the_blocks_of_a_stopped_instance_do_not_draw_its_session(
         stopped = children[int(home.removeprefix("fleet-"))]
         os.killpg(stopped.process.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while metric(url, "kvroute_instance_healthy", instance=home) != 0:
+        while metric(url, "kvroute_instance_healthy", vllm_instance=home) != 0:
             assert time.monotonic() < deadline, f"{home} still counted healthy 10 s after it stopped"
             time.sleep(0.1)
-        assert metric(url, "kvroute_index_blocks", instance=home, tier="gpu") > 0  # still indexed
+        assert metric(url, "kvroute_index_blocks", vllm_instance=home, tier="gpu") > 0  # still indexed
 
         status, third = turn(url, SESSION + " and a second turn and a third")
         assert status == 200  # a request sent to the stopped instance would hang instead

@@ -49,10 +49,10 @@ def test_requests_are_routed_around_a_dead_instance(router_with_dead_instance: s
     assert [status for status, _, _ in results] == [200] * 8
     assert {headers["x-kvroute-instance"] for _, headers, _ in results} == {"fleet-0", "fleet-1", "fleet-2"}
     assert (
-        metric(router_with_dead_instance, "kvroute_upstream_errors_total", instance="dead", kind="connect")
+        metric(router_with_dead_instance, "kvroute_upstream_errors_total", vllm_instance="dead", kind="connect")
         >= 1
     )
-    assert metric(router_with_dead_instance, "kvroute_instance_healthy", instance="dead") == 0
+    assert metric(router_with_dead_instance, "kvroute_instance_healthy", vllm_instance="dead") == 0
 
 
 @pytest.mark.parametrize("unhealthy_after", [1, 100])
@@ -89,7 +89,7 @@ def test_an_instance_that_comes_up_later_is_taken_back(tmp_path: Path) -> None:
         with running_fleet(ports, tmp_path / "fleet"):
             # Down instances are probed every 0.5 s although healthy ones wait 20 s between checks.
             for _ in range(30):
-                if metric(url, "kvroute_instance_healthy", instance="fleet-0") == 1:
+                if metric(url, "kvroute_instance_healthy", vllm_instance="fleet-0") == 1:
                     break
                 time.sleep(0.1)
             status, headers, _ = post(url + "/v1/completions", BODY)
@@ -124,8 +124,8 @@ def test_an_answer_that_breaks_off_with_no_other_instance_is_a_502_in_openai_sha
         status, _, payload = post(url + "/v1/completions", BODY)
         assert status == 502
         assert json.loads(payload)["error"]["code"] == "upstream_failed"
-        assert metric(url, "kvroute_upstream_errors_total", instance="flaky", kind="disconnected") == 1
-        assert metric(url, "kvroute_instance_in_flight", instance="flaky") == 0
+        assert metric(url, "kvroute_upstream_errors_total", vllm_instance="flaky", kind="disconnected") == 1
+        assert metric(url, "kvroute_instance_in_flight", vllm_instance="flaky") == 0
 
 
 @pytest.fixture
@@ -163,8 +163,8 @@ def test_a_request_dropped_unanswered_is_served_by_another_instance(
             served.append(headers["x-kvroute-instance"])
             time.sleep(0.6)  # the dropper answers /health, so it is taken back between requests
         assert set(served) == {"fleet-0"}
-        assert metric(url, "kvroute_retries_total", instance="dropper") >= 1
-        assert metric(url, "kvroute_upstream_errors_total", instance="dropper", kind="disconnected") >= 1
+        assert metric(url, "kvroute_retries_total", vllm_instance="dropper") >= 1
+        assert metric(url, "kvroute_upstream_errors_total", vllm_instance="dropper", kind="disconnected") >= 1
 
 
 def test_the_retry_budget_is_a_share_of_the_traffic() -> None:
@@ -209,9 +209,9 @@ def test_an_instance_that_never_accepts_is_a_connect_failure_served_elsewhere(
             )
             assert status == 200, payload
             assert headers["x-kvroute-instance"] == "fleet-0"
-        assert metric(url, "kvroute_upstream_errors_total", instance="stuck", kind="connect") >= 1
-        assert sample(url, "kvroute_upstream_errors_total", instance="stuck", kind="timeout") is None
-        assert metric(url, "kvroute_instance_healthy", instance="stuck") == 0
+        assert metric(url, "kvroute_upstream_errors_total", vllm_instance="stuck", kind="connect") >= 1
+        assert sample(url, "kvroute_upstream_errors_total", vllm_instance="stuck", kind="timeout") is None
+        assert metric(url, "kvroute_instance_healthy", vllm_instance="stuck") == 0
 
 
 @pytest.mark.parametrize(
@@ -274,7 +274,7 @@ def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_p
                 + BODY
             )
             time.sleep(0.5)
-            assert metric(url, "kvroute_instance_in_flight", instance="slow") == 1
+            assert metric(url, "kvroute_instance_in_flight", vllm_instance="slow") == 1
             left = time.monotonic()
             client.close()
             deadline = left + 3
@@ -282,7 +282,7 @@ def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_p
                 time.sleep(0.05)
             assert noticed, "the upstream request stayed open after the client left"
             assert noticed[0] - left < 2
-            assert metric(url, "kvroute_instance_in_flight", instance="slow") == 0
+            assert metric(url, "kvroute_instance_in_flight", vllm_instance="slow") == 0
             assert metric(url, "kvroute_client_errors_total", code="client_closed") == 1
 
 
@@ -307,8 +307,8 @@ def test_a_request_every_instance_drops_does_not_take_the_model_down(tmp_path: P
             assert status == 502, payload
             status, _, payload = post(url + "/v1/completions", BODY)
             assert status == 200, payload
-            assert metric(url, "kvroute_instance_healthy", instance="i0") == 1
-            assert metric(url, "kvroute_instance_healthy", instance="i1") == 1
+            assert metric(url, "kvroute_instance_healthy", vllm_instance="i0") == 1
+            assert metric(url, "kvroute_instance_healthy", vllm_instance="i1") == 1
 
 
 def test_an_upstream_error_nested_past_the_decoders_depth_still_ends_the_request(tmp_path: Path) -> None:
@@ -324,4 +324,4 @@ def test_an_upstream_error_nested_past_the_decoders_depth_still_ends_the_request
             status, _, payload = post(url + "/v1/completions", BODY)
             assert status == 500
             assert set(json.loads(payload)["error"]) == {"message", "type", "param", "code"}
-            assert metric(url, "kvroute_instance_in_flight", instance="deep") == 0
+            assert metric(url, "kvroute_instance_in_flight", vllm_instance="deep") == 0

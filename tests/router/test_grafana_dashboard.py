@@ -111,7 +111,7 @@ def test_every_chart_has_queries_with_distinct_ref_ids() -> None:
         assert len(set(ref_ids)) == len(ref_ids), panel["title"]
 
 
-@pytest.mark.parametrize("name", ["policy", "instance"])
+@pytest.mark.parametrize("name", ["policy", "vllm_instance"])
 def test_filters_are_label_values_of_exported_series(name: str) -> None:
     variable = VARIABLES[name]
     assert variable["type"] == "query" and variable["includeAll"] and variable["multi"]

@@ -148,7 +148,7 @@ class Harness:
         return FakeEngine(self.endpoint, self.replay_endpoint)
 
     def count(self, name: str, **labels: str) -> float:
-        value = self.metrics.registry.get_sample_value(name, {"instance": "a", **labels})
+        value = self.metrics.registry.get_sample_value(name, {"vllm_instance": "a", **labels})
         return value or 0.0
 
     def counts(self) -> dict[str, float]:

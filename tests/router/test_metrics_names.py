@@ -47,9 +47,9 @@ def traffic(router_url: str) -> list[Served]:
     # KV events and the end of a relayed stream are recorded after the client has its answer.
     for instance in {s.instance for s in served}:
         _eventually(
-            lambda i=instance: sample(router_url, "kvroute_kv_events_total", instance=i, type="BlockStored")
+            lambda i=instance: sample(router_url, "kvroute_kv_events_total", vllm_instance=i, type="BlockStored")
         )
-        _eventually(lambda i=instance: sample(router_url, "kvroute_instance_in_flight", instance=i) == 0)
+        _eventually(lambda i=instance: sample(router_url, "kvroute_instance_in_flight", vllm_instance=i) == 0)
     return served
 
 
@@ -74,18 +74,18 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
 @pytest.mark.parametrize(
     ("family", "labels"),
     [
-        ("kvroute_requests", {"policy", "instance", "status"}),
+        ("kvroute_requests", {"policy", "vllm_instance", "status"}),
         ("kvroute_time_to_first_byte_seconds", {"policy"}),
         ("kvroute_request_duration_seconds", {"policy"}),
         ("kvroute_routing_decision_seconds", {"stage"}),
-        ("kvroute_index_blocks", {"instance", "tier"}),
-        ("kvroute_kv_events", {"instance", "type"}),
-        ("kvroute_instance_healthy", {"instance"}),
-        ("kvroute_instance_in_flight", {"instance"}),
-        ("kvroute_ttft_predicted_seconds", {"instance"}),
-        ("kvroute_ttft_observed_seconds", {"instance"}),
-        ("kvroute_ttft_prediction_error_seconds", {"instance"}),
-        ("kvroute_ttft_model_rate", {"instance", "term"}),
+        ("kvroute_index_blocks", {"vllm_instance", "tier"}),
+        ("kvroute_kv_events", {"vllm_instance", "type"}),
+        ("kvroute_instance_healthy", {"vllm_instance"}),
+        ("kvroute_instance_in_flight", {"vllm_instance"}),
+        ("kvroute_ttft_predicted_seconds", {"vllm_instance"}),
+        ("kvroute_ttft_observed_seconds", {"vllm_instance"}),
+        ("kvroute_ttft_prediction_error_seconds", {"vllm_instance"}),
+        ("kvroute_ttft_model_rate", {"vllm_instance", "term"}),
         ("kvroute_predicted_cached_tokens", {"policy", "tier"}),
         ("kvroute_index_bytes", set()),
         ("kvroute_index_pool_blocks", set()),
@@ -112,17 +112,17 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
         ]
     for s in served:
         samples += [
-            ("kvroute_requests_total", {"policy": s.policy, "instance": s.instance, "status": "200"}, 1),
-            ("kvroute_ttft_predicted_seconds_count", {"instance": s.instance}, 1),
-            ("kvroute_index_blocks", {"instance": s.instance, "tier": "gpu"}, 1),
-            ("kvroute_kv_events_total", {"instance": s.instance, "type": "BlockStored"}, 1),
-            ("kvroute_instance_in_flight", {"instance": s.instance}, present),
+            ("kvroute_requests_total", {"policy": s.policy, "vllm_instance": s.instance, "status": "200"}, 1),
+            ("kvroute_ttft_predicted_seconds_count", {"vllm_instance": s.instance}, 1),
+            ("kvroute_index_blocks", {"vllm_instance": s.instance, "tier": "gpu"}, 1),
+            ("kvroute_kv_events_total", {"vllm_instance": s.instance, "type": "BlockStored"}, 1),
+            ("kvroute_instance_in_flight", {"vllm_instance": s.instance}, present),
         ]
     for s in streams:
         samples += [
-            ("kvroute_ttft_observed_seconds_count", {"instance": s.instance}, 1),
-            ("kvroute_ttft_prediction_error_seconds_count", {"instance": s.instance}, 1),
-            *[("kvroute_ttft_model_rate", {"instance": s.instance, "term": term}, present) for term in TERMS],
+            ("kvroute_ttft_observed_seconds_count", {"vllm_instance": s.instance}, 1),
+            ("kvroute_ttft_prediction_error_seconds_count", {"vllm_instance": s.instance}, 1),
+            *[("kvroute_ttft_model_rate", {"vllm_instance": s.instance, "term": term}, present) for term in TERMS],
         ]
     return samples
 
@@ -134,7 +134,7 @@ def test_traffic_is_counted_by_policy_instance_and_stage(router_url: str, traffi
 
 @pytest.mark.parametrize("instance", FLEET_NAMES)
 def test_every_instance_reports_its_health(router_url: str, traffic: list[Served], instance: str) -> None:
-    assert metric(router_url, "kvroute_instance_healthy", instance=instance) == 1
+    assert metric(router_url, "kvroute_instance_healthy", vllm_instance=instance) == 1
 
 
 def test_the_running_router_exports_every_family_the_dashboard_reads(

@@ -66,8 +66,8 @@ def test_a_reload_moves_changed_instances_to_their_new_pool_name_and_removed_one
             await reloader.stop()
             context.destroy(linger=0)
         series = metrics.render().decode()
-        assert 'kvroute_circuit_open{instance="b"} 1.0' in series
-        assert 'instance="c"' not in series  # removed: its series go
+        assert 'kvroute_circuit_open{vllm_instance="b"} 1.0' in series
+        assert 'vllm_instance="c"' not in series  # removed: its series go
         return index
 
     index = asyncio.run(reload())

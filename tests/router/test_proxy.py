@@ -101,10 +101,10 @@ def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances
     assert status == 200
     instance, predicted_ms = headers["x-kvroute-instance"], float(headers["x-kvroute-predicted-ttft-ms"])
     assert predicted_ms > 0
-    assert metric(router_url, "kvroute_ttft_predicted_seconds_count", instance=instance) >= 1
-    assert metric(router_url, "kvroute_ttft_observed_seconds_count", instance=instance) >= 1
-    assert metric(router_url, "kvroute_ttft_prediction_error_seconds_count", instance=instance) >= 1
-    assert metric(router_url, "kvroute_ttft_model_rate", instance=instance, term="prefill") > 0
+    assert metric(router_url, "kvroute_ttft_predicted_seconds_count", vllm_instance=instance) >= 1
+    assert metric(router_url, "kvroute_ttft_observed_seconds_count", vllm_instance=instance) >= 1
+    assert metric(router_url, "kvroute_ttft_prediction_error_seconds_count", vllm_instance=instance) >= 1
+    assert metric(router_url, "kvroute_ttft_model_rate", vllm_instance=instance, term="prefill") > 0
 
 
 def test_models_lists_the_fleets_models(client: openai.OpenAI) -> None:
@@ -202,7 +202,7 @@ def test_metrics_count_requests_by_policy_instance_and_status(router_url: str, c
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
     requests = families["kvroute_requests"].samples
     assert any(s.labels["policy"] == "kvroute" and s.labels["status"] == "200" and s.value >= 1 for s in requests)
-    assert {s.labels["instance"] for s in requests} <= FLEET_NAMES
+    assert {s.labels["vllm_instance"] for s in requests} <= FLEET_NAMES
     for name in ("kvroute_time_to_first_byte_seconds", "kvroute_request_duration_seconds",
                  "kvroute_routing_decision_seconds", "kvroute_instance_healthy", "kvroute_rejected_requests"):
         assert name in families, name
@@ -219,12 +219,12 @@ def test_stream_arrives_while_generating_and_a_hang_up_aborts_it(router_url: str
     instance = instance_url(fleet, int(name.removeprefix("fleet-")))
     assert response.readline().startswith(b"data: {")
     assert metric(instance, "vllm:num_requests_running") == 1  # still generating: the router relayed without buffering
-    assert metric(router_url, "kvroute_instance_in_flight", instance=name) == 1
+    assert metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 1
     response.close()
     for _ in range(100):  # the router closes its upstream connection, the engine aborts the request
-        if metric(instance, "vllm:num_requests_running") == 0 and metric(router_url, "kvroute_instance_in_flight", instance=name) == 0:
+        if metric(instance, "vllm:num_requests_running") == 0 and metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 0:
             break
         time.sleep(0.05)
     assert metric(instance, "vllm:num_requests_running") == 0
-    assert metric(router_url, "kvroute_instance_in_flight", instance=name) == 0
+    assert metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 0
 

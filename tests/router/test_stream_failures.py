@@ -68,7 +68,7 @@ def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere
             assert headers["x-kvroute-instance"] != "dying"
             events = [e for e in payload.split(b"\n\n") if e.strip()]
             assert events[-1] == b"data: [DONE]" and len(events) == 4  # three tokens, all of them
-        assert metric(url, "kvroute_retries_total", instance="dying") >= 1
+        assert metric(url, "kvroute_retries_total", vllm_instance="dying") >= 1
 
 
 def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
@@ -87,4 +87,4 @@ def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
         assert error["code"] == "stream_broken"
         assert events[2] == b"data: [DONE]"
         assert elapsed < 4, "the router waited for the upstream instead of its idle timeout"
-        assert metric(url, "kvroute_upstream_errors_total", instance="stalling", kind="stream_idle") == 1
+        assert metric(url, "kvroute_upstream_errors_total", vllm_instance="stalling", kind="stream_idle") == 1

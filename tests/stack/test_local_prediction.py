@@ -29,7 +29,7 @@ def test_cached_blocks_header_equals_engine_prefix_hits(stack: Stack) -> None:
     name = warm.headers[INSTANCE_HEADER]
     instance = next(i for i in stack.instances if i.name == name)
     assert int(warm.headers[CACHED_HEADER]) == 0
-    held = wait_steady(lambda: metric(stack.router_url, "kvroute_index_blocks", instance=name))
+    held = wait_steady(lambda: metric(stack.router_url, "kvroute_index_blocks", vllm_instance=name))
     assert held >= PREFIX_BLOCKS, "the router's index never learnt the warm-up request's blocks"
     hits_before = wait_steady(lambda: metric(instance.url, "vllm:prefix_cache_hits_total"))
 
