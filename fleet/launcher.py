@@ -36,6 +36,7 @@ class FleetOptions:
     first_index: int = 0
     drop_events: float = 0.0  # share of event batches not published live (replay still has them)
     lora_modules: tuple[str, ...] = ()  # names of the LoRA adapters every instance serves
+    api_key: str | None = None  # what every instance requires on /v1, as vLLM's --api-key
     timing: EngineTiming = field(default_factory=EngineTiming)
 
     def instance_name(self, index: int) -> str:
@@ -74,6 +75,7 @@ async def run_fleet(options: FleetOptions, ready: asyncio.Event | None = None) -
                 int(time.time()),
                 root=str(options.tokenizer_path),
                 adapters=tuple(Adapter(name, id) for id, name in enumerate(options.lora_modules, start=1)),
+                api_key=options.api_key,
             )
             await stack.enter_async_context(serve(instance, options.host, options.port + index))
             tasks.append(asyncio.create_task(engine.run(), name=f"engine-{name}"))

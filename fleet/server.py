@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ class SimInstance:
     root: str = ""
     started: float = field(default_factory=time.time)  # as vLLM's process_start_time_seconds
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters, by --lora-modules
+    api_key: str | None = None  # vLLM's --api-key
 
     def adapter(self, model: object) -> Adapter | None:
         return next((a for a in self.adapters if a.name == model), None)
@@ -52,7 +55,11 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> we
 
 
 def _json_response(body: Any) -> web.Response:
-    return web.Response(body=_json.encode(body), content_type="application/json")
+    return _json_response_status(body, 200)
+
+
+def _json_response_status(body: Any, status: int) -> web.Response:
+    return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
 
 def _sse(body: Any) -> bytes:
@@ -309,8 +316,28 @@ class _EngineCollector:
         yield success
 
 
+# vLLM's --api-key guards these path prefixes only (/health, /metrics, /tokenize stay open).
+_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _api_key_guard(key: str) -> Any:
+    digest = hashlib.sha256(key.encode()).digest()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        given_digest = hashlib.sha256(given.encode()).digest()
+        granted = scheme.lower() == "bearer" and hmac.compare_digest(given_digest, digest)
+        if request.method != "OPTIONS" and request.path.startswith(_GUARDED_PREFIXES) and not granted:
+            return _json_response_status({"error": "Unauthorized"}, 401)
+        return await handler(request)  # type: ignore[no-any-return]
+
+    return guard
+
+
 def build_app(instance: SimInstance) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    middlewares = [_api_key_guard(instance.api_key)] if instance.api_key else []
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app["instance"] = instance
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(instance))

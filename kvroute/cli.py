@@ -70,6 +70,7 @@ def _fleet(args: argparse.Namespace) -> int:
         first_index=args.first_index,
         drop_events=args.drop_events,
         lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
+        api_key=args.api_key,
         timing=EngineTiming(
             prefill_tokens_per_s=args.prefill_tps,
             decode_s_per_token=1.0 / args.decode_tps,
@@ -216,6 +217,7 @@ def _parser() -> argparse.ArgumentParser:
         "--lora-modules", nargs="*", default=[], metavar="NAME[=PATH]",
         help="LoRA adapters every instance serves, named as vLLM's option names them (no weights here)",
     )  # fmt: skip
+    fleet.add_argument("--api-key", help="required on /v1 requests (Authorization: Bearer), as vLLM's option")
     fleet.set_defaults(run=_fleet)
 
     demo = commands.add_parser("demo", help="fleet + router + an agentic workload, for every policy")

@@ -62,6 +62,7 @@ class RouterApp(NamedTuple):
 
 def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload."""
+    config.require_api_keys(str(path or "configuration"))
     fleet = Fleet(config)
     metrics = RouterMetrics()
     tiers = config.index.medium_tiers

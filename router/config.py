@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,6 +77,9 @@ class InstanceConfig(_Strict):
     events: str | None = None
     replay: str | None = None
     models: list[str] | None = None
+    api_key_env: str | None = Field(
+        default=None, min_length=1, description="this instance's key variable instead of upstream.api_key_env"
+    )
     pool: bool | None = Field(
         default=None,
         description="loads from the shared pool (a MooncakeStoreConnector); default: when pool.master_url is "
@@ -230,6 +234,12 @@ class UpstreamConfig(_Strict):
         default=3600.0, gt=0, description="non-streamed requests: the whole answer arrives at the end"
     )
     max_connections_per_instance: int = Field(default=256, ge=1)
+    api_key_env: str | None = Field(
+        default=None,
+        min_length=1,
+        description="environment variable with the key the instances require (vLLM --api-key), sent to "
+        "them as Authorization: Bearer; clients' own keys never reach them",
+    )
     attempts: int = Field(
         default=2, ge=1, description="instances tried when one refuses the connection or drops the request"
     )
@@ -378,6 +388,15 @@ class RouterConfig(_Strict):
 
     def models_of(self, instance: InstanceConfig) -> list[str]:
         return instance.models or [m.name for m in self.models]
+
+    def api_key_env_of(self, instance: InstanceConfig) -> str | None:
+        return instance.api_key_env or self.upstream.api_key_env
+
+    def require_api_keys(self, source: str) -> None:
+        """Refuse key variables named for instances but not set: the instances would refuse every request."""
+        named = {self.api_key_env_of(i) for i in self.instances}
+        if missing := sorted(name for name in named if name and not os.environ.get(name)):
+            raise ConfigError(f"{source}: the instances' key variables are not set: ${', $'.join(missing)}")
 
 
 def _unique(key: str, names: list[str]) -> None:

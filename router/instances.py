@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class Instance:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     clock: Callable[[], float] = time.monotonic
     contexts: ContextHold = field(init=False)
+    auth_headers: dict[str, str] = field(default_factory=dict)  # what the instance requires of requests
 
     def __post_init__(self) -> None:
         self.contexts = ContextHold(self.clock)
@@ -67,7 +69,13 @@ class Instance:
             models=frozenset(router.models_of(config)),
             ttft_model=TTFTModel(router.ttft),
             breaker=CircuitBreaker(breaker.failures, breaker.open_s),
+            auth_headers=auth_headers(router.api_key_env_of(config)),
         )
+
+
+def auth_headers(key_env: str | None) -> dict[str, str]:
+    key = os.environ.get(key_env, "") if key_env else ""
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class FleetChanges(NamedTuple):
@@ -103,6 +111,7 @@ class Fleet:
                 previous = previous_by_name.get(spec.name)
                 if previous is not None and previous.url == spec.url:
                     previous.models = frozenset(config.models_of(spec))
+                    previous.auth_headers = auth_headers(config.api_key_env_of(spec))
                     instance = previous
                     in_place.add(spec.name)
                 else:

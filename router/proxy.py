@@ -49,6 +49,7 @@ PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
 ATTEMPTS_HEADER = "x-kvroute-attempts"  # instances tried: more than 1 after a retry
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
+_REFUSED_CREDENTIALS = (401, 403)
 _MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the message
 _WATCH_AFTER_S = 0.05  # a request still routing or waiting for its first byte after this watches its client
 _RETRY_BACKOFF_S = 0.05
@@ -263,9 +264,13 @@ class Proxy:
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
             )
         payload = routed.first
+        status = routed.upstream.status
         try:
-            status = routed.upstream.status
-            if status >= 400:
+            if status in _REFUSED_CREDENTIALS:  # the router's key, as clients' never reach engines: a 502
+                self._metrics.upstream_errors(routed.instance.name, "unauthorized").inc()
+                payload, content_type = _refused_credentials(routed.instance.name, status), "application/json"
+                status = 502
+            elif status >= 400:
                 payload, content_type = _openai_error_body(payload, status), "application/json"
             usage = _usage(payload)
             if not routed.streamed:  # a stream's first byte was taken when it came (even if not a stream)
@@ -276,7 +281,7 @@ class Proxy:
                 )
         finally:
             self._finish(routed)
-        return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
+        return Response(payload, status, headers=debug, media_type=content_type)
 
     def _authenticate(self, request: Request) -> None:
         if not self._api_keys:
@@ -337,8 +342,9 @@ class Proxy:
                 asyncio.get_running_loop().call_later(decision.predicted_ttft_s, prefill.retire)
             upstream: aiohttp.ClientResponse | None = None
             try:
+                sent = {**headers, **instance.auth_headers} if instance.auth_headers else headers
                 upstream = await self._session.post(
-                    instance.url + path, data=raw, headers=headers, timeout=timeout
+                    instance.url + path, data=raw, headers=sent, timeout=timeout
                 )
                 first = await _first_bytes(upstream, stream)
             except _NOT_CONNECTED:
@@ -497,8 +503,8 @@ class Proxy:
         routed.upstream.release()
         status = routed.upstream.status
         self._end(routed.decision, routed.prefill, admitted=status == 200)
-        if (routed.broken and not routed.cut) or status >= 500:
-            self._breaker_failed(routed.instance, routed.probe)
+        if (routed.broken and not routed.cut) or status >= 500 or status in _REFUSED_CREDENTIALS:
+            self._breaker_failed(routed.instance, routed.probe)  # a refused key: unusable until fixed
         elif routed.cut or status >= 400:
             # Ended by the router, or the client's mistake: nothing learnt about the instance.
             routed.instance.breaker.abandoned(routed.probe)
@@ -606,6 +612,14 @@ def _openai_error_body(payload: bytes, status: int) -> bytes:
     text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
     kind = "upstream_error" if status >= 500 else "invalid_request_error"
     return error_json(f"The instance answered {status}: {text}", kind, str(status))
+
+
+def _refused_credentials(instance: str, status: int) -> bytes:
+    message = (
+        f"Instance {instance} refused the router's credentials ({status}): its key belongs in the "
+        "environment variable that upstream.api_key_env (or the instance's api_key_env) names."
+    )
+    return error_json(message, "upstream_error", "upstream_unauthorized")
 
 
 def _sse_error(message: str, code: str = "stream_broken") -> bytes:

@@ -96,6 +96,7 @@ class Reloader:
         ]
         if fixed:
             raise ConfigError(f"{self._path}: changing {', '.join(fixed)} needs a restart")
+        new.require_api_keys(str(self._path))
         added, removed, in_place = self._fleet.update(new)
         # Changed at the same URL: the same engine, and the same object (router/instances.py). Its events are
         # subscribed to afresh, but its pool membership and its metric series (an open breaker's gauge, the
