@@ -290,6 +290,25 @@ def pooled(
     return event if with_tokens else msgspec.structs.replace(event, token_ids=[])
 
 
+@pytest.mark.parametrize(("lora", "salt"), [("sql", None), ("sql", "tenant-a"), (None, "tenant-a")])
+def test_pool_writes_of_an_adapters_or_salted_blocks_count_for_that_prompt_only(
+    lora: str | None, salt: str | None
+) -> None:
+    """vLLM's store worker announces a pool write with the tokens but without the request's extra keys (as
+    captured from vLLM 0.32): hashed from its tokens, it would be the base model's plain prompt. The writer's
+    own cache announced the blocks first, with their keys, under the same vLLM hashes."""
+    extra: list[object] = [None if lora is None else (lora,) for _ in range(4)]
+    if salt:
+        extra[0] = (*(extra[0] or ()), salt)
+    gpu = msgspec.structs.replace(stored(0, 4, as_bytes=True, lora=lora), extra_keys=extra)
+    index = BlockIndex(BS)
+    index.join_pool("b")
+    index.apply(A, [gpu, pooled(0, 4)])
+    own = block_hashing.ChainCache(BS).chain(TOKENS, block_hashing.prompt_key(salt, lora))
+    assert index.match(own) == {"a": TierMatch(gpu=4), "b": TierMatch(pool=4)}
+    assert index.match(prompt()) == {}  # the base model's plain prompt is not in the pool
+
+
 def test_pool_blocks_count_for_every_instance_that_writes_to_the_pool() -> None:
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 3, as_bytes=True), pooled(0, 7)])
