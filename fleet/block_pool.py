@@ -54,7 +54,8 @@ class BlockHasher:
         lora: Adapter | None = None,
     ) -> list[bytes]:
         """salt: vLLM's cache_salt, mixed into a sequence's first block only (parent None); lora: the adapter
-        the request runs with, mixed into every block, as vLLM does."""
+        the request runs with, mixed into every block. The same keys as vLLM's (the order differs: these
+        hashes are the simulation's own; only the events' extra keys must be vLLM's)."""
         hashes: list[bytes] = []
         for start in range(0, len(token_ids) - block_size + 1, block_size):
             block = token_ids[start : start + block_size]

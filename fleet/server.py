@@ -157,11 +157,15 @@ async def _stream(request: web.Request, generation: _Generation) -> web.StreamRe
     return response
 
 
+def _aliases(instance: SimInstance) -> str:
+    return ", ".join([instance.model_name, *(a.name for a in instance.adapters)])
+
+
 def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
     if body.get("model") != instance.model_name and instance.adapter(body.get("model")) is None:
         raise _ClientError(
             404,
-            f"The model `{body.get('model')}` does not exist. Valid aliases: {instance.model_name}.",
+            f"The model `{body.get('model')}` does not exist. Valid aliases: {_aliases(instance)}.",
             "NotFoundError",
             "model",
         )

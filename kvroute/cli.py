@@ -22,7 +22,9 @@ def _load_config(path: str) -> RouterConfig | None:
     from router.config import ConfigError, load_config
 
     try:
-        return load_config(Path(path))
+        config = load_config(Path(path))
+        config.require_api_keys(path)
+        return config
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return None

@@ -76,15 +76,12 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     place_instances(index, config)
     metrics.registry.register(IndexCollector(index))
     cache = config.tokenization
-    tokenizers: dict[str, LocalTokenizer] = {
-        m.name: CachedChatTokenizer(
-            PromptTokenizer(resolve_tokenizer_path(m.tokenizer)),
-            cache.cache_max_entries,
-            cache.cache_max_tokens,
-        )
-        for m in config.models
-        if m.tokenizer != REMOTE_TOKENIZER
-    }
+    # One per tokenizer: a base model and its LoRA adapters share it, and its token cache (the same ids).
+    by_source: dict[str, LocalTokenizer] = {}
+    for source in dict.fromkeys(m.tokenizer for m in config.models if m.tokenizer != REMOTE_TOKENIZER):
+        tokenizer = PromptTokenizer(resolve_tokenizer_path(source))
+        by_source[source] = CachedChatTokenizer(tokenizer, cache.cache_max_entries, cache.cache_max_tokens)
+    tokenizers = {m.name: by_source[m.tokenizer] for m in config.models if m.tokenizer in by_source}
     policies = {name: Policy(name, policy) for name, policy in config.policies.items()}
     bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
     started = int(time.time())

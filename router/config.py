@@ -330,9 +330,9 @@ class RouterConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _adapters_take_their_base(cls, raw: Any) -> Any:
-        """An adapter without a tokenizer or pool name of its own takes its listed base's: vLLM tokenizes for
-        an adapter with the base's tokenizer unless the adapter ships one, and its pool keys carry the
-        engine's --model whatever the adapter."""
+        """An adapter without a tokenizer or pool name of its own takes its listed base's: vLLM (0.32)
+        tokenizes an adapter's requests with the base's tokenizer, and its pool keys carry the engine's
+        --model whatever the adapter."""
         if not isinstance(raw, dict) or not isinstance(raw.get("models"), list):
             return raw
         named = [m for m in raw["models"] if isinstance(m, dict) and isinstance(m.get("name"), str)]
@@ -342,8 +342,11 @@ class RouterConfig(_Strict):
             lora_of = model.get("lora_of") if isinstance(model, dict) else None
             base = bases.get(lora_of) if isinstance(lora_of, str) else None
             if base is not None:
-                inherited = {"tokenizer": base.get("tokenizer"), "pool_name": base.get("pool_name", lora_of)}
-                model = {key: value for key, value in inherited.items() if value is not None} | model
+                pool_name = base.get("pool_name") or lora_of
+                inherited = {"tokenizer": base.get("tokenizer"), "pool_name": pool_name}
+                # An explicit null is no value of its own: the base's stands.
+                own = {k: v for k, v in model.items() if k not in inherited or v is not None}
+                model = {k: v for k, v in inherited.items() if v is not None} | own
             models.append(model)
         return {**raw, "models": models}
 
@@ -393,10 +396,18 @@ class RouterConfig(_Strict):
         return instance.api_key_env or self.upstream.api_key_env
 
     def require_api_keys(self, source: str) -> None:
-        """Refuse key variables named for instances but not set: the instances would refuse every request."""
+        """Refuse key variables named for instances but not set (the instances would refuse every request),
+        or holding what no HTTP header can carry."""
         named = {self.api_key_env_of(i) for i in self.instances}
-        if missing := sorted(name for name in named if name and not os.environ.get(name)):
+        if missing := sorted(name for name in named if name and not api_key(name)):
             raise ConfigError(f"{source}: the instances' key variables are not set: ${', $'.join(missing)}")
+        if unusable := sorted(name for name in named if name and not api_key(name).isprintable()):
+            raise ConfigError(f"{source}: ${', $'.join(unusable)}: a key must be printable, on one line")
+
+
+def api_key(env: str) -> str:
+    """The key in environment variable env; a secret mounted from a file often ends in a newline."""
+    return os.environ.get(env, "").strip()
 
 
 def _unique(key: str, names: list[str]) -> None:

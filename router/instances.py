@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from router.circuit_breaker import CircuitBreaker
-from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig
+from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig, api_key
 from router.context_hold import ContextHold
 from scorers.base import EngineLoad
 from scorers.ttft_model import TTFTModel, TTFTPriors
@@ -30,7 +29,7 @@ class Instance:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     clock: Callable[[], float] = time.monotonic
     contexts: ContextHold = field(init=False)
-    auth_headers: dict[str, str] = field(default_factory=dict)  # what the instance requires of requests
+    auth_headers: dict[str, str] = field(default_factory=dict, repr=False)  # the key the instance requires
 
     def __post_init__(self) -> None:
         self.contexts = ContextHold(self.clock)
@@ -74,7 +73,7 @@ class Instance:
 
 
 def auth_headers(key_env: str | None) -> dict[str, str]:
-    key = os.environ.get(key_env, "") if key_env else ""
+    key = api_key(key_env) if key_env else ""
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

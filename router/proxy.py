@@ -380,6 +380,12 @@ class Proxy:
             except BaseException:
                 self._abandon(decision, upstream, probe, prefill, failed=False)
                 raise
+            if upstream.status in _REFUSED_CREDENTIALS and len(tried) + 1 < self._config.attempts:
+                # vLLM checks the key before anything else: nothing ran, and another instance may take it.
+                self._abandon(decision, upstream, probe, prefill, admitted=False)
+                tried.add(instance.name)
+                self._metrics.upstream_errors(instance.name, "unauthorized").inc()
+                continue
             routed = _Routed(
                 decision, policy, upstream, started, prefill, streamed=stream, first=first,
                 attempts=len(tried) + 1, probe=probe,

@@ -53,6 +53,9 @@ def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_ow
                                   "unlisted-base": "qwen"}  # fmt: skip
     plain = parse_config(_with(models=[{"name": "llama"}, {"name": "sql", "lora_of": "llama"}]))
     assert pool_names(plain) == {"llama": "llama", "sql": "llama"}
+    nulls = parse_config(_with(models=[{"name": "llama", "tokenizer": "/models/llama", "pool_name": "L-8B"},
+                                       {"name": "sql", "lora_of": "llama", "tokenizer": None, "pool_name": None}]))  # fmt: skip
+    assert (nulls.models[1].tokenizer, pool_names(nulls)["sql"]) == ("/models/llama", "L-8B")  # null: not set
 
 
 def _with(**changes: object) -> dict[str, object]:

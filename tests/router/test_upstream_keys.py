@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.cli import main
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.config import ConfigError, parse_config
 from tests.conftest import sample
@@ -44,7 +45,9 @@ def test_the_router_sends_the_instances_key_and_not_the_clients(
     monkeypatch.setenv(ENGINE_KEY_ENV, ENGINE_KEY)
     monkeypatch.setenv(CLIENT_KEYS_ENV, "client-key-0123456789")
     config = keyed_fleet.router_config(
-        upstream={"api_key_env": ENGINE_KEY_ENV}, auth={"api_keys_env": CLIENT_KEYS_ENV}, default_policy="round-robin"
+        upstream={"api_key_env": ENGINE_KEY_ENV},
+        auth={"api_keys_env": CLIENT_KEYS_ENV},
+        default_policy="round-robin",
     )
     served = set()
     with running_router(config, tmp_path) as url:
@@ -55,11 +58,31 @@ def test_the_router_sends_the_instances_key_and_not_the_clients(
     assert served == {"fleet-0", "fleet-1"}
 
 
+def test_a_request_an_instance_refuses_for_the_key_goes_to_another(
+    keyed_fleet: FleetPorts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM checks the key before anything runs: a refusal is as safe to send elsewhere as a refused
+    connection. fleet-0 is given the wrong key; every request still succeeds, on fleet-1."""
+    monkeypatch.setenv(ENGINE_KEY_ENV, ENGINE_KEY + "\n")  # as mounted from a file: the newline goes
+    monkeypatch.setenv("KVROUTE_TEST_WRONG_KEY", "not-the-engine-key")
+    config = keyed_fleet.router_config(upstream={"api_key_env": ENGINE_KEY_ENV}, default_policy="round-robin")
+    instances = config["instances"]
+    assert isinstance(instances, list)
+    instances[0]["api_key_env"] = "KVROUTE_TEST_WRONG_KEY"
+    with running_router(config, tmp_path) as url:
+        answers = [chat(url) for _ in range(4)]
+        assert [(status, headers["x-kvroute-instance"]) for status, headers, _ in answers] == [
+            (200, "fleet-1")
+        ] * 4
+        assert {headers["x-kvroute-attempts"] for _, headers, _ in answers} >= {"2"}
+        assert sample(url, "kvroute_upstream_errors_total", vllm_instance="fleet-0", kind="unauthorized")
+
+
 def test_an_engine_refusing_the_routers_credentials_is_a_bad_gateway_not_the_clients_401(
     keyed_fleet: FleetPorts, tmp_path: Path
 ) -> None:
     """The client's key was fine (clients' keys never reach engines): a 401 would tell it otherwise."""
-    with running_router(keyed_fleet.router_config(), tmp_path) as url:
+    with running_router(keyed_fleet.router_config(upstream={"attempts": 1}), tmp_path) as url:
         status, _, payload = chat(url)
         error = json.loads(payload)["error"]
         assert status == 502 and error["code"] == "upstream_unauthorized"
@@ -71,7 +94,9 @@ def test_an_engine_refusing_the_routers_credentials_is_a_bad_gateway_not_the_cli
         assert sum(counted) == 1
 
 
-def test_an_instances_own_key_variable_wins_and_unset_ones_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_instances_own_key_variable_wins_and_unset_ones_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     raw = {
         "models": [{"name": "m"}],
         "upstream": {"api_key_env": "FLEET_KEY"},
@@ -84,7 +109,22 @@ def test_an_instances_own_key_variable_wins_and_unset_ones_are_refused(monkeypat
     monkeypatch.delenv("B_KEY", raising=False)
     with pytest.raises(ConfigError, match=r"key variables are not set: \$B_KEY$"):
         config.require_api_keys("router.yaml")
-    monkeypatch.setenv("B_KEY", "b" * 20)
+    monkeypatch.setenv("B_KEY", "b" * 10 + "\n" + "b" * 10)
+    with pytest.raises(ConfigError, match=r"\$B_KEY: a key must be printable, on one line"):
+        config.require_api_keys("router.yaml")
+    monkeypatch.setenv("B_KEY", "b" * 20 + "\n")
     config.require_api_keys("router.yaml")
     unkeyed = parse_config({**raw, "upstream": {}})
     assert [unkeyed.api_key_env_of(i) for i in unkeyed.instances] == [None, "B_KEY"]
+
+
+def test_serve_and_check_config_refuse_an_unset_key_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KVROUTE_TEST_UNSET_KEY", raising=False)
+    path = tmp_path / "router.yaml"
+    path.write_text(json.dumps({"models": [{"name": "m"}], "upstream": {"api_key_env": "KVROUTE_TEST_UNSET_KEY"},
+                                "instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}))  # fmt: skip
+    for command in ("check-config", "serve --config"):
+        assert main([*command.split(), str(path)]) == 2
+        assert "key variables are not set: $KVROUTE_TEST_UNSET_KEY" in capsys.readouterr().err
