@@ -54,11 +54,7 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> we
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
 
-def _json_response(body: Any) -> web.Response:
-    return _json_response_status(body, 200)
-
-
-def _json_response_status(body: Any, status: int) -> web.Response:
+def _json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
 
@@ -333,7 +329,7 @@ def _api_key_guard(key: str) -> Any:
         given_digest = hashlib.sha256(given.encode()).digest()
         granted = scheme.lower() == "bearer" and hmac.compare_digest(given_digest, digest)
         if request.method != "OPTIONS" and request.path.startswith(_GUARDED_PREFIXES) and not granted:
-            return _json_response_status({"error": "Unauthorized"}, 401)
+            return _json_response({"error": "Unauthorized"}, 401)
         return await handler(request)  # type: ignore[no-any-return]
 
     return guard

@@ -62,7 +62,6 @@ class RouterApp(NamedTuple):
 
 def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload."""
-    config.require_api_keys(str(path or "configuration"))
     fleet = Fleet(config)
     metrics = RouterMetrics()
     tiers = config.index.medium_tiers
@@ -84,6 +83,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     tokenizers = {m.name: by_source[m.tokenizer] for m in config.models if m.tokenizer in by_source}
     policies = {name: Policy(name, policy) for name, policy in config.policies.items()}
     bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
+    adapters = frozenset(name for name, base in bases.items() if base is not None)
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -109,7 +109,6 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                     index, config.pool.master_url, pool_names(config), session, metrics,
                     config.pool.confirm_ttl_s, config.pool.timeout_s,
                 )  # fmt: skip
-            adapters = frozenset(m.name for m in config.models if m.lora_of is not None)
             router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer, pool, adapters)
             await health.check_all()
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)

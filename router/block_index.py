@@ -238,8 +238,7 @@ class BlockIndex:
         # vLLM's store worker announces pool writes without the request's extra keys (a LoRA adapter's name, a
         # cache salt): hashed from their tokens they would be the base model's plain blocks. The writer's own
         # cache announced them first, with those keys, so its kvroute hashes are taken when it knows them all.
-        keys = [_key(h) for h in hashes]
-        if event.token_ids and not all(self._find(publisher, key, pool) is not None for key in keys):
+        if event.token_ids and not all(self._find(publisher, _key(h), pool) is not None for h in hashes):
             own = self._store(pool, Tier.POOL, event, pool, counted=False)  # all of the blocks or none
             pool.hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
         else:

@@ -61,6 +61,15 @@ def upstream_failed(instance: str, cause: BaseException) -> OpenAIError:
     )  # fmt: skip
 
 
+def upstream_unauthorized(instance: str, status: int) -> OpenAIError:
+    """502: the instance refused the router's own key; a 401 would tell the client its key is wrong."""
+    message = (
+        f"Instance {instance} refused the router's credentials ({status}): its key belongs in the "
+        "environment variable that upstream.api_key_env (or the instance's api_key_env) names."
+    )
+    return OpenAIError(502, message, "upstream_error", "upstream_unauthorized")
+
+
 def too_many_requests(message: str, code: str, retry_after_s: int) -> OpenAIError:
     """429: the router is at capacity; Retry-After says when to try again."""
     return OpenAIError(429, message, "rate_limit_error", code, headers={"Retry-After": str(retry_after_s)})

@@ -28,6 +28,7 @@ from router.errors import (
     too_many_requests,
     unavailable,
     upstream_failed,
+    upstream_unauthorized,
 )
 from router.health import HealthChecker
 from router.instances import Fleet, Instance
@@ -264,13 +265,9 @@ class Proxy:
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
             )
         payload = routed.first
-        status = routed.upstream.status
         try:
-            if status in _REFUSED_CREDENTIALS:  # the router's key, as clients' never reach engines: a 502
-                self._metrics.upstream_errors(routed.instance.name, "unauthorized").inc()
-                payload, content_type = _refused_credentials(routed.instance.name, status), "application/json"
-                status = 502
-            elif status >= 400:
+            status = routed.upstream.status
+            if status >= 400:
                 payload, content_type = _openai_error_body(payload, status), "application/json"
             usage = _usage(payload)
             if not routed.streamed:  # a stream's first byte was taken when it came (even if not a stream)
@@ -281,7 +278,7 @@ class Proxy:
                 )
         finally:
             self._finish(routed)
-        return Response(payload, status, headers=debug, media_type=content_type)
+        return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
 
     def _authenticate(self, request: Request) -> None:
         if not self._api_keys:
@@ -315,6 +312,7 @@ class Proxy:
         timeout = self._stream_timeout if stream else self._response_timeout
         tried: set[str] = set()
         dropped: tuple[str, Exception] | None = None  # the last instance that broke off unanswered
+        refused: tuple[str, int] | None = None  # the last instance that refused the router's key
         self._retry_budget.earn()
         prompt_tokens = prepared.request.prompt_tokens
         if self._memory_hold.must_wait(prompt_tokens, self._fleet.candidates(model)):
@@ -380,11 +378,13 @@ class Proxy:
             except BaseException:
                 self._abandon(decision, upstream, probe, prefill, failed=False)
                 raise
-            if upstream.status in _REFUSED_CREDENTIALS and len(tried) + 1 < self._config.attempts:
-                # vLLM checks the key before anything else: nothing ran, and another instance may take it.
+            if upstream.status in _REFUSED_CREDENTIALS:
+                # The router's key (clients' never reach engines), which vLLM checks before anything else:
+                # nothing ran, and another instance may take it. Counted against this one's breaker.
                 self._abandon(decision, upstream, probe, prefill, admitted=False)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "unauthorized").inc()
+                refused = instance.name, upstream.status
                 continue
             routed = _Routed(
                 decision, policy, upstream, started, prefill, streamed=stream, first=first,
@@ -400,6 +400,9 @@ class Proxy:
         if dropped is not None:
             self.ab.failed(policy.name)
             raise upstream_failed(*dropped)
+        if refused is not None:
+            self.ab.failed(policy.name)
+            raise upstream_unauthorized(*refused)
         self.ab.rejected(policy.name)
         if tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
@@ -509,8 +512,8 @@ class Proxy:
         routed.upstream.release()
         status = routed.upstream.status
         self._end(routed.decision, routed.prefill, admitted=status == 200)
-        if (routed.broken and not routed.cut) or status >= 500 or status in _REFUSED_CREDENTIALS:
-            self._breaker_failed(routed.instance, routed.probe)  # a refused key: unusable until fixed
+        if (routed.broken and not routed.cut) or status >= 500:
+            self._breaker_failed(routed.instance, routed.probe)
         elif routed.cut or status >= 400:
             # Ended by the router, or the client's mistake: nothing learnt about the instance.
             routed.instance.breaker.abandoned(routed.probe)
@@ -618,14 +621,6 @@ def _openai_error_body(payload: bytes, status: int) -> bytes:
     text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
     kind = "upstream_error" if status >= 500 else "invalid_request_error"
     return error_json(f"The instance answered {status}: {text}", kind, str(status))
-
-
-def _refused_credentials(instance: str, status: int) -> bytes:
-    message = (
-        f"Instance {instance} refused the router's credentials ({status}): its key belongs in the "
-        "environment variable that upstream.api_key_env (or the instance's api_key_env) names."
-    )
-    return error_json(message, "upstream_error", "upstream_unauthorized")
 
 
 def _sse_error(message: str, code: str = "stream_broken") -> bytes:
