@@ -38,7 +38,7 @@ from kvroute.overhead_targets import (
 from kvroute.overhead_wrk import find_wrk
 from kvroute.processes import StartupError, free_port_block
 
-GRID_TARGETS = ("direct", "kvroute", "kvroute:round-robin", "vllm-router:round_robin")
+GRID_TARGETS = ("direct", "kvroute", "kvroute:round-robin", "python-proxy", "vllm-router:round_robin")
 LONG_TARGETS = ("direct", "kvroute", "vllm-router:round_robin", "vllm-router:kv_aware")
 
 

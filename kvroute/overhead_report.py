@@ -11,6 +11,7 @@ from rich.table import Table
 
 from kvroute.overhead_grid import CellResult
 from kvroute.overhead_long import LongResult, LongSummary
+from kvroute.overhead_targets import PLAIN_PROXY
 
 KVROUTE = "kvroute:kvroute"
 VLLM_RR = "vllm-router:round_robin"
@@ -75,42 +76,46 @@ def _size(size: int) -> str:
     return f"{size // 1024} KiB" if size >= 1024 and size % 1024 == 0 else f"{size} B"
 
 
-def _pairs(results: Sequence[CellResult], concurrency: int) -> list[tuple[CellResult, CellResult]]:
-    """(kvroute, vllm-router round_robin) in the same cell."""
+def _pairs(
+    results: Sequence[CellResult], concurrency: int, mine: str = KVROUTE
+) -> list[tuple[CellResult, CellResult]]:
+    """(mine, vllm-router round_robin) in the same cell."""
     by_cell: dict[tuple[int, int, str], dict[str, CellResult]] = {}
     for r in results:
         if r.concurrency == concurrency and not r.failed:
             by_cell.setdefault((r.concurrency, r.size_bytes, r.prompt), {})[r.target] = r
+    return [(cell[mine], cell[VLLM_RR]) for cell in by_cell.values() if mine in cell and VLLM_RR in cell]
+
+
+def _grid_verdicts(results: Sequence[CellResult], mine: str, suffix: str) -> list[Verdict]:
+    ratios = [
+        k.added_p50_ms / v.added_p50_ms
+        for k, v in _pairs(results, 1, mine)
+        if k.added_p50_ms is not None and v.added_p50_ms is not None and v.added_p50_ms > 0
+    ]
+    shares = [k.requests_per_s / v.requests_per_s for k, v in _pairs(results, 64, mine) if v.requests_per_s]
     return [
-        (cell[KVROUTE], cell[VLLM_RR]) for cell in by_cell.values() if KVROUTE in cell and VLLM_RR in cell
+        Verdict(
+            f"added p50 at c=1{suffix}",
+            "<= 1.5x vllm-router round_robin's",
+            _spread(ratios, "x"),
+            None if not ratios else max(ratios) <= 1.5,
+        ),
+        Verdict(
+            f"throughput at c=64{suffix}",
+            ">= 0.5x vllm-router round_robin's",
+            _spread(shares, "x"),
+            None if not shares else min(shares) >= 0.5,
+        ),
     ]
 
 
 def verdicts(results: Sequence[CellResult], long: Sequence[LongSummary]) -> list[Verdict]:
-    """Each target judged over every cell it applies to: met only if it holds in all of them."""
-    out = []
-    ratios = [
-        k.added_p50_ms / v.added_p50_ms
-        for k, v in _pairs(results, 1)
-        if k.added_p50_ms is not None and v.added_p50_ms is not None and v.added_p50_ms > 0
-    ]
-    out.append(
-        Verdict(
-            "added p50 at c=1",
-            "<= 1.5x vllm-router round_robin's",
-            _spread(ratios, "x"),
-            None if not ratios else max(ratios) <= 1.5,
-        )
-    )
-    shares = [k.requests_per_s / v.requests_per_s for k, v in _pairs(results, 64) if v.requests_per_s]
-    out.append(
-        Verdict(
-            "throughput at c=64",
-            ">= 0.5x vllm-router round_robin's",
-            _spread(shares, "x"),
-            None if not shares else min(shares) >= 0.5,
-        )
-    )
+    """Each target judged over every cell it applies to: met only if it holds in all of them. The plain
+    Python proxy, when measured, is judged by the grid's targets too: the floor under any Python router."""
+    out = _grid_verdicts(results, KVROUTE, "")
+    if any(r.target == PLAIN_PROXY for r in results):
+        out += _grid_verdicts(results, PLAIN_PROXY, f" ({PLAIN_PROXY}, the floor)")
     for field, label in (("first_turn_added_ms", "turn 1"), ("later_turns_added_ms", "later turns")):
         ratios = []
         for mine in (s for s in long if s.target == KVROUTE):

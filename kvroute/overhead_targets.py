@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,15 @@ from kvroute.processes import Child, free_port_block, spawn, start, wait_all_hea
 from router.config import parse_config
 
 DIRECT = "direct"
+PLAIN_PROXY = "python-proxy"  # kvroute/plain_proxy.py: what Python's HTTP stack alone costs
+_OWN_KINDS = (DIRECT, PLAIN_PROXY)
 
 
 def parse_overhead_targets(specs: Sequence[str]) -> list[Target]:
-    """``direct`` (the backend itself) or anything ``kvroute bench live`` takes."""
-    targets = [Target(DIRECT, DIRECT) for spec in specs if spec.strip() == DIRECT]
-    return targets + parse_targets([s for s in specs if s.strip() != DIRECT], default_policy="kvroute")
+    """``direct`` (the backend itself), ``python-proxy`` or anything ``kvroute bench live`` takes."""
+    targets = [Target(spec.strip(), spec.strip()) for spec in specs if spec.strip() in _OWN_KINDS]
+    others = [spec for spec in specs if spec.strip() not in _OWN_KINDS]
+    return targets + parse_targets(others, default_policy="kvroute")
 
 
 def backend_fleet(ports: Sequence[int], event_ports: Sequence[int] = ()) -> Fleet:
@@ -79,6 +83,8 @@ def running_targets(
                     run.url = target.url
                 elif target.kind == "kvroute":
                     run.child = _start_kvroute(target, fleet, port, log_dir)
+                elif target.kind == PLAIN_PROXY:
+                    run.child = _start_plain_proxy(fleet, port, log_dir)
                 else:
                     run.child = _start_vllm_router(target, fleet, port, log_dir, vllm_router)
             except SkipTarget as exc:
@@ -98,6 +104,12 @@ def _start_kvroute(target: Target, fleet: Fleet, port: int, log_dir: Path) -> Ch
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(kvroute_config(fleet, target.policy), sort_keys=False))
     return start(name, ["serve", "--config", str(config_path), "--port", str(port)], log_dir)
+
+
+def _start_plain_proxy(fleet: Fleet, port: int, log_dir: Path) -> Child:
+    urls = [instance.url for instance in fleet.config.instances]
+    argv = [sys.executable, "-m", "kvroute.plain_proxy", "--port", str(port), *urls]
+    return spawn(PLAIN_PROXY, argv, log_dir)
 
 
 def _start_vllm_router(target: Target, fleet: Fleet, port: int, log_dir: Path, explicit: str | None) -> Child:

@@ -42,6 +42,12 @@ class Trace:
     def head(self, count: int) -> Trace:
         return replace(self, requests=self.requests[:count])
 
+    def skip(self, count: int) -> Trace:
+        """Without its first `count` requests, arrivals counted from the first one left."""
+        requests = self.requests[count:]
+        start = requests[0].arrival_s if requests else 0.0
+        return replace(self, requests=tuple(replace(r, arrival_s=r.arrival_s - start) for r in requests))
+
     @property
     def duration_s(self) -> float:
         return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0

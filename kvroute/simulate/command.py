@@ -36,6 +36,9 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.add_argument(
         "--requests", type=int, default=3000, help="only the first N requests of the trace (0: all)"
     )
+    simulate.add_argument("--skip", type=int, default=0,
+                          help="start after the trace's first N requests (another window of it; caches "
+                               "start empty)")  # fmt: skip
     simulate.add_argument("--sessions", type=int, default=40, help="sessions of the agentic trace")
     simulate.add_argument("--seed", type=int, default=0, help="seed of the agentic trace")
     simulate.add_argument("--sweep", choices=["rate", "instances"], default=None)
@@ -68,6 +71,10 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.skip < 0:
+        print("--skip must be 0 or more", file=sys.stderr)
+        return 2
+    trace = trace.skip(args.skip)
     if args.requests:
         trace = trace.head(args.requests)
     if len(trace.requests) < 2:

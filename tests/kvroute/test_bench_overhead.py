@@ -15,7 +15,7 @@ from kvroute.overhead_backend import find_nginx
 from kvroute.overhead_grid import CellResult
 from kvroute.overhead_long import LongResult, LongSummary
 from kvroute.overhead_report import KVROUTE, VLLM_KV, VLLM_RR, Verdict, verdicts
-from kvroute.overhead_targets import parse_overhead_targets
+from kvroute.overhead_targets import PLAIN_PROXY, parse_overhead_targets
 from kvroute.overhead_wrk import Prompt, WrkResult, find_wrk
 
 
@@ -59,13 +59,24 @@ def test_verdicts_hold_only_if_every_cell_meets_the_target() -> None:
     assert all(v.met is None for v in verdicts([], []))
 
 
+def test_the_plain_proxy_is_judged_by_the_same_targets_when_measured() -> None:
+    cells = [
+        _cell(KVROUTE, 64, 1000, None), _cell(PLAIN_PROXY, 64, 6000, None), _cell(VLLM_RR, 64, 10_000, None),
+    ]  # fmt: skip
+    met = {v.name: v.met for v in verdicts(cells, [])}
+    assert met["throughput at c=64"] is False
+    assert met["throughput at c=64 (python-proxy, the floor)"] is True
+    assert met["added p50 at c=1 (python-proxy, the floor)"] is None  # no c=1 cell
+    assert not any("python-proxy" in v.name for v in verdicts(cells[::2], []))
+
+
 @pytest.mark.skipif(
     find_wrk() is None or find_nginx() is None,
     reason="needs wrk and nginx: `make bench-tools` (scripts/install_bench_tools.sh) installs them",
 )
 def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
     has_vllm_router = find_vllm_router(None) is not None
-    grid_targets = "direct,kvroute,kvroute:round-robin" + (
+    grid_targets = "direct,kvroute,kvroute:round-robin,python-proxy" + (
         ",vllm-router:round_robin" if has_vllm_router else ""
     )
     long_targets = "direct,kvroute" + (",vllm-router:kv_aware" if has_vllm_router else "")
@@ -93,7 +104,7 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
         assert (cell["peak_rss_mib"] is not None) == routed
         assert (cell["added_p50_ms"] is not None) == routed
         assert (cell["throughput_vs_vllm_router"] is not None) == has_vllm_router
-    assert {r["target"] for r in report["routers"] if not r["skipped"]} >= {KVROUTE, "kvroute:round-robin"}
+    assert {r["target"] for r in report["routers"] if not r["skipped"]} >= {KVROUTE, "kvroute:round-robin", PLAIN_PROXY}
 
     long = report["long_prompt"]
     assert set(long) == {"turns", "summary", "vllm_router_counters"}
@@ -111,6 +122,7 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
 
     assert [v["name"] for v in report["verdicts"]] == [
         "added p50 at c=1", "throughput at c=64",
+        "added p50 at c=1 (python-proxy, the floor)", "throughput at c=64 (python-proxy, the floor)",
         "long-prompt decision, turn 1", "long-prompt decision, later turns",
     ]  # fmt: skip
     assert all(set(v) == {f.name for f in dataclasses.fields(Verdict)} for v in report["verdicts"])

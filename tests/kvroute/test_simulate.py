@@ -209,6 +209,14 @@ def test_unknown_policy_is_an_error(tmp_path: Path) -> None:
     assert main(["bench", "simulate", "--policies", "magic", "--out", str(tmp_path)]) == 2
 
 
+def test_skip_runs_a_later_window_of_the_trace(tmp_path: Path) -> None:
+    common = ["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--policies", "kvroute"]
+    assert main([*common, "--skip", "-1", "--out", str(tmp_path)]) == 2
+    assert main([*common, "--skip", "20", "--requests", "15", "--out", str(tmp_path)]) == 0
+    fields = json.loads((tmp_path / "results.json").read_text())["policies"]["kvroute"]
+    assert fields["completed"] + fields["rejected"] == 15
+
+
 def test_a_sessions_next_turn_waits_for_the_previous_answer() -> None:
     turns = (
         TraceRequest(0.0, 320, 50, tuple(range(1, 11)), "s"),

@@ -45,10 +45,12 @@ def test_malformed_lines_name_their_line(tmp_path: Path, line: str) -> None:
         load_trace(path)
 
 
-def test_with_rate_compresses_arrivals_and_head_keeps_the_first() -> None:
+def test_with_rate_compresses_arrivals_head_keeps_the_first_and_skip_the_rest() -> None:
     trace = Trace("t", 512, tuple(TraceRequest(float(s), 10, 1, (0,)) for s in (0, 2, 4)))
     assert [r.arrival_s for r in trace.with_rate(2).requests] == [0.0, 1.0, 2.0]
     assert trace.head(2).requests == trace.requests[:2]
+    assert [r.arrival_s for r in trace.skip(1).requests] == [0.0, 2.0]  # from the first one left
+    assert trace.skip(3).requests == ()
     with pytest.raises(ValueError):
         trace.with_rate(0)
 
