@@ -1,9 +1,12 @@
 """A/B results per policy on live traffic: counts, latency quantiles, cache predictions, and whether the
 difference in TTFT between the baseline (the first policy of the split) and each other policy is real.
 
-The difference of medians gets a 95% bootstrap confidence interval (resampling each policy's recent TTFTs),
-which assumes nothing about the shape of latency distributions; the verdict names a winner only when the
-interval excludes zero.
+The difference of medians gets a 95% bootstrap confidence interval, which assumes nothing about the shape of
+latency distributions; the verdict names a winner only when the interval excludes zero. The split assigns
+sessions, not requests, to policies, and a session's turns are alike (one long agent session is many slow
+first turns or many cache hits), so the bootstrap resamples sessions with all their recent TTFTs: resampling
+requests would take a few long sessions for many independent samples and make the interval too narrow.
+A request without a session key is a session of its own.
 """
 
 from __future__ import annotations
@@ -37,17 +40,33 @@ class _PolicyStats:
     observed_prompt_tokens: int = 0  # the prompt tokens of those answers
     by_instance: Counter[str] = field(default_factory=Counter)
     ttft: deque[float] = field(init=False)
+    ttft_sessions: deque[str | None] = field(init=False)  # each TTFT's session key, in step with ttft
     e2e: deque[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ttft = deque(maxlen=self.max_samples)
+        self.ttft_sessions = deque(maxlen=self.max_samples)
         self.e2e = deque(maxlen=self.max_samples)
 
     def copy(self) -> _PolicyStats:
         """A copy that later samples do not change (deque copies are C-level: ~0.1 ms for 20,000)."""
         twin = copy.copy(self)
-        twin.by_instance, twin.ttft, twin.e2e = self.by_instance.copy(), self.ttft.copy(), self.e2e.copy()
+        twin.by_instance, twin.e2e = self.by_instance.copy(), self.e2e.copy()
+        twin.ttft, twin.ttft_sessions = self.ttft.copy(), self.ttft_sessions.copy()
         return twin
+
+    def recent_ttft(self) -> tuple[np.ndarray, np.ndarray]:
+        """The most recent TTFTs a comparison resamples, and a session number for each (0, 1, ...)."""
+        start = max(len(self.ttft) - _BOOTSTRAP_SAMPLES, 0)
+        values = np.fromiter(itertools.islice(self.ttft, start, None), dtype=float)
+        numbers: dict[str, int] = {}
+        sessions = np.empty(len(values), dtype=np.intp)
+        count = 0
+        for i, key in enumerate(itertools.islice(self.ttft_sessions, start, None)):
+            number = count if key is None else numbers.setdefault(key, count)
+            count += number == count  # a new session (or none) took the next number
+            sessions[i] = number
+        return values, sessions
 
 
 class ABStats:
@@ -66,8 +85,10 @@ class ABStats:
             stats = self._stats[policy] = _PolicyStats(self._max_samples)
         return stats
 
-    def first_byte(self, policy: str, seconds: float) -> None:
-        self._of(policy).ttft.append(seconds)
+    def first_byte(self, policy: str, seconds: float, session: str | None = None) -> None:
+        stats = self._of(policy)
+        stats.ttft.append(seconds)
+        stats.ttft_sessions.append(session)
 
     def finished(
         self, policy: str, instance: str, status: int, seconds: float | None, prompt_tokens: int,
@@ -149,13 +170,18 @@ class ABStats:
                 f"not enough data yet ({len(a)} and {len(b)} TTFTs, {MIN_SAMPLES} each needed)"
             )
             return result
-        recent_a, recent_b = _recent(a), _recent(b)
+        recent_a, sessions_a = self._of(baseline).recent_ttft()
+        recent_b, sessions_b = self._of(candidate).recent_ttft()
         diff = (float(np.median(recent_a)) - float(np.median(recent_b))) * 1000
         rng = np.random.default_rng(self._seed)
-        medians_a = np.median(rng.choice(recent_a, (_BOOTSTRAP_ROUNDS, len(recent_a))), axis=1)
-        medians_b = np.median(rng.choice(recent_b, (_BOOTSTRAP_ROUNDS, len(recent_b))), axis=1)
+        medians_a = _session_bootstrap_medians(recent_a, sessions_a, rng)
+        medians_b = _session_bootstrap_medians(recent_b, sessions_b, rng)
         low, high = (float(v) * 1000 for v in np.percentile(medians_a - medians_b, [2.5, 97.5]))
-        result.update(ttft_p50_diff_ms=round(diff, 1), ci95_ms=[round(low, 1), round(high, 1)])
+        result.update(
+            ttft_p50_diff_ms=round(diff, 1),
+            ci95_ms=[round(low, 1), round(high, 1)],
+            sessions=[int(sessions_a.max()) + 1, int(sessions_b.max()) + 1],
+        )
         if low > 0:
             verdict = f"{candidate} is faster by {diff:.0f} ms p50, 95% CI [{low:.0f}, {high:.0f}]"
         elif high < 0:
@@ -182,9 +208,21 @@ class ABStats:
         }
 
 
-def _recent(samples: deque[float]) -> np.ndarray:
-    start = max(len(samples) - _BOOTSTRAP_SAMPLES, 0)
-    return np.fromiter(itertools.islice(samples, start, None), dtype=float)
+def _session_bootstrap_medians(
+    values: np.ndarray, sessions: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """The median of each bootstrap round that draws as many sessions as there are, with replacement, each
+    with all its samples: a round weighs every sample by how often its session was drawn, and its median is
+    the first sample, in sorted order, at which the weights reach half their total."""
+    order = np.argsort(values, kind="stable")
+    values, sessions = values[order], sessions[order]
+    count = int(sessions.max()) + 1
+    draws = rng.integers(0, count, (_BOOTSTRAP_ROUNDS, count)) + count * np.arange(_BOOTSTRAP_ROUNDS)[:, None]
+    # times each session was drawn, per round
+    drawn = np.bincount(draws.ravel(), minlength=_BOOTSTRAP_ROUNDS * count).reshape(_BOOTSTRAP_ROUNDS, count)
+    reached = np.cumsum(drawn[:, sessions], axis=1, dtype=np.int32)
+    middle: np.ndarray = (2 * reached >= reached[:, -1:]).argmax(axis=1)
+    return np.asarray(values[middle], dtype=float)
 
 
 def _quantiles(samples: Iterable[float]) -> dict[str, float | None]:

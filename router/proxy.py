@@ -153,6 +153,7 @@ class _Routed:
     first: bytes = b""  # a stream's first chunk, or the whole answer
     attempts: int = 1
     probe: bool = False  # the instance's half-open circuit breaker let it through as its probe
+    session_key: str | None = None  # the A/B comparison resamples by session
 
     @property
     def instance(self) -> Instance:
@@ -388,7 +389,7 @@ class Proxy:
                 continue
             routed = _Routed(
                 decision, policy, upstream, started, prefill, streamed=stream, first=first,
-                attempts=len(tried) + 1, probe=probe,
+                attempts=len(tried) + 1, probe=probe, session_key=prepared.request.session_key,
             )  # fmt: skip
             try:
                 if stream:
@@ -548,7 +549,7 @@ class Proxy:
             return
         elapsed = time.perf_counter() - routed.started
         self._metrics.ttft(routed.policy.name).observe(elapsed)
-        self.ab.first_byte(routed.policy.name, elapsed)
+        self.ab.first_byte(routed.policy.name, elapsed, routed.session_key)
         decision, name = routed.decision, routed.instance.name
         model = routed.instance.ttft_model
         if routed.streamed:

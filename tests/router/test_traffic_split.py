@@ -77,3 +77,32 @@ def test_too_few_samples_get_no_verdict() -> None:
         stats.first_byte("b", 0.2)
     (comparison,) = stats.report({"a": 1, "b": 1})["comparisons"]
     assert comparison["verdict"].startswith("not enough data yet (10 and 10 TTFTs")
+
+
+def _clustered(stats: ABStats, policy: str, rng: random.Random, keyed: bool) -> None:
+    """12 sessions of 40 turns, each turn near its session's own typical TTFT (which varies 5x between
+    sessions): the same distribution for every policy."""
+    for session in range(12):
+        typical = rng.lognormvariate(-1.6, 0.8)
+        for _ in range(40):
+            stats.first_byte(policy, typical * rng.uniform(0.9, 1.1), f"{policy}-{session}" if keyed else None)
+
+
+def test_the_interval_resamples_sessions_so_a_few_long_ones_do_not_make_a_winner() -> None:
+    """Identical policies, a few long sessions each: counted as 480 independent requests, the interval is
+    narrow and names a winner; resampled by session, it is wide and does not."""
+    comparisons = []
+    for keyed in (False, True):
+        rng = random.Random(5)
+        stats = ABStats()
+        _clustered(stats, "base", rng, keyed)
+        _clustered(stats, "same", rng, keyed)
+        (comparison,) = stats.report({"base": 1, "same": 1})["comparisons"]
+        comparisons.append(comparison)
+    by_request, by_session = comparisons
+    assert by_request["ttft_p50_diff_ms"] == by_session["ttft_p50_diff_ms"]  # the same samples
+    assert not by_request["verdict"].startswith("no significant difference")
+    assert by_session["verdict"].startswith("no significant difference yet")
+    width = [high - low for low, high in (c["ci95_ms"] for c in comparisons)]
+    assert width[1] > 3 * width[0]
+    assert by_request["sessions"] == [480, 480] and by_session["sessions"] == [12, 12]
