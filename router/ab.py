@@ -15,6 +15,7 @@ import asyncio
 import copy
 import itertools
 import time
+import zlib
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,9 +24,19 @@ from typing import Any
 import numpy as np
 
 MIN_SAMPLES = 30  # per policy, before a verdict
+# Sessions per policy before a verdict: resampling a handful of sessions gives an interval as narrow as
+# their count allows (one session: always the same draw), which says nothing.
+MIN_SESSIONS = 10
 _BOOTSTRAP_ROUNDS = 2000
 _BOOTSTRAP_SAMPLES = 2000  # the most recent TTFTs of each policy that a comparison resamples
 _REPORT_MAX_AGE_S = 1.0  # report_off_loop computes at most this often; callers in between share it
+
+
+@dataclass(frozen=True)
+class _Resampled:
+    sessions: int
+    # the median of the recent TTFTs and those of the bootstrap rounds; None below the minimums
+    medians: tuple[float, np.ndarray] | None
 
 
 @dataclass
@@ -153,35 +164,45 @@ class ABStats:
         total = sum(split.values()) or 1.0
         names = list(dict.fromkeys([*split, *self._stats]))
         baseline = next(iter(split), None)
+        resampled: dict[str, _Resampled] = {}  # the baseline's bootstrap serves every comparison
         return {
             "split": {name: split.get(name, 0.0) / total for name in names},
             "baseline": baseline,
             "policies": {name: self._summary(self._of(name)) for name in names},
             "comparisons": [
-                self.compare(baseline, other) for other in names if baseline and other != baseline
+                self.compare(baseline, other, resampled) for other in names if baseline and other != baseline
             ],
         }
 
-    def compare(self, baseline: str, candidate: str) -> dict[str, Any]:
-        a, b = self._of(baseline).ttft, self._of(candidate).ttft
-        result: dict[str, Any] = {"baseline": baseline, "candidate": candidate, "samples": [len(a), len(b)]}
-        if min(len(a), len(b)) < MIN_SAMPLES:
-            result["verdict"] = (
-                f"not enough data yet ({len(a)} and {len(b)} TTFTs, {MIN_SAMPLES} each needed)"
-            )
+    def compare(
+        self, baseline: str, candidate: str, resampled: dict[str, _Resampled] | None = None
+    ) -> dict[str, Any]:
+        """resampled: policies already bootstrapped in this report, by name."""
+        resampled = {} if resampled is None else resampled
+        for name in (baseline, candidate):
+            if name not in resampled:
+                resampled[name] = self._resample(name)
+        a, b = resampled[baseline], resampled[candidate]
+        result: dict[str, Any] = {
+            "baseline": baseline, "candidate": candidate,
+            "samples": [len(self._of(baseline).ttft), len(self._of(candidate).ttft)],
+            "sessions": [a.sessions, b.sessions],  # of the recent samples that a comparison resamples
+        }  # fmt: skip
+        if a.medians is None or b.medians is None:
+            samples, sessions = result["samples"], result["sessions"]
+            if min(samples) < MIN_SAMPLES:
+                result["verdict"] = (
+                    f"not enough data yet ({samples[0]} and {samples[1]} TTFTs, {MIN_SAMPLES} each needed)"
+                )
+            else:
+                result["verdict"] = (
+                    f"not enough sessions yet ({sessions[0]} and {sessions[1]}, {MIN_SESSIONS} each needed)"
+                )
             return result
-        recent_a, sessions_a = self._of(baseline).recent_ttft()
-        recent_b, sessions_b = self._of(candidate).recent_ttft()
-        diff = (float(np.median(recent_a)) - float(np.median(recent_b))) * 1000
-        rng = np.random.default_rng(self._seed)
-        medians_a = _session_bootstrap_medians(recent_a, sessions_a, rng)
-        medians_b = _session_bootstrap_medians(recent_b, sessions_b, rng)
-        low, high = (float(v) * 1000 for v in np.percentile(medians_a - medians_b, [2.5, 97.5]))
-        result.update(
-            ttft_p50_diff_ms=round(diff, 1),
-            ci95_ms=[round(low, 1), round(high, 1)],
-            sessions=[int(sessions_a.max()) + 1, int(sessions_b.max()) + 1],
-        )
+        (median_a, rounds_a), (median_b, rounds_b) = a.medians, b.medians
+        diff = (median_a - median_b) * 1000
+        low, high = (float(v) * 1000 for v in np.percentile(rounds_a - rounds_b, [2.5, 97.5]))
+        result.update(ttft_p50_diff_ms=round(diff, 1), ci95_ms=[round(low, 1), round(high, 1)])
         if low > 0:
             verdict = f"{candidate} is faster by {diff:.0f} ms p50, 95% CI [{low:.0f}, {high:.0f}]"
         elif high < 0:
@@ -190,6 +211,15 @@ class ABStats:
             verdict = f"no significant difference yet (p50 difference 95% CI [{low:.0f}, {high:.0f}] ms)"
         result["verdict"] = verdict
         return result
+
+    def _resample(self, policy: str) -> _Resampled:
+        values, sessions = self._of(policy).recent_ttft()
+        count = int(sessions.max()) + 1 if len(sessions) else 0
+        if len(values) < MIN_SAMPLES or count < MIN_SESSIONS:
+            return _Resampled(count, None)
+        # Each policy's own stream, the same whichever comparisons a report makes.
+        rng = np.random.default_rng([self._seed, zlib.crc32(policy.encode())])
+        return _Resampled(count, (float(np.median(values)), _bootstrap_medians(values, sessions, count, rng)))
 
     @staticmethod
     def _summary(stats: _PolicyStats) -> dict[str, Any]:
@@ -208,21 +238,23 @@ class ABStats:
         }
 
 
-def _session_bootstrap_medians(
-    values: np.ndarray, sessions: np.ndarray, rng: np.random.Generator
+def _bootstrap_medians(
+    values: np.ndarray, sessions: np.ndarray, count: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """The median of each bootstrap round that draws as many sessions as there are, with replacement, each
-    with all its samples: a round weighs every sample by how often its session was drawn, and its median is
-    the first sample, in sorted order, at which the weights reach half their total."""
+    """The median of each bootstrap round that draws `count` sessions with replacement, each with all its
+    samples. A round weighs every sample by how often its session was drawn; its median is np.median's of
+    the samples so repeated: the mean of the first samples, in sorted order, at which the weights reach half
+    their total and pass it."""
+    if count == len(values):  # every sample a session of its own: the plain bootstrap, at a third the cost
+        return np.asarray(np.median(rng.choice(values, (_BOOTSTRAP_ROUNDS, len(values))), axis=1))
     order = np.argsort(values, kind="stable")
     values, sessions = values[order], sessions[order]
-    count = int(sessions.max()) + 1
     draws = rng.integers(0, count, (_BOOTSTRAP_ROUNDS, count)) + count * np.arange(_BOOTSTRAP_ROUNDS)[:, None]
-    # times each session was drawn, per round
-    drawn = np.bincount(draws.ravel(), minlength=_BOOTSTRAP_ROUNDS * count).reshape(_BOOTSTRAP_ROUNDS, count)
-    reached = np.cumsum(drawn[:, sessions], axis=1, dtype=np.int32)
-    middle: np.ndarray = (2 * reached >= reached[:, -1:]).argmax(axis=1)
-    return np.asarray(values[middle], dtype=float)
+    drawn = np.bincount(draws.ravel(), minlength=_BOOTSTRAP_ROUNDS * count).astype(np.int32)
+    reached = np.cumsum(drawn.reshape(_BOOTSTRAP_ROUNDS, count)[:, sessions], axis=1, dtype=np.int32)
+    total = reached[:, -1:]
+    lower, upper = (2 * reached >= total).argmax(axis=1), (2 * reached > total).argmax(axis=1)
+    return np.asarray((values[lower] + values[upper]) / 2)
 
 
 def _quantiles(samples: Iterable[float]) -> dict[str, float | None]:

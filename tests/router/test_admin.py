@@ -103,6 +103,8 @@ def test_sessions_follow_the_split_and_the_header_forces_a_policy(admin_router: 
     assert body["split"] == {"round-robin": 0.5, "kvroute": 0.5, "precise-prefix": 0.0}
     assert body["comparisons"][0]["baseline"] == "round-robin"
     assert "verdict" in body["comparisons"][0]
+    # TTFTs are kept with their session: the repeated ten count once
+    assert body["comparisons"][0]["sessions"] == [Counter(seen.values())[p] for p in ("round-robin", "kvroute")]
 
 
 def test_the_split_changes_at_runtime(admin_router: tuple[str, Path]) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from router.ab import ABStats
+from router.ab import ABStats, _bootstrap_medians
 from router.traffic import TrafficSplit
 
 SESSIONS = [f"session-{i}" for i in range(2000)]
@@ -106,3 +107,24 @@ def test_the_interval_resamples_sessions_so_a_few_long_ones_do_not_make_a_winner
     width = [high - low for low, high in (c["ci95_ms"] for c in comparisons)]
     assert width[1] > 3 * width[0]
     assert by_request["sessions"] == [480, 480] and by_session["sessions"] == [12, 12]
+
+
+def test_a_handful_of_sessions_gets_no_verdict_however_many_requests() -> None:
+    stats = ABStats()
+    for turn in range(200):
+        stats.first_byte("a", 0.1 + turn / 1e4, "one")
+        stats.first_byte("b", 0.2 + turn / 1e4, "other")
+    (comparison,) = stats.report({"a": 1, "b": 1})["comparisons"]
+    assert comparison["sessions"] == [1, 1]
+    assert comparison["verdict"] == "not enough sessions yet (1 and 1, 10 each needed)"
+
+
+def test_each_bootstrap_round_takes_the_median_of_the_sessions_it_drew() -> None:
+    """np.median of the samples of the drawn sessions, repeated as often as drawn: odd and even totals."""
+    values = np.array([0.5, 0.1, 0.4, 0.3, 0.2, 0.9, 0.7])
+    sessions = np.array([0, 0, 1, 2, 2, 2, 3])
+    medians = _bootstrap_medians(values, sessions, 4, np.random.default_rng(7))
+    draws = np.random.default_rng(7).integers(0, 4, (len(medians), 4))
+    for drawn, median in zip(draws[:50], medians[:50], strict=True):
+        expected = np.median(np.concatenate([values[sessions == s] for s in drawn]))
+        assert median == pytest.approx(expected)
