@@ -1,51 +1,73 @@
-"""The floor under any Python router: a plain FastAPI + aiohttp pass-through, for ``kvroute bench overhead``.
+"""The floor under kvroute's request path, for ``kvroute bench overhead``: the same HTTP stack, nothing else.
 
-It forwards each OpenAI POST, body untouched, to the next backend in turn and returns the answer: no parsing,
-no tokenization, no routing decision, no metrics. It runs on the same server stack as kvroute (uvicorn with
-uvloop and httptools, no access log), so the gap between it and kvroute is what routing costs, and the gap
-between it and vllm-router is what Python's HTTP stack costs. Run as
-``python -m kvroute.plain_proxy --port PORT URL [URL ...]``.
+A pure ASGI app that forwards each OpenAI POST, body untouched, to the next backend in turn and returns the
+answer whole: no parsing, tokenization, routing decision or metrics. Everything around that is kvroute's own
+(router/server.py, router/app.py, router/fast_path.py): uvicorn with uvloop and httptools and the same
+options, no FastAPI on the request path, the same garbage-collector settings, an aiohttp session with the
+same options. So the gap between it and kvroute is what routing costs, and the gap between it and
+vllm-router what this HTTP stack costs. Run as ``python -m kvroute.plain_proxy --port PORT URL [URL ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 
 import aiohttp
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-_FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions")
+_FORWARDED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
-def plain_proxy_app(upstreams: Sequence[str]) -> FastAPI:
-    turns = itertools.cycle([url.rstrip("/") for url in upstreams])
-    session: aiohttp.ClientSession | None = None
+class PlainProxy:
+    def __init__(self, upstreams: Sequence[str]) -> None:
+        self._turns = itertools.cycle([url.rstrip("/") for url in upstreams])
+        self._session: aiohttp.ClientSession | None = None
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal session
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        yield
-        await session.close()
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "POST" and scope["path"] in _FORWARDED_PATHS:
+            response = await self._forward(Request(scope, receive))
+        elif scope["method"] == "GET" and scope["path"] == "/health":
+            response = Response()
+        else:
+            response = Response(status_code=404)
+        await response(scope, receive, send)
 
-    app = FastAPI(lifespan=lifespan)
-
-    async def forward(request: Request) -> Response:
-        assert session is not None
+    async def _forward(self, request: Request) -> Response:
+        assert self._session is not None, "the lifespan opens the session"
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        async with session.post(next(turns) + request.url.path, data=body, headers=headers) as answer:
+        url = next(self._turns) + request.url.path
+        async with self._session.post(url, data=body, headers=headers) as answer:
             content = await answer.read()
-            return Response(content, answer.status, media_type=answer.content_type)
+            content_type = answer.headers.get("content-type", "application/json")
+        return Response(content, answer.status, headers={"content-type": content_type})
 
-    for path in _FORWARDED_PATHS:
-        app.add_api_route(path, forward, methods=["POST"])
-    app.add_api_route("/health", lambda: Response(), methods=["GET"])
-    return app
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+                skipped = ("Accept-Encoding", "User-Agent")
+                self._session = aiohttp.ClientSession(
+                    connector=connector, auto_decompress=False, skip_auto_headers=skipped
+                )
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._session is not None:
+                    await self._session.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -53,9 +75,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("upstreams", nargs="+", help="backend base URLs, taken in turn")
     args = parser.parse_args(argv)
+    app = PlainProxy(args.upstreams)
+    gc.collect()  # as router/server.py does before serving
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
     uvicorn.run(
-        plain_proxy_app(args.upstreams), host="127.0.0.1", port=args.port, loop="uvloop", http="httptools",
-        access_log=False, log_level="warning",
+        app, host="127.0.0.1", port=args.port, loop="uvloop", http="httptools", access_log=False,
+        log_level="warning", proxy_headers=False, server_header=False, lifespan="on",
     )  # fmt: skip
 
 

@@ -43,10 +43,18 @@ class Trace:
         return replace(self, requests=self.requests[:count])
 
     def skip(self, count: int) -> Trace:
-        """Without its first `count` requests, arrivals counted from the first one left."""
+        """Without its first `count` requests, arrivals counted from the first one left; the name says so."""
+        if count < 0:
+            raise ValueError(f"cannot skip {count} requests")
+        if count == 0:
+            return self
         requests = self.requests[count:]
         start = requests[0].arrival_s if requests else 0.0
-        return replace(self, requests=tuple(replace(r, arrival_s=r.arrival_s - start) for r in requests))
+        return replace(
+            self,
+            name=f"{self.name} after {count}",
+            requests=tuple(replace(r, arrival_s=r.arrival_s - start) for r in requests),
+        )
 
     @property
     def duration_s(self) -> float:

@@ -66,19 +66,18 @@ def _run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown policies: {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
-    try:
-        trace = _trace(args)
-    except (OSError, ValueError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
     if args.skip < 0:
         print("--skip must be 0 or more", file=sys.stderr)
         return 2
-    trace = trace.skip(args.skip)
+    try:
+        trace = _trace(args).skip(args.skip)
+    except (OSError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if args.requests:
         trace = trace.head(args.requests)
     if len(trace.requests) < 2:
-        print("the trace needs at least two requests", file=sys.stderr)
+        print("the trace needs at least two requests (after --skip)", file=sys.stderr)
         return 2
     pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link]) if args.pool == "on" else None
     fleet = FleetSpec(

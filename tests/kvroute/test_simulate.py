@@ -17,7 +17,7 @@ from kvroute.simulate.peers import ActiveWork
 from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.registry import POLICIES
 from kvroute.simulate.run import RESULT_FIELDS, simulate
-from kvroute.traces import Trace, TraceRequest
+from kvroute.traces import Trace, TraceRequest, agentic_trace
 from router.kv_events import BlockRemoved, BlockStored, KVEvent
 
 SIZE = 4
@@ -212,9 +212,13 @@ def test_unknown_policy_is_an_error(tmp_path: Path) -> None:
 def test_skip_runs_a_later_window_of_the_trace(tmp_path: Path) -> None:
     common = ["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--policies", "kvroute"]
     assert main([*common, "--skip", "-1", "--out", str(tmp_path)]) == 2
-    assert main([*common, "--skip", "20", "--requests", "15", "--out", str(tmp_path)]) == 0
-    fields = json.loads((tmp_path / "results.json").read_text())["policies"]["kvroute"]
-    assert fields["completed"] + fields["rejected"] == 15
+    assert main([*common, "--skip", "200", "--out", str(tmp_path)]) == 2  # nothing left
+    total = len(agentic_trace(sessions=3).requests)
+    assert main([*common, "--skip", str(total - 8), "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    fields = results["policies"]["kvroute"]
+    assert fields["completed"] + fields["rejected"] == 8
+    assert results["trace"].endswith(f"after {total - 8}")
 
 
 def test_a_sessions_next_turn_waits_for_the_previous_answer() -> None:

@@ -50,7 +50,10 @@ def test_with_rate_compresses_arrivals_head_keeps_the_first_and_skip_the_rest() 
     assert [r.arrival_s for r in trace.with_rate(2).requests] == [0.0, 1.0, 2.0]
     assert trace.head(2).requests == trace.requests[:2]
     assert [r.arrival_s for r in trace.skip(1).requests] == [0.0, 2.0]  # from the first one left
+    assert trace.skip(1).name == "t after 1" and trace.skip(0) is trace
     assert trace.skip(3).requests == ()
+    with pytest.raises(ValueError):
+        trace.skip(-1)
     with pytest.raises(ValueError):
         trace.with_rate(0)
 
