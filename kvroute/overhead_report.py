@@ -112,7 +112,7 @@ def _grid_verdicts(results: Sequence[CellResult], mine: str, suffix: str) -> lis
 
 def verdicts(results: Sequence[CellResult], long: Sequence[LongSummary]) -> list[Verdict]:
     """Each target judged over every cell it applies to: met only if it holds in all of them. The plain
-    Python proxy, when measured, is judged by the grid's targets too: the floor under any Python router."""
+    pass-through, when measured, is judged by the grid's targets too: the floor under kvroute's requests."""
     out = _grid_verdicts(results, KVROUTE, "")
     if any(r.target == PLAIN_PROXY for r in results):
         out += _grid_verdicts(results, PLAIN_PROXY, f" ({PLAIN_PROXY}, the floor)")

@@ -25,7 +25,7 @@ from kvroute.processes import Child, free_port_block, spawn, start, wait_all_hea
 from router.config import parse_config
 
 DIRECT = "direct"
-PLAIN_PROXY = "python-proxy"  # kvroute/plain_proxy.py: what Python's HTTP stack alone costs
+PLAIN_PROXY = "python-proxy"  # kvroute/plain_proxy.py: what kvroute's HTTP stack alone costs
 _OWN_KINDS = (DIRECT, PLAIN_PROXY)
 
 
