@@ -1,17 +1,16 @@
 """The floor under kvroute's request path, for ``kvroute bench overhead``: the same HTTP stack, nothing else.
 
 A pure ASGI app that forwards each OpenAI POST, body untouched, to the next backend in turn and returns the
-answer whole: no parsing, tokenization, routing decision or metrics. Everything around that is kvroute's own
-(router/server.py, router/app.py, router/fast_path.py): uvicorn with uvloop and httptools and the same
-options, no FastAPI on the request path, the same garbage-collector settings, an aiohttp session with the
-same options. So the gap between it and kvroute is what routing costs, and the gap between it and
-vllm-router what this HTTP stack costs. Run as ``python -m kvroute.plain_proxy --port PORT URL [URL ...]``.
+answer whole: no parsing, tokenization, routing decision or metrics. Everything around that is kvroute's own:
+the same uvicorn, garbage-collector and aiohttp session settings (router/http_stack.py), and no FastAPI on the
+request path (as router/fast_path.py). So the gap between it and kvroute is what routing costs, and the gap
+between it and vllm-router what this HTTP stack costs. Run as
+``python -m kvroute.plain_proxy --port PORT URL [URL ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 from collections.abc import Sequence
 
@@ -20,6 +19,8 @@ import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from router.http_stack import freeze_startup_objects, server_config, upstream_session
 
 _FORWARDED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
@@ -57,11 +58,7 @@ class PlainProxy:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
-                skipped = ("Accept-Encoding", "User-Agent")
-                self._session = aiohttp.ClientSession(
-                    connector=connector, auto_decompress=False, skip_auto_headers=skipped
-                )
+                self._session = upstream_session(aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._session is not None:
@@ -76,13 +73,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("upstreams", nargs="+", help="backend base URLs, taken in turn")
     args = parser.parse_args(argv)
     app = PlainProxy(args.upstreams)
-    gc.collect()  # as router/server.py does before serving
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
-    uvicorn.run(
-        app, host="127.0.0.1", port=args.port, loop="uvloop", http="httptools", access_log=False,
-        log_level="warning", proxy_headers=False, server_header=False, lifespan="on",
-    )  # fmt: skip
+    freeze_startup_objects()
+    uvicorn.Server(server_config(app, "127.0.0.1", args.port, lifespan="on")).run()
 
 
 if __name__ == "__main__":

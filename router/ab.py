@@ -66,8 +66,9 @@ class _PolicyStats:
         twin.ttft, twin.ttft_sessions = self.ttft.copy(), self.ttft_sessions.copy()
         return twin
 
-    def recent_ttft(self) -> tuple[np.ndarray, np.ndarray]:
-        """The most recent TTFTs a comparison resamples, and a session number for each (0, 1, ...)."""
+    def recent_ttft(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The most recent TTFTs a comparison resamples, a session number for each (0, 1, ...), and how many
+        sessions they came from."""
         start = max(len(self.ttft) - _BOOTSTRAP_SAMPLES, 0)
         values = np.fromiter(itertools.islice(self.ttft, start, None), dtype=float)
         numbers: dict[str, int] = {}
@@ -77,7 +78,7 @@ class _PolicyStats:
             number = count if key is None else numbers.setdefault(key, count)
             count += number == count  # a new session (or none) took the next number
             sessions[i] = number
-        return values, sessions
+        return values, sessions, count
 
 
 class ABStats:
@@ -213,8 +214,7 @@ class ABStats:
         return result
 
     def _resample(self, policy: str) -> _Resampled:
-        values, sessions = self._of(policy).recent_ttft()
-        count = int(sessions.max()) + 1 if len(sessions) else 0
+        values, sessions, count = self._of(policy).recent_ttft()
         if len(values) < MIN_SAMPLES or count < MIN_SESSIONS:
             return _Resampled(count, None)
         # Each policy's own stream, the same whichever comparisons a report makes.

@@ -29,6 +29,7 @@ from router.dashboard import dashboard_routes
 from router.errors import OpenAIError
 from router.fast_path import OpenAIFastPath
 from router.health import HealthChecker
+from router.http_stack import upstream_session
 from router.index_metrics import IndexCollector
 from router.instances import Fleet
 from router.load_scraper import LoadScraper
@@ -89,14 +90,12 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Idle upstream connections close before uvicorn's (vLLM's server) 5 s keep-alive would drop them
-        # under a request; bodies are relayed as they come, so nothing asks upstreams to compress.
+        # under a request.
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=config.upstream.max_connections_per_instance, keepalive_timeout=4
         )
         zmq_context = zmq.asyncio.Context()
-        async with aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent")
-        ) as session:
+        async with upstream_session(connector) as session:
             health = HealthChecker(fleet, session, config.health, metrics)
 
             def remote_tokenizer(model: str) -> RemoteTokenizer | None:

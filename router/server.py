@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import socket
 from pathlib import Path
@@ -13,6 +12,7 @@ from fastapi import FastAPI
 
 from router.app import create_app
 from router.config import RouterConfig
+from router.http_stack import freeze_startup_objects, server_config
 
 # Streams still running when the grace period ends are ended by the router itself, with an error event and
 # [DONE]; uvicorn cancels what is left (whole answers still computing) this much later.
@@ -42,22 +42,7 @@ class _GracefulServer(uvicorn.Server):
 
 def run_server(config: RouterConfig, host: str, port: int, path: Path | None = None) -> None:
     app = create_app(config, path)
-    # What start-up built (the tokenizers, transformers, pydantic, FastAPI) lives as long as the process, yet
-    # every full collection walks it, stalling every request in flight for ~150 ms: keep it out of the
-    # collector's sight, and collect the young generations less often than per 700 allocations.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
-    server_config = uvicorn.Config(
-        app.asgi,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        log_level="warning",
-        proxy_headers=False,  # nothing reads the client address; X-Forwarded-* is not trusted
-        server_header=False,
-        timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S,
-    )
-    _GracefulServer(server_config, app.api, config.shutdown_grace_s).run()
+    freeze_startup_objects()
+    grace = math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S
+    serving = server_config(app.asgi, host, port, timeout_graceful_shutdown=grace)
+    _GracefulServer(serving, app.api, config.shutdown_grace_s).run()
