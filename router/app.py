@@ -74,7 +74,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         medium_tiers={None: Tier.GPU, **medium_tiers},  # events without a medium are vLLM's own GPU cache
     )
     place_instances(index, config)
-    metrics.registry.register(IndexCollector(index))
+    metrics.registry.register(IndexCollector(index, lambda: {i.name for i in fleet.instances}))
     cache = config.tokenization
     # One per tokenizer: a base model and its LoRA adapters share it, and its token cache (the same ids).
     by_source: dict[str, LocalTokenizer] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -10,13 +10,18 @@ from router.block_index import BlockIndex, Tier
 
 
 class IndexCollector:
-    def __init__(self, index: BlockIndex) -> None:
-        self._index = index
+    def __init__(self, index: BlockIndex, instances: Callable[[], Collection[str]] | None = None) -> None:
+        """instances: the names configured now; an instance a reload removed keeps an empty entry in the
+        index, which must not keep its series in /metrics."""
+        self._index, self._instances = index, instances
 
     def collect(self) -> Iterator[Metric]:
         index = self._index
+        current = self._instances() if self._instances is not None else None
         blocks: dict[tuple[str, str], int] = {}
         for (instance, _), sizes in index.entries_by_owner().items():  # ranks of an instance add up
+            if current is not None and instance not in current:
+                continue
             for tier, size in zip(Tier, sizes, strict=True):
                 key = (instance, tier.name.lower())
                 blocks[key] = blocks.get(key, 0) + size

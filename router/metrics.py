@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,22 +29,41 @@ class Family(Generic[M]):
     def __init__(self, metric: M) -> None:
         self.metric = metric
         self._children: dict[tuple[str, ...], M] = {}
+        self._forgotten: set[tuple[int, str]] = set()  # (label position, value) no longer exported
 
     def __call__(self, *values: str) -> M:
         child = self._children.get(values)
         if child is None:
             child = self._children[values] = self.metric.labels(*values)
+            if self._forgotten and any((at, v) in self._forgotten for at, v in enumerate(values)):
+                # The requests a removed instance was serving when it left still end on it: their updates go
+                # to a child outside the registry instead of bringing its series back.
+                self.metric.remove(*values)
         return child
 
     def forget(self, label: str, value: str) -> None:
-        """Drop the series whose label is value: an instance a reload removed must not linger in /metrics."""
-        names = list(self.metric._labelnames)  # set by prometheus_client's constructor, never changed
-        if label not in names:
+        """Drop the series whose label is value and keep later updates out of /metrics: an instance a
+        reload removed must not linger there."""
+        at = self._position(label)
+        if at is None:
             return
-        at = names.index(label)
+        self._forgotten.add((at, value))
         for values in [values for values in self._children if values[at] == value]:
             del self._children[values]
             self.metric.remove(*values)
+
+    def restore(self, label: str, value: str) -> None:
+        """Export value's series again (an instance of that name was added back)."""
+        at = self._position(label)
+        if at is None or (at, value) not in self._forgotten:
+            return
+        self._forgotten.discard((at, value))
+        for values in [values for values in self._children if values[at] == value]:
+            del self._children[values]  # children outside the registry: the next update makes a real one
+
+    def _position(self, label: str) -> int | None:
+        names = list(self.metric._labelnames)  # set by prometheus_client's constructor, never changed
+        return names.index(label) if label in names else None
 
 
 class RouterMetrics:
@@ -188,9 +207,15 @@ class RouterMetrics:
         )  # fmt: skip
 
     def forget_instance(self, name: str) -> None:
-        for family in vars(self).values():
-            if isinstance(family, Family):
-                family.forget("vllm_instance", name)
+        for family in self._families():
+            family.forget("vllm_instance", name)
+
+    def restore_instance(self, name: str) -> None:
+        for family in self._families():
+            family.restore("vllm_instance", name)
+
+    def _families(self) -> list[Family[Any]]:
+        return [family for family in vars(self).values() if isinstance(family, Family)]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -109,6 +109,8 @@ class Reloader:
             if name not in in_place:
                 self._index.leave_pool(name)
                 self._metrics.forget_instance(name)
+        for instance in added:
+            self._metrics.restore_instance(instance.name)
         self.subscribe(added)
         place_instances(self._index, new)
         proxy = self._proxy()

@@ -182,6 +182,9 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
         "fleet-0", "fleet-1"}  # fmt: skip
     wait_for(lambda: metric(url, "kvroute_index_blocks", vllm_instance="fleet-0", tier="gpu") > 0, "index kept")
     assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") is None  # its series went with it
+    # and the streams it served to their end after the reload did not bring any of them back
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        assert 'vllm_instance="fleet-2"' not in response.read().decode()
     assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-0") == 1
 
 

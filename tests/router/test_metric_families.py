@@ -1,0 +1,35 @@
+"""Labelled metric families: a removed instance's series leave /metrics and stay out until it is back."""
+
+from __future__ import annotations
+
+from router.metrics import RouterMetrics
+
+
+def _series_of(metrics: RouterMetrics, instance: str) -> list[str]:
+    label = f'vllm_instance="{instance}"'
+    return [line for line in metrics.render().decode().splitlines() if label in line]
+
+
+def test_a_forgotten_instance_stays_out_when_requests_it_was_serving_end() -> None:
+    metrics = RouterMetrics()
+    metrics.requests("kvroute", "gone", "200").inc()
+    metrics.in_flight("gone").set(1)
+    metrics.requests("kvroute", "kept", "200").inc()
+    metrics.forget_instance("gone")
+    assert _series_of(metrics, "gone") == []
+    metrics.requests("kvroute", "gone", "200").inc()  # a stream it was serving ends after the reload
+    metrics.in_flight("gone").set(0)
+    metrics.ttft_observed("gone").observe(0.2)
+    assert _series_of(metrics, "gone") == []
+    assert any("kvroute_requests_total" in line for line in _series_of(metrics, "kept"))
+
+
+def test_an_instance_added_back_is_exported_afresh() -> None:
+    metrics = RouterMetrics()
+    metrics.requests("kvroute", "back", "200").inc()
+    metrics.forget_instance("back")
+    metrics.requests("kvroute", "back", "200").inc()  # counted nowhere
+    metrics.restore_instance("back")
+    metrics.requests("kvroute", "back", "200").inc()
+    lines = [line for line in _series_of(metrics, "back") if line.startswith("kvroute_requests_total")]
+    assert lines and lines[0].endswith(" 1.0")
