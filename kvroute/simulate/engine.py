@@ -34,6 +34,7 @@ class SimRequest:
     chain: array[int]
     session: str | None
     sent_s: float = 0.0  # when the client sent it: its trace arrival, or its session's previous answer
+    admitted_s: float = -1.0  # when the engine took it from its waiting queue
     instance: int = -1
     uncached_estimate: int = 0  # the router's, for its own bookkeeping
     held: list[int] = field(default_factory=list)  # cached blocks it references
@@ -179,6 +180,7 @@ class Engine:
             if not kv.can_take(held, new_blocks):
                 break
             self._waiting.popleft()
+            request.admitted_s = self._loop.now
             self._running += 1
             kv.touch(held)
             kv.allocate(new_blocks)

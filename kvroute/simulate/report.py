@@ -15,16 +15,22 @@ from kvroute.simulate.run import RunResult
 def table(title: str, results: Sequence[RunResult]) -> Table:
     view = Table(title=title)
     for column in ("policy", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "req/s", "local hit", "pool hit",
-                   "ideal", "imbalance", "rejected", "wall"):  # fmt: skip
+                   "ideal", "imbalance", "rejected", "slowest 1%: admit / queue / own", "wall"):  # fmt: skip
         view.add_column(column, justify="left" if column == "policy" else "right")
     for r in results:
         view.add_row(
             r.policy, f"{r.ttft_p50_s:.2f} s", f"{r.ttft_p99_s:.2f} s", f"{r.e2e_p50_s:.1f} s",
             f"{r.e2e_p99_s:.1f} s", f"{r.throughput_rps:.2f}", f"{r.local_hit_rate:.1%}",
             f"{r.pool_hit_rate:.1%}", f"{r.ideal_hit_rate:.1%}", f"{r.load_imbalance:.2f}", str(r.rejected),
-            f"{r.wall_s:.0f} s",
+            _tail_cell(r.tail), f"{r.wall_s:.0f} s",
         )  # fmt: skip
     return view
+
+
+def _tail_cell(tail: dict[str, float]) -> str:
+    if not tail:
+        return "-"
+    return f"{tail['admission_wait_s']:.2f} / {tail['queued_s']:.2f} / {tail['own_prefill_s']:.2f} s"
 
 
 def as_json(result: RunResult) -> dict[str, Any]:
@@ -33,6 +39,7 @@ def as_json(result: RunResult) -> dict[str, Any]:
         "completed": result.completed,
         "utilization": result.utilization,
         "requests_per_instance": result.requests_per_instance,
+        "tail": result.tail,
         "wall_s": result.wall_s,
     }
 

@@ -42,6 +42,7 @@ class RunResult:
     completed: int = 0
     utilization: float = 0.0  # mean busy time / the span from the first arrival to the last finish
     requests_per_instance: list[int] = field(default_factory=list)
+    tail: dict[str, float] = field(default_factory=dict)  # where the slowest 1% of TTFTs went (tail_of)
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, float | int]:
@@ -210,5 +211,33 @@ def _result(
         completed=len(done),
         utilization=float(busy.mean() / span),
         requests_per_instance=per_instance,
+        tail=tail_of(done, fleet),
         wall_s=wall_s,
     )
+
+
+def tail_of(done: list[SimRequest], fleet: FleetSpec) -> dict[str, float]:
+    """The slowest 1% of TTFTs, decomposed (means, seconds): waiting to be admitted (for KV memory, in the
+    router or in the engine's queue, or behind a request that waits for it), then queued (behind other
+    prompts' prefill chunks, and its own load from the pool), then its own prefill; and the share of all
+    requests that waited more than half a second to be admitted."""
+    if not done:
+        return {}
+    slowest = sorted(done, key=lambda r: r.first_token_s - r.sent_s)[-max(len(done) // 100, 1):]
+    size, rate = fleet.engine.block_size, fleet.engine.prefill_tokens_per_s
+
+    def own(request: SimRequest) -> float:
+        reused = (request.local_hit_blocks + request.pool_hit_blocks) * size
+        return (request.trace.input_tokens - reused) / rate
+
+    admission = [r.admitted_s - r.sent_s for r in slowest]
+    after = [r.first_token_s - r.admitted_s for r in slowest]
+    prefill = [own(r) for r in slowest]
+    return {
+        "requests": len(slowest),
+        "ttft_s": float(np.mean([r.first_token_s - r.sent_s for r in slowest])),
+        "admission_wait_s": float(np.mean(admission)),
+        "queued_s": float(np.mean(after) - np.mean(prefill)),
+        "own_prefill_s": float(np.mean(prefill)),
+        "admission_waits_over_0_5_s": float(np.mean([r.admitted_s - r.sent_s > 0.5 for r in done])),
+    }

@@ -162,6 +162,22 @@ def test_a_full_queue_refuses() -> None:
     assert result.completed + result.rejected == 12
 
 
+def test_the_slowest_ttfts_are_split_into_admission_queue_and_own_prefill() -> None:
+    """Three 6,000-token prompts at once on an instance that holds one at a time: the last waits for both
+    others to end before it is admitted, then prefills alone."""
+    prompts = [tuple(range(start, start + 188)) for start in (0, 1000, 2000)]
+    blocks = TraceBlocks(_trace(*((0.0, 6000, ids) for ids in prompts)), 16)
+    result = simulate(blocks, _fleet(1, pool=False), _Fixed(0, 0, 0), ideal_hit_rate=0.0)
+    tail = result.tail
+    own = 6000 / EngineSpec().prefill_tokens_per_s
+    assert tail["requests"] == 1
+    assert tail["own_prefill_s"] == pytest.approx(own)
+    assert tail["admission_wait_s"] > 2 * own  # both others' prefill and answers
+    assert tail["queued_s"] == pytest.approx(0.0, abs=1e-9)
+    assert tail["ttft_s"] == pytest.approx(tail["admission_wait_s"] + own)
+    assert tail["admission_waits_over_0_5_s"] == pytest.approx(1 / 3)
+
+
 class _Holding(_Fixed):
     """Routes as told, with the router's memory hold on; records when each request is routed."""
 
@@ -201,6 +217,7 @@ def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
     assert 0 < results["ttft_floor"]["p50_s"] <= results["ttft_floor"]["p99_s"]
     for name, fields in results["policies"].items():
         assert set(RESULT_FIELDS) <= set(fields), name
+        assert {"ttft_s", "admission_wait_s", "queued_s", "own_prefill_s"} <= set(fields["tail"]), name
         assert fields["rejected"] + fields["completed"] == 30
     assert (out / "simulate-policies.png").stat().st_size > 0
 
