@@ -109,6 +109,8 @@ class Reloader:
             if name not in in_place:
                 self._index.leave_pool(name)
                 self._metrics.forget_instance(name)
+        # A name back in the file is exported again; moved to another URL in this same reload, the requests
+        # the old engine is still serving count in its series too, as labels cannot tell the two apart.
         for instance in added:
             self._metrics.restore_instance(instance.name)
         self.subscribe(added)

@@ -217,10 +217,11 @@ def _result(
 
 
 def tail_of(done: list[SimRequest], fleet: FleetSpec) -> dict[str, float]:
-    """The slowest 1% of TTFTs, decomposed (means, seconds): waiting to be admitted (for KV memory, in the
-    router or in the engine's queue, or behind a request that waits for it), then queued (behind other
-    prompts' prefill chunks, and its own load from the pool), then its own prefill; and the share of all
-    requests that waited more than half a second to be admitted."""
+    """The slowest 1% of TTFTs, decomposed (means, seconds): waiting to be admitted (mostly for KV memory, in
+    the router or in the engine's queue, or behind a request that waits for it; also for the step under way
+    or a sequence slot), then queued (behind other prompts' prefill chunks, its own load from the pool, steps
+    as long as a decode), then its own prefill; and the share of all requests that waited more than half a
+    second to be admitted."""
     if not done:
         return {}
     slowest = sorted(done, key=lambda r: r.first_token_s - r.sent_s)[-max(len(done) // 100, 1):]
@@ -239,5 +240,5 @@ def tail_of(done: list[SimRequest], fleet: FleetSpec) -> dict[str, float]:
         "admission_wait_s": float(np.mean(admission)),
         "queued_s": float(np.mean(after) - np.mean(prefill)),
         "own_prefill_s": float(np.mean(prefill)),
-        "admission_waits_over_0_5_s": float(np.mean([r.admitted_s - r.sent_s > 0.5 for r in done])),
+        "admission_over_0_5_s_share": float(np.mean([r.admitted_s - r.sent_s > 0.5 for r in done])),
     }

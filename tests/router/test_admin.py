@@ -185,6 +185,11 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
     # and the streams it served to their end after the reload did not bring any of them back
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         assert 'vllm_instance="fleet-2"' not in response.read().decode()
+    path.write_text(yaml.safe_dump(config_of(fleet)))  # added back: exported again
+    assert call("POST", url + "/admin/reload", headers=AUTH)[0] == 200
+    served = {chat(url, f"b{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(6)}
+    assert "fleet-2" in served
+    assert metric(url, "kvroute_requests_total", policy="round-robin", vllm_instance="fleet-2", status="200") >= 1
     assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-0") == 1
 
 
