@@ -39,6 +39,8 @@ def as_json(result: RunResult) -> dict[str, Any]:
         "completed": result.completed,
         "utilization": result.utilization,
         "requests_per_instance": result.requests_per_instance,
+        "busy_per_instance_s": result.busy_per_instance_s,
+        "longest_session_s": result.longest_session_s,
         "tail": result.tail,
         "wall_s": result.wall_s,
     }

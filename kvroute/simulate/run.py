@@ -42,6 +42,8 @@ class RunResult:
     completed: int = 0
     utilization: float = 0.0  # mean busy time / the span from the first arrival to the last finish
     requests_per_instance: list[int] = field(default_factory=list)
+    busy_per_instance_s: list[float] = field(default_factory=list)
+    longest_session_s: float = 0.0  # longest_session_active: a floor under max busy time without moves
     tail: dict[str, float] = field(default_factory=dict)  # where the slowest 1% of TTFTs went (tail_of)
     wall_s: float = 0.0
 
@@ -211,9 +213,31 @@ def _result(
         completed=len(done),
         utilization=float(busy.mean() / span),
         requests_per_instance=per_instance,
+        busy_per_instance_s=busy.tolist(),
+        longest_session_s=longest_session_active(done),
         tail=tail_of(done, fleet),
         wall_s=wall_s,
     )
+
+
+def longest_session_active(done: list[SimRequest]) -> float:
+    """The longest time one session had a turn in flight (its turns' send-to-finish intervals, merged). An
+    instance that serves a session from start to end is busy at least this long, so for a policy that never
+    moves a session the instance with the longest one sets the busy time that load imbalance divides."""
+    turns: dict[str, list[tuple[float, float]]] = {}
+    for request in done:
+        if request.session is not None:
+            turns.setdefault(request.session, []).append((request.sent_s, request.finish_s))
+    longest = 0.0
+    for intervals in turns.values():
+        intervals.sort()
+        active, (start, end) = 0.0, intervals[0]
+        for sent, finished in intervals[1:]:
+            if sent > end:
+                active, start = active + end - start, sent
+            end = max(end, finished)
+        longest = max(longest, active + end - start)
+    return longest
 
 
 def tail_of(done: list[SimRequest], fleet: FleetSpec) -> dict[str, float]:

@@ -220,6 +220,7 @@ def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
         assert set(fields["tail"]) == {"requests", "ttft_s", "admission_wait_s", "queued_s", "own_prefill_s",
                                        "admission_over_0_5_s_share"}, name
         assert fields["rejected"] + fields["completed"] == 30
+        assert len(fields["busy_per_instance_s"]) == 8 and fields["longest_session_s"] > 0, name
     assert (out / "simulate-policies.png").stat().st_size > 0
 
 
@@ -249,6 +250,22 @@ def test_a_sessions_next_turn_waits_for_the_previous_answer() -> None:
     result = simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
     assert result.completed == 2
     assert result.local_hit_rate == pytest.approx(320 / 650)  # sent after the first finished: all cached
+    busy = result.busy_per_instance_s
+    assert busy[0] > 0 and result.longest_session_s == pytest.approx(busy[0])  # the session kept it busy
+
+
+def test_the_longest_session_counts_only_time_with_a_turn_in_flight() -> None:
+    """Two sessions on two instances; the first's second turn comes 100 s after its first answer."""
+    turns = (
+        TraceRequest(0.0, 320, 50, tuple(range(1, 11)), "long"),
+        TraceRequest(0.0, 320, 50, tuple(range(20, 30)), "short"),
+        TraceRequest(100.0, 330, 50, tuple(range(1, 12)), "long"),
+    )
+    result = simulate(TraceBlocks(Trace("s", 32, turns), 16), _fleet(2, pool=False), _Fixed(0, 1, 0),
+                      ideal_hit_rate=0.0)  # fmt: skip
+    busy = result.busy_per_instance_s
+    assert busy[0] > busy[1] > 0
+    assert result.longest_session_s == pytest.approx(busy[0])  # not the 100 s between its turns
 
 
 def test_session_chains_reused_equal_chains_hashed_whole() -> None:
