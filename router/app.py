@@ -94,18 +94,21 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=config.upstream.max_connections_per_instance, keepalive_timeout=4
         )
+        # Health checks, /metrics scrapes, /tokenize and the pool master get connections of their own, never
+        # queued behind requests (those are bounded by admission): a busy instance is not a dead one.
+        control_connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
         zmq_context = zmq.asyncio.Context()
-        async with upstream_session(connector) as session:
-            health = HealthChecker(fleet, session, config.health, metrics)
+        async with upstream_session(connector) as session, upstream_session(control_connector) as control:
+            health = HealthChecker(fleet, control, config.health, metrics)
 
             def remote_tokenizer(model: str) -> RemoteTokenizer | None:
                 candidates = fleet.candidates(model)
-                return RemoteTokenizer(session, candidates[0].url, model) if candidates else None
+                return RemoteTokenizer(control, candidates[0].url, model) if candidates else None
 
             pool = None
             if config.pool.master_url is not None:
                 pool = PoolConfirmer(
-                    index, config.pool.master_url, pool_names(config), session, metrics,
+                    index, config.pool.master_url, pool_names(config), control, metrics,
                     config.pool.confirm_ttl_s, config.pool.timeout_s,
                 )  # fmt: skip
             router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer, pool, adapters)
@@ -131,14 +134,15 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 config.upstream,
                 config.tokenization.max_body_bytes,
                 Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s),
-                admission.max_in_flight_per_instance,
+                # One connection per request in flight: a request never waits for a pooled one.
+                min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
                 client_key_digests(config.auth),
                 admission.memory_hold_s,
                 config.tokenization.thread_above_bytes,
             )
             load = config.load
             scraper = LoadScraper(
-                fleet, session, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
+                fleet, control, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
                 restarted=index.drop_instance,
             )  # fmt: skip
             failures = metrics.task_failures

@@ -233,7 +233,9 @@ class UpstreamConfig(_Strict):
     response_timeout_s: float = Field(
         default=3600.0, gt=0, description="non-streamed requests: the whole answer arrives at the end"
     )
-    max_connections_per_instance: int = Field(default=256, ge=1)
+    max_connections_per_instance: int = Field(
+        default=1024, ge=1, description="one per request in flight there: it caps those too"
+    )
     api_key_env: str | None = Field(
         default=None,
         min_length=1,

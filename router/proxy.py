@@ -213,11 +213,13 @@ class Proxy:
         self._retry_budget = RetryBudget()
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
+        # sock_connect, not connect: aiohttp's connect timeout also runs while a request waits for a pooled
+        # connection, and a busy instance is not an unreachable one.
         self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
         )
         self._response_timeout = aiohttp.ClientTimeout(
-            total=None, connect=config.connect_timeout_s, sock_read=config.response_timeout_s
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.response_timeout_s
         )
 
     async def forward(self, request: Request, path: str, kind: type[Body]) -> Response:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,17 +52,29 @@ def chat(url: str, max_tokens: int = 2, stream: bool = False, headers: dict[str,
     return post(url + "/v1/chat/completions", body, headers)
 
 
-@pytest.fixture()
-def small_router(fleet: FleetPorts, tmp_path: Path) -> Iterator[str]:
-    admission = {"max_in_flight": 4, "max_in_flight_per_instance": 1, "queue_size": 0}
-    with running_router(fleet.router_config(admission=admission), tmp_path, name="small") as url:
+_ONE_AT_AN_INSTANCE = {
+    "requests": {"admission": {"max_in_flight": 4, "max_in_flight_per_instance": 1, "queue_size": 0}},
+    # A request waiting for a pooled connection was once taken for an unreachable instance (503), and health
+    # checks queued behind the streams marked the instances down.
+    "connections": {
+        "admission": {"max_in_flight": 4, "queue_size": 0},
+        "upstream": {"max_connections_per_instance": 1},
+        "health": {"interval_s": 0.2, "timeout_s": 0.5, "unhealthy_after": 1},
+    },
+}
+
+
+@pytest.fixture(params=sorted(_ONE_AT_AN_INSTANCE))
+def small_router(fleet: FleetPorts, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    config = fleet.router_config(**_ONE_AT_AN_INSTANCE[request.param])
+    with running_router(config, tmp_path, name="small") as url:
         yield url
 
 
 def test_full_instances_and_a_full_router_answer_429_with_retry_after(small_router: str) -> None:
-    # The session fleet decodes 1,000 tokens/s: a 400-token stream holds its instance for 0.4 s.
+    # The session fleet decodes 1,000 tokens/s: a 1,500-token stream holds its instance for 1.5 s.
     host, port = small_router.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny-llama", "max_tokens": 400, "stream": True,
+    body = json.dumps({"model": "tiny-llama", "max_tokens": 1500, "stream": True,
                        "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
     streams = []
     for _ in range(3):  # one after another: each is routed (its headers are back) before the next
@@ -74,6 +88,9 @@ def test_full_instances_and_a_full_router_answer_429_with_retry_after(small_rout
         error = json.loads(payload)["error"]
         assert error["code"] == "instances_full" and error["type"] == "rate_limit_error"
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+        time.sleep(0.6)  # health checks of the busy instances, on connections of their own
+        health = json.loads(urllib.request.urlopen(small_router + "/health", timeout=5).read())
+        assert len(health["healthy_instances"]) == 3, health
     finally:
         bodies = [response.read() for _, response in streams]
         for connection, _ in streams:
