@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -231,7 +231,10 @@ class Proxy:
             message = "The router is at capacity; retry later."
             raise too_many_requests(message, str(exc), _RETRY_AFTER_S) from exc
         try:
-            raw = await request.body()
+            try:
+                raw = await request.body()
+            except ClientDisconnect:  # gone while sending its body, or while it waited for admission
+                raise client_closed() from None
             body = decode_body(raw, kind)
             if not self._fleet.serves(body.model):
                 raise model_not_found(body.model)

@@ -286,6 +286,27 @@ def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_p
             assert metric(url, "kvroute_client_errors_total", code="client_closed") == 1
 
 
+def test_a_client_that_leaves_while_sending_its_body_is_counted_not_a_server_error(tmp_path: Path) -> None:
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    with serving(healthy, answer) as port, running_router(only_instance("i0", port), tmp_path) as url:
+        host, router_port = url.removeprefix("http://").split(":")
+        client = socket.create_connection((host, int(router_port)))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(BODY) + 100}\r\n\r\n".encode()
+            + BODY  # 100 bytes short
+        )
+        time.sleep(0.3)
+        client.close()
+        deadline = time.monotonic() + 3
+        while sample(url, "kvroute_client_errors_total", code="client_closed") != 1:
+            assert time.monotonic() < deadline, "the disconnect was not counted as the client's"
+            time.sleep(0.05)
+        assert post(url + "/v1/completions", BODY, {})[0] == 200  # its admission slot is back
+
+
 def test_a_request_every_instance_drops_does_not_take_the_model_down(tmp_path: Path) -> None:
     async def picky(request: web.Request) -> web.Response:
         if b"poison" in await request.read():
