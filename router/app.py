@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +22,8 @@ from starlette.types import ASGIApp
 from router.admin import admin_routes, admin_token
 from router.admission import Admission
 from router.block_index import BlockIndex, Tier
-from router.config import REMOTE_TOKENIZER, ClientAuthConfig, RouterConfig
+from router.client_auth import ClientAuth, client_key_digests
+from router.config import REMOTE_TOKENIZER, RouterConfig
 from router.dashboard import dashboard_routes
 from router.errors import OpenAIError
 from router.fast_path import OpenAIFastPath
@@ -48,12 +47,6 @@ from router.traffic import TrafficSplit
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def client_key_digests(auth: ClientAuthConfig) -> frozenset[bytes]:
-    """SHA-256 digests of the clients' API keys from the environment; empty: no client authentication."""
-    raw = os.environ.get(auth.api_keys_env, "") if auth.api_keys_env else ""
-    return frozenset(hashlib.sha256(key.strip().encode()).digest() for key in raw.split(",") if key.strip())
 
 
 class RouterApp(NamedTuple):
@@ -136,7 +129,6 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s),
                 # One connection per request in flight: a request never waits for a pooled one.
                 min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
-                client_key_digests(config.auth),
                 admission.memory_hold_s,
                 config.tokenization.thread_above_bytes,
             )
@@ -245,4 +237,5 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     limits = RequestLimits(
         fast, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
     )
-    return RouterApp(app, limits)
+    auth = ClientAuth(limits, client_key_digests(config.auth), metrics.rejected("invalid_api_key").inc)
+    return RouterApp(app, auth)

@@ -478,8 +478,9 @@ class BlockIndex:
         if pool is not None:
             self._remove(pool, Tier.POOL, vllm_hashes)
 
-    def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> None:
-        """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive.
+    def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> list[int]:
+        """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive;
+        returns the blocks entered, for withdraw.
 
         A long prompt enters thousands of blocks: one expiry record per request, and a deadline of its own
         only for a block this instance already had pending.
@@ -495,6 +496,24 @@ class BlockIndex:
             else:
                 pending[block] = mask | bit
         self._pending_expiry.append((deadline, bit, blocks))
+        return blocks
+
+    def withdraw(self, instance: str, blocks: Sequence[int]) -> None:
+        """A routed request that never ran there (refused, or the instance failed it): its speculative
+        blocks go now rather than at their deadline. Another request's speculation of the same blocks on the
+        same instance goes too; the events of what that one computes enter them for real."""
+        state = self._owners.get((instance, 0))
+        if state is None:
+            return
+        bit, pending = state.bit, self._pending
+        later, keep = self._respeculated.get(bit, {}), ~state.bit
+        for block in blocks:
+            later.pop(block, None)
+            mask = pending.get(block, 0) & keep
+            if mask:
+                pending[block] = mask
+            else:
+                pending.pop(block, None)
 
     def _expire(self) -> None:
         now, expiry, pending = self._clock(), self._pending_expiry, self._pending

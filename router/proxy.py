@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import time
@@ -23,7 +22,6 @@ from router.errors import (
     bad_request,
     client_closed,
     error_json,
-    invalid_api_key,
     model_not_found,
     too_many_requests,
     unavailable,
@@ -37,6 +35,7 @@ from router.metrics import RouterMetrics
 from router.openai_body import Body, decode_body, without_full_kv_report
 from router.policy import Policy
 from router.routing import Decision, Prepared, Router
+from router.sse import EventFramer
 from router.traffic import TrafficSplit
 
 log = logging.getLogger(__name__)
@@ -193,14 +192,12 @@ class Proxy:
         max_tokenized_bytes: int,
         admission: Admission,
         per_instance_limit: int,
-        api_keys: frozenset[bytes] = frozenset(),
         memory_hold_s: float = 0.0,
         thread_above_bytes: int | None = None,
     ) -> None:
-        """api_keys: SHA-256 digests of the clients' keys; empty: clients need none. memory_hold_s: see
-        router/memory_hold.py. thread_above_bytes: larger bodies are tokenized on a worker thread (None:
-        none)."""
-        self._admission, self._per_instance_limit, self._api_keys = admission, per_instance_limit, api_keys
+        """memory_hold_s: see router/memory_hold.py. thread_above_bytes: larger bodies are tokenized on a
+        worker thread (None: none)."""
+        self._admission, self._per_instance_limit = admission, per_instance_limit
         self._memory_hold: MemoryHold[asyncio.Future[None]] = MemoryHold(memory_hold_s)
         self._max_tokenized_bytes = max_tokenized_bytes
         self._thread_above_bytes = max_tokenized_bytes if thread_above_bytes is None else thread_above_bytes
@@ -223,7 +220,6 @@ class Proxy:
         )
 
     async def forward(self, request: Request, path: str, kind: type[Body]) -> Response:
-        self._authenticate(request)  # before any work
         try:
             await self._admission.enter()
         except Overloaded as exc:
@@ -286,15 +282,6 @@ class Proxy:
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
 
-    def _authenticate(self, request: Request) -> None:
-        if not self._api_keys:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        # Digests of equal length are looked up in a set: no timing difference tells a prefix of a key.
-        if scheme.lower() != "bearer" or hashlib.sha256(key.encode()).digest() not in self._api_keys:
-            self._metrics.rejected("invalid_api_key").inc()
-            raise invalid_api_key()
-
     def _policy(self, request: Request, session: str | None) -> Policy:
         header = self.traffic_config.force_header
         forced = request.headers.get(header)
@@ -354,6 +341,7 @@ class Proxy:
             except _NOT_CONNECTED:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
                 self._abandon(decision, upstream, probe, prefill, admitted=False)
+                self._router.withdraw(decision)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
@@ -365,6 +353,7 @@ class Proxy:
                 # request every engine drops would black out the model): its circuit breaker counts it, and a
                 # dead instance refuses the next connection.
                 self._abandon(decision, upstream, probe, prefill)
+                self._router.withdraw(decision)  # what it computed before dying went with it
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 dropped = instance.name, exc
@@ -388,6 +377,7 @@ class Proxy:
                 # The router's key (clients' never reach engines), which vLLM checks before anything else:
                 # nothing ran, and another instance may take it. Counted against this one's breaker.
                 self._abandon(decision, upstream, probe, prefill, admitted=False)
+                self._router.withdraw(decision)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "unauthorized").inc()
                 refused = instance.name, upstream.status
@@ -474,9 +464,11 @@ class Proxy:
     async def _relay(self, routed: _Routed) -> AsyncGenerator[bytes, None]:
         """Pass SSE chunks through as they arrive; a broken upstream ends the stream with an error event."""
         content, idle_s = routed.upstream.content, self._config.stream_idle_timeout_s
+        events = EventFramer()  # a break mid-event drops the half event before the error event
         self._streams.add(routed)
         try:
-            yield routed.first
+            if whole := events.whole(routed.first):
+                yield whole
             if self._closing:  # its first chunk came after end_streams
                 routed.cut = True
                 routed.upstream.close()
@@ -486,8 +478,11 @@ class Proxy:
                 if not chunk:
                     if routed.cut:  # closed under the read, which saw an end rather than an error
                         raise aiohttp.ClientConnectionError("ended by the router")
+                    if rest := events.rest():
+                        yield rest
                     return
-                yield chunk
+                if whole := events.whole(chunk):
+                    yield whole
         except (TimeoutError, aiohttp.ClientError) as exc:
             routed.broken = True
             if routed.cut:
@@ -518,6 +513,8 @@ class Proxy:
         routed.upstream.release()
         status = routed.upstream.status
         self._end(routed.decision, routed.prefill, admitted=status == 200)
+        if status >= 400:  # refused or failed: the engine computed nothing of it
+            self._router.withdraw(routed.decision)
         if (routed.broken and not routed.cut) or status >= 500:
             self._breaker_failed(routed.instance, routed.probe)
         elif routed.cut or status >= 400:

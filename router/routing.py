@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import xxhash
@@ -61,6 +61,7 @@ class Decision:
     uncached_tokens: int
     features: TTFTFeatures
     predicted_ttft_s: float
+    speculated: list[int] = field(default_factory=list)  # blocks entered as pending at the instance
 
 
 class Router:
@@ -128,8 +129,9 @@ class Router:
         instance = candidates[policy.choose(prepared.request, candidates)]
         match = prepared.request.matches.get(instance.name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
+        speculated: list[int] = []
         if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
-            self._index.speculate(instance.name, prepared.chain, start=held)
+            speculated = self._index.speculate(instance.name, prepared.chain, start=held)
         features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
@@ -145,7 +147,13 @@ class Router:
             uncached_tokens=features.uncached_tokens,
             features=features,
             predicted_ttft_s=instance.ttft_model.predict(features),
+            speculated=speculated,
         )
+
+    def withdraw(self, decision: Decision) -> None:
+        """The request never ran where it was routed: take back the blocks decide() entered for it there."""
+        if decision.speculated:
+            self._index.withdraw(decision.instance.name, decision.speculated)
 
     def close(self) -> None:
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)

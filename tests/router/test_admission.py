@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,4 +115,18 @@ def test_api_keys_are_checked_before_any_work(keyed_router: str) -> None:
     # Before any work: not even the body is read, so a malformed one is still a 401.
     status, _, _ = post(keyed_router + "/v1/chat/completions", b"{not json", {})
     assert status == 401
+    # Nor its type or size: a client without a key learns nothing else about the router.
+    assert post(keyed_router + "/v1/completions", b"hi", {"content-type": "text/plain"})[0] == 401
+    assert _get(keyed_router + "/v1/models") == 401  # the models served are the clients' business too
+    assert _get(keyed_router + "/v1/models", "Bearer first-client-key") == 200
+    assert _get(keyed_router + "/health") == 200  # load balancers' probes carry no key
     assert chat(keyed_router, headers={"authorization": "Bearer second-client-key"})[0] == 200
+
+
+def _get(url: str, authorization: str | None = None) -> int:
+    headers = {} if authorization is None else {"authorization": authorization}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code

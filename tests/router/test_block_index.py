@@ -253,6 +253,21 @@ def test_speculative_entries_count_until_they_expire() -> None:
     assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
 
 
+def test_a_withdrawn_speculation_goes_at_once_and_leaves_others_alone() -> None:
+    """A request the instance refused or failed: its speculative blocks stop counting before their
+    deadline; other instances' speculation of the same blocks and the instance's stored blocks stay."""
+    index = BlockIndex(BS, speculative_ttl_s=2.0, clock=ManualClock(100.0))
+    index.apply(A, [stored(0, 2)])
+    entered = index.speculate("a", prompt(), start=2)
+    index.speculate("b", prompt())
+    assert entered == prompt()[2:]
+    index.withdraw("a", entered)
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2), "b": TierMatch(gpu=10)}
+    index.withdraw("c", entered)  # an instance the index never saw: nothing to take back
+    index.withdraw("b", index.speculate("b", prompt()))  # speculated twice: withdrawn whole
+    assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_speculative_block_counts_while_its_latest_deadline_is_ahead(seed: int) -> None:
     """Random requests and clock steps against a model: (block, instance) -> latest deadline; chains share

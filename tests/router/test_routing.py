@@ -10,12 +10,16 @@ from typing import Any
 import pytest
 
 from router.block_index import BlockIndex
+from router.config import parse_config
+from router.instances import Fleet
 from router.kv_events import BlockStored
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
-from router.routing import Router
+from router.policy import Policy
+from router.routing import Prepared, Router
 from router.token_cache import CachedChatTokenizer
 from router.tokenization import PromptTokenizer
+from scorers.base import RoutingRequest, TierMatch
 
 MESSAGES = [{"role": "user", "content": "run the tests " * 40}]
 
@@ -172,3 +176,23 @@ def test_off_loop_tokenization_runs_on_the_worker_thread_with_the_same_ids(
     main = threading.current_thread().name
     assert [name == main for name in threads] == [True, False, True, False]
     assert all(name.startswith("kvroute-tokenize") for name in threads[1::2])
+
+
+def test_a_decision_withdrawn_takes_back_only_its_speculative_blocks() -> None:
+    config = parse_config(
+        {"models": [{"name": "tiny-llama"}], "block_size": 4,
+         "instances": [{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}]},
+        source="test",
+    )  # fmt: skip
+    index = BlockIndex(4)
+    router = Router(index, {}, 4, RouterMetrics())
+    chain = list(range(1, 9))
+    request = RoutingRequest(model="tiny-llama", prompt_tokens=33, prompt_blocks=8, block_size=4)
+    instances = Fleet(config).instances
+    round_robin = Policy("round-robin", config.policies["round-robin"])
+    first = router.decide(Prepared(request, chain), round_robin, instances)
+    second = router.decide(Prepared(request, chain), round_robin, instances)
+    assert {first.instance.name, second.instance.name} == {"a", "b"}
+    assert first.speculated == chain
+    router.withdraw(first)  # the instance refused it
+    assert index.match(chain) == {second.instance.name: TierMatch(gpu=8)}

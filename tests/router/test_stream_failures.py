@@ -58,6 +58,25 @@ def stalls_after_first_chunk() -> Iterator[int]:
         yield port
 
 
+@pytest.fixture
+def dies_mid_event() -> Iterator[int]:
+    """Sends one chunk, then half of the next event, and dies."""
+
+    async def die(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = _stream_headers()
+        await response.prepare(request)
+        await response.write(CHUNK)
+        await response.write(CHUNK[:40])
+        await asyncio.sleep(0.1)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    with serving(healthy, die) as port:
+        yield port
+
+
 def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere(
     dies_before_first_chunk: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
@@ -88,3 +107,17 @@ def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
         assert events[2] == b"data: [DONE]"
         assert elapsed < 4, "the router waited for the upstream instead of its idle timeout"
         assert metric(url, "kvroute_upstream_errors_total", vllm_instance="stalling", kind="stream_idle") == 1
+
+
+def test_a_stream_broken_mid_event_drops_the_half_event_before_the_error_event(
+    dies_mid_event: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
+    config = first_in_config(fleet, "dying", dies_mid_event)
+    config["default_policy"] = "round-robin"
+    with running_router(config, tmp_path) as url:
+        status, headers, payload = post(url + "/v1/completions", STREAM)
+        assert status == 200 and headers["x-kvroute-instance"] == "dying"
+        events = [e for e in payload.split(b"\n\n") if e.strip()]
+        assert events[0] == CHUNK.strip()
+        assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "stream_broken", events
+        assert events[2:] == [b"data: [DONE]"]

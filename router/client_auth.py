@@ -1,0 +1,41 @@
+"""Client API keys: when configured, every /v1 request needs `Authorization: Bearer <key>`, checked before
+anything else is done with it (its size, its type, its body): a client without a key learns nothing else."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.config import ClientAuthConfig
+from router.errors import invalid_api_key
+
+_GUARDED_PREFIX = "/v1/"
+
+
+def client_key_digests(auth: ClientAuthConfig) -> frozenset[bytes]:
+    """SHA-256 digests of the clients' API keys from the environment; empty: no client authentication."""
+    raw = os.environ.get(auth.api_keys_env, "") if auth.api_keys_env else ""
+    return frozenset(hashlib.sha256(key.strip().encode()).digest() for key in raw.split(",") if key.strip())
+
+
+class ClientAuth:
+    def __init__(self, app: ASGIApp, digests: frozenset[bytes], rejected: Callable[[], None]) -> None:
+        """digests: client_key_digests; rejected: told of every request refused."""
+        self.app, self._digests, self._rejected = app, digests, rejected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._digests and scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIX):
+            if not self._allowed(scope):
+                self._rejected()
+                await invalid_api_key().response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, key = header.decode("latin-1").partition(" ")
+        # Digests of equal length are looked up in a set: no timing difference tells a prefix of a key.
+        return scheme.lower() == "bearer" and hashlib.sha256(key.encode()).digest() in self._digests

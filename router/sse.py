@@ -1,0 +1,33 @@
+"""Server-sent events relayed whole: when a stream breaks in the middle of an event, the half already received
+is dropped, so that the client never parses it glued to the router's error event."""
+
+from __future__ import annotations
+
+_MAX_HELD = 1 << 20  # an upstream that never ends an event is relayed as it comes, not held without bound
+
+
+class EventFramer:
+    def __init__(self) -> None:
+        self._held = b""
+
+    def whole(self, chunk: bytes) -> bytes:
+        """The complete events received so far; what follows the last one is held until it completes."""
+        if self._held:
+            chunk, self._held = self._held + chunk, b""
+        if chunk.endswith(b"\n\n"):  # the common case: engines write whole events
+            return chunk
+        cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), 0)
+        if len(chunk) - cut > _MAX_HELD:
+            return chunk
+        self._held = chunk[cut:]
+        return chunk[:cut]
+
+    def rest(self) -> bytes:
+        """What is held: the stream ended there on purpose, so it goes to the client as it is."""
+        held, self._held = self._held, b""
+        return held
+
+
+def _end_of(data: bytes, boundary: bytes) -> int:
+    found = data.rfind(boundary)
+    return -1 if found < 0 else found + len(boundary)
