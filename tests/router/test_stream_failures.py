@@ -22,59 +22,42 @@ ROUND_ROBIN = {"x-kvroute-policy": "round-robin"}
 CHUNK = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n'
 
 
-def _stream_headers() -> web.StreamResponse:
-    return web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+def _streaming(*writes: bytes, then_s: float, dies: bool) -> Iterator[int]:
+    """A fake instance that sends a stream's headers at once, as vLLM does, then writes, waits then_s and
+    dies (closes the connection) or ends; yields its port."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for data in writes:
+            await response.write(data)
+        await asyncio.sleep(then_s)
+        if dies:
+            assert request.transport is not None
+            request.transport.close()
+        return response
+
+    with serving(healthy, stream) as port:
+        yield port
 
 
 @pytest.fixture
 def dies_before_first_chunk() -> Iterator[int]:
-    """Sends a stream's headers at once, as vLLM does, then dies while prefilling."""
-
-    async def die(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        response = _stream_headers()
-        await response.prepare(request)
-        assert request.transport is not None
-        request.transport.close()
-        return response
-
-    with serving(healthy, die) as port:
-        yield port
+    """Dies while prefilling."""
+    yield from _streaming(then_s=0, dies=True)
 
 
 @pytest.fixture
 def stalls_after_first_chunk() -> Iterator[int]:
     """Sends one chunk, then nothing for 5 s (a wedged engine)."""
-
-    async def stall(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        response = _stream_headers()
-        await response.prepare(request)
-        await response.write(CHUNK)
-        await asyncio.sleep(5)
-        return response
-
-    with serving(healthy, stall) as port:
-        yield port
+    yield from _streaming(CHUNK, then_s=5, dies=False)
 
 
 @pytest.fixture
 def dies_mid_event() -> Iterator[int]:
     """Sends one chunk, then half of the next event, and dies."""
-
-    async def die(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        response = _stream_headers()
-        await response.prepare(request)
-        await response.write(CHUNK)
-        await response.write(CHUNK[:40])
-        await asyncio.sleep(0.1)
-        assert request.transport is not None
-        request.transport.close()
-        return response
-
-    with serving(healthy, die) as port:
-        yield port
+    yield from _streaming(CHUNK, CHUNK[:40], then_s=0.1, dies=True)
 
 
 def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere(
