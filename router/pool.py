@@ -101,11 +101,14 @@ class PoolConfirmer:
         pool credit. Instances of other pool names, which do not serve model, keep theirs unconfirmed."""
         name = self._pool_names.get(model, model)
         pool_of = self._index.pool_name
-        credited = [(m.gpu + m.cpu, m.gpu + m.cpu + m.pool)
-                    for instance, m in matches.items() if m.pool and pool_of(instance) == name]  # fmt: skip
+        credited = [instance for instance, m in matches.items() if m.pool and pool_of(instance) == name]
         if not credited:
             return matches
-        start, end = min(s for s, _ in credited), max(e for _, e in credited)
+        # An instance's pool credit begins where its own prefix ends, not after all of its own blocks: one
+        # evicted from the GPU between blocks still held there or on the CPU is credited to the pool.
+        own = self._index.match(chain, include_pool=False)
+        start = min(own[i].gpu + own[i].cpu if i in own else 0 for i in credited)
+        end = max(matches[i].gpu + matches[i].cpu + matches[i].pool for i in credited)
         now = self._clock()
         self._expire(now)
         pooled = self._index.pooled(chain, start, end, name)

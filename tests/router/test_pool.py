@@ -23,7 +23,7 @@ from router.block_index import BlockIndex
 from router.metrics import RouterMetrics
 from router.pool import PoolConfirmer, pool_key
 from scorers.base import TierMatch
-from tests.router.test_block_index import BS, OTHER_TOKENS, pooled, prompt, stored, vllm_hash
+from tests.router.test_block_index import BS, OTHER_TOKENS, pooled, prompt, removed, stored, vllm_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK_PYTHON = Path(os.environ.get("KVROUTE_STACK_PYTHON", ROOT / ".venv-stack" / "bin" / "python"))
@@ -187,3 +187,16 @@ def test_a_denial_for_one_model_leaves_the_pool_blocks_of_another_with_the_same_
     assert index.pool_entries == 6
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 4  # B's 0-3
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 4  # A's credit, 2-5
+
+
+def test_pool_credit_between_blocks_an_instance_holds_is_confirmed_too(master: Master) -> None:
+    """A held blocks 0-2 on its GPU and wrote them to the pool, offloaded block 2 to its CPU, then evicted
+    blocks 2 and 1 from its GPU: block 1 is credited to the pool between a GPU block and a CPU block. The
+    master has none of them."""
+    index, metrics = BlockIndex(BS), RouterMetrics()
+    index.set_pool_name("a", "model")
+    index.apply(A, [stored(0, 3, as_bytes=True), pooled(0, 3), stored(2, 1, medium="CPU", as_bytes=True)])
+    index.apply(A, [removed(2, 1)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=1, cpu=1, pool=1)}
+    assert confirm(index, master.admin_url, metrics) == [{"a": TierMatch(gpu=1)}]
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 2  # blocks 1 and 2
