@@ -8,7 +8,7 @@ defaults omitted). Unknown keys and extra trailing array items are ignored, as n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 
@@ -16,6 +16,9 @@ BlockHash: TypeAlias = int | bytes
 
 # Replay answers end with this sequence number (-1, signed) and an empty payload.
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+# Each rank becomes an index owner and a followed sequence: a bad publisher must not mint them without end.
+MAX_DATA_PARALLEL_RANK = 255
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
@@ -83,7 +86,7 @@ _FROM_ARRAY_FORM: dict[type[Any], type[Any]] = {array: event for event, array in
 class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DATA_PARALLEL_RANK)] | None = None
 
 
 @dataclass(slots=True)
@@ -95,7 +98,7 @@ class EventBatch:
 
 
 class MalformedBatch(ValueError):
-    """The payload is not a KV event batch at all; nothing in it can be used."""
+    """The payload is not a KV event batch at all (or its rank is out of range); nothing in it can be used."""
 
 
 class EventDecoder:

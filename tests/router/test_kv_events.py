@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from router.kv_events import (
+    MAX_DATA_PARALLEL_RANK,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -103,6 +104,17 @@ def test_a_bad_event_is_skipped_and_counted_while_its_neighbours_survive(bad_eve
 def test_a_payload_that_is_not_a_batch_raises_malformed(payload: bytes) -> None:
     with pytest.raises(MalformedBatch):
         EventDecoder().decode(payload)
+
+
+@pytest.mark.parametrize("rank", [-1, MAX_DATA_PARALLEL_RANK + 1, 2**63])
+def test_a_rank_out_of_range_is_malformed(rank: int) -> None:
+    with pytest.raises(MalformedBatch):
+        EventDecoder().decode(msgspec.msgpack.encode([1.0, [], rank]))
+
+
+def test_the_highest_rank_is_accepted() -> None:
+    batch = EventDecoder().decode(msgspec.msgpack.encode([1.0, [], MAX_DATA_PARALLEL_RANK]))
+    assert batch.data_parallel_rank == MAX_DATA_PARALLEL_RANK
 
 
 def test_sequence_frames() -> None:

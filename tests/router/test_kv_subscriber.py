@@ -21,6 +21,7 @@ from fleet.publisher import EventPublisher
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from router.kv_events import (
     END_OF_REPLAY,
+    MAX_DATA_PARALLEL_RANK,
     BlockRemoved,
     BlockStored,
     EventDecoder,
@@ -399,6 +400,24 @@ def test_data_parallel_ranks_are_tracked_and_owned_separately() -> None:
         assert harness.sink.ids(("a", 0)) == [0, 1, 2]
         assert harness.sink.ids(("a", 1)) == [10, 11, 12]
         assert harness.since(before) == {"gaps": 1, "ok": 1}
+
+    asyncio.run(main())
+
+
+def test_a_rank_out_of_range_is_malformed_and_owns_nothing() -> None:
+    async def main() -> None:
+        harness = Harness(replay=False)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            engine.publish(batch(5), rank=MAX_DATA_PARALLEL_RANK + 1)
+            engine.publish(batch(6), rank=-1)
+            engine.publish(batch(0), rank=MAX_DATA_PARALLEL_RANK)
+            await harness.sink.wait_applied(1)
+        await engine.close()
+        assert harness.sink.ids(("a", MAX_DATA_PARALLEL_RANK)) == [0]
+        assert {owner for _, owner, _ in harness.sink.log} == {("a", MAX_DATA_PARALLEL_RANK)}
+        assert harness.since() == {"malformed": 2}
 
     asyncio.run(main())
 
