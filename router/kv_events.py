@@ -7,6 +7,7 @@ defaults omitted). Unknown keys and extra trailing array items are ignored, as n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeAlias
 
@@ -98,7 +99,8 @@ class EventBatch:
 
 
 class MalformedBatch(ValueError):
-    """The payload is not a KV event batch at all (or its rank is out of range); nothing in it can be used."""
+    """The payload is not a KV event batch at all (or its timestamp or rank is unusable); nothing in it can be
+    used."""
 
 
 class EventDecoder:
@@ -114,6 +116,8 @@ class EventDecoder:
             raw = self._batch.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # too deeply nested
             raise MalformedBatch(str(exc)) from exc
+        if not math.isfinite(raw.ts):  # it tells a replayed batch's live copy from a new process's batch
+            raise MalformedBatch(f"batch timestamp {raw.ts} is not finite")
         events: list[KVEvent] = []
         skipped = 0
         for item in raw.events:

@@ -3,16 +3,18 @@
 Sequence numbers count from 0 per engine process and per data parallel rank, so each rank is tracked on its
 own. A jump forward is a gap, filled from the instance's replay buffer; when it cannot be filled, the owner's
 entries are dropped, as stale entries route worse than none. A jump back is a new engine process, whose
-predecessor's blocks are gone. A jump back to a batch no newer than one already applied is only the live copy
-of a replayed batch, and is ignored.
+predecessor's blocks are gone, unless it is a batch already applied coming again (the live copy of a replayed
+batch), which has the engine timestamp recorded for its number. Timestamps are only compared for equality:
+engine clocks step, and a new process's may be behind its predecessor's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
 import zmq
@@ -35,6 +37,9 @@ from router.supervisor import supervise
 
 log = logging.getLogger(__name__)
 _YIELD_EVERY = 256  # batches handled between turns given to the event loop
+# Applied batches whose timestamps a rank's position keeps: the copies that come again are the live ones of a
+# warm start's replay, published while it was read.
+_REMEMBERED = 1024
 
 Owner: TypeAlias = tuple[str, int]
 """(instance name, data parallel rank); a batch without a rank belongs to rank 0."""
@@ -51,7 +56,7 @@ class EventSink(Protocol):
 @dataclass(slots=True)
 class _Position:
     next_seq: int
-    newest_ts: float
+    applied: OrderedDict[int, float] = field(default_factory=OrderedDict)  # seq -> ts, the latest ones
 
 
 class KVEventSubscriber:
@@ -130,8 +135,9 @@ class KVEventSubscriber:
             monitor.close(linger=0)
 
     async def _warm_start(self) -> None:
-        """Rebuild from the engine's buffer what a restarted router would otherwise never learn."""
-        if self._replay_endpoint is None:
+        """Rebuild from the engine's buffer what a restarted router would otherwise never learn. A session
+        started again goes on from its positions instead: its next batch shows what it missed, as a gap."""
+        if self._replay_endpoint is None or self._positions:
             return
         replayed = await self._replay(0)
         if replayed is None:
@@ -149,10 +155,9 @@ class KVEventSubscriber:
         rank = batch.data_parallel_rank or 0
         position = self._positions.get(rank)
         if position is not None and seq < position.next_seq:
-            if batch.ts <= position.newest_ts:
-                return  # the live copy of a batch a replay applied; a new process would be newer
-            self._restarts.inc()
-            self._drop(rank)
+            if position.applied.get(seq) == batch.ts:
+                return  # the live copy of a batch a replay applied
+            self._restart(rank)
             position = None
         if position is not None:
             expected = position.next_seq
@@ -168,8 +173,7 @@ class KVEventSubscriber:
                 # passed our position (its sequence restarted at 0), so its whole history is needed instead.
                 replayed = await self._replay(expected - 1 if position is not None and expected else expected)
                 if position is not None and replayed and _restarted(replayed, rank, expected - 1, position):
-                    self._restarts.inc()
-                    self._drop(rank)
+                    self._restart(rank)
                     expected, replayed = 0, await self._replay(0)
             self._fill(rank, expected, seq, replayed)
         self._apply(rank, seq, batch)
@@ -191,9 +195,12 @@ class KVEventSubscriber:
     def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
         position = self._positions.get(rank)
         if position is None:
-            self._positions[rank] = _Position(seq + 1, batch.ts)
-        else:
-            position.next_seq, position.newest_ts = seq + 1, max(position.newest_ts, batch.ts)
+            position = self._positions[rank] = _Position(seq)
+        position.next_seq = seq + 1
+        applied = position.applied
+        applied[seq] = batch.ts
+        if len(applied) > _REMEMBERED:
+            applied.popitem(last=False)
         for event in batch.events:
             self._events[type(event)].inc()
         if batch.skipped_events:
@@ -203,6 +210,11 @@ class KVEventSubscriber:
             self._sink.apply((self.instance, rank), batch.events)
         except Exception:
             log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
+
+    def _restart(self, rank: int) -> None:
+        """rank's events come from a new engine process: its predecessor's blocks are gone."""
+        self._restarts.inc()
+        self._drop(rank)
 
     def _drop(self, rank: int) -> None:
         self._positions.pop(rank, None)
@@ -260,8 +272,9 @@ class KVEventSubscriber:
 
 
 def _restarted(replayed: list[_Numbered], rank: int, seq: int, position: _Position) -> bool:
-    """Whether the buffered batch seq of rank is not the one applied last (found by its engine timestamp)."""
+    """Whether the buffered batch seq of rank is not the one applied as seq (told by its engine timestamp)."""
     for found_seq, batch in replayed:
         if found_seq == seq and (batch.data_parallel_rank or 0) == rank:
-            return batch.ts != position.newest_ts
+            return batch.ts != position.applied.get(seq)
     return False  # no longer buffered: nothing tells, and a gap is the likelier story
+

@@ -117,6 +117,12 @@ def test_the_highest_rank_is_accepted() -> None:
     assert batch.data_parallel_rank == MAX_DATA_PARALLEL_RANK
 
 
+@pytest.mark.parametrize("ts", [float("inf"), float("-inf"), float("nan")])
+def test_a_timestamp_that_is_not_finite_is_malformed(ts: float) -> None:
+    with pytest.raises(MalformedBatch):
+        EventDecoder().decode(msgspec.msgpack.encode([ts, []]))
+
+
 def test_sequence_frames() -> None:
     assert pack_seq(0) == b"\x00" * 8
     assert unpack_seq(pack_seq(2**64 - 2)) == 2**64 - 2

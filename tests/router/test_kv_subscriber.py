@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from fleet.publisher import EventPublisher
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
+from router import kv_subscriber
 from router.kv_events import (
     END_OF_REPLAY,
     MAX_DATA_PARALLEL_RANK,
@@ -93,6 +94,7 @@ class FakeEngine:
         self.buffer: list[tuple[int, bytes]] = []
         self.answer_replay = asyncio.Event()
         self.answer_replay.set()
+        self.replay_asked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         if replay_endpoint is not None:
             replay = context.socket(zmq.ROUTER)
@@ -101,12 +103,17 @@ class FakeEngine:
             self._task = asyncio.create_task(self._serve(replay))
 
     async def subscribed(self) -> None:
-        assert await asyncio.wait_for(self._pub.recv(), TIMEOUT_S) == b"\x01"
+        """Until a subscriber joins; a leaving one's unsubscription is passed over."""
+        async with asyncio.timeout(TIMEOUT_S):
+            while await self._pub.recv() != b"\x01":
+                pass
 
-    def publish(self, events: list[KVEvent], rank: int | None = None, send: bool = True) -> int:
+    def publish(
+        self, events: list[KVEvent], rank: int | None = None, send: bool = True, ts: float | None = None
+    ) -> int:
         seq = self._next_seq.get(rank or 0, 0)
         self._next_seq[rank or 0] = seq + 1
-        payload = self._encoder.encode(time.time(), events, rank)
+        payload = self._encoder.encode(time.time() if ts is None else ts, events, rank)
         self.buffer.append((seq, payload))
         if send:
             self.send([TOPIC, pack_seq(seq), payload])
@@ -118,6 +125,7 @@ class FakeEngine:
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             client, _, start = await sock.recv_multipart()
+            self.replay_asked.set()
             await self.answer_replay.wait()
             for seq, payload in list(self.buffer):
                 if seq >= int.from_bytes(start, "big"):
@@ -418,6 +426,94 @@ def test_a_rank_out_of_range_is_malformed_and_owns_nothing() -> None:
         assert harness.sink.ids(("a", MAX_DATA_PARALLEL_RANK)) == [0]
         assert {owner for _, owner, _ in harness.sink.log} == {("a", MAX_DATA_PARALLEL_RANK)}
         assert harness.since() == {"malformed": 2}
+
+    asyncio.run(main())
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("sent", "ids", "counted"),
+    [
+        # The same batch again is a copy.
+        ([(0, 1000.0, 0), (1, 1001.0, 1), (1, 1001.0, 1), (2, 1002.0, 2)], [0, 1, 2], {}),
+        # A new process whose clock is behind its predecessor's: its first batch is no copy.
+        ([(0, 1000.0, 0), (1, 1001.0, 1), (0, 500.0, 100)], [0, 1, "drop", 100], {"restarts": 1}),
+        # An infinite timestamp is malformed: it cannot make a new process's batches look old ...
+        ([(0, 1000.0, 0), (1, INF, 1), (0, 2000.0, 100)], [0, "drop", 100], {"restarts": 1, "malformed": 1}),
+        # ... nor NaN, which equals nothing, make every batch look new.
+        ([(0, NAN, 0), (0, NAN, 0), (0, 1000.0, 100)], [100], {"malformed": 2}),
+    ],
+)
+def test_a_batch_numbered_behind_is_a_copy_only_with_the_timestamp_recorded_for_its_number(
+    sent: list[tuple[int, float, int]], ids: list[int | str], counted: dict[str, float]
+) -> None:
+    async def main() -> None:
+        harness = Harness(replay=False)
+        engine = harness.engine()
+        encoder = EventEncoder()
+        async with harness.running():
+            await engine.subscribed()
+            for seq, ts, n in sent:
+                engine.send([TOPIC, pack_seq(seq), encoder.encode(ts, batch(n))])
+            await harness.sink.wait_for(lambda: len(harness.sink.log) >= len(ids))
+        await engine.close()
+        assert harness.sink.ids() == ids
+        assert harness.since() == counted
+
+    asyncio.run(main())
+
+
+def test_a_clock_stepping_back_is_no_restart_when_a_gap_is_replayed() -> None:
+    async def main() -> None:
+        harness = Harness(replay=True)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            engine.publish(batch(0), ts=1000.0)
+            engine.publish(batch(1), ts=900.0)  # the engine's clock was set back
+            await harness.sink.wait_applied(2)
+            before = harness.counts()
+            engine.publish(batch(2), ts=901.0, send=False)
+            engine.publish(batch(3), ts=902.0)
+            await harness.sink.wait_applied(4)
+        await engine.close()
+        assert harness.sink.ids() == [0, 1, 2, 3]
+        assert harness.since(before) == {"gaps": 1, "ok": 1}
+
+    asyncio.run(main())
+
+
+def test_a_session_started_again_goes_on_from_its_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its next batch replays what it missed; the whole buffer again would be older than the timestamps kept."""
+    monkeypatch.setattr(kv_subscriber, "_REMEMBERED", 2)
+
+    async def main() -> None:
+        harness = Harness(replay=True)
+        decode = harness.subscriber._decoder.decode
+
+        def failing(payload: bytes) -> Any:
+            if payload == b"boom":
+                raise RuntimeError("the session fails")
+            return decode(payload)
+
+        monkeypatch.setattr(harness.subscriber._decoder, "decode", failing)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            await asyncio.wait_for(engine.replay_asked.wait(), TIMEOUT_S)  # the warm start has its (empty) buffer
+            for n in range(5):
+                engine.publish(batch(n))
+            await harness.sink.wait_applied(5)
+            engine.send([TOPIC, pack_seq(5), b"boom"])
+            await engine.subscribed()  # the next session's
+            engine.publish(batch(5), send=False)  # published while it was down
+            engine.publish(batch(6))
+            await harness.sink.wait_applied(7)
+        await engine.close()
+        assert harness.sink.ids() == [0, 1, 2, 3, 4, 5, 6]
+        assert harness.since() == {"ok": 2, "gaps": 1}  # the warm start, the gap
 
     asyncio.run(main())
 
