@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
+from weakref import WeakKeyDictionary
 
 import zmq
 import zmq.asyncio
@@ -85,6 +86,7 @@ class KVEventSubscriber:
         self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
         self._decoder = EventDecoder()
         self._positions: dict[int, _Position] = {}
+        self._started_over: set[int] = set()  # ranks seen restarting since the load scraper last said so
         self._events = {kind: metrics.kv_events(instance, kind.__name__)
                         for kind in (BlockStored, BlockRemoved, AllBlocksCleared)}  # fmt: skip
         self._malformed = metrics.kv_malformed(instance)
@@ -99,7 +101,23 @@ class KVEventSubscriber:
 
     async def run(self) -> None:
         """Follow the instance until cancelled; a failed session is logged, counted and started again."""
-        await supervise(f"kv-events {self.instance}", self._session, 1.0, self._metrics.task_failures)
+        feeding = _feeding.setdefault(self._sink, {})
+        feeding[self.instance] = self
+        try:
+            await supervise(f"kv-events {self.instance}", self._session, 1.0, self._metrics.task_failures)
+        finally:
+            if feeding.get(self.instance) is self:  # a reload may have started its successor already
+                del feeding[self.instance]
+
+    def engine_restarted(self) -> None:
+        """The instance is served by a new engine process (its /metrics said so). A rank whose sequence was
+        seen starting over since the last such news follows that process already; the others are dropped and
+        start afresh with their next batch, replayed from the engine's buffer from 0 when there is one."""
+        for rank in list(self._positions):
+            if rank not in self._started_over:
+                self._restarts.inc()
+                self._drop(rank)
+        self._started_over.clear()
 
     async def _session(self) -> None:
         sub = self._socket(zmq.SUB, self._endpoint)
@@ -172,6 +190,8 @@ class KVEventSubscriber:
                 # From one batch earlier: if the batch applied last comes back different, a new process has
                 # passed our position (its sequence restarted at 0), so its whole history is needed instead.
                 replayed = await self._replay(expected - 1 if position is not None and expected else expected)
+                if self._positions.get(rank) is not position:  # dropped meanwhile, as engine_restarted does
+                    return await self._accept(seq, batch, live)
                 if position is not None and replayed and _restarted(replayed, rank, expected - 1, position):
                     self._restart(rank)
                     expected, replayed = 0, await self._replay(0)
@@ -215,6 +235,7 @@ class KVEventSubscriber:
         """rank's events come from a new engine process: its predecessor's blocks are gone."""
         self._restarts.inc()
         self._drop(rank)
+        self._started_over.add(rank)
 
     def _drop(self, rank: int) -> None:
         self._positions.pop(rank, None)
@@ -278,3 +299,17 @@ def _restarted(replayed: list[_Numbered], rank: int, seq: int, position: _Positi
             return batch.ts != position.applied.get(seq)
     return False  # no longer buffered: nothing tells, and a gap is the likelier story
 
+
+# The subscriber following each instance into each sink. The load scraper learns of engine restarts too, and
+# only the subscriber knows which of the sink's entries the new process really holds.
+_feeding: WeakKeyDictionary[EventSink, dict[str, KVEventSubscriber]] = WeakKeyDictionary()
+
+
+def engine_restarted(sink: EventSink, instance: str) -> bool:
+    """Tell the subscriber following instance into sink that a new engine process serves instance; False when
+    no subscriber does."""
+    subscriber = _feeding.get(sink, {}).get(instance)
+    if subscriber is None:
+        return False
+    subscriber.engine_restarted()
+    return True

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -20,6 +20,7 @@ import zmq.asyncio
 from fleet.publisher import EventPublisher
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from router import kv_subscriber
+from router.block_index import BlockIndex
 from router.kv_events import (
     END_OF_REPLAY,
     MAX_DATA_PARALLEL_RANK,
@@ -30,8 +31,10 @@ from router.kv_events import (
     KVEvent,
     pack_seq,
 )
-from router.kv_subscriber import KVEventSubscriber, Owner
+from router.kv_subscriber import KVEventSubscriber, Owner, engine_restarted
 from router.metrics import RouterMetrics
+from scorers.base import TierMatch
+from tests.router.test_block_index import BS, prompt, stored
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
 TOPIC = b"kv@a@tiny-llama"
@@ -140,13 +143,35 @@ class FakeEngine:
         self._context.destroy(linger=0)  # returns once the ports are released: a restart can bind them
 
 
+class IndexingSink(RecordingSink):
+    """Records as RecordingSink does, and keeps a real index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = BlockIndex(BS)
+
+    def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
+        self.index.apply(owner, events)
+        super().apply(owner, events)
+
+    def drop(self, owner: Owner) -> None:
+        self.index.drop(owner)
+        super().drop(owner)
+
+
 class Harness:
-    def __init__(self, replay: bool, replay_timeout_s: float = 2.0, max_message_bytes: int = 64 * 2**20) -> None:
+    def __init__(
+        self,
+        replay: bool,
+        replay_timeout_s: float = 2.0,
+        max_message_bytes: int = 64 * 2**20,
+        sink: RecordingSink | None = None,
+    ) -> None:
         port = free_port_block(2)
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{port + 1}" if replay else None
         self.context = zmq.asyncio.Context()
-        self.sink = RecordingSink()
+        self.sink = sink or RecordingSink()
         self.metrics = RouterMetrics()
         self.subscriber = KVEventSubscriber(
             "a", self.endpoint, self.replay_endpoint, self.sink, self.metrics, self.context,
@@ -514,6 +539,100 @@ def test_a_session_started_again_goes_on_from_its_position(monkeypatch: pytest.M
         await engine.close()
         assert harness.sink.ids() == [0, 1, 2, 3, 4, 5, 6]
         assert harness.since() == {"ok": 2, "gaps": 1}  # the warm start, the gap
+
+    asyncio.run(main())
+
+
+def test_news_of_a_restart_the_subscriber_has_seen_keeps_the_new_processs_blocks() -> None:
+    """The load scraper notices the new process after the subscriber did: what that process stored stays, and
+    its next blocks chain onto it."""
+
+    async def main() -> None:
+        harness = Harness(replay=False, sink=IndexingSink())
+        index = cast(IndexingSink, harness.sink).index
+        old = harness.engine()
+        async with harness.running():
+            await old.subscribed()
+            old.publish([stored(0, 2)])
+            await harness.sink.wait_applied(1)
+            await old.close()
+            new = harness.engine()
+            await new.subscribed()
+            new.publish([stored(0, 2)])
+            await harness.sink.wait_applied(2)
+            assert engine_restarted(harness.sink, "a")
+            new.publish([stored(2, 2)])
+            await harness.sink.wait_applied(3)
+            await new.close()
+        assert [kind for kind, _, _ in harness.sink.log] == ["apply", "drop", "apply", "apply"]
+        assert index.match(prompt()) == {"a": TierMatch(gpu=4)}
+        assert index.stats.orphaned == 0
+        assert harness.since() == {"restarts": 1}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_news_of_a_restart_the_subscriber_has_not_seen_drops_the_owner_at_once(replay: bool) -> None:
+    """The old blocks go before the new process says anything; with a replay buffer, the next batch brings
+    back what the process followed had stored (it may be the new one: nothing told it apart)."""
+
+    async def main() -> None:
+        harness = Harness(replay=replay)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            for n in range(3):
+                engine.publish(batch(n))
+            await harness.sink.wait_applied(3)
+            before = harness.counts()
+            assert engine_restarted(harness.sink, "a")
+            assert harness.sink.ids() == [0, 1, 2, "drop"]
+            engine.publish(batch(3))
+            await harness.sink.wait_for(lambda: harness.sink.ids()[-1] == 3)
+        await engine.close()
+        if replay:
+            assert harness.sink.ids() == [0, 1, 2, "drop", 0, 1, 2, 3]
+            assert harness.since(before) == {"restarts": 1, "gaps": 1, "ok": 1}
+        else:
+            assert harness.sink.ids() == [0, 1, 2, "drop", 3]
+            assert harness.since(before) == {"restarts": 1}
+
+    asyncio.run(main())
+
+
+def test_news_of_a_restart_while_a_gap_is_replayed_restarts_from_the_buffer() -> None:
+    async def main() -> None:
+        harness = Harness(replay=True)
+        engine = harness.engine()
+        async with harness.running():
+            await engine.subscribed()
+            engine.publish(batch(0))
+            await harness.sink.wait_applied(1)
+            engine.answer_replay.clear()
+            engine.replay_asked.clear()
+            engine.publish(batch(1), send=False)
+            engine.publish(batch(2))
+            await asyncio.wait_for(engine.replay_asked.wait(), TIMEOUT_S)
+            assert engine_restarted(harness.sink, "a")
+            engine.answer_replay.set()
+            await harness.sink.wait_applied(4)
+        await engine.close()
+        assert harness.sink.ids() == [0, "drop", 0, 1, 2]
+
+    asyncio.run(main())
+
+
+def test_news_of_a_restart_reaches_only_a_running_subscriber_of_that_sink() -> None:
+    async def main() -> None:
+        harness = Harness(replay=False)
+        assert not engine_restarted(harness.sink, "a")  # not running yet
+        async with harness.running():
+            await asyncio.sleep(0)
+            assert engine_restarted(harness.sink, "a")
+            assert not engine_restarted(harness.sink, "b")
+            assert not engine_restarted(RecordingSink(), "a")
+        assert not engine_restarted(harness.sink, "a")
 
     asyncio.run(main())
 
