@@ -434,9 +434,11 @@ def parse_config(raw: Any, source: str = "config") -> RouterConfig:
 
 def read_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_bytes().decode())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
 

@@ -143,6 +143,8 @@ class Reloader:
                     await self.reload()
                 except OpenAIError:
                     pass  # logged and counted by reload()
+                except Exception:  # one failed reload must not end the watch (and SIGHUP's handler with it)
+                    log.exception("configuration reload failed, the running one stays")
         finally:
             loop.remove_signal_handler(signal.SIGHUP)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import urllib.error
@@ -20,14 +22,18 @@ import yaml
 from kvroute.processes import FleetPorts, running_router
 from router.ab import ABStats
 from router.admin import admin_token
+from router.block_index import BlockIndex
 from router.config import AdminConfig, parse_config
+from router.instances import Fleet
+from router.metrics import RouterMetrics
 from router.policy import Policy
-from router.reload import _swap_policies
+from router.reload import Reloader, _swap_policies
 from tests.conftest import metric, sample
 from tests.router.test_proxy import post
 
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+RAW: dict[str, Any] = {"models": [{"name": "tiny-llama"}], "instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}
 
 
 def config_of(fleet: FleetPorts, **extra: Any) -> dict[str, Any]:
@@ -124,10 +130,13 @@ def test_a_bad_file_is_refused_and_the_running_config_stays(
     path.write_text("policies: [not, a, mapping")
     status, body = call("POST", url + "/admin/reload", headers=AUTH)
     assert status == 400 and "not valid YAML" in body["error"]["message"]
+    path.write_bytes(b"block_size: \xff")
+    status, body = call("POST", url + "/admin/reload", headers=AUTH)
+    assert status == 400 and "not UTF-8 text" in body["error"]["message"]
     path.write_text(yaml.safe_dump(config_of(fleet, block_size=16)))
     status, body = call("POST", url + "/admin/reload", headers=AUTH)
     assert status == 400 and "changing block_size needs a restart" in body["error"]["message"]
-    assert metric(url, "kvroute_config_reloads_total", result="invalid") >= 2
+    assert metric(url, "kvroute_config_reloads_total", result="invalid") >= 3
     assert {chat(url, f"b{i}")["x-kvroute-policy"] for i in range(20)} == {"round-robin", "kvroute"}
 
 
@@ -230,6 +239,35 @@ def test_a_reload_keeps_the_state_of_policies_it_does_not_change(fleet: FleetPor
     samples = {comparison["candidate"]: comparison["samples"] for comparison in report["comparisons"]}
     assert samples["round-robin"] == [1, 0]  # the redefined one starts afresh
     assert samples["least-loaded"] == [1, 1]
+
+
+def test_the_watch_outlives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> None:
+    """Dead, the watch would also take SIGHUP's handler with it: the next SIGHUP would end the router."""
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(RAW))
+    config = parse_config(RAW)
+    attempts: list[int] = []
+
+    async def failing() -> dict[str, Any]:
+        attempts.append(1)
+        raise RuntimeError("a bug in a reload")
+
+    async def watch() -> None:
+        reloader = Reloader(config, path, Fleet(config), BlockIndex(16), RouterMetrics(), None, lambda: None)  # type: ignore[arg-type,return-value]
+        reloader.reload = failing  # type: ignore[method-assign]
+        task = asyncio.create_task(reloader.watch())
+        deadline = time.monotonic() + 15
+        while len(attempts) < 2:  # the watch may start after the first edits
+            assert time.monotonic() < deadline, "no reload on editing the file"
+            path.write_text(yaml.safe_dump(RAW) + f"# edit {time.monotonic()}\n")
+            await asyncio.sleep(0.3)
+            if task.done():
+                task.result()  # its exception fails the test
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(watch())
 
 
 def test_a_short_token_from_the_environment_leaves_the_admin_routes_off(

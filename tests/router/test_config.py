@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,13 @@ def test_unusable_files(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("models: [{name: café}]\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: not UTF-8 text: invalid continuation byte at byte 19$"):
         load_config(path)
 
 
