@@ -22,6 +22,11 @@ class MaxScoreParams(Params):
     pass
 
 
+def ranked(scores: Sequence[float]) -> list[float]:
+    """scores with the non-finite ones (a scorer's overflow) lowest: a bad scorer must not crash routing."""
+    return [s if math.isfinite(s) else -math.inf for s in scores]
+
+
 class MaxScorePicker:
     """The highest score wins; ties are broken at random so equal instances share the load."""
 
@@ -29,6 +34,7 @@ class MaxScorePicker:
         self._rng = rng or random.Random()
 
     def pick(self, scores: Sequence[float]) -> int:
+        scores = ranked(scores)
         best = max(scores)
         tied = [i for i, s in enumerate(scores) if s >= best - 1e-12]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
@@ -46,7 +52,10 @@ class SoftmaxPicker:
         self._rng = rng or random.Random()
 
     def pick(self, scores: Sequence[float]) -> int:
+        scores = ranked(scores)
         best = max(scores)
+        if best == -math.inf:  # nothing finite to weigh
+            return self._rng.randrange(len(scores))
         weights = [math.exp((s - best) / self._temperature) for s in scores]
         return self._rng.choices(range(len(scores)), weights=weights)[0]
 

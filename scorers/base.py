@@ -114,7 +114,8 @@ class Observer(Protocol):
 class Params(BaseModel):
     """A plugin's parameters: strict, unknown keys are errors, defaults filled in."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # As the configuration's: an .inf rate or weight is a typo, and inf * 0 = nan breaks scoring.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)

@@ -132,8 +132,16 @@ class TTFTModel:
             self._solve()
 
     def _solve(self) -> None:
-        penalty = np.diag(self._prior_weight * (_SCALES / self._typical_s) ** 2)
-        solved = np.linalg.solve(self._gram + penalty, self._moment + penalty @ self._prior)
+        # Priors far out of scale (1e300 s a token) underflow the penalty to a singular or overflowing system:
+        # the rates it had stay rather than failing every request.
+        try:
+            with np.errstate(all="ignore"):  # what overflows is not finite, and refused below
+                penalty = np.diag(self._prior_weight * (_SCALES / self._typical_s) ** 2)
+                solved = np.linalg.solve(self._gram + penalty, self._moment + penalty @ self._prior)
+        except np.linalg.LinAlgError:
+            return
+        if not np.isfinite(solved).all():
+            return
         self._rates = np.maximum(solved, 0.0)  # a negative rate would reward work
         self.solved = self.observations
 

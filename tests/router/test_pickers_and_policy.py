@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
 from router.config import PickerSpec, PolicyConfig, ScorerSpec
-from router.pickers import MaxScoreParams, MaxScorePicker, SoftmaxParams, SoftmaxPicker
+from router.pickers import MaxScoreParams, MaxScorePicker, Picker, SoftmaxParams, SoftmaxPicker
 from router.policy import Policy
 from scorers.base import RoutingRequest
 from tests.conftest import ManualClock
@@ -34,6 +35,16 @@ def test_softmax_prefers_higher_scores_and_sharpens_as_temperature_falls() -> No
     assert cold > 0.99
 
 
+
+
+def test_non_finite_totals_rank_lowest_and_never_crash_a_pick() -> None:
+    """A scorer's overflow (nan, inf) must not take routing down: such totals lose to any finite one."""
+    nan, inf = math.nan, math.inf
+    pickers: list[Picker] = [MaxScorePicker(MaxScoreParams(), random.Random(3)),
+               SoftmaxPicker(SoftmaxParams(temperature=0.1), random.Random(4))]  # fmt: skip
+    for picker in pickers:
+        assert {picker.pick([nan, 0.2, inf, -inf]) for _ in range(200)} == {1}
+        assert {picker.pick([nan, inf, nan]) for _ in range(200)} == {0, 1, 2}  # nothing finite: any
 
 
 def test_policy_weights_scorers() -> None:

@@ -3,6 +3,7 @@ and the ttft-cost scorer built on it."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -91,6 +92,16 @@ def test_without_calibration_the_priors_stay() -> None:
     model.observe(TTFTFeatures(0, 1000, 0), 50.0)
     assert model.rates["prefill"] == 1e-3
     assert model.observations == 0
+
+
+@pytest.mark.parametrize("prior", ["overhead_s", "prefill_s_per_token", "decode_s_per_token"])
+def test_priors_out_of_scale_keep_the_rates_instead_of_failing_every_request(prior: str) -> None:
+    """1e300 s underflows the pull towards the priors: the system is singular. The rates stay as they were."""
+    model = TTFTModel(TTFTPriors.model_validate({prior: 1e300}))
+    for i in range(40):
+        model.observe(TTFTFeatures(0, 100 + i, 0), 0.05)
+    assert model.solved == 0 and model.rates == TTFTModel(TTFTPriors.model_validate({prior: 1e300})).rates
+    assert math.isfinite(model.predict(TTFTFeatures(10, 100, 0)))
 
 
 def test_features_reuse_whole_blocks_and_never_the_last_token() -> None:
