@@ -151,10 +151,11 @@ class Reloader:
 
 def _swap_policies(proxy: Proxy, new: RouterConfig) -> None:
     """A policy whose definition stays keeps its state (session affinity, round-robin position); one
-    redefined starts afresh, and so do its A/B results, which would otherwise mix two policies."""
+    redefined starts afresh, and so do its A/B results, which would otherwise mix two policies. A removed
+    one's results go too: added back later, it starts afresh."""
     old = proxy.policies
     kept = {name: policy for name, policy in old.items() if new.policies.get(name) == policy.config}
-    for name in (old.keys() & new.policies.keys()) - kept.keys():
+    for name in old.keys() - kept.keys():
         proxy.ab.forget(name)
     proxy.policies = {name: kept.get(name) or Policy(name, config) for name, config in new.policies.items()}
 

@@ -241,6 +241,16 @@ def test_a_reload_keeps_the_state_of_policies_it_does_not_change(fleet: FleetPor
     assert samples["least-loaded"] == [1, 1]
 
 
+def test_a_policy_removed_and_added_back_starts_afresh() -> None:
+    full = parse_config(RAW)
+    proxy = SimpleNamespace(policies={name: Policy(name, c) for name, c in full.policies.items()}, ab=ABStats())
+    proxy.ab.failed("round-robin")
+    without = {name: spec.model_dump(mode="json") for name, spec in full.policies.items() if name != "round-robin"}
+    _swap_policies(proxy, parse_config({**RAW, "policies": without}))  # type: ignore[arg-type]
+    _swap_policies(proxy, full)  # type: ignore[arg-type]
+    assert proxy.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 0
+
+
 def test_the_watch_outlives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> None:
     """Dead, the watch would also take SIGHUP's handler with it: the next SIGHUP would end the router."""
     path = tmp_path / "router.yaml"
