@@ -119,8 +119,10 @@ class Reloader:
         _swap_policies(proxy, new)
         # A split set at runtime (PUT /admin/traffic) stays unless the file's own split changed or the
         # running one names a policy that is gone.
+        # Order counts: the first policy is the A/B baseline, and the ranges are laid out in order.
         running = proxy.traffic.weights.keys()
-        if new.traffic_weights() != old.traffic_weights() or not running <= new.policies.keys():
+        changed = list(new.traffic_weights().items()) != list(old.traffic_weights().items())
+        if changed or not running <= new.policies.keys():
             proxy.traffic = TrafficSplit(new.traffic_weights())
         proxy.traffic_config = new.traffic
         self.config = new

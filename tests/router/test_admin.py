@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+import zmq.asyncio
 
 from kvroute.processes import FleetPorts, running_router
 from router.ab import ABStats
@@ -28,6 +29,7 @@ from router.instances import Fleet
 from router.metrics import RouterMetrics
 from router.policy import Policy
 from router.reload import Reloader, _swap_policies
+from router.traffic import TrafficSplit
 from tests.conftest import metric, sample
 from tests.router.test_proxy import post
 
@@ -211,8 +213,8 @@ def test_a_runtime_split_stays_until_the_files_split_changes(
     config["policies"] = {
         **parse_config(config).model_dump(mode="json")["policies"],
         "spare": {"scorers": [{"type": "round-robin"}]},
-    }  # an edit that leaves the split
-    path.write_text(yaml.safe_dump(config))
+    }  # an edit that leaves the split, in its order too (sorted keys would reorder it)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     status, body = call("POST", url + "/admin/reload", headers=AUTH)
     assert status == 200 and body["split"] == {"kvroute": 1.0}
     config["traffic"] = {"split": {"round-robin": 1}}
@@ -249,6 +251,24 @@ def test_a_policy_removed_and_added_back_starts_afresh() -> None:
     _swap_policies(proxy, parse_config({**RAW, "policies": without}))  # type: ignore[arg-type]
     _swap_policies(proxy, full)  # type: ignore[arg-type]
     assert proxy.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 0
+
+
+def test_a_file_split_only_reordered_replaces_the_running_one() -> None:
+    """The first policy is the A/B baseline, and the ranges are laid out in order: order is part of a split."""
+    old = parse_config({**RAW, "traffic": {"split": {"round-robin": 1, "kvroute": 1}}})
+    new = parse_config({**RAW, "traffic": {"split": {"kvroute": 1, "round-robin": 1}}})
+
+    async def reload() -> list[str]:
+        proxy = SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit(old.traffic_weights()))
+        context = zmq.asyncio.Context()
+        reloader = Reloader(old, None, Fleet(old), BlockIndex(16), RouterMetrics(), context, lambda: proxy)  # type: ignore[arg-type,return-value]
+        try:
+            await reloader.apply(new)
+        finally:
+            context.destroy(linger=0)
+        return list(proxy.traffic.weights)
+
+    assert asyncio.run(reload()) == ["kvroute", "round-robin"]
 
 
 def test_the_watch_outlives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> None:
