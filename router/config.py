@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -355,14 +356,23 @@ class RouterConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> RouterConfig:
         model_names = [m.name for m in self.models]
-        _unique("models", model_names)
+        _unique((f"models.{i}.name", name) for i, name in enumerate(model_names))
         for index, adapter in enumerate(self.models):
             base = next((m for m in self.models if m.name == adapter.lora_of), None)
             if base is adapter:
                 raise ValueError(f"models.{index}.lora_of: {base.name!r} cannot be an adapter of itself")
             if base is not None and base.lora_of is not None:
                 raise ValueError(f"models.{index}.lora_of: {base.name!r} is an adapter, not a base model")
-        _unique("instances", [i.name for i in self.instances])
+        _unique((f"instances.{i}.name", instance.name) for i, instance in enumerate(self.instances))
+        # Two entries for one engine would count its load and cache twice, and one ZMQ endpoint cannot be
+        # two instances' events.
+        _unique(((f"instances.{i}.url", instance.url) for i, instance in enumerate(self.instances)), _url_key)
+        _unique(
+            (f"instances.{i}.{key}", endpoint)
+            for i, instance in enumerate(self.instances)
+            for key, endpoint in (("events", instance.events), ("replay", instance.replay))
+            if endpoint is not None
+        )
         for index, instance in enumerate(self.instances):
             for model in instance.models or []:
                 if model not in model_names:
@@ -412,12 +422,20 @@ def api_key(env: str) -> str:
     return os.environ.get(env, "").strip()
 
 
-def _unique(key: str, names: list[str]) -> None:
+def _unique(values: Iterable[tuple[str, str]], same: Callable[[str], str] = str) -> None:
+    """Each value once (values alike under same are one); a repeat is named by its key path."""
     seen: set[str] = set()
-    for index, name in enumerate(names):
-        if name in seen:
-            raise ValueError(f"{key}.{index}.name: {name!r} is used twice")
-        seen.add(name)
+    for path, value in values:
+        if same(value) in seen:
+            raise ValueError(f"{path}: {value!r} is used twice")
+        seen.add(same(value))
+
+
+def _url_key(url: str) -> str:
+    """url as an engine's address: host case and a default port do not make another engine."""
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}[parts.scheme]
+    return f"{parts.scheme}://{parts.hostname}:{port}"
 
 
 class ConfigError(Exception):
