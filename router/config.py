@@ -18,14 +18,22 @@ from scorers.registry import PICKERS, SCORERS, validate_params
 from scorers.ttft_model import TTFTPriors
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
-_HTTP_URL = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?/?$")
-_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+)$")
+_HTTP_URL = re.compile(r"^https?://[^/\s:]+(:(?P<port>\d{1,5}))?/?$")
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:(?P<port>\d{1,5})|ipc://\S+)$")
 
 
 def _checked_http_url(url: str) -> str:
-    if not _HTTP_URL.match(url):
+    match = _HTTP_URL.match(url)
+    if not match:
         raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
+    _check_port(url, match)
     return url.rstrip("/")
+
+
+def _check_port(address: str, match: re.Match[str]) -> None:
+    port = match["port"]
+    if port is not None and not 1 <= int(port) <= 65535:
+        raise ValueError(f"{address!r}: port {port} is not in 1-65535")
 
 
 class _Strict(BaseModel):
@@ -95,8 +103,12 @@ class InstanceConfig(_Strict):
     @field_validator("events", "replay")
     @classmethod
     def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
-        if endpoint is not None and not _ZMQ_ENDPOINT.match(endpoint):
+        if endpoint is None:
+            return None
+        match = _ZMQ_ENDPOINT.match(endpoint)
+        if not match:
             raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
+        _check_port(endpoint, match)
         return endpoint
 
 
