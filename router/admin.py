@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
-from router.config import MIN_TOKEN_LENGTH, AdminConfig
+from router.config import MIN_TOKEN_LENGTH, AdminConfig, api_key
 from router.errors import OpenAIError, bad_request
 from router.proxy import Proxy
 from router.traffic import TrafficSplit
@@ -32,7 +31,7 @@ def admin_token(config: AdminConfig) -> str | None:
         return config.token
     if config.token_env is None:
         return None
-    token = os.environ.get(config.token_env) or None
+    token = api_key(config.token_env) or None  # stripped: a token file's newline is no part of it
     if token is not None and len(token) < MIN_TOKEN_LENGTH:
         if config.token_env not in _warned_short:
             _warned_short.add(config.token_env)

@@ -300,6 +300,11 @@ def test_the_watch_outlives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> 
     asyncio.run(watch())
 
 
+def test_a_token_from_the_environment_loses_a_files_trailing_newline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_TEST_ADMIN_TOKEN", TOKEN + "\n")
+    assert admin_token(AdminConfig(token_env="KVROUTE_TEST_ADMIN_TOKEN")) == TOKEN
+
+
 def test_a_short_token_from_the_environment_leaves_the_admin_routes_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
