@@ -43,8 +43,10 @@ class FleetOptions:
         return f"{self.name_prefix}{self.first_index + index}"
 
 
-async def run_fleet(options: FleetOptions, ready: asyncio.Event | None = None) -> None:
-    tokenizer = PromptTokenizer(options.tokenizer_path)
+async def run_fleet(
+    options: FleetOptions, tokenizer: PromptTokenizer, ready: asyncio.Event | None = None
+) -> None:
+    """tokenizer: options.tokenizer_path's, loaded by the caller (a bad path is its error to report)."""
     vocabulary = printable_token_ids(tokenizer)
     async with contextlib.AsyncExitStack() as stack:
         tasks = []

@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvroute.arguments import MAX_PORT, port, positive_float, positive_int, positive_ints
 from kvroute.bench_overhead import add_overhead_parser
 from kvroute.simulate.command import add_simulate_parser
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
+    from router.tokenization import PromptTokenizer
 
 
 def _load_config(path: str) -> RouterConfig | None:
@@ -53,10 +55,19 @@ def _fleet(args: argparse.Namespace) -> int:
 
     from fleet.engine import EngineTiming
     from fleet.launcher import FleetOptions, run_fleet
-    from router.tokenization import resolve_tokenizer_path
 
+    last = max(args.port, args.event_port, args.replay_port) + args.instances - 1
+    if last > MAX_PORT:
+        print(f"kvroute fleet: {args.instances} instances need ports up to {last}, past {MAX_PORT}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        tokenizer = _tokenizer(args.tokenizer)
+    except (OSError, ValueError) as exc:
+        print(f"kvroute fleet: --tokenizer {args.tokenizer}: {exc}", file=sys.stderr)
+        return 2
     options = FleetOptions(
-        tokenizer_path=resolve_tokenizer_path(args.tokenizer),
+        tokenizer_path=tokenizer.path,
         instances=args.instances,
         host=args.host,
         port=args.port,
@@ -80,8 +91,18 @@ def _fleet(args: argparse.Namespace) -> int:
             max_batched_tokens=args.max_batched_tokens,
         ),
     )
-    uvloop.run(run_fleet(options))
+    uvloop.run(run_fleet(options, tokenizer))
     return 0
+
+
+def _tokenizer(spec: str) -> PromptTokenizer:
+    """spec's tokenizer (a directory or builtin:NAME); OSError or ValueError saying why there is none."""
+    from router.tokenization import PromptTokenizer, resolve_tokenizer_path
+
+    path = resolve_tokenizer_path(spec)
+    if not path.is_dir():  # transformers would take it for a hub repository's name, and say that
+        raise NotADirectoryError("not a directory")
+    return PromptTokenizer(path)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -96,9 +117,8 @@ def _bench_index(args: argparse.Namespace) -> int:
     from router.tokenization import PromptTokenizer, resolve_tokenizer_path
 
     tokenizer = PromptTokenizer(resolve_tokenizer_path("builtin:tiny-llama"))
-    sizes = tuple(int(size) for size in args.sizes.split(","))
     out = Path(args.out) if args.out else None
-    run_bench(BenchOptions(sizes, args.repeats, out), lambda: CachedChatTokenizer(tokenizer))
+    run_bench(BenchOptions(args.sizes, args.repeats, out), lambda: CachedChatTokenizer(tokenizer))
     return 0
 
 
@@ -181,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the router")
     serve.add_argument("--config", required=True, help="routing configuration (YAML)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port, default=8000)
     serve.set_defaults(run=_serve)
 
     check = commands.add_parser("check-config", help="validate a configuration file without starting")
@@ -189,24 +209,34 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_check_config)
 
     fleet = commands.add_parser("fleet", help="run simulated vLLM instances (no GPU needed)")
-    fleet.add_argument("--instances", type=int, default=3)
+    fleet.add_argument("--instances", type=positive_int, default=3)
     fleet.add_argument("--host", default="127.0.0.1")
-    fleet.add_argument("--port", type=int, default=8101, help="HTTP port of the first instance")
-    fleet.add_argument("--event-port", type=int, default=5601, help="KV event PUB port of the first instance")
+    fleet.add_argument("--port", type=port, default=8101, help="HTTP port of the first instance")
     fleet.add_argument(
-        "--replay-port", type=int, default=5701, help="KV event replay port of the first instance"
+        "--event-port", type=port, default=5601, help="KV event PUB port of the first instance"
+    )
+    fleet.add_argument(
+        "--replay-port", type=port, default=5701, help="KV event replay port of the first instance"
     )
     fleet.add_argument("--model", default="tiny-llama", help="served model name")
     fleet.add_argument(
         "--tokenizer", default="builtin:tiny-llama", help="tokenizer directory or builtin:NAME"
     )
-    fleet.add_argument("--block-size", type=int, default=32)
-    fleet.add_argument("--kv-blocks", type=int, default=2048, help="KV cache capacity in blocks per instance")
-    fleet.add_argument("--max-model-len", type=int, default=32768)
-    fleet.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens per second")
-    fleet.add_argument("--decode-tps", type=float, default=100.0, help="decode steps (tokens) per second")
-    fleet.add_argument("--max-num-seqs", type=int, default=16, help="concurrent sequences per instance")
-    fleet.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    fleet.add_argument("--block-size", type=positive_int, default=32)
+    fleet.add_argument(
+        "--kv-blocks", type=positive_int, default=2048, help="KV cache capacity in blocks per instance"
+    )
+    fleet.add_argument("--max-model-len", type=positive_int, default=32768)
+    fleet.add_argument("--prefill-tps", type=positive_float, default=8000.0, help="prefill tokens per second")
+    fleet.add_argument(
+        "--decode-tps", type=positive_float, default=100.0, help="decode steps (tokens) per second"
+    )
+    fleet.add_argument(
+        "--max-num-seqs", type=positive_int, default=16, help="concurrent sequences per instance"
+    )
+    fleet.add_argument(
+        "--max-batched-tokens", type=positive_int, default=2048, help="token budget of one engine step"
+    )
     fleet.add_argument("--event-encoding", choices=["map", "array"], default="map")
     fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int")
     fleet.add_argument("--name-prefix", default="fleet-")
@@ -223,16 +253,19 @@ def _parser() -> argparse.ArgumentParser:
     fleet.set_defaults(run=_fleet)
 
     demo = commands.add_parser("demo", help="fleet + router + an agentic workload, for every policy")
-    demo.add_argument("--sessions", type=int, default=8)
-    demo.add_argument("--turns", type=int, default=6)
-    demo.add_argument("--instances", type=int, default=3)
+    demo.add_argument("--sessions", type=positive_int, default=8)
+    demo.add_argument("--turns", type=positive_int, default=6)
+    demo.add_argument("--instances", type=positive_int, default=3)
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks")
     benches = bench.add_subparsers(dest="bench", required=True)
     index = benches.add_parser("index", help="index ingest, memory, lookup and the routing decision")
-    index.add_argument("--sizes", default="1000000,10000000", help="index sizes for ingest and memory")
-    index.add_argument("--repeats", type=int, default=200)
+    index.add_argument(
+        "--sizes", type=positive_ints, default=(1_000_000, 10_000_000),
+        help="index sizes for ingest and memory, comma-separated (default: 1000000,10000000)",
+    )  # fmt: skip
+    index.add_argument("--repeats", type=positive_int, default=200)
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)
     live = benches.add_parser("live", help="agent sessions or a trace through several routers, one fleet")

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvroute.arguments import non_negative_int, positive_float, positive_int
 from kvroute.simulate.hardware import POOL_PRESETS, EngineSpec, FleetSpec, PoolSpec
 from kvroute.traces import MOONCAKE_TRACE, Trace, agentic_trace, load_trace
 
@@ -18,11 +19,11 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.add_argument("--trace", default=None,
                           help="a JSONL trace, `mooncake` or `agentic`; default: the Mooncake "
                                "conversation trace when present, else the agentic one")  # fmt: skip
-    simulate.add_argument("--instances", type=int, default=8)
+    simulate.add_argument("--instances", type=positive_int, default=8)
     simulate.add_argument(
-        "--rate", type=float, default=None, help="arrival rate multiplier (x2: twice as fast)"
+        "--rate", type=positive_float, default=None, help="arrival rate multiplier (x2: twice as fast)"
     )
-    simulate.add_argument("--load", type=float, default=0.7,
+    simulate.add_argument("--load", type=positive_float, default=0.7,
                           help="without --rate: the offered load, prefill the ideal cache leaves / fleet "
                                "prefill capacity")  # fmt: skip
     simulate.add_argument("--policies", default=None, help="comma-separated; default: all")
@@ -34,16 +35,21 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     # The whole Mooncake trace (12,031 requests) x 8 policies takes ~30 min on 2 cores: the default keeps
     # a run within 15 minutes; 0 replays everything.
     simulate.add_argument(
-        "--requests", type=int, default=3000, help="only the first N requests of the trace (0: all)"
-    )
+        "--requests", type=non_negative_int, default=3000,
+        help="only the first N requests of the trace (0: all)",
+    )  # fmt: skip
     simulate.add_argument("--skip", type=int, default=0,
                           help="start after the trace's first N requests (another window of it; caches "
                                "start empty)")  # fmt: skip
-    simulate.add_argument("--sessions", type=int, default=40, help="sessions of the agentic trace")
+    simulate.add_argument("--sessions", type=positive_int, default=40, help="sessions of the agentic trace")
     simulate.add_argument("--seed", type=int, default=0, help="seed of the agentic trace")
     simulate.add_argument("--sweep", choices=["rate", "instances"], default=None)
-    simulate.add_argument("--sweep-requests", type=int, default=3000, help="requests per sweep point")
-    simulate.add_argument("--slo", type=float, default=10.0, help="TTFT p99 SLO (s) for the sustainable rate")
+    simulate.add_argument(
+        "--sweep-requests", type=positive_int, default=3000, help="requests per sweep point"
+    )
+    simulate.add_argument(
+        "--slo", type=positive_float, default=10.0, help="TTFT p99 SLO (s) for the sustainable rate"
+    )
     simulate.add_argument(
         "--out", default="bench-results/simulate", help="directory for results.json and plots"
     )

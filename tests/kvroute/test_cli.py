@@ -15,6 +15,45 @@ def _keep_pytests_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # main() installs its own handler
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("serve --config r.yaml --port 99999", "argument --port: '99999' is not a port (1-65535)"),
+        ("fleet --port 99999", "argument --port: '99999' is not a port (1-65535)"),
+        ("fleet --event-port 0", "argument --event-port: '0' is not a port (1-65535)"),
+        ("fleet --instances -1", "argument --instances: '-1' is not a positive integer"),
+        ("fleet --instances 0", "argument --instances: '0' is not a positive integer"),
+        ("fleet --decode-tps 0", "argument --decode-tps: '0' is not a positive number"),
+        ("fleet --prefill-tps nan", "argument --prefill-tps: 'nan' is not a positive number"),
+        ("fleet --block-size x", "argument --block-size: 'x' is not an integer"),
+        ("bench index --sizes abc", "argument --sizes: 'abc' is not an integer"),
+        ("bench index --sizes 1000,0", "argument --sizes: '0' is not a positive integer"),
+        ("bench index --sizes 1000,", "argument --sizes: '' is not an integer"),
+        ("bench simulate --instances 0", "argument --instances: '0' is not a positive integer"),
+        ("bench simulate --rate -2", "argument --rate: '-2' is not a positive number"),
+        ("demo --turns 0", "argument --turns: '0' is not a positive integer"),
+    ],
+)
+def test_bad_arguments_are_named_and_exit_2(argv: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv.split())
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fleet_ports_past_65535_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fleet", "--port", "65534", "--instances", "3"]) == 2
+    assert "3 instances need ports up to 65536, past 65535" in capsys.readouterr().err
+
+
+def test_a_fleet_tokenizer_that_cannot_be_loaded_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    absent = tmp_path / "absent"
+    assert main(["fleet", "--tokenizer", str(absent)]) == 2
+    assert capsys.readouterr().err == f"kvroute fleet: --tokenizer {absent}: not a directory\n"
+    assert main(["fleet", "--tokenizer", str(tmp_path)]) == 2  # a directory without a tokenizer
+    assert f"kvroute fleet: --tokenizer {tmp_path}: " in capsys.readouterr().err
+
+
 def test_check_config_reports_a_file_that_is_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.yaml"
     path.write_bytes(b"models: [{name: \xff}]\n")
