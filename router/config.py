@@ -145,6 +145,14 @@ class PolicyConfig(_Strict):
     scorers: list[ScorerSpec] = Field(min_length=1)
     picker: PickerSpec = Field(default_factory=PickerSpec)
 
+    @field_validator("scorers")
+    @classmethod
+    def _some_weight(cls, scorers: list[ScorerSpec]) -> list[ScorerSpec]:
+        # All at 0, every total is 0 and the picker draws at random: surely not what was meant.
+        if all(spec.weight == 0 for spec in scorers):
+            raise ValueError("every weight is 0")
+        return scorers
+
 
 def _builtin_policies() -> dict[str, PolicyConfig]:
     return {

@@ -107,6 +107,9 @@ def _with(**changes: object) -> dict[str, object]:
          "  policies.p.scorers.0.weight: Input should be greater than or equal to 0"),
         (_with(policies={"p": {"scorers": []}}, default_policy="p"),
          "  policies.p.scorers: List should have at least 1 item after validation, not 0"),
+        (_with(policies={"p": {"scorers": [{"type": "round-robin", "weight": 0}, {"type": "inflight-load", "weight": 0.0}]}},
+               default_policy="p"),
+         "  policies.p.scorers: every weight is 0"),
         (_with(policies={"p": {"scorers": [{"type": "ttft-cost", "params": {"resolution_s": float("inf")}}]}},
                default_policy="p"),
          "  policies.p.scorers.0: params.resolution_s: Input should be a finite number"),
@@ -173,6 +176,12 @@ def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> 
     path.write_bytes("models: [{name: café}]\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: not UTF-8 text: invalid continuation byte at byte 19$"):
         load_config(path)
+
+
+def test_a_policy_with_some_weights_at_0_is_valid() -> None:
+    config = parse_config(_with(policies={"p": {"scorers": [{"type": "round-robin", "weight": 0},
+                                                            {"type": "inflight-load"}]}}, default_policy="p"))  # fmt: skip
+    assert [s.weight for s in config.policies["p"].scorers] == [0.0, 1.0]
 
 
 def test_missing_file(tmp_path: Path) -> None:
