@@ -99,15 +99,17 @@ class Reloader:
         new.require_api_keys(str(self._path))
         added, removed, in_place = self._fleet.update(new)
         # Changed at the same URL: the same engine, and the same object (router/instances.py). Its events are
-        # subscribed to afresh, but its pool membership and its metric series (an open breaker's gauge, the
-        # calibrated rates, set only when they change) stay.
+        # subscribed to afresh, but its pool membership (unless the file took it out: pool: false) and its
+        # metric series (an open breaker's gauge, the calibrated rates, set only when they change) stay.
+        left_pool = set(old.pool_members()) - set(new.pool_members())
         for name in removed:
             task = self._subscriptions.pop(name, None)
             if task is not None:
                 task.cancel()
             self._index.drop_instance(name)
+            if name not in in_place or name in left_pool:
+                self._index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool
             if name not in in_place:
-                self._index.leave_pool(name)
                 self._metrics.forget_instance(name)
         # A name back in the file is exported again; moved to another URL in this same reload, the requests
         # the old engine is still serving count in its series too, as labels cannot tell the two apart.

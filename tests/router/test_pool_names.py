@@ -74,3 +74,26 @@ def test_a_reload_moves_changed_instances_to_their_new_pool_name_and_removed_one
     # What b wrote as a 70B is in the pool under the 70B's name still: it counts for the new 70B, d.
     assert index.match(prompt()) == {"a": TierMatch(pool=6), "b": TierMatch(pool=6), "d": TierMatch(pool=2)}
     assert index.pool_members() == ["a", "b", "d"]
+
+
+def test_a_reload_that_takes_an_instance_out_of_the_pool_matches_a_fresh_start() -> None:
+    first = config(("a", "llama-8b"), ("b", "llama-8b"))  # both read the pool: master_url is set
+    raw = first.model_dump(mode="json")
+    raw["instances"][1]["pool"] = False  # b changed in place: the same URL
+    new = parse_config(raw)
+
+    async def reload() -> BlockIndex:
+        index, context = BlockIndex(BS), zmq.asyncio.Context()
+        place_instances(index, first)
+        proxy = cast(Proxy, types.SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit({"kvroute": 1})))
+        reloader = Reloader(first, None, Fleet(first), index, RouterMetrics(), context, lambda: proxy)
+        try:
+            assert (await reloader.apply(new))["removed"] == ["b"]
+        finally:
+            await reloader.stop()
+            context.destroy(linger=0)
+        return index
+
+    fresh = BlockIndex(BS)
+    place_instances(fresh, new)
+    assert asyncio.run(reload()).pool_members() == fresh.pool_members() == ["a"]
