@@ -31,7 +31,6 @@ from router.health import HealthChecker
 from router.http_stack import upstream_session
 from router.index_metrics import IndexCollector
 from router.instances import Fleet
-from router.kv_subscriber import engine_restarted
 from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
@@ -133,21 +132,16 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 admission.memory_hold_s,
                 config.tokenization.thread_above_bytes,
             )
-
-            def restarted(name: str) -> None:
-                if not engine_restarted(index, name):  # no events followed: nothing says what it holds now
-                    index.drop_instance(name)
-
-            load = config.load
-            scraper = LoadScraper(
-                fleet, control, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
-                restarted=restarted,
-            )  # fmt: skip
-            failures = metrics.task_failures
             reloader = app.state.reloader = Reloader(
                 config, path, fleet, index, metrics, zmq_context, lambda: app.state.proxy
             )
             reloader.subscribe(config.instances)
+            load = config.load
+            scraper = LoadScraper(
+                fleet, control, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
+                restarted=reloader.engine_restarted,
+            )  # fmt: skip
+            failures = metrics.task_failures
             tasks = [
                 asyncio.create_task(reloader.watch()),
                 asyncio.create_task(

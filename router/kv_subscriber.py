@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
-from weakref import WeakKeyDictionary
 
 import zmq
 import zmq.asyncio
@@ -101,13 +100,7 @@ class KVEventSubscriber:
 
     async def run(self) -> None:
         """Follow the instance until cancelled; a failed session is logged, counted and started again."""
-        feeding = _feeding.setdefault(self._sink, {})
-        feeding[self.instance] = self
-        try:
-            await supervise(f"kv-events {self.instance}", self._session, 1.0, self._metrics.task_failures)
-        finally:
-            if feeding.get(self.instance) is self:  # a reload may have started its successor already
-                del feeding[self.instance]
+        await supervise(f"kv-events {self.instance}", self._session, 1.0, self._metrics.task_failures)
 
     def engine_restarted(self) -> None:
         """The instance is served by a new engine process (its /metrics said so). A rank whose sequence was
@@ -299,17 +292,3 @@ def _restarted(replayed: list[_Numbered], rank: int, seq: int, position: _Positi
             return batch.ts != position.applied.get(seq)
     return False  # no longer buffered: nothing tells, and a gap is the likelier story
 
-
-# The subscriber following each instance into each sink. The load scraper learns of engine restarts too, and
-# only the subscriber knows which of the sink's entries the new process really holds.
-_feeding: WeakKeyDictionary[EventSink, dict[str, KVEventSubscriber]] = WeakKeyDictionary()
-
-
-def engine_restarted(sink: EventSink, instance: str) -> bool:
-    """Tell the subscriber following instance into sink that a new engine process serves instance; False when
-    no subscriber does."""
-    subscriber = _feeding.get(sink, {}).get(instance)
-    if subscriber is None:
-        return False
-    subscriber.engine_restarted()
-    return True

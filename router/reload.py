@@ -50,7 +50,7 @@ class Reloader:
         self._path = None if path is None else path.absolute()  # the watch compares absolute paths
         self._fleet, self._index, self._metrics = fleet, index, metrics
         self._zmq, self._proxy = zmq_context, proxy
-        self._subscriptions: dict[str, asyncio.Task[None]] = {}
+        self._subscriptions: dict[str, tuple[KVEventSubscriber, asyncio.Task[None]]] = {}
         self._lock = asyncio.Lock()
 
     def subscribe(self, instances: list[InstanceConfig]) -> None:
@@ -60,10 +60,19 @@ class Reloader:
             subscriber = KVEventSubscriber(
                 instance.name, instance.events, instance.replay, self._index, self._metrics, self._zmq
             )
-            self._subscriptions[instance.name] = asyncio.create_task(subscriber.run())
+            self._subscriptions[instance.name] = subscriber, asyncio.create_task(subscriber.run())
+
+    def engine_restarted(self, name: str) -> None:
+        """A new engine process serves instance name (the load scraper saw its start time change): its
+        subscriber knows which index entries the new process holds; without one, nothing does, and all go."""
+        subscription = self._subscriptions.get(name)
+        if subscription is None:
+            self._index.drop_instance(name)
+        else:
+            subscription[0].engine_restarted()
 
     async def stop(self) -> None:
-        tasks = list(self._subscriptions.values())
+        tasks = [task for _, task in self._subscriptions.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -103,9 +112,9 @@ class Reloader:
         # metric series (an open breaker's gauge, the calibrated rates, set only when they change) stay.
         left_pool = set(old.pool_members()) - set(new.pool_members())
         for name in removed:
-            task = self._subscriptions.pop(name, None)
-            if task is not None:
-                task.cancel()
+            subscription = self._subscriptions.pop(name, None)
+            if subscription is not None:
+                subscription[1].cancel()
             self._index.drop_instance(name)
             if name not in in_place or name in left_pool:
                 self._index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool

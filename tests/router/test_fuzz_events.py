@@ -3,6 +3,7 @@ on anything the wire can carry, and the index keeps its books straight whatever 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from router import block_hashing
 from router.block_index import BlockIndex
 from router.kv_events import (
+    MAX_DATA_PARALLEL_RANK,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -140,8 +142,11 @@ def test_any_msgpack_value_decodes_or_is_malformed(value: Any) -> None:
 @given(st.floats() | ints, st.lists(values, max_size=6), st.none() | values)
 def test_a_batch_of_arbitrary_events_keeps_or_counts_each_one(ts: Any, events: list[Any], rank: Any) -> None:
     batch = check_decoded(encode([ts, events, rank]), len(events))
-    if isinstance(ts, float) and (rank is None or type(rank) is int):
+    sound_rank = rank is None or (type(rank) is int and 0 <= rank <= MAX_DATA_PARALLEL_RANK)
+    if isinstance(ts, float) and math.isfinite(ts) and sound_rank:
         assert batch is not None
+    elif (isinstance(ts, float) and not math.isfinite(ts)) or not sound_rank:
+        assert batch is None  # a timestamp or a rank no engine sends
 
 
 @FUZZ

@@ -21,6 +21,8 @@ from fleet.publisher import EventPublisher
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from router import kv_subscriber
 from router.block_index import BlockIndex
+from router.config import parse_config
+from router.instances import Fleet
 from router.kv_events import (
     END_OF_REPLAY,
     MAX_DATA_PARALLEL_RANK,
@@ -31,8 +33,9 @@ from router.kv_events import (
     KVEvent,
     pack_seq,
 )
-from router.kv_subscriber import KVEventSubscriber, Owner, engine_restarted
+from router.kv_subscriber import KVEventSubscriber, Owner
 from router.metrics import RouterMetrics
+from router.reload import Reloader
 from scorers.base import TierMatch
 from tests.router.test_block_index import BS, prompt, stored
 
@@ -560,7 +563,7 @@ def test_news_of_a_restart_the_subscriber_has_seen_keeps_the_new_processs_blocks
             await new.subscribed()
             new.publish([stored(0, 2)])
             await harness.sink.wait_applied(2)
-            assert engine_restarted(harness.sink, "a")
+            harness.subscriber.engine_restarted()
             new.publish([stored(2, 2)])
             await harness.sink.wait_applied(3)
             await new.close()
@@ -586,7 +589,7 @@ def test_news_of_a_restart_the_subscriber_has_not_seen_drops_the_owner_at_once(r
                 engine.publish(batch(n))
             await harness.sink.wait_applied(3)
             before = harness.counts()
-            assert engine_restarted(harness.sink, "a")
+            harness.subscriber.engine_restarted()
             assert harness.sink.ids() == [0, 1, 2, "drop"]
             engine.publish(batch(3))
             await harness.sink.wait_for(lambda: harness.sink.ids()[-1] == 3)
@@ -614,25 +617,11 @@ def test_news_of_a_restart_while_a_gap_is_replayed_restarts_from_the_buffer() ->
             engine.publish(batch(1), send=False)
             engine.publish(batch(2))
             await asyncio.wait_for(engine.replay_asked.wait(), TIMEOUT_S)
-            assert engine_restarted(harness.sink, "a")
+            harness.subscriber.engine_restarted()
             engine.answer_replay.set()
             await harness.sink.wait_applied(4)
         await engine.close()
         assert harness.sink.ids() == [0, "drop", 0, 1, 2]
-
-    asyncio.run(main())
-
-
-def test_news_of_a_restart_reaches_only_a_running_subscriber_of_that_sink() -> None:
-    async def main() -> None:
-        harness = Harness(replay=False)
-        assert not engine_restarted(harness.sink, "a")  # not running yet
-        async with harness.running():
-            await asyncio.sleep(0)
-            assert engine_restarted(harness.sink, "a")
-            assert not engine_restarted(harness.sink, "b")
-            assert not engine_restarted(RecordingSink(), "a")
-        assert not engine_restarted(harness.sink, "a")
 
     asyncio.run(main())
 
@@ -678,3 +667,32 @@ def test_a_simulated_fleet_instance_produces_stored_blocks(model_dir: Path, tmp_
 
     with running_fleet(ports, tmp_path, ["--prefill-tps", "200000", "--decode-tps", "1000"]):
         asyncio.run(main())
+
+
+def test_news_of_a_restart_goes_to_the_instances_subscriber_or_drops_an_unfollowed_one() -> None:
+    """The load scraper's news reaches the reloader: an instance whose events are followed is left to its
+    subscriber (here it has applied nothing, so nothing of it is dropped); one without events loses its
+    entries, as nothing else says what the new process holds."""
+    port = free_port_block(1)
+    config = parse_config({
+        "models": [{"name": "tiny-llama"}], "block_size": 4,
+        "instances": [{"name": "followed", "url": "http://127.0.0.1:9", "events": f"tcp://127.0.0.1:{port}"},
+                      {"name": "unfollowed", "url": "http://127.0.0.1:10"}],
+    })  # fmt: skip
+    index = BlockIndex(4)
+    for name in ("followed", "unfollowed"):
+        index.apply((name, 0), [stored(0, 2)])
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        reloader = Reloader(config, None, Fleet(config), index, RouterMetrics(), context, lambda: None)  # type: ignore[arg-type,return-value]
+        reloader.subscribe(config.instances)
+        try:
+            reloader.engine_restarted("followed")
+            reloader.engine_restarted("unfollowed")
+        finally:
+            await reloader.stop()
+            context.destroy(linger=0)
+
+    asyncio.run(main())
+    assert set(index.match(prompt())) == {"followed"}
