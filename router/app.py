@@ -15,6 +15,7 @@ import zmq.asyncio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
@@ -238,4 +239,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         fast, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
     )
     auth = ClientAuth(limits, client_key_digests(config.auth), metrics.rejected("invalid_api_key").inc)
-    return RouterApp(app, auth)
+    if not config.cors.allow_origins:
+        return RouterApp(app, auth)
+    # Outermost: a browser's preflight carries no API key, and every answer, errors too, needs the headers.
+    cors = CORSMiddleware(auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"])
+    return RouterApp(app, cors)

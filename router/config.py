@@ -243,6 +243,14 @@ class ClientAuthConfig(_Strict):
     )
 
 
+class CorsConfig(_Strict):
+    allow_origins: list[str] = Field(
+        default_factory=list,
+        description="origins whose browser pages may call the router (CORS); ['*']: any, as vLLM allows by "
+        "default; empty: no CORS headers",
+    )
+
+
 class UpstreamConfig(_Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     first_byte_timeout_s: float = Field(
@@ -337,6 +345,7 @@ class RouterConfig(_Strict):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
+    cors: CorsConfig = Field(default_factory=CorsConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
