@@ -37,7 +37,15 @@ from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
 from router.pool import PoolConfirmer, place_instances, pool_names
-from router.proxy import Proxy
+from router.proxy import (
+    ATTEMPTS_HEADER,
+    CACHED_BLOCKS_HEADER,
+    INSTANCE_HEADER,
+    POLICY_HEADER,
+    PREDICTED_TTFT_HEADER,
+    PROMPT_BLOCKS_HEADER,
+    Proxy,
+)
 from router.reload import Reloader
 from router.request_limits import RequestLimits
 from router.routing import LocalTokenizer, Router
@@ -48,6 +56,11 @@ from router.traffic import TrafficSplit
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+# What a browser page may read of an answer besides the simple headers: when to retry, where it was routed.
+_EXPOSED = [
+    "retry-after", INSTANCE_HEADER, POLICY_HEADER, CACHED_BLOCKS_HEADER, PROMPT_BLOCKS_HEADER,
+    PREDICTED_TTFT_HEADER, ATTEMPTS_HEADER,
+]  # fmt: skip
 
 
 class RouterApp(NamedTuple):
@@ -242,5 +255,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     if not config.cors.allow_origins:
         return RouterApp(app, auth)
     # Outermost: a browser's preflight carries no API key, and every answer, errors too, needs the headers.
-    cors = CORSMiddleware(auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"])
+    cors = CORSMiddleware(
+        auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED
+    )
     return RouterApp(app, cors)

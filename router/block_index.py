@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import cast
+from typing import NamedTuple, cast
 
 from router import block_hashing
 from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -54,6 +54,13 @@ class Tier(IntEnum):
 DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
     None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.CPU, "cpu": Tier.POOL,
 }  # fmt: skip
+
+
+class Speculation(NamedTuple):
+    """The blocks one routed request entered as pending at its instance, and until when."""
+
+    blocks: list[int]
+    until: float
 
 
 def _key(vllm_hash: BlockHash) -> int:
@@ -478,9 +485,9 @@ class BlockIndex:
         if pool is not None:
             self._remove(pool, Tier.POOL, vllm_hashes)
 
-    def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> list[int]:
+    def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> Speculation:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive;
-        returns the blocks entered, for withdraw.
+        returns what was entered, for withdraw.
 
         A long prompt enters thousands of blocks: one expiry record per request, and a deadline of its own
         only for a block this instance already had pending.
@@ -491,24 +498,27 @@ class BlockIndex:
         pending, later = self._pending, self._respeculated.setdefault(bit, {})
         for block in blocks:
             mask = pending.get(block, 0)
-            if mask & bit:
+            if mask & bit or (later and block in later):  # pending, or withdrawn while its record lives
                 later[block] = deadline
-            else:
+            if not mask & bit:
                 pending[block] = mask | bit
         self._pending_expiry.append((deadline, bit, blocks))
-        return blocks
+        return Speculation(blocks, deadline)
 
-    def withdraw(self, instance: str, blocks: Sequence[int]) -> None:
+    def withdraw(self, instance: str, speculation: Speculation) -> None:
         """A routed request that never ran there (refused, or the instance failed it): its speculative
         blocks go now rather than at their deadline. Another request's speculation of the same blocks on the
         same instance goes too; the events of what that one computes enter them for real."""
         state = self._owners.get((instance, 0))
-        if state is None:
+        now = self._clock()
+        if state is None or now >= speculation.until:  # expired already: what is pending is others'
             return
         bit, pending = state.bit, self._pending
-        later, keep = self._respeculated.get(bit, {}), ~state.bit
-        for block in blocks:
-            later.pop(block, None)
+        later, keep = self._respeculated.setdefault(bit, {}), ~state.bit
+        for block in speculation.blocks:
+            # Its expiry record stays: a deadline already passed tells that record to let a later
+            # speculation of the block stand, and goes with it.
+            later[block] = now
             mask = pending.get(block, 0) & keep
             if mask:
                 pending[block] = mask

@@ -53,6 +53,7 @@ _REFUSED_CREDENTIALS = (401, 403)
 _MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the message
 _WATCH_AFTER_S = 0.05  # a request still routing or waiting for its first byte after this watches its client
 _RETRY_BACKOFF_S = 0.05
+_DISCARDED = ABStats(max_samples=1)  # results of policies a reload replaced: never read
 # No connection to the instance: nothing was sent. A connect timeout is also a TimeoutError, so it is caught
 # before the timeouts of requests that were sent.
 _NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
@@ -275,7 +276,7 @@ class Proxy:
             if not routed.streamed:  # a stream's first byte was taken when it came (even if not a stream)
                 self._first_byte(routed, None if usage is None else usage.completion_tokens)
             if usage is not None and usage.prompt_tokens_details is not None:
-                self.ab.observed_cache(
+                self._ab(routed.policy).observed_cache(
                     routed.policy.name, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
                 )
         finally:
@@ -315,7 +316,7 @@ class Proxy:
             candidates = [i for i in healthy if i.in_flight < self._per_instance_limit]
             if healthy and not candidates:
                 self._metrics.rejected("instances_full").inc()
-                self.ab.rejected(policy.name)
+                self._ab(policy).rejected(policy.name)
                 raise too_many_requests(
                     f"Every instance serving `{model}` is at capacity; retry later.", "instances_full",
                     _RETRY_AFTER_S,
@@ -358,7 +359,7 @@ class Proxy:
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 dropped = instance.name, exc
                 if not self._retry_budget.spend():
-                    self.ab.failed(policy.name)
+                    self._ab(policy).failed(policy.name)
                     raise upstream_failed(instance.name, exc) from exc
                 self._metrics.retries(instance.name).inc()
                 await asyncio.sleep(_RETRY_BACKOFF_S * len(tried) * random.uniform(0.5, 1.5))
@@ -368,7 +369,7 @@ class Proxy:
                 self._abandon(decision, upstream, probe, prefill)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "response"
                 self._metrics.upstream_errors(instance.name, kind).inc()
-                self.ab.failed(policy.name)
+                self._ab(policy).failed(policy.name)
                 raise upstream_failed(instance.name, exc) from exc
             except BaseException:
                 self._abandon(decision, upstream, probe, prefill, failed=False)
@@ -394,12 +395,12 @@ class Proxy:
                 raise
             return routed
         if dropped is not None:
-            self.ab.failed(policy.name)
+            self._ab(policy).failed(policy.name)
             raise upstream_failed(*dropped)
         if refused is not None:
-            self.ab.failed(policy.name)
+            self._ab(policy).failed(policy.name)
             raise upstream_unauthorized(*refused)
-        self.ab.rejected(policy.name)
+        self._ab(policy).rejected(policy.name)
         if tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:
@@ -446,6 +447,11 @@ class Proxy:
             self._breaker_failed(decision.instance, probe)
         else:
             decision.instance.breaker.abandoned(probe)
+
+    def _ab(self, policy: Policy) -> ABStats:
+        """Where policy's A/B results go: nowhere once a reload has replaced or removed it, so that a policy
+        defined afresh under its name starts from nothing, whatever the old one still had in flight."""
+        return self.ab if self.policies.get(policy.name) is policy else _DISCARDED
 
     def _breaker_failed(self, instance: Instance, probe: bool) -> None:
         if instance.breaker.failed(probe):
@@ -529,7 +535,7 @@ class Proxy:
         if answered:
             self._metrics.e2e(policy).observe(elapsed)
         decision = routed.decision
-        self.ab.finished(
+        self._ab(routed.policy).finished(
             policy, routed.instance.name, 502 if routed.broken else status, elapsed if answered else None,
             decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
         )  # fmt: skip
@@ -551,7 +557,7 @@ class Proxy:
             return
         elapsed = time.perf_counter() - routed.started
         self._metrics.ttft(routed.policy.name).observe(elapsed)
-        self.ab.first_byte(routed.policy.name, elapsed, routed.session_key)
+        self._ab(routed.policy).first_byte(routed.policy.name, elapsed, routed.session_key)
         decision, name = routed.decision, routed.instance.name
         model = routed.instance.ttft_model
         if routed.streamed:

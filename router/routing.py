@@ -11,13 +11,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import xxhash
 
 from router import block_hashing
-from router.block_index import BlockIndex
+from router.block_index import BlockIndex, Speculation
 from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
@@ -61,7 +61,7 @@ class Decision:
     uncached_tokens: int
     features: TTFTFeatures
     predicted_ttft_s: float
-    speculated: list[int] = field(default_factory=list)  # blocks entered as pending at the instance
+    speculated: Speculation | None = None  # blocks entered as pending at the instance
 
 
 class Router:
@@ -129,7 +129,7 @@ class Router:
         instance = candidates[policy.choose(prepared.request, candidates)]
         match = prepared.request.matches.get(instance.name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
-        speculated: list[int] = []
+        speculated = None
         if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
             speculated = self._index.speculate(instance.name, prepared.chain, start=held)
         features = features_for(prepared.request, instance)
@@ -152,7 +152,7 @@ class Router:
 
     def withdraw(self, decision: Decision) -> None:
         """The request never ran where it was routed: take back the blocks decide() entered for it there."""
-        if decision.speculated:
+        if decision.speculated is not None:
             self._index.withdraw(decision.instance.name, decision.speculated)
 
     def close(self) -> None:

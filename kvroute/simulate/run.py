@@ -43,7 +43,7 @@ class RunResult:
     utilization: float = 0.0  # mean busy time / the span from the first arrival to the last finish
     requests_per_instance: list[int] = field(default_factory=list)
     busy_per_instance_s: list[float] = field(default_factory=list)
-    longest_session_s: float = 0.0  # longest_session_active: a floor under max busy time without moves
+    longest_session_s: float = 0.0  # longest_session_active: about the busiest instance's time, without moves
     tail: dict[str, float] = field(default_factory=dict)  # where the slowest 1% of TTFTs went (tail_of)
     wall_s: float = 0.0
 
@@ -222,8 +222,9 @@ def _result(
 
 def longest_session_active(done: list[SimRequest]) -> float:
     """The longest time one session had a turn in flight (its turns' send-to-finish intervals, merged). An
-    instance that serves a session from start to end is busy at least this long, so for a policy that never
-    moves a session the instance with the longest one sets the busy time that load imbalance divides."""
+    instance that serves a session from start to end is busy about this long (less any time its turns wait
+    before a step takes them), so for a policy that never moves a session the instance with the longest one
+    sets about the busy time that load imbalance divides."""
     turns: dict[str, list[tuple[float, float]]] = {}
     for request in done:
         if request.session is not None:

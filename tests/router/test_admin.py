@@ -28,6 +28,7 @@ from router.config import AdminConfig, parse_config
 from router.instances import Fleet
 from router.metrics import RouterMetrics
 from router.policy import Policy
+from router.proxy import Proxy
 from router.reload import Reloader, _swap_policies
 from router.traffic import TrafficSplit
 from tests.conftest import metric, sample
@@ -246,11 +247,16 @@ def test_a_reload_keeps_the_state_of_policies_it_does_not_change(fleet: FleetPor
 def test_a_policy_removed_and_added_back_starts_afresh() -> None:
     full = parse_config(RAW)
     proxy = SimpleNamespace(policies={name: Policy(name, c) for name, c in full.policies.items()}, ab=ABStats())
+    old = proxy.policies["round-robin"]
     proxy.ab.failed("round-robin")
     without = {name: spec.model_dump(mode="json") for name, spec in full.policies.items() if name != "round-robin"}
     _swap_policies(proxy, parse_config({**RAW, "policies": without}))  # type: ignore[arg-type]
     _swap_policies(proxy, full)  # type: ignore[arg-type]
+    # A request the old one routed ends now: its result goes nowhere.
+    Proxy._ab(proxy, old).failed("round-robin")  # type: ignore[arg-type]
     assert proxy.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 0
+    Proxy._ab(proxy, proxy.policies["round-robin"]).failed("round-robin")  # type: ignore[arg-type]
+    assert proxy.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 1
 
 
 def test_a_file_split_only_reordered_replaces_the_running_one() -> None:

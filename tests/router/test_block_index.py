@@ -260,12 +260,29 @@ def test_a_withdrawn_speculation_goes_at_once_and_leaves_others_alone() -> None:
     index.apply(A, [stored(0, 2)])
     entered = index.speculate("a", prompt(), start=2)
     index.speculate("b", prompt())
-    assert entered == prompt()[2:]
+    assert entered.blocks == prompt()[2:]
     index.withdraw("a", entered)
     assert index.match(prompt()) == {"a": TierMatch(gpu=2), "b": TierMatch(gpu=10)}
     index.withdraw("c", entered)  # an instance the index never saw: nothing to take back
     index.withdraw("b", index.speculate("b", prompt()))  # speculated twice: withdrawn whole
     assert index.match(prompt()) == {"a": TierMatch(gpu=2)}
+
+
+def test_a_request_speculated_after_a_withdrawn_one_keeps_its_own_deadline() -> None:
+    clock = ManualClock(100.0)
+    index = BlockIndex(BS, speculative_ttl_s=2.0, clock=clock)
+    index.withdraw("a", index.speculate("a", prompt()))  # refused at 100
+    clock.now = 101.0
+    index.speculate("a", prompt())  # the client's retry, due until 103
+    clock.now = 102.5  # past the withdrawn one's deadline
+    assert index.match(prompt()) == {"a": TierMatch(gpu=10)}
+    clock.now = 103.0
+    assert index.match(prompt()) == {}
+    assert not index._pending and not any(index._respeculated.values())  # nothing left behind
+    late = index.speculate("a", prompt())
+    clock.now = 106.0
+    index.withdraw("a", late)  # an error that came after its deadline: nothing of it is left to take back
+    assert not any(index._respeculated.values())
 
 
 @pytest.mark.parametrize("seed", range(4))

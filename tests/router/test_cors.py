@@ -39,6 +39,7 @@ def test_a_browser_on_an_allowed_origin_may_call_the_api(
         status, headers, _ = post(url + "/v1/chat/completions", body,
                                   {"Origin": ORIGIN, "authorization": "Bearer browser-key"})  # fmt: skip
         assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+        assert "x-kvroute-instance" in headers["access-control-expose-headers"].lower()
         status, headers, _ = post(url + "/v1/chat/completions", body, {"Origin": ORIGIN})
         assert status == 401 and headers["access-control-allow-origin"] == ORIGIN  # the page can read why
         status, headers, _ = post(url + "/v1/chat/completions", body,

@@ -193,6 +193,6 @@ def test_a_decision_withdrawn_takes_back_only_its_speculative_blocks() -> None:
     first = router.decide(Prepared(request, chain), round_robin, instances)
     second = router.decide(Prepared(request, chain), round_robin, instances)
     assert {first.instance.name, second.instance.name} == {"a", "b"}
-    assert first.speculated == chain
+    assert first.speculated is not None and first.speculated.blocks == chain
     router.withdraw(first)  # the instance refused it
     assert index.match(chain) == {second.instance.name: TierMatch(gpu=8)}
