@@ -455,9 +455,10 @@ def _unique(values: Iterable[tuple[str, str]], same: Callable[[str], str] = str)
     """Each value once (values alike under same are one); a repeat is named by its key path."""
     seen: set[str] = set()
     for path, value in values:
-        if same(value) in seen:
+        key = same(value)
+        if key in seen:
             raise ValueError(f"{path}: {value!r} is used twice")
-        seen.add(same(value))
+        seen.add(key)
 
 
 def _url_key(url: str) -> str:

@@ -108,8 +108,7 @@ class KVEventSubscriber:
         start afresh with their next batch, replayed from the engine's buffer from 0 when there is one."""
         for rank in list(self._positions):
             if rank not in self._started_over:
-                self._restarts.inc()
-                self._drop(rank)
+                self._restart(rank)
         self._started_over.clear()
 
     async def _session(self) -> None:
@@ -291,4 +290,3 @@ def _restarted(replayed: list[_Numbered], rank: int, seq: int, position: _Positi
         if found_seq == seq and (batch.data_parallel_rank or 0) == rank:
             return batch.ts != position.applied.get(seq)
     return False  # no longer buffered: nothing tells, and a gap is the likelier story
-
