@@ -20,7 +20,8 @@ from fleet.cache_config import cache_config_labels
 from fleet.engine import Engine
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
-from router.tokenization import InvalidPrompt, PromptTokenizer
+from router.chat_conversation import InvalidPrompt
+from router.tokenization import PromptTokenizer
 
 _json = msgspec.json.Encoder()
 
@@ -190,6 +191,7 @@ def _chat_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
         add_generation_prompt=body.get("add_generation_prompt", True),
         continue_final_message=body.get("continue_final_message", False),
         add_special_tokens=body.get("add_special_tokens", False),
+        tools=body.get("tools"),
     )
 
 

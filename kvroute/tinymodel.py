@@ -29,8 +29,15 @@ SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 # rendered chat with add_special_tokens=False.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|tools|>\\n' }}{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
+    "{{ eos_token + '\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['reasoning'] is defined %}{{ '<think>' + message['reasoning'] + '</think>\\n' }}{% endif %}"
+    "{% if message['tool_call_id'] %}{{ '[' + message['tool_call_id'] + '] ' }}{% endif %}"
+    "{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}{{ '\\n<call>' + call | tojson + '</call>' }}{% endfor %}"
+    "{{ eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -80,6 +87,7 @@ def ensure_model(home: Path | None = None) -> Path:
     """Return the tiny model's directory, building it first if it is missing."""
     target = model_dir(home)
     if (target / "config.json").exists():
+        _refresh_chat_template(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
@@ -94,6 +102,19 @@ def ensure_model(home: Path | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _refresh_chat_template(directory: Path) -> None:
+    """A model built by an older kvroute gets this one's template (tools were added later), atomically, as
+    a vLLM serving it may be reading the file."""
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("chat_template") == CHAT_TEMPLATE:
+        return
+    config["chat_template"] = CHAT_TEMPLATE
+    staging = config_path.with_name(f".tokenizer_config.{os.getpid()}.json")
+    staging.write_text(json.dumps(config, indent=2))
+    staging.replace(config_path)
 
 
 def build_model(directory: Path) -> None:

@@ -118,7 +118,10 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                     index, config.pool.master_url, pool_names(config), control, metrics,
                     config.pool.confirm_ttl_s, config.pool.timeout_s,
                 )  # fmt: skip
-            router = Router(index, tokenizers, config.block_size, metrics, remote_tokenizer, pool, adapters)
+            router = Router(
+                index, tokenizers, config.block_size, metrics, remote_tokenizer, pool, adapters,
+                config.tokenization.audit_every,
+            )  # fmt: skip
             await health.check_all()
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
             log.info(

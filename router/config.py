@@ -78,6 +78,13 @@ class TokenizationConfig(_Strict):
         ge=0,
         description="larger bodies are tokenized on a worker thread, so the event loop goes on serving",
     )
+    audit_every: int = Field(
+        default=100,
+        ge=0,
+        description="chats with tools are rendered here; the first of each model and one in this many after "
+        "it are checked against an instance's /tokenize, and one mismatch sends that model's to the engine "
+        "(0: never check)",
+    )
 
 
 class InstanceConfig(_Strict):

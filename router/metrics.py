@@ -170,6 +170,12 @@ class RouterMetrics:
             Counter("kvroute_untokenized_prompts", "Prompts routed without prefix knowledge, by reason",
                     ["reason"], registry=r)
         )  # fmt: skip
+        self.tokenization_audits = Family(
+            Counter("kvroute_tokenization_audits",
+                    "Chats with tools tokenized here and checked against an instance's /tokenize, by result "
+                    "(match, mismatch: the model's chats with tools go to the engine from then on, failed)",
+                    ["model", "result"], registry=r)
+        )  # fmt: skip
         self.ttft_predicted = Family(
             Histogram("kvroute_ttft_predicted_seconds", "The TTFT predicted for the chosen instance",
                       ["vllm_instance"], buckets=_LATENCY_BUCKETS, registry=r)

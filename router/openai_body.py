@@ -24,7 +24,8 @@ class ChatRequest(msgspec.Struct):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     cache_salt: str | None = None  # vLLM's: the prompt's cache entries are the salt's alone
-    # Template inputs only the engine renders exactly (the router asks its /tokenize when they are set)
+    # Template inputs: tools the router renders itself (router/chat_conversation.py); for the others, and
+    # for tools it cannot render, it asks an instance's /tokenize
     tools: list[Any] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -18,12 +18,14 @@ import xxhash
 
 from router import block_hashing
 from router.block_index import BlockIndex, Speculation
+from router.chat_conversation import InvalidPrompt
 from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
 from router.pool import PoolConfirmer
 from router.token_cache import RemoteTokenizer
+from router.tokenization_audit import TokenizationAudit
 from scorers.base import NO_MATCH, RoutingRequest
 from scorers.ttft_model import TTFTFeatures, features_for, reused_blocks
 
@@ -41,6 +43,7 @@ class LocalTokenizer(Protocol):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: Sequence[Any] | None = None,
     ) -> list[int]: ...
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]: ...
@@ -74,10 +77,13 @@ class Router:
         remote: Callable[[str], RemoteTokenizer | None] = lambda model: None,
         pool: PoolConfirmer | None = None,
         adapters: frozenset[str] = frozenset(),
+        audit_every: int = 0,
     ) -> None:
         """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
         pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
-        adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name."""
+        adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name;
+        audit_every: one chat with tools in this many is checked (router/tokenization_audit.py)."""
+        self._audit = TokenizationAudit(audit_every, metrics, remote)
         self._pool = pool
         self._adapters = adapters
         self._index = index
@@ -156,6 +162,7 @@ class Router:
             self._index.withdraw(decision.instance.name, decision.speculated)
 
     def close(self) -> None:
+        self._audit.close()
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
     async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:
@@ -181,7 +188,19 @@ class Router:
                 off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
                 body.continue_final_message, body.add_special_tokens,
             )  # fmt: skip
-        # Tools and template overrides are rendered by the engine's own code, exactly.
+        if local is not None and body.tools is not None and len(template_inputs) == 1:
+            if self._audit.trusts(body.model):
+                try:
+                    ids = await self._local(
+                        off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
+                        body.continue_final_message, body.add_special_tokens, body.tools,
+                    )  # fmt: skip
+                except InvalidPrompt:  # a shape rendered here only as far as vLLM's common handling goes
+                    pass
+                else:
+                    self._audit.consider(body.model, body.messages, flags, body.tools, ids)
+                    return ids
+        # Template overrides (and tools the audit found rendered differently) go to the engine's own code.
         remote = self._remote(body.model)
         if remote is None:
             return []

@@ -192,8 +192,9 @@ class CachedChatTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: Sequence[Any] | None = None,
     ) -> list[int]:
-        text = self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message)
+        text = self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools)
         data = text.encode()
         pattern = None if add_special_tokens else self._cut_pattern
         cuts = [match.end() for match in pattern.finditer(data)] if pattern is not None else []

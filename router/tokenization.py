@@ -1,23 +1,21 @@
 """Prompt tokenization exactly as vLLM's OpenAI server does it, shared by the router and the simulated fleet.
 
-Chat: text content parts are joined with newlines, the model's chat template renders the conversation, and
-the rendered text is encoded without adding special tokens (the template has them). Completions: text is
-encoded with special tokens added; token ids pass through unchanged.
+Chat: the model's chat template renders the conversation and tools as vLLM builds them (see
+router/chat_conversation.py), and the rendered text is encoded without adding special tokens (the template
+has them). Completions: text is encoded with special tokens added; token ids pass through unchanged.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from router.chat_conversation import InvalidPrompt, engine_conversation, engine_tools
+
 BUILTIN_PREFIX = "builtin:"
-
-
-class InvalidPrompt(ValueError):
-    """The request's messages or prompt cannot be tokenized; the message says why."""
 
 
 def resolve_tokenizer_path(spec: str) -> Path:
@@ -30,38 +28,6 @@ def resolve_tokenizer_path(spec: str) -> Path:
             raise ValueError(f"unknown builtin model {name!r}; the only one is {tinymodel.MODEL_NAME!r}")
         return tinymodel.ensure_model()
     return Path(spec)
-
-
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Turn OpenAI chat messages into what the chat template reads: role and string content."""
-    normalized = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise InvalidPrompt(f"messages[{index}] must be an object")
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise InvalidPrompt(f"messages[{index}].role must be a string")
-        normalized.append({**message, "content": _content_text(message.get("content"), index)})
-    return normalized
-
-
-def _content_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if (
-                not isinstance(part, Mapping)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise InvalidPrompt(f"messages[{index}].content: only text parts are supported")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise InvalidPrompt(f"messages[{index}].content must be a string or a list of text parts")
 
 
 class PromptTokenizer:
@@ -86,8 +52,9 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: Sequence[Any] | None = None,
     ) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, tools)
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def render_chat(
@@ -95,11 +62,17 @@ class PromptTokenizer:
         messages: Sequence[Any],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Any] | None = None,
     ) -> str:
         if add_generation_prompt and continue_final_message:
             raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
+        template = self._tokenizer.chat_template
+        tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = None
+        if tools is not None:
+            tool_dicts = [*engine_tools(tools)]
         rendered = self._tokenizer.apply_chat_template(
-            normalize_messages(messages),
+            engine_conversation(messages, template if isinstance(template, str) else None),
+            tools=tool_dicts,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

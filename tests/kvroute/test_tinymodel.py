@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvroute.tinymodel import LLAMA_CONFIG, VOCAB_SIZE, ensure_model
+from kvroute.tinymodel import CHAT_TEMPLATE, LLAMA_CONFIG, VOCAB_SIZE, ensure_model, model_dir
 from router.tokenization import PromptTokenizer
 
 
@@ -15,6 +15,18 @@ def test_builds_are_identical_and_reused(tmp_path: Path) -> None:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     assert ensure_model(tmp_path / "a") == first  # already there: not rebuilt
     assert json.loads((first / "config.json").read_text()) == LLAMA_CONFIG
+
+
+def test_a_model_built_by_an_older_kvroute_gets_the_current_chat_template(tmp_path: Path) -> None:
+    directory = model_dir(tmp_path)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text("{}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old", "bos_token": "<s>"}))
+    assert ensure_model(tmp_path) == directory
+    assert json.loads((directory / "tokenizer_config.json").read_text()) == {
+        "chat_template": CHAT_TEMPLATE, "bos_token": "<s>",
+    }  # fmt: skip
+    assert sorted(path.name for path in directory.iterdir()) == ["config.json", "tokenizer_config.json"]
 
 
 def test_chat_template_adds_bos_once_and_the_generation_prompt(tokenizer: PromptTokenizer) -> None:

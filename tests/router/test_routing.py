@@ -37,6 +37,20 @@ class RecordingRemote:
         return list(range(100))
 
 
+class AgreeingRemote(RecordingRemote):
+    """An engine that renders as the router does."""
+
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False, add_special_tokens: bool = False,
+                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+        self.asked.append(template_inputs)
+        return self.tokenizer.chat_ids(messages, tools=(template_inputs or {}).get("tools"))
+
+
 def prepare(tokenizer: PromptTokenizer, remote: RecordingRemote, **body: Any) -> int:
     router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
     prepared = asyncio.run(router.prepare(ChatRequest(model="tiny-llama", messages=MESSAGES, **body), None))
@@ -49,18 +63,79 @@ def test_plain_chats_are_tokenized_locally(tokenizer: PromptTokenizer) -> None:
     assert remote.asked == []
 
 
+TOOLS = [{"type": "function", "function": {"name": "run_tests"}}]
+
+
 @pytest.mark.parametrize(
     "inputs",
     [
-        {"tools": [{"type": "function", "function": {"name": "run_tests"}}]},
         {"chat_template_kwargs": {"enable_thinking": False}},
         {"chat_template": "{{ messages[0]['content'] }}"},
+        {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
     ],
 )
 def test_template_inputs_go_to_the_engine(tokenizer: PromptTokenizer, inputs: dict[str, Any]) -> None:
     remote = RecordingRemote()
     assert prepare(tokenizer, remote, **inputs) == 100
     assert remote.asked == [inputs]
+
+
+def prepare_chats_with_tools(
+    tokenizer: PromptTokenizer, remote: RecordingRemote, chats: list[list[dict[str, Any]]], audit_every: int
+) -> tuple[list[int], RouterMetrics]:
+    """Each chat's prompt tokens as the router counts them, one after another, audits let run in between."""
+    metrics = RouterMetrics()
+    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, metrics, lambda model: remote,  # type: ignore[arg-type,return-value]
+                    audit_every=audit_every)  # fmt: skip
+
+    async def run() -> list[int]:
+        counts = []
+        for messages in chats:
+            body = ChatRequest(model="tiny-llama", messages=messages, tools=TOOLS)
+            counts.append((await router.prepare(body, None)).request.prompt_tokens)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        return counts
+
+    return asyncio.run(run()), metrics
+
+
+def audits(metrics: RouterMetrics, result: str) -> float:
+    labels = {"model": "tiny-llama", "result": result}
+    return metrics.registry.get_sample_value("kvroute_tokenization_audits_total", labels) or 0.0
+
+
+def test_chats_with_tools_are_rendered_here_and_the_first_and_every_nth_is_checked(
+    tokenizer: PromptTokenizer,
+) -> None:
+    chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(5)]
+    remote = AgreeingRemote(tokenizer)
+    counts, metrics = prepare_chats_with_tools(tokenizer, remote, chats, audit_every=2)
+    assert counts == [len(tokenizer.chat_ids(chat, tools=TOOLS)) for chat in chats]
+    assert counts[0] > len(tokenizer.chat_ids(chats[0]))  # the tools were rendered too
+    assert remote.asked == [{"tools": TOOLS}] * 3  # chats 0, 2 and 4
+    assert (audits(metrics, "match"), audits(metrics, "mismatch")) == (3, 0)
+
+
+def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine(tokenizer: PromptTokenizer) -> None:
+    chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(3)]
+    first = len(tokenizer.chat_ids(chats[0], tools=TOOLS))
+    remote = RecordingRemote()
+    counts, metrics = prepare_chats_with_tools(tokenizer, remote, chats, audit_every=100)
+    assert counts == [first, 100, 100]
+    assert (audits(metrics, "mismatch"), audits(metrics, "match")) == (1, 0)
+    assert len(remote.asked) == 3  # the audit, then the two chats themselves
+
+
+def test_a_chat_with_tools_not_rendered_here_goes_to_the_engine(tokenizer: PromptTokenizer) -> None:
+    """A tool call without an id is beyond what the router reproduces of vLLM's request model."""
+    chat = [{"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "x", "arguments": ""}}]}]  # fmt: skip
+    remote = RecordingRemote()
+    counts, metrics = prepare_chats_with_tools(tokenizer, remote, [chat], audit_every=1)
+    assert counts == [100]
+    assert remote.asked == [{"tools": TOOLS}]
+    assert audits(metrics, "match") + audits(metrics, "mismatch") == 0
 
 
 @pytest.mark.parametrize("inputs", [{"documents": [{"text": "x"}]}, {"reasoning_effort": "high"}])

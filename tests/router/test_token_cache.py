@@ -19,8 +19,9 @@ from aiohttp.test_utils import TestServer
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from kvroute.tinymodel import CHAT_TEMPLATE, MODEL_NAME
+from router.chat_conversation import InvalidPrompt
 from router.token_cache import CachedChatTokenizer, RemoteTokenizer, TokenizeFailed, cut_tokens
-from router.tokenization import InvalidPrompt, PromptTokenizer
+from router.tokenization import PromptTokenizer
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
 Messages = list[dict[str, Any]]

@@ -8,7 +8,16 @@ import pytest
 
 from kvroute.stack import Stack
 from router.tokenization import PromptTokenizer
-from tests.stack.client import MODEL, post
+from tests.stack.client import (
+    BLOCK,
+    CACHED_HEADER,
+    INSTANCE_HEADER,
+    MODEL,
+    metric,
+    post,
+    wait_steady,
+    wait_until,
+)
 
 pytestmark = pytest.mark.stack
 
@@ -79,3 +88,96 @@ def test_completion_ids_equal_vllm(stack: Stack, tokenizer: PromptTokenizer, nam
     for instance in stack.instances:
         vllm_ids = post(instance.url + "/tokenize", {"model": MODEL, "prompt": prompt}).body["tokens"]
         assert tokenizer.completion_ids(prompt) == vllm_ids, instance.name
+
+
+READ = {"name": "read_file", "description": "Read a file of the repository.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}  # fmt: skip
+RUN = {"name": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+TOOLS = [{"type": "function", "function": READ}, {"type": "function", "function": RUN}]
+
+
+def call(call_id: str, name: str, arguments: str, **extra: Any) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}, **extra}
+
+
+AGENT_TURNS: list[dict[str, Any]] = [
+    {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1; cch=81f3e\nYou are a coding agent."},
+    {"role": "user", "content": "Why does the retry test fail?", "name": "dev"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [call("c1", "read_file", '{"path": "router/proxy.py", "note": "naïve 東京"}')]},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "def retry():"},
+                                                        {"type": "text", "text": ""},
+                                                        {"type": "text", "text": "    pass"}]},
+    {"role": "assistant", "content": "The body is empty.", "reasoning": "Read it first.",
+     "tool_calls": [call("c2", "run", '{"cmd": "pytest -x"}', index=0)]},
+    {"role": "tool", "tool_call_id": "c2", "content": "1 failed"},
+]  # fmt: skip
+ODD_CALLS = [
+    {"role": "user", "content": "go"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [call("a", "run", "{not json"), call("b", "run", "[1, 2]"), call("c", "run", "")]},
+    {"role": "assistant", "content": "no calls", "tool_calls": []},
+]  # fmt: skip
+FLAGGED_TOOL = {"type": "function", "defer_loading": True, "x": 1,
+                "function": {**RUN, "strict": True, "description": "Run a shell command.", "y": 2}}  # fmt: skip
+DEVELOPER = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "developer", "content": "Use the tools.", "tools": None},
+]
+# vLLM answers "auto" (the default) only when started with a tool-call parser; "none" still renders the tools.
+ONE_TOKEN = {"tool_choice": "none", "max_tokens": 1, "return_token_ids": True}
+TOOL_CHATS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]] = [
+    ("tools, one user turn", [{"role": "user", "content": "List the files."}], TOOLS),
+    ("agent turns", AGENT_TURNS, TOOLS),
+    ("arguments that are no object", ODD_CALLS, TOOLS),
+    ("tool flags and extra fields", [{"role": "user", "content": "hi"}], [FLAGGED_TOOL]),
+    ("developer messages", DEVELOPER, TOOLS),
+]
+
+
+@pytest.mark.parametrize(("name", "messages", "tools"), TOOL_CHATS, ids=[name for name, _, _ in TOOL_CHATS])
+def test_chats_with_tools_equal_vllm(
+    stack: Stack, tokenizer: PromptTokenizer, name: str, messages: list[dict[str, Any]], tools: list[Any]
+) -> None:
+    """What the router renders itself equals both what /tokenize answers and the prompt the chat endpoint
+    runs (return_token_ids), on each instance."""
+    ids = tokenizer.chat_ids(messages, tools=tools)
+    assert "<|tools|>" in tokenizer.render_chat(messages, tools=tools)
+    for instance in stack.instances:
+        body = {"model": MODEL, "messages": messages, "tools": tools}
+        assert post(instance.url + "/tokenize", body).body["tokens"] == ids, instance.name
+        ran = post(instance.url + "/v1/chat/completions", {**body, **ONE_TOKEN})
+        assert ran.body["prompt_token_ids"] == ids, instance.name
+
+
+def test_deprecated_reasoning_content_renders_as_the_chat_endpoint_does(
+    stack: Stack, tokenizer: PromptTokenizer
+) -> None:
+    """The chat endpoint renames reasoning_content to reasoning (its /tokenize does not)."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok", "reasoning_content": "think"},
+                {"role": "user", "content": "more"}]  # fmt: skip
+    ids = tokenizer.chat_ids(messages, tools=TOOLS)
+    assert ids != tokenizer.chat_ids([{**m, "reasoning_content": None} for m in messages], tools=TOOLS)
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS, **ONE_TOKEN}
+    assert post(stack.instances[0].url + "/v1/chat/completions", body).body["prompt_token_ids"] == ids
+
+
+def test_router_routes_chats_with_tools_by_their_prefix_and_its_audit_agrees(stack: Stack) -> None:
+    """Through the router: the second turn of an agent session with tools is credited with its first turn's
+    blocks (the router rendered both itself; in that instance's cache or, through it, in the pool), and the
+    audit's check against an instance's /tokenize matched."""
+    router = stack.router_url
+    messages = [*AGENT_TURNS, {"role": "user", "content": "Fix it, then run the whole suite again. " * 8}]
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS, **ONE_TOKEN}
+    first = post(router + "/v1/chat/completions", body)
+    name = first.headers[INSTANCE_HEADER]
+    wait_steady(lambda: metric(router, "kvroute_index_blocks", vllm_instance=name))
+    messages += [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Commit it."}]
+
+    second = post(router + "/v1/chat/completions", {**body, "messages": messages})
+
+    assert int(second.headers[CACHED_HEADER]) >= len(first.body["prompt_token_ids"]) // BLOCK > 0
+    wait_until(lambda: metric(router, "kvroute_tokenization_audits_total", result="match") >= 1, "an audit")
+    assert metric(router, "kvroute_tokenization_audits_total", result="mismatch") == 0
