@@ -10,8 +10,8 @@ message. Tools are dumped as its ``ChatCompletionToolsParam`` model: ``descripti
 always present (null when absent), ``strict`` and ``defer_loading`` only when set.
 
 Templates read these dicts as they are (``tojson`` keeps key order), so the router's ids equal the engine's
-only if they match field for field; anything outside what is built here raises ``InvalidPrompt`` and the
-request is routed without prefix knowledge.
+only if they match field for field. Anything outside what is built here raises ``InvalidPrompt``: the router
+then asks an instance's ``/tokenize`` (a chat with tools) or routes without prefix knowledge.
 """
 
 from __future__ import annotations
@@ -65,9 +65,7 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str):
         raise InvalidPrompt(f"messages[{index}].role must be a string")
-    parts = _parts(message.get("content"), index)
-    if role == "system":
-        parts = _without_billing_header(parts)
+    parts = _parts(message.get("content"), index, strip_billing_header=role == "system")
     built: dict[str, Any] = {"role": role, "content": "\n".join(part for part in parts if part)}
     if role == "assistant":
         tool_calls = message.get("tool_calls")
@@ -90,31 +88,37 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     return built
 
 
-def _parts(content: Any, index: int) -> list[str]:
+def _parts(content: Any, index: int, strip_billing_header: bool) -> list[str]:
+    """The texts of the content's parts. Claude Code's attribution line changes on every request; vLLM
+    drops it from a system message's plain text parts."""
     if content is None:
         return []
     if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
+        content = [content]
+    elif not isinstance(content, list):
         raise InvalidPrompt(f"messages[{index}].content must be a string or a list of text parts")
     texts = []
     for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        field = _TEXT_FIELDS.get(kind) if isinstance(kind, str) else None
-        text = part.get(field) if field is not None else None
-        if field is None or not (text is None or isinstance(text, str)):
+        kind, text = _text_part(part)
+        if kind is None:
             raise InvalidPrompt(f"messages[{index}].content: only text parts are supported")
+        if text is not None and strip_billing_header and kind == "text" and text.startswith(_BILLING_HEADER):
+            text = text.partition("\n")[2]
         if text is not None:
             texts.append(text)
     return texts
 
 
-def _without_billing_header(parts: list[str]) -> list[str]:
-    """Claude Code's attribution line changes on every request; vLLM drops it from system text."""
-    return [part.partition("\n")[2] if part.startswith(_BILLING_HEADER) else part for part in parts]
+def _text_part(part: Any) -> tuple[str | None, str | None]:
+    """A content part's kind and text (None: a text part without one); kind None: not a text part."""
+    if isinstance(part, str):
+        return "text", part
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    field = _TEXT_FIELDS.get(kind) if isinstance(kind, str) else None
+    text = part.get(field) if field is not None else None
+    if field is None or not (text is None or isinstance(text, str)):
+        return None, None
+    return kind, text
 
 
 def _tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:

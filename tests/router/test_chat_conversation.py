@@ -50,6 +50,8 @@ def test_claude_codes_billing_header_leaves_system_text_only() -> None:
     parts = [{"type": "text", "text": header.strip()}, {"type": "text", "text": "Rules."}]
     assert one({"role": "system", "content": parts})["content"] == "Rules."
     assert one({"role": "user", "content": header + "x"})["content"] == header + "x"
+    thinking = [{"type": "thinking", "thinking": header + "t"}]  # only plain text parts lose it
+    assert one({"role": "system", "content": thinking})["content"] == header + "t"
 
 
 def test_tool_calls_are_laid_out_in_the_request_models_order_with_arguments_parsed() -> None:
