@@ -33,7 +33,7 @@ _FUNCTION_OPTIONAL = ("strict", "defer_loading")
 
 def engine_conversation(messages: Sequence[Any], template: str | None) -> list[dict[str, Any]]:
     """The messages as vLLM renders them with ``template`` (the model's chat template text)."""
-    conversation = [_message(message, index) for index, message in enumerate(messages)]
+    conversation = [_message(message, index) for index, message in enumerate(engine_messages(messages))]
     if any(message["role"] == "developer" for message in conversation) and not _names_developer(template):
         conversation = _developer_as_system(conversation)
     return conversation
@@ -74,8 +74,6 @@ def _message(message: Any, index: int) -> dict[str, Any]:
             if calls:
                 built["tool_calls"] = calls
         reasoning = message.get("reasoning")
-        if reasoning is None:
-            reasoning = message.get("reasoning_content")
         if reasoning is not None:
             built["reasoning"] = built["reasoning_content"] = reasoning
     elif role == "tool" and "tool_call_id" in message:

@@ -183,23 +183,20 @@ class Router:
             "add_special_tokens": body.add_special_tokens,
         }
         template_inputs = body.engine_template_inputs()
-        if local is not None and not template_inputs:
-            return await self._local(
-                off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
-                body.continue_final_message, body.add_special_tokens,
-            )  # fmt: skip
-        if local is not None and body.tools is not None and len(template_inputs) == 1:
-            if self._audit.trusts(body.model):
-                try:
-                    ids = await self._local(
-                        off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
-                        body.continue_final_message, body.add_special_tokens, body.tools,
-                    )  # fmt: skip
-                except InvalidPrompt:  # a shape rendered here only as far as vLLM's common handling goes
-                    pass
-                else:
+        tools_only = body.tools is not None and len(template_inputs) == 1 and self._audit.trusts(body.model)
+        if local is not None and (not template_inputs or tools_only):
+            try:
+                ids = await self._local(
+                    off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
+                    body.continue_final_message, body.add_special_tokens, body.tools,
+                )  # fmt: skip
+            except InvalidPrompt:
+                if not template_inputs:  # with tools, a shape beyond vLLM's common handling: ask the engine
+                    raise
+            else:
+                if body.tools is not None:
                     self._audit.consider(body.model, body.messages, flags, body.tools, ids)
-                    return ids
+                return ids
         # Template overrides (and tools the audit found rendered differently) go to the engine's own code.
         remote = self._remote(body.model)
         if remote is None:
