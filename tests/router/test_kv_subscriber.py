@@ -184,6 +184,12 @@ class Harness:
     def engine(self) -> FakeEngine:
         return FakeEngine(self.endpoint, self.replay_endpoint)
 
+    async def first_batch_applied(self, engine: FakeEngine) -> None:
+        """Once the subscriber has connected: the engine's first batch, published and applied."""
+        await engine.subscribed()
+        engine.publish(batch(0))
+        await self.sink.wait_applied(1)
+
     def count(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(name, {"vllm_instance": "a", **labels})
         return value or 0.0
@@ -249,9 +255,7 @@ def test_a_gap_is_filled_from_the_replay_buffer() -> None:
         harness = Harness(replay=True)
         engine = harness.engine()
         async with harness.running():
-            await engine.subscribed()
-            engine.publish(batch(0))
-            await harness.sink.wait_applied(1)
+            await harness.first_batch_applied(engine)
             before = harness.counts()
             engine.publish(batch(1), send=False)
             engine.publish(batch(2))
@@ -269,9 +273,7 @@ def test_a_message_over_the_size_limit_never_reaches_the_decoder_and_leaves_a_ga
         harness = Harness(replay=False, max_message_bytes=4096)
         engine = harness.engine()
         async with harness.running():
-            await engine.subscribed()
-            engine.publish(batch(0))
-            await harness.sink.wait_applied(1)
+            await harness.first_batch_applied(engine)
             before = harness.counts()
             engine.publish([BlockRemoved(block_hashes=list(range(10, 3000)), medium="GPU")])  # ~9 KB
             # ZMQ drops the connection that carried it and reconnects; batches sent meanwhile are lost too.
@@ -296,9 +298,7 @@ def test_a_gap_that_cannot_be_replayed_drops_the_owner(replay: str) -> None:
         engine = harness.engine()
         engine.answer_replay.clear()
         async with harness.running():
-            await engine.subscribed()
-            engine.publish(batch(0))
-            await harness.sink.wait_applied(1)
+            await harness.first_batch_applied(engine)
             before = harness.counts()
             engine.publish(batch(1), send=False)
             engine.publish(batch(2))
@@ -397,9 +397,7 @@ def test_garbage_is_counted_and_skipped(caplog: pytest.LogCaptureFixture) -> Non
         engine = harness.engine()
         harness.sink.fail_on.add(2)
         async with harness.running() as task:
-            await engine.subscribed()
-            engine.publish(batch(0))
-            await harness.sink.wait_applied(1)
+            await harness.first_batch_applied(engine)
             before = harness.counts()
             for frames in garbage:
                 engine.send(frames)
@@ -609,9 +607,7 @@ def test_news_of_a_restart_while_a_gap_is_replayed_restarts_from_the_buffer() ->
         harness = Harness(replay=True)
         engine = harness.engine()
         async with harness.running():
-            await engine.subscribed()
-            engine.publish(batch(0))
-            await harness.sink.wait_applied(1)
+            await harness.first_batch_applied(engine)
             engine.answer_replay.clear()
             engine.replay_asked.clear()
             engine.publish(batch(1), send=False)
