@@ -192,6 +192,7 @@ def _chat_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
         continue_final_message=body.get("continue_final_message", False),
         add_special_tokens=body.get("add_special_tokens", False),
         tools=body.get("tools"),
+        template_kwargs=body.get("chat_template_kwargs"),
     )
 
 

@@ -41,7 +41,9 @@ CHAT_TEMPLATE = (
     "{% for call in message['tool_calls'] or [] %}{{ '\\n<call>' + call | tojson + '</call>' }}{% endfor %}"
     "{{ eos_token + '\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 LLAMA_CONFIG = {

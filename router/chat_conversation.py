@@ -1,8 +1,10 @@
 """The conversation and tool list vLLM's chat endpoint hands the chat template, built from a request's JSON.
 
-vLLM 0.32 (``renderers/chat_utils.py``, ``parse_chat_messages`` with the "string" content format, and the
-request's validators) does not pass messages through as sent. It keeps only the fields below, joins text
-parts with newlines and drops empty ones, strips Claude Code's per-request billing header from system text,
+vLLM 0.32 (``renderers/chat_utils.py``, ``parse_chat_messages``, and the request's validators) does not pass
+messages through as sent. It keeps only the fields below; for a template that reads content as a string
+(router/template_reading.py) it joins text parts with newlines and drops empty ones, for one that loops over
+content parts it passes every message's content as a list of text parts (plain strings too; a tool result's
+parts joined back into one string); it strips Claude Code's per-request billing header from system text,
 parses each assistant tool call's ``arguments`` string into an object (``{}`` when it is not one), drops an
 empty ``tool_calls``, renames the deprecated ``reasoning_content`` to ``reasoning`` and passes both to the
 template. A template that never names the "developer" role gets developer messages as one merged system
@@ -16,9 +18,13 @@ then asks an instance's ``/tokenize`` (a chat with tools) or routes without pref
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Mapping, Sequence
+from functools import cache
 from typing import Any
+
+from router.template_reading import content_format, template_variables
 
 
 class InvalidPrompt(ValueError):
@@ -29,11 +35,20 @@ _TEXT_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "th
                 "refusal": "refusal"}  # fmt: skip
 _BILLING_HEADER = "x-anthropic-billing-header"
 _FUNCTION_OPTIONAL = ("strict", "defer_loading")
+# The fields vLLM's content part types declare; a text part's other fields reach the template with it.
+_PART_FIELDS = frozenset({
+    "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url",
+    "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid",
+    "video_embeds", "video_url",
+})  # fmt: skip
 
 
 def engine_conversation(messages: Sequence[Any], template: str | None) -> list[dict[str, Any]]:
     """The messages as vLLM renders them with ``template`` (the model's chat template text)."""
-    conversation = [_message(message, index) for index, message in enumerate(engine_messages(messages))]
+    as_parts = template is not None and content_format(template) == "openai"
+    conversation = [
+        _message(message, index, as_parts) for index, message in enumerate(engine_messages(messages))
+    ]
     if any(message["role"] == "developer" for message in conversation) and not _names_developer(template):
         conversation = _developer_as_system(conversation)
     return conversation
@@ -59,14 +74,42 @@ def engine_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
     return [_tool(tool, index) for index, tool in enumerate(tools)]
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
+def engine_template_kwargs(template_kwargs: Mapping[str, Any], template: str | None) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` that vLLM passes to ``template``: the variables it reads (it
+    drops the others). A key that is also a parameter of ``apply_chat_template`` (``tools``, ``truncation``,
+    ``add_generation_prompt``...) is merged with vLLM's own arguments in ways not reproduced here."""
+    if template is None:
+        raise InvalidPrompt("the model has no chat template to read chat_template_kwargs with")
+    if overlap := template_kwargs.keys() & _apply_chat_template_parameters():
+        raise InvalidPrompt(f"chat_template_kwargs sets apply_chat_template's own {sorted(overlap)}")
+    reads = template_variables(template)
+    return {key: value for key, value in template_kwargs.items() if key in reads}
+
+
+@cache
+def _apply_chat_template_parameters() -> frozenset[str]:
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return frozenset(p.name for p in parameters if p.kind not in variadic) | {"chat_template", "tokenize"}
+
+
+def _message(message: Any, index: int, as_parts: bool) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise InvalidPrompt(f"messages[{index}] must be an object")
     role = message.get("role")
     if not isinstance(role, str):
         raise InvalidPrompt(f"messages[{index}].role must be a string")
-    parts = _parts(message.get("content"), index, strip_billing_header=role == "system")
-    built: dict[str, Any] = {"role": role, "content": "\n".join(part for part in parts if part)}
+    parts = _parts(message.get("content"), index, strip_billing_header=role == "system", as_parts=as_parts)
+    content: str | list[dict[str, Any]]
+    if not as_parts:
+        content = "\n".join(part["text"] for part in parts if part["text"])
+    elif role == "tool":  # vLLM hands templates a tool result's text parts as one string
+        content = "\n".join(part["text"] for part in parts)
+    else:
+        content = parts
+    built: dict[str, Any] = {"role": role, "content": content}
     if role == "assistant":
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
@@ -86,35 +129,41 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     return built
 
 
-def _parts(content: Any, index: int, strip_billing_header: bool) -> list[str]:
-    """The texts of the content's parts. Claude Code's attribution line changes on every request; vLLM
-    drops it from a system message's plain text parts."""
+def _parts(content: Any, index: int, strip_billing_header: bool, as_parts: bool) -> list[dict[str, Any]]:
+    """The content's text parts as vLLM lays them out for a template that loops over them: each part's
+    text, and the fields vLLM does not know. Claude Code's attribution line changes on every request; vLLM
+    drops it from a system message's plain text parts (and the part, if nothing else is left)."""
     if content is None:
         return []
     if isinstance(content, str):
         content = [content]
     elif not isinstance(content, list):
         raise InvalidPrompt(f"messages[{index}].content must be a string or a list of text parts")
-    texts = []
+    parts = []
     for part in content:
         kind, text = _text_part(part)
         if kind is None:
             raise InvalidPrompt(f"messages[{index}].content: only text parts are supported")
-        if text is not None and strip_billing_header and kind == "text" and text.startswith(_BILLING_HEADER):
-            text = text.partition("\n")[2]
-        if text is not None:
-            texts.append(text)
-    return texts
+        if strip_billing_header and kind in ("", "text") and (text or "").startswith(_BILLING_HEADER):
+            text = (text or "").partition("\n")[2]
+            if not text:
+                continue
+        if text is None and not (as_parts and kind not in ("text", "refusal")):
+            continue  # vLLM skips these; as parts, the other kinds pass with a null text
+        extra = {key: value for key, value in part.items() if key not in _PART_FIELDS} if kind != "" else {}
+        parts.append({"type": "text", "text": text} | extra)
+    return parts
 
 
 def _text_part(part: Any) -> tuple[str | None, str | None]:
-    """A content part's kind and text (None: a text part without one); kind None: not a text part."""
+    """A content part's kind ("" for a plain string) and text (None: a text part without one); kind None:
+    not a text part (or one with a ``uuid``, which vLLM reads as media)."""
     if isinstance(part, str):
-        return "text", part
+        return "", part
     kind = part.get("type") if isinstance(part, Mapping) else None
     field = _TEXT_FIELDS.get(kind) if isinstance(kind, str) else None
     text = part.get(field) if field is not None else None
-    if field is None or not (text is None or isinstance(text, str)):
+    if field is None or not (text is None or isinstance(text, str)) or part.get("uuid") is not None:
         return None, None
     return kind, text
 
@@ -167,9 +216,14 @@ def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, A
     systems = [index for index, message in enumerate(converted) if message["role"] == "system"]
     if systems in ([], [0]):
         return converted
-    merged = "\n\n".join(converted[index]["content"] for index in systems if converted[index]["content"])
+    contents = (_joined(converted[index]["content"]) for index in systems)
+    merged = "\n\n".join(content for content in contents if content)
     rest = [message for message in converted if message["role"] != "system"]
     return [{"role": "system", "content": merged}, *rest]
+
+
+def _joined(content: str | list[dict[str, Any]]) -> str:
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 def _tool(tool: Any, index: int) -> dict[str, Any]:

@@ -81,9 +81,10 @@ class TokenizationConfig(_Strict):
     audit_every: int = Field(
         default=100,
         ge=0,
-        description="chats with tools are rendered here; the first of each model and one in this many after "
-        "it are checked against an instance's /tokenize, and one mismatch sends that model's to the engine "
-        "(0: never check)",
+        description="chats are rendered here; the first of each model and kind (plain, with tools or "
+        "chat_template_kwargs) and one in this many after it are checked against an instance's /tokenize, "
+        "and one mismatch sends that model's chats of that kind (all of them, after a plain one) to the "
+        "engine (0: never check)",
     )
 
 

@@ -172,9 +172,10 @@ class RouterMetrics:
         )  # fmt: skip
         self.tokenization_audits = Family(
             Counter("kvroute_tokenization_audits",
-                    "Chats with tools tokenized here and checked against an instance's /tokenize, by result "
-                    "(match, mismatch: the model's chats with tools go to the engine from then on, failed)",
-                    ["model", "result"], registry=r)
+                    "Chats tokenized here and checked against an instance's /tokenize, by kind (plain, "
+                    "with_inputs: tools or chat_template_kwargs) and result (match, mismatch: the model's "
+                    "chats of that kind go to the engine from then on, failed)",
+                    ["model", "kind", "result"], registry=r)
         )  # fmt: skip
         self.ttft_predicted = Family(
             Histogram("kvroute_ttft_predicted_seconds", "The TTFT predicted for the chosen instance",

@@ -24,18 +24,32 @@ class ChatRequest(msgspec.Struct):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     cache_salt: str | None = None  # vLLM's: the prompt's cache entries are the salt's alone
-    # Template inputs: tools the router renders itself (router/chat_conversation.py); for the others, and
-    # for tools it cannot render, it asks an instance's /tokenize
+    # Template inputs: tools and kwargs the router renders itself (router/chat_conversation.py); for a
+    # request's own template, and for what it cannot render, it asks an instance's /tokenize
     tools: list[Any] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Template inputs no tokenizer endpoint takes: such requests are routed without prefix knowledge
+    reasoning_effort: Any = None  # reaches the template as kwargs, see template_kwargs
+    # A template input no tokenizer endpoint takes: such requests are routed without prefix knowledge
     documents: Any = None
-    reasoning_effort: Any = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The ``chat_template_kwargs`` vLLM's chat endpoint renders with: the request's, and with a
+        ``reasoning_effort`` that value and ``enable_thinking`` (unless the request's kwargs set it), so that
+        templates which only know the latter think when asked to."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        given = self.chat_template_kwargs or {}
+        kwargs = {**given, "reasoning_effort": self.reasoning_effort}
+        if "enable_thinking" not in given:
+            kwargs["enable_thinking"] = self.reasoning_effort != "none"
+        return kwargs
 
     def engine_template_inputs(self) -> dict[str, Any]:
+        """What, beside the messages and flags, an instance's /tokenize needs to render this chat as the chat
+        endpoint will."""
         inputs = {"tools": self.tools, "chat_template": self.chat_template,
-                  "chat_template_kwargs": self.chat_template_kwargs}  # fmt: skip
+                  "chat_template_kwargs": self.template_kwargs()}  # fmt: skip
         return {key: value for key, value in inputs.items() if value is not None}
 
 

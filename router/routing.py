@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,6 +44,7 @@ class LocalTokenizer(Protocol):
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]: ...
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]: ...
@@ -82,7 +83,7 @@ class Router:
         """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
         pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
         adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name;
-        audit_every: one chat with tools in this many is checked (router/tokenization_audit.py)."""
+        audit_every: one chat in this many is checked (router/tokenization_audit.py)."""
         self._audit = TokenizationAudit(audit_every, metrics, remote)
         self._pool = pool
         self._adapters = adapters
@@ -175,29 +176,29 @@ class Router:
             if remote is None:
                 return []
             return await remote.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
-        if body.documents is not None or body.reasoning_effort is not None:
-            raise UnreproducibleTemplate("documents or reasoning_effort reach the template")
+        if body.documents is not None:
+            raise UnreproducibleTemplate("documents reach the template")
         flags = {
             "add_generation_prompt": body.add_generation_prompt,
             "continue_final_message": body.continue_final_message,
             "add_special_tokens": body.add_special_tokens,
         }
         template_inputs = body.engine_template_inputs()
-        tools_only = body.tools is not None and len(template_inputs) == 1 and self._audit.trusts(body.model)
-        if local is not None and (not template_inputs or tools_only):
+        with_inputs = bool(template_inputs)
+        if local is not None and body.chat_template is None and self._audit.trusts(body.model, with_inputs):
             try:
                 ids = await self._local(
                     off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
                     body.continue_final_message, body.add_special_tokens, body.tools,
+                    template_inputs.get("chat_template_kwargs"),
                 )  # fmt: skip
             except InvalidPrompt:
-                if not template_inputs:  # with tools, a shape beyond vLLM's common handling: ask the engine
+                if not with_inputs:  # with tools or kwargs, a shape beyond what is built here: ask the engine
                     raise
             else:
-                if body.tools is not None:
-                    self._audit.consider(body.model, body.messages, flags, body.tools, ids)
+                self._audit.consider(body.model, body.messages, flags, template_inputs, ids)
                 return ids
-        # Template overrides (and tools the audit found rendered differently) go to the engine's own code.
+        # A request's own template (and chats the audit found rendered differently) go to the engine's code.
         remote = self._remote(body.model)
         if remote is None:
             return []

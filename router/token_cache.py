@@ -193,8 +193,11 @@ class CachedChatTokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        text = self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools)
+        text = self.tokenizer.render_chat(
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
         data = text.encode()
         pattern = None if add_special_tokens else self._cut_pattern
         cuts = [match.end() for match in pattern.finditer(data)] if pattern is not None else []

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from router.chat_conversation import InvalidPrompt, engine_conversation, engine_tools
+from router.chat_conversation import InvalidPrompt, engine_conversation, engine_template_kwargs, engine_tools
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -53,8 +53,11 @@ class PromptTokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message, tools)
+        text = self.render_chat(
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def render_chat(
@@ -63,19 +66,24 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """template_kwargs: the request's ``chat_template_kwargs``."""
         if add_generation_prompt and continue_final_message:
             raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
-        template = self._tokenizer.chat_template
+        chat_template = self._tokenizer.chat_template
+        template = chat_template if isinstance(chat_template, str) else None
         tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = None
         if tools is not None:
             tool_dicts = [*engine_tools(tools)]
+        kwargs = engine_template_kwargs(template_kwargs, template) if template_kwargs else {}
         rendered = self._tokenizer.apply_chat_template(
-            engine_conversation(messages, template if isinstance(template, str) else None),
+            engine_conversation(messages, template),
             tools=tool_dicts,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **kwargs,
         )
         return str(rendered)
 

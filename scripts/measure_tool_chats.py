@@ -8,6 +8,7 @@ real vLLM (`--engine stack`: configs/stack-cpu.yaml, `make stack-env`; its max-m
 
     .venv/bin/python scripts/measure_tool_chats.py --turns 30 --output-tokens 1500
     .venv/bin/python scripts/measure_tool_chats.py --engine stack --turns 10 --output-tokens 250
+    .venv/bin/python scripts/measure_tool_chats.py --template-kwargs '{"enable_thinking": false}'
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def session(turns: int, output_tokens: int) -> list[list[dict[str, Any]]]:
     return chats
 
 
-async def measure(url: str, turns: int, output_tokens: int) -> None:
+async def measure(url: str, turns: int, output_tokens: int, template_kwargs: dict[str, Any] | None) -> None:
     tokenizer = CachedChatTokenizer(PromptTokenizer(ensure_model()))
     async with aiohttp.ClientSession() as http:
         remote = RemoteTokenizer(http, url, MODEL_NAME)
@@ -75,7 +76,9 @@ async def measure(url: str, turns: int, output_tokens: int) -> None:
         remote_router = Router(BlockIndex(32), {}, 32, RouterMetrics(), lambda model: remote)
         rows = []
         for turn, messages in enumerate(session(turns, output_tokens)):
-            body = ChatRequest(model=MODEL_NAME, messages=messages, tools=TOOLS)
+            body = ChatRequest(
+                model=MODEL_NAME, messages=messages, tools=TOOLS, chat_template_kwargs=template_kwargs
+            )
             timings, chains = [], []
             for router in (local_router, remote_router):
                 started = time.perf_counter()
@@ -98,17 +101,19 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--output-tokens", type=int, default=1500, help="about this many per tool output")
     parser.add_argument("--engine", choices=("fleet", "stack"), default="fleet")
+    parser.add_argument("--template-kwargs", type=json.loads, help="chat_template_kwargs to send, as JSON")
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="tool-chats-"))
     if args.engine == "fleet":
         ports = FleetPorts.allocate(1)
         with running_fleet(ports, run_dir, ["--max-model-len", "400000"]):
-            asyncio.run(measure(f"http://127.0.0.1:{ports.http}", args.turns, args.output_tokens))
+            url = f"http://127.0.0.1:{ports.http}"
+            asyncio.run(measure(url, args.turns, args.output_tokens, args.template_kwargs))
         return
     config = load_stack_config(REPO / "configs" / "stack-cpu.yaml")
     config = config.with_ports(free_port_block(config.port_count()))
     with running_stack(config, run_dir, base_dir=REPO) as stack:
-        asyncio.run(measure(stack.instances[0].url, args.turns, args.output_tokens))
+        asyncio.run(measure(stack.instances[0].url, args.turns, args.output_tokens, args.template_kwargs))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ class AgreeingRemote(RecordingRemote):
                        continue_final_message: bool = False, add_special_tokens: bool = False,
                        template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
         self.asked.append(template_inputs)
-        return self.tokenizer.chat_ids(messages, tools=(template_inputs or {}).get("tools"))
+        inputs = template_inputs or {}
+        return self.tokenizer.chat_ids(messages, tools=inputs.get("tools"),
+                                       template_kwargs=inputs.get("chat_template_kwargs"))  # fmt: skip
 
 
 def prepare(tokenizer: PromptTokenizer, remote: RecordingRemote, **body: Any) -> int:
@@ -69,9 +71,9 @@ TOOLS = [{"type": "function", "function": {"name": "run_tests"}}]
 @pytest.mark.parametrize(
     "inputs",
     [
-        {"chat_template_kwargs": {"enable_thinking": False}},
         {"chat_template": "{{ messages[0]['content'] }}"},
-        {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
+        {"chat_template_kwargs": {"tools": TOOLS}},  # apply_chat_template's own parameter
+        {"tools": TOOLS, "chat_template_kwargs": {"truncation": True}},
     ],
 )
 def test_template_inputs_go_to_the_engine(tokenizer: PromptTokenizer, inputs: dict[str, Any]) -> None:
@@ -80,18 +82,31 @@ def test_template_inputs_go_to_the_engine(tokenizer: PromptTokenizer, inputs: di
     assert remote.asked == [inputs]
 
 
-def prepare_chats_with_tools(
-    tokenizer: PromptTokenizer, remote: RecordingRemote, chats: list[list[dict[str, Any]]], audit_every: int
+def test_chat_template_kwargs_are_rendered_here_those_the_template_reads(tokenizer: PromptTokenizer) -> None:
+    remote = RecordingRemote()
+    thinking_off = prepare(tokenizer, remote, chat_template_kwargs={"enable_thinking": False, "unread": 1})
+    assert remote.asked == []
+    assert thinking_off == len(tokenizer.chat_ids(MESSAGES)) + len(tokenizer.text_ids("<think></think>\n", False))
+    assert prepare(tokenizer, remote, chat_template_kwargs={"unread": 1}) == len(tokenizer.chat_ids(MESSAGES))
+
+
+def prepare_chats(
+    tokenizer: PromptTokenizer,
+    remote: RecordingRemote,
+    chats: list[list[dict[str, Any]]],
+    audit_every: int,
+    bodies: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], RouterMetrics]:
-    """Each chat's prompt tokens as the router counts them, one after another, audits let run in between."""
+    """Each chat's prompt tokens as the router counts them, one after another, audits let run in between;
+    bodies: each chat's other fields (default: TOOLS)."""
     metrics = RouterMetrics()
     router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, metrics, lambda model: remote,  # type: ignore[arg-type,return-value]
                     audit_every=audit_every)  # fmt: skip
 
     async def run() -> list[int]:
         counts = []
-        for messages in chats:
-            body = ChatRequest(model="tiny-llama", messages=messages, tools=TOOLS)
+        for messages, fields in zip(chats, bodies or [{"tools": TOOLS}] * len(chats), strict=True):
+            body = ChatRequest(model="tiny-llama", messages=messages, **fields)
             counts.append((await router.prepare(body, None)).request.prompt_tokens)
             for _ in range(3):
                 await asyncio.sleep(0)
@@ -100,8 +115,8 @@ def prepare_chats_with_tools(
     return asyncio.run(run()), metrics
 
 
-def audits(metrics: RouterMetrics, result: str) -> float:
-    labels = {"model": "tiny-llama", "result": result}
+def audits(metrics: RouterMetrics, result: str, kind: str = "with_inputs") -> float:
+    labels = {"model": "tiny-llama", "kind": kind, "result": result}
     return metrics.registry.get_sample_value("kvroute_tokenization_audits_total", labels) or 0.0
 
 
@@ -110,7 +125,7 @@ def test_chats_with_tools_are_rendered_here_and_the_first_and_every_nth_is_check
 ) -> None:
     chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(5)]
     remote = AgreeingRemote(tokenizer)
-    counts, metrics = prepare_chats_with_tools(tokenizer, remote, chats, audit_every=2)
+    counts, metrics = prepare_chats(tokenizer, remote, chats, audit_every=2)
     assert counts == [len(tokenizer.chat_ids(chat, tools=TOOLS)) for chat in chats]
     assert counts[0] > len(tokenizer.chat_ids(chats[0]))  # the tools were rendered too
     assert remote.asked == [{"tools": TOOLS}] * 3  # chats 0, 2 and 4
@@ -121,7 +136,7 @@ def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine(tokenizer:
     chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(3)]
     first = len(tokenizer.chat_ids(chats[0], tools=TOOLS))
     remote = RecordingRemote()
-    counts, metrics = prepare_chats_with_tools(tokenizer, remote, chats, audit_every=100)
+    counts, metrics = prepare_chats(tokenizer, remote, chats, audit_every=100)
     assert counts == [first, 100, 100]
     assert (audits(metrics, "mismatch"), audits(metrics, "match")) == (1, 0)
     assert len(remote.asked) == 3  # the audit, then the two chats themselves
@@ -132,17 +147,28 @@ def test_a_chat_with_tools_not_rendered_here_goes_to_the_engine(tokenizer: Promp
     chat = [{"role": "user", "content": "go"},
             {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "x", "arguments": ""}}]}]  # fmt: skip
     remote = RecordingRemote()
-    counts, metrics = prepare_chats_with_tools(tokenizer, remote, [chat], audit_every=1)
+    counts, metrics = prepare_chats(tokenizer, remote, [chat], audit_every=1)
     assert counts == [100]
     assert remote.asked == [{"tools": TOOLS}]
     assert audits(metrics, "match") + audits(metrics, "mismatch") == 0
 
 
-@pytest.mark.parametrize("inputs", [{"documents": [{"text": "x"}]}, {"reasoning_effort": "high"}])
-def test_inputs_no_tokenizer_endpoint_takes_route_without_prefix(tokenizer: PromptTokenizer,
-                                                                 inputs: dict[str, Any]) -> None:  # fmt: skip
+def test_documents_which_no_tokenizer_endpoint_takes_route_without_prefix(tokenizer: PromptTokenizer) -> None:
     remote = RecordingRemote()
-    assert prepare(tokenizer, remote, **inputs) == 0
+    assert prepare(tokenizer, remote, documents=[{"text": "x"}]) == 0
+    assert remote.asked == []
+
+
+@pytest.mark.parametrize(("effort", "thinking"), [("none", False), ("high", True)])
+def test_reasoning_effort_reaches_the_template_as_vllms_chat_endpoint_passes_it(
+    tokenizer: PromptTokenizer, effort: str, thinking: bool
+) -> None:
+    remote = RecordingRemote()
+    expected = tokenizer.chat_ids(MESSAGES, template_kwargs={"enable_thinking": thinking})
+    assert prepare(tokenizer, remote, reasoning_effort=effort) == len(expected)
+    # kwargs the request sets itself win
+    on = prepare(tokenizer, remote, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+    assert on == len(tokenizer.chat_ids(MESSAGES, template_kwargs={"enable_thinking": True}))
     assert remote.asked == []
 
 
@@ -271,3 +297,39 @@ def test_a_decision_withdrawn_takes_back_only_its_speculative_blocks() -> None:
     assert first.speculated is not None and first.speculated.blocks == chain
     router.withdraw(first)  # the instance refused it
     assert index.match(chain) == {second.instance.name: TierMatch(gpu=8)}
+
+
+def test_plain_chats_are_audited_too_and_a_plain_mismatch_sends_every_chat_to_the_engine(
+    tokenizer: PromptTokenizer,
+) -> None:
+    chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(4)]
+    bodies: list[dict[str, Any]] = [{}, {"tools": TOOLS}, {}, {"tools": TOOLS}]
+    remote = RecordingRemote()  # disagrees with everything
+    counts, metrics = prepare_chats(tokenizer, remote, chats, audit_every=100, bodies=bodies)
+    assert counts[0] == len(tokenizer.chat_ids(chats[0]))
+    assert counts[1:] == [100, 100, 100]  # the plain chat's audit failed before the second chat was routed
+    assert (audits(metrics, "mismatch", "plain"), audits(metrics, "mismatch")) == (1, 0)
+    assert remote.asked == [{}, {"tools": TOOLS}, {}, {"tools": TOOLS}]
+
+
+class ToolBlindRemote(AgreeingRemote):
+    """An engine that renders plain chats as the router does, and chats with tools otherwise."""
+
+    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False, add_special_tokens: bool = False,
+                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+        if template_inputs:
+            self.asked.append(template_inputs)
+            return list(range(100))
+        return await super().chat_ids(messages, template_inputs=template_inputs)
+
+
+def test_a_mismatch_with_tools_leaves_plain_chats_rendered_here(tokenizer: PromptTokenizer) -> None:
+    chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(4)]
+    bodies: list[dict[str, Any]] = [{"tools": TOOLS}, {}, {"tools": TOOLS}, {}]
+    remote = ToolBlindRemote(tokenizer)
+    counts, metrics = prepare_chats(tokenizer, remote, chats, audit_every=100, bodies=bodies)
+    assert counts[1::2] == [len(tokenizer.chat_ids(chat)) for chat in chats[1::2]]
+    assert counts[2] == 100
+    assert (audits(metrics, "mismatch"), audits(metrics, "match", "plain")) == (1, 1)
+    assert remote.asked == [{"tools": TOOLS}, {}, {"tools": TOOLS}]  # two audits, then chat 2 itself

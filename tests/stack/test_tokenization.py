@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from kvroute.stack import Stack
+from router.openai_body import ChatRequest
 from router.tokenization import PromptTokenizer
 from tests.stack.client import (
     BLOCK,
@@ -164,13 +165,39 @@ def test_deprecated_reasoning_content_renders_as_the_chat_endpoint_does(
     assert post(stack.instances[0].url + "/v1/chat/completions", body).body["prompt_token_ids"] == ids
 
 
+@pytest.mark.parametrize(
+    "template_kwargs", [{"enable_thinking": False}, {"enable_thinking": True}, {"unread": 1, "enable_thinking": 0}]
+)
+def test_chat_template_kwargs_equal_vllm(
+    stack: Stack, tokenizer: PromptTokenizer, template_kwargs: dict[str, Any]
+) -> None:
+    messages = [SYSTEM, {"role": "user", "content": "Plan first."}]
+    ids = tokenizer.chat_ids(messages, template_kwargs=template_kwargs)
+    body = {"model": MODEL, "messages": messages, "chat_template_kwargs": template_kwargs}
+    for instance in stack.instances:
+        assert post(instance.url + "/tokenize", body).body["tokens"] == ids, instance.name
+
+
+@pytest.mark.parametrize("effort", ["none", "high"])
+def test_reasoning_effort_renders_as_the_chat_endpoint_does(
+    stack: Stack, tokenizer: PromptTokenizer, effort: str
+) -> None:
+    """The chat endpoint passes reasoning_effort to the template, and enable_thinking with it."""
+    messages = [SYSTEM, {"role": "user", "content": "Plan first."}]
+    kwargs = ChatRequest(model=MODEL, messages=messages, reasoning_effort=effort).template_kwargs()
+    body = {"model": MODEL, "messages": messages, "reasoning_effort": effort, **ONE_TOKEN}
+    reply = post(stack.instances[0].url + "/v1/chat/completions", body)
+    assert reply.body["prompt_token_ids"] == tokenizer.chat_ids(messages, template_kwargs=kwargs)
+
+
 def test_router_routes_chats_with_tools_by_their_prefix_and_its_audit_agrees(stack: Stack) -> None:
-    """Through the router: the second turn of an agent session with tools is credited with its first turn's
-    blocks (the router rendered both itself; in that instance's cache or, through it, in the pool), and the
-    audit's check against an instance's /tokenize matched."""
+    """Through the router: the second turn of an agent session with tools and chat_template_kwargs is
+    credited with its first turn's blocks (the router rendered both itself; in that instance's cache or,
+    through it, in the pool), and the audit's check against an instance's /tokenize matched."""
     router = stack.router_url
     messages = [*AGENT_TURNS, {"role": "user", "content": "Fix it, then run the whole suite again. " * 8}]
-    body = {"model": MODEL, "messages": messages, "tools": TOOLS, **ONE_TOKEN}
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False},
+            **ONE_TOKEN}  # fmt: skip
     first = post(router + "/v1/chat/completions", body)
     name = first.headers[INSTANCE_HEADER]
     wait_steady(lambda: metric(router, "kvroute_index_blocks", vllm_instance=name))
@@ -179,5 +206,6 @@ def test_router_routes_chats_with_tools_by_their_prefix_and_its_audit_agrees(sta
     second = post(router + "/v1/chat/completions", {**body, "messages": messages})
 
     assert int(second.headers[CACHED_HEADER]) >= len(first.body["prompt_token_ids"]) // BLOCK > 0
-    wait_until(lambda: metric(router, "kvroute_tokenization_audits_total", result="match") >= 1, "an audit")
-    assert metric(router, "kvroute_tokenization_audits_total", result="mismatch") == 0
+    audits = "kvroute_tokenization_audits_total"
+    wait_until(lambda: metric(router, audits, kind="with_inputs", result="match") >= 1, "an audit")
+    assert metric(router, audits, result="mismatch") == 0
