@@ -272,6 +272,9 @@ class Proxy:
             status = routed.upstream.status
             if status >= 400:
                 payload, content_type = _openai_error_body(payload, status), "application/json"
+                # An engine (or a gateway in front of it) that says when to come back is passed on.
+                if (retry_after := routed.upstream.headers.get("Retry-After")) is not None:
+                    debug["Retry-After"] = retry_after
             usage = _usage(payload)
             if not routed.streamed:  # a stream's first byte was taken when it came (even if not a stream)
                 self._first_byte(routed, None if usage is None else usage.completion_tokens)

@@ -249,6 +249,17 @@ def test_an_upstream_error_reaches_the_client_in_openai_shape(
         assert answer.decode() in error["message"]
 
 
+@pytest.mark.parametrize("status", [429, 503])
+def test_an_upstreams_retry_after_reaches_the_client(status: int, tmp_path: Path) -> None:
+    async def busy(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=status, body=b'{"detail": "busy"}', headers={"Retry-After": "7"})
+
+    with serving(healthy, busy) as port, running_router(only_instance("busy", port), tmp_path) as url:
+        got_status, headers, _ = post(url + "/v1/completions", BODY)
+    assert (got_status, headers["retry-after"]) == (status, "7")
+
+
 def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_path: Path) -> None:
     """A whole answer that takes 10 s: the client hangs up after 0.5 s, and the router must close the
     upstream request then (so the engine aborts it), not when the answer would have come."""
