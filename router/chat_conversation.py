@@ -13,7 +13,7 @@ always present (null when absent), ``strict`` and ``defer_loading`` only when se
 
 Templates read these dicts as they are (``tojson`` keeps key order), so the router's ids equal the engine's
 only if they match field for field. Anything outside what is built here raises ``InvalidPrompt``: the router
-then asks an instance's ``/tokenize`` (a chat with tools) or routes without prefix knowledge.
+then asks an instance's ``/tokenize`` (a chat with tools or kwargs) or routes without prefix knowledge.
 """
 
 from __future__ import annotations
