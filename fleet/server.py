@@ -21,6 +21,7 @@ from fleet.engine import Engine
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from router.chat_conversation import InvalidPrompt
+from router.openai_body import chat_endpoint_template_kwargs
 from router.tokenization import PromptTokenizer
 
 _json = msgspec.json.Encoder()
@@ -184,15 +185,16 @@ def _handler(
     return handle
 
 
-def _chat_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
-    """A chat body's prompt as vLLM tokenizes it, with vLLM's defaults for the flags that change it."""
+def _chat_ids(instance: SimInstance, body: dict[str, Any], reasoning_effort: Any = None) -> list[int]:
+    """A chat body's prompt as vLLM tokenizes it, with vLLM's defaults for the flags that change it;
+    reasoning_effort: the body's, where the endpoint takes it (the chat endpoint, not /tokenize)."""
     return instance.tokenizer.chat_ids(
         body["messages"],
         add_generation_prompt=body.get("add_generation_prompt", True),
         continue_final_message=body.get("continue_final_message", False),
         add_special_tokens=body.get("add_special_tokens", False),
         tools=body.get("tools"),
-        template_kwargs=body.get("chat_template_kwargs"),
+        template_kwargs=chat_endpoint_template_kwargs(body.get("chat_template_kwargs"), reasoning_effort),
     )
 
 
@@ -206,7 +208,7 @@ def _validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-    return _chat_ids(instance, body)
+    return _chat_ids(instance, body, body.get("reasoning_effort"))
 
 
 def _validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:

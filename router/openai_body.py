@@ -34,16 +34,7 @@ class ChatRequest(msgspec.Struct):
     documents: Any = None
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The ``chat_template_kwargs`` vLLM's chat endpoint renders with: the request's, and with a
-        ``reasoning_effort`` that value and ``enable_thinking`` (unless the request's kwargs set it), so that
-        templates which only know the latter think when asked to."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        given = self.chat_template_kwargs or {}
-        kwargs = {**given, "reasoning_effort": self.reasoning_effort}
-        if "enable_thinking" not in given:
-            kwargs["enable_thinking"] = self.reasoning_effort != "none"
-        return kwargs
+        return chat_endpoint_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def engine_template_inputs(self) -> dict[str, Any]:
         """What, beside the messages and flags, an instance's /tokenize needs to render this chat as the chat
@@ -51,6 +42,20 @@ class ChatRequest(msgspec.Struct):
         inputs = {"tools": self.tools, "chat_template": self.chat_template,
                   "chat_template_kwargs": self.template_kwargs()}  # fmt: skip
         return {key: value for key, value in inputs.items() if value is not None}
+
+
+def chat_endpoint_template_kwargs(
+    given: dict[str, Any] | None, reasoning_effort: Any
+) -> dict[str, Any] | None:
+    """The ``chat_template_kwargs`` vLLM's chat endpoint renders with: the request's, and with a
+    ``reasoning_effort`` that value and ``enable_thinking`` (unless the request's kwargs set it), so that
+    templates which only know the latter think when asked to."""
+    if reasoning_effort is None:
+        return given
+    kwargs = {**(given or {}), "reasoning_effort": reasoning_effort}
+    if "enable_thinking" not in (given or {}):
+        kwargs["enable_thinking"] = reasoning_effort != "none"
+    return kwargs
 
 
 class CompletionRequest(msgspec.Struct):

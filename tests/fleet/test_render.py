@@ -61,6 +61,18 @@ def test_chat_render_is_the_engines_prompt(fleet: FleetPorts) -> None:
     assert rendered == VLLM_CHAT_GREEDY
 
 
+def test_reasoning_effort_reaches_the_chat_endpoints_template_not_tokenizes(fleet: FleetPorts) -> None:
+    """As vLLM: the chat endpoint passes it as kwargs (with enable_thinking); /tokenize takes no such field."""
+    base = instance_url(fleet, 0)
+    body = {"model": MODEL, "messages": MESSAGES, "reasoning_effort": "none"}
+    _, rendered = _post(base + "/v1/chat/completions/render", body)
+    _, ignored = _post(base + "/tokenize", body)
+    kwargs = {"reasoning_effort": "none", "enable_thinking": False}
+    _, as_kwargs = _post(base + "/tokenize", {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": kwargs})
+    _, plain = _post(base + "/tokenize", {"model": MODEL, "messages": MESSAGES})
+    assert rendered["token_ids"] == as_kwargs["tokens"] != plain["tokens"] == ignored["tokens"]
+
+
 def test_completion_render_is_a_list_per_prompt(fleet: FleetPorts) -> None:
     prompt = list(range(3, 40))
     body = {"model": MODEL, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True}}
