@@ -150,8 +150,10 @@ def _parts(content: Any, index: int, strip_billing_header: bool, as_parts: bool)
                 continue
         if text is None and not (as_parts and kind not in ("text", "refusal")):
             continue  # vLLM skips these; as parts, the other kinds pass with a null text
-        extra = {key: value for key, value in part.items() if key not in _PART_FIELDS} if kind != "" else {}
-        parts.append({"type": "text", "text": text} | extra)
+        text_part: dict[str, Any] = {"type": "text", "text": text}
+        if as_parts and kind != "":  # the fields vLLM does not know reach the template; a joined string not
+            text_part |= {key: value for key, value in part.items() if key not in _PART_FIELDS}
+        parts.append(text_part)
     return parts
 
 
