@@ -71,11 +71,10 @@ class PromptTokenizer:
         """template_kwargs: the request's ``chat_template_kwargs``."""
         if add_generation_prompt and continue_final_message:
             raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
-        chat_template = self._tokenizer.chat_template
-        template = chat_template if isinstance(chat_template, str) else None
         tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = None
         if tools is not None:
             tool_dicts = [*engine_tools(tools)]
+        template = self.template_text(tool_dicts)
         kwargs = engine_template_kwargs(template_kwargs, template) if template_kwargs else {}
         rendered = self._tokenizer.apply_chat_template(
             engine_conversation(messages, template),
@@ -86,6 +85,14 @@ class PromptTokenizer:
             **kwargs,
         )
         return str(rendered)
+
+    def template_text(self, tools: list[Any] | None) -> str | None:
+        """The template a chat renders with; of a dict of named ones, the one transformers picks (and vLLM):
+        "tool_use" when tools are given, else "default"."""
+        try:
+            return str(self._tokenizer.get_chat_template(None, tools=tools))
+        except ValueError:  # no template, or named ones without a default
+            return None
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -40,3 +40,36 @@ def test_truncation_and_padding_in_tokenizer_json_are_not_applied(model_dir: Pat
     long_text = TEXTS[-1]
     assert len(tokenizer.texts_ids([long_text])[0]) > 8
     assert tokenizer.texts_ids([long_text]) == [tokenizer.text_ids(long_text)]
+
+
+def test_a_dict_of_named_templates_renders_with_the_one_transformers_picks(model_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    path = copy / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "D{% for m in messages %}{% for part in m.content %}{{ part.text }}"
+                                        "{% endfor %}{% endfor %}{{ enable_thinking }}"},
+        {"name": "tool_use", "template": "T{{ tools | length }}{{ enable_thinking }}"},
+    ]  # fmt: skip
+    path.write_text(json.dumps(config))
+    tokenizer = PromptTokenizer(copy)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    tool = {"type": "function", "function": {"name": "f"}}
+
+    # The default template loops over parts (not "a\nb") and reads the kwarg; tools pick tool_use.
+    assert tokenizer.render_chat(parts, template_kwargs={"enable_thinking": False}) == "DabFalse"
+    assert tokenizer.render_chat(parts, tools=[tool], template_kwargs={"enable_thinking": True}) == "T1True"
+    assert tokenizer.render_chat(parts, tools=[]) == "T0"
+
+
+def test_named_templates_without_a_default_have_none(model_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    path = copy / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}]
+    path.write_text(json.dumps(config))
+    tokenizer = PromptTokenizer(copy)
+    assert tokenizer.template_text(None) is None
+    assert tokenizer.template_text([]) == "T"
