@@ -50,6 +50,7 @@ ATTEMPTS_HEADER = "x-kvroute-attempts"  # instances tried: more than 1 after a r
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
 _REFUSED_CREDENTIALS = (401, 403)
+_BUSY = 503  # refused before anything ran: not a failure of the instance
 _MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the message
 _WATCH_AFTER_S = 0.05  # a request still routing or waiting for its first byte after this watches its client
 _RETRY_BACKOFF_S = 0.05
@@ -314,7 +315,7 @@ class Proxy:
         prompt_tokens = prepared.request.prompt_tokens
         if self._memory_hold.must_wait(prompt_tokens, self._fleet.candidates(model)):
             await self._hold_for_memory(model, prompt_tokens)
-        for _ in range(self._config.attempts):
+        for attempt in range(self._config.attempts):
             healthy = self._fleet.candidates(model, exclude=frozenset(tried))
             candidates = [i for i in healthy if i.in_flight < self._per_instance_limit]
             if healthy and not candidates:
@@ -385,6 +386,21 @@ class Proxy:
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "unauthorized").inc()
                 refused = instance.name, upstream.status
+                continue
+            if (
+                upstream.status == _BUSY
+                and attempt + 1 < self._config.attempts
+                and self._fleet.candidates(model, exclude=frozenset(tried | {instance.name}))
+                and self._retry_budget.spend()
+            ):
+                # vLLM's admission control (--max-num-queued-reqs, --max-num-queued-tokens) and a fleet being
+                # scaled refuse with 503 before anything runs, asking for "a different instance". The last
+                # instance's 503 reaches the client, with its Retry-After.
+                self._abandon(decision, upstream, probe, prefill, failed=False, admitted=False)
+                self._router.withdraw(decision)
+                tried.add(instance.name)
+                self._metrics.upstream_errors(instance.name, "busy").inc()
+                self._metrics.retries(instance.name).inc()
                 continue
             routed = _Routed(
                 decision, policy, upstream, started, prefill, streamed=stream, first=first,
@@ -524,7 +540,7 @@ class Proxy:
         self._end(routed.decision, routed.prefill, admitted=status == 200)
         if status >= 400:  # refused or failed: the engine computed nothing of it
             self._router.withdraw(routed.decision)
-        if (routed.broken and not routed.cut) or status >= 500:
+        if (routed.broken and not routed.cut) or (status >= 500 and status != _BUSY):
             self._breaker_failed(routed.instance, routed.probe)
         elif routed.cut or status >= 400:
             # Ended by the router, or the client's mistake: nothing learnt about the instance.

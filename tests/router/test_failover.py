@@ -260,6 +260,52 @@ def test_an_upstreams_retry_after_reaches_the_client(status: int, tmp_path: Path
     assert (got_status, headers["retry-after"]) == (status, "7")
 
 
+async def _queue_full(request: web.Request) -> web.Response:
+    """vLLM's answer past --max-num-queued-reqs: a 503 before any work, asking for another instance."""
+    await request.read()
+    error = {"message": "The engine is currently busy and cannot accept new requests. Please try again later "
+                        "or on a different instance.", "type": "Service Unavailable", "param": None, "code": 503}
+    return web.json_response({"error": error}, status=503, headers={"Retry-After": "3"})  # fmt: skip
+
+
+async def _answer(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"choices": [{"text": "ok"}]})
+
+
+def _two_instances(first: int, second: int) -> dict[str, object]:
+    return {
+        "models": [{"name": "tiny-llama"}],
+        "instances": [{"name": f"i{n}", "url": f"http://127.0.0.1:{port}"} for n, port in enumerate((first, second))],
+        "circuit_breaker": {"failures": 2},
+    }
+
+
+def test_a_busy_instances_503_is_served_by_another_instance(tmp_path: Path) -> None:
+    with serving(healthy, _queue_full) as busy, serving(healthy, _answer) as free:
+        with running_router(_two_instances(busy, free), tmp_path) as url:
+            attempts = []
+            for _ in range(6):  # round robin: every other request tries the busy one first
+                status, headers, payload = post(url + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"})
+                assert (status, headers["x-kvroute-instance"]) == (200, "i1"), payload
+                attempts.append(headers["x-kvroute-attempts"])
+            assert sorted(set(attempts)) == ["1", "2"]
+            assert metric(url, "kvroute_upstream_errors_total", vllm_instance="i0", kind="busy") >= 2
+            # Busy is not broken: two failures in a row would have opened its breaker.
+            assert sample(url, "kvroute_circuit_opens_total", vllm_instance="i0") in (None, 0)
+
+
+def test_when_every_instance_is_busy_the_last_503_reaches_the_client(tmp_path: Path) -> None:
+    with serving(healthy, _queue_full) as first, serving(healthy, _queue_full) as second:
+        with running_router(_two_instances(first, second), tmp_path) as url:
+            for _ in range(3):
+                status, headers, payload = post(url + "/v1/completions", BODY)
+                assert (status, headers["retry-after"], headers["x-kvroute-attempts"]) == (503, "3", "2")
+                assert "different instance" in json.loads(payload)["error"]["message"]
+            assert sample(url, "kvroute_circuit_opens_total", vllm_instance="i0") in (None, 0)
+            assert sample(url, "kvroute_circuit_opens_total", vllm_instance="i1") in (None, 0)
+
+
 def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_path: Path) -> None:
     """A whole answer that takes 10 s: the client hangs up after 0.5 s, and the router must close the
     upstream request then (so the engine aborts it), not when the answer would have come."""
