@@ -26,6 +26,7 @@ def _load_config(path: str) -> RouterConfig | None:
     try:
         config = load_config(Path(path))
         config.require_api_keys(path)
+        config.require_tokenizers(path)
         return config
     except ConfigError as exc:
         print(exc, file=sys.stderr)

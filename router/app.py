@@ -148,6 +148,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
                 admission.memory_hold_s,
                 config.tokenization.thread_above_bytes,
+                config.limits.body_timeout_s,
             )
             reloader = app.state.reloader = Reloader(
                 config, path, fleet, index, metrics, zmq_context, lambda: app.state.proxy

@@ -118,6 +118,7 @@ class BlockIndex:
         self._holders: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
         self._owners: dict[Owner, _OwnerState] = {}
         self._owner_by_bit: dict[int, Owner] = {}
+        self._free_bits: list[int] = []  # of owners forgotten, for the next ones
         self._entries = 0
         self._pending: dict[int, int] = {}  # speculative: kvroute hash -> owner mask
         # owner bit -> hash -> latest deadline, for blocks speculated again while pending (the rest expire
@@ -163,6 +164,25 @@ class BlockIndex:
         """Forget everything every rank of instance holds (it restarted)."""
         for owner in [o for o in self._owners if o[0] == instance]:
             self.drop(owner)
+
+    def forget_instance(self, instance: str) -> None:
+        """instance left the fleet: its entries, its pool membership and its owner bits go, and the bits are
+        given to instances added later. Kept, they would grow every mask by a bit per name ever seen (a fleet
+        whose pod names change at each rollout)."""
+        self.drop_instance(instance)
+        self.leave_pool(instance)
+        gone = 0
+        for owner in [o for o in self._owners if o[0] == instance]:
+            bit = self._owners.pop(owner).bit
+            del self._owner_by_bit[bit]
+            self._respeculated.pop(bit, None)
+            self._free_bits.append(bit)
+            gone |= bit
+        if not gone:
+            return
+        keep = ~gone
+        self._pending = {block: kept for block, mask in self._pending.items() if (kept := mask & keep)}
+        self._pending_expiry = deque(record for record in self._pending_expiry if not record[1] & gone)
 
     def drop(self, owner: Owner) -> None:
         """Forget everything an owner holds (engine restart, lost events)."""
@@ -401,7 +421,8 @@ class BlockIndex:
     def _owner(self, owner: Owner) -> _OwnerState:
         state = self._owners.get(owner)
         if state is None:
-            bit = 1 << len(self._owners)
+            # Bits in use and free ones are always the lowest len(owners) + len(free) bits.
+            bit = self._free_bits.pop() if self._free_bits else 1 << len(self._owners)
             state = self._owners[owner] = _OwnerState(bit)
             self._owner_by_bit[bit] = owner
         return state

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from router import strict_yaml
 from router.traffic import TrafficSplit
 from scorers.base import Registration
 from scorers.registry import PICKERS, SCORERS, validate_params
@@ -246,8 +247,8 @@ class AdmissionConfig(_Strict):
 class ClientAuthConfig(_Strict):
     api_keys_env: str | None = Field(
         default=None,
-        description="environment variable with the clients' API keys, comma-separated; unset or empty: "
-        "no client authentication",
+        description="environment variable with the clients' API keys, comma-separated (named but unset or "
+        "empty: the router refuses to start, rather than serve without keys); null: no client authentication",
     )
 
 
@@ -340,6 +341,9 @@ class CircuitBreakerConfig(_Strict):
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(
         default=32 * 2**20, ge=1, description="POST /v1/* bodies larger than this are answered 413"
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="a client slower than this to send its body is answered 408"
     )
 
 
@@ -444,14 +448,35 @@ class RouterConfig(_Strict):
     def api_key_env_of(self, instance: InstanceConfig) -> str | None:
         return instance.api_key_env or self.upstream.api_key_env
 
+    def require_tokenizers(self, source: str) -> None:
+        """What serve would fail on at start, said by check-config too: an unknown builtin tokenizer, or a
+        tokenizer directory that is not there (a bare ``org/name`` is left to transformers)."""
+        from router.tokenization import BUILTIN_PREFIX, BUILTIN_TOKENIZERS
+
+        for number, model in enumerate(self.models):
+            tokenizer, key = model.tokenizer, f"models.{number}.tokenizer"
+            if tokenizer.startswith(BUILTIN_PREFIX):
+                if tokenizer.removeprefix(BUILTIN_PREFIX) not in BUILTIN_TOKENIZERS:
+                    known = ", ".join(BUILTIN_TOKENIZERS)
+                    message = f"unknown builtin tokenizer {tokenizer!r}; known: {known}"
+                    raise ConfigError(f"{source}: {key}: {message}")
+            elif tokenizer.startswith(("/", ".", "~")) and not Path(tokenizer).expanduser().is_dir():
+                raise ConfigError(f"{source}: {key}: {tokenizer!r} is not a directory")
+
     def require_api_keys(self, source: str) -> None:
         """Refuse key variables named for instances but not set (the instances would refuse every request),
-        or holding what no HTTP header can carry."""
+        or holding what no HTTP header can carry, and a clients' key variable with no key in it."""
         named = {self.api_key_env_of(i) for i in self.instances}
         if missing := sorted(name for name in named if name and not api_key(name)):
             raise ConfigError(f"{source}: the instances' key variables are not set: ${', $'.join(missing)}")
         if unusable := sorted(name for name in named if name and not api_key(name).isprintable()):
             raise ConfigError(f"{source}: ${', $'.join(unusable)}: a key must be printable, on one line")
+        clients = self.auth.api_keys_env
+        if clients and not any(key.strip() for key in os.environ.get(clients, "").split(",")):
+            raise ConfigError(
+                f"{source}: auth.api_keys_env names ${clients}, which holds no key: the router would serve "
+                "every client without one (set it, or set auth.api_keys_env to null)"
+            )
 
 
 def api_key(env: str) -> str:
@@ -490,7 +515,7 @@ def parse_config(raw: Any, source: str = "config") -> RouterConfig:
 
 def read_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_bytes().decode())
+        return strict_yaml.load(path.read_bytes().decode())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:

@@ -82,6 +82,12 @@ def invalid_api_key() -> OpenAIError:
     )
 
 
+def body_timeout(limit_s: float) -> OpenAIError:
+    """408: the client took longer than limit_s to send its request body."""
+    message = f"The request body did not arrive within {limit_s:g} s."
+    return OpenAIError(408, message, "invalid_request_error", "body_timeout")
+
+
 def client_closed() -> OpenAIError:
     """499 (nginx's code): the client disconnected before the answer began; nobody reads this body."""
     return OpenAIError(499, "The client closed the request.", "invalid_request_error", "client_closed")

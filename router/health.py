@@ -35,7 +35,7 @@ class HealthChecker:
 
     async def check_due(self) -> None:
         now = time.monotonic()
-        due = [i for i in self._fleet.instances if self._due.get(i.name, 0.0) <= now]
+        due = [i for i in self._fleet.instances if not i.checked or self._due.get(i.name, 0.0) <= now]
         await asyncio.gather(*(self._check(i) for i in due))
 
     async def _check(self, instance: Instance) -> None:
@@ -44,6 +44,7 @@ class HealthChecker:
                 ok = response.status == 200
         except (TimeoutError, aiohttp.ClientError):
             ok = False
+        instance.checked = True
         if ok:
             if not instance.healthy:
                 log.info("instance %s is healthy again", instance.name)

@@ -20,6 +20,7 @@ class Instance:
     url: str
     models: frozenset[str]
     healthy: bool = True
+    checked: bool = False  # a health check has answered (or failed) since the instance came in
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     load: EngineLoad | None = None
@@ -114,7 +115,10 @@ class Fleet:
                     instance = previous
                     in_place.add(spec.name)
                 else:
+                    # Not a candidate until its first health check passes (at the health checker's next
+                    # tick): an engine added before it is up must not fail the first requests sent to it.
                     instance = Instance.from_config(spec, config)
+                    instance.healthy = False
             instances.append(instance)
         self.instances = instances
         self._configs = {i.name: i for i in config.instances}
@@ -130,6 +134,10 @@ class Fleet:
         client whose requests make every engine fail must not black out the model for everyone."""
         healthy = [i for i in self._by_model.get(model, ()) if i.healthy and i.name not in exclude]
         return [i for i in healthy if i.breaker.allows()] or healthy
+
+    def only_model(self) -> str | None:
+        """The model a request that names none is for: the one configured, if there is one only."""
+        return self.models[0] if len(self.models) == 1 else None
 
     def served_models(self) -> list[str]:
         return [m for m in self.models if self._by_model[m]]

@@ -187,11 +187,13 @@ class KVEventSubscriber:
                 if position is not None and replayed and _restarted(replayed, rank, expected - 1, position):
                     self._restart(rank)
                     expected, replayed = 0, await self._replay(0)
-            self._fill(rank, expected, seq, replayed)
+            if not await self._fill(rank, expected, seq, replayed):
+                return await self._accept(seq, batch, live)
         self._apply(rank, seq, batch)
 
-    def _fill(self, rank: int, start: int, end: int, replayed: list[_Numbered] | None) -> None:
-        """Apply the batches start..end-1 of rank; drop the owner first when some of them are lost."""
+    async def _fill(self, rank: int, start: int, end: int, replayed: list[_Numbered] | None) -> bool:
+        """Apply the batches start..end-1 of rank; drop the owner first when some of them are lost. False
+        when rank was dropped meanwhile (a long gap gives the event loop turns, as engine_restarted may)."""
         mine = {seq: batch for seq, batch in replayed or () if (batch.data_parallel_rank or 0) == rank}
         first = end
         while first > start and first - 1 in mine:
@@ -201,8 +203,14 @@ class KVEventSubscriber:
         else:
             self._replays_failed.inc()
             self._drop(rank)  # what follows the lost batches is still true, so it is applied after the drop
-        for seq in range(first, end):
+        for number, seq in enumerate(range(first, end), start=1):
             self._apply(rank, seq, mine[seq])
+            if number % _YIELD_EVERY == 0:
+                position = self._positions.get(rank)
+                await asyncio.sleep(0)  # a gap of thousands of batches must not stall every other request
+                if self._positions.get(rank) is not position:
+                    return False
+        return True
 
     def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
         position = self._positions.get(rank)

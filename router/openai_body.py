@@ -15,8 +15,8 @@ from router.errors import bad_request
 
 
 class ChatRequest(msgspec.Struct):
-    model: str
     messages: list[Any]
+    model: str = ""  # none: the only model served (vLLM's server takes its own); see decode_body
     stream: bool | None = None
     user: str | None = None
     # vLLM's extensions that change the prompt's tokens, with vLLM's defaults
@@ -32,6 +32,8 @@ class ChatRequest(msgspec.Struct):
     reasoning_effort: Any = None  # reaches the template as kwargs, see template_kwargs
     # A template input no tokenizer endpoint takes: such requests are routed without prefix knowledge
     documents: Any = None
+    truncate_prompt_tokens: Any = None  # the engine cuts the prompt: routed without prefix knowledge
+    vllm_xargs: Any = None  # see without_full_kv_report
 
     def template_kwargs(self) -> dict[str, Any] | None:
         return chat_endpoint_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
@@ -49,38 +51,50 @@ def chat_endpoint_template_kwargs(
 ) -> dict[str, Any] | None:
     """The ``chat_template_kwargs`` vLLM's chat endpoint renders with: the request's, and with a
     ``reasoning_effort`` that value and ``enable_thinking`` (unless the request's kwargs set it), so that
-    templates which only know the latter think when asked to."""
-    if reasoning_effort is None:
-        return given
-    kwargs = {**(given or {}), "reasoning_effort": reasoning_effort}
-    if "enable_thinking" not in (given or {}):
-        kwargs["enable_thinking"] = reasoning_effort != "none"
-    return kwargs
+    templates which only know the latter think when asked to. A key set to null or "auto" is left unset, as
+    vLLM merges the request's kwargs over its defaults."""
+    kwargs = dict(given or {})
+    if reasoning_effort is not None:
+        kwargs["reasoning_effort"] = reasoning_effort
+        if "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = reasoning_effort != "none"
+    set_ = {key: value for key, value in kwargs.items() if not _unset(value)}
+    return set_ or None
+
+
+def _unset(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value == "auto")
 
 
 class CompletionRequest(msgspec.Struct):
-    model: str
     prompt: str | list[Any]
+    model: str = ""
     stream: bool | None = None
     user: str | None = None
     add_special_tokens: bool = True
     cache_salt: str | None = None
+    truncate_prompt_tokens: Any = None
+    vllm_xargs: Any = None
 
 
 Body = TypeVar("Body", ChatRequest, CompletionRequest)
 
+# Not strict: booleans given as 0 / 1 or "true" / "false", which vLLM's validation takes, are taken too.
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {
-    kind: msgspec.json.Decoder(kind) for kind in (ChatRequest, CompletionRequest)
+    kind: msgspec.json.Decoder(kind, strict=False) for kind in (ChatRequest, CompletionRequest)
 }
+_BOM = b"\xef\xbb\xbf"  # before JSON, Python's json (vLLM's) skips it
 _PARAM = re.compile(r"at `\$\.(\w+)")
 _MISSING = re.compile(r"missing required field `(\w+)`")
 
 
-def decode_body(raw: bytes, kind: type[Body]) -> Body:
+def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> Body:
+    """only_model: the model a body without one is for (vLLM's server takes its own); None: it must name
+    one."""
     if not raw.strip():
         raise bad_request("The request body is empty; expected a JSON object.", "invalid_json")
     try:
-        body: Body = _decoders[kind].decode(raw)
+        body: Body = _decoders[kind].decode(raw.removeprefix(_BOM))
     except msgspec.ValidationError as exc:
         text = str(exc)
         found = _PARAM.search(text) or _MISSING.search(text)
@@ -91,19 +105,22 @@ def decode_body(raw: bytes, kind: type[Body]) -> Body:
     if isinstance(body, ChatRequest) and not body.messages:
         raise bad_request("`messages` must hold at least one message.", "invalid_field", "messages")
     if not body.model:
-        raise bad_request("`model` must not be empty.", "invalid_field", "model")
+        if only_model is None:
+            raise bad_request("`model` is required: the router serves several.", "invalid_field", "model")
+        body.model = only_model
     return body
 
 
 _REPORT_MODE = "kv_cache_report_mode"
 
 
-def without_full_kv_report(raw: bytes) -> bytes:
+def without_full_kv_report(raw: bytes, xargs: Any) -> bytes:
     """The body without ``vllm_xargs.kv_cache_report_mode``. In its "full" mode vLLM announces every reused
     prefix block again as BlockStored, with no BlockRemoved to match, and the index would count each as one
     more copy of the block, crediting it after its eviction. The router is the events' consumer here, so it
-    keeps vLLM's default (incremental) mode; the answer to the client does not depend on it."""
-    if _REPORT_MODE.encode() not in raw:  # the common case: one scan of the bytes, no decoding
+    keeps vLLM's default (incremental) mode; the answer to the client does not depend on it. xargs: the
+    body's ``vllm_xargs`` as decoded (a key spelled with JSON escapes is found there, not in the bytes)."""
+    if not isinstance(xargs, dict) or _REPORT_MODE not in xargs:  # the common case: nothing to decode
         return raw
     try:
         fields = msgspec.json.decode(raw)

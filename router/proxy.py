@@ -19,7 +19,9 @@ from router.ab import ABStats
 from router.admission import Admission, Overloaded
 from router.config import TrafficConfig, UpstreamConfig
 from router.errors import (
+    OpenAIError,
     bad_request,
+    body_timeout,
     client_closed,
     error_json,
     model_not_found,
@@ -51,6 +53,7 @@ _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RETRY_AFTER_S = 1
 _REFUSED_CREDENTIALS = (401, 403)
 _BUSY = 503  # refused before anything ran: not a failure of the instance
+_CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
 _MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the message
 _WATCH_AFTER_S = 0.05  # a request still routing or waiting for its first byte after this watches its client
 _RETRY_BACKOFF_S = 0.05
@@ -145,12 +148,14 @@ class _Routed:
     decision: Decision
     policy: Policy
     upstream: aiohttp.ClientResponse
-    started: float
+    started: float  # this attempt: what the instance's TTFT model learns from
+    first_sent: float  # the first attempt: what the client waited, for the policy's metrics
     prefill: _Prefill
     streamed: bool
     finished: bool = False
     broken: bool = False  # the stream from upstream broke off
     cut: bool = False  # ended by the router (shutting down), not by the instance
+    completed: bool = False  # a stream relayed to its end (not broken, cut, nor left by its client)
     first: bytes = b""  # a stream's first chunk, or the whole answer
     attempts: int = 1
     probe: bool = False  # the instance's half-open circuit breaker let it through as its probe
@@ -196,9 +201,10 @@ class Proxy:
         per_instance_limit: int,
         memory_hold_s: float = 0.0,
         thread_above_bytes: int | None = None,
+        body_timeout_s: float = 60.0,
     ) -> None:
         """memory_hold_s: see router/memory_hold.py. thread_above_bytes: larger bodies are tokenized on a
-        worker thread (None: none)."""
+        worker thread (None: none). body_timeout_s: the longest a client may take to send its body."""
         self._admission, self._per_instance_limit = admission, per_instance_limit
         self._memory_hold: MemoryHold[asyncio.Future[None]] = MemoryHold(memory_hold_s)
         self._max_tokenized_bytes = max_tokenized_bytes
@@ -209,6 +215,9 @@ class Proxy:
         self.ab = ABStats()
         self._streams: set[_Routed] = set()  # being relayed to clients
         self._closing = False  # shutting down: streams still starting end at once
+        self._starting: set[asyncio.Task[object]] = set()  # requests not yet answered nor streaming
+        self._ended: set[asyncio.Task[object]] = set()  # of those, the ones end_streams cancelled
+        self._body_timeout_s = body_timeout_s
         self._retry_budget = RetryBudget()
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
@@ -222,6 +231,34 @@ class Proxy:
         )
 
     async def forward(self, request: Request, path: str, kind: type[Body]) -> Response:
+        """The answer, or an OpenAIError; one still being routed or computed when the router shuts down is a
+        503 the client may retry (the engine aborts it), not the server's plain-text 500."""
+        task = asyncio.current_task()
+        assert task is not None
+        if self._closing:
+            raise _shutting_down()
+        self._starting.add(task)
+        try:
+            return await self._forward(request, path, kind)
+        except asyncio.CancelledError:
+            if task not in self._ended:
+                raise
+            task.uncancel()
+            raise _shutting_down() from None
+        finally:
+            self._starting.discard(task)
+            self._ended.discard(task)
+
+    async def _forward(self, request: Request, path: str, kind: type[Body]) -> Response:
+        # The body is read before a slot is taken, and within a time limit: a client that trickles its body
+        # must not hold one of the slots that bound the work in flight.
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                raw = await request.body()
+        except ClientDisconnect:  # gone while sending its body
+            raise client_closed() from None
+        except TimeoutError:
+            raise body_timeout(self._body_timeout_s) from None
         try:
             await self._admission.enter()
         except Overloaded as exc:
@@ -229,17 +266,13 @@ class Proxy:
             message = "The router is at capacity; retry later."
             raise too_many_requests(message, str(exc), _RETRY_AFTER_S) from exc
         try:
-            try:
-                raw = await request.body()
-            except ClientDisconnect:  # gone while sending its body, or while it waited for admission
-                raise client_closed() from None
-            body = decode_body(raw, kind)
+            body = decode_body(raw, kind, self._fleet.only_model())
             if not self._fleet.serves(body.model):
                 raise model_not_found(body.model)
             session = request.headers.get(self.traffic_config.session_header) or body.user
             policy = self._policy(request, session)
             tokenize = len(raw) <= self._max_tokenized_bytes
-            raw = without_full_kv_report(raw)
+            raw = without_full_kv_report(raw, body.vllm_xargs)
             # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
             headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
             with _ClientWatch(request.receive) as watch:
@@ -311,6 +344,7 @@ class Proxy:
         tried: set[str] = set()
         dropped: tuple[str, Exception] | None = None  # the last instance that broke off unanswered
         refused: tuple[str, int] | None = None  # the last instance that refused the router's key
+        first_sent: float | None = None  # the client's wait includes the attempts that failed
         self._retry_budget.earn()
         prompt_tokens = prepared.request.prompt_tokens
         if self._memory_hold.must_wait(prompt_tokens, self._fleet.candidates(model)):
@@ -330,6 +364,7 @@ class Proxy:
             decision = self._router.decide(prepared, policy, candidates)
             instance = decision.instance
             started = time.perf_counter()
+            first_sent = started if first_sent is None else first_sent
             probe = self._start(decision)
             prefill = _Prefill(instance, decision.uncached_tokens)
             if not stream and prefill.tokens:
@@ -390,7 +425,10 @@ class Proxy:
             if (
                 upstream.status == _BUSY
                 and attempt + 1 < self._config.attempts
-                and self._fleet.candidates(model, exclude=frozenset(tried | {instance.name}))
+                and any(
+                    other.in_flight < self._per_instance_limit
+                    for other in self._fleet.candidates(model, exclude=frozenset(tried | {instance.name}))
+                )
                 and self._retry_budget.spend()
             ):
                 # vLLM's admission control (--max-num-queued-reqs, --max-num-queued-tokens) and a fleet being
@@ -402,8 +440,9 @@ class Proxy:
                 self._metrics.upstream_errors(instance.name, "busy").inc()
                 self._metrics.retries(instance.name).inc()
                 continue
+            self._router.served(decision, policy)
             routed = _Routed(
-                decision, policy, upstream, started, prefill, streamed=stream, first=first,
+                decision, policy, upstream, started, first_sent, prefill, streamed=stream, first=first,
                 attempts=len(tried) + 1, probe=probe, session_key=prepared.request.session_key,
             )  # fmt: skip
             try:
@@ -505,6 +544,7 @@ class Proxy:
                         raise aiohttp.ClientConnectionError("ended by the router")
                     if rest := events.rest():
                         yield rest
+                    routed.completed = True
                     return
                 if whole := events.whole(chunk):
                     yield whole
@@ -529,6 +569,9 @@ class Proxy:
         for routed in list(self._streams):
             routed.cut = True
             routed.upstream.close()  # the relay's read fails at once; the engine aborts the request
+        for task in self._starting - self._ended:  # waiting for a first byte, a whole answer, or a slot
+            self._ended.add(task)
+            task.cancel()
 
     def _finish(self, routed: _Routed) -> None:
         if routed.finished:
@@ -540,16 +583,21 @@ class Proxy:
         self._end(routed.decision, routed.prefill, admitted=status == 200)
         if status >= 400:  # refused or failed: the engine computed nothing of it
             self._router.withdraw(routed.decision)
+        # A stream that ended neither whole, broken nor cut by the router was left by its client mid-way: its
+        # time is not an answer's, and it says nothing of the instance.
+        left = routed.streamed and status == 200 and not (routed.completed or routed.broken or routed.cut)
         if (routed.broken and not routed.cut) or (status >= 500 and status != _BUSY):
             self._breaker_failed(routed.instance, routed.probe)
-        elif routed.cut or status >= 400:
-            # Ended by the router, or the client's mistake: nothing learnt about the instance.
+        elif routed.cut or left or status >= 400:
+            # Ended by the router or the client, or the client's mistake: nothing learnt about the instance.
             routed.instance.breaker.abandoned(routed.probe)
         else:
             self._breaker_succeeded(routed.instance, routed.probe)
+        if left:
+            status = _CLIENT_CLOSED
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, str(status)).inc()
-        elapsed = time.perf_counter() - routed.started
+        elapsed = time.perf_counter() - routed.first_sent
         answered = status == 200 and not routed.broken
         if answered:
             self._metrics.e2e(policy).observe(elapsed)
@@ -574,9 +622,10 @@ class Proxy:
         routed.prefill.retire()
         if routed.upstream.status != 200:
             return
-        elapsed = time.perf_counter() - routed.started
-        self._metrics.ttft(routed.policy.name).observe(elapsed)
-        self._ab(routed.policy).first_byte(routed.policy.name, elapsed, routed.session_key)
+        now = time.perf_counter()
+        waited, elapsed = now - routed.first_sent, now - routed.started
+        self._metrics.ttft(routed.policy.name).observe(waited)
+        self._ab(routed.policy).first_byte(routed.policy.name, waited, routed.session_key)
         decision, name = routed.decision, routed.instance.name
         model = routed.instance.ttft_model
         if routed.streamed:
@@ -615,6 +664,10 @@ class _Answer(msgspec.Struct):
 
 
 _decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
+def _shutting_down() -> OpenAIError:
+    return unavailable("The router is shutting down; retry.", "shutting_down", _RETRY_AFTER_S)
 
 
 def _usage(payload: bytes) -> _Usage | None:

@@ -107,24 +107,35 @@ class Reloader:
             raise ConfigError(f"{self._path}: changing {', '.join(fixed)} needs a restart")
         new.require_api_keys(str(self._path))
         added, removed, in_place = self._fleet.update(new)
-        # Changed at the same URL: the same engine, and the same object (router/instances.py). Its events are
-        # subscribed to afresh, but its pool membership (unless the file took it out: pool: false) and its
-        # metric series (an open breaker's gauge, the calibrated rates, set only when they change) stay.
+        # Changed at the same URL: the same engine, and the same object (router/instances.py). Its pool
+        # membership (unless the file took it out: pool: false) and its metric series (an open breaker's
+        # gauge, the calibrated rates, set only when they change) stay. So do its subscriber and index entries
+        # when its events endpoints did not change (new models or key): subscribed afresh, it could only
+        # rebuild them from the engine's replay buffer, which has lost what was cached long ago (a shared
+        # system prompt) and will not announce it again while it stays cached.
+        before = {spec.name: (spec.events, spec.replay) for spec in old.instances}
+        same_events = {
+            spec.name
+            for spec in new.instances
+            if spec.name in in_place and before[spec.name] == (spec.events, spec.replay)
+        }
         left_pool = set(old.pool_members()) - set(new.pool_members())
         for name in removed:
-            subscription = self._subscriptions.pop(name, None)
-            if subscription is not None:
-                subscription[1].cancel()
-            self._index.drop_instance(name)
+            if name not in same_events:
+                subscription = self._subscriptions.pop(name, None)
+                if subscription is not None:
+                    subscription[1].cancel()
+                self._index.drop_instance(name)
             if name not in in_place or name in left_pool:
                 self._index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool
             if name not in in_place:
                 self._metrics.forget_instance(name)
+                self._index.forget_instance(name)
         # A name back in the file is exported again; moved to another URL in this same reload, the requests
         # the old engine is still serving count in its series too, as labels cannot tell the two apart.
         for instance in added:
             self._metrics.restore_instance(instance.name)
-        self.subscribe(added)
+        self.subscribe([spec for spec in added if spec.name not in same_events])
         place_instances(self._index, new)
         proxy = self._proxy()
         _swap_policies(proxy, new)

@@ -18,7 +18,7 @@ import xxhash
 
 from router import block_hashing
 from router.block_index import BlockIndex, Speculation
-from router.chat_conversation import InvalidPrompt
+from router.chat_conversation import InvalidPrompt, engine_messages
 from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
@@ -26,10 +26,14 @@ from router.policy import Policy
 from router.pool import PoolConfirmer
 from router.token_cache import RemoteTokenizer
 from router.tokenization_audit import TokenizationAudit
-from scorers.base import NO_MATCH, RoutingRequest
+from scorers.base import NO_MATCH, RoutingRequest, TierMatch
 from scorers.ttft_model import TTFTFeatures, features_for, reused_blocks
 
 log = logging.getLogger(__name__)
+
+
+class TruncatedPrompt(Exception):
+    """truncate_prompt_tokens: what the engine computes is not the prompt's start."""
 
 
 class UnreproducibleTemplate(Exception):
@@ -66,6 +70,7 @@ class Decision:
     features: TTFTFeatures
     predicted_ttft_s: float
     speculated: Speculation | None = None  # blocks entered as pending at the instance
+    reused: TierMatch = NO_MATCH  # the blocks the instance would reuse, by tier
 
 
 class Router:
@@ -142,10 +147,6 @@ class Router:
         features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
-        reused = reused_blocks(prepared.request, instance.name)
-        for tier, blocks in zip(("gpu", "cpu", "pool"), (reused.gpu, reused.cpu, reused.pool), strict=True):
-            if blocks:
-                self._metrics.predicted_cached(policy.name, tier).inc(blocks * self._block_size)
         return Decision(
             instance,
             tokens,
@@ -155,7 +156,15 @@ class Router:
             features=features,
             predicted_ttft_s=instance.ttft_model.predict(features),
             speculated=speculated,
+            reused=reused_blocks(prepared.request, instance.name),
         )
+
+    def served(self, decision: Decision, policy: Policy) -> None:
+        """decision is the one an instance answered (a request retried elsewhere counts once)."""
+        reused = decision.reused
+        for tier, blocks in zip(("gpu", "cpu", "pool"), (reused.gpu, reused.cpu, reused.pool), strict=True):
+            if blocks:
+                self._metrics.predicted_cached(policy.name, tier).inc(blocks * self._block_size)
 
     def withdraw(self, decision: Decision) -> None:
         """The request never ran where it was routed: take back the blocks decide() entered for it there."""
@@ -168,6 +177,8 @@ class Router:
 
     async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:
         """The prompt's token ids as the engine will see them; [] when nothing here can tell."""
+        if body.truncate_prompt_tokens is not None:
+            raise TruncatedPrompt("the engine keeps only the prompt's last tokens")
         local = self._tokenizers.get(body.model)
         if isinstance(body, CompletionRequest):
             if local is not None:
@@ -202,7 +213,8 @@ class Router:
         remote = self._remote(body.model)
         if remote is None:
             return []
-        return await remote.chat_ids(body.messages, **flags, template_inputs=template_inputs)
+        # /tokenize keeps the deprecated reasoning_content that the chat endpoint renames.
+        return await remote.chat_ids(engine_messages(body.messages), **flags, template_inputs=template_inputs)
 
     async def _local(self, off_loop: bool, tokenize: Callable[..., list[int]], *args: Any) -> list[int]:
         if not off_loop:

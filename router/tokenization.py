@@ -16,6 +16,7 @@ from typing import Any
 from router.chat_conversation import InvalidPrompt, engine_conversation, engine_template_kwargs, engine_tools
 
 BUILTIN_PREFIX = "builtin:"
+BUILTIN_TOKENIZERS = ("tiny-llama",)  # kvroute/tinymodel.py builds it
 
 
 def resolve_tokenizer_path(spec: str) -> Path:
@@ -27,7 +28,7 @@ def resolve_tokenizer_path(spec: str) -> Path:
         if name != tinymodel.MODEL_NAME:
             raise ValueError(f"unknown builtin model {name!r}; the only one is {tinymodel.MODEL_NAME!r}")
         return tinymodel.ensure_model()
-    return Path(spec)
+    return Path(spec).expanduser()
 
 
 class PromptTokenizer:

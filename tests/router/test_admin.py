@@ -199,6 +199,8 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
         assert 'vllm_instance="fleet-2"' not in response.read().decode()
     path.write_text(yaml.safe_dump(config_of(fleet)))  # added back: exported again
     assert call("POST", url + "/admin/reload", headers=AUTH)[0] == 200
+    # A candidate again once its first health check passes (the checker's next tick).
+    wait_for(lambda: sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") == 1, "fleet-2 checked")
     served = {chat(url, f"b{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(6)}
     assert "fleet-2" in served
     assert metric(url, "kvroute_requests_total", policy="round-robin", vllm_instance="fleet-2", status="200") >= 1

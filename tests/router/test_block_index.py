@@ -542,3 +542,23 @@ def test_all_blocks_cleared_clears_where_the_gpus_blocks_are_kept_whatever_the_t
     index.apply(("a", 0), [stored(0, 2, medium=None), stored(0, 2, medium="CPU")])
     index.apply(("a", 0), [AllBlocksCleared()])
     assert index.match(prompt()) == {"a": TierMatch(cpu=2)}
+
+
+def test_an_instance_that_left_gives_its_bit_to_the_next_and_leaves_it_nothing() -> None:
+    now = [100.0]
+    index = BlockIndex(BS, speculative_ttl_s=2.0, clock=lambda: now[0])
+    index.apply(("keep", 0), [stored(0, 2)])
+    for generation in range(200):  # pods renamed at every rollout
+        name = f"pod-{generation}"
+        index.apply((name, 0), [stored(0, 6), pooled(0, 8)])
+        index.speculate(name, prompt())
+        assert index.match(prompt())[name] == TierMatch(gpu=10)
+        index.forget_instance(name)
+        assert name not in index.match(prompt())
+    assert (index._owner_by_bit.keys(), index._free_bits) == ({1}, [2])  # every pod had bit 2 in turn
+    # The next one takes that bit, and none of what its last holder had: entries, pool credit, speculation.
+    index.apply(("new", 0), [stored(0, 1)])
+    assert index.match(prompt()) == {"keep": TierMatch(gpu=2), "new": TierMatch(gpu=1)}
+    now[0] = 103.0  # past the last pod's speculation: its expiry record is gone and touches nothing
+    index.speculate("new", prompt(), start=1)
+    assert index.match(prompt()) == {"keep": TierMatch(gpu=2), "new": TierMatch(gpu=10)}

@@ -178,6 +178,32 @@ def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> 
         load_config(path)
 
 
+def test_a_key_given_twice_is_an_error_naming_it_and_a_merge_key_may_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("models: [{name: m}]\ntraffic: {split: {a: 1}}\ninstances: []\ntraffic: {}\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML: the key 'traffic' is given twice in one mapping \(line 4\)"):
+        load_config(path)
+    path.write_text(
+        "models: [{name: m}]\n"
+        "x-instance: &base {name: a, url: 'http://127.0.0.1:9000'}\n"
+        "instances: [{<<: *base, url: 'http://127.0.0.1:9001'}]\n"
+    )
+    with pytest.raises(ConfigError, match=r"x-instance"):  # an unknown key, but the merge itself is read
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "message"),
+    [("builtin:llama", "unknown builtin tokenizer 'builtin:llama'; known: tiny-llama"),
+     ("/nonexistent/tokenizer", "'/nonexistent/tokenizer' is not a directory")],
+)  # fmt: skip
+def test_a_tokenizer_serve_could_not_load_is_refused_naming_its_key(tokenizer: str, message: str) -> None:
+    config = parse_config(_with(models=[{"name": "m", "tokenizer": tokenizer}]))
+    with pytest.raises(ConfigError, match=re.escape(f"router.yaml: models.0.tokenizer: {message}")):
+        config.require_tokenizers("router.yaml")
+    parse_config(_with(models=[{"name": "m", "tokenizer": "builtin:tiny-llama"}])).require_tokenizers("router.yaml")
+
+
 def test_a_policy_with_some_weights_at_0_is_valid() -> None:
     config = parse_config(_with(policies={"p": {"scorers": [{"type": "round-robin", "weight": 0},
                                                             {"type": "inflight-load"}]}}, default_policy="p"))  # fmt: skip

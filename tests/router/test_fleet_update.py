@@ -32,3 +32,15 @@ def test_an_instance_moved_to_another_url_starts_afresh() -> None:
     assert fleet.update(config(url="http://127.0.0.1:9002")).in_place == set()
     (after,) = fleet.instances
     assert after is not before and after.in_flight == 0
+
+
+def test_an_added_instance_is_no_candidate_until_its_first_health_check_passes() -> None:
+    fleet = Fleet(config())
+    added = parse_config({"models": [{"name": "m"}], "instances": [
+        {"name": "a", "url": "http://127.0.0.1:9001"}, {"name": "b", "url": "http://127.0.0.1:9002"}]})  # fmt: skip
+    fleet.update(added)
+    assert [i.name for i in fleet.candidates("m")] == ["a"]
+    (new,) = [i for i in fleet.instances if i.name == "b"]
+    assert (new.healthy, new.checked) == (False, False)  # due at the health checker's next tick
+    assert fleet.update(config(url="http://127.0.0.1:9003")).in_place == set()
+    assert fleet.candidates("m") == []  # moved: a new engine, not checked yet either

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import time
+import types
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -20,8 +21,9 @@ import zmq.asyncio
 from fleet.publisher import EventPublisher
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from router import kv_subscriber
+from router.ab import ABStats
 from router.block_index import BlockIndex
-from router.config import parse_config
+from router.config import RouterConfig, parse_config
 from router.instances import Fleet
 from router.kv_events import (
     END_OF_REPLAY,
@@ -36,6 +38,7 @@ from router.kv_events import (
 from router.kv_subscriber import KVEventSubscriber, Owner
 from router.metrics import RouterMetrics
 from router.reload import Reloader
+from router.traffic import TrafficSplit
 from scorers.base import TierMatch
 from tests.router.test_block_index import BS, prompt, stored
 
@@ -266,6 +269,46 @@ def test_a_gap_is_filled_from_the_replay_buffer() -> None:
         assert harness.since(before) == {"gaps": 1, "ok": 1}
 
     asyncio.run(main())
+
+
+class TurnCountingSink(RecordingSink):
+    """Records, with each batch, how many turns another task had had on the event loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns = 0
+        self.turns_at_apply: list[int] = []
+
+    def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
+        self.turns_at_apply.append(self.turns)
+        super().apply(owner, events)
+
+
+def test_a_long_gap_is_filled_in_turns_with_the_rest_of_the_router() -> None:
+    sink = TurnCountingSink()
+
+    async def other_work() -> None:
+        while True:
+            sink.turns += 1
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        harness = Harness(replay=True, sink=sink)
+        engine = harness.engine()
+        async with harness.running():
+            await harness.first_batch_applied(engine)
+            for n in range(1, 1000):
+                engine.publish(batch(n), send=False)
+            working = asyncio.create_task(other_work())
+            engine.publish(batch(1000))
+            await harness.sink.wait_applied(1001)
+            working.cancel()
+        await engine.close()
+        assert harness.sink.ids() == list(range(1001))
+
+    asyncio.run(main())
+    filled = sink.turns_at_apply[1:1000]
+    assert filled[-1] - filled[0] >= 3  # at least one turn in every 256 batches
 
 
 def test_a_message_over_the_size_limit_never_reaches_the_decoder_and_leaves_a_gap() -> None:
@@ -692,3 +735,43 @@ def test_news_of_a_restart_goes_to_the_instances_subscriber_or_drops_an_unfollow
 
     asyncio.run(main())
     assert set(index.match(prompt())) == {"followed"}
+
+
+def test_an_instance_given_new_models_keeps_its_subscriber_and_entries_new_events_endpoints_do_not() -> None:
+    """An engine's replay buffer holds only its latest batches: an instance subscribed afresh could not learn
+    again of blocks cached long ago, so a reload that leaves its events endpoints as they were keeps them."""
+    ports = free_port_block(2)
+
+    def config_with(models: list[str], events_port: int) -> RouterConfig:
+        return parse_config({
+            "models": [{"name": "tiny-llama"}, {"name": "adapter", "lora_of": "tiny-llama"}], "block_size": 4,
+            "instances": [{"name": "a", "url": "http://127.0.0.1:9", "models": models,
+                           "events": f"tcp://127.0.0.1:{events_port}"}],
+        })  # fmt: skip
+
+    first = config_with(["tiny-llama"], ports)
+    index = BlockIndex(4)
+
+    async def main() -> tuple[bool, set[str], set[str]]:
+        context = zmq.asyncio.Context()
+        proxy = types.SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit({"kvroute": 1}))
+        reloader = Reloader(first, None, Fleet(first), index, RouterMetrics(), context, lambda: proxy)  # type: ignore[arg-type,return-value]
+        reloader.subscribe(first.instances)
+        index.apply(("a", 0), [stored(0, 2)])
+        subscription = reloader._subscriptions["a"]
+        try:
+            with_adapter = config_with(["tiny-llama", "adapter"], ports)
+            await reloader.apply(with_adapter)
+            kept = reloader._subscriptions["a"] is subscription and not subscription[1].done()
+            after_models = set(index.match(prompt()))
+            await reloader.apply(config_with(["tiny-llama", "adapter"], ports + 1))
+            after_events = set(index.match(prompt()))
+        finally:
+            await reloader.stop()
+            context.destroy(linger=0)
+        return kept, after_models, after_events
+
+    kept, after_models, after_events = asyncio.run(main())
+    assert kept
+    assert after_models == {"a"}
+    assert after_events == set()

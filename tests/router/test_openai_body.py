@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import running_router
-from router.openai_body import without_full_kv_report
+from router.errors import OpenAIError
+from router.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
 from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
@@ -26,13 +27,18 @@ from tests.router.test_proxy import post
         ({"model": "m", "prompt": "what is kv_cache_report_mode?"}, None),  # in the text only: untouched
         ({"model": "m", "vllm_xargs": {"x": 1}}, None),
         ({"model": "m", "vllm_xargs": "kv_cache_report_mode"}, None),
+        # Spelled with an escape, as JSON allows: vLLM reads the same key.
+        ('{"model": "m", "prompt": "p", "vllm_xargs": {"kv_cache_report_\\u006dode": "full"}}',
+         {"model": "m", "prompt": "p"}),
     ],
 )
 def test_only_the_full_kv_report_mode_is_taken_out(
-    body: dict[str, object], forwarded: dict[str, object] | None
+    body: dict[str, object] | str, forwarded: dict[str, object] | None
 ) -> None:
-    raw = json.dumps(body).encode()
-    out = without_full_kv_report(raw)
+    raw = (body if isinstance(body, str) else json.dumps({"prompt": "p", **body})).encode()
+    if forwarded is not None and isinstance(body, dict):
+        forwarded = {"prompt": "p", **forwarded}
+    out = without_full_kv_report(raw, decode_body(raw, CompletionRequest, "m").vllm_xargs)
     if forwarded is None:
         assert out is raw
     else:
@@ -58,3 +64,22 @@ def test_the_engine_never_gets_the_full_kv_report_mode(tmp_path: Path) -> None:
             status, _, payload = post(url + "/v1/completions", json.dumps(body).encode())
     assert status == 200, payload
     assert json.loads(received[0]) == {"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"prompt": "hi"}', {"model": "only", "prompt": "hi"}),  # vLLM's server takes its own model
+        (b'\xef\xbb\xbf{"model": "m", "prompt": "hi"}', {"model": "m", "prompt": "hi"}),  # a BOM, as json does
+        (b'{"model": "m", "prompt": "hi", "add_special_tokens": 0}', {"add_special_tokens": False}),
+        (b'{"model": "m", "prompt": "hi", "stream": "true"}', {"stream": True}),
+    ],
+)
+def test_bodies_vllm_accepts_are_accepted(raw: bytes, expected: dict[str, object]) -> None:
+    body = decode_body(raw, CompletionRequest, "only")
+    assert {key: getattr(body, key) for key in expected} == expected
+
+
+def test_a_body_without_a_model_needs_one_when_several_are_served() -> None:
+    with pytest.raises(OpenAIError, match="`model` is required: the router serves several"):
+        decode_body(b'{"messages": [{"role": "user", "content": "hi"}]}', ChatRequest, None)

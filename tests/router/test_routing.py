@@ -82,6 +82,50 @@ def test_template_inputs_go_to_the_engine(tokenizer: PromptTokenizer, inputs: di
     assert remote.asked == [inputs]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "reasoning_effort"),
+    [({"enable_thinking": None}, None), ({"enable_thinking": "auto"}, None), ({"enable_thinking": None}, "low")],
+)
+def test_kwargs_set_to_null_or_auto_are_left_unset_as_vllm_merges_them(
+    tokenizer: PromptTokenizer, kwargs: dict[str, Any], reasoning_effort: str | None
+) -> None:
+    remote = RecordingRemote()
+    tokens = prepare(tokenizer, remote, chat_template_kwargs=kwargs, reasoning_effort=reasoning_effort)
+    assert tokens == len(tokenizer.chat_ids(MESSAGES))  # not enable_thinking false's <think></think>
+    assert remote.asked == []
+
+
+class MessageRecordingRemote(RecordingRemote):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[Sequence[Any]] = []
+
+    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False, add_special_tokens: bool = False,
+                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+        self.messages.append(messages)
+        return await super().chat_ids(messages, template_inputs=template_inputs)
+
+
+def test_the_engine_asked_for_ids_gets_reasoning_content_renamed_as_its_chat_endpoint_does(
+    tokenizer: PromptTokenizer,
+) -> None:
+    remote = MessageRecordingRemote()
+    router = Router(BlockIndex(32), {}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "x", "reasoning_content": "r"},
+                {"role": "user", "content": "y"}]  # fmt: skip
+    asyncio.run(router.prepare(ChatRequest(model="tiny-llama", messages=messages), None))
+    assert remote.messages[0][1] == {"role": "assistant", "content": "x", "reasoning": "r"}
+
+
+def test_a_prompt_the_engine_truncates_is_routed_without_prefix_knowledge(tokenizer: PromptTokenizer) -> None:
+    # vLLM keeps its last tokens: none of the blocks hashed from the prompt's start would be computed.
+    assert prepare(tokenizer, RecordingRemote(), truncate_prompt_tokens=10) == 0
+    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), lambda model: None)
+    body = CompletionRequest(model="tiny-llama", prompt="run the tests " * 40, truncate_prompt_tokens=10)
+    assert asyncio.run(router.prepare(body, None)).request.prompt_tokens == 0
+
+
 def test_chat_template_kwargs_are_rendered_here_those_the_template_reads(tokenizer: PromptTokenizer) -> None:
     remote = RecordingRemote()
     thinking_off = prepare(tokenizer, remote, chat_template_kwargs={"enable_thinking": False, "unread": 1})

@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,46 @@ def test_a_stream_longer_than_the_grace_period_ends_with_an_error_event_and_done
         assert stream.events[-1] == b"data: [DONE]"
         error = json.loads(stream.events[-2].removeprefix(b"data: "))["error"]
         assert error["code"] == "shutting_down"
+        assert router.process.wait(10) == EXITED_ON_SIGTERM
+    finally:
+        router.stop()
+
+
+class WholeAnswer(threading.Thread):
+    """Asks for one completion, not streamed; keeps the status, headers and body it gets."""
+
+    def __init__(self, url: str, tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.tokens = url, tokens
+        self.status, self.headers, self.body = 0, dict[str, str](), b""
+
+    def run(self) -> None:
+        body = {"model": "tiny-llama", "prompt": "tell a long story", "max_tokens": self.tokens}
+        request = urllib.request.Request(
+            self.url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                self.status, self.headers, self.body = response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as error:
+            self.status, self.headers, self.body = error.code, dict(error.headers), error.read()
+
+
+def test_an_answer_still_computing_after_the_grace_period_is_a_503_to_retry(
+    slow_fleet: FleetPorts, tmp_path: Path
+) -> None:
+    router, url = start_router(slow_fleet, tmp_path, grace_s=1)
+    try:
+        answer = WholeAnswer(url, tokens=400)  # 20 s at this decode rate
+        answer.start()
+        time.sleep(1)  # routed and computing
+        os.kill(router.process.pid, signal.SIGTERM)
+        answer.join(15)
+        assert not answer.is_alive()
+        assert answer.status == 503, answer.body
+        assert answer.headers["content-type"] == "application/json"
+        assert answer.headers["retry-after"] == "1"
+        assert json.loads(answer.body)["error"]["code"] == "shutting_down"
         assert router.process.wait(10) == EXITED_ON_SIGTERM
     finally:
         router.stop()

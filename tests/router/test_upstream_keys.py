@@ -128,3 +128,19 @@ def test_serve_and_check_config_refuse_an_unset_key_variable(
     for command in ("check-config", "serve --config"):
         assert main([*command.split(), str(path)]) == 2
         assert "key variables are not set: $KVROUTE_TEST_UNSET_KEY" in capsys.readouterr().err
+
+
+def test_a_clients_key_variable_without_a_key_is_refused_rather_than_serving_everyone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = parse_config({"models": [{"name": "m"}], "auth": {"api_keys_env": "CLIENT_KEYS"},
+                           "instances": [{"name": "a", "url": "http://127.0.0.1:9001"}]})  # fmt: skip
+    for unset in (None, "", " , "):
+        if unset is None:
+            monkeypatch.delenv("CLIENT_KEYS", raising=False)
+        else:
+            monkeypatch.setenv("CLIENT_KEYS", unset)
+        with pytest.raises(ConfigError, match=r"auth.api_keys_env names \$CLIENT_KEYS, which holds no key"):
+            config.require_api_keys("router.yaml")
+    monkeypatch.setenv("CLIENT_KEYS", "k" * 20)
+    config.require_api_keys("router.yaml")
