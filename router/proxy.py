@@ -155,7 +155,7 @@ class _Routed:
     finished: bool = False
     broken: bool = False  # the stream from upstream broke off
     cut: bool = False  # ended by the router (shutting down), not by the instance
-    completed: bool = False  # a stream relayed to its end (not broken, cut, nor left by its client)
+    completed: bool = False  # relayed to its end (a stream not broken, cut, nor left by its client)
     first: bytes = b""  # a stream's first chunk, or the whole answer
     attempts: int = 1
     probe: bool = False  # the instance's half-open circuit breaker let it through as its probe
@@ -317,6 +317,7 @@ class Proxy:
                     routed.policy.name, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
                 )
         finally:
+            routed.completed = True  # whole in hand, even if a stream was asked for and not given
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
 

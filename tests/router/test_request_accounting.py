@@ -89,6 +89,14 @@ def test_a_stream_its_client_left_is_counted_as_closed_not_as_an_answer(tmp_path
         assert metric(url, "kvroute_request_duration_seconds_count", policy="kvroute") == 1
 
 
+def test_a_stream_answered_whole_is_an_answer(tmp_path: Path) -> None:
+    body = json.dumps({"model": "tiny-llama", "prompt": "hi", "stream": True}).encode()
+    with serving(healthy, _answer) as port, running_router(only_instance("i0", port), tmp_path) as url:
+        assert post(url + "/v1/completions", body)[0] == 200
+        labels = {"policy": "kvroute", "vllm_instance": "i0"}
+        assert metric(url, "kvroute_requests_total", status="200", **labels) == 1
+
+
 async def _drop_after_a_second(request: web.Request) -> web.Response:
     await request.read()
     await asyncio.sleep(1)
