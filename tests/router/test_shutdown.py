@@ -40,6 +40,13 @@ def start_router(ports: FleetPorts, tmp_path: Path, grace_s: float) -> tuple[Chi
     return child, url
 
 
+def story(url: str, tokens: int, stream: bool) -> urllib.request.Request:
+    body = {"model": "tiny-llama", "prompt": "tell a long story", "max_tokens": tokens, "stream": stream}
+    return urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+
+
 class Stream(threading.Thread):
     """Reads one streamed completion; `first_chunk` is set when the first event arrives."""
 
@@ -50,11 +57,7 @@ class Stream(threading.Thread):
         self.events: list[bytes] = []
 
     def run(self) -> None:
-        body = {"model": "tiny-llama", "prompt": "tell a long story", "max_tokens": self.tokens, "stream": True}
-        request = urllib.request.Request(
-            self.url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(story(self.url, self.tokens, stream=True), timeout=30) as response:
             for line in response:
                 if line.strip():
                     self.events.append(line.strip())
@@ -123,12 +126,8 @@ class WholeAnswer(threading.Thread):
         self.status, self.headers, self.body = 0, dict[str, str](), b""
 
     def run(self) -> None:
-        body = {"model": "tiny-llama", "prompt": "tell a long story", "max_tokens": self.tokens}
-        request = urllib.request.Request(
-            self.url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(request, timeout=30) as response:
+            with urllib.request.urlopen(story(self.url, self.tokens, stream=False), timeout=30) as response:
                 self.status, self.headers, self.body = response.status, dict(response.headers), response.read()
         except urllib.error.HTTPError as error:
             self.status, self.headers, self.body = error.code, dict(error.headers), error.read()
