@@ -4,12 +4,11 @@ anything else is done with it (its size, its type, its body): a client without a
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.config import ClientAuthConfig
+from router.config import ClientAuthConfig, client_api_keys
 from router.errors import invalid_api_key
 
 _GUARDED_PREFIX = "/v1/"
@@ -17,8 +16,8 @@ _GUARDED_PREFIX = "/v1/"
 
 def client_key_digests(auth: ClientAuthConfig) -> frozenset[bytes]:
     """SHA-256 digests of the clients' API keys from the environment; empty: no client authentication."""
-    raw = os.environ.get(auth.api_keys_env, "") if auth.api_keys_env else ""
-    return frozenset(hashlib.sha256(key.strip().encode()).digest() for key in raw.split(",") if key.strip())
+    keys = client_api_keys(auth.api_keys_env) if auth.api_keys_env else []
+    return frozenset(hashlib.sha256(key.encode()).digest() for key in keys)
 
 
 class ClientAuth:

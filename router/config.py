@@ -449,19 +449,14 @@ class RouterConfig(_Strict):
         return instance.api_key_env or self.upstream.api_key_env
 
     def require_tokenizers(self, source: str) -> None:
-        """What serve would fail on at start, said by check-config too: an unknown builtin tokenizer, or a
-        tokenizer directory that is not there (a bare ``org/name`` is left to transformers)."""
-        from router.tokenization import BUILTIN_PREFIX, BUILTIN_TOKENIZERS
+        """What serve would fail on at start, said by check-config too (router/tokenization.py)."""
+        from router.tokenization import check_tokenizer_spec
 
         for number, model in enumerate(self.models):
-            tokenizer, key = model.tokenizer, f"models.{number}.tokenizer"
-            if tokenizer.startswith(BUILTIN_PREFIX):
-                if tokenizer.removeprefix(BUILTIN_PREFIX) not in BUILTIN_TOKENIZERS:
-                    known = ", ".join(BUILTIN_TOKENIZERS)
-                    message = f"unknown builtin tokenizer {tokenizer!r}; known: {known}"
-                    raise ConfigError(f"{source}: {key}: {message}")
-            elif tokenizer.startswith(("/", ".", "~")) and not Path(tokenizer).expanduser().is_dir():
-                raise ConfigError(f"{source}: {key}: {tokenizer!r} is not a directory")
+            try:
+                check_tokenizer_spec(model.tokenizer)
+            except ValueError as exc:
+                raise ConfigError(f"{source}: models.{number}.tokenizer: {exc}") from None
 
     def require_api_keys(self, source: str) -> None:
         """Refuse key variables named for instances but not set (the instances would refuse every request),
@@ -472,11 +467,16 @@ class RouterConfig(_Strict):
         if unusable := sorted(name for name in named if name and not api_key(name).isprintable()):
             raise ConfigError(f"{source}: ${', $'.join(unusable)}: a key must be printable, on one line")
         clients = self.auth.api_keys_env
-        if clients and not any(key.strip() for key in os.environ.get(clients, "").split(",")):
+        if clients and not client_api_keys(clients):
             raise ConfigError(
                 f"{source}: auth.api_keys_env names ${clients}, which holds no key: the router would serve "
                 "every client without one (set it, or set auth.api_keys_env to null)"
             )
+
+
+def client_api_keys(env: str) -> list[str]:
+    """The clients' keys in environment variable env, comma-separated."""
+    return [key.strip() for key in os.environ.get(env, "").split(",") if key.strip()]
 
 
 def api_key(env: str) -> str:

@@ -125,12 +125,14 @@ class Reloader:
                 subscription = self._subscriptions.pop(name, None)
                 if subscription is not None:
                     subscription[1].cancel()
-                self._index.drop_instance(name)
-            if name not in in_place or name in left_pool:
-                self._index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool
-            if name not in in_place:
-                self._metrics.forget_instance(name)
+            if name not in in_place:  # gone: its entries, pool membership, owner bits and series go
                 self._index.forget_instance(name)
+                self._metrics.forget_instance(name)
+                continue
+            if name not in same_events:
+                self._index.drop_instance(name)
+            if name in left_pool:
+                self._index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool
         # A name back in the file is exported again; moved to another URL in this same reload, the requests
         # the old engine is still serving count in its series too, as labels cannot tell the two apart.
         for instance in added:

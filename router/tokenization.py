@@ -16,17 +16,26 @@ from typing import Any
 from router.chat_conversation import InvalidPrompt, engine_conversation, engine_template_kwargs, engine_tools
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TOKENIZERS = ("tiny-llama",)  # kvroute/tinymodel.py builds it
+BUILTIN_TOKENIZERS = ("tiny-llama",)  # kvroute/tinymodel.py builds it (its MODEL_NAME)
+
+
+def check_tokenizer_spec(spec: str) -> None:
+    """ValueError for what resolve_tokenizer_path cannot give: an unknown builtin, a directory not there (a
+    bare ``org/name`` is left to transformers). Checked without building the builtin model."""
+    if spec.startswith(BUILTIN_PREFIX):
+        if spec.removeprefix(BUILTIN_PREFIX) not in BUILTIN_TOKENIZERS:
+            known = ", ".join(BUILTIN_TOKENIZERS)
+            raise ValueError(f"unknown builtin tokenizer {spec!r}; known: {known}")
+    elif spec.startswith(("/", ".", "~")) and not Path(spec).expanduser().is_dir():
+        raise ValueError(f"{spec!r} is not a directory")
 
 
 def resolve_tokenizer_path(spec: str) -> Path:
     """A directory path, or ``builtin:tiny-llama`` for the locally built tiny model."""
     if spec.startswith(BUILTIN_PREFIX):
+        check_tokenizer_spec(spec)
         from kvroute import tinymodel
 
-        name = spec.removeprefix(BUILTIN_PREFIX)
-        if name != tinymodel.MODEL_NAME:
-            raise ValueError(f"unknown builtin model {name!r}; the only one is {tinymodel.MODEL_NAME!r}")
         return tinymodel.ensure_model()
     return Path(spec).expanduser()
 
