@@ -18,6 +18,12 @@ async def healthy(request: web.Request) -> web.Response:
     return web.Response()
 
 
+async def answering(request: web.Request) -> web.Response:
+    """A completion answered at once, whole."""
+    await request.read()
+    return web.json_response({"choices": [{"text": "ok"}]})
+
+
 def only_instance(name: str, port: int) -> dict[str, object]:
     """A router configuration whose one instance, name, is the fake on port."""
     return {

@@ -17,7 +17,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from router.proxy import RetryBudget
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.router.fake_upstreams import answering, healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -268,11 +268,6 @@ async def _queue_full(request: web.Request) -> web.Response:
     return web.json_response({"error": error}, status=503, headers={"Retry-After": "3"})  # fmt: skip
 
 
-async def _answer(request: web.Request) -> web.Response:
-    await request.read()
-    return web.json_response({"choices": [{"text": "ok"}]})
-
-
 def _two_instances(first: int, second: int) -> dict[str, object]:
     return {
         "models": [{"name": "tiny-llama"}],
@@ -282,7 +277,7 @@ def _two_instances(first: int, second: int) -> dict[str, object]:
 
 
 def test_a_busy_instances_503_is_served_by_another_instance(tmp_path: Path) -> None:
-    with serving(healthy, _queue_full) as busy, serving(healthy, _answer) as free:
+    with serving(healthy, _queue_full) as busy, serving(healthy, answering) as free:
         with running_router(_two_instances(busy, free), tmp_path) as url:
             attempts = []
             for _ in range(6):  # round robin: every other request tries the busy one first

@@ -13,15 +13,10 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from tests.conftest import metric
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.router.fake_upstreams import answering, healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
-
-
-async def _answer(request: web.Request) -> web.Response:
-    await request.read()
-    return web.json_response({"choices": [{"text": "ok"}]})
 
 
 def _start_slow_body(url: str) -> socket.socket:
@@ -36,7 +31,7 @@ def _start_slow_body(url: str) -> socket.socket:
 
 
 def test_a_client_slow_to_send_its_body_holds_no_slot_and_gets_a_408(tmp_path: Path) -> None:
-    with serving(healthy, _answer) as port:
+    with serving(healthy, answering) as port:
         config = {**only_instance("i0", port), "admission": {"max_in_flight": 1, "queue_timeout_s": 1},
                   "limits": {"body_timeout_s": 2}}  # fmt: skip
         with running_router(config, tmp_path) as url:
@@ -91,7 +86,7 @@ def test_a_stream_its_client_left_is_counted_as_closed_not_as_an_answer(tmp_path
 
 def test_a_stream_answered_whole_is_an_answer(tmp_path: Path) -> None:
     body = json.dumps({"model": "tiny-llama", "prompt": "hi", "stream": True}).encode()
-    with serving(healthy, _answer) as port, running_router(only_instance("i0", port), tmp_path) as url:
+    with serving(healthy, answering) as port, running_router(only_instance("i0", port), tmp_path) as url:
         assert post(url + "/v1/completions", body)[0] == 200
         labels = {"policy": "kvroute", "vllm_instance": "i0"}
         assert metric(url, "kvroute_requests_total", status="200", **labels) == 1
@@ -106,7 +101,7 @@ async def _drop_after_a_second(request: web.Request) -> web.Response:
 
 
 def test_the_time_to_first_byte_counts_the_attempt_that_failed_before_it(tmp_path: Path) -> None:
-    with serving(healthy, _drop_after_a_second) as dropper, serving(healthy, _answer) as fine:
+    with serving(healthy, _drop_after_a_second) as dropper, serving(healthy, answering) as fine:
         config = {
             "models": [{"name": "tiny-llama"}],
             "instances": [{"name": "dropper", "url": f"http://127.0.0.1:{dropper}"},
