@@ -49,7 +49,9 @@ CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
 PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
 ATTEMPTS_HEADER = "x-kvroute-attempts"  # instances tried: more than 1 after a retry
-_FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
+# End-to-end headers that identify a request or carry its trace (vLLM reads traceparent and tracestate).
+_FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "tracestate")
+_RETURNED_HEADERS = ("x-request-id",)  # the engine's id for the request (--enable-request-id-headers)
 _RETRY_AFTER_S = 1
 _REFUSED_CREDENTIALS = (401, 403)
 _BUSY = 503  # refused before anything ran: not a failure of the instance
@@ -222,9 +224,11 @@ class Proxy:
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
         # sock_connect, not connect: aiohttp's connect timeout also runs while a request waits for a pooled
-        # connection, and a busy instance is not an unreachable one.
+        # connection, and a busy instance is not an unreachable one. A stream's reads have no socket timeout:
+        # its first chunk gets first_byte_timeout_s and every later one stream_idle_timeout_s (aiohttp's
+        # sock_read would hold every chunk to the first one's limit).
         self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
+            total=None, sock_connect=config.connect_timeout_s, sock_read=None
         )
         self._response_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.connect_timeout_s, sock_read=config.response_timeout_s
@@ -297,6 +301,9 @@ class Proxy:
             PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
             ATTEMPTS_HEADER: str(routed.attempts),
         }
+        for name in _RETURNED_HEADERS:
+            if (value := routed.upstream.headers.get(name)) is not None:
+                debug[name] = value
         if content_type.startswith("text/event-stream"):
             return _RelayResponse(
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
@@ -375,10 +382,11 @@ class Proxy:
             upstream: aiohttp.ClientResponse | None = None
             try:
                 sent = {**headers, **instance.auth_headers} if instance.auth_headers else headers
-                upstream = await self._session.post(
-                    instance.url + path, data=raw, headers=sent, timeout=timeout
-                )
-                first = await _first_bytes(upstream, stream)
+                async with asyncio.timeout(self._config.first_byte_timeout_s if stream else None):
+                    upstream = await self._session.post(
+                        instance.url + path, data=raw, headers=sent, timeout=timeout
+                    )
+                    first = await _first_bytes(upstream, stream)
             except _NOT_CONNECTED:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
                 self._abandon(decision, upstream, probe, prefill, admitted=False)

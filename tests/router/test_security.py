@@ -17,6 +17,7 @@ from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
 MARKER = "zebra-quartz-7731"  # a word no log line would contain by chance
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 class Recorder:
@@ -26,8 +27,10 @@ class Recorder:
     async def answer(self, request: web.Request) -> web.Response:
         await request.read()
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
-        return web.json_response({"id": "cmpl-1", "object": "text_completion", "choices": [
-            {"index": 0, "text": "ok", "finish_reason": "stop"}]})  # fmt: skip
+        answer = {"id": "cmpl-1", "object": "text_completion", "choices": [
+            {"index": 0, "text": "ok", "finish_reason": "stop"}]}  # fmt: skip
+        # As vLLM with --enable-request-id-headers: the client's id, or one of its own.
+        return web.json_response(answer, headers={"X-Request-Id": request.headers.get("X-Request-Id", "engine-1")})
 
 
 @pytest.fixture
@@ -81,11 +84,13 @@ def test_client_credentials_and_hop_by_hop_headers_never_reach_the_engine(
     url, recorder, _ = recorded
     sent = {"authorization": "Bearer client-secret", "cookie": "session=secret",
             "proxy-authorization": "Basic c2VjcmV0", "x-api-key": "secret", "connection": "keep-alive, x-custom",
-            "x-custom": "hop", "x-request-id": "req-42"}  # fmt: skip
-    status, _, payload = post(url + "/v1/completions", body(), sent)
+            "x-custom": "hop", "x-request-id": "req-42", "traceparent": TRACEPARENT, "tracestate": "k=v"}  # fmt: skip
+    status, headers, payload = post(url + "/v1/completions", body(), sent)
     assert status == 200, payload
     (seen,) = recorder.headers
-    assert seen["x-request-id"] == "req-42"  # end-to-end headers that identify the request pass
+    # End-to-end headers that identify the request or carry its trace pass, and the engine's id comes back.
+    assert (seen["x-request-id"], seen["traceparent"], seen["tracestate"]) == ("req-42", TRACEPARENT, "k=v")
+    assert headers["x-request-id"] == "req-42"
     leaked = {k for k in ("authorization", "cookie", "proxy-authorization", "x-api-key", "x-custom") if k in seen}
     assert leaked == set()
     assert "secret" not in json.dumps(seen)

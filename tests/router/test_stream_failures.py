@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import FleetPorts, running_router
-from tests.conftest import metric
+from tests.conftest import metric, sample
 from tests.router.fake_upstreams import first_in_config, healthy, serving
 from tests.router.test_proxy import post
 
@@ -22,9 +22,9 @@ ROUND_ROBIN = {"x-kvroute-policy": "round-robin"}
 CHUNK = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n'
 
 
-def _streaming(*writes: bytes, then_s: float, dies: bool) -> Iterator[int]:
+def _streaming(*writes: bytes, then_s: float, dies: bool, last: bytes = b"") -> Iterator[int]:
     """A fake instance that sends a stream's headers at once, as vLLM does, then writes, waits then_s and
-    dies (closes the connection) or ends; yields its port."""
+    dies (closes the connection) or writes last and ends; yields its port."""
 
     async def stream(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -33,6 +33,8 @@ def _streaming(*writes: bytes, then_s: float, dies: bool) -> Iterator[int]:
         for data in writes:
             await response.write(data)
         await asyncio.sleep(then_s)
+        if last:
+            await response.write(last)
         if dies:
             assert request.transport is not None
             request.transport.close()
@@ -52,6 +54,18 @@ def dies_before_first_chunk() -> Iterator[int]:
 def stalls_after_first_chunk() -> Iterator[int]:
     """Sends one chunk, then nothing for 5 s (a wedged engine)."""
     yield from _streaming(CHUNK, then_s=5, dies=False)
+
+
+@pytest.fixture
+def pauses_after_first_chunk() -> Iterator[int]:
+    """Sends one chunk, pauses 1.5 s (a long tool-call argument being parsed, say), then the rest."""
+    yield from _streaming(CHUNK, then_s=1.5, dies=False, last=CHUNK + b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def never_starts() -> Iterator[int]:
+    """Sends the stream's headers and nothing for 5 s (a prefill stuck in a queue)."""
+    yield from _streaming(then_s=5, dies=False)
 
 
 @pytest.fixture
@@ -90,6 +104,34 @@ def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
         assert events[2] == b"data: [DONE]"
         assert elapsed < 4, "the router waited for the upstream instead of its idle timeout"
         assert metric(url, "kvroute_upstream_errors_total", vllm_instance="stalling", kind="stream_idle") == 1
+
+
+def test_a_pause_between_chunks_within_the_idle_timeout_is_not_held_to_the_first_byte_timeout(
+    pauses_after_first_chunk: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
+    upstream = {"first_byte_timeout_s": 0.5, "stream_idle_timeout_s": 4}
+    config = first_in_config(fleet, "pausing", pauses_after_first_chunk, upstream=upstream)
+    config["default_policy"] = "round-robin"
+    with running_router(config, tmp_path) as url:
+        status, headers, payload = post(url + "/v1/completions", STREAM)
+        assert status == 200 and headers["x-kvroute-instance"] == "pausing"
+        events = [e for e in payload.split(b"\n\n") if e.strip()]
+        assert events == [CHUNK.strip(), CHUNK.strip(), b"data: [DONE]"]
+        assert sample(url, "kvroute_upstream_errors_total", vllm_instance="pausing") is None
+
+
+def test_a_stream_without_a_first_chunk_within_its_timeout_fails_as_a_timeout(
+    never_starts: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
+    upstream = {"first_byte_timeout_s": 0.5, "stream_idle_timeout_s": 30}
+    config = first_in_config(fleet, "silent", never_starts, upstream=upstream)
+    config["default_policy"] = "round-robin"
+    with running_router(config, tmp_path) as url:
+        started = time.monotonic()
+        status, _, payload = post(url + "/v1/completions", STREAM)
+        assert time.monotonic() - started < 4, "the router waited past first_byte_timeout_s"
+        assert status == 502 and b"upstream_failed" in payload, payload
+        assert metric(url, "kvroute_upstream_errors_total", vllm_instance="silent", kind="timeout") == 1
 
 
 def test_a_stream_broken_mid_event_drops_the_half_event_before_the_error_event(
