@@ -37,6 +37,9 @@ class FleetOptions:
     drop_events: float = 0.0  # share of event batches not published live (replay still has them)
     lora_modules: tuple[str, ...] = ()  # names of the LoRA adapters every instance serves
     api_key: str | None = None  # what every instance requires on /v1, as vLLM's --api-key
+    # Engines per instance behind its one API server (vllm serve --data-parallel-size); rank R of instance I
+    # publishes at event_port + I x size + R, as vLLM offsets each rank's ports.
+    data_parallel_size: int = 1
     timing: EngineTiming = field(default_factory=EngineTiming)
 
     def instance_name(self, index: int) -> str:
@@ -52,25 +55,31 @@ async def run_fleet(
         tasks = []
         for index in range(options.instances):
             name = options.instance_name(index)
-            engine = Engine(
-                BlockPool(options.kv_blocks, options.block_size, options.int_hashes),
-                options.timing,
-                BlockHasher(options.hash_seed),
-            )
-            publisher = EventPublisher(
-                f"tcp://{options.host}:{options.event_port + index}",
-                f"tcp://{options.host}:{options.replay_port + index}",
-                topic=f"kv@{name}@{options.model_name}",
-                encoding=options.event_encoding,
-                drop_ratio=options.drop_events,
-            )
-            stack.push_async_callback(publisher.close)
-            publisher.start()
-            engine.on_events(publisher.publish)
+            engines = []
+            for rank in range(options.data_parallel_size):
+                engine = Engine(
+                    BlockPool(options.kv_blocks, options.block_size, options.int_hashes),
+                    options.timing,
+                    BlockHasher(options.hash_seed),
+                )
+                offset = index * options.data_parallel_size + rank
+                publisher = EventPublisher(
+                    f"tcp://{options.host}:{options.event_port + offset}",
+                    f"tcp://{options.host}:{options.replay_port + offset}",
+                    topic=f"kv@{name}@{options.model_name}",  # vLLM's ranks share it
+                    encoding=options.event_encoding,
+                    data_parallel_rank=rank,
+                    drop_ratio=options.drop_events,
+                )
+                stack.push_async_callback(publisher.close)
+                publisher.start()
+                engine.on_events(publisher.publish)
+                engines.append(engine)
+                tasks.append(asyncio.create_task(engine.run(), name=f"engine-{name}-{rank}"))
             instance = SimInstance(
                 name,
                 options.model_name,
-                engine,
+                engines,
                 tokenizer,
                 vocabulary,
                 options.max_model_len,
@@ -80,7 +89,6 @@ async def run_fleet(
                 api_key=options.api_key,
             )
             await stack.enter_async_context(serve(instance, options.host, options.port + index))
-            tasks.append(asyncio.create_task(engine.run(), name=f"engine-{name}"))
         print(
             f"fleet ready: {options.instances} instances, http {options.host}:{options.port}"
             f"-{options.port + options.instances - 1}, events from {options.event_port}, "

@@ -21,6 +21,7 @@ from fleet.engine import Engine
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from router.chat_conversation import InvalidPrompt
+from router.instances import DATA_PARALLEL_RANK_HEADER
 from router.openai_body import chat_endpoint_template_kwargs
 from router.tokenization import PromptTokenizer
 
@@ -31,7 +32,7 @@ _json = msgspec.json.Encoder()
 class SimInstance:
     name: str
     model_name: str
-    engine: Engine
+    engines: list[Engine]  # one per data-parallel rank, in rank order, behind one API server
     tokenizer: PromptTokenizer
     vocabulary: list[int]
     max_model_len: int
@@ -43,6 +44,16 @@ class SimInstance:
 
     def adapter(self, model: object) -> Adapter | None:
         return next((a for a in self.adapters if a.name == model), None)
+
+    def engine_for(self, request: web.Request) -> Engine:
+        """The rank X-data-parallel-rank names, as vLLM's API server sends it; else the least loaded (vLLM's
+        balancer counts waiting and running requests)."""
+        rank = request.headers.get(DATA_PARALLEL_RANK_HEADER)
+        if rank is None:
+            return min(self.engines, key=lambda engine: engine.num_waiting + engine.num_running)
+        if not rank.isdigit() or int(rank) >= len(self.engines):
+            raise _ClientError(400, f"no data parallel rank {rank!r} here", "BadRequestError")
+        return self.engines[int(rank)]
 
 
 class _ClientError(Exception):
@@ -108,9 +119,11 @@ class _Generation:
     """What both endpoints share: validation, the engine call, and the response envelopes."""
 
     def __init__(
-        self, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int], chat: bool, from_text: bool
-    ) -> None:
+        self, request: web.Request, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int],
+        chat: bool, from_text: bool,
+    ) -> None:  # fmt: skip
         self.instance, self.body, self.prompt_ids, self.chat = instance, body, prompt_ids, chat
+        self.engine = instance.engine_for(request)
         self.lora = instance.adapter(body.get("model"))
         self.envelope = Envelope(chat=chat, model=body["model"])  # the base's name or an adapter's
         if not prompt_ids:
@@ -123,7 +136,7 @@ class _Generation:
 
     def tokens(self) -> AsyncIterator[int]:
         salt = self.body.get("cache_salt")
-        return self.instance.engine.generate(
+        return self.engine.generate(
             self.prompt_ids, self.max_tokens, self.sample, salt if isinstance(salt, str) else None, self.lora
         )
 
@@ -223,14 +236,15 @@ def _validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[
 
 async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     ids = _validated_chat(instance, body)
-    return await _complete(request, _Generation(instance, body, ids, chat=True, from_text=True))
+    return await _complete(request, _Generation(request, instance, body, ids, chat=True, from_text=True))
 
 
 async def _completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.StreamResponse:
     ids, from_text = _validated_completion(instance, body)
-    return await _complete(request, _Generation(instance, body, ids, chat=False, from_text=from_text))
+    generation = _Generation(request, instance, body, ids, chat=False, from_text=from_text)
+    return await _complete(request, generation)
 
 
 async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -261,12 +275,16 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
-    return _json_response({"success": instance.engine.reset_prefix_cache()})
+    return _json_response({"success": all([engine.reset_prefix_cache() for engine in instance.engines])})
 
 
 async def _cache_state(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
-    return _json_response({"block_hashes": instance.engine.pool.cached_hashes})
+    ranks = [engine.pool.cached_hashes for engine in instance.engines]  # distinct hashes held, per rank
+    return _json_response({"block_hashes": sum(ranks), "ranks": ranks})
+
+
+_GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
 
 
 class _EngineCollector:
@@ -276,48 +294,51 @@ class _EngineCollector:
         self._instance = instance
 
     def collect(self) -> Iterable[Metric]:
-        engine, labels = self._instance.engine, [self._instance.model_name, "0"]
-        stats = engine.stats
-        names = ["model_name", "engine"]
-        gauges = {
-            "vllm:num_requests_running": engine.num_running,
-            "vllm:num_requests_waiting": engine.num_waiting,
-            "vllm:kv_cache_usage_perc": engine.pool.usage,
-        }
-        counters = {
-            "vllm:prefix_cache_queries": stats.prefix_cache_queries,
-            "vllm:prefix_cache_hits": stats.prefix_cache_hits,
-            # No connector in the simulated fleet: nothing is ever looked up outside the local cache.
-            "vllm:external_prefix_cache_queries": 0,
-            "vllm:external_prefix_cache_hits": 0,
-            "vllm:prompt_tokens": stats.prompt_tokens,
-            "vllm:generation_tokens": stats.generation_tokens,
-            "vllm:num_preemptions": stats.preemptions,
-        }
+        """Each family with one sample per engine, labelled by its rank, as vLLM's data-parallel servers."""
+        instance, names = self._instance, ["model_name", "engine"]
         # vLLM's /metrics carries its process's start time; a router tells a restart by it.
         yield GaugeMetricFamily(
             "process_start_time_seconds", "Start time of the process since unix epoch in seconds",
-            self._instance.started,
+            instance.started,
         )  # fmt: skip
-        for name, value in gauges.items():
-            gauge = GaugeMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
-            gauge.add_metric(labels, value)
-            yield gauge
-        for name, value in counters.items():
-            counter = CounterMetricFamily(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
-            counter.add_metric(labels, value)
-            yield counter
-        config = cache_config_labels(engine.pool.num_blocks, engine.pool.block_size)
+        values: dict[str, list[float]] = {}
+        for engine in instance.engines:
+            stats = engine.stats
+            for name, value in {
+                "vllm:num_requests_running": engine.num_running,
+                "vllm:num_requests_waiting": engine.num_waiting,
+                "vllm:kv_cache_usage_perc": engine.pool.usage,
+                "vllm:prefix_cache_queries": stats.prefix_cache_queries,
+                "vllm:prefix_cache_hits": stats.prefix_cache_hits,
+                # No connector in the simulated fleet: nothing is ever looked up outside the local cache.
+                "vllm:external_prefix_cache_queries": 0,
+                "vllm:external_prefix_cache_hits": 0,
+                "vllm:prompt_tokens": stats.prompt_tokens,
+                "vllm:generation_tokens": stats.generation_tokens,
+                "vllm:num_preemptions": stats.preemptions,
+            }.items():
+                values.setdefault(name, []).append(value)
+        for name, samples in values.items():
+            family = GaugeMetricFamily if name in _GAUGES else CounterMetricFamily
+            metric = family(name, name.removeprefix("vllm:").replace("_", " "), labels=names)
+            for rank, value in enumerate(samples):
+                metric.add_metric([instance.model_name, str(rank)], value)
+            yield metric
+        configs = [cache_config_labels(e.pool.num_blocks, e.pool.block_size, rank)
+                   for rank, e in enumerate(instance.engines)]  # fmt: skip
         cache = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(config)
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(configs[0])
         )
-        cache.add_metric(list(config.values()), 1.0)
+        for config in configs:
+            cache.add_metric(list(config.values()), 1.0)
         yield cache
         success = CounterMetricFamily(
             "vllm:request_success", "finished requests", labels=["engine", "finished_reason", "model_name"]
         )
-        for reason in ("stop", "length", "abort", "error"):
-            success.add_metric(["0", reason, self._instance.model_name], stats.finished.get(reason, 0))
+        for rank, engine in enumerate(instance.engines):
+            for reason in ("stop", "length", "abort", "error"):
+                finished = engine.stats.finished.get(reason, 0)
+                success.add_metric([str(rank), reason, instance.model_name], finished)
         yield success
 
 

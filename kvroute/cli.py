@@ -57,7 +57,8 @@ def _fleet(args: argparse.Namespace) -> int:
     from fleet.engine import EngineTiming
     from fleet.launcher import FleetOptions, run_fleet
 
-    last = max(args.port, args.event_port, args.replay_port) + args.instances - 1
+    engines = args.instances * args.data_parallel_size
+    last = max(args.port + args.instances, args.event_port + engines, args.replay_port + engines) - 1
     if last > MAX_PORT:
         print(f"kvroute fleet: {args.instances} instances need ports up to {last}, past {MAX_PORT}",
               file=sys.stderr)  # fmt: skip
@@ -85,6 +86,7 @@ def _fleet(args: argparse.Namespace) -> int:
         drop_events=args.drop_events,
         lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
         api_key=args.api_key,
+        data_parallel_size=args.data_parallel_size,
         timing=EngineTiming(
             prefill_tokens_per_s=args.prefill_tps,
             decode_s_per_token=1.0 / args.decode_tps,
@@ -251,6 +253,11 @@ def _parser() -> argparse.ArgumentParser:
         help="LoRA adapters every instance serves, named as vLLM's option names them (no weights here)",
     )  # fmt: skip
     fleet.add_argument("--api-key", help="required on /v1 requests (Authorization: Bearer), as vLLM's option")
+    fleet.add_argument(
+        "--data-parallel-size", type=positive_int, default=1,
+        help="engines per instance behind its API server, as vLLM's option; rank R of instance I publishes "
+        "at the event and replay ports + I x size + R",
+    )  # fmt: skip
     fleet.set_defaults(run=_fleet)
 
     demo = commands.add_parser("demo", help="fleet + router + an agentic workload, for every policy")

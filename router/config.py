@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -103,6 +104,29 @@ class InstanceConfig(_Strict):
         description="loads from the shared pool (a MooncakeStoreConnector); default: when pool.master_url is "
         "set. An instance that writes to the pool counts as connected anyway",
     )
+    data_parallel_size: int = Field(
+        default=1, ge=1, le=1024,
+        description="an engine with internal data parallelism (vllm serve --data-parallel-size N behind one "
+        "API server): each rank has a cache of its own, so each becomes a routing target NAME-dpR, its "
+        "requests sent with X-data-parallel-rank and its events read at the events (and replay) port + R",
+    )  # fmt: skip
+    data_parallel_rank: int | None = Field(
+        default=None, ge=0, description="send X-data-parallel-rank: this, and read this rank's load only"
+    )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_ranks(self) -> InstanceConfig:
+        if self.data_parallel_size > 1 and self.data_parallel_rank is not None:
+            raise ValueError("data_parallel_rank names one rank; data_parallel_size all of them: not both")
+        last = self.data_parallel_size - 1
+        for key, endpoint in (("events", self.events), ("replay", self.replay)):
+            if endpoint is None or last == 0:
+                continue
+            if not endpoint.startswith("tcp://"):  # vLLM refuses to start its ranks' publishers on one
+                raise ValueError(f"{key}: data-parallel ranks publish on TCP ports only, not {endpoint!r}")
+            if int(endpoint.rpartition(":")[2]) + last > 65535:
+                raise ValueError(f"{key}: rank {last} would publish past port 65535 ({endpoint!r} + {last})")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -350,7 +374,7 @@ class LimitsConfig(_Strict):
 class RouterConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     block_size: int = Field(default=16, ge=1)
-    instances: list[InstanceConfig] = Field(min_length=1)
+    instances: list[InstanceConfig] = Field(min_length=1)  # one per data-parallel rank once validated
     policies: dict[str, PolicyConfig] = Field(default_factory=_builtin_policies)
     default_policy: str = "kvroute"
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
@@ -370,6 +394,11 @@ class RouterConfig(_Strict):
     shutdown_grace_s: float = Field(
         default=30.0, gt=0, description="on SIGTERM: new connections are refused, streams get this long"
     )
+
+    @field_validator("instances")
+    @classmethod
+    def _one_target_per_rank(cls, instances: list[InstanceConfig]) -> list[InstanceConfig]:
+        return [target for instance in instances for target in data_parallel_ranks(instance)]
 
     @model_validator(mode="before")
     @classmethod
@@ -407,7 +436,10 @@ class RouterConfig(_Strict):
         _unique((f"instances.{i}.name", instance.name) for i, instance in enumerate(self.instances))
         # Two entries for one engine would count its load and cache twice, and one ZMQ endpoint cannot be
         # two instances' events.
-        _unique(((f"instances.{i}.url", instance.url) for i, instance in enumerate(self.instances)), _url_key)
+        _unique(
+            ((f"instances.{n}.url", i.url) for n, i in enumerate(self.instances)), _url_key,
+            ranks=[i.data_parallel_rank for i in self.instances],
+        )
         _unique(
             (f"instances.{i}.{key}", endpoint)
             for i, instance in enumerate(self.instances)
@@ -484,11 +516,14 @@ def api_key(env: str) -> str:
     return os.environ.get(env, "").strip()
 
 
-def _unique(values: Iterable[tuple[str, str]], same: Callable[[str], str] = str) -> None:
-    """Each value once (values alike under same are one); a repeat is named by its key path."""
-    seen: set[str] = set()
-    for path, value in values:
-        key = same(value)
+def _unique(
+    values: Iterable[tuple[str, str]], same: Callable[[str], str] = str, ranks: Iterable[int | None] = ()
+) -> None:
+    """Each value once (values alike under same are one; with ranks, once per rank); a repeat is named by
+    its key path."""
+    seen: set[tuple[str, int | None]] = set()
+    for (path, value), rank in itertools.zip_longest(values, ranks):
+        key = same(value), rank
         if key in seen:
             raise ValueError(f"{path}: {value!r} is used twice")
         seen.add(key)
@@ -499,6 +534,29 @@ def _url_key(url: str) -> str:
     parts = urlsplit(url)
     port = parts.port or {"http": 80, "https": 443}[parts.scheme]
     return f"{parts.scheme}://{parts.hostname}:{port}"
+
+
+def data_parallel_ranks(instance: InstanceConfig) -> list[InstanceConfig]:
+    """An engine's routing targets: itself, or one per data-parallel rank, reading that rank's events where
+    vLLM publishes them (each rank's publisher offsets the configured ports by its rank)."""
+    if instance.data_parallel_size == 1:
+        return [instance]
+    return [
+        instance.model_copy(update={
+            "name": f"{instance.name}-dp{rank}", "data_parallel_size": 1, "data_parallel_rank": rank,
+            "events": rank_endpoint(instance.events, rank), "replay": rank_endpoint(instance.replay, rank),
+        })
+        for rank in range(instance.data_parallel_size)
+    ]  # fmt: skip
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Where vLLM's publisher of a data-parallel rank binds, given the configured TCP endpoint: its port +
+    rank (vLLM 0.32's ZmqEventPublisher.offset_endpoint_port)."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    address, _, port = endpoint.rpartition(":")
+    return f"{address}:{int(port) + rank}"
 
 
 class ConfigError(Exception):

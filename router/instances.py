@@ -13,6 +13,8 @@ from router.context_hold import ContextHold
 from scorers.base import EngineLoad
 from scorers.ttft_model import TTFTModel, TTFTPriors
 
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
 
 @dataclass(eq=False, slots=True)
 class Instance:
@@ -30,7 +32,9 @@ class Instance:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     clock: Callable[[], float] = time.monotonic
     contexts: ContextHold = field(init=False)
-    auth_headers: dict[str, str] = field(default_factory=dict, repr=False)  # the key the instance requires
+    # What every request to it carries: the key the instance requires, the data-parallel rank it is.
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+    data_parallel_rank: int | None = None  # one rank of an engine; its load is that rank's
 
     def __post_init__(self) -> None:
         self.contexts = ContextHold(self.clock)
@@ -69,13 +73,18 @@ class Instance:
             models=frozenset(router.models_of(config)),
             ttft_model=TTFTModel(router.ttft),
             breaker=CircuitBreaker(breaker.failures, breaker.open_s),
-            auth_headers=auth_headers(router.api_key_env_of(config)),
+            headers=request_headers(config, router),
+            data_parallel_rank=config.data_parallel_rank,
         )
 
 
-def auth_headers(key_env: str | None) -> dict[str, str]:
+def request_headers(instance: InstanceConfig, router: RouterConfig) -> dict[str, str]:
+    key_env = router.api_key_env_of(instance)
     key = api_key(key_env) if key_env else ""
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if instance.data_parallel_rank is not None:  # vLLM's API server sends it to that rank's engine
+        headers[DATA_PARALLEL_RANK_HEADER] = str(instance.data_parallel_rank)
+    return headers
 
 
 class FleetChanges(NamedTuple):
@@ -109,9 +118,11 @@ class Fleet:
             instance = kept.get(spec.name)
             if instance is None:
                 previous = previous_by_name.get(spec.name)
-                if previous is not None and previous.url == spec.url:
+                if previous is not None and (previous.url, previous.data_parallel_rank) == (
+                    spec.url, spec.data_parallel_rank
+                ):
                     previous.models = frozenset(config.models_of(spec))
-                    previous.auth_headers = auth_headers(config.api_key_env_of(spec))
+                    previous.headers = request_headers(spec, config)
                     instance = previous
                     in_place.add(spec.name)
                 else:

@@ -40,17 +40,32 @@ def _line_start(text: bytes, head: bytes, start: int) -> int:
     return -1 if found == -1 else found + 1
 
 
-def _samples(text: bytes, name: bytes) -> list[float] | None:
-    """Every value of the family name, one per labelled sample; None if absent or any value is unusable."""
+def _engine_label(engine: int | None) -> tuple[bytes, bytes] | None:
+    """The label of one data-parallel engine's samples (vLLM labels each engine's by its index), as it reads
+    first and after another label."""
+    return None if engine is None else (b'{engine="%d"' % engine, b',engine="%d"' % engine)
+
+
+def _samples(text: bytes, name: bytes, engine: int | None = None) -> list[float] | None:
+    """Every value of the family name, one per labelled sample (of one engine, if given); None if absent or
+    any value is unusable."""
     values: list[float] = []
     head = b"\n" + name
+    label = _engine_label(engine)
     at = 0 if text.startswith(name) else _line_start(text, head, 0)
     while at != -1:
         end = text.find(b"\n", at)
         rest = text[at + len(name) : len(text) if end == -1 else end]
+        kept = True
         if rest[:1] == b"{":
-            rest = rest[rest.rfind(b"}") + 1 :]  # label values may hold spaces; the value never holds "}"
-        if rest[:1] == b" ":  # else another name with this prefix, as vllm:num_requests_waiting_by_reason
+            labels_end = rest.rfind(b"}") + 1  # label values may hold spaces; the value never holds "}"
+            if label is not None:
+                kept = label[0] in rest[:labels_end] or label[1] in rest[:labels_end]
+            rest = rest[labels_end:]
+        elif label is not None:
+            kept = False
+        # Else another engine's, or another name with this prefix, as vllm:num_requests_waiting_by_reason.
+        if rest[:1] == b" " and kept:
             fields = rest.split()  # the value, then an optional timestamp
             try:
                 value = float(fields[0])
@@ -70,14 +85,16 @@ def _samples(text: bytes, name: bytes) -> list[float] | None:
     return values or None
 
 
-def parse_engine_load(text: bytes) -> EngineLoad | None:
-    """The load in a vLLM /metrics body, summed over data-parallel engines; None unless all three are there.
+def parse_engine_load(text: bytes, engine: int | None = None) -> EngineLoad | None:
+    """The load in a vLLM /metrics body, of one data-parallel engine or summed over them; None unless all
+    three are there.
 
     A targeted scan rather than prometheus_client's parser. On the captured 56 KB vLLM body (Python 3.11):
     ~10 us here against ~13 ms for text_string_to_metric_families, that is 0.005% of a core per instance at
     5 scrapes a second against 6.5%.
     """
-    waiting, running, usage = _samples(text, WAITING), _samples(text, RUNNING), _samples(text, KV_USAGE)
+    waiting, running = _samples(text, WAITING, engine), _samples(text, RUNNING, engine)
+    usage = _samples(text, KV_USAGE, engine)
     if waiting is None or running is None or usage is None:
         return None
     if max(usage) > 1:  # a fraction; a percentage (or garbage) would make every prompt wait for memory
@@ -87,19 +104,22 @@ def parse_engine_load(text: bytes) -> EngineLoad | None:
     return EngineLoad(waiting=sum(waiting), running=sum(running), kv_usage=sum(usage) / len(usage))
 
 
-def parse_kv_capacity(text: bytes) -> int | None:
-    """Tokens the instance's KV cache holds, summed over data-parallel engines: vLLM publishes its cache
+def parse_kv_capacity(text: bytes, engine: int | None = None) -> int | None:
+    """Tokens the KV cache of one data-parallel engine holds, or of all summed: vLLM publishes its cache
     configuration as the labels of vllm:cache_config_info (num_gpu_blocks x block_size); None if absent."""
     total = 0
+    label = _engine_label(engine)
     at = text.find(CACHE_CONFIG)
     while at != -1:
         end = text.find(b"\n", at + 1)
         labels = text[at : len(text) if end == -1 else end]
+        at = text.find(CACHE_CONFIG, at + 1)
+        if label is not None and label[0] not in labels and label[1] not in labels:
+            continue
         blocks, size = _NUM_GPU_BLOCKS.search(labels), _BLOCK_SIZE.search(labels)
         if blocks is None or size is None:
             return None  # not yet known (vLLM fills num_gpu_blocks after profiling), or not vLLM's
         total += int(blocks.group(1)) * int(size.group(1))
-        at = text.find(CACHE_CONFIG, at + 1)
     return total or None
 
 
@@ -142,8 +162,9 @@ class LoadScraper:
             ) as response:
                 if response.status == 200:
                     body = await response.read()
-                    load, started = parse_engine_load(body), parse_start_time(body)
-                    instance.kv_capacity_tokens = parse_kv_capacity(body) or instance.kv_capacity_tokens
+                    rank = instance.data_parallel_rank
+                    load, started = parse_engine_load(body, rank), parse_start_time(body)
+                    instance.kv_capacity_tokens = parse_kv_capacity(body, rank) or instance.kv_capacity_tokens
         except (TimeoutError, aiohttp.ClientError):
             pass
         self._check_restart(instance.name, answered=load is not None, started=started)

@@ -381,7 +381,7 @@ class Proxy:
                 asyncio.get_running_loop().call_later(decision.predicted_ttft_s, prefill.retire)
             upstream: aiohttp.ClientResponse | None = None
             try:
-                sent = {**headers, **instance.auth_headers} if instance.auth_headers else headers
+                sent = {**headers, **instance.headers} if instance.headers else headers
                 async with asyncio.timeout(self._config.first_byte_timeout_s if stream else None):
                     upstream = await self._session.post(
                         instance.url + path, data=raw, headers=sent, timeout=timeout
