@@ -250,10 +250,10 @@ async def _completion(
 async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     if "messages" in body:
         ids = _chat_ids(instance, body)
-    elif "prompt" in body:
+    elif isinstance(body.get("prompt"), str):  # vLLM's /tokenize takes a completion prompt as text only
         ids = _completion_ids(instance, body)
     else:
-        raise _ClientError(400, "either messages or prompt is required", "BadRequestError")
+        raise _ClientError(400, "either messages or prompt (a string) is required", "BadRequestError")
     return _json_response(
         {"count": len(ids), "max_model_len": instance.max_model_len, "tokens": ids, "token_strs": None}
     )

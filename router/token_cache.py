@@ -40,7 +40,7 @@ import aiohttp
 import msgspec
 import xxhash
 
-from router.tokenization import PromptTokenizer
+from router.tokenization import PromptTokenizer, completion_text_or_ids
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,11 @@ class RemoteTokenizer:
         })  # fmt: skip
 
     async def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
-        body = {"model": self.model, "prompt": prompt, "add_special_tokens": add_special_tokens}
+        """Token ids are the engine's prompt as they are; vLLM's /tokenize takes text only."""
+        text_or_ids = completion_text_or_ids(prompt)
+        if isinstance(text_or_ids, list):
+            return text_or_ids
+        body = {"model": self.model, "prompt": text_or_ids, "add_special_tokens": add_special_tokens}
         return await self._tokenize(body)
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:

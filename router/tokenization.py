@@ -40,6 +40,17 @@ def resolve_tokenizer_path(spec: str) -> Path:
     return Path(spec).expanduser()
 
 
+def completion_text_or_ids(prompt: Any) -> str | list[int]:
+    """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return list(prompt)
+    raise InvalidPrompt("prompt must be a string, a list of token ids, or a list holding one of those")
+
+
 class PromptTokenizer:
     def __init__(self, path: Path) -> None:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # torch is not needed here
@@ -142,15 +153,10 @@ class PromptTokenizer:
 
     def completion_prompt(self, prompt: Any) -> str | list[int]:
         """A completions ``prompt`` as its text, or as its token ids once checked against the vocabulary."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            if any(t < 0 or t >= self.vocab_size for t in prompt):
-                raise InvalidPrompt(f"prompt token ids must be in [0, {self.vocab_size})")
-            return list(prompt)
-        raise InvalidPrompt("prompt must be a string, a list of token ids, or a list holding one of those")
+        text_or_ids = completion_text_or_ids(prompt)
+        if isinstance(text_or_ids, list) and any(t < 0 or t >= self.vocab_size for t in text_or_ids):
+            raise InvalidPrompt(f"prompt token ids must be in [0, {self.vocab_size})")
+        return text_or_ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))

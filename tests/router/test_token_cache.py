@@ -22,6 +22,7 @@ from kvroute.tinymodel import CHAT_TEMPLATE, MODEL_NAME
 from router.chat_conversation import InvalidPrompt
 from router.token_cache import CachedChatTokenizer, RemoteTokenizer, TokenizeFailed, cut_tokens
 from router.tokenization import PromptTokenizer
+from tests.router.test_proxy import post
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
 Messages = list[dict[str, Any]]
@@ -431,6 +432,7 @@ CHAT = [
         ("completion_ids", ("def f(x):\n    return x",), {}),
         ("completion_ids", ("def f(x):",), {"add_special_tokens": False}),
         ("completion_ids", ([5, 6, 7],), {}),
+        ("completion_ids", (["def f(x):"],), {}),
     ],
 )
 def test_remote_ids_equal_local_ones(
@@ -438,6 +440,16 @@ def test_remote_ids_equal_local_ones(
 ) -> None:
     expected = getattr(tokenizer, method)(*args, **kwargs)
     assert asyncio.run(remote_ids(instance_url, method, *args, **kwargs)) == expected
+
+
+def test_remote_token_id_prompts_are_the_ids_themselves_as_vllms_tokenize_takes_text_only(
+    instance_url: str,
+) -> None:
+    dead = f"http://127.0.0.1:{free_port_block(1)}"
+    assert asyncio.run(remote_ids(dead, "completion_ids", [5, 6, 7])) == [5, 6, 7]
+    assert asyncio.run(remote_ids(dead, "completion_ids", [[8, 9]])) == [8, 9]
+    refused = json.dumps({"model": MODEL_NAME, "prompt": [5, 6, 7]}).encode()
+    assert post(instance_url + "/tokenize", refused)[0] == 400  # the simulated engine, as vLLM's
 
 
 def test_remote_failures_raise_tokenize_failed(instance_url: str) -> None:
