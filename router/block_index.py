@@ -56,6 +56,11 @@ DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
 }  # fmt: skip
 
 
+# What vLLM's GPU block pool announces under: its events carry every block's extra keys (an adapter's name, a
+# cache salt), so the blocks' kvroute hashes can be computed from them.
+_GPU_MEDIA = frozenset({None, "GPU"})
+
+
 class Speculation(NamedTuple):
     """The blocks one routed request entered as pending at its instance, and until when."""
 
@@ -147,9 +152,14 @@ class BlockIndex:
                 tier = self._tier(event.medium)
                 if tier is Tier.POOL:
                     self._store_pooled(state, pool, event)
-                elif event.token_ids:
+                elif not event.token_ids:  # the OffloadingConnector's default announcement: a key alone
+                    self._store_known(state, state, tier, event, pool)
+                elif event.medium in _GPU_MEDIA or event.extra_keys is not None:
                     self._store(state, tier, event, pool)
-                else:  # the OffloadingConnector's default announcement: a key alone
+                elif self._shaped(event):
+                    # An offload announced without its request's extra keys (vLLM 0.32's OffloadingConnector
+                    # defers them): hashed from its tokens, a salted prompt's or an adapter's block would be
+                    # another prompt's. Its vLLM hashes are its GPU copies', announced with the keys first.
                     self._store_known(state, state, tier, event, pool)
             elif isinstance(event, BlockRemoved):
                 tier = self._tier(event.medium)
@@ -195,17 +205,12 @@ class BlockIndex:
     ) -> list[int]:
         """Index the event's blocks for state, whose parent may be in pool; their kvroute hashes, or [] when
         they cannot be indexed. counted=False keeps a block stored twice at one reference."""
-        size = self.block_size
-        extra = event.extra_keys
-        if (
-            event.block_size != size
-            or len(event.token_ids) != len(event.block_hashes) * size
-            or (extra is not None and len(extra) != len(event.block_hashes))
-            or max(event.token_ids) >= 1 << 32  # kvroute hashes token ids as uint32
-        ):
+        if not self._shaped(event):
+            return []
+        if max(event.token_ids) >= 1 << 32:  # kvroute hashes token ids as uint32
             self.stats.mismatched += 1
             return []
-        blocks = state.blocks[tier]
+        size, blocks = self.block_size, state.blocks[tier]
         if event.parent_block_hash is None:
             parent = block_hashing.root_for(event.lora_name)
         else:
@@ -250,6 +255,19 @@ class BlockIndex:
         self.stats.stored += len(own)
         return own
 
+    def _shaped(self, event: BlockStored) -> bool:
+        """Whether the event's blocks are the index's: of its block size, with their tokens (and extra keys,
+        when sent) one block's worth each. Counted as mismatched when not."""
+        count, size, extra = len(event.block_hashes), self.block_size, event.extra_keys
+        if (
+            event.block_size == size
+            and len(event.token_ids) == count * size
+            and (extra is None or len(extra) == count)
+        ):
+            return True
+        self.stats.mismatched += 1
+        return False
+
     def _store_pooled(self, publisher: _OwnerState, pool: _PoolState, event: BlockStored) -> None:
         hashes = event.block_hashes
         if type(hashes[0]) is not bytes:
@@ -281,9 +299,9 @@ class BlockIndex:
         pool: _PoolState,
         counted: bool = True,
     ) -> list[tuple[int, BlockHash]]:
-        """Blocks announced without their tokens (pool writes, offloads): the publisher computed them, so its
-        own cache announced them first, with tokens, under the same vLLM hashes. Indexed for state as
-        _store would; (kvroute hash, vLLM hash) of those known, as the others are skipped."""
+        """Blocks announced without their tokens or extra keys (pool writes, offloads): the publisher computed
+        them, so its own cache announced them first, with both, under the same vLLM hashes. Indexed for state
+        as _store would; (kvroute hash, vLLM hash) of those known, as the others are skipped."""
         blocks, holders, bit = state.blocks[tier], self._holders[tier], state.bit
         bump = 1 if counted else 0
         known: list[tuple[int, BlockHash]] = []

@@ -360,6 +360,14 @@ class Model:
         if kind == "store":
             owner, event = arg
             keys = [self.key(h) for h in event.block_hashes]
+            held, tier = self.held[owner], TIER_OF[event.medium]
+            if keys and (not event.token_ids or (tier == "cpu" and event.extra_keys is None)):
+                # No tokens, or an offload without its extra keys: its copies' vLLM hashes, known ones only
+                if event.token_ids and (event.block_size != BS or len(event.token_ids) != len(keys) * BS):
+                    return
+                for key in [key for key in keys if self.has(owner, key)]:
+                    held[(tier, *key)] = held.get((tier, *key), 0) + 1
+                return
             if not keys or event.block_size != BS or len(event.token_ids) != len(keys) * BS:
                 return
             if event.extra_keys is not None or not all(0 <= t < 2**32 for t in event.token_ids):
@@ -369,9 +377,8 @@ class Model:
             parent = event.parent_block_hash
             if parent is not None and not self.has(owner, self.key(parent)):
                 return
-            held = self.held[owner]
             for key in keys:
-                held[(TIER_OF[event.medium], *key)] = held.get((TIER_OF[event.medium], *key), 0) + 1
+                held[(tier, *key)] = held.get((tier, *key), 0) + 1
         elif kind == "remove":
             owner, event = arg
             held = self.held[owner]
