@@ -119,6 +119,8 @@ class BlockIndex:
         self._medium_tiers = medium_tiers
         # Where the GPU's blocks are kept: announced as "GPU" or with no medium (older vLLM).
         self._gpu_tiers = {medium_tiers[m] for m in (None, "GPU") if m in medium_tiers} or {Tier.GPU}
+        # Where vLLM's offloading connectors' blocks are kept (an owner holds no pool entries of its own).
+        self._offload_tiers = {self._tier(m) for m in ("CPU", "STORAGE")} - {Tier.POOL}
         self._clock = clock
         self._holders: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
         self._owners: dict[Owner, _OwnerState] = {}
@@ -145,7 +147,12 @@ class BlockIndex:
     def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
         state = self._owner(owner)
         pool = self._pool_of.get(owner[0], self._unnamed)
+        # vLLM's scheduler publishes its GPU block pool's events, then its connector's: an event of another
+        # medium means the rest of the batch is the connector's.
+        past_gpu = False
         for event in events:
+            if not isinstance(event, AllBlocksCleared) and event.medium not in _GPU_MEDIA:
+                past_gpu = True
             if isinstance(event, BlockStored):
                 if not event.block_hashes:
                     continue
@@ -165,8 +172,12 @@ class BlockIndex:
                 tier = self._tier(event.medium)
                 self._remove(pool if tier is Tier.POOL else state, tier, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                # vLLM sends it from its GPU block pool's prefix cache reset only: offloaded copies stay.
-                self._clear(state, self._gpu_tiers)
+                # It names no medium (vLLM 0.32). The GPU block pool's reset sends one, and so does that of a
+                # SimpleCPUOffloadConnector's CPU block pool, which the same reset call makes after the GPU's:
+                # a clear after the batch's first, or after an event of another medium, is the connector's.
+                # (The OffloadingConnector's and the Mooncake store's resets send none.)
+                self._clear(state, self._offload_tiers if past_gpu else self._gpu_tiers)
+                past_gpu = True
         if self._entries > self.max_entries:
             self._shrink()
 

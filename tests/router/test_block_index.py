@@ -13,7 +13,7 @@ import xxhash
 
 from router import block_hashing
 from router.block_index import BlockIndex, Tier
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from scorers.base import TierMatch
 from tests.conftest import ManualClock
 
@@ -118,7 +118,7 @@ def test_clearing_one_owner_leaves_the_others(forget: str) -> None:
 
 
 def test_a_prefix_cache_reset_clears_the_gpu_tier_and_offloaded_copies_stay() -> None:
-    """vLLM sends AllBlocksCleared from its GPU block pool's reset only; a restart loses everything."""
+    """A clear alone is the GPU block pool's reset (see below for the CPU's); a restart loses everything."""
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 2), stored(0, 2, medium="CPU")])
     index.apply(A, [AllBlocksCleared()])
@@ -129,6 +129,31 @@ def test_a_prefix_cache_reset_clears_the_gpu_tier_and_offloaded_copies_stay() ->
     index.drop(A)
     assert index.match(prompt()) == {}
     assert index.entries == 0
+
+
+@pytest.mark.parametrize(
+    ("batch", "left"),
+    [
+        # /reset_prefix_cache: the GPU block pool's clear alone
+        ([AllBlocksCleared()], TierMatch(cpu=3)),
+        # reset_connector with a SimpleCPUOffloadConnector: its CPU block pool's clear follows the GPU's
+        ([AllBlocksCleared(), AllBlocksCleared()], None),
+        # ... and the GPU's blocks of the next engine step come between them
+        ([AllBlocksCleared(), stored(0, 1), AllBlocksCleared()], TierMatch(gpu=1)),
+        # the GPU pool's reset failed (requests running): the connector's clear follows its offloads
+        ([stored(3, 1), stored(3, 1, medium="CPU"), AllBlocksCleared()], TierMatch(gpu=4)),
+        ([removed(2), removed(2, medium="STORAGE"), AllBlocksCleared()], TierMatch(gpu=2)),
+    ],
+)
+def test_a_clear_after_the_gpu_block_pools_events_is_the_offload_connectors(
+    batch: list[KVEvent], left: TierMatch | None
+) -> None:
+    """AllBlocksCleared names no medium (vLLM 0.32); a SimpleCPUOffloadConnector's reset sends one from its CPU
+    block pool, among the connector's events, which the scheduler publishes after the GPU block pool's."""
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 3), stored(0, 3, medium="CPU")])
+    index.apply(A, batch)
+    assert index.match(prompt()).get("a") == left
 
 
 def test_tiers_are_credited_to_the_best_copy() -> None:
