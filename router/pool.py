@@ -6,8 +6,10 @@ decision counts pool blocks, the blocks it would credit are looked up on the mas
 answer is trusted for a short while. Blocks the master does not have leave the index. When the master
 cannot be asked, routing goes on without pool credit and kvroute_pool_master_up says so.
 
-Pool keys carry the model's name (its pool name), so a request's pool credit is the pool entries of its
-model's pool name, on the instances serving a model of that name; place_instances tells the index who is who.
+Pool keys start with the model's name (its pool name), after the connector's cache_prefix and before its
+store namespace when they are set: that start is what the index calls a pool name, so a request's pool credit
+is the pool entries of its model's, on the instances serving a model of the same; place_instances tells the
+index who is who.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import aiohttp
 import msgspec
 
 from router.block_index import BlockIndex
-from router.config import RouterConfig
+from router.config import ModelConfig, RouterConfig
 from router.metrics import RouterMetrics
 from scorers.base import TierMatch
 
@@ -32,13 +34,21 @@ _KEYS_PER_QUERY = 128  # keeps the query string well under common URL limits (ab
 
 def pool_key(pool_name: str, vllm_hash: bytes) -> str:
     """The MooncakeStoreConnector's key of a block: tensor/pipeline rank 0, KV cache group 0 (every rank
-    writes its own shard, so rank 0's key stands for the block)."""
+    writes its own shard, so rank 0's key stands for the block). pool_name is the key's start (key_start)."""
     return f"{pool_name}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{vllm_hash.hex()}"
 
 
+def key_start(model: ModelConfig) -> str:
+    """What model's pool keys start with, as vLLM's PoolKey.build_prefix writes it before the ranks:
+    [cache_prefix@]name[store_namespace]; an adapter's blocks are keyed by the engine's model, its base."""
+    cache_prefix = f"{model.pool_cache_prefix}@" if model.pool_cache_prefix else ""
+    name = model.pool_name or model.lora_of or model.name
+    return f"{cache_prefix}{name}{model.pool_store_namespace or ''}"
+
+
 def pool_names(config: RouterConfig) -> dict[str, str]:
-    """Each model's name in pool keys; an adapter's blocks are keyed by the engine's model, its base."""
-    return {m.name: m.pool_name or m.lora_of or m.name for m in config.models}
+    """Each model's pool name: the start of its pool keys."""
+    return {m.name: key_start(m) for m in config.models}
 
 
 def place_instances(index: BlockIndex, config: RouterConfig) -> None:
@@ -83,7 +93,7 @@ class PoolConfirmer:
         timeout_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """pool_names: each routed model's name in pool keys (the last path component of vLLM's --model)."""
+        """pool_names: each routed model's pool name, the start of its pool keys (see pool_names)."""
         self._index = index
         self._url = master_url.rstrip("/") + "/batch_query_keys"
         self._pool_names = pool_names

@@ -11,7 +11,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +20,9 @@ import pytest
 
 from kvroute.processes import free_port_block
 from router.block_index import BlockIndex
+from router.config import ModelConfig
 from router.metrics import RouterMetrics
-from router.pool import PoolConfirmer, pool_key
+from router.pool import PoolConfirmer, key_start, pool_key
 from scorers.base import TierMatch
 from tests.router.test_block_index import BS, OTHER_TOKENS, pooled, prompt, removed, stored, vllm_hash
 
@@ -108,11 +109,17 @@ def pool_holding(master: Master, positions: range, pool_name: str = "model") -> 
             _stop(client)
 
 
+POOL_NAMES = {"tiny-llama": "model", "llama-8b": "Llama-3.1-8B", "llama-70b": "Llama-3.1-70B"}
+
+
 def confirm(
-    index: BlockIndex, url: str, metrics: RouterMetrics, models: tuple[str, ...] = ("tiny-llama",)
+    index: BlockIndex,
+    url: str,
+    metrics: RouterMetrics,
+    models: tuple[str, ...] = ("tiny-llama",),
+    pool_names: Mapping[str, str] = POOL_NAMES,
 ) -> list[dict[str, TierMatch]]:
     """The confirmed matches of a request for each of models in turn."""
-    pool_names = {"tiny-llama": "model", "llama-8b": "Llama-3.1-8B", "llama-70b": "Llama-3.1-70B"}
 
     async def run() -> list[dict[str, TierMatch]]:
         async with aiohttp.ClientSession() as session:
@@ -141,6 +148,22 @@ def test_pool_credit_stops_where_the_master_no_longer_has_the_blocks(master: Mas
     assert index.pool_entries == 4 + 1  # blocks 4 and 5 left the index; B's own block was not asked about
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 2
     assert metric_value(metrics, "kvroute_pool_master_up") == 1
+
+
+def test_pool_credit_is_confirmed_under_the_connectors_cache_prefix_and_store_namespace(master: Master) -> None:
+    """With a cache_prefix and a store namespace the connector's keys start with more than the model's name:
+    stated in the model's config, the router asks for those keys and keeps the credit the pool holds."""
+    model = ModelConfig(name="tiny-llama", pool_name="model", pool_cache_prefix="team-a",
+                        pool_store_namespace="@store_pp:1@store_format:tp_shared_mqa")  # fmt: skip
+    start, metrics = key_start(model), RouterMetrics()
+    index = BlockIndex(BS)
+    index.set_pool_name("a", start)
+    index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 6)])
+    with pool_holding(master, range(6), start):
+        assert confirm(index, master.admin_url, metrics, pool_names={"tiny-llama": start}) == [
+            {"a": TierMatch(gpu=2, pool=4)}
+        ]
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 4
 
 
 def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
