@@ -20,13 +20,14 @@ against the Mooncake master, pool name by pool name, before they decide a routin
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import operator
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple, cast
@@ -91,6 +92,8 @@ class _PoolState(_OwnerState):
 
     name: str = ""
     hashes: dict[int, bytes] = field(default_factory=dict)  # kvroute hash -> vLLM's full hash (Mooncake key)
+    # one per lookup on the master in flight: the vLLM hashes it asks about and that were not stored since
+    asked: list[set[bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -291,6 +294,8 @@ class BlockIndex:
                 )
             return
         self._join_pool(publisher, pool)
+        for unchanged in pool.asked:  # stored again: a lookup begun before this speaks for the old copy only
+            unchanged.difference_update(hashes)
         # vLLM's store worker announces pool writes without the request's extra keys (a LoRA adapter's name, a
         # cache salt): hashed from their tokens they would be the base model's plain blocks. The writer's own
         # cache announced them first, with those keys, so its kvroute hashes are taken when it knows them all.
@@ -338,9 +343,7 @@ class BlockIndex:
     def set_pool_name(self, instance: str, pool_name: str) -> None:
         """instance's model is named pool_name in Mooncake keys: the pool blocks it writes are pool_name's,
         and of the pool's blocks only pool_name's count for it."""
-        pool = self._pools.get(pool_name)
-        if pool is None:
-            pool = self._pools[pool_name] = _PoolState(bit=0, name=pool_name)
+        pool = self._pool(pool_name)
         old = self._pool_of.get(instance, self._unnamed)
         if pool is old:
             return
@@ -377,6 +380,12 @@ class BlockIndex:
                 holders[own_hash] = mask
             else:
                 holders.pop(own_hash, None)
+
+    def _pool(self, pool_name: str) -> _PoolState:
+        pool = self._pools.get(pool_name)
+        if pool is None:
+            pool = self._pools[pool_name] = _PoolState(bit=0, name=pool_name)
+        return pool
 
     def _bits_of(self, instance: str) -> int:
         """The bits of every rank of instance."""
@@ -534,6 +543,17 @@ class BlockIndex:
         pool = self._pools.get(pool_name)
         if pool is not None:
             self._remove(pool, Tier.POOL, vllm_hashes)
+
+    @contextlib.contextmanager
+    def asking(self, vllm_hashes: Iterable[bytes], pool_name: str = "") -> Iterator[set[bytes]]:
+        """For a lookup of vllm_hashes on the master: the set of those not stored in pool_name's pool again
+        while the block runs. The master's "missing" for one stored again predates the new copy."""
+        asked, unchanged = self._pool(pool_name).asked, set(vllm_hashes)
+        asked.append(unchanged)
+        try:
+            yield unchanged
+        finally:
+            asked[:] = [other for other in asked if other is not unchanged]  # equal sets are other lookups'
 
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> Speculation:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive;

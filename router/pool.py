@@ -125,13 +125,14 @@ class PoolConfirmer:
         unchecked = [h for _, h in pooled if (model, h) not in self._confirmed]
         if not unchecked:
             return matches
-        try:
-            present = await self._query(name, unchecked)
-        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
-            log.debug("Mooncake master not answering, routing without pool credit: %r", exc)
-            self._metrics.pool_master_up.set(0)
-            self._metrics.pool_lookups("error").inc(len(unchecked))
-            return self._index.match(chain, include_pool=False)
+        with self._index.asking(unchecked, name) as unchanged:
+            try:
+                present = await self._query(name, unchecked)
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
+                log.debug("Mooncake master not answering, routing without pool credit: %r", exc)
+                self._metrics.pool_master_up.set(0)
+                self._metrics.pool_lookups("error").inc(len(unchecked))
+                return self._index.match(chain, include_pool=False)
         self._metrics.pool_master_up.set(1)
         denied = [h for h in unchecked if h not in present]
         until = now + self._ttl
@@ -141,7 +142,11 @@ class PoolConfirmer:
         if not denied:
             return matches
         self._metrics.pool_lookups("gone").inc(len(denied))
-        self._index.forget_pooled(denied, name)
+        # A block announced again while the master was asked is a new copy: the answer is about the old one.
+        gone = [h for h in denied if h in unchanged]
+        if not gone:
+            return matches
+        self._index.forget_pooled(gone, name)
         return self._index.match(chain)
 
     async def _query(self, pool_name: str, hashes: list[bytes]) -> set[bytes]:

@@ -404,6 +404,20 @@ def test_pool_writes_of_an_adapters_or_salted_blocks_count_for_that_prompt_only(
     assert index.match(prompt()) == {}  # the base model's plain prompt is not in the pool
 
 
+def test_a_lookup_in_flight_loses_the_blocks_stored_again_while_it_lasts() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 2)])
+    hashes = [vllm_hash(p, as_bytes=True) for p in (0, 1)]
+    with index.asking(hashes) as first:
+        with index.asking(hashes) as second:  # an equal lookup, begun and ended meanwhile
+            pass
+        index.apply(A, [pooled(1, 1)])
+        assert first == {hashes[0]}
+    assert second == set(hashes)
+    index.apply(A, [pooled(0, 1)])  # no lookup left to tell
+    assert first == {hashes[0]}
+
+
 def test_pool_blocks_count_for_every_instance_that_writes_to_the_pool() -> None:
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 3, as_bytes=True), pooled(0, 7)])

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from kvroute.processes import free_port_block
 from router.block_index import BlockIndex
@@ -164,6 +166,29 @@ def test_pool_credit_is_confirmed_under_the_connectors_cache_prefix_and_store_na
             {"a": TierMatch(gpu=2, pool=4)}
         ]
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 4
+
+
+def test_a_block_announced_again_while_the_master_is_asked_stays() -> None:
+    """B wrote block 4 to the pool again, and its event arrived while the master was being asked: the master's
+    "missing", given before that write, leaves the new copy in the index; the other blocks it denied go."""
+    index, metrics = indexed(), RouterMetrics()
+
+    async def batch_query_keys(request: web.Request) -> web.Response:
+        index.apply(B, [pooled(4, 1)])
+        keys = request.query["keys"].split(",")
+        return web.json_response({"success": True, "data": {key: {"ok": False} for key in keys}})
+
+    async def run() -> dict[str, TierMatch]:
+        app = web.Application()
+        app.router.add_get("/batch_query_keys", batch_query_keys)
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            confirmer = PoolConfirmer(index, str(server.make_url("/")), POOL_NAMES, session, metrics)
+            chain = prompt()
+            return await confirmer.confirm("tiny-llama", chain, index.match(chain))
+
+    assert asyncio.run(run()) == {"a": TierMatch(gpu=2)}
+    assert index.pooled(prompt(), 0, 10, "model") == [(4, vllm_hash(4, as_bytes=True))]
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 6
 
 
 def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
