@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeAlias, cast
 
 from router import block_hashing
 from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 Owner = tuple[str, int]
 """(instance name, data parallel rank)"""
+
+_Masks: TypeAlias = list[int] | None  # each block's holders in a tier, as owner bits; None: no one holds any
 
 _COUNT_BITS = 16
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
@@ -473,23 +475,35 @@ class BlockIndex:
         Speculative entries count as GPU blocks. Of one instance's ranks, the best match counts.
         Pool blocks count for every member of their pool name, unless include_pool is False.
         """
+        gpu, cpu, pool = self._probe(chain, include_pool)
+        return self._matched(gpu, cpu, _either(_either(gpu, cpu), pool))
+
+    def match_with_own(self, chain: Sequence[int]) -> tuple[dict[str, TierMatch], dict[str, TierMatch]]:
+        """match(chain) and match(chain, include_pool=False) from one probe of the tiers: the instances' own
+        prefixes are where the pool credit to confirm begins (router/pool.py)."""
+        gpu, cpu, pool = self._probe(chain)
+        held = _either(gpu, cpu)
+        own = self._matched(gpu, cpu, held)
+        return (own if pool is None else self._matched(gpu, cpu, _either(held, pool))), own
+
+    def _probe(self, chain: Sequence[int], include_pool: bool = True) -> tuple[_Masks, _Masks, _Masks]:
+        """Each block's holders in the GPU (speculative entries too), CPU and pool tiers; None for a tier no
+        one holds anything in, and for every tier when chain is empty."""
         self._expire()
         if not chain:
-            return {}
-        # All in C: each block's holders per tier, then the running AND (owners holding every block so
-        # far). It never grows, so where an owner's bit leaves it is found by bisection.
+            return None, None, None
         gpu = self._held(chain, self._holders[Tier.GPU], self._pending)
         cpu = self._held(chain, self._holders[Tier.CPU])
-        pool = self._held(chain, self._holders[Tier.POOL]) if include_pool else None
-        layers = [layer for layer in (gpu, cpu, pool) if layer is not None]
-        if not layers:
+        return gpu, cpu, self._held(chain, self._holders[Tier.POOL]) if include_pool else None
+
+    def _matched(self, gpu: _Masks, cpu: _Masks, held: _Masks) -> dict[str, TierMatch]:
+        """The matches of held, each block's holders over the tiers counted. All in C: the running AND of held
+        (owners holding every block so far) never grows, so where an owner's bit leaves it is a bisection."""
+        if held is None:
             return {}
-        held = layers[0]
-        for layer in layers[1:]:
-            held = list(map(operator.or_, held, layer))
         alive = list(itertools.accumulate(held, operator.and_))
         ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
-        return self._attribute(ends, gpu, cpu, only_gpu=len(layers) == 1 and gpu is not None)
+        return self._attribute(ends, gpu, cpu, only_gpu=held is gpu)
 
     @staticmethod
     def _held(chain: Sequence[int], *maps: dict[int, int]) -> list[int] | None:
@@ -655,6 +669,13 @@ class BlockIndex:
                 per_item = sum(_object_bytes(k) + _object_bytes(v) for k, v in items) / len(items)
                 total += int(per_item * len(mapping))
         return total
+
+
+def _either(first: list[int] | None, second: list[int] | None) -> list[int] | None:
+    """Each block's holders in either of two tiers' masks (None: a tier no one holds anything in)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return list(map(operator.or_, first, second))
 
 
 def _object_bytes(value: int | bytes) -> int:

@@ -104,11 +104,11 @@ class PoolConfirmer:
         self._clock = clock
         self._confirmed: dict[tuple[str, bytes], float] = {}  # (model, vLLM hash) -> trusted until, in order
 
-    async def confirm(
-        self, model: str, chain: Sequence[int], matches: dict[str, TierMatch]
-    ) -> dict[str, TierMatch]:
-        """matches with the pool credit of model's pool name confirmed: as they are, shortened, or without any
-        pool credit. Instances of other pool names, which do not serve model, keep theirs unconfirmed."""
+    async def confirm(self, model: str, chain: Sequence[int]) -> dict[str, TierMatch]:
+        """The index's matches of chain with the pool credit of model's pool name confirmed: as it is,
+        shortened, or none. Instances of other pool names, which do not serve model, keep theirs
+        unconfirmed."""
+        matches, own = self._index.match_with_own(chain)
         name = self._pool_names.get(model, model)
         pool_of = self._index.pool_name
         credited = [instance for instance, m in matches.items() if m.pool and pool_of(instance) == name]
@@ -116,7 +116,6 @@ class PoolConfirmer:
             return matches
         # An instance's pool credit begins where its own prefix ends, not after all of its own blocks: one
         # evicted from the GPU between blocks still held there or on the CPU is credited to the pool.
-        own = self._index.match(chain, include_pool=False)
         start = min(own[i].gpu + own[i].cpu if i in own else 0 for i in credited)
         end = max(matches[i].gpu + matches[i].cpu + matches[i].pool for i in credited)
         now = self._clock()
