@@ -162,6 +162,11 @@ class StackPlan:
             "tokenizer": str(self.model_dir),
             "pool_name": self.pool_model_name,
         }
+        if self.config.pool is not None:
+            # vLLM writes str(cache_prefix) before the model's name in every pool key when it is set.
+            cache_prefix = self.config.pool.connector.get("kv_connector_extra_config", {}).get("cache_prefix")
+            if cache_prefix not in (None, ""):
+                model["pool_cache_prefix"] = str(cache_prefix)
         config: dict[str, Any] = {
             "models": [model],
             "block_size": self.config.block_size,

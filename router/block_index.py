@@ -20,16 +20,17 @@ against the Mooncake master, pool name by pool name, before they decide a routin
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import operator
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeAlias, cast
 
 from router import block_hashing
 from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 Owner = tuple[str, int]
 """(instance name, data parallel rank)"""
+
+_Masks: TypeAlias = list[int] | None  # each block's holders in a tier, as owner bits; None: no one holds any
 
 _COUNT_BITS = 16
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
@@ -54,6 +57,11 @@ class Tier(IntEnum):
 DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
     None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.CPU, "cpu": Tier.POOL,
 }  # fmt: skip
+
+
+# What vLLM's GPU block pool announces under: its events carry every block's extra keys (an adapter's name, a
+# cache salt), so the blocks' kvroute hashes can be computed from them.
+_GPU_MEDIA = frozenset({None, "GPU"})
 
 
 class Speculation(NamedTuple):
@@ -86,6 +94,8 @@ class _PoolState(_OwnerState):
 
     name: str = ""
     hashes: dict[int, bytes] = field(default_factory=dict)  # kvroute hash -> vLLM's full hash (Mooncake key)
+    # one per lookup on the master in flight: the vLLM hashes it asks about and that were not stored since
+    asked: list[set[bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -114,6 +124,8 @@ class BlockIndex:
         self._medium_tiers = medium_tiers
         # Where the GPU's blocks are kept: announced as "GPU" or with no medium (older vLLM).
         self._gpu_tiers = {medium_tiers[m] for m in (None, "GPU") if m in medium_tiers} or {Tier.GPU}
+        # Where vLLM's offloading connectors' blocks are kept (an owner holds no pool entries of its own).
+        self._offload_tiers = {self._tier(m) for m in ("CPU", "STORAGE")} - {Tier.POOL}
         self._clock = clock
         self._holders: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
         self._owners: dict[Owner, _OwnerState] = {}
@@ -140,23 +152,37 @@ class BlockIndex:
     def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
         state = self._owner(owner)
         pool = self._pool_of.get(owner[0], self._unnamed)
+        # vLLM's scheduler publishes its GPU block pool's events, then its connector's: an event of another
+        # medium means the rest of the batch is the connector's.
+        past_gpu = False
         for event in events:
+            if not isinstance(event, AllBlocksCleared) and event.medium not in _GPU_MEDIA:
+                past_gpu = True
             if isinstance(event, BlockStored):
                 if not event.block_hashes:
                     continue
                 tier = self._tier(event.medium)
                 if tier is Tier.POOL:
                     self._store_pooled(state, pool, event)
-                elif event.token_ids:
+                elif not event.token_ids:  # the OffloadingConnector's default announcement: a key alone
+                    self._store_known(state, state, tier, event, pool)
+                elif event.medium in _GPU_MEDIA or event.extra_keys is not None:
                     self._store(state, tier, event, pool)
-                else:  # the OffloadingConnector's default announcement: a key alone
+                elif self._shaped(event):
+                    # An offload announced without its request's extra keys (vLLM 0.32's OffloadingConnector
+                    # defers them): hashed from its tokens, a salted prompt's or an adapter's block would be
+                    # another prompt's. Its vLLM hashes are its GPU copies', announced with the keys first.
                     self._store_known(state, state, tier, event, pool)
             elif isinstance(event, BlockRemoved):
                 tier = self._tier(event.medium)
                 self._remove(pool if tier is Tier.POOL else state, tier, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                # vLLM sends it from its GPU block pool's prefix cache reset only: offloaded copies stay.
-                self._clear(state, self._gpu_tiers)
+                # It names no medium (vLLM 0.32). The GPU block pool's reset sends one, and so does that of a
+                # SimpleCPUOffloadConnector's CPU block pool, which the same reset call makes after the GPU's:
+                # a clear after the batch's first, or after an event of another medium, is the connector's.
+                # (The OffloadingConnector's and the Mooncake store's resets send none.)
+                self._clear(state, self._offload_tiers if past_gpu else self._gpu_tiers)
+                past_gpu = True
         if self._entries > self.max_entries:
             self._shrink()
 
@@ -195,17 +221,12 @@ class BlockIndex:
     ) -> list[int]:
         """Index the event's blocks for state, whose parent may be in pool; their kvroute hashes, or [] when
         they cannot be indexed. counted=False keeps a block stored twice at one reference."""
-        size = self.block_size
-        extra = event.extra_keys
-        if (
-            event.block_size != size
-            or len(event.token_ids) != len(event.block_hashes) * size
-            or (extra is not None and len(extra) != len(event.block_hashes))
-            or max(event.token_ids) >= 1 << 32  # kvroute hashes token ids as uint32
-        ):
+        if not self._shaped(event):
+            return []
+        if max(event.token_ids) >= 1 << 32:  # kvroute hashes token ids as uint32
             self.stats.mismatched += 1
             return []
-        blocks = state.blocks[tier]
+        size, blocks = self.block_size, state.blocks[tier]
         if event.parent_block_hash is None:
             parent = block_hashing.root_for(event.lora_name)
         else:
@@ -250,6 +271,19 @@ class BlockIndex:
         self.stats.stored += len(own)
         return own
 
+    def _shaped(self, event: BlockStored) -> bool:
+        """Whether the event's blocks are the index's: of its block size, with their tokens (and extra keys,
+        when sent) one block's worth each. Counted as mismatched when not."""
+        count, size, extra = len(event.block_hashes), self.block_size, event.extra_keys
+        if (
+            event.block_size == size
+            and len(event.token_ids) == count * size
+            and (extra is None or len(extra) == count)
+        ):
+            return True
+        self.stats.mismatched += 1
+        return False
+
     def _store_pooled(self, publisher: _OwnerState, pool: _PoolState, event: BlockStored) -> None:
         hashes = event.block_hashes
         if type(hashes[0]) is not bytes:
@@ -262,6 +296,8 @@ class BlockIndex:
                 )
             return
         self._join_pool(publisher, pool)
+        for unchanged in pool.asked:  # stored again: a lookup begun before this speaks for the old copy only
+            unchanged.difference_update(hashes)
         # vLLM's store worker announces pool writes without the request's extra keys (a LoRA adapter's name, a
         # cache salt): hashed from their tokens they would be the base model's plain blocks. The writer's own
         # cache announced them first, with those keys, so its kvroute hashes are taken when it knows them all.
@@ -281,9 +317,9 @@ class BlockIndex:
         pool: _PoolState,
         counted: bool = True,
     ) -> list[tuple[int, BlockHash]]:
-        """Blocks announced without their tokens (pool writes, offloads): the publisher computed them, so its
-        own cache announced them first, with tokens, under the same vLLM hashes. Indexed for state as
-        _store would; (kvroute hash, vLLM hash) of those known, as the others are skipped."""
+        """Blocks announced without their tokens or extra keys (pool writes, offloads): the publisher computed
+        them, so its own cache announced them first, with both, under the same vLLM hashes. Indexed for state
+        as _store would; (kvroute hash, vLLM hash) of those known, as the others are skipped."""
         blocks, holders, bit = state.blocks[tier], self._holders[tier], state.bit
         bump = 1 if counted else 0
         known: list[tuple[int, BlockHash]] = []
@@ -309,9 +345,7 @@ class BlockIndex:
     def set_pool_name(self, instance: str, pool_name: str) -> None:
         """instance's model is named pool_name in Mooncake keys: the pool blocks it writes are pool_name's,
         and of the pool's blocks only pool_name's count for it."""
-        pool = self._pools.get(pool_name)
-        if pool is None:
-            pool = self._pools[pool_name] = _PoolState(bit=0, name=pool_name)
+        pool = self._pool(pool_name)
         old = self._pool_of.get(instance, self._unnamed)
         if pool is old:
             return
@@ -348,6 +382,12 @@ class BlockIndex:
                 holders[own_hash] = mask
             else:
                 holders.pop(own_hash, None)
+
+    def _pool(self, pool_name: str) -> _PoolState:
+        pool = self._pools.get(pool_name)
+        if pool is None:
+            pool = self._pools[pool_name] = _PoolState(bit=0, name=pool_name)
+        return pool
 
     def _bits_of(self, instance: str) -> int:
         """The bits of every rank of instance."""
@@ -435,23 +475,35 @@ class BlockIndex:
         Speculative entries count as GPU blocks. Of one instance's ranks, the best match counts.
         Pool blocks count for every member of their pool name, unless include_pool is False.
         """
+        gpu, cpu, pool = self._probe(chain, include_pool)
+        return self._matched(gpu, cpu, _either(_either(gpu, cpu), pool))
+
+    def match_with_own(self, chain: Sequence[int]) -> tuple[dict[str, TierMatch], dict[str, TierMatch]]:
+        """match(chain) and match(chain, include_pool=False) from one probe of the tiers: the instances' own
+        prefixes are where the pool credit to confirm begins (router/pool.py)."""
+        gpu, cpu, pool = self._probe(chain)
+        held = _either(gpu, cpu)
+        own = self._matched(gpu, cpu, held)
+        return (own if pool is None else self._matched(gpu, cpu, _either(held, pool))), own
+
+    def _probe(self, chain: Sequence[int], include_pool: bool = True) -> tuple[_Masks, _Masks, _Masks]:
+        """Each block's holders in the GPU (speculative entries too), CPU and pool tiers; None for a tier no
+        one holds anything in, and for every tier when chain is empty."""
         self._expire()
         if not chain:
-            return {}
-        # All in C: each block's holders per tier, then the running AND (owners holding every block so
-        # far). It never grows, so where an owner's bit leaves it is found by bisection.
+            return None, None, None
         gpu = self._held(chain, self._holders[Tier.GPU], self._pending)
         cpu = self._held(chain, self._holders[Tier.CPU])
-        pool = self._held(chain, self._holders[Tier.POOL]) if include_pool else None
-        layers = [layer for layer in (gpu, cpu, pool) if layer is not None]
-        if not layers:
+        return gpu, cpu, self._held(chain, self._holders[Tier.POOL]) if include_pool else None
+
+    def _matched(self, gpu: _Masks, cpu: _Masks, held: _Masks) -> dict[str, TierMatch]:
+        """The matches of held, each block's holders over the tiers counted. All in C: the running AND of held
+        (owners holding every block so far) never grows, so where an owner's bit leaves it is a bisection."""
+        if held is None:
             return {}
-        held = layers[0]
-        for layer in layers[1:]:
-            held = list(map(operator.or_, held, layer))
         alive = list(itertools.accumulate(held, operator.and_))
         ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
-        return self._attribute(ends, gpu, cpu, only_gpu=len(layers) == 1 and gpu is not None)
+        return self._attribute(ends, gpu, cpu, only_gpu=held is gpu)
 
     @staticmethod
     def _held(chain: Sequence[int], *maps: dict[int, int]) -> list[int] | None:
@@ -505,6 +557,17 @@ class BlockIndex:
         pool = self._pools.get(pool_name)
         if pool is not None:
             self._remove(pool, Tier.POOL, vllm_hashes)
+
+    @contextlib.contextmanager
+    def asking(self, vllm_hashes: Iterable[bytes], pool_name: str = "") -> Iterator[set[bytes]]:
+        """For a lookup of vllm_hashes on the master: the set of those not stored in pool_name's pool again
+        while the block runs. The master's "missing" for one stored again predates the new copy."""
+        asked, unchanged = self._pool(pool_name).asked, set(vllm_hashes)
+        asked.append(unchanged)
+        try:
+            yield unchanged
+        finally:
+            asked[:] = [other for other in asked if other is not unchanged]  # equal sets are other lookups'
 
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> Speculation:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive;
@@ -606,6 +669,13 @@ class BlockIndex:
                 per_item = sum(_object_bytes(k) + _object_bytes(v) for k, v in items) / len(items)
                 total += int(per_item * len(mapping))
         return total
+
+
+def _either(first: list[int] | None, second: list[int] | None) -> list[int] | None:
+    """Each block's holders in either of two tiers' masks (None: a tier no one holds anything in)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return list(map(operator.or_, first, second))
 
 
 def _object_bytes(value: int | bytes) -> int:

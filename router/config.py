@@ -59,11 +59,24 @@ class ModelConfig(_Strict):
         description="the model's name in Mooncake pool keys: the last path component of vLLM's --model "
         "(default: name; for an adapter, its base's)",
     )
+    pool_cache_prefix: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the MooncakeStoreConnector's cache_prefix (vLLM's kv_connector_extra_config), which "
+        "starts its pool keys (default: none; for an adapter, its base's)",
+    )
+    pool_store_namespace: str | None = Field(
+        default=None,
+        pattern=r"^@\S+$",
+        description="the store namespace vLLM puts after the model's name in pool keys when the connector "
+        "sets store_tp_size or enable_store_tp_lcm, such as @store_tp:4@store_pp:1@store_format:hnc (copy "
+        "it from a key on the master; default: none; for an adapter, its base's)",
+    )
     lora_of: str | None = Field(
         default=None,
         min_length=1,
         description="a LoRA adapter (vLLM --lora-modules NAME=PATH) running on this base model: its cache "
-        "is its own, and its tokenizer and pool name default to the base's",
+        "is its own, and its tokenizer and pool keys default to the base's",
     )
 
 
@@ -403,9 +416,9 @@ class RouterConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _adapters_take_their_base(cls, raw: Any) -> Any:
-        """An adapter without a tokenizer or pool name of its own takes its listed base's: vLLM (0.32)
-        tokenizes an adapter's requests with the base's tokenizer, and its pool keys carry the engine's
-        --model whatever the adapter."""
+        """An adapter without a tokenizer or pool key settings of its own takes its listed base's: vLLM
+        (0.32) tokenizes an adapter's requests with the base's tokenizer, and its pool keys are the engine's
+        (its --model and connector settings) whatever the adapter."""
         if not isinstance(raw, dict) or not isinstance(raw.get("models"), list):
             return raw
         named = [m for m in raw["models"] if isinstance(m, dict) and isinstance(m.get("name"), str)]
@@ -417,6 +430,7 @@ class RouterConfig(_Strict):
             if base is not None:
                 pool_name = base.get("pool_name") or lora_of
                 inherited = {"tokenizer": base.get("tokenizer"), "pool_name": pool_name}
+                inherited |= {key: base.get(key) for key in ("pool_cache_prefix", "pool_store_namespace")}
                 # An explicit null is no value of its own: the base's stands.
                 own = {k: v for k, v in model.items() if k not in inherited or v is not None}
                 model = {k: v for k, v in inherited.items() if v is not None} | own

@@ -6,8 +6,10 @@ decision counts pool blocks, the blocks it would credit are looked up on the mas
 answer is trusted for a short while. Blocks the master does not have leave the index. When the master
 cannot be asked, routing goes on without pool credit and kvroute_pool_master_up says so.
 
-Pool keys carry the model's name (its pool name), so a request's pool credit is the pool entries of its
-model's pool name, on the instances serving a model of that name; place_instances tells the index who is who.
+Pool keys start with the model's name (its pool name), after the connector's cache_prefix and before its
+store namespace when they are set: that start is what the index calls a pool name, so a request's pool credit
+is the pool entries of its model's, on the instances serving a model of the same; place_instances tells the
+index who is who.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import aiohttp
 import msgspec
 
 from router.block_index import BlockIndex
-from router.config import RouterConfig
+from router.config import ModelConfig, RouterConfig
 from router.metrics import RouterMetrics
 from scorers.base import TierMatch
 
@@ -32,13 +34,21 @@ _KEYS_PER_QUERY = 128  # keeps the query string well under common URL limits (ab
 
 def pool_key(pool_name: str, vllm_hash: bytes) -> str:
     """The MooncakeStoreConnector's key of a block: tensor/pipeline rank 0, KV cache group 0 (every rank
-    writes its own shard, so rank 0's key stands for the block)."""
+    writes its own shard, so rank 0's key stands for the block). pool_name is the key's start (key_start)."""
     return f"{pool_name}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{vllm_hash.hex()}"
 
 
+def key_start(model: ModelConfig) -> str:
+    """What model's pool keys start with, as vLLM's PoolKey.build_prefix writes it before the ranks:
+    [cache_prefix@]name[store_namespace]; an adapter's blocks are keyed by the engine's model, its base."""
+    cache_prefix = f"{model.pool_cache_prefix}@" if model.pool_cache_prefix else ""
+    name = model.pool_name or model.lora_of or model.name
+    return f"{cache_prefix}{name}{model.pool_store_namespace or ''}"
+
+
 def pool_names(config: RouterConfig) -> dict[str, str]:
-    """Each model's name in pool keys; an adapter's blocks are keyed by the engine's model, its base."""
-    return {m.name: m.pool_name or m.lora_of or m.name for m in config.models}
+    """Each model's pool name: the start of its pool keys."""
+    return {m.name: key_start(m) for m in config.models}
 
 
 def place_instances(index: BlockIndex, config: RouterConfig) -> None:
@@ -83,7 +93,7 @@ class PoolConfirmer:
         timeout_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """pool_names: each routed model's name in pool keys (the last path component of vLLM's --model)."""
+        """pool_names: each routed model's pool name, the start of its pool keys (see pool_names)."""
         self._index = index
         self._url = master_url.rstrip("/") + "/batch_query_keys"
         self._pool_names = pool_names
@@ -94,11 +104,11 @@ class PoolConfirmer:
         self._clock = clock
         self._confirmed: dict[tuple[str, bytes], float] = {}  # (model, vLLM hash) -> trusted until, in order
 
-    async def confirm(
-        self, model: str, chain: Sequence[int], matches: dict[str, TierMatch]
-    ) -> dict[str, TierMatch]:
-        """matches with the pool credit of model's pool name confirmed: as they are, shortened, or without any
-        pool credit. Instances of other pool names, which do not serve model, keep theirs unconfirmed."""
+    async def confirm(self, model: str, chain: Sequence[int]) -> dict[str, TierMatch]:
+        """The index's matches of chain with the pool credit of model's pool name confirmed: as it is,
+        shortened, or none. Instances of other pool names, which do not serve model, keep theirs
+        unconfirmed."""
+        matches, own = self._index.match_with_own(chain)
         name = self._pool_names.get(model, model)
         pool_of = self._index.pool_name
         credited = [instance for instance, m in matches.items() if m.pool and pool_of(instance) == name]
@@ -106,7 +116,6 @@ class PoolConfirmer:
             return matches
         # An instance's pool credit begins where its own prefix ends, not after all of its own blocks: one
         # evicted from the GPU between blocks still held there or on the CPU is credited to the pool.
-        own = self._index.match(chain, include_pool=False)
         start = min(own[i].gpu + own[i].cpu if i in own else 0 for i in credited)
         end = max(matches[i].gpu + matches[i].cpu + matches[i].pool for i in credited)
         now = self._clock()
@@ -115,13 +124,14 @@ class PoolConfirmer:
         unchecked = [h for _, h in pooled if (model, h) not in self._confirmed]
         if not unchecked:
             return matches
-        try:
-            present = await self._query(name, unchecked)
-        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
-            log.debug("Mooncake master not answering, routing without pool credit: %r", exc)
-            self._metrics.pool_master_up.set(0)
-            self._metrics.pool_lookups("error").inc(len(unchecked))
-            return self._index.match(chain, include_pool=False)
+        with self._index.asking(unchecked, name) as unchanged:
+            try:
+                present = await self._query(name, unchecked)
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
+                log.debug("Mooncake master not answering, routing without pool credit: %r", exc)
+                self._metrics.pool_master_up.set(0)
+                self._metrics.pool_lookups("error").inc(len(unchecked))
+                return self._index.match(chain, include_pool=False)
         self._metrics.pool_master_up.set(1)
         denied = [h for h in unchecked if h not in present]
         until = now + self._ttl
@@ -131,7 +141,11 @@ class PoolConfirmer:
         if not denied:
             return matches
         self._metrics.pool_lookups("gone").inc(len(denied))
-        self._index.forget_pooled(denied, name)
+        # A block announced again while the master was asked is a new copy: the answer is about the old one.
+        gone = [h for h in denied if h in unchanged]
+        if not gone:
+            return matches
+        self._index.forget_pooled(gone, name)
         return self._index.match(chain)
 
     async def _query(self, pool_name: str, hashes: list[bytes]) -> set[bytes]:

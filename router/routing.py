@@ -122,9 +122,12 @@ class Router:
             ids = []
         lora_name = body.model if body.model in self._adapters else None
         chain = self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
-        matches = self._index.match(chain) if chain else {}
-        if self._pool is not None and matches:
-            matches = await self._pool.confirm(body.model, chain, matches)
+        if not chain:
+            matches = {}
+        elif self._pool is None:
+            matches = self._index.match(chain)
+        else:
+            matches = await self._pool.confirm(body.model, chain)
         request = RoutingRequest(
             model=body.model,
             session_key=session_key,

@@ -112,6 +112,15 @@ def test_plan_derives_commands_files_and_router_config(tmp_path: Path, model_dir
     ]
 
 
+def test_the_connectors_cache_prefix_reaches_the_router_config(tmp_path: Path, model_dir: Path) -> None:
+    raw = cpu_raw()
+    raw["pool"]["connector"] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {"cache_prefix": "team-a"}}  # fmt: skip
+    plan = StackPlan(parse_stack_config(raw), tmp_path / "run", base_dir=tmp_path)
+    router = parse_config(plan.router_config())
+    assert (router.models[0].pool_name, router.models[0].pool_cache_prefix) == ("tiny-llama", "team-a")
+
+
 def test_a_missing_stack_python_is_named(tmp_path: Path) -> None:
     plan = StackPlan(load_stack_config(CONFIGS / "stack-cpu.yaml"), tmp_path, base_dir=tmp_path)
     with pytest.raises(StartupError, match="make stack-env"):

@@ -13,7 +13,7 @@ import xxhash
 
 from router import block_hashing
 from router.block_index import BlockIndex, Tier
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from scorers.base import TierMatch
 from tests.conftest import ManualClock
 
@@ -118,12 +118,12 @@ def test_clearing_one_owner_leaves_the_others(forget: str) -> None:
 
 
 def test_a_prefix_cache_reset_clears_the_gpu_tier_and_offloaded_copies_stay() -> None:
-    """vLLM sends AllBlocksCleared from its GPU block pool's reset only; a restart loses everything."""
+    """A clear alone is the GPU block pool's reset (see below for the CPU's); a restart loses everything."""
     index = BlockIndex(BS)
     index.apply(A, [stored(0, 2), stored(0, 2, medium="CPU")])
     index.apply(A, [AllBlocksCleared()])
     assert index.match(prompt()) == {"a": TierMatch(cpu=2)}
-    index.apply(A, [stored(2, 1, medium="CPU")])  # the offloader goes on from its own copies
+    index.apply(A, [stored(2, 1), stored(2, 1, medium="CPU"), removed(2)])  # computed after its CPU parent
     assert index.match(prompt()) == {"a": TierMatch(cpu=3)}
     assert index.entries == 3
     index.drop(A)
@@ -131,13 +131,38 @@ def test_a_prefix_cache_reset_clears_the_gpu_tier_and_offloaded_copies_stay() ->
     assert index.entries == 0
 
 
+@pytest.mark.parametrize(
+    ("batch", "left"),
+    [
+        # /reset_prefix_cache: the GPU block pool's clear alone
+        ([AllBlocksCleared()], TierMatch(cpu=3)),
+        # reset_connector with a SimpleCPUOffloadConnector: its CPU block pool's clear follows the GPU's
+        ([AllBlocksCleared(), AllBlocksCleared()], None),
+        # ... and the GPU's blocks of the next engine step come between them
+        ([AllBlocksCleared(), stored(0, 1), AllBlocksCleared()], TierMatch(gpu=1)),
+        # the GPU pool's reset failed (requests running): the connector's clear follows its offloads
+        ([stored(3, 1), stored(3, 1, medium="CPU"), AllBlocksCleared()], TierMatch(gpu=4)),
+        ([removed(2), removed(2, medium="STORAGE"), AllBlocksCleared()], TierMatch(gpu=2)),
+    ],
+)
+def test_a_clear_after_the_gpu_block_pools_events_is_the_offload_connectors(
+    batch: list[KVEvent], left: TierMatch | None
+) -> None:
+    """AllBlocksCleared names no medium (vLLM 0.32); a SimpleCPUOffloadConnector's reset sends one from its CPU
+    block pool, among the connector's events, which the scheduler publishes after the GPU block pool's."""
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 3), stored(0, 3, medium="CPU")])
+    index.apply(A, batch)
+    assert index.match(prompt()).get("a") == left
+
+
 def test_tiers_are_credited_to_the_best_copy() -> None:
     index = BlockIndex(BS)
-    index.apply(A, [stored(0, 2), stored(0, 4, medium="CPU", salt=5)])
+    index.apply(A, [stored(0, 4), stored(0, 4, medium="CPU"), removed(2, 3)])  # one engine: one vLLM hash
     assert index.match(prompt()) == {"a": TierMatch(gpu=2, cpu=2)}
     index.apply(A, [removed(0)])
     assert index.match(prompt()) == {"a": TierMatch(gpu=1, cpu=3)}
-    index.apply(A, [removed(0, medium="CPU", salt=5)])
+    index.apply(A, [removed(0, medium="CPU")])
     assert index.match(prompt()) == {}
 
 
@@ -162,9 +187,47 @@ def test_offloaded_blocks_announced_without_tokens_take_the_owners_own_copy(as_b
     assert index.entries == 1
 
 
+def with_keys(event: BlockStored, lora: str | None, salt: str | None) -> BlockStored:
+    """event with the extra keys vLLM's GPU block pool announces: the adapter's name in every block's, the
+    cache salt (after it) in the first block's."""
+    extra: list[object] = [None if lora is None else (lora,) for _ in event.block_hashes]
+    if salt and event.parent_block_hash is None:
+        extra[0] = (*(extra[0] or ()), salt)
+    return msgspec.structs.replace(event, extra_keys=extra)
+
+
+@pytest.mark.parametrize(("lora", "salt"), [("sql", None), ("sql", "tenant-a"), (None, "tenant-a")])
+def test_offloaded_copies_of_an_adapters_or_salted_blocks_count_for_that_prompt_only(
+    lora: str | None, salt: str | None
+) -> None:
+    """vLLM 0.32's OffloadingConnector (self_describing_kv_events) announces offloads with the tokens but
+    without the request's extra keys (offloading/events.py: extra_keys=None): hashed from their tokens, they
+    would be the base model's plain prompt. They carry their GPU copies' vLLM hashes, announced with the keys."""
+    index = BlockIndex(BS)
+    index.apply(A, [with_keys(stored(0, 4, lora=lora), lora, salt), stored(0, 4, medium="CPU", lora=lora)])
+    index.apply(A, [removed(0, 1, 2, 3)])  # the GPU copies go; the CPU ones stay
+    own = block_hashing.ChainCache(BS).chain(TOKENS, block_hashing.prompt_key(salt, lora))
+    assert index.match(own) == {"a": TierMatch(cpu=4)}
+    assert index.match(prompt()) == {}  # the base model's plain prompt is not offloaded
+    assert index.match(block_hashing.chain(TOKENS, BS, block_hashing.root_for(lora))) == {}
+
+
+def test_offloads_without_extra_keys_whose_gpu_copies_are_unknown_are_not_guessed() -> None:
+    """Salted or not, an offload without its extra keys cannot be hashed from its tokens; one that states its
+    keys (vLLM's SimpleCPUOffloadConnector) is hashed as the GPU's own blocks are."""
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2, medium="CPU")])
+    assert (index.match(prompt()), index.stats.orphaned) == ({}, 2)
+    index.apply(A, [with_keys(stored(0, 2, medium="CPU", salt=1), None, "tenant-a")])
+    salted = block_hashing.ChainCache(BS).chain(TOKENS, block_hashing.prompt_key("tenant-a"))
+    assert index.match(salted) == {"a": TierMatch(cpu=2)}
+    index.apply(A, [stored(0, 3, medium="CPU", tokens=TOKENS[:5])])  # a mismatch is counted, not indexed
+    assert (index.stats.mismatched, index.entries) == (1, 2)
+
+
 def test_gpu_cpu_and_speculative_entries_combine() -> None:
     index = BlockIndex(BS)
-    index.apply(A, [stored(0, 2), stored(0, 4, medium="CPU", salt=5)])
+    index.apply(A, [stored(0, 4), stored(0, 4, medium="CPU"), removed(2, 3)])
     index.speculate("a", prompt(), start=4)
     index.apply(B, [stored(0, 3, salt=1)])
     assert index.match(prompt()) == {"a": TierMatch(gpu=8, cpu=2), "b": TierMatch(gpu=3)}
@@ -339,6 +402,20 @@ def test_pool_writes_of_an_adapters_or_salted_blocks_count_for_that_prompt_only(
     own = block_hashing.ChainCache(BS).chain(TOKENS, block_hashing.prompt_key(salt, lora))
     assert index.match(own) == {"a": TierMatch(gpu=4), "b": TierMatch(pool=4)}
     assert index.match(prompt()) == {}  # the base model's plain prompt is not in the pool
+
+
+def test_a_lookup_in_flight_loses_the_blocks_stored_again_while_it_lasts() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 2)])
+    hashes = [vllm_hash(p, as_bytes=True) for p in (0, 1)]
+    with index.asking(hashes) as first:
+        with index.asking(hashes) as second:  # an equal lookup, begun and ended meanwhile
+            pass
+        index.apply(A, [pooled(1, 1)])
+        assert first == {hashes[0]}
+    assert second == set(hashes)
+    index.apply(A, [pooled(0, 1)])  # no lookup left to tell
+    assert first == {hashes[0]}
 
 
 def test_pool_blocks_count_for_every_instance_that_writes_to_the_pool() -> None:

@@ -59,6 +59,17 @@ def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_ow
     assert (nulls.models[1].tokenizer, pool_names(nulls)["sql"]) == ("/models/llama", "L-8B")  # null: not set
 
 
+def test_an_adapter_takes_its_bases_pool_key_settings_unless_it_has_its_own() -> None:
+    """The connector's cache_prefix and store namespace are the engine's, whatever the adapter."""
+    config = parse_config(_with(models=[
+        {"name": "llama", "pool_name": "L-8B", "pool_cache_prefix": "team-a", "pool_store_namespace": "@store_pp:1@x"},
+        {"name": "sql", "lora_of": "llama"},
+        {"name": "chat", "lora_of": "llama", "pool_cache_prefix": "team-b", "pool_store_namespace": None},
+    ]))  # fmt: skip
+    assert pool_names(config) == {"llama": "team-a@L-8B@store_pp:1@x", "sql": "team-a@L-8B@store_pp:1@x",
+                                  "chat": "team-b@L-8B@store_pp:1@x"}  # fmt: skip
+
+
 def _with(**changes: object) -> dict[str, object]:
     return {**VALID, **changes}
 
@@ -68,6 +79,8 @@ def _with(**changes: object) -> dict[str, object]:
     [
         (_with(colour="blue"), "  colour: Extra inputs are not permitted"),
         (_with(models=[]), "  models: List should have at least 1 item after validation, not 0"),
+        (_with(models=[{"name": "m", "pool_store_namespace": "store_tp:4"}]),
+         "  models.0.pool_store_namespace: String should match pattern '^@\\S+$'"),
         ({"models": [{"name": "m"}]}, "  instances: Field required"),
         (_with(instances=[{"name": "a", "url": "ftp://x"}]),
          "  instances.0.url: 'ftp://x' is not an http(s)://host[:port] URL"),

@@ -287,7 +287,8 @@ def pool_stores() -> st.SearchStrategy[tuple[str, Any]]:
     )  # fmt: skip
 
 
-clears = st.tuples(st.just("clear"), owners)
+# A prefix cache reset: the GPU block pool's clear, and a SimpleCPUOffloadConnector's after it in one batch
+clears = st.tuples(st.just("clear"), st.tuples(owners, st.integers(1, 2)))
 drops = st.tuples(st.just("drop"), owners)
 speculations = st.tuples(st.just("speculate"), st.tuples(st.sampled_from(["a", "b", "c"]), positions))
 waits = st.tuples(st.just("wait"), st.sampled_from([0.5, 1.0, 3.0]))
@@ -299,7 +300,7 @@ def run(index: BlockIndex, now: list[float], op: tuple[str, Any]) -> None:
     if kind in ("store", "remove"):
         index.apply(arg[0], [arg[1]])
     elif kind == "clear":
-        index.apply(arg, [AllBlocksCleared()])
+        index.apply(arg[0], [AllBlocksCleared()] * arg[1])
     elif kind == "drop":
         index.drop(arg)
     elif kind == "speculate":
@@ -360,18 +361,26 @@ class Model:
         if kind == "store":
             owner, event = arg
             keys = [self.key(h) for h in event.block_hashes]
+            held, tier = self.held[owner], TIER_OF[event.medium]
+            if keys and (not event.token_ids or (tier == "cpu" and event.extra_keys is None)):
+                # No tokens, or an offload without its extra keys: its copies' vLLM hashes, known ones only
+                if event.token_ids and (event.block_size != BS or len(event.token_ids) != len(keys) * BS):
+                    return
+                for key in [key for key in keys if self.has(owner, key)]:
+                    held[(tier, *key)] = held.get((tier, *key), 0) + 1
+                return
             if not keys or event.block_size != BS or len(event.token_ids) != len(keys) * BS:
                 return
-            if event.extra_keys is not None or not all(0 <= t < 2**32 for t in event.token_ids):
+            plain = event.extra_keys is None or event.extra_keys == [None] * len(keys)  # all None: no keys
+            if not plain or not all(0 <= t < 2**32 for t in event.token_ids):
                 return
             if event.token_ids != TOKENS[keys[0][1] * BS : (keys[-1][1] + 1) * BS]:
                 return
             parent = event.parent_block_hash
             if parent is not None and not self.has(owner, self.key(parent)):
                 return
-            held = self.held[owner]
             for key in keys:
-                held[(TIER_OF[event.medium], *key)] = held.get((TIER_OF[event.medium], *key), 0) + 1
+                held[(tier, *key)] = held.get((tier, *key), 0) + 1
         elif kind == "remove":
             owner, event = arg
             held = self.held[owner]
@@ -379,7 +388,10 @@ class Model:
                 slot = (TIER_OF[event.medium], *self.key(vllm))
                 if held.get(slot, 0) > 0:
                     held[slot] -= 1
-        elif kind in ("clear", "drop"):
+        elif kind == "clear":  # the GPU's blocks, and the CPU's after a second clear
+            owner, count = arg
+            self.held[owner] = {slot: n for slot, n in self.held[owner].items() if slot[0] == "cpu" and count < 2}
+        elif kind == "drop":
             self.held[arg].clear()
         elif kind == "speculate":
             self.held.setdefault((arg[0], 0), {})  # a speculated instance's first rank: an owner from then on

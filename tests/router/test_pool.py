@@ -11,19 +11,24 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from kvroute.processes import free_port_block
 from router.block_index import BlockIndex
+from router.config import ModelConfig
 from router.metrics import RouterMetrics
-from router.pool import PoolConfirmer, pool_key
+from router.openai_body import CompletionRequest
+from router.pool import PoolConfirmer, key_start, pool_key
+from router.routing import Router
 from scorers.base import TierMatch
-from tests.router.test_block_index import BS, OTHER_TOKENS, pooled, prompt, removed, stored, vllm_hash
+from tests.router.test_block_index import BS, OTHER_TOKENS, TOKENS, pooled, prompt, removed, stored, vllm_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK_PYTHON = Path(os.environ.get("KVROUTE_STACK_PYTHON", ROOT / ".venv-stack" / "bin" / "python"))
@@ -108,17 +113,23 @@ def pool_holding(master: Master, positions: range, pool_name: str = "model") -> 
             _stop(client)
 
 
+POOL_NAMES = {"tiny-llama": "model", "llama-8b": "Llama-3.1-8B", "llama-70b": "Llama-3.1-70B"}
+
+
 def confirm(
-    index: BlockIndex, url: str, metrics: RouterMetrics, models: tuple[str, ...] = ("tiny-llama",)
+    index: BlockIndex,
+    url: str,
+    metrics: RouterMetrics,
+    models: tuple[str, ...] = ("tiny-llama",),
+    pool_names: Mapping[str, str] = POOL_NAMES,
 ) -> list[dict[str, TierMatch]]:
     """The confirmed matches of a request for each of models in turn."""
-    pool_names = {"tiny-llama": "model", "llama-8b": "Llama-3.1-8B", "llama-70b": "Llama-3.1-70B"}
 
     async def run() -> list[dict[str, TierMatch]]:
         async with aiohttp.ClientSession() as session:
             confirmer = PoolConfirmer(index, url, pool_names, session, metrics, timeout_s=2.0)
             chain = prompt()
-            return [await confirmer.confirm(model, chain, index.match(chain)) for model in models]
+            return [await confirmer.confirm(model, chain) for model in models]
 
     return asyncio.run(run())
 
@@ -143,6 +154,85 @@ def test_pool_credit_stops_where_the_master_no_longer_has_the_blocks(master: Mas
     assert metric_value(metrics, "kvroute_pool_master_up") == 1
 
 
+def test_pool_credit_is_confirmed_under_the_connectors_cache_prefix_and_store_namespace(master: Master) -> None:
+    """With a cache_prefix and a store namespace the connector's keys start with more than the model's name:
+    stated in the model's config, the router asks for those keys and keeps the credit the pool holds."""
+    model = ModelConfig(name="tiny-llama", pool_name="model", pool_cache_prefix="team-a",
+                        pool_store_namespace="@store_pp:1@store_format:tp_shared_mqa")  # fmt: skip
+    start, metrics = key_start(model), RouterMetrics()
+    index = BlockIndex(BS)
+    index.set_pool_name("a", start)
+    index.apply(A, [stored(0, 2, as_bytes=True), pooled(0, 6)])
+    with pool_holding(master, range(6), start):
+        assert confirm(index, master.admin_url, metrics, pool_names={"tiny-llama": start}) == [
+            {"a": TierMatch(gpu=2, pool=4)}
+        ]
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 4
+
+
+@contextlib.asynccontextmanager
+async def in_process_master(present: bool, meanwhile: Callable[[], object] = lambda: None) -> AsyncIterator[str]:
+    """A master on this event loop that says every key asked about is there (or that none is), once meanwhile
+    (what happens while it is asked) has run; yields its URL."""
+
+    async def batch_query_keys(request: web.Request) -> web.Response:
+        meanwhile()
+        keys = request.query["keys"].split(",")
+        return web.json_response({"success": True, "data": {key: {"ok": present} for key in keys}})
+
+    app = web.Application()
+    app.router.add_get("/batch_query_keys", batch_query_keys)
+    async with TestServer(app, host="127.0.0.1") as server:
+        yield str(server.make_url("/"))
+
+
+def test_a_block_announced_again_while_the_master_is_asked_stays() -> None:
+    """B wrote block 4 to the pool again, and its event arrived while the master was being asked: the master's
+    "missing", given before that write, leaves the new copy in the index; the other blocks it denied go."""
+    index, metrics = indexed(), RouterMetrics()
+
+    async def run() -> dict[str, TierMatch]:
+        meanwhile = lambda: index.apply(B, [pooled(4, 1)])  # noqa: E731
+        async with in_process_master(False, meanwhile) as url, aiohttp.ClientSession() as session:
+            return await PoolConfirmer(index, url, POOL_NAMES, session, metrics).confirm("tiny-llama", prompt())
+
+    assert asyncio.run(run()) == {"a": TierMatch(gpu=2)}
+    assert index.pooled(prompt(), 0, 10, "model") == [(4, vllm_hash(4, as_bytes=True))]
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 6
+
+
+class PromptTokens:
+    """A local tokenizer that reads every completion prompt as TOKENS, the blocks of prompt()."""
+
+    def completion_ids(self, prompt: object, add_special_tokens: bool) -> list[int]:
+        return list(TOKENS)
+
+
+def test_a_decision_with_pool_credit_probes_the_index_once() -> None:
+    """The own prefixes the pool confirmation begins from come from the probe of the matches themselves: one
+    look at each tier's holders per decision, and the same matches."""
+    index, metrics = indexed(), RouterMetrics()
+    probes: list[int] = []
+    held = index._held
+
+    def counting(chain: Sequence[int], *maps: dict[int, int]) -> list[int] | None:
+        probes.append(len(maps))
+        return held(chain, *maps)
+
+    index._held = counting  # type: ignore[method-assign]
+
+    async def run() -> dict[str, TierMatch]:
+        async with in_process_master(True) as url, aiohttp.ClientSession() as session:
+            pool = PoolConfirmer(index, url, POOL_NAMES, session, metrics)
+            router = Router(index, {"tiny-llama": PromptTokens()}, BS, metrics, pool=pool)  # type: ignore[dict-item]
+            body = CompletionRequest(prompt="the prompt", model="tiny-llama")
+            return (await router.prepare(body, None)).request.matches
+
+    assert asyncio.run(run()) == {"a": TierMatch(gpu=2, pool=4), "b": TierMatch(pool=6)}
+    assert len(probes) == 3  # GPU (with speculative entries), CPU, pool
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 6
+
+
 def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
     index, metrics = indexed(), RouterMetrics()
 
@@ -151,9 +241,9 @@ def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
             confirmer = PoolConfirmer(index, master.admin_url, {"tiny-llama": "model"}, session, metrics, confirm_ttl_s=60)
             chain = prompt()
             with pool_holding(master, range(6)):
-                assert (await confirmer.confirm("tiny-llama", chain, index.match(chain)))["b"] == TierMatch(pool=6)
+                assert (await confirmer.confirm("tiny-llama", chain))["b"] == TierMatch(pool=6)
             # The pool client is gone and its objects with it, but the answer of a moment ago stands.
-            assert (await confirmer.confirm("tiny-llama", chain, index.match(chain)))["b"] == TierMatch(pool=6)
+            assert (await confirmer.confirm("tiny-llama", chain))["b"] == TierMatch(pool=6)
 
     asyncio.run(twice())
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 6

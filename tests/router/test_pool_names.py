@@ -7,14 +7,15 @@ import asyncio
 import types
 from typing import Any, cast
 
+import pytest
 import zmq.asyncio
 
 from router.ab import ABStats
 from router.block_index import BlockIndex
-from router.config import RouterConfig, parse_config
+from router.config import ModelConfig, RouterConfig, parse_config
 from router.instances import Fleet
 from router.metrics import RouterMetrics
-from router.pool import place_instances
+from router.pool import key_start, place_instances, pool_key
 from router.proxy import Proxy
 from router.reload import Reloader
 from router.traffic import TrafficSplit
@@ -43,6 +44,49 @@ def test_each_instance_counts_the_pool_blocks_of_its_models_pool_name() -> None:
     assert index.match(prompt()) == {"a": TierMatch(pool=6), "a2": TierMatch(pool=6)}
     assert [index.pool_name(i) for i in ("a", "a2", "b")] == ["Llama-3.1-8B", "Llama-3.1-8B", "llama-70b"]
     assert index.pool_members() == ["a", "a2", "b"]
+
+
+NAMESPACE = "@store_tp:4@store_pp:1@store_format:hnc"
+HASH_HEX = bytes(range(32)).hex()
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({}, f"Llama-3.1-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
+        ({"pool_cache_prefix": "team-a"}, f"team-a@Llama-3.1-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
+        ({"pool_store_namespace": NAMESPACE},
+         f"Llama-3.1-8B{NAMESPACE}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
+        ({"pool_cache_prefix": "team-a", "pool_store_namespace": NAMESPACE},
+         f"team-a@Llama-3.1-8B{NAMESPACE}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
+    ],
+)  # fmt: skip
+def test_pool_keys_are_the_connectors_with_its_cache_prefix_and_store_namespace(
+    settings: dict[str, str], key: str
+) -> None:
+    """The keys are what vLLM 0.32 writes: PoolKey(KeyMetadata("Llama-3.1-8B", 0, 0, 0, 0, cache_prefix=...,
+    store_namespace=...), HASH_HEX).to_string() printed these (mooncake/store/data.py PoolKey.build_prefix);
+    without either setting, the key is the one the captured connector wrote (test_pool_events)."""
+    model = ModelConfig(name="llama-8b", pool_name="Llama-3.1-8B", **settings)
+    assert pool_key(key_start(model), bytes(range(32))) == key
+
+
+def test_instances_whose_keys_start_differently_count_each_others_pool_blocks_not() -> None:
+    """Two deployments of one model sharing a master, told apart by the connector's cache_prefix: neither
+    can load what the other wrote."""
+    raw = {
+        "models": [{"name": "llama-8b", "pool_name": "Llama-3.1-8B", "pool_cache_prefix": "team-a"},
+                   {"name": "llama-8b-b", "pool_name": "Llama-3.1-8B", "pool_cache_prefix": "team-b"}],
+        "block_size": BS,
+        "instances": [{"name": "a", "url": "http://127.0.0.1:9001", "models": ["llama-8b"]},
+                      {"name": "b", "url": "http://127.0.0.1:9002", "models": ["llama-8b-b"]}],
+        "pool": {"master_url": "http://127.0.0.1:9003"},
+    }  # fmt: skip
+    index = BlockIndex(BS)
+    place_instances(index, parse_config(raw))
+    index.apply(("a", 0), [pooled(0, 6)])
+    assert index.match(prompt()) == {"a": TierMatch(pool=6)}
+    assert index.pool_name("b") == "team-b@Llama-3.1-8B"
 
 
 def test_a_reload_moves_changed_instances_to_their_new_pool_name_and_removed_ones_out() -> None:
