@@ -154,7 +154,7 @@ class Reloader:
                 "split": proxy.traffic.shares()}  # fmt: skip
 
     async def watch(self) -> None:
-        """Reload when the file changes (editors replace it: the directory is watched) or on SIGHUP."""
+        """Reload when the file's content changes or on SIGHUP."""
         if self._path is None:
             return
         hangup = asyncio.Event()
@@ -187,20 +187,38 @@ def _swap_policies(proxy: Proxy, new: RouterConfig) -> None:
 
 
 async def _changes(path: Path, hangup: asyncio.Event) -> Any:
-    """Yields whenever path (absolute) changes or hangup is set."""
-    changes = watchfiles.awatch(path.parent, watch_filter=lambda _, changed: Path(changed) == path)
+    """Yields on hangup, and when what path (absolute) holds has changed.
+
+    Its directory is watched, not below it, and read again on any change there: editors replace the file, and
+    a Kubernetes ConfigMap's file is a symlink through ..data, which an update points at a new directory.
+    Comparing the content makes one reload of an update that comes in several batches of events.
+    """
+    changes = watchfiles.awatch(path.parent, watch_filter=None, recursive=False)
+    seen = _content(path)
     next_change = asyncio.ensure_future(anext(changes))
     next_hangup = asyncio.ensure_future(hangup.wait())
     try:
         while True:
             done, _ = await asyncio.wait({next_change, next_hangup}, return_when=asyncio.FIRST_COMPLETED)
-            if next_hangup in done:
+            hung_up, changed = next_hangup in done, False
+            if hung_up:
                 hangup.clear()
                 next_hangup = asyncio.ensure_future(hangup.wait())
             if next_change in done:
                 next_change.result()
                 next_change = asyncio.ensure_future(anext(changes))
-            yield
+                content = _content(path)
+                changed, seen = content != seen, content
+            if hung_up or changed:
+                yield
     finally:
         next_change.cancel()
         next_hangup.cancel()
+
+
+def _content(path: Path) -> bytes | None:
+    """What path holds, through any symlinks; None while there is nothing to read (a file being replaced)."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
