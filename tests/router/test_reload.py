@@ -1,5 +1,6 @@
 """The configuration file's watch: a plain file edited or replaced, and a Kubernetes ConfigMap mount updated
-as kubelet does it, each reload once; only the file's own directory is watched."""
+as kubelet does it, each reload once; only the file's own directory is watched; a watch that fails starts
+again, and SIGHUP reloads all along."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import watchfiles
 import yaml
 
 from router.block_index import BlockIndex
@@ -70,16 +73,17 @@ def kubelet_update(path: Path, text: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def watched(path: Path) -> AsyncIterator[list[str]]:
+async def watched(path: Path, metrics: RouterMetrics | None = None) -> AsyncIterator[list[str]]:
     """A Reloader watching path; the list gets what the file held at each reload."""
     config = parse_config(RAW)
+    metrics = metrics or RouterMetrics()
     seen: list[str] = []
 
     async def reload() -> dict[str, Any]:
         seen.append(await asyncio.to_thread(path.read_text))
         return {}
 
-    reloader = Reloader(config, path, Fleet(config), BlockIndex(16), RouterMetrics(), None, lambda: None)  # type: ignore[arg-type,return-value]
+    reloader = Reloader(config, path, Fleet(config), BlockIndex(16), metrics, None, lambda: None)  # type: ignore[arg-type,return-value]
     reloader.reload = reload  # type: ignore[method-assign]
     task = asyncio.create_task(reloader.watch())
     try:
@@ -103,8 +107,8 @@ async def within(condition: Callable[[], bool], timeout_s: float) -> bool:
 async def watching(path: Path, change: Callable[[Path, str], None], seen: list[str]) -> None:
     """Changes path until a reload shows the watch has begun (it may begin after the first changes)."""
     deadline = time.monotonic() + 15
-    attempt = 0
-    while not await within(lambda: bool(seen), 0.5):
+    attempt, before = 0, len(seen)
+    while not await within(lambda: len(seen) > before, 0.5):
         assert time.monotonic() < deadline, "no reload on changing the file"
         change(path, content(f"warm-up {attempt}"))
         attempt += 1
@@ -156,3 +160,45 @@ def test_only_the_files_own_directory_is_watched(tmp_path: Path) -> None:
             return _inotify_watches() - before
 
     assert asyncio.run(run()) == 1
+
+
+def test_a_failed_watch_starts_again_and_sighup_reloads_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """watchfiles fails on a full inotify watch table or a directory that went; without its handler, the next
+    SIGHUP would end the router."""
+    path = plain(tmp_path)
+    real = watchfiles.awatch
+    calls: list[int] = []
+
+    async def failing_once(*paths: Path, **options: Any) -> AsyncIterator[set[Any]]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "OS file watch limit reached")
+        async for changes in real(*paths, **options):
+            yield changes
+
+    monkeypatch.setattr(watchfiles, "awatch", failing_once)
+    metrics = RouterMetrics()
+
+    def failures() -> float:
+        value = metrics.registry.get_sample_value("kvroute_background_task_failures_total", {"task": "config-watch"})
+        return value or 0.0
+
+    def handled() -> bool:
+        return signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+
+    async def run() -> list[str]:
+        async with watched(path, metrics) as seen:
+            assert await within(lambda: failures() > 0 or (bool(calls) and not handled()), 10), "no watch"
+            assert handled(), "SIGHUP's handler went with the failed watch"
+            assert failures() == 1
+            path.write_text(content("while no watch ran"))
+            assert await within(lambda: len(seen) == 1, 10), "the watch did not start again"
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert await within(lambda: len(seen) == 2, 10), "no reload on SIGHUP"
+            await watching(path, edit, seen)  # the new watch sees changes
+            return seen[:2]
+
+    assert asyncio.run(run()) == [content("while no watch ran")] * 2
+    assert len(calls) == 2
