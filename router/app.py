@@ -187,8 +187,10 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         return config if reloader is None else reloader.config
 
     def client_error(error: OpenAIError) -> None:
-        # 429s and 401s are counted where they are decided, with the router's own rejections.
-        if error.status < 500 and error.status not in (401, 429):
+        # 429s are counted where they are decided, with the router's own rejections; so are the 401s for a
+        # client's API key, which never come here (router/client_auth.py answers them). The admin token's 401
+        # and 403 do: missing_token and wrong_token are what probing the admin API looks like.
+        if error.status < 500 and error.status != 429:
             metrics.client_errors(str(error.code)).inc()
 
     async def reload() -> dict[str, Any]:

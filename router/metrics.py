@@ -107,8 +107,9 @@ class RouterMetrics:
         )  # fmt: skip
         self.client_errors = Family(
             Counter("kvroute_client_errors",
-                    "Requests answered 4xx by the router for what the client sent (401 and 429 are in "
-                    "kvroute_rejected_requests_total), by error code", ["code"], registry=r)
+                    "Requests answered 4xx by the router for what the client sent (a wrong API key's 401 "
+                    "and 429s are in kvroute_rejected_requests_total), by error code; missing_token and "
+                    "wrong_token: the admin token's 401 and 403", ["code"], registry=r)
         )  # fmt: skip
         self.circuit_open = Family(
             Gauge("kvroute_circuit_open",
