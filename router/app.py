@@ -196,10 +196,11 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     async def reload() -> dict[str, Any]:
         return await app.state.reloader.reload()  # type: ignore[no-any-return]
 
-    app.include_router(
-        admin_routes(lambda: admin_token(current_config().admin), lambda: app.state.proxy, reload)
-    )
-    app.include_router(dashboard_routes(fleet, index, lambda: app.state.proxy))
+    def current_admin_token() -> str | None:
+        return admin_token(current_config().admin)
+
+    app.include_router(admin_routes(current_admin_token, lambda: app.state.proxy, reload))
+    app.include_router(dashboard_routes(fleet, index, lambda: app.state.proxy, current_admin_token))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
