@@ -41,6 +41,18 @@ def admin_token(config: AdminConfig) -> str | None:
     return token
 
 
+def check_admin_token(request: Request, expected: str) -> None:
+    """Raises OpenAIError unless request carries `Authorization: Bearer <expected>`: 401 without a token,
+    403 with another."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise OpenAIError(401, "Admin routes need `Authorization: Bearer <token>`.",
+                          "authentication_error", "missing_token",
+                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise OpenAIError(403, "Wrong admin token.", "permission_error", "wrong_token")
+
+
 class _TrafficBody(msgspec.Struct, forbid_unknown_fields=True):
     split: dict[str, float]
 
@@ -55,13 +67,7 @@ def admin_routes(
         expected = token()
         if expected is None:
             raise OpenAIError(404, "Not Found", "not_found_error", "404")
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise OpenAIError(401, "Admin routes need `Authorization: Bearer <token>`.",
-                              "authentication_error", "missing_token",
-                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise OpenAIError(403, "Wrong admin token.", "permission_error", "wrong_token")
+        check_admin_token(request, expected)
 
     routes = APIRouter(prefix="/admin", dependencies=[Depends(authorized)])
 

@@ -187,17 +187,20 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         return config if reloader is None else reloader.config
 
     def client_error(error: OpenAIError) -> None:
-        # 429s and 401s are counted where they are decided, with the router's own rejections.
-        if error.status < 500 and error.status not in (401, 429):
+        # 429s are counted where they are decided, with the router's own rejections; so are the 401s for a
+        # client's API key, which never come here (router/client_auth.py answers them). The admin token's 401
+        # and 403 do: missing_token and wrong_token are what probing the admin API looks like.
+        if error.status < 500 and error.status != 429:
             metrics.client_errors(str(error.code)).inc()
 
     async def reload() -> dict[str, Any]:
         return await app.state.reloader.reload()  # type: ignore[no-any-return]
 
-    app.include_router(
-        admin_routes(lambda: admin_token(current_config().admin), lambda: app.state.proxy, reload)
-    )
-    app.include_router(dashboard_routes(fleet, index, lambda: app.state.proxy))
+    def current_admin_token() -> str | None:
+        return admin_token(current_config().admin)
+
+    app.include_router(admin_routes(current_admin_token, lambda: app.state.proxy, reload))
+    app.include_router(dashboard_routes(fleet, index, lambda: app.state.proxy, current_admin_token))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import re
@@ -20,19 +21,25 @@ from scorers.registry import PICKERS, SCORERS, validate_params
 from scorers.ttft_model import TTFTPriors
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
-_HTTP_URL = re.compile(r"^https?://[^/\s:]+(:(?P<port>\d{1,5}))?/?$")
-_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s:]+:(?P<port>\d{1,5})|ipc://\S+)$")
+_HOST = r"(\[(?P<ipv6>[^\]\s]+)\]|[^/\s:\[\]]+)"  # a name, an IPv4 address or a bracketed IPv6 one
+_HTTP_URL = re.compile(rf"^https?://{_HOST}(:(?P<port>\d{{1,5}}))?/?$")
+_ZMQ_ENDPOINT = re.compile(rf"^(tcp://{_HOST}:(?P<port>\d{{1,5}})|ipc://\S+)$")
 
 
 def _checked_http_url(url: str) -> str:
     match = _HTTP_URL.match(url)
     if not match:
         raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
-    _check_port(url, match)
+    _check_host_and_port(url, match)
     return url.rstrip("/")
 
 
-def _check_port(address: str, match: re.Match[str]) -> None:
+def _check_host_and_port(address: str, match: re.Match[str]) -> None:
+    if match["ipv6"] is not None:
+        try:
+            ipaddress.IPv6Address(match["ipv6"])
+        except ValueError:
+            raise ValueError(f"{address!r}: [{match['ipv6']}] is not an IPv6 address") from None
     port = match["port"]
     if port is not None and not 1 <= int(port) <= 65535:
         raise ValueError(f"{address!r}: port {port} is not in 1-65535")
@@ -154,7 +161,7 @@ class InstanceConfig(_Strict):
         match = _ZMQ_ENDPOINT.match(endpoint)
         if not match:
             raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
-        _check_port(endpoint, match)
+        _check_host_and_port(endpoint, match)
         return endpoint
 
 

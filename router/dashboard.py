@@ -1,7 +1,9 @@
 """A read-only live dashboard: GET /dashboard, one self-contained page that polls GET /dashboard/state.
 
-Neither route needs the admin token: they show what /metrics and the A/B report already tell, and change
-nothing. Instance URLs are left out, so the page does not tell strangers where the engines listen.
+The page holds no data and is open. The state holds the A/B report, which /admin guards: with an admin token
+configured, it needs that token as /admin does (the page asks for it, or takes it from /dashboard#token=...);
+without one, it is open. Instance URLs are left out, so the page does not tell strangers where the engines
+listen.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import HTMLResponse, JSONResponse
 
+from router.admin import check_admin_token
 from router.block_index import BlockIndex, Tier
 from router.instances import Fleet, Instance
 from router.proxy import Proxy
@@ -25,15 +28,23 @@ _HEADERS = {
 }
 
 
-def dashboard_routes(fleet: Fleet, index: BlockIndex, proxy: Callable[[], Proxy]) -> APIRouter:
+def dashboard_routes(
+    fleet: Fleet, index: BlockIndex, proxy: Callable[[], Proxy], token: Callable[[], str | None]
+) -> APIRouter:
+    """token: the current admin token, as for admin_routes."""
     page = resources.files("router").joinpath("static/dashboard.html").read_text(encoding="utf-8")
     routes = APIRouter(prefix="/dashboard")
+
+    def authorized(request: Request) -> None:
+        expected = token()
+        if expected is not None:
+            check_admin_token(request, expected)
 
     @routes.get("")
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(page, headers=_HEADERS)
 
-    @routes.get("/state")
+    @routes.get("/state", dependencies=[Depends(authorized)])
     async def state() -> JSONResponse:
         current = proxy()
         body = {

@@ -288,6 +288,10 @@ class KVEventSubscriber:
         sock.setsockopt(zmq.RCVHWM, 100_000)  # as vLLM's send side: a busy router replays less
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if endpoint.startswith("tcp://["):
+            # libzmq reaches IPv6 addresses only with this; as vLLM, not for names, which it would then
+            # resolve to their IPv6 address alone (localhost to ::1 when the engine binds 127.0.0.1).
+            sock.setsockopt(zmq.IPV6, 1)
         sock.connect(endpoint)
         return sock
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import (
@@ -13,6 +14,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series double the output, unread
 
@@ -66,6 +69,25 @@ class Family(Generic[M]):
         return names.index(label) if label in names else None
 
 
+class UnsetGauge(Collector):
+    """A gauge without labels that has no sample until it is first set: a prometheus_client Gauge says 0 from
+    the start, which for kvroute_pool_master_up is an alert about a pool that is not there."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self._name, self._documentation = name, documentation
+        self._value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self._value = value
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(self._name, self._documentation)
+        if self._value is not None:
+            family.add_metric([], self._value)
+        return [family]
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -107,8 +129,9 @@ class RouterMetrics:
         )  # fmt: skip
         self.client_errors = Family(
             Counter("kvroute_client_errors",
-                    "Requests answered 4xx by the router for what the client sent (401 and 429 are in "
-                    "kvroute_rejected_requests_total), by error code", ["code"], registry=r)
+                    "Requests answered 4xx by the router for what the client sent (a wrong API key's 401 "
+                    "and 429s are in kvroute_rejected_requests_total), by error code; missing_token and "
+                    "wrong_token: the admin token's 401 and 403", ["code"], registry=r)
         )  # fmt: skip
         self.circuit_open = Family(
             Gauge("kvroute_circuit_open",
@@ -203,9 +226,10 @@ class RouterMetrics:
             Counter("kvroute_config_reloads", "Configuration reloads by result (ok, invalid)",
                     ["result"], registry=r)
         )  # fmt: skip
-        self.pool_master_up = Gauge(
+        self.pool_master_up = UnsetGauge(
             "kvroute_pool_master_up",
-            "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit",
+            "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit "
+            "(no sample before the first lookup, none without a pool)",
             registry=r,
         )
         self.pool_lookups = Family(

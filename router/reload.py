@@ -9,6 +9,7 @@ are subscribed to, removed ones get no new requests while those in flight finish
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from router.metrics import RouterMetrics
 from router.policy import Policy
 from router.pool import place_instances
 from router.proxy import Proxy
+from router.supervisor import supervise
 from router.traffic import TrafficSplit
 
 log = logging.getLogger(__name__)
@@ -47,11 +49,12 @@ class Reloader:
         proxy: Callable[[], Proxy],
     ) -> None:
         self.config = config
-        self._path = None if path is None else path.absolute()  # the watch compares absolute paths
+        self._path = None if path is None else path.absolute()
         self._fleet, self._index, self._metrics = fleet, index, metrics
         self._zmq, self._proxy = zmq_context, proxy
         self._subscriptions: dict[str, tuple[KVEventSubscriber, asyncio.Task[None]]] = {}
         self._lock = asyncio.Lock()
+        self._seen = None if self._path is None else _content(self._path)  # what the file held, for the watch
 
     def subscribe(self, instances: list[InstanceConfig]) -> None:
         for instance in instances:
@@ -154,7 +157,8 @@ class Reloader:
                 "split": proxy.traffic.shares()}  # fmt: skip
 
     async def watch(self) -> None:
-        """Reload when the file changes (editors replace it: the directory is watched) or on SIGHUP."""
+        """Reload on SIGHUP and when what the file holds changes, for as long as the router runs: a watch that
+        fails is counted, logged and started again, and SIGHUP goes on reloading meanwhile."""
         if self._path is None:
             return
         hangup = asyncio.Event()
@@ -163,16 +167,46 @@ class Reloader:
             loop.add_signal_handler(signal.SIGHUP, hangup.set)
         except (RuntimeError, ValueError, NotImplementedError):  # not the main thread, or no signals here
             log.warning("SIGHUP cannot reload here; the file is still watched")
+        path = self._path
         try:
-            async for _ in _changes(self._path, hangup):
-                try:
-                    await self.reload()
-                except OpenAIError:
-                    pass  # logged and counted by reload()
-                except Exception:  # one failed reload must not end the watch (and SIGHUP's handler with it)
-                    log.exception("configuration reload failed, the running one stays")
-        finally:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._reload_on(hangup))
+                tasks.create_task(
+                    supervise("config-watch", lambda: self._follow(path), 1.0, self._metrics.task_failures)
+                )
+        finally:  # without a handler, SIGHUP ends the process
             loop.remove_signal_handler(signal.SIGHUP)
+
+    async def _reload_on(self, hangup: asyncio.Event) -> None:
+        while True:
+            await hangup.wait()
+            hangup.clear()
+            await self._reload_logged()
+
+    async def _follow(self, path: Path) -> None:
+        """Reload when what path holds changes. Its directory is watched, not below it, and the file read
+        again on any change there: editors replace the file, and a Kubernetes ConfigMap's file is a symlink
+        through ..data, which an update points at a new directory. Comparing the content makes one reload of
+        an update that comes in several batches of events, and catches up with one made while no watch ran."""
+        changes = watchfiles.awatch(path.parent, watch_filter=None, recursive=False)
+        async with contextlib.aclosing(changes):
+            await self._reload_if_changed(path)
+            async for _ in changes:
+                await self._reload_if_changed(path)
+
+    async def _reload_if_changed(self, path: Path) -> None:
+        content = _content(path)
+        if content != self._seen:
+            self._seen = content
+            await self._reload_logged()
+
+    async def _reload_logged(self) -> None:
+        try:
+            await self.reload()
+        except OpenAIError:
+            pass  # logged and counted by reload()
+        except Exception:  # one failed reload must not end the watch
+            log.exception("configuration reload failed, the running one stays")
 
 
 def _swap_policies(proxy: Proxy, new: RouterConfig) -> None:
@@ -186,21 +220,9 @@ def _swap_policies(proxy: Proxy, new: RouterConfig) -> None:
     proxy.policies = {name: kept.get(name) or Policy(name, config) for name, config in new.policies.items()}
 
 
-async def _changes(path: Path, hangup: asyncio.Event) -> Any:
-    """Yields whenever path (absolute) changes or hangup is set."""
-    changes = watchfiles.awatch(path.parent, watch_filter=lambda _, changed: Path(changed) == path)
-    next_change = asyncio.ensure_future(anext(changes))
-    next_hangup = asyncio.ensure_future(hangup.wait())
+def _content(path: Path) -> bytes | None:
+    """What path holds, through any symlinks; None while there is nothing to read (a file being replaced)."""
     try:
-        while True:
-            done, _ = await asyncio.wait({next_change, next_hangup}, return_when=asyncio.FIRST_COMPLETED)
-            if next_hangup in done:
-                hangup.clear()
-                next_hangup = asyncio.ensure_future(hangup.wait())
-            if next_change in done:
-                next_change.result()
-                next_change = asyncio.ensure_future(anext(changes))
-            yield
-    finally:
-        next_change.cancel()
-        next_hangup.cancel()
+        return path.read_bytes()
+    except OSError:
+        return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,3 +78,13 @@ def metric(base_url: str, name: str, **labels: str) -> float:
     if value is None:
         raise AssertionError(f"no sample {name} with {labels} at {base_url}")
     return value
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine can listen on ::1."""
+    with socket.socket(socket.AF_INET6) as sock:
+        try:
+            sock.bind(("::1", 0))
+        except OSError:
+            return False
+    return True

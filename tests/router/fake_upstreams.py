@@ -42,7 +42,7 @@ def first_in_config(fleet: FleetPorts, name: str, port: int, **extra: object) ->
 
 
 @contextlib.contextmanager
-def serving(health: Handler, completions: Handler) -> Iterator[int]:
+def serving(health: Handler, completions: Handler, host: str = "127.0.0.1") -> Iterator[int]:
     """A fake instance on its own loop and thread: GET /health and POST /v1/completions; yields its port."""
     app = web.Application()
     app.router.add_get("/health", health)
@@ -51,7 +51,7 @@ def serving(health: Handler, completions: Handler) -> Iterator[int]:
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     port = free_port_block(1)
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    loop.run_until_complete(web.TCPSite(runner, host, port).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:

@@ -85,7 +85,11 @@ def test_admin_routes_need_the_token(admin_router: tuple[str, Path]) -> None:
     assert call("GET", url + "/admin/ab")[0] == 401
     status, body = call("GET", url + "/admin/ab", headers={"authorization": "Bearer wrong-token-0000000000"})
     assert status == 403 and body["error"]["code"] == "wrong_token"
+    assert call("POST", url + "/admin/reload", headers={"authorization": "Basic x"})[0] == 401
     assert call("GET", url + "/admin/ab", headers=AUTH)[0] == 200
+    # Counted, so that probing can be alerted on.
+    assert sample(url, "kvroute_client_errors_total", code="missing_token") == 2
+    assert sample(url, "kvroute_client_errors_total", code="wrong_token") == 1
 
 
 def test_without_a_token_the_admin_routes_are_off(router_url: str) -> None:

@@ -74,6 +74,18 @@ def _with(**changes: object) -> dict[str, object]:
     return {**VALID, **changes}
 
 
+def test_ipv6_addresses_are_bracketed_hosts() -> None:
+    config = parse_config(_with(
+        instances=[{"name": "a", "url": "http://[::1]:8000/", "events": "tcp://[::1]:5557", "replay": "tcp://[fd00::2]:5567"},
+                   {"name": "b", "url": "https://[2001:db8::7]", "events": "tcp://[::ffff:10.0.0.5]:5557"}],
+        pool={"master_url": "http://[::1]:9003"},
+    ))  # fmt: skip
+    assert [i.url for i in config.instances] == ["http://[::1]:8000", "https://[2001:db8::7]"]
+    assert [(i.events, i.replay) for i in config.instances] == [
+        ("tcp://[::1]:5557", "tcp://[fd00::2]:5567"), ("tcp://[::ffff:10.0.0.5]:5557", None)]  # fmt: skip
+    assert config.pool.master_url == "http://[::1]:9003"
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
@@ -159,6 +171,17 @@ def _with(**changes: object) -> dict[str, object]:
         (_with(models=[{"name": "tiny-llama"}, {"name": "a", "lora_of": "tiny-llama"}, {"name": "b", "lora_of": "a"}]),
          "  models.2.lora_of: 'a' is an adapter, not a base model"),
         (_with(models=[{"name": "a", "lora_of": ["tiny-llama"]}]), "  models.0.lora_of: Input should be a valid string"),
+        (_with(instances=[{"name": "a", "url": "http://::1:8000"}]), "  instances.0.url: 'http://::1:8000' is not an http(s)://host[:port] URL"),
+        (_with(instances=[{"name": "a", "url": "http://[::1:8000"}]), "  instances.0.url: 'http://[::1:8000' is not an http(s)://host[:port] URL"),
+        (_with(instances=[{"name": "a", "url": "http://[fe80::g]:8000"}]), "  instances.0.url: 'http://[fe80::g]:8000': [fe80::g] is not an IPv6 address"),
+        (_with(instances=[{"name": "a", "url": "http://[127.0.0.1]:8000"}]), "  instances.0.url: 'http://[127.0.0.1]:8000': [127.0.0.1] is not an IPv6 address"),
+        (_with(instances=[{"name": "a", "url": "http://[::1]:8000", "events": "tcp://[::1]"}]),
+         "  instances.0.events: 'tcp://[::1]' is not a ZMQ endpoint such as tcp://127.0.0.1:5557"),
+        (_with(instances=[{"name": "a", "url": "http://[::1]:8000", "replay": "tcp://[::x]:5567"}]),
+         "  instances.0.replay: 'tcp://[::x]:5567': [::x] is not an IPv6 address"),
+        (_with(instances=[{"name": "a", "url": "http://[::1]:8000"}, {"name": "b", "url": "http://[::1]:8000/"}]),
+         "  instances.1.url: 'http://[::1]:8000' is used twice"),
+        (_with(pool={"master_url": "http://[::1]:99999"}), "  pool.master_url: 'http://[::1]:99999': port 99999 is not in 1-65535"),
     ],
 )  # fmt: skip
 def test_invalid_configs_name_the_key_and_the_problem(raw: dict[str, object], message: str) -> None:

@@ -1,5 +1,6 @@
 """The dashboard on the session router: open and self-contained, and, rendered by headless Chromium, showing
-the running fleet and the same A/B numbers as /dashboard/state, which counts what was sent."""
+the running fleet and the same A/B numbers as /dashboard/state, which counts what was sent. On a router with an
+admin token, the state needs it, and the page asks for it or takes it from its address."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import subprocess
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvroute.processes import FleetPorts, running_router
+from tests.conftest import sample
+from tests.router.test_admin import AUTH, TOKEN, call
 from tests.router.test_proxy import get_json, post
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -25,7 +30,7 @@ FLEET_NAMES = {"fleet-0", "fleet-1", "fleet-2"}
 SENT = {"kvroute": 4, "round-robin": 3, "least-loaded": 2}
 
 
-def test_dashboard_needs_no_token_and_loads_nothing_from_elsewhere(router_url: str) -> None:
+def test_without_an_admin_token_the_dashboard_is_open_and_loads_nothing_from_elsewhere(router_url: str) -> None:
     with urllib.request.urlopen(router_url + "/dashboard", timeout=10) as response:
         assert response.status == 200
         assert response.headers["content-type"].startswith("text/html")
@@ -169,3 +174,44 @@ def test_dashboard_renders_the_fleet_and_the_ab_numbers(router_url: str, tmp_pat
         key = f"{comparison['baseline']}:{comparison['candidate']}"
         assert fields[(key, "verdict")][0] == comparison["verdict"]
     assert rendered_s < 30, f"Chromium took {rendered_s:.1f} s"
+
+
+@pytest.fixture(scope="module")
+def guarded_url(fleet: FleetPorts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A router with an admin token."""
+    config = fleet.router_config(admin={"token": TOKEN})
+    with running_router(config, tmp_path_factory.mktemp("guarded"), name="guarded") as url:
+        yield url
+
+
+def test_with_an_admin_token_the_state_needs_it(guarded_url: str) -> None:
+    """The state holds the A/B report, which /admin/ab gives to the token alone."""
+    with urllib.request.urlopen(guarded_url + "/dashboard", timeout=10) as response:
+        assert response.status == 200  # the page holds no data
+    before = sample(guarded_url, "kvroute_client_errors_total", code="missing_token") or 0.0
+    status, body = call("GET", guarded_url + "/dashboard/state")
+    assert status == 401 and body["error"]["code"] == "missing_token"
+    assert "ab" not in body
+    status, body = call("GET", guarded_url + "/dashboard/state", headers={"authorization": "Bearer wrong-token-0000000000"})
+    assert status == 403 and body["error"]["code"] == "wrong_token"
+    status, body = call("GET", guarded_url + "/dashboard/state", headers=AUTH)
+    assert status == 200 and set(body["ab"]) == {"split", "baseline", "policies", "comparisons"}
+    assert sample(guarded_url, "kvroute_client_errors_total", code="missing_token") == before + 1
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium: make browser")
+def test_the_page_asks_for_the_admin_token_or_takes_it_from_its_address(guarded_url: str, tmp_path: Path) -> None:
+    asked = render(guarded_url + "/dashboard", tmp_path / "asked")
+    dom = DashboardDom()
+    dom.feed(asked)
+    assert "admin token is needed" in dom.fields[(None, "status")][0]
+    assert re.search(r'<form id="token-form">', asked), "the token form is hidden"
+    assert not any(field == "health" for _, field in dom.fields)
+
+    given = render(guarded_url + f"/dashboard#token={TOKEN}", tmp_path / "given")
+    dom = DashboardDom()
+    dom.feed(given)
+    assert dom.fields[(None, "status")][0] == "live", dom.fields.get((None, "status"))
+    assert {row for row, field in dom.fields if field == "health"} == FLEET_NAMES
+    assert re.search(r'<form id="token-form" hidden="">', given), "the token form is shown"
+    assert TOKEN not in given

@@ -40,6 +40,7 @@ from router.metrics import RouterMetrics
 from router.reload import Reloader
 from router.traffic import TrafficSplit
 from scorers.base import TierMatch
+from tests.conftest import ipv6_loopback
 from tests.router.test_block_index import BS, prompt, stored
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
@@ -96,8 +97,10 @@ class FakeEngine:
     def __init__(self, endpoint: str, replay_endpoint: str | None) -> None:
         self._encoder = EventEncoder()
         self._context = context = zmq.asyncio.Context()  # its own, like a separate engine process
+        ipv6 = endpoint.startswith("tcp://[")
         self._pub = context.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.IPV6, ipv6)
         self._pub.bind(endpoint)
         self._next_seq: dict[int, int] = {}
         self.buffer: list[tuple[int, bytes]] = []
@@ -108,6 +111,7 @@ class FakeEngine:
         if replay_endpoint is not None:
             replay = context.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
+            replay.setsockopt(zmq.IPV6, ipv6)
             replay.bind(replay_endpoint)
             self._task = asyncio.create_task(self._serve(replay))
 
@@ -172,10 +176,11 @@ class Harness:
         replay_timeout_s: float = 2.0,
         max_message_bytes: int = 64 * 2**20,
         sink: RecordingSink | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         port = free_port_block(2)
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.replay_endpoint = f"tcp://127.0.0.1:{port + 1}" if replay else None
+        self.endpoint = f"tcp://{host}:{port}"
+        self.replay_endpoint = f"tcp://{host}:{port + 1}" if replay else None
         self.context = zmq.asyncio.Context()
         self.sink = sink or RecordingSink()
         self.metrics = RouterMetrics()
@@ -266,6 +271,24 @@ def test_a_gap_is_filled_from_the_replay_buffer() -> None:
             await harness.sink.wait_applied(4)
         await engine.close()
         assert harness.sink.ids() == [0, 1, 2, 3]
+        assert harness.since(before) == {"gaps": 1, "ok": 1}
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+def test_an_engine_at_an_ipv6_address_is_followed_and_replayed() -> None:
+    async def main() -> None:
+        harness = Harness(replay=True, host="[::1]")
+        engine = harness.engine()
+        async with harness.running():
+            await harness.first_batch_applied(engine)
+            before = harness.counts()
+            engine.publish(batch(1), send=False)  # a gap: the replay socket is asked for it
+            engine.publish(batch(2))
+            await harness.sink.wait_applied(3)
+        await engine.close()
+        assert harness.sink.ids() == [0, 1, 2]
         assert harness.since(before) == {"gaps": 1, "ok": 1}
 
     asyncio.run(main())

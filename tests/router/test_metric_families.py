@@ -1,4 +1,5 @@
-"""Labelled metric families: a removed instance's series leave /metrics and stay out until it is back."""
+"""Labelled metric families: a removed instance's series leave /metrics and stay out until it is back. A gauge
+that means nothing until it is set has no sample until then."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def test_an_instance_added_back_is_exported_afresh() -> None:
     metrics.requests("kvroute", "back", "200").inc()
     lines = [line for line in _series_of(metrics, "back") if line.startswith("kvroute_requests_total")]
     assert lines and lines[0].endswith(" 1.0")
+
+
+def test_the_pool_masters_gauge_has_no_sample_until_a_lookup_sets_it() -> None:
+    """Without a pool there is never a lookup: a 0 would page someone about a master that does not exist."""
+    metrics = RouterMetrics()
+    assert metrics.registry.get_sample_value("kvroute_pool_master_up") is None
+    assert "# TYPE kvroute_pool_master_up gauge" in metrics.render().decode()  # the family, for dashboards
+    metrics.pool_master_up.set(0)
+    assert metrics.registry.get_sample_value("kvroute_pool_master_up") == 0
+    metrics.pool_master_up.set(1)
+    assert metrics.registry.get_sample_value("kvroute_pool_master_up") == 1

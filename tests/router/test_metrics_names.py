@@ -147,3 +147,7 @@ def test_the_running_router_exports_every_family_the_dashboard_reads(
         for name in metric_names(t["expr"])
     }
     assert read - _label_names(router_url).keys() == set()
+
+
+def test_a_router_without_a_pool_exports_no_pool_master_state(router_url: str) -> None:
+    assert sample(router_url, "kvroute_pool_master_up") is None

@@ -8,14 +8,16 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.processes import FleetPorts
-from tests.conftest import instance_url, metric
+from kvroute.processes import FleetPorts, running_router
+from tests.conftest import instance_url, ipv6_loopback, metric
+from tests.router.fake_upstreams import answering, healthy, serving
 
 MODEL = "tiny-llama"
 MESSAGES = [
@@ -226,3 +228,15 @@ def test_stream_arrives_while_generating_and_a_hang_up_aborts_it(router_url: str
     assert metric(instance, "vllm:num_requests_running") == 0
     assert metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 0
 
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+def test_an_instance_at_an_ipv6_address_is_checked_and_served(tmp_path: Path) -> None:
+    with serving(healthy, answering, host="::1") as port:
+        config = {"models": [{"name": MODEL}], "instances": [{"name": "v6", "url": f"http://[::1]:{port}"}]}
+        with running_router(config, tmp_path) as url:
+            assert metric(url, "kvroute_instance_healthy", vllm_instance="v6") == 1
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+            status, headers, payload = post(url + "/v1/completions", body)
+    assert status == 200, payload
+    assert {k.lower(): v for k, v in headers.items()}["x-kvroute-instance"] == "v6"
