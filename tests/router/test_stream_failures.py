@@ -74,6 +74,13 @@ def dies_mid_event() -> Iterator[int]:
     yield from _streaming(CHUNK, CHUNK[:40], then_s=0.1, dies=True)
 
 
+def _first_alone(fleet: FleetPorts, name: str, port: int, **upstream: float) -> dict[str, object]:
+    """The fake instance first, with upstream settings, under round robin: the first request goes to it."""
+    config = first_in_config(fleet, name, port, upstream=upstream)
+    config["default_policy"] = "round-robin"
+    return config
+
+
 def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere(
     dies_before_first_chunk: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
@@ -90,8 +97,7 @@ def test_a_stream_whose_instance_dies_before_its_first_chunk_is_served_elsewhere
 def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
     stalls_after_first_chunk: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
-    config = first_in_config(fleet, "stalling", stalls_after_first_chunk, upstream={"stream_idle_timeout_s": 0.5})
-    config["default_policy"] = "round-robin"
+    config = _first_alone(fleet, "stalling", stalls_after_first_chunk, stream_idle_timeout_s=0.5)
     with running_router(config, tmp_path) as url:
         started = time.monotonic()
         status, headers, payload = post(url + "/v1/completions", STREAM)
@@ -109,9 +115,7 @@ def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
 def test_a_pause_between_chunks_within_the_idle_timeout_is_not_held_to_the_first_byte_timeout(
     pauses_after_first_chunk: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
-    upstream = {"first_byte_timeout_s": 0.5, "stream_idle_timeout_s": 4}
-    config = first_in_config(fleet, "pausing", pauses_after_first_chunk, upstream=upstream)
-    config["default_policy"] = "round-robin"
+    config = _first_alone(fleet, "pausing", pauses_after_first_chunk, first_byte_timeout_s=0.5, stream_idle_timeout_s=4)
     with running_router(config, tmp_path) as url:
         status, headers, payload = post(url + "/v1/completions", STREAM)
         assert status == 200 and headers["x-kvroute-instance"] == "pausing"
@@ -123,9 +127,7 @@ def test_a_pause_between_chunks_within_the_idle_timeout_is_not_held_to_the_first
 def test_a_stream_without_a_first_chunk_within_its_timeout_fails_as_a_timeout(
     never_starts: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
-    upstream = {"first_byte_timeout_s": 0.5, "stream_idle_timeout_s": 30}
-    config = first_in_config(fleet, "silent", never_starts, upstream=upstream)
-    config["default_policy"] = "round-robin"
+    config = _first_alone(fleet, "silent", never_starts, first_byte_timeout_s=0.5, stream_idle_timeout_s=30)
     with running_router(config, tmp_path) as url:
         started = time.monotonic()
         status, _, payload = post(url + "/v1/completions", STREAM)
