@@ -151,22 +151,32 @@ class LoadScraper:
         self._last_ok: dict[str, float] = {}
 
     async def scrape_all(self) -> None:
-        """One round: every instance's /metrics, concurrently; loads older than stale_after_s cleared."""
-        await asyncio.gather(*(self._scrape(i) for i in self._fleet.instances))
+        """One round: every engine's /metrics, concurrently, once for all its data-parallel ranks; loads older
+        than stale_after_s cleared."""
+        by_url: dict[str, list[Instance]] = {}
+        for instance in self._fleet.instances:
+            by_url.setdefault(instance.url, []).append(instance)
+        await asyncio.gather(*(self._scrape(url, instances) for url, instances in by_url.items()))
 
-    async def _scrape(self, instance: Instance) -> None:
-        load, started = None, None
+    async def _scrape(self, url: str, instances: list[Instance]) -> None:
+        body = None
         try:
-            async with self._session.get(
-                instance.url + "/metrics", headers=_UNCOMPRESSED, timeout=self._timeout
-            ) as response:
+            metrics = self._session.get(url + "/metrics", headers=_UNCOMPRESSED, timeout=self._timeout)
+            async with metrics as response:
                 if response.status == 200:
                     body = await response.read()
-                    rank = instance.data_parallel_rank
-                    load, started = parse_engine_load(body, rank), parse_start_time(body)
-                    instance.kv_capacity_tokens = parse_kv_capacity(body, rank) or instance.kv_capacity_tokens
         except (TimeoutError, aiohttp.ClientError):
             pass
+        for instance in instances:
+            self._take(instance, body)
+
+    def _take(self, instance: Instance, body: bytes | None) -> None:
+        """The instance's load from its engine's /metrics body (None: no usable answer)."""
+        load, started = None, None
+        if body is not None:
+            rank = instance.data_parallel_rank
+            load, started = parse_engine_load(body, rank), parse_start_time(body)
+            instance.kv_capacity_tokens = parse_kv_capacity(body, rank) or instance.kv_capacity_tokens
         self._check_restart(instance.name, answered=load is not None, started=started)
         now = self._clock()
         if load is not None:

@@ -4,21 +4,23 @@ X-data-parallel-rank header; against a simulated fleet whose instances run two r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.workload import AgentWorkload
 from router.config import ConfigError, parse_config
 from router.instances import DATA_PARALLEL_RANK_HEADER, Fleet
-from router.load_scraper import parse_engine_load, parse_kv_capacity
+from router.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity
 from scorers.base import EngineLoad
 from tests.conftest import instance_url, metric
-from tests.router.test_load_scraper import exposition
+from tests.router.test_load_scraper import FakeEngine, exposition
 from tests.router.test_proxy import post
 
 BLOCK = 32
@@ -88,6 +90,19 @@ def test_a_ranks_load_and_capacity_are_its_own_samples() -> None:
         for rank, blocks in ((0, 100), (1, 300), (11, 700))
     )
     assert [parse_kv_capacity(configs, rank) for rank in (0, 1, 11, None)] == [1600, 4800, 11200, 17600]
+
+
+def test_the_ranks_of_one_engine_share_one_scrape_of_its_metrics_and_each_takes_its_own_load() -> None:
+    async def main() -> tuple[list[EngineLoad | None], int]:
+        engine = FakeEngine()
+        engine.body = exposition(("1", "2"), ("3", "4"), ("0.2", "0.6"))
+        async with engine.serving() as url, aiohttp.ClientSession() as session:
+            raw = {"models": [{"name": "m"}], "instances": [{"name": "big", "url": url, "data_parallel_size": 2}]}
+            fleet = Fleet(parse_config(raw))
+            await LoadScraper(fleet, session, timeout_s=1.0).scrape_all()
+            return [i.load for i in fleet.instances], len(engine.headers)
+
+    assert asyncio.run(main()) == ([EngineLoad(1.0, 3.0, 0.2), EngineLoad(2.0, 4.0, 0.6)], 1)
 
 
 @pytest.fixture(scope="module")
