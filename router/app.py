@@ -36,7 +36,7 @@ from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
-from router.pool import PoolConfirmer, place_instances, pool_names
+from router.pool import MasterLookup, PoolConfirmer, place_instances, pool_names
 from router.proxy import (
     ATTEMPTS_HEADER,
     CACHED_BLOCKS_HEADER,
@@ -114,10 +114,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
 
             pool = None
             if config.pool.master_url is not None:
-                pool = PoolConfirmer(
-                    index, config.pool.master_url, pool_names(config), control, metrics,
-                    config.pool.confirm_ttl_s, config.pool.timeout_s,
-                )  # fmt: skip
+                lookup = MasterLookup(config.pool.master_url, control, config.pool.timeout_s)
+                pool = PoolConfirmer(index, lookup, pool_names(config), metrics, config.pool.confirm_ttl_s)
             router = Router(
                 index, tokenizers, config.block_size, metrics, remote_tokenizer, pool, adapters,
                 config.tokenization.audit_every,

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import aiohttp
 import msgspec
@@ -81,26 +82,62 @@ class _BatchAnswer(msgspec.Struct):
 _decode_answer = msgspec.json.Decoder(_BatchAnswer).decode
 
 
+class PoolUnreachable(Exception):
+    """The pool could not say which blocks it holds."""
+
+
+class PoolLookup(Protocol):
+    async def __call__(self, pool_name: str, vllm_hashes: list[bytes]) -> set[bytes]:
+        """Those of vllm_hashes whose blocks pool_name's keys hold; PoolUnreachable when it cannot say."""
+        ...
+
+
+class MasterLookup:
+    """Asks the Mooncake master's admin HTTP, in concurrent batches."""
+
+    def __init__(self, master_url: str, session: aiohttp.ClientSession, timeout_s: float = 0.2) -> None:
+        self._url = master_url.rstrip("/") + "/batch_query_keys"
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def __call__(self, pool_name: str, vllm_hashes: list[bytes]) -> set[bytes]:
+        keys = {pool_key(pool_name, h): h for h in vllm_hashes}
+        names = list(keys)
+        batches = [names[i : i + _KEYS_PER_QUERY] for i in range(0, len(names), _KEYS_PER_QUERY)]
+        try:
+            answers = await asyncio.gather(*(self._ask(batch) for batch in batches))
+        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
+            raise PoolUnreachable(repr(exc)) from exc
+        return {keys[key] for answer in answers for key, found in answer.items() if found.ok and key in keys}
+
+    async def _ask(self, keys: list[str]) -> dict[str, _KeyAnswer]:
+        async with self._session.get(
+            self._url, params={"keys": ",".join(keys)}, timeout=self._timeout
+        ) as response:
+            response.raise_for_status()
+            answer = _decode_answer(await response.read())
+        if not answer.success:
+            raise ValueError("the master could not answer the lookup")
+        return answer.data
+
+
 class PoolConfirmer:
     def __init__(
         self,
         index: BlockIndex,
-        master_url: str,
+        lookup: PoolLookup,
         pool_names: Mapping[str, str],
-        session: aiohttp.ClientSession,
         metrics: RouterMetrics,
         confirm_ttl_s: float = 2.0,
-        timeout_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """pool_names: each routed model's pool name, the start of its pool keys (see pool_names)."""
+        """lookup: MasterLookup (the simulation asks its own pool). pool_names: each routed model's pool name,
+        the start of its pool keys (see pool_names)."""
         self._index = index
-        self._url = master_url.rstrip("/") + "/batch_query_keys"
+        self._lookup = lookup
         self._pool_names = pool_names
-        self._session = session
         self._metrics = metrics
         self._ttl = confirm_ttl_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
         self._confirmed: dict[tuple[str, bytes], float] = {}  # (model, vLLM hash) -> trusted until, in order
 
@@ -126,9 +163,9 @@ class PoolConfirmer:
             return matches
         with self._index.asking(unchecked, name) as unchanged:
             try:
-                present = await self._query(name, unchecked)
-            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
-                log.debug("Mooncake master not answering, routing without pool credit: %r", exc)
+                present = await self._lookup(name, unchecked)
+            except PoolUnreachable as exc:
+                log.debug("Mooncake master not answering, routing without pool credit: %s", exc)
                 self._metrics.pool_master_up.set(0)
                 self._metrics.pool_lookups("error").inc(len(unchecked))
                 return self._index.match(chain, include_pool=False)
@@ -147,24 +184,6 @@ class PoolConfirmer:
             return matches
         self._index.forget_pooled(gone, name)
         return self._index.match(chain)
-
-    async def _query(self, pool_name: str, hashes: list[bytes]) -> set[bytes]:
-        """The hashes the master holds under pool_name, asked in concurrent batches."""
-        keys = {pool_key(pool_name, h): h for h in hashes}
-        names = list(keys)
-        batches = [names[i : i + _KEYS_PER_QUERY] for i in range(0, len(names), _KEYS_PER_QUERY)]
-        answers = await asyncio.gather(*(self._ask(batch) for batch in batches))
-        return {keys[key] for answer in answers for key, found in answer.items() if found.ok and key in keys}
-
-    async def _ask(self, keys: list[str]) -> dict[str, _KeyAnswer]:
-        async with self._session.get(
-            self._url, params={"keys": ",".join(keys)}, timeout=self._timeout
-        ) as response:
-            response.raise_for_status()
-            answer = _decode_answer(await response.read())
-        if not answer.success:
-            raise ValueError("the master could not answer the lookup")
-        return answer.data
 
     def _expire(self, now: float) -> None:
         """Answers are kept in the order they were given, so the expired ones are at the front."""

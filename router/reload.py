@@ -54,7 +54,7 @@ class Reloader:
         self._zmq, self._proxy = zmq_context, proxy
         self._subscriptions: dict[str, tuple[KVEventSubscriber, asyncio.Task[None]]] = {}
         self._lock = asyncio.Lock()
-        self._seen = None if self._path is None else _content(self._path)  # what the file held, for the watch
+        self._seen = None if self._path is None else _content_of(self._path, config)  # for the watch
 
     def subscribe(self, instances: list[InstanceConfig]) -> None:
         for instance in instances:
@@ -218,6 +218,17 @@ def _swap_policies(proxy: Proxy, new: RouterConfig) -> None:
     for name in old.keys() - kept.keys():
         proxy.ab.forget(name)
     proxy.policies = {name: kept.get(name) or Policy(name, config) for name, config in new.policies.items()}
+
+
+def _content_of(path: Path, config: RouterConfig) -> bytes | None:
+    """What path holds when it still says config; None when it says something else now, which the watch's
+    first look takes for a change: the file was changed after the router read it, before the watch began."""
+    content = _content(path)
+    try:
+        unchanged = load_config(path) == config
+    except ConfigError:
+        unchanged = False
+    return content if unchanged else None
 
 
 def _content(path: Path) -> bytes | None:

@@ -19,7 +19,7 @@ from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.hardware import EngineSpec
 from kvroute.simulate.kv_cache import KVCache
-from kvroute.simulate.pool import PoolStore
+from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.traces import TraceRequest
 from router.kv_events import BlockStored, KVEvent
 from scorers.base import EngineLoad
@@ -224,7 +224,7 @@ class Engine:
             if written:
                 self._pool_events.append(
                     BlockStored(
-                        block_hashes=[h.to_bytes(8, "big") for h in written],
+                        block_hashes=[pool_hash(h) for h in written],
                         parent_block_hash=None,
                         token_ids=[],
                         block_size=self.spec.block_size,

@@ -7,18 +7,34 @@ speculative blocks), so the simulation runs the product's code, not a copy of it
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
+from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
 from router.config import RouterConfig, parse_config
 from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.policy import Policy
+from router.pool import PoolConfirmer
 from router.routing import Prepared, Router
 from scorers.base import RoutingRequest
 from scorers.ttft_model import TTFTFeatures, TTFTPriors, features_for
+
+T = TypeVar("T")
+
+
+def _at_once(work: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never waits (its lookups answer at once): simulated time does not pass
+    while the router decides."""
+    try:
+        work.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    work.close()
+    raise RuntimeError("a simulated router's lookup waited for something")
 
 
 class SimPolicy:
@@ -104,19 +120,27 @@ class ConfiguredPolicy(SimPolicy):
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)
-        self._router = Router(view.index, {}, view.block_size, RouterMetrics())
+        metrics = RouterMetrics()
+        self._router = Router(view.index, {}, view.block_size, metrics)
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
         self._policy = Policy(self._policy_name, self._config.policies[self._policy_name], view.loop.clock)
+        self._pool: PoolConfirmer | None = None
+        if view.pool is not None and self._include_pool:
+            # The simulated instances' pool keys carry no pool name: the index files their blocks under "".
+            self._pool = PoolConfirmer(
+                view.index, StoreLookup(view.pool), {view.model: ""}, metrics,
+                self._config.pool.confirm_ttl_s, view.loop.clock,
+            )  # fmt: skip
 
     def route(self, request: SimRequest) -> int:
         view = self.view
         chain = request.chain.tolist()
         if not self._lookup:
             matches = {}
-        elif not self._include_pool:
+        elif self._pool is None:
             matches = view.matches(chain, include_pool=False)
         else:
-            matches = view.confirmed_matches(chain)
+            matches = _at_once(self._pool.confirm(view.model, chain))
         routing = RoutingRequest(
             model=view.model,
             session_key=request.session,

@@ -11,6 +11,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+def pool_hash(block_hash: int) -> bytes:
+    """A block's full hash in its pool key and in the event announcing it: the chain hash's 8 bytes (the
+    simulated engines hash as kvroute does)."""
+    return block_hash.to_bytes(8, "big")
+
+
 class PoolStore:
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity = capacity_blocks
@@ -45,3 +51,14 @@ class PoolStore:
             blocks.move_to_end(block_hash)
             count += 1
         return count
+
+
+class StoreLookup:
+    """The pool answers the router's lookups as the Mooncake master does: which of these blocks it holds now
+    (router/pool.py's PoolLookup), without a round trip."""
+
+    def __init__(self, pool: PoolStore) -> None:
+        self._pool = pool
+
+    async def __call__(self, pool_name: str, vllm_hashes: list[bytes]) -> set[bytes]:
+        return {h for h in vllm_hashes if int.from_bytes(h, "big") in self._pool}

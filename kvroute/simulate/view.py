@@ -3,7 +3,7 @@
 - the real BlockIndex, fed the engines' KV events event_delay_s after the engine step that caused them;
 - router.instances.Instance objects carrying the router's own bookkeeping (requests in flight, their
   tokens, prefill not yet answered) and the engines' load as of the last scrape;
-- pool credit confirmed against the pool itself, as router/pool.py asks the Mooncake master.
+- the pool, which kvroute's policy asks through router/pool.py's PoolConfirmer as it asks the Mooncake master.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class RouterView:
             for e in engines
         ]
         self.by_name = {instance.name: number for number, instance in enumerate(self.instances)}
-        self._engines, self._pool, self._delay = engines, pool, fleet.event_delay_s
+        self.pool = pool
+        self._engines, self._delay = engines, fleet.event_delay_s
         for engine, instance in zip(engines, self.instances, strict=True):
             if pool is not None:
                 self.index.join_pool(instance.name)
@@ -69,19 +70,4 @@ class RouterView:
 
     def matches(self, chain: Sequence[int], include_pool: bool = True) -> dict[str, TierMatch]:
         """The index's matches, pool credit unconfirmed (what a router without a master sees)."""
-        return self.index.match(chain, include_pool=include_pool and self._pool is not None)
-
-    def confirmed_matches(self, chain: Sequence[int]) -> dict[str, TierMatch]:
-        """Matches with pool credit confirmed block by block, as router/pool.py's PoolConfirmer does."""
-        matches = self.matches(chain)
-        credited = [(m.gpu + m.cpu, m.gpu + m.cpu + m.pool) for m in matches.values() if m.pool]
-        if not credited or self._pool is None:
-            return matches
-        start, end = min(s for s, _ in credited), max(e for _, e in credited)
-        pool = self._pool
-        # The engines' pool keys are the chain hashes themselves (their vLLM hash is kvroute's).
-        denied = [h for position, h in self.index.pooled(chain, start, end) if chain[position] not in pool]
-        if not denied:
-            return matches
-        self.index.forget_pooled(denied)
-        return self.matches(chain)
+        return self.index.match(chain, include_pool=include_pool and self.pool is not None)

@@ -11,12 +11,16 @@ from fleet.block_pool import BlockPool
 from kvroute.cli import main
 from kvroute.simulate.bench import ttft_floor
 from kvroute.simulate.blocks import TraceBlocks
+from kvroute.simulate.clock import EventLoop
+from kvroute.simulate.engine import POOL_MEDIUM, Engine, SimRequest
 from kvroute.simulate.hardware import EngineSpec, FleetSpec, PoolSpec
 from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.peers import ActiveWork
-from kvroute.simulate.policies import SimPolicy
+from kvroute.simulate.policies import SimPolicy, priors_for
+from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import POLICIES
 from kvroute.simulate.run import RESULT_FIELDS, simulate
+from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
 from router.kv_events import BlockRemoved, BlockStored, KVEvent
 
@@ -291,3 +295,38 @@ def test_dynamos_decode_blocks_count_a_shared_prefix_once_on_a_worker() -> None:
     assert reuse.blocks[0] == 5  # the shared blocks stay with the second request
     reuse.remove(0, second, 5)
     assert reuse.blocks == [0, 0]
+
+
+def test_kvroute_confirms_pool_credit_with_the_routers_own_confirmer() -> None:
+    """kvroute's policy asks the simulated pool through router/pool.py's PoolConfirmer, as the router asks the
+    Mooncake master: a yes is trusted for pool.confirm_ttl_s (2 s), so a block the pool evicted silently keeps
+    its credit until then and is forgotten at the next decision after."""
+    fleet = _fleet(2, pool=True)
+    blocks = TraceBlocks(_trace((0, 320, tuple(range(1, 11)))), 16)
+    loop = EventLoop()
+    pool = PoolStore(fleet.pool_blocks())
+    engines = [Engine(n, fleet.engine, blocks, loop, pool, 0.0) for n in range(fleet.instances)]
+    view = RouterView(fleet, loop, engines, pool, priors_for(fleet))
+    policy = POLICIES["kvroute"](fleet)
+    policy.bind(view)
+    chain = blocks.chains[0].tolist()
+    pool.write(chain)
+    # sim-1 computed the prompt (its own cache) and wrote it to the pool, announcing both.
+    computed = KVCache(400, 16)
+    computed.cache(chain, None, blocks.tokens(blocks.trace.requests[0], 0, len(chain)))
+    written = BlockStored(
+        block_hashes=[pool_hash(h) for h in chain], parent_block_hash=None, token_ids=[], block_size=16,
+        lora_id=None, medium=POOL_MEDIUM, lora_name=None,
+    )  # fmt: skip
+    view.index.apply(("sim-1", 0), [*computed.events, written])
+
+    def route_at(time_s: float) -> list[tuple[int, bytes]]:
+        request = SimRequest(0, blocks.trace.requests[0], blocks.chains[0], None)
+        loop.at(time_s, lambda: policy.route(request))
+        loop.run()
+        return view.index.pooled(chain, 0, len(chain))
+
+    assert len(route_at(0.0)) == 20  # confirmed: all there
+    pool.write(range(10**6, 10**6 + pool.capacity))  # evicts every block of the prompt, telling no one
+    assert len(route_at(1.0)) == 20  # the answer of a second ago stands
+    assert route_at(2.5) == []  # asked again: gone, and forgotten

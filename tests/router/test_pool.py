@@ -25,7 +25,7 @@ from router.block_index import BlockIndex
 from router.config import ModelConfig
 from router.metrics import RouterMetrics
 from router.openai_body import CompletionRequest
-from router.pool import PoolConfirmer, key_start, pool_key
+from router.pool import MasterLookup, PoolConfirmer, key_start, pool_key
 from router.routing import Router
 from scorers.base import TierMatch
 from tests.router.test_block_index import BS, OTHER_TOKENS, TOKENS, pooled, prompt, removed, stored, vllm_hash
@@ -127,7 +127,7 @@ def confirm(
 
     async def run() -> list[dict[str, TierMatch]]:
         async with aiohttp.ClientSession() as session:
-            confirmer = PoolConfirmer(index, url, pool_names, session, metrics, timeout_s=2.0)
+            confirmer = PoolConfirmer(index, MasterLookup(url, session, timeout_s=2.0), pool_names, metrics)
             chain = prompt()
             return [await confirmer.confirm(model, chain) for model in models]
 
@@ -194,7 +194,7 @@ def test_a_block_announced_again_while_the_master_is_asked_stays() -> None:
     async def run() -> dict[str, TierMatch]:
         meanwhile = lambda: index.apply(B, [pooled(4, 1)])  # noqa: E731
         async with in_process_master(False, meanwhile) as url, aiohttp.ClientSession() as session:
-            return await PoolConfirmer(index, url, POOL_NAMES, session, metrics).confirm("tiny-llama", prompt())
+            return await PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics).confirm("tiny-llama", prompt())
 
     assert asyncio.run(run()) == {"a": TierMatch(gpu=2)}
     assert index.pooled(prompt(), 0, 10, "model") == [(4, vllm_hash(4, as_bytes=True))]
@@ -223,7 +223,7 @@ def test_a_decision_with_pool_credit_probes_the_index_once() -> None:
 
     async def run() -> dict[str, TierMatch]:
         async with in_process_master(True) as url, aiohttp.ClientSession() as session:
-            pool = PoolConfirmer(index, url, POOL_NAMES, session, metrics)
+            pool = PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics)
             router = Router(index, {"tiny-llama": PromptTokens()}, BS, metrics, pool=pool)  # type: ignore[dict-item]
             body = CompletionRequest(prompt="the prompt", model="tiny-llama")
             return (await router.prepare(body, None)).request.matches
@@ -238,7 +238,9 @@ def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
 
     async def twice() -> None:
         async with aiohttp.ClientSession() as session:
-            confirmer = PoolConfirmer(index, master.admin_url, {"tiny-llama": "model"}, session, metrics, confirm_ttl_s=60)
+            confirmer = PoolConfirmer(
+                index, MasterLookup(master.admin_url, session), {"tiny-llama": "model"}, metrics, confirm_ttl_s=60
+            )
             chain = prompt()
             with pool_holding(master, range(6)):
                 assert (await confirmer.confirm("tiny-llama", chain))["b"] == TierMatch(pool=6)

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts, running_router
+from scorers.ttft_model import TERMS, TTFTPriors
 from tests.conftest import instance_url, ipv6_loopback, metric
 from tests.router.fake_upstreams import answering, healthy, serving
 
@@ -106,7 +107,11 @@ def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances
     assert metric(router_url, "kvroute_ttft_predicted_seconds_count", vllm_instance=instance) >= 1
     assert metric(router_url, "kvroute_ttft_observed_seconds_count", vllm_instance=instance) >= 1
     assert metric(router_url, "kvroute_ttft_prediction_error_seconds_count", vllm_instance=instance) >= 1
-    assert metric(router_url, "kvroute_ttft_model_rate", vllm_instance=instance, term="prefill") > 0
+    # The model followed what it observed. Which rates moved, and how far, depends on the TTFTs this shared
+    # fleet gave (under load a rate may be fitted to 0), so only the move itself is asserted.
+    rates = [metric(router_url, "kvroute_ttft_model_rate", vllm_instance=instance, term=term) for term in TERMS]
+    assert min(rates) >= 0
+    assert rates != pytest.approx(TTFTPriors().rates().tolist())
 
 
 def test_models_lists_the_fleets_models(client: openai.OpenAI) -> None:

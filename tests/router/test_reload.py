@@ -137,6 +137,22 @@ def test_a_change_of_the_file_reloads_once(
     assert asyncio.run(run()) == [content("the update")]
 
 
+def test_a_change_before_the_watch_began_is_reloaded(tmp_path: Path) -> None:
+    """The file changed after the router read it and before its watch began (tokenizers load in between): the
+    watch's first look reloads it rather than wait for the next change."""
+    path = plain(tmp_path)
+    changed = yaml.safe_dump({**RAW, "instances": [{"name": "a", "url": "http://127.0.0.1:10"}]})
+    path.write_text(changed)
+
+    async def run() -> list[str]:
+        async with watched(path) as seen:
+            assert await within(lambda: len(seen) == 1, 10), "the change was not reloaded"
+            await asyncio.sleep(QUIET_S)
+            return seen
+
+    assert asyncio.run(run()) == [changed]
+
+
 def _inotify_watches() -> int:
     """Directories this process watches with inotify."""
     count = 0
