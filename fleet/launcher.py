@@ -37,6 +37,7 @@ class FleetOptions:
     drop_events: float = 0.0  # share of event batches not published live (replay still has them)
     lora_modules: tuple[str, ...] = ()  # names of the LoRA adapters every instance serves
     api_key: str | None = None  # what every instance requires on /v1, as vLLM's --api-key
+    exclude_tools_when_tool_choice_none: bool = False  # as vLLM's option
     # Engines per instance behind its one API server (vllm serve --data-parallel-size); rank R of instance I
     # publishes at event_port + I x size + R, as vLLM offsets each rank's ports.
     data_parallel_size: int = 1
@@ -87,6 +88,7 @@ async def run_fleet(
                 root=str(options.tokenizer_path),
                 adapters=tuple(Adapter(name, id) for id, name in enumerate(options.lora_modules, start=1)),
                 api_key=options.api_key,
+                exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
             )
             await stack.enter_async_context(serve(instance, options.host, options.port + index))
         print(

@@ -41,6 +41,7 @@ class SimInstance:
     started: float = field(default_factory=time.time)  # as vLLM's process_start_time_seconds
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters, by --lora-modules
     api_key: str | None = None  # vLLM's --api-key
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's option: the chat endpoint only, not /tokenize
 
     def adapter(self, model: object) -> Adapter | None:
         return next((a for a in self.adapters if a.name == model), None)
@@ -198,15 +199,22 @@ def _handler(
     return handle
 
 
-def _chat_ids(instance: SimInstance, body: dict[str, Any], reasoning_effort: Any = None) -> list[int]:
+def _chat_ids(
+    instance: SimInstance,
+    body: dict[str, Any],
+    reasoning_effort: Any = None,
+    tools_out_when_none: bool = False,
+) -> list[int]:
     """A chat body's prompt as vLLM tokenizes it, with vLLM's defaults for the flags that change it;
-    reasoning_effort: the body's, where the endpoint takes it (the chat endpoint, not /tokenize)."""
+    reasoning_effort: the body's, and tools_out_when_none: the instance's option, where the endpoint takes
+    them (the chat endpoint, not /tokenize)."""
+    tools = None if tools_out_when_none and body.get("tool_choice") == "none" else body.get("tools")
     return instance.tokenizer.chat_ids(
         body["messages"],
         add_generation_prompt=body.get("add_generation_prompt", True),
         continue_final_message=body.get("continue_final_message", False),
         add_special_tokens=body.get("add_special_tokens", False),
-        tools=body.get("tools"),
+        tools=tools,
         template_kwargs=chat_endpoint_template_kwargs(body.get("chat_template_kwargs"), reasoning_effort),
     )
 
@@ -221,7 +229,9 @@ def _validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-    return _chat_ids(instance, body, body.get("reasoning_effort"))
+    return _chat_ids(
+        instance, body, body.get("reasoning_effort"), instance.exclude_tools_when_tool_choice_none
+    )
 
 
 def _validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:

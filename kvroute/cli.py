@@ -86,6 +86,7 @@ def _fleet(args: argparse.Namespace) -> int:
         drop_events=args.drop_events,
         lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
         api_key=args.api_key,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         data_parallel_size=args.data_parallel_size,
         timing=EngineTiming(
             prefill_tokens_per_s=args.prefill_tps,
@@ -253,6 +254,10 @@ def _parser() -> argparse.ArgumentParser:
         help="LoRA adapters every instance serves, named as vLLM's option names them (no weights here)",
     )  # fmt: skip
     fleet.add_argument("--api-key", help="required on /v1 requests (Authorization: Bearer), as vLLM's option")
+    fleet.add_argument(
+        "--exclude-tools-when-tool-choice-none", action="store_true",
+        help='render a chat whose tool_choice is "none" without its tools, as vLLM\'s option',
+    )  # fmt: skip
     fleet.add_argument(
         "--data-parallel-size", type=positive_int, default=1,
         help="engines per instance behind its API server, as vLLM's option; rank R of instance I publishes "

@@ -92,6 +92,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     policies = {name: Policy(name, policy) for name, policy in config.policies.items()}
     bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
     adapters = frozenset(name for name, base in bases.items() if base is not None)
+    tools_out_when_none = frozenset(m.name for m in config.models if m.exclude_tools_when_tool_choice_none)
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -118,7 +119,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 pool = PoolConfirmer(index, lookup, pool_names(config), metrics, config.pool.confirm_ttl_s)
             router = Router(
                 index, tokenizers, config.block_size, metrics, remote_tokenizer, pool, adapters,
-                config.tokenization.audit_every,
+                config.tokenization.audit_every, tools_out_when_none,
             )  # fmt: skip
             await health.check_all()
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)

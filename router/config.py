@@ -79,12 +79,21 @@ class ModelConfig(_Strict):
         "sets store_tp_size or enable_store_tp_lcm, such as @store_tp:4@store_pp:1@store_format:hnc (copy "
         "it from a key on the master; default: none; for an adapter, its base's)",
     )
+    exclude_tools_when_tool_choice_none: bool = Field(
+        default=False,
+        description="the engines run with vLLM's --exclude-tools-when-tool-choice-none: a chat whose "
+        'tool_choice is "none" is rendered without its tools (for an adapter, its base\'s)',
+    )
     lora_of: str | None = Field(
         default=None,
         min_length=1,
         description="a LoRA adapter (vLLM --lora-modules NAME=PATH) running on this base model: its cache "
         "is its own, and its tokenizer and pool keys default to the base's",
     )
+
+
+# An adapter runs on its base's engines: their settings are its own unless it states them.
+_INHERITED_BY_ADAPTERS = ("pool_cache_prefix", "pool_store_namespace", "exclude_tools_when_tool_choice_none")
 
 
 class TokenizationConfig(_Strict):
@@ -423,7 +432,7 @@ class RouterConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _adapters_take_their_base(cls, raw: Any) -> Any:
-        """An adapter without a tokenizer or pool key settings of its own takes its listed base's: vLLM
+        """An adapter without a tokenizer or engine settings of its own takes its listed base's: vLLM
         (0.32) tokenizes an adapter's requests with the base's tokenizer, and its pool keys are the engine's
         (its --model and connector settings) whatever the adapter."""
         if not isinstance(raw, dict) or not isinstance(raw.get("models"), list):
@@ -437,7 +446,7 @@ class RouterConfig(_Strict):
             if base is not None:
                 pool_name = base.get("pool_name") or lora_of
                 inherited = {"tokenizer": base.get("tokenizer"), "pool_name": pool_name}
-                inherited |= {key: base.get(key) for key in ("pool_cache_prefix", "pool_store_namespace")}
+                inherited |= {key: base.get(key) for key in _INHERITED_BY_ADAPTERS}
                 # An explicit null is no value of its own: the base's stands.
                 own = {k: v for k, v in model.items() if k not in inherited or v is not None}
                 model = {k: v for k, v in inherited.items() if v is not None} | own

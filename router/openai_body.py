@@ -27,6 +27,7 @@ class ChatRequest(msgspec.Struct):
     # Template inputs: tools and kwargs the router renders itself (router/chat_conversation.py); for a
     # request's own template, and for what it cannot render, it asks an instance's /tokenize
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" leaves the tools out where the engines are told to
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Any = None  # reaches the template as kwargs, see template_kwargs

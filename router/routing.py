@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 import xxhash
 
 from router import block_hashing
@@ -84,14 +85,18 @@ class Router:
         pool: PoolConfirmer | None = None,
         adapters: frozenset[str] = frozenset(),
         audit_every: int = 0,
+        tools_out_when_none: frozenset[str] = frozenset(),
     ) -> None:
         """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
         pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
         adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name;
-        audit_every: one chat in this many is checked (router/tokenization_audit.py)."""
+        audit_every: one chat in this many is checked (router/tokenization_audit.py);
+        tools_out_when_none: the models whose engines leave a chat's tools out when its tool_choice is "none"
+        (vLLM's --exclude-tools-when-tool-choice-none)."""
         self._audit = TokenizationAudit(audit_every, metrics, remote)
         self._pool = pool
         self._adapters = adapters
+        self._tools_out_when_none = tools_out_when_none
         self._index = index
         self._tokenizers = tokenizers
         self._chains = block_hashing.ChainCache(block_size)
@@ -192,6 +197,8 @@ class Router:
             return await remote.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
         if body.documents is not None:
             raise UnreproducibleTemplate("documents reach the template")
+        if body.tools is not None and body.tool_choice == "none" and body.model in self._tools_out_when_none:
+            body = msgspec.structs.replace(body, tools=None)
         flags = {
             "add_generation_prompt": body.add_generation_prompt,
             "continue_final_message": body.continue_final_message,

@@ -70,6 +70,16 @@ def test_an_adapter_takes_its_bases_pool_key_settings_unless_it_has_its_own() ->
                                   "chat": "team-b@L-8B@store_pp:1@x"}  # fmt: skip
 
 
+def test_an_adapter_takes_its_bases_exclude_tools_option_unless_it_states_its_own() -> None:
+    """vLLM's --exclude-tools-when-tool-choice-none is the engine's: an adapter served there renders as its base."""
+    config = parse_config(_with(models=[
+        {"name": "llama", "exclude_tools_when_tool_choice_none": True},
+        {"name": "sql", "lora_of": "llama"},
+        {"name": "chat", "lora_of": "llama", "exclude_tools_when_tool_choice_none": False},
+    ]))  # fmt: skip
+    assert [m.exclude_tools_when_tool_choice_none for m in config.models] == [True, True, False]
+
+
 def _with(**changes: object) -> dict[str, object]:
     return {**VALID, **changes}
 

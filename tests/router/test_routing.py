@@ -197,6 +197,23 @@ def test_a_chat_with_tools_not_rendered_here_goes_to_the_engine(tokenizer: Promp
     assert audits(metrics, "match") + audits(metrics, "mismatch") == 0
 
 
+@pytest.mark.parametrize(
+    ("engines_leave_tools_out", "tool_choice", "rendered_with_tools"),
+    [(True, "none", False), (True, "auto", True), (True, None, True), (False, "none", True)],
+)
+def test_tools_are_left_out_as_the_engines_option_leaves_them_out(
+    tokenizer: PromptTokenizer, engines_leave_tools_out: bool, tool_choice: str | None, rendered_with_tools: bool
+) -> None:
+    """vLLM's --exclude-tools-when-tool-choice-none renders a chat whose tool_choice is "none" without its
+    tools: so must the router, or the prompt's blocks are not the engine's (stated per model in the config)."""
+    models = frozenset({"tiny-llama"} if engines_leave_tools_out else ())
+    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), tools_out_when_none=models)  # type: ignore[dict-item]
+    body = ChatRequest(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
+    prompt_tokens = asyncio.run(router.prepare(body, None)).request.prompt_tokens
+    assert prompt_tokens == len(tokenizer.chat_ids(MESSAGES, tools=TOOLS if rendered_with_tools else None))
+    assert len(tokenizer.chat_ids(MESSAGES, tools=TOOLS)) > len(tokenizer.chat_ids(MESSAGES))
+
+
 def test_documents_which_no_tokenizer_endpoint_takes_route_without_prefix(tokenizer: PromptTokenizer) -> None:
     remote = RecordingRemote()
     assert prepare(tokenizer, remote, documents=[{"text": "x"}]) == 0
