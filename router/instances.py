@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from router.circuit_breaker import CircuitBreaker
 from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig, api_key
 from router.context_hold import ContextHold
+from router.held_blocks import HeldBlocks
 from scorers.base import EngineLoad
 from scorers.ttft_model import TTFTModel, TTFTPriors
 
@@ -35,29 +36,41 @@ class Instance:
     # What every request to it carries: the key the instance requires, the data-parallel rank it is.
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     data_parallel_rank: int | None = None  # one rank of an engine; its load is that rank's
+    block_size: int = 16  # the engine's, for the blocks in flight
+    held: HeldBlocks = field(init=False)
 
     def __post_init__(self) -> None:
         self.contexts = ContextHold(self.clock)
+        self.held = HeldBlocks(self.block_size)
 
     @property
     def active_tokens(self) -> int:
-        """Prompt tokens of the requests in flight here."""
-        return self.contexts.tokens
+        """KV tokens the requests in flight here hold, a prefix they share once."""
+        return self.held.tokens
+
+    def shared_tokens(self, chain: Sequence[int]) -> int:
+        return self.held.shared_tokens(chain)
 
     @property
     def context_hold_s(self) -> float | None:
         return self.contexts.seconds
 
-    def start(self, prompt_tokens: int, uncached_tokens: int) -> None:
-        """A request was sent here: its context is held and its uncached tokens queue for prefill."""
+    def start(self, prompt_tokens: int, uncached_tokens: int, chain: Sequence[int] = ()) -> None:
+        """A request was sent here: its context (its whole blocks hash to chain) is held and its uncached
+        tokens queue for prefill."""
         self.in_flight += 1
         self.contexts.add(prompt_tokens)
+        self.held.add(chain, prompt_tokens)
         self.pending_prefill_tokens += uncached_tokens
 
-    def end(self, prompt_tokens: int, still_prefilling_tokens: int = 0, admitted: bool = True) -> None:
+    def end(
+        self, prompt_tokens: int, still_prefilling_tokens: int = 0, admitted: bool = True,
+        chain: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         """A request sent here is over: answered or failed (admitted: the engine held its context), or
         refused or never delivered."""
         self.in_flight -= 1
+        self.held.remove(chain, prompt_tokens)
         if admitted:
             self.contexts.release(prompt_tokens)
         else:
@@ -75,6 +88,7 @@ class Instance:
             breaker=CircuitBreaker(breaker.failures, breaker.open_s),
             headers=request_headers(config, router),
             data_parallel_rank=config.data_parallel_rank,
+            block_size=router.block_size,
         )
 
 

@@ -620,7 +620,7 @@ class Proxy:
         """Count the request against its instance; True when it is the instance's circuit-breaker probe."""
         instance = decision.instance
         probe = instance.breaker.sent()
-        instance.start(decision.prompt_tokens, decision.uncached_tokens)
+        instance.start(decision.prompt_tokens, decision.uncached_tokens, decision.chain)
         self._metrics.in_flight(instance.name).set(instance.in_flight)
         self._metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
         return probe
@@ -651,7 +651,7 @@ class Proxy:
 
     def _end(self, decision: Decision, prefill: _Prefill, admitted: bool) -> None:
         instance = decision.instance
-        instance.end(decision.prompt_tokens, prefill.take(), admitted)
+        instance.end(decision.prompt_tokens, prefill.take(), admitted, decision.chain)
         self._metrics.in_flight(instance.name).set(instance.in_flight)
         if len(self._memory_hold):  # memory freed up: the held requests that now fit go
             for released in self._memory_hold.release():

@@ -72,6 +72,7 @@ class Decision:
     predicted_ttft_s: float
     speculated: Speculation | None = None  # blocks entered as pending at the instance
     reused: TierMatch = NO_MATCH  # the blocks the instance would reuse, by tier
+    chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
 
 
 class Router:
@@ -140,6 +141,7 @@ class Router:
             prompt_blocks=len(chain),
             block_size=self._block_size,
             matches=matches,
+            chain=chain,
         )
         self._metrics.decision("prepare").observe(time.perf_counter() - started)
         return Prepared(request, chain)
@@ -165,6 +167,7 @@ class Router:
             predicted_ttft_s=instance.ttft_model.predict(features),
             speculated=speculated,
             reused=reused_blocks(prepared.request, instance.name),
+            chain=prepared.chain,
         )
 
     def served(self, decision: Decision, policy: Policy) -> None:

@@ -28,7 +28,12 @@ class Candidate(Protocol):
 
     @property
     def active_tokens(self) -> int:
-        """Prompt tokens of all requests in flight through this router: the contexts being decoded."""
+        """KV tokens the requests in flight through this router hold there (the contexts being decoded),
+        a prefix they share counted once, as the engine's prefix cache holds it."""
+        ...
+
+    def shared_tokens(self, chain: Sequence[int]) -> int:
+        """Tokens of the prompt's leading blocks (hashed to chain) that requests in flight there hold."""
         ...
 
     @property
@@ -85,6 +90,7 @@ class RoutingRequest:
     prompt_blocks: int = 0
     block_size: int = 16
     matches: Mapping[str, TierMatch] = field(default_factory=dict)  # by instance name; absent: no match
+    chain: Sequence[int] = ()  # the hashes of the prompt's whole blocks (empty: unknown)
 
 
 class Scorer(Protocol):

@@ -22,6 +22,7 @@ absorbs while calibrating; predictions leave it out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,17 +157,18 @@ def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:
     return TierMatch(gpu, cpu, min(match.pool, reusable - gpu - cpu))
 
 
-def memory_wait_s(candidate: Candidate, prompt_tokens: int) -> float:
+def memory_wait_s(candidate: Candidate, prompt_tokens: int, chain: Sequence[int] = ()) -> float:
     """How long a prompt would wait there for KV memory; 0 while its capacity or hold time is unknown.
     Held tokens are the router's own in-flight contexts, or the engine's reported usage when that is more
-    (other clients); at most every context in flight has to leave."""
+    (other clients); the prompt's blocks that contexts in flight hold already take no more; at most every
+    context in flight has to leave."""
     capacity, hold_s = candidate.kv_capacity_tokens, candidate.context_hold_s
     if not capacity or hold_s is None:
         return 0.0
     held = float(candidate.active_tokens)
     if candidate.load is not None:
         held = max(held, candidate.load.kv_usage * capacity)
-    excess = held + prompt_tokens - capacity
+    excess = held + prompt_tokens - candidate.shared_tokens(chain) - capacity
     if excess <= 0 or held <= 0:
         return 0.0
     return hold_s * min(excess / held, 1.0)
@@ -180,5 +182,5 @@ def features_for(request: RoutingRequest, candidate: Candidate) -> TTFTFeatures:
         queued_tokens=candidate.pending_prefill_tokens,
         uncached_tokens=request.prompt_tokens - (reused.gpu + loaded) * request.block_size,
         loaded_tokens=loaded * request.block_size,
-        memory_wait_s=memory_wait_s(candidate, request.prompt_tokens),
+        memory_wait_s=memory_wait_s(candidate, request.prompt_tokens, request.chain),
     )

@@ -148,6 +148,7 @@ class ConfiguredPolicy(SimPolicy):
             prompt_blocks=len(chain),
             block_size=view.block_size,
             matches=matches,
+            chain=chain,
         )
         candidates = [i for i in view.instances if i.in_flight < self._limit] or view.instances
         if self._decide:

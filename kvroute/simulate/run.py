@@ -86,7 +86,7 @@ def simulate(
 
     def finish(request: SimRequest) -> None:
         nonlocal outstanding
-        view.instances[request.instance].end(request.trace.input_tokens)
+        view.instances[request.instance].end(request.trace.input_tokens, chain=request.chain)
         policy.finished(request)
         done.append(request)
         outstanding -= 1
@@ -154,11 +154,11 @@ def simulate(
         request.uncached_estimate = traced.input_tokens
         request.instance = chosen = policy.route(request)
         instance = view.instances[chosen]
-        instance.start(traced.input_tokens, request.uncached_estimate)
+        instance.start(traced.input_tokens, request.uncached_estimate, request.chain)
         if not engines[chosen].enqueue(request):
             rejected += 1
             outstanding -= 1
-            instance.end(traced.input_tokens, request.uncached_estimate, admitted=False)
+            instance.end(traced.input_tokens, request.uncached_estimate, admitted=False, chain=request.chain)
             policy.refused(request)
             release(request)
             release_held()

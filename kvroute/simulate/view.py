@@ -49,6 +49,7 @@ class RouterView:
                 ttft_model=TTFTModel(priors),
                 kv_capacity_tokens=fleet.engine.kv_tokens,
                 clock=loop.clock,
+                block_size=fleet.engine.block_size,
             )
             for e in engines
         ]

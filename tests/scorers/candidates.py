@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scorers.base import EngineLoad
@@ -18,3 +19,7 @@ class Fake:
     kv_capacity_tokens: int | None = None
     context_hold_s: float | None = None
     ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
+    shared: int = 0  # tokens of any prompt's prefix held by requests in flight
+
+    def shared_tokens(self, chain: Sequence[int]) -> int:
+        return self.shared

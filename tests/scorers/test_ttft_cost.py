@@ -124,6 +124,9 @@ def test_features_reuse_whole_blocks_and_never_the_last_token() -> None:
         # the engine reports more held than this router sent there (other clients)
         (Fake("shared", active_tokens=100_000, kv_capacity_tokens=400_000, context_hold_s=8.0,
               load=EngineLoad(0, 4, 1.0)), 50_000, 1.0),
+        # the prompt's first 50K tokens are a prefix a request in flight holds: it takes only its other 50K
+        (Fake("sharing", active_tokens=350_000, kv_capacity_tokens=400_000, context_hold_s=8.0, shared=50_000),
+         100_000, 0.0),
         # at most every context in flight has to leave
         (Fake("overflowing", active_tokens=100_000, kv_capacity_tokens=120_000, context_hold_s=8.0), 500_000, 8.0),
     ],
