@@ -40,7 +40,7 @@ class HeldBlocks:
             if left > 0:
                 refs[grain] = left
             else:
-                del refs[grain]
+                refs.pop(grain, None)  # an end that matches no start must not fail the request
         self._loose -= tokens - len(grains) * self._grain
 
     def shared_tokens(self, chain: Sequence[int]) -> int:
