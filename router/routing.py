@@ -58,7 +58,10 @@ class LocalTokenizer(Protocol):
 @dataclass(frozen=True, slots=True)
 class Prepared:
     request: RoutingRequest
-    chain: list[int]
+
+    @property
+    def chain(self) -> Sequence[int]:
+        return self.request.chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,7 @@ class Router:
             chain=chain,
         )
         self._metrics.decision("prepare").observe(time.perf_counter() - started)
-        return Prepared(request, chain)
+        return Prepared(request)
 
     def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
         started = time.perf_counter()

@@ -152,7 +152,7 @@ class ConfiguredPolicy(SimPolicy):
         )
         candidates = [i for i in view.instances if i.in_flight < self._limit] or view.instances
         if self._decide:
-            decision = self._router.decide(Prepared(routing, chain), self._policy, candidates)
+            decision = self._router.decide(Prepared(routing), self._policy, candidates)
             instance: Instance = decision.instance
             request.uncached_estimate = decision.uncached_tokens
             request.policy_state = decision.features

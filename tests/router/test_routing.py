@@ -349,11 +349,11 @@ def test_a_decision_withdrawn_takes_back_only_its_speculative_blocks() -> None:
     index = BlockIndex(4)
     router = Router(index, {}, 4, RouterMetrics())
     chain = list(range(1, 9))
-    request = RoutingRequest(model="tiny-llama", prompt_tokens=33, prompt_blocks=8, block_size=4)
+    request = RoutingRequest(model="tiny-llama", prompt_tokens=33, prompt_blocks=8, block_size=4, chain=chain)
     instances = Fleet(config).instances
     round_robin = Policy("round-robin", config.policies["round-robin"])
-    first = router.decide(Prepared(request, chain), round_robin, instances)
-    second = router.decide(Prepared(request, chain), round_robin, instances)
+    first = router.decide(Prepared(request), round_robin, instances)
+    second = router.decide(Prepared(request), round_robin, instances)
     assert {first.instance.name, second.instance.name} == {"a", "b"}
     assert first.speculated is not None and first.speculated.blocks == chain
     router.withdraw(first)  # the instance refused it
