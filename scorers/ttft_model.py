@@ -168,7 +168,9 @@ def memory_wait_s(candidate: Candidate, prompt_tokens: int, chain: Sequence[int]
     held = float(candidate.active_tokens)
     if candidate.load is not None:
         held = max(held, candidate.load.kv_usage * capacity)
-    excess = held + prompt_tokens - candidate.shared_tokens(chain) - capacity
+    excess = held + prompt_tokens - capacity
+    if excess > 0:  # only then can what requests in flight share of the prompt matter
+        excess -= candidate.shared_tokens(chain)
     if excess <= 0 or held <= 0:
         return 0.0
     return hold_s * min(excess / held, 1.0)
