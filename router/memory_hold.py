@@ -6,14 +6,12 @@ anywhere and some instance has room: one queue for the fleet instead of one per 
 made on fresher state. A request that fits passes those that do not (first fit: in simulation, letting
 nothing pass the oldest cost more than it saved), and none is held longer than the bound, after which it is
 routed as if there were no hold (the proxy times each hold; the simulation, which has no timers, lets an
-expired one go at the next request's end). Off by default: the router counts each request's whole prompt,
-so prompts sharing a prefix overstate memory (the engine holds the shared blocks once) and the hold would
-wait for room that exists.
+expired one go at the next request's end). Room is counted as the engine counts it: the part of a prompt
+that requests in flight on an instance already hold takes no more memory there (router/held_blocks.py).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ Candidates = Callable[[], Sequence[Instance]]
 class _Held(Generic[T]):
     item: T
     prompt_tokens: int
+    chain: Sequence[int]
     candidates: Candidates
     since: float
 
@@ -43,16 +42,18 @@ class MemoryHold(Generic[T]):
     def __len__(self) -> int:
         return len(self._held)
 
-    def must_wait(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
-        """The hold is on, no candidate has room for this prompt now, and one would when empty (a prompt
-        larger than every instance's memory would only wait out the bound)."""
-        if self.max_hold_s <= 0 or self._fits(prompt_tokens, candidates):
+    def must_wait(
+        self, prompt_tokens: int, candidates: Sequence[Instance], chain: Sequence[int] = ()
+    ) -> bool:
+        """The hold is on, no candidate has room for this prompt (its whole blocks hash to chain) now, and
+        one would when empty (a prompt larger than every instance's memory would only wait out the bound)."""
+        if self.max_hold_s <= 0 or self._fits(prompt_tokens, chain, candidates):
             return False
         largest = max((i.kv_capacity_tokens or 0 for i in candidates), default=0)
         return prompt_tokens <= largest
 
-    def hold(self, item: T, prompt_tokens: int, candidates: Candidates) -> None:
-        self._held.append(_Held(item, prompt_tokens, candidates, self._clock()))
+    def hold(self, item: T, prompt_tokens: int, candidates: Candidates, chain: Sequence[int] = ()) -> None:
+        self._held.append(_Held(item, prompt_tokens, chain, candidates, self._clock()))
 
     def drop(self, item: T) -> None:
         """item leaves without being released (its client went away, or it stopped waiting)."""
@@ -65,7 +66,8 @@ class MemoryHold(Generic[T]):
         going: list[T] = []
         kept: list[_Held[T]] = []
         for held in self._held:
-            if now - held.since >= self.max_hold_s or self._fits(held.prompt_tokens, held.candidates()):
+            expired = now - held.since >= self.max_hold_s
+            if expired or self._fits(held.prompt_tokens, held.chain, held.candidates()):
                 self._granted += held.prompt_tokens
                 going.append(held.item)
             else:
@@ -77,15 +79,17 @@ class MemoryHold(Generic[T]):
         """A released request was counted in flight on its instance (or gave up): it no longer holds room."""
         self._granted -= prompt_tokens
 
-    def _fits(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
+    def _fits(self, prompt_tokens: int, chain: Sequence[int], candidates: Sequence[Instance]) -> bool:
         """Some candidate's capacity, less its contexts in flight, less what was let go and is not yet in
         flight anywhere (one tally for every instance and model: cautious, and it clears as soon as the
-        released requests start), takes the prompt; an instance whose capacity is unknown always does."""
-        room = max(
-            (
-                i.kv_capacity_tokens - i.active_tokens if i.kv_capacity_tokens else math.inf
-                for i in candidates
-            ),
-            default=math.inf,
-        )
-        return room - self._granted >= prompt_tokens
+        released requests start), takes the part of the prompt it does not hold already; an instance whose
+        capacity is unknown always does."""
+        granted = self._granted
+        for instance in candidates:
+            capacity = instance.kv_capacity_tokens
+            if not capacity:
+                return True
+            room = capacity - instance.active_tokens - granted
+            if room >= prompt_tokens or room >= prompt_tokens - instance.shared_tokens(chain):
+                return True
+        return not candidates

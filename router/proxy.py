@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -355,8 +355,8 @@ class Proxy:
         first_sent: float | None = None  # the client's wait includes the attempts that failed
         self._retry_budget.earn()
         prompt_tokens = prepared.request.prompt_tokens
-        if self._memory_hold.must_wait(prompt_tokens, self._fleet.candidates(model)):
-            await self._hold_for_memory(model, prompt_tokens)
+        if self._memory_hold.must_wait(prompt_tokens, self._fleet.candidates(model), prepared.chain):
+            await self._hold_for_memory(model, prompt_tokens, prepared.chain)
         for attempt in range(self._config.attempts):
             healthy = self._fleet.candidates(model, exclude=frozenset(tried))
             candidates = [i for i in healthy if i.in_flight < self._per_instance_limit]
@@ -475,11 +475,11 @@ class Proxy:
         self._metrics.rejected(code).inc()
         raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
 
-    async def _hold_for_memory(self, model: str, prompt_tokens: int) -> None:
+    async def _hold_for_memory(self, model: str, prompt_tokens: int, chain: Sequence[int]) -> None:
         """Wait until some instance has KV memory for the prompt, or the hold's bound passes."""
         hold, held = self._memory_hold, time.perf_counter()
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        hold.hold(released, prompt_tokens, lambda: self._fleet.candidates(model))
+        hold.hold(released, prompt_tokens, lambda: self._fleet.candidates(model), chain)
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for returns a result that came in the same turn as a
             # cancellation, and the request would go upstream for a client that has gone.

@@ -143,8 +143,8 @@ def simulate(
             release(request)
             return
         outstanding += 1
-        if hold.must_wait(traced.input_tokens, view.instances):
-            hold.hold(request, traced.input_tokens, lambda: view.instances)
+        if hold.must_wait(traced.input_tokens, view.instances, request.chain):
+            hold.hold(request, traced.input_tokens, lambda: view.instances, request.chain)
             return
         dispatch(request)
 

@@ -63,6 +63,23 @@ def test_released_prompts_count_until_they_are_in_flight() -> None:
     assert not hold.must_wait(400, fleet)
 
 
+def test_the_prefix_an_instance_holds_in_flight_takes_no_more_room_there() -> None:
+    """A turn whose conversation so far is in flight on an instance needs room there only for what it adds,
+    as the engine's prefix cache counts it; another prompt of the same length needs room for all of it."""
+    block = 16
+    conversation = list(range(1, 65))  # 1,024 tokens in whole blocks
+    full = instance("a", 1_600)
+    full.start(1_024, 0, chain=conversation)
+    hold = MemoryHold[str](5.0)
+    next_turn = [*conversation, *range(100, 132)]  # 512 tokens more
+    assert not hold.must_wait(len(next_turn) * block, [full], next_turn)
+    assert hold.must_wait(len(next_turn) * block, [full], list(range(200, 296)))
+    held = holding([full], 5.0, ManualClock())
+    held.hold("other", 1_536, lambda: [full], list(range(200, 296)))
+    held.hold("turn", 1_536, lambda: [full], next_turn)
+    assert held.release() == ["turn"]
+
+
 def test_none_is_held_past_the_bound_and_a_leaver_is_dropped() -> None:
     clock = ManualClock()
     hold = holding([instance("a", 1_000, 1_000)], 5.0, clock, ("gone", 100), ("patient", 100))
