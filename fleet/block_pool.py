@@ -8,10 +8,9 @@ hash may be cached in several physical blocks; reusing a cached block announces 
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import msgspec
 
 from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
@@ -39,11 +38,13 @@ class Adapter:
 
 
 class BlockHasher:
-    """A chained sha256 over (parent hash, block tokens), seeded like vLLM's NONE_HASH."""
+    """vLLM's block hash with its default algorithm (`--prefix-caching-hash-algo sha256`): sha256 of the
+    pickled (parent hash, block tokens, extra keys), the first block's parent being NONE_HASH, the hash of
+    the seed (PYTHONHASHSEED on a real instance). The same tokens, seed and keys give the hashes a real vLLM
+    0.32 announces (tests/fleet/test_block_hashes.py checks them against its captured events)."""
 
     def __init__(self, seed: str = "0") -> None:
-        self._none_hash = hashlib.sha256(b"kvroute-fleet-none-hash:" + seed.encode()).digest()
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._none_hash = _sha256(seed)
 
     def chain(
         self,
@@ -54,17 +55,21 @@ class BlockHasher:
         lora: Adapter | None = None,
     ) -> list[bytes]:
         """salt: vLLM's cache_salt, mixed into a sequence's first block only (parent None); lora: the adapter
-        the request runs with, mixed into every block. The same keys as vLLM's (the order differs: these
-        hashes are the simulation's own; only the events' extra keys must be vLLM's)."""
+        the request runs with, mixed into every block, as vLLM keys it by name and path (a simulated adapter
+        has no path: its name stands for it)."""
         hashes: list[bytes] = []
+        lora_keys: list[tuple[str, ...]] = [] if lora is None else [("lora", lora.name, lora.name)]
         for start in range(0, len(token_ids) - block_size + 1, block_size):
-            block = token_ids[start : start + block_size]
-            extra: list[object] = [salt] if salt and parent is None else []
-            if lora is not None:
-                extra.append(("lora", lora.name))
-            parent = hashlib.sha256(self._encode((parent or self._none_hash, block, *extra))).digest()
+            block = tuple(token_ids[start : start + block_size])
+            keys = [*lora_keys, ("cache_salt", salt)] if salt and parent is None else lora_keys
+            parent = _sha256((parent or self._none_hash, block, tuple(keys) if keys else None))
             hashes.append(parent)
         return hashes
+
+
+def _sha256(value: object) -> bytes:
+    """vllm.utils.hashing.sha256."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
 class BlockPool:
