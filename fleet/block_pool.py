@@ -10,7 +10,10 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import cbor2
 
 from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
@@ -30,21 +33,23 @@ class NoFreeBlocks(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
-    """A LoRA adapter an instance serves: its name, as requests give it, and vLLM's id, 1 up in the order
-    of --lora-modules."""
+    """A LoRA adapter an instance serves: its name, as requests give it, vLLM's id, 1 up in the order of
+    --lora-modules, and the path given there (no weights are read; vLLM keys blocks by name and path)."""
 
     name: str
     id: int
+    path: str = ""
 
 
 class BlockHasher:
-    """vLLM's block hash with its default algorithm (`--prefix-caching-hash-algo sha256`): sha256 of the
-    pickled (parent hash, block tokens, extra keys), the first block's parent being NONE_HASH, the hash of
-    the seed (PYTHONHASHSEED on a real instance). The same tokens, seed and keys give the hashes a real vLLM
-    0.32 announces (tests/fleet/test_block_hashes.py checks them against its captured events)."""
+    """vLLM's block hash (`--prefix-caching-hash-algo`, sha256 or sha256_cbor): the hash of the serialized
+    (parent hash, block tokens, extra keys), the first block's parent being NONE_HASH, the hash of the seed
+    (PYTHONHASHSEED on a real instance). The same tokens, seed and keys give the hashes a real vLLM 0.32
+    announces (tests/fleet/test_block_hashes.py)."""
 
-    def __init__(self, seed: str = "0") -> None:
-        self._none_hash = _sha256(seed)
+    def __init__(self, seed: str = "0", algorithm: str = "sha256") -> None:
+        self.algorithm, self._hash = algorithm, HASH_ALGORITHMS[algorithm]
+        self._none_hash = self._hash(seed)
 
     def chain(
         self,
@@ -55,21 +60,28 @@ class BlockHasher:
         lora: Adapter | None = None,
     ) -> list[bytes]:
         """salt: vLLM's cache_salt, mixed into a sequence's first block only (parent None); lora: the adapter
-        the request runs with, mixed into every block, as vLLM keys it by name and path (a simulated adapter
-        has no path: its name stands for it)."""
+        the request runs with, mixed into every block by name and path (its name when it has no path)."""
         hashes: list[bytes] = []
-        lora_keys: list[tuple[str, ...]] = [] if lora is None else [("lora", lora.name, lora.name)]
+        lora_keys = [] if lora is None else [("lora", lora.name, lora.path or lora.name)]
         for start in range(0, len(token_ids) - block_size + 1, block_size):
             block = tuple(token_ids[start : start + block_size])
             keys = [*lora_keys, ("cache_salt", salt)] if salt and parent is None else lora_keys
-            parent = _sha256((parent or self._none_hash, block, tuple(keys) if keys else None))
+            parent = self._hash((parent or self._none_hash, block, tuple(keys) if keys else None))
             hashes.append(parent)
         return hashes
 
 
 def _sha256(value: object) -> bytes:
-    """vllm.utils.hashing.sha256."""
+    """vllm.utils.hashing.sha256: of the pickled value."""
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(value: object) -> bytes:
+    """vllm.utils.hashing.sha256_cbor: of the canonical CBOR encoding, the same in any language."""
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+HASH_ALGORITHMS: dict[str, Callable[[object], bytes]] = {"sha256": _sha256, "sha256_cbor": _sha256_cbor}
 
 
 class BlockPool:

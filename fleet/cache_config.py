@@ -19,9 +19,12 @@ _VLLM_DEFAULTS = {
 }  # fmt: skip
 
 
-def cache_config_labels(num_blocks: int, block_size: int, engine: int = 0) -> dict[str, str]:
+def cache_config_labels(
+    num_blocks: int, block_size: int, engine: int = 0, hash_algorithm: str = "sha256"
+) -> dict[str, str]:
     return {
         **_VLLM_DEFAULTS,
+        "prefix_caching_hash_algo": hash_algorithm,
         "block_size": str(block_size),
         "effective_attention_block_size": str(block_size),
         "engine": str(engine),

@@ -71,7 +71,7 @@ class Engine:
         self.pool = pool
         self.timing = timing
         self.stats = EngineStats()
-        self._hasher = hasher
+        self.hasher = hasher
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._wake = asyncio.Event()
@@ -105,7 +105,7 @@ class Engine:
             num_prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
             sample=sample,
-            block_hashes=self._hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt, lora=lora),
+            block_hashes=self.hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt, lora=lora),
             cache_salt=cache_salt,
             lora=lora,
         )
@@ -227,7 +227,7 @@ class Engine:
         while len(seq.block_hashes) < num_full:  # hashes of blocks filled by generated tokens
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             start = len(seq.block_hashes) * block_size
-            seq.block_hashes += self._hasher.chain(
+            seq.block_hashes += self.hasher.chain(
                 seq.token_ids[start : start + block_size], block_size, parent, seq.cache_salt, seq.lora
             )
         first = seq.num_cached_blocks

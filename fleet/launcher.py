@@ -32,10 +32,11 @@ class FleetOptions:
     event_encoding: str = "map"
     int_hashes: bool = True
     hash_seed: str = "0"
+    hash_algorithm: str = "sha256"  # vLLM's --prefix-caching-hash-algo: sha256 or sha256_cbor
     name_prefix: str = "fleet-"
     first_index: int = 0
     drop_events: float = 0.0  # share of event batches not published live (replay still has them)
-    lora_modules: tuple[str, ...] = ()  # names of the LoRA adapters every instance serves
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters every instance serves
     api_key: str | None = None  # what every instance requires on /v1, as vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # as vLLM's option
     # Engines per instance behind its one API server (vllm serve --data-parallel-size); rank R of instance I
@@ -61,7 +62,7 @@ async def run_fleet(
                 engine = Engine(
                     BlockPool(options.kv_blocks, options.block_size, options.int_hashes),
                     options.timing,
-                    BlockHasher(options.hash_seed),
+                    BlockHasher(options.hash_seed, options.hash_algorithm),
                 )
                 offset = index * options.data_parallel_size + rank
                 publisher = EventPublisher(
@@ -86,7 +87,9 @@ async def run_fleet(
                 options.max_model_len,
                 int(time.time()),
                 root=str(options.tokenizer_path),
-                adapters=tuple(Adapter(name, id) for id, name in enumerate(options.lora_modules, start=1)),
+                adapters=tuple(
+                    Adapter(name, id, path) for id, (name, path) in enumerate(options.lora_modules, start=1)
+                ),
                 api_key=options.api_key,
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
             )

@@ -334,7 +334,7 @@ class _EngineCollector:
             for rank, value in enumerate(samples):
                 metric.add_metric([instance.model_name, str(rank)], value)
             yield metric
-        configs = [cache_config_labels(e.pool.num_blocks, e.pool.block_size, rank)
+        configs = [cache_config_labels(e.pool.num_blocks, e.pool.block_size, rank, e.hasher.algorithm)
                    for rank, e in enumerate(instance.engines)]  # fmt: skip
         cache = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(configs[0])

@@ -81,10 +81,11 @@ def _fleet(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         event_encoding=args.event_encoding,
         int_hashes=args.hash_type == "int",
+        hash_algorithm=args.prefix_caching_hash_algo,
         name_prefix=args.name_prefix,
         first_index=args.first_index,
         drop_events=args.drop_events,
-        lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
+        lora_modules=tuple((name, path) for name, _, path in (m.partition("=") for m in args.lora_modules)),
         api_key=args.api_key,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         data_parallel_size=args.data_parallel_size,
@@ -243,6 +244,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument("--event-encoding", choices=["map", "array"], default="map")
     fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int")
+    fleet.add_argument(
+        "--prefix-caching-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256",
+        help="block hash algorithm, as vLLM's option (PYTHONHASHSEED 0)",
+    )  # fmt: skip
     fleet.add_argument("--name-prefix", default="fleet-")
     fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")
     fleet.add_argument(

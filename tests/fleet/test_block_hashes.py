@@ -6,6 +6,7 @@ instance's."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import msgspec
 import pytest
 
 from fleet.block_pool import BlockHasher, BlockPool
+from kvroute.processes import FleetPorts, running_fleet
 from router.kv_events import BlockStored, EventDecoder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
@@ -64,3 +66,12 @@ def test_a_cache_salt_keys_the_first_block_as_vllm_does() -> None:
         announced = [h for event in events for h in event.block_hashes]
         assert announced and [pool.wire_hash(h) for h in ours[: len(announced)]] == announced
     assert hasher.chain(plain["prompt_token_ids"], 32)[0] != hasher.chain(salted["prompt_token_ids"], 32, salt="x")[0]
+
+
+def test_the_fleet_hashes_with_the_algorithm_it_is_given_and_says_which(tmp_path: Path) -> None:
+    ports = FleetPorts.allocate(1)
+    with running_fleet(ports, tmp_path, ["--prefix-caching-hash-algo", "sha256_cbor"]):
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports.http}/metrics", timeout=10).read().decode()
+    assert 'prefix_caching_hash_algo="sha256_cbor"' in metrics
+    tokens = list(range(1, 40))
+    assert BlockHasher("0", "sha256_cbor").chain(tokens, 16) != BlockHasher("0").chain(tokens, 16)
