@@ -253,6 +253,11 @@ def _workload(options: LiveOptions, fleet: Fleet, trace: Trace | None) -> LiveWo
     return TraceWorkload(plan, options.rate)
 
 
+# What vllm-router asks of vLLM for kv_aware (sha256_cbor, whole 32-byte hashes; the fleet's seed is
+# PYTHONHASHSEED 0): every target gets the fleet as vllm-router's documentation sets vLLM up.
+VLLM_ROUTER_HASHING = ("--prefix-caching-hash-algo", "sha256_cbor", "--hash-type", "bytes")
+
+
 def _fleet_args(options: LiveOptions, trace: Trace | None) -> tuple[str, ...]:
     if options.fleet_args is not None or trace is None:
         return options.fleet_args or ()
@@ -268,7 +273,7 @@ def _fleet(options: LiveOptions, args: Sequence[str], log_dir: Path, console: Co
         return
     ports = FleetPorts.allocate(options.fleet_instances)
     console.print(f"starting {options.fleet_instances} simulated vLLM instances ...")
-    with running_fleet(ports, log_dir, args):
+    with running_fleet(ports, log_dir, [*VLLM_ROUTER_HASHING, *args]):
         raw = ports.router_config()
         yield Fleet(parse_config(raw), raw)
 
