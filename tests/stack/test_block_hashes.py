@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from fleet.block_pool import HASH_ALGORITHMS, Adapter, BlockHasher
-from tests.stack.test_template_rendering import stack_python
+from kvroute.stack_config import load_stack_config
+from tests.stack.conftest import CONFIG, REPO
 
 pytestmark = pytest.mark.stack
 
@@ -31,7 +32,7 @@ def test_the_fleet_hashes_blocks_as_the_installed_vllm_does() -> None:
                                    (48, ["sql", "/adapters/sql"], "tenant-b")]
     ]  # fmt: skip
     answer = subprocess.run(
-        [str(stack_python()), str(Path(__file__).with_name("vllm_block_hashes.py"))],
+        [str(load_stack_config(CONFIG).python_path(REPO)), str(Path(__file__).with_name("vllm_block_hashes.py"))],
         input=json.dumps({"block_size": BLOCK, "cases": cases}), capture_output=True, text=True,
         timeout=300, check=True, env={**os.environ, "PYTHONHASHSEED": SEED},
     )  # fmt: skip
