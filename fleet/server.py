@@ -273,7 +273,7 @@ async def _models(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
     card = model_card(instance.model_name, instance.root, instance.max_model_len, instance.created)
     adapters = [  # as vLLM lists them: the base as parent, no max_model_len
-        model_card(a.name, a.name, None, instance.created, parent=instance.model_name)
+        model_card(a.name, a.path or a.name, None, instance.created, parent=instance.model_name)
         for a in instance.adapters
     ]
     return _json_response({"object": "list", "data": [card, *adapters]})

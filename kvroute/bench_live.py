@@ -202,7 +202,7 @@ def run_live_bench(options: LiveOptions, console: Console | None = None) -> Live
     console = console or Console(width=None if Console().is_terminal else 160)
     parse_targets(options.targets, default_policy="")  # a typo fails before anything starts
     trace = None if options.trace is None else resolve_trace(options.trace, options.requests, options.rate)
-    fleet_args = () if options.config else _fleet_args(options, trace)
+    fleet_args = () if options.config else (*VLLM_ROUTER_HASHING, *_fleet_args(options, trace))
     with contextlib.ExitStack() as stack:
         log_dir = options.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlive-")))
         fleet = stack.enter_context(_fleet(options, fleet_args, log_dir, console))
@@ -273,7 +273,7 @@ def _fleet(options: LiveOptions, args: Sequence[str], log_dir: Path, console: Co
         return
     ports = FleetPorts.allocate(options.fleet_instances)
     console.print(f"starting {options.fleet_instances} simulated vLLM instances ...")
-    with running_fleet(ports, log_dir, [*VLLM_ROUTER_HASHING, *args]):
+    with running_fleet(ports, log_dir, args):
         raw = ports.router_config()
         yield Fleet(parse_config(raw), raw)
 

@@ -6,8 +6,9 @@ anywhere and some instance has room: one queue for the fleet instead of one per 
 made on fresher state. A request that fits passes those that do not (first fit: in simulation, letting
 nothing pass the oldest cost more than it saved), and none is held longer than the bound, after which it is
 routed as if there were no hold (the proxy times each hold; the simulation, which has no timers, lets an
-expired one go at the next request's end). Room is counted as the engine counts it: the part of a prompt
-that requests in flight on an instance already hold takes no more memory there (router/held_blocks.py).
+expired one go at the next request's end). Room is counted about as the engine counts it: the part of a
+prompt that requests in flight on an instance already hold takes no more memory there, in grains of ~512
+tokens (router/held_blocks.py); what was let go counts whole until it is in flight (cautious).
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ def stored_events(capture: str, seqs: set[int] | None = None) -> list[BlockStore
     ]
 
 
-@pytest.mark.parametrize("capture, as_int", [("events_bytes.msgpack", False), ("events_int.msgpack", True)])
+@pytest.mark.parametrize("capture, as_int", [("bytes", False), ("int", True)])
 def test_every_block_a_real_vllm_stored_hashes_alike(capture: str, as_int: bool) -> None:
-    seed = json.loads((FIXTURES / "capture_bytes.json").read_text())["env"]["PYTHONHASHSEED"]
+    seed = json.loads((FIXTURES / f"capture_{capture}.json").read_text())["env"]["PYTHONHASHSEED"]
     hasher, pool = BlockHasher(seed), BlockPool(2, 32, int_hashes=as_int)
-    events = stored_events(capture)
+    events = stored_events(f"events_{capture}.msgpack")
     assert events
     checked = 0
     for event in events:

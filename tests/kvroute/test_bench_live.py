@@ -11,6 +11,7 @@ import yaml
 
 from kvroute.bench_live import (
     DEFAULT_TARGETS,
+    VLLM_ROUTER_HASHING,
     LiveOptions,
     LiveReport,
     Target,
@@ -113,7 +114,8 @@ def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
     workload = written["workload"]
     assert workload["mode"] == "trace" and workload["trace"] == "agentic-0" and workload["requests"] == 16
     assert {"rate", "sessions", "block_tokens", "trace_block_tokens", "max_tokens", "title", "fleet_args"} <= set(workload)
-    assert workload["fleet_args"] == ["--prefill-tps", "2000"]  # scaled: 32 of 512 tokens per hash id
+    # hashed as vllm-router asks of vLLM; scaled: 32 of 512 tokens per hash id
+    assert workload["fleet_args"] == [*VLLM_ROUTER_HASHING, "--prefill-tps", "2000"]
     fields = {f.name for f in dataclasses.fields(TargetResult)}
     assert [t["target"] for t in written["targets"]] == [
         t if ":" in t else f"{t}:kvroute" for t in DEFAULT_TARGETS

@@ -92,7 +92,7 @@ def test_none_is_held_past_the_bound_and_a_leaver_is_dropped() -> None:
 
 def test_the_proxy_holds_a_prompt_until_the_one_filling_memory_ends(tmp_path: Path) -> None:
     """One instance of 16 blocks of 32 tokens (512): a 300-token stream is in flight, so a second 300-token
-    prompt waits in the router, not at the engine, until the stream ends."""
+    prompt, sharing none of its blocks, waits in the router, not at the engine, until the stream ends."""
     ports = FleetPorts.allocate(1)
     with running_fleet(ports, tmp_path, ["--kv-blocks", "16", "--decode-tps", "20"]):
         config = ports.router_config(admission={"memory_hold_s": 30})
@@ -111,7 +111,7 @@ def test_the_proxy_holds_a_prompt_until_the_one_filling_memory_ends(tmp_path: Pa
                     target=post,
                     args=(
                         url + "/v1/completions",
-                        json.dumps({**stream, "stream": False, "max_tokens": 1}).encode(),
+                        json.dumps({**stream, "prompt": [6] * 300, "stream": False, "max_tokens": 1}).encode(),
                     ),
                 )
                 second.start()
