@@ -82,6 +82,7 @@ def _fleet(args: argparse.Namespace) -> int:
         event_encoding=args.event_encoding,
         int_hashes=args.hash_type == "int",
         hash_algorithm=args.prefix_caching_hash_algo,
+        hash_seed=args.hash_seed,
         name_prefix=args.name_prefix,
         first_index=args.first_index,
         drop_events=args.drop_events,
@@ -246,7 +247,11 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int")
     fleet.add_argument(
         "--prefix-caching-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256",
-        help="block hash algorithm, as vLLM's option (PYTHONHASHSEED 0)",
+        help="block hash algorithm, as vLLM's option",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--hash-seed", default="0",
+        help="what NONE_HASH hashes, as vLLM's PYTHONHASHSEED (unset, vLLM uses vllm-none-hash)",
     )  # fmt: skip
     fleet.add_argument("--name-prefix", default="fleet-")
     fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")

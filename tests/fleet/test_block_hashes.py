@@ -12,10 +12,12 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from fleet.block_pool import BlockHasher, BlockPool
 from kvroute.processes import FleetPorts, running_fleet
 from router.kv_events import BlockStored, EventDecoder
+from tests.router.test_proxy import post
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
@@ -68,10 +70,28 @@ def test_a_cache_salt_keys_the_first_block_as_vllm_does() -> None:
     assert hasher.chain(plain["prompt_token_ids"], 32)[0] != hasher.chain(salted["prompt_token_ids"], 32, salt="x")[0]
 
 
-def test_the_fleet_hashes_with_the_algorithm_it_is_given_and_says_which(tmp_path: Path) -> None:
+def test_the_fleet_announces_blocks_hashed_with_the_algorithm_and_seed_it_is_given(tmp_path: Path) -> None:
     ports = FleetPorts.allocate(1)
-    with running_fleet(ports, tmp_path, ["--prefix-caching-hash-algo", "sha256_cbor"]):
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports.http}/metrics", timeout=10).read().decode()
+    context = zmq.Context()
+    events = context.socket(zmq.SUB)
+    events.connect(f"tcp://127.0.0.1:{ports.events}")
+    events.setsockopt(zmq.SUBSCRIBE, b"")
+    args = ["--prefix-caching-hash-algo", "sha256_cbor", "--hash-seed", "7", "--hash-type", "bytes"]
+    try:
+        with running_fleet(ports, tmp_path, args):
+            base = f"http://127.0.0.1:{ports.http}"
+            metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+            for attempt in range(5):  # a batch published before the subscription took hold is not seen
+                body = {"model": "tiny-llama", "prompt": list(range(10 + attempt, 80)), "max_tokens": 1}
+                assert post(base + "/v1/completions", json.dumps(body).encode())[0] == 200
+                if events.poll(3_000):
+                    break
+            _topic, _seq, payload = events.recv_multipart(zmq.NOBLOCK)
+    finally:
+        events.close(linger=0)
+        context.term()
     assert 'prefix_caching_hash_algo="sha256_cbor"' in metrics
-    tokens = list(range(1, 40))
-    assert BlockHasher("0", "sha256_cbor").chain(tokens, 16) != BlockHasher("0").chain(tokens, 16)
+    first = next(e for e in EventDecoder().decode(payload).events if isinstance(e, BlockStored))
+    assert first.parent_block_hash is None and len(first.block_hashes) >= 2
+    assert first.block_hashes == BlockHasher("7", "sha256_cbor").chain(first.token_ids, 32)
+    assert first.block_hashes != BlockHasher("0", "sha256_cbor").chain(first.token_ids, 32)
