@@ -91,6 +91,7 @@ class MemoryHold(Generic[T]):
             if not capacity:
                 return True
             room = capacity - instance.active_tokens - granted
+            # What requests in flight share of the prompt is looked up only when the whole would not fit.
             if room >= prompt_tokens or room >= prompt_tokens - instance.shared_tokens(chain):
                 return True
         return not candidates
