@@ -22,10 +22,17 @@ from kvroute.traces import Trace
 def rate_for_load(blocks: TraceBlocks, fleet: FleetSpec, load: float, ideal: float) -> float:
     """The rate multiplier at which the prefill a perfect router could not avoid (the ideal cache's
     misses) takes `load` of the fleet's prefill capacity."""
-    requests = blocks.trace.requests
-    tokens_per_s = sum(r.input_tokens for r in requests) / max(blocks.trace.duration_s, 1e-9)
-    capacity = fleet.instances * fleet.engine.prefill_tokens_per_s
-    return load * capacity / (tokens_per_s * (1.0 - ideal))
+    requests, engine = blocks.trace.requests, fleet.engine
+    duration_s = max(blocks.trace.duration_s, 1e-9)
+    misses_per_s = sum(r.input_tokens for r in requests) / duration_s * (1.0 - ideal)
+    if engine.attention_s_per_pair:  # their attention too, as the flat tokens that take as long
+        attention_s = sum(
+            engine.attention_s(hits, request.input_tokens - hits)
+            for request, hits in zip(requests, blocks.ideal_hits, strict=True)
+        )
+        misses_per_s += attention_s * engine.prefill_tokens_per_s / duration_s
+    capacity = fleet.instances * engine.prefill_tokens_per_s
+    return load * capacity / misses_per_s
 
 
 def ttft_floor(blocks: TraceBlocks, fleet: FleetSpec) -> dict[str, float]:
@@ -33,7 +40,7 @@ def ttft_floor(blocks: TraceBlocks, fleet: FleetSpec) -> dict[str, float]:
     before it (one infinite shared cache): its own prefill and nothing else. No router gets below it."""
     engine = fleet.engine
     seconds = [
-        (request.input_tokens - hits) / engine.prefill_tokens_per_s + engine.decode_step_s
+        engine.prefill_s(hits, request.input_tokens - hits) + engine.decode_step_s
         for request, hits in zip(blocks.trace.requests, blocks.ideal_hits, strict=True)
     ]
     return {"p50_s": float(np.percentile(seconds, 50)), "p99_s": float(np.percentile(seconds, 99))}
@@ -82,7 +89,8 @@ class Bench:
         floor = ttft_floor(base, self.fleet)
         title = (f"{trace.name}: {len(trace.requests)} requests at x{rate:.2f} "
                  f"(offered load {offered_load(base, self.fleet, rate, ideal):.2f}), {self.fleet.instances} "
-                 f"instances, pool {'on' if self.fleet.pool else 'off'}; "
+                 f"instances, pool {'on' if self.fleet.pool else 'off'}"
+                 f"{', attention costs on' if self.fleet.engine.attention_s_per_pair else ''}; "
                  f"TTFT floor p50 {floor['p50_s']:.2f} s, p99 {floor['p99_s']:.2f} s")  # fmt: skip
         with self._progress() as progress:
             results = self._runs("", blocks, self.fleet, ideal, progress)

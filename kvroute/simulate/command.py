@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 from kvroute.arguments import non_negative_int, positive_float, positive_int
-from kvroute.simulate.hardware import POOL_PRESETS, EngineSpec, FleetSpec, PoolSpec
+from kvroute.simulate.hardware import (
+    ATTENTION_S_PER_PAIR,
+    DECODE_S_PER_CONTEXT_TOKEN,
+    POOL_PRESETS,
+    EngineSpec,
+    FleetSpec,
+    PoolSpec,
+)
 from kvroute.traces import MOONCAKE_TRACE, Trace, agentic_trace, load_trace
 
 SWEEP_LOADS = (0.3, 0.45, 0.6, 0.75, 0.9)
@@ -32,6 +39,11 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.add_argument(
         "--event-delay", type=float, default=0.05, help="seconds until KV events reach the index"
     )
+    simulate.add_argument(
+        "--attention-cost", choices=["on", "off"], default="off",
+        help="on: a prompt token's prefill and a decode step also cost what reading their context does "
+             "(an 8B model on an H100); off: flat per-token and per-step costs, the reference setup",
+    )  # fmt: skip
     # The whole Mooncake trace (12,031 requests) x 8 policies takes ~30 min on 2 cores: the default keeps
     # a run within 15 minutes; 0 replays everything.
     simulate.add_argument(
@@ -83,9 +95,14 @@ def _run(args: argparse.Namespace) -> int:
         print("the trace needs at least two requests (after --skip)", file=sys.stderr)
         return 2
     pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link]) if args.pool == "on" else None
-    fleet = FleetSpec(
-        instances=args.instances, engine=EngineSpec(), pool=pool, event_delay_s=args.event_delay
+    engine = (
+        EngineSpec(
+            attention_s_per_pair=ATTENTION_S_PER_PAIR, decode_s_per_context_token=DECODE_S_PER_CONTEXT_TOKEN
+        )
+        if args.attention_cost == "on"
+        else EngineSpec()
     )
+    fleet = FleetSpec(instances=args.instances, engine=engine, pool=pool, event_delay_s=args.event_delay)
     from kvroute.simulate.bench import Bench
 
     bench = Bench(fleet, names, Path(args.out))

@@ -1,11 +1,13 @@
 """One simulated vLLM instance: a waiting queue, continuous batching, chunked prefill, a paged prefix
 cache that announces KV events, and, with a pool, loads of the prefix it finds there.
 
-Each engine step decodes one token for every running request and spends up to max_batched_tokens on
-prefill, first come first served; it lasts the longer of its prefill (tokens / prefill rate) and its decode
-step (which grows with the batch). Steps with no prefill run back to back until the next request finishes
-or new work arrives, computed in one event. A request is admitted when its whole prompt and answer fit in
-free blocks (vLLM allocates as it goes and preempts instead; reserving keeps every request's hits exact).
+Each engine step decodes one token for every running request and spends up to max_batched_tokens on prefill,
+first come first served; it lasts the longer of its prefill (tokens / prefill rate, plus, with attention
+costs, what each token's attention to the context before it takes) and its decode step (which grows with the
+batch and, with attention costs, with the contexts it reads). Steps with no prefill run back to back until the
+next request finishes or new work arrives, computed in one event. A request is admitted when its whole prompt
+and answer fit in free blocks (vLLM allocates as it goes and preempts instead; reserving keeps every request's
+hits exact).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class Engine:
     def _step(self) -> None:
         self._admit()
         now, spec = self._loop.now, self.spec
-        budget, prefill_tokens = spec.max_batched_tokens, 0
+        budget, prefill_tokens, attention_s = spec.max_batched_tokens, 0, 0.0
         self._chunks = []
         for request in self._prefilling:
             if budget <= 0:
@@ -124,14 +126,23 @@ class Engine:
             self._chunks.append((request, chunk))
             budget -= chunk
             prefill_tokens += chunk
+            attention_s += spec.attention_s(request.trace.input_tokens - request.prefill_left, chunk)
         decoding = len(self._decoding)
         if not prefill_tokens and not decoding:
             self._stepping = False
             return
         self._stepping = True
         decode_s = spec.decode_step_s + spec.decode_step_s_per_seq * decoding if decoding else 0.0
+        if decoding and spec.decode_s_per_context_token:
+            # The contexts as the run starts: a run of steps adds a token per request and step, a few
+            # percent of contexts this long, left out.
+            decode_s += spec.decode_s_per_context_token * sum(
+                r.trace.input_tokens + r.trace.output_tokens - r.decode_left for r in self._decoding
+            )
         if prefill_tokens:
-            self._schedule_end(now, max(prefill_tokens / spec.prefill_tokens_per_s, decode_s), 1)
+            self._schedule_end(
+                now, max(prefill_tokens / spec.prefill_tokens_per_s + attention_s, decode_s), 1
+            )
         else:
             self._schedule_end(now, decode_s, min(r.decode_left for r in self._decoding))
 

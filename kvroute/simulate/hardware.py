@@ -11,12 +11,23 @@ from dataclasses import dataclass
 # (32 layers x 8 KV heads x 128 x 2 x fp16): RDMA at ~200 Gb/s moves ~25 GB/s, TCP at ~25 Gb/s ~3 GB/s.
 POOL_PRESETS: dict[str, float] = {"rdma": 5e-6, "tcp": 4e-5}
 
+# What a token's context costs the engine, for the same model on an H100 (`--attention-cost on`; the
+# reference runs leave it out). A prompt token attends to every token before it: 4 x 32 layers x 4096
+# FLOPs a pair, ~1e-9 s at ~520 TFLOP/s (about half the dense BF16 peak, what FlashAttention reaches on
+# long sequences), so at 80K tokens of context a prefilled token costs 2.6x the flat 50 us. A decode step
+# reads every running context's KV: 128 KiB a token at ~3 TB/s of HBM, ~4.4e-8 s, so 400K tokens in flight
+# add ~18 ms to a 12 ms step.
+ATTENTION_S_PER_PAIR = 1e-9
+DECODE_S_PER_CONTEXT_TOKEN = 4.4e-8
+
 
 @dataclass(frozen=True)
 class EngineSpec:
     prefill_tokens_per_s: float = 20_000.0
     decode_step_s: float = 0.012  # one decode step of a small batch
-    decode_step_s_per_seq: float = 5e-5  # grows with the batch (attention over every running context)
+    decode_step_s_per_seq: float = 5e-5  # grows with the batch
+    decode_s_per_context_token: float = 0.0  # and with the contexts it reads (0: the flat reference)
+    attention_s_per_pair: float = 0.0  # prefill: per (token, earlier token) pair (0: the flat reference)
     kv_blocks: int = 25_000  # 400K tokens
     block_size: int = 16
     max_num_seqs: int = 256
@@ -26,6 +37,14 @@ class EngineSpec:
     @property
     def kv_tokens(self) -> int:
         return self.kv_blocks * self.block_size
+
+    def prefill_s(self, start: int, tokens: int) -> float:
+        """Computing `tokens` prompt tokens after `start` already in the cache."""
+        return tokens / self.prefill_tokens_per_s + self.attention_s(start, tokens)
+
+    def attention_s(self, start: int, tokens: int) -> float:
+        """Their attention beyond the flat rate: each attends to itself and every token before it."""
+        return self.attention_s_per_pair * tokens * (start + (tokens + 1) / 2)
 
 
 @dataclass(frozen=True)

@@ -249,12 +249,12 @@ def tail_of(done: list[SimRequest], fleet: FleetSpec) -> dict[str, float]:
     second to be admitted."""
     if not done:
         return {}
-    slowest = sorted(done, key=lambda r: r.first_token_s - r.sent_s)[-max(len(done) // 100, 1):]
-    size, rate = fleet.engine.block_size, fleet.engine.prefill_tokens_per_s
+    slowest = sorted(done, key=lambda r: r.first_token_s - r.sent_s)[-max(len(done) // 100, 1) :]
+    engine = fleet.engine
 
     def own(request: SimRequest) -> float:
-        reused = (request.local_hit_blocks + request.pool_hit_blocks) * size
-        return (request.trace.input_tokens - reused) / rate
+        reused = (request.local_hit_blocks + request.pool_hit_blocks) * engine.block_size
+        return engine.prefill_s(reused, request.trace.input_tokens - reused)
 
     admission = [r.admitted_s - r.sent_s for r in slowest]
     after = [r.first_token_s - r.admitted_s for r in slowest]

@@ -9,7 +9,7 @@ import pytest
 
 from fleet.block_pool import BlockPool
 from kvroute.cli import main
-from kvroute.simulate.bench import ttft_floor
+from kvroute.simulate.bench import rate_for_load, ttft_floor
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.engine import POOL_MEDIUM, Engine, SimRequest
@@ -330,3 +330,39 @@ def test_kvroute_confirms_pool_credit_with_the_routers_own_confirmer() -> None:
     pool.write(range(10**6, 10**6 + pool.capacity))  # evicts every block of the prompt, telling no one
     assert len(route_at(1.0)) == 20  # the answer of a second ago stands
     assert route_at(2.5) == []  # asked again: gone, and forgotten
+
+
+def test_attention_costs_grow_prefill_with_position_and_decode_with_context() -> None:
+    """One 20,000-token prompt alone, prefilled in three chunks: with attention costs, each token also
+    pays for every token before it and itself; each decode step for the context it reads."""
+    prompt, answer = 20_000, 50
+    blocks = TraceBlocks(Trace("one", 32, (TraceRequest(0.0, prompt, answer, tuple(range(625))),)), 16)
+    flat = EngineSpec(kv_blocks=2_000)
+    costly = replace(flat, attention_s_per_pair=1e-9, decode_s_per_context_token=4e-8)
+    runs = {}
+    for name, engine in (("flat", flat), ("costly", costly)):
+        runs[name] = simulate(blocks, FleetSpec(1, engine, None, event_delay_s=0.01), _Fixed(0), 0.0)
+    pairs = prompt * (prompt + 1) / 2  # the chunks' positions add up to the whole prompt's
+    assert runs["flat"].ttft_p50_s == pytest.approx(prompt / flat.prefill_tokens_per_s)
+    assert runs["costly"].ttft_p50_s == pytest.approx(prompt / flat.prefill_tokens_per_s + 1e-9 * pairs)
+    assert costly.prefill_s(0, prompt) == pytest.approx(runs["costly"].ttft_p50_s)
+    step = flat.decode_step_s + flat.decode_step_s_per_seq
+    decode = {name: run.e2e_p50_s - run.ttft_p50_s for name, run in runs.items()}
+    assert decode["flat"] == pytest.approx((answer - 1) * step)
+    # The context as the run of steps starts: the prompt and the first token.
+    assert decode["costly"] == pytest.approx((answer - 1) * (step + 4e-8 * (prompt + 1)))
+
+
+def test_attention_costs_raise_the_floor_and_lower_the_rate_for_a_load() -> None:
+    trace = _trace((0, 4_000, tuple(range(125))), (10, 4_000, tuple(range(200, 325))))
+    blocks = TraceBlocks(trace, 16)
+    flat = FleetSpec(1, EngineSpec(), None)
+    costly = FleetSpec(1, EngineSpec(attention_s_per_pair=1e-9), None)
+    assert ttft_floor(blocks, costly)["p50_s"] == pytest.approx(
+        ttft_floor(blocks, flat)["p50_s"] + 1e-9 * 4_000 * 4_001 / 2
+    )
+    work_flat = 8_000 / flat.engine.prefill_tokens_per_s
+    work_costly = work_flat + 2 * 1e-9 * 4_000 * 4_001 / 2
+    assert rate_for_load(blocks, costly, 0.7, 0.0) == pytest.approx(
+        rate_for_load(blocks, flat, 0.7, 0.0) * work_flat / work_costly
+    )
