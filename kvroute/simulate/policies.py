@@ -63,7 +63,8 @@ class SimPolicy:
 
 def priors_for(fleet: FleetSpec) -> TTFTPriors:
     """The TTFT priors an operator would configure for this hardware (kvroute's defaults are for the
-    simulated CPU fleet): the engine's prefill rate, the pool's load rate, a decode step as the overhead."""
+    simulated CPU fleet): the engine's prefill rate and attention cost, the pool's load rate, a decode step as
+    the overhead."""
     engine = fleet.engine
     per_token = 1.0 / engine.prefill_tokens_per_s
     return TTFTPriors(
@@ -72,6 +73,7 @@ def priors_for(fleet: FleetSpec) -> TTFTPriors:
         prefill_s_per_token=per_token,
         load_s_per_token=fleet.pool.load_s_per_token if fleet.pool is not None else per_token,
         decode_s_per_token=engine.decode_step_s,
+        attention_s_per_pair=engine.attention_s_per_pair,
     )
 
 

@@ -107,10 +107,46 @@ def test_priors_out_of_scale_keep_the_rates_instead_of_failing_every_request(pri
 def test_features_reuse_whole_blocks_and_never_the_last_token() -> None:
     request = RoutingRequest("m", prompt_tokens=100, prompt_blocks=3, block_size=32,
                              matches={"a": TierMatch(gpu=1, pool=2), "b": TierMatch(gpu=3)})  # fmt: skip
-    assert features_for(request, Fake("a", pending_prefill_tokens=7)) == TTFTFeatures(7, 100 - 96, 64)
+    # Computed tokens attend to the reused ones before them and to each other: n x (reused + (n + 1) / 2).
+    assert features_for(request, Fake("a", pending_prefill_tokens=7)) == TTFTFeatures(
+        7, 100 - 96, 64, attention_pairs=4 * (96 + 2.5)
+    )
     exact = RoutingRequest("m", prompt_tokens=96, prompt_blocks=3, block_size=32, matches=request.matches)
-    assert features_for(exact, Fake("b")) == TTFTFeatures(0, 32, 0)  # the last block is computed again
-    assert features_for(exact, Fake("c")) == TTFTFeatures(0, 96, 0)
+    # the last block is computed again
+    assert features_for(exact, Fake("b")) == TTFTFeatures(0, 32, 0, attention_pairs=32 * (64 + 16.5))
+    assert features_for(exact, Fake("c")) == TTFTFeatures(0, 96, 0, attention_pairs=96 * 48.5)
+
+
+def test_calibration_learns_what_attention_to_a_long_context_costs() -> None:
+    """An engine whose prefill slows with the context before it (each computed token reads every earlier
+    one): the same new tokens after a 30K-token cached prefix cost more than after none. The attention
+    term, on with a prior 5x off, learns it; left out (its prior 0, the default), the prefill rate becomes an
+    average that is wrong for both."""
+    rng = random.Random(5)
+    per_pair = 5e-9
+
+    def observed(f: TTFTFeatures) -> float:
+        return true_seconds(f) + per_pair * f.attention_pairs
+
+    def sample() -> TTFTFeatures:
+        uncached, kept = rng.randrange(1, 4096), rng.choice([0, rng.randrange(32_768)])
+        return TTFTFeatures(0, uncached, 0, attention_pairs=uncached * (kept + (uncached + 1) / 2))
+
+    model, flat = TTFTModel(TTFTPriors(attention_s_per_pair=per_pair / 5)), TTFTModel(TTFTPriors())
+    for _ in range(300):
+        features = sample()
+        seconds = observed(features) * rng.uniform(0.95, 1.05)
+        model.observe(features, seconds)
+        flat.observe(features, seconds)
+    assert model.rates["attention"] == pytest.approx(per_pair, rel=0.1)
+    assert model.rates["prefill"] == pytest.approx(TRUE_RATES["prefill"], rel=0.1)
+    after_long = TTFTFeatures(0, 2000, 0, attention_pairs=2000 * (30_000 + 1000.5))
+    after_none = TTFTFeatures(0, 2000, 0, attention_pairs=2000 * 1000.5)
+    for features in (after_long, after_none):
+        assert model.predict(features) == pytest.approx(observed(features), rel=0.05)
+    assert flat.rates["attention"] == 0.0
+    assert flat.predict(after_long) < 0.8 * observed(after_long)
+    assert flat.predict(after_none) > 1.05 * observed(after_none)
 
 
 @pytest.mark.parametrize(
