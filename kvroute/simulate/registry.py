@@ -68,10 +68,33 @@ def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
     return ConfiguredPolicy("kvroute+memory-hold", config, "kvroute")
 
 
+def _with_context_load(
+    name: str, tokens_weight: float, requests_weight: float
+) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default with in-flight load counted in context tokens at tokens_weight, and in requests at
+    requests_weight (0: left out)."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        config = router_config(fleet)
+        scorers = [spec for spec in config.policies["kvroute"].scorers if spec.type != "inflight-load"]
+        scorers.append(
+            ScorerSpec(type="inflight-load", weight=tokens_weight, params={"count": "context_tokens"})
+        )
+        if requests_weight:
+            scorers.append(ScorerSpec(type="inflight-load", weight=requests_weight))
+        config.policies[name] = PolicyConfig(scorers=scorers)
+        return ConfiguredPolicy(name, config, name)
+
+    return make
+
+
 # Variants of kvroute's own configuration, run only when named: what an operator could change.
 EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-priors": _configured("kvroute-priors", "kvroute", calibrate=False),
     "token-cost": _configured("token-cost", "token-cost", calibrate=False),
     "kvroute+kv-usage": _with_kv_usage,
     "kvroute+memory-hold": _with_memory_hold,
+    "kvroute+context-load": _with_context_load("kvroute+context-load", 0.3, 0.0),
+    "kvroute+both-load": _with_context_load("kvroute+both-load", 0.3, 0.3),
+    "kvroute+both-load-half": _with_context_load("kvroute+both-load-half", 0.15, 0.3),
 }

@@ -13,8 +13,6 @@ from tests.scorers.candidates import Fake
 REQUEST = RoutingRequest(model="m")
 
 
-
-
 def fleet(*loads: int) -> list[Fake]:
     return [Fake(f"i{n}", load) for n, load in enumerate(loads)]
 
@@ -30,8 +28,22 @@ def fleet(*loads: int) -> list[Fake]:
         ((), []),
     ],
 )
-def test_inflight_load_normalizes_between_least_and_most_loaded(loads: tuple[int, ...], expected: list[float]) -> None:
+def test_inflight_load_normalizes_between_least_and_most_loaded(
+    loads: tuple[int, ...], expected: list[float]
+) -> None:
     assert InflightLoadScorer(InflightLoadParams()).score(REQUEST, fleet(*loads)) == expected
+
+
+def test_inflight_load_counting_context_tokens_prefers_less_context_over_fewer_requests() -> None:
+    """Two long agent turns in flight against five short chats: by requests the long ones' instance is the
+    less loaded; by the context every decode step there reads, it is the more."""
+    long_turns, short_chats = (
+        Fake("long", in_flight=2, active_tokens=160_000),
+        Fake("short", 5, active_tokens=5_000),
+    )
+    tokens = InflightLoadScorer(InflightLoadParams(count="context_tokens"))
+    assert tokens.score(REQUEST, [long_turns, short_chats]) == [0.0, 1.0]
+    assert InflightLoadScorer(InflightLoadParams()).score(REQUEST, [long_turns, short_chats]) == [1.0, 0.0]
 
 
 def test_round_robin_gives_each_candidate_its_turn() -> None:
