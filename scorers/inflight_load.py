@@ -1,5 +1,5 @@
 """In-flight load: fewer requests in flight through this router scores higher, or, counting context tokens,
-less context in flight (what every decode step there reads).
+less context in flight (the KV they hold, a shared prefix once: roughly what decode steps there read).
 
 Scores are (max - n) / (max - min) over the candidates, as llm-d's queue scorer normalizes queue depth;
 when all candidates carry the same load, all score 1.
@@ -27,5 +27,6 @@ class InflightLoadScorer:
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         return lower_is_better([c.active_tokens if self._tokens else c.in_flight for c in candidates])
+
 
 REGISTRATION: Registration[Scorer] = Registration(InflightLoadParams, InflightLoadScorer)

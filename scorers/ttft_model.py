@@ -13,8 +13,8 @@ of P, A + P - C tokens have to leave first; contexts leave at A / H tokens a sec
 context token stays (measured, router/context_hold.py), so the wait is H x (A + P - C) / A. Its factor is not
 calibrated: when memory frees up depends on when other requests finish, which no linear term describes. The
 attention term is what they cost in compute: a computed token attends to every token before it, so the same
-new tokens cost more after a long cached prefix than after a short one. It is on when its prior is (0, the
-default, leaves it out), and calibrates from there.
+new tokens cost more after a long cached prefix than after a short one. It is on when its prior is nonzero
+(0, the default, leaves it out), and calibrates from there.
 
 Each instance has its own rates: hardware, model and parallelism differ across a fleet. They start from the
 configured priors and follow observations by exponentially weighted least squares on relative error (a
@@ -35,15 +35,16 @@ from pydantic import Field
 from scorers.base import NO_MATCH, Candidate, Params, RoutingRequest, TierMatch
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention")
+_ATTENTION = TERMS.index("attention")
 # Typical size of each feature: the priors count as prior_weight observations of this size, of the TTFT
 # typical lately. The overhead's is larger than its feature's (1): on its own it would soak up the noise of
-# the first few observations.
+# the first few observations. Attention's: ~2K tokens computed after ~3K reused.
 _SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 0.25, 64.0, 2048.0 * 4096.0])
 _SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
 _MAX_SURPRISE = 4.0  # an observed TTFT counts as at most this many times off the prediction
 _HUBER_DELTA = 0.5  # relative errors beyond this weigh less and less
 # The sums take every observation, the rates are solved from them on the first ones and then every this many
-# (a 5x5 solve costs more than the rest of a routing decision; rates that many requests old predict as well).
+# (a 6x6 solve costs more than the rest of a routing decision; rates that many requests old predict as well).
 _SOLVE_EVERY = 16
 _SOLVE_EACH_UNTIL = 32
 
@@ -94,7 +95,7 @@ class TTFTModel:
         # The attention term is on when its prior is: where prefill does not slow with the context, its
         # calibration only fits noise, which moved the simulated fleet's tail both ways.
         self._terms = np.array(
-            [i for i, t in enumerate(TERMS) if t != "attention" or priors.attention_s_per_pair]
+            [i for i in range(len(TERMS)) if i != _ATTENTION or priors.attention_s_per_pair]
         )
         self._decay = 1.0 - 1.0 / priors.memory
         self._prior_weight = priors.prior_weight
@@ -117,7 +118,7 @@ class TTFTModel:
             + rates[2] * features.uncached_tokens
             + rates[3] * features.loaded_tokens
             + rates[4] * features.memory_wait_s
-            + rates[6] * features.attention_pairs
+            + rates[_ATTENTION] * features.attention_pairs
         )
 
     def observe(self, features: TTFTFeatures, seconds: float) -> None:

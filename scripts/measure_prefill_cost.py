@@ -35,7 +35,7 @@ from scorers.ttft_model import attention_pairs  # noqa: E402
 
 CACHED = (0, 1024, 2048, 3072)
 NEW = (64, 256, 512, 896)
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 4096  # configs/stack-cpu.yaml's --max-model-len
 PAUSE_S = 0.2  # between requests: each finds the engine idle, its writes to the pool done
 
 

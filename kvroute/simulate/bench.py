@@ -40,7 +40,7 @@ def ttft_floor(blocks: TraceBlocks, fleet: FleetSpec) -> dict[str, float]:
     before it (one infinite shared cache): its own prefill and nothing else. No router gets below it."""
     engine = fleet.engine
     seconds = [
-        engine.prefill_s(hits, request.input_tokens - hits) + engine.decode_step_s
+        engine.prefill_s(hits, request.input_tokens - hits)  # the first token ends the last prefill step
         for request, hits in zip(blocks.trace.requests, blocks.ideal_hits, strict=True)
     ]
     return {"p50_s": float(np.percentile(seconds, 50)), "p99_s": float(np.percentile(seconds, 99))}

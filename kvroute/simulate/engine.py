@@ -134,8 +134,8 @@ class Engine:
         self._stepping = True
         decode_s = spec.decode_step_s + spec.decode_step_s_per_seq * decoding if decoding else 0.0
         if decoding and spec.decode_s_per_context_token:
-            # The contexts as the run starts: a run of steps adds a token per request and step, a few
-            # percent of contexts this long, left out.
+            # Priced at the contexts' lengths as the run starts; the token each step adds is left out (a few
+            # percent of contexts this long).
             decode_s += spec.decode_s_per_context_token * sum(
                 r.trace.input_tokens + r.trace.output_tokens - r.decode_left for r in self._decoding
             )

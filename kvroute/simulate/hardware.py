@@ -27,7 +27,7 @@ class EngineSpec:
     decode_step_s: float = 0.012  # one decode step of a small batch
     decode_step_s_per_seq: float = 5e-5  # grows with the batch
     decode_s_per_context_token: float = 0.0  # and with the contexts it reads (0: the flat reference)
-    attention_s_per_pair: float = 0.0  # prefill: per (token, earlier token) pair (0: the flat reference)
+    attention_s_per_pair: float = 0.0  # prefill: per (token, itself or an earlier token) pair (0: flat)
     kv_blocks: int = 25_000  # 400K tokens
     block_size: int = 16
     max_num_seqs: int = 256

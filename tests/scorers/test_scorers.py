@@ -39,7 +39,7 @@ def test_inflight_load_counting_context_tokens_prefers_less_context_over_fewer_r
     less loaded; by the context every decode step there reads, it is the more."""
     long_turns, short_chats = (
         Fake("long", in_flight=2, active_tokens=160_000),
-        Fake("short", 5, active_tokens=5_000),
+        Fake("short", in_flight=5, active_tokens=5_000),
     )
     tokens = InflightLoadScorer(InflightLoadParams(count="context_tokens"))
     assert tokens.score(REQUEST, [long_turns, short_chats]) == [0.0, 1.0]
