@@ -5,7 +5,9 @@ for one token after prompts of token ids: a prefix of C tokens first (which the 
 the same prefix followed by N new tokens, timing the first streamed chunk. Then fits the TTFTs two ways, on
 relative error as kvroute's TTFT model does: flat (overhead + rate x N) and with attention (+ rate x the
 pairs each new token reads: N x (C + (N + 1) / 2)), on even samples, and reports both fits' errors on the
-odd ones.
+odd ones; then replays the samples in order through kvroute's own TTFT model (online calibration from its
+default priors, the attention term off and on) and reports its errors, predicted before each observation,
+over the second half.
 
     .venv/bin/python scripts/measure_prefill_cost.py --repeats 10
 """
@@ -31,7 +33,7 @@ from kvroute.processes import free_port_block  # noqa: E402
 from kvroute.stack import running_stack  # noqa: E402
 from kvroute.stack_config import load_stack_config  # noqa: E402
 from kvroute.tinymodel import MODEL_NAME, VOCAB_SIZE, ensure_model  # noqa: E402
-from scorers.ttft_model import attention_pairs  # noqa: E402
+from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors, attention_pairs  # noqa: E402
 
 CACHED = (0, 1024, 2048, 3072)
 NEW = (64, 256, 512, 896)
@@ -97,6 +99,18 @@ def fit_errors(samples: list[tuple[int, int, float]]) -> dict[str, dict[str, obj
     return results
 
 
+def online_errors(samples: list[tuple[int, int, float]], attention_prior: float) -> dict[str, float]:
+    """kvroute's TTFT model as the router runs it: predict, then observe, sample by sample."""
+    model = TTFTModel(TTFTPriors(attention_s_per_pair=attention_prior))
+    errors = []
+    for cached, new, seconds in samples:
+        features = TTFTFeatures(0, new, 0, attention_pairs=attention_pairs(cached, new))
+        errors.append(abs(model.predict(features) / seconds - 1))
+        model.observe(features, seconds)
+    late = np.array(errors[len(errors) // 2 :])
+    return {"median_relative_error": float(np.median(late)), "mean_relative_error": float(late.mean())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -113,6 +127,8 @@ def main() -> None:
     for (cached, new), cell in sorted(by_cell.items()):
         print(f"cached {cached:5d}  new {new:4d}  TTFT median {1000 * float(np.median(cell)):7.1f} ms")
     print(json.dumps(fit_errors(samples), indent=2))
+    online = {f"attention prior {prior:g}": online_errors(samples, prior) for prior in (0.0, 1e-9, 1e-8)}
+    print(json.dumps({"kvroute TTFT model, online": online}, indent=2))
 
 
 if __name__ == "__main__":
