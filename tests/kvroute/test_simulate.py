@@ -13,7 +13,13 @@ from kvroute.simulate.bench import rate_for_load, ttft_floor
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.engine import POOL_MEDIUM, Engine, SimRequest
-from kvroute.simulate.hardware import EngineSpec, FleetSpec, PoolSpec
+from kvroute.simulate.hardware import (
+    ATTENTION_S_PER_PAIR,
+    DECODE_S_PER_CONTEXT_TOKEN,
+    EngineSpec,
+    FleetSpec,
+    PoolSpec,
+)
 from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.peers import ActiveWork
 from kvroute.simulate.policies import SimPolicy, priors_for
@@ -226,6 +232,26 @@ def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
         assert fields["rejected"] + fields["completed"] == 30
         assert len(fields["busy_per_instance_s"]) == 8 and fields["longest_session_s"] > 0, name
     assert (out / "simulate-policies.png").stat().st_size > 0
+
+
+def test_attention_costs_are_the_hardwares_and_kvroutes_priors_follow(tmp_path: Path) -> None:
+    """--attention-cost on: the engines pay for the context they read, and kvroute's operator, who knows
+    the hardware, switches the TTFT model's attention term on with that prior."""
+    runs = {}
+    for setting in ("off", "on"):
+        out = tmp_path / setting
+        code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30",
+                     "--policies", "kvroute", "--attention-cost", setting, "--out", str(out)])  # fmt: skip
+        assert code == 0
+        runs[setting] = json.loads((out / "results.json").read_text())
+    engine = runs["on"]["setup"]["engine"]
+    assert engine["attention_s_per_pair"] == ATTENTION_S_PER_PAIR
+    assert engine["decode_s_per_context_token"] == DECODE_S_PER_CONTEXT_TOKEN
+    assert runs["off"]["setup"]["engine"]["attention_s_per_pair"] == 0.0
+    assert runs["on"]["ttft_floor"]["p99_s"] > runs["off"]["ttft_floor"]["p99_s"]
+    assert runs["on"]["rate"] < runs["off"]["rate"]  # the same load is less traffic
+    assert priors_for(FleetSpec(engine=EngineSpec(attention_s_per_pair=2e-9))).attention_s_per_pair == 2e-9
+    assert priors_for(FleetSpec()).attention_s_per_pair == 0.0
 
 
 def test_unknown_policy_is_an_error(tmp_path: Path) -> None:
