@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleet.block_pool import HASH_ALGORITHMS
 from kvroute.arguments import MAX_PORT, port, positive_float, positive_int, positive_ints
 from kvroute.bench_overhead import add_overhead_parser
 from kvroute.simulate.command import add_simulate_parser
@@ -246,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--event-encoding", choices=["map", "array"], default="map")
     fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int")
     fleet.add_argument(
-        "--prefix-caching-hash-algo", choices=["sha256", "sha256_cbor"], default="sha256",
+        "--prefix-caching-hash-algo", choices=sorted(HASH_ALGORITHMS), default="sha256",
         help="block hash algorithm, as vLLM's option",
     )  # fmt: skip
     fleet.add_argument(
