@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -251,8 +252,9 @@ def _parser() -> argparse.ArgumentParser:
         help="block hash algorithm, as vLLM's option",
     )  # fmt: skip
     fleet.add_argument(
-        "--hash-seed", default="0",
-        help="what NONE_HASH hashes, as vLLM's PYTHONHASHSEED (unset, vLLM uses vllm-none-hash)",
+        "--hash-seed", default=os.environ.get("PYTHONHASHSEED", "0"),
+        help="what NONE_HASH hashes, as vLLM's PYTHONHASHSEED; default: PYTHONHASHSEED when set, else 0 "
+             "(a real vLLM without it uses vllm-none-hash)",
     )  # fmt: skip
     fleet.add_argument("--name-prefix", default="fleet-")
     fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")

@@ -59,3 +59,17 @@ def test_check_config_reports_a_file_that_is_not_utf8(tmp_path: Path, capsys: py
     path.write_bytes(b"models: [{name: \xff}]\n")
     assert main(["check-config", str(path)]) == 2
     assert capsys.readouterr().err == f"{path}: not UTF-8 text: invalid start byte at byte 16\n"
+
+
+@pytest.mark.parametrize(("environment", "seed"), [(None, "0"), ("7", "7")])
+def test_the_fleets_hash_seed_follows_pythonhashseed_as_vllms_does(
+    environment: str | None, seed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvroute.cli import _parser
+
+    if environment is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", environment)
+    assert _parser().parse_args(["fleet"]).hash_seed == seed
+    assert _parser().parse_args(["fleet", "--hash-seed", "3"]).hash_seed == "3"
