@@ -253,9 +253,11 @@ def _workload(options: LiveOptions, fleet: Fleet, trace: Trace | None) -> LiveWo
     return TraceWorkload(plan, options.rate)
 
 
-# What vllm-router asks of vLLM for kv_aware (sha256_cbor, whole 32-byte hashes; the fleet's seed is
-# PYTHONHASHSEED 0): every target gets the fleet as vllm-router's documentation sets vLLM up.
-VLLM_ROUTER_HASHING = ("--prefix-caching-hash-algo", "sha256_cbor", "--hash-type", "bytes")
+# What vllm-router asks of vLLM for kv_aware (sha256_cbor, whole 32-byte hashes, PYTHONHASHSEED 0 whatever
+# this shell's): every target gets the fleet as vllm-router's documentation sets vLLM up.
+VLLM_ROUTER_HASHING = (
+    "--prefix-caching-hash-algo", "sha256_cbor", "--hash-type", "bytes", "--hash-seed", "0",
+)  # fmt: skip
 
 
 def _fleet_args(options: LiveOptions, trace: Trace | None) -> tuple[str, ...]:
