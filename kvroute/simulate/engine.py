@@ -49,6 +49,7 @@ class SimRequest:
     first_token_s: float = -1.0
     finish_s: float = -1.0
     policy_state: object = None
+    router: int = 0  # which of several routers in front of the fleet sent it
 
 
 class Engine:

@@ -7,7 +7,8 @@ speculative blocks), so the simulation runs the product's code, not a copy of it
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+import zlib
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvroute.simulate.engine import SimRequest
@@ -50,6 +51,10 @@ class SimPolicy:
     def route(self, request: SimRequest) -> int:
         """The instance (its number) for request; may set request.uncached_estimate."""
         raise NotImplementedError
+
+    def instances_for(self, request: SimRequest) -> list[Instance]:
+        """The bookkeeping of the router that sent request: what it counts in flight on each instance."""
+        return self.view.instances
 
     def first_token(self, request: SimRequest) -> None:
         pass
@@ -169,3 +174,44 @@ class ConfiguredPolicy(SimPolicy):
         if self._calibrate and isinstance(features, TTFTFeatures):
             ttft = request.first_token_s - request.sent_s
             self.view.instances[request.instance].ttft_model.observe(features, ttft)
+
+
+class Replicas(SimPolicy):
+    """Several routers in front of one fleet, as an operator runs them for availability, sharing nothing: each
+    has its own index (fed the same events), its own counts of what it sent, its own TTFT models and session
+    affinity. The load balancer in front of them sends each session to one router (by a hash of its key),
+    or, with by_session=False, each request to the next router in turn."""
+
+    def __init__(self, name: str, make: Callable[[], SimPolicy], count: int, by_session: bool = True) -> None:
+        self.name, self._make, self._count, self._by_session = name, make, count, by_session
+        self._next = 0
+
+    def bind(self, view: RouterView) -> None:
+        super().bind(view)
+        self.routers = [self._make() for _ in range(self._count)]
+        for number, router in enumerate(self.routers):
+            router.bind(view if number == 0 else view.replica())
+        self.scrape_interval_s = self.routers[0].scrape_interval_s
+        self.memory_hold_s = self.routers[0].memory_hold_s
+
+    def _router_for(self, request: SimRequest) -> int:
+        if self._by_session and request.session is not None:
+            return zlib.crc32(request.session.encode()) % self._count
+        self._next = (self._next + 1) % self._count
+        return self._next
+
+    def route(self, request: SimRequest) -> int:
+        request.router = self._router_for(request)
+        return self.routers[request.router].route(request)
+
+    def instances_for(self, request: SimRequest) -> list[Instance]:
+        return self.routers[request.router].view.instances
+
+    def first_token(self, request: SimRequest) -> None:
+        self.routers[request.router].first_token(request)
+
+    def finished(self, request: SimRequest) -> None:
+        self.routers[request.router].finished(request)
+
+    def refused(self, request: SimRequest) -> None:
+        self.routers[request.router].refused(request)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.peers import ConsistentHash, DynamoCost, PowerOfTwo, SGLangCacheAware, VllmRouterKvAware
-from kvroute.simulate.policies import ConfiguredPolicy, SimPolicy, priors_for, router_config
+from kvroute.simulate.policies import ConfiguredPolicy, Replicas, SimPolicy, priors_for, router_config
 from router.config import PolicyConfig, ScorerSpec
 
 LLMD_SCRAPE_S = 0.05  # llm-d scrapes the engines' /metrics every 50 ms
@@ -88,6 +88,15 @@ def _with_context_load(
     return make
 
 
+def _replicas(name: str, count: int, by_session: bool) -> Callable[[FleetSpec], SimPolicy]:
+    """count kvroute routers with the default policy in front of the fleet, sharing nothing."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        return Replicas(name, lambda: POLICIES["kvroute"](fleet), count, by_session)
+
+    return make
+
+
 # Variants of kvroute's own configuration, run only when named: what an operator could change.
 EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-priors": _configured("kvroute-priors", "kvroute", calibrate=False),
@@ -97,4 +106,7 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute+context-load": _with_context_load("kvroute+context-load", 0.3, 0.0),
     "kvroute+both-load": _with_context_load("kvroute+both-load", 0.3, 0.3),
     "kvroute+both-load-half": _with_context_load("kvroute+both-load-half", 0.15, 0.3),
+    "kvroute-2-routers": _replicas("kvroute-2-routers", 2, by_session=True),
+    "kvroute-2-routers-per-request": _replicas("kvroute-2-routers-per-request", 2, by_session=False),
+    "kvroute-4-routers": _replicas("kvroute-4-routers", 4, by_session=True),
 }

@@ -81,12 +81,12 @@ def simulate(
     hold: MemoryHold[SimRequest] = MemoryHold(policy.memory_hold_s, loop.clock)
 
     def first_token(request: SimRequest) -> None:
-        view.instances[request.instance].pending_prefill_tokens -= request.uncached_estimate
+        policy.instances_for(request)[request.instance].pending_prefill_tokens -= request.uncached_estimate
         policy.first_token(request)
 
     def finish(request: SimRequest) -> None:
         nonlocal outstanding
-        view.instances[request.instance].end(request.trace.input_tokens, chain=request.chain)
+        policy.instances_for(request)[request.instance].end(request.trace.input_tokens, chain=request.chain)
         policy.finished(request)
         done.append(request)
         outstanding -= 1
@@ -153,7 +153,7 @@ def simulate(
         traced = request.trace
         request.uncached_estimate = traced.input_tokens
         request.instance = chosen = policy.route(request)
-        instance = view.instances[chosen]
+        instance = policy.instances_for(request)[chosen]
         instance.start(traced.input_tokens, request.uncached_estimate, request.chain)
         if not engines[chosen].enqueue(request):
             rejected += 1

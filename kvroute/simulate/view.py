@@ -34,7 +34,9 @@ class RouterView:
         pool: PoolStore | None,
         priors: TTFTPriors,
         speculative_ttl_s: float = 2.0,
+        listen: bool = True,
     ) -> None:
+        """listen=False: the engines' events reach this view only through the view it is a replica of."""
         self.loop = loop
         self.block_size = fleet.engine.block_size
         self.model = fleet.model
@@ -56,18 +58,32 @@ class RouterView:
         self.by_name = {instance.name: number for number, instance in enumerate(self.instances)}
         self.pool = pool
         self._engines, self._delay = engines, fleet.event_delay_s
+        self._fleet, self._priors, self._speculative_ttl_s = fleet, priors, speculative_ttl_s
+        self._replicas: list[RouterView] = []
         for engine, instance in zip(engines, self.instances, strict=True):
             if pool is not None:
                 self.index.join_pool(instance.name)
-            engine.on_events = lambda events, name=instance.name: self._deliver(name, events)  # type: ignore[misc]
+            if listen:
+                engine.on_events = lambda events, name=instance.name: self._deliver(name, events)  # type: ignore[misc]
+
+    def replica(self) -> RouterView:
+        """Another router's view of the same fleet: its own index, fed the same events as late, its own
+        bookkeeping, and the same scrapes of the engines' metrics."""
+        other = RouterView(self._fleet, self.loop, self._engines, self.pool, self._priors,
+                           self._speculative_ttl_s, listen=False)  # fmt: skip
+        self._replicas.append(other)
+        return other
 
     def _deliver(self, name: str, events: list[KVEvent]) -> None:
         owner = (name, 0)
-        self.loop.at(self.loop.now + self._delay, lambda: self.index.apply(owner, events))
+        for index in (self.index, *(replica.index for replica in self._replicas)):
+            self.loop.at(self.loop.now + self._delay, lambda index=index: index.apply(owner, events))  # type: ignore[misc]
 
     def scrape(self) -> None:
         for engine, instance in zip(self._engines, self.instances, strict=True):
             instance.load = engine.load()
+        for replica in self._replicas:
+            replica.scrape()
 
     def matches(self, chain: Sequence[int], include_pool: bool = True) -> dict[str, TierMatch]:
         """The index's matches, pool credit unconfirmed (what a router without a master sees)."""

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from kvroute.simulate.hardware import (
 )
 from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.peers import ActiveWork
-from kvroute.simulate.policies import SimPolicy, priors_for
+from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import POLICIES
 from kvroute.simulate.run import RESULT_FIELDS, simulate
@@ -391,3 +392,50 @@ def test_attention_costs_raise_the_floor_and_lower_the_rate_for_a_load() -> None
     assert rate_for_load(blocks, costly, 0.7, 0.0) == pytest.approx(
         rate_for_load(blocks, flat, 0.7, 0.0) * work_flat / work_costly
     )
+
+
+class _Counting(SimPolicy):
+    """Sends everything to instance 0 and notes what this router counted in flight when it decided."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, int]] = []
+
+    def route(self, request: SimRequest) -> int:
+        self.seen.append((request.session, sum(i.in_flight for i in self.view.instances)))
+        return 0
+
+
+def test_routers_in_front_of_one_fleet_share_events_but_not_their_counts() -> None:
+    def router_of(session: str) -> int:
+        return zlib.crc32(session.encode()) % 2
+
+    names = [f"session-{n}" for n in range(20)]
+    first = names[0]
+    other = next(name for name in names if router_of(name) != router_of(first))
+    turns = (
+        TraceRequest(0.0, 320, 50, tuple(range(1, 11)), first),  # decodes for ~0.6 s
+        TraceRequest(0.1, 320, 2, tuple(range(20, 30)), other),
+        TraceRequest(0.2, 330, 2, tuple(range(1, 12)), first),  # waits for its first turn's answer
+    )
+    blocks = TraceBlocks(Trace("two routers", 32, turns), 16)
+    policy = Replicas("two", _Counting, 2)
+    result = simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
+    assert result.completed == 3
+    counting = [router for router in policy.routers if isinstance(router, _Counting)]
+    by_router = {router_of(first): [(first, 0), (first, 0)], router_of(other): [(other, 0)]}
+    # The other session's router decided while the first's turn was in flight, and did not see it.
+    assert [counting[0].seen, counting[1].seen] == [by_router[0], by_router[1]]
+    for router in counting:  # both indexes heard the engine: each router knows the other's prompts
+        for chain in blocks.chains:
+            assert router.view.index.match(chain.tolist())["sim-0"].gpu >= len(chain) - 1
+        assert all(i.in_flight == 0 for i in router.view.instances)
+    assert result.local_hit_rate == pytest.approx(320 / 970)  # the first session's second turn hit
+
+
+def test_routers_without_sticky_sessions_take_requests_in_turn() -> None:
+    turns = tuple(TraceRequest(float(n), 320, 2, tuple(range(10 * n + 1, 10 * n + 11))) for n in range(4))
+    policy = Replicas("two", _Counting, 2, by_session=False)
+    simulate(TraceBlocks(Trace("turns", 32, turns), 16), _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
+    assert [len(router.seen) for router in policy.routers if isinstance(router, _Counting)] == [2, 2]
