@@ -35,6 +35,7 @@ from router.instances import Fleet
 from router.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
+from router.peer_sync import PeerSync
 from router.policy import Policy
 from router.pool import MasterLookup, PoolConfirmer, place_instances, pool_names
 from router.proxy import (
@@ -166,6 +167,13 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 ),
                 asyncio.create_task(supervise("load", scraper.scrape_all, scraper.interval_s, failures)),
             ]
+            peers = config.peers
+            if peers.publish is not None or peers.subscribe:
+                sync = app.state.peer_sync = PeerSync(peers, fleet, metrics, zmq_context)
+                tasks += [
+                    asyncio.create_task(supervise("peers-publish", sync.publish, peers.interval_s, failures)),
+                    asyncio.create_task(supervise("peers-follow", sync.follow, peers.interval_s, failures)),
+                ]
             try:
                 yield
             finally:

@@ -167,11 +167,7 @@ class InstanceConfig(_Strict):
     def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
         if endpoint is None:
             return None
-        match = _ZMQ_ENDPOINT.match(endpoint)
-        if not match:
-            raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
-        _check_host_and_port(endpoint, match)
-        return endpoint
+        return _checked_zmq_endpoint(endpoint)
 
 
 def _check_plugin(
@@ -372,6 +368,42 @@ class PoolConfig(_Strict):
         return None if url is None else _checked_http_url(url)
 
 
+def _checked_zmq_endpoint(endpoint: str) -> str:
+    match = _ZMQ_ENDPOINT.match(endpoint)
+    if not match:
+        raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
+    _check_host_and_port(endpoint, match)
+    return endpoint
+
+
+class PeersConfig(_Strict):
+    """Other kvroute routers in front of the same fleet (router/peer_sync.py): each publishes what it has in
+    flight on each instance, and counts the others' with its own."""
+
+    publish: str | None = Field(default=None, description="where this router publishes its load (ZMQ bind)")
+    subscribe: list[str] = Field(default_factory=list, description="the other routers' publish endpoints")
+    interval_s: float = Field(default=0.05, gt=0, description="published this often")
+    stale_after_s: float = Field(default=1.0, gt=0, description="a peer silent this long counts no more")
+
+    @field_validator("publish")
+    @classmethod
+    def _publish_endpoint(cls, endpoint: str | None) -> str | None:
+        return None if endpoint is None else _checked_zmq_endpoint(endpoint)
+
+    @field_validator("subscribe")
+    @classmethod
+    def _subscribe_endpoints(cls, endpoints: list[str]) -> list[str]:
+        return [_checked_zmq_endpoint(endpoint) for endpoint in endpoints]
+
+    @model_validator(mode="after")
+    def _heard_before_stale(self) -> PeersConfig:
+        if self.stale_after_s <= self.interval_s:
+            raise ValueError("stale_after_s must be longer than interval_s, or every peer goes stale")
+        if self.publish is not None and self.publish in self.subscribe:
+            raise ValueError(f"subscribe lists this router's own publish endpoint {self.publish}")
+        return self
+
+
 class LoadConfig(_Strict):
     scrape_interval_s: float = Field(default=0.2, gt=0, description="GET /metrics on every instance")
     timeout_s: float = Field(default=0.5, gt=0, description="one slow instance must not age the others' load")
@@ -419,6 +451,7 @@ class RouterConfig(_Strict):
     ttft: TTFTPriors = Field(default_factory=TTFTPriors)
     tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
+    peers: PeersConfig = Field(default_factory=PeersConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     shutdown_grace_s: float = Field(
         default=30.0, gt=0, description="on SIGTERM: new connections are refused, streams get this long"

@@ -11,6 +11,7 @@ from router.circuit_breaker import CircuitBreaker
 from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig, api_key
 from router.context_hold import ContextHold
 from router.held_blocks import HeldBlocks
+from router.peer_load import NO_PEER_LOAD, PeerLoad
 from scorers.base import EngineLoad
 from scorers.ttft_model import TTFTModel, TTFTPriors
 
@@ -24,8 +25,9 @@ class Instance:
     models: frozenset[str]
     healthy: bool = True
     checked: bool = False  # a health check has answered (or failed) since the instance came in
-    in_flight: int = 0
-    pending_prefill_tokens: int = 0
+    own_in_flight: int = 0  # requests this router sent there and has not seen finish
+    own_pending_prefill_tokens: int = 0  # their uncached prompt tokens not answered yet
+    peers: PeerLoad = NO_PEER_LOAD  # the same of other routers in front of the fleet (router/peer_load.py)
     load: EngineLoad | None = None
     kv_capacity_tokens: int | None = None  # from the engine's vllm:cache_config_info once scraped
     failed_checks: int = 0
@@ -44,8 +46,22 @@ class Instance:
         self.held = HeldBlocks(self.block_size)
 
     @property
+    def in_flight(self) -> int:
+        """Requests in flight there, this router's and its peers'."""
+        return self.own_in_flight + self.peers.in_flight
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.own_pending_prefill_tokens + self.peers.pending_prefill_tokens
+
+    @property
     def active_tokens(self) -> int:
-        """KV tokens the requests in flight here hold, a prefix they share once."""
+        """KV tokens the requests in flight there hold: this router's, a prefix they share once, and its
+        peers'."""
+        return self.held.tokens + self.peers.active_tokens
+
+    @property
+    def own_active_tokens(self) -> int:
         return self.held.tokens
 
     def shared_tokens(self, chain: Sequence[int]) -> int:
@@ -58,10 +74,10 @@ class Instance:
     def start(self, prompt_tokens: int, uncached_tokens: int, chain: Sequence[int] = ()) -> None:
         """A request was sent here: its context (its whole blocks hash to chain) is held and its uncached
         tokens queue for prefill."""
-        self.in_flight += 1
+        self.own_in_flight += 1
         self.contexts.add(prompt_tokens)
         self.held.add(chain, prompt_tokens)
-        self.pending_prefill_tokens += uncached_tokens
+        self.own_pending_prefill_tokens += uncached_tokens
 
     def end(
         self, prompt_tokens: int, still_prefilling_tokens: int = 0, admitted: bool = True,
@@ -69,13 +85,13 @@ class Instance:
     ) -> None:  # fmt: skip
         """A request sent here is over: answered or failed (admitted: the engine held its context), or
         refused or never delivered."""
-        self.in_flight -= 1
+        self.own_in_flight -= 1
         self.held.remove(chain, prompt_tokens)
         if admitted:
             self.contexts.release(prompt_tokens)
         else:
             self.contexts.withdraw(prompt_tokens)
-        self.pending_prefill_tokens -= still_prefilling_tokens
+        self.own_pending_prefill_tokens -= still_prefilling_tokens
 
     @classmethod
     def from_config(cls, config: InstanceConfig, router: RouterConfig) -> Instance:

@@ -226,6 +226,16 @@ class RouterMetrics:
             Counter("kvroute_config_reloads", "Configuration reloads by result (ok, invalid)",
                     ["result"], registry=r)
         )  # fmt: skip
+        self.peer_routers = Gauge(
+            "kvroute_peer_routers", "Other routers whose load this router heard within peers.stale_after_s",
+            registry=r,
+        )
+        self.peer_snapshots = Family(
+            Counter("kvroute_peer_snapshots",
+                    "Load snapshots received from other routers, by result (applied, malformed: not "
+                    "decodable, own: this router's own, subscribed by mistake)",
+                    ["result"], registry=r)
+        )  # fmt: skip
         self.pool_master_up = UnsetGauge(
             "kvroute_pool_master_up",
             "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit "

@@ -142,7 +142,7 @@ class _Prefill:
         return tokens
 
     def retire(self) -> None:
-        self.instance.pending_prefill_tokens -= self.take()
+        self.instance.own_pending_prefill_tokens -= self.take()
 
 
 @dataclass(eq=False)  # kept in a set by identity
@@ -359,7 +359,7 @@ class Proxy:
             await self._hold_for_memory(model, prompt_tokens, prepared.chain)
         for attempt in range(self._config.attempts):
             healthy = self._fleet.candidates(model, exclude=frozenset(tried))
-            candidates = [i for i in healthy if i.in_flight < self._per_instance_limit]
+            candidates = [i for i in healthy if i.own_in_flight < self._per_instance_limit]
             if healthy and not candidates:
                 self._metrics.rejected("instances_full").inc()
                 self._ab(policy).rejected(policy.name)
@@ -435,7 +435,7 @@ class Proxy:
                 upstream.status == _BUSY
                 and attempt + 1 < self._config.attempts
                 and any(
-                    other.in_flight < self._per_instance_limit
+                    other.own_in_flight < self._per_instance_limit
                     for other in self._fleet.candidates(model, exclude=frozenset(tried | {instance.name}))
                 )
                 and self._retry_budget.spend()
@@ -621,7 +621,7 @@ class Proxy:
         instance = decision.instance
         probe = instance.breaker.sent()
         instance.start(decision.prompt_tokens, decision.uncached_tokens, decision.chain)
-        self._metrics.in_flight(instance.name).set(instance.in_flight)
+        self._metrics.in_flight(instance.name).set(instance.own_in_flight)
         self._metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
         return probe
 
@@ -652,7 +652,7 @@ class Proxy:
     def _end(self, decision: Decision, prefill: _Prefill, admitted: bool) -> None:
         instance = decision.instance
         instance.end(decision.prompt_tokens, prefill.take(), admitted, decision.chain)
-        self._metrics.in_flight(instance.name).set(instance.in_flight)
+        self._metrics.in_flight(instance.name).set(instance.own_in_flight)
         if len(self._memory_hold):  # memory freed up: the held requests that now fit go
             for released in self._memory_hold.release():
                 released.set_result(None)

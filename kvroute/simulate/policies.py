@@ -18,6 +18,7 @@ from kvroute.simulate.view import RouterView, instance_name
 from router.config import RouterConfig, parse_config
 from router.instances import Instance
 from router.metrics import RouterMetrics
+from router.peer_load import PeerLoads, own_loads
 from router.policy import Policy
 from router.pool import PoolConfirmer
 from router.routing import Prepared, Router
@@ -25,6 +26,8 @@ from scorers.base import RoutingRequest
 from scorers.ttft_model import TTFTFeatures, TTFTPriors, features_for
 
 T = TypeVar("T")
+
+PEERS_STALE_AFTER_S = 1.0  # as router/config.py's default
 
 
 def _at_once(work: Coroutine[Any, Any, T]) -> T:
@@ -44,6 +47,7 @@ class SimPolicy:
     name = "policy"
     scrape_interval_s: float | None = None  # engine /metrics it reads, scraped this often
     memory_hold_s = 0.0  # the router holds requests no instance has memory for (router/memory_hold.py)
+    sync_interval_s: float | None = None  # sync() runs this often
 
     def bind(self, view: RouterView) -> None:
         self.view = view
@@ -55,6 +59,9 @@ class SimPolicy:
     def instances_for(self, request: SimRequest) -> list[Instance]:
         """The bookkeeping of the router that sent request: what it counts in flight on each instance."""
         return self.view.instances
+
+    def sync(self) -> None:
+        """What runs every sync_interval_s (routers telling each other their load)."""
 
     def first_token(self, request: SimRequest) -> None:
         pass
@@ -157,7 +164,7 @@ class ConfiguredPolicy(SimPolicy):
             matches=matches,
             chain=chain,
         )
-        candidates = [i for i in view.instances if i.in_flight < self._limit] or view.instances
+        candidates = [i for i in view.instances if i.own_in_flight < self._limit] or view.instances
         if self._decide:
             decision = self._router.decide(Prepared(routing), self._policy, candidates)
             instance: Instance = decision.instance
@@ -180,10 +187,15 @@ class Replicas(SimPolicy):
     """Several routers in front of one fleet, as an operator runs them for availability, sharing nothing: each
     has its own index (fed the same events), its own counts of what it sent, its own TTFT models and session
     affinity. The load balancer in front of them sends each session to one router (by a hash of its key),
-    or, with by_session=False, each request to the next router in turn."""
+    or, with by_session=False, each request to the next router in turn. With share_s, each router tells the
+    others what it has in flight on each instance every share_s seconds (router/peer_load.py)."""
 
-    def __init__(self, name: str, make: Callable[[], SimPolicy], count: int, by_session: bool = True) -> None:
+    def __init__(
+        self, name: str, make: Callable[[], SimPolicy], count: int, by_session: bool = True,
+        share_s: float | None = None,
+    ) -> None:  # fmt: skip
         self.name, self._make, self._count, self._by_session = name, make, count, by_session
+        self.sync_interval_s = share_s
         self._next = 0
 
     def bind(self, view: RouterView) -> None:
@@ -193,6 +205,15 @@ class Replicas(SimPolicy):
             router.bind(view if number == 0 else view.replica())
         self.scrape_interval_s = self.routers[0].scrape_interval_s
         self.memory_hold_s = self.routers[0].memory_hold_s
+        self._peer_loads = [PeerLoads(PEERS_STALE_AFTER_S, view.loop.clock) for _ in self.routers]
+
+    def sync(self) -> None:
+        snapshots = [own_loads(router.view.instances) for router in self.routers]
+        for number, (router, loads) in enumerate(zip(self.routers, self._peer_loads, strict=True)):
+            for peer, snapshot in enumerate(snapshots):
+                if peer != number:
+                    loads.update(str(peer), snapshot)
+            loads.apply(router.view.instances)
 
     def _router_for(self, request: SimRequest) -> int:
         if self._by_session and request.session is not None:

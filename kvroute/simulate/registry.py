@@ -88,11 +88,14 @@ def _with_context_load(
     return make
 
 
-def _replicas(name: str, count: int, by_session: bool) -> Callable[[FleetSpec], SimPolicy]:
-    """count kvroute routers with the default policy in front of the fleet, sharing nothing."""
+def _replicas(
+    name: str, count: int, by_session: bool, share_s: float | None = None
+) -> Callable[[FleetSpec], SimPolicy]:
+    """count kvroute routers with the default policy in front of the fleet, telling each other their load
+    every share_s seconds, or sharing nothing."""
 
     def make(fleet: FleetSpec) -> SimPolicy:
-        return Replicas(name, lambda: POLICIES["kvroute"](fleet), count, by_session)
+        return Replicas(name, lambda: POLICIES["kvroute"](fleet), count, by_session, share_s)
 
     return make
 
@@ -109,4 +112,9 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-2-routers": _replicas("kvroute-2-routers", 2, by_session=True),
     "kvroute-2-routers-per-request": _replicas("kvroute-2-routers-per-request", 2, by_session=False),
     "kvroute-4-routers": _replicas("kvroute-4-routers", 4, by_session=True),
+    "kvroute-2-routers-sharing": _replicas("kvroute-2-routers-sharing", 2, by_session=True, share_s=0.05),
+    "kvroute-2-routers-per-request-sharing": _replicas(
+        "kvroute-2-routers-per-request-sharing", 2, by_session=False, share_s=0.05
+    ),
+    "kvroute-4-routers-sharing": _replicas("kvroute-4-routers-sharing", 4, by_session=True, share_s=0.05),
 }

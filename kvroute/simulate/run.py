@@ -81,7 +81,8 @@ def simulate(
     hold: MemoryHold[SimRequest] = MemoryHold(policy.memory_hold_s, loop.clock)
 
     def first_token(request: SimRequest) -> None:
-        policy.instances_for(request)[request.instance].pending_prefill_tokens -= request.uncached_estimate
+        instance = policy.instances_for(request)[request.instance]
+        instance.own_pending_prefill_tokens -= request.uncached_estimate
         policy.first_token(request)
 
     def finish(request: SimRequest) -> None:
@@ -163,17 +164,22 @@ def simulate(
             release(request)
             release_held()
 
-    interval = policy.scrape_interval_s
+    def every(interval: float, action: Callable[[], None]) -> None:
+        """Do action from the first arrival on, every interval, while requests are to come or in flight."""
 
-    def scrape() -> None:
-        view.scrape()
-        if interval is not None and (outstanding or held_back or loop.now < trace[-1].arrival_s):
-            loop.at(loop.now + interval, scrape)
+        def tick() -> None:
+            action()
+            if outstanding or held_back or loop.now < trace[-1].arrival_s:
+                loop.at(loop.now + interval, tick)
+
+        loop.at(trace[0].arrival_s, tick)
 
     if trace:
         loop.at(trace[0].arrival_s, lambda: arrive(0))
-        if interval is not None:
-            loop.at(trace[0].arrival_s, scrape)
+        if policy.scrape_interval_s is not None:
+            every(policy.scrape_interval_s, view.scrape)
+        if policy.sync_interval_s is not None:
+            every(policy.sync_interval_s, policy.sync)
     loop.run()
     return _result(policy.name, done, rejected, engines, ideal_hit_rate, fleet, time.perf_counter() - started)
 

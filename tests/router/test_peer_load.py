@@ -1,0 +1,152 @@
+"""Routers in front of one fleet count each other's requests in flight: snapshots, sums, silence, the wire."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+import pytest
+import zmq.asyncio
+
+from kvroute.processes import free_port_block
+from router.config import ConfigError, RouterConfig, parse_config
+from router.instances import Fleet
+from router.metrics import RouterMetrics
+from router.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
+from router.peer_sync import PeerSync
+from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
+from scorers.ttft_model import memory_wait_s
+from tests.conftest import ManualClock
+
+
+def config(**peers: object) -> RouterConfig:
+    instances = [{"name": "a", "url": "http://127.0.0.1:9001"}, {"name": "b", "url": "http://127.0.0.1:9002"}]
+    return parse_config({"models": [{"name": "m"}], "instances": instances, "peers": peers})
+
+
+def test_peers_loads_add_to_what_scorers_read_and_never_to_what_is_published() -> None:
+    fleet = Fleet(config())
+    a, b = fleet.instances
+    a.start(prompt_tokens=1000, uncached_tokens=600)
+    loads = PeerLoads(stale_after_s=1.0)
+    loads.update("p", {"a": PeerLoad(2, 5000, 300), "b": PeerLoad(1, 100, 0), "gone": PeerLoad(9, 9, 9)})
+    loads.update("q", {"a": PeerLoad(1, 1000, 0)})
+    loads.apply(fleet.instances)
+    assert (a.in_flight, a.active_tokens, a.pending_prefill_tokens) == (4, 7000, 900)
+    assert (b.in_flight, b.active_tokens, b.pending_prefill_tokens) == (1, 100, 0)
+    assert (a.own_in_flight, a.own_active_tokens, a.own_pending_prefill_tokens) == (1, 1000, 600)
+    # What this router tells its peers is its own: a peer's requests never come back to it doubled.
+    assert own_loads(fleet.instances) == {"a": PeerLoad(1, 1000, 600), "b": NO_PEER_LOAD}
+    # The scorers see every router's requests: 4 in flight on a, 1 on b.
+    assert InflightLoadScorer(InflightLoadParams()).score(None, [a, b]) == [0.0, 1.0]  # type: ignore[arg-type]
+
+
+def test_a_peer_that_falls_silent_stops_counting() -> None:
+    clock = ManualClock()
+    fleet = Fleet(config())
+    a, _ = fleet.instances
+    loads = PeerLoads(stale_after_s=1.0, clock=clock)
+    loads.update("p", {"a": PeerLoad(3, 0, 0)})
+    clock.now = 0.5
+    loads.update("q", {"a": PeerLoad(1, 0, 0)})
+    loads.apply(fleet.instances)
+    assert a.in_flight == 4 and loads.peers == 2
+    clock.now = 1.2
+    assert loads.expire()
+    loads.apply(fleet.instances)
+    assert a.in_flight == 1 and loads.peers == 1
+    clock.now = 1.6
+    assert loads.expire() and loads.peers == 0
+    loads.apply(fleet.instances)
+    assert a.peers == NO_PEER_LOAD and not loads.expire()
+
+
+def test_the_wait_for_memory_counts_the_peers_contexts() -> None:
+    fleet = Fleet(config())
+    a, _ = fleet.instances
+    a.kv_capacity_tokens = 100_000
+    a.contexts.add(50_000)
+    a.contexts.release(50_000)  # a hold time is known
+    a.start(prompt_tokens=40_000, uncached_tokens=40_000)
+    assert memory_wait_s(a, 50_000) == 0.0  # 40K in flight + 50K fit in 100K
+    loads = PeerLoads(stale_after_s=1.0)
+    loads.update("p", {"a": PeerLoad(1, 40_000, 0)})
+    loads.apply(fleet.instances)
+    assert memory_wait_s(a, 50_000) > 0.0  # 80K in flight: 30K have to leave first
+
+
+@pytest.mark.parametrize(
+    ("peers", "message"),
+    [
+        ({"publish": "http://127.0.0.1:5800"}, "is not a ZMQ endpoint"),
+        ({"subscribe": ["tcp://127.0.0.1"]}, "is not a ZMQ endpoint"),
+        ({"interval_s": 1.0, "stale_after_s": 0.5}, "stale_after_s must be longer than interval_s"),
+        ({"publish": "tcp://127.0.0.1:5800", "subscribe": ["tcp://127.0.0.1:5800"]}, "own publish endpoint"),
+    ],
+)
+def test_bad_peer_settings_are_named(peers: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        config(**peers)
+    assert "peers" in str(raised.value)
+
+
+def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() -> None:
+    first_port = free_port_block(2)
+    second_port = first_port + 1
+    first_endpoint, second_endpoint = f"tcp://127.0.0.1:{first_port}", f"tcp://127.0.0.1:{second_port}"
+    first_fleet = Fleet(config(publish=first_endpoint, subscribe=[second_endpoint]))
+    second_fleet = Fleet(config(publish=second_endpoint, subscribe=[first_endpoint]))
+    settings = {"interval_s": 0.02, "stale_after_s": 0.3}
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        first_metrics, second_metrics = RouterMetrics(), RouterMetrics()
+        first = PeerSync(
+            config(publish=first_endpoint, subscribe=[second_endpoint], **settings).peers, first_fleet,
+            first_metrics, context,
+        )  # fmt: skip
+        second = PeerSync(
+            config(publish=second_endpoint, subscribe=[first_endpoint], **settings).peers, second_fleet,
+            second_metrics, context,
+        )  # fmt: skip
+        first_tasks = [asyncio.create_task(first.publish()), asyncio.create_task(first.follow())]
+        second_tasks = [asyncio.create_task(second.publish()), asyncio.create_task(second.follow())]
+        try:
+            first_fleet.instances[0].start(prompt_tokens=2000, uncached_tokens=2000)
+            second_fleet.instances[1].start(prompt_tokens=300, uncached_tokens=0)
+            await _until(lambda: second_fleet.instances[0].in_flight == 1 and first_fleet.instances[1].in_flight == 1)
+            a = second_fleet.instances[0]
+            assert (a.own_in_flight, a.active_tokens, a.pending_prefill_tokens) == (0, 2000, 2000)
+            assert second_metrics.registry.get_sample_value("kvroute_peer_routers") == 1
+            # Garbage and a router's own snapshot are counted and skipped.
+            second.receive(b"\x93not a snapshot")
+            second.receive(msgspec.msgpack.encode({"router": "x", "instances": {"a": [-1, 0, 0]}}))
+            second.receive(second.snapshot())
+            assert a.in_flight == 1
+            counts = {
+                s.labels["result"]: s.value
+                for metric in second_metrics.registry.collect() if metric.name == "kvroute_peer_snapshots"
+                for s in metric.samples if s.name.endswith("_total")
+            }  # fmt: skip
+            assert counts["malformed"] == 2 and counts["own"] == 1 and counts["applied"] >= 1
+            for task in first_tasks:  # the first router stops
+                task.cancel()
+            await asyncio.gather(*first_tasks, return_exceptions=True)
+            await _until(lambda: second_fleet.instances[0].in_flight == 0)
+            assert second_metrics.registry.get_sample_value("kvroute_peer_routers") == 0
+        finally:
+            for task in first_tasks + second_tasks:
+                task.cancel()
+            await asyncio.gather(*first_tasks, *second_tasks, return_exceptions=True)
+            context.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "not within the time limit"
+        await asyncio.sleep(0.01)
