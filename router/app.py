@@ -159,6 +159,12 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 fleet, control, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
                 restarted=reloader.engine_restarted,
             )  # fmt: skip
+            peers = config.peers
+            sync = None
+            if peers.publish is not None or peers.subscribe:
+                # Memory a peer's request freed may let requests held here go (admission.memory_hold_s).
+                sync = PeerSync(peers, fleet, metrics, zmq_context, lambda: app.state.proxy.memory_freed())
+                sync.start()  # a publish endpoint that cannot be bound stops the router here
             failures = metrics.task_failures
             tasks = [
                 asyncio.create_task(reloader.watch()),
@@ -167,12 +173,10 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 ),
                 asyncio.create_task(supervise("load", scraper.scrape_all, scraper.interval_s, failures)),
             ]
-            peers = config.peers
-            if peers.publish is not None or peers.subscribe:
-                sync = app.state.peer_sync = PeerSync(peers, fleet, metrics, zmq_context)
+            if sync is not None:
                 tasks += [
-                    asyncio.create_task(supervise("peers-publish", sync.publish, peers.interval_s, failures)),
-                    asyncio.create_task(supervise("peers-follow", sync.follow, peers.interval_s, failures)),
+                    asyncio.create_task(supervise(name, loop, peers.interval_s, failures))
+                    for name, loop in sync.loops().items()
                 ]
             try:
                 yield
@@ -180,6 +184,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                if sync is not None:
+                    sync.close()
                 await reloader.stop()
                 router.close()
                 zmq_context.destroy(linger=0)

@@ -397,8 +397,9 @@ class PeersConfig(_Strict):
 
     @model_validator(mode="after")
     def _heard_before_stale(self) -> PeersConfig:
-        if self.stale_after_s <= self.interval_s:
-            raise ValueError("stale_after_s must be longer than interval_s, or every peer goes stale")
+        if self.stale_after_s < 2 * self.interval_s:
+            raise ValueError("stale_after_s must be at least twice interval_s: one lost snapshot must not "
+                             "drop a peer")  # fmt: skip
         if self.publish is not None and self.publish in self.subscribe:
             raise ValueError(f"subscribe lists this router's own publish endpoint {self.publish}")
         return self

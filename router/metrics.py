@@ -233,7 +233,7 @@ class RouterMetrics:
         self.peer_snapshots = Family(
             Counter("kvroute_peer_snapshots",
                     "Load snapshots received from other routers, by result (applied, malformed: not "
-                    "decodable, own: this router's own, subscribed by mistake)",
+                    "decodable, own: this router's own, subscribed by mistake, too_many_peers)",
                     ["result"], registry=r)
         )  # fmt: skip
         self.pool_master_up = UnsetGauge(

@@ -47,6 +47,9 @@ class PeerLoads:
         """Peers heard from within stale_after_s."""
         return len(self._latest)
 
+    def knows(self, peer: str) -> bool:
+        return peer in self._latest
+
     def update(self, peer: str, loads: Mapping[str, PeerLoad]) -> None:
         self._latest[peer] = (self._clock(), loads)
 

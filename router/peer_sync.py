@@ -5,9 +5,10 @@ has in flight on each instance; it subscribes to every other router's (`peers.su
 with its own (router/peer_load.py). A snapshot stands alone: a lost one is replaced by the next, a router that
 restarts starts from nothing, and one that stops publishing drops out after `peers.stale_after_s`.
 
-Wire format: one frame, msgpack of `{"router": ID, "instances": {NAME: [in_flight, active_tokens,
-pending_prefill_tokens]}}`, ID a random id a router draws at start. Malformed snapshots are counted and
-skipped.
+Wire format: one frame, msgpack of `{"router": ID, "instances": {NAME: {"in_flight": N, "active_tokens": N,
+"pending_prefill_tokens": N}}}`, ID a random id a router draws at start. Per-instance loads are maps, so a
+later version may add fields that this one ignores (a rolling upgrade keeps its peers). Snapshots that do not
+decode are counted and skipped; instances this router does not route to are left out.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import msgspec
@@ -30,21 +31,31 @@ from router.peer_load import PeerLoad, PeerLoads, own_loads
 
 log = logging.getLogger(__name__)
 
-_Count = Annotated[int, msgspec.Meta(ge=0)]
-_MAX_MESSAGE_BYTES = 4 * 2**20
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**40)]  # more is no load, and would repel traffic for good
+MAX_PEERS = 64  # routers followed at once; snapshots from more are skipped
+_MAX_MESSAGE_BYTES = 2**20
+
+
+class InstanceLoad(msgspec.Struct):
+    in_flight: _Count = 0
+    active_tokens: _Count = 0
+    pending_prefill_tokens: _Count = 0
 
 
 class PeerSnapshot(msgspec.Struct):
     router: str
-    instances: dict[str, tuple[_Count, _Count, _Count]]
+    instances: dict[str, InstanceLoad]
 
 
 class PeerSync:
     """Publishes this router's load and follows its peers'.
 
     ```
-    sync = PeerSync(config.peers, fleet, metrics, context)
-    tasks = [asyncio.create_task(sync.publish()), asyncio.create_task(sync.follow())]
+    sync = PeerSync(config.peers, fleet, metrics, context, on_change=proxy.memory_freed)
+    sync.start()  # binds and connects: a bad endpoint fails here
+    tasks = [asyncio.create_task(loop()) for loop in sync.loops().values()]
+    ...
+    sync.close()
     ```
     """
 
@@ -54,20 +65,55 @@ class PeerSync:
         fleet: Fleet,
         metrics: RouterMetrics,
         context: zmq.asyncio.Context,
+        on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """on_change: called after peers' loads changed (a request of theirs may have freed memory)."""
         self.router_id = uuid.uuid4().hex[:16]
         self.loads = PeerLoads(config.stale_after_s, clock)
         self._config, self._fleet, self._metrics, self._context = config, fleet, metrics, context
+        self._on_change = on_change
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
+        self._publisher: zmq.asyncio.Socket | None = None
+        self._subscriber: zmq.asyncio.Socket | None = None
+
+    def start(self) -> None:
+        if self._config.publish is not None:
+            self._publisher = self._context.socket(zmq.PUB)
+            self._publisher.setsockopt(zmq.LINGER, 0)
+            self._publisher.setsockopt(zmq.SNDHWM, 16)  # past it a slow subscriber misses snapshots
+            self._publisher.bind(self._config.publish)
+        if self._config.subscribe:
+            self._subscriber = self._context.socket(zmq.SUB)
+            self._subscriber.setsockopt(zmq.LINGER, 0)
+            self._subscriber.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
+            self._subscriber.setsockopt(zmq.RCVHWM, 64)
+            self._subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+            for endpoint in self._config.subscribe:
+                self._subscriber.connect(endpoint)
+
+    def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        """The background loops start() set up, by name, each to run in a task of its own (supervised)."""
+        loops: dict[str, Callable[[], Awaitable[None]]] = {"peers-expire": self.expire_stale}
+        if self._publisher is not None:
+            loops["peers-publish"] = self.publish
+        if self._subscriber is not None:
+            loops["peers-follow"] = self.follow
+        return loops
+
+    def close(self) -> None:
+        for socket in (self._publisher, self._subscriber):
+            if socket is not None:
+                socket.close(linger=0)
 
     def snapshot(self) -> bytes:
-        loads = own_loads(self._fleet.instances)
-        return self._encoder.encode(PeerSnapshot(self.router_id, dict(loads.items())))
+        loads = {name: InstanceLoad(*load) for name, load in own_loads(self._fleet.instances).items()}
+        return self._encoder.encode(PeerSnapshot(self.router_id, loads))
 
     def receive(self, message: bytes) -> None:
-        """Take one peer's snapshot; malformed ones and this router's own are counted and skipped."""
+        """Take one peer's snapshot; malformed ones, this router's own, and new peers past MAX_PEERS are
+        counted and skipped."""
         try:
             snapshot = self._decoder.decode(message)
         except msgspec.DecodeError:
@@ -76,8 +122,16 @@ class PeerSync:
         if snapshot.router == self.router_id:
             self._metrics.peer_snapshots("own").inc()
             return
+        if not self.loads.knows(snapshot.router) and self.loads.peers >= MAX_PEERS:
+            self._metrics.peer_snapshots("too_many_peers").inc()
+            return
         self._metrics.peer_snapshots("applied").inc()
-        loads = {name: PeerLoad(*load) for name, load in snapshot.instances.items()}
+        names = {instance.name for instance in self._fleet.instances}
+        loads = {
+            name: PeerLoad(load.in_flight, load.active_tokens, load.pending_prefill_tokens)
+            for name, load in snapshot.instances.items()
+            if name in names
+        }
         self.loads.update(snapshot.router, loads)
         self._apply()
 
@@ -88,38 +142,25 @@ class PeerSync:
     def _apply(self) -> None:
         self.loads.apply(self._fleet.instances)
         self._metrics.peer_routers.set(self.loads.peers)
+        self._on_change()
 
     async def publish(self) -> None:
-        """Every interval: this router's snapshot out, peers gone silent forgotten."""
-        socket = self._context.socket(zmq.PUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDHWM, 4)  # a slow subscriber gets the latest, not a backlog
-        try:
-            if self._config.publish is not None:
-                socket.bind(self._config.publish)
-            while True:
-                if self._config.publish is not None:
-                    await socket.send(self.snapshot())
-                self.expire()
-                await asyncio.sleep(self._config.interval_s)
-        finally:
-            socket.close(linger=0)
+        assert self._publisher is not None
+        while True:
+            await self._publisher.send(self.snapshot())
+            await asyncio.sleep(self._config.interval_s)
 
     async def follow(self) -> None:
-        """Take every peer's snapshots as they come."""
-        socket = self._context.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
-        socket.setsockopt(zmq.RCVHWM, 64)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        try:
-            for endpoint in self._config.subscribe:
-                socket.connect(endpoint)
-            while True:
-                frames = await socket.recv_multipart()
-                if len(frames) != 1:
-                    self._metrics.peer_snapshots("malformed").inc()
-                    continue
-                self.receive(frames[0])
-        finally:
-            socket.close(linger=0)
+        assert self._subscriber is not None
+        while True:
+            frames = await self._subscriber.recv_multipart()
+            if len(frames) != 1:
+                self._metrics.peer_snapshots("malformed").inc()
+                continue
+            self.receive(frames[0])
+
+    async def expire_stale(self) -> None:
+        """Forget peers gone silent, whatever else fails (a router that cannot publish still forgets)."""
+        while True:
+            self.expire()
+            await asyncio.sleep(self._config.interval_s)

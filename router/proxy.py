@@ -653,7 +653,11 @@ class Proxy:
         instance = decision.instance
         instance.end(decision.prompt_tokens, prefill.take(), admitted, decision.chain)
         self._metrics.in_flight(instance.name).set(instance.own_in_flight)
-        if len(self._memory_hold):  # memory freed up: the held requests that now fit go
+        self.memory_freed()
+
+    def memory_freed(self) -> None:
+        """A request ended here or at a peer router: the held requests that now fit go."""
+        if len(self._memory_hold):
             for released in self._memory_hold.release():
                 released.set_result(None)
 

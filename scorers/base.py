@@ -23,13 +23,14 @@ class Candidate(Protocol):
 
     @property
     def in_flight(self) -> int:
-        """Requests this router has sent and not yet seen finish."""
+        """Requests in flight there: those this router sent and has not seen finish, and its peer routers'
+        (router/peer_load.py)."""
         ...
 
     @property
     def active_tokens(self) -> int:
-        """KV tokens the requests in flight through this router hold there (the contexts being decoded),
-        a prefix they share counted once, as the engine's prefix cache holds it."""
+        """KV tokens the requests in flight there hold (the contexts being decoded): this router's, a prefix
+        they share counted once, as the engine's prefix cache holds it, and its peer routers'."""
         ...
 
     def shared_tokens(self, chain: Sequence[int]) -> int:
@@ -38,8 +39,8 @@ class Candidate(Protocol):
 
     @property
     def pending_prefill_tokens(self) -> int:
-        """Uncached prompt tokens of those requests that have not produced a first byte yet: the prefill
-        work queued ahead of a new request."""
+        """Uncached prompt tokens of those requests (this router's and its peers') that have not produced a
+        first byte yet: the prefill work queued ahead of a new request."""
         ...
 
     @property

@@ -176,9 +176,9 @@ def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:
 
 def memory_wait_s(candidate: Candidate, prompt_tokens: int, chain: Sequence[int] = ()) -> float:
     """How long a prompt would wait there for KV memory; 0 while its capacity or hold time is unknown.
-    Held tokens are the router's own in-flight contexts, or the engine's reported usage when that is more
-    (other clients); the prompt's blocks that contexts in flight hold already take no more; at most every
-    context in flight has to leave."""
+    Held tokens are the contexts in flight (the router's and its peers'), or the engine's reported usage
+    when that is more (other clients); the prompt's blocks that this router's contexts in flight hold already
+    take no more; at most every context in flight has to leave."""
     capacity, hold_s = candidate.kv_capacity_tokens, candidate.context_hold_s
     if not capacity or hold_s is None:
         return 0.0

@@ -15,7 +15,7 @@ from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
-from router.config import RouterConfig, parse_config
+from router.config import PeersConfig, RouterConfig, parse_config
 from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.peer_load import PeerLoads, own_loads
@@ -27,7 +27,7 @@ from scorers.ttft_model import TTFTFeatures, TTFTPriors, features_for
 
 T = TypeVar("T")
 
-PEERS_STALE_AFTER_S = 1.0  # as router/config.py's default
+PEERS_STALE_AFTER_S: float = PeersConfig.model_fields["stale_after_s"].default
 
 
 def _at_once(work: Coroutine[Any, Any, T]) -> T:
@@ -204,7 +204,9 @@ class Replicas(SimPolicy):
         for number, router in enumerate(self.routers):
             router.bind(view if number == 0 else view.replica())
         self.scrape_interval_s = self.routers[0].scrape_interval_s
-        self.memory_hold_s = self.routers[0].memory_hold_s
+        if any(router.memory_hold_s for router in self.routers):
+            # run.py holds requests in one queue judged on the first router's counts
+            raise ValueError("several routers are simulated without holding requests for memory")
         self._peer_loads = [PeerLoads(PEERS_STALE_AFTER_S, view.loop.clock) for _ in self.routers]
 
     def sync(self) -> None:

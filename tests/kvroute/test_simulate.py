@@ -26,7 +26,7 @@ from kvroute.simulate.peers import ActiveWork
 from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import POLICIES
-from kvroute.simulate.run import RESULT_FIELDS, simulate
+from kvroute.simulate.run import RESULT_FIELDS, session_of, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
 from router.kv_events import BlockRemoved, BlockStored, KVEvent
@@ -439,3 +439,25 @@ def test_routers_without_sticky_sessions_take_requests_in_turn() -> None:
     policy = Replicas("two", _Counting, 2, by_session=False)
     simulate(TraceBlocks(Trace("turns", 32, turns), 16), _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
     assert [len(router.seen) for router in policy.routers if isinstance(router, _Counting)] == [2, 2]
+
+
+def test_routers_sharing_load_see_each_others_requests_in_flight() -> None:
+    turns = (
+        TraceRequest(0.0, 320, 50, tuple(range(1, 11))),  # the first router's: decodes for ~0.6 s
+        TraceRequest(0.2, 320, 2, tuple(range(20, 30))),  # the second's, 0.2 s later
+    )
+    blocks = TraceBlocks(Trace("sharing", 32, turns), 16)
+    policy = Replicas("two", _Counting, 2, by_session=False, share_s=0.05)
+    simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
+    first, second = (router for router in policy.routers if isinstance(router, _Counting))
+    assert len(first.seen) == len(second.seen) == 1  # one request each
+    # The later one's router heard of the earlier one within 0.05 s; sharing nothing, it would count 0.
+    assert dict(first.seen + second.seen) == {session_of(turns[0]): 0, session_of(turns[1]): 1}
+
+
+def test_several_routers_are_not_simulated_with_a_memory_hold() -> None:
+    held = _Counting()
+    held.memory_hold_s = 5.0
+    blocks = TraceBlocks(_trace((0, 64, (1, 2))), 16)
+    with pytest.raises(ValueError, match="without holding requests"):
+        simulate(blocks, _fleet(1, pool=False), Replicas("held", lambda: held, 2), ideal_hit_rate=0.0)

@@ -14,7 +14,7 @@ from router.config import ConfigError, RouterConfig, parse_config
 from router.instances import Fleet
 from router.metrics import RouterMetrics
 from router.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
-from router.peer_sync import PeerSync
+from router.peer_sync import MAX_PEERS, PeerSync
 from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
 from scorers.ttft_model import memory_wait_s
 from tests.conftest import ManualClock
@@ -81,7 +81,7 @@ def test_the_wait_for_memory_counts_the_peers_contexts() -> None:
     [
         ({"publish": "http://127.0.0.1:5800"}, "is not a ZMQ endpoint"),
         ({"subscribe": ["tcp://127.0.0.1"]}, "is not a ZMQ endpoint"),
-        ({"interval_s": 1.0, "stale_after_s": 0.5}, "stale_after_s must be longer than interval_s"),
+        ({"interval_s": 1.0, "stale_after_s": 0.5}, "stale_after_s must be at least twice interval_s"),
         ({"publish": "tcp://127.0.0.1:5800", "subscribe": ["tcp://127.0.0.1:5800"]}, "own publish endpoint"),
     ],
 )
@@ -110,8 +110,10 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
             config(publish=second_endpoint, subscribe=[first_endpoint], **settings).peers, second_fleet,
             second_metrics, context,
         )  # fmt: skip
-        first_tasks = [asyncio.create_task(first.publish()), asyncio.create_task(first.follow())]
-        second_tasks = [asyncio.create_task(second.publish()), asyncio.create_task(second.follow())]
+        first.start()
+        second.start()
+        first_tasks = [asyncio.create_task(loop()) for loop in first.loops().values()]
+        second_tasks = [asyncio.create_task(loop()) for loop in second.loops().values()]
         try:
             first_fleet.instances[0].start(prompt_tokens=2000, uncached_tokens=2000)
             second_fleet.instances[1].start(prompt_tokens=300, uncached_tokens=0)
@@ -121,7 +123,8 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
             assert second_metrics.registry.get_sample_value("kvroute_peer_routers") == 1
             # Garbage and a router's own snapshot are counted and skipped.
             second.receive(b"\x93not a snapshot")
-            second.receive(msgspec.msgpack.encode({"router": "x", "instances": {"a": [-1, 0, 0]}}))
+            second.receive(msgspec.msgpack.encode({"router": "x", "instances": {"a": {"in_flight": -1}}}))
+            second.receive(msgspec.msgpack.encode({"router": "x", "instances": {"a": {"in_flight": 2**41}}}))
             second.receive(second.snapshot())
             assert a.in_flight == 1
             counts = {
@@ -129,7 +132,7 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
                 for metric in second_metrics.registry.collect() if metric.name == "kvroute_peer_snapshots"
                 for s in metric.samples if s.name.endswith("_total")
             }  # fmt: skip
-            assert counts["malformed"] == 2 and counts["own"] == 1 and counts["applied"] >= 1
+            assert counts["malformed"] == 3 and counts["own"] == 1 and counts["applied"] >= 1
             for task in first_tasks:  # the first router stops
                 task.cancel()
             await asyncio.gather(*first_tasks, return_exceptions=True)
@@ -139,6 +142,8 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
             for task in first_tasks + second_tasks:
                 task.cancel()
             await asyncio.gather(*first_tasks, *second_tasks, return_exceptions=True)
+            first.close()
+            second.close()
             context.destroy(linger=0)
 
     asyncio.run(main())
@@ -150,3 +155,41 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not condition():
         assert loop.time() < deadline, "not within the time limit"
         await asyncio.sleep(0.01)
+
+
+def test_a_follower_keeps_what_it_routes_to_forgets_in_time_and_bounds_its_peers() -> None:
+    """No publish endpoint: the snapshots it hears still expire; instances it does not route to are left out;
+    past MAX_PEERS new routers are skipped; every change is reported (held requests may now fit)."""
+    clock = ManualClock()
+    fleet = Fleet(config())
+    metrics = RouterMetrics()
+    changes: list[int] = []
+    settings = config(subscribe=["tcp://127.0.0.1:5999"], interval_s=0.01, stale_after_s=1.0).peers
+    sync = PeerSync(settings, fleet, metrics, zmq.asyncio.Context.instance(), lambda: changes.append(1), clock)
+    assert list(sync.loops()) == ["peers-expire"]  # not started: nothing to publish or follow yet
+
+    def snapshot(router: str, **loads: dict[str, int]) -> bytes:
+        return msgspec.msgpack.encode({"router": router, "instances": loads})
+
+    later = {"in_flight": 2, "active_tokens": 10, "a_field_of_a_later_version": 1}
+    sync.receive(snapshot("p", a=later, unknown={"in_flight": 5}))
+    a, b = fleet.instances
+    assert (a.in_flight, a.active_tokens, b.in_flight) == (2, 10, 0) and changes == [1]
+    for peer in range(MAX_PEERS):  # p and 63 more
+        if peer:
+            sync.receive(snapshot(f"r{peer}", a={"in_flight": 0}))
+    sync.receive(snapshot("one too many", a={"in_flight": 100}))
+    assert a.in_flight == 2 and sync.loads.peers == MAX_PEERS
+    assert metrics.registry.get_sample_value("kvroute_peer_snapshots_total", {"result": "too_many_peers"}) == 1
+
+    async def main() -> None:
+        expiring = asyncio.create_task(sync.expire_stale())
+        try:
+            clock.now = 1.5  # every peer silent past stale_after_s
+            await _until(lambda: a.in_flight == 0)
+        finally:
+            expiring.cancel()
+            await asyncio.gather(expiring, return_exceptions=True)
+
+    asyncio.run(main())
+    assert sync.loads.peers == 0 and metrics.registry.get_sample_value("kvroute_peer_routers") == 0

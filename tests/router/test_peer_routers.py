@@ -1,10 +1,13 @@
-"""Two router processes in front of one fleet, told about each other: they hear each other's load, and a
-router that stops drops out of the other's count."""
+"""Two router processes in front of one fleet, told about each other: each counts the other's requests in
+flight, its own limits stay its own, and a router that stops drops out of the other's count."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,20 +22,56 @@ def _eventually(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def test_routers_hear_each_other_and_forget_one_that_stops(fleet: FleetPorts, tmp_path: Path) -> None:
+def _in_flight(url: str) -> int:
+    """Requests in flight on the fleet's instances as this router counts them (its own and its peers')."""
+    with urllib.request.urlopen(url + "/dashboard/state", timeout=10) as response:
+        return sum(instance["in_flight"] for instance in json.loads(response.read())["instances"])
+
+
+def _stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A chat stream that holds its instance for ~1.5 s (the session fleet decodes 1,000 tokens a second)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny-llama", "max_tokens": 1500, "stream": True,
+                       "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    return connection, connection.getresponse()
+
+
+def test_routers_count_each_others_requests_and_forget_one_that_stops(fleet: FleetPorts, tmp_path: Path) -> None:
     port = free_port_block(2)
     first, second = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    settings = {
+        "admission": {"max_in_flight_per_instance": 1},  # each router's own requests
+        "health": {"interval_s": 0.2},
+    }
     timing = {"interval_s": 0.05, "stale_after_s": 0.5}
     with contextlib.ExitStack() as routers:
-        second_url = routers.enter_context(running_router(
-            fleet.router_config(peers={"publish": second, "subscribe": [first], **timing}), tmp_path, "second"
+        second_url = routers.enter_context(running_router(fleet.router_config(
+            peers={"publish": second, "subscribe": [first], **timing}, **settings), tmp_path, "second",
         ))  # fmt: skip
         with running_router(
-            fleet.router_config(peers={"publish": first, "subscribe": [second], **timing}), tmp_path, "first"
-        ) as first_url:
+            fleet.router_config(peers={"publish": first, "subscribe": [second], **timing}, **settings),
+            tmp_path, "first",
+        ) as first_url:  # fmt: skip
             for url in (first_url, second_url):
                 _eventually(lambda url=url: sample(url, "kvroute_peer_routers") == 1)  # type: ignore[misc]
-            applied = sample(second_url, "kvroute_peer_snapshots_total", result="applied")
-            assert applied is not None and applied > 0
+            streams = [_stream(first_url) for _ in range(3)]  # one on each instance, through the first
+            try:
+                assert [response.status for _, response in streams] == [200, 200, 200]
+                _eventually(lambda: _in_flight(second_url) == 3)  # the second hears of all three
+                # Its limit counts its own requests: the instances are full for the first router only.
+                refused, answer = _stream(first_url)
+                assert answer.status == 429
+                refused.close()
+                connection, response = _stream(second_url)
+                assert response.status == 200
+                streams.append((connection, response))
+            finally:
+                bodies = [response.read() for _, response in streams]
+                for connection, _ in streams:
+                    connection.close()
+            assert all(body.rstrip().endswith(b"data: [DONE]") for body in bodies)
             assert sample(second_url, "kvroute_peer_snapshots_total", result="malformed") in (None, 0.0)
+            _eventually(lambda: _in_flight(second_url) == 0)
         _eventually(lambda: sample(second_url, "kvroute_peer_routers") == 0)
