@@ -29,9 +29,9 @@ def _in_flight(url: str) -> int:
 
 
 def _stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """A chat stream that holds its instance for ~1.5 s (the session fleet decodes 1,000 tokens a second)."""
+    """A chat stream that holds its instance for ~4 s (the session fleet decodes 1,000 tokens a second)."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny-llama", "max_tokens": 1500, "stream": True,
+    body = json.dumps({"model": "tiny-llama", "max_tokens": 4000, "stream": True,
                        "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
