@@ -28,10 +28,12 @@ NO_PEER_LOAD = PeerLoad()
 
 
 def own_loads(instances: Iterable[Instance]) -> dict[str, PeerLoad]:
-    """This router's own counts, as its peers are told them."""
+    """This router's own counts, as its peers are told them (never below 0, which peers refuse)."""
     return {
         instance.name: PeerLoad(
-            instance.own_in_flight, instance.own_active_tokens, instance.own_pending_prefill_tokens
+            max(instance.own_in_flight, 0),
+            max(instance.own_active_tokens, 0),
+            max(instance.own_pending_prefill_tokens, 0),
         )
         for instance in instances
     }
