@@ -36,6 +36,10 @@ MAX_PEERS = 64  # routers followed at once; snapshots from more are skipped
 _MAX_MESSAGE_BYTES = 2**20
 
 
+class PeerSyncError(Exception):
+    """The router cannot take part: its publish endpoint cannot be bound."""
+
+
 class InstanceLoad(msgspec.Struct):
     in_flight: _Count = 0
     active_tokens: _Count = 0
@@ -83,7 +87,10 @@ class PeerSync:
             self._publisher = self._context.socket(zmq.PUB)
             self._publisher.setsockopt(zmq.LINGER, 0)
             self._publisher.setsockopt(zmq.SNDHWM, 16)  # past it a slow subscriber misses snapshots
-            self._publisher.bind(self._config.publish)
+            try:
+                self._publisher.bind(self._config.publish)
+            except zmq.ZMQError as exc:
+                raise PeerSyncError(f"peers.publish {self._config.publish} cannot be bound: {exc}") from None
         if self._config.subscribe:
             self._subscriber = self._context.socket(zmq.SUB)
             self._subscriber.setsockopt(zmq.LINGER, 0)

@@ -14,7 +14,7 @@ from router.config import ConfigError, RouterConfig, parse_config
 from router.instances import Fleet
 from router.metrics import RouterMetrics
 from router.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
-from router.peer_sync import MAX_PEERS, PeerSync
+from router.peer_sync import MAX_PEERS, PeerSync, PeerSyncError
 from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
 from scorers.ttft_model import memory_wait_s
 from tests.conftest import ManualClock
@@ -193,3 +193,18 @@ def test_a_follower_keeps_what_it_routes_to_forgets_in_time_and_bounds_its_peers
 
     asyncio.run(main())
     assert sync.loads.peers == 0 and metrics.registry.get_sample_value("kvroute_peer_routers") == 0
+
+
+def test_a_publish_endpoint_taken_already_is_named_at_start() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port_block(1)}"
+    context = zmq.asyncio.Context()
+    squatter = context.socket(zmq.PUB)
+    squatter.bind(endpoint)
+    sync = PeerSync(config(publish=endpoint).peers, Fleet(config()), RouterMetrics(), context)
+    try:
+        with pytest.raises(PeerSyncError, match=f"peers.publish {endpoint} cannot be bound"):
+            sync.start()
+    finally:
+        sync.close()
+        squatter.close(linger=0)
+        context.destroy(linger=0)
