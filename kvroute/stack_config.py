@@ -60,7 +60,11 @@ class PoolSection(_Strict):
     master: MasterSection
     client: PoolClientSection = Field(default_factory=PoolClientSection)
     connector: dict[str, Any] = Field(
-        default_factory=lambda: {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
+        default_factory=lambda: {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",  # a failed pool load is recomputed, not a 500
+        },
         description="vLLM's --kv-transfer-config; the stack adds a lookup_rpc_port per instance",
     )
 

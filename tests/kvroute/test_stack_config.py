@@ -93,7 +93,7 @@ def test_plan_derives_commands_files_and_router_config(tmp_path: Path, model_dir
         "replay_endpoint": "tcp://127.0.0.1:40008", "topic": "kv@vllm-1@tiny-llama",
     }  # fmt: skip
     assert json.loads(flag["--kv-transfer-config"]) == {
-        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"lookup_rpc_port": 40004},
     }  # fmt: skip
     env = plan.vllm_env()
