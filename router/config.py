@@ -34,6 +34,14 @@ def _checked_http_url(url: str) -> str:
     return url.rstrip("/")
 
 
+def _checked_zmq_endpoint(endpoint: str) -> str:
+    match = _ZMQ_ENDPOINT.match(endpoint)
+    if not match:
+        raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
+    _check_host_and_port(endpoint, match)
+    return endpoint
+
+
 def _check_host_and_port(address: str, match: re.Match[str]) -> None:
     if match["ipv6"] is not None:
         try:
@@ -366,14 +374,6 @@ class PoolConfig(_Strict):
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
         return None if url is None else _checked_http_url(url)
-
-
-def _checked_zmq_endpoint(endpoint: str) -> str:
-    match = _ZMQ_ENDPOINT.match(endpoint)
-    if not match:
-        raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
-    _check_host_and_port(endpoint, match)
-    return endpoint
 
 
 class PeersConfig(_Strict):

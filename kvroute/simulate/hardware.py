@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scorers.ttft_model import attention_pairs
+
 # Seconds per token loaded from the pool into an instance's GPU. An 8B Llama's KV is 128 KiB a token
 # (32 layers x 8 KV heads x 128 x 2 x fp16): RDMA at ~200 Gb/s moves ~25 GB/s, TCP at ~25 Gb/s ~3 GB/s.
 POOL_PRESETS: dict[str, float] = {"rdma": 5e-6, "tcp": 4e-5}
@@ -44,7 +46,7 @@ class EngineSpec:
 
     def attention_s(self, start: int, tokens: int) -> float:
         """Their attention beyond the flat rate: each attends to itself and every token before it."""
-        return self.attention_s_per_pair * tokens * (start + (tokens + 1) / 2)
+        return self.attention_s_per_pair * attention_pairs(start, tokens)
 
 
 @dataclass(frozen=True)
