@@ -178,10 +178,10 @@ def test_the_retry_budget_is_a_share_of_the_traffic() -> None:
 @pytest.fixture
 def never_accepting_port() -> Iterator[int]:
     """A port whose listen backlog is full and never drained: connecting to it neither fails nor succeeds."""
-    port = free_port_block(1)
     listener = socket.socket()
-    listener.bind(("127.0.0.1", port))
+    listener.bind(("127.0.0.1", 0))  # the kernel's pick: a checked-free port may still be in TIME_WAIT here
     listener.listen(0)
+    port = listener.getsockname()[1]
     fillers = []
     for _ in range(3):  # whatever the kernel queues beyond backlog 0, later SYNs are dropped
         filler = socket.socket()
