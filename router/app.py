@@ -254,10 +254,13 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
         healthy = [i.name for i in fleet.instances if i.healthy]
+        reloader: Reloader | None = getattr(app.state, "reloader", None)
         body = {
             "status": "ok" if healthy else "unavailable",
             "healthy_instances": healthy,
+            "unhealthy_instances": [i.name for i in fleet.instances if not i.healthy],
             "instances": len(fleet.instances),
+            "warnings": [] if reloader is None else reloader.warnings(),
         }
         return JSONResponse(body, status_code=200 if healthy else 503)
 

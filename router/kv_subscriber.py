@@ -78,8 +78,12 @@ class KVEventSubscriber:
         context: zmq.asyncio.Context,
         replay_timeout_s: float = 2.0,
         max_message_bytes: int = 64 * 2**20,
+        block_size: int | None = None,
     ) -> None:
+        """block_size: the index's; stored blocks of another size cannot be indexed, which is said once."""
         self.instance = instance
+        self._block_size = block_size
+        self.foreign_block_size: int | None = None  # the size of the last blocks published at another size
         self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
         self._sink, self._metrics, self._context = sink, metrics, context
         self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
@@ -221,8 +225,11 @@ class KVEventSubscriber:
         applied[seq] = batch.ts
         if len(applied) > _REMEMBERED:
             applied.popitem(last=False)
+        expected_size = self._block_size
         for event in batch.events:
             self._events[type(event)].inc()
+            if type(event) is BlockStored and expected_size is not None and event.block_size != expected_size:
+                self._foreign(event.block_size)
         if batch.skipped_events:
             self._skipped.inc(batch.skipped_events)
         self._last_event.set(batch.ts)
@@ -230,6 +237,15 @@ class KVEventSubscriber:
             self._sink.apply((self.instance, rank), batch.events)
         except Exception:
             log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
+
+    def _foreign(self, size: int) -> None:
+        if size != self.foreign_block_size:
+            self.foreign_block_size = size
+            log.error(
+                "%s publishes KV blocks of %d tokens but block_size is %d: the index cannot hold them, so "
+                "routing ignores what %s has cached; set block_size: %d (the engines' --block-size)",
+                self.instance, size, self._block_size, self.instance, size,
+            )  # fmt: skip
 
     def _restart(self, rank: int) -> None:
         """rank's events come from a new engine process: its predecessor's blocks are gone."""

@@ -155,7 +155,8 @@ class RouterMetrics:
                     ["task"], registry=r)
         )  # fmt: skip
         self.kv_events = Family(
-            Counter("kvroute_kv_events", "KV-cache events applied to the index, by instance and event type",
+            Counter("kvroute_kv_events", "KV-cache events received, by instance and event type "
+                    "(kvroute_index_mismatched_events: those whose blocks the index could not hold)",
                     ["vllm_instance", "type"], registry=r)
         )  # fmt: skip
         self.kv_malformed = Family(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -61,9 +62,20 @@ class Reloader:
             if instance.events is None:
                 continue
             subscriber = KVEventSubscriber(
-                instance.name, instance.events, instance.replay, self._index, self._metrics, self._zmq
-            )
+                instance.name, instance.events, instance.replay, self._index, self._metrics, self._zmq,
+                block_size=self._index.block_size,
+            )  # fmt: skip
             self._subscriptions[instance.name] = subscriber, asyncio.create_task(subscriber.run())
+
+    def warnings(self) -> list[str]:
+        """What an operator must fix for routing to work as configured: instances whose KV blocks are of
+        another size than the index's."""
+        return [
+            f"{name} publishes KV blocks of {subscriber.foreign_block_size} tokens; block_size is "
+            f"{self._index.block_size}"
+            for name, (subscriber, _) in self._subscriptions.items()
+            if subscriber.foreign_block_size is not None
+        ]
 
     def engine_restarted(self, name: str) -> None:
         """A new engine process serves instance name (the load scraper saw its start time change): its
@@ -187,8 +199,15 @@ class Reloader:
         """Reload when what path holds changes. Its directory is watched, not below it, and the file read
         again on any change there: editors replace the file, and a Kubernetes ConfigMap's file is a symlink
         through ..data, which an update points at a new directory. Comparing the content makes one reload of
-        an update that comes in several batches of events, and catches up with one made while no watch ran."""
-        changes = watchfiles.awatch(path.parent, watch_filter=None, recursive=False)
+        an update that comes in several batches of events, and catches up with one made while no watch ran.
+        Other files there are passed over: a log written beside the file would otherwise wake the watch, and
+        its "change detected" line would be the next write."""
+
+        def ours(_: watchfiles.Change, changed: str) -> bool:
+            name = os.path.basename(changed)
+            return name == path.name or name.startswith("..")  # ..data and its kin in a ConfigMap
+
+        changes = watchfiles.awatch(path.parent, watch_filter=ours, recursive=False)
         async with contextlib.aclosing(changes):
             await self._reload_if_changed(path)
             async for _ in changes:

@@ -177,6 +177,7 @@ class Harness:
         max_message_bytes: int = 64 * 2**20,
         sink: RecordingSink | None = None,
         host: str = "127.0.0.1",
+        block_size: int | None = None,
     ) -> None:
         port = free_port_block(2)
         self.endpoint = f"tcp://{host}:{port}"
@@ -186,7 +187,7 @@ class Harness:
         self.metrics = RouterMetrics()
         self.subscriber = KVEventSubscriber(
             "a", self.endpoint, self.replay_endpoint, self.sink, self.metrics, self.context,
-            replay_timeout_s=replay_timeout_s, max_message_bytes=max_message_bytes,
+            replay_timeout_s=replay_timeout_s, max_message_bytes=max_message_bytes, block_size=block_size,
         )  # fmt: skip
 
     def engine(self) -> FakeEngine:
@@ -477,6 +478,27 @@ def test_garbage_is_counted_and_skipped(caplog: pytest.LogCaptureFixture) -> Non
         assert harness.sink.ids() == [0, 1, 3]
         assert harness.since(before) == {"malformed": len(garbage), "skipped": 1}
         assert "the KV event sink failed" in caplog.text
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(main())
+
+
+def test_blocks_of_another_size_than_the_index_are_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        harness = Harness(replay=False, block_size=BS * 2)
+        engine = harness.engine()
+        async with harness.running():
+            await harness.first_batch_applied(engine)  # removals carry no block size
+            assert harness.subscriber.foreign_block_size is None
+            engine.publish([stored(0, 2)])
+            engine.publish([stored(2, 2)])
+            await harness.sink.wait_applied(3)
+        await engine.close()
+        assert harness.subscriber.foreign_block_size == BS
+        named = [r.getMessage() for r in caplog.records if "publishes KV blocks" in r.getMessage()]
+        assert named == [f"a publishes KV blocks of {BS} tokens but block_size is {BS * 2}: the index cannot "
+                         f"hold them, so routing ignores what a has cached; set block_size: {BS} (the engines' "
+                         "--block-size)"]  # fmt: skip
 
     with caplog.at_level(logging.ERROR):
         asyncio.run(main())

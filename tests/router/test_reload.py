@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -135,6 +136,27 @@ def test_a_change_of_the_file_reloads_once(
             return seen[before:]
 
     assert asyncio.run(run()) == [content("the update")]
+
+
+def test_other_files_in_the_directory_do_not_wake_the_watch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router's log beside its configuration: each write woke the watch, whose INFO line was the next."""
+    path = plain(tmp_path)
+
+    async def run() -> None:
+        async with watched(path) as seen:
+            await watching(path, edit, seen)
+            caplog.clear()
+            for line in range(10):
+                with (tmp_path / "router.log").open("a") as log:
+                    log.write(f"line {line}\n")
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(QUIET_S)
+
+    with caplog.at_level(logging.INFO, logger="watchfiles"):
+        asyncio.run(run())
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("watchfiles")] == []
 
 
 def test_a_change_before_the_watch_began_is_reloaded(tmp_path: Path) -> None:
