@@ -86,7 +86,7 @@ def admin_routes(
         current = proxy()
         try:
             body = msgspec.json.decode(await request.body(), type=_TrafficBody)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # a key's bytes, a deep nest
             raise bad_request(f'The body must be {{"split": {{"policy": weight, ...}}}}: {exc}') from exc
         unknown = [name for name in body.split if name not in current.policies]
         if unknown:

@@ -68,7 +68,8 @@ def _unset(value: Any) -> bool:
 
 
 class CompletionRequest(msgspec.Struct):
-    prompt: str | list[Any]
+    prompt: str | list[Any] | None = None  # or prompt_embeds (vLLM's --enable-prompt-embeds)
+    prompt_embeds: Any = None  # routed without prefix knowledge: the index keys token ids
     model: str = ""
     stream: bool | None = None
     user: str | None = None
@@ -105,6 +106,8 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
         raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
     if isinstance(body, ChatRequest) and not body.messages:
         raise bad_request("`messages` must hold at least one message.", "invalid_field", "messages")
+    if isinstance(body, CompletionRequest) and body.prompt is None and body.prompt_embeds is None:
+        raise bad_request("`prompt` or `prompt_embeds` is required.", "invalid_field", "prompt")
     if not body.model:
         if only_model is None:
             raise bad_request("`model` is required: the router serves several.", "invalid_field", "model")

@@ -20,6 +20,7 @@ import xxhash
 from router import block_hashing
 from router.block_index import BlockIndex, Speculation
 from router.chat_conversation import InvalidPrompt, engine_messages
+from router.errors import OpenAIError
 from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
@@ -124,6 +125,8 @@ class Router:
             session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
         try:
             ids = await self._token_ids(body, off_loop) if tokenize else []
+        except OpenAIError:  # what the engine would fail on too, for the client's fault
+            raise
         except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
             log.debug("routing without prefix knowledge: %r", exc)
@@ -195,6 +198,8 @@ class Router:
             raise TruncatedPrompt("the engine keeps only the prompt's last tokens")
         local = self._tokenizers.get(body.model)
         if isinstance(body, CompletionRequest):
+            if body.prompt is None:  # embeddings only: nothing the index keys
+                return []
             if local is not None:
                 return await self._local(off_loop, local.completion_ids, body.prompt, body.add_special_tokens)
             remote = self._remote(body.model)

@@ -128,6 +128,11 @@ def test_the_split_changes_at_runtime(admin_router: tuple[str, Path]) -> None:
     status, body = call("PUT", url + "/admin/traffic", {"split": {"nope": 1}}, AUTH)
     assert status == 400 and "Unknown policies ['nope']" in body["error"]["message"]
     assert call("PUT", url + "/admin/traffic", {"split": {"kvroute": -1}}, AUTH)[0] == 400
+    bad_key = urllib.request.Request(url + "/admin/traffic", data=b'{"split": {"\xff": 1}}', method="PUT",
+                                     headers={"content-type": "application/json", **AUTH})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:  # not UTF-8: a 400 in OpenAI's shape, not a 500
+        urllib.request.urlopen(bad_key, timeout=30)
+    assert refused.value.code == 400 and "The body must be" in json.load(refused.value)["error"]["message"]
 
 
 def test_a_bad_file_is_refused_and_the_running_config_stays(

@@ -73,11 +73,17 @@ def test_the_engine_never_gets_the_full_kv_report_mode(tmp_path: Path) -> None:
         (b'\xef\xbb\xbf{"model": "m", "prompt": "hi"}', {"model": "m", "prompt": "hi"}),  # a BOM, as json does
         (b'{"model": "m", "prompt": "hi", "add_special_tokens": 0}', {"add_special_tokens": False}),
         (b'{"model": "m", "prompt": "hi", "stream": "true"}', {"stream": True}),
+        (b'{"model": "m", "prompt_embeds": "AAAA"}', {"prompt": None, "prompt_embeds": "AAAA"}),  # vLLM's
     ],
 )
 def test_bodies_vllm_accepts_are_accepted(raw: bytes, expected: dict[str, object]) -> None:
     body = decode_body(raw, CompletionRequest, "only")
     assert {key: getattr(body, key) for key in expected} == expected
+
+
+def test_a_completion_needs_a_prompt_or_its_embeddings() -> None:
+    with pytest.raises(OpenAIError, match="`prompt` or `prompt_embeds` is required"):
+        decode_body(b'{"model": "m", "max_tokens": 4}', CompletionRequest, None)
 
 
 def test_a_body_without_a_model_needs_one_when_several_are_served() -> None:

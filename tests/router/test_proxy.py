@@ -128,11 +128,15 @@ def test_health_reports_healthy_instances(router_url: str) -> None:
 def test_health_warns_of_engines_whose_blocks_the_index_cannot_hold(fleet: FleetPorts, tmp_path: Path) -> None:
     """The fleet's blocks are of 32 tokens: a router configured for 16 would route blind, and says so."""
     with running_router(fleet.router_config(block_size=16), tmp_path) as url:
-        body = json.dumps({"model": MODEL, "prompt": "a prompt long enough for a block " * 8, "max_tokens": 2})
-        assert post(url + "/v1/completions", body.encode())[0] == 200
         deadline = time.monotonic() + 10
+        attempt = 0
+        # New prompts until one's blocks are heard of: the first may be published before the router listens.
         while not (health := get_json(url + "/health"))["warnings"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+            prompt = f"attempt {attempt}: a prompt long enough for a block " * 8
+            body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert post(url + "/v1/completions", body.encode())[0] == 200
+            attempt += 1
+            time.sleep(0.2)
     assert health["status"] == "ok"
     assert len(health["warnings"]) == 1, health
     assert health["warnings"][0].endswith("publishes KV blocks of 32 tokens; block_size is 16")
