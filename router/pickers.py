@@ -60,5 +60,5 @@ class SoftmaxPicker:
         return self._rng.choices(range(len(scores)), weights=weights)[0]
 
 
-MAX_SCORE: Registration[Picker] = Registration(MaxScoreParams, MaxScorePicker)
-SOFTMAX: Registration[Picker] = Registration(SoftmaxParams, SoftmaxPicker)
+MAX_SCORE: Registration[Picker] = Registration(MaxScoreParams, MaxScorePicker, randomized=True)
+SOFTMAX: Registration[Picker] = Registration(SoftmaxParams, SoftmaxPicker, randomized=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 
@@ -12,13 +13,17 @@ from scorers.registry import PICKERS, SCORERS
 
 
 class Policy:
-    def __init__(self, name: str, config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        """clock: what scorers whose state expires (session affinity) read the time from."""
+    def __init__(
+        self, name: str, config: PolicyConfig, clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:  # fmt: skip
+        """clock: what scorers whose state expires (session affinity) read the time from; rng: what the
+        picker breaks ties with (a seeded one makes a simulation repeat exactly)."""
         self.name, self.config = name, config
         self._scorers: list[tuple[Scorer, float]] = [
             (SCORERS[spec.type].build(spec.params, clock), spec.weight) for spec in config.scorers
         ]
-        self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params)
+        self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params, rng=rng)
         self._observers = [scorer for scorer, _ in self._scorers if isinstance(scorer, Observer)]
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -132,7 +133,13 @@ class Registration(Generic[T]):
     params: type[Params]
     factory: Callable[..., T]
     clocked: bool = False  # the factory takes a clock after the parameters (state that expires)
+    randomized: bool = False  # the factory takes a random.Random after the parameters (pickers' ties)
 
-    def build(self, raw_params: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> T:
+    def build(
+        self, raw_params: dict[str, Any], clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> T:  # fmt: skip
         params = self.params.model_validate(raw_params)
+        if self.randomized:
+            return self.factory(params, rng)
         return self.factory(params, clock) if self.clocked else self.factory(params)

@@ -51,8 +51,8 @@ def offered_load(blocks: TraceBlocks, fleet: FleetSpec, rate: float, ideal: floa
 
 
 class Bench:
-    def __init__(self, fleet: FleetSpec, policies: Sequence[str], out: Path) -> None:
-        self.fleet, self.policies, self.out = fleet, list(policies), out
+    def __init__(self, fleet: FleetSpec, policies: Sequence[str], out: Path, tie_seed: int = 0) -> None:
+        self.fleet, self.policies, self.out, self.tie_seed = fleet, list(policies), out, tie_seed
         self.console = Console(width=160)
 
     def _runs(
@@ -63,7 +63,7 @@ class Bench:
         for name in self.policies:
             task = progress.add_task(f"{label} {name}", total=total)
             make = POLICIES.get(name) or EXTRA_POLICIES[name]
-            result = simulate(blocks, fleet, make(fleet), ideal,
+            result = simulate(blocks, fleet, make(fleet), ideal, tie_seed=self.tie_seed,
                               progress=lambda n, task=task: progress.update(task, completed=n))  # type: ignore[misc]  # fmt: skip
             progress.update(task, completed=total)
             results.append(result)
@@ -80,7 +80,7 @@ class Bench:
 
     def _document(self, trace: Trace, ideal: float, **extra: Any) -> dict[str, Any]:
         return {"trace": trace.name, "requests": len(trace.requests), "ideal_hit_rate": ideal,
-                "setup": asdict(self.fleet), **extra}  # fmt: skip
+                "setup": asdict(self.fleet), "tie_seed": self.tie_seed, **extra}  # fmt: skip
 
     def compare(self, trace: Trace, rate: float | None, load: float) -> list[RunResult]:
         base, ideal = self._prepare(trace)

@@ -55,6 +55,10 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
                                "start empty)")  # fmt: skip
     simulate.add_argument("--sessions", type=positive_int, default=40, help="sessions of the agentic trace")
     simulate.add_argument("--seed", type=int, default=0, help="seed of the agentic trace")
+    simulate.add_argument(
+        "--tie-seed", type=int, default=0,
+        help="seed of the routers' random choice between equal scores (runs with one seed repeat exactly)",
+    )  # fmt: skip
     simulate.add_argument("--sweep", choices=["rate", "instances"], default=None)
     simulate.add_argument(
         "--sweep-requests", type=positive_int, default=3000, help="requests per sweep point"
@@ -105,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     fleet = FleetSpec(instances=args.instances, engine=engine, pool=pool, event_delay_s=args.event_delay)
     from kvroute.simulate.bench import Bench
 
-    bench = Bench(fleet, names, Path(args.out))
+    bench = Bench(fleet, names, Path(args.out), args.tie_seed)
     if args.sweep == "rate":
         bench.sweep_rate(trace.head(args.sweep_requests), SWEEP_LOADS, args.slo)
     elif args.sweep == "instances":

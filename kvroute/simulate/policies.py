@@ -137,7 +137,9 @@ class ConfiguredPolicy(SimPolicy):
         metrics = RouterMetrics()
         self._router = Router(view.index, {}, view.block_size, metrics)
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
-        self._policy = Policy(self._policy_name, self._config.policies[self._policy_name], view.loop.clock)
+        self._policy = Policy(
+            self._policy_name, self._config.policies[self._policy_name], view.loop.clock, view.tie_rng
+        )
         self._pool: PoolConfirmer | None = None
         if view.pool is not None and self._include_pool:
             # The simulated instances' pool keys carry no pool name: the index files their blocks under "".

@@ -66,13 +66,14 @@ def simulate(
     ideal_hit_rate: float,
     priors: TTFTPriors | None = None,
     progress: Callable[[int], None] | None = None,
+    tie_seed: int = 0,
 ) -> RunResult:
     started = time.perf_counter()
     loop = EventLoop()
     pool = PoolStore(fleet.pool_blocks()) if fleet.pool is not None else None
     load_s = fleet.pool.load_s_per_token if fleet.pool is not None else 0.0
     engines = [Engine(n, fleet.engine, blocks, loop, pool, load_s) for n in range(fleet.instances)]
-    view = RouterView(fleet, loop, engines, pool, priors or priors_for(fleet))
+    view = RouterView(fleet, loop, engines, pool, priors or priors_for(fleet), tie_seed=tie_seed)
     policy.bind(view)
     trace = blocks.trace.requests
     done: list[SimRequest] = []

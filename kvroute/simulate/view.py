@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from kvroute.simulate.clock import EventLoop
@@ -35,9 +36,12 @@ class RouterView:
         priors: TTFTPriors,
         speculative_ttl_s: float = 2.0,
         listen: bool = True,
+        tie_seed: int = 0,
     ) -> None:
-        """listen=False: the engines' events reach this view only through the view it is a replica of."""
+        """listen=False: the engines' events reach this view only through the view it is a replica of;
+        tie_seed: what the router's picker breaks ties with, so that a run repeats exactly."""
         self.loop = loop
+        self.tie_rng = random.Random(tie_seed)
         self.block_size = fleet.engine.block_size
         self.model = fleet.model
         self.index = BlockIndex(
@@ -70,7 +74,8 @@ class RouterView:
         """Another router's view of the same fleet: its own index, fed the same events as late, its own
         bookkeeping, and the same scrapes of the engines' metrics."""
         other = RouterView(self._fleet, self.loop, self._engines, self.pool, self._priors,
-                           self._speculative_ttl_s, listen=False)  # fmt: skip
+                           self._speculative_ttl_s, listen=False,
+                           tie_seed=self.tie_rng.getrandbits(64))  # fmt: skip
         self._replicas.append(other)
         return other
 

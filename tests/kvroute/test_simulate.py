@@ -461,3 +461,19 @@ def test_several_routers_are_not_simulated_with_a_memory_hold() -> None:
     blocks = TraceBlocks(_trace((0, 64, (1, 2))), 16)
     with pytest.raises(ValueError, match="without holding requests"):
         simulate(blocks, _fleet(1, pool=False), Replicas("held", lambda: held, 2), ideal_hit_rate=0.0)
+
+
+def test_a_run_with_one_tie_seed_repeats_exactly() -> None:
+    """Two routers' random choices between equal scores interleave: unseeded, repeated runs differed."""
+    turns = tuple(TraceRequest(n * 0.01, 320, 20, tuple(range(10 * n + 1, 10 * n + 11))) for n in range(40))
+    blocks = TraceBlocks(Trace("ties", 32, turns), 16)
+    fleet = _fleet(4, pool=False)
+
+    def spread(tie_seed: int) -> list[int]:
+        policy = Replicas("two", lambda: POLICIES["kvroute"](fleet), 2, by_session=False)
+        return simulate(blocks, fleet, policy, ideal_hit_rate=0.0, tie_seed=tie_seed).requests_per_instance
+
+    first = spread(0)
+    assert sum(first) == 40
+    assert spread(0) == first
+    assert any(spread(seed) != first for seed in (1, 2, 3))  # the seed does decide the ties
