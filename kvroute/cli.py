@@ -29,6 +29,8 @@ def _load_config(path: str) -> RouterConfig | None:
         config = load_config(Path(path))
         config.require_api_keys(path)
         config.require_tokenizers(path)
+        for warning in config.tokenizer_warnings():
+            print(f"warning: {path}: {warning}", file=sys.stderr)
         return config
     except ConfigError as exc:
         print(exc, file=sys.stderr)

@@ -544,6 +544,21 @@ class RouterConfig(_Strict):
     def api_key_env_of(self, instance: InstanceConfig) -> str | None:
         return instance.api_key_env or self.upstream.api_key_env
 
+    def tokenizer_warnings(self) -> list[str]:
+        """Models left on the default tokenizer, the tiny test model's, whose name says they are another:
+        their prompts would hash to blocks no engine stores, and routing would be blind to the cache."""
+        default = ModelConfig.model_fields["tokenizer"].default
+        listed = {model.name: model for model in self.models}
+        warnings = []
+        for number, model in enumerate(self.models):
+            base = listed.get(model.lora_of, model) if model.lora_of else model  # an adapter's is its base's
+            if "tokenizer" not in model.model_fields_set and base.name != "tiny-llama":
+                warnings.append(
+                    f"models.{number} ({model.name}) has no tokenizer set and uses {default}, the test "
+                    "model's; set its tokenizer directory, or `remote` to ask the instances"
+                )
+        return warnings
+
     def require_tokenizers(self, source: str) -> None:
         """What serve would fail on at start, said by check-config too (router/tokenization.py)."""
         from router.tokenization import check_tokenizer_spec

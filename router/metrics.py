@@ -215,7 +215,8 @@ class RouterMetrics:
         )  # fmt: skip
         self.ttft_rate = Family(
             Gauge("kvroute_ttft_model_rate",
-                  "Calibrated TTFT model terms: overhead in seconds, the others in seconds per token",
+                  "Calibrated TTFT model terms: overhead in seconds; queue, prefill, load and decode in "
+                  "seconds per token; attention in seconds per token pair; memory a factor (1: as predicted)",
                   ["vllm_instance", "term"], registry=r)
         )  # fmt: skip
         self.predicted_cached = Family(

@@ -59,6 +59,18 @@ def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_ow
     assert (nulls.models[1].tokenizer, pool_names(nulls)["sql"]) == ("/models/llama", "L-8B")  # null: not set
 
 
+def test_a_real_model_left_on_the_test_tokenizer_is_warned_of() -> None:
+    config = parse_config(_with(models=[
+        {"name": "tiny-llama"}, {"name": "tiny-lora", "lora_of": "tiny-llama"},  # the test model's own
+        {"name": "llama", "tokenizer": "/models/llama"}, {"name": "sql", "lora_of": "llama"},
+        {"name": "qwen"}, {"name": "qwen-sql", "lora_of": "qwen"}, {"name": "remote", "tokenizer": "remote"},
+    ]))  # fmt: skip
+    warnings = config.tokenizer_warnings()
+    assert [w.split(" ")[0] for w in warnings] == ["models.4", "models.5"]
+    assert warnings[0] == ("models.4 (qwen) has no tokenizer set and uses builtin:tiny-llama, the test model's; "
+                           "set its tokenizer directory, or `remote` to ask the instances")  # fmt: skip
+
+
 def test_an_adapter_takes_its_bases_pool_key_settings_unless_it_has_its_own() -> None:
     """The connector's cache_prefix and store namespace are the engine's, whatever the adapter."""
     config = parse_config(_with(models=[
