@@ -224,6 +224,12 @@ class RouterMetrics:
                     "Prompt tokens the chosen instance was predicted to reuse, by policy and tier",
                     ["policy", "tier"], registry=r)
         )  # fmt: skip
+        self.prompt_tokens = Family(
+            Counter("kvroute_prompt_tokens",
+                    "Prompt tokens of the requests answered, as the router counted them (none for a prompt "
+                    "routed without prefix knowledge), by policy: kvroute_predicted_cached_tokens' whole",
+                    ["policy"], registry=r)
+        )  # fmt: skip
         self.config_reloads = Family(
             Counter("kvroute_config_reloads", "Configuration reloads by result (ok, invalid)",
                     ["result"], registry=r)

@@ -179,6 +179,7 @@ class Router:
     def served(self, decision: Decision, policy: Policy) -> None:
         """decision is the one an instance answered (a request retried elsewhere counts once)."""
         reused = decision.reused
+        self._metrics.prompt_tokens(policy.name).inc(decision.prompt_tokens)
         for tier, blocks in zip(("gpu", "cpu", "pool"), (reused.gpu, reused.cpu, reused.pool), strict=True):
             if blocks:
                 self._metrics.predicted_cached(policy.name, tier).inc(blocks * self._block_size)

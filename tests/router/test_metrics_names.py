@@ -87,6 +87,7 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
         ("kvroute_ttft_prediction_error_seconds", {"vllm_instance"}),
         ("kvroute_ttft_model_rate", {"vllm_instance", "term"}),
         ("kvroute_predicted_cached_tokens", {"policy", "tier"}),
+        ("kvroute_prompt_tokens", {"policy"}),
         ("kvroute_index_bytes", set()),
         ("kvroute_index_pool_blocks", set()),
     ],
@@ -109,6 +110,7 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
         samples += [
             ("kvroute_time_to_first_byte_seconds_count", {"policy": policy}, count),
             ("kvroute_request_duration_seconds_count", {"policy": policy}, count),
+            ("kvroute_prompt_tokens_total", {"policy": policy}, count),  # each prompt a token at least
         ]
     for s in served:
         samples += [
