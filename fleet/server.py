@@ -76,9 +76,24 @@ def _sse(body: Any) -> bytes:
     return b"data: " + _json.encode(body) + b"\n\n"
 
 
+_BOM = b"\xef\xbb\xbf"  # vLLM's JSON parsing (Python's json) skips it
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")  # vLLM 0.32's validate_cache_salt
+
+
+def _check_cache_salt(salt: object) -> None:
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise _ClientError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
+                           "BadRequestError", "cache_salt")  # fmt: skip
+    if len(salt) > 128 or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise _ClientError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                           "'@', '/', '\\\\', or NUL.", "BadRequestError", "cache_salt")  # fmt: skip
+
+
 async def _read_body(request: web.Request) -> dict[str, Any]:
     try:
-        body = msgspec.json.decode(await request.read())
+        body = msgspec.json.decode((await request.read()).removeprefix(_BOM))
     except msgspec.DecodeError as exc:
         raise _ClientError(400, f"invalid JSON body: {exc}", "BadRequestError") from exc
     if not isinstance(body, dict):
@@ -174,6 +189,10 @@ def _aliases(instance: SimInstance) -> str:
 
 
 def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
+    """A body naming no model is for the instance's own, as vLLM takes it."""
+    if not body.get("model"):
+        body["model"] = instance.model_name
+    _check_cache_salt(body.get("cache_salt"))
     if body.get("model") != instance.model_name and instance.adapter(body.get("model")) is None:
         raise _ClientError(
             404,

@@ -1,0 +1,52 @@
+"""The simulated fleet checks request bodies as vLLM 0.32 does (vllm/entrypoints: serving.py's
+_is_model_supported, generate/base/protocol.py's validate_cache_salt, Python's json for the body)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from kvroute.processes import FleetPorts
+from tests.conftest import instance_url
+
+
+def _post(ports: FleetPorts, raw: bytes) -> tuple[int, Any]:
+    request = urllib.request.Request(instance_url(ports, 0) + "/v1/completions", data=raw, method="POST",
+                                     headers={"content-type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def test_a_body_naming_no_model_is_for_the_instances_own(fleet: FleetPorts) -> None:
+    status, body = _post(fleet, b'{"prompt": "hello", "max_tokens": 2}')
+    assert (status, body["model"]) == (200, "tiny-llama")
+
+
+def test_a_body_after_a_byte_order_mark_is_read(fleet: FleetPorts) -> None:
+    status, _ = _post(fleet, b'\xef\xbb\xbf{"model": "tiny-llama", "prompt": "hello", "max_tokens": 2}')
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    ("salt", "message"),
+    [
+        ("", "Parameter 'cache_salt' must be a non-empty string if provided."),
+        (7, "Parameter 'cache_salt' must be a non-empty string if provided."),
+        ("tenant/a", "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+                     "'\\\\', or NUL."),
+        ("x" * 129, "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+                    "'\\\\', or NUL."),
+    ],
+)  # fmt: skip
+def test_cache_salts_vllm_refuses_are_refused(fleet: FleetPorts, salt: object, message: str) -> None:
+    raw = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "cache_salt": salt}).encode()
+    status, body = _post(fleet, raw)
+    assert (status, body["error"]["message"], body["error"]["param"]) == (400, message, "cache_salt")
+    assert _post(fleet, raw.replace(json.dumps(salt).encode(), b'"tenant-a"'))[0] == 200
