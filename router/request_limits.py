@@ -93,6 +93,12 @@ def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:
     content_type = headers.get(b"content-type", b"").decode("latin-1")
     if content_type.partition(";")[0].strip().lower() != _JSON:
         return unsupported_media_type(content_type)
+    encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+    if encoding not in ("identity", ""):  # neither the router nor vLLM inflates a compressed body
+        return OpenAIError(
+            415, f"Unsupported Content-Encoding {encoding!r}; send the body uncompressed.",
+            "invalid_request_error", "unsupported_content_encoding",
+        )  # fmt: skip
     length = headers.get(b"content-length")
     if length is None:
         return None
