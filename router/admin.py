@@ -81,6 +81,11 @@ def admin_routes(
         proxy().ab.reset()
         return JSONResponse({"status": "reset"})
 
+    @routes.get("/traffic")
+    async def traffic_now() -> JSONResponse:
+        """The split in force: the file's, or the last one PUT here (which a restart forgets)."""
+        return JSONResponse({"split": proxy().traffic.shares()})
+
     @routes.put("/traffic")
     async def traffic(request: Request) -> JSONResponse:
         current = proxy()

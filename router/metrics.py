@@ -1,8 +1,10 @@
-"""The router's Prometheus metrics, all prefixed kvroute_, with low-cardinality labels."""
+"""The router's Prometheus metrics, all prefixed kvroute_ (but the standard process_ ones), with
+low-cardinality labels."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import (
@@ -10,6 +12,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -88,9 +91,19 @@ class UnsetGauge(Collector):
         return [family]
 
 
+def _version() -> str:
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds, start time
+        build = Gauge("kvroute_build_info", "The running router's version; always 1", ["version"], registry=r)
+        build.labels(_version()).set(1)
         self.requests = Family(
             Counter("kvroute_requests", "Proxied requests by policy, instance and HTTP status",
                     ["policy", "vllm_instance", "status"], registry=r)

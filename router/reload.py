@@ -93,8 +93,9 @@ class Reloader:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._subscriptions.clear()
 
-    async def reload(self) -> dict[str, Any]:
-        """Re-read the file; raises OpenAIError (400) with the reason when the new one cannot be used."""
+    async def reload(self, trigger: str = "an admin request") -> dict[str, Any]:
+        """Re-read the file; raises OpenAIError (400) with the reason when the new one cannot be used.
+        trigger: what asked for it, for the log."""
         if self._path is None:
             raise OpenAIError(
                 400, "The router was not started from a file.", "invalid_request_error", "no_file"
@@ -105,10 +106,10 @@ class Reloader:
                 summary = await self.apply(new)
             except ConfigError as exc:
                 self._metrics.config_reloads("invalid").inc()
-                log.error("configuration reload refused, the running one stays:\n%s", exc)
+                log.error("configuration reload on %s refused, the running one stays:\n%s", trigger, exc)
                 raise OpenAIError(400, str(exc), "invalid_request_error", "invalid_config") from exc
         self._metrics.config_reloads("ok").inc()
-        log.info("configuration reloaded: %s", summary)
+        log.info("configuration reloaded on %s: %s", trigger, summary)
         return summary
 
     async def apply(self, new: RouterConfig) -> dict[str, Any]:
@@ -155,7 +156,7 @@ class Reloader:
         self.subscribe([spec for spec in added if spec.name not in same_events])
         place_instances(self._index, new)
         proxy = self._proxy()
-        _swap_policies(proxy, new)
+        started_afresh = _swap_policies(proxy, new)
         # A split set at runtime (PUT /admin/traffic) stays unless the file's own split changed or the
         # running one names a policy that is gone.
         # Order counts: the first policy is the A/B baseline, and the ranges are laid out in order.
@@ -166,7 +167,7 @@ class Reloader:
         proxy.traffic_config = new.traffic
         self.config = new
         return {"added": [i.name for i in added], "removed": removed, "policies": list(new.policies),
-                "split": proxy.traffic.shares()}  # fmt: skip
+                "policies_started_afresh": started_afresh, "split": proxy.traffic.shares()}  # fmt: skip
 
     async def watch(self) -> None:
         """Reload on SIGHUP and when what the file holds changes, for as long as the router runs: a watch that
@@ -193,7 +194,7 @@ class Reloader:
         while True:
             await hangup.wait()
             hangup.clear()
-            await self._reload_logged()
+            await self._reload_logged("SIGHUP")
 
     async def _follow(self, path: Path) -> None:
         """Reload when what path holds changes. Its directory is watched, not below it, and the file read
@@ -217,26 +218,27 @@ class Reloader:
         content = _content(path)
         if content != self._seen:
             self._seen = content
-            await self._reload_logged()
+            await self._reload_logged(f"a change of {path}")
 
-    async def _reload_logged(self) -> None:
+    async def _reload_logged(self, trigger: str) -> None:
         try:
-            await self.reload()
+            await self.reload(trigger)
         except OpenAIError:
             pass  # logged and counted by reload()
         except Exception:  # one failed reload must not end the watch
             log.exception("configuration reload failed, the running one stays")
 
 
-def _swap_policies(proxy: Proxy, new: RouterConfig) -> None:
+def _swap_policies(proxy: Proxy, new: RouterConfig) -> list[str]:
     """A policy whose definition stays keeps its state (session affinity, round-robin position); one
     redefined starts afresh, and so do its A/B results, which would otherwise mix two policies. A removed
-    one's results go too: added back later, it starts afresh."""
+    one's results go too: added back later, it starts afresh. Returns the policies redefined or added."""
     old = proxy.policies
     kept = {name: policy for name, policy in old.items() if new.policies.get(name) == policy.config}
     for name in old.keys() - kept.keys():
         proxy.ab.forget(name)
     proxy.policies = {name: kept.get(name) or Policy(name, config) for name, config in new.policies.items()}
+    return [name for name in new.policies if name not in kept]
 
 
 def _content_of(path: Path, config: RouterConfig) -> bytes | None:

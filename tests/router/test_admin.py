@@ -125,6 +125,7 @@ def test_the_split_changes_at_runtime(admin_router: tuple[str, Path]) -> None:
     assert call("PUT", url + "/admin/traffic", {"split": {"round-robin": 0, "kvroute": 100}}, AUTH) == (
         200, {"split": {"round-robin": 0.0, "kvroute": 1.0}})  # fmt: skip
     assert {chat(url, f"t{i}")["x-kvroute-policy"] for i in range(20)} == {"kvroute"}
+    assert call("GET", url + "/admin/traffic", headers=AUTH) == (200, {"split": {"round-robin": 0.0, "kvroute": 1.0}})
     status, body = call("PUT", url + "/admin/traffic", {"split": {"nope": 1}}, AUTH)
     assert status == 400 and "Unknown policies ['nope']" in body["error"]["message"]
     assert call("PUT", url + "/admin/traffic", {"split": {"kvroute": -1}}, AUTH)[0] == 400
@@ -246,7 +247,7 @@ def test_a_reload_keeps_the_state_of_policies_it_does_not_change(fleet: FleetPor
         proxy.ab.first_byte(name, 0.1)
     raw["policies"] = {name: spec.model_dump(mode="json") for name, spec in old.policies.items()}
     raw["policies"]["round-robin"] = {"scorers": [{"type": "inflight-load"}]}
-    _swap_policies(proxy, parse_config(raw))  # type: ignore[arg-type]
+    assert _swap_policies(proxy, parse_config(raw)) == ["round-robin"]  # type: ignore[arg-type]
     assert proxy.policies["round-robin"] is not before["round-robin"]
     assert all(proxy.policies[name] is before[name] for name in before if name != "round-robin")
     report = proxy.ab.report({"kvroute": 1, "round-robin": 1, "least-loaded": 1})
@@ -295,7 +296,7 @@ def test_the_watch_outlives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> 
     config = parse_config(RAW)
     attempts: list[int] = []
 
-    async def failing() -> dict[str, Any]:
+    async def failing(trigger: str = "") -> dict[str, Any]:
         attempts.append(1)
         raise RuntimeError("a bug in a reload")
 

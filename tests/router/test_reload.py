@@ -80,7 +80,7 @@ async def watched(path: Path, metrics: RouterMetrics | None = None) -> AsyncIter
     metrics = metrics or RouterMetrics()
     seen: list[str] = []
 
-    async def reload() -> dict[str, Any]:
+    async def reload(trigger: str = "") -> dict[str, Any]:
         seen.append(await asyncio.to_thread(path.read_text))
         return {}
 
