@@ -125,11 +125,12 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
             await health.check_all()
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
             log.info(
-                "routing %s to %d instances (%d answering), default policy %s",
+                "routing %s to %d instances (%d answering), default policy %s; the /admin API is %s",
                 ", ".join(fleet.models),
                 len(fleet.instances),
                 healthy,
                 config.default_policy,
+                "on" if admin_token(config.admin) is not None else "off (no admin.token)",
             )
             admission = config.admission
             app.state.proxy = Proxy(

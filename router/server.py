@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import socket
 from pathlib import Path
@@ -13,6 +14,8 @@ from fastapi import FastAPI
 from router.app import create_app
 from router.config import RouterConfig
 from router.http_stack import freeze_startup_objects, server_config
+
+log = logging.getLogger(__name__)
 
 # Streams still running when the grace period ends are ended by the router itself, with an error event and
 # [DONE]; uvicorn cancels what is left (whole answers still computing) this much later.
@@ -28,6 +31,7 @@ class _GracefulServer(uvicorn.Server):
         self._app, self._grace_s = app, grace_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        log.info("shutting down: no new connections; streams in flight get %g s to finish", self._grace_s)
         ending = asyncio.get_running_loop().call_later(self._grace_s, self._end_streams)
         try:
             await super().shutdown(sockets)
