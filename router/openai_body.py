@@ -7,7 +7,7 @@ fields are the engine's business.
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_type_hints
 
 import msgspec
 
@@ -95,9 +95,13 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
     one."""
     if not raw.strip():
         raise bad_request("The request body is empty; expected a JSON object.", "invalid_json")
+    raw = raw.removeprefix(_BOM)
     try:
-        body: Body = _decoders[kind].decode(raw.removeprefix(_BOM))
+        body: Body = _decoders[kind].decode(raw)
     except msgspec.ValidationError as exc:
+        lax = _as_vllm_reads_it(raw, kind)
+        if lax is not None:
+            return decode_body(lax, kind, only_model)
         text = str(exc)
         found = _PARAM.search(text) or _MISSING.search(text)
         param = found.group(1) if found else None
@@ -113,6 +117,38 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
             raise bad_request("`model` is required: the router serves several.", "invalid_field", "model")
         body.model = only_model
     return body
+
+
+# pydantic's lax booleans, which vLLM's request models take; msgspec takes true/false, 0/1 and "true"/"false"
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_BOOLEAN_FIELDS = {
+    kind: [name for name, hint in get_type_hints(kind).items() if hint in (bool, bool | None)]
+    for kind in (ChatRequest, CompletionRequest)
+}
+
+
+def _as_vllm_reads_it(raw: bytes, kind: type[Body]) -> bytes | None:
+    """The body with what vLLM takes and msgspec does not put as msgspec takes it: a null model (vLLM serves
+    its own) left out, booleans such as "yes" or 1.0 made true or false. None when there is no such thing;
+    the second decode then reports the real error. Only for decoding: the engine gets the body as sent."""
+    try:
+        fields = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not isinstance(fields, dict):
+        return None
+    changed = False
+    if "model" in fields and fields["model"] is None:
+        del fields["model"]
+        changed = True
+    for name in _BOOLEAN_FIELDS[kind]:
+        value = fields.get(name)
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            fields[name], changed = value.lower() in _TRUE, True
+        elif type(value) is float and value in (0.0, 1.0):
+            fields[name], changed = value == 1.0, True
+    return msgspec.json.encode(fields) if changed else None
 
 
 _REPORT_MODE = "kv_cache_report_mode"

@@ -74,11 +74,24 @@ def test_the_engine_never_gets_the_full_kv_report_mode(tmp_path: Path) -> None:
         (b'{"model": "m", "prompt": "hi", "add_special_tokens": 0}', {"add_special_tokens": False}),
         (b'{"model": "m", "prompt": "hi", "stream": "true"}', {"stream": True}),
         (b'{"model": "m", "prompt_embeds": "AAAA"}', {"prompt": None, "prompt_embeds": "AAAA"}),  # vLLM's
+        # pydantic's lax booleans and a null model, as vLLM's request models take them
+        (b'{"model": "m", "prompt": "hi", "stream": "yes", "add_special_tokens": "Off"}',
+         {"stream": True, "add_special_tokens": False}),
+        (b'{"model": "m", "prompt": "hi", "stream": 1.0}', {"stream": True}),
+        (b'{"model": null, "prompt": "hi"}', {"model": "only"}),
     ],
 )
 def test_bodies_vllm_accepts_are_accepted(raw: bytes, expected: dict[str, object]) -> None:
     body = decode_body(raw, CompletionRequest, "only")
     assert {key: getattr(body, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "m", "prompt": "hi", "stream": "maybe"}',
+                                 b'{"model": "m", "prompt": "hi", "stream": 0.5}',
+                                 b'{"model": null, "prompt": 7}'])  # fmt: skip
+def test_what_vllm_refuses_too_is_still_refused(raw: bytes) -> None:
+    with pytest.raises(OpenAIError, match="Invalid request body"):
+        decode_body(raw, CompletionRequest, "only")
 
 
 def test_a_completion_needs_a_prompt_or_its_embeddings() -> None:

@@ -156,7 +156,7 @@ def _error(status: int, code: str, param: str | None, kind: str = "invalid_reque
         ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": []}', _error(400, "invalid_field", "messages")),
         ("/v1/chat/completions", b'{"model": 7, "messages": []}', _error(400, "invalid_field", "model")),
         ("/v1/completions", b'{"model": "tiny-llama"}', _error(400, "invalid_field", "prompt")),
-        ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "stream": "yes"}',
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "stream": "maybe"}',
          _error(400, "invalid_field", "stream")),
         ("/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', _error(404, "model_not_found", "model")),
         ("/v1/chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',

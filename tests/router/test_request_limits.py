@@ -165,7 +165,7 @@ ABSURD = {
     "role missing": chat(messages=[{"content": "hi"}]),
     "model a number": chat(model=7),
     "model unknown": chat(model="no-such-model"),
-    "stream a string": chat(stream="yes"),
+    "stream a string": chat(stream="maybe"),
     "body a list": b"[1, 2, 3]",
     "body a string": b'"hello"',
     "body empty": b"",
