@@ -138,8 +138,8 @@ def test_health_warns_of_engines_whose_blocks_the_index_cannot_hold(fleet: Fleet
             attempt += 1
             time.sleep(0.2)
     assert health["status"] == "ok"
-    assert len(health["warnings"]) == 1, health
-    assert health["warnings"][0].endswith("publishes KV blocks of 32 tokens; block_size is 16")
+    assert health["warnings"], health  # the instances that served a prompt, or replayed one at start
+    assert all(warning.endswith("publishes KV blocks of 32 tokens; block_size is 16") for warning in health["warnings"])
 
 
 def _error(status: int, code: str, param: str | None, kind: str = "invalid_request_error") -> dict[str, Any]:
