@@ -83,7 +83,7 @@ class KVEventSubscriber:
         """block_size: the index's; stored blocks of another size cannot be indexed, which is said once."""
         self.instance = instance
         self._block_size = block_size
-        self.foreign_block_size: int | None = None  # the size of the last blocks published at another size
+        self.foreign_block_size: int | None = None  # of its last stored blocks, when not block_size
         self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
         self._sink, self._metrics, self._context = sink, metrics, context
         self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
@@ -228,8 +228,8 @@ class KVEventSubscriber:
         expected_size = self._block_size
         for event in batch.events:
             self._events[type(event)].inc()
-            if type(event) is BlockStored and expected_size is not None and event.block_size != expected_size:
-                self._foreign(event.block_size)
+            if type(event) is BlockStored and expected_size is not None:
+                self._check_block_size(event.block_size)
         if batch.skipped_events:
             self._skipped.inc(batch.skipped_events)
         self._last_event.set(batch.ts)
@@ -238,8 +238,12 @@ class KVEventSubscriber:
         except Exception:
             log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
 
-    def _foreign(self, size: int) -> None:
-        if size != self.foreign_block_size:
+    def _check_block_size(self, size: int) -> None:
+        if size == self._block_size:
+            if self.foreign_block_size is not None:  # the engine was restarted with the right size
+                self.foreign_block_size = None
+                log.info("%s publishes KV blocks of block_size (%d) tokens again", self.instance, size)
+        elif size != self.foreign_block_size:
             self.foreign_block_size = size
             log.error(
                 "%s publishes KV blocks of %d tokens but block_size is %d: the index cannot hold them, so "

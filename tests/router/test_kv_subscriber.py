@@ -41,7 +41,7 @@ from router.reload import Reloader
 from router.traffic import TrafficSplit
 from scorers.base import TierMatch
 from tests.conftest import ipv6_loopback
-from tests.router.test_block_index import BS, prompt, stored
+from tests.router.test_block_index import BS, TOKENS, prompt, stored
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
 TOPIC = b"kv@a@tiny-llama"
@@ -493,8 +493,11 @@ def test_blocks_of_another_size_than_the_index_are_named_once(caplog: pytest.Log
             engine.publish([stored(0, 2)])
             engine.publish([stored(2, 2)])
             await harness.sink.wait_applied(3)
+            assert harness.subscriber.foreign_block_size == BS
+            engine.publish([msgspec.structs.replace(stored(0, 1), block_size=BS * 2, token_ids=TOKENS[: BS * 2])])
+            await harness.sink.wait_applied(4)
+            assert harness.subscriber.foreign_block_size is None  # restarted with the right size
         await engine.close()
-        assert harness.subscriber.foreign_block_size == BS
         named = [r.getMessage() for r in caplog.records if "publishes KV blocks" in r.getMessage()]
         assert named == [f"a publishes KV blocks of {BS} tokens but block_size is {BS * 2}: the index cannot "
                          f"hold them, so routing ignores what a has cached; set block_size: {BS} (the engines' "
