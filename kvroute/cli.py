@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from router.tokenization import PromptTokenizer
 
 
+log = logging.getLogger(__name__)
+
 def _load_config(path: str) -> RouterConfig | None:
     """The configuration, or None after printing why it cannot be used."""
     from router.config import ConfigError, load_config
@@ -30,7 +32,7 @@ def _load_config(path: str) -> RouterConfig | None:
         config.require_api_keys(path)
         config.require_tokenizers(path)
         for warning in config.tokenizer_warnings():
-            print(f"warning: {path}: {warning}", file=sys.stderr)
+            log.warning("%s: %s", path, warning)
         return config
     except ConfigError as exc:
         print(exc, file=sys.stderr)

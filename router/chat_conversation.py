@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
-from router.errors import bad_request
 from router.template_reading import content_format, template_variables
 
 
@@ -202,10 +201,6 @@ def _arguments(arguments: str) -> dict[str, Any]:
         parsed = json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
         return {}
-    except RecursionError:  # vLLM's parse fails the same way, and answers 500 as if the engine were broken
-        raise bad_request(
-            "A tool call's arguments nest too deeply to parse.", "invalid_tool_call_arguments", "messages"
-        ) from None
     return parsed if isinstance(parsed, dict) else {}
 
 

@@ -40,6 +40,7 @@ _YIELD_EVERY = 256  # batches handled between turns given to the event loop
 # Applied batches whose timestamps a rank's position keeps: the copies that come again are the live ones of a
 # warm start's replay, published while it was read.
 _REMEMBERED = 1024
+_FOREIGN_STORES_NAMED = 4  # BlockStored events of another size, and none of block_size, before it is said
 
 Owner: TypeAlias = tuple[str, int]
 """(instance name, data parallel rank); a batch without a rank belongs to rank 0."""
@@ -80,10 +81,12 @@ class KVEventSubscriber:
         max_message_bytes: int = 64 * 2**20,
         block_size: int | None = None,
     ) -> None:
-        """block_size: the index's; stored blocks of another size cannot be indexed, which is said once."""
+        """block_size: the index's; an engine whose blocks are all of another size cannot be indexed, which
+        is said once."""
         self.instance = instance
         self._block_size = block_size
-        self.foreign_block_size: int | None = None  # of its last stored blocks, when not block_size
+        self.foreign_block_size: int | None = None  # the engine's, once known to differ from block_size
+        self._sizes_seen = [0, 0]  # BlockStored events of block_size and of others, since the engine began
         self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
         self._sink, self._metrics, self._context = sink, metrics, context
         self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
@@ -229,7 +232,7 @@ class KVEventSubscriber:
         for event in batch.events:
             self._events[type(event)].inc()
             if type(event) is BlockStored and expected_size is not None:
-                self._check_block_size(event.block_size)
+                self._check_block_size(event)
         if batch.skipped_events:
             self._skipped.inc(batch.skipped_events)
         self._last_event.set(batch.ts)
@@ -238,12 +241,16 @@ class KVEventSubscriber:
         except Exception:
             log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
 
-    def _check_block_size(self, size: int) -> None:
-        if size == self._block_size:
-            if self.foreign_block_size is not None:  # the engine was restarted with the right size
-                self.foreign_block_size = None
-                log.info("%s publishes KV blocks of block_size (%d) tokens again", self.instance, size)
-        elif size != self.foreign_block_size:
+    def _check_block_size(self, event: BlockStored) -> None:
+        """vLLM also stores blocks of other sizes in passing: partial blocks, an offloading connector's
+        placeholders of size 0, other KV cache groups' blocks. An engine of another size stores nothing of
+        block_size: it is named once a few of its stores came and none of that size."""
+        size = event.block_size
+        if size <= 0 or not event.token_ids or event.group_idx not in (None, 0):
+            return
+        seen = self._sizes_seen
+        seen[size != self._block_size] += 1
+        if seen[0] == 0 and seen[1] >= _FOREIGN_STORES_NAMED and self.foreign_block_size is None:
             self.foreign_block_size = size
             log.error(
                 "%s publishes KV blocks of %d tokens but block_size is %d: the index cannot hold them, so "
@@ -254,6 +261,7 @@ class KVEventSubscriber:
     def _restart(self, rank: int) -> None:
         """rank's events come from a new engine process: its predecessor's blocks are gone."""
         self._restarts.inc()
+        self.foreign_block_size, self._sizes_seen = None, [0, 0]  # it may run another block size
         self._drop(rank)
         self._started_over.add(rank)
 

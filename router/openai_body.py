@@ -108,8 +108,10 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
         raise bad_request(f"Invalid request body: {text}", "invalid_field", param) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
-    if isinstance(body, ChatRequest) and not body.messages:
-        raise bad_request("`messages` must hold at least one message.", "invalid_field", "messages")
+    if isinstance(body, ChatRequest):
+        if not body.messages:
+            raise bad_request("`messages` must hold at least one message.", "invalid_field", "messages")
+        _check_tool_call_arguments(body.messages)
     if isinstance(body, CompletionRequest) and body.prompt is None and body.prompt_embeds is None:
         raise bad_request("`prompt` or `prompt_embeds` is required.", "invalid_field", "prompt")
     if not body.model:
@@ -117,6 +119,51 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
             raise bad_request("`model` is required: the router serves several.", "invalid_field", "model")
         body.model = only_model
     return body
+
+
+# vLLM parses each tool call's arguments with json.loads, which fails past Python's recursion limit (~940
+# levels where vLLM calls it) and answers 500: counted against the instance's circuit breaker, a client could
+# open every breaker. No real call nests so deep.
+MAX_ARGUMENTS_DEPTH = 512
+# An escape (one unit, so \" is no quote), a quote or a bracket.
+_JSON_STRUCTURE = re.compile(r'\\.|["\[\]{}]')
+
+
+def _check_tool_call_arguments(messages: list[Any]) -> None:
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            # Fewer opening brackets than the limit cannot nest deeper: the scan is for the rare rest.
+            if (
+                isinstance(arguments, str)
+                and arguments.count("[") + arguments.count("{") > MAX_ARGUMENTS_DEPTH
+                and nesting_depth(arguments) > MAX_ARGUMENTS_DEPTH
+            ):
+                raise bad_request(
+                    f"A tool call's arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels.",
+                    "invalid_tool_call_arguments", "messages",
+                )  # fmt: skip
+
+
+def nesting_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON text, brackets inside strings passed over; without
+    recursion, so any depth is measured."""
+    depth = deepest = 0
+    in_string = False
+    for found in _JSON_STRUCTURE.finditer(text):
+        mark = found.group()
+        if mark == '"':
+            in_string = not in_string
+        elif in_string or mark[0] == "\\":
+            continue
+        elif mark in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
 
 
 # pydantic's lax booleans, which vLLM's request models take; msgspec takes true/false, 0/1 and "true"/"false"

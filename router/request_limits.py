@@ -28,6 +28,13 @@ def too_large(limit: int) -> OpenAIError:
     )
 
 
+def unsupported_encoding(encoding: str) -> OpenAIError:
+    return OpenAIError(
+        415, f"Unsupported Content-Encoding {encoding!r}; send the body uncompressed.",
+        "invalid_request_error", "unsupported_content_encoding",
+    )  # fmt: skip
+
+
 def unsupported_media_type(content_type: str) -> OpenAIError:
     return OpenAIError(
         415,
@@ -95,10 +102,7 @@ def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:
         return unsupported_media_type(content_type)
     encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
     if encoding not in ("identity", ""):  # neither the router nor vLLM inflates a compressed body
-        return OpenAIError(
-            415, f"Unsupported Content-Encoding {encoding!r}; send the body uncompressed.",
-            "invalid_request_error", "unsupported_content_encoding",
-        )  # fmt: skip
+        return unsupported_encoding(encoding)
     length = headers.get(b"content-length")
     if length is None:
         return None

@@ -20,7 +20,6 @@ import xxhash
 from router import block_hashing
 from router.block_index import BlockIndex, Speculation
 from router.chat_conversation import InvalidPrompt, engine_messages
-from router.errors import OpenAIError
 from router.instances import Instance
 from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
@@ -125,8 +124,6 @@ class Router:
             session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
         try:
             ids = await self._token_ids(body, off_loop) if tokenize else []
-        except OpenAIError:  # what the engine would fail on too, for the client's fault
-            raise
         except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
             log.debug("routing without prefix knowledge: %r", exc)

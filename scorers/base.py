@@ -133,13 +133,14 @@ class Registration(Generic[T]):
     params: type[Params]
     factory: Callable[..., T]
     clocked: bool = False  # the factory takes a clock after the parameters (state that expires)
-    randomized: bool = False  # the factory takes a random.Random after the parameters (pickers' ties)
+    randomized: bool = False  # the factory then takes a random.Random or None (pickers' ties)
 
     def build(
         self, raw_params: dict[str, Any], clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> T:  # fmt: skip
         params = self.params.model_validate(raw_params)
+        extra: list[Any] = [clock] if self.clocked else []
         if self.randomized:
-            return self.factory(params, rng)
-        return self.factory(params, clock) if self.clocked else self.factory(params)
+            extra.append(rng)
+        return self.factory(params, *extra)

@@ -11,7 +11,14 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from router.errors import OpenAIError
-from router.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
+from router.openai_body import (
+    MAX_ARGUMENTS_DEPTH,
+    ChatRequest,
+    CompletionRequest,
+    decode_body,
+    nesting_depth,
+    without_full_kv_report,
+)
 from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
 
@@ -92,6 +99,39 @@ def test_bodies_vllm_accepts_are_accepted(raw: bytes, expected: dict[str, object
 def test_what_vllm_refuses_too_is_still_refused(raw: bytes) -> None:
     with pytest.raises(OpenAIError, match="Invalid request body"):
         decode_body(raw, CompletionRequest, "only")
+
+
+def _chat_with_arguments(arguments: str) -> bytes:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}).encode()  # fmt: skip
+
+
+@pytest.mark.parametrize("depth", [MAX_ARGUMENTS_DEPTH + 1, 950, 100_000])
+def test_tool_call_arguments_nested_past_the_limit_are_refused(depth: int) -> None:
+    """vLLM parses them with json.loads, which fails past the recursion limit (~940 levels in its stack) with a
+    500 the instance's circuit breaker would count: a client could open every breaker. Checked at decoding,
+    whatever the request's template, tokenizer or size."""
+    with pytest.raises(OpenAIError, match="nest deeper than 512 levels") as refused:
+        decode_body(_chat_with_arguments("[" * depth + "]" * depth), ChatRequest, "m")
+    assert (refused.value.status, refused.value.code, refused.value.param) == (
+        400, "invalid_tool_call_arguments", "messages")  # fmt: skip
+
+
+def test_tool_call_arguments_up_to_the_limit_or_with_brackets_in_strings_are_taken() -> None:
+    deep = "[" * MAX_ARGUMENTS_DEPTH + "]" * MAX_ARGUMENTS_DEPTH
+    code = json.dumps({"path": "a.py", "text": "{[(" * 2000 + '\\" ]' * 10})  # brackets in a string
+    for arguments in (deep, code):
+        decode_body(_chat_with_arguments(arguments), ChatRequest, "m")
+
+
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [("{}", 1), ('{"a": [1, {"b": []}]}', 4), ('{"a": "[[[["}', 1), ('["\\"[[", []]', 2), ("", 0)],
+)
+def test_nesting_depth_passes_over_brackets_in_strings(text: str, depth: int) -> None:
+    assert nesting_depth(text) == depth
 
 
 def test_a_completion_needs_a_prompt_or_its_embeddings() -> None:

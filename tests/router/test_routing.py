@@ -11,7 +11,6 @@ import pytest
 
 from router.block_index import BlockIndex
 from router.config import parse_config
-from router.errors import OpenAIError
 from router.instances import Fleet
 from router.kv_events import BlockStored
 from router.metrics import RouterMetrics
@@ -185,19 +184,6 @@ def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine(tokenizer:
     assert counts == [first, 100, 100]
     assert (audits(metrics, "mismatch"), audits(metrics, "match")) == (1, 0)
     assert len(remote.asked) == 3  # the audit, then the two chats themselves
-
-
-def test_tool_call_arguments_nested_past_parsing_are_the_clients_error(tokenizer: PromptTokenizer) -> None:
-    """vLLM parses a call's arguments too, fails on these the same way and answers 500, which the instance's
-    circuit breaker would count: a client could open every instance's breaker."""
-    arguments = "[" * 100_000 + "]" * 100_000
-    chat = [{"role": "user", "content": "go"},
-            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                                  "function": {"name": "x", "arguments": arguments}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # fmt: skip
-    with pytest.raises(OpenAIError, match="arguments nest too deeply") as raised:
-        prepare_chats(tokenizer, RecordingRemote(), [chat], audit_every=100)
-    assert (raised.value.status, raised.value.param) == (400, "messages")
 
 
 def test_a_chat_with_tools_not_rendered_here_goes_to_the_engine(tokenizer: PromptTokenizer) -> None:
