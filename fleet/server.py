@@ -22,7 +22,7 @@ from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from router.chat_conversation import InvalidPrompt
 from router.instances import DATA_PARALLEL_RANK_HEADER
-from router.openai_body import chat_endpoint_template_kwargs
+from router.openai_body import chat_endpoint_template_kwargs, lax_bool
 from router.tokenization import PromptTokenizer
 
 _json = msgspec.json.Encoder()
@@ -77,6 +77,7 @@ def _sse(body: Any) -> bytes:
 
 
 _BOM = b"\xef\xbb\xbf"  # vLLM's JSON parsing (Python's json) skips it
+_BOOLEAN_FIELDS = ("stream", "add_generation_prompt", "continue_final_message", "add_special_tokens")
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")  # vLLM 0.32's validate_cache_salt
 
 
@@ -98,6 +99,12 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
         raise _ClientError(400, f"invalid JSON body: {exc}", "BadRequestError") from exc
     if not isinstance(body, dict):
         raise _ClientError(400, "the request body must be a JSON object", "BadRequestError")
+    for name in _BOOLEAN_FIELDS:  # as vLLM's pydantic models read them: "false" is False, "yes" True
+        if body.get(name) is not None:
+            read = lax_bool(body[name])
+            if read is None:
+                raise _ClientError(400, f"{name}: Input should be a valid boolean", "BadRequestError", name)
+            body[name] = read
     return body
 
 

@@ -191,11 +191,20 @@ def _as_vllm_reads_it(raw: bytes, kind: type[Body]) -> bytes | None:
         changed = True
     for name in _BOOLEAN_FIELDS[kind]:
         value = fields.get(name)
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            fields[name], changed = value.lower() in _TRUE, True
-        elif type(value) is float and value in (0.0, 1.0):
-            fields[name], changed = value == 1.0, True
+        if value is not None and type(value) is not bool and (read := lax_bool(value)) is not None:
+            fields[name], changed = read, True
     return msgspec.json.encode(fields) if changed else None
+
+
+def lax_bool(value: Any) -> bool | None:
+    """A boolean as pydantic's lax mode (vLLM's request models) reads value; None when it reads none."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    if type(value) in (int, float) and value in (0, 1):
+        return bool(value == 1)
+    return None
 
 
 _REPORT_MODE = "kv_cache_report_mode"

@@ -50,3 +50,12 @@ def test_cache_salts_vllm_refuses_are_refused(fleet: FleetPorts, salt: object, m
     status, body = _post(fleet, raw)
     assert (status, body["error"]["message"], body["error"]["param"]) == (400, message, "cache_salt")
     assert _post(fleet, raw.replace(json.dumps(salt).encode(), b'"tenant-a"'))[0] == 200
+
+
+def test_booleans_are_read_as_vllms_models_read_them(fleet: FleetPorts) -> None:
+    """"false" is False to pydantic, and to the router; read as a truthy string it would stream."""
+    raw = b'{"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "stream": "false"}'
+    status, body = _post(fleet, raw)
+    assert (status, body["object"]) == (200, "text_completion")
+    status, body = _post(fleet, raw.replace(b'"false"', b'"maybe"'))
+    assert (status, body["error"]["param"]) == (400, "stream")
