@@ -205,24 +205,37 @@ def _stack(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that names each option's default, when it has one worth naming and does not name it itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if not text or "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description="Cache-aware router for vLLM fleets")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the router")
+    with_defaults = _DefaultsShown
+    serve = commands.add_parser("serve", help="run the router", formatter_class=with_defaults)
     serve.add_argument("--config", required=True, help="routing configuration (YAML)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=port, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=port, default=8000, help="port to listen on")
     serve.set_defaults(run=_serve)
 
     check = commands.add_parser("check-config", help="validate a configuration file without starting")
     check.add_argument("config")
     check.set_defaults(run=_check_config)
 
-    fleet = commands.add_parser("fleet", help="run simulated vLLM instances (no GPU needed)")
-    fleet.add_argument("--instances", type=positive_int, default=3)
-    fleet.add_argument("--host", default="127.0.0.1")
+    fleet = commands.add_parser(
+        "fleet", help="run simulated vLLM instances (no GPU needed)", formatter_class=with_defaults
+    )
+    fleet.add_argument("--instances", type=positive_int, default=3, help="simulated vLLM instances")
+    fleet.add_argument("--host", default="127.0.0.1", help="address every instance listens on")
     fleet.add_argument("--port", type=port, default=8101, help="HTTP port of the first instance")
     fleet.add_argument(
         "--event-port", type=port, default=5601, help="KV event PUB port of the first instance"
@@ -234,11 +247,11 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument(
         "--tokenizer", default="builtin:tiny-llama", help="tokenizer directory or builtin:NAME"
     )
-    fleet.add_argument("--block-size", type=positive_int, default=32)
+    fleet.add_argument("--block-size", type=positive_int, default=32, help="tokens per KV block")
     fleet.add_argument(
         "--kv-blocks", type=positive_int, default=2048, help="KV cache capacity in blocks per instance"
     )
-    fleet.add_argument("--max-model-len", type=positive_int, default=32768)
+    fleet.add_argument("--max-model-len", type=positive_int, default=32768, help="longest prompt and answer")
     fleet.add_argument("--prefill-tps", type=positive_float, default=8000.0, help="prefill tokens per second")
     fleet.add_argument(
         "--decode-tps", type=positive_float, default=100.0, help="decode steps (tokens) per second"
@@ -249,8 +262,10 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument(
         "--max-batched-tokens", type=positive_int, default=2048, help="token budget of one engine step"
     )
-    fleet.add_argument("--event-encoding", choices=["map", "array"], default="map")
-    fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int")
+    fleet.add_argument(
+        "--event-encoding", choices=["map", "array"], default="map", help="KV events' msgpack form"
+    )
+    fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int", help="KV events' block hashes")
     fleet.add_argument(
         "--prefix-caching-hash-algo", choices=sorted(HASH_ALGORITHMS), default="sha256",
         help="block hash algorithm, as vLLM's option",
@@ -260,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
         help="what NONE_HASH hashes, as vLLM's PYTHONHASHSEED; default: PYTHONHASHSEED when set, else 0 "
              "(a real vLLM without it uses vllm-none-hash)",
     )  # fmt: skip
-    fleet.add_argument("--name-prefix", default="fleet-")
+    fleet.add_argument("--name-prefix", default="fleet-", help="instance names: PREFIX0, PREFIX1, ...")
     fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")
     fleet.add_argument(
         "--drop-events", type=float, default=0.0,

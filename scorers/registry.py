@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from router import pickers
+from router.key_suggestions import close_key
 from scorers import (
     inflight_load,
     kv_usage,
@@ -41,7 +42,10 @@ def validate_params(model: type[Params], raw: dict[str, Any]) -> None:
     try:
         model.model_validate(raw)
     except ValidationError as exc:
-        problems = [
-            f"params.{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
-        ]
+        problems = []
+        for error in exc.errors():
+            problem = f"params.{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
+            if error["type"] == "extra_forbidden" and (meant := close_key(model, error["loc"])) is not None:
+                problem += f" (did you mean {meant}?)"
+            problems.append(problem)
         raise ValueError("; ".join(problems)) from None

@@ -73,3 +73,14 @@ def test_the_fleets_hash_seed_follows_pythonhashseed_as_vllms_does(
         monkeypatch.setenv("PYTHONHASHSEED", environment)
     assert _parser().parse_args(["fleet"]).hash_seed == seed
     assert _parser().parse_args(["fleet", "--hash-seed", "3"]).hash_seed == "3"
+
+
+def test_serve_and_fleet_help_name_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    serve = " ".join(capsys.readouterr().out.split())
+    assert "port to listen on (default: 8000)" in serve
+    assert "routing configuration (YAML) (default" not in serve  # required: no default to name
+    with pytest.raises(SystemExit):
+        main(["fleet", "--help"])
+    assert "tokens per KV block (default: 32)" in " ".join(capsys.readouterr().out.split())

@@ -204,6 +204,14 @@ def test_ipv6_addresses_are_bracketed_hosts() -> None:
         (_with(instances=[{"name": "a", "url": "http://[::1]:8000"}, {"name": "b", "url": "http://[::1]:8000/"}]),
          "  instances.1.url: 'http://[::1]:8000' is used twice"),
         (_with(pool={"master_url": "http://[::1]:99999"}), "  pool.master_url: 'http://[::1]:99999': port 99999 is not in 1-65535"),
+        # a misspelt key: the closest its place takes, wherever it is
+        (_with(admission={"max_in_flite": 3}), "  admission.max_in_flite: Extra inputs are not permitted (did you mean max_in_flight?)"),
+        (_with(instances=[{"name": "a", "url": "http://h:1", "evnts": "tcp://h:2"}]),
+         "  instances.0.evnts: Extra inputs are not permitted (did you mean events?)"),
+        (_with(policies={"p": {"scorers": [{"type": "token-cost", "params": {"decode_weigth": 0.2}}]}}, default_policy="p"),
+         "  policies.p.scorers.0: params.decode_weigth: Extra inputs are not permitted (did you mean decode_weight?)"),
+        (_with(policies={"p": {"scorers": [{"type": "round-robin"}], "pickr": {}}}, default_policy="p"),
+         "  policies.p.pickr: Extra inputs are not permitted (did you mean picker?)"),
     ],
 )  # fmt: skip
 def test_invalid_configs_name_the_key_and_the_problem(raw: dict[str, object], message: str) -> None:
