@@ -243,6 +243,12 @@ class RouterMetrics:
                     "routed without prefix knowledge), by policy: kvroute_predicted_cached_tokens' whole",
                     ["policy"], registry=r)
         )  # fmt: skip
+        self.session_turns = Family(
+            Counter("kvroute_session_turns",
+                    "Requests answered that carried a session key, by policy and placement: first (a session "
+                    "new, or forgotten past 65,536), same (the instance of its last turn), moved",
+                    ["policy", "placement"], registry=r)
+        )  # fmt: skip
         self.config_reloads = Family(
             Counter("kvroute_config_reloads", "Configuration reloads by result (ok, invalid)",
                     ["result"], registry=r)

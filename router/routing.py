@@ -25,6 +25,7 @@ from router.metrics import RouterMetrics
 from router.openai_body import ChatRequest, CompletionRequest
 from router.policy import Policy
 from router.pool import PoolConfirmer
+from router.session_placements import SessionPlacements
 from router.token_cache import RemoteTokenizer
 from router.tokenization_audit import TokenizationAudit
 from scorers.base import NO_MATCH, RoutingRequest, TierMatch
@@ -76,6 +77,7 @@ class Decision:
     speculated: Speculation | None = None  # blocks entered as pending at the instance
     reused: TierMatch = NO_MATCH  # the blocks the instance would reuse, by tier
     chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
+    session_key: str | None = None  # the router's digest of the client's session key
 
 
 class Router:
@@ -109,6 +111,7 @@ class Router:
         self._remote = remote
         # One thread: long prompts take turns there, and the event loop keeps the other core's share.
         self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+        self._placements = SessionPlacements()
 
     async def prepare(
         self,
@@ -171,12 +174,16 @@ class Router:
             speculated=speculated,
             reused=reused_blocks(prepared.request, instance.name),
             chain=prepared.chain,
+            session_key=prepared.request.session_key,
         )
 
     def served(self, decision: Decision, policy: Policy) -> None:
         """decision is the one an instance answered (a request retried elsewhere counts once)."""
         reused = decision.reused
         self._metrics.prompt_tokens(policy.name).inc(decision.prompt_tokens)
+        if decision.session_key is not None:
+            placement = self._placements.record(decision.session_key, decision.instance.name)
+            self._metrics.session_turns(policy.name, placement).inc()
         for tier, blocks in zip(("gpu", "cpu", "pool"), (reused.gpu, reused.cpu, reused.pool), strict=True):
             if blocks:
                 self._metrics.predicted_cached(policy.name, tier).inc(blocks * self._block_size)

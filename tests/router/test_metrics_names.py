@@ -88,6 +88,7 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
         ("kvroute_ttft_model_rate", {"vllm_instance", "term"}),
         ("kvroute_predicted_cached_tokens", {"policy", "tier"}),
         ("kvroute_prompt_tokens", {"policy"}),
+        ("kvroute_session_turns", {"policy", "placement"}),
         ("kvroute_index_bytes", set()),
         ("kvroute_index_pool_blocks", set()),
     ],
@@ -112,6 +113,8 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
             ("kvroute_request_duration_seconds_count", {"policy": policy}, count),
             ("kvroute_prompt_tokens_total", {"policy": policy}, count),  # each prompt a token at least
         ]
+    first = served[0].policy  # one session: its first turn, then each later one where it went
+    samples.append(("kvroute_session_turns_total", {"policy": first, "placement": "first"}, 1))
     for s in served:
         samples += [
             ("kvroute_requests_total", {"policy": s.policy, "vllm_instance": s.instance, "status": "200"}, 1),
