@@ -22,7 +22,7 @@ from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from router.chat_conversation import InvalidPrompt
 from router.instances import DATA_PARALLEL_RANK_HEADER
-from router.openai_body import chat_endpoint_template_kwargs, lax_bool
+from router.openai_body import BOOLEAN_FIELDS, chat_endpoint_template_kwargs, lax_bool
 from router.tokenization import PromptTokenizer
 
 _json = msgspec.json.Encoder()
@@ -77,7 +77,6 @@ def _sse(body: Any) -> bytes:
 
 
 _BOM = b"\xef\xbb\xbf"  # vLLM's JSON parsing (Python's json) skips it
-_BOOLEAN_FIELDS = ("stream", "add_generation_prompt", "continue_final_message", "add_special_tokens")
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")  # vLLM 0.32's validate_cache_salt
 
 
@@ -99,7 +98,7 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
         raise _ClientError(400, f"invalid JSON body: {exc}", "BadRequestError") from exc
     if not isinstance(body, dict):
         raise _ClientError(400, "the request body must be a JSON object", "BadRequestError")
-    for name in _BOOLEAN_FIELDS:  # as vLLM's pydantic models read them: "false" is False, "yes" True
+    for name in BOOLEAN_FIELDS:  # as vLLM's pydantic models read them: "false" is False, "yes" True
         if body.get(name) is not None:
             read = lax_bool(body[name])
             if read is None:
@@ -199,7 +198,6 @@ def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
     """A body naming no model is for the instance's own, as vLLM takes it."""
     if not body.get("model"):
         body["model"] = instance.model_name
-    _check_cache_salt(body.get("cache_salt"))
     if body.get("model") != instance.model_name and instance.adapter(body.get("model")) is None:
         raise _ClientError(
             404,
@@ -252,6 +250,7 @@ def _completion_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
 def _validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     """A chat request's prompt token ids, after the checks vLLM makes first (generate and render alike)."""
     _check_model(instance, body)
+    _check_cache_salt(body.get("cache_salt"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
@@ -263,6 +262,7 @@ def _validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
 def _validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:
     """A completion's prompt token ids and whether they came from text, after vLLM's first checks."""
     _check_model(instance, body)
+    _check_cache_salt(body.get("cache_salt"))
     if "prompt" not in body:
         raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
     ids = _completion_ids(instance, body)

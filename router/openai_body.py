@@ -173,6 +173,7 @@ _BOOLEAN_FIELDS = {
     kind: [name for name, hint in get_type_hints(kind).items() if hint in (bool, bool | None)]
     for kind in (ChatRequest, CompletionRequest)
 }
+BOOLEAN_FIELDS = frozenset(name for names in _BOOLEAN_FIELDS.values() for name in names)  # of either body
 
 
 def _as_vllm_reads_it(raw: bytes, kind: type[Body]) -> bytes | None:
