@@ -254,14 +254,25 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too
     async def health() -> JSONResponse:
+        """503 only when no instance is healthy: a load balancer reads the status code, and a router that
+        can still serve must stay in rotation. "degraded" (still 200) tells a person or an alert that some
+        instance is down, some model has no healthy instance, or the configuration needs a look."""
         healthy = [i.name for i in fleet.instances if i.healthy]
+        unhealthy = [i.name for i in fleet.instances if not i.healthy]
+        unavailable_models = fleet.unavailable_models()
         reloader: Reloader | None = getattr(app.state, "reloader", None)
+        warnings = [] if reloader is None else reloader.warnings()
+        if not healthy:
+            status = "unavailable"
+        else:
+            status = "degraded" if unhealthy or unavailable_models or warnings else "ok"
         body = {
-            "status": "ok" if healthy else "unavailable",
+            "status": status,
             "healthy_instances": healthy,
-            "unhealthy_instances": [i.name for i in fleet.instances if not i.healthy],
+            "unhealthy_instances": unhealthy,
+            "unavailable_models": unavailable_models,
             "instances": len(fleet.instances),
-            "warnings": [] if reloader is None else reloader.warnings(),
+            "warnings": warnings,
         }
         return JSONResponse(body, status_code=200 if healthy else 503)
 

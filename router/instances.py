@@ -182,3 +182,7 @@ class Fleet:
 
     def served_models(self) -> list[str]:
         return [m for m in self.models if self._by_model[m]]
+
+    def unavailable_models(self) -> list[str]:
+        """Models configured with instances of which none is healthy: their requests get 503s."""
+        return [m for m in self.served_models() if not any(i.healthy for i in self._by_model[m])]

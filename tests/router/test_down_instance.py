@@ -14,7 +14,7 @@ import pytest
 
 from kvroute.processes import Child, FleetPorts, running_router, start, wait_healthy
 from tests.conftest import metric
-from tests.router.test_proxy import post
+from tests.router.test_proxy import get_json, post
 
 SESSION = " ".join(f"context{i}" for i in range(300))
 
@@ -65,6 +65,9 @@ def test_the_blocks_of_a_stopped_instance_do_not_draw_its_session(
             assert time.monotonic() < deadline, f"{home} still counted healthy 10 s after it stopped"
             time.sleep(0.1)
         assert metric(url, "kvroute_index_blocks", vllm_instance=home, tier="gpu") > 0  # still indexed
+        health = get_json(url + "/health")  # 200: the other instance serves, so balancers keep the router
+        assert health["status"] == "degraded" and health["unhealthy_instances"] == [home], health
+        assert health["unavailable_models"] == []
 
         status, third = turn(url, SESSION + " and a second turn and a third")
         assert status == 200  # a request sent to the stopped instance would hang instead

@@ -77,7 +77,9 @@ def test_no_reachable_instance_is_a_503_with_retry_after(tmp_path: Path, unhealt
             pytest.fail("/health answered 200 with every instance down")
         except urllib.error.HTTPError as error:
             assert error.code == 503
-            assert json.loads(error.read())["healthy_instances"] == []
+            health = json.loads(error.read())
+            assert health["status"] == "unavailable" and health["healthy_instances"] == []
+            assert health["unavailable_models"] == ["tiny-llama"]
 
 
 def test_an_instance_that_comes_up_later_is_taken_back(tmp_path: Path) -> None:

@@ -44,3 +44,16 @@ def test_an_added_instance_is_no_candidate_until_its_first_health_check_passes()
     assert (new.healthy, new.checked) == (False, False)  # due at the health checker's next tick
     assert fleet.update(config(url="http://127.0.0.1:9003")).in_place == set()
     assert fleet.candidates("m") == []  # moved: a new engine, not checked yet either
+
+
+def test_a_model_whose_instances_are_all_down_is_unavailable_while_the_others_serve() -> None:
+    fleet = Fleet(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
+        {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
+        {"name": "b", "url": "http://127.0.0.1:9002", "models": ["n"]},
+        {"name": "c", "url": "http://127.0.0.1:9003", "models": ["n"]}]}))  # fmt: skip
+    assert fleet.unavailable_models() == []
+    by_name = {i.name: i for i in fleet.instances}
+    by_name["b"].healthy = False
+    assert fleet.unavailable_models() == []  # c still serves n
+    by_name["a"].healthy = False
+    assert fleet.unavailable_models() == ["m"]
