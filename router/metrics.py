@@ -105,8 +105,8 @@ class RouterMetrics:
         build = Gauge("kvroute_build_info", "The running router's version; always 1", ["version"], registry=r)
         build.labels(_version()).set(1)
         self.requests = Family(
-            Counter("kvroute_requests", "Proxied requests by policy, instance and HTTP status",
-                    ["policy", "vllm_instance", "status"], registry=r)
+            Counter("kvroute_requests", "Proxied requests by policy, instance, HTTP status and model",
+                    ["policy", "vllm_instance", "status", "model"], registry=r)
         )  # fmt: skip
         self.rejected = Family(
             Counter("kvroute_rejected_requests", "Requests the router answered itself with an error",
@@ -115,11 +115,11 @@ class RouterMetrics:
         self.ttft = Family(
             Histogram("kvroute_time_to_first_byte_seconds",
                       "Routing to an answer's (200) first byte: TTFT for streams",
-                      ["policy"], buckets=_LATENCY_BUCKETS, registry=r)
+                      ["policy", "model"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
         self.e2e = Family(
             Histogram("kvroute_request_duration_seconds", "End-to-end time of proxied requests answered 200",
-                      ["policy"], buckets=_LATENCY_BUCKETS, registry=r)
+                      ["policy", "model"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
         self.decision = Family(
             Histogram("kvroute_routing_decision_seconds",

@@ -162,6 +162,7 @@ class _Routed:
     attempts: int = 1
     probe: bool = False  # the instance's half-open circuit breaker let it through as its probe
     session_key: str | None = None  # the A/B comparison resamples by session
+    model: str = ""  # as the client named it (a configured model: the metrics' label values stay few)
 
     @property
     def instance(self) -> Instance:
@@ -452,7 +453,7 @@ class Proxy:
             self._router.served(decision, policy)
             routed = _Routed(
                 decision, policy, upstream, started, first_sent, prefill, streamed=stream, first=first,
-                attempts=len(tried) + 1, probe=probe, session_key=prepared.request.session_key,
+                attempts=len(tried) + 1, probe=probe, session_key=prepared.request.session_key, model=model,
             )  # fmt: skip
             try:
                 if stream:
@@ -605,11 +606,11 @@ class Proxy:
         if left:
             status = _CLIENT_CLOSED
         policy = routed.policy.name
-        self._metrics.requests(policy, routed.instance.name, str(status)).inc()
+        self._metrics.requests(policy, routed.instance.name, str(status), routed.model).inc()
         elapsed = time.perf_counter() - routed.first_sent
         answered = status == 200 and not routed.broken
         if answered:
-            self._metrics.e2e(policy).observe(elapsed)
+            self._metrics.e2e(policy, routed.model).observe(elapsed)
         decision = routed.decision
         self._ab(routed.policy).finished(
             policy, routed.instance.name, 502 if routed.broken else status, elapsed if answered else None,
@@ -633,7 +634,7 @@ class Proxy:
             return
         now = time.perf_counter()
         waited, elapsed = now - routed.first_sent, now - routed.started
-        self._metrics.ttft(routed.policy.name).observe(waited)
+        self._metrics.ttft(routed.policy.name, routed.model).observe(waited)
         self._ab(routed.policy).first_byte(routed.policy.name, waited, routed.session_key)
         decision, name = routed.decision, routed.instance.name
         model = routed.instance.ttft_model

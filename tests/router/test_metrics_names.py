@@ -74,9 +74,9 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
 @pytest.mark.parametrize(
     ("family", "labels"),
     [
-        ("kvroute_requests", {"policy", "vllm_instance", "status"}),
-        ("kvroute_time_to_first_byte_seconds", {"policy"}),
-        ("kvroute_request_duration_seconds", {"policy"}),
+        ("kvroute_requests", {"policy", "vllm_instance", "status", "model"}),
+        ("kvroute_time_to_first_byte_seconds", {"policy", "model"}),
+        ("kvroute_request_duration_seconds", {"policy", "model"}),
         ("kvroute_routing_decision_seconds", {"stage"}),
         ("kvroute_index_blocks", {"vllm_instance", "tier"}),
         ("kvroute_kv_events", {"vllm_instance", "type"}),
@@ -109,15 +109,16 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
     ]
     for policy, count in Counter(s.policy for s in served).items():
         samples += [
-            ("kvroute_time_to_first_byte_seconds_count", {"policy": policy}, count),
-            ("kvroute_request_duration_seconds_count", {"policy": policy}, count),
+            ("kvroute_time_to_first_byte_seconds_count", {"policy": policy, "model": MODEL}, count),
+            ("kvroute_request_duration_seconds_count", {"policy": policy, "model": MODEL}, count),
             ("kvroute_prompt_tokens_total", {"policy": policy}, count),  # each prompt a token at least
         ]
     first = served[0].policy  # one session: its first turn, then each later one where it went
     samples.append(("kvroute_session_turns_total", {"policy": first, "placement": "first"}, 1))
     for s in served:
         samples += [
-            ("kvroute_requests_total", {"policy": s.policy, "vllm_instance": s.instance, "status": "200"}, 1),
+            ("kvroute_requests_total", {"policy": s.policy, "vllm_instance": s.instance, "status": "200",
+                                        "model": MODEL}, 1),
             ("kvroute_ttft_predicted_seconds_count", {"vllm_instance": s.instance}, 1),
             ("kvroute_index_blocks", {"vllm_instance": s.instance, "tier": "gpu"}, 1),
             ("kvroute_kv_events_total", {"vllm_instance": s.instance, "type": "BlockStored"}, 1),
