@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,7 +26,7 @@ from router.block_index import BlockIndex, Tier
 from router.client_auth import ClientAuth, client_key_digests
 from router.config import REMOTE_TOKENIZER, RouterConfig
 from router.dashboard import dashboard_routes
-from router.errors import OpenAIError
+from router.errors import MALFORMED_HTTP, OpenAIError
 from router.fast_path import OpenAIFastPath
 from router.health import HealthChecker
 from router.http_stack import upstream_session
@@ -67,6 +67,7 @@ _EXPOSED = [
 class RouterApp(NamedTuple):
     api: FastAPI  # every route; its state holds the proxy once the lifespan has started
     asgi: ASGIApp  # what the server runs: the request limits and the OpenAI fast path in front of api
+    malformed_http: Callable[[], None]  # counts what the HTTP parser refused before the app saw it
 
 
 def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
@@ -207,6 +208,9 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         if error.status < 500 and error.status != 429:
             metrics.client_errors(str(error.code)).inc()
 
+    def malformed_http() -> None:
+        metrics.client_errors(MALFORMED_HTTP).inc()
+
     async def reload() -> dict[str, Any]:
         return await app.state.reloader.reload()  # type: ignore[no-any-return]
 
@@ -288,9 +292,9 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
     )
     auth = ClientAuth(limits, client_key_digests(config.auth), metrics.rejected("invalid_api_key").inc)
     if not config.cors.allow_origins:
-        return RouterApp(app, auth)
+        return RouterApp(app, auth, malformed_http)
     # Outermost: a browser's preflight carries no API key, and every answer, errors too, needs the headers.
     cors = CORSMiddleware(
         auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED
     )
-    return RouterApp(app, cors)
+    return RouterApp(app, cors, malformed_http)

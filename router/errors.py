@@ -7,6 +7,8 @@ from starlette.responses import Response
 
 _encode = msgspec.json.Encoder().encode
 
+MALFORMED_HTTP = "malformed_http"  # the code of the 400 for what the HTTP parser refused
+
 
 class OpenAIError(Exception):
     def __init__(

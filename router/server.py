@@ -48,5 +48,5 @@ def run_server(config: RouterConfig, host: str, port: int, path: Path | None = N
     app = create_app(config, path)
     freeze_startup_objects()
     grace = math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S
-    serving = server_config(app.asgi, host, port, timeout_graceful_shutdown=grace)
+    serving = server_config(app.asgi, host, port, app.malformed_http, timeout_graceful_shutdown=grace)
     _GracefulServer(serving, app.api, config.shutdown_grace_s).run()

@@ -205,6 +205,22 @@ def test_get_and_other_paths_are_untouched(router_url: str) -> None:
     assert status != 415, body  # outside /v1/: not this middleware's business
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        {"Content-Length": "twelve"},
+        {"Content-Length": "4", "Transfer-Encoding": "chunked"},  # request smuggling's shape
+        {"X-Control": "a\x01b"},
+    ],
+)
+def test_malformed_http_is_an_openai_error_counted_by_code(router_url: str, head: dict[str, str]) -> None:
+    """The HTTP parser refuses these before the app sees them; the answer is still OpenAI's JSON."""
+    before = sample(router_url, "kvroute_client_errors_total", code="malformed_http") or 0.0
+    status, body = exchange(router_url + CHAT, {"Content-Type": "application/json", **head}, [chat()])
+    assert assert_openai_error(status, body, 400)["code"] == "malformed_http"
+    assert sample(router_url, "kvroute_client_errors_total", code="malformed_http") == before + 1
+
+
 def test_client_errors_are_counted_by_code(router_url: str) -> None:
     def count(code: str) -> float:
         return sample(router_url, "kvroute_client_errors_total", code=code) or 0.0
