@@ -34,6 +34,7 @@ from typing import NamedTuple, TypeAlias, cast
 
 from router import block_hashing
 from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from router.kv_groups import CONSTRAINING_KINDS, GroupConstraints
 from scorers.base import TierMatch
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class BlockIndex:
         self._pool_of: dict[str, _PoolState] = {}  # instance -> its pool name's pseudo-owner, when named
         self._warned_unkeyed = False
         self._warned_drift = False
+        # A hybrid model's sliding-window and Mamba groups, which cut what its full-attention blocks match.
+        self._groups = GroupConstraints(block_size, max_entries)
 
     # ---- events -------------------------------------------------------------------------------------
 
@@ -155,11 +158,19 @@ class BlockIndex:
         # vLLM's scheduler publishes its GPU block pool's events, then its connector's: an event of another
         # medium means the rest of the batch is the connector's.
         past_gpu = False
+        # Constraining groups' events, applied once the batch's full-attention blocks are in: a group's block
+        # takes the kvroute hash of the full-attention block at its position, which may come later.
+        grouped: list[BlockStored | BlockRemoved] = []
         for event in events:
             if not isinstance(event, AllBlocksCleared) and event.medium not in _GPU_MEDIA:
                 past_gpu = True
             if isinstance(event, BlockStored):
                 if not event.block_hashes:
+                    continue
+                if event.kv_cache_spec_kind in CONSTRAINING_KINDS and event.medium in _GPU_MEDIA:
+                    kind, window = event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
+                    self._groups.declare(state.bit, event.group_idx, kind, window)
+                    grouped.append(event)
                     continue
                 tier = self._tier(event.medium)
                 if tier is Tier.POOL:
@@ -174,6 +185,9 @@ class BlockIndex:
                     # another prompt's. Its vLLM hashes are its GPU copies', announced with the keys first.
                     self._store_known(state, state, tier, event, pool)
             elif isinstance(event, BlockRemoved):
+                if event.medium in _GPU_MEDIA and self._groups.is_group(state.bit, event.group_idx):
+                    grouped.append(event)
+                    continue
                 tier = self._tier(event.medium)
                 self._remove(pool if tier is Tier.POOL else state, tier, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -181,10 +195,35 @@ class BlockIndex:
                 # SimpleCPUOffloadConnector's CPU block pool, which the same reset call makes after the GPU's:
                 # a clear after the batch's first, or after an event of another medium, is the connector's.
                 # (The OffloadingConnector's and the Mooncake store's resets send none.)
+                if not past_gpu:  # the GPU block pool's: every group's blocks go, those of the batch too
+                    grouped = []
+                    self._groups.clear(state.bit)
                 self._clear(state, self._offload_tiers if past_gpu else self._gpu_tiers)
                 past_gpu = True
+        self._apply_grouped(state, grouped)
         if self._entries > self.max_entries:
             self._shrink()
+
+    def _apply_grouped(self, state: _OwnerState, events: Sequence[BlockStored | BlockRemoved]) -> None:
+        """Constraining groups' stores and removals, in order. A stored block is indexed under the kvroute
+        hash of the owner's full-attention block of the same vLLM hash; one it does not hold is an orphan."""
+        gpu_blocks = [state.blocks[tier] for tier in self._gpu_tiers]
+        for event in events:
+            keys = [_key(h) for h in event.block_hashes]
+            if isinstance(event, BlockRemoved):
+                self._groups.remove(state.bit, event.group_idx, keys)
+                continue
+            if event.block_size != self.block_size:
+                self.stats.mismatched += 1
+                continue
+            known = []
+            for key in keys:
+                packed = next((p for blocks in gpu_blocks if (p := blocks.get(key)) is not None), None)
+                if packed is None:
+                    self.stats.orphaned += 1
+                else:
+                    known.append((key, packed >> _COUNT_BITS))
+            self._groups.store(state.bit, event.group_idx, known)
 
     def drop_instance(self, instance: str) -> None:
         """Forget everything every rank of instance holds (it restarted)."""
@@ -201,6 +240,7 @@ class BlockIndex:
         for owner in [o for o in self._owners if o[0] == instance]:
             bit = self._owners.pop(owner).bit
             del self._owner_by_bit[bit]
+            self._groups.forget(bit)
             self._respeculated.pop(bit, None)
             self._free_bits.append(bit)
             gone |= bit
@@ -215,6 +255,7 @@ class BlockIndex:
         state = self._owners.get(owner)
         if state is not None:
             self._clear(state)
+            self._groups.clear(state.bit)
 
     def _store(
         self, state: _OwnerState, tier: Tier, event: BlockStored, pool: _PoolState, counted: bool = True
@@ -476,15 +517,15 @@ class BlockIndex:
         Pool blocks count for every member of their pool name, unless include_pool is False.
         """
         gpu, cpu, pool = self._probe(chain, include_pool)
-        return self._matched(gpu, cpu, _either(_either(gpu, cpu), pool))
+        return self._matched(chain, gpu, cpu, _either(_either(gpu, cpu), pool))
 
     def match_with_own(self, chain: Sequence[int]) -> tuple[dict[str, TierMatch], dict[str, TierMatch]]:
         """match(chain) and match(chain, include_pool=False) from one probe of the tiers: the instances' own
         prefixes are where the pool credit to confirm begins (router/pool.py)."""
         gpu, cpu, pool = self._probe(chain)
         held = _either(gpu, cpu)
-        own = self._matched(gpu, cpu, held)
-        return (own if pool is None else self._matched(gpu, cpu, _either(held, pool))), own
+        own = self._matched(chain, gpu, cpu, held)
+        return (own if pool is None else self._matched(chain, gpu, cpu, _either(held, pool))), own
 
     def _probe(self, chain: Sequence[int], include_pool: bool = True) -> tuple[_Masks, _Masks, _Masks]:
         """Each block's holders in the GPU (speculative entries too), CPU and pool tiers; None for a tier no
@@ -496,13 +537,17 @@ class BlockIndex:
         cpu = self._held(chain, self._holders[Tier.CPU])
         return gpu, cpu, self._held(chain, self._holders[Tier.POOL]) if include_pool else None
 
-    def _matched(self, gpu: _Masks, cpu: _Masks, held: _Masks) -> dict[str, TierMatch]:
+    def _matched(self, chain: Sequence[int], gpu: _Masks, cpu: _Masks, held: _Masks) -> dict[str, TierMatch]:
         """The matches of held, each block's holders over the tiers counted. All in C: the running AND of held
-        (owners holding every block so far) never grows, so where an owner's bit leaves it is a bisection."""
+        (owners holding every block so far) never grows, so where an owner's bit leaves it is a bisection.
+        A hybrid model's owner's match is then cut to what its other KV cache groups allow."""
         if held is None:
             return {}
         alive = list(itertools.accumulate(held, operator.and_))
         ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
+        if self._groups:
+            cut = {bit: self._groups.cut(bit, chain, end, self._pending) for bit, end in ends.items()}
+            ends = {bit: end for bit, end in cut.items() if end}
         return self._attribute(ends, gpu, cpu, only_gpu=held is gpu)
 
     @staticmethod

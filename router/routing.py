@@ -134,12 +134,15 @@ class Router:
             ids = []
         lora_name = body.model if body.model in self._adapters else None
         chain = self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
-        if not chain:
+        # The engine computes the last prompt token whatever it holds, and looks up the blocks before it only:
+        # a hybrid model's other groups decide its hit within those (router/kv_groups.py).
+        reusable = chain[: max(len(ids) - 1, 0) // self._block_size]
+        if not reusable:
             matches = {}
         elif self._pool is None:
-            matches = self._index.match(chain)
+            matches = self._index.match(reusable)
         else:
-            matches = await self._pool.confirm(body.model, chain)
+            matches = await self._pool.confirm(body.model, reusable)
         request = RoutingRequest(
             model=body.model,
             session_key=session_key,
