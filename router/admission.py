@@ -27,7 +27,10 @@ class Admission:
             raise Overloaded("queue_full")
         self.waiting += 1
         try:
-            await asyncio.wait_for(self._slots.acquire(), self._timeout)
+            # A waiter cancelled (its client left) leaves the queue; Semaphore.acquire hands on a slot it was
+            # given in the same turn.
+            async with asyncio.timeout(self._timeout):
+                await self._slots.acquire()
         except TimeoutError:
             raise Overloaded("queue_timeout") from None
         finally:

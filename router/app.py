@@ -151,6 +151,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 admission.memory_hold_s,
                 config.tokenization.thread_above_bytes,
                 config.limits.body_timeout_s,
+                config.limits.send_timeout_s,
             )
             reloader = app.state.reloader = Reloader(
                 config, path, fleet, index, metrics, zmq_context, lambda: app.state.proxy

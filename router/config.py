@@ -432,6 +432,11 @@ class LimitsConfig(_Strict):
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="a client slower than this to send its body is answered 408"
     )
+    send_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="a stream's client that takes no data for this long is cut off, freeing its slot and "
+        "aborting the engine's request (nginx's send_timeout)",
+    )  # fmt: skip
 
 
 class RouterConfig(_Strict):

@@ -63,6 +63,12 @@ def upstream_failed(instance: str, cause: BaseException) -> OpenAIError:
     )  # fmt: skip
 
 
+def upstream_timeout(instance: str, limit: str) -> OpenAIError:
+    """504: the instance took longer than the router waits (the request may still be running there)."""
+    message = f"Instance {instance} did not answer within upstream.{limit}."
+    return OpenAIError(504, message, "upstream_error", "upstream_timeout")
+
+
 def upstream_unauthorized(instance: str, status: int) -> OpenAIError:
     """502: the instance refused the router's own key; a 401 would tell the client its key is wrong."""
     message = (

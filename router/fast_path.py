@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -45,4 +46,7 @@ class OpenAIFastPath:
         except OpenAIError as error:
             self._rejected(error)
             response = error.response()
+            # The client's id on the router's own errors too, so that its logs can find them.
+            if (request_id := Headers(scope=scope).get("x-request-id")) is not None:
+                response.headers["x-request-id"] = request_id
         await response(scope, receive, send)

@@ -13,7 +13,7 @@ import aiohttp
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from router.ab import ABStats
 from router.admission import Admission, Overloaded
@@ -28,6 +28,7 @@ from router.errors import (
     too_many_requests,
     unavailable,
     upstream_failed,
+    upstream_timeout,
     upstream_unauthorized,
 )
 from router.health import HealthChecker
@@ -57,6 +58,9 @@ _REFUSED_CREDENTIALS = (401, 403)
 _BUSY = 503  # refused before anything ran: not a failure of the instance
 _CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
 _MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the message
+# How vLLM reports a failure after a stream began; inside a JSON string a quote is escaped, so no generated
+# text can look like it.
+_ERROR_EVENT = b'data: {"error"'
 _WATCH_AFTER_S = 0.05  # a request still routing or waiting for its first byte after this watches its client
 _RETRY_BACKOFF_S = 0.05
 _DISCARDED = ABStats(max_samples=1)  # results of policies a reload replaced: never read
@@ -156,6 +160,7 @@ class _Routed:
     streamed: bool
     finished: bool = False
     broken: bool = False  # the stream from upstream broke off
+    engine_error: bool = False  # the engine's stream carried an error event (it failed mid-way)
     cut: bool = False  # ended by the router (shutting down), not by the instance
     completed: bool = False  # relayed to its end (a stream not broken, cut, nor left by its client)
     first: bytes = b""  # a stream's first chunk, or the whole answer
@@ -170,14 +175,29 @@ class _Routed:
 
 
 class _RelayResponse(StreamingResponse):
-    """A stream whose cleanup runs however it ends: completed, client gone, or never started."""
+    """A stream whose cleanup runs however it ends: completed, client gone, or never started. A client that
+    takes nothing for send_timeout_s is cut off: it would hold its admission slot, its instance's place and
+    the engine's request for as long as it likes."""
 
     def __init__(
         self, relay: AsyncGenerator[bytes, None], finish: Callable[[], None], status: int,
-        headers: dict[str, str], media_type: str,
+        headers: dict[str, str], media_type: str, send_timeout_s: float, stalled: Callable[[], None],
     ) -> None:  # fmt: skip
         super().__init__(relay, status, headers=headers, media_type=media_type)
         self._relay, self._finish = relay, finish
+        self._send_timeout_s, self._stalled = send_timeout_s, stalled
+
+    async def stream_response(self, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
+            async with asyncio.timeout(self._send_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(send_in_time)
+        except TimeoutError:
+            # Returning unfinished makes the server close the connection, and the relay's end aborts the
+            # engine's request.
+            self._stalled()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -205,9 +225,11 @@ class Proxy:
         memory_hold_s: float = 0.0,
         thread_above_bytes: int | None = None,
         body_timeout_s: float = 60.0,
+        send_timeout_s: float = 60.0,
     ) -> None:
         """memory_hold_s: see router/memory_hold.py. thread_above_bytes: larger bodies are tokenized on a
-        worker thread (None: none). body_timeout_s: the longest a client may take to send its body."""
+        worker thread (None: none). body_timeout_s: the longest a client may take to send its body;
+        send_timeout_s: to take a stream's next chunk."""
         self._admission, self._per_instance_limit = admission, per_instance_limit
         self._memory_hold: MemoryHold[asyncio.Future[None]] = MemoryHold(memory_hold_s)
         self._max_tokenized_bytes = max_tokenized_bytes
@@ -220,7 +242,7 @@ class Proxy:
         self._closing = False  # shutting down: streams still starting end at once
         self._starting: set[asyncio.Task[object]] = set()  # requests not yet answered nor streaming
         self._ended: set[asyncio.Task[object]] = set()  # of those, the ones end_streams cancelled
-        self._body_timeout_s = body_timeout_s
+        self._body_timeout_s, self._send_timeout_s = body_timeout_s, send_timeout_s
         self._retry_budget = RetryBudget()
         self._router = router
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
@@ -264,23 +286,29 @@ class Proxy:
             raise client_closed() from None
         except TimeoutError:
             raise body_timeout(self._body_timeout_s) from None
-        try:
-            await self._admission.enter()
-        except Overloaded as exc:
-            self._metrics.rejected(str(exc)).inc()
-            message = "The router is at capacity; retry later."
-            raise too_many_requests(message, str(exc), _RETRY_AFTER_S) from exc
-        try:
-            body = decode_body(raw, kind, self._fleet.only_model())
-            if not self._fleet.serves(body.model):
-                raise model_not_found(body.model)
-            session = request.headers.get(self.traffic_config.session_header) or body.user
-            policy = self._policy(request, session)
-            tokenize = len(raw) <= self._max_tokenized_bytes
-            raw = without_full_kv_report(raw, body.vllm_xargs)
-            # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
-            headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-            with _ClientWatch(request.receive) as watch:
+        # From here until the answer begins, a client that leaves cancels the work: waiting for a slot (an
+        # overloaded router's clients time out), routing, or waiting for the engine.
+        with _ClientWatch(request.receive) as watch:
+            try:
+                await self._admission.enter()
+            except Overloaded as exc:
+                self._metrics.rejected(str(exc)).inc()
+                message = "The router is at capacity; retry later."
+                raise too_many_requests(message, str(exc), _RETRY_AFTER_S) from exc
+            except asyncio.CancelledError:
+                if not watch.client_left():
+                    raise
+                raise client_closed() from None
+            try:
+                body = decode_body(raw, kind, self._fleet.only_model())
+                if not self._fleet.serves(body.model):
+                    raise model_not_found(body.model)
+                session = request.headers.get(self.traffic_config.session_header) or body.user
+                policy = self._policy(request, session)
+                tokenize = len(raw) <= self._max_tokenized_bytes
+                raw = without_full_kv_report(raw, body.vllm_xargs)
+                # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
+                headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
                 try:
                     off_loop = len(raw) > self._thread_above_bytes
                     prepared = await self._router.prepare(body, session, tokenize, off_loop)
@@ -289,9 +317,9 @@ class Proxy:
                     if not watch.client_left():
                         raise
                     raise client_closed() from None  # counted with the client errors
-        except BaseException:
-            self._admission.leave()
-            raise
+            except BaseException:
+                self._admission.leave()
+                raise
         content_type = routed.upstream.headers.get("content-type", "application/json")
         decision = routed.decision
         debug = {
@@ -305,10 +333,13 @@ class Proxy:
         for name in _RETURNED_HEADERS:
             if (value := routed.upstream.headers.get(name)) is not None:
                 debug[name] = value
+        if "x-request-id" not in debug and (request_id := request.headers.get("x-request-id")) is not None:
+            debug["x-request-id"] = request_id  # vLLM echoes it only with --enable-request-id-headers
         if content_type.startswith("text/event-stream"):
             return _RelayResponse(
-                self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug, content_type
-            )
+                self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug,
+                content_type, self._send_timeout_s, lambda: self._stalled(routed),
+            )  # fmt: skip
         payload = routed.first
         try:
             status = routed.upstream.status
@@ -407,19 +438,23 @@ class Proxy:
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 dropped = instance.name, exc
-                if not self._retry_budget.spend():
+                others = self._fleet.candidates(model, exclude=frozenset(tried))
+                if attempt + 1 == self._config.attempts or not others or not self._retry_budget.spend():
                     self._ab(policy).failed(policy.name)
-                    raise upstream_failed(instance.name, exc) from exc
+                    raise _tried(upstream_failed(instance.name, exc), tried) from exc
                 self._metrics.retries(instance.name).inc()
                 await asyncio.sleep(_RETRY_BACKOFF_S * len(tried) * random.uniform(0.5, 1.5))
                 continue
             except (TimeoutError, aiohttp.ClientError) as exc:
                 # Timed out or answered badly: it may still be running there, so it is not sent again.
                 self._abandon(decision, upstream, probe, prefill)
-                kind = "timeout" if isinstance(exc, TimeoutError) else "response"
-                self._metrics.upstream_errors(instance.name, kind).inc()
+                timed_out = isinstance(exc, TimeoutError)  # aiohttp's read timeout is one too
+                self._metrics.upstream_errors(instance.name, "timeout" if timed_out else "response").inc()
                 self._ab(policy).failed(policy.name)
-                raise upstream_failed(instance.name, exc) from exc
+                if timed_out:
+                    limit = "first_byte_timeout_s" if stream else "response_timeout_s"
+                    raise _tried(upstream_timeout(instance.name, limit), tried | {instance.name}) from exc
+                raise _tried(upstream_failed(instance.name, exc), tried | {instance.name}) from exc
             except BaseException:
                 self._abandon(decision, upstream, probe, prefill, failed=False)
                 raise
@@ -464,17 +499,17 @@ class Proxy:
             return routed
         if dropped is not None:
             self._ab(policy).failed(policy.name)
-            raise upstream_failed(*dropped)
+            raise _tried(upstream_failed(*dropped), tried)
         if refused is not None:
             self._ab(policy).failed(policy.name)
-            raise upstream_unauthorized(*refused)
+            raise _tried(upstream_unauthorized(*refused), tried)
         self._ab(policy).rejected(policy.name)
         if tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
-        raise unavailable(message + " Retry later.", code, _RETRY_AFTER_S)
+        raise _tried(unavailable(message + " Retry later.", code, _RETRY_AFTER_S), tried)
 
     async def _hold_for_memory(self, model: str, prompt_tokens: int, chain: Sequence[int]) -> None:
         """Wait until some instance has KV memory for the prompt, or the hold's bound passes."""
@@ -542,6 +577,7 @@ class Proxy:
         self._streams.add(routed)
         try:
             if whole := events.whole(routed.first):
+                self._watch_errors(routed, whole)
                 yield whole
             if self._closing:  # its first chunk came after end_streams
                 routed.cut = True
@@ -557,6 +593,7 @@ class Proxy:
                     routed.completed = True
                     return
                 if whole := events.whole(chunk):
+                    self._watch_errors(routed, whole)
                     yield whole
         except (TimeoutError, aiohttp.ClientError) as exc:
             routed.broken = True
@@ -571,6 +608,19 @@ class Proxy:
         finally:
             self._streams.discard(routed)
             self._finish(routed)
+
+    def _watch_errors(self, routed: _Routed, events: bytes) -> None:
+        """An engine failure the stream reports (its error event) counts against the instance."""
+        if _ERROR_EVENT in events and not routed.engine_error and _server_error_event(events):
+            routed.engine_error = True
+            self._metrics.upstream_errors(routed.instance.name, "stream_error").inc()
+
+    def _stalled(self, routed: _Routed) -> None:
+        log.warning(
+            "a client took nothing of its stream from %s for %g s (limits.send_timeout_s): cut off",
+            routed.instance.name, self._send_timeout_s,
+        )  # fmt: skip
+        self._metrics.client_errors("send_timeout").inc()
 
     def end_streams(self) -> None:
         """Shutting down: end every stream still relayed with an error event and [DONE], now, rather than
@@ -596,7 +646,8 @@ class Proxy:
         # A stream that ended neither whole, broken nor cut by the router was left by its client mid-way: its
         # time is not an answer's, and it says nothing of the instance.
         left = routed.streamed and status == 200 and not (routed.completed or routed.broken or routed.cut)
-        if (routed.broken and not routed.cut) or (status >= 500 and status != _BUSY):
+        failed = routed.broken or routed.engine_error
+        if (failed and not routed.cut) or (status >= 500 and status != _BUSY):
             self._breaker_failed(routed.instance, routed.probe)
         elif routed.cut or left or status >= 400:
             # Ended by the router or the client, or the client's mistake: nothing learnt about the instance.
@@ -608,12 +659,12 @@ class Proxy:
         policy = routed.policy.name
         self._metrics.requests(policy, routed.instance.name, str(status), routed.model).inc()
         elapsed = time.perf_counter() - routed.first_sent
-        answered = status == 200 and not routed.broken
+        answered = status == 200 and not failed
         if answered:
             self._metrics.e2e(policy, routed.model).observe(elapsed)
         decision = routed.decision
         self._ab(routed.policy).finished(
-            policy, routed.instance.name, 502 if routed.broken else status, elapsed if answered else None,
+            policy, routed.instance.name, 502 if failed else status, elapsed if answered else None,
             decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
         )  # fmt: skip
 
@@ -680,6 +731,12 @@ class _Answer(msgspec.Struct):
 _decode_answer = msgspec.json.Decoder(_Answer).decode
 
 
+def _tried(error: OpenAIError, tried: set[str]) -> OpenAIError:
+    """error, saying how many instances the request was sent to, as an answer does."""
+    error.headers[ATTEMPTS_HEADER] = str(len(tried))
+    return error
+
+
 def _shutting_down() -> OpenAIError:
     return unavailable("The router is shutting down; retry.", "shutting_down", _RETRY_AFTER_S)
 
@@ -693,8 +750,9 @@ def _usage(payload: bytes) -> _Usage | None:
 
 
 async def _first_bytes(upstream: aiohttp.ClientResponse, stream: bool) -> bytes:
-    """A successful stream's first chunk; otherwise the whole answer (an error's is short)."""
-    if not (stream and upstream.status == 200):
+    """A successful stream's first chunk; otherwise the whole answer (an error's is short), also when a stream
+    was asked for and a whole answer came (a gateway in front of the engine), which is relayed whole."""
+    if not (stream and upstream.status == 200 and upstream.content_type == "text/event-stream"):
         return await upstream.read()
     first = await upstream.content.readany()
     if not first:  # a 200 stream that ends before its first chunk is broken, not empty
@@ -704,6 +762,19 @@ async def _first_bytes(upstream: aiohttp.ClientResponse, stream: bool) -> bytes:
 
 class _ErrorShape(msgspec.Struct):
     error: dict[str, object]
+
+
+def _server_error_event(events: bytes) -> bool:
+    """Whether the first error event in events is the engine's failure (its code 5xx, or none), not a
+    refusal of the client's request (4xx), which says nothing against the instance."""
+    start = events.index(_ERROR_EVENT) + len(b"data: ")
+    end = events.find(b"\n", start)
+    try:
+        data = events[start : end if end >= 0 else None]
+        code = msgspec.json.decode(data, type=_ErrorShape).error.get("code")
+    except (msgspec.DecodeError, RecursionError):
+        return True
+    return not (isinstance(code, int) and 400 <= code < 500)
 
 
 def _openai_error_body(payload: bytes, status: int) -> bytes:

@@ -130,21 +130,18 @@ def test_an_answer_that_breaks_off_with_no_other_instance_is_a_502_in_openai_sha
         assert metric(url, "kvroute_instance_in_flight", vllm_instance="flaky") == 0
 
 
+async def _drop(request: web.Request) -> web.Response:
+    """Closes the connection unanswered, as an engine that dies while prefilling does."""
+    await request.read()
+    assert request.transport is not None
+    request.transport.close()
+    return web.Response()
+
+
 @pytest.fixture
 def dropping_upstream() -> Iterator[int]:
-    """An instance that answers /health but closes every completion's connection without an answer, as one
-    that dies while prefilling does."""
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    async def drop(request: web.Request) -> web.Response:
-        await request.read()
-        assert request.transport is not None
-        request.transport.close()
-        return web.Response()
-
-    with serving(health, drop) as port:
+    """An instance that answers /health but drops every completion."""
+    with serving(healthy, _drop) as port:
         yield port
 
 
@@ -400,3 +397,15 @@ def test_an_upstream_error_nested_past_the_decoders_depth_still_ends_the_request
             assert status == 500
             assert set(json.loads(payload)["error"]) == {"message", "type", "param", "code"}
             assert metric(url, "kvroute_instance_in_flight", vllm_instance="deep") == 0
+
+
+def test_a_request_every_instance_drops_is_retried_once_per_other_instance(tmp_path: Path) -> None:
+    """A retry is spent only when another instance is left to try: twelve requests that both instances drop
+    are each retried once, well within the budget (10 + 0.2 a request), and counted once."""
+    with serving(healthy, _drop) as first, serving(healthy, _drop) as second:
+        with running_router(_two_instances(first, second), tmp_path) as url:
+            for _ in range(12):
+                status, headers, payload = post(url + "/v1/completions", BODY, {"x-request-id": "dropped"})
+                assert status == 502 and json.loads(payload)["error"]["code"] == "upstream_failed", payload
+                assert headers["x-kvroute-attempts"] == "2" and headers["x-request-id"] == "dropped"
+            assert sum(metric(url, "kvroute_retries_total", vllm_instance=i) for i in ("i0", "i1")) == 12

@@ -4,6 +4,7 @@ stream ends with an SSE error event and `data: [DONE]`, never a hang or a silent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -130,9 +131,10 @@ def test_a_stream_without_a_first_chunk_within_its_timeout_fails_as_a_timeout(
     config = _first_alone(fleet, "silent", never_starts, first_byte_timeout_s=0.5, stream_idle_timeout_s=30)
     with running_router(config, tmp_path) as url:
         started = time.monotonic()
-        status, _, payload = post(url + "/v1/completions", STREAM)
+        status, headers, payload = post(url + "/v1/completions", STREAM, {"x-request-id": "slow-1"})
         assert time.monotonic() - started < 4, "the router waited past first_byte_timeout_s"
-        assert status == 502 and b"upstream_failed" in payload, payload
+        assert status == 504 and b"upstream_timeout" in payload, payload  # a gateway timeout, not a crash
+        assert headers["x-kvroute-attempts"] == "1" and headers["x-request-id"] == "slow-1"
         assert metric(url, "kvroute_upstream_errors_total", vllm_instance="silent", kind="timeout") == 1
 
 
@@ -148,3 +150,43 @@ def test_a_stream_broken_mid_event_drops_the_half_event_before_the_error_event(
         assert events[0] == CHUNK.strip()
         assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "stream_broken", events
         assert events[2:] == [b"data: [DONE]"]
+
+
+_stream_of = contextlib.contextmanager(_streaming)
+
+
+def _error_event(code: int) -> bytes:
+    error = {"message": "failed", "type": "InternalServerError" if code >= 500 else "BadRequestError",
+             "param": None, "code": code}  # fmt: skip
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize(("code", "failures"), [(500, 1), (400, 0)])
+def test_an_engine_error_event_mid_stream_counts_against_the_instance_a_refusal_does_not(
+    fleet: FleetPorts, tmp_path: Path, code: int, failures: int
+) -> None:
+    """vLLM reports a failure after a stream began as an error event; one of the client's making (4xx)
+    says nothing against the instance, else a client could open its circuit breaker."""
+    with _stream_of(CHUNK, _error_event(code), b"data: [DONE]\n\n", then_s=0, dies=False) as port:
+        config = _first_alone(fleet, "erring", port) | {"circuit_breaker": {"failures": 1}}
+        with running_router(config, tmp_path) as url:
+            status, _, payload = post(url + "/v1/completions", STREAM)
+            assert status == 200 and payload == CHUNK + _error_event(code) + b"data: [DONE]\n\n"  # as sent
+            assert (sample(url, "kvroute_upstream_errors_total", vllm_instance="erring", kind="stream_error")
+                    or 0) == failures  # fmt: skip
+            assert (sample(url, "kvroute_circuit_opens_total", vllm_instance="erring") or 0) == failures
+
+
+def test_a_stream_answered_whole_is_relayed_whole(fleet: FleetPorts, tmp_path: Path) -> None:
+    """A gateway in front of an engine may answer a stream request with one JSON body: all of it reaches
+    the client, not its first chunk."""
+    whole = json.dumps({"choices": [{"text": "y" * 2_000_000}]}).encode()
+
+    async def answer_whole(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=whole, content_type="application/json")
+
+    with serving(healthy, answer_whole) as port:
+        with running_router(_first_alone(fleet, "whole", port), tmp_path) as url:
+            status, _, payload = post(url + "/v1/completions", STREAM)
+            assert status == 200 and payload == whole
