@@ -167,9 +167,12 @@ class BlockIndex:
             if isinstance(event, BlockStored):
                 if not event.block_hashes:
                     continue
-                if event.kv_cache_spec_kind in CONSTRAINING_KINDS and event.medium in _GPU_MEDIA:
-                    kind, window = event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
-                    self._groups.declare(state.bit, event.group_idx, kind, window)
+                kind = event.kv_cache_spec_kind
+                if kind in CONSTRAINING_KINDS and event.medium in _GPU_MEDIA and self._hybrid(state, events):
+                    if event.block_size != self.block_size:  # its blocks cannot be set beside the index's
+                        self.stats.mismatched += 1
+                        continue
+                    self._groups.declare(state.bit, event.group_idx, kind, event.kv_cache_spec_sliding_window)
                     grouped.append(event)
                     continue
                 tier = self._tier(event.medium)
@@ -200,9 +203,25 @@ class BlockIndex:
                     self._groups.clear(state.bit)
                 self._clear(state, self._offload_tiers if past_gpu else self._gpu_tiers)
                 past_gpu = True
-        self._apply_grouped(state, grouped)
+        if grouped:
+            self._apply_grouped(state, grouped)
         if self._entries > self.max_entries:
             self._shrink()
+
+    def _hybrid(self, state: _OwnerState, events: Sequence[KVEvent]) -> bool:
+        """Whether the owner has a full-attention group beside its constraining ones, learnt from its first
+        batch that shows one: a model whose only group is a sliding window (or Mamba) has nothing to cut, and
+        its blocks are the index's own."""
+        if self._groups.anchored(state.bit):
+            return True
+        if any(
+            isinstance(e, BlockStored) and e.kv_cache_spec_kind not in CONSTRAINING_KINDS
+            and e.kv_cache_spec_kind is not None and e.medium in _GPU_MEDIA
+            for e in events
+        ):  # fmt: skip
+            self._groups.anchor(state.bit)
+            return True
+        return False
 
     def _apply_grouped(self, state: _OwnerState, events: Sequence[BlockStored | BlockRemoved]) -> None:
         """Constraining groups' stores and removals, in order. A stored block is indexed under the kvroute
@@ -212,9 +231,6 @@ class BlockIndex:
             keys = [_key(h) for h in event.block_hashes]
             if isinstance(event, BlockRemoved):
                 self._groups.remove(state.bit, event.group_idx, keys)
-                continue
-            if event.block_size != self.block_size:
-                self.stats.mismatched += 1
                 continue
             known = []
             for key in keys:
@@ -510,22 +526,31 @@ class BlockIndex:
 
     # ---- routing ------------------------------------------------------------------------------------
 
-    def match(self, chain: Sequence[int], include_pool: bool = True) -> dict[str, TierMatch]:
+    def match(
+        self, chain: Sequence[int], include_pool: bool = True, reusable: int | None = None
+    ) -> dict[str, TierMatch]:
         """For every instance holding a prefix of chain: its contiguous matched blocks, by best tier.
 
         Speculative entries count as GPU blocks. Of one instance's ranks, the best match counts.
-        Pool blocks count for every member of their pool name, unless include_pool is False.
+        Pool blocks count for every member of their pool name, unless include_pool is False. reusable: the
+        blocks the engine may reuse (all but the last prompt token's), within which a hybrid model's other
+        KV cache groups decide its hit as vLLM does; None: all of chain.
         """
         gpu, cpu, pool = self._probe(chain, include_pool)
-        return self._matched(chain, gpu, cpu, _either(_either(gpu, cpu), pool))
+        return self._matched(chain, gpu, cpu, _either(_either(gpu, cpu), pool), reusable, {})
 
-    def match_with_own(self, chain: Sequence[int]) -> tuple[dict[str, TierMatch], dict[str, TierMatch]]:
+    def match_with_own(
+        self, chain: Sequence[int], reusable: int | None = None
+    ) -> tuple[dict[str, TierMatch], dict[str, TierMatch]]:
         """match(chain) and match(chain, include_pool=False) from one probe of the tiers: the instances' own
         prefixes are where the pool credit to confirm begins (router/pool.py)."""
         gpu, cpu, pool = self._probe(chain)
         held = _either(gpu, cpu)
-        own = self._matched(chain, gpu, cpu, held)
-        return (own if pool is None else self._matched(chain, gpu, cpu, _either(held, pool))), own
+        cuts: dict[tuple[int, int], int] = {}
+        own = self._matched(chain, gpu, cpu, held, reusable, cuts)
+        if pool is None:
+            return own, own
+        return self._matched(chain, gpu, cpu, _either(held, pool), reusable, cuts), own
 
     def _probe(self, chain: Sequence[int], include_pool: bool = True) -> tuple[_Masks, _Masks, _Masks]:
         """Each block's holders in the GPU (speculative entries too), CPU and pool tiers; None for a tier no
@@ -537,17 +562,26 @@ class BlockIndex:
         cpu = self._held(chain, self._holders[Tier.CPU])
         return gpu, cpu, self._held(chain, self._holders[Tier.POOL]) if include_pool else None
 
-    def _matched(self, chain: Sequence[int], gpu: _Masks, cpu: _Masks, held: _Masks) -> dict[str, TierMatch]:
+    def _matched(
+        self, chain: Sequence[int], gpu: _Masks, cpu: _Masks, held: _Masks, reusable: int | None,
+        cuts: dict[tuple[int, int], int],
+    ) -> dict[str, TierMatch]:  # fmt: skip
         """The matches of held, each block's holders over the tiers counted. All in C: the running AND of held
         (owners holding every block so far) never grows, so where an owner's bit leaves it is a bisection.
-        A hybrid model's owner's match is then cut to what its other KV cache groups allow."""
+        A hybrid model's owner's match is then cut to what its other KV cache groups allow (cuts: those
+        found already, by owner and match length)."""
         if held is None:
             return {}
         alive = list(itertools.accumulate(held, operator.and_))
         ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
         if self._groups:
-            cut = {bit: self._groups.cut(bit, chain, end, self._pending) for bit, end in ends.items()}
-            ends = {bit: end for bit, end in cut.items() if end}
+            groups, limit = self._groups, len(chain) if reusable is None else reusable
+            for bit, end in ends.items():
+                if groups.constrains(bit):
+                    if (found := cuts.get((bit, end))) is None:
+                        found = cuts[bit, end] = groups.cut(bit, chain, min(end, limit), self._pending)
+                    ends[bit] = found
+            ends = {bit: end for bit, end in ends.items() if end}
         return self._attribute(ends, gpu, cpu, only_gpu=held is gpu)
 
     @staticmethod

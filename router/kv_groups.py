@@ -38,6 +38,8 @@ class _Group:
         pending for the owner (routed there, not announced yet) count as held: the engine computes every
         group's blocks of a prompt."""
         held, needed, run = self.held, self.ending_blocks, 0
+        if end >= needed and all(map(held.__contains__, chain[end - needed : end])):
+            return end  # the common case, checked in C: the blocks that end the prefix are all held
         for position in range(end - 1, -1, -1):
             block = chain[position]
             if block in held or pending.get(block, 0) & bit:
@@ -63,9 +65,19 @@ class GroupConstraints:
     def __init__(self, block_size: int, max_entries: int) -> None:
         self.block_size, self.max_entries = block_size, max_entries
         self._owners: dict[int, dict[int | None, _Group]] = {}
+        self._anchored: set[int] = set()  # owners with a full-attention group: those whose hits groups cut
 
     def __bool__(self) -> bool:
         return bool(self._owners)
+
+    def anchored(self, bit: int) -> bool:
+        return bit in self._anchored
+
+    def anchor(self, bit: int) -> None:
+        self._anchored.add(bit)
+
+    def constrains(self, bit: int) -> bool:
+        return bit in self._owners
 
     def is_group(self, bit: int, group_idx: int | None) -> bool:
         groups = self._owners.get(bit)
@@ -112,6 +124,7 @@ class GroupConstraints:
 
     def forget(self, bit: int) -> None:
         self._owners.pop(bit, None)
+        self._anchored.discard(bit)
 
     def cut(self, bit: int, chain: Sequence[int], end: int, pending: Mapping[int, int]) -> int:
         """The longest prefix of chain[:end] every constraining group of the owner allows, as vLLM's hybrid
@@ -125,6 +138,3 @@ class GroupConstraints:
                 break
             end = agreed
         return end
-
-    def entries(self) -> int:
-        return sum(len(group.keys) for groups in self._owners.values() for group in groups.values())

@@ -141,11 +141,13 @@ class PoolConfirmer:
         self._clock = clock
         self._confirmed: dict[tuple[str, bytes], float] = {}  # (model, vLLM hash) -> trusted until, in order
 
-    async def confirm(self, model: str, chain: Sequence[int]) -> dict[str, TierMatch]:
-        """The index's matches of chain with the pool credit of model's pool name confirmed: as it is,
-        shortened, or none. Instances of other pool names, which do not serve model, keep theirs
-        unconfirmed."""
-        matches, own = self._index.match_with_own(chain)
+    async def confirm(
+        self, model: str, chain: Sequence[int], reusable: int | None = None
+    ) -> dict[str, TierMatch]:
+        """The index's matches of chain (reusable: as BlockIndex.match) with the pool credit of model's pool
+        name confirmed: as it is, shortened, or none. Instances of other pool names, which do not serve
+        model, keep theirs unconfirmed."""
+        matches, own = self._index.match_with_own(chain, reusable)
         name = self._pool_names.get(model, model)
         pool_of = self._index.pool_name
         credited = [instance for instance, m in matches.items() if m.pool and pool_of(instance) == name]
@@ -168,7 +170,7 @@ class PoolConfirmer:
                 log.debug("Mooncake master not answering, routing without pool credit: %s", exc)
                 self._metrics.pool_master_up.set(0)
                 self._metrics.pool_lookups("error").inc(len(unchecked))
-                return self._index.match(chain, include_pool=False)
+                return self._index.match(chain, include_pool=False, reusable=reusable)
         self._metrics.pool_master_up.set(1)
         denied = [h for h in unchecked if h not in present]
         until = now + self._ttl
@@ -183,7 +185,7 @@ class PoolConfirmer:
         if not gone:
             return matches
         self._index.forget_pooled(gone, name)
-        return self._index.match(chain)
+        return self._index.match(chain, reusable=reusable)
 
     def _expire(self, now: float) -> None:
         """Answers are kept in the order they were given, so the expired ones are at the front."""

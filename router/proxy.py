@@ -188,12 +188,35 @@ class _RelayResponse(StreamingResponse):
         self._send_timeout_s, self._stalled = send_timeout_s, stalled
 
     async def stream_response(self, send: Send) -> None:
-        async def send_in_time(message: Message) -> None:
-            async with asyncio.timeout(self._send_timeout_s):
-                await send(message)
+        # One watchdog a stream, looking every send_timeout_s, not a timer a chunk: a long answer sends
+        # thousands of chunks, and a timer each cost more CPU than the routing decision.
+        loop, limit = asyncio.get_running_loop(), self._send_timeout_s
+        sending_since: float | None = None
+        watchdog: asyncio.TimerHandle | None = None
+
+        async def send_watched(message: Message) -> None:
+            nonlocal sending_since
+            sending_since = loop.time()
+            await send(message)
+            sending_since = None
 
         try:
-            await super().stream_response(send_in_time)
+            async with asyncio.timeout(None) as guard:
+
+                def look() -> None:
+                    nonlocal watchdog
+                    now = loop.time()
+                    if sending_since is not None and now - sending_since >= limit:
+                        guard.reschedule(now)  # the send waiting for the client is cancelled
+                    else:
+                        waited = 0.0 if sending_since is None else now - sending_since
+                        watchdog = loop.call_later(limit - waited, look)
+
+                watchdog = loop.call_later(limit, look)
+                try:
+                    await super().stream_response(send_watched)
+                finally:
+                    watchdog.cancel()
         except TimeoutError:
             # Returning unfinished makes the server close the connection, and the relay's end aborts the
             # engine's request.
@@ -438,8 +461,7 @@ class Proxy:
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 dropped = instance.name, exc
-                others = self._fleet.candidates(model, exclude=frozenset(tried))
-                if attempt + 1 == self._config.attempts or not others or not self._retry_budget.spend():
+                if not self._may_retry(model, attempt, tried):
                     self._ab(policy).failed(policy.name)
                     raise _tried(upstream_failed(instance.name, exc), tried) from exc
                 self._metrics.retries(instance.name).inc()
@@ -468,13 +490,7 @@ class Proxy:
                 refused = instance.name, upstream.status
                 continue
             if (
-                upstream.status == _BUSY
-                and attempt + 1 < self._config.attempts
-                and any(
-                    other.own_in_flight < self._per_instance_limit
-                    for other in self._fleet.candidates(model, exclude=frozenset(tried | {instance.name}))
-                )
-                and self._retry_budget.spend()
+                upstream.status == _BUSY and self._may_retry(model, attempt, tried | {instance.name})
             ):
                 # vLLM's admission control (--max-num-queued-reqs, --max-num-queued-tokens) and a fleet being
                 # scaled refuse with 503 before anything runs, asking for "a different instance". The last
@@ -510,6 +526,18 @@ class Proxy:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
         raise _tried(unavailable(message + " Retry later.", code, _RETRY_AFTER_S), tried)
+
+    def _may_retry(self, model: str, attempt: int, tried: set[str]) -> bool:
+        """Whether a request whose attempt failed may go to another instance: an attempt left, an instance
+        not tried with room for it, and the retry budget, spent only then."""
+        return (
+            attempt + 1 < self._config.attempts
+            and any(
+                other.own_in_flight < self._per_instance_limit
+                for other in self._fleet.candidates(model, exclude=frozenset(tried))
+            )
+            and self._retry_budget.spend()
+        )
 
     async def _hold_for_memory(self, model: str, prompt_tokens: int, chain: Sequence[int]) -> None:
         """Wait until some instance has KV memory for the prompt, or the hold's bound passes."""

@@ -136,13 +136,13 @@ class Router:
         chain = self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
         # The engine computes the last prompt token whatever it holds, and looks up the blocks before it only:
         # a hybrid model's other groups decide its hit within those (router/kv_groups.py).
-        reusable = chain[: max(len(ids) - 1, 0) // self._block_size]
-        if not reusable:
+        reusable = max(len(ids) - 1, 0) // self._block_size
+        if not chain:
             matches = {}
         elif self._pool is None:
-            matches = self._index.match(reusable)
+            matches = self._index.match(chain, reusable=reusable)
         else:
-            matches = await self._pool.confirm(body.model, reusable)
+            matches = await self._pool.confirm(body.model, chain, reusable)
         request = RoutingRequest(
             model=body.model,
             session_key=session_key,

@@ -119,7 +119,9 @@ def test_vllm_hashes_as_bytes_resolve_too() -> None:
     index = BlockIndex(BS)
     events = [msgspec.structs.replace(e, block_hashes=[vllm_hash(p, as_bytes=True)], parent_block_hash=None)
               for p, e in [(2, mamba(2)[0])]]  # fmt: skip
-    head = msgspec.structs.replace(stored(0, 4, as_bytes=True), group_idx=FULL, kv_cache_spec_kind="full_attention")
+    head = msgspec.structs.replace(
+        stored(0, 4, as_bytes=True), group_idx=FULL, kv_cache_spec_kind="full_attention"
+    )
     index.apply(A, [head, *events])
     assert index.match(prompt()) == {"a": TierMatch(gpu=3)}
 
@@ -131,3 +133,27 @@ def test_a_group_keeps_no_more_blocks_than_its_bound() -> None:
     groups.store(1, OTHER, [(12, 102), (13, 103)])  # the oldest, key 10, goes
     chain = [100, 101, 102, 103]
     assert [groups.cut(1, chain, end, {}) for end in (1, 2, 3, 4)] == [0, 2, 3, 4]
+
+
+def test_a_model_whose_only_group_is_a_sliding_window_keeps_its_blocks_in_the_index() -> None:
+    """Nothing to cut it to: its blocks are the index's own, as before groups were known."""
+    index = BlockIndex(BS)
+    index.apply(A, [window(0, 8)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=8)}
+    assert index.stats.orphaned == 0
+
+
+def test_a_group_of_another_block_size_is_skipped_not_a_cut_to_nothing() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [full(0, 8), msgspec.structs.replace(window(0, 2), block_size=2 * BS)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=8)}
+    assert index.stats.mismatched == 1
+
+
+def test_the_hit_is_looked_for_within_the_reusable_blocks() -> None:
+    """vLLM looks up the blocks before the last prompt token only: a whole-block prompt's last block cannot
+    end the hit, so a state there does not count."""
+    index = BlockIndex(BS)
+    index.apply(A, [full(0, 10), *mamba(3, 9)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=10)}
+    assert index.match(prompt(), reusable=9) == {"a": TierMatch(gpu=4)}

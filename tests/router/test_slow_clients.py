@@ -8,12 +8,13 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 
 from kvroute.processes import running_router
-from tests.conftest import metric
+from tests.conftest import metric, sample
 from tests.router.fake_upstreams import healthy, only_instance, serving
 
 EVENT = b"data: " + json.dumps({"choices": [{"text": "x" * 65_000}]}).encode() + b"\n\n"
@@ -55,7 +56,10 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off_and_frees_its_slot(tm
             client = _request(_port(url), "flood")
             assert client.recv(4096).startswith(b"HTTP/1.1 200")  # then it reads nothing more
             deadline = time.monotonic() + 15
-            while metric(url, "kvroute_instance_in_flight", vllm_instance="flood") and time.monotonic() < deadline:
+            while (
+                metric(url, "kvroute_instance_in_flight", vllm_instance="flood")
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.1)
             assert metric(url, "kvroute_instance_in_flight", vllm_instance="flood") == 0
             assert metric(url, "kvroute_client_errors_total", code="send_timeout") == 1
@@ -67,24 +71,35 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off_and_frees_its_slot(tm
 
 def test_a_client_that_leaves_while_queued_is_never_sent_upstream(tmp_path: Path) -> None:
     received: list[str] = []
+    release = threading.Event()
 
-    async def slow(request: web.Request) -> web.Response:
-        received.append(json.loads(await request.read())["prompt"])
-        await asyncio.sleep(2)
+    async def held(request: web.Request) -> web.Response:
+        received.append(prompt := json.loads(await request.read())["prompt"])
+        if prompt == "first":  # holds the router's only slot until released
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 20)
         return web.json_response({"choices": [{"text": "ok"}]})
 
-    with serving(healthy, slow) as upstream:
-        config = only_instance("slow", upstream) | {"admission": {"max_in_flight": 1, "queue_timeout_s": 10}}
+    with serving(healthy, held) as upstream:
+        config = only_instance("held", upstream) | {"admission": {"max_in_flight": 1, "queue_timeout_s": 20}}
         with running_router(config, tmp_path) as url:
-            holder = _request(_port(url), "first", stream=False)  # takes the one slot for 2 s
-            time.sleep(0.3)
+            holder = _request(_port(url), "first", stream=False)
+            _wait_for(lambda: received == ["first"])
             queued = _request(_port(url), "queued", stream=False)
-            time.sleep(0.5)
-            queued.close()  # gone while waiting for the slot
-            answer = threading.Thread(target=holder.recv, args=(4096,))
-            answer.start()
-            answer.join(10)
-            time.sleep(0.5)  # the slot is free: a request still queued would be sent now
+            time.sleep(0.5)  # its body read, it waits for the slot (closed sooner, it is never sent either)
+            queued.close()
+            _wait_for(lambda: (sample(url, "kvroute_client_errors_total", code="client_closed") or 0) == 1)
+            release.set()
+            assert holder.recv(4096).startswith(b"HTTP/1.1 200")
             holder.close()
-            assert received == ["first"]
-            assert metric(url, "kvroute_client_errors_total", code="client_closed") == 1
+            # Queued requests go in order: one still queued would reach the instance before this one.
+            after = _request(_port(url), "after", stream=False)
+            assert after.recv(4096).startswith(b"HTTP/1.1 200")
+            after.close()
+            assert received == ["first", "after"]
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.05)

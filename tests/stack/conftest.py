@@ -26,7 +26,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-
 LOG_LINES_ON_FAILURE = 40
 NOTEWORTHY = ("WARNING", "ERROR", "Traceback", "Failed")
 LOG_OFFSETS = pytest.StashKey[dict[str, int]]()
@@ -58,5 +57,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                 text = log.read().decode(errors="replace")
             lines = [line for line in text.splitlines() if any(word in line for word in NOTEWORTHY)]
             if lines:
-                report.sections.append((f"{name} log while the test ran", "\n".join(lines[-LOG_LINES_ON_FAILURE:])))
+                report.sections.append(
+                    (f"{name} log while the test ran", "\n".join(lines[-LOG_LINES_ON_FAILURE:]))
+                )
     return report

@@ -41,8 +41,8 @@ def test_the_index_credits_the_hits_the_engine_finds(second_group: str, seed: in
         if step["batch"] is not None:
             index.apply(("engine", 0), decoder.decode(bytes.fromhex(str(step["batch"]))).events)
         for tokens, hit_tokens in step["probes"]:  # type: ignore[attr-defined]
-            reusable = block_hashing.chain(tokens, BLOCK)[: (len(tokens) - 1) // BLOCK]  # as the router asks
-            matched = index.match(reusable).get("engine")
+            reusable = (len(tokens) - 1) // BLOCK  # as the router asks: vLLM's lookup stops before the last token
+            matched = index.match(block_hashing.chain(tokens, BLOCK), reusable=reusable).get("engine")
             credited = 0 if matched is None else matched.gpu * BLOCK
             assert credited == hit_tokens, (step, tokens[:8])
             compared += 1
