@@ -6,17 +6,17 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 
 import aiohttp
 import msgspec
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.responses import Response
 
 from router.ab import ABStats
 from router.admission import Admission, Overloaded
+from router.client_watch import ClientWatch
 from router.config import TrafficConfig, UpstreamConfig
 from router.errors import (
     OpenAIError,
@@ -37,6 +37,8 @@ from router.memory_hold import MemoryHold
 from router.metrics import RouterMetrics
 from router.openai_body import Body, decode_body, without_full_kv_report
 from router.policy import Policy
+from router.relay_response import RelayResponse
+from router.retry_budget import RetryBudget
 from router.routing import Decision, Prepared, Router
 from router.sse import EventFramer
 from router.traffic import TrafficSplit
@@ -61,7 +63,6 @@ _MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the mes
 # How vLLM reports a failure after a stream began; inside a JSON string a quote is escaped, so no generated
 # text can look like it.
 _ERROR_EVENT = b'data: {"error"'
-_WATCH_AFTER_S = 0.05  # a request still routing or waiting for its first byte after this watches its client
 _RETRY_BACKOFF_S = 0.05
 _DISCARDED = ABStats(max_samples=1)  # results of policies a reload replaced: never read
 # No connection to the instance: nothing was sent. A connect timeout is also a TimeoutError, so it is caught
@@ -69,67 +70,6 @@ _DISCARDED = ABStats(max_samples=1)  # results of policies a reload replaced: ne
 _NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # The instance dropped the connection before answering: it died or restarted.
 _DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
-
-
-class RetryBudget:
-    """Retries of sent requests stay a fraction of the traffic: each request earns `ratio` of a retry (up to
-    `burst` saved), each retry spends one, so a failing fleet is not hit with a storm of repeats."""
-
-    def __init__(self, ratio: float = 0.2, burst: float = 10.0) -> None:
-        self._ratio, self._burst, self._tokens = ratio, burst, burst
-
-    def earn(self) -> None:
-        self._tokens = min(self._burst, self._tokens + self._ratio)
-
-    def spend(self) -> bool:
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
-
-
-class _ClientWatch:
-    """Cancels the task that opens it when the client disconnects, until it is closed: a client that leaves
-    while its request is routed or waits for its first byte must not keep an engine computing for no one."""
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._task = asyncio.current_task()
-        self._left = self._closed = False
-        self._watcher: asyncio.Task[None] | None = None
-        self._starting: asyncio.TimerHandle | None = None
-
-    def __enter__(self) -> _ClientWatch:
-        # A timer, not a task, for the requests done within it (most of a fast fleet's): a task per request
-        # cost ~10% of the router's CPU per request; a client gone that early loses an engine little.
-        self._starting = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, self._start)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # No await between the work's end and here, so the watcher cannot cancel what has finished.
-        self._closed = True
-        if self._starting is not None:
-            self._starting.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
-
-    def _start(self) -> None:
-        if not self._closed:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
-
-    def client_left(self) -> bool:
-        """The cancellation came from here: undo its count on the task, which goes on to answer."""
-        if self._left and self._task is not None:
-            self._task.uncancel()
-        return self._left
-
-    async def _watch(self) -> None:
-        # The body has been read, so the server has nothing more to give but the disconnect.
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
-        if not self._closed and self._task is not None:
-            self._left = True
-            self._task.cancel()
 
 
 @dataclass(eq=False)
@@ -172,62 +112,6 @@ class _Routed:
     @property
     def instance(self) -> Instance:
         return self.decision.instance
-
-
-class _RelayResponse(StreamingResponse):
-    """A stream whose cleanup runs however it ends: completed, client gone, or never started. A client that
-    takes nothing for send_timeout_s is cut off: it would hold its admission slot, its instance's place and
-    the engine's request for as long as it likes."""
-
-    def __init__(
-        self, relay: AsyncGenerator[bytes, None], finish: Callable[[], None], status: int,
-        headers: dict[str, str], media_type: str, send_timeout_s: float, stalled: Callable[[], None],
-    ) -> None:  # fmt: skip
-        super().__init__(relay, status, headers=headers, media_type=media_type)
-        self._relay, self._finish = relay, finish
-        self._send_timeout_s, self._stalled = send_timeout_s, stalled
-
-    async def stream_response(self, send: Send) -> None:
-        # One watchdog a stream, looking every send_timeout_s, not a timer a chunk: a long answer sends
-        # thousands of chunks, and a timer each cost more CPU than the routing decision.
-        loop, limit = asyncio.get_running_loop(), self._send_timeout_s
-        sending_since: float | None = None
-        watchdog: asyncio.TimerHandle | None = None
-
-        async def send_watched(message: Message) -> None:
-            nonlocal sending_since
-            sending_since = loop.time()
-            await send(message)
-            sending_since = None
-
-        try:
-            async with asyncio.timeout(None) as guard:
-
-                def look() -> None:
-                    nonlocal watchdog
-                    now = loop.time()
-                    if sending_since is not None and now - sending_since >= limit:
-                        guard.reschedule(now)  # the send waiting for the client is cancelled
-                    else:
-                        waited = 0.0 if sending_since is None else now - sending_since
-                        watchdog = loop.call_later(limit - waited, look)
-
-                watchdog = loop.call_later(limit, look)
-                try:
-                    await super().stream_response(send_watched)
-                finally:
-                    watchdog.cancel()
-        except TimeoutError:
-            # Returning unfinished makes the server close the connection, and the relay's end aborts the
-            # engine's request.
-            self._stalled()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._relay.aclose()
-            self._finish()
 
 
 class Proxy:
@@ -311,7 +195,7 @@ class Proxy:
             raise body_timeout(self._body_timeout_s) from None
         # From here until the answer begins, a client that leaves cancels the work: waiting for a slot (an
         # overloaded router's clients time out), routing, or waiting for the engine.
-        with _ClientWatch(request.receive) as watch:
+        with ClientWatch(request.receive) as watch:
             try:
                 await self._admission.enter()
             except Overloaded as exc:
@@ -359,7 +243,7 @@ class Proxy:
         if "x-request-id" not in debug and (request_id := request.headers.get("x-request-id")) is not None:
             debug["x-request-id"] = request_id  # vLLM echoes it only with --enable-request-id-headers
         if content_type.startswith("text/event-stream"):
-            return _RelayResponse(
+            return RelayResponse(
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug,
                 content_type, self._send_timeout_s, lambda: self._stalled(routed),
             )  # fmt: skip

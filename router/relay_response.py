@@ -1,0 +1,66 @@
+"""The response that relays a stream to its client: cleaned up however it ends, and cut off when the client
+takes nothing for too long."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
+
+
+class RelayResponse(StreamingResponse):
+    """A stream whose cleanup runs however it ends: completed, client gone, or never started. A client that
+    takes nothing for send_timeout_s is cut off: it would hold its admission slot, its instance's place and
+    the engine's request for as long as it likes."""
+
+    def __init__(
+        self, relay: AsyncGenerator[bytes, None], finish: Callable[[], None], status: int,
+        headers: dict[str, str], media_type: str, send_timeout_s: float, stalled: Callable[[], None],
+    ) -> None:  # fmt: skip
+        super().__init__(relay, status, headers=headers, media_type=media_type)
+        self._relay, self._finish = relay, finish
+        self._send_timeout_s, self._stalled = send_timeout_s, stalled
+
+    async def stream_response(self, send: Send) -> None:
+        # One watchdog a stream, looking every send_timeout_s, not a timer a chunk: a long answer sends
+        # thousands of chunks, and a timer each cost more CPU than the routing decision.
+        loop, limit = asyncio.get_running_loop(), self._send_timeout_s
+        sending_since: float | None = None
+        watchdog: asyncio.TimerHandle | None = None
+
+        async def send_watched(message: Message) -> None:
+            nonlocal sending_since
+            sending_since = loop.time()
+            await send(message)
+            sending_since = None
+
+        try:
+            async with asyncio.timeout(None) as guard:
+
+                def look() -> None:
+                    nonlocal watchdog
+                    now = loop.time()
+                    if sending_since is not None and now - sending_since >= limit:
+                        guard.reschedule(now)  # the send waiting for the client is cancelled
+                    else:
+                        waited = 0.0 if sending_since is None else now - sending_since
+                        watchdog = loop.call_later(limit - waited, look)
+
+                watchdog = loop.call_later(limit, look)
+                try:
+                    await super().stream_response(send_watched)
+                finally:
+                    watchdog.cancel()
+        except TimeoutError:
+            # Returning unfinished makes the server close the connection, and the relay's end aborts the
+            # engine's request.
+            self._stalled()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.aclose()
+            self._finish()
