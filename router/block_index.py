@@ -161,6 +161,7 @@ class BlockIndex:
         # Constraining groups' events, applied once the batch's full-attention blocks are in: a group's block
         # takes the kvroute hash of the full-attention block at its position, which may come later.
         grouped: list[BlockStored | BlockRemoved] = []
+        hybrid: bool | None = None  # learnt once a batch, when a constraining group's store comes
         for event in events:
             if not isinstance(event, AllBlocksCleared) and event.medium not in _GPU_MEDIA:
                 past_gpu = True
@@ -168,13 +169,16 @@ class BlockIndex:
                 if not event.block_hashes:
                     continue
                 kind = event.kv_cache_spec_kind
-                if kind in CONSTRAINING_KINDS and event.medium in _GPU_MEDIA and self._hybrid(state, events):
-                    if event.block_size != self.block_size:  # its blocks cannot be set beside the index's
+                if kind in CONSTRAINING_KINDS and event.medium in _GPU_MEDIA:
+                    hybrid = self._hybrid(state, events) if hybrid is None else hybrid
+                    if hybrid and event.block_size != self.block_size:  # not to be set beside the index's
                         self.stats.mismatched += 1
                         continue
-                    self._groups.declare(state.bit, event.group_idx, kind, event.kv_cache_spec_sliding_window)
-                    grouped.append(event)
-                    continue
+                    if hybrid:
+                        window = event.kv_cache_spec_sliding_window
+                        self._groups.declare(state.bit, event.group_idx, kind, window)
+                        grouped.append(event)
+                        continue
                 tier = self._tier(event.medium)
                 if tier is Tier.POOL:
                     self._store_pooled(state, pool, event)

@@ -21,6 +21,9 @@ WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 STATE_KINDS = frozenset({"mamba"})
 CONSTRAINING_KINDS = WINDOW_KINDS | STATE_KINDS
 
+_COPY_BITS = 16
+_COPIES = (1 << _COPY_BITS) - 1
+
 
 class _Group:
     """One group of one owner: its blocks, and how many contiguous ones must end a hit."""
@@ -29,8 +32,16 @@ class _Group:
 
     def __init__(self, ending_blocks: int) -> None:
         self.ending_blocks = ending_blocks
-        self.keys: dict[int, int] = {}  # vLLM key -> kvroute hash, for BlockRemoved
+        self.keys: dict[int, int] = {}  # vLLM key -> kvroute hash << 16 | copies, for BlockRemoved
         self.held: dict[int, int] = {}  # kvroute hash -> how many of the group's keys hold it
+
+    def drop(self, key: int) -> None:
+        block = self.keys.pop(key) >> _COPY_BITS
+        count = self.held[block] - 1
+        if count:
+            self.held[block] = count
+        else:
+            del self.held[block]
 
     def longest(self, chain: Sequence[int], end: int, pending: Mapping[int, int], bit: int) -> int:
         """The longest hit of at most end blocks this group allows: as vLLM searches, from the right, for
@@ -94,27 +105,29 @@ class GroupConstraints:
         group = self._owners[bit][group_idx]
         keys, held = group.keys, group.held
         for key, block in blocks:
-            if key in keys:
-                continue  # stored again (vLLM announces a block once per physical copy): one key, one entry
-            keys[key] = block
+            packed = keys.get(key)
+            if packed is not None:  # another physical copy (vLLM announces and removes each one)
+                keys[key] = packed + 1 if packed & _COPIES != _COPIES else packed
+                continue
+            keys[key] = (block << _COPY_BITS) + 1
             held[block] = held.get(block, 0) + 1
         if len(keys) > self.max_entries:  # a publisher that never removes: the oldest go, as in the index
-            self.remove(bit, group_idx, list(itertools.islice(keys, len(keys) - self.max_entries)))
+            for key in list(itertools.islice(keys, len(keys) - self.max_entries)):
+                group.drop(key)
 
     def remove(self, bit: int, group_idx: int | None, vllm_keys: Iterable[int]) -> None:
         group = self._owners.get(bit, {}).get(group_idx)
         if group is None:
             return
-        keys, held = group.keys, group.held
+        keys = group.keys
         for key in vllm_keys:
-            block = keys.pop(key, None)
-            if block is None:
+            packed = keys.get(key)
+            if packed is None:
                 continue
-            count = held[block] - 1
-            if count:
-                held[block] = count
+            if packed & _COPIES > 1:
+                keys[key] = packed - 1
             else:
-                del held[block]
+                group.drop(key)
 
     def clear(self, bit: int) -> None:
         """The owner's GPU cache was reset, or its engine restarted: its groups keep their kinds only."""

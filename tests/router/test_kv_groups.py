@@ -157,3 +157,12 @@ def test_the_hit_is_looked_for_within_the_reusable_blocks() -> None:
     index.apply(A, [full(0, 10), *mamba(3, 9)])
     assert index.match(prompt()) == {"a": TierMatch(gpu=10)}
     assert index.match(prompt(), reusable=9) == {"a": TierMatch(gpu=4)}
+
+
+def test_a_group_block_held_in_two_copies_stays_until_both_are_removed() -> None:
+    index = BlockIndex(BS)
+    index.apply(A, [full(0, 4), *mamba(3), *mamba(3)])  # two physical copies of one state
+    index.apply(A, [group_removed(3)])
+    assert index.match(prompt()) == {"a": TierMatch(gpu=4)}
+    index.apply(A, [group_removed(3)])
+    assert index.match(prompt()) == {}
