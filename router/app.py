@@ -134,6 +134,8 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 "on" if admin_token(config.admin) is not None else "off (no admin.token)",
             )
             admission = config.admission
+            slots = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
+            metrics.admission_waiting.set_function(lambda: slots.waiting)
             app.state.proxy = Proxy(
                 fleet,
                 policies,
@@ -145,7 +147,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
                 metrics,
                 config.upstream,
                 config.tokenization.max_body_bytes,
-                Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s),
+                slots,
                 # One connection per request in flight: a request never waits for a pooled one.
                 min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
                 admission.memory_hold_s,

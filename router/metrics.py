@@ -159,6 +159,10 @@ class RouterMetrics:
             Gauge("kvroute_instance_in_flight", "Requests in flight through this router",
                   ["vllm_instance"], registry=r)
         )  # fmt: skip
+        self.admission_waiting = Gauge(
+            "kvroute_admission_waiting", "Requests waiting for an admission slot: the router's own queue",
+            registry=r,
+        )  # fmt: skip
         self.healthy = Family(
             Gauge("kvroute_instance_healthy", "1 when the instance passes health checks",
                   ["vllm_instance"], registry=r)

@@ -90,6 +90,7 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
         ("kvroute_prompt_tokens", {"policy"}),
         ("kvroute_session_turns", {"policy", "placement"}),
         ("kvroute_index_bytes", set()),
+        ("kvroute_admission_waiting", set()),
         ("kvroute_index_pool_blocks", set()),
     ],
 )

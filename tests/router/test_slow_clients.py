@@ -85,8 +85,8 @@ def test_a_client_that_leaves_while_queued_is_never_sent_upstream(tmp_path: Path
             holder = _request(_port(url), "first", stream=False)
             _wait_for(lambda: received == ["first"])
             queued = _request(_port(url), "queued", stream=False)
-            time.sleep(0.5)  # its body read, it waits for the slot (closed sooner, it is never sent either)
-            queued.close()
+            _wait_for(lambda: metric(url, "kvroute_admission_waiting") == 1)
+            queued.close()  # gone while waiting for the slot
             _wait_for(lambda: (sample(url, "kvroute_client_errors_total", code="client_closed") or 0) == 1)
             release.set()
             assert holder.recv(4096).startswith(b"HTTP/1.1 200")
