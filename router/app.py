@@ -255,6 +255,7 @@ def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
         cards = [
             {"id": name, "object": "model", "created": started, "owned_by": "kvroute"}
             | ({"parent": bases[name]} if bases.get(name) else {})  # an adapter's base, as vLLM lists it
+            | ({"max_model_len": length} if (length := fleet.max_model_len(name)) is not None else {})
             for name in fleet.served_models()
         ]
         return JSONResponse({"object": "list", "data": cards})

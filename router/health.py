@@ -11,6 +11,7 @@ import logging
 import time
 
 import aiohttp
+import msgspec
 
 from router.config import HealthConfig
 from router.instances import Fleet, Instance
@@ -19,6 +20,15 @@ from router.metrics import RouterMetrics
 log = logging.getLogger(__name__)
 
 DOWN_PROBE_INTERVAL_S = 0.5
+
+
+class _ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
 
 
 class HealthChecker:
@@ -44,10 +54,13 @@ class HealthChecker:
                 ok = response.status == 200
         except (TimeoutError, aiohttp.ClientError):
             ok = False
+        first = not instance.checked
         instance.checked = True
         if ok:
             if not instance.healthy:
                 log.info("instance %s is healthy again", instance.name)
+            if first or not instance.healthy:  # a new engine, or one back: it may serve other lengths now
+                await self._read_model_cards(instance)
             instance.healthy, instance.failed_checks = True, 0
         else:
             instance.failed_checks += 1
@@ -55,6 +68,18 @@ class HealthChecker:
                 log.warning("instance %s failed %d health checks", instance.name, instance.failed_checks)
                 instance.healthy = False
         self._schedule(instance)
+
+    async def _read_model_cards(self, instance: Instance) -> None:
+        """Its models' max_model_len, which /v1/models passes on (clients size their prompts by it)."""
+        try:
+            async with self._session.get(
+                instance.url + "/v1/models", headers=instance.headers, timeout=self._timeout
+            ) as response:
+                cards = msgspec.json.decode(await response.read(), type=_ModelList).data
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.debug("no model cards from %s: %r", instance.name, exc)
+            return
+        instance.max_model_len = {c.id: c.max_model_len for c in cards if c.max_model_len is not None}
 
     def mark_unreachable(self, instance: Instance) -> None:
         """Passive check: a request could not reach it; route around it until a check passes."""

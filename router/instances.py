@@ -30,6 +30,7 @@ class Instance:
     peers: PeerLoad = NO_PEER_LOAD  # the same of other routers in front of the fleet (router/peer_load.py)
     load: EngineLoad | None = None
     kv_capacity_tokens: int | None = None  # from the engine's vllm:cache_config_info once scraped
+    max_model_len: dict[str, int] = field(default_factory=dict)  # by model, from its /v1/models once healthy
     failed_checks: int = 0
     ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -182,6 +183,12 @@ class Fleet:
 
     def served_models(self) -> list[str]:
         return [m for m in self.models if self._by_model[m]]
+
+    def max_model_len(self, model: str) -> int | None:
+        """The longest context every instance of model that told it takes: a client sizing its prompts by it
+        fits wherever it is routed."""
+        lengths = [i.max_model_len[model] for i in self._by_model.get(model, ()) if model in i.max_model_len]
+        return min(lengths) if lengths else None
 
     def unavailable_models(self) -> list[str]:
         """Models configured with instances of which none is healthy: their requests get 503s."""

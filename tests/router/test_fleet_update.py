@@ -57,3 +57,13 @@ def test_a_model_whose_instances_are_all_down_is_unavailable_while_the_others_se
     assert fleet.unavailable_models() == []  # c still serves n
     by_name["a"].healthy = False
     assert fleet.unavailable_models() == ["m"]
+
+
+def test_a_models_context_length_is_the_least_its_instances_take() -> None:
+    fleet = Fleet(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
+        {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
+        {"name": "b", "url": "http://127.0.0.1:9002", "models": ["m", "n"]}]}))  # fmt: skip
+    assert fleet.max_model_len("m") is None  # no instance has said yet
+    a, b = fleet.instances
+    a.max_model_len, b.max_model_len = {"m": 32768}, {"m": 8192, "n": 4096}
+    assert (fleet.max_model_len("m"), fleet.max_model_len("n")) == (8192, 4096)

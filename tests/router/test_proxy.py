@@ -114,8 +114,11 @@ def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances
     assert rates != pytest.approx(TTFTPriors().rates().tolist())
 
 
-def test_models_lists_the_fleets_models(client: openai.OpenAI) -> None:
+def test_models_lists_the_fleets_models(client: openai.OpenAI, router_url: str) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
+    # As vLLM's own card says it (the instances' least, read when they came up): clients size prompts by it.
+    (card,) = get_json(router_url + "/v1/models")["data"]
+    assert card["max_model_len"] == 32768
 
 
 def test_health_reports_healthy_instances(router_url: str) -> None:
