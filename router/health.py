@@ -59,9 +59,10 @@ class HealthChecker:
         if ok:
             if not instance.healthy:
                 log.info("instance %s is healthy again", instance.name)
-            if first or not instance.healthy:  # a new engine, or one back: it may serve other lengths now
-                await self._read_model_cards(instance)
+            came_up = first or not instance.healthy  # a new engine, or one back: it may take other lengths
             instance.healthy, instance.failed_checks = True, 0
+            if came_up:  # after it takes requests again: a slow answer here must not hold them back
+                await self._read_model_cards(instance)
         else:
             instance.failed_checks += 1
             if instance.healthy and instance.failed_checks >= self._config.unhealthy_after:
