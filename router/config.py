@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router import strict_yaml
-from router.key_suggestions import close_key
+from router.key_suggestions import suggested
 from router.traffic import TrafficSplit
 from scorers.base import Registration
 from scorers.registry import PICKERS, SCORERS, validate_params
@@ -684,8 +684,6 @@ def format_errors(exc: ValidationError, model: type[BaseModel]) -> str:
     lines = []
     for error in exc.errors(include_url=False):
         path = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden" and (meant := close_key(model, error["loc"])) is not None:
-            message += f" (did you mean {meant}?)"
+        message = suggested(error["msg"].removeprefix("Value error, "), model, error)
         lines.append(f"  {path}: {message}" if path else f"  {message}")
     return "\n".join(lines)

@@ -9,6 +9,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
+from pydantic_core import ErrorDetails
+
+
+def suggested(message: str, model: type[BaseModel], error: ErrorDetails) -> str:
+    """message about error (from validating model), with the key meant when it is an unknown key close to
+    one its place takes."""
+    if error["type"] == "extra_forbidden" and (meant := close_key(model, error["loc"])) is not None:
+        return f"{message} (did you mean {meant}?)"
+    return message
 
 
 def close_key(model: type[BaseModel], loc: Sequence[int | str]) -> str | None:

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from router import pickers
-from router.key_suggestions import close_key
+from router.key_suggestions import suggested
 from scorers import (
     inflight_load,
     kv_usage,
@@ -42,10 +42,8 @@ def validate_params(model: type[Params], raw: dict[str, Any]) -> None:
     try:
         model.model_validate(raw)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            problem = f"params.{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
-            if error["type"] == "extra_forbidden" and (meant := close_key(model, error["loc"])) is not None:
-                problem += f" (did you mean {meant}?)"
-            problems.append(problem)
+        problems = [
+            suggested(f"params.{'.'.join(str(p) for p in error['loc'])}: {error['msg']}", model, error)
+            for error in exc.errors()
+        ]
         raise ValueError("; ".join(problems)) from None
