@@ -46,7 +46,9 @@ class OpenAIFastPath:
         except OpenAIError as error:
             self._rejected(error)
             response = error.response()
-            # The client's id on the router's own errors too, so that its logs can find them.
-            if (request_id := Headers(scope=scope).get("x-request-id")) is not None:
-                response.headers["x-request-id"] = request_id
+        # The client's id on every answer, the router's own errors too, so that its logs can find them (the
+        # engine's own echo, with vLLM's --enable-request-id-headers, is passed on as it is).
+        request_id = Headers(scope=scope).get("x-request-id")
+        if request_id is not None and "x-request-id" not in response.headers:
+            response.headers["x-request-id"] = request_id
         await response(scope, receive, send)

@@ -198,6 +198,11 @@ class Proxy:
         with ClientWatch(request.receive) as watch:
             try:
                 await self._admission.enter()
+                try:
+                    routed = await self._route(request, path, kind, raw)
+                except BaseException:
+                    self._admission.leave()
+                    raise
             except Overloaded as exc:
                 self._metrics.rejected(str(exc)).inc()
                 message = "The router is at capacity; retry later."
@@ -205,33 +210,12 @@ class Proxy:
             except asyncio.CancelledError:
                 if not watch.client_left():
                     raise
-                raise client_closed() from None
-            try:
-                body = decode_body(raw, kind, self._fleet.only_model())
-                if not self._fleet.serves(body.model):
-                    raise model_not_found(body.model)
-                session = request.headers.get(self.traffic_config.session_header) or body.user
-                policy = self._policy(request, session)
-                tokenize = len(raw) <= self._max_tokenized_bytes
-                raw = without_full_kv_report(raw, body.vllm_xargs)
-                # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
-                headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-                try:
-                    off_loop = len(raw) > self._thread_above_bytes
-                    prepared = await self._router.prepare(body, session, tokenize, off_loop)
-                    routed = await self._send(prepared, policy, path, raw, headers, bool(body.stream))
-                except asyncio.CancelledError:
-                    if not watch.client_left():
-                        raise
-                    raise client_closed() from None  # counted with the client errors
-            except BaseException:
-                self._admission.leave()
-                raise
+                raise client_closed() from None  # counted with the client errors
         content_type = routed.upstream.headers.get("content-type", "application/json")
         decision = routed.decision
         debug = {
             INSTANCE_HEADER: routed.instance.name,
-            POLICY_HEADER: policy.name,
+            POLICY_HEADER: routed.policy.name,
             CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
             PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
             PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
@@ -240,8 +224,6 @@ class Proxy:
         for name in _RETURNED_HEADERS:
             if (value := routed.upstream.headers.get(name)) is not None:
                 debug[name] = value
-        if "x-request-id" not in debug and (request_id := request.headers.get("x-request-id")) is not None:
-            debug["x-request-id"] = request_id  # vLLM echoes it only with --enable-request-id-headers
         if content_type.startswith("text/event-stream"):
             return RelayResponse(
                 self._relay(routed), lambda: self._finish(routed), routed.upstream.status, debug,
@@ -266,6 +248,21 @@ class Proxy:
             routed.completed = True  # whole in hand, even if a stream was asked for and not given
             self._finish(routed)
         return Response(payload, routed.upstream.status, headers=debug, media_type=content_type)
+
+    async def _route(self, request: Request, path: str, kind: type[Body], raw: bytes) -> _Routed:
+        """Decode, route and send a request that holds a slot, up to its answer's first bytes."""
+        body = decode_body(raw, kind, self._fleet.only_model())
+        if not self._fleet.serves(body.model):
+            raise model_not_found(body.model)
+        session = request.headers.get(self.traffic_config.session_header) or body.user
+        policy = self._policy(request, session)
+        tokenize = len(raw) <= self._max_tokenized_bytes
+        raw = without_full_kv_report(raw, body.vllm_xargs)
+        # Only these reach the engine: the client's credentials and hop-by-hop headers never do.
+        headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        off_loop = len(raw) > self._thread_above_bytes
+        prepared = await self._router.prepare(body, session, tokenize, off_loop)
+        return await self._send(prepared, policy, path, raw, headers, bool(body.stream))
 
     def _policy(self, request: Request, session: str | None) -> Policy:
         header = self.traffic_config.force_header
