@@ -36,6 +36,10 @@ class FleetOptions:
     name_prefix: str = "fleet-"
     first_index: int = 0
     drop_events: float = 0.0  # share of event batches not published live (replay still has them)
+    # The ZMQ topic of every event frame, {instance} and {model} filled in. vLLM's default is empty, and
+    # vllm-router's kv_aware (0.1.17) drops every frame under any other; llm-d's indexer wants
+    # kv@{instance}@{model}.
+    events_topic: str = ""
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters every instance serves
     api_key: str | None = None  # what every instance requires on /v1, as vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # as vLLM's option
@@ -68,7 +72,8 @@ async def run_fleet(
                 publisher = EventPublisher(
                     f"tcp://{options.host}:{options.event_port + offset}",
                     f"tcp://{options.host}:{options.replay_port + offset}",
-                    topic=f"kv@{name}@{options.model_name}",  # vLLM's ranks share it
+                    # an instance's ranks share it
+                    topic=options.events_topic.format(instance=name, model=options.model_name),
                     encoding=options.event_encoding,
                     data_parallel_rank=rank,
                     drop_ratio=options.drop_events,

@@ -92,6 +92,7 @@ def _fleet(args: argparse.Namespace) -> int:
         name_prefix=args.name_prefix,
         first_index=args.first_index,
         drop_events=args.drop_events,
+        events_topic=args.kv_events_topic,
         lora_modules=tuple((name, path) for name, _, path in (m.partition("=") for m in args.lora_modules)),
         api_key=args.api_key,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
@@ -277,6 +278,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     fleet.add_argument("--name-prefix", default="fleet-", help="instance names: PREFIX0, PREFIX1, ...")
     fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")
+    fleet.add_argument(
+        "--kv-events-topic", default="",
+        help="ZMQ topic of the KV event frames, {instance} and {model} filled in; default: empty, as vLLM's "
+             "(vllm-router's kv_aware reads no other); llm-d's indexer expects kv@{instance}@{model}",
+    )  # fmt: skip
     fleet.add_argument(
         "--drop-events", type=float, default=0.0,
         help="share of KV event batches not published live (replay still has them), to test gap handling",

@@ -75,7 +75,12 @@ class KVEventsSection(_Strict):
         description="where the PUB socket binds; vLLM binds only when the endpoint has '*' or '::' "
         "(and connects otherwise), so loopback-only is the IPv4-mapped [::ffff:127.0.0.1]",
     )
-    topic: str = Field(default="kv@{instance}@{model}", description="{instance} and {model} are filled in")
+    topic: str = Field(
+        default="",
+        description="the ZMQ topic of every event frame, {instance} and {model} filled in; empty is vLLM's "
+        "default and the only one vllm-router's kv_aware reads; llm-d's indexer expects "
+        "kv@{instance}@{model}",
+    )
 
     @field_validator("bind_host")
     @classmethod

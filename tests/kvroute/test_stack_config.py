@@ -74,14 +74,14 @@ def test_plan_derives_commands_files_and_router_config(tmp_path: Path, model_dir
             "http://127.0.0.1:40003",
             "tcp://127.0.0.1:40005",
             "tcp://127.0.0.1:40007",
-            "kv@vllm-0@tiny-llama",
+            "",
         ),
         (
             "vllm-1",
             "http://127.0.0.1:40004",
             "tcp://127.0.0.1:40006",
             "tcp://127.0.0.1:40008",
-            "kv@vllm-1@tiny-llama",
+            "",
         ),
     ]
     argv = plan.vllm_argv(1)
@@ -90,7 +90,7 @@ def test_plan_derives_commands_files_and_router_config(tmp_path: Path, model_dir
     assert (flag["--host"], flag["--port"], flag["--block-size"]) == ("127.0.0.1", "40004", "32")
     assert json.loads(flag["--kv-events-config"]) == {
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://[::ffff:127.0.0.1]:40006",
-        "replay_endpoint": "tcp://127.0.0.1:40008", "topic": "kv@vllm-1@tiny-llama",
+        "replay_endpoint": "tcp://127.0.0.1:40008", "topic": "",
     }  # fmt: skip
     assert json.loads(flag["--kv-transfer-config"]) == {
         "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -110,6 +110,15 @@ def test_plan_derives_commands_files_and_router_config(tmp_path: Path, model_dir
     assert [(i.name, i.url, i.events, i.replay) for i in router.instances] == [
         (i.name, i.url, i.events, i.replay) for i in plan.instances
     ]
+
+
+def test_a_templated_event_topic_is_filled_per_instance(tmp_path: Path, model_dir: Path) -> None:
+    raw = cpu_raw()
+    raw["vllm"]["kv_events"]["topic"] = "kv@{instance}@{model}"  # llm-d's convention
+    plan = StackPlan(parse_stack_config(raw), tmp_path / "run", base_dir=tmp_path)
+    assert [i.topic for i in plan.instances] == ["kv@vllm-0@tiny-llama", "kv@vllm-1@tiny-llama"]
+    argv = plan.vllm_argv(1)
+    assert json.loads(argv[argv.index("--kv-events-config") + 1])["topic"] == "kv@vllm-1@tiny-llama"
 
 
 def test_the_connectors_cache_prefix_reaches_the_router_config(tmp_path: Path, model_dir: Path) -> None:
