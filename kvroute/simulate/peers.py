@@ -7,6 +7,7 @@ fed by KV events (kvroute's BlockIndex, which holds the same facts as theirs), n
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import zlib
 from collections.abc import Sequence
@@ -70,6 +71,8 @@ class SGLangCacheAware(SimPolicy):
     cache_threshold (0.3) of the prompt, else the least loaded. The chosen worker's tree gets the prompt.
     The tree is over tokens (as vllm-router 0.1.17 keys it; SGLang's over characters), kept per block of
     16 tokens by its chained hash, which names the whole prefix up to it just as a path in a radix tree does.
+    Workers tied at the longest match are drawn at random; vllm-router 0.1.17 takes the least loaded of them
+    instead, and its tree holds 2^25 characters of hex-encoded tokens (about 4M tokens).
     """
 
     name = "sglang-cache-aware"
@@ -187,9 +190,6 @@ class DynamoCost(SimPolicy):
 
     name = "dynamo"
     credits = (1.0, 0.75, 0.25)
-    speculate = False
-    least_loaded_on_miss = False
-    assume_kv_reuse = True
 
     def __init__(self, prefill_load_scale: float = 1.0, seed: int = 0) -> None:
         self._scale = prefill_load_scale
@@ -197,7 +197,7 @@ class DynamoCost(SimPolicy):
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)
-        self._active = ActiveWork(len(view.instances), self.assume_kv_reuse)
+        self._active = ActiveWork(len(view.instances), assume_kv_reuse=True)
 
     def route(self, request: SimRequest) -> int:
         view, active, size = self.view, self._active, self.view.block_size
@@ -205,21 +205,15 @@ class DynamoCost(SimPolicy):
         matches = view.matches(chain)
         prompt_blocks = -(-request.trace.input_tokens // size)
         gpu, cpu, pool = self.credits
-        if self.least_loaded_on_miss and not any(m.gpu + m.cpu + m.pool for m in matches.values()):
-            chosen = _least_loaded([i.in_flight for i in view.instances], self._rng)
-        else:
-            costs = []
-            for number, instance in enumerate(view.instances):
-                match = matches.get(instance.name, NO_MATCH)
-                credit = gpu * match.gpu + cpu * match.cpu + pool * match.pool
-                prefill = active.prefill_tokens[number] / size + prompt_blocks - credit
-                decode = active.decode_blocks(number, chain, prompt_blocks)
-                costs.append(self._scale * max(prefill, 0.0) + decode)
-            chosen = _least_loaded(costs, self._rng)
+        costs = []
+        for number, instance in enumerate(view.instances):
+            match = matches.get(instance.name, NO_MATCH)
+            credit = gpu * match.gpu + cpu * match.cpu + pool * match.pool
+            prefill = active.prefill_tokens[number] / size + prompt_blocks - credit
+            decode = active.decode_blocks(number, chain, prompt_blocks)
+            costs.append(self._scale * max(prefill, 0.0) + decode)
+        chosen = _least_loaded(costs, self._rng)
         match = matches.get(view.instances[chosen].name, NO_MATCH)
-        held = match.gpu + match.cpu + match.pool
-        if self.speculate and len(chain) > held:
-            view.index.speculate(view.instances[chosen].name, chain, start=held)
         request.uncached_estimate = max(request.trace.input_tokens - match.gpu * size, 0)
         active.prefill_tokens[chosen] += request.uncached_estimate
         active.add(chosen, chain, prompt_blocks)
@@ -237,15 +231,49 @@ class DynamoCost(SimPolicy):
         self.finished(request)
 
 
-class VllmRouterKvAware(DynamoCost):
-    """vllm-router `kv_aware`: an exact index from the engines' KV events, longest contiguous prefix,
-    speculative entries (TTL 2 s) for the blocks just routed, the least loaded worker when no worker holds
-    any block, otherwise Dynamo's cost with tier credits GPU 1.0, host 0.8, external (the pool) 0.6,
-    temperature 0. The real 0.1.17 found no blocks in our live runs (shared/reference/measurements.md);
-    this is the algorithm as published, working."""
+class VllmRouterKvAware(SimPolicy):
+    """vllm-router `kv_aware` as its 0.1.17 source has it (the binary the live benchmark runs): the lowest
+
+        cost = (new prefill tokens + active prefill tokens) x (requests in flight + 1)
+
+    first worker on ties (temperature 0). New prefill tokens are the prompt's length less its credited
+    prefix: the worker's GPU prefix from block 0, at most the blocks before the last prompt token, then one
+    run of host blocks at 0.8, the whole capped at the prompt's length - 1. Active prefill tokens are its
+    own count of the new tokens it routed there that have not reached their first token. No speculative
+    entries, no other rule on a miss.
+
+    Shared-pool blocks count in 0.1.17 only for the worker whose connector announced them (as host or
+    external), which the simulation's index does not record: the pool credits nobody here. Earlier versions
+    of this class followed shared/reference/peers.md (Dynamo's cost, speculation, least loaded on a miss),
+    which the 0.1.17 source contradicts.
+    """
 
     name = "vllm-router-kv-aware"
-    credits = (1.0, 0.8, 0.6)
-    speculate = True
-    least_loaded_on_miss = True
-    assume_kv_reuse = False  # its load bookkeeping is not published; each request's blocks count
+    host_credit = 0.8
+
+    def bind(self, view: RouterView) -> None:
+        super().bind(view)
+        self._active_prefill = [0] * len(view.instances)
+
+    def route(self, request: SimRequest) -> int:
+        view, size = self.view, self.view.block_size
+        length = request.trace.input_tokens
+        matches = view.matches(request.chain.tolist(), include_pool=False)
+        new_tokens, costs = [], []
+        for number, instance in enumerate(view.instances):
+            match = matches.get(instance.name, NO_MATCH)
+            device = min(match.gpu, max(length - 1, 0) // size)
+            credit = min((device + self.host_credit * match.cpu) * size, max(length - 1, 0))
+            new = math.ceil(length - credit)
+            new_tokens.append(new)
+            costs.append((new + self._active_prefill[number]) * (instance.in_flight + 1))
+        chosen = costs.index(min(costs))
+        request.uncached_estimate = new_tokens[chosen]
+        self._active_prefill[chosen] += new_tokens[chosen]
+        return chosen
+
+    def first_token(self, request: SimRequest) -> None:
+        self._active_prefill[request.instance] -= request.uncached_estimate
+
+    def refused(self, request: SimRequest) -> None:
+        self.first_token(request)

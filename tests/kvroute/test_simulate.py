@@ -22,7 +22,7 @@ from kvroute.simulate.hardware import (
     PoolSpec,
 )
 from kvroute.simulate.kv_cache import KVCache
-from kvroute.simulate.peers import ActiveWork
+from kvroute.simulate.peers import ActiveWork, VllmRouterKvAware
 from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import POLICIES
@@ -322,6 +322,33 @@ def test_dynamos_decode_blocks_count_a_shared_prefix_once_on_a_worker() -> None:
     assert reuse.blocks[0] == 5  # the shared blocks stay with the second request
     reuse.remove(0, second, 5)
     assert reuse.blocks == [0, 0]
+
+
+class _RecordedKvAware(VllmRouterKvAware):
+    def __init__(self) -> None:
+        self.chosen: list[int] = []
+
+    def route(self, request: SimRequest) -> int:
+        self.chosen.append(super().route(request))
+        return self.chosen[-1]
+
+
+def test_vllm_router_kv_aware_multiplies_new_prefill_by_requests_in_flight() -> None:
+    """0.1.17's cost, (new prefill tokens + its active prefill tokens) x (requests in flight + 1), the first
+    worker on ties: a cached worker keeps its sessions though busy, and a new prefix goes where none are."""
+    blocks = TraceBlocks(
+        _trace(
+            (0, 320, tuple(range(1, 11))),  # both idle and empty: a tie, the first worker
+            (30, 330, tuple(range(1, 12))),  # 320 of its tokens cached on sim-0: 10 new there, 330 on sim-1
+            (30, 330, tuple(range(50, 61))),  # sim-0: (330 + 10) x 2 = 680; sim-1: 330 x 1
+            (30, 330, tuple(range(1, 12))),  # sim-0: (10 + 10) x 2 = 40; sim-1: (330 + 330) x 2 = 1,320
+        ),
+        16,
+    )
+    policy = _RecordedKvAware()
+    result = simulate(blocks, _fleet(2, pool=False), policy, ideal_hit_rate=0.0)
+    assert result.completed == 4
+    assert policy.chosen == [0, 0, 1, 0]
 
 
 def test_kvroute_confirms_pool_credit_with_the_routers_own_confirmer() -> None:
