@@ -258,12 +258,13 @@ class VllmRouterKvAware(SimPolicy):
     def route(self, request: SimRequest) -> int:
         view, size = self.view, self.view.block_size
         length = request.trace.input_tokens
+        reusable = max(length - 1, 0)  # the last prompt token is always computed
         matches = view.matches(request.chain.tolist(), include_pool=False)
         new_tokens, costs = [], []
         for number, instance in enumerate(view.instances):
             match = matches.get(instance.name, NO_MATCH)
-            device = min(match.gpu, max(length - 1, 0) // size)
-            credit = min((device + self.host_credit * match.cpu) * size, max(length - 1, 0))
+            device = min(match.gpu, reusable // size)
+            credit = min((device + self.host_credit * match.cpu) * size, reusable)
             new = math.ceil(length - credit)
             new_tokens.append(new)
             costs.append((new + self._active_prefill[number]) * (instance.in_flight + 1))
