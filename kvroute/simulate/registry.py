@@ -88,6 +88,19 @@ def _with_context_load(
     return make
 
 
+def _in_flight_multiplied(fleet: FleetSpec) -> SimPolicy:
+    """kvroute's default with ttft-cost's in_flight_exponent at 1: each predicted TTFT x (requests in flight
+    + 1), vllm-router kv_aware's multiplier, for the median when KV memory is saturated."""
+    config = router_config(fleet)
+    scorers = [
+        ScorerSpec(type=spec.type, weight=spec.weight, params={**spec.params, "in_flight_exponent": 1.0})
+        if spec.type == "ttft-cost" else spec
+        for spec in config.policies["kvroute"].scorers
+    ]  # fmt: skip
+    config.policies["kvroute-in-flight-x"] = PolicyConfig(scorers=scorers)
+    return ConfiguredPolicy("kvroute-in-flight-x", config, "kvroute-in-flight-x")
+
+
 def _replicas(
     name: str, count: int, by_session: bool, share_s: float | None = None
 ) -> Callable[[FleetSpec], SimPolicy]:
@@ -106,6 +119,7 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "token-cost": _configured("token-cost", "token-cost", calibrate=False),
     "kvroute+kv-usage": _with_kv_usage,
     "kvroute+memory-hold": _with_memory_hold,
+    "kvroute-in-flight-x": _in_flight_multiplied,
     "kvroute+context-load": _with_context_load("kvroute+context-load", 0.3, 0.0),
     "kvroute+both-load": _with_context_load("kvroute+both-load", 0.3, 0.3),
     "kvroute+both-load-half": _with_context_load("kvroute+both-load-half", 0.15, 0.3),

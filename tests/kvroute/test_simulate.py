@@ -25,7 +25,7 @@ from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.peers import ActiveWork, VllmRouterKvAware
 from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
-from kvroute.simulate.registry import POLICIES
+from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
 from kvroute.simulate.run import RESULT_FIELDS, session_of, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
@@ -233,6 +233,16 @@ def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
         assert fields["rejected"] + fields["completed"] == 30
         assert len(fields["busy_per_instance_s"]) == 8 and fields["longest_session_s"] > 0, name
     assert (out / "simulate-policies.png").stat().st_size > 0
+
+
+def test_every_variant_of_kvroutes_configuration_runs(tmp_path: Path) -> None:
+    out = tmp_path / "variants"
+    code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "2", "--requests", "12",
+                 "--policies", ",".join(EXTRA_POLICIES), "--out", str(out)])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())["policies"]
+    assert set(results) == set(EXTRA_POLICIES)
+    assert all(fields["completed"] == 12 for fields in results.values())
 
 
 def test_attention_costs_are_the_hardwares_and_kvroutes_priors_follow(tmp_path: Path) -> None:

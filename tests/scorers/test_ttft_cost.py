@@ -205,3 +205,19 @@ def test_the_fastest_instance_wins_local_before_pool_before_cold_until_queues_ch
     scores = scorer.score(request, busy)
     assert scores.index(1.0) == 1  # the pool copy beats queueing behind 4000 tokens
     assert 0 < scores[0] < scores[2] < 1  # and even recomputing everything does
+
+
+def test_an_in_flight_exponent_multiplies_each_cost_by_the_requests_there() -> None:
+    request = RoutingRequest("m", prompt_tokens=3200, prompt_blocks=100, block_size=32,
+                             matches={"cached": TierMatch(gpu=99)})  # fmt: skip
+    crowded, quiet = Fake("cached", in_flight=9), Fake("cold", in_flight=0)
+    plain = TTFTCostScorer(TTFTCostParams())
+    seconds = plain.predict(request, [crowded, quiet])
+    assert plain.score(request, [crowded, quiet])[0] == 1.0  # the cached prefix wins on time alone
+    multiplied = TTFTCostScorer(TTFTCostParams(in_flight_exponent=1.0))
+    scores = multiplied.score(request, [crowded, quiet])
+    assert scores[1] == 1.0  # 10 x its time costs more than the cold one's x 1
+    assert scores[0] == pytest.approx((seconds[1] + 0.05) / ((seconds[0] + 0.05) * 10))
+    halved = TTFTCostScorer(TTFTCostParams(in_flight_exponent=0.5)).score(request, [crowded, quiet])
+    assert halved[0] == 1.0  # x 3.2 is not enough to leave the cached prefix, but the gap narrows
+    assert plain.score(request, [crowded, quiet])[1] < halved[1] < 1.0
