@@ -55,9 +55,14 @@ def complete(
     return post(base + "/v1/completions", body, headers)
 
 
+METRICS_TIMEOUT_S = 30.0
+
+
 def metric(base: str, name: str, **labels: str) -> float:
     """The sum of the samples called name (counters end in _total) whose labels include labels."""
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+    # Generous: two engines, the master and the router share two cores, and one full run saw every
+    # process there stall for over 10 s at once (the router and an engine both late on /metrics)
+    with urllib.request.urlopen(base + "/metrics", timeout=METRICS_TIMEOUT_S) as response:
         text = response.read().decode()
     return sum(
         sample.value
