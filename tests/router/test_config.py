@@ -296,3 +296,10 @@ def test_the_readmes_configuration_reference_is_a_valid_configuration() -> None:
     config = parse_config(yaml.safe_load(block), source="README.md")
     assert config.traffic.split == {"round-robin": 10, "kvroute": 90}
     assert config.pool.master_url == "http://127.0.0.1:9003"
+
+
+@pytest.mark.parametrize("name", ["local-fleet.yaml", "ab-rollout.yaml"])
+def test_shipped_router_configs_load(name: str) -> None:
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+    assert config.default_policy in config.policies
+    assert set(config.traffic.split or {}) <= set(config.policies)
