@@ -7,9 +7,10 @@ speed. r, the resolution, keeps differences of a few milliseconds (below what pr
 from looking like factors of two, which would make a session-affinity scorer's hysteresis useless.
 
 With in_flight_exponent e > 0 each cost is (predicted + r) x (requests in flight + 1)^e before the ratio,
-vllm-router kv_aware's multiplier on kvroute's prediction. When KV memory is saturated it sends short
-prompts away from instances crowded with requests and lets long ones queue there: a lower median TTFT
-for a longer tail (docs/bench-simulate.md measures it). 0, the default, is the prediction alone.
+vllm-router kv_aware's multiplier on kvroute's prediction. When KV memory is saturated it sends long
+prompts to the instances with few requests in flight, which hold long contexts already, and keeps the rest
+clear for short ones: a lower median TTFT for a longer tail, the long prompts waiting there for memory
+(docs/bench-simulate.md measures it). 0, the default, is the prediction alone.
 """
 
 from __future__ import annotations
