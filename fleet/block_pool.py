@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import cbor2
 
-from router.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from router.index.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 MEDIUM = "GPU"
 

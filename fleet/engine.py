@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fleet.block_pool import Adapter, Block, BlockHasher, BlockPool, NoFreeBlocks
-from router.kv_events import KVEvent
+from router.index.events import KVEvent
 
 
 @dataclass(frozen=True, slots=True)

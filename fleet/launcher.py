@@ -12,9 +12,10 @@ from pathlib import Path
 from fleet.block_pool import Adapter, BlockHasher, BlockPool
 from fleet.engine import Engine, EngineTiming
 from fleet.publisher import EventPublisher
+from fleet.render import add_render_routes
 from fleet.sampling import printable_token_ids
 from fleet.server import SimInstance, serve
-from router.tokenization import PromptTokenizer
+from router.prompt.tokenization import PromptTokenizer
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ async def run_fleet(
                 api_key=options.api_key,
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
             )
-            await stack.enter_async_context(serve(instance, options.host, options.port + index))
+            port = options.port + index
+            await stack.enter_async_context(serve(instance, options.host, port, add_render_routes))
         print(
             f"fleet ready: {options.instances} instances, http {options.host}:{options.port}"
             f"-{options.port + options.instances - 1}, events from {options.event_port}, "

@@ -12,7 +12,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from router.kv_events import END_OF_REPLAY, EventEncoder, KVEvent, pack_seq
+from router.index.events import END_OF_REPLAY, EventEncoder, KVEvent, pack_seq
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ list of them (one per prompt). Routers that key on tokens without a tokenizer of
 ``cache_aware`` and ``kv_aware``) call these before every decision. Bodies are laid out as vLLM 0.32's
 ``GenerateRequest.model_dump()``; ``sampling_params`` omits defaults as its msgspec struct does.
 
-Imported by ``fleet.server.build_app``, whose request handling (validation, tokenization, errors) it reuses.
+Added by fleet/launcher.py to fleet/server.py's app, whose request handling (validation, tokenization,
+errors) it reuses.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from typing import Any
 from aiohttp import web
 
 from fleet.server import (
+    ClientError,
     SimInstance,
-    _ClientError,
-    _handler,
-    _json_response,
-    _max_tokens,
-    _validated_chat,
-    _validated_completion,
+    handler,
+    json_response,
+    max_tokens_for,
+    validated_chat,
+    validated_completion,
 )
 
 CHAT_PATH = "/v1/chat/completions/render"
@@ -33,23 +34,23 @@ _DEFAULT_MAX_TOKENS = 16  # SamplingParams' default, so omitted from the dump
 
 
 def add_render_routes(app: web.Application) -> None:
-    app.router.add_post(CHAT_PATH, _handler(_render_chat))
-    app.router.add_post(COMPLETION_PATH, _handler(_render_completion))
+    app.router.add_post(CHAT_PATH, handler(_render_chat))
+    app.router.add_post(COMPLETION_PATH, handler(_render_completion))
 
 
 async def _render_chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.Response:
-    ids = _validated_chat(instance, body)
+    ids = validated_chat(instance, body)
     request_id = "chatcmpl-" + _base_id(request, body)
-    return _json_response(_generate_request(instance, body, ids, request_id, chat=True, from_text=True))
+    return json_response(_generate_request(instance, body, ids, request_id, chat=True, from_text=True))
 
 
 async def _render_completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.Response:
-    ids, from_text = _validated_completion(instance, body)
+    ids, from_text = validated_completion(instance, body)
     request_id = "cmpl-" + _base_id(request, body)
     rendered = _generate_request(instance, body, ids, request_id, chat=False, from_text=from_text)
-    return _json_response([rendered])
+    return json_response([rendered])
 
 
 def _base_id(request: web.Request, body: dict[str, Any]) -> str:
@@ -62,8 +63,8 @@ def _generate_request(
     instance: SimInstance, body: dict[str, Any], ids: list[int], request_id: str, chat: bool, from_text: bool
 ) -> dict[str, Any]:
     if not ids:
-        raise _ClientError(400, "No token_ids rendered", "BadRequestError")
-    max_tokens = _max_tokens(instance.max_model_len, body, len(ids), chat, from_text)
+        raise ClientError(400, "No token_ids rendered", "BadRequestError")
+    max_tokens = max_tokens_for(instance.max_model_len, body, len(ids), chat, from_text)
     stream = bool(body.get("stream"))
     return {
         "request_id": request_id,

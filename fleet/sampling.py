@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import xxhash
 
 from fleet.engine import TokenSampler
-from router.tokenization import PromptTokenizer
+from router.prompt.tokenization import PromptTokenizer
 
 
 def printable_token_ids(tokenizer: PromptTokenizer) -> list[int]:

@@ -20,10 +20,14 @@ from fleet.cache_config import cache_config_labels
 from fleet.engine import Engine
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
-from router.chat_conversation import InvalidPrompt
-from router.instances import DATA_PARALLEL_RANK_HEADER
-from router.openai_body import BOOLEAN_FIELDS, chat_endpoint_template_kwargs, lax_bool
-from router.tokenization import PromptTokenizer
+from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.openai_body import (
+    BOOLEAN_FIELDS,
+    DATA_PARALLEL_RANK_HEADER,
+    chat_endpoint_template_kwargs,
+    lax_bool,
+)
+from router.prompt.tokenization import PromptTokenizer
 
 _json = msgspec.json.Encoder()
 
@@ -53,11 +57,11 @@ class SimInstance:
         if rank is None:
             return min(self.engines, key=lambda engine: engine.num_waiting + engine.num_running)
         if not rank.isdigit() or int(rank) >= len(self.engines):
-            raise _ClientError(400, f"no data parallel rank {rank!r} here", "BadRequestError")
+            raise ClientError(400, f"no data parallel rank {rank!r} here", "BadRequestError")
         return self.engines[int(rank)]
 
 
-class _ClientError(Exception):
+class ClientError(Exception):
     def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
@@ -68,7 +72,7 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> we
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
 
-def _json_response(body: Any, status: int = 200) -> web.Response:
+def json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
 
@@ -84,10 +88,10 @@ def _check_cache_salt(salt: object) -> None:
     if salt is None:
         return
     if not isinstance(salt, str) or not salt:
-        raise _ClientError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
+        raise ClientError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
                            "BadRequestError", "cache_salt")  # fmt: skip
     if len(salt) > 128 or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
-        raise _ClientError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+        raise ClientError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain "
                            "'@', '/', '\\\\', or NUL.", "BadRequestError", "cache_salt")  # fmt: skip
 
 
@@ -95,27 +99,27 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
     try:
         body = msgspec.json.decode((await request.read()).removeprefix(_BOM))
     except msgspec.DecodeError as exc:
-        raise _ClientError(400, f"invalid JSON body: {exc}", "BadRequestError") from exc
+        raise ClientError(400, f"invalid JSON body: {exc}", "BadRequestError") from exc
     if not isinstance(body, dict):
-        raise _ClientError(400, "the request body must be a JSON object", "BadRequestError")
+        raise ClientError(400, "the request body must be a JSON object", "BadRequestError")
     for name in BOOLEAN_FIELDS:  # as vLLM's pydantic models read them: "false" is False, "yes" True
         if body.get(name) is not None:
             read = lax_bool(body[name])
             if read is None:
-                raise _ClientError(400, f"{name}: Input should be a valid boolean", "BadRequestError", name)
+                raise ClientError(400, f"{name}: Input should be a valid boolean", "BadRequestError", name)
             body[name] = read
     return body
 
 
-def _max_tokens(limit: int, body: dict[str, Any], prompt_len: int, chat: bool, from_text: bool) -> int:
+def max_tokens_for(limit: int, body: dict[str, Any], prompt_len: int, chat: bool, from_text: bool) -> int:
     """vLLM 0.32's rules: reject what can never fit, otherwise clamp the output budget to the context."""
     completion_budget = chat and body.get("max_completion_tokens") is not None
     param = "max_completion_tokens" if completion_budget else "max_tokens"
     requested = body.get(param, None if chat else 16)
     if requested is not None and (type(requested) is not int or requested < 1):
-        raise _ClientError(400, f"{param} must be a positive integer", "BadRequestError", param)
+        raise ClientError(400, f"{param} must be a positive integer", "BadRequestError", param)
     if requested is not None and requested > limit:
-        raise _ClientError(
+        raise ClientError(
             400,
             f"{param}={requested} cannot be greater than max_model_len={limit}. Please request fewer output "
             f"tokens. (parameter={param}, value={requested})",
@@ -126,7 +130,7 @@ def _max_tokens(limit: int, body: dict[str, Any], prompt_len: int, chat: bool, f
         # vLLM tokenizes text truncated to limit + 1 tokens, so it only knows "at least" that many.
         count = f"at least {limit + 1}" if from_text and prompt_len > limit else str(prompt_len)
         value = limit + 1 if from_text and prompt_len > limit else prompt_len
-        raise _ClientError(
+        raise ClientError(
             400,
             f"This model's maximum context length is {limit} tokens. However, your prompt contains "
             f"{count} input tokens, which exceeds this limit even without any output tokens. Please "
@@ -149,10 +153,10 @@ class _Generation:
         self.lora = instance.adapter(body.get("model"))
         self.envelope = Envelope(chat=chat, model=body["model"])  # the base's name or an adapter's
         if not prompt_ids:
-            raise _ClientError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
-        self.max_tokens = _max_tokens(instance.max_model_len, body, len(prompt_ids), chat, from_text)
+            raise ClientError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
+        self.max_tokens = max_tokens_for(instance.max_model_len, body, len(prompt_ids), chat, from_text)
         if body.get("n", 1) != 1:
-            raise _ClientError(400, "the simulated fleet supports n=1 only", "BadRequestError", "n")
+            raise ClientError(400, "the simulated fleet supports n=1 only", "BadRequestError", "n")
         seed = request_seed(body.get("seed"), body.get("temperature", 1.0), prompt_ids)
         self.sample = sampler(instance.vocabulary, seed)
 
@@ -168,7 +172,7 @@ async def _complete(request: web.Request, generation: _Generation) -> web.Stream
         return await _stream(request, generation)
     output = [token async for token in generation.tokens()]
     text = generation.instance.tokenizer.decode(output)
-    return _json_response(generation.envelope.body(text, "length", len(generation.prompt_ids), len(output)))
+    return json_response(generation.envelope.body(text, "length", len(generation.prompt_ids), len(output)))
 
 
 async def _stream(request: web.Request, generation: _Generation) -> web.StreamResponse:
@@ -199,7 +203,7 @@ def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
     if not body.get("model"):
         body["model"] = instance.model_name
     if body.get("model") != instance.model_name and instance.adapter(body.get("model")) is None:
-        raise _ClientError(
+        raise ClientError(
             404,
             f"The model `{body.get('model')}` does not exist. Valid aliases: {_aliases(instance)}.",
             "NotFoundError",
@@ -207,7 +211,7 @@ def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
         )
 
 
-def _handler(
+def handler(
     work: Callable[[SimInstance, web.Request, dict[str, Any]], Any],
 ) -> Callable[[web.Request], Any]:
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -215,7 +219,7 @@ def _handler(
         try:
             body = await _read_body(request)
             return await work(instance, request, body)  # type: ignore[no-any-return]
-        except _ClientError as exc:
+        except ClientError as exc:
             return _error(exc.status, exc.message, exc.kind, exc.param)
         except InvalidPrompt as exc:
             return _error(400, str(exc), "BadRequestError")
@@ -247,38 +251,38 @@ def _completion_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     return instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
 
 
-def _validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
+def validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     """A chat request's prompt token ids, after the checks vLLM makes first (generate and render alike)."""
     _check_model(instance, body)
     _check_cache_salt(body.get("cache_salt"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
+        raise ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
     return _chat_ids(
         instance, body, body.get("reasoning_effort"), instance.exclude_tools_when_tool_choice_none
     )
 
 
-def _validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:
+def validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:
     """A completion's prompt token ids and whether they came from text, after vLLM's first checks."""
     _check_model(instance, body)
     _check_cache_salt(body.get("cache_salt"))
     if "prompt" not in body:
-        raise _ClientError(400, "prompt is required", "BadRequestError", "prompt")
+        raise ClientError(400, "prompt is required", "BadRequestError", "prompt")
     ids = _completion_ids(instance, body)
     from_text = not isinstance(body["prompt"], list) or any(isinstance(p, str) for p in body["prompt"])
     return ids, from_text
 
 
 async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    ids = _validated_chat(instance, body)
+    ids = validated_chat(instance, body)
     return await _complete(request, _Generation(request, instance, body, ids, chat=True, from_text=True))
 
 
 async def _completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.StreamResponse:
-    ids, from_text = _validated_completion(instance, body)
+    ids, from_text = validated_completion(instance, body)
     generation = _Generation(request, instance, body, ids, chat=False, from_text=from_text)
     return await _complete(request, generation)
 
@@ -289,8 +293,8 @@ async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str,
     elif isinstance(body.get("prompt"), str):  # vLLM's /tokenize takes a completion prompt as text only
         ids = _completion_ids(instance, body)
     else:
-        raise _ClientError(400, "either messages or prompt (a string) is required", "BadRequestError")
-    return _json_response(
+        raise ClientError(400, "either messages or prompt (a string) is required", "BadRequestError")
+    return json_response(
         {"count": len(ids), "max_model_len": instance.max_model_len, "tokens": ids, "token_strs": None}
     )
 
@@ -302,7 +306,7 @@ async def _models(request: web.Request) -> web.Response:
         model_card(a.name, a.path or a.name, None, instance.created, parent=instance.model_name)
         for a in instance.adapters
     ]
-    return _json_response({"object": "list", "data": [card, *adapters]})
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -311,13 +315,13 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
-    return _json_response({"success": all([engine.reset_prefix_cache() for engine in instance.engines])})
+    return json_response({"success": all([engine.reset_prefix_cache() for engine in instance.engines])})
 
 
 async def _cache_state(request: web.Request) -> web.Response:
     instance: SimInstance = request.app["instance"]
     ranks = [engine.pool.cached_hashes for engine in instance.engines]  # distinct hashes held, per rank
-    return _json_response({"block_hashes": sum(ranks), "ranks": ranks})
+    return json_response({"block_hashes": sum(ranks), "ranks": ranks})
 
 
 _GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
@@ -391,13 +395,16 @@ def _api_key_guard(key: str) -> Any:
         given_digest = hashlib.sha256(given.encode()).digest()
         granted = scheme.lower() == "bearer" and hmac.compare_digest(given_digest, digest)
         if request.method != "OPTIONS" and request.path.startswith(_GUARDED_PREFIXES) and not granted:
-            return _json_response({"error": "Unauthorized"}, 401)
+            return json_response({"error": "Unauthorized"}, 401)
         return await handler(request)  # type: ignore[no-any-return]
 
     return guard
 
 
-def build_app(instance: SimInstance) -> web.Application:
+def build_app(
+    instance: SimInstance, extra_routes: Callable[[web.Application], None] = lambda app: None
+) -> web.Application:
+    """extra_routes: adds routes built on this module's request handling (fleet/render.py's)."""
     middlewares = [_api_key_guard(instance.api_key)] if instance.api_key else []
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app["instance"] = instance
@@ -407,24 +414,27 @@ def build_app(instance: SimInstance) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
 
-    app.router.add_post("/v1/chat/completions", _handler(_chat))
-    app.router.add_post("/v1/completions", _handler(_completion))
-    app.router.add_post("/tokenize", _handler(_tokenize))
+    app.router.add_post("/v1/chat/completions", handler(_chat))
+    app.router.add_post("/v1/completions", handler(_completion))
+    app.router.add_post("/tokenize", handler(_tokenize))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/debug/cache", _cache_state)  # not vLLM's: what the router's index should hold
-    from fleet.render import add_render_routes  # here: fleet.render builds on this module's handlers
-
-    add_render_routes(app)
+    extra_routes(app)
     return app
 
 
 @contextlib.asynccontextmanager
-async def serve(instance: SimInstance, host: str, port: int) -> AsyncIterator[web.AppRunner]:
+async def serve(
+    instance: SimInstance,
+    host: str,
+    port: int,
+    extra_routes: Callable[[web.Application], None] = lambda app: None,
+) -> AsyncIterator[web.AppRunner]:
     # handler_cancellation: a client that goes away cancels its handler, which aborts the engine request.
-    runner = web.AppRunner(build_app(instance), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(instance, extra_routes), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

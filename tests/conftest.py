@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
-from kvroute.tinymodel import ensure_model
-from router.tokenization import PromptTokenizer
+from router.prompt.tokenization import PromptTokenizer
+from tinymodel.builder import ensure_model
 
 INSTANCES = 3
 

@@ -3,7 +3,7 @@
 A trace names a prompt by hash ids of `block_tokens` tokens (512 in the Mooncake trace). Each becomes
 block_tokens / block_size engine blocks with synthetic token ids that depend only on (hash id, position),
 so two prompts share exactly the blocks their hash ids share, and the chain hash the index computes from
-a BlockStored event's tokens equals the one computed here from the prompt (router/block_hashing.py).
+a BlockStored event's tokens equals the one computed here from the prompt (router/prompt/block_hashing.py).
 A partial last block is not hashed, as in vLLM.
 """
 
@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 
 from kvroute.traces import Trace, TraceRequest
-from router import block_hashing
+from router.prompt import block_hashing
 
 _LOW = 0xFFFFFFFF
 

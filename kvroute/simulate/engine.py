@@ -23,8 +23,8 @@ from kvroute.simulate.hardware import EngineSpec
 from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.traces import TraceRequest
-from router.kv_events import BlockStored, KVEvent
-from scorers.base import EngineLoad
+from router.index.events import BlockStored, KVEvent
+from router.types import EngineLoad
 
 POOL_MEDIUM = "cpu"  # how the MooncakeStoreConnector announces its pool writes
 

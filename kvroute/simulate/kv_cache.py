@@ -15,7 +15,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from router.kv_events import BlockRemoved, BlockStored, KVEvent
+from router.index.events import BlockRemoved, BlockStored, KVEvent
 
 
 class KVCache:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.view import RouterView
-from scorers.base import NO_MATCH
+from router.types import NO_MATCH
 
 
 def _least_loaded(loads: Sequence[float], rng: random.Random) -> int:

@@ -1,8 +1,9 @@
 """Routing policies under simulation: kvroute's own, built as the router builds them, and the seam peers use.
 
-kvroute's default policy is the configuration's builtin `kvroute` policy, made by router.policy.Policy from
-a RouterConfig parsed like an operator's YAML, and decided by router.routing.Router.decide (which also enters
-speculative blocks), so the simulation runs the product's code, not a copy of it.
+kvroute's default policy is the configuration's builtin `kvroute` policy, made by
+router.scoring.policy.Policy from a RouterConfig parsed like an operator's YAML, and decided by
+router.dispatch.decision.Decider.decide (which also enters speculative blocks), so the simulation runs the
+product's code, not a copy of it.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
 from router.config import PeersConfig, RouterConfig, parse_config
-from router.instances import Instance
+from router.dispatch.decision import Decider, Prepared
+from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
-from router.peer_load import PeerLoads, own_loads
-from router.policy import Policy
-from router.pool import PoolConfirmer
-from router.routing import Prepared, Router
-from scorers.base import RoutingRequest
-from scorers.ttft_model import TTFTFeatures, TTFTPriors, features_for
+from router.scoring.policy import Policy
+from router.scoring.ttft_features import features_for
+from router.scoring.ttft_model import TTFTFeatures, TTFTPriors
+from router.types import RoutingRequest
+from router.upstreams.instances import Instance
+from router.upstreams.peer_load import PeerLoads, own_loads
 
 T = TypeVar("T")
 
@@ -46,7 +48,8 @@ class SimPolicy:
 
     name = "policy"
     scrape_interval_s: float | None = None  # engine /metrics it reads, scraped this often
-    memory_hold_s = 0.0  # the router holds requests no instance has memory for (router/memory_hold.py)
+    memory_hold_s = 0.0  # the router holds requests no instance has memory for
+    # (router/dispatch/memory_gate.py)
     sync_interval_s: float | None = None  # sync() runs this often
 
     def bind(self, view: RouterView) -> None:
@@ -104,7 +107,7 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
 
 
 class ConfiguredPolicy(SimPolicy):
-    """A policy from a RouterConfig, routed through router.routing.Router as the proxy routes it.
+    """A policy from a RouterConfig, routed through router.dispatch.decision.Decider as the proxy routes it.
 
     decide=False asks the policy directly, for peers whose algorithm kvroute's scorers express but which
     neither speculate nor know the pool (llm-d); lookup=False skips the index for policies that never read
@@ -135,7 +138,7 @@ class ConfiguredPolicy(SimPolicy):
     def bind(self, view: RouterView) -> None:
         super().bind(view)
         metrics = RouterMetrics()
-        self._router = Router(view.index, {}, view.block_size, metrics)
+        self._router = Decider(view.index, {}, view.block_size, metrics)
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
         self._policy = Policy(
             self._policy_name, self._config.policies[self._policy_name], view.loop.clock, view.tie_rng
@@ -190,7 +193,7 @@ class Replicas(SimPolicy):
     has its own index (fed the same events), its own counts of what it sent, its own TTFT models and session
     affinity. The load balancer in front of them sends each session to one router (by a hash of its key),
     or, with by_session=False, each request to the next router in turn. With share_s, each router tells the
-    others what it has in flight on each instance every share_s seconds (router/peer_load.py)."""
+    others what it has in flight on each instance every share_s seconds (router/upstreams/peer_load.py)."""
 
     def __init__(
         self, name: str, make: Callable[[], SimPolicy], count: int, by_session: bool = True,

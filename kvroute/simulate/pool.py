@@ -55,7 +55,7 @@ class PoolStore:
 
 class StoreLookup:
     """The pool answers the router's lookups as the Mooncake master does: which of these blocks it holds now
-    (router/pool.py's PoolLookup), without a round trip."""
+    (router/index/pool.py's PoolLookup), without a round trip."""
 
     def __init__(self, pool: PoolStore) -> None:
         self._pool = pool

@@ -17,8 +17,8 @@ from kvroute.simulate.policies import SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
-from router.memory_hold import MemoryHold
-from scorers.ttft_model import TTFTPriors
+from router.dispatch.memory_gate import MemoryGate
+from router.scoring.ttft_model import TTFTPriors
 
 RESULT_FIELDS = (
     "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_rps", "local_hit_rate",
@@ -79,7 +79,7 @@ def simulate(
     done: list[SimRequest] = []
     rejected = 0
     outstanding = 0  # sent and not finished, held in the router included
-    hold: MemoryHold[SimRequest] = MemoryHold(policy.memory_hold_s, loop.clock)
+    hold: MemoryGate[SimRequest] = MemoryGate(policy.memory_hold_s, loop.clock)
 
     def first_token(request: SimRequest) -> None:
         instance = policy.instances_for(request)[request.instance]
@@ -96,7 +96,8 @@ def simulate(
         release_held()
 
     def release_held() -> None:
-        """Memory freed up: the requests held in the router that now fit go (router/memory_hold.py)."""
+        """Memory freed up: the requests held in the router that now fit go
+        (router/dispatch/memory_gate.py)."""
         if len(hold):
             for held in hold.release():
                 hold.started(held.trace.input_tokens)

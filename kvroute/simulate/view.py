@@ -1,9 +1,10 @@
 """The router's side of the simulation: what a router can know, and how late.
 
 - the real BlockIndex, fed the engines' KV events event_delay_s after the engine step that caused them;
-- router.instances.Instance objects carrying the router's own bookkeeping (requests in flight, their
+- router.upstreams.instances.Instance objects carrying the router's own bookkeeping (requests in flight, their
   tokens, prefill not yet answered) and the engines' load as of the last scrape;
-- the pool, which kvroute's policy asks through router/pool.py's PoolConfirmer as it asks the Mooncake master.
+- the pool, which kvroute's policy asks through router/index/pool.py's PoolConfirmer as it asks the Mooncake
+master.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.engine import Engine
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import PoolStore
-from router.block_index import BlockIndex
-from router.instances import Instance
-from router.kv_events import KVEvent
-from scorers.base import TierMatch
-from scorers.ttft_model import TTFTModel, TTFTPriors
+from router.index.block_index import BlockIndex
+from router.index.events import KVEvent
+from router.scoring.ttft_model import TTFTModel, TTFTPriors
+from router.types import TierMatch
+from router.upstreams.instances import Instance
 
 
 def instance_name(number: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.block_pool import BlockHasher, BlockPool, NoFreeBlocks
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
 

@@ -10,10 +10,10 @@ import pytest
 
 from fleet.block_pool import Adapter, BlockHasher, BlockPool
 from fleet.engine import Engine, EngineTiming
-from router import block_hashing
-from router.block_index import BlockIndex
-from router.kv_events import BlockStored, KVEvent
-from scorers.base import TierMatch
+from router.index.block_index import BlockIndex
+from router.index.events import BlockStored, KVEvent
+from router.prompt import block_hashing
+from router.types import TierMatch
 
 T = TypeVar("T")
 BS = 16

@@ -22,7 +22,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts, running_fleet
-from router.kv_events import BlockRemoved, BlockStored, EventDecoder, KVEvent, unpack_seq
+from router.index.events import BlockRemoved, BlockStored, EventDecoder, KVEvent, unpack_seq
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 ENGINE_ARGS = ["--block-size", "32", "--kv-blocks", "72", "--max-model-len", "2048",

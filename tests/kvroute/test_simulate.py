@@ -29,7 +29,7 @@ from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
 from kvroute.simulate.run import RESULT_FIELDS, session_of, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
-from router.kv_events import BlockRemoved, BlockStored, KVEvent
+from router.index.events import BlockRemoved, BlockStored, KVEvent
 
 SIZE = 4
 
@@ -362,7 +362,7 @@ def test_vllm_router_kv_aware_multiplies_new_prefill_by_requests_in_flight() -> 
 
 
 def test_kvroute_confirms_pool_credit_with_the_routers_own_confirmer() -> None:
-    """kvroute's policy asks the simulated pool through router/pool.py's PoolConfirmer, as the router asks the
+    """kvroute's policy asks the simulated pool through router/index/pool.py's PoolConfirmer, as the router asks the
     Mooncake master: a yes is trusted for pool.confirm_ttl_s (2 s), so a block the pool evicted silently keeps
     its credit until then and is forgotten at the next decision after."""
     fleet = _fleet(2, pool=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvroute.tinymodel import CHAT_TEMPLATE, LLAMA_CONFIG, VOCAB_SIZE, ensure_model, model_dir
-from router.tokenization import PromptTokenizer
+from router.prompt.tokenization import PromptTokenizer
+from tinymodel.builder import CHAT_TEMPLATE, LLAMA_CONFIG, VOCAB_SIZE, ensure_model, model_dir
 
 
 def test_builds_are_identical_and_reused(tmp_path: Path) -> None:

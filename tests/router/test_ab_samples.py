@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import running_router
-from router.ab import ABStats
+from router.dispatch.ab import ABStats
 from tests.conftest import metric, sample
 from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post

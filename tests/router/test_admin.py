@@ -13,24 +13,17 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
-import zmq.asyncio
 
 from kvroute.processes import FleetPorts, running_router
-from router.ab import ABStats
-from router.admin import admin_token
-from router.block_index import BlockIndex
 from router.config import AdminConfig, parse_config
-from router.instances import Fleet
-from router.metrics import RouterMetrics
-from router.policy import Policy
-from router.proxy import Proxy
-from router.reload import Reloader, _swap_policies
-from router.traffic import TrafficSplit
+from router.dispatch.routing_table import RoutingTable
+from router.http.admin import admin_token
+from router.reload import Reloader
+from router.runtime import Runtime
 from tests.conftest import metric, sample
 from tests.router.test_proxy import post
 
@@ -239,18 +232,17 @@ def test_a_runtime_split_stays_until_the_files_split_changes(
 def test_a_reload_keeps_the_state_of_policies_it_does_not_change(fleet: FleetPorts) -> None:
     raw = config_of(fleet)
     old = parse_config(raw)
-    proxy = SimpleNamespace(
-        policies={name: Policy(name, c) for name, c in old.policies.items()}, ab=ABStats()
-    )
-    before = dict(proxy.policies)
+    table = RoutingTable.from_config(old)
+    before = dict(table.policies)
     for name in before:
-        proxy.ab.first_byte(name, 0.1)
+        table.ab.first_byte(name, 0.1)
     raw["policies"] = {name: spec.model_dump(mode="json") for name, spec in old.policies.items()}
     raw["policies"]["round-robin"] = {"scorers": [{"type": "inflight-load"}]}
-    assert _swap_policies(proxy, parse_config(raw)) == ["round-robin"]  # type: ignore[arg-type]
-    assert proxy.policies["round-robin"] is not before["round-robin"]
-    assert all(proxy.policies[name] is before[name] for name in before if name != "round-robin")
-    report = proxy.ab.report({"kvroute": 1, "round-robin": 1, "least-loaded": 1})
+    table, started_afresh = table.reloaded(old, parse_config(raw))
+    assert started_afresh == ["round-robin"]
+    assert table.policies["round-robin"] is not before["round-robin"]
+    assert all(table.policies[name] is before[name] for name in before if name != "round-robin")
+    report = table.ab.report({"kvroute": 1, "round-robin": 1, "least-loaded": 1})
     samples = {comparison["candidate"]: comparison["samples"] for comparison in report["comparisons"]}
     assert samples["round-robin"] == [1, 0]  # the redefined one starts afresh
     assert samples["least-loaded"] == [1, 1]
@@ -258,35 +250,26 @@ def test_a_reload_keeps_the_state_of_policies_it_does_not_change(fleet: FleetPor
 
 def test_a_policy_removed_and_added_back_starts_afresh() -> None:
     full = parse_config(RAW)
-    proxy = SimpleNamespace(policies={name: Policy(name, c) for name, c in full.policies.items()}, ab=ABStats())
-    old = proxy.policies["round-robin"]
-    proxy.ab.failed("round-robin")
+    table = RoutingTable.from_config(full)
+    old = table.policies["round-robin"]
+    table.ab.failed("round-robin")
     without = {name: spec.model_dump(mode="json") for name, spec in full.policies.items() if name != "round-robin"}
-    _swap_policies(proxy, parse_config({**RAW, "policies": without}))  # type: ignore[arg-type]
-    _swap_policies(proxy, full)  # type: ignore[arg-type]
+    smaller = parse_config({**RAW, "policies": without})
+    table, _ = table.reloaded(full, smaller)
+    table, _ = table.reloaded(smaller, full)
     # A request the old one routed ends now: its result goes nowhere.
-    Proxy._ab(proxy, old).failed("round-robin")  # type: ignore[arg-type]
-    assert proxy.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 0
-    Proxy._ab(proxy, proxy.policies["round-robin"]).failed("round-robin")  # type: ignore[arg-type]
-    assert proxy.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 1
+    table.ab_for(old).failed("round-robin")
+    assert table.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 0
+    table.ab_for(table.policies["round-robin"]).failed("round-robin")
+    assert table.ab.report({"round-robin": 1})["policies"]["round-robin"]["requests"] == 1
 
 
 def test_a_file_split_only_reordered_replaces_the_running_one() -> None:
     """The first policy is the A/B baseline, and the ranges are laid out in order: order is part of a split."""
     old = parse_config({**RAW, "traffic": {"split": {"round-robin": 1, "kvroute": 1}}})
     new = parse_config({**RAW, "traffic": {"split": {"kvroute": 1, "round-robin": 1}}})
-
-    async def reload() -> list[str]:
-        proxy = SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit(old.traffic_weights()))
-        context = zmq.asyncio.Context()
-        reloader = Reloader(old, None, Fleet(old), BlockIndex(16), RouterMetrics(), context, lambda: proxy)  # type: ignore[arg-type,return-value]
-        try:
-            await reloader.apply(new)
-        finally:
-            context.destroy(linger=0)
-        return list(proxy.traffic.weights)
-
-    assert asyncio.run(reload()) == ["kvroute", "round-robin"]
+    table, _ = RoutingTable.from_config(old).reloaded(old, new)
+    assert list(table.split.weights) == ["kvroute", "round-robin"]
 
 
 def test_the_watch_outlives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> None:
@@ -301,7 +284,7 @@ def test_the_watch_outlives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> 
         raise RuntimeError("a bug in a reload")
 
     async def watch() -> None:
-        reloader = Reloader(config, path, Fleet(config), BlockIndex(16), RouterMetrics(), None, lambda: None)  # type: ignore[arg-type,return-value]
+        reloader = Reloader(Runtime(config), path)
         reloader.reload = failing  # type: ignore[method-assign]
         task = asyncio.create_task(reloader.watch())
         deadline = time.monotonic() + 15

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.processes import FleetPorts, running_router
-from router.admission import Admission, Overloaded
+from router.dispatch.admission import Admission, Overloaded
 from tests.router.test_proxy import post
 
 KEYS_ENV = "KVROUTE_TEST_API_KEYS"

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import xxhash
 
-from router import block_hashing
-from router.block_index import BlockIndex, Tier
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from scorers.base import TierMatch
+from router.index.block_index import BlockIndex, Tier
+from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from router.prompt import block_hashing
+from router.types import TierMatch
 from tests.conftest import ManualClock
 
 BS = 4

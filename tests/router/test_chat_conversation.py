@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from router.chat_conversation import InvalidPrompt, engine_conversation, engine_messages, engine_tools
+from router.prompt.chat_conversation import InvalidPrompt, engine_conversation, engine_messages, engine_tools
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 

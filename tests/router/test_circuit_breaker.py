@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import FleetPorts, running_router
-from router.circuit_breaker import CircuitBreaker
+from router.upstreams.circuit_breaker import CircuitBreaker
 from tests.conftest import ManualClock, metric, sample
 from tests.router.fake_upstreams import first_in_config, healthy, serving
 from tests.router.test_proxy import post

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from router.config import ConfigError, load_config, parse_config
-from router.pool import pool_names
-from scorers.registry import SCORERS
+from router.index.pool import pool_names
+from router.scoring.registry import SCORERS
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = {

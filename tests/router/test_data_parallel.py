@@ -16,9 +16,10 @@ import pytest
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.workload import AgentWorkload
 from router.config import ConfigError, parse_config
-from router.instances import DATA_PARALLEL_RANK_HEADER, Fleet
-from router.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity
-from scorers.base import EngineLoad
+from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
+from router.types import EngineLoad
+from router.upstreams.instances import Upstreams
+from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity
 from tests.conftest import instance_url, metric
 from tests.router.test_load_scraper import FakeEngine, exposition
 from tests.router.test_proxy import post
@@ -42,7 +43,7 @@ def test_each_rank_is_a_target_at_its_offset_ports_with_its_rank_header() -> Non
         ("big-dp2", "tcp://127.0.0.1:5559", "tcp://127.0.0.1:5602", 2),
         ("small", None, None, None),
     ]
-    instances = Fleet(config).instances
+    instances = Upstreams(config).instances
     assert {i.url for i in instances[:3]} == {"http://127.0.0.1:8000"}
     assert [i.headers.get(DATA_PARALLEL_RANK_HEADER) for i in instances] == ["0", "1", "2", None]
     assert parse_config(config.model_dump()) == config  # validating again changes nothing
@@ -98,7 +99,7 @@ def test_the_ranks_of_one_engine_share_one_scrape_of_its_metrics_and_each_takes_
         engine.body = exposition(("1", "2"), ("3", "4"), ("0.2", "0.6"))
         async with engine.serving() as url, aiohttp.ClientSession() as session:
             raw = {"models": [{"name": "m"}], "instances": [{"name": "big", "url": url, "data_parallel_size": 2}]}
-            fleet = Fleet(parse_config(raw))
+            fleet = Upstreams(parse_config(raw))
             await LoadScraper(fleet, session, timeout_s=1.0).scrape_all()
             return [i.load for i in fleet.instances], len(engine.headers)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.config import RouterConfig, parse_config
-from router.instances import Fleet
+from router.upstreams.instances import Upstreams
 
 
 def config(**instance: object) -> RouterConfig:
@@ -12,7 +12,7 @@ def config(**instance: object) -> RouterConfig:
 
 
 def test_an_instance_changed_at_the_same_url_keeps_its_requests_in_flight() -> None:
-    fleet = Fleet(config())
+    fleet = Upstreams(config())
     (before,) = fleet.instances
     before.start(prompt_tokens=4000, uncached_tokens=4000)  # a request it is serving
     added, removed, in_place = fleet.update(config(events="tcp://127.0.0.1:5557", models=["m", "n"]))
@@ -26,7 +26,7 @@ def test_an_instance_changed_at_the_same_url_keeps_its_requests_in_flight() -> N
 
 
 def test_an_instance_moved_to_another_url_starts_afresh() -> None:
-    fleet = Fleet(config())
+    fleet = Upstreams(config())
     (before,) = fleet.instances
     before.start(prompt_tokens=10, uncached_tokens=10)
     assert fleet.update(config(url="http://127.0.0.1:9002")).in_place == set()
@@ -35,7 +35,7 @@ def test_an_instance_moved_to_another_url_starts_afresh() -> None:
 
 
 def test_an_added_instance_is_no_candidate_until_its_first_health_check_passes() -> None:
-    fleet = Fleet(config())
+    fleet = Upstreams(config())
     added = parse_config({"models": [{"name": "m"}], "instances": [
         {"name": "a", "url": "http://127.0.0.1:9001"}, {"name": "b", "url": "http://127.0.0.1:9002"}]})  # fmt: skip
     fleet.update(added)
@@ -47,7 +47,7 @@ def test_an_added_instance_is_no_candidate_until_its_first_health_check_passes()
 
 
 def test_a_model_whose_instances_are_all_down_is_unavailable_while_the_others_serve() -> None:
-    fleet = Fleet(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
+    fleet = Upstreams(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
         {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
         {"name": "b", "url": "http://127.0.0.1:9002", "models": ["n"]},
         {"name": "c", "url": "http://127.0.0.1:9003", "models": ["n"]}]}))  # fmt: skip
@@ -60,7 +60,7 @@ def test_a_model_whose_instances_are_all_down_is_unavailable_while_the_others_se
 
 
 def test_a_models_context_length_is_the_least_its_instances_take() -> None:
-    fleet = Fleet(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
+    fleet = Upstreams(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
         {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
         {"name": "b", "url": "http://127.0.0.1:9002", "models": ["m", "n"]}]}))  # fmt: skip
     assert fleet.max_model_len("m") is None  # no instance has said yet

@@ -13,9 +13,8 @@ import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router import block_hashing
-from router.block_index import BlockIndex
-from router.kv_events import (
+from router.index.block_index import BlockIndex
+from router.index.events import (
     MAX_DATA_PARALLEL_RANK,
     AllBlocksCleared,
     BlockRemoved,
@@ -27,9 +26,10 @@ from router.kv_events import (
     MalformedBatch,
     pack_seq,
 )
-from router.kv_subscriber import KVEventSubscriber
+from router.index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
-from scorers.base import TierMatch
+from router.prompt import block_hashing
+from router.types import TierMatch
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 decoder = EventDecoder()

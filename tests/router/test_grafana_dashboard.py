@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from router.block_index import BlockIndex
-from router.index_metrics import IndexCollector
+from router.index.block_index import BlockIndex
+from router.index.index_metrics import IndexCollector
 from router.metrics import Family, RouterMetrics
 
 DASHBOARD_PATH = Path(__file__).resolve().parents[2] / "configs" / "grafana-kvroute.json"

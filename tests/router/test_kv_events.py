@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.kv_events import (
+from router.index.events import (
     MAX_DATA_PARALLEL_RANK,
     AllBlocksCleared,
     BlockRemoved,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import msgspec
 
-from router.block_index import BlockIndex
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from router.kv_groups import GroupConstraints, ending_blocks
-from scorers.base import TierMatch
+from router.index.block_index import BlockIndex
+from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.index.kv_groups import GroupConstraints, ending_blocks
+from router.types import TierMatch
 from tests.router.test_block_index import BS, TOKENS, prompt, removed, stored, vllm_hash
 
 A, B = ("a", 0), ("b", 0)

@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import time
-import types
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -20,12 +19,10 @@ import zmq.asyncio
 
 from fleet.publisher import EventPublisher
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
-from router import kv_subscriber
-from router.ab import ABStats
-from router.block_index import BlockIndex
 from router.config import RouterConfig, parse_config
-from router.instances import Fleet
-from router.kv_events import (
+from router.index import subscriber as kv_subscriber
+from router.index.block_index import BlockIndex
+from router.index.events import (
     END_OF_REPLAY,
     MAX_DATA_PARALLEL_RANK,
     BlockRemoved,
@@ -35,11 +32,10 @@ from router.kv_events import (
     KVEvent,
     pack_seq,
 )
-from router.kv_subscriber import KVEventSubscriber, Owner
+from router.index.subscriber import KVEventSubscriber, Owner
 from router.metrics import RouterMetrics
-from router.reload import Reloader
-from router.traffic import TrafficSplit
-from scorers.base import TierMatch
+from router.runtime import Runtime
+from router.types import TierMatch
 from tests.conftest import ipv6_loopback
 from tests.router.test_block_index import BS, TOKENS, prompt, stored
 
@@ -795,20 +791,19 @@ def test_news_of_a_restart_goes_to_the_instances_subscriber_or_drops_an_unfollow
         "instances": [{"name": "followed", "url": "http://127.0.0.1:9", "events": f"tcp://127.0.0.1:{port}"},
                       {"name": "unfollowed", "url": "http://127.0.0.1:10"}],
     })  # fmt: skip
-    index = BlockIndex(4)
+    runtime = Runtime(config)
+    index = runtime.index
     for name in ("followed", "unfollowed"):
         index.apply((name, 0), [stored(0, 2)])
 
     async def main() -> None:
-        context = zmq.asyncio.Context()
-        reloader = Reloader(config, None, Fleet(config), index, RouterMetrics(), context, lambda: None)  # type: ignore[arg-type,return-value]
-        reloader.subscribe(config.instances)
+        subscriptions = runtime.subscriptions
+        subscriptions.subscribe(config.instances)
         try:
-            reloader.engine_restarted("followed")
-            reloader.engine_restarted("unfollowed")
+            subscriptions.engine_restarted("followed")
+            subscriptions.engine_restarted("unfollowed")
         finally:
-            await reloader.stop()
-            context.destroy(linger=0)
+            await subscriptions.stop()
 
     asyncio.run(main())
     assert set(index.match(prompt())) == {"followed"}
@@ -827,25 +822,23 @@ def test_an_instance_given_new_models_keeps_its_subscriber_and_entries_new_event
         })  # fmt: skip
 
     first = config_with(["tiny-llama"], ports)
-    index = BlockIndex(4)
+    runtime = Runtime(first)
+    index = runtime.index
 
     async def main() -> tuple[bool, set[str], set[str]]:
-        context = zmq.asyncio.Context()
-        proxy = types.SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit({"kvroute": 1}))
-        reloader = Reloader(first, None, Fleet(first), index, RouterMetrics(), context, lambda: proxy)  # type: ignore[arg-type,return-value]
-        reloader.subscribe(first.instances)
+        subscriptions = runtime.subscriptions
+        subscriptions.subscribe(first.instances)
         index.apply(("a", 0), [stored(0, 2)])
-        subscription = reloader._subscriptions["a"]
+        subscription = subscriptions._running["a"]
         try:
             with_adapter = config_with(["tiny-llama", "adapter"], ports)
-            await reloader.apply(with_adapter)
-            kept = reloader._subscriptions["a"] is subscription and not subscription[1].done()
+            runtime.apply(with_adapter, "the test")
+            kept = subscriptions._running["a"] is subscription and not subscription[1].done()
             after_models = set(index.match(prompt()))
-            await reloader.apply(config_with(["tiny-llama", "adapter"], ports + 1))
+            runtime.apply(config_with(["tiny-llama", "adapter"], ports + 1), "the test")
             after_events = set(index.match(prompt()))
         finally:
-            await reloader.stop()
-            context.destroy(linger=0)
+            await subscriptions.stop()
         return kept, after_models, after_events
 
     kept, after_models, after_events = asyncio.run(main())

@@ -15,11 +15,11 @@ from aiohttp import web
 
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet
 from router.config import parse_config
-from router.instances import Fleet
-from router.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity, parse_start_time
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
-from scorers.base import EngineLoad
+from router.types import EngineLoad
+from router.upstreams.instances import Upstreams
+from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity, parse_start_time
 from tests.conftest import ManualClock
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
@@ -76,8 +76,8 @@ def test_parse_engine_load(body: bytes, expected: EngineLoad | None) -> None:
     assert parse_engine_load(body) == expected
 
 
-def one_instance_fleet(url: str) -> Fleet:
-    return Fleet(parse_config({"models": [{"name": "m"}], "instances": [{"name": "a", "url": url}]}))
+def one_instance_fleet(url: str) -> Upstreams:
+    return Upstreams(parse_config({"models": [{"name": "m"}], "instances": [{"name": "a", "url": url}]}))
 
 
 class FakeEngine:
@@ -215,7 +215,7 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
 
 def test_load_and_kv_capacity_of_every_instance_are_scraped(two_instances: FleetPorts) -> None:
     async def main() -> list[tuple[EngineLoad | None, int | None]]:
-        fleet = Fleet(parse_config(two_instances.router_config()))
+        fleet = Upstreams(parse_config(two_instances.router_config()))
         async with aiohttp.ClientSession() as session:
             await LoadScraper(fleet, session).scrape_all()
         return [(i.load, i.kv_capacity_tokens) for i in fleet.instances]
@@ -245,7 +245,7 @@ def test_parse_kv_capacity(body: bytes, expected: int | None) -> None:
 
 def test_a_request_in_flight_shows_as_running_on_its_instance(two_instances: FleetPorts) -> None:
     async def main() -> tuple[EngineLoad | None, EngineLoad | None]:
-        fleet = Fleet(parse_config(two_instances.router_config()))
+        fleet = Upstreams(parse_config(two_instances.router_config()))
         busy, idle = fleet.instances[1], fleet.instances[0]
         body = {"model": "tiny-llama", "prompt": "hello " * 40, "max_tokens": 200, "stream": True}
         async with aiohttp.ClientSession() as session:
@@ -265,7 +265,7 @@ def test_the_load_of_a_stopped_instance_goes_stale(tmp_path: Path) -> None:
     ports = FleetPorts.allocate(1)
 
     async def main(child: Child) -> tuple[float, float]:
-        fleet = Fleet(parse_config(ports.router_config()))
+        fleet = Upstreams(parse_config(ports.router_config()))
         instance = fleet.instances[0]
         async with aiohttp.ClientSession() as session:
             scraper = LoadScraper(fleet, session, interval_s=0.05, timeout_s=0.2, stale_after_s=0.5)

@@ -13,13 +13,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.block_index import BlockIndex
-from router.kv_events import EventDecoder
+from router.dispatch.decision import Decider
+from router.index.block_index import BlockIndex
+from router.index.events import EventDecoder
 from router.metrics import RouterMetrics
-from router.openai_body import CompletionRequest
-from router.routing import Router
-from router.token_cache import CachedChatTokenizer
-from router.tokenization import PromptTokenizer
+from router.prompt.openai_body import CompletionRequest
+from router.prompt.token_cache import CachedChatTokenizer
+from router.prompt.tokenization import PromptTokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 CAPTURE: dict[str, Any] = json.loads((FIXTURES / "lora_capture.json").read_text())
@@ -48,7 +48,7 @@ def matched_blocks(index: BlockIndex, name: str, tokenizer: PromptTokenizer) -> 
     entry = request(name)
     cached = CachedChatTokenizer(tokenizer)
     models = {CAPTURE["base_model"], CAPTURE["lora_name"]}
-    router = Router(index, dict.fromkeys(models, cached), BLOCK, RouterMetrics(),
+    router = Decider(index, dict.fromkeys(models, cached), BLOCK, RouterMetrics(),
                     adapters=frozenset({CAPTURE["lora_name"]}))  # fmt: skip
     body = CompletionRequest(
         model=entry["model"], prompt=entry["prompt_token_ids"], cache_salt=entry["cache_salt"]

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from router.errors import OpenAIError
-from router.openai_body import (
+from router.prompt.openai_body import (
     MAX_ARGUMENTS_DEPTH,
     ChatRequest,
     CompletionRequest,

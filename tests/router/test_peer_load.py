@@ -11,12 +11,12 @@ import zmq.asyncio
 
 from kvroute.processes import free_port_block
 from router.config import ConfigError, RouterConfig, parse_config
-from router.instances import Fleet
 from router.metrics import RouterMetrics
-from router.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
-from router.peer_sync import MAX_PEERS, PeerSync, PeerSyncError
-from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
-from scorers.ttft_model import memory_wait_s
+from router.scorers.inflight_load import InflightLoadParams, InflightLoadScorer
+from router.scoring.ttft_features import memory_wait_s
+from router.upstreams.instances import Upstreams
+from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
+from router.upstreams.peer_sync import MAX_PEERS, PeerSync, PeerSyncError
 from tests.conftest import ManualClock
 
 
@@ -26,7 +26,7 @@ def config(**peers: object) -> RouterConfig:
 
 
 def test_peers_loads_add_to_what_scorers_read_and_never_to_what_is_published() -> None:
-    fleet = Fleet(config())
+    fleet = Upstreams(config())
     a, b = fleet.instances
     a.start(prompt_tokens=1000, uncached_tokens=600)
     loads = PeerLoads(stale_after_s=1.0)
@@ -44,7 +44,7 @@ def test_peers_loads_add_to_what_scorers_read_and_never_to_what_is_published() -
 
 def test_a_peer_that_falls_silent_stops_counting() -> None:
     clock = ManualClock()
-    fleet = Fleet(config())
+    fleet = Upstreams(config())
     a, _ = fleet.instances
     loads = PeerLoads(stale_after_s=1.0, clock=clock)
     loads.update("p", {"a": PeerLoad(3, 0, 0)})
@@ -63,7 +63,7 @@ def test_a_peer_that_falls_silent_stops_counting() -> None:
 
 
 def test_the_wait_for_memory_counts_the_peers_contexts() -> None:
-    fleet = Fleet(config())
+    fleet = Upstreams(config())
     a, _ = fleet.instances
     a.kv_capacity_tokens = 100_000
     a.contexts.add(50_000)
@@ -95,8 +95,8 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
     first_port = free_port_block(2)
     second_port = first_port + 1
     first_endpoint, second_endpoint = f"tcp://127.0.0.1:{first_port}", f"tcp://127.0.0.1:{second_port}"
-    first_fleet = Fleet(config(publish=first_endpoint, subscribe=[second_endpoint]))
-    second_fleet = Fleet(config(publish=second_endpoint, subscribe=[first_endpoint]))
+    first_fleet = Upstreams(config(publish=first_endpoint, subscribe=[second_endpoint]))
+    second_fleet = Upstreams(config(publish=second_endpoint, subscribe=[first_endpoint]))
     settings = {"interval_s": 0.02, "stale_after_s": 0.3}
 
     async def main() -> None:
@@ -161,7 +161,7 @@ def test_a_follower_keeps_what_it_routes_to_forgets_in_time_and_bounds_its_peers
     """No publish endpoint: the snapshots it hears still expire; instances it does not route to are left out;
     past MAX_PEERS new routers are skipped; every change is reported (held requests may now fit)."""
     clock = ManualClock()
-    fleet = Fleet(config())
+    fleet = Upstreams(config())
     metrics = RouterMetrics()
     changes: list[int] = []
     settings = config(subscribe=["tcp://127.0.0.1:5999"], interval_s=0.01, stale_after_s=1.0).peers
@@ -200,7 +200,7 @@ def test_a_publish_endpoint_taken_already_is_named_at_start() -> None:
     context = zmq.asyncio.Context()
     squatter = context.socket(zmq.PUB)
     squatter.bind(endpoint)
-    sync = PeerSync(config(publish=endpoint).peers, Fleet(config()), RouterMetrics(), context)
+    sync = PeerSync(config(publish=endpoint).peers, Upstreams(config()), RouterMetrics(), context)
     try:
         with pytest.raises(PeerSyncError, match=f"peers.publish {endpoint} cannot be bound"):
             sync.start()

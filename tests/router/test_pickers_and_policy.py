@@ -7,11 +7,11 @@ import random
 from collections import Counter
 
 from router.config import PickerSpec, PolicyConfig, ScorerSpec
-from router.pickers import MaxScoreParams, MaxScorePicker, Picker, SoftmaxParams, SoftmaxPicker
-from router.policy import Policy
-from scorers.base import RoutingRequest
+from router.scoring.pickers import MaxScoreParams, MaxScorePicker, Picker, SoftmaxParams, SoftmaxPicker
+from router.scoring.policy import Policy
+from router.types import RoutingRequest
 from tests.conftest import ManualClock
-from tests.scorers.candidates import Fake
+from tests.router.scorers.candidates import Fake
 
 
 def test_max_score_picks_the_best() -> None:

@@ -21,13 +21,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvroute.processes import free_port_block
-from router.block_index import BlockIndex
 from router.config import ModelConfig
+from router.dispatch.decision import Decider
+from router.index.block_index import BlockIndex
+from router.index.pool import MasterLookup, PoolConfirmer, key_start, pool_key
 from router.metrics import RouterMetrics
-from router.openai_body import CompletionRequest
-from router.pool import MasterLookup, PoolConfirmer, key_start, pool_key
-from router.routing import Router
-from scorers.base import TierMatch
+from router.prompt.openai_body import CompletionRequest
+from router.types import TierMatch
 from tests.router.test_block_index import BS, OTHER_TOKENS, TOKENS, pooled, prompt, removed, stored, vllm_hash
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,7 +224,7 @@ def test_a_decision_with_pool_credit_probes_the_index_once() -> None:
     async def run() -> dict[str, TierMatch]:
         async with in_process_master(True) as url, aiohttp.ClientSession() as session:
             pool = PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics)
-            router = Router(index, {"tiny-llama": PromptTokens()}, BS, metrics, pool=pool)  # type: ignore[dict-item]
+            router = Decider(index, {"tiny-llama": PromptTokens()}, BS, metrics, pool=pool)  # type: ignore[dict-item]
             body = CompletionRequest(prompt="the prompt", model="tiny-llama")
             return (await router.prepare(body, None)).request.matches
 

@@ -11,11 +11,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from router import block_hashing
-from router.block_index import BlockIndex
-from router.kv_events import EventDecoder
-from router.pool import pool_key
-from scorers.base import TierMatch
+from router.index.block_index import BlockIndex
+from router.index.events import EventDecoder
+from router.index.pool import pool_key
+from router.prompt import block_hashing
+from router.types import TierMatch
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 CAPTURE: dict[str, Any] = json.loads((FIXTURES / "mooncake_capture.json").read_text())

@@ -4,22 +4,15 @@ the router starts and across reloads that add, change and remove instances."""
 from __future__ import annotations
 
 import asyncio
-import types
-from typing import Any, cast
+from typing import Any
 
 import pytest
-import zmq.asyncio
 
-from router.ab import ABStats
-from router.block_index import BlockIndex
 from router.config import ModelConfig, RouterConfig, parse_config
-from router.instances import Fleet
-from router.metrics import RouterMetrics
-from router.pool import key_start, place_instances, pool_key
-from router.proxy import Proxy
-from router.reload import Reloader
-from router.traffic import TrafficSplit
-from scorers.base import TierMatch
+from router.index.block_index import BlockIndex
+from router.index.pool import key_start, place_instances, pool_key
+from router.runtime import Runtime
+from router.types import TierMatch
 from tests.router.test_block_index import BS, pooled, prompt
 
 
@@ -92,23 +85,17 @@ def test_instances_whose_keys_start_differently_count_each_others_pool_blocks_no
 def test_a_reload_moves_changed_instances_to_their_new_pool_name_and_removed_ones_out() -> None:
     async def reload() -> BlockIndex:
         first = config(("a", "llama-8b"), ("b", "llama-70b"), ("c", "llama-70b"))
-        index, context = BlockIndex(BS), zmq.asyncio.Context()
-        place_instances(index, first)
+        runtime = Runtime(first)
+        index, metrics = runtime.index, runtime.metrics
         index.apply(("a", 0), [pooled(0, 6)])
         index.apply(("b", 0), [pooled(0, 2)])
-        proxy = cast(
-            Proxy, types.SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit({"kvroute": 1}))
-        )
-        metrics = RouterMetrics()
         for name in ("b", "c"):  # set once, when a breaker opens: a reload must not lose b's (same URL)
             metrics.circuit_open(name).set(1)
-        reloader = Reloader(first, None, Fleet(first), index, metrics, context, lambda: proxy)
         try:
             # b serves the 8B now (a changed instance: removed, then added); c is gone; d is new.
-            await reloader.apply(config(("a", "llama-8b"), ("b", "llama-8b"), ("d", "llama-70b")))
+            runtime.apply(config(("a", "llama-8b"), ("b", "llama-8b"), ("d", "llama-70b")), "the test")
         finally:
-            await reloader.stop()
-            context.destroy(linger=0)
+            await runtime.subscriptions.stop()
         series = metrics.render().decode()
         assert 'kvroute_circuit_open{vllm_instance="b"} 1.0' in series
         assert 'vllm_instance="c"' not in series  # removed: its series go
@@ -127,16 +114,12 @@ def test_a_reload_that_takes_an_instance_out_of_the_pool_matches_a_fresh_start()
     new = parse_config(raw)
 
     async def reload() -> BlockIndex:
-        index, context = BlockIndex(BS), zmq.asyncio.Context()
-        place_instances(index, first)
-        proxy = cast(Proxy, types.SimpleNamespace(policies={}, ab=ABStats(), traffic=TrafficSplit({"kvroute": 1})))
-        reloader = Reloader(first, None, Fleet(first), index, RouterMetrics(), context, lambda: proxy)
+        runtime = Runtime(first)
         try:
-            assert (await reloader.apply(new))["removed"] == ["b"]
+            assert runtime.apply(new, "the test")["removed"] == ["b"]
         finally:
-            await reloader.stop()
-            context.destroy(linger=0)
-        return index
+            await runtime.subscriptions.stop()
+        return runtime.index
 
     fresh = BlockIndex(BS)
     place_instances(fresh, new)

@@ -20,11 +20,10 @@ import pytest
 import watchfiles
 import yaml
 
-from router.block_index import BlockIndex
 from router.config import parse_config
-from router.instances import Fleet
 from router.metrics import RouterMetrics
 from router.reload import Reloader
+from router.runtime import Runtime
 
 RAW: dict[str, Any] = {"models": [{"name": "tiny-llama"}], "instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}
 # Well past the watch's 50 ms step: a second batch of events from one change would be in by then.
@@ -84,7 +83,9 @@ async def watched(path: Path, metrics: RouterMetrics | None = None) -> AsyncIter
         seen.append(await asyncio.to_thread(path.read_text))
         return {}
 
-    reloader = Reloader(config, path, Fleet(config), BlockIndex(16), metrics, None, lambda: None)  # type: ignore[arg-type,return-value]
+    runtime = Runtime(config)
+    runtime.metrics = metrics
+    reloader = Reloader(runtime, path)
     reloader.reload = reload  # type: ignore[method-assign]
     task = asyncio.create_task(reloader.watch())
     try:

@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from router.block_index import BlockIndex
 from router.config import parse_config
-from router.instances import Fleet
-from router.kv_events import BlockStored
+from router.dispatch.decision import Decider, Prepared
+from router.index.block_index import BlockIndex
+from router.index.events import BlockStored
 from router.metrics import RouterMetrics
-from router.openai_body import ChatRequest, CompletionRequest
-from router.policy import Policy
-from router.routing import Prepared, Router
-from router.token_cache import CachedChatTokenizer
-from router.tokenization import PromptTokenizer
-from scorers.base import RoutingRequest, TierMatch
+from router.prompt.openai_body import ChatRequest, CompletionRequest
+from router.prompt.token_cache import CachedChatTokenizer
+from router.prompt.tokenization import PromptTokenizer
+from router.scoring.policy import Policy
+from router.types import RoutingRequest, TierMatch
+from router.upstreams.instances import Upstreams
 
 MESSAGES = [{"role": "user", "content": "run the tests " * 40}]
 
@@ -54,7 +54,7 @@ class AgreeingRemote(RecordingRemote):
 
 
 def prepare(tokenizer: PromptTokenizer, remote: RecordingRemote, **body: Any) -> int:
-    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
+    router = Decider(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
     prepared = asyncio.run(router.prepare(ChatRequest(model="tiny-llama", messages=MESSAGES, **body), None))
     return prepared.request.prompt_tokens
 
@@ -111,7 +111,7 @@ def test_the_engine_asked_for_ids_gets_reasoning_content_renamed_as_its_chat_end
     tokenizer: PromptTokenizer,
 ) -> None:
     remote = MessageRecordingRemote()
-    router = Router(BlockIndex(32), {}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
+    router = Decider(BlockIndex(32), {}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
     messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "x", "reasoning_content": "r"},
                 {"role": "user", "content": "y"}]  # fmt: skip
     asyncio.run(router.prepare(ChatRequest(model="tiny-llama", messages=messages), None))
@@ -121,7 +121,7 @@ def test_the_engine_asked_for_ids_gets_reasoning_content_renamed_as_its_chat_end
 def test_a_prompt_the_engine_truncates_is_routed_without_prefix_knowledge(tokenizer: PromptTokenizer) -> None:
     # vLLM keeps its last tokens: none of the blocks hashed from the prompt's start would be computed.
     assert prepare(tokenizer, RecordingRemote(), truncate_prompt_tokens=10) == 0
-    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), lambda model: None)
+    router = Decider(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), lambda model: None)
     body = CompletionRequest(model="tiny-llama", prompt="run the tests " * 40, truncate_prompt_tokens=10)
     assert asyncio.run(router.prepare(body, None)).request.prompt_tokens == 0
 
@@ -144,7 +144,7 @@ def prepare_chats(
     """Each chat's prompt tokens as the router counts them, one after another, audits let run in between;
     bodies: each chat's other fields (default: TOOLS)."""
     metrics = RouterMetrics()
-    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, metrics, lambda model: remote,  # type: ignore[arg-type,return-value]
+    router = Decider(BlockIndex(32), {"tiny-llama": tokenizer}, 32, metrics, lambda model: remote,  # type: ignore[arg-type,return-value]
                     audit_every=audit_every)  # fmt: skip
 
     async def run() -> list[int]:
@@ -207,7 +207,7 @@ def test_tools_are_left_out_as_the_engines_option_leaves_them_out(
     """vLLM's --exclude-tools-when-tool-choice-none renders a chat whose tool_choice is "none" without its
     tools: so must the router, or the prompt's blocks are not the engine's (stated per model in the config)."""
     models = frozenset({"tiny-llama"} if engines_leave_tools_out else ())
-    router = Router(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), tools_out_when_none=models)  # type: ignore[dict-item]
+    router = Decider(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), tools_out_when_none=models)  # type: ignore[dict-item]
     body = ChatRequest(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
     prompt_tokens = asyncio.run(router.prepare(body, None)).request.prompt_tokens
     assert prompt_tokens == len(tokenizer.chat_ids(MESSAGES, tools=TOOLS if rendered_with_tools else None))
@@ -250,7 +250,7 @@ def test_a_salted_prompt_matches_only_blocks_cached_under_its_salt(tokenizer: Pr
 
     index.apply(("salted", 0), [stored("tenant-a")])
     index.apply(("plain", 0), [stored(None)])
-    router = Router(index, {"tiny-llama": tokenizer}, 32, RouterMetrics())  # type: ignore[dict-item]
+    router = Decider(index, {"tiny-llama": tokenizer}, 32, RouterMetrics())  # type: ignore[dict-item]
 
     def matched(salt: str | None) -> dict[str, int]:
         body = ChatRequest(model="tiny-llama", messages=MESSAGES, cache_salt=salt)
@@ -292,7 +292,7 @@ def test_an_adapters_prompt_matches_only_blocks_cached_under_that_adapter(
     index.apply(("chat", 0), [stored("chat-lora", 0, blocks, 3)])
     local = {name: tokenizer for name in ("tiny-llama", "sql-lora", "chat-lora")}
     adapters = frozenset({"sql-lora", "chat-lora"})
-    router = Router(index, local, 32, RouterMetrics(), adapters=adapters)  # type: ignore[arg-type]
+    router = Decider(index, local, 32, RouterMetrics(), adapters=adapters)  # type: ignore[arg-type]
 
     def matched(model: str) -> dict[str, int]:
         body = ChatRequest(model=model, messages=MESSAGES, cache_salt=salt)
@@ -320,7 +320,7 @@ def test_off_loop_tokenization_runs_on_the_worker_thread_with_the_same_ids(
             return super().completion_ids(*args, **kwargs)
 
     local = Recording(tokenizer)
-    router = Router(BlockIndex(32), {"tiny-llama": local}, 32, RouterMetrics())
+    router = Decider(BlockIndex(32), {"tiny-llama": local}, 32, RouterMetrics())
 
     async def tokens(body: ChatRequest | CompletionRequest, off_loop: bool) -> int:
         return (await router.prepare(body, None, off_loop=off_loop)).request.prompt_tokens
@@ -347,10 +347,10 @@ def test_a_decision_withdrawn_takes_back_only_its_speculative_blocks() -> None:
         source="test",
     )  # fmt: skip
     index = BlockIndex(4)
-    router = Router(index, {}, 4, RouterMetrics())
+    router = Decider(index, {}, 4, RouterMetrics())
     chain = list(range(1, 9))
     request = RoutingRequest(model="tiny-llama", prompt_tokens=33, prompt_blocks=8, block_size=4, chain=chain)
-    instances = Fleet(config).instances
+    instances = Upstreams(config).instances
     round_robin = Policy("round-robin", config.policies["round-robin"])
     first = router.decide(Prepared(request), round_robin, instances)
     second = router.decide(Prepared(request), round_robin, instances)

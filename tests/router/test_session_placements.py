@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.session_placements import SessionPlacements
+from router.dispatch.session_placements import SessionPlacements
 
 
 def test_turns_are_placed_against_the_sessions_last() -> None:

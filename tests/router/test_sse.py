@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.sse import EventFramer
+from router.dispatch.sse import EventFramer
 
 EVENT = b'data: {"choices":[{"text":"a"}]}\n\n'
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from router.chat_conversation import InvalidPrompt, engine_conversation, engine_template_kwargs
-from router.template_reading import content_format, template_variables
+from router.prompt.chat_conversation import InvalidPrompt, engine_conversation, engine_template_kwargs
+from router.prompt.template_reading import content_format, template_variables
 from tests.router.chat_templates import PARTS_LOOP, TEMPLATES
 
 

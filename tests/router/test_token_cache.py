@@ -18,11 +18,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
-from kvroute.tinymodel import CHAT_TEMPLATE, MODEL_NAME
-from router.chat_conversation import InvalidPrompt
-from router.token_cache import CachedChatTokenizer, RemoteTokenizer, TokenizeFailed, cut_tokens
-from router.tokenization import PromptTokenizer
+from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.token_cache import CachedChatTokenizer, RemoteTokenizer, TokenizeFailed, cut_tokens
+from router.prompt.tokenization import PromptTokenizer
 from tests.router.test_proxy import post
+from tinymodel.builder import CHAT_TEMPLATE, MODEL_NAME
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
 Messages = list[dict[str, Any]]

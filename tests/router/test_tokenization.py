@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tokenization import PromptTokenizer
+from router.prompt.tokenization import PromptTokenizer
 
 TEXTS = [
     "",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
-from router.tokenization import PromptTokenizer
+from router.prompt.tokenization import PromptTokenizer
 from tests.router.test_proxy import post
 
 BLOCK = 16

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from router.ab import ABStats, _bootstrap_medians
-from router.traffic import TrafficSplit
+from router.dispatch.ab import ABStats, _bootstrap_medians
+from router.dispatch.traffic import TrafficSplit
 
 SESSIONS = [f"session-{i}" for i in range(2000)]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvroute.stack_config import load_stack_config
-from router import block_hashing
-from router.block_index import BlockIndex
-from router.kv_events import EventDecoder
+from router.index.block_index import BlockIndex
+from router.index.events import EventDecoder
+from router.prompt import block_hashing
 from tests.stack.conftest import CONFIG, REPO
 
 pytestmark = pytest.mark.stack

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from kvroute import tinymodel
 from kvroute.processes import free_port_block, spawn, wait_healthy
 from kvroute.stack_config import load_stack_config
-from router.template_reading import content_format
-from router.tokenization import PromptTokenizer
+from router.prompt.template_reading import content_format
+from router.prompt.tokenization import PromptTokenizer
 from tests.router.chat_templates import TEMPLATES
 from tests.stack.client import post
 from tests.stack.conftest import CONFIG, REPO
+from tinymodel import builder as tinymodel
 
 pytestmark = pytest.mark.stack
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from kvroute.stack import Stack
-from router.openai_body import ChatRequest
-from router.tokenization import PromptTokenizer
+from router.prompt.openai_body import ChatRequest
+from router.prompt.tokenization import PromptTokenizer
 from tests.stack.client import (
     BLOCK,
     CACHED_HEADER,

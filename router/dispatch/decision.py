@@ -1,0 +1,247 @@
+"""The routing decision: tokenize -> hash blocks -> look up the index -> score and pick -> speculate.
+
+The HTTP layer (router/http/proxy.py) calls prepare() once per request and decide() once per attempt, so
+a retry on another instance neither re-tokenizes nor re-hashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import xxhash
+
+from router.dispatch.session_placements import SessionPlacements
+from router.index.block_index import BlockIndex, Speculation
+from router.index.pool import NoPool, PrefixMatches
+from router.metrics import RouterMetrics
+from router.prompt import block_hashing
+from router.prompt.chat_conversation import InvalidPrompt, engine_messages
+from router.prompt.openai_body import ChatRequest, CompletionRequest
+from router.prompt.token_cache import RemoteTokenizer
+from router.prompt.tokenization_audit import TokenizationAudit
+from router.scoring.policy import Policy
+from router.scoring.ttft_features import features_for, reused_blocks
+from router.scoring.ttft_model import TTFTFeatures
+from router.types import NO_MATCH, RoutingRequest, TierMatch
+from router.upstreams.instances import Instance
+
+log = logging.getLogger(__name__)
+
+
+class TruncatedPrompt(Exception):
+    """truncate_prompt_tokens: what the engine computes is not the prompt's start."""
+
+
+class UnreproducibleTemplate(Exception):
+    """The request feeds the chat template inputs the router cannot render as the engine will."""
+
+
+class LocalTokenizer(Protocol):
+    def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]: ...
+
+    def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    request: RoutingRequest
+
+    @property
+    def chain(self) -> Sequence[int]:
+        return self.request.chain
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    instance: Instance
+    prompt_tokens: int
+    prompt_blocks: int
+    cached_blocks: int
+    uncached_tokens: int
+    features: TTFTFeatures
+    predicted_ttft_s: float
+    speculated: Speculation | None = None  # blocks entered as pending at the instance
+    reused: TierMatch = NO_MATCH  # the blocks the instance would reuse, by tier
+    chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
+    session_key: str | None = None  # the router's digest of the client's session key
+
+
+class Decider:
+    def __init__(
+        self,
+        index: BlockIndex,
+        tokenizers: dict[str, LocalTokenizer],
+        block_size: int,
+        metrics: RouterMetrics,
+        remote: Callable[[str], RemoteTokenizer | None] = lambda model: None,
+        pool: PrefixMatches | None = None,
+        adapters: frozenset[str] = frozenset(),
+        audit_every: int = 0,
+        tools_out_when_none: frozenset[str] = frozenset(),
+    ) -> None:
+        """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
+        pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
+        adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name;
+        audit_every: one chat in this many is checked (router/prompt/tokenization_audit.py);
+        tools_out_when_none: the models whose engines leave a chat's tools out when its tool_choice is "none"
+        (vLLM's --exclude-tools-when-tool-choice-none)."""
+        self._audit = TokenizationAudit(audit_every, metrics, remote)
+        self._pool = NoPool(index) if pool is None else pool
+        self._adapters = adapters
+        self._tools_out_when_none = tools_out_when_none
+        self._index = index
+        self._tokenizers = tokenizers
+        self._chains = block_hashing.ChainCache(block_size)
+        self._block_size = block_size
+        self._metrics = metrics
+        self._remote = remote
+        # One thread: long prompts take turns there, and the event loop keeps the other core's share.
+        self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+        self._placements = SessionPlacements()
+
+    async def prepare(
+        self,
+        body: ChatRequest | CompletionRequest,
+        session_key: str | None,
+        tokenize: bool = True,
+        off_loop: bool = False,
+    ) -> Prepared:
+        """tokenize=False routes without prefix knowledge (a body too large to tokenize); off_loop: tokenize
+        on the worker thread (a long prompt would hold up every other request on the event loop)."""
+        started = time.perf_counter()
+        if session_key is not None:  # a client's string, kept per session: store a fixed-size digest
+            session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
+        try:
+            ids = await self._token_ids(body, off_loop) if tokenize else []
+        except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
+            # The engine is the judge of what it accepts; the router routes without prefix knowledge.
+            log.debug("routing without prefix knowledge: %r", exc)
+            self._metrics.untokenized(type(exc).__name__).inc()
+            ids = []
+        lora_name = body.model if body.model in self._adapters else None
+        chain = self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
+        # The engine computes the last prompt token whatever it holds, and looks up the blocks before it only:
+        # a hybrid model's other groups decide its hit within those (router/index/kv_groups.py).
+        reusable = max(len(ids) - 1, 0) // self._block_size
+        matches = await self._pool.confirm(body.model, chain, reusable) if chain else {}
+        request = RoutingRequest(
+            model=body.model,
+            session_key=session_key,
+            prompt_tokens=len(ids),
+            prompt_blocks=len(chain),
+            block_size=self._block_size,
+            matches=matches,
+            chain=chain,
+        )
+        self._metrics.decision("prepare").observe(time.perf_counter() - started)
+        return Prepared(request)
+
+    def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
+        started = time.perf_counter()
+        instance = candidates[policy.choose(prepared.request, candidates)]
+        match = prepared.request.matches.get(instance.name, NO_MATCH)
+        held = match.gpu + match.cpu + match.pool
+        speculated = None
+        if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
+            speculated = self._index.speculate(instance.name, prepared.chain, start=held)
+        features = features_for(prepared.request, instance)
+        self._metrics.decision("choose").observe(time.perf_counter() - started)
+        tokens = prepared.request.prompt_tokens
+        return Decision(
+            instance,
+            tokens,
+            prepared.request.prompt_blocks,
+            cached_blocks=(tokens - features.uncached_tokens) // self._block_size,
+            uncached_tokens=features.uncached_tokens,
+            features=features,
+            predicted_ttft_s=instance.ttft_model.predict(features),
+            speculated=speculated,
+            reused=reused_blocks(prepared.request, instance.name),
+            chain=prepared.chain,
+            session_key=prepared.request.session_key,
+        )
+
+    def served(self, decision: Decision, policy: Policy) -> None:
+        """decision is the one an instance answered (a request retried elsewhere counts once)."""
+        reused = decision.reused
+        self._metrics.prompt_tokens(policy.name).inc(decision.prompt_tokens)
+        if decision.session_key is not None:
+            placement = self._placements.record(decision.session_key, decision.instance.name)
+            self._metrics.session_turns(policy.name, placement).inc()
+        for tier, blocks in zip(("gpu", "cpu", "pool"), (reused.gpu, reused.cpu, reused.pool), strict=True):
+            if blocks:
+                self._metrics.predicted_cached(policy.name, tier).inc(blocks * self._block_size)
+
+    def withdraw(self, decision: Decision) -> None:
+        """The request never ran where it was routed: take back the blocks decide() entered for it there."""
+        if decision.speculated is not None:
+            self._index.withdraw(decision.instance.name, decision.speculated)
+
+    def close(self) -> None:
+        self._audit.close()
+        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:
+        """The prompt's token ids as the engine will see them; [] when nothing here can tell."""
+        if body.truncate_prompt_tokens is not None:
+            raise TruncatedPrompt("the engine keeps only the prompt's last tokens")
+        local = self._tokenizers.get(body.model)
+        if isinstance(body, CompletionRequest):
+            if body.prompt is None:  # embeddings only: nothing the index keys
+                return []
+            if local is not None:
+                return await self._local(off_loop, local.completion_ids, body.prompt, body.add_special_tokens)
+            remote = self._remote(body.model)
+            if remote is None:
+                return []
+            return await remote.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
+        if body.documents is not None:
+            raise UnreproducibleTemplate("documents reach the template")
+        if body.tools is not None and body.tool_choice == "none" and body.model in self._tools_out_when_none:
+            body = msgspec.structs.replace(body, tools=None)
+        flags = {
+            "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message,
+            "add_special_tokens": body.add_special_tokens,
+        }
+        template_inputs = body.engine_template_inputs()
+        with_inputs = bool(template_inputs)
+        if local is not None and body.chat_template is None and self._audit.trusts(body.model, with_inputs):
+            try:
+                ids = await self._local(
+                    off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
+                    body.continue_final_message, body.add_special_tokens, body.tools,
+                    template_inputs.get("chat_template_kwargs"),
+                )  # fmt: skip
+            except InvalidPrompt:
+                if not with_inputs:  # with tools or kwargs, a shape beyond what is built here: ask the engine
+                    raise
+            else:
+                self._audit.consider(body.model, body.messages, flags, template_inputs, ids)
+                return ids
+        # A request's own template (and chats the audit found rendered differently) go to the engine's code.
+        remote = self._remote(body.model)
+        if remote is None:
+            return []
+        # /tokenize keeps the deprecated reasoning_content that the chat endpoint renames.
+        return await remote.chat_ids(engine_messages(body.messages), **flags, template_inputs=template_inputs)
+
+    async def _local(self, off_loop: bool, tokenize: Callable[..., list[int]], *args: Any) -> list[int]:
+        if not off_loop:
+            return tokenize(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, tokenize, *args)

@@ -1,0 +1,220 @@
+"""What became of one attempt at one instance, told to every part that learns from it, from one place.
+
+An attempt starts (the instance counts it in flight, its circuit breaker may take it as a probe), may see its
+first byte (the TTFT model and the A/B statistics learn), and ends once: finished (answered, refused, broken
+or cut) or abandoned before the client had anything (the instance failed or the client left). Each of those
+updates the instance's counters, its breaker, the metrics, the A/B statistics and the index's speculative
+entries here, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import aiohttp
+
+from router.dispatch.ab import ABStats
+from router.dispatch.decision import Decider, Decision
+from router.metrics import RouterMetrics
+from router.scoring.policy import Policy
+from router.upstreams.instances import Instance
+
+log = logging.getLogger(__name__)
+
+BUSY = 503  # refused before anything ran: not a failure of the instance
+CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
+
+
+@dataclass(frozen=True)
+class Observers:
+    """The parts an outcome tells: metrics, the decider (speculative blocks, served turns), the A/B results
+    of the routing table in force, and the memory gate (requests held until memory frees)."""
+
+    metrics: RouterMetrics
+    decider: Decider
+    ab_for: Callable[[Policy], ABStats]
+    memory_freed: Callable[[], None]
+
+
+@dataclass(eq=False)
+class Prefill:
+    """A request's uncached prompt tokens, queued in its instance's prefill count until the engine is past
+    them: at the first byte, when the predicted TTFT of a whole answer passes, or at the end at the latest."""
+
+    instance: Instance
+    tokens: int
+
+    def take(self) -> int:
+        """The tokens still queued, from now on not (0 once taken)."""
+        tokens, self.tokens = self.tokens, 0
+        return tokens
+
+    def retire(self) -> None:
+        self.instance.own_pending_prefill_tokens -= self.take()
+
+
+@dataclass(eq=False)  # kept in a set by identity
+class Outcome:
+    observers: Observers
+    decision: Decision
+    policy: Policy
+    model: str  # as the client named it (a configured model: the metrics' label values stay few)
+    streamed: bool
+    started: float  # this attempt: what the instance's TTFT model learns from
+    first_sent: float  # the first attempt: what the client waited, for the policy's metrics
+    prefill: Prefill
+    probe: bool  # the instance's half-open circuit breaker let it through as its probe
+    upstream: aiohttp.ClientResponse | None = None  # once the instance answered
+    first: bytes = b""  # a stream's first chunk, or the whole answer
+    attempts: int = 1
+    finished: bool = False
+    broken: bool = False  # the stream from upstream broke off
+    engine_error: bool = False  # the engine's stream carried an error event (it failed mid-way)
+    cut: bool = False  # ended by the router (shutting down), not by the instance
+    completed: bool = False  # relayed to its end (a stream not broken, cut, nor left by its client)
+
+    @classmethod
+    def start(
+        cls, observers: Observers, decision: Decision, policy: Policy, model: str, streamed: bool,
+        first_sent: float | None,
+    ) -> Outcome:  # fmt: skip
+        """Count the attempt against its instance, as it is sent."""
+        instance = decision.instance
+        probe = instance.breaker.sent()
+        instance.start(decision.prompt_tokens, decision.uncached_tokens, decision.chain)
+        metrics = observers.metrics
+        metrics.in_flight(instance.name).set(instance.own_in_flight)
+        metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
+        started = time.perf_counter()
+        prefill = Prefill(instance, decision.uncached_tokens)
+        if not streamed and prefill.tokens:
+            # A whole answer's first byte comes with its last: its prefill retires when the instance's TTFT
+            # model expects the first token instead (an engine answers whole only at the end).
+            asyncio.get_running_loop().call_later(decision.predicted_ttft_s, prefill.retire)
+        first = started if first_sent is None else first_sent
+        return cls(observers, decision, policy, model, streamed, started, first, prefill, probe)
+
+    @property
+    def instance(self) -> Instance:
+        return self.decision.instance
+
+    @property
+    def status(self) -> int:
+        return 0 if self.upstream is None else self.upstream.status
+
+    def answered(self, upstream: aiohttp.ClientResponse, first: bytes, attempts: int) -> None:
+        """The instance answered: this attempt serves the client. A stream's first byte is here."""
+        self.upstream, self.first, self.attempts = upstream, first, attempts
+        self.observers.decider.served(self.decision, self.policy)
+        if self.streamed:
+            self.first_byte()
+
+    def first_byte(self, decoded_tokens: int | None = None) -> None:
+        """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown). Only answers
+        (200) count as TTFT samples: an error comes back fast and would flatter its policy."""
+        self.prefill.retire()
+        if self.status != 200:
+            return
+        now = time.perf_counter()
+        waited, elapsed = now - self.first_sent, now - self.started
+        metrics, policy = self.observers.metrics, self.policy.name
+        metrics.ttft(policy, self.model).observe(waited)
+        self.observers.ab_for(self.policy).first_byte(policy, waited, self.decision.session_key)
+        decision, name = self.decision, self.instance.name
+        model = self.instance.ttft_model
+        if self.streamed:
+            model.observe(decision.features, elapsed)
+            metrics.ttft_observed(name).observe(elapsed)
+            metrics.ttft_error(name).observe(elapsed - decision.predicted_ttft_s)
+        elif decoded_tokens is not None:
+            model.observe(replace(decision.features, decoded_tokens=decoded_tokens), elapsed)
+        else:
+            return
+        if model.solved == model.observations:  # the rates just changed
+            for term, rate in model.rates.items():
+                metrics.ttft_rate(name, term).set(rate)
+
+    def observed_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """The engine's own count of the prompt tokens it had cached (a whole answer's usage)."""
+        self.observers.ab_for(self.policy).observed_cache(self.policy.name, prompt_tokens, cached_tokens)
+
+    def abandon(
+        self,
+        upstream: aiohttp.ClientResponse | None,
+        failed: bool = True,
+        admitted: bool = True,
+        withdraw: bool = False,
+    ) -> None:
+        """The attempt never reached the client: free what it held. failed: count it against the instance's
+        circuit breaker; admitted: the engine may have held its context (it was sent); withdraw: the engine
+        computed nothing of it, or lost it, so its speculative blocks go."""
+        if upstream is not None:
+            upstream.close()  # not released to the pool: the engine must see the connection go (abort)
+        self._end(admitted)
+        if failed:
+            self._breaker_failed()
+        else:
+            self.instance.breaker.abandoned(self.probe)
+        if withdraw:
+            self.observers.decider.withdraw(self.decision)
+
+    def finish(self) -> bool:
+        """The answer ended, whole, broken, cut or left by its client; False when it had already."""
+        if self.finished or self.upstream is None:
+            return False
+        self.finished = True
+        self.upstream.release()
+        status = self.upstream.status
+        self._end(admitted=status == 200)
+        if status >= 400:  # refused or failed: the engine computed nothing of it
+            self.observers.decider.withdraw(self.decision)
+        # A stream that ended neither whole, broken nor cut by the router was left by its client mid-way: its
+        # time is not an answer's, and it says nothing of the instance.
+        left = self.streamed and status == 200 and not (self.completed or self.broken or self.cut)
+        failed = self.broken or self.engine_error
+        if (failed and not self.cut) or (status >= 500 and status != BUSY):
+            self._breaker_failed()
+        elif self.cut or left or status >= 400:
+            # Ended by the router or the client, or the client's mistake: nothing learnt about the instance.
+            self.instance.breaker.abandoned(self.probe)
+        else:
+            self._breaker_succeeded()
+        if left:
+            status = CLIENT_CLOSED
+        metrics, policy, decision = self.observers.metrics, self.policy.name, self.decision
+        metrics.requests(policy, self.instance.name, str(status), self.model).inc()
+        elapsed = time.perf_counter() - self.first_sent
+        answered = status == 200 and not failed
+        if answered:
+            metrics.e2e(policy, self.model).observe(elapsed)
+        self.observers.ab_for(self.policy).finished(
+            policy, self.instance.name, 502 if failed else status, elapsed if answered else None,
+            decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
+        )  # fmt: skip
+        return True
+
+    def _end(self, admitted: bool) -> None:
+        instance, decision = self.instance, self.decision
+        instance.end(decision.prompt_tokens, self.prefill.take(), admitted, decision.chain)
+        self.observers.metrics.in_flight(instance.name).set(instance.own_in_flight)
+        self.observers.memory_freed()
+
+    def _breaker_failed(self) -> None:
+        instance = self.instance
+        if instance.breaker.failed(self.probe):
+            failures = instance.breaker.failures
+            log.warning("circuit breaker for %s opened after %d failures in a row", instance.name, failures)
+            self.observers.metrics.circuit_opens(instance.name).inc()
+            self.observers.metrics.circuit_open(instance.name).set(1)
+
+    def _breaker_succeeded(self) -> None:
+        instance = self.instance
+        if self.probe:
+            log.info("circuit breaker for %s closed: a probe request succeeded", instance.name)
+        instance.breaker.succeeded(self.probe)
+        if instance.breaker.opened_at is None:
+            self.observers.metrics.circuit_open(instance.name).set(0)

@@ -1,0 +1,195 @@
+"""The router's HTTP surface: OpenAI endpoints, /health and /metrics, on FastAPI."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
+
+from router.config import RouterConfig
+from router.errors import MALFORMED_HTTP, OpenAIError
+from router.http.admin import admin_routes, admin_token
+from router.http.client_auth import ClientAuth, client_key_digests
+from router.http.dashboard import dashboard_routes
+from router.http.fast_path import OpenAIFastPath
+from router.http.proxy import (
+    ATTEMPTS_HEADER,
+    CACHED_BLOCKS_HEADER,
+    INSTANCE_HEADER,
+    POLICY_HEADER,
+    PREDICTED_TTFT_HEADER,
+    PROMPT_BLOCKS_HEADER,
+    BodyLimits,
+    Proxy,
+)
+from router.http.request_limits import RequestLimits
+from router.prompt.openai_body import ChatRequest, CompletionRequest
+from router.reload import Reloader
+from router.runtime import Runtime
+
+log = logging.getLogger(__name__)
+_PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+# What a browser page may read of an answer besides the simple headers: when to retry, where it was routed.
+_EXPOSED = [
+    "retry-after", INSTANCE_HEADER, POLICY_HEADER, CACHED_BLOCKS_HEADER, PROMPT_BLOCKS_HEADER,
+    PREDICTED_TTFT_HEADER, ATTEMPTS_HEADER, "x-request-id",
+]  # fmt: skip
+
+
+class RouterApp(NamedTuple):
+    api: FastAPI  # every route; its state holds the proxy once the lifespan has started
+    asgi: ASGIApp  # what the server runs: the request limits and the OpenAI fast path in front of api
+    malformed_http: Callable[[], None]  # counts what the HTTP parser refused before the app saw it
+
+
+def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
+    """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload."""
+    runtime = Runtime(config)
+    fleet, metrics, index, bases = runtime.upstreams, runtime.metrics, runtime.index, runtime.bases
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with runtime:
+            app.state.proxy = Proxy(
+                fleet, lambda: runtime.table, runtime.decider, runtime.attempts, runtime.relay,
+                runtime.admission, metrics,
+                BodyLimits(
+                    config.tokenization.max_body_bytes,
+                    config.tokenization.thread_above_bytes,
+                    config.limits.body_timeout_s,
+                    config.limits.send_timeout_s,
+                ),
+            )  # fmt: skip
+            reloader = app.state.reloader = Reloader(runtime, path)
+            healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
+            log.info(
+                "routing %s to %d instances (%d answering), default policy %s; the /admin API is %s",
+                ", ".join(fleet.models), len(fleet.instances), healthy, config.default_policy,
+                "on" if admin_token(config.admin) is not None else "off (no admin.token)",
+            )  # fmt: skip
+            watch = asyncio.create_task(reloader.watch())
+            try:
+                yield
+            finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+
+    # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
+    app = FastAPI(
+        title="kvroute", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False}
+    )
+
+    def current_config() -> RouterConfig:
+        return runtime.config
+
+    def client_error(error: OpenAIError) -> None:
+        # 429s are counted where they are decided, with the router's own rejections; so are the 401s for a
+        # client's API key, which never come here (router/http/client_auth.py answers them). The admin
+        # token's 401 and 403 do: missing_token and wrong_token are what probing the admin API looks like.
+        if error.status < 500 and error.status != 429:
+            metrics.client_errors(str(error.code)).inc()
+
+    def malformed_http() -> None:
+        metrics.client_errors(MALFORMED_HTTP).inc()
+
+    async def reload() -> dict[str, Any]:
+        reloader: Reloader = app.state.reloader
+        return await reloader.reload()
+
+    def current_admin_token() -> str | None:
+        return admin_token(current_config().admin)
+
+    app.include_router(admin_routes(current_admin_token, runtime, reload))
+    app.include_router(dashboard_routes(fleet, index, runtime, current_admin_token))
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        client_error(exc)
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        headers = dict(exc.headers or {})  # a 405's Allow, say
+        error = OpenAIError(exc.status_code, str(exc.detail), kind, str(exc.status_code), headers=headers)
+        client_error(error)
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        error = OpenAIError(400, str(exc), "invalid_request_error", "invalid_request")
+        client_error(error)
+        return error.response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await request.app.state.proxy.forward(request, "/v1/chat/completions", ChatRequest)  # type: ignore[no-any-return]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await request.app.state.proxy.forward(request, "/v1/completions", CompletionRequest)  # type: ignore[no-any-return]
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models() -> JSONResponse:
+        cards = [
+            {"id": name, "object": "model", "created": started, "owned_by": "kvroute"}
+            | ({"parent": bases[name]} if bases.get(name) else {})  # an adapter's base, as vLLM lists it
+            | ({"max_model_len": length} if (length := fleet.max_model_len(name)) is not None else {})
+            for name in fleet.served_models()
+        ]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too
+    async def health() -> JSONResponse:
+        """503 only when no instance is healthy: a load balancer reads the status code, and a router that
+        can still serve must stay in rotation. "degraded" (still 200) tells a person or an alert that some
+        instance is down, some model has no healthy instance, or the configuration needs a look."""
+        healthy = [i.name for i in fleet.instances if i.healthy]
+        unhealthy = [i.name for i in fleet.instances if not i.healthy]
+        unavailable_models = fleet.unavailable_models()
+        warnings = runtime.warnings()
+        if not healthy:
+            status = "unavailable"
+        else:
+            status = "degraded" if unhealthy or unavailable_models or warnings else "ok"
+        body = {
+            "status": status,
+            "healthy_instances": healthy,
+            "unhealthy_instances": unhealthy,
+            "unavailable_models": unavailable_models,
+            "instances": len(fleet.instances),
+            "warnings": warnings,
+        }
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=_PROMETHEUS_TEXT)
+
+    # Outside FastAPI, whose middleware stack would wrap every request and every send; the limits apply to
+    # the fast path and to the app's routes alike.
+    fast = OpenAIFastPath(app, proxy=lambda: app.state.proxy, rejected=client_error)
+    limits = RequestLimits(
+        fast, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
+    )
+    auth = ClientAuth(limits, client_key_digests(config.auth), metrics.rejected("invalid_api_key").inc)
+    if not config.cors.allow_origins:
+        return RouterApp(app, auth, malformed_http)
+    # Outermost: a browser's preflight carries no API key, and every answer, errors too, needs the headers.
+    cors = CORSMiddleware(
+        auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED
+    )
+    return RouterApp(app, cors, malformed_http)

@@ -1,0 +1,52 @@
+"""Runs the router app on uvicorn with uvloop and httptools, and shuts it down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from router.config import RouterConfig
+from router.http.app import create_app
+from router.upstreams.http_session import freeze_startup_objects, server_config
+
+log = logging.getLogger(__name__)
+
+# Streams still running when the grace period ends are ended by the router itself, with an error event and
+# [DONE]; uvicorn cancels what is left (whole answers still computing) this much later.
+_CANCEL_AFTER_S = 1
+
+
+class _GracefulServer(uvicorn.Server):
+    """On SIGTERM uvicorn stops accepting connections and waits for those in flight up to its timeout, then
+    cancels them; this ends the streams cleanly before that."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float) -> None:
+        super().__init__(config)
+        self._app, self._grace_s = app, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        log.info("shutting down: no new connections; streams in flight get %g s to finish", self._grace_s)
+        ending = asyncio.get_running_loop().call_later(self._grace_s, self._end_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    def _end_streams(self) -> None:
+        proxy = getattr(self._app.state, "proxy", None)
+        if proxy is not None:
+            proxy.end_streams()
+
+
+def run_server(config: RouterConfig, host: str, port: int, path: Path | None = None) -> None:
+    app = create_app(config, path)
+    freeze_startup_objects()
+    grace = math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S
+    serving = server_config(app.asgi, host, port, app.malformed_http, timeout_graceful_shutdown=grace)
+    _GracefulServer(serving, app.api, config.shutdown_grace_s).run()

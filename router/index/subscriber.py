@@ -1,0 +1,330 @@
+"""Follows one vLLM instance's KV events and hands them, in order and per owner, to a sink (the index).
+
+Sequence numbers count from 0 per engine process and per data parallel rank, so each rank is tracked on its
+own. A jump forward is a gap, filled from the instance's replay buffer; when it cannot be filled, the owner's
+entries are dropped, as stale entries route worse than none. A jump back is a new engine process, whose
+predecessor's blocks are gone, unless it is a batch already applied coming again (the live copy of a replayed
+batch), which has the engine timestamp recorded for its number. Timestamps are only compared for equality:
+engine clocks step, and a new process's may be behind its predecessor's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
+
+import zmq
+import zmq.asyncio
+
+from router.index.events import (
+    END_OF_REPLAY,
+    EVENT_TYPES,
+    BlockStored,
+    EventBatch,
+    EventDecoder,
+    KVEvent,
+    MalformedBatch,
+    pack_seq,
+    unpack_seq,
+)
+from router.metrics import RouterMetrics
+from router.supervisor import supervise
+
+log = logging.getLogger(__name__)
+_YIELD_EVERY = 256  # batches handled between turns given to the event loop
+# Applied batches whose timestamps a rank's position keeps: the copies that come again are the live ones of a
+# warm start's replay, published while it was read.
+_REMEMBERED = 1024
+_FOREIGN_STORES_NAMED = 4  # BlockStored events of another size, and none of block_size, before it is said
+
+Owner: TypeAlias = tuple[str, int]
+"""(instance name, data parallel rank); a batch without a rank belongs to rank 0."""
+
+_Numbered: TypeAlias = tuple[int, EventBatch]
+
+
+class EventSink(Protocol):
+    def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None: ...
+
+    def drop(self, owner: Owner) -> None: ...
+
+
+@dataclass(slots=True)
+class _Position:
+    next_seq: int
+    applied: OrderedDict[int, float] = field(default_factory=OrderedDict)  # seq -> ts, the latest ones
+
+
+class KVEventSubscriber:
+    """Keeps `sink` in step with one instance's events, recovering missed ones through `replay_endpoint`.
+
+    ```
+    subscriber = KVEventSubscriber("a", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5567", index, metrics, context)
+    task = asyncio.create_task(subscriber.run())
+    ```
+    """
+
+    def __init__(
+        self,
+        instance: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        sink: EventSink,
+        metrics: RouterMetrics,
+        context: zmq.asyncio.Context,
+        replay_timeout_s: float = 2.0,
+        max_message_bytes: int = 64 * 2**20,
+        block_size: int | None = None,
+    ) -> None:
+        """block_size: the index's; an engine whose blocks are all of another size cannot be indexed, which
+        is said once."""
+        self.instance = instance
+        self._block_size = block_size
+        self.foreign_block_size: int | None = None  # the engine's, once known to differ from block_size
+        self._sizes_seen = [0, 0]  # BlockStored events of block_size and of others, since the engine began
+        self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
+        self._sink, self._metrics, self._context = sink, metrics, context
+        self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
+        self._decoder = EventDecoder()
+        self._positions: dict[int, _Position] = {}
+        self._started_over: set[int] = set()  # ranks seen restarting since the load scraper last said so
+        self._events = {kind: metrics.kv_events(instance, kind.__name__) for kind in EVENT_TYPES}
+        self._malformed = metrics.kv_malformed(instance)
+        self._skipped = metrics.kv_skipped_events(instance)
+        self._gaps = metrics.kv_gaps(instance)
+        self._replays_ok = metrics.kv_replays(instance, "ok")
+        self._replays_failed = metrics.kv_replays(instance, "failed")
+        self._restarts = metrics.kv_restarts(instance)
+        self._warm = metrics.kv_warm(instance)
+        self._warm.set(0)
+        self._last_event = metrics.kv_last_event(instance)
+
+    async def run(self) -> None:
+        """Follow the instance until cancelled; a failed session is logged, counted and started again."""
+        await supervise(f"kv-events {self.instance}", self._session, 1.0, self._metrics.task_failures)
+
+    def engine_restarted(self) -> None:
+        """The instance is served by a new engine process (its /metrics said so). A rank whose sequence was
+        seen starting over since the last such news follows that process already; the others are dropped and
+        start afresh with their next batch, replayed from the engine's buffer from 0 when there is one."""
+        for rank in list(self._positions):
+            if rank not in self._started_over:
+                self._restart(rank)
+        self._started_over.clear()
+
+    async def _session(self) -> None:
+        sub = self._socket(zmq.SUB, self._endpoint)
+        reconnecting = asyncio.create_task(self._reconnect_when_dropped(sub))
+        try:
+            await self._warm_start()
+            while True:
+                numbered = self._parse(await sub.recv_multipart())
+                if numbered is not None:
+                    await self._accept(*numbered, live=True)
+        finally:
+            try:
+                reconnecting.cancel()
+                await asyncio.gather(reconnecting, return_exceptions=True)
+            finally:
+                sub.close(linger=0)
+
+    async def _reconnect_when_dropped(self, sub: zmq.asyncio.Socket) -> None:
+        """libzmq drops a connection that sends a message over MAXMSGSIZE and never reconnects it (a protocol
+        error, unlike a lost peer): connect again, and the next batch's sequence gap is handled as any gap."""
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                log.info("KV events connection to %s dropped; connecting again", self.instance)
+                try:
+                    sub.disconnect(self._endpoint)
+                    sub.connect(self._endpoint)
+                except zmq.ZMQError as exc:  # the socket goes on as libzmq left it; the next drop retries
+                    log.warning("could not reconnect to %s's KV events: %s", self.instance, exc)
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+
+    async def _warm_start(self) -> None:
+        """Rebuild from the engine's buffer what a restarted router would otherwise never learn. A session
+        started again goes on from its positions instead: its next batch shows what it missed, as a gap."""
+        if self._replay_endpoint is None or self._positions:
+            return
+        replayed = await self._replay(0)
+        if replayed is None:
+            self._replays_failed.inc()
+            return
+        self._replays_ok.inc()
+        for number, (seq, batch) in enumerate(replayed, start=1):
+            await self._accept(seq, batch, live=False)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a buffer of 10,000 batches must not stall every other request
+        self._warm.set(1)
+
+    async def _accept(self, seq: int, batch: EventBatch, live: bool) -> None:
+        """Apply a batch in sequence; a gap before a live batch is replayed, one inside a replay cannot be."""
+        rank = batch.data_parallel_rank or 0
+        position = self._positions.get(rank)
+        if position is not None and seq < position.next_seq:
+            if position.applied.get(seq) == batch.ts:
+                return  # the live copy of a batch a replay applied
+            self._restart(rank)
+            position = None
+        if position is not None:
+            expected = position.next_seq
+        elif live and self._replay_endpoint is not None:
+            expected = 0  # a process we have not followed yet: its history is in the buffer from 0
+        else:
+            expected = seq  # the oldest batch still to be had is where history begins
+        if seq > expected:
+            self._gaps.inc()
+            replayed = None
+            if live:
+                # From one batch earlier: if the batch applied last comes back different, a new process has
+                # passed our position (its sequence restarted at 0), so its whole history is needed instead.
+                replayed = await self._replay(expected - 1 if position is not None and expected else expected)
+                if self._positions.get(rank) is not position:  # dropped meanwhile, as engine_restarted does
+                    return await self._accept(seq, batch, live)
+                if position is not None and replayed and _restarted(replayed, rank, expected - 1, position):
+                    self._restart(rank)
+                    expected, replayed = 0, await self._replay(0)
+            if not await self._fill(rank, expected, seq, replayed):
+                return await self._accept(seq, batch, live)
+        self._apply(rank, seq, batch)
+
+    async def _fill(self, rank: int, start: int, end: int, replayed: list[_Numbered] | None) -> bool:
+        """Apply the batches start..end-1 of rank; drop the owner first when some of them are lost. False
+        when rank was dropped meanwhile (a long gap gives the event loop turns, as engine_restarted may)."""
+        mine = {seq: batch for seq, batch in replayed or () if (batch.data_parallel_rank or 0) == rank}
+        first = end
+        while first > start and first - 1 in mine:
+            first -= 1
+        if first == start:
+            self._replays_ok.inc()
+        else:
+            self._replays_failed.inc()
+            self._drop(rank)  # what follows the lost batches is still true, so it is applied after the drop
+        for number, seq in enumerate(range(first, end), start=1):
+            self._apply(rank, seq, mine[seq])
+            if number % _YIELD_EVERY == 0:
+                position = self._positions.get(rank)
+                await asyncio.sleep(0)  # a gap of thousands of batches must not stall every other request
+                if self._positions.get(rank) is not position:
+                    return False
+        return True
+
+    def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
+        position = self._positions.get(rank)
+        if position is None:
+            position = self._positions[rank] = _Position(seq)
+        position.next_seq = seq + 1
+        applied = position.applied
+        applied[seq] = batch.ts
+        if len(applied) > _REMEMBERED:
+            applied.popitem(last=False)
+        expected_size = self._block_size
+        for event in batch.events:
+            self._events[type(event)].inc()
+            if type(event) is BlockStored and expected_size is not None:
+                self._check_block_size(event)
+        if batch.skipped_events:
+            self._skipped.inc(batch.skipped_events)
+        self._last_event.set(batch.ts)
+        try:
+            self._sink.apply((self.instance, rank), batch.events)
+        except Exception:
+            log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
+
+    def _check_block_size(self, event: BlockStored) -> None:
+        """vLLM also stores blocks of other sizes in passing: partial blocks, an offloading connector's
+        placeholders of size 0, other KV cache groups' blocks. An engine of another size stores nothing of
+        block_size: it is named once a few of its stores came and none of that size."""
+        size = event.block_size
+        if size <= 0 or not event.token_ids or event.group_idx not in (None, 0):
+            return
+        seen = self._sizes_seen
+        seen[size != self._block_size] += 1
+        if seen[0] == 0 and seen[1] >= _FOREIGN_STORES_NAMED and self.foreign_block_size is None:
+            self.foreign_block_size = size
+            log.error(
+                "%s publishes KV blocks of %d tokens but block_size is %d: the index cannot hold them, so "
+                "routing ignores what %s has cached; set block_size: %d (the engines' --block-size)",
+                self.instance, size, self._block_size, self.instance, size,
+            )  # fmt: skip
+
+    def _restart(self, rank: int) -> None:
+        """rank's events come from a new engine process: its predecessor's blocks are gone."""
+        self._restarts.inc()
+        self.foreign_block_size, self._sizes_seen = None, [0, 0]  # it may run another block size
+        self._drop(rank)
+        self._started_over.add(rank)
+
+    def _drop(self, rank: int) -> None:
+        self._positions.pop(rank, None)
+        try:
+            self._sink.drop((self.instance, rank))
+        except Exception:
+            log.exception("the KV event sink failed to drop %s rank %d", self.instance, rank)
+
+    async def _replay(self, start: int) -> list[_Numbered] | None:
+        """The buffered batches from start on; None when there is no replay endpoint, or when it falls
+        silent for replay_timeout_s (an idle limit: a long buffer may take longer in all)."""
+        if self._replay_endpoint is None:
+            return None
+        dealer = self._socket(zmq.DEALER, self._replay_endpoint)
+        replayed: list[_Numbered] = []
+        try:
+            await dealer.send_multipart((b"", pack_seq(start)))
+            while True:
+                async with asyncio.timeout(self._replay_timeout_s):
+                    frames = (await dealer.recv_multipart())[1:]  # after the empty delimiter
+                if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
+                    return replayed
+                if len(frames) == 2:  # older vLLM answers without the topic
+                    frames.insert(0, b"")
+                numbered = self._parse(frames)
+                if numbered is not None:
+                    replayed.append(numbered)
+                if len(replayed) % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # queued messages complete at once: give the loop a turn
+        except TimeoutError:
+            log.warning("replay from %s fell silent for %.1fs", self._replay_endpoint, self._replay_timeout_s)
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def _parse(self, frames: list[bytes]) -> _Numbered | None:
+        """[topic, seq, payload] as (seq, batch); anything else is counted and yields None."""
+        if len(frames) == 3 and len(frames[1]) == 8 and (seq := unpack_seq(frames[1])) >= 0:
+            try:
+                return seq, self._decoder.decode(frames[2])
+            except MalformedBatch:
+                pass
+        self._malformed.inc()
+        return None
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 100_000)  # as vLLM's send side: a busy router replays less
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if endpoint.startswith("tcp://["):
+            # libzmq reaches IPv6 addresses only with this; as vLLM, not for names, which it would then
+            # resolve to their IPv6 address alone (localhost to ::1 when the engine binds 127.0.0.1).
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
+        return sock
+
+
+def _restarted(replayed: list[_Numbered], rank: int, seq: int, position: _Position) -> bool:
+    """Whether the buffered batch seq of rank is not the one applied as seq (told by its engine timestamp)."""
+    for found_seq, batch in replayed:
+        if found_seq == seq and (batch.data_parallel_rank or 0) == rank:
+            return batch.ts != position.applied.get(seq)
+    return False  # no longer buffered: nothing tells, and a gap is the likelier story

@@ -1,0 +1,345 @@
+"""Chat tokenization that only encodes what is new: agent sessions resend a growing history every turn.
+
+``CachedChatTokenizer.chat_ids`` always equals ``PromptTokenizer.chat_ids``. It renders the chat (cheap), cuts
+the text right after occurrences of special tokens, reuses the ids of the longest prefix up to a cut it has
+seen, and encodes only the rest.
+
+Why such a cut is exact. HF tokenizers encode in this order: split the text on added tokens whose
+``normalized`` flag is false (literal, leftmost-longest matches); then normalize, pre-tokenize and run the
+model on each remaining piece separately; then, with add_special_tokens=False, the post-processor adds
+nothing. So where the whole text's split has a boundary, the ids of the whole are those of both sides
+concatenated, unless some step looks beyond its own piece. We cut only after a token T where that is known:
+
+- T is matched literally and keeps its own edges (normalized, lstrip, rstrip, single_word all false); it
+  neither starts nor ends with whitespace nor ends with a word character, so no neighbour's lstrip, rstrip
+  or single_word can reach across it;
+- T overlaps no added token (neither contains the other, no suffix of one is a prefix of the other, T with
+  itself included), so every literal occurrence of T is matched as T and ends a piece;
+- every normalizer and pre-tokenizer is a kind known to work piece by piece. Metaspace with
+  prepend_scheme "first" is not (it prepends "▁" only at offset 0 of the whole text), nor is anything unknown;
+- special tokens are split out at all (split_special_tokens off) and BPE dropout is off.
+
+A probe at start-up encodes a few strings both ways and drops any token for which it still fails. Without
+any cut token, with add_special_tokens=True, or without a cut in the text, the whole text is encoded.
+
+``RemoteTokenizer`` is the fallback without a local tokenizer: an instance's ``POST /tokenize``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any, NamedTuple
+
+import aiohttp
+import msgspec
+import xxhash
+
+from router.prompt.tokenization import PromptTokenizer, completion_text_or_ids
+
+log = logging.getLogger(__name__)
+
+# Kinds that transform each piece on its own, whatever precedes it in the text (tokenizers 0.19 - 0.23).
+_PIECEWISE_NORMALIZERS = frozenset({
+    "BertNormalizer", "ByteLevel", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "Nmt", "Precompiled",
+    "Prepend", "Replace", "Sequence", "Strip", "StripAccents",
+})  # fmt: skip
+_PIECEWISE_PRE_TOKENIZERS = frozenset({
+    "BertPreTokenizer", "ByteLevel", "CharDelimiterSplit", "Digits", "FixedLength", "Metaspace",
+    "Punctuation", "Sequence", "Split", "UnicodeScripts", "Whitespace", "WhitespaceSplit",
+})  # fmt: skip
+_PROBE_LEFT = ("", "a b", "\n")
+_PROBE_RIGHT = ("", "x", " x", "  x", "\n", "\n\n y", "é🙂", "<|user|>\n")
+
+
+def _piecewise(component: Mapping[str, Any] | None, kinds: frozenset[str]) -> bool:
+    if component is None:
+        return True
+    kind = component.get("type")
+    if kind not in kinds or (kind == "Metaspace" and component.get("prepend_scheme") == "first"):
+        return False
+    children = component.get("normalizers", component.get("pretokenizers", []))
+    return all(_piecewise(child, kinds) for child in children)
+
+
+def cut_tokens(config: Mapping[str, Any], splits_special_tokens: bool = False) -> dict[str, int]:
+    """Added tokens (content -> id) right after which a text can be cut exactly, from tokenizer.json alone."""
+    if (
+        splits_special_tokens
+        or config.get("model", {}).get("dropout")
+        or not _piecewise(config.get("normalizer"), _PIECEWISE_NORMALIZERS)
+        or not _piecewise(config.get("pre_tokenizer"), _PIECEWISE_PRE_TOKENIZERS)
+    ):
+        return {}
+    added = config.get("added_tokens", [])
+    contents = {token["content"] for token in added}
+    prefixes = {text[:i] for text in contents for i in range(1, len(text) + 1)}
+    suffixes = {text[i:] for text in contents for i in range(len(text))}
+    joined = "\0".join(contents)
+
+    def isolated(text: str) -> bool:
+        inner = (text[i:j] for i in range(len(text)) for j in range(i + 1, len(text) + 1))
+        return (
+            "\0" not in text
+            and joined.count(text) == 1
+            and not any(text[i:] in prefixes or text[:i] in suffixes for i in range(1, len(text)))
+            and not any(part in contents for part in inner if part != text)
+        )
+
+    return {
+        token["content"]: token["id"]
+        for token in added
+        if token["content"]
+        and not any(token.get(flag) for flag in ("normalized", "lstrip", "rstrip", "single_word"))
+        and token["content"] == token["content"].strip()
+        and not (token["content"][-1].isalnum() or token["content"][-1] == "_")  # single_word neighbours
+        and isolated(token["content"])
+    }
+
+
+def probed_cut_tokens(tokenizer: PromptTokenizer) -> frozenset[str]:
+    """``cut_tokens`` of the tokenizer, less any for which encoding a few strings in two parts differs."""
+    candidates = cut_tokens(tokenizer.backend_config(), tokenizer.splits_special_tokens)
+    cases = [
+        (token, left + token, right) for token in candidates for left in _PROBE_LEFT for right in _PROBE_RIGHT
+    ]
+    texts = [text for _, left, right in cases for text in (left, right, left + right)]
+    ids = tokenizer.texts_ids(texts, add_special_tokens=False)
+    failed = {token for i, (token, _, _) in enumerate(cases) if ids[3 * i] + ids[3 * i + 1] != ids[3 * i + 2]}
+    return frozenset(candidates.keys() - failed)
+
+
+@dataclass
+class TokenCacheStats:
+    requests: int = 0
+    hits: int = 0  # requests that reused a cached prefix
+    tokens_reused: int = 0
+    tokens_encoded: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class _Block:
+    """The ids of one rendered chat, shared by the entries of its prefixes."""
+
+    ids: list[int]
+    refs: int = 0
+
+
+class _Entry(NamedTuple):
+    block: _Block
+    tokens: int  # the prefix's ids are block.ids[:tokens]
+    nbytes: int  # the prefix's UTF-8 length: a cheap second check beside its 64-bit hash
+
+
+class CachedChatTokenizer:
+    """``PromptTokenizer.chat_ids``, reusing the ids of the longest prefix seen before. Thread-safe: the
+    cache is read and updated under a lock, rendering and encoding run outside it (the encode releases the
+    GIL), so a long prompt tokenized on a worker thread does not hold up the event loop's short ones.
+
+    Bounded by ``max_entries`` prefixes and ``max_tokens`` ids held (a list of ids costs 8 to 36 bytes
+    each); the least recently used prefixes go first. A chat longer than ``max_tokens`` is not cached.
+    """
+
+    def __init__(
+        self, tokenizer: PromptTokenizer, max_entries: int = 65_536, max_tokens: int = 2_000_000
+    ) -> None:
+        if max_entries < 1 or max_tokens < 1:
+            raise ValueError("max_entries and max_tokens must be positive")
+        self.tokenizer, self.max_entries, self.max_tokens = tokenizer, max_entries, max_tokens
+        self.cut_tokens = probed_cut_tokens(tokenizer)
+        alternatives = sorted((re.escape(token.encode()) for token in self.cut_tokens), key=len, reverse=True)
+        self._cut_pattern = re.compile(b"|".join(alternatives)) if alternatives else None
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._cached_tokens = 0
+        self._lock = threading.Lock()  # over _entries, _cached_tokens and stats
+        self.stats = TokenCacheStats()
+        self._compile_template()
+
+    def _compile_template(self) -> None:
+        """Render once now: transformers compiles the chat template on first use, ~4 ms a first request
+        would otherwise wait for."""
+        try:
+            self.tokenizer.render_chat([{"role": "user", "content": "hi"}])
+        except Exception as exc:  # a template that wants another chat: it compiled, or requests will say why
+            log.debug("rendering a one-message chat at start-up failed: %r", exc)
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Ids held in memory, each counted once however many prefixes share it."""
+        return self._cached_tokens
+
+    def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """The ids PromptTokenizer.completion_ids gives, a text prompt through the batch path (no offsets:
+        half the time of a long prompt)."""
+        text_or_ids = self.tokenizer.completion_prompt(prompt)
+        if isinstance(text_or_ids, str):
+            return self.tokenizer.texts_ids([text_or_ids], add_special_tokens)[0]
+        return text_or_ids
+
+    def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.tokenizer.render_chat(
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
+        data = text.encode()
+        pattern = None if add_special_tokens else self._cut_pattern
+        cuts = [match.end() for match in pattern.finditer(data)] if pattern is not None else []
+        if not cuts:
+            ids = self.tokenizer.texts_ids([text], add_special_tokens)[0]
+            with self._lock:
+                self.stats.requests += 1
+                self.stats.tokens_encoded += len(ids)
+            return ids
+        keys = _prefix_keys(data, cuts)
+        with self._lock:
+            self.stats.requests += 1
+            hit = self._longest_cached(keys, cuts)
+            if hit < 0:
+                start, ids = 0, []
+            else:
+                entry = self._entries[keys[hit]]
+                start, ids = cuts[hit], entry.block.ids[: entry.tokens]
+                self.stats.hits += 1
+                self.stats.tokens_reused += entry.tokens
+            ends = [
+                self._known_tokens(key, nbytes)
+                for key, nbytes in zip(keys[: hit + 1], cuts[: hit + 1], strict=True)
+            ]
+        reused = len(ids)
+        bounds = [start, *cuts[hit + 1 :], len(data)]
+        segments = [data[a:b].decode() for a, b in pairwise(bounds)]
+        for part in self.tokenizer.texts_ids(segments, add_special_tokens=False):
+            ids += part
+            ends.append(len(ids))
+        with self._lock:
+            self.stats.tokens_encoded += len(ids) - reused
+            self._remember(keys, cuts, ends, ids)
+        return ids.copy()
+
+    def _longest_cached(self, keys: list[int], cuts: list[int]) -> int:
+        for index in range(len(keys) - 1, -1, -1):
+            if self._known_tokens(keys[index], cuts[index]) is not None:
+                return index
+        return -1
+
+    def _known_tokens(self, key: int, nbytes: int) -> int | None:
+        entry = self._entries.get(key)
+        return entry.tokens if entry is not None and entry.nbytes == nbytes else None
+
+    def _remember(self, keys: list[int], cuts: list[int], ends: list[int | None], ids: list[int]) -> None:
+        """Point every prefix of this chat at one block, so older blocks of the same session are freed."""
+        if len(ids) > self.max_tokens:
+            return
+        block = _Block(ids)
+        self._cached_tokens += len(ids)
+        for key, nbytes, tokens in zip(keys, cuts, ends, strict=False):
+            if tokens is None:
+                continue
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._release(old.block)
+            block.refs += 1
+            self._entries[key] = _Entry(block, tokens, nbytes)
+        while len(self._entries) > self.max_entries or self._cached_tokens > self.max_tokens:
+            self._release(self._entries.popitem(last=False)[1].block)
+            self.stats.evictions += 1
+
+    def _release(self, block: _Block) -> None:
+        block.refs -= 1
+        if block.refs == 0:
+            self._cached_tokens -= len(block.ids)
+
+
+def _prefix_keys(data: bytes, cuts: list[int]) -> list[int]:
+    """The xxh3_64 of data[:cut] for every cut, in one pass."""
+    hasher, view, keys, done = xxhash.xxh3_64(), memoryview(data), [], 0
+    for cut in cuts:
+        hasher.update(view[done:cut])
+        keys.append(hasher.intdigest())
+        done = cut
+    return keys
+
+
+class TokenizeFailed(Exception):
+    """An instance's /tokenize gave no usable answer; the message and ``__cause__`` say why."""
+
+
+class _TokenizeResponse(msgspec.Struct):
+    count: int
+    tokens: list[int]
+
+
+_decode_response = msgspec.json.Decoder(_TokenizeResponse).decode
+
+
+class RemoteTokenizer:
+    """Token ids from an instance's ``POST /tokenize`` (vLLM's API), through the caller's session."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float = 10.0
+    ) -> None:
+        self.session, self.model = session, model
+        self.url = base_url.rstrip("/") + "/tokenize"
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_inputs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """template_inputs: tools, chat_template, chat_template_kwargs, rendered by the engine itself."""
+        return await self._tokenize({
+            "model": self.model,
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "add_special_tokens": add_special_tokens,
+            **(template_inputs or {}),
+        })  # fmt: skip
+
+    async def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """Token ids are the engine's prompt as they are; vLLM's /tokenize takes text only."""
+        text_or_ids = completion_text_or_ids(prompt)
+        if isinstance(text_or_ids, list):
+            return text_or_ids
+        body = {"model": self.model, "prompt": text_or_ids, "add_special_tokens": add_special_tokens}
+        return await self._tokenize(body)
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        try:
+            async with self.session.post(self.url, json=body, timeout=self.timeout) as response:
+                payload = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise TokenizeFailed(f"POST {self.url} failed: {exc!r}") from exc
+        if status != 200:
+            raise TokenizeFailed(f"POST {self.url} answered {status}: {payload[:200]!r}")
+        try:
+            decoded = _decode_response(payload)
+        except msgspec.DecodeError as exc:
+            raise TokenizeFailed(f"POST {self.url} answered an unreadable body: {exc}") from exc
+        if decoded.count != len(decoded.tokens):
+            raise TokenizeFailed(
+                f"POST {self.url} answered count {decoded.count} for {len(decoded.tokens)} ids"
+            )
+        return decoded.tokens

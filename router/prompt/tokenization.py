@@ -1,0 +1,170 @@
+"""Prompt tokenization exactly as vLLM's OpenAI server does it, shared by the router and the simulated fleet.
+
+Chat: the model's chat template renders the conversation and tools as vLLM builds them (see
+router/prompt/chat_conversation.py), and the rendered text is encoded without adding special tokens (the
+template has them). Completions: text is encoded with special tokens added; token ids pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from router.prompt.chat_conversation import (
+    InvalidPrompt,
+    engine_conversation,
+    engine_template_kwargs,
+    engine_tools,
+)
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_TOKENIZERS = ("tiny-llama",)  # tinymodel/builder.py builds it (its MODEL_NAME)
+
+
+def check_tokenizer_spec(spec: str) -> None:
+    """ValueError for what resolve_tokenizer_path cannot give: an unknown builtin, a directory not there (a
+    bare ``org/name`` is left to transformers). Checked without building the builtin model."""
+    if spec.startswith(BUILTIN_PREFIX):
+        if spec.removeprefix(BUILTIN_PREFIX) not in BUILTIN_TOKENIZERS:
+            known = ", ".join(BUILTIN_TOKENIZERS)
+            raise ValueError(f"unknown builtin tokenizer {spec!r}; known: {known}")
+    elif spec.startswith(("/", ".", "~")) and not Path(spec).expanduser().is_dir():
+        raise ValueError(f"{spec!r} is not a directory")
+
+
+def resolve_tokenizer_path(spec: str) -> Path:
+    """A directory path, or ``builtin:tiny-llama`` for the locally built tiny model."""
+    if spec.startswith(BUILTIN_PREFIX):
+        check_tokenizer_spec(spec)
+        from tinymodel import builder as tinymodel
+
+        return tinymodel.ensure_model()
+    return Path(spec).expanduser()
+
+
+def completion_text_or_ids(prompt: Any) -> str | list[int]:
+    """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return list(prompt)
+    raise InvalidPrompt("prompt must be a string, a list of token ids, or a list holding one of those")
+
+
+class PromptTokenizer:
+    def __init__(self, path: Path) -> None:
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # torch is not needed here
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        # tokenizer.json may set truncation or padding, which transformers clears on each of its own calls and
+        # vLLM never applies to a prompt; texts_ids calls the backend directly, so it clears them once here.
+        self._tokenizer.backend_tokenizer.no_truncation()
+        self._tokenizer.backend_tokenizer.no_padding()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.render_chat(
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def render_chat(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """template_kwargs: the request's ``chat_template_kwargs``."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
+        tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = None
+        if tools is not None:
+            tool_dicts = [*engine_tools(tools)]
+        template = self.template_text(tool_dicts)
+        kwargs = engine_template_kwargs(template_kwargs, template) if template_kwargs else {}
+        rendered = self._tokenizer.apply_chat_template(
+            engine_conversation(messages, template),
+            tools=tool_dicts,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+        return str(rendered)
+
+    def template_text(self, tools: list[Any] | None) -> str | None:
+        """The template a chat renders with; of a dict of named ones, the one transformers picks (and vLLM):
+        "tool_use" when tools are given, else "default"."""
+        try:
+            return str(self._tokenizer.get_chat_template(None, tools=tools))
+        except ValueError:  # no template, or named ones without a default
+            return None
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def texts_ids(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Many texts in one call to the Rust backend; each result equals ``text_ids`` of that text.
+
+        transformers' own call wraps the backend in ~0.1 ms of Python per request and has it track every
+        token's offsets, which costs as much as the encoding itself (~0.5 us per token); the fast variant
+        leaves them out. chat_ids keeps going through transformers, so the tests compare the two paths.
+        """
+        if not texts:
+            return []
+        if self.splits_special_tokens:  # transformers handles that setting itself
+            encoded = self._tokenizer(list(texts), add_special_tokens=add_special_tokens).input_ids
+            return [list(ids) for ids in encoded]
+        backend = self._tokenizer.backend_tokenizer
+        encodings = backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in encodings]
+
+    def backend_config(self) -> dict[str, Any]:
+        """The HF tokenizers pipeline as tokenizer.json states it: added tokens, normalizer, pre_tokenizer."""
+        config: dict[str, Any] = json.loads(self._tokenizer.backend_tokenizer.to_str())
+        return config
+
+    @property
+    def splits_special_tokens(self) -> bool:
+        """Whether special-token text is encoded as plain text rather than as the special tokens."""
+        return bool(self._tokenizer.split_special_tokens)
+
+    def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""
+        text_or_ids = self.completion_prompt(prompt)
+        if isinstance(text_or_ids, str):
+            return self.text_ids(text_or_ids, add_special_tokens)
+        return text_or_ids
+
+    def completion_prompt(self, prompt: Any) -> str | list[int]:
+        """A completions ``prompt`` as its text, or as its token ids once checked against the vocabulary."""
+        text_or_ids = completion_text_or_ids(prompt)
+        if isinstance(text_or_ids, list) and any(t < 0 or t >= self.vocab_size for t in text_or_ids):
+            raise InvalidPrompt(f"prompt token ids must be in [0, {self.vocab_size})")
+        return text_or_ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])

@@ -1,0 +1,231 @@
+"""Everything the router runs, built from its configuration, started and stopped as one async context.
+
+```
+runtime = Runtime(config)          # the parts that need no event loop: instances, index, tokenizers, table
+async with runtime:                # sessions, health checks, KV-event subscriptions, load scrapes, peers
+    ...                            # serve with runtime.decider, runtime.attempts, runtime.table...
+```
+
+A reload builds nothing anew that a restart would have to: it applies a new configuration's instances and
+routing table to the running parts (apply), and refuses what only a restart can change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+import zmq.asyncio
+
+from router.config import REMOTE_TOKENIZER, ConfigError, RouterConfig
+from router.dispatch.admission import Admission
+from router.dispatch.attempts import Attempts
+from router.dispatch.decision import Decider, LocalTokenizer
+from router.dispatch.outcome import Observers
+from router.dispatch.relay import Relay
+from router.dispatch.routing_table import RoutingTable
+from router.index.block_index import BlockIndex, Tier
+from router.index.index_metrics import IndexCollector
+from router.index.pool import MasterLookup, PoolConfirmer, place_instances, pool_names
+from router.index.subscriptions import Subscriptions
+from router.metrics import RouterMetrics
+from router.prompt.token_cache import CachedChatTokenizer, RemoteTokenizer
+from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
+from router.supervisor import supervise
+from router.upstreams.health import HealthChecker
+from router.upstreams.http_session import upstream_session
+from router.upstreams.instances import Upstreams
+from router.upstreams.load_scraper import LoadScraper
+from router.upstreams.peer_sync import PeerSync
+
+log = logging.getLogger(__name__)
+
+# What a reload may change; everything else is built into running parts and needs a restart.
+RELOADABLE = frozenset({"policies", "default_policy", "traffic", "admin", "instances"})
+
+
+class Runtime:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.upstreams = Upstreams(config)
+        self.metrics = RouterMetrics()
+        media = config.index.medium_tiers
+        tiers: dict[str | None, Tier] = {medium: Tier[tier.upper()] for medium, tier in media.items()}
+        self.index = BlockIndex(
+            config.block_size,
+            config.index.max_entries,
+            config.index.speculative_ttl_s,
+            medium_tiers={None: Tier.GPU, **tiers},  # events without a medium are vLLM's own GPU cache
+        )
+        place_instances(self.index, config)
+        self.metrics.registry.register(
+            IndexCollector(self.index, lambda: {i.name for i in self.upstreams.instances})
+        )
+        self.tokenizers = _local_tokenizers(config)
+        # Replaced whole by a reload or the admin API; a request keeps the one it started with.
+        self.table = RoutingTable.from_config(config)
+        self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
+        self._context = zmq.asyncio.Context()  # its I/O threads start with its first socket
+        self.subscriptions = Subscriptions(self.index, self.metrics, self._context)
+
+    async def __aenter__(self) -> Runtime:
+        self._exit = contextlib.AsyncExitStack()
+        await self._exit.__aenter__()
+        try:
+            await self._start(self._exit)
+        except BaseException:
+            await self._exit.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._exit.aclose()
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        config, metrics = self.config, self.metrics
+        # Idle upstream connections close before uvicorn's (vLLM's server) 5 s keep-alive would drop them
+        # under a request.
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=config.upstream.max_connections_per_instance, keepalive_timeout=4
+        )
+        # Health checks, /metrics scrapes, /tokenize and the pool master get connections of their own, never
+        # queued behind requests (those are bounded by admission): a busy instance is not a dead one.
+        control_connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+        session = await stack.enter_async_context(upstream_session(connector))
+        control = await stack.enter_async_context(upstream_session(control_connector))
+        context = self._context
+        stack.callback(context.destroy, linger=0)
+        self.health = HealthChecker(self.upstreams, control, config.health, metrics)
+        self.decider = self._decider(control)
+        stack.callback(self.decider.close)
+        await self.health.check_all()
+        admission = config.admission
+        self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
+        metrics.admission_waiting.set_function(lambda: self.admission.waiting)
+        ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
+        observers = Observers(metrics, self.decider, ab_for, self.memory_freed)
+        self.attempts = Attempts(
+            self.upstreams, self.decider, observers, session, self.health, metrics, config.upstream,
+            # One connection per request in flight: a request never waits for a pooled one.
+            min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
+            admission.memory_hold_s,
+        )  # fmt: skip
+        self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s)
+        stack.push_async_callback(self.subscriptions.stop)
+        self.subscriptions.subscribe(config.instances)
+        load = config.load
+        scraper = LoadScraper(
+            self.upstreams, control, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
+            restarted=self.subscriptions.engine_restarted,
+        )  # fmt: skip
+        # Memory a peer's request freed may let requests held here go (admission.memory_hold_s). With no
+        # peers configured it binds nothing and runs no loop.
+        self.peers = PeerSync(config.peers, self.upstreams, metrics, context, self.memory_freed)
+        stack.callback(self.peers.close)
+        self.peers.start()  # a publish endpoint that cannot be bound stops the router here
+        failures = metrics.task_failures
+        loops = {
+            "health": (self.health.check_due, self.health.tick_s, True),
+            "load": (scraper.scrape_all, scraper.interval_s, False),
+            **{name: (loop, config.peers.interval_s, False) for name, loop in self.peers.loops().items()},
+        }
+        tasks = [
+            asyncio.create_task(supervise(name, loop, every, failures, first_delay=delayed))
+            for name, (loop, every, delayed) in loops.items()
+        ]
+        stack.push_async_callback(_cancelled, tasks)
+
+    def memory_freed(self) -> None:
+        """A request ended here or at a peer router: the requests held for memory that now fit go."""
+        self.attempts.memory_freed()
+
+    def warnings(self) -> list[str]:
+        return self.subscriptions.warnings()
+
+    def apply(self, new: RouterConfig, source: str) -> dict[str, Any]:
+        """Take over new's instances and routing table; ConfigError when it changes what needs a restart.
+        source: where new came from, for the error."""
+        old = self.config
+        fixed = [
+            key
+            for key in type(new).model_fields
+            if key not in RELOADABLE and getattr(new, key) != getattr(old, key)
+        ]
+        if fixed:
+            raise ConfigError(f"{source}: changing {', '.join(fixed)} needs a restart")
+        new.require_api_keys(source)
+        added, removed, in_place = self.upstreams.update(new)
+        # Changed at the same URL: the same engine, and the same object (router/upstreams/instances.py). Its
+        # pool membership (unless the file took it out: pool: false) and its metric series (an open breaker's
+        # gauge, the calibrated rates, set only when they change) stay. So do its subscriber and index entries
+        # when its events endpoints did not change (new models or key): subscribed afresh, it could only
+        # rebuild them from the engine's replay buffer, which has lost what was cached long ago (a shared
+        # system prompt) and will not announce it again while it stays cached.
+        before = {spec.name: (spec.events, spec.replay) for spec in old.instances}
+        same_events = {
+            spec.name
+            for spec in new.instances
+            if spec.name in in_place and before[spec.name] == (spec.events, spec.replay)
+        }
+        left_pool = set(old.pool_members()) - set(new.pool_members())
+        for name in removed:
+            if name not in same_events:
+                self.subscriptions.unsubscribe(name)
+            if name not in in_place:  # gone: its entries, pool membership, owner bits and series go
+                self.index.forget_instance(name)
+                self.metrics.forget_instance(name)
+                continue
+            if name not in same_events:
+                self.index.drop_instance(name)
+            if name in left_pool:
+                self.index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool
+        # A name back in the file is exported again; moved to another URL in this same reload, the requests
+        # the old engine is still serving count in its series too, as labels cannot tell the two apart.
+        for instance in added:
+            self.metrics.restore_instance(instance.name)
+        self.subscriptions.subscribe([spec for spec in added if spec.name not in same_events])
+        place_instances(self.index, new)
+        self.table, started_afresh = self.table.reloaded(old, new)
+        self.config = new
+        return {"added": [i.name for i in added], "removed": removed, "policies": list(new.policies),
+                "policies_started_afresh": started_afresh, "split": self.table.split.shares()}  # fmt: skip
+
+    def _decider(self, control: aiohttp.ClientSession) -> Decider:
+        config = self.config
+
+        def remote_tokenizer(model: str) -> RemoteTokenizer | None:
+            candidates = self.upstreams.candidates(model)
+            return RemoteTokenizer(control, candidates[0].url, model) if candidates else None
+
+        pool = None
+        if config.pool.master_url is not None:
+            lookup = MasterLookup(config.pool.master_url, control, config.pool.timeout_s)
+            names, ttl_s = pool_names(config), config.pool.confirm_ttl_s
+            pool = PoolConfirmer(self.index, lookup, names, self.metrics, ttl_s)
+        adapters = frozenset(name for name, base in self.bases.items() if base is not None)
+        tools_out_when_none = frozenset(
+            m.name for m in config.models if m.exclude_tools_when_tool_choice_none
+        )
+        return Decider(
+            self.index, self.tokenizers, config.block_size, self.metrics, remote_tokenizer, pool, adapters,
+            config.tokenization.audit_every, tools_out_when_none,
+        )  # fmt: skip
+
+
+async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _local_tokenizers(config: RouterConfig) -> dict[str, LocalTokenizer]:
+    """One per tokenizer: a base model and its LoRA adapters share it, and its token cache (the same ids)."""
+    cache = config.tokenization
+    by_source: dict[str, LocalTokenizer] = {}
+    for source in dict.fromkeys(m.tokenizer for m in config.models if m.tokenizer != REMOTE_TOKENIZER):
+        tokenizer = PromptTokenizer(resolve_tokenizer_path(source))
+        by_source[source] = CachedChatTokenizer(tokenizer, cache.cache_max_entries, cache.cache_max_tokens)
+    return {m.name: by_source[m.tokenizer] for m in config.models if m.tokenizer in by_source}

@@ -1,0 +1,35 @@
+"""In-flight load: fewer requests in flight through this router scores higher, or, counting context tokens,
+less context in flight (the KV they hold, a shared prefix once: roughly what decode steps there read).
+
+Scores are (max - n) / (max - min) over the candidates, as llm-d's queue scorer normalizes queue depth;
+when all candidates carry the same load, all score 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field
+
+from router.scoring.candidate import Candidate
+from router.scoring.params import Params, Registration
+from router.scoring.scorer import Scorer, lower_is_better
+from router.types import RoutingRequest
+
+
+class InflightLoadParams(Params):
+    count: Literal["requests", "context_tokens"] = Field(
+        default="requests", description="what load is: requests, or the context tokens they hold"
+    )
+
+
+class InflightLoadScorer:
+    def __init__(self, params: InflightLoadParams) -> None:
+        self._tokens = params.count == "context_tokens"
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        return lower_is_better([c.active_tokens if self._tokens else c.in_flight for c in candidates])
+
+
+REGISTRATION: Registration[Scorer] = Registration(InflightLoadParams, InflightLoadScorer)

@@ -1,0 +1,29 @@
+"""Round robin: the next candidate in turn scores 1, every other 0."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.scoring.candidate import Candidate
+from router.scoring.params import Params, Registration
+from router.scoring.scorer import Scorer
+from router.types import RoutingRequest
+
+
+class RoundRobinParams(Params):
+    pass
+
+
+class RoundRobinScorer:
+    def __init__(self, params: RoundRobinParams) -> None:
+        self._turn = 0
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        scores = [0.0] * len(candidates)
+        if candidates:
+            scores[self._turn % len(candidates)] = 1.0
+            self._turn += 1
+        return scores
+
+
+REGISTRATION: Registration[Scorer] = Registration(RoundRobinParams, RoundRobinScorer)

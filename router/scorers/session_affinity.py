@@ -1,0 +1,61 @@
+"""Session affinity: the instance a session was last sent to scores 1, every other 0.
+
+The policy reports each choice through observe(). Sessions are kept for ttl_s after their last request,
+at most max_sessions of them, the least recently used dropped first. No session key: all score 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from pydantic import Field
+
+from router.scoring.candidate import Candidate
+from router.scoring.params import Params, Registration
+from router.scoring.scorer import Scorer
+from router.types import RoutingRequest
+
+
+class SessionAffinityParams(Params):
+    max_sessions: int = Field(default=100_000, gt=0, description="sessions remembered; LRU dropped first")
+    ttl_s: float = Field(default=600.0, gt=0, description="affinity lasts this long after the last request")
+
+
+class SessionAffinityScorer:
+    def __init__(self, params: SessionAffinityParams, clock: Callable[[], float] = time.monotonic) -> None:
+        self._max_sessions, self._ttl_s, self._clock = params.max_sessions, params.ttl_s, clock
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (instance, last sent)
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        instance = self.instance_of(request.session_key)
+        return [1.0 if c.name == instance else 0.0 for c in candidates]
+
+    def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
+        key = request.session_key
+        if key is None:
+            return
+        self._sessions[key] = (chosen.name, self._clock())
+        self._sessions.move_to_end(key)
+        if len(self._sessions) > self._max_sessions:
+            self._sessions.popitem(last=False)
+
+    def instance_of(self, session_key: str | None) -> str | None:
+        """The instance this session was last sent to, unless that has expired."""
+        if session_key is None:
+            return None
+        entry = self._sessions.get(session_key)
+        if entry is None:
+            return None
+        instance, sent_at = entry
+        if self._clock() - sent_at > self._ttl_s:
+            del self._sessions[session_key]
+            return None
+        return instance
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+REGISTRATION: Registration[Scorer] = Registration(SessionAffinityParams, SessionAffinityScorer, clocked=True)

@@ -1,0 +1,58 @@
+"""The view of an instance that scorers and the TTFT model read."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from router.scoring.ttft_model import TTFTModel
+from router.types import EngineLoad
+
+
+class Candidate(Protocol):
+    """The view of an instance that scorers read."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight there: those this router sent and has not seen finish, and its peer routers'
+        (router/upstreams/peer_load.py)."""
+        ...
+
+    @property
+    def active_tokens(self) -> int:
+        """KV tokens the requests in flight there hold (the contexts being decoded): this router's, a prefix
+        they share counted once, as the engine's prefix cache holds it, and its peer routers'."""
+        ...
+
+    def shared_tokens(self, chain: Sequence[int]) -> int:
+        """Tokens of the prompt's leading blocks (hashed to chain) that requests in flight there hold."""
+        ...
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Uncached prompt tokens of those requests (this router's and its peers') that have not produced a
+        first byte yet: the prefill work queued ahead of a new request."""
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens its KV cache holds (the engine's vllm:cache_config_info); None until known."""
+        ...
+
+    @property
+    def context_hold_s(self) -> float | None:
+        """How long a context token stays there, dispatch to last token (measured); None until known."""
+        ...
+
+    @property
+    def load(self) -> EngineLoad | None:
+        """The engine's own view from its /metrics; None until scraped or once stale."""
+        ...
+
+    @property
+    def ttft_model(self) -> TTFTModel:
+        """Its time-to-first-token model, calibrated from what the router observes."""
+        ...

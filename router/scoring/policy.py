@@ -1,0 +1,43 @@
+"""A policy: weighted scorers and a picker, built from its configuration."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+
+from router.config import PolicyConfig
+from router.scoring.candidate import Candidate
+from router.scoring.pickers import Picker
+from router.scoring.registry import PICKERS, SCORERS
+from router.scoring.scorer import Observer, Scorer
+from router.types import RoutingRequest
+
+
+class Policy:
+    def __init__(
+        self, name: str, config: PolicyConfig, clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:  # fmt: skip
+        """clock: what scorers whose state expires (session affinity) read the time from; rng: what the
+        picker breaks ties with (a seeded one makes a simulation repeat exactly)."""
+        self.name, self.config = name, config
+        self._scorers: list[tuple[Scorer, float]] = [
+            (SCORERS[spec.type].build(spec.params, clock), spec.weight) for spec in config.scorers
+        ]
+        self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params, rng=rng)
+        self._observers = [scorer for scorer, _ in self._scorers if isinstance(scorer, Observer)]
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> int:
+        """The index of the chosen candidate; candidates is never empty."""
+        chosen = 0 if len(candidates) == 1 else self._picker.pick(self._totals(request, candidates))
+        for observer in self._observers:
+            observer.observe(request, candidates[chosen])
+        return chosen
+
+    def _totals(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        totals = [0.0] * len(candidates)
+        for scorer, weight in self._scorers:
+            for index, score in enumerate(scorer.score(request, candidates)):
+                totals[index] += weight * score
+        return totals

@@ -1,0 +1,33 @@
+"""What every scorer promises: candidates in, one score in [0, 1] per candidate out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from router.scoring.candidate import Candidate
+from router.types import RoutingRequest
+
+
+class Scorer(Protocol):
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """One score per candidate, in [0, 1], higher is better."""
+        ...
+
+
+def lower_is_better(values: Sequence[float | None]) -> list[float]:
+    """llm-d's normalization: (max - v) / (max - min) over the known values; equal ones all score 1;
+    an unknown value (None) scores 0."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return [0.0] * len(values)
+    low, high = min(known), max(known)
+    span = high - low
+    return [0.0 if v is None else 1.0 if span == 0 else (high - v) / span for v in values]
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """A scorer that learns from decisions (session affinity): told the chosen instance after each pick."""
+
+    def observe(self, request: RoutingRequest, chosen: Candidate) -> None: ...

@@ -1,0 +1,95 @@
+"""Active health checks: GET /health on every instance, marking it down after consecutive failures.
+
+Healthy instances are checked every interval; instances that are down are probed more often, so that a
+restarted engine takes traffic again within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import msgspec
+
+from router.config import HealthConfig
+from router.metrics import RouterMetrics
+from router.upstreams.instances import Instance, Upstreams
+
+log = logging.getLogger(__name__)
+
+DOWN_PROBE_INTERVAL_S = 0.5
+
+
+class _ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
+
+
+class HealthChecker:
+    def __init__(
+        self, fleet: Upstreams, session: aiohttp.ClientSession, config: HealthConfig, metrics: RouterMetrics
+    ) -> None:
+        self._fleet, self._session, self._config, self._metrics = fleet, session, config, metrics
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._due: dict[str, float] = {}
+        self.tick_s = min(config.interval_s, DOWN_PROBE_INTERVAL_S)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(i) for i in self._fleet.instances))
+
+    async def check_due(self) -> None:
+        now = time.monotonic()
+        due = [i for i in self._fleet.instances if not i.checked or self._due.get(i.name, 0.0) <= now]
+        await asyncio.gather(*(self._check(i) for i in due))
+
+    async def _check(self, instance: Instance) -> None:
+        try:
+            async with self._session.get(instance.url + "/health", timeout=self._timeout) as response:
+                ok = response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        first = not instance.checked
+        instance.checked = True
+        if ok:
+            if not instance.healthy:
+                log.info("instance %s is healthy again", instance.name)
+            came_up = first or not instance.healthy  # a new engine, or one back: it may take other lengths
+            instance.healthy, instance.failed_checks = True, 0
+            if came_up:  # after it takes requests again: a slow answer here must not hold them back
+                await self._read_model_cards(instance)
+        else:
+            instance.failed_checks += 1
+            if instance.healthy and instance.failed_checks >= self._config.unhealthy_after:
+                log.warning("instance %s failed %d health checks", instance.name, instance.failed_checks)
+                instance.healthy = False
+        self._schedule(instance)
+
+    async def _read_model_cards(self, instance: Instance) -> None:
+        """Its models' max_model_len, which /v1/models passes on (clients size their prompts by it)."""
+        try:
+            async with self._session.get(
+                instance.url + "/v1/models", headers=instance.headers, timeout=self._timeout
+            ) as response:
+                cards = msgspec.json.decode(await response.read(), type=_ModelList).data
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.debug("no model cards from %s: %r", instance.name, exc)
+            return
+        instance.max_model_len = {c.id: c.max_model_len for c in cards if c.max_model_len is not None}
+
+    def mark_unreachable(self, instance: Instance) -> None:
+        """Passive check: a request could not reach it; route around it until a check passes."""
+        if instance.healthy:
+            log.warning("instance %s is unreachable; routing around it", instance.name)
+        instance.healthy = False
+        self._schedule(instance)
+
+    def _schedule(self, instance: Instance) -> None:
+        interval = self._config.interval_s if instance.healthy else self.tick_s
+        self._due[instance.name] = time.monotonic() + interval
+        self._metrics.healthy(instance.name).set(1 if instance.healthy else 0)

@@ -1,0 +1,195 @@
+"""The fleet as the router sees it: each instance's address, models, health and in-flight work."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig, api_key
+from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
+from router.scoring.ttft_model import TTFTModel, TTFTPriors
+from router.types import EngineLoad
+from router.upstreams.circuit_breaker import CircuitBreaker
+from router.upstreams.context_residency import ContextResidency
+from router.upstreams.inflight_blocks import InflightBlocks
+from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad
+
+
+@dataclass(eq=False, slots=True)
+class Instance:
+    name: str
+    url: str
+    models: frozenset[str]
+    healthy: bool = True
+    checked: bool = False  # a health check has answered (or failed) since the instance came in
+    own_in_flight: int = 0  # requests this router sent there and has not seen finish
+    own_pending_prefill_tokens: int = 0  # their uncached prompt tokens not answered yet
+    peers: PeerLoad = NO_PEER_LOAD  # the same of other routers in front of the fleet
+    # (router/upstreams/peer_load.py)
+    load: EngineLoad | None = None
+    kv_capacity_tokens: int | None = None  # from the engine's vllm:cache_config_info once scraped
+    max_model_len: dict[str, int] = field(default_factory=dict)  # by model, from its /v1/models once healthy
+    failed_checks: int = 0
+    ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    clock: Callable[[], float] = time.monotonic
+    contexts: ContextResidency = field(init=False)
+    # What every request to it carries: the key the instance requires, the data-parallel rank it is.
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+    data_parallel_rank: int | None = None  # one rank of an engine; its load is that rank's
+    block_size: int = 16  # the engine's, for the blocks in flight
+    held: InflightBlocks = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.contexts = ContextResidency(self.clock)
+        self.held = InflightBlocks(self.block_size)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight there, this router's and its peers'."""
+        return self.own_in_flight + self.peers.in_flight
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.own_pending_prefill_tokens + self.peers.pending_prefill_tokens
+
+    @property
+    def active_tokens(self) -> int:
+        """KV tokens the requests in flight there hold: this router's, a prefix they share once, and its
+        peers'."""
+        return self.held.tokens + self.peers.active_tokens
+
+    @property
+    def own_active_tokens(self) -> int:
+        return self.held.tokens
+
+    def shared_tokens(self, chain: Sequence[int]) -> int:
+        return self.held.shared_tokens(chain)
+
+    @property
+    def context_hold_s(self) -> float | None:
+        return self.contexts.seconds
+
+    def start(self, prompt_tokens: int, uncached_tokens: int, chain: Sequence[int] = ()) -> None:
+        """A request was sent here: its context (its whole blocks hash to chain) is held and its uncached
+        tokens queue for prefill."""
+        self.own_in_flight += 1
+        self.contexts.add(prompt_tokens)
+        self.held.add(chain, prompt_tokens)
+        self.own_pending_prefill_tokens += uncached_tokens
+
+    def end(
+        self, prompt_tokens: int, still_prefilling_tokens: int = 0, admitted: bool = True,
+        chain: Sequence[int] = (),
+    ) -> None:  # fmt: skip
+        """A request sent here is over: answered or failed (admitted: the engine held its context), or
+        refused or never delivered."""
+        self.own_in_flight -= 1
+        self.held.remove(chain, prompt_tokens)
+        if admitted:
+            self.contexts.release(prompt_tokens)
+        else:
+            self.contexts.withdraw(prompt_tokens)
+        self.own_pending_prefill_tokens -= still_prefilling_tokens
+
+    @classmethod
+    def from_config(cls, config: InstanceConfig, router: RouterConfig) -> Instance:
+        breaker: CircuitBreakerConfig = router.circuit_breaker
+        return cls(
+            name=config.name,
+            url=config.url,
+            models=frozenset(router.models_of(config)),
+            ttft_model=TTFTModel(router.ttft),
+            breaker=CircuitBreaker(breaker.failures, breaker.open_s),
+            headers=request_headers(config, router),
+            data_parallel_rank=config.data_parallel_rank,
+            block_size=router.block_size,
+        )
+
+
+def request_headers(instance: InstanceConfig, router: RouterConfig) -> dict[str, str]:
+    key_env = router.api_key_env_of(instance)
+    key = api_key(key_env) if key_env else ""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if instance.data_parallel_rank is not None:  # vLLM's API server sends it to that rank's engine
+        headers[DATA_PARALLEL_RANK_HEADER] = str(instance.data_parallel_rank)
+    return headers
+
+
+class FleetChanges(NamedTuple):
+    added: list[InstanceConfig]
+    removed: list[str]
+    in_place: frozenset[str]  # of both: changed at the same URL, the same Instance object
+
+
+class Upstreams:
+    def __init__(self, config: RouterConfig) -> None:
+        self.instances = [Instance.from_config(i, config) for i in config.instances]
+        self.models = [m.name for m in config.models]
+        self._configs = {i.name: i for i in config.instances}
+        self._index()
+
+    def _index(self) -> None:
+        self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
+
+    def update(self, config: RouterConfig) -> FleetChanges:
+        """Take config's instances: unchanged ones keep their state (health, load, calibration, requests in
+        flight); changed ones count as removed and added. A removed instance gets no new requests; those in
+        flight finish, as they hold it. A changed one at the same URL is the same engine (other events
+        endpoints or models): it stays the same object, so the requests it is serving still count against
+        it, and they end on it."""
+        kept = {i.name: i for i in self.instances if self._configs.get(i.name) in config.instances}
+        added = [i for i in config.instances if i.name not in kept]
+        removed = [name for name in self._configs if name not in kept]
+        previous_by_name = {i.name: i for i in self.instances}
+        instances, in_place = [], set()
+        for spec in config.instances:
+            instance = kept.get(spec.name)
+            if instance is None:
+                previous = previous_by_name.get(spec.name)
+                if previous is not None and (previous.url, previous.data_parallel_rank) == (
+                    spec.url, spec.data_parallel_rank
+                ):
+                    previous.models = frozenset(config.models_of(spec))
+                    previous.headers = request_headers(spec, config)
+                    instance = previous
+                    in_place.add(spec.name)
+                else:
+                    # Not a candidate until its first health check passes (at the health checker's next
+                    # tick): an engine added before it is up must not fail the first requests sent to it.
+                    instance = Instance.from_config(spec, config)
+                    instance.healthy = False
+            instances.append(instance)
+        self.instances = instances
+        self._configs = {i.name: i for i in config.instances}
+        self._index()
+        return FleetChanges(added, removed, frozenset(in_place))
+
+    def serves(self, model: str) -> bool:
+        return bool(self._by_model.get(model))
+
+    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Instance]:
+        """Healthy instances serving model whose circuit breaker lets a request through, in configuration
+        order. When every healthy one's breaker is open the breakers step aside (as Envoy's panic mode): a
+        client whose requests make every engine fail must not black out the model for everyone."""
+        healthy = [i for i in self._by_model.get(model, ()) if i.healthy and i.name not in exclude]
+        return [i for i in healthy if i.breaker.allows()] or healthy
+
+    def only_model(self) -> str | None:
+        """The model a request that names none is for: the one configured, if there is one only."""
+        return self.models[0] if len(self.models) == 1 else None
+
+    def served_models(self) -> list[str]:
+        return [m for m in self.models if self._by_model[m]]
+
+    def max_model_len(self, model: str) -> int | None:
+        """The longest context every instance of model that told it takes: a client sizing its prompts by it
+        fits wherever it is routed."""
+        lengths = [i.max_model_len[model] for i in self._by_model.get(model, ()) if model in i.max_model_len]
+        return min(lengths) if lengths else None
+
+    def unavailable_models(self) -> list[str]:
+        """Models configured with instances of which none is healthy: their requests get 503s."""
+        return [m for m in self.served_models() if not any(i.healthy for i in self._by_model[m])]

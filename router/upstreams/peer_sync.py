@@ -1,0 +1,176 @@
+"""Routers in front of the same fleet tell each other their load, over ZMQ.
+
+Each router binds a PUB socket (`peers.publish`) and every `peers.interval_s` publishes a snapshot of what it
+has in flight on each instance; it subscribes to every other router's (`peers.subscribe`) and counts theirs
+with its own (router/upstreams/peer_load.py). A snapshot stands alone: a lost one is replaced by the next, a
+router that restarts starts from nothing, and one that stops publishing drops out after `peers.stale_after_s`.
+
+Wire format: one frame, msgpack of `{"router": ID, "instances": {NAME: {"in_flight": N, "active_tokens": N,
+"pending_prefill_tokens": N}}}`, ID a random id a router draws at start. Per-instance loads are maps, so a
+later version may add fields that this one ignores (a rolling upgrade keeps its peers). Snapshots that do not
+decode are counted and skipped; instances this router does not route to are left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Annotated
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from router.config import PeersConfig
+from router.metrics import RouterMetrics
+from router.upstreams.instances import Upstreams
+from router.upstreams.peer_load import PeerLoad, PeerLoads, own_loads
+
+log = logging.getLogger(__name__)
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**40)]  # more is no load, and would repel traffic for good
+MAX_PEERS = 64  # routers followed at once; snapshots from more are skipped
+_MAX_MESSAGE_BYTES = 2**20
+
+
+class PeerSyncError(Exception):
+    """The router cannot take part: its publish endpoint cannot be bound."""
+
+
+class InstanceLoad(msgspec.Struct):
+    in_flight: _Count = 0
+    active_tokens: _Count = 0
+    pending_prefill_tokens: _Count = 0
+
+
+class PeerSnapshot(msgspec.Struct):
+    router: str
+    instances: dict[str, InstanceLoad]
+
+
+class PeerSync:
+    """Publishes this router's load and follows its peers'.
+
+    ```
+    sync = PeerSync(config.peers, fleet, metrics, context, on_change=proxy.memory_freed)
+    sync.start()  # binds and connects: a bad endpoint fails here
+    tasks = [asyncio.create_task(loop()) for loop in sync.loops().values()]
+    ...
+    sync.close()
+    ```
+    """
+
+    def __init__(
+        self,
+        config: PeersConfig,
+        fleet: Upstreams,
+        metrics: RouterMetrics,
+        context: zmq.asyncio.Context,
+        on_change: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """on_change: called after peers' loads changed (a request of theirs may have freed memory)."""
+        self.router_id = uuid.uuid4().hex[:16]
+        self.loads = PeerLoads(config.stale_after_s, clock)
+        self._config, self._fleet, self._metrics, self._context = config, fleet, metrics, context
+        self._on_change = on_change
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
+        self._publisher: zmq.asyncio.Socket | None = None
+        self._subscriber: zmq.asyncio.Socket | None = None
+
+    def start(self) -> None:
+        if self._config.publish is not None:
+            self._publisher = self._context.socket(zmq.PUB)
+            self._publisher.setsockopt(zmq.LINGER, 0)
+            self._publisher.setsockopt(zmq.SNDHWM, 16)  # past it a slow subscriber misses snapshots
+            try:
+                self._publisher.bind(self._config.publish)
+            except zmq.ZMQError as exc:
+                raise PeerSyncError(f"peers.publish {self._config.publish} cannot be bound: {exc}") from None
+        if self._config.subscribe:
+            self._subscriber = self._context.socket(zmq.SUB)
+            self._subscriber.setsockopt(zmq.LINGER, 0)
+            self._subscriber.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
+            self._subscriber.setsockopt(zmq.RCVHWM, 64)
+            self._subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+            for endpoint in self._config.subscribe:
+                self._subscriber.connect(endpoint)
+
+    def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        """The background loops start() set up, by name, each to run in a task of its own (supervised); none
+        without peers configured, where the sync is a null object."""
+        if self._config.publish is None and not self._config.subscribe:
+            return {}
+        loops: dict[str, Callable[[], Awaitable[None]]] = {"peers-expire": self.expire_stale}
+        if self._publisher is not None:
+            loops["peers-publish"] = self.publish
+        if self._subscriber is not None:
+            loops["peers-follow"] = self.follow
+        return loops
+
+    def close(self) -> None:
+        for socket in (self._publisher, self._subscriber):
+            if socket is not None:
+                socket.close(linger=0)
+
+    def snapshot(self) -> bytes:
+        loads = {name: InstanceLoad(*load) for name, load in own_loads(self._fleet.instances).items()}
+        return self._encoder.encode(PeerSnapshot(self.router_id, loads))
+
+    def receive(self, message: bytes) -> None:
+        """Take one peer's snapshot; malformed ones, this router's own, and new peers past MAX_PEERS are
+        counted and skipped."""
+        try:
+            snapshot = self._decoder.decode(message)
+        except msgspec.DecodeError:
+            self._metrics.peer_snapshots("malformed").inc()
+            return
+        if snapshot.router == self.router_id:
+            self._metrics.peer_snapshots("own").inc()
+            return
+        if not self.loads.knows(snapshot.router) and self.loads.peers >= MAX_PEERS:
+            self._metrics.peer_snapshots("too_many_peers").inc()
+            return
+        self._metrics.peer_snapshots("applied").inc()
+        names = {instance.name for instance in self._fleet.instances}
+        loads = {
+            name: PeerLoad(load.in_flight, load.active_tokens, load.pending_prefill_tokens)
+            for name, load in snapshot.instances.items()
+            if name in names
+        }
+        self.loads.update(snapshot.router, loads)
+        self._apply()
+
+    def expire(self) -> None:
+        if self.loads.expire():
+            self._apply()
+
+    def _apply(self) -> None:
+        self.loads.apply(self._fleet.instances)
+        self._metrics.peer_routers.set(self.loads.peers)
+        self._on_change()
+
+    async def publish(self) -> None:
+        assert self._publisher is not None
+        while True:
+            await self._publisher.send(self.snapshot())
+            await asyncio.sleep(self._config.interval_s)
+
+    async def follow(self) -> None:
+        assert self._subscriber is not None
+        while True:
+            frames = await self._subscriber.recv_multipart()
+            if len(frames) != 1:
+                self._metrics.peer_snapshots("malformed").inc()
+                continue
+            self.receive(frames[0])
+
+    async def expire_stale(self) -> None:
+        """Forget peers gone silent, whatever else fails (a router that cannot publish still forgets)."""
+        while True:
+            self.expire()
+            await asyncio.sleep(self._config.interval_s)

@@ -1,0 +1,150 @@
+"""The packages' layering: imports point one way, and no module takes part in a cycle.
+
+Every import counts, at module level, inside functions and under TYPE_CHECKING alike: a cycle hidden in a
+function is still one that a reader has to untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("router", "fleet", "kvroute", "tinymodel")
+
+# Within router, a layer may import its own and those listed after it, never one before it. The request's way
+# is http -> dispatch -> policy -> upstreams -> index -> scorers -> prompt; metrics, errors and types are the
+# floor.
+ROUTER_LAYERS: list[set[str]] = [
+    {"router.http"},
+    {"router.reload"},
+    {"router.runtime"},
+    {"router.dispatch"},
+    {"router.scoring.policy"},
+    {"router.upstreams"},
+    {"router.index"},
+    {"router.config", "router.strict_yaml"},
+    # The configuration checks scorer types and traffic splits as the running router builds them.
+    {"router.scoring.registry", "router.dispatch.traffic"},
+    {"router.scorers", "router.scoring.pickers"},
+    {"router.scoring"},
+    {"router.prompt"},
+    {"router.metrics", "router.errors", "router.supervisor", "router.types", "router.config_keys"},
+]
+# What the simulated fleet shares with the router: the prompt's rendering and the KV event wire format.
+FLEET_MAY_IMPORT = ("router.prompt", "router.index.events", "tinymodel", "fleet")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        _module_name(path): path
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+    }
+
+
+def _imports(path: Path, name: str, known: set[str]) -> Iterator[str]:
+    """The project's modules that path imports, anywhere in it."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from package import module` imports the module; `from module import name` the module.
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                yield target
+
+
+GRAPH = {name: set(_imports(path, name, set(_modules()))) for name, path in _modules().items()}
+
+
+def _layer(module: str) -> int | None:
+    """The most specific layer a router module is in."""
+    best: tuple[int, int] | None = None
+    for index, prefixes in enumerate(ROUTER_LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_every_router_module_has_a_layer() -> None:
+    unplaced = [m for m in GRAPH if m.startswith("router.") and _layer(m) is None]
+    assert not unplaced
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("router")))
+def test_router_imports_point_down(module: str) -> None:
+    upward = [t for t in GRAPH[module] if not t.startswith(("router", "tinymodel"))]
+    assert not upward, f"{module} imports outside router: {upward}"
+    if module == "router":
+        return
+    layer = _layer(module)
+    assert layer is not None
+    above = [t for t in GRAPH[module] if t.startswith("router.") and (_layer(t) or 0) < layer]
+    assert not above, f"{module} imports from a layer above it: {above}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("fleet")))
+def test_fleet_imports_only_what_it_shares_with_the_router(module: str) -> None:
+    others = [t for t in GRAPH[module] if not t.startswith(FLEET_MAY_IMPORT)]
+    assert not others, f"{module} imports {others}"
+
+
+def test_tinymodel_imports_nothing_of_the_project() -> None:
+    assert not [t for m, targets in GRAPH.items() if m.startswith("tinymodel") for t in targets
+                if not t.startswith("tinymodel")]  # fmt: skip
+
+
+def test_no_import_cycles() -> None:
+    """Tarjan's strongly connected components: any with more than one module is a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in GRAPH.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(GRAPH):
+        if module not in index:
+            visit(module)
+    assert not cycles
