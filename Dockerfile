@@ -6,7 +6,7 @@ RUN useradd --create-home --uid 10001 kvroute
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY router ./router
-COPY scorers ./scorers
+COPY tinymodel ./tinymodel
 COPY fleet ./fleet
 COPY kvroute ./kvroute
 RUN pip install . && mkdir -p /etc/kvroute

@@ -19,13 +19,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from router.config import RouterConfig
+from router.dispatch.attempts import ATTEMPTS_HEADER
 from router.errors import MALFORMED_HTTP, OpenAIError
 from router.http.admin import admin_routes, admin_token
 from router.http.client_auth import ClientAuth, client_key_digests
 from router.http.dashboard import dashboard_routes
 from router.http.fast_path import OpenAIFastPath
 from router.http.proxy import (
-    ATTEMPTS_HEADER,
     CACHED_BLOCKS_HEADER,
     INSTANCE_HEADER,
     POLICY_HEADER,

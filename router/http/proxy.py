@@ -47,7 +47,6 @@ INSTANCE_HEADER = "x-kvroute-instance"
 CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
 PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
-__all__ = ["ATTEMPTS_HEADER", "BodyLimits", "Proxy"]
 # End-to-end headers that identify a request or carry its trace (vLLM reads traceparent and tracestate).
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "tracestate")
 _RETURNED_HEADERS = ("x-request-id",)  # the engine's id for the request (--enable-request-id-headers)
