@@ -1,6 +1,6 @@
 """A hybrid model's prefix hits, as the installed vLLM's KV cache manager finds them, against what the index
 credits from the same manager's KV events: a sliding-window group and a Mamba group beside full attention,
-under memory pressure that evicts the groups' blocks apart (tests/router/test_kv_groups.py has the cases)."""
+under memory pressure that evicts the groups' blocks apart (tests/router/index/test_kv_groups.py has the cases)."""
 
 from __future__ import annotations
 

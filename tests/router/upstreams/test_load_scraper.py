@@ -22,7 +22,7 @@ from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity, parse_start_time
 from tests.conftest import ManualClock
 
-CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
+CAPTURE = Path(__file__).parents[2] / "fixtures" / "vllm" / "capture_int.json"
 
 
 def captured_metrics(**values: str) -> bytes:

@@ -22,7 +22,7 @@ import pytest
 
 from kvroute.processes import FleetPorts, running_router
 from tests.conftest import sample
-from tests.router.test_admin import AUTH, TOKEN, call
+from tests.router.http.test_admin import AUTH, TOKEN, call
 from tests.router.test_proxy import get_json, post
 
 CHROMIUM = Path("/usr/bin/chromium")

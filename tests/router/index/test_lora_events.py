@@ -21,7 +21,7 @@ from router.prompt.openai_body import CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 CAPTURE: dict[str, Any] = json.loads((FIXTURES / "lora_capture.json").read_text())
 FRAMES: list[list[bytes]] = msgspec.msgpack.decode((FIXTURES / "lora_events.msgpack").read_bytes())
 BLOCK = CAPTURE["block_size"]

@@ -24,7 +24,7 @@ from router.prompt.tokenization import PromptTokenizer
 from tests.router.test_proxy import post
 from tinymodel.builder import CHAT_TEMPLATE, MODEL_NAME
 
-CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "capture_int.json"
+CAPTURE = Path(__file__).parents[2] / "fixtures" / "vllm" / "capture_int.json"
 Messages = list[dict[str, Any]]
 
 WORDS = "the cache router token block prefix engine worker def return self import error test".split()

@@ -9,7 +9,7 @@ from router.index.block_index import BlockIndex
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.kv_groups import GroupConstraints, ending_blocks
 from router.types import TierMatch
-from tests.router.test_block_index import BS, TOKENS, prompt, removed, stored, vllm_hash
+from tests.router.index.test_block_index import BS, TOKENS, prompt, removed, stored, vllm_hash
 
 A, B = ("a", 0), ("b", 0)
 FULL, OTHER = 0, 1

@@ -13,7 +13,7 @@ from router.index.block_index import BlockIndex
 from router.index.pool import key_start, place_instances, pool_key
 from router.runtime import Runtime
 from router.types import TierMatch
-from tests.router.test_block_index import BS, pooled, prompt
+from tests.router.index.test_block_index import BS, pooled, prompt
 
 
 def config(*instances: tuple[str, str]) -> RouterConfig:

@@ -37,9 +37,9 @@ from router.metrics import RouterMetrics
 from router.runtime import Runtime
 from router.types import TierMatch
 from tests.conftest import ipv6_loopback
-from tests.router.test_block_index import BS, TOKENS, prompt, stored
+from tests.router.index.test_block_index import BS, TOKENS, prompt, stored
 
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm"
 TOPIC = b"kv@a@tiny-llama"
 A0: Owner = ("a", 0)
 TIMEOUT_S = 10.0

@@ -28,9 +28,18 @@ from router.index.pool import MasterLookup, PoolConfirmer, key_start, pool_key
 from router.metrics import RouterMetrics
 from router.prompt.openai_body import CompletionRequest
 from router.types import TierMatch
-from tests.router.test_block_index import BS, OTHER_TOKENS, TOKENS, pooled, prompt, removed, stored, vllm_hash
+from tests.router.index.test_block_index import (
+    BS,
+    OTHER_TOKENS,
+    TOKENS,
+    pooled,
+    prompt,
+    removed,
+    stored,
+    vllm_hash,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STACK_PYTHON = Path(os.environ.get("KVROUTE_STACK_PYTHON", ROOT / ".venv-stack" / "bin" / "python"))
 A, B = ("a", 0), ("b", 0)
 

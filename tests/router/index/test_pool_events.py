@@ -17,7 +17,7 @@ from router.index.pool import pool_key
 from router.prompt import block_hashing
 from router.types import TierMatch
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 CAPTURE: dict[str, Any] = json.loads((FIXTURES / "mooncake_capture.json").read_text())
 FRAMES: list[list[Any]] = msgspec.msgpack.decode((FIXTURES / "mooncake_events.msgpack").read_bytes())
 BLOCK = CAPTURE["block_size"]
