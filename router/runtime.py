@@ -72,13 +72,9 @@ class Runtime:
         self.subscriptions = Subscriptions(self.index, self.metrics, self._context)
 
     async def __aenter__(self) -> Runtime:
-        self._exit = contextlib.AsyncExitStack()
-        await self._exit.__aenter__()
-        try:
-            await self._start(self._exit)
-        except BaseException:
-            await self._exit.aclose()
-            raise
+        async with contextlib.AsyncExitStack() as stack:  # what started is stopped if the rest cannot start
+            await self._start(stack)
+            self._exit = stack.pop_all()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -26,7 +26,7 @@ from router.upstreams.instances import Instance
 log = logging.getLogger(__name__)
 
 BUSY = 503  # refused before anything ran: not a failure of the instance
-CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
+_CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class Outcome:
         else:
             self._breaker_succeeded()
         if left:
-            status = CLIENT_CLOSED
+            status = _CLIENT_CLOSED
         metrics, policy, decision = self.observers.metrics, self.policy.name, self.decision
         metrics.requests(policy, self.instance.name, str(status), self.model).inc()
         elapsed = time.perf_counter() - self.first_sent
