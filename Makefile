@@ -46,7 +46,7 @@ demo: model
 	$(VENV)/bin/kvroute demo
 
 lint: setup
-	$(VENV)/bin/ruff check router fleet kvroute tinymodel tests scripts
+	$(VENV)/bin/ruff check router fleet kvroute tinymodel kvconnectors tests scripts
 	$(VENV)/bin/mypy
 
 test: model lint stack-env browser bench-tools

@@ -23,6 +23,7 @@ class EngineTiming:
     decode_s_per_token: float = 0.01
     max_num_seqs: int = 16
     max_batched_tokens: int = 2048
+    transfer_tokens_per_s: float = 100_000.0  # KV fetched from a prefill instance (fleet/kv_transfer.py)
 
 
 @dataclass(slots=True)
@@ -33,6 +34,12 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by vLLM's finished_reason
     preemptions: int = 0
+    external_prefix_cache_queries: int = 0  # prompt tokens looked up beyond the local cache: decode legs'
+    external_prefix_cache_hits: int = 0  # of those, fetched from a prefill instance
+    # vllm:prompt_tokens_by_source: local_compute + local_cache_hit + external_kv_transfer = prompt_tokens
+    prompt_tokens_by_source: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("local_compute", "local_cache_hit", "external_kv_transfer"), 0)
+    )
 
 
 TokenSampler = Callable[[int], int]
@@ -53,6 +60,7 @@ class _Sequence:
     num_computed: int = 0
     num_cached_blocks: int = 0
     num_output: int = 0
+    fetched: bool = False  # its prompt's KV comes from a prefill instance (a decode leg)
 
     @property
     def prefilling(self) -> bool:
@@ -96,10 +104,12 @@ class Engine:
         sample: TokenSampler,
         cache_salt: str | None = None,
         lora: Adapter | None = None,
+        fetched: bool = False,
     ) -> AsyncIterator[int]:
         """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
         cache_salt: vLLM's, which makes the prompt's cache entries its own; lora: the adapter it runs with,
-        whose cache entries are its own too."""
+        whose cache entries are its own too; fetched: the prompt's KV beyond the local cache was fetched from
+        a prefill instance (its time spent already), so none of it is computed here."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
@@ -108,6 +118,7 @@ class Engine:
             block_hashes=self.hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt, lora=lora),
             cache_salt=cache_salt,
             lora=lora,
+            fetched=fetched,
         )
         self.stats.prompt_tokens += len(prompt_ids)
         self._waiting.append(seq)
@@ -120,6 +131,15 @@ class Engine:
         finally:
             if not finished:
                 self._abort(seq)
+
+    def fetch_s(
+        self, prompt_ids: list[int], cache_salt: str | None = None, lora: Adapter | None = None
+    ) -> float:
+        """How long fetching the prompt's KV beyond what this engine holds takes."""
+        block_size = self.pool.block_size
+        chain = self.hasher.chain(prompt_ids, block_size, salt=cache_salt, lora=lora)
+        held = len(self.pool.cached_prefix(chain[: (len(prompt_ids) - 1) // block_size])) * block_size
+        return (len(prompt_ids) - held) / self.timing.transfer_tokens_per_s
 
     def reset_prefix_cache(self) -> bool:
         """As in vLLM, the AllBlocksCleared event goes out with the next engine step's batch."""
@@ -178,8 +198,17 @@ class Engine:
         seq.num_computed = len(hits) * self.pool.block_size
         seq.num_cached_blocks = len(hits)
         if seq.num_output == 0:  # a preempted request is not queried twice
-            self.stats.prefix_cache_queries += len(seq.token_ids)
-            self.stats.prefix_cache_hits += seq.num_computed
+            stats, prompt = self.stats, len(seq.token_ids)
+            stats.prefix_cache_queries += prompt
+            stats.prefix_cache_hits += seq.num_computed
+            stats.prompt_tokens_by_source["local_cache_hit"] += seq.num_computed
+            fetched = prompt - seq.num_computed if seq.fetched else 0
+            stats.external_prefix_cache_queries += fetched
+            stats.external_prefix_cache_hits += fetched
+            stats.prompt_tokens_by_source["external_kv_transfer"] += fetched
+            stats.prompt_tokens_by_source["local_compute"] += prompt - seq.num_computed - fetched
+            if seq.fetched:  # the whole prompt is there; a preempted one recomputes, its fetched KV gone
+                seq.num_computed, seq.fetched = prompt, False
         return len(hits)
 
     def _reserve(self, seq: _Sequence, num_tokens: int) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fleet.block_pool import Adapter, BlockHasher, BlockPool
 from fleet.engine import Engine, EngineTiming
+from fleet.kv_transfer import Connector, KVTransfers, Role, TransferSide
 from fleet.publisher import EventPublisher
 from fleet.render import add_render_routes
 from fleet.sampling import printable_token_ids
@@ -48,9 +49,21 @@ class FleetOptions:
     # publishes at event_port + I x size + R, as vLLM offsets each rank's ports.
     data_parallel_size: int = 1
     timing: EngineTiming = field(default_factory=EngineTiming)
+    # Prefill/decode disaggregation: each instance's role (all "both" when empty), the transfer connector the
+    # instances run, and MooncakeConnector's bootstrap port of the first (instance i: + i).
+    roles: tuple[Role, ...] = ()
+    kv_connector: Connector = "nixl"
+    bootstrap_port: int = 8998
 
     def instance_name(self, index: int) -> str:
         return f"{self.name_prefix}{self.first_index + index}"
+
+    def transfer_side(self, index: int) -> TransferSide:
+        """Instance index's end of the KV transfer: its engine id is its name."""
+        return TransferSide(
+            self.instance_name(index), f"http://{self.host}:{self.bootstrap_port + index}", self.host,
+            self.port + index, self.roles[index] if self.roles else "both",
+        )  # fmt: skip
 
 
 async def run_fleet(
@@ -58,6 +71,7 @@ async def run_fleet(
 ) -> None:
     """tokenizer: options.tokenizer_path's, loaded by the caller (a bad path is its error to report)."""
     vocabulary = printable_token_ids(tokenizer)
+    transfers = KVTransfers(options.kv_connector)
     async with contextlib.AsyncExitStack() as stack:
         tasks = []
         for index in range(options.instances):
@@ -98,6 +112,8 @@ async def run_fleet(
                 ),
                 api_key=options.api_key,
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
+                transfer=options.transfer_side(index),
+                transfers=transfers,
             )
             port = options.port + index
             await stack.enter_async_context(serve(instance, options.host, port, add_render_routes))

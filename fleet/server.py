@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -18,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from fleet.block_pool import Adapter
 from fleet.cache_config import cache_config_labels
 from fleet.engine import Engine
+from fleet.kv_transfer import KVTransfers, TransferSide
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from router.prompt.chat_conversation import InvalidPrompt
@@ -46,6 +48,8 @@ class SimInstance:
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters, by --lora-modules
     api_key: str | None = None  # vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's option: the chat endpoint only, not /tokenize
+    transfer: TransferSide | None = None  # its end of prefill-to-decode KV transfer (fleet/kv_transfer.py)
+    transfers: KVTransfers | None = None  # the fleet's, shared by its instances
 
     def adapter(self, model: object) -> Adapter | None:
         return next((a for a in self.adapters if a.name == model), None)
@@ -159,12 +163,33 @@ class _Generation:
             raise ClientError(400, "the simulated fleet supports n=1 only", "BadRequestError", "n")
         seed = request_seed(body.get("seed"), body.get("temperature", 1.0), prompt_ids)
         self.sample = sampler(instance.vocabulary, seed)
+        self.salt = salt if isinstance(salt := body.get("cache_salt"), str) else None
+        params = body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise ClientError(400, "kv_transfer_params must be an object", "BadRequestError")
+        side = instance.transfer
+        # What the instance's connector acts on; other instances ignore the params, as vLLM without one does.
+        self.remote_decode = bool(side and side.produces and params and params.get("do_remote_decode"))
+        self.remote_prefill = bool(side and side.consumes and params and params.get("do_remote_prefill"))
+        self.transfer_params: dict[str, Any] = params or {}
 
-    def tokens(self) -> AsyncIterator[int]:
-        salt = self.body.get("cache_salt")
-        return self.engine.generate(
-            self.prompt_ids, self.max_tokens, self.sample, salt if isinstance(salt, str) else None, self.lora
-        )
+    async def tokens(self) -> AsyncIterator[int]:
+        fetched = False
+        if self.remote_prefill and self.instance.transfers is not None:
+            fetched = self.instance.transfers.fetch(self.transfer_params, self.prompt_ids)
+            if fetched:
+                await asyncio.sleep(self.engine.fetch_s(self.prompt_ids, self.salt, self.lora))
+        async for token in self.engine.generate(
+            self.prompt_ids, self.max_tokens, self.sample, self.salt, self.lora, fetched
+        ):
+            yield token
+
+    def kept_for_decode(self) -> dict[str, Any] | None:
+        """A prefill leg's KV kept for its decode leg; the answer's kv_transfer_params."""
+        instance = self.instance
+        if not self.remote_decode or instance.transfers is None or instance.transfer is None:
+            return None
+        return instance.transfers.keep(instance.transfer, self.transfer_params, self.prompt_ids)
 
 
 async def _complete(request: web.Request, generation: _Generation) -> web.StreamResponse:
@@ -172,7 +197,9 @@ async def _complete(request: web.Request, generation: _Generation) -> web.Stream
         return await _stream(request, generation)
     output = [token async for token in generation.tokens()]
     text = generation.instance.tokenizer.decode(output)
-    return json_response(generation.envelope.body(text, "length", len(generation.prompt_ids), len(output)))
+    body = generation.envelope.body(text, "length", len(generation.prompt_ids), len(output))
+    body["kv_transfer_params"] = generation.kept_for_decode()
+    return json_response(body)
 
 
 async def _stream(request: web.Request, generation: _Generation) -> web.StreamResponse:
@@ -350,9 +377,9 @@ class _EngineCollector:
                 "vllm:kv_cache_usage_perc": engine.pool.usage,
                 "vllm:prefix_cache_queries": stats.prefix_cache_queries,
                 "vllm:prefix_cache_hits": stats.prefix_cache_hits,
-                # No connector in the simulated fleet: nothing is ever looked up outside the local cache.
-                "vllm:external_prefix_cache_queries": 0,
-                "vllm:external_prefix_cache_hits": 0,
+                # Outside the local cache, only decode legs look up (and fetch from a prefill instance).
+                "vllm:external_prefix_cache_queries": stats.external_prefix_cache_queries,
+                "vllm:external_prefix_cache_hits": stats.external_prefix_cache_hits,
                 "vllm:prompt_tokens": stats.prompt_tokens,
                 "vllm:generation_tokens": stats.generation_tokens,
                 "vllm:num_preemptions": stats.preemptions,
@@ -372,6 +399,14 @@ class _EngineCollector:
         for config in configs:
             cache.add_metric(list(config.values()), 1.0)
         yield cache
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+            labels=[*names, "source"],
+        )  # fmt: skip
+        for rank, engine in enumerate(instance.engines):
+            for source, tokens in engine.stats.prompt_tokens_by_source.items():
+                by_source.add_metric([instance.model_name, str(rank), source], tokens)
+        yield by_source
         success = CounterMetricFamily(
             "vllm:request_success", "finished requests", labels=["engine", "finished_reason", "model_name"]
         )
@@ -436,8 +471,13 @@ async def serve(
     # handler_cancellation: a client that goes away cancels its handler, which aborts the engine request.
     runner = web.AppRunner(build_app(instance, extra_routes), handler_cancellation=True, access_log=None)
     await runner.setup()
+    transfers, side = instance.transfers, instance.transfer
     try:
         await web.TCPSite(runner, host, port).start()
+        if transfers is not None and side is not None:
+            transfers.serve(side)
         yield runner
     finally:
+        if transfers is not None and side is not None:
+            transfers.stop(side.engine_id)  # what it kept for decode legs goes with it
         await runner.cleanup()

@@ -57,6 +57,13 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _roles(value: str) -> tuple[str, ...]:
+    roles = tuple(role.strip() for role in value.split(","))
+    if unknown := [role for role in roles if role not in ("prefill", "decode", "both")]:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: a role is prefill, decode or both")
+    return roles
+
+
 def _fleet(args: argparse.Namespace) -> int:
     import uvloop
 
@@ -64,6 +71,10 @@ def _fleet(args: argparse.Namespace) -> int:
     from fleet.launcher import FleetOptions, run_fleet
 
     engines = args.instances * args.data_parallel_size
+    if args.roles and len(args.roles) != args.instances:
+        print(f"kvroute fleet: --roles names {len(args.roles)} roles for {args.instances} instances",
+              file=sys.stderr)  # fmt: skip
+        return 2
     last = max(args.port + args.instances, args.event_port + engines, args.replay_port + engines) - 1
     if last > MAX_PORT:
         print(f"kvroute fleet: {args.instances} instances need ports up to {last}, past {MAX_PORT}",
@@ -102,7 +113,11 @@ def _fleet(args: argparse.Namespace) -> int:
             decode_s_per_token=1.0 / args.decode_tps,
             max_num_seqs=args.max_num_seqs,
             max_batched_tokens=args.max_batched_tokens,
+            transfer_tokens_per_s=args.transfer_tps,
         ),
+        roles=args.roles,
+        kv_connector=args.kv_connector,
+        bootstrap_port=args.bootstrap_port,
     )
     uvloop.run(run_fleet(options, tokenizer))
     return 0
@@ -300,6 +315,24 @@ def _parser() -> argparse.ArgumentParser:
         "--data-parallel-size", type=positive_int, default=1,
         help="engines per instance behind its API server, as vLLM's option; rank R of instance I publishes "
         "at the event and replay ports + I x size + R",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--roles", type=_roles, default=(), metavar="ROLE,...",
+        help="each instance's role, prefill, decode or both (prefill/decode disaggregation); default: all "
+        "both",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--kv-connector", choices=["nixl", "mooncake"], default="nixl",
+        help="the prefill-to-decode connector the instances speak (kv_transfer_params as vLLM's)",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--bootstrap-port", type=port, default=8998,
+        help="MooncakeConnector's bootstrap port of the first instance (instance i: + i), as decode legs "
+        "name it",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--transfer-tps", type=positive_float, default=100_000.0,
+        help="KV tokens a decode instance fetches a second",
     )  # fmt: skip
     fleet.set_defaults(run=_fleet)
 

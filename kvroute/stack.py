@@ -1,5 +1,5 @@
-"""The real stack on one machine: mooncake_master, N vLLM instances with KV events and the Mooncake pool, and
-kvroute in front of them.
+"""The real stack on one machine: mooncake_master, N vLLM instances with KV events and the Mooncake pool (and,
+disaggregated, a prefill-to-decode connector and a role each), and kvroute in front of them.
 
 ```
 with running_stack(load_stack_config(Path("configs/stack-cpu.yaml")), Path(".stack")) as stack:
@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -36,13 +37,16 @@ from kvroute.processes import (
     stop_group,
     wait_all_healthy,
 )
-from kvroute.stack_config import StackConfig
-from router.config import ConfigError, parse_config
+from kvroute.stack_config import SIDE_CHANNEL_ENV, StackConfig
+from router.config import ConfigError, Role, parse_config
 from router.prompt.tokenization import resolve_tokenizer_path
 
 log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
 VLLM_STOP_TIMEOUT_S = 30.0
+# The project's code that runs inside vLLM (connectors named by kv_connector_module_path). Each stack takes a
+# copy of this one package, so that the stack venv's python sees nothing else of the project's environment.
+VLLM_SIDE_PACKAGE = Path(__file__).resolve().parents[1] / "kvconnectors"
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class InstanceInfo:
     events: str
     replay: str
     topic: str
+    role: Role = "both"
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class StackPlan:
                 topic=config.vllm.kv_events.topic.format(
                     instance=f"{config.vllm.name_prefix}{i}", model=config.model.served_name
                 ),
+                role=config.vllm.instance(i).role,
             )
             for i in range(config.vllm.instances)
         ]
@@ -95,6 +101,11 @@ class StackPlan:
     @property
     def router_yaml(self) -> Path:
         return self.run_dir / "router.yaml"
+
+    @property
+    def python_path_dir(self) -> Path:
+        """On every instance's PYTHONPATH: a copy of the project's vLLM-side package, and nothing else."""
+        return self.run_dir / "pythonpath"
 
     @property
     def pool_model_name(self) -> str:
@@ -130,22 +141,43 @@ class StackPlan:
             "--block-size", str(config.block_size),
             "--kv-events-config", json.dumps(kv_events),
         ]  # fmt: skip
+        if (transfer := self.kv_transfer_config(index)) is not None:
+            argv += ["--kv-transfer-config", json.dumps(transfer)]
+        return argv + list(config.vllm.args) + list(config.vllm.instance(index).args)
+
+    def kv_transfer_config(self, index: int) -> dict[str, Any] | None:
+        """The pool's connector, the prefill-to-decode one, both in a MultiConnector, or None."""
+        config, instance = self.config, self.instances[index]
+        connectors: list[dict[str, Any]] = []
+        if config.disaggregation is not None:
+            connectors.append(
+                config.disaggregation.transfer_connector(instance.role, engine_id=instance.name)
+            )
         if config.pool is not None:
-            connector = dict(config.pool.connector)
+            pool = dict(config.pool.connector)
             # The connector's lookup socket is ipc://.../lookup_rpc_port_{port}_host_{hostname}: instances
             # on one host need a port each, or the second one takes over the first one's socket.
             extra = {
                 "lookup_rpc_port": config.vllm.http_port + index,
-                **connector.get("kv_connector_extra_config", {}),
+                **pool.get("kv_connector_extra_config", {}),
             }
-            connector["kv_connector_extra_config"] = extra
-            argv += ["--kv-transfer-config", json.dumps(connector)]
-        return argv + list(config.vllm.args)
+            connectors.append({**pool, "kv_connector_extra_config": extra})
+        if len(connectors) < 2:
+            return connectors[0] if connectors else None
+        # engine_id at the top only: the children take it from there.
+        children = [{k: v for k, v in c.items() if k != "engine_id"} for c in connectors]
+        return {
+            "kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": instance.name,
+            "kv_connector_extra_config": {"connectors": children},
+        }  # fmt: skip
 
-    def vllm_env(self) -> dict[str, str]:
-        env = {**os.environ, **self.config.vllm.env}
+    def vllm_env(self, index: int) -> dict[str, str]:
+        env = {**os.environ, **self.config.vllm.env, **self.config.vllm.instance(index).env}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.python_path_dir), env.get("PYTHONPATH")]))
         if self.config.pool is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.mooncake_json)
+        if (disaggregation := self.config.disaggregation) is not None:
+            env[SIDE_CHANNEL_ENV[disaggregation.connector]] = str(disaggregation.side_channel_port + index)
         return env
 
     def mooncake_client_config(self) -> dict[str, str]:
@@ -170,14 +202,26 @@ class StackPlan:
         config: dict[str, Any] = {
             "models": [model],
             "block_size": self.config.block_size,
-            "instances": [
-                {"name": i.name, "url": i.url, "events": i.events, "replay": i.replay} for i in self.instances
-            ],
+            "instances": [self._router_instance(index) for index in range(len(self.instances))],
         }
         if self.master_url is not None:
             config["pool"] = {"master_url": self.master_url}
-        config.update(self.config.router.config)
+        if self.config.disaggregation is not None:
+            config["disaggregation"] = {"connector": self.config.disaggregation.connector}
+        for key, value in self.config.router.config.items():  # sections merged, one level down
+            both_sections = isinstance(value, dict) and isinstance(config.get(key), dict)
+            config[key] = {**config[key], **value} if both_sections else value
         return config
+
+    def _router_instance(self, index: int) -> dict[str, Any]:
+        i = self.instances[index]
+        instance: dict[str, Any] = {"name": i.name, "url": i.url, "events": i.events, "replay": i.replay}
+        if (disaggregation := self.config.disaggregation) is not None:
+            instance.update(role=i.role, kv_engine_id=i.name)
+            if disaggregation.connector == "mooncake" and i.role != "decode":
+                port = disaggregation.side_channel_port + index
+                instance["kv_bootstrap_url"] = f"http://{self.config.host}:{port}"
+        return instance
 
     def router_argv(self) -> list[str]:
         return [
@@ -193,6 +237,12 @@ class StackPlan:
         except ConfigError as exc:
             raise StartupError(f"the generated router configuration is invalid:\n{exc}") from exc
         self.router_yaml.write_text(yaml.safe_dump(router_config, sort_keys=False))
+        shutil.rmtree(self.python_path_dir, ignore_errors=True)
+        shutil.copytree(
+            VLLM_SIDE_PACKAGE,
+            self.python_path_dir / VLLM_SIDE_PACKAGE.name,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
         if self.config.pool is not None:
             self.mooncake_json.write_text(json.dumps(self.mooncake_client_config(), indent=1) + "\n")
 
@@ -318,7 +368,7 @@ class Stack:
     def _start_vllm(self, index: int) -> Child:
         instance = self.plan.instances[index]
         return self._spawn(
-            instance.name, self.plan.vllm_argv(index), f"{instance.url}/health", self.plan.vllm_env()
+            instance.name, self.plan.vllm_argv(index), f"{instance.url}/health", self.plan.vllm_env(index)
         )
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.config import ConfigError, read_yaml, validated
+from router.config import ConfigError, KVConnector, Role, read_yaml, validated
 
 PYTHON_ENV = "KVROUTE_STACK_PYTHON"
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -24,6 +24,23 @@ OWN_VLLM_FLAGS = frozenset({
 
 
 StackConfigError = ConfigError  # a stack configuration that cannot be used
+
+# What disaggregation.side_channel_port sets on each instance, by connector: where a MooncakeConnector's
+# bootstrap server listens, or a NixlConnector's handshake listener.
+SIDE_CHANNEL_ENV: dict[KVConnector, str] = {
+    "mooncake": "VLLM_MOONCAKE_BOOTSTRAP_PORT",
+    "nixl": "VLLM_NIXL_SIDE_CHANNEL_PORT",
+}
+# The prefill-to-decode connector of each kind, before the stack adds kv_role and engine_id.
+DEFAULT_TRANSFER: dict[KVConnector, dict[str, Any]] = {
+    "mooncake": {
+        "kv_connector": "MooncakeConnector",
+        "kv_connector_module_path": "kvconnectors.mooncake",  # runs on CPU, and inside a MultiConnector
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    },
+    "nixl": {"kv_connector": "NixlConnector"},
+}
+KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
 class _Strict(BaseModel):
@@ -90,8 +107,28 @@ class KVEventsSection(_Strict):
         return host
 
 
+def _not_own_flags(args: list[str]) -> list[str]:
+    for arg in args:
+        if arg.split("=", 1)[0] in OWN_VLLM_FLAGS:
+            raise ValueError(f"{arg} is set by the stack itself ({', '.join(sorted(OWN_VLLM_FLAGS))})")
+    return args
+
+
+class InstanceSection(_Strict):
+    """What one instance adds to the shared vllm.args and vllm.env: its role, its devices."""
+
+    role: Role = Field(default="both", description="prefill, decode or both (disaggregation: needed)")
+    args: list[str] = Field(default_factory=list, description="after vllm.args")
+    env: dict[str, str] = Field(default_factory=dict, description="over vllm.env, e.g. CUDA_VISIBLE_DEVICES")
+
+    _not_own = field_validator("args")(_not_own_flags)
+
+
 class VLLMSection(_Strict):
     instances: int = Field(default=2, ge=1)
+    per_instance: list[InstanceSection] = Field(
+        default_factory=list, description="empty, or one entry per instance, in order"
+    )
     name_prefix: str = Field(default="vllm-", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,40}$")
     http_port: Port
     event_port: Port
@@ -102,13 +139,40 @@ class VLLMSection(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     kv_events: KVEventsSection = Field(default_factory=KVEventsSection)
 
-    @field_validator("args")
+    _not_own = field_validator("args")(_not_own_flags)
+
+    def instance(self, index: int) -> InstanceSection:
+        return self.per_instance[index] if self.per_instance else InstanceSection()
+
+
+class DisaggregationSection(_Strict):
+    """Prefill and decode on different instances: the connector that moves KV from one to the other."""
+
+    connector: KVConnector = Field(description="the router's disaggregation.connector: how it runs the legs")
+    side_channel_port: Port = Field(
+        description="instance i: + i, as VLLM_MOONCAKE_BOOTSTRAP_PORT (mooncake) or "
+        "VLLM_NIXL_SIDE_CHANNEL_PORT (nixl)"
+    )
+    transfer: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the connector's --kv-transfer-config, less kv_role and engine_id (the stack sets them: "
+        "engine_id is the instance's name); empty: the defaults for the connector, MooncakeConnector "
+        "through kvconnectors.mooncake or NixlConnector. With a pool, both go in a MultiConnector",
+    )
+
+    @field_validator("transfer")
     @classmethod
-    def _not_own(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            if arg.split("=", 1)[0] in OWN_VLLM_FLAGS:
-                raise ValueError(f"{arg} is set by the stack itself ({', '.join(sorted(OWN_VLLM_FLAGS))})")
-        return args
+    def _not_per_instance(cls, transfer: dict[str, Any]) -> dict[str, Any]:
+        if own := sorted({"kv_role", "engine_id"} & set(transfer)):
+            raise ValueError(f"{', '.join(own)} is set by the stack itself, for each instance")
+        if transfer and "kv_connector" not in transfer:
+            raise ValueError("kv_connector is missing")
+        return transfer
+
+    def transfer_connector(self, role: Role, engine_id: str) -> dict[str, Any]:
+        """The prefill-to-decode connector of one instance."""
+        transfer = self.transfer or DEFAULT_TRANSFER[self.connector]
+        return {**transfer, "kv_role": KV_ROLES[role], "engine_id": engine_id}
 
 
 class RouterSection(_Strict):
@@ -127,6 +191,7 @@ class StackConfig(_Strict):
     block_size: int = Field(default=32, ge=1, description="--block-size of every instance and the router's")
     model: ModelSection = Field(default_factory=ModelSection)
     pool: PoolSection | None = None
+    disaggregation: DisaggregationSection | None = None
     vllm: VLLMSection
     router: RouterSection
 
@@ -136,6 +201,7 @@ class StackConfig(_Strict):
             raise ValueError(
                 "vllm.env: PYTHONHASHSEED must be fixed, or instances compute different pool keys"
             )
+        self._roles_consistent()
         ports = self.ports()
         seen: dict[int, str] = {}
         for name, port in ports.items():
@@ -144,16 +210,40 @@ class StackConfig(_Strict):
             seen[port] = name
         return self
 
+    def _roles_consistent(self) -> None:
+        entries, instances = len(self.vllm.per_instance), self.vllm.instances
+        if entries and entries != instances:
+            raise ValueError(f"vllm.per_instance: {entries} entries for {instances} instances")
+        for i, instance in enumerate(self.vllm.per_instance):
+            if instance.role != "both" and self.disaggregation is None:
+                raise ValueError(
+                    f"vllm.per_instance.{i}.role: {instance.role} needs a disaggregation section"
+                )
+        if self.disaggregation is None:
+            return
+        side_channel = SIDE_CHANNEL_ENV[self.disaggregation.connector]
+        envs = {"vllm.env": self.vllm.env}
+        envs.update((f"vllm.per_instance.{i}.env", p.env) for i, p in enumerate(self.vllm.per_instance))
+        for key, env in envs.items():
+            if side_channel in env:
+                raise ValueError(
+                    f"{key}: {side_channel} is set by the stack from disaggregation.side_channel_port"
+                )
+
     def ports(self) -> dict[str, int]:
         """Every port the stack listens on, by the key path that sets it (instances after the first: +i)."""
         ports = {"router.port": self.router.port}
         if self.pool is not None:
             ports["pool.master.rpc_port"] = self.pool.master.rpc_port
             ports["pool.master.metrics_port"] = self.pool.master.metrics_port
-        for key in ("http_port", "event_port", "replay_port"):
-            base = getattr(self.vllm, key)
+        per_instance = {
+            f"vllm.{key}": getattr(self.vllm, key) for key in ("http_port", "event_port", "replay_port")
+        }
+        if self.disaggregation is not None:
+            per_instance["disaggregation.side_channel_port"] = self.disaggregation.side_channel_port
+        for key, base in per_instance.items():
             for i in range(self.vllm.instances):
-                ports[f"vllm.{key}" + (f" + {i}" if i else "")] = base + i
+                ports[key + (f" + {i}" if i else "")] = base + i
         return ports
 
     def python_path(self, base_dir: Path) -> Path:
@@ -172,10 +262,15 @@ class StackConfig(_Strict):
         if self.pool is not None:
             master = self.pool.master.model_copy(update={"rpc_port": base + 1, "metrics_port": base + 2})
             update["pool"] = self.pool.model_copy(update={"master": master})
+        if self.disaggregation is not None:
+            update["disaggregation"] = self.disaggregation.model_copy(
+                update={"side_channel_port": base + 3 + 3 * n}
+            )
         return self.model_copy(update=update)
 
     def port_count(self) -> int:
-        return 3 + 3 * self.vllm.instances
+        per_instance = 3 if self.disaggregation is None else 4
+        return 3 + per_instance * self.vllm.instances
 
 
 def parse_stack_config(raw: Any, source: str = "stack config") -> StackConfig:

@@ -21,6 +21,8 @@ from router.scoring.params import Registration
 from router.scoring.registry import PICKERS, SCORERS, validate_params
 from router.scoring.ttft_model import TTFTPriors
 
+Role = Literal["prefill", "decode", "both"]
+KVConnector = Literal["nixl", "mooncake"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 _HOST = r"(\[(?P<ipv6>[^\]\s]+)\]|[^/\s:\[\]]+)"  # a name, an IPv4 address or a bracketed IPv6 one
 _HTTP_URL = re.compile(rf"^https?://{_HOST}(:(?P<port>\d{{1,5}}))?/?$")
@@ -151,6 +153,21 @@ class InstanceConfig(_Strict):
     data_parallel_rank: int | None = Field(
         default=None, ge=0, description="send X-data-parallel-rank: this, and read this rank's load only"
     )
+    role: Role = Field(
+        default="both",
+        description="prefill: takes prefill legs only (a kv_producer); decode: decode legs, and whole "
+        "requests when no prefill leg is worth it (a kv_consumer); both: either leg or a whole request "
+        "(kv_both). A model with any prefill or decode instance is served disaggregated (disaggregation:)",
+    )
+    kv_engine_id: str | None = Field(
+        default=None, min_length=1,
+        description="the engine_id of its --kv-transfer-config; MooncakeConnector's decode leg names it",
+    )  # fmt: skip
+    kv_bootstrap_url: str | None = Field(
+        default=None,
+        description="MooncakeConnector's bootstrap server, http://HOST:VLLM_MOONCAKE_BOOTSTRAP_PORT, where "
+        "decode instances ask for the prefill's KV",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_name_ranks(self) -> InstanceConfig:
@@ -166,10 +183,10 @@ class InstanceConfig(_Strict):
                 raise ValueError(f"{key}: rank {last} would publish past port 65535 ({endpoint!r} + {last})")
         return self
 
-    @field_validator("url")
+    @field_validator("url", "kv_bootstrap_url")
     @classmethod
-    def _http_url(cls, url: str) -> str:
-        return _checked_http_url(url)
+    def _http_url(cls, url: str | None) -> str | None:
+        return None if url is None else _checked_http_url(url)
 
     @field_validator("events", "replay")
     @classmethod
@@ -346,6 +363,23 @@ class UpstreamConfig(_Strict):
 TierName = Literal["gpu", "cpu", "pool"]
 
 
+class DisaggregationConfig(_Strict):
+    """Models served in a prefill leg and a decode leg (router/dispatch/prefill_leg.py)."""
+
+    connector: KVConnector = Field(
+        default="nixl",
+        description="the prefill-to-decode connector the instances run (inside a MultiConnector or not): "
+        "nixl (NixlConnector: the prefill answer carries what the decode leg needs) or mooncake "
+        "(MooncakeConnector: the router names the transfer, the prefill instance's kv_engine_id and "
+        "kv_bootstrap_url)",
+    )
+    local_prefill_max_tokens: int = Field(
+        default=256, ge=0,
+        description="a decode instance computes up to this many uncached prompt tokens itself (what it holds "
+        "locally or in the pool covers the rest): the prefill leg is skipped",
+    )  # fmt: skip
+
+
 def _default_medium_tiers() -> dict[str, TierName]:
     return {"GPU": "gpu", "CPU": "cpu", "STORAGE": "cpu", "cpu": "pool"}
 
@@ -454,6 +488,7 @@ class RouterConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     ttft: TTFTPriors = Field(default_factory=TTFTPriors)
     tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
@@ -522,6 +557,14 @@ class RouterConfig(_Strict):
                     raise ValueError(
                         f"instances.{index}.models: {model!r} is not one of models ({model_names})"
                     )
+        if self.disaggregation.connector == "mooncake":
+            for index, instance in enumerate(self.instances):
+                missing = [k for k in ("kv_engine_id", "kv_bootstrap_url") if getattr(instance, k) is None]
+                if missing and self.takes_prefill_legs(instance):
+                    raise ValueError(
+                        f"instances.{index}: {' and '.join(missing)} must be set: a MooncakeConnector "
+                        "decode leg names the prefill instance's engine and bootstrap server"
+                    )
         for name in self.policies:
             if not re.match(_NAME, name):
                 raise ValueError(f"policies: {name!r} is not a valid policy name")
@@ -539,6 +582,15 @@ class RouterConfig(_Strict):
 
     def traffic_weights(self) -> dict[str, float]:
         return dict(self.traffic.split) if self.traffic.split else {self.default_policy: 1.0}
+
+    def disaggregated_models(self) -> frozenset[str]:
+        """Models with a prefill or decode instance: served in two legs."""
+        return frozenset(m for i in self.instances if i.role != "both" for m in self.models_of(i))
+
+    def takes_prefill_legs(self, instance: InstanceConfig) -> bool:
+        if instance.role == "both":
+            return not self.disaggregated_models().isdisjoint(self.models_of(instance))
+        return instance.role == "prefill"
 
     def pool_members(self) -> list[str]:
         default = self.pool.master_url is not None

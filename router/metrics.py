@@ -232,8 +232,9 @@ class RouterMetrics:
         )  # fmt: skip
         self.ttft_rate = Family(
             Gauge("kvroute_ttft_model_rate",
-                  "Calibrated TTFT model terms: overhead in seconds; queue, prefill, load and decode in "
-                  "seconds per token; attention in seconds per token pair; memory a factor (1: as predicted)",
+                  "Calibrated TTFT model terms: overhead in seconds; queue, prefill, load, decode and "
+                  "transfer in seconds per token; attention in seconds per token pair; memory a factor (1: "
+                  "as predicted)",
                   ["vllm_instance", "term"], registry=r)
         )  # fmt: skip
         self.predicted_cached = Family(
@@ -252,6 +253,20 @@ class RouterMetrics:
                     "Requests answered that carried a session key, by policy and placement: first (a session "
                     "new, or forgotten past 65,536), same (the instance of its last turn), moved",
                     ["policy", "placement"], registry=r)
+        )  # fmt: skip
+        self.pd_requests = Family(
+            Counter("kvroute_pd_requests",
+                    "Answered requests of disaggregated models by path: disaggregated (a prefill leg, then "
+                    "the decode leg), skipped (the decode instance held all but disaggregation."
+                    "local_prefill_max_tokens of the prompt and computed the rest), fallback (no prefill "
+                    "instance took the prefill leg; the decode instance computed the prompt)",
+                    ["model", "path"], registry=r)
+        )  # fmt: skip
+        self.pd_leg = Family(
+            Histogram("kvroute_pd_leg_seconds",
+                      "Legs of disaggregated requests: prefill (sent to its answer) and decode (sent to its "
+                      "first byte, the prompt's KV fetched), by instance",
+                      ["leg", "vllm_instance"], buckets=_LATENCY_BUCKETS, registry=r)
         )  # fmt: skip
         self.config_reloads = Family(
             Counter("kvroute_config_reloads", "Configuration reloads by result (ok, invalid)",

@@ -49,7 +49,9 @@ class _PolicyStats:
     predicted_cached_tokens: int = 0
     observed_cached_tokens: int = 0  # from answers whose usage reports cached tokens
     observed_prompt_tokens: int = 0  # the prompt tokens of those answers
-    by_instance: Counter[str] = field(default_factory=Counter)
+    by_instance: Counter[str] = field(default_factory=Counter)  # the instance that answered (a decode leg's)
+    by_prefill_instance: Counter[str] = field(default_factory=Counter)  # disaggregated requests' prefill legs
+    pd_paths: Counter[str] = field(default_factory=Counter)  # disaggregated models' requests, by path
     ttft: deque[float] = field(init=False)
     ttft_sessions: deque[str | None] = field(init=False)  # each TTFT's session key, in step with ttft
     e2e: deque[float] = field(init=False)
@@ -63,6 +65,7 @@ class _PolicyStats:
         """A copy that later samples do not change (deque copies are C-level: ~0.1 ms for 20,000)."""
         twin = copy.copy(self)
         twin.by_instance, twin.e2e = self.by_instance.copy(), self.e2e.copy()
+        twin.by_prefill_instance, twin.pd_paths = self.by_prefill_instance.copy(), self.pd_paths.copy()
         twin.ttft, twin.ttft_sessions = self.ttft.copy(), self.ttft_sessions.copy()
         return twin
 
@@ -104,13 +107,18 @@ class ABStats:
 
     def finished(
         self, policy: str, instance: str, status: int, seconds: float | None, prompt_tokens: int,
-        predicted_cached: int,
+        predicted_cached: int, prefill_instance: str | None = None, pd_path: str | None = None,
     ) -> None:  # fmt: skip
-        """seconds: the end-to-end time of an answer; None for an error, whose time says nothing."""
+        """seconds: the end-to-end time of an answer; None for an error, whose time says nothing;
+        prefill_instance and pd_path: a disaggregated model's request's prefill leg and path."""
         stats = self._of(policy)
         stats.requests += 1
         stats.errors += status >= 500
         stats.by_instance[instance] += 1
+        if prefill_instance is not None:
+            stats.by_prefill_instance[prefill_instance] += 1
+        if pd_path is not None:
+            stats.pd_paths[pd_path] += 1
         if seconds is not None:
             stats.e2e.append(seconds)
         stats.prompt_tokens += prompt_tokens
@@ -235,6 +243,8 @@ class ABStats:
             "observed_cached_tokens": stats.observed_cached_tokens if stats.observed_prompt_tokens else None,
             "observed_prompt_tokens": stats.observed_prompt_tokens if stats.observed_prompt_tokens else None,
             "requests_per_instance": dict(sorted(stats.by_instance.items())),
+            "prefill_legs_per_instance": dict(sorted(stats.by_prefill_instance.items())),
+            "pd_paths": dict(sorted(stats.pd_paths.items())),  # disaggregated, skipped, fallback
         }
 
 

@@ -9,16 +9,21 @@ router/dispatch/outcome.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
+import msgspec
 
-from router.config import UpstreamConfig
-from router.dispatch.decision import Decider, Prepared
+from router.config import DisaggregationConfig, UpstreamConfig
+from router.dispatch.decision import Decider, Decision, Prepared
+from router.dispatch.failures import DROPPED, NOT_CONNECTED, REFUSED_CREDENTIALS
 from router.dispatch.memory_gate import MemoryGate
-from router.dispatch.outcome import BUSY, Observers, Outcome
+from router.dispatch.outcome import BUSY, Leg, Observers, Outcome, PdPath
+from router.dispatch.prefill_leg import NoPrefill, PrefillLeg, Transfer, decode_body
 from router.dispatch.retry_budget import RetryBudget
 from router.errors import (
     OpenAIError,
@@ -33,15 +38,11 @@ from router.scoring.policy import Policy
 from router.upstreams.health import HealthChecker
 from router.upstreams.instances import Upstreams
 
+log = logging.getLogger(__name__)
+
 ATTEMPTS_HEADER = "x-kvroute-attempts"  # instances tried: more than 1 after a retry
 RETRY_AFTER_S = 1
-_REFUSED_CREDENTIALS = (401, 403)
 _RETRY_BACKOFF_S = 0.05
-# No connection to the instance: nothing was sent. A connect timeout is also a TimeoutError, so it is caught
-# before the timeouts of requests that were sent.
-_NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-# The instance dropped the connection before answering: it died or restarted.
-_DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
 
 
 class Attempts:
@@ -56,14 +57,21 @@ class Attempts:
         config: UpstreamConfig,
         per_instance_limit: int,
         memory_hold_s: float = 0.0,
+        disaggregation: DisaggregationConfig | None = None,
     ) -> None:
         """per_instance_limit: requests this router has in flight on one instance at most; memory_hold_s: see
-        router/dispatch/memory_gate.py."""
+        router/dispatch/memory_gate.py; disaggregation: how disaggregated models' prefill legs go
+        (router/dispatch/prefill_leg.py)."""
         self._upstreams, self._decider, self._observers = upstreams, decider, observers
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
         self._per_instance_limit = per_instance_limit
         self._memory_gate: MemoryGate[asyncio.Future[None]] = MemoryGate(memory_hold_s)
         self._retry_budget = RetryBudget()
+        disaggregation = disaggregation or DisaggregationConfig()
+        self._prefill = PrefillLeg(
+            upstreams, decider, observers, session, health, metrics, config, disaggregation.connector,
+            disaggregation.local_prefill_max_tokens, per_instance_limit, self._retry_budget,
+        )  # fmt: skip
         # sock_connect, not connect: aiohttp's connect timeout also runs while a request waits for a pooled
         # connection, and a busy instance is not an unreachable one. A stream's reads have no socket timeout:
         # its first chunk gets first_byte_timeout_s and every later one stream_idle_timeout_s (aiohttp's
@@ -87,6 +95,8 @@ class Attempts:
         dropped: tuple[str, Exception] | None = None  # the last instance that broke off unanswered
         refused: tuple[str, int] | None = None  # the last instance that refused the router's key
         first_sent: float | None = None  # the client's wait includes the attempts that failed
+        transfer: Transfer | None = None  # a prefill leg's KV that the next decode leg may still fetch
+        body: dict[str, Any] | None = None  # the client's, decoded once a disaggregated leg needs it
         ab = self._observers.ab_for
         self._retry_budget.earn()
         prompt_tokens = prepared.request.prompt_tokens
@@ -106,24 +116,46 @@ class Attempts:
                 break
             decision = self._decider.decide(prepared, policy, candidates)
             instance = decision.instance
-            outcome = Outcome.start(self._observers, decision, policy, model, stream, first_sent)
+            leg, pd_path = self._leg(model, decision, transfer)
+            sent_decision = self._decider.decode_leg(decision) if leg == "decode" else decision
+            outcome = Outcome.start(self._observers, sent_decision, policy, model, stream, first_sent, leg)
+            outcome.pd_path = pd_path
             first_sent = outcome.first_sent
+            payload = raw
+            if leg == "decode":
+                body = msgspec.json.decode(raw) if body is None else body
+                try:
+                    transfer = transfer or await self._prefill.run(
+                        prepared, policy, path, body, headers, instance.name
+                    )
+                except NoPrefill as exc:
+                    # The decode instance computes the prompt itself: a whole request, as aggregated.
+                    log.debug("no prefill leg: %s", exc)
+                    outcome.abandon(None, failed=False, admitted=False)
+                    outcome = Outcome.start(self._observers, decision, policy, model, stream, first_sent)
+                    outcome.pd_path = "fallback"
+                except BaseException:  # the client left, or the prefill leg timed out
+                    outcome.abandon(None, failed=False, admitted=False, withdraw=True)
+                    raise
+                else:
+                    outcome.transferred(transfer.instance.name)
+                    payload = decode_body(body, transfer)
             upstream: aiohttp.ClientResponse | None = None
             try:
                 sent = {**headers, **instance.headers} if instance.headers else headers
                 async with asyncio.timeout(self._config.first_byte_timeout_s if stream else None):
                     upstream = await self._session.post(
-                        instance.url + path, data=raw, headers=sent, timeout=timeout
+                        instance.url + path, data=payload, headers=sent, timeout=timeout
                     )
                     first = await _first_bytes(upstream, stream)
-            except _NOT_CONNECTED:
+            except NOT_CONNECTED:
                 # Nothing was sent: safe to try another instance, and this one is down for now.
                 outcome.abandon(upstream, admitted=False, withdraw=True)
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "connect").inc()
                 self._health.mark_unreachable(instance)
                 continue
-            except _DROPPED as exc:
+            except DROPPED as exc:
                 # Sent, but the connection broke before the first byte (the instance died or restarted, or
                 # closed a kept-alive connection as it was reused): the client has had nothing yet, so another
                 # instance may serve it, within the retry budget. One drop does not mark the instance down (a
@@ -133,6 +165,7 @@ class Attempts:
                 tried.add(instance.name)
                 self._metrics.upstream_errors(instance.name, "disconnected").inc()
                 dropped = instance.name, exc
+                transfer = None  # it may have fetched the KV, which the prefill instance then let go
                 if not self._may_retry(model, attempt, tried):
                     ab(policy).failed(policy.name)
                     raise _tried(upstream_failed(instance.name, exc), tried) from exc
@@ -152,7 +185,7 @@ class Attempts:
             except BaseException:
                 outcome.abandon(upstream, failed=False)
                 raise
-            if upstream.status in _REFUSED_CREDENTIALS:
+            if upstream.status in REFUSED_CREDENTIALS:
                 # The router's key (clients' never reach engines), which vLLM checks before anything else:
                 # nothing ran, and another instance may take it. Counted against this one's breaker.
                 outcome.abandon(upstream, admitted=False, withdraw=True)
@@ -188,6 +221,15 @@ class Attempts:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
         raise _tried(unavailable(message + " Retry later.", code, RETRY_AFTER_S), tried)
+
+    def _leg(self, model: str, decision: Decision, transfer: Transfer | None) -> tuple[Leg, PdPath | None]:
+        """What the attempt at decision's instance is: a whole request (and, of a disaggregated model, why)
+        or the decode leg after a prefill leg (done already when transfer is one still to fetch)."""
+        if not self._upstreams.disaggregated(model):
+            return "whole", None
+        if transfer is not None or self._prefill.worth_it(decision):
+            return "decode", None
+        return "whole", "skipped"
 
     def memory_freed(self) -> None:
         """A request ended here or at a peer router: the held requests that now fit go."""

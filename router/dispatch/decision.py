@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -175,6 +175,20 @@ class Decider:
             chain=prepared.chain,
             session_key=prepared.request.session_key,
         )
+
+    def decode_leg(self, decision: Decision) -> Decision:
+        """decision (a whole request on a decode instance) as the decode leg after a prefill leg: the
+        instance fetches what it does not hold from the prefill instance instead of computing it (vLLM's
+        MultiConnector loads from its first connector that has the blocks: the transfer, before the pool)."""
+        features = decision.features
+        fetched = replace(
+            features, uncached_tokens=0, loaded_tokens=0, attention_pairs=0.0,
+            transferred_tokens=features.uncached_tokens + features.loaded_tokens,
+        )  # fmt: skip
+        return replace(
+            decision, uncached_tokens=0, features=fetched,
+            predicted_ttft_s=decision.instance.ttft_model.predict(fetched),
+        )  # fmt: skip
 
     def served(self, decision: Decision, policy: Policy) -> None:
         """decision is the one an instance answered (a request retried elsewhere counts once)."""

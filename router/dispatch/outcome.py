@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import aiohttp
 
@@ -26,6 +27,10 @@ from router.upstreams.instances import Instance
 log = logging.getLogger(__name__)
 
 BUSY = 503  # refused before anything ran: not a failure of the instance
+# What an attempt is of its request: all of it, or one leg of a disaggregated one (the decode leg answers the
+# client, as a whole request does; the prefill leg's answer is the router's only).
+Leg = Literal["whole", "prefill", "decode"]
+PdPath = Literal["disaggregated", "skipped", "fallback"]
 _CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
 
 
@@ -76,11 +81,14 @@ class Outcome:
     engine_error: bool = False  # the engine's stream carried an error event (it failed mid-way)
     cut: bool = False  # ended by the router (shutting down), not by the instance
     completed: bool = False  # relayed to its end (a stream not broken, cut, nor left by its client)
+    leg: Leg = "whole"
+    pd_path: PdPath | None = None  # how a disaggregated model's request was served
+    prefill_instance: str | None = None  # a decode leg's: where its prompt's KV was computed
 
     @classmethod
     def start(
         cls, observers: Observers, decision: Decision, policy: Policy, model: str, streamed: bool,
-        first_sent: float | None,
+        first_sent: float | None, leg: Leg = "whole",
     ) -> Outcome:  # fmt: skip
         """Count the attempt against its instance, as it is sent."""
         instance = decision.instance
@@ -96,7 +104,7 @@ class Outcome:
             # model expects the first token instead (an engine answers whole only at the end).
             asyncio.get_running_loop().call_later(decision.predicted_ttft_s, prefill.retire)
         first = started if first_sent is None else first_sent
-        return cls(observers, decision, policy, model, streamed, started, first, prefill, probe)
+        return cls(observers, decision, policy, model, streamed, started, first, prefill, probe, leg=leg)
 
     @property
     def instance(self) -> Instance:
@@ -106,12 +114,26 @@ class Outcome:
     def status(self) -> int:
         return 0 if self.upstream is None else self.upstream.status
 
+    @property
+    def for_client(self) -> bool:
+        """Whether this attempt's answer is the client's (a prefill leg's is not)."""
+        return self.leg != "prefill"
+
     def answered(self, upstream: aiohttp.ClientResponse, first: bytes, attempts: int) -> None:
-        """The instance answered: this attempt serves the client. A stream's first byte is here."""
+        """The instance answered: this attempt serves the client (or, a prefill leg, its decode leg). A
+        stream's first byte is here."""
         self.upstream, self.first, self.attempts = upstream, first, attempts
-        self.observers.decider.served(self.decision, self.policy)
+        if self.for_client:
+            self.observers.decider.served(self.decision, self.policy)
+            if self.pd_path is not None:
+                self.observers.metrics.pd_requests(self.model, self.pd_path).inc()
         if self.streamed:
             self.first_byte()
+
+    def transferred(self, prefill_instance: str) -> None:
+        """A decode leg's prefill leg is done: its KV is ready to fetch, and the decode leg's time starts."""
+        self.prefill_instance, self.pd_path = prefill_instance, "disaggregated"
+        self.started = time.perf_counter()
 
     def first_byte(self, decoded_tokens: int | None = None) -> None:
         """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown). Only answers
@@ -122,9 +144,12 @@ class Outcome:
         now = time.perf_counter()
         waited, elapsed = now - self.first_sent, now - self.started
         metrics, policy = self.observers.metrics, self.policy.name
-        metrics.ttft(policy, self.model).observe(waited)
-        self.observers.ab_for(self.policy).first_byte(policy, waited, self.decision.session_key)
         decision, name = self.decision, self.instance.name
+        if self.for_client:
+            metrics.ttft(policy, self.model).observe(waited)
+            self.observers.ab_for(self.policy).first_byte(policy, waited, decision.session_key)
+        if self.leg != "whole":
+            metrics.pd_leg(self.leg, name).observe(elapsed)
         model = self.instance.ttft_model
         if self.streamed:
             model.observe(decision.features, elapsed)
@@ -183,6 +208,8 @@ class Outcome:
             self.instance.breaker.abandoned(self.probe)
         else:
             self._breaker_succeeded()
+        if not self.for_client:
+            return True
         if left:
             status = _CLIENT_CLOSED
         metrics, policy, decision = self.observers.metrics, self.policy.name, self.decision
@@ -193,7 +220,10 @@ class Outcome:
             metrics.e2e(policy, self.model).observe(elapsed)
         self.observers.ab_for(self.policy).finished(
             policy, self.instance.name, 502 if failed else status, elapsed if answered else None,
-            decision.prompt_tokens, decision.prompt_tokens - decision.uncached_tokens,
+            # what the answering instance reused: a decode leg's fetched tokens are not
+            decision.prompt_tokens,
+            decision.prompt_tokens - decision.uncached_tokens - decision.features.transferred_tokens,
+            self.prefill_instance, self.pd_path,
         )  # fmt: skip
         return True
 

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 POLICY_HEADER = "x-kvroute-policy"
 SESSION_HEADER = "x-session-id"  # traffic.session_header's default, for clients
-INSTANCE_HEADER = "x-kvroute-instance"
+INSTANCE_HEADER = "x-kvroute-instance"  # the decode instance of a disaggregated request
+PREFILL_INSTANCE_HEADER = "x-kvroute-prefill-instance"  # where its prompt's KV was computed
 CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
 PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
@@ -147,6 +148,8 @@ class Proxy:
             PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
             ATTEMPTS_HEADER: str(outcome.attempts),
         }
+        if outcome.prefill_instance is not None:
+            debug[PREFILL_INSTANCE_HEADER] = outcome.prefill_instance
         for name in _RETURNED_HEADERS:
             if (value := upstream.headers.get(name)) is not None:
                 debug[name] = value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -22,11 +23,18 @@ class Policy:
         """clock: what scorers whose state expires (session affinity) read the time from; rng: what the
         picker breaks ties with (a seeded one makes a simulation repeat exactly)."""
         self.name, self.config = name, config
+        self._clock, self._rng = clock, rng
         self._scorers: list[tuple[Scorer, float]] = [
             (SCORERS[spec.type].build(spec.params, clock), spec.weight) for spec in config.scorers
         ]
         self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params, rng=rng)
         self._observers = [scorer for scorer, _ in self._scorers if isinstance(scorer, Observer)]
+
+    @functools.cached_property
+    def prefill_leg(self) -> Policy:
+        """The same policy choosing disaggregated requests' prefill instances, with state of its own: a
+        session's affinity is to the decode instance of its last turn; each leg has its round-robin turn."""
+        return Policy(self.name, self.config, self._clock, self._rng)
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> int:
         """The index of the chosen candidate; candidates is never empty."""

@@ -3,7 +3,8 @@
     TTFT = overhead
          + queue rate   x uncached prompt tokens of requests still prefilling there (the wait)
          + prefill rate x this prompt's tokens in neither its cache nor the pool (computed)
-         + load rate    x this prompt's tokens it loads from the pool or its CPU tier (transferred)
+         + load rate    x this prompt's tokens it loads from the pool or its CPU tier (loaded)
+         + transfer rate x this prompt's tokens it fetches from the prefill instance (a decode leg)
          + memory factor x the wait for KV memory, in seconds (admission)
          + attention rate x (computed token, earlier token) pairs of this prompt (long contexts)
 
@@ -33,12 +34,13 @@ from pydantic import Field
 
 from router.scoring.params import Params
 
-TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention")
+TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
 _ATTENTION = TERMS.index("attention")
+_TRANSFER = TERMS.index("transfer")
 # Typical size of each feature: the priors count as prior_weight observations of this size, of the TTFT
 # typical lately. The overhead's is larger than its feature's (1): on its own it would soak up the noise of
 # the first few observations. Attention's: ~2K tokens computed after ~3K reused.
-_SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 0.25, 64.0, 2048.0 * 4096.0])
+_SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 0.25, 64.0, 2048.0 * 4096.0, 2048.0])
 _SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
 _MAX_SURPRISE = 4.0  # an observed TTFT counts as at most this many times off the prediction
 _HUBER_DELTA = 0.5  # relative errors beyond this weigh less and less
@@ -60,6 +62,9 @@ class TTFTPriors(Params):
     attention_s_per_pair: float = Field(
         default=0.0, ge=0, description="per (computed token, token before it) pair; 0 leaves the term out"
     )
+    transfer_s_per_token: float = Field(
+        default=2e-5, ge=0, description="per prompt token a decode leg fetches from its prefill instance"
+    )
     calibrate: bool = Field(default=True, description="follow observed TTFTs; false keeps the priors")
     memory: float = Field(default=50.0, ge=1, description="observations that weigh in, about")
     prior_weight: float = Field(default=1.0, gt=0, description="the priors count as this many observations")
@@ -68,6 +73,7 @@ class TTFTPriors(Params):
         return np.array([
             self.overhead_s, self.queue_s_per_token, self.prefill_s_per_token, self.load_s_per_token,
             self.memory_wait_factor, self.decode_s_per_token, self.attention_s_per_pair,
+            self.transfer_s_per_token,
         ])  # fmt: skip
 
 
@@ -79,11 +85,12 @@ class TTFTFeatures:
     memory_wait_s: float = 0.0
     decoded_tokens: int = 0  # observations of non-streamed answers only
     attention_pairs: float = 0.0  # computed tokens x their positions: what their attention reads
+    transferred_tokens: int = 0  # fetched from a prefill instance (a decode leg)
 
     def vector(self) -> np.ndarray:
         return np.array([
             1.0, self.queued_tokens, self.uncached_tokens, self.loaded_tokens, self.memory_wait_s,
-            self.decoded_tokens, self.attention_pairs,
+            self.decoded_tokens, self.attention_pairs, self.transferred_tokens,
         ])  # fmt: skip
 
 
@@ -118,6 +125,7 @@ class TTFTModel:
             + rates[3] * features.loaded_tokens
             + rates[4] * features.memory_wait_s
             + rates[_ATTENTION] * features.attention_pairs
+            + rates[_TRANSFER] * features.transferred_tokens
         )
 
     def observe(self, features: TTFTFeatures, seconds: float) -> None:

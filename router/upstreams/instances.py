@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from router.config import CircuitBreakerConfig, InstanceConfig, RouterConfig, api_key
+from router.config import CircuitBreakerConfig, InstanceConfig, Role, RouterConfig, api_key
 from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.scoring.ttft_model import TTFTModel, TTFTPriors
 from router.types import EngineLoad
@@ -15,6 +15,14 @@ from router.upstreams.circuit_breaker import CircuitBreaker
 from router.upstreams.context_residency import ContextResidency
 from router.upstreams.inflight_blocks import InflightBlocks
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEndpoint:
+    """A prefill instance's MooncakeConnector side, as the decode leg names it."""
+
+    engine_id: str | None
+    bootstrap_url: str | None
 
 
 @dataclass(eq=False, slots=True)
@@ -41,6 +49,8 @@ class Instance:
     data_parallel_rank: int | None = None  # one rank of an engine; its load is that rank's
     block_size: int = 16  # the engine's, for the blocks in flight
     held: InflightBlocks = field(init=False)
+    role: Role = "both"  # the legs of a disaggregated model's requests it takes
+    transfer: TransferEndpoint | None = None  # where a decode leg fetches KV this instance prefilled
 
     def __post_init__(self) -> None:
         self.contexts = ContextResidency(self.clock)
@@ -106,6 +116,8 @@ class Instance:
             headers=request_headers(config, router),
             data_parallel_rank=config.data_parallel_rank,
             block_size=router.block_size,
+            role=config.role,
+            transfer=TransferEndpoint(config.kv_engine_id, config.kv_bootstrap_url),
         )
 
 
@@ -116,6 +128,9 @@ def request_headers(instance: InstanceConfig, router: RouterConfig) -> dict[str,
     if instance.data_parallel_rank is not None:  # vLLM's API server sends it to that rank's engine
         headers[DATA_PARALLEL_RANK_HEADER] = str(instance.data_parallel_rank)
     return headers
+
+
+_OTHER_LEG: dict[Role, Role | None] = {"decode": "prefill", "prefill": "decode", "both": None}
 
 
 class FleetChanges(NamedTuple):
@@ -133,6 +148,9 @@ class Upstreams:
 
     def _index(self) -> None:
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
+        self._disaggregated = frozenset(
+            model for model, instances in self._by_model.items() if any(i.role != "both" for i in instances)
+        )
 
     def update(self, config: RouterConfig) -> FleetChanges:
         """Take config's instances: unchanged ones keep their state (health, load, calibration, requests in
@@ -154,6 +172,8 @@ class Upstreams:
                 ):
                     previous.models = frozenset(config.models_of(spec))
                     previous.headers = request_headers(spec, config)
+                    previous.role = spec.role
+                    previous.transfer = TransferEndpoint(spec.kv_engine_id, spec.kv_bootstrap_url)
                     instance = previous
                     in_place.add(spec.name)
                 else:
@@ -170,11 +190,22 @@ class Upstreams:
     def serves(self, model: str) -> bool:
         return bool(self._by_model.get(model))
 
-    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Instance]:
+    def disaggregated(self, model: str) -> bool:
+        """Whether model's requests go in a prefill leg and a decode leg (it has a prefill or decode
+        instance)."""
+        return model in self._disaggregated
+
+    def candidates(
+        self, model: str, exclude: frozenset[str] = frozenset(), leg: Role = "decode"
+    ) -> list[Instance]:
         """Healthy instances serving model whose circuit breaker lets a request through, in configuration
-        order. When every healthy one's breaker is open the breakers step aside (as Envoy's panic mode): a
-        client whose requests make every engine fail must not black out the model for everyone."""
-        healthy = [i for i in self._by_model.get(model, ()) if i.healthy and i.name not in exclude]
+        order; of a disaggregated model, those taking leg (a decode leg is also where a whole request goes).
+        When every healthy one's breaker is open the breakers step aside (as Envoy's panic mode): a client
+        whose requests make every engine fail must not black out the model for everyone."""
+        healthy = [
+            i for i in self._by_model.get(model, ())
+            if i.healthy and i.name not in exclude and i.role != _OTHER_LEG[leg]
+        ]  # fmt: skip
         return [i for i in healthy if i.breaker.allows()] or healthy
 
     def only_model(self) -> str | None:

@@ -42,11 +42,13 @@ def first_in_config(fleet: FleetPorts, name: str, port: int, **extra: object) ->
 
 
 @contextlib.contextmanager
-def serving(health: Handler, completions: Handler, host: str = "127.0.0.1") -> Iterator[int]:
-    """A fake instance on its own loop and thread: GET /health and POST /v1/completions; yields its port."""
+def serving(
+    health: Handler, completions: Handler, host: str = "127.0.0.1", path: str = "/v1/completions"
+) -> Iterator[int]:
+    """A fake instance on its own loop and thread: GET /health and POST path; yields its port."""
     app = web.Application()
     app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post(path, completions)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())

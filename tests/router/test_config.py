@@ -291,7 +291,7 @@ def test_example_configs_are_valid() -> None:
         assert yaml.safe_load(path.read_text())
         assert config.default_policy in config.policies
         assert set(config.traffic.split or {}) <= set(config.policies)
-    assert {"local-fleet.yaml", "ab-rollout.yaml"} <= checked
+    assert {"local-fleet.yaml", "ab-rollout.yaml", "pd-fleet.yaml"} <= checked
 
 
 def test_the_readmes_configuration_reference_is_a_valid_configuration() -> None:

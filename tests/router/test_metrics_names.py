@@ -19,7 +19,7 @@ from tests.router.test_proxy import post
 MODEL = "tiny-llama"
 SESSION = "metrics-names"
 FLEET_NAMES = ("fleet-0", "fleet-1", "fleet-2")
-TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention")
+TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
 # Long enough for several full 32-token blocks, so the engine stores some and says so in KV events.
 SYSTEM = "You are a careful coding agent working through a failing test suite, one file at a time. " * 8
 

@@ -32,8 +32,8 @@ LOG_OFFSETS = pytest.StashKey[dict[str, int]]()
 
 
 def _stack_of(item: pytest.Item) -> Stack | None:
-    running = getattr(item, "funcargs", {}).get("stack")
-    return running if isinstance(running, Stack) else None
+    """The stack a test uses: this session's, or one of its own module's."""
+    return next((arg for arg in getattr(item, "funcargs", {}).values() if isinstance(arg, Stack)), None)
 
 
 def pytest_runtest_call(item: pytest.Item) -> None:
