@@ -138,7 +138,7 @@ class Attempts:
                     outcome.abandon(None, failed=False, admitted=False, withdraw=True)
                     raise
                 else:
-                    outcome.transferred(transfer.instance.name)
+                    outcome.transferred(transfer.instance.name, transfer.cached_tokens)
                     payload = decode_body(body, transfer)
             upstream: aiohttp.ClientResponse | None = None
             try:

@@ -84,6 +84,7 @@ class Outcome:
     leg: Leg = "whole"
     pd_path: PdPath | None = None  # how a disaggregated model's request was served
     prefill_instance: str | None = None  # a decode leg's: where its prompt's KV was computed
+    prefill_cached_tokens: int | None = None  # what the prefill leg's answer reports it found cached
 
     @classmethod
     def start(
@@ -130,9 +131,10 @@ class Outcome:
         if self.streamed:
             self.first_byte()
 
-    def transferred(self, prefill_instance: str) -> None:
+    def transferred(self, prefill_instance: str, cached_tokens: int | None) -> None:
         """A decode leg's prefill leg is done: its KV is ready to fetch, and the decode leg's time starts."""
         self.prefill_instance, self.pd_path = prefill_instance, "disaggregated"
+        self.prefill_cached_tokens = cached_tokens
         self.started = time.perf_counter()
 
     def first_byte(self, decoded_tokens: int | None = None) -> None:

@@ -23,6 +23,7 @@ import aiohttp
 import msgspec
 
 from router.config import KVConnector, UpstreamConfig
+from router.dispatch.cached_tokens import reported_cached_tokens
 from router.dispatch.decision import Decider, Decision, Prepared
 from router.dispatch.failures import DROPPED, NOT_CONNECTED
 from router.dispatch.outcome import BUSY, Observers, Outcome
@@ -44,6 +45,7 @@ class Transfer:
 
     instance: Instance  # the prefill instance
     params: dict[str, Any]  # the decode leg's kv_transfer_params
+    cached_tokens: int | None = None  # the prompt tokens the prefill answer reports it found cached
 
 
 class NoPrefill(Exception):
@@ -183,7 +185,7 @@ class PrefillLeg:
             if status == 200:
                 params = self._params(instance, transfer_id, answer)
                 if params is not None:
-                    return Transfer(instance, params)
+                    return Transfer(instance, params, reported_cached_tokens(answer))
                 self._metrics.upstream_errors(instance.name, "no_transfer_params").inc()
                 continue
             if 400 <= status < 500 and status not in (401, 403, 429):

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 import aiohttp
 import msgspec
 
+from router.dispatch.cached_tokens import with_cached_tokens
 from router.dispatch.outcome import Outcome
 from router.dispatch.sse import EventFramer
 from router.errors import error_json, error_object
@@ -39,10 +40,11 @@ class Relay:
         content, idle_s = upstream.content, self._idle_timeout_s
         events = EventFramer()  # a break mid-event drops the half event before the error event
         self._streams.add(outcome)
+        cached = outcome.prefill_cached_tokens
         try:
             if whole := events.whole(outcome.first):
                 self._watch_errors(outcome, whole)
-                yield whole
+                yield whole if cached is None else with_cached_tokens(whole, cached)
             if self.closing:  # its first chunk came after end_streams
                 outcome.cut = True
                 upstream.close()
@@ -58,7 +60,7 @@ class Relay:
                     return
                 if whole := events.whole(chunk):
                     self._watch_errors(outcome, whole)
-                    yield whole
+                    yield whole if cached is None else with_cached_tokens(whole, cached)
         except (TimeoutError, aiohttp.ClientError) as exc:
             outcome.broken = True
             if outcome.cut:

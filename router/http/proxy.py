@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from router.dispatch.admission import Admission, Overloaded
 from router.dispatch.attempts import ATTEMPTS_HEADER, RETRY_AFTER_S, Attempts
+from router.dispatch.cached_tokens import with_cached_tokens
 from router.dispatch.decision import Decider
 from router.dispatch.outcome import Outcome
 from router.dispatch.relay import Relay
@@ -159,6 +160,8 @@ class Proxy:
                 upstream.status, debug, content_type, limits.send_timeout_s, lambda: self._stalled(outcome),
             )  # fmt: skip
         payload = outcome.first
+        if outcome.prefill_cached_tokens is not None:
+            payload = with_cached_tokens(payload, outcome.prefill_cached_tokens)
         try:
             status = upstream.status
             if status >= 400:

@@ -1,0 +1,70 @@
+"""A disaggregated answer's cached prompt tokens, as an aggregated answer would count them.
+
+A decode instance counts the KV it fetched from the prefill instance as cached: with MooncakeConnector its
+`usage.prompt_tokens_details.cached_tokens` says nearly the whole prompt, every turn. What the prompt found
+cached is what the prefill leg found: its answer's count replaces the decode answer's (as vllm-router and
+llm-d's sidecar do), in a whole answer and in a stream's usage chunk. Answers without the details (vLLM's
+--enable-prompt-tokens-details off) pass as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+_DETAILS = b'"prompt_tokens_details"'
+_encode = msgspec.json.Encoder().encode
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
+def reported_cached_tokens(answer: bytes) -> int | None:
+    """The cached prompt tokens an answer's usage reports, if it does."""
+    try:
+        usage = _decode_answer(answer).usage
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    details = None if usage is None else usage.prompt_tokens_details
+    return None if details is None else details.cached_tokens
+
+
+def with_cached_tokens(payload: bytes, cached: int) -> bytes:
+    """payload (a whole answer, or whole SSE events) with the cached tokens its usage reports made cached."""
+    if _DETAILS not in payload:  # every chunk of a stream but its usage chunk
+        return payload
+    if payload.lstrip().startswith(b"{"):
+        return _rewritten(payload, cached) or payload
+    lines = payload.split(b"\n")
+    for number, line in enumerate(lines):
+        if line.startswith(b"data: ") and _DETAILS in line:
+            event = _rewritten(line[6:].rstrip(b"\r"), cached)
+            if event is not None:
+                lines[number] = b"data: " + event
+    return b"\n".join(lines)
+
+
+def _rewritten(document: bytes, cached: int) -> bytes | None:
+    try:
+        answer: Any = msgspec.json.decode(document)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if not isinstance(details, dict) or "cached_tokens" not in details:
+        return None
+    details["cached_tokens"] = cached
+    return _encode(answer)
