@@ -264,3 +264,28 @@ def test_a_client_that_leaves_during_the_prefill_leg_aborts_it(pd_fleet: tuple[F
         ):
             time.sleep(0.1)
         assert not any(sample(url, "kvroute_instance_in_flight", vllm_instance=f"fleet-{i}") for i in range(4))
+
+
+def test_a_prefill_leg_past_the_first_byte_timeout_is_a_504_and_holds_nothing(
+    pd_fleet: tuple[FleetPorts, str], tmp_path: Path
+) -> None:
+    fleet, connector = pd_fleet
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await asyncio.sleep(30)
+        return web.Response()
+
+    config = pd_config(fleet, connector, upstream={"first_byte_timeout_s": 0.5})
+    instances = config["instances"]
+    assert isinstance(instances, list)
+    with serving(healthy, stall, path="/v1/chat/completions") as port:
+        instances[0] = {**instances[0], "name": "stalled-prefill", "url": f"http://127.0.0.1:{port}"}
+        del instances[1]  # the stalled one is the only prefill instance
+        with running_router(config, tmp_path) as url:
+            started = time.monotonic()
+            status, _, payload = post(url + "/v1/chat/completions", chat(long_text("stalled")))
+            assert time.monotonic() - started < 10
+            assert status == 504 and json.loads(payload)["error"]["code"] == "upstream_timeout"
+            names = ("stalled-prefill", "fleet-2", "fleet-3")
+            assert not any(sample(url, "kvroute_instance_in_flight", vllm_instance=name) for name in names)
