@@ -48,6 +48,25 @@ def pd_config(fleet: FleetPorts, connector: str, **extra: object) -> dict[str, o
     return config
 
 
+# Active checks effectively off: the requests find an instance that died.
+PASSIVE_HEALTH = {"interval_s": 60, "unhealthy_after": 100}
+
+
+def with_instance(config: dict[str, object], index: int, name: str, port: int) -> list[dict[str, object]]:
+    """Put the instance name on port in place index's; the configuration's instances."""
+    instances = config["instances"]
+    assert isinstance(instances, list)
+    instances[index] = {**instances[index], "name": name, "url": f"http://127.0.0.1:{port}"}
+    return instances
+
+
+def prefill_legs(router: str) -> float:
+    return sum(
+        sample(router, "kvroute_pd_leg_seconds_count", leg="prefill", vllm_instance=name) or 0
+        for name in ("fleet-0", "fleet-1")
+    )
+
+
 def by_source(fleet: FleetPorts, index: int) -> dict[str, float]:
     url = f"http://127.0.0.1:{fleet.http + index}"
     sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -146,11 +165,9 @@ def test_prefill_leg_dropped_is_retried_on_another_prefill_instance(
     pd_fleet: tuple[FleetPorts, str], tmp_path: Path
 ) -> None:
     fleet, connector = pd_fleet
-    config = pd_config(fleet, connector, health={"interval_s": 60, "unhealthy_after": 100})
-    instances = config["instances"]
-    assert isinstance(instances, list)
+    config = pd_config(fleet, connector, health=PASSIVE_HEALTH)
     with serving(healthy, drop, path="/v1/chat/completions") as port:
-        instances[0] = {**instances[0], "name": "dying-prefill", "url": f"http://127.0.0.1:{port}"}
+        with_instance(config, 0, "dying-prefill", port)
         with running_router(config, tmp_path) as url:
             prefilled = set()
             for n in range(3):  # round robin over the prefill instances reaches the dying one
@@ -167,12 +184,10 @@ def test_with_no_prefill_instance_up_the_decode_instance_computes_the_prompt(
     pd_fleet: tuple[FleetPorts, str], tmp_path: Path
 ) -> None:
     fleet, connector = pd_fleet
-    config = pd_config(fleet, connector, health={"interval_s": 60, "unhealthy_after": 100})
-    instances = config["instances"]
-    assert isinstance(instances, list)
+    config = pd_config(fleet, connector, health=PASSIVE_HEALTH)
     dead = free_port_block(2)
     for n in (0, 1):
-        instances[n] = {**instances[n], "name": f"dead-{n}", "url": f"http://127.0.0.1:{dead + n}"}
+        with_instance(config, n, f"dead-{n}", dead + n)
     with running_router(config, tmp_path) as url:
         status, headers, payload = post(url + "/v1/chat/completions", chat(long_text("fallback")))
         assert status == 200, payload
@@ -184,12 +199,10 @@ def test_decode_leg_that_cannot_connect_goes_to_another_decode_instance_with_the
     pd_fleet: tuple[FleetPorts, str], tmp_path: Path
 ) -> None:
     fleet, connector = pd_fleet
-    config = pd_config(fleet, connector, health={"interval_s": 60, "unhealthy_after": 100})
-    instances = config["instances"]
-    assert isinstance(instances, list)
+    config = pd_config(fleet, connector, health=PASSIVE_HEALTH)
     with contextlib.ExitStack() as stack:
         with serving(healthy, drop, path="/v1/chat/completions") as port:
-            instances[2] = {**instances[2], "name": "dead-decode", "url": f"http://127.0.0.1:{port}"}
+            with_instance(config, 2, "dead-decode", port)
             url = stack.enter_context(running_router(config, tmp_path))
         # Gone after the router found it healthy: its next connection is refused.
         for n in range(2):  # round robin reaches the dead decode instance
@@ -203,21 +216,16 @@ def test_decode_leg_that_cannot_connect_goes_to_another_decode_instance_with_the
             assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt
         assert metric(url, "kvroute_upstream_errors_total", vllm_instance="dead-decode", kind="connect") >= 1
         # One prefill leg a request: the KV computed for the unreachable instance was fetched by the other.
-        assert sum(
-            sample(url, "kvroute_pd_leg_seconds_count", leg="prefill", vllm_instance=name) or 0
-            for name in ("fleet-0", "fleet-1")
-        ) == 2
+        assert prefill_legs(url) == 2
 
 
 def test_decode_leg_dropped_before_its_first_byte_gets_a_fresh_prefill_elsewhere(
     pd_fleet: tuple[FleetPorts, str], tmp_path: Path
 ) -> None:
     fleet, connector = pd_fleet
-    config = pd_config(fleet, connector, health={"interval_s": 60, "unhealthy_after": 100})
-    instances = config["instances"]
-    assert isinstance(instances, list)
+    config = pd_config(fleet, connector, health=PASSIVE_HEALTH)
     with serving(healthy, drop, path="/v1/chat/completions") as port:
-        instances[2] = {**instances[2], "name": "dying-decode", "url": f"http://127.0.0.1:{port}"}
+        with_instance(config, 2, "dying-decode", port)
         with running_router(config, tmp_path) as url:
             statuses, decoded = [], set()
             for n in range(2):
@@ -227,11 +235,7 @@ def test_decode_leg_dropped_before_its_first_byte_gets_a_fresh_prefill_elsewhere
                 decoded.add(headers.get("x-kvroute-instance"))
             assert statuses == [200, 200] and decoded == {"fleet-3"}
             assert metric(url, "kvroute_upstream_errors_total", vllm_instance="dying-decode", kind="disconnected") >= 1
-            prefill_legs = sum(
-                sample(url, "kvroute_pd_leg_seconds_count", leg="prefill", vllm_instance=name) or 0
-                for name in ("fleet-0", "fleet-1")
-            )
-            assert prefill_legs == 3  # the dropped request's KV may have gone with the decode leg: prefilled anew
+            assert prefill_legs(url) == 3  # the dropped request's KV may have gone with the decode leg: prefilled anew
 
 
 def test_a_client_that_leaves_during_the_prefill_leg_aborts_it(pd_fleet: tuple[FleetPorts, str], tmp_path: Path) -> None:
@@ -277,11 +281,8 @@ def test_a_prefill_leg_past_the_first_byte_timeout_is_a_504_and_holds_nothing(
         return web.Response()
 
     config = pd_config(fleet, connector, upstream={"first_byte_timeout_s": 0.5})
-    instances = config["instances"]
-    assert isinstance(instances, list)
     with serving(healthy, stall, path="/v1/chat/completions") as port:
-        instances[0] = {**instances[0], "name": "stalled-prefill", "url": f"http://127.0.0.1:{port}"}
-        del instances[1]  # the stalled one is the only prefill instance
+        del with_instance(config, 0, "stalled-prefill", port)[1]  # the stalled one is the only prefill instance
         with running_router(config, tmp_path) as url:
             started = time.monotonic()
             status, _, payload = post(url + "/v1/chat/completions", chat(long_text("stalled")))
