@@ -14,8 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvroute.simulate import report
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.hardware import FleetSpec
-from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
-from kvroute.simulate.run import RunResult, simulate
+from kvroute.simulate.registry import policies_for
+from kvroute.simulate.results import RunResult
+from kvroute.simulate.run import simulate
 from kvroute.traces import Trace
 
 
@@ -62,7 +63,7 @@ class Bench:
         total = len(blocks.trace.requests)
         for name in self.policies:
             task = progress.add_task(f"{label} {name}", total=total)
-            make = POLICIES.get(name) or EXTRA_POLICIES[name]
+            make = policies_for(fleet)[name]
             result = simulate(blocks, fleet, make(fleet), ideal, tie_seed=self.tie_seed,
                               progress=lambda n, task=task: progress.update(task, completed=n))  # type: ignore[misc]  # fmt: skip
             progress.update(task, completed=total)
@@ -87,9 +88,11 @@ class Bench:
         rate = rate if rate is not None else rate_for_load(base, self.fleet, load, ideal)
         blocks = _rescaled(base, rate)
         floor = ttft_floor(base, self.fleet)
+        pd = self.fleet.pd
         title = (f"{trace.name}: {len(trace.requests)} requests at x{rate:.2f} "
                  f"(offered load {offered_load(base, self.fleet, rate, ideal):.2f}), {self.fleet.instances} "
-                 f"instances, pool {'on' if self.fleet.pool else 'off'}"
+                 f"instances{f' ({pd.prefill} prefill, {pd.decode} decode)' if pd else ''}, "
+                 f"pool {'on' if self.fleet.pool else 'off'}"
                  f"{', attention costs on' if self.fleet.engine.attention_s_per_pair else ''}; "
                  f"TTFT floor p50 {floor['p50_s']:.2f} s, p99 {floor['p99_s']:.2f} s")  # fmt: skip
         with self._progress() as progress:

@@ -10,9 +10,11 @@ from kvroute.arguments import non_negative_int, positive_float, positive_int
 from kvroute.simulate.hardware import (
     ATTENTION_S_PER_PAIR,
     DECODE_S_PER_CONTEXT_TOKEN,
+    LINK_PRESETS,
     POOL_PRESETS,
     EngineSpec,
     FleetSpec,
+    PDSpec,
     PoolSpec,
 )
 from kvroute.traces import MOONCAKE_TRACE, Trace, agentic_trace, load_trace
@@ -26,7 +28,12 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.add_argument("--trace", default=None,
                           help="a JSONL trace, `mooncake` or `agentic`; default: the Mooncake "
                                "conversation trace when present, else the agentic one")  # fmt: skip
-    simulate.add_argument("--instances", type=positive_int, default=8)
+    simulate.add_argument("--instances", type=positive_int, default=None, help="default: 8, or --pd's")
+    simulate.add_argument("--pd", type=_pd, default=None, metavar="P:D",
+                          help="a disaggregated fleet: P prefill and D decode instances (the hardware of "
+                               "P + D aggregated ones), routed by each router's P/D algorithm")  # fmt: skip
+    simulate.add_argument("--pd-link", choices=sorted(LINK_PRESETS), default="rdma",
+                          help="with --pd: the link decode instances fetch the prompt's KV over")  # fmt: skip
     simulate.add_argument(
         "--rate", type=positive_float, default=None, help="arrival rate multiplier (x2: twice as fast)"
     )
@@ -72,6 +79,13 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.set_defaults(run=_run)
 
 
+def _pd(text: str) -> tuple[int, int]:
+    prefill, colon, decode = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"{text!r} is not P:D, prefill and decode instances (4:4)")
+    return positive_int(prefill), positive_int(decode)
+
+
 def _trace(args: argparse.Namespace) -> Trace:
     if args.trace == "agentic" or (args.trace is None and not MOONCAKE_TRACE.is_file()):
         return agentic_trace(seed=args.seed, sessions=args.sessions)
@@ -79,14 +93,41 @@ def _trace(args: argparse.Namespace) -> Trace:
     return load_trace(path, name="mooncake-conversation" if path == MOONCAKE_TRACE else None)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
+def _fleet(args: argparse.Namespace) -> FleetSpec | str:
+    """The fleet the arguments describe, or what is wrong with them."""
+    pd = None
+    instances = args.instances or 8
+    if args.pd is not None:
+        prefill, decode = args.pd
+        if args.instances not in (None, prefill + decode):
+            return f"--pd {prefill}:{decode} is {prefill + decode} instances, not {args.instances}"
+        if args.sweep == "instances":
+            return "--sweep instances varies an aggregated fleet: not with --pd"
+        pd, instances = PDSpec(prefill, decode, LINK_PRESETS[args.pd_link]), prefill + decode
+    pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link]) if args.pool == "on" else None
+    engine = (
+        EngineSpec(
+            attention_s_per_pair=ATTENTION_S_PER_PAIR, decode_s_per_context_token=DECODE_S_PER_CONTEXT_TOKEN
+        )
+        if args.attention_cost == "on"
+        else EngineSpec()
+    )
+    return FleetSpec(instances=instances, engine=engine, pool=pool, event_delay_s=args.event_delay, pd=pd)
 
-    names = args.policies.split(",") if args.policies else list(POLICIES)
-    known = {**POLICIES, **EXTRA_POLICIES}
+
+def _run(args: argparse.Namespace) -> int:
+    from kvroute.simulate.registry import POLICIES, policies_for
+
+    fleet = _fleet(args)
+    if isinstance(fleet, str):
+        print(fleet, file=sys.stderr)
+        return 2
+    known = policies_for(fleet)
+    names = args.policies.split(",") if args.policies else list(POLICIES if fleet.pd is None else known)
     unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"unknown policies: {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
+        print(f"unknown policies: {', '.join(unknown)}; known{' with --pd' if fleet.pd else ''}: "
+              f"{', '.join(known)}", file=sys.stderr)  # fmt: skip
         return 2
     try:
         trace = _trace(args).skip(args.skip)
@@ -98,15 +139,6 @@ def _run(args: argparse.Namespace) -> int:
     if len(trace.requests) < 2:
         print("the trace needs at least two requests (after --skip)", file=sys.stderr)
         return 2
-    pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link]) if args.pool == "on" else None
-    engine = (
-        EngineSpec(
-            attention_s_per_pair=ATTENTION_S_PER_PAIR, decode_s_per_context_token=DECODE_S_PER_CONTEXT_TOKEN
-        )
-        if args.attention_cost == "on"
-        else EngineSpec()
-    )
-    fleet = FleetSpec(instances=args.instances, engine=engine, pool=pool, event_delay_s=args.event_delay)
     from kvroute.simulate.bench import Bench
 
     bench = Bench(fleet, names, Path(args.out), args.tie_seed)

@@ -8,6 +8,11 @@ batch and, with attention costs, with the contexts it reads). Steps with no pref
 next request finishes or new work arrives, computed in one event. A request is admitted when its whole prompt
 and answer fit in free blocks (vLLM allocates as it goes and preempts instead; reserving keeps every request's
 hits exact).
+
+In a disaggregated fleet a prefill instance computes a request's prompt as a one-token request (its prefill
+leg) and keeps its KV until the decode leg has fetched it; the decode instance admits the decode leg as any
+request, fetches the prompt's KV it does not hold over the link (one transfer at a time, as its pool loads),
+caches it (announcing it as vLLM does once a transfer is in), computes the last prompt token and decodes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from kvroute.simulate.hardware import EngineSpec
 from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.traces import TraceRequest
+from router.dispatch.outcome import PdPath
 from router.index.events import BlockStored, KVEvent
 from router.types import EngineLoad
 
@@ -50,6 +56,14 @@ class SimRequest:
     finish_s: float = -1.0
     policy_state: object = None
     router: int = 0  # which of several routers in front of the fleet sent it
+    # Disaggregated: a request's prefill leg, whose instance keeps the prompt's KV until the decode leg (the
+    # request itself) fetched it; and a prefill leg's request.
+    prefill: SimRequest | None = None
+    prefills: SimRequest | None = None
+    transferred_tokens: int = 0  # fetched from the prefill instance
+    path: PdPath | None = None  # how a disaggregated fleet served it
+    pending: int = 0  # its uncached tokens its router still counts as queued at its instance
+    retire_after_s: float | None = None  # the router stops counting them this long after sending it
 
 
 class Engine:
@@ -61,6 +75,7 @@ class Engine:
         loop: EventLoop,
         pool: PoolStore | None = None,
         load_s_per_token: float = 0.0,
+        transfer_s_per_token: float = 0.0,
     ) -> None:
         self.number = number
         self.spec = spec
@@ -69,7 +84,12 @@ class Engine:
         self.on_first_token: Callable[[SimRequest], None] = lambda request: None
         self.on_finish: Callable[[SimRequest], None] = lambda request: None
         self.on_events: Callable[[list[KVEvent]], None] = lambda events: None
+        self.on_fetched: Callable[[SimRequest], None] = lambda request: None  # a decode leg has its KV
+        # Inter-token latencies: each decode step's length, and the tokens it gave (one per request).
+        self.itl_s: array[float] = array("d")
+        self.itl_tokens: array[int] = array("q")
         self._blocks, self._loop, self._pool, self._load_s = blocks, loop, pool, load_s_per_token
+        self._transfer_s = transfer_s_per_token
         self._waiting: deque[SimRequest] = deque()
         self._running = 0
         self._prefilling: list[SimRequest] = []
@@ -152,6 +172,9 @@ class Engine:
             return
         _, step, steps = self._run
         self.busy_s += step * steps
+        if self._decoding:
+            self.itl_s.append(step)
+            self.itl_tokens.append(len(self._decoding) * steps)
         finished = []
         for request in self._decoding:
             request.decode_left -= steps
@@ -198,24 +221,38 @@ class Engine:
             kv.allocate(new_blocks)
             request.held, request.uncached = held, new_blocks
             request.cached_blocks = request.local_hit_blocks = hits
+            if request.prefill is not None:  # the decode leg: the rest comes from the prefill instance
+                request.transferred_tokens = request.trace.input_tokens - hits * size
+                self._transfer(request, request.transferred_tokens * self._transfer_s)
+                continue
             pooled = self._pool.prefix(chain, hits, reusable) if self._pool is not None else 0
             request.pool_hit_blocks = pooled
             if pooled:  # the connector loads it before the prefill starts, one transfer at a time
-                done = max(self._loop.now, self._nic_free_s) + pooled * size * self._load_s
-                self._nic_free_s = done
-                self._loop.at(done, lambda request=request: self._loaded(request))  # type: ignore[misc]
+                self._transfer(request, pooled * size * self._load_s)
             else:
                 request.prefill_left = request.trace.input_tokens - hits * size
                 self._prefilling.append(request)
 
+    def _transfer(self, request: SimRequest, seconds: float) -> None:
+        """Load into its blocks, after the transfers before it: from the pool, or a decode leg's KV."""
+        done = max(self._loop.now, self._nic_free_s) + seconds
+        self._nic_free_s = done
+        self._loop.at(done, lambda: self._loaded(request))
+
     def _loaded(self, request: SimRequest) -> None:
         size = self.spec.block_size
-        done = request.local_hit_blocks + request.pool_hit_blocks
+        if request.prefill is None:
+            done = request.local_hit_blocks + request.pool_hit_blocks
+            request.prefill_left = request.trace.input_tokens - done * size
+        else:  # the whole prompt is in; the engine computes its last token
+            done = min((request.trace.input_tokens - 1) // size, len(request.chain))
+            request.prefill_left = 1
         self._cache_blocks(request, done, write_pool=False)
-        request.prefill_left = request.trace.input_tokens - done * size
         self._prefilling.append(request)
         self._flush()
         self._wake()
+        if request.prefill is not None:
+            self.on_fetched(request)
 
     def _cache_computed(self, request: SimRequest) -> None:
         computed = request.trace.input_tokens - request.prefill_left
@@ -248,10 +285,19 @@ class Engine:
 
     def _finish(self, request: SimRequest) -> None:
         request.finish_s = self._loop.now
-        self.kv.free(request.held, request.uncached)
-        request.held = []
+        if request.prefills is None:  # a prefill leg's KV waits for its decode leg (release)
+            self._free(request)
         self._running -= 1
         self.on_finish(request)
+
+    def release(self, request: SimRequest) -> None:
+        """A prefill leg's KV was fetched, or will not be: free it."""
+        self._free(request)
+        self._wake()
+
+    def _free(self, request: SimRequest) -> None:
+        self.kv.free(request.held, request.uncached)
+        request.held, request.uncached = [], 0
 
     def _flush(self) -> None:
         events = self.kv.take_events()

@@ -1,4 +1,5 @@
-"""The simulated hardware: one instance's engine, the shared pool, and the fleet's signal delays.
+"""The simulated hardware: one instance's engine, the shared pool, the prefill-to-decode link, and the
+fleet's signal delays.
 
 The reference setup (docs/bench-simulate.md): an 8B model on H100-class GPUs, 16-token blocks.
 """
@@ -7,11 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.config import Role
 from router.scoring.ttft_model import attention_pairs
 
 # Seconds per token loaded from the pool into an instance's GPU. An 8B Llama's KV is 128 KiB a token
 # (32 layers x 8 KV heads x 128 x 2 x fp16): RDMA at ~200 Gb/s moves ~25 GB/s, TCP at ~25 Gb/s ~3 GB/s.
 POOL_PRESETS: dict[str, float] = {"rdma": 5e-6, "tcp": 4e-5}
+# A decode instance fetching a prompt's KV from the prefill instance (NixlConnector's transfer): the same
+# NICs, so the same presets.
+LINK_PRESETS = POOL_PRESETS
 
 # What a token's context costs the engine, for the same model on an H100 (`--attention-cost on`; the
 # reference runs leave it out). A prompt token attends to every token before it: 4 x 32 layers x 4096
@@ -56,12 +61,33 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
+class PDSpec:
+    """A disaggregated fleet: `prefill` instances that compute prompts, then `decode` ones that fetch their
+    KV and answer (instances 0 .. prefill - 1 are the prefill ones)."""
+
+    prefill: int = 4
+    decode: int = 4
+    transfer_s_per_token: float = LINK_PRESETS["rdma"]
+
+
+@dataclass(frozen=True)
 class FleetSpec:
     instances: int = 8
     engine: EngineSpec = EngineSpec()
     pool: PoolSpec | None = PoolSpec()
     event_delay_s: float = 0.05  # KV events reach the router's index this long after the engine step
     model: str = "llama-8b"
+    pd: PDSpec | None = None  # None: every instance serves whole requests
+
+    def __post_init__(self) -> None:
+        if self.pd is not None and self.pd.prefill + self.pd.decode != self.instances:
+            raise ValueError(f"{self.pd.prefill} prefill and {self.pd.decode} decode instances are not "
+                             f"{self.instances}")  # fmt: skip
+
+    def role(self, number: int) -> Role:
+        if self.pd is None:
+            return "both"
+        return "prefill" if number < self.pd.prefill else "decode"
 
     def pool_blocks(self) -> int:
         return (

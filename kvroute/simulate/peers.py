@@ -62,23 +62,24 @@ class PowerOfTwo(SimPolicy):
         return first if instances[first].in_flight <= instances[second].in_flight else second
 
 
-class SGLangCacheAware(SimPolicy):
-    """SGLang model gateway `cache_aware` (also vllm-router's default): an approximate radix tree per worker
-    of the prompts routed there, LRU-trimmed to max_tree_size every eviction_interval_s (120 s).
+class CacheAwareTrees:
+    """SGLang model gateway `cache_aware`'s choice among some workers (engine numbers), given their loads:
+    an approximate radix tree per worker of the prompts routed there, LRU-trimmed to max_tree_size every
+    eviction_interval_s (120 s).
 
-    Imbalanced (max - min in-flight > balance_abs_threshold 64 and max > balance_rel_threshold 1.5 x min):
-    the least loaded worker. Otherwise the worker with the longest match if it covers more than
-    cache_threshold (0.3) of the prompt, else the least loaded. The chosen worker's tree gets the prompt.
-    The tree is over tokens (as vllm-router 0.1.17 keys it; SGLang's over characters), kept per block of
-    16 tokens by its chained hash, which names the whole prefix up to it just as a path in a radix tree does.
-    Workers tied at the longest match are drawn at random; vllm-router 0.1.17 takes the least loaded of them
-    instead, and its tree holds 2^25 characters of hex-encoded tokens (about 4M tokens).
+    Imbalanced (max - min load > balance_abs_threshold 64 and max > balance_rel_threshold 1.5 x min): the
+    least loaded worker. Otherwise the worker with the longest match if it covers more than cache_threshold
+    (0.3) of the prompt, else the least loaded. The chosen worker's tree gets the prompt. The tree is over
+    tokens (as vllm-router 0.1.17 keys it; SGLang's over characters), kept per block of 16 tokens by its
+    chained hash, which names the whole prefix up to it just as a path in a radix tree does. Workers tied at
+    the longest match are drawn at random; vllm-router 0.1.17 takes the least loaded of them instead, and its
+    tree holds 2^25 characters of hex-encoded tokens (about 4M tokens).
     """
-
-    name = "sglang-cache-aware"
 
     def __init__(
         self,
+        workers: Sequence[int],
+        block_size: int,
         cache_threshold: float = 0.3,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
@@ -86,28 +87,25 @@ class SGLangCacheAware(SimPolicy):
         max_tree_size: int = 2**26,
         seed: int = 0,
     ) -> None:
+        self._workers, self._block_size = list(workers), block_size
         self._threshold, self._abs, self._rel = cache_threshold, balance_abs_threshold, balance_rel_threshold
         self._interval, self._max_tokens = eviction_interval_s, max_tree_size
         self._rng = random.Random(seed)
         self._next_eviction = eviction_interval_s
+        self._trees: list[dict[int, float]] = [{} for _ in self._workers]  # block hash -> last routed
 
-    def bind(self, view: RouterView) -> None:
-        super().bind(view)
-        self._trees: list[dict[int, float]] = [{} for _ in view.instances]  # block hash -> last routed
-
-    def route(self, request: SimRequest) -> int:
-        now = self.view.loop.now
+    def choose(self, request: SimRequest, loads: Sequence[int], now: float) -> int:
+        """The engine number for request; loads: the workers', in their order."""
         if now >= self._next_eviction:
             self._evict()
             self._next_eviction = now + self._interval
-        loads = [instance.in_flight for instance in self.view.instances]
         chain = request.chain
         if max(loads) - min(loads) > self._abs and max(loads) > self._rel * min(loads):
             chosen = _least_loaded(loads, self._rng)
         else:
             matched = [self._matched(tree, chain) for tree in self._trees]
             best = max(matched)
-            ratio = best * self.view.block_size / request.trace.input_tokens
+            ratio = best * self._block_size / request.trace.input_tokens
             if ratio > self._threshold:
                 chosen = self._rng.choice([i for i, m in enumerate(matched) if m == best])
             else:
@@ -115,7 +113,7 @@ class SGLangCacheAware(SimPolicy):
         tree = self._trees[chosen]
         for block_hash in chain:
             tree[block_hash] = now
-        return chosen
+        return self._workers[chosen]
 
     @staticmethod
     def _matched(tree: dict[int, float], chain: Sequence[int]) -> int:
@@ -127,11 +125,26 @@ class SGLangCacheAware(SimPolicy):
         return count
 
     def _evict(self) -> None:
-        limit = self._max_tokens // self.view.block_size
+        limit = self._max_tokens // self._block_size
         for number, tree in enumerate(self._trees):
             if len(tree) > limit:  # a prefix is routed whenever its extensions are: oldest are leaves
                 kept = sorted(tree.items(), key=lambda item: item[1])[len(tree) - limit :]
                 self._trees[number] = dict(kept)
+
+
+class SGLangCacheAware(SimPolicy):
+    """SGLang model gateway `cache_aware` (also vllm-router's default) over every worker, loaded by the
+    requests it has in flight on each (CacheAwareTrees)."""
+
+    name = "sglang-cache-aware"
+
+    def bind(self, view: RouterView) -> None:
+        super().bind(view)
+        self._trees = CacheAwareTrees(range(len(view.instances)), view.block_size)
+
+    def route(self, request: SimRequest) -> int:
+        loads = [instance.in_flight for instance in self.view.instances]
+        return self._trees.choose(request, loads, self.view.loop.now)
 
 
 class ActiveWork:
@@ -182,37 +195,46 @@ class DynamoCost(SimPolicy):
              + decode blocks
 
     with prefill_load_scale 1.0 and overlap credit per matched block by tier: GPU 1.0, host 0.75, disk 0.25
-    (the shared pool is credited as disk, its slowest tier), temperature 0 (ties at random). Active prefill
-    and decode blocks are its own bookkeeping of the requests it routed, decode blocks with
-    router_assume_kv_reuse on (its default): blocks shared by requests in flight on a worker count once, and
-    a new request adds only its blocks not already there. No speculative entries.
+    (the shared pool is credited as disk, its slowest tier), times overlap_weight (1.0), temperature 0 (ties
+    at random). Active prefill and decode blocks are its own bookkeeping of the requests it routed, decode
+    blocks with router_assume_kv_reuse on (its default): blocks shared by requests in flight on a worker
+    count once, and a new request adds only its blocks not already there. No speculative entries. workers:
+    the engine numbers it chooses among (None: all).
     """
 
     name = "dynamo"
     credits = (1.0, 0.75, 0.25)
 
-    def __init__(self, prefill_load_scale: float = 1.0, seed: int = 0) -> None:
-        self._scale = prefill_load_scale
+    def __init__(
+        self, prefill_load_scale: float = 1.0, seed: int = 0, overlap_weight: float = 1.0,
+        assume_kv_reuse: bool = True, workers: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
+        self._scale, self._overlap, self._reuse = prefill_load_scale, overlap_weight, assume_kv_reuse
         self._rng = random.Random(seed)
+        self._workers = workers
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)
-        self._active = ActiveWork(len(view.instances), assume_kv_reuse=True)
+        self._active = ActiveWork(len(view.instances), assume_kv_reuse=self._reuse)
+        if self._workers is None:
+            self._workers = range(len(view.instances))
 
     def route(self, request: SimRequest) -> int:
         view, active, size = self.view, self._active, self.view.block_size
+        workers = self._workers
+        assert workers is not None
         chain = request.chain.tolist()
         matches = view.matches(chain)
         prompt_blocks = -(-request.trace.input_tokens // size)
-        gpu, cpu, pool = self.credits
+        gpu, cpu, pool = (self._overlap * credit for credit in self.credits)
         costs = []
-        for number, instance in enumerate(view.instances):
-            match = matches.get(instance.name, NO_MATCH)
+        for number in workers:
+            match = matches.get(view.instances[number].name, NO_MATCH)
             credit = gpu * match.gpu + cpu * match.cpu + pool * match.pool
             prefill = active.prefill_tokens[number] / size + prompt_blocks - credit
             decode = active.decode_blocks(number, chain, prompt_blocks)
             costs.append(self._scale * max(prefill, 0.0) + decode)
-        chosen = _least_loaded(costs, self._rng)
+        chosen = workers[_least_loaded(costs, self._rng)]
         match = matches.get(view.instances[chosen].name, NO_MATCH)
         request.uncached_estimate = max(request.trace.input_tokens - match.gpu * size, 0)
         active.prefill_tokens[chosen] += request.uncached_estimate

@@ -9,7 +9,7 @@ product's code, not a copy of it.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvroute.simulate.engine import SimRequest
@@ -79,10 +79,10 @@ class SimPolicy:
 def priors_for(fleet: FleetSpec) -> TTFTPriors:
     """The TTFT priors an operator would configure for this hardware (kvroute's defaults are for the
     simulated CPU fleet): the engine's prefill rate and attention cost, the pool's load rate, a decode step as
-    the overhead."""
+    the overhead; of a disaggregated fleet, its link's transfer rate."""
     engine = fleet.engine
     per_token = 1.0 / engine.prefill_tokens_per_s
-    return TTFTPriors(
+    priors = TTFTPriors(
         overhead_s=engine.decode_step_s,
         queue_s_per_token=per_token,
         prefill_s_per_token=per_token,
@@ -90,6 +90,9 @@ def priors_for(fleet: FleetSpec) -> TTFTPriors:
         decode_s_per_token=engine.decode_step_s,
         attention_s_per_pair=engine.attention_s_per_pair,
     )
+    if fleet.pd is None:
+        return priors
+    return priors.model_copy(update={"transfer_s_per_token": fleet.pd.transfer_s_per_token})
 
 
 def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterConfig:
@@ -99,7 +102,8 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
         "models": [{"name": fleet.model}],
         "block_size": fleet.engine.block_size,
         "instances": [
-            {"name": instance_name(n), "url": f"http://{instance_name(n)}"} for n in range(fleet.instances)
+            {"name": instance_name(n), "url": f"http://{instance_name(n)}", "role": fleet.role(n)}
+            for n in range(fleet.instances)
         ],
         "ttft": (priors or priors_for(fleet)).model_dump(),
     }
@@ -151,7 +155,8 @@ class ConfiguredPolicy(SimPolicy):
                 self._config.pool.confirm_ttl_s, view.loop.clock,
             )  # fmt: skip
 
-    def route(self, request: SimRequest) -> int:
+    def routing(self, request: SimRequest) -> RoutingRequest:
+        """The request as the router's decision sees it: its blocks and where they are held."""
         view = self.view
         chain = request.chain.tolist()
         if not self._lookup:
@@ -160,7 +165,7 @@ class ConfiguredPolicy(SimPolicy):
             matches = view.matches(chain, include_pool=False)
         else:
             matches = _at_once(self._pool.confirm(view.model, chain))
-        routing = RoutingRequest(
+        return RoutingRequest(
             model=view.model,
             session_key=request.session,
             prompt_tokens=request.trace.input_tokens,
@@ -169,7 +174,15 @@ class ConfiguredPolicy(SimPolicy):
             matches=matches,
             chain=chain,
         )
-        candidates = [i for i in view.instances if i.own_in_flight < self._limit] or view.instances
+
+    def candidates(self, instances: Sequence[Instance]) -> list[Instance]:
+        """Those with room for another request (max_in_flight_per_instance), or all when none has."""
+        return [i for i in instances if i.own_in_flight < self._limit] or list(instances)
+
+    def route(self, request: SimRequest) -> int:
+        view = self.view
+        routing = self.routing(request)
+        candidates = self.candidates(view.instances)
         if self._decide:
             decision = self._router.decide(Prepared(routing), self._policy, candidates)
             instance: Instance = decision.instance

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvroute.simulate.disaggregation import KvroutePD
 from kvroute.simulate.hardware import FleetSpec
+from kvroute.simulate.pd_peers import DynamoPD, LlmdPD, VllmRouterPD
 from kvroute.simulate.peers import ConsistentHash, DynamoCost, PowerOfTwo, SGLangCacheAware, VllmRouterKvAware
 from kvroute.simulate.policies import ConfiguredPolicy, Replicas, SimPolicy, priors_for, router_config
 from router.config import PolicyConfig, ScorerSpec
@@ -132,3 +134,32 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     ),
     "kvroute-4-routers-sharing": _replicas("kvroute-4-routers-sharing", 4, by_session=True, share_s=0.05),
 }
+
+
+def _kvroute_pd(fleet: FleetSpec) -> SimPolicy:
+    """kvroute's builtin policy in front of the disaggregated fleet, with disaggregation's defaults
+    (local_prefill_max_tokens 256) and the link's transfer rate as its TTFT prior."""
+    return KvroutePD("kvroute", router_config(fleet), "kvroute")
+
+
+def _llmd_pd(fleet: FleetSpec) -> SimPolicy:
+    config = router_config(fleet)
+    config.policies["llm-d-pd"] = PolicyConfig(
+        scorers=[ScorerSpec(type="precise-prefix", weight=2.0), ScorerSpec(type="queue-depth", weight=1.0)]
+    )
+    return LlmdPD("llm-d", config, "llm-d-pd", decide=False, include_pool=False, calibrate=False,
+                  scrape_interval_s=LLMD_SCRAPE_S)  # fmt: skip
+
+
+# The routers of a disaggregated fleet (--pd), each with its own P/D algorithm.
+PD_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
+    "vllm-router": lambda fleet: VllmRouterPD(),
+    "llm-d": _llmd_pd,
+    "dynamo": lambda fleet: DynamoPD(),
+    "kvroute": _kvroute_pd,
+}
+
+
+def policies_for(fleet: FleetSpec) -> dict[str, Callable[[FleetSpec], SimPolicy]]:
+    """The policies a run on fleet can be given, by name."""
+    return dict(PD_POLICIES) if fleet.pd is not None else {**POLICIES, **EXTRA_POLICIES}

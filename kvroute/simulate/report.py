@@ -9,19 +9,26 @@ from typing import Any
 
 from rich.table import Table
 
-from kvroute.simulate.run import RunResult
+from kvroute.simulate.results import RunResult
 
 
 def table(title: str, results: Sequence[RunResult]) -> Table:
     view = Table(title=title)
-    for column in ("policy", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "req/s", "local hit", "pool hit",
-                   "ideal", "imbalance", "rejected", "slowest 1%: admit / queue / own", "wall"):  # fmt: skip
+    disaggregated = any(r.pd_paths for r in results)
+    for column in ("policy", "TTFT p50/p99", "ITL p50/p99", "e2e p50/p99", "req/s", "hit local/pool", "ideal",
+                   "imbalance", "rejected/failed",
+                   *(["disaggregated/skipped/fallback", "fetched"] if disaggregated else []),
+                   "slowest 1%: admit/queue/own", "wall"):  # fmt: skip
         view.add_column(column, justify="left" if column == "policy" else "right")
     for r in results:
+        paths = r.pd_paths
         view.add_row(
-            r.policy, f"{r.ttft_p50_s:.2f} s", f"{r.ttft_p99_s:.2f} s", f"{r.e2e_p50_s:.1f} s",
-            f"{r.e2e_p99_s:.1f} s", f"{r.throughput_rps:.2f}", f"{r.local_hit_rate:.1%}",
-            f"{r.pool_hit_rate:.1%}", f"{r.ideal_hit_rate:.1%}", f"{r.load_imbalance:.2f}", str(r.rejected),
+            r.policy, f"{r.ttft_p50_s:.2f}/{r.ttft_p99_s:.2f} s",
+            f"{r.itl_p50_s * 1000:.0f}/{r.itl_p99_s * 1000:.0f} ms", f"{r.e2e_p50_s:.1f}/{r.e2e_p99_s:.1f} s",
+            f"{r.throughput_rps:.2f}", f"{r.local_hit_rate:.1%}/{r.pool_hit_rate:.1%}",
+            f"{r.ideal_hit_rate:.1%}", f"{r.load_imbalance:.2f}", f"{r.rejected}/{r.failed}",
+            *(["/".join(str(paths.get(p, 0)) for p in ("disaggregated", "skipped", "fallback")),
+               f"{r.transferred_rate:.1%}"] if disaggregated else []),
             _tail_cell(r.tail), f"{r.wall_s:.0f} s",
         )  # fmt: skip
     return view
@@ -30,12 +37,16 @@ def table(title: str, results: Sequence[RunResult]) -> Table:
 def _tail_cell(tail: dict[str, float]) -> str:
     if not tail:
         return "-"
-    return f"{tail['admission_wait_s']:.2f} / {tail['queued_s']:.2f} / {tail['own_prefill_s']:.2f} s"
+    return f"{tail['admission_wait_s']:.2f}/{tail['queued_s']:.2f}/{tail['own_prefill_s']:.2f} s"
 
 
 def as_json(result: RunResult) -> dict[str, Any]:
     return {
         **result.summary(),
+        "tpot_p50_s": result.tpot_p50_s,
+        "tpot_p99_s": result.tpot_p99_s,
+        "transferred_rate": result.transferred_rate,
+        "pd_paths": result.pd_paths,
         "completed": result.completed,
         "utilization": result.utilization,
         "requests_per_instance": result.requests_per_instance,

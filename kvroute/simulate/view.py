@@ -57,6 +57,7 @@ class RouterView:
                 kv_capacity_tokens=fleet.engine.kv_tokens,
                 clock=loop.clock,
                 block_size=fleet.engine.block_size,
+                role=fleet.role(e.number),
             )
             for e in engines
         ]

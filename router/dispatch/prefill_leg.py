@@ -100,6 +100,13 @@ def mooncake_params(instance: Instance, transfer_id: str) -> dict[str, Any]:
     }
 
 
+def prefill_leg_worth_it(decision: Decision, local_prefill_max_tokens: int) -> bool:
+    """Whether a prefill leg should compute the prompt rather than the decode instance decision chose: it
+    would compute more than local_prefill_max_tokens itself (what it holds or loads from the pool it does
+    not), or the router cannot tell."""
+    return decision.prompt_tokens == 0 or decision.uncached_tokens > local_prefill_max_tokens
+
+
 class PrefillLeg:
     def __init__(
         self,
@@ -124,9 +131,7 @@ class PrefillLeg:
         )
 
     def worth_it(self, decision: Decision) -> bool:
-        """Whether a prefill leg should compute the prompt rather than the decode instance decision chose:
-        it would compute more than local_prefill_max_tokens itself, or the router cannot tell."""
-        return decision.prompt_tokens == 0 or decision.uncached_tokens > self._local_max
+        return prefill_leg_worth_it(decision, self._local_max)
 
     async def run(
         self, prepared: Prepared, policy: Policy, path: str, body: dict[str, Any], headers: dict[str, str],

@@ -105,7 +105,9 @@ class TTFTModel:
         )
         self._decay = 1.0 - 1.0 / priors.memory
         self._prior_weight = priors.prior_weight
-        self._typical_s = float(self._prior @ _SCALES)  # the TTFT of a typical request, tracked
+        # The TTFT of a typical request, tracked: one computed whole, nothing fetched from a prefill instance.
+        typical = np.arange(len(TERMS)) != _TRANSFER
+        self._typical_s = float(self._prior[typical] @ _SCALES[typical])
         self._gram = np.zeros((len(self._terms), len(self._terms)))  # decayed sums of x x^T and of x y
         self._moment = np.zeros(len(self._terms))
         self._rates = self._prior.copy()

@@ -13,23 +13,32 @@ from kvroute.cli import main
 from kvroute.simulate.bench import rate_for_load, ttft_floor
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
+from kvroute.simulate.disaggregation import KvroutePD, PDPolicy, prefill_leg
 from kvroute.simulate.engine import POOL_MEDIUM, Engine, SimRequest
 from kvroute.simulate.hardware import (
     ATTENTION_S_PER_PAIR,
     DECODE_S_PER_CONTEXT_TOKEN,
     EngineSpec,
     FleetSpec,
+    PDSpec,
     PoolSpec,
 )
 from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.peers import ActiveWork, VllmRouterKvAware
 from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
-from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
-from kvroute.simulate.run import RESULT_FIELDS, session_of, simulate
+from kvroute.simulate.registry import EXTRA_POLICIES, PD_POLICIES, POLICIES
+from kvroute.simulate.results import RESULT_FIELDS
+from kvroute.simulate.run import DisaggregatedRun, session_of, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
+from router.config import DisaggregationConfig, UpstreamConfig
+from router.dispatch.decision import Decision
+from router.dispatch.prefill_leg import PrefillLeg
+from router.dispatch.retry_budget import RetryBudget
 from router.index.events import BlockRemoved, BlockStored, KVEvent
+from router.scoring.ttft_model import TTFTFeatures
+from router.upstreams.instances import Instance
 
 SIZE = 4
 
@@ -514,3 +523,141 @@ def test_a_run_with_one_tie_seed_repeats_exactly() -> None:
     assert sum(first) == 40
     assert spread(0) == first
     assert any(spread(seed) != first for seed in (1, 2, 3))  # the seed does decide the ties
+
+
+def _pd_fleet(prefill: int, decode: int, pool: bool = False) -> FleetSpec:
+    return replace(_fleet(prefill + decode, pool), pd=PDSpec(prefill, decode))
+
+
+class _FixedPD(PDPolicy):
+    """Each request's prefill leg on prefill (None: none), its decode leg on decode."""
+
+    name = "fixed-pd"
+
+    def __init__(self, *legs: tuple[int | None, int]) -> None:
+        self._legs = list(legs)
+
+    def plan(self, request: SimRequest) -> int:
+        prefill, decode = self._legs.pop(0)
+        if prefill is not None:
+            request.prefill = prefill_leg(request, prefill)
+        return decode
+
+
+def test_a_decode_leg_fetches_the_prompt_the_prefill_leg_computed_and_holds_it_for_the_next_turn() -> None:
+    """A cold 4,000-token prompt: 0.2 s of prefill on the prefill instance, which keeps its KV until the
+    decode instance fetched it (4,000 tokens over the link), computed its last token and answered. The next
+    turn, on the decode instance alone, finds the prompt there."""
+    turns = (
+        TraceRequest(0.0, 4000, 20, tuple(range(125)), "s"),
+        TraceRequest(0.1, 4100, 20, tuple(range(129)), "s"),
+    )
+    blocks = TraceBlocks(Trace("pd", 32, turns), 16)
+    fleet = _pd_fleet(1, 1)
+    run = DisaggregatedRun(blocks, fleet, _FixedPD((0, 1), (None, 1)))
+    prefill_engine, fetched = run.engines[0], run.engines[1].on_fetched
+    free_at_fetch: list[int] = []
+    run.engines[1].on_fetched = lambda request: (free_at_fetch.append(prefill_engine.kv.num_free), fetched(request))
+    result = run.run(ideal_hit_rate=0.0)
+    assert result.completed == 2 and result.pd_paths == {"disaggregated": 1, "skipped": 1}
+    first, second = sorted(run.done, key=lambda r: r.number)
+    assert fleet.pd is not None
+    prefill_s, transfer_s = 4000 / 20_000, 4000 * fleet.pd.transfer_s_per_token
+    assert first.prefill is not None and first.prefill.finish_s == pytest.approx(prefill_s)
+    assert first.first_token_s == pytest.approx(prefill_s + transfer_s + 1 / 20_000)  # the last token's step
+    assert first.transferred_tokens == 4000
+    assert free_at_fetch == [fleet.engine.kv_blocks - 251]  # the prefill instance held the prompt till then
+    assert prefill_engine.kv.num_free == fleet.engine.kv_blocks  # and let it go once fetched
+    assert second.prefill is None and second.local_hit_blocks == 250  # the decode instance's own copy
+    assert run.view.index.match(blocks.chains[0].tolist())["sim-1"].gpu == 250  # it announced the fetch
+    assert result.itl_p50_s == pytest.approx(fleet.engine.decode_step_s + fleet.engine.decode_step_s_per_seq)
+
+
+def test_kvroute_skips_the_prefill_leg_where_the_decode_instance_holds_the_prompt() -> None:
+    """kvroute's own P/D decision (Decider.decide, PrefillLeg.worth_it, Decider.decode_leg): a cold long
+    prompt takes both legs; the session's next turn, 100 tokens longer, goes to the decode instance that
+    holds the rest, alone; a cold one again both legs."""
+    turns = (
+        TraceRequest(0.0, 4000, 20, tuple(range(125)), "s"),
+        TraceRequest(0.1, 4100, 20, tuple(range(129)), "s"),
+        TraceRequest(0.2, 3000, 20, tuple(range(1000, 1094)), "t"),
+    )
+    blocks = TraceBlocks(Trace("pd", 32, turns), 16)
+    fleet = replace(_pd_fleet(2, 2), engine=EngineSpec(kv_blocks=2000))  # room: no wait for memory to learn
+    policy = PD_POLICIES["kvroute"](fleet)
+    run = DisaggregatedRun(blocks, fleet, policy)
+    result = run.run(ideal_hit_rate=0.0)
+    assert result.completed == 3 and result.rejected == result.failed == 0
+    first, second, cold = sorted(run.done, key=lambda r: r.number)
+    assert first.path == cold.path == "disaggregated"
+    assert first.prefill is not None and fleet.role(first.prefill.instance) == "prefill"
+    assert fleet.role(first.instance) == "decode"
+    assert second.path == "skipped" and second.prefill is None
+    assert second.instance == first.instance and second.local_hit_blocks == 250
+    assert cold.transferred_tokens == 3000
+    # Each instance's TTFT model learnt from its own legs: two prefill legs, two decode legs and a whole one.
+    observed = {i.name: i.ttft_model.observations for i in run.view.instances}
+    assert sum(observed.values()) == 5 and observed[run.view.instances[first.instance].name] == 2
+
+
+def test_kvroutes_prefill_rule_is_the_proxys() -> None:
+    fleet = _pd_fleet(1, 1)
+    policy = PD_POLICIES["kvroute"](fleet)
+    assert isinstance(policy, KvroutePD)
+    proxy = PrefillLeg(None, None, None, None, None, None, UpstreamConfig(), "nixl",
+                       DisaggregationConfig().local_prefill_max_tokens, 1024, RetryBudget())  # fmt: skip
+    target = Instance("sim-1", "http://sim-1", frozenset({fleet.model}), role="decode")
+    for prompt, uncached in ((0, 0), (1000, 0), (1000, 256), (1000, 257), (5000, 5000)):
+        decision = Decision(target, prompt, prompt // 16, 0, uncached, TTFTFeatures(0, uncached, 0), 0.1)
+        assert policy.worth_it(decision) == proxy.worth_it(decision), (prompt, uncached)
+
+
+def test_a_refused_prefill_leg_fails_retries_or_falls_back_as_each_router_does() -> None:
+    """One prefill instance with a waiting queue of 8: a burst of cold prompts overflows it. vllm-router fails
+    them (500), llm-d passes the 503 on, Dynamo and kvroute (after trying another prefill instance, none
+    here) let the decode instance compute the prompt (until its own queue is full)."""
+    burst = tuple(TraceRequest(0.0, 4000, 2, tuple(range(200 * n, 200 * n + 125))) for n in range(20))
+    blocks = TraceBlocks(Trace("burst", 32, burst), 16)
+    fleet = _pd_fleet(1, 1)
+    outcomes = {}
+    for name, make in PD_POLICIES.items():
+        result = simulate(blocks, fleet, make(fleet), ideal_hit_rate=0.0)
+        assert result.completed + result.rejected + result.failed == 20, name
+        outcomes[name] = (result.failed > 0, result.rejected > 0, result.pd_paths.get("fallback", 0), result.completed)
+    assert outcomes["vllm-router"][:3] == (True, False, 0)
+    assert outcomes["llm-d"][:3] == (False, True, 0)
+    for name in ("dynamo", "kvroute"):
+        assert not outcomes[name][0] and outcomes[name][2] > 0, name
+        assert outcomes[name][3] > outcomes["llm-d"][3], name
+
+
+def test_a_small_disaggregated_run_writes_every_field_for_every_router(tmp_path: Path) -> None:
+    out = tmp_path / "pd"
+    code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30",
+                 "--pd", "2:2", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["setup"]["pd"]["prefill"] == 2 and results["setup"]["instances"] == 4
+    assert set(results["policies"]) == set(PD_POLICIES)
+    for name, fields in results["policies"].items():
+        assert set(RESULT_FIELDS) <= set(fields), name
+        assert fields["rejected"] + fields["failed"] + fields["completed"] == 30, name
+        assert sum(fields["pd_paths"].values()) == fields["completed"], name
+        assert 0 < fields["itl_p50_s"] <= fields["itl_p99_s"], name
+        assert 0 < fields["tpot_p50_s"] <= fields["tpot_p99_s"], name
+        assert 0 < fields["transferred_rate"] <= 1, name
+    assert results["policies"]["vllm-router"]["pd_paths"] == {"disaggregated": 30}
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["--pd", "2:2", "--instances", "8"], ["--pd", "2:2", "--policies", "round-robin"],
+     ["--pd", "2:2", "--sweep", "instances"]],
+)  # fmt: skip
+def test_disaggregated_runs_refuse_what_they_cannot_do(tmp_path: Path, arguments: list[str]) -> None:
+    assert main(["bench", "simulate", "--trace", "agentic", "--sessions", "2", *arguments, "--out", str(tmp_path)]) == 2
+
+
+def test_pd_takes_prefill_and_decode_instances() -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "simulate", "--pd", "4"])
