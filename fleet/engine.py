@@ -4,6 +4,10 @@ Each step decodes one token for every running sequence and spends the rest of a 
 (chunked, first come first served). A step lasts prefill_tokens / prefill rate + one decode time, so a prompt
 costs time in proportion to its uncached tokens. KV blocks are allocated as sequences grow; when none is free
 the newest running request is preempted and recomputed later, as vLLM does.
+
+A decode leg's prompt KV comes from a prefill instance: admitted, it holds its blocks and waits (counted as
+waiting) until the load ends, then runs with its whole prompt in place, or computes what the load did not
+bring (kv_load_failure_policy recompute). The prefix-cache counters move as vLLM's scheduler moves them.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class EngineStats:
 TokenSampler = Callable[[int], int]
 """Maps an output position to the token id generated there."""
 
+KVLoad = Callable[[], Awaitable[bool]]
+"""Brings a prompt's KV from a prefill instance (fleet/kv_transfer.py); False when it could not."""
+
 
 @dataclass(eq=False)
 class _Sequence:
@@ -60,7 +67,9 @@ class _Sequence:
     num_computed: int = 0
     num_cached_blocks: int = 0
     num_output: int = 0
-    fetched: bool = False  # its prompt's KV comes from a prefill instance (a decode leg)
+    connector: bool = False  # the engine runs a KV connector, asked about every prompt's uncached tokens
+    load: KVLoad | None = None  # until it ends: the prompt's KV beyond the local cache comes from elsewhere
+    loading: asyncio.Task[None] | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -82,6 +91,7 @@ class Engine:
         self.hasher = hasher
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
+        self._loading: set[_Sequence] = set()  # vLLM's WAITING_FOR_REMOTE_KVS: blocks held, counted waiting
         self._wake = asyncio.Event()
         self._sleep = sleep
         self._publish: Callable[[list[KVEvent]], None] = lambda events: None
@@ -92,7 +102,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._loading)
 
     def on_events(self, publish: Callable[[list[KVEvent]], None]) -> None:
         self._publish = publish
@@ -104,12 +114,14 @@ class Engine:
         sample: TokenSampler,
         cache_salt: str | None = None,
         lora: Adapter | None = None,
-        fetched: bool = False,
+        connector: bool = False,
+        load: KVLoad | None = None,
     ) -> AsyncIterator[int]:
         """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
         cache_salt: vLLM's, which makes the prompt's cache entries its own; lora: the adapter it runs with,
-        whose cache entries are its own too; fetched: the prompt's KV beyond the local cache was fetched from
-        a prefill instance (its time spent already), so none of it is computed here."""
+        whose cache entries are its own too; connector: the instance runs a KV connector; load: brings the
+        prompt's KV beyond the local cache from a prefill instance (a decode leg), run once the request is
+        admitted; the transfer then takes transfer_tokens_per_s."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
@@ -118,9 +130,9 @@ class Engine:
             block_hashes=self.hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt, lora=lora),
             cache_salt=cache_salt,
             lora=lora,
-            fetched=fetched,
+            connector=connector,
+            load=load,
         )
-        self.stats.prompt_tokens += len(prompt_ids)
         self._waiting.append(seq)
         self._wake.set()
         finished = False
@@ -132,25 +144,18 @@ class Engine:
             if not finished:
                 self._abort(seq)
 
-    def fetch_s(
-        self, prompt_ids: list[int], cache_salt: str | None = None, lora: Adapter | None = None
-    ) -> float:
-        """How long fetching the prompt's KV beyond what this engine holds takes."""
-        block_size = self.pool.block_size
-        chain = self.hasher.chain(prompt_ids, block_size, salt=cache_salt, lora=lora)
-        held = len(self.pool.cached_prefix(chain[: (len(prompt_ids) - 1) // block_size])) * block_size
-        return (len(prompt_ids) - held) / self.timing.transfer_tokens_per_s
-
     def reset_prefix_cache(self) -> bool:
         """As in vLLM, the AllBlocksCleared event goes out with the next engine step's batch."""
         return self.pool.reset()
 
     async def run(self) -> None:
         while True:
-            if not self._waiting and not self._running:
+            prefill_tokens, scheduled = self._schedule()
+            if not scheduled:  # idle, or what waits needs blocks that loads hold: until that changes
+                self._flush_events()
                 self._wake.clear()
                 await self._wake.wait()
-            prefill_tokens, scheduled = self._schedule()
+                continue
             decode_time = (
                 self.timing.decode_s_per_token if any(not seq.prefilling for seq in scheduled) else 0.0
             )
@@ -174,10 +179,13 @@ class Engine:
                 prefill_tokens += wanted
         while self._waiting and budget > 0 and len(self._running) < self.timing.max_num_seqs:
             seq = self._waiting[0]
-            hits = self._admit(seq)
-            if hits is None:
+            if not seq.blocks and self._admit(seq) is None:  # a loaded one holds its blocks already
                 break
             self._waiting.popleft()
+            if seq.load is not None:
+                self._loading.add(seq)
+                seq.loading = asyncio.create_task(self._load(seq, seq.load))
+                continue
             self._running.append(seq)
             wanted = min(len(seq.token_ids) - seq.num_computed, budget)
             scheduled[seq] = wanted
@@ -198,18 +206,45 @@ class Engine:
         seq.num_computed = len(hits) * self.pool.block_size
         seq.num_cached_blocks = len(hits)
         if seq.num_output == 0:  # a preempted request is not queried twice
-            stats, prompt = self.stats, len(seq.token_ids)
-            stats.prefix_cache_queries += prompt
+            stats, uncached = self.stats, len(seq.token_ids) - seq.num_computed
+            stats.prefix_cache_queries += len(seq.token_ids)
             stats.prefix_cache_hits += seq.num_computed
-            stats.prompt_tokens_by_source["local_cache_hit"] += seq.num_computed
-            fetched = prompt - seq.num_computed if seq.fetched else 0
-            stats.external_prefix_cache_queries += fetched
-            stats.external_prefix_cache_hits += fetched
-            stats.prompt_tokens_by_source["external_kv_transfer"] += fetched
-            stats.prompt_tokens_by_source["local_compute"] += prompt - seq.num_computed - fetched
-            if seq.fetched:  # the whole prompt is there; a preempted one recomputes, its fetched KV gone
-                seq.num_computed, seq.fetched = prompt, False
+            if seq.connector:
+                stats.external_prefix_cache_queries += uncached
+                # A planned load counts as a hit at once, whatever becomes of it.
+                stats.external_prefix_cache_hits += uncached if seq.load is not None else 0
+            if seq.load is None:
+                self._count_sources(seq.num_computed, 0, uncached)
         return len(hits)
+
+    async def _load(self, seq: _Sequence, load: KVLoad) -> None:
+        """Wait for an admitted sequence's KV, then queue it to run: its prompt in place, or (the load
+        failed) what its local cache held, or (it held nothing) looked up again from the start."""
+        local, uncached = seq.num_computed, len(seq.token_ids) - seq.num_computed
+        loaded = await load()
+        if loaded:
+            await self._sleep(uncached / self.timing.transfer_tokens_per_s)
+        self._loading.discard(seq)
+        seq.load = seq.loading = None
+        if loaded:
+            self._count_sources(local, uncached, 0)
+            seq.num_computed = len(seq.token_ids)
+        elif local:
+            self._count_sources(local, 0, uncached)
+        else:
+            self.pool.free(seq.blocks)
+            seq.blocks = []
+        self._waiting.appendleft(seq)
+        self._wake.set()
+
+    def _count_sources(self, local_cache_hit: int, external_kv_transfer: int, local_compute: int) -> None:
+        """A prompt about to be computed, by where its tokens come from. vLLM counts them with the first
+        token: a request aborted while it waits, never."""
+        self.stats.prompt_tokens += local_cache_hit + external_kv_transfer + local_compute
+        sources = self.stats.prompt_tokens_by_source
+        sources["local_cache_hit"] += local_cache_hit
+        sources["external_kv_transfer"] += external_kv_transfer
+        sources["local_compute"] += local_compute
 
     def _reserve(self, seq: _Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to hold num_tokens, preempting the newest other sequences if needed."""
@@ -280,14 +315,19 @@ class Engine:
     def _abort(self, seq: _Sequence) -> None:
         if seq in self._running:
             self._running.remove(seq)
-            self.pool.free(seq.blocks)
-            seq.blocks = []
+        elif seq in self._loading:
+            self._loading.remove(seq)
+            if seq.loading is not None:
+                seq.loading.cancel()
         elif seq in self._waiting:
-            self._waiting.remove(seq)
+            self._waiting.remove(seq)  # holding blocks if its load just ended
         else:
             return
+        self.pool.free(seq.blocks)
+        seq.blocks = []
         self.stats.finished["abort"] = self.stats.finished.get("abort", 0) + 1
         self._flush_events()
+        self._wake.set()  # its blocks may let a waiting one in
 
     def _flush_events(self) -> None:
         events = self.pool.take_events()

@@ -9,10 +9,18 @@ prompt's KV after answering its one token; a decode instance (a KV consumer) ask
   leg names the prefill engine's id and bootstrap server (`remote_bootstrap_addr`, http://HOST:PORT).
 The instances of one fleet share a process, so the KV "moves" through this registry; the decode instance
 spends the transfer's time per token (EngineTiming.transfer_tokens_per_s).
+
+A MooncakeConnector decode leg naming a transfer its (live) prefill engine has not kept waits for it, as
+vLLM's prefill side does: the prefill may still be running. A transfer that never comes (its prefill leg
+aborted, or ended before its one token) is given up after VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s unless
+the fleet's environment sets it, as vLLM reads it; the decode instance then computes the prompt itself
+(tests/fixtures/vllm/pd_capture.json: a 200 after the prefiller's timeout).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -22,8 +30,14 @@ from typing import Any, Literal
 Connector = Literal["nixl", "mooncake"]
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
-# How long a prefill keeps KV nobody fetched: MooncakeConnector's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT default.
+# How long a prefill keeps KV nobody fetched, and a decode leg waits for a transfer nobody kept: vLLM reads
+# it from the environment, 480 s by default.
+ABORT_TIMEOUT_ENV = "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"
 KEEP_S = 480.0
+
+
+def abort_timeout_s() -> float:
+    return float(os.environ.get(ABORT_TIMEOUT_ENV) or KEEP_S)
 
 
 @dataclass(frozen=True)
@@ -52,11 +66,17 @@ class _Kept:
 
 
 class KVTransfers:
-    def __init__(self, connector: Connector, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, connector: Connector, clock: Callable[[], float] = time.monotonic, keep_s: float | None = None
+    ) -> None:
+        """keep_s: how long KV is kept for a decode leg and a decode leg waits for it; default: the
+        environment's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, as vLLM's."""
         self.connector = connector
+        self.keep_s = abort_timeout_s() if keep_s is None else keep_s
         self._clock = clock
         self._sides: dict[str, TransferSide] = {}  # by engine id, while its server runs
         self._kept: dict[tuple[str, str], _Kept] = {}  # by (engine id, transfer or request id)
+        self._awaited: dict[tuple[str, str], asyncio.Future[_Kept]] = {}  # decode legs ahead of their KV
 
     def serve(self, side: TransferSide) -> None:
         self._sides[side.engine_id] = side
@@ -72,13 +92,18 @@ class KVTransfers:
         now = self._clock()
         for key in [key for key, kept in self._kept.items() if kept.until < now]:
             del self._kept[key]
+        kept = _Kept(tuple(token_ids), now + self.keep_s)
         if self.connector == "mooncake":
             transfer_id = params.get("transfer_id")
             if isinstance(transfer_id, str):
-                self._kept[side.engine_id, transfer_id] = _Kept(tuple(token_ids), now + KEEP_S)
+                awaited = self._awaited.pop((side.engine_id, transfer_id), None)
+                if awaited is not None and not awaited.done():
+                    awaited.set_result(kept)
+                else:
+                    self._kept[side.engine_id, transfer_id] = kept
             return None
         request_id = uuid.uuid4().hex
-        self._kept[side.engine_id, request_id] = _Kept(tuple(token_ids), now + KEEP_S)
+        self._kept[side.engine_id, request_id] = kept
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -91,10 +116,10 @@ class KVTransfers:
             "remote_num_tokens": len(token_ids),
         }
 
-    def fetch(self, params: dict[str, Any], token_ids: list[int]) -> bool:
-        """A decode leg fetches what its params name; False when it cannot (unknown or gone engine or
-        transfer, another prompt's KV): the engine then computes the prompt (kv_load_failure_policy
-        recompute)."""
+    async def fetch(self, params: dict[str, Any], token_ids: list[int]) -> bool:
+        """A decode leg fetches what its params name; False when it cannot (unknown or gone engine, another
+        prompt's KV, a transfer that did not come in time): the engine then computes the prompt
+        (kv_load_failure_policy recompute)."""
         engine_id = params.get("remote_engine_id")
         side = self._sides.get(engine_id) if isinstance(engine_id, str) else None
         if side is None:
@@ -105,5 +130,21 @@ class KVTransfers:
         else:
             key = params.get("remote_request_id")
             reached = (params.get("remote_host"), params.get("remote_port")) == (side.host, side.port)
-        kept = self._kept.pop((side.engine_id, key), None) if reached and isinstance(key, str) else None
+        if not reached or not isinstance(key, str):
+            return False
+        kept = self._kept.pop((side.engine_id, key), None)
+        if kept is None and self.connector == "mooncake":
+            kept = await self._arrival(side.engine_id, key)
         return kept is not None and kept.token_ids == tuple(token_ids)
+
+    async def _arrival(self, engine_id: str, transfer_id: str) -> _Kept | None:
+        """What a prefill leg keeps under transfer_id within keep_s, or None."""
+        key = (engine_id, transfer_id)
+        awaited = self._awaited.setdefault(key, asyncio.get_running_loop().create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(awaited), self.keep_s)
+        except TimeoutError:
+            return None
+        finally:
+            if self._awaited.get(key) is awaited:
+                del self._awaited[key]

@@ -112,7 +112,7 @@ async def run_fleet(
                 ),
                 api_key=options.api_key,
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
-                transfer=options.transfer_side(index),
+                transfer=options.transfer_side(index) if options.roles else None,  # roles: a KV connector
                 transfers=transfers,
             )
             port = options.port + index

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -48,7 +47,8 @@ class SimInstance:
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters, by --lora-modules
     api_key: str | None = None  # vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's option: the chat endpoint only, not /tokenize
-    transfer: TransferSide | None = None  # its end of prefill-to-decode KV transfer (fleet/kv_transfer.py)
+    # Its KV connector's end of prefill-to-decode transfer (fleet/kv_transfer.py); None: it runs no connector
+    transfer: TransferSide | None = None
     transfers: KVTransfers | None = None  # the fleet's, shared by its instances
 
     def adapter(self, model: object) -> Adapter | None:
@@ -174,15 +174,16 @@ class _Generation:
         self.transfer_params: dict[str, Any] = params or {}
 
     async def tokens(self) -> AsyncIterator[int]:
-        fetched = False
-        if self.remote_prefill and self.instance.transfers is not None:
-            fetched = self.instance.transfers.fetch(self.transfer_params, self.prompt_ids)
-            if fetched:
-                await asyncio.sleep(self.engine.fetch_s(self.prompt_ids, self.salt, self.lora))
+        load = self._fetch if self.remote_prefill and self.instance.transfers is not None else None
+        connector = self.instance.transfer is not None
         async for token in self.engine.generate(
-            self.prompt_ids, self.max_tokens, self.sample, self.salt, self.lora, fetched
+            self.prompt_ids, self.max_tokens, self.sample, self.salt, self.lora, connector, load
         ):
             yield token
+
+    async def _fetch(self) -> bool:
+        assert self.instance.transfers is not None
+        return await self.instance.transfers.fetch(self.transfer_params, self.prompt_ids)
 
     def kept_for_decode(self) -> dict[str, Any] | None:
         """A prefill leg's KV kept for its decode leg; the answer's kv_transfer_params."""

@@ -153,3 +153,45 @@ def test_an_abandoned_request_is_aborted_and_frees_its_blocks() -> None:
         return running, engine.num_running, engine.pool.num_free
 
     assert run(scenario) == (1, 0, 63)  # all usable blocks free again
+
+
+@pytest.mark.parametrize(
+    ("loaded", "warm", "sources", "queries"),
+    [
+        (True, False, {"local_cache_hit": 0, "external_kv_transfer": 64, "local_compute": 0}, 64),
+        (True, True, {"local_cache_hit": 48, "external_kv_transfer": 16, "local_compute": 0}, 64),
+        # A failed load keeps what the local cache held, and computes the rest; holding nothing, the prompt
+        # is looked up again (vLLM's kv_load_failure_policy recompute).
+        (False, True, {"local_cache_hit": 48, "external_kv_transfer": 0, "local_compute": 16}, 64),
+        (False, False, {"local_cache_hit": 0, "external_kv_transfer": 0, "local_compute": 64}, 128),
+    ],
+)
+def test_a_remote_load_holds_its_blocks_while_it_waits_then_runs_or_recomputes(
+    loaded: bool, warm: bool, sources: dict[str, int], queries: int
+) -> None:
+    prompt = list(range(64))
+
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> tuple[int, int, int]:
+        if warm:
+            _ = [t async for t in engine.generate(prompt[:48] + [999] * 16, 1, lambda position: 7)]
+        before = dict(engine.stats.prompt_tokens_by_source), engine.stats.prefix_cache_queries
+        free = engine.pool.num_free
+        gate = asyncio.Event()
+
+        async def load() -> bool:
+            await gate.wait()
+            return loaded
+
+        stream = engine.generate(prompt, 2, lambda position: 7, connector=True, load=load)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.01)
+        waiting, held = engine.num_waiting, free - engine.pool.num_free
+        gate.set()
+        _ = [await first] + [t async for t in stream]
+        increase = {k: v - before[0][k] for k, v in engine.stats.prompt_tokens_by_source.items()}
+        assert increase == sources
+        return waiting, held, engine.stats.prefix_cache_queries - before[1]
+
+    waiting, held, counted = run(scenario)
+    assert (waiting, held) == (1, 4)  # counted waiting, its 4 blocks held
+    assert counted == queries

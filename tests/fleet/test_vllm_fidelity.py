@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts, running_fleet
 from router.index.events import BlockRemoved, BlockStored, EventDecoder, KVEvent, unpack_seq
+from tests.fleet.layout import key_paths, sse_chunks
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 ENGINE_ARGS = ["--block-size", "32", "--kv-blocks", "72", "--max-model-len", "2048",
@@ -187,39 +188,21 @@ def test_replay_frames_have_vllms_layout(session: Session) -> None:
     assert ours[-1][1:] == real[-1][1:] == [b"", (-1).to_bytes(8, "big", signed=True), b""]
 
 
-def _key_paths(value: Any, path: str = "") -> list[str]:
-    paths = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            paths.append(path + key)
-            if key == "choices" and item:
-                paths += _key_paths(item[0], f"{path}{key}[0].")
-            elif isinstance(item, dict) and key != "error":
-                paths += _key_paths(item, f"{path}{key}.")
-            elif key == "data" and isinstance(item, list) and item:
-                paths += _key_paths(item[0], f"{path}{key}[0].")
-    return paths
-
-
-def _sse_chunks(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
-
-
 @pytest.mark.parametrize("name", ["chat", "completion", "models", "tokenize_chat", "reset_prefix_cache"])
 def test_json_bodies_have_vllms_keys(session: Session, name: str) -> None:
     recorded = {r["name"]: r for r in session.capture["requests"]}[name]
     replayed = session.responses[name]
     assert replayed.status == recorded["status"]
     assert replayed.content_type.split(";")[0] == recorded["content_type"].split(";")[0]
-    assert _key_paths(json.loads(replayed.body)) == _key_paths(recorded["response"])
+    assert key_paths(json.loads(replayed.body)) == key_paths(recorded["response"])
 
 
 @pytest.mark.parametrize("name", ["chat_stream", "completion_stream"])
 def test_stream_chunks_have_vllms_keys(session: Session, name: str) -> None:
     recorded = {r["name"]: r for r in session.capture["requests"]}[name]
-    ours, real = _sse_chunks(session.responses[name].body.decode()), _sse_chunks(recorded["sse"])
+    ours, real = sse_chunks(session.responses[name].body.decode()), sse_chunks(recorded["sse"])
     assert len(ours) == len(real)
-    assert [_key_paths(c) for c in ours] == [_key_paths(c) for c in real]
+    assert [key_paths(c) for c in ours] == [key_paths(c) for c in real]
     assert session.responses[name].body.endswith(b"data: [DONE]\n\n")
 
 
