@@ -166,10 +166,15 @@ class StackPlan:
             return connectors[0] if connectors else None
         # engine_id at the top only: the children take it from there.
         children = [{k: v for k, v in c.items() if k != "engine_id"} for c in connectors]
-        return {
+        multi = {
             "kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": instance.name,
             "kv_connector_extra_config": {"connectors": children},
         }  # fmt: skip
+        # vLLM's scheduler reads the policy of the top-level config only (a child's is ignored): a child's
+        # recompute holds for the loads of every child, a P2P transfer's included.
+        if any(c.get("kv_load_failure_policy") == "recompute" for c in children):
+            multi["kv_load_failure_policy"] = "recompute"
+        return multi
 
     def vllm_env(self, index: int) -> dict[str, str]:
         env = {**os.environ, **self.config.vllm.env, **self.config.vllm.instance(index).env}

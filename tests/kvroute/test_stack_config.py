@@ -191,6 +191,8 @@ def test_a_disaggregated_plan_gives_each_instance_its_role_connector_and_bootstr
                 {**mooncake, "kv_role": kv_role},
                 {**pool, "kv_connector_extra_config": {"lookup_rpc_port": 40003 + index}},
             ]},
+            # the scheduler reads it at the top only: a failed transfer is recomputed too, not a 500
+            "kv_load_failure_policy": "recompute",
         }  # fmt: skip
         env = plan.vllm_env(index)
         assert env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == str(40012 + index)
