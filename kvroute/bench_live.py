@@ -5,7 +5,9 @@ Targets run one after another against the same instances, each with content of i
 system prompt too), so none is served from a cache another warmed; prefix caches are also reset
 between targets where the instances allow it. Hit rates come from the engines' own counters
 (``vllm:prefix_cache_*``), summed over instances, before and after each target. The benchmark starts every
-router it measures on 127.0.0.1, in its own process group, and stops exactly those.
+router it measures on 127.0.0.1, in its own process group, and stops exactly those. On a prefill/decode
+disaggregated fleet (kvroute/live_pd.py) vllm-router runs in its P/D mode, and each target's prompt tokens are
+told apart by where they were computed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute.agent_sessions import SessionRun
+from kvroute.live_pd import (
+    PD_TARGETS,
+    Connector,
+    NoPDMode,
+    PDShape,
+    is_disaggregated,
+    pd_fleet_args,
+    pd_paths,
+    pd_router_config,
+    render_pd_table,
+    tokens_by_role,
+    tokens_by_source,
+    vllm_router_pd_args,
+)
 from kvroute.live_plots import write_plots
 from kvroute.live_view import bench_view
 from kvroute.live_workloads import LiveWorkload, SessionWorkload, TraceWorkload
@@ -67,10 +83,12 @@ _HITS = "vllm:prefix_cache_hits_total"
 _EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _FINISHED = "vllm:request_success_total"
-_VLLM_ROUTER_METRICS = (
+_ROUTER_METRICS = (
     "vllm_router_kv_placement_lookups_total",
     "vllm_router_kv_routing_inputs_total",
     "vllm_router_prefix_routing_decisions_total",
+    "vllm_router_pd_prefill_requests_total",
+    "kvroute_pd_requests_total",
 )
 
 
@@ -112,7 +130,9 @@ class LiveOptions:
     config: Path | None = None  # the fleet, as a router configuration; None: start a simulated fleet
     fleet_instances: int = 3
     fleet_args: tuple[str, ...] | None = None  # kvroute fleet options; None: scaled timings for a trace
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    pd: tuple[int, int] | None = None  # a disaggregated simulated fleet: (prefill, decode) instances
+    kv_connector: Connector = "nixl"  # the connector its instances speak
+    targets: tuple[str, ...] | None = None  # None: DEFAULT_TARGETS, or PD_TARGETS on a disaggregated fleet
     sessions: int = 8
     turns: int = 8
     concurrency: int = 8
@@ -136,6 +156,7 @@ class LiveOptions:
 class Fleet:
     config: RouterConfig
     raw: dict[str, Any]  # the YAML as written; the kvroute routers started get it with only the policy set
+    args: tuple[str, ...] = ()  # the kvroute fleet options of a simulated fleet
 
     @property
     def model(self) -> str:
@@ -151,6 +172,7 @@ class EngineCounters:
     external_queries: float | None = None  # None: the engines have no KV connector (no pool)
     external_hits: float | None = None
     finished: dict[str, float] = field(default_factory=dict)
+    by_source: dict[str, dict[str, float]] = field(default_factory=dict)  # instance -> tokens by source
 
 
 @dataclass
@@ -179,6 +201,10 @@ class TargetResult:
     local_hit_rate: float | None = None
     pool_hit_rate: float | None = None
     requests_per_instance: dict[str, int] = field(default_factory=dict)
+    # role -> prompt tokens its instances computed (local_compute), found in their prefix cache
+    # (local_cache_hit) and fetched from a prefill instance (external_kv_transfer)
+    prompt_tokens_by_role: dict[str, dict[str, int]] = field(default_factory=dict)
+    pd_paths: dict[str, int] = field(default_factory=dict)  # the router's requests by P/D path
     errors: dict[str, int] = field(default_factory=dict)
     router_metrics: dict[str, float] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)  # every ok request's, in completion order
@@ -189,27 +215,38 @@ class LiveReport:
     workload: dict[str, Any]
     instances: list[str]
     results: list[TargetResult]
+    roles: list[str] = field(default_factory=list)  # each instance's: prefill, decode or both
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(role != "both" for role in self.roles)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "workload": self.workload,
             "instances": self.instances,
+            "roles": self.roles,
             "targets": [dataclasses.asdict(r) for r in self.results],
         }
 
 
 def run_live_bench(options: LiveOptions, console: Console | None = None) -> LiveReport:
     console = console or Console(width=None if Console().is_terminal else 160)
-    parse_targets(options.targets, default_policy="")  # a typo fails before anything starts
+    if options.pd is not None and options.config is not None:
+        raise ValueError("--pd starts a simulated fleet; a --config fleet's roles are its own")
+    parse_targets(options.targets or (), default_policy="")  # a typo fails before anything starts
     trace = None if options.trace is None else resolve_trace(options.trace, options.requests, options.rate)
     fleet_args = () if options.config else (*VLLM_ROUTER_HASHING, *_fleet_args(options, trace))
     with contextlib.ExitStack() as stack:
         log_dir = options.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlive-")))
         fleet = stack.enter_context(_fleet(options, fleet_args, log_dir, console))
         workload = _workload(options, fleet, trace)
-        targets = parse_targets(options.targets, fleet.config.default_policy)
-        described = _describe(workload, options, fleet_args)
-        report = LiveReport(described, [i.name for i in fleet.config.instances], [])
+        disaggregated = is_disaggregated(fleet.config)
+        specs = options.targets or (PD_TARGETS if disaggregated else DEFAULT_TARGETS)
+        targets = parse_targets(specs, fleet.config.default_policy)
+        described = _describe(workload, options, fleet)
+        instances = fleet.config.instances
+        report = LiveReport(described, [i.name for i in instances], [], [i.role for i in instances])
         with bench_view(console, lambda: render_table(report)) as view:
             for index, target in enumerate(targets):
                 seed = options.seed + index
@@ -218,6 +255,8 @@ def run_live_bench(options: LiveOptions, console: Console | None = None) -> Live
                 report.results.append(result)
                 view.done(_summary(result))
     console.print(render_table(report))
+    if report.disaggregated:
+        console.print(render_pd_table(report.results))
     for result in report.results:
         for key, value in result.router_metrics.items():
             console.print(f"  {result.target}: {key} {value:g}")
@@ -260,6 +299,12 @@ VLLM_ROUTER_HASHING = (
 )  # fmt: skip
 
 
+def _block_size(fleet_args: Sequence[str]) -> int:
+    """The block size a simulated fleet started with these options has (its last --block-size, else 32)."""
+    values = [fleet_args[i + 1] for i, arg in enumerate(fleet_args[:-1]) if arg == "--block-size"]
+    return int(values[-1]) if values else 32
+
+
 def _fleet_args(options: LiveOptions, trace: Trace | None) -> tuple[str, ...]:
     if options.fleet_args is not None or trace is None:
         return options.fleet_args or ()
@@ -273,11 +318,19 @@ def _fleet(options: LiveOptions, args: Sequence[str], log_dir: Path, console: Co
         config = load_config(options.config)  # names the problem if the file is unreadable or invalid
         yield Fleet(config, yaml.safe_load(options.config.read_text()))
         return
-    ports = FleetPorts.allocate(options.fleet_instances)
-    console.print(f"starting {options.fleet_instances} simulated vLLM instances ...")
+    shape = None if options.pd is None else PDShape(*options.pd, options.kv_connector)
+    count = options.fleet_instances if shape is None else shape.instances
+    bootstrap_port = 0
+    if shape is not None:  # the options given after the P/D ones win
+        bootstrap_port = free_port_block(shape.instances)
+        args = (*pd_fleet_args(shape, bootstrap_port), *args)
+    ports = FleetPorts.allocate(count)
+    console.print(f"starting {count} simulated vLLM instances ...")
     with running_fleet(ports, log_dir, args):
-        raw = ports.router_config()
-        yield Fleet(parse_config(raw), raw)
+        raw = ports.router_config(block_size=_block_size(args))
+        if shape is not None:
+            raw = pd_router_config(raw, shape, bootstrap_port)
+        yield Fleet(parse_config(raw), raw, tuple(args))
 
 
 def _run_target(
@@ -294,18 +347,25 @@ def _run_target(
         with _endpoint(target, fleet, options, log_dir) as (url, metrics_url):
             result.caches_reset = options.reset_caches and reset_prefix_caches(fleet.config)
             before = read_engine_counters(fleet.config)
-            router_before = _router_metrics(metrics_url)
+            router_before = _router_samples(metrics_url)
             run = asyncio.run(workload.run(url, seed, target.label, progress))
             time.sleep(0.3)  # engines count a request's tokens as it finishes; let the last ones land
             after = read_engine_counters(fleet.config)
-            router_after = _router_metrics(metrics_url)
-    except (SkipTarget, StartupError) as exc:
+            router_after = _router_samples(metrics_url)
+    except (SkipTarget, NoPDMode, StartupError) as exc:
         result.skipped = str(exc)
         return result
     _fill(result, run, before, after)
+    if is_disaggregated(fleet.config):  # decode instances' external hits are KV fetched from prefill ones
+        result.pool_hit_rate = None
+    result.prompt_tokens_by_role = tokens_by_role(fleet.config, before.by_source, after.by_source)
+    samples = [(name, dict(labels), value - router_before.get((name, labels), 0.0))
+               for (name, labels), value in router_after.items()]  # fmt: skip
     result.router_metrics = {
-        key: value - router_before.get(key, 0.0) for key, value in router_after.items()
+        name + "{" + ",".join(f"{k}={v}" for k, v in labels.items()) + "}": value
+        for name, labels, value in samples
     }
+    result.pd_paths = {path: round(count) for path, count in pd_paths(samples).items()}
     return result
 
 
@@ -319,7 +379,7 @@ def _endpoint(
     elif target.kind == "kvroute":
         config = kvroute_config(fleet, target.policy)
         with running_router(config, log_dir, name=f"kvroute-{target.policy}") as url:
-            yield url, None
+            yield url, url
     else:
         binary = find_vllm_router(options.vllm_router)
         if binary is None:
@@ -348,15 +408,19 @@ def find_vllm_router(explicit: str | None) -> str | None:
 
 
 def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_port: int) -> list[str]:
-    """vllm-router (0.1.17) in front of the fleet; kv_aware also subscribes to every instance's events."""
-    instances = fleet.config.instances
+    """vllm-router (0.1.17) in front of the fleet; kv_aware also subscribes to every instance's events. On a
+    disaggregated fleet, its P/D mode (kvroute/live_pd.py)."""
     args = [
         binary, "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *(i.url for i in instances),
-        "--policy", policy,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         "--worker-startup-timeout-secs", "120", "--worker-startup-check-interval", "1",
     ]  # fmt: skip
+    if is_disaggregated(fleet.config):
+        return args + vllm_router_pd_args(fleet.config, policy)
+    if "/" in policy:
+        raise SkipTarget(f"{policy}: a policy per stage (PREFILL/DECODE) needs a disaggregated fleet")
+    instances = fleet.config.instances
+    args += ["--worker-urls", *(i.url for i in instances), "--policy", policy]
     if policy == "kv_aware":
         missing = [i.name for i in instances if not i.events]
         if missing:
@@ -375,7 +439,7 @@ def running_vllm_router(
 ) -> Iterator[tuple[str, str]]:
     port = free_port_block(2)
     args = vllm_router_args(binary, policy, fleet, port, port + 1)
-    child = spawn(f"vllm-router-{policy}", args, log_dir)
+    child = spawn(f"vllm-router-{policy.replace('/', '-')}", args, log_dir)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(child, [url + "/health"], timeout_s=150)  # it answers once every worker is healthy
@@ -408,9 +472,12 @@ def read_engine_counters(config: RouterConfig) -> EngineCounters:
     sums: dict[str, float] = dict.fromkeys((_QUERIES, _HITS, _EXTERNAL_QUERIES, _EXTERNAL_HITS), 0.0)
     seen: set[str] = set()
     finished: dict[str, float] = {}
+    by_source: dict[str, dict[str, float]] = {}
     for instance in config.instances:
         finished[instance.name] = 0.0
-        for name, _, value in _scrape(instance.url + "/metrics"):
+        samples = list(_scrape(instance.url + "/metrics"))
+        by_source[instance.name] = tokens_by_source(samples)
+        for name, _, value in samples:
             if name in (_QUERIES, _HITS, _EXTERNAL_QUERIES, _EXTERNAL_HITS):
                 sums[name] += value
                 seen.add(name)
@@ -423,18 +490,22 @@ def read_engine_counters(config: RouterConfig) -> EngineCounters:
         sums[_EXTERNAL_QUERIES] if pool else None,
         sums[_EXTERNAL_HITS] if pool else None,
         finished,
+        by_source,
     )
 
 
-def _router_metrics(url: str | None) -> dict[str, float]:
+_Labels = tuple[tuple[str, str], ...]
+
+
+def _router_samples(url: str | None) -> dict[tuple[str, _Labels], float]:
+    """The router's own counters this benchmark reports (kv_aware's lookups, P/D paths)."""
     if url is None:
         return {}
-    values: dict[str, float] = {}
+    values: dict[tuple[str, _Labels], float] = {}
     with contextlib.suppress(urllib.error.URLError, OSError):
         for name, labels, value in _scrape(url + "/metrics"):
-            if name in _VLLM_ROUTER_METRICS:
-                key = name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
-                values[key] = value
+            if name in _ROUTER_METRICS:
+                values[name, tuple(sorted(labels.items()))] = value
     return values
 
 
@@ -478,12 +549,14 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _describe(workload: LiveWorkload, options: LiveOptions, fleet_args: Sequence[str]) -> dict[str, Any]:
+def _describe(workload: LiveWorkload, options: LiveOptions, fleet: Fleet) -> dict[str, Any]:
+    count = len(fleet.config.instances)
     return {
         **workload.describe(),
-        "fleet_args": list(fleet_args),
+        "fleet_args": list(fleet.args),
         "title": workload.title,
-        "config": str(options.config) if options.config else f"simulated fleet of {options.fleet_instances}",
+        "config": str(options.config) if options.config else f"simulated fleet of {count}",
+        "disaggregation": fleet.config.disaggregation.connector if is_disaggregated(fleet.config) else None,
     }
 
 
@@ -527,3 +600,4 @@ def render_table(report: LiveReport) -> Table:
             " / ".join(str(count) for count in r.requests_per_instance.values()),
         )  # fmt: skip
     return table
+

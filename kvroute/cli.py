@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from fleet.block_pool import HASH_ALGORITHMS
 from kvroute.arguments import MAX_PORT, port, positive_float, positive_int, positive_ints
 from kvroute.bench_overhead import add_overhead_parser
+from kvroute.live_pd import parse_pd
 from kvroute.simulate.command import add_simulate_parser
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ def _bench_index(args: argparse.Namespace) -> int:
 def _bench_live(args: argparse.Namespace) -> int:
     import shlex
 
-    from kvroute.bench_live import DEFAULT_TARGETS, LiveOptions, run_live_bench
+    from kvroute.bench_live import LiveOptions, run_live_bench
     from kvroute.processes import StartupError
     from router.config import ConfigError
 
@@ -161,7 +162,9 @@ def _bench_live(args: argparse.Namespace) -> int:
         config=Path(args.config) if args.config else None,
         fleet_instances=args.fleet,
         fleet_args=None if args.fleet_args is None else tuple(shlex.split(args.fleet_args)),
-        targets=tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS,
+        pd=args.pd,
+        kv_connector=args.kv_connector,
+        targets=tuple(args.targets.split(",")) if args.targets else None,
         sessions=args.sessions,
         turns=args.turns,
         concurrency=args.concurrency,
@@ -357,9 +360,19 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--fleet", type=int, default=3, help="without --config: simulated instances to start")
     live.add_argument("--fleet-args", help="kvroute fleet options for it (trace default: scaled timings)")
     live.add_argument(
+        "--pd", type=parse_pd, metavar="P:D",
+        help="without --config: a disaggregated fleet of P prefill and D decode instances (not --fleet); "
+        "vllm-router targets run in its P/D mode",
+    )  # fmt: skip
+    live.add_argument(
+        "--kv-connector", choices=["nixl", "mooncake"], default="nixl",
+        help="with --pd: the prefill-to-decode connector the instances speak",
+    )  # fmt: skip
+    live.add_argument(
         "--targets",
-        help="comma-separated: kvroute[:POLICY], vllm-router:POLICY, NAME=URL (a running router); default: "
-        "kvroute:round-robin,kvroute,vllm-router:round_robin,vllm-router:cache_aware,vllm-router:kv_aware",
+        help="comma-separated: kvroute[:POLICY], vllm-router:POLICY (or :PREFILL/DECODE on a P/D fleet), "
+        "NAME=URL (a running router); default: kvroute:round-robin,kvroute,vllm-router:round_robin,"
+        "vllm-router:cache_aware,vllm-router:kv_aware, and vllm-router:power_of_two on a P/D fleet",
     )
     live.add_argument("--trace", help="replay agentic, mooncake or a JSONL file (open loop), not sessions")
     live.add_argument("--rate", type=float, default=5.0, help="trace: multiplies its arrival rate")

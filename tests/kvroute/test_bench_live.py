@@ -20,7 +20,9 @@ from kvroute.bench_live import (
     parse_targets,
     run_live_bench,
 )
+from kvroute.live_pd import SOURCES, NoPDMode, vllm_router_pd_args
 from kvroute.processes import FleetPorts, start
+from router.config import parse_config
 
 SESSIONS, TURNS = 4, 3  # 4 sessions over 3 instances: round robin moves every session every turn
 
@@ -148,3 +150,87 @@ def test_parse_targets(spec: str, expected: Target) -> None:
 def test_parse_targets_rejects(spec: str) -> None:
     with pytest.raises(ValueError, match="use kvroute"):
         parse_targets([spec], default_policy="kvroute")
+
+
+def test_disaggregated_fleet_through_kvroute_and_vllm_router_pd(tmp_path: Path) -> None:
+    """Every request answered through both legs, and the result says where each prompt was computed."""
+    has_binary = find_vllm_router(None) is not None
+    targets = ("kvroute", "vllm-router:cache_aware") if has_binary else ("kvroute",)
+    options = LiveOptions(
+        pd=(2, 2), targets=targets, sessions=SESSIONS, turns=TURNS, concurrency=SESSIONS, time_limit_s=120,
+        request_timeout_s=120, max_tokens=4, system_prompt_words=200, out=tmp_path / "live.json",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    report = run_live_bench(options)
+
+    assert report.roles == ["prefill", "prefill", "decode", "decode"]
+    assert [r.target for r in report.results] == [t if ":" in t else f"{t}:kvroute" for t in targets]
+    for result in report.results:
+        assert not result.skipped, result.skipped
+        assert result.ok == result.sent == SESSIONS * TURNS, result.errors
+        assert result.ttft_p50_ms is not None and result.ttft_p99_ms is not None and result.e2e_p50_ms
+        assert set(result.prompt_tokens_by_role) == {"prefill", "decode"}
+        assert all(set(tokens) == set(SOURCES) for tokens in result.prompt_tokens_by_role.values())
+        # the decode instances see every prompt once, whatever computed it
+        assert sum(result.prompt_tokens_by_role["decode"].values()) == result.prompt_tokens
+        assert result.pd_paths and sum(result.pd_paths.values()) == result.sent, result.pd_paths
+        assert result.pool_hit_rate is None  # decode instances' external hits are fetched, not pooled
+    written = json.loads((tmp_path / "live.json").read_text())
+    assert written["roles"] == report.roles and written["workload"]["disaggregation"] == "nixl"
+    assert "--roles" in written["workload"]["fleet_args"]
+
+
+def test_mooncake_fleet_without_bootstrap_server_skips_vllm_router(tmp_path: Path) -> None:
+    options = LiveOptions(
+        pd=(1, 1), kv_connector="mooncake", targets=("kvroute", "vllm-router:round_robin"), sessions=2,
+        turns=2, max_tokens=4, system_prompt_words=200, out=None, log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    kvroute, vllm_router = run_live_bench(options).results
+
+    assert kvroute.ok == kvroute.sent == 4 and kvroute.pd_paths, kvroute
+    assert "/query does not answer" in vllm_router.skipped
+
+
+def _pd_config(connector: str = "nixl", block_size: int = 16) -> dict[str, object]:
+    instances = [
+        {"name": "p0", "url": "http://127.0.0.1:9001", "role": "prefill", "events": "tcp://127.0.0.1:5001",
+         "kv_engine_id": "p0", "kv_bootstrap_url": "http://127.0.0.1:9"},
+        {"name": "d0", "url": "http://127.0.0.1:9002", "role": "decode"},
+        {"name": "b0", "url": "http://127.0.0.1:9003", "role": "both", "kv_engine_id": "b0",
+         "kv_bootstrap_url": "http://127.0.0.1:9"},
+    ]  # fmt: skip
+    return {
+        "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],
+        "block_size": block_size,
+        "instances": instances,
+        "disaggregation": {"connector": connector},
+    }
+
+
+P0, D0, B0 = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
+PD_HEAD = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", P0, "none", "--prefill", B0,
+           "none", "--decode", D0, "--decode", B0]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("policy", "tail"),
+    [
+        ("cache_aware", ["--policy", "cache_aware"]),  # both stages, as vllm-router's --policy sets them
+        ("cache_aware/power_of_two", ["--prefill-policy", "cache_aware", "--decode-policy", "power_of_two"]),
+    ],
+)
+def test_vllm_router_pd_args(policy: str, tail: list[str]) -> None:
+    assert vllm_router_pd_args(parse_config(_pd_config()), policy) == PD_HEAD + tail
+
+
+@pytest.mark.parametrize(
+    ("config", "policy", "reason"),
+    [
+        (_pd_config(block_size=32), "kv_aware", "16-token blocks"),
+        (_pd_config(), "kv_aware", "missing: b0"),  # kv_aware reads every prefill instance's events
+        (_pd_config("mooncake"), "round_robin", "http://127.0.0.1:9/query does not answer"),
+    ],
+)
+def test_vllm_router_pd_args_refuses(config: dict[str, object], policy: str, reason: str) -> None:
+    with pytest.raises(NoPDMode, match=reason):
+        vllm_router_pd_args(parse_config(config), policy)
