@@ -21,6 +21,7 @@ from fleet.engine import Engine
 from fleet.kv_transfer import KVTransfers, TransferSide
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
+from fleet.sampling_checks import sampling_error
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.openai_body import (
     BOOLEAN_FIELDS,
@@ -112,6 +113,9 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
             if read is None:
                 raise ClientError(400, f"{name}: Input should be a valid boolean", "BadRequestError", name)
             body[name] = read
+    if (error := sampling_error(body)) is not None:
+        name, message = error
+        raise ClientError(400, message, "BadRequestError", name)
     return body
 
 

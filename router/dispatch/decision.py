@@ -156,6 +156,7 @@ class Decider:
         instance = candidates[policy.choose(prepared.request, candidates)]
         match = prepared.request.matches.get(instance.name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
+        self._index.reused(instance.name, prepared.chain, held)
         speculated = None
         if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
             speculated = self._index.speculate(instance.name, prepared.chain, start=held)

@@ -6,7 +6,9 @@ Layout, chosen for lookup speed and memory:
 - per owner and tier, a dict from vLLM's block hash (low 64 bits) to kvroute's hash packed with a reference
   count, so BlockRemoved resolves and a block stored twice survives one removal.
 An owner is (instance, data parallel rank): ranks publish separately and are cleared separately.
-Entries are bounded: past max_entries, the least recently stored entries of the largest owner go first.
+Entries are bounded: past max_entries, the least recently stored entries of the largest owner go first,
+but one a request was routed to reuse since gets a second chance (an approximation of vLLM's LRU, which
+keeps a hot shared prefix however long ago it was stored).
 
 The pool tier is shared per pool name: blocks a Mooncake connector wrote to the distributed pool are keyed
 there by their model's name (its pool name) too, so they can be loaded by every instance connected to the
@@ -90,6 +92,7 @@ class _OwnerState:
     bit: int
     # per tier: vLLM key -> kvroute hash << 16 | refcount
     blocks: tuple[dict[int, int], ...] = field(default_factory=lambda: tuple({} for _ in Tier))
+    used: set[int] = field(default_factory=set)  # kvroute hashes routed here for reuse since the bound passed
 
     def size(self) -> int:
         return sum(len(b) for b in self.blocks)
@@ -510,8 +513,14 @@ class BlockIndex:
             tier = max(Tier, key=lambda t: len(state.blocks[t]))
             blocks = state.blocks[tier]
             batch = min(self._entries - target, max(1, state.size() // 16))
+            used = state.used
             for key in list(itertools.islice(blocks, batch)):
-                self._release(state, tier, blocks.pop(key) >> _COUNT_BITS)
+                own_hash = (packed := blocks.pop(key)) >> _COUNT_BITS
+                if own_hash in used:  # reused since: a second chance, as the newest entry
+                    used.discard(own_hash)
+                    blocks[key] = packed
+                    continue
+                self._release(state, tier, own_hash)
                 self.stats.evicted += 1
 
     def _find(self, state: _OwnerState, key: int, pool: _PoolState) -> int | None:
@@ -657,6 +666,19 @@ class BlockIndex:
             yield unchanged
         finally:
             asked[:] = [other for other in asked if other is not unchanged]  # equal sets are other lookups'
+
+    def reused(self, instance: str, chain: Sequence[int], end: int) -> None:
+        """A request routed to instance reuses its blocks chain[:end] there: vLLM's LRU keeps them, so the
+        bound gives them a second chance. Noted only past half the bound, where eviction is near: below it
+        this costs nothing."""
+        if self._entries <= self.max_entries // 2 or end <= 0:
+            return
+        state = self._owners.get((instance, 0))
+        if state is None:
+            return
+        if len(state.used) > state.size():  # never more notes than entries
+            state.used.clear()
+        state.used.update(itertools.islice(chain, end))
 
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> Speculation:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive;

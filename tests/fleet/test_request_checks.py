@@ -59,3 +59,32 @@ def test_booleans_are_read_as_vllms_models_read_them(fleet: FleetPorts) -> None:
     assert (status, body["object"]) == (200, "text_completion")
     status, body = _post(fleet, raw.replace(b'"false"', b'"maybe"'))
     assert (status, body["error"]["param"]) == (400, "stream")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", "hot", "temperature: Input should be a valid number"),
+        ("temperature", [1], "temperature: Input should be a valid number"),
+        ("temperature", -0.5, "temperature must be non-negative, got -0.5."),
+        ("temperature", 3, "temperature must be in [0, 2], got 3.0."),
+        ("temperature", "nan", "temperature must be a finite number, got nan."),
+        ("top_p", 0, "top_p must be in (0, 1], got 0.0."),
+        ("min_p", 1.5, "min_p must be in [0, 1], got 1.5."),
+        ("presence_penalty", "-3", "presence_penalty must be in [-2, 2], got -3.0."),
+        ("repetition_penalty", 0, "repetition_penalty must be greater than zero, got 0.0."),
+    ],
+)
+def test_sampling_parameters_vllm_refuses_are_refused(
+    fleet: FleetPorts, field: str, value: object, message: str
+) -> None:
+    """vLLM 0.32 reads them as pydantic's lax floats, then SamplingParams checks their ranges."""
+    raw = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, field: value}).encode()
+    status, body = _post(fleet, raw)
+    assert (status, body["error"]["message"], body["error"]["param"]) == (400, message, field)
+
+
+@pytest.mark.parametrize("value", ["0.5", 1, True, None])
+def test_sampling_parameters_vllm_reads_as_numbers_are_taken(fleet: FleetPorts, value: object) -> None:
+    raw = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "temperature": value}).encode()
+    assert _post(fleet, raw)[0] == 200

@@ -277,6 +277,21 @@ def test_memory_is_bounded_and_chains_lose_their_tails_first() -> None:
     assert all(m.gpu >= 4 for m in matches.values())  # tails went, roots stayed
 
 
+@pytest.mark.parametrize(("reused", "hot_kept", "cold_kept"), [(0, 2, 6), (3, 3, 5)])
+def test_a_prefix_routed_for_reuse_outlives_the_bound_as_vllm_keeps_it(
+    reused: int, hot_kept: int, cold_kept: int
+) -> None:
+    """Stored first, a shared prefix is the instance's oldest entry; routed to since, it is a recently used
+    one, and the other chain's tail goes in its place."""
+    index = BlockIndex(BS, max_entries=8)
+    index.apply(A, [stored(0, 6)])
+    index.reused("a", prompt(), reused)
+    index.apply(A, [stored(0, 6, tokens=OTHER_TOKENS, salt=1)])
+    assert index.entries == 8 and index.stats.evicted == 4
+    assert index.match(prompt()) == {"a": TierMatch(gpu=hot_kept)}
+    assert index.match(prompt(OTHER_TOKENS)) == {"a": TierMatch(gpu=cold_kept)}
+
+
 def test_a_key_stored_again_with_other_content_is_counted_once_and_leaves_nothing_behind() -> None:
     """An inconsistent publisher, or two bytes hashes sharing their low 64 bits: the first content stays."""
     index = BlockIndex(BS)
