@@ -1,4 +1,4 @@
-"""The ``kvroute`` command: serve, fleet, demo, check-config, build-model."""
+"""The ``kvroute`` command: serve, epp, fleet, demo, check-config, build-model."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def _serve(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     run_server(config, args.host, args.port, Path(args.config))
+    return 0
+
+
+def _epp(args: argparse.Namespace) -> int:
+    from router.epp.server import Listen, run_epp
+
+    config = _load_config(args.config)
+    if config is None:
+        return 2
+    run_epp(config, Listen(args.host, args.port, args.metrics_port), args.fallbacks)
     return 0
 
 
@@ -245,6 +255,20 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on")
     serve.set_defaults(run=_serve)
+
+    epp = commands.add_parser(
+        "epp", help="run as a gateway's endpoint picker (Envoy ext_proc, gRPC)", formatter_class=with_defaults
+    )
+    epp.add_argument("--config", required=True, help="routing configuration (YAML)")
+    epp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    epp.add_argument("--port", type=port, default=9002, help="gRPC port: ext_proc and health")
+    epp.add_argument("--metrics-port", type=port, default=9090, help="HTTP port: /metrics and /health")
+    epp.add_argument(
+        "--fallbacks", type=int, default=2, choices=range(8), metavar="N",
+        help="endpoints after the chosen one the gateway may try in turn (0: one endpoint only, as an "
+        "ORIGINAL_DST cluster reads)",
+    )  # fmt: skip
+    epp.set_defaults(run=_epp)
 
     check = commands.add_parser("check-config", help="validate a configuration file without starting")
     check.add_argument("config")

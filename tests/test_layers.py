@@ -19,9 +19,11 @@ PACKAGES = ("router", "fleet", "kvroute", "tinymodel", "kvconnectors")
 # is http -> dispatch -> policy -> upstreams -> index -> scorers -> prompt; metrics, errors and types are the
 # floor.
 ROUTER_LAYERS: list[set[str]] = [
-    {"router.http"},
+    {"router.http", "router.epp"},
     {"router.reload"},
     {"router.runtime"},
+    # Discovery hands what it finds to the runtime through a callback (FleetSink), which starts it.
+    {"router.discovery"},
     {"router.dispatch"},
     {"router.scoring.policy"},
     {"router.upstreams"},
@@ -32,7 +34,8 @@ ROUTER_LAYERS: list[set[str]] = [
     {"router.scorers", "router.scoring.pickers"},
     {"router.scoring"},
     {"router.prompt"},
-    {"router.metrics", "router.errors", "router.supervisor", "router.types", "router.config_keys"},
+    {"router.metrics", "router.errors", "router.supervisor", "router.types", "router.config_keys",
+     "router.label_selector"},
 ]
 # What the simulated fleet shares with the router: the prompt's rendering and the KV event wire format.
 FLEET_MAY_IMPORT = ("router.prompt", "router.index.events", "tinymodel", "fleet")

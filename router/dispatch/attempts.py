@@ -36,7 +36,7 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.scoring.policy import Policy
 from router.upstreams.health import HealthChecker
-from router.upstreams.instances import Upstreams
+from router.upstreams.instances import Instance, Upstreams
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +103,7 @@ class Attempts:
         if self._memory_gate.must_wait(prompt_tokens, self._upstreams.candidates(model), prepared.chain):
             await self._hold_for_memory(model, prompt_tokens, prepared.chain)
         for attempt in range(self._config.attempts):
-            healthy = self._upstreams.candidates(model, exclude=frozenset(tried))
-            candidates = [i for i in healthy if i.own_in_flight < self._per_instance_limit]
-            if healthy and not candidates:
-                self._metrics.rejected("instances_full").inc()
-                ab(policy).rejected(policy.name)
-                raise too_many_requests(
-                    f"Every instance serving `{model}` is at capacity; retry later.", "instances_full",
-                    RETRY_AFTER_S,
-                )  # fmt: skip
+            candidates = self.candidates(model, policy, frozenset(tried))
             if not candidates:
                 break
             decision = self._decider.decide(prepared, policy, candidates)
@@ -221,6 +213,20 @@ class Attempts:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
         self._metrics.rejected(code).inc()
         raise _tried(unavailable(message + " Retry later.", code, RETRY_AFTER_S), tried)
+
+    def candidates(self, model: str, policy: Policy, exclude: frozenset[str] = frozenset()) -> list[Instance]:
+        """The healthy instances serving model, but those in exclude, that have room for one more request of
+        this router; a 429 when every healthy one is full."""
+        healthy = self._upstreams.candidates(model, exclude=exclude)
+        candidates = [i for i in healthy if i.own_in_flight < self._per_instance_limit]
+        if healthy and not candidates:
+            self._metrics.rejected("instances_full").inc()
+            self._observers.ab_for(policy).rejected(policy.name)
+            raise too_many_requests(
+                f"Every instance serving `{model}` is at capacity; retry later.", "instances_full",
+                RETRY_AFTER_S,
+            )  # fmt: skip
+        return candidates
 
     def _leg(self, model: str, decision: Decision, transfer: Transfer | None) -> tuple[Leg, PdPath | None]:
         """What the attempt at decision's instance is: a whole request (and, of a disaggregated model, why)

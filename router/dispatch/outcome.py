@@ -14,9 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
-
-import aiohttp
+from typing import Literal, Protocol
 
 from router.dispatch.ab import ABStats
 from router.dispatch.decision import Decider, Decision
@@ -32,6 +30,18 @@ BUSY = 503  # refused before anything ran: not a failure of the instance
 Leg = Literal["whole", "prefill", "decode"]
 PdPath = Literal["disaggregated", "skipped", "fallback"]
 _CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
+
+
+class Answer(Protocol):
+    """What an outcome reads of an instance's answer: aiohttp's response here, or the status a gateway that
+    relays the answer itself reports (router/epp/)."""
+
+    @property
+    def status(self) -> int: ...
+
+    def release(self) -> object: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ class Outcome:
     first_sent: float  # the first attempt: what the client waited, for the policy's metrics
     prefill: Prefill
     probe: bool  # the instance's half-open circuit breaker let it through as its probe
-    upstream: aiohttp.ClientResponse | None = None  # once the instance answered
+    upstream: Answer | None = None  # once the instance answered
     first: bytes = b""  # a stream's first chunk, or the whole answer
     attempts: int = 1
     finished: bool = False
@@ -120,7 +130,7 @@ class Outcome:
         """Whether this attempt's answer is the client's (a prefill leg's is not)."""
         return self.leg != "prefill"
 
-    def answered(self, upstream: aiohttp.ClientResponse, first: bytes, attempts: int) -> None:
+    def answered(self, upstream: Answer, first: bytes, attempts: int) -> None:
         """The instance answered: this attempt serves the client (or, a prefill leg, its decode leg). A
         stream's first byte is here."""
         self.upstream, self.first, self.attempts = upstream, first, attempts
@@ -171,7 +181,7 @@ class Outcome:
 
     def abandon(
         self,
-        upstream: aiohttp.ClientResponse | None,
+        upstream: Answer | None,
         failed: bool = True,
         admitted: bool = True,
         withdraw: bool = False,

@@ -36,7 +36,7 @@ class Relay:
     async def stream(self, outcome: Outcome, ended: Callable[[Outcome], None]) -> AsyncGenerator[bytes, None]:
         """Pass SSE chunks through as they arrive; ended(outcome) once the stream is over, however it ends."""
         upstream = outcome.upstream
-        assert upstream is not None
+        assert isinstance(upstream, aiohttp.ClientResponse)
         content, idle_s = upstream.content, self._idle_timeout_s
         events = EventFramer()  # a break mid-event drops the half event before the error event
         self._streams.add(outcome)

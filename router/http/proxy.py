@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import aiohttp
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -138,7 +139,7 @@ class Proxy:
                     raise
                 raise client_closed() from None  # counted with the client errors
         upstream = outcome.upstream
-        assert upstream is not None
+        assert isinstance(upstream, aiohttp.ClientResponse)
         content_type = upstream.headers.get("content-type", "application/json")
         decision = outcome.decision
         debug = {
@@ -169,7 +170,7 @@ class Proxy:
                 # An engine (or a gateway in front of it) that says when to come back is passed on.
                 if (retry_after := upstream.headers.get("Retry-After")) is not None:
                     debug["Retry-After"] = retry_after
-            usage = _usage(payload)
+            usage = answer_usage(payload)
             if not outcome.streamed:  # a stream's first byte was taken when it came (even if not a stream)
                 outcome.first_byte(None if usage is None else usage.completion_tokens)
             if usage is not None and usage.prompt_tokens_details is not None:
@@ -230,7 +231,7 @@ def _shutting_down() -> OpenAIError:
     return unavailable("The router is shutting down; retry.", "shutting_down", RETRY_AFTER_S)
 
 
-def _usage(payload: bytes) -> _Usage | None:
+def answer_usage(payload: bytes) -> _Usage | None:
     """A whole answer's usage, if it has one."""
     try:
         return _decode_answer(payload).usage

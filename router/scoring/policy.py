@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from router.config import PolicyConfig
 from router.scoring.candidate import Candidate
-from router.scoring.pickers import Picker
+from router.scoring.pickers import Picker, ranked
 from router.scoring.registry import PICKERS, SCORERS
 from router.scoring.scorer import Observer, Scorer
 from router.types import RoutingRequest
@@ -42,6 +42,12 @@ class Policy:
         for observer in self._observers:
             observer.observe(request, candidates[chosen])
         return chosen
+
+    def ranked(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[int]:
+        """The candidates' indexes, best total score first, the observers untold: the order of the fallbacks
+        a gateway tries when the chosen one fails (router/epp/)."""
+        totals = ranked(self._totals(request, candidates))
+        return sorted(range(len(candidates)), key=totals.__getitem__, reverse=True)
 
     def _totals(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         totals = [0.0] * len(candidates)

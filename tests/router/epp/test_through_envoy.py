@@ -1,0 +1,167 @@
+"""OpenAI clients through Envoy -> `kvroute epp` -> the simulated fleet: the picker decides, Envoy relays."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from openai import OpenAI
+
+from tests.conftest import metric, sample
+from tests.router.epp.conftest import Gateway, Picker
+
+MODEL = "tiny-llama"
+INSTANCE = "x-kvroute-instance"
+
+
+def client(gateway: Gateway) -> OpenAI:
+    return OpenAI(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
+
+
+def in_flight(picker: Picker) -> float:
+    """Requests the picker counts in flight, over every instance."""
+    return sum(
+        sample(picker.metrics_url, "kvroute_instance_in_flight", vllm_instance=f"fleet-{i}") or 0
+        for i in range(3)
+    )
+
+
+def wait_none_in_flight(picker: Picker, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while in_flight(picker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert in_flight(picker) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat(gateway: Gateway, picker: Picker, stream: bool) -> None:
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Say hello, stream={stream}."}],
+        max_tokens=8,
+        stream=stream,
+    )
+    assert raw.headers[INSTANCE].startswith("fleet-")
+    assert "x-gateway-destination-endpoint-served" not in raw.headers  # the picker's, not the client's
+    answer = raw.parse()
+    if stream:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in answer if chunk.choices)
+    else:
+        text = answer.choices[0].message.content or ""
+    assert text
+    wait_none_in_flight(picker)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions(gateway: Gateway, picker: Picker, stream: bool) -> None:
+    raw = client(gateway).completions.with_raw_response.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, stream=stream
+    )
+    assert raw.headers[INSTANCE].startswith("fleet-")
+    answer = raw.parse()
+    text = "".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text
+    assert text
+    wait_none_in_flight(picker)
+
+
+def test_a_session_sticks_to_its_prefix_instance(gateway: Gateway, picker: Picker) -> None:
+    messages = [{"role": "system", "content": "You are a patient assistant. " * 40}]
+    served = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question number {turn}: tell me more."})
+        raw = client(gateway).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=8, extra_headers={"x-session-id": "epp-session-1"}
+        )
+        served.append(raw.headers[INSTANCE])
+        messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content or ""})
+    assert len(set(served)) == 1, served
+    # The picker learnt from the answers Envoy relayed: the requests counted as answered there, and the
+    # later turns found their prefix cached (the fleet's KV events reached the picker's index).
+    assert metric(picker.metrics_url, "kvroute_requests_total", vllm_instance=served[0], status="200") >= 4
+    assert metric(picker.metrics_url, "kvroute_session_turns_total", placement="same") >= 3
+
+
+def test_a_stream_teaches_the_ttft_model(gateway: Gateway, picker: Picker) -> None:
+    before = sum(
+        sample(picker.metrics_url, "kvroute_ttft_observed_seconds_count", vllm_instance=f"fleet-{i}") or 0
+        for i in range(3)
+    )
+    stream = client(gateway).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to three."}], max_tokens=4, stream=True
+    )
+    assert list(stream)
+    after = sum(
+        sample(picker.metrics_url, "kvroute_ttft_observed_seconds_count", vllm_instance=f"fleet-{i}") or 0
+        for i in range(3)
+    )
+    assert after == before + 1
+
+
+def test_a_client_gone_mid_stream_leaves_nothing_in_flight(gateway: Gateway, picker: Picker) -> None:
+    stream = client(gateway).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a long story."}],
+        max_tokens=3000,
+        stream=True,
+    )
+    next(iter(stream))
+    assert in_flight(picker) == 1
+    stream.close()
+    wait_none_in_flight(picker)
+
+
+def post(gateway: Gateway, path: str, body: bytes) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(gateway.url + path, body, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"", 400, "invalid_json"),
+        (b'{"model": "tiny-llama", "messages": []}', 400, "invalid_field"),
+        (
+            b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}',
+            404,
+            "model_not_found",
+        ),
+    ],
+)
+def test_a_bad_body_gets_the_routers_4xx(gateway: Gateway, body: bytes, status: int, code: str) -> None:
+    got, answer = post(gateway, "/chat/completions", body)
+    assert got == status
+    error = answer["error"]
+    assert isinstance(error, dict) and error["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("service", "status"),
+    [
+        ("", health_pb2.HealthCheckResponse.SERVING),
+        ("liveness", health_pb2.HealthCheckResponse.SERVING),
+        ("readiness", health_pb2.HealthCheckResponse.SERVING),
+        ("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING),
+    ],
+)
+def test_the_health_service_answers(picker: Picker, service: str, status: int) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{picker.port}") as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+    assert answer.status == status
+
+
+def test_the_health_service_knows_no_other_service(picker: Picker) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{picker.port}") as channel, pytest.raises(grpc.RpcError) as raised:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
