@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from router import strict_yaml
 from router.config_keys import suggested
 from router.dispatch.traffic import TrafficSplit
+from router.label_selector import LABEL_KEY, LabelSelector
 from router.scoring.params import Registration
 from router.scoring.registry import PICKERS, SCORERS, validate_params
 from router.scoring.ttft_model import TTFTPriors
@@ -440,6 +441,83 @@ class PeersConfig(_Strict):
         return self
 
 
+class DiscoveryPorts(_Strict):
+    http: int = Field(default=8000, ge=1, le=65535, description="the engines' OpenAI API (vllm serve --port)")
+    events: int | None = Field(
+        default=5557, ge=1, le=65535, description="their KV-event publisher; null: no events endpoint"
+    )
+    replay: int | None = Field(
+        default=None, ge=1, le=65535, description="their KV-event replay endpoint; null: none"
+    )
+
+
+class DiscoveryConfig(_Strict):
+    """Instances found in Kubernetes (router/discovery/): Ready pods, beside the static instances."""
+
+    source: Literal["kubernetes", "inferencepool"] = Field(
+        default="kubernetes",
+        description="kubernetes: pods matching selector; inferencepool: the pods of a Gateway API Inference "
+        "Extension InferencePool (its spec.selector, its target port as ports.http)",
+    )
+    namespace: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        description="null: the router pod's own namespace, else default",
+    )
+    kubeconfig: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a kubeconfig file; null: the in-cluster service account in a pod, else $KUBECONFIG or "
+        "~/.kube/config",
+    )
+    selector: str | None = Field(default=None, description="source kubernetes: a label selector on pods")
+    inferencepool: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="source inferencepool: the InferencePool's name (inference.networking.k8s.io/v1, or "
+        "inference.networking.x-k8s.io/v1alpha2)",
+    )
+    ports: DiscoveryPorts = Field(default_factory=DiscoveryPorts)
+    models: list[str] | None = Field(
+        default=None, min_length=1, description="the models the pods serve; null: every model in models"
+    )
+    role_label: str | None = Field(
+        default=None,
+        description="a pod label whose value is prefill, decode or both (llm-d: llm-d.ai/role); null: both",
+    )
+    peers_selector: str | None = Field(
+        default=None,
+        description="the router's own replicas: their peers.publish port joins the peers subscribed to",
+    )
+
+    @field_validator("selector", "peers_selector")
+    @classmethod
+    def _label_selector(cls, selector: str | None) -> str | None:
+        if selector is not None:
+            LabelSelector.parse(selector)
+        return selector
+
+    @field_validator("role_label")
+    @classmethod
+    def _label_key(cls, key: str | None) -> str | None:
+        if key is not None and not LABEL_KEY.match(key):
+            raise ValueError(f"{key!r} is not a label key")
+        return key
+
+    def source_problem(self) -> str | None:
+        """What the source lacks or has too much of, with its key under discovery."""
+        if self.source == "kubernetes":
+            if self.selector is None:
+                return "selector: source kubernetes needs a label selector, such as app=vllm"
+            if self.inferencepool is not None:
+                return "inferencepool: only source inferencepool reads a pool"
+        elif self.inferencepool is None:
+            return "inferencepool: source inferencepool needs the pool's name"
+        elif self.selector is not None:
+            return "selector: source inferencepool takes the pool's spec.selector"
+        return None
+
+
 class LoadConfig(_Strict):
     scrape_interval_s: float = Field(default=0.2, gt=0, description="GET /metrics on every instance")
     timeout_s: float = Field(default=0.5, gt=0, description="one slow instance must not age the others' load")
@@ -476,7 +554,9 @@ class LimitsConfig(_Strict):
 class RouterConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     block_size: int = Field(default=16, ge=1)
-    instances: list[InstanceConfig] = Field(min_length=1)  # one per data-parallel rank once validated
+    # One per data-parallel rank once validated; none only with discovery (_consistent).
+    instances: list[InstanceConfig]
+    discovery: DiscoveryConfig | None = None
     policies: dict[str, PolicyConfig] = Field(default_factory=_builtin_policies)
     default_policy: str = "kvroute"
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
@@ -506,6 +586,14 @@ class RouterConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _discovery_may_find_all(cls, raw: Any) -> Any:
+        """With discovery:, instances: may be left out (a list of none); without, it is required."""
+        if isinstance(raw, dict) and raw.get("discovery") is not None and "instances" not in raw:
+            return {**raw, "instances": []}
+        return raw
+
+    @model_validator(mode="before")
+    @classmethod
     def _adapters_take_their_base(cls, raw: Any) -> Any:
         """An adapter without a tokenizer or engine settings of its own takes its listed base's: vLLM
         (0.32) tokenizes an adapter's requests with the base's tokenizer, and its pool keys are the engine's
@@ -532,6 +620,9 @@ class RouterConfig(_Strict):
     def _consistent(self) -> RouterConfig:
         model_names = [m.name for m in self.models]
         _unique((f"models.{i}.name", name) for i, name in enumerate(model_names))
+        if not self.instances and self.discovery is None:
+            raise ValueError("instances: at least one instance, unless discovery: finds them")
+        self._check_discovery(model_names)
         for index, adapter in enumerate(self.models):
             base = next((m for m in self.models if m.name == adapter.lora_of), None)
             if base is adapter:
@@ -579,6 +670,19 @@ class RouterConfig(_Strict):
                     f"traffic.split: {name!r} is not a policy; defined: {', '.join(self.policies)}"
                 )
         return self
+
+    def _check_discovery(self, model_names: list[str]) -> None:
+        if self.discovery is None:
+            return
+        if (problem := self.discovery.source_problem()) is not None:
+            raise ValueError(f"discovery.{problem}")
+        for model in self.discovery.models or []:
+            if model not in model_names:
+                raise ValueError(f"discovery.models: {model!r} is not one of models ({model_names})")
+        if self.discovery.peers_selector is not None and self.peers.publish is None:
+            raise ValueError(
+                "discovery.peers_selector: peers.publish must be set; its port is where the replicas publish"
+            )
 
     def traffic_weights(self) -> dict[str, float]:
         return dict(self.traffic.split) if self.traffic.split else {self.default_policy: 1.0}

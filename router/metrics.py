@@ -282,6 +282,17 @@ class RouterMetrics:
                     "decodable, own: this router's own, subscribed by mistake, too_many_peers)",
                     ["result"], registry=r)
         )  # fmt: skip
+        self.discovery_watch_restarts = Family(
+            Counter("kvroute_discovery_watch_restarts",
+                    "Kubernetes discovery sessions that broke (410 Gone, connection lost, API server down) "
+                    "and were started again, by source; the last known instances serve meanwhile",
+                    ["source"], registry=r)
+        )  # fmt: skip
+        self.discovered_instances = Family(
+            Gauge("kvroute_discovered_instances",
+                  "Instances discovery found (Ready pods, a target per data-parallel rank), by source",
+                  ["source"], registry=r)
+        )  # fmt: skip
         self.pool_master_up = UnsetGauge(
             "kvroute_pool_master_up",
             "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit "

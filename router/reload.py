@@ -33,7 +33,8 @@ class Reloader:
         self._path = None if path is None else path.absolute()
         self._metrics = runtime.metrics
         self._lock = asyncio.Lock()
-        self._seen = None if self._path is None else _content_of(self._path, runtime.config)  # for the watch
+        # for the watch: the file holds the file's configuration (discovered instances are not in it)
+        self._seen = None if self._path is None else _content_of(self._path, runtime.file_config)
 
     async def reload(self, trigger: str = "an admin request") -> dict[str, Any]:
         """Re-read the file; raises OpenAIError (400) with the reason when the new one cannot be used.

@@ -7,7 +7,9 @@ async with runtime:                # sessions, health checks, KV-event subscript
 ```
 
 A reload builds nothing anew that a restart would have to: it applies a new configuration's instances and
-routing table to the running parts (apply), and refuses what only a restart can change.
+routing table to the running parts (apply), and refuses what only a restart can change. With discovery:,
+the instances found in Kubernetes join the file's (discovered); a reload of the file keeps them, and what
+discovery finds keeps the file's: config is always the file's configuration with the discovered instances.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import aiohttp
 import zmq.asyncio
 
 from router.config import REMOTE_TOKENIZER, ConfigError, RouterConfig
+from router.discovery import Discovered, Discovery
+from router.discovery.merge import with_discovered
 from router.dispatch.admission import Admission
 from router.dispatch.attempts import Attempts
 from router.dispatch.decision import Decider, LocalTokenizer
@@ -43,13 +47,17 @@ from router.upstreams.peer_sync import PeerSync
 
 log = logging.getLogger(__name__)
 
-# What a reload may change; everything else is built into running parts and needs a restart.
+# What a reload may change; everything else is built into running parts and needs a restart. discovery is
+# not: its watch is set up once, at start (a changed selector or source is a new fleet, not an edit).
 RELOADABLE = frozenset({"policies", "default_policy", "traffic", "admin", "instances"})
+DISCOVERY_MAX_BACKOFF_S = 10.0  # between attempts to reach an API server that is down
 
 
 class Runtime:
     def __init__(self, config: RouterConfig) -> None:
-        self.config = config
+        self.config = config  # what runs: file_config's, with the discovered instances
+        self.file_config = config
+        self._discovered = Discovered()
         self.upstreams = Upstreams(config)
         self.metrics = RouterMetrics()
         media = config.index.medium_tiers
@@ -119,7 +127,11 @@ class Runtime:
         )  # fmt: skip
         # Memory a peer's request freed may let requests held here go (admission.memory_hold_s). With no
         # peers configured it binds nothing and runs no loop.
-        self.peers = PeerSync(config.peers, self.upstreams, metrics, context, self.memory_freed)
+        discovery = config.discovery
+        self.peers = PeerSync(
+            config.peers, self.upstreams, metrics, context, self.memory_freed,
+            discovered=discovery is not None and discovery.peers_selector is not None,
+        )  # fmt: skip
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
         failures = metrics.task_failures
@@ -132,6 +144,11 @@ class Runtime:
             asyncio.create_task(supervise(name, loop, every, failures, first_delay=delayed))
             for name, (loop, every, delayed) in loops.items()
         ]
+        if discovery is not None:
+            watch = Discovery(discovery, config.peers.publish, self.discovered, metrics).run
+            tasks.append(asyncio.create_task(
+                supervise("discovery", watch, 1.0, failures, max_backoff_s=DISCOVERY_MAX_BACKOFF_S)
+            ))  # fmt: skip
         stack.push_async_callback(_cancelled, tasks)
 
     def memory_freed(self) -> None:
@@ -142,16 +159,29 @@ class Runtime:
         return self.subscriptions.warnings()
 
     def apply(self, new: RouterConfig, source: str) -> dict[str, Any]:
-        """Take over new's instances and routing table; ConfigError when it changes what needs a restart.
-        source: where new came from, for the error."""
-        old = self.config
+        """Take over new's instances (beside those discovered) and routing table; ConfigError when it changes
+        what needs a restart. source: where new came from, for the error."""
         fixed = [
             key
             for key in type(new).model_fields
-            if key not in RELOADABLE and getattr(new, key) != getattr(old, key)
+            if key not in RELOADABLE and getattr(new, key) != getattr(self.file_config, key)
         ]
         if fixed:
             raise ConfigError(f"{source}: changing {', '.join(fixed)} needs a restart")
+        summary = self._take(with_discovered(new, self._discovered.instances), source)
+        self.file_config = new
+        return summary
+
+    def discovered(self, fleet: Discovered) -> None:
+        """Take what discovery finds now beside the file's instances; ConfigError when it does not fit."""
+        summary = self._take(with_discovered(self.file_config, fleet.instances), "discovery")
+        self._discovered = fleet
+        self.peers.follow_discovered(fleet.peers)
+        if summary["added"] or summary["removed"]:
+            log.info("discovery: added %s, removed %s", summary["added"], summary["removed"])
+
+    def _take(self, new: RouterConfig, source: str) -> dict[str, Any]:
+        old = self.config
         new.require_api_keys(source)
         added, removed, in_place = self.upstreams.update(new)
         # Changed at the same URL: the same engine, and the same object (router/upstreams/instances.py). Its

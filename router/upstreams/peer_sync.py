@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated
 
 import msgspec
@@ -71,8 +71,10 @@ class PeerSync:
         context: zmq.asyncio.Context,
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        discovered: bool = False,
     ) -> None:
-        """on_change: called after peers' loads changed (a request of theirs may have freed memory)."""
+        """on_change: called after peers' loads changed (a request of theirs may have freed memory);
+        discovered: more peers come from discovery (follow_discovered), besides those configured."""
         self.router_id = uuid.uuid4().hex[:16]
         self.loads = PeerLoads(config.stale_after_s, clock)
         self._config, self._fleet, self._metrics, self._context = config, fleet, metrics, context
@@ -81,6 +83,7 @@ class PeerSync:
         self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
         self._publisher: zmq.asyncio.Socket | None = None
         self._subscriber: zmq.asyncio.Socket | None = None
+        self._discovered: set[str] | None = set() if discovered else None  # their endpoints, connected
 
     def start(self) -> None:
         if self._config.publish is not None:
@@ -91,7 +94,7 @@ class PeerSync:
                 self._publisher.bind(self._config.publish)
             except zmq.ZMQError as exc:
                 raise PeerSyncError(f"peers.publish {self._config.publish} cannot be bound: {exc}") from None
-        if self._config.subscribe:
+        if self._config.subscribe or self._discovered is not None:
             self._subscriber = self._context.socket(zmq.SUB)
             self._subscriber.setsockopt(zmq.LINGER, 0)
             self._subscriber.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
@@ -103,7 +106,7 @@ class PeerSync:
     def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
         """The background loops start() set up, by name, each to run in a task of its own (supervised); none
         without peers configured, where the sync is a null object."""
-        if self._config.publish is None and not self._config.subscribe:
+        if self._config.publish is None and not self._config.subscribe and self._discovered is None:
             return {}
         loops: dict[str, Callable[[], Awaitable[None]]] = {"peers-expire": self.expire_stale}
         if self._publisher is not None:
@@ -111,6 +114,18 @@ class PeerSync:
         if self._subscriber is not None:
             loops["peers-follow"] = self.follow
         return loops
+
+    def follow_discovered(self, endpoints: Iterable[str]) -> None:
+        """Follow the peers at endpoints (found by discovery) besides the configured ones; stop following
+        those found before and gone now (their load expires as a silent peer's does)."""
+        if self._subscriber is None or self._discovered is None:
+            return
+        wanted = set(endpoints) - set(self._config.subscribe) - {self._config.publish}
+        for endpoint in wanted - self._discovered:
+            self._subscriber.connect(endpoint)
+        for endpoint in self._discovered - wanted:
+            self._subscriber.disconnect(endpoint)
+        self._discovered = wanted
 
     def close(self) -> None:
         for socket in (self._publisher, self._subscriber):

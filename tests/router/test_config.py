@@ -286,6 +286,8 @@ def test_example_configs_are_valid() -> None:
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         if path.name.startswith("stack-"):  # stack configurations: tests/kvroute/test_stack_config.py
             continue
+        if path.name.startswith("envoy-"):  # Envoy's bootstraps: tests/router/epp run Envoy with them
+            continue
         checked.add(path.name)
         config = load_config(path)
         assert yaml.safe_load(path.read_text())

@@ -1,0 +1,12 @@
+"""Instances found in Kubernetes: Ready pods by label selector, or an InferencePool's, watched and applied
+to the running router beside the configuration's static instances (router/runtime.py).
+
+```
+discovery = Discovery(config.discovery, config.peers.publish, runtime.discovered, metrics)
+await supervise("discovery", discovery.run, 1.0, metrics.task_failures)  # a broken watch starts over
+```
+"""
+
+from router.discovery.watcher import Discovered, Discovery, FleetSink
+
+__all__ = ["Discovered", "Discovery", "FleetSink"]

@@ -1,0 +1,211 @@
+"""The watch: list the pods a selector picks, then follow their changes, and hand the Ready ones to the
+router as instances (and its replicas as peers) each time the set changes.
+
+A session lists and watches until the watch breaks; it then raises, and its supervisor starts a new one
+with backoff (router/supervisor.py), which lists again: a pod deleted while no watch ran is not missed.
+What was found last keeps serving meanwhile. A watch the server ends (its timeout) is resumed from the last
+resourceVersion without a new list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import msgspec
+
+from router.config import ConfigError, DiscoveryConfig, InstanceConfig, data_parallel_ranks
+from router.discovery.kube import Kube, KubeError, error, own_namespace
+from router.discovery.pods import PodError, instance_of, peer_endpoint
+from router.discovery.wire import InferencePool, Pod, PodList, PoolList, Status, WatchEvent
+from router.label_selector import LabelSelector
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# The InferencePool's API versions, the newest first: GA, then the x-k8s.io alpha llm-d still ships.
+POOL_APIS = ("inference.networking.k8s.io/v1", "inference.networking.x-k8s.io/v1alpha2")
+Kind = Literal["instances", "peers"]
+_pod_list, _pool_list = msgspec.json.Decoder(PodList), msgspec.json.Decoder(PoolList)
+_event, _pod, _pool = (
+    msgspec.json.Decoder(WatchEvent),
+    msgspec.json.Decoder(Pod),
+    msgspec.json.Decoder(InferencePool),
+)
+_status = msgspec.json.Decoder(Status)
+
+
+@dataclass(frozen=True)
+class Discovered:
+    instances: tuple[InstanceConfig, ...] = ()
+    peers: tuple[str, ...] = ()  # other replicas' publish endpoints
+
+
+class FleetSink(Protocol):
+    def __call__(self, fleet: Discovered, /) -> None:
+        """Take fleet as what discovery finds now; ConfigError when it cannot (the last one stays)."""
+
+
+class Discovery:
+    def __init__(
+        self, config: DiscoveryConfig, peers_publish: str | None, sink: FleetSink, metrics: RouterMetrics,
+        own_pod: str | None = None,
+    ) -> None:  # fmt: skip
+        """peers_publish: this router's peers.publish, whose port its replicas publish on too; own_pod: the
+        router's pod name, left out of its peers (default: $POD_NAME, else the host name, which is the pod's
+        name in Kubernetes)."""
+        self._config, self._sink, self._publish_endpoint = config, sink, peers_publish
+        self._namespace = config.namespace or own_namespace()
+        self._own_pod = own_pod or os.environ.get("POD_NAME") or socket.gethostname()
+        self._restarts = metrics.discovery_watch_restarts(config.source)
+        self._found = metrics.discovered_instances(config.source)
+        self._pods: dict[Kind, dict[str, Pod]] = {"instances": {}, "peers": {}}
+        self._http_port = config.ports.http  # an InferencePool's target port replaces it
+        self._published: Discovered | None = None
+        self._told: set[tuple[str, str]] = set()  # pod problems logged, each once
+
+    async def run(self) -> None:
+        """One session, until its watch breaks: then it raises, counted."""
+        try:
+            async with await Kube.connect(self._config.kubeconfig) as kube, asyncio.TaskGroup() as tasks:
+                if self._config.peers_selector is not None:
+                    peers = LabelSelector.parse(self._config.peers_selector)
+                    tasks.create_task(self._follow(kube, "peers", peers))
+                if self._config.selector is not None:
+                    tasks.create_task(
+                        self._follow(kube, "instances", LabelSelector.parse(self._config.selector))
+                    )
+                else:
+                    tasks.create_task(self._follow_pool(kube))
+        except Exception as exc:
+            failure = exc
+            while isinstance(failure, ExceptionGroup):  # the watch that broke, out of its task groups
+                failure = failure.exceptions[0]
+            self._restarts.inc()
+            log.warning("Kubernetes discovery broke (%s); the last %d instances keep serving",
+                        failure, len(self._published.instances) if self._published else 0)  # fmt: skip
+            raise failure from None
+
+    async def _follow(self, kube: Kube, kind: Kind, selector: LabelSelector) -> None:
+        path = f"/api/v1/namespaces/{self._namespace}/pods"
+        query = {"labelSelector": str(selector)}
+        listing = _pod_list.decode(await kube.get(path, query))
+        # The server filters by the selector too; matching here keeps what it sends in check.
+        self._pods[kind] = {p.metadata.name: p for p in listing.items if selector.matches(p.labels)}
+        self._publish()
+        version = listing.metadata.resource_version if listing.metadata else None
+        while True:
+            async for line in kube.watch(path, query | ({"resourceVersion": version} if version else {})):
+                event = _event.decode(line)
+                if event.type == "ERROR":
+                    status = _status.decode(event.object)
+                    raise error(status.code or 500, status.message, f"watch {path}")
+                pod = _pod.decode(event.object)
+                version = pod.metadata.resource_version or version
+                if event.type == "BOOKMARK":
+                    continue
+                pods = self._pods[kind]
+                if event.type == "DELETED" or not selector.matches(pod.labels):
+                    pods.pop(pod.metadata.name, None)
+                else:
+                    pods[pod.metadata.name] = pod
+                self._publish()
+
+    async def _follow_pool(self, kube: Kube) -> None:
+        """The pods of the InferencePool; when its selector or target port changes, those of the new."""
+        path, pool, version = await self._read_pool(kube)
+        while True:
+            selector, self._http_port = self._target(pool)
+            log.info("InferencePool %s selects %s, port %d", pool.metadata.name, selector, self._http_port)
+            async with asyncio.TaskGroup() as tasks:
+                pods = tasks.create_task(self._follow(kube, "instances", selector))
+                pool, version = await self._pool_changed(kube, path, pool, version)
+                pods.cancel()
+
+    async def _read_pool(self, kube: Kube) -> tuple[str, InferencePool, str | None]:
+        name, query = (
+            self._config.inferencepool,
+            {"fieldSelector": f"metadata.name={self._config.inferencepool}"},
+        )
+        for api in POOL_APIS:
+            path = f"/apis/{api}/namespaces/{self._namespace}/inferencepools"
+            try:
+                listing = _pool_list.decode(await kube.get(path, query))
+            except KubeError as exc:
+                if " 404" in str(exc):  # the cluster does not serve this version: try the next
+                    continue
+                raise
+            for pool in listing.items:
+                if pool.metadata.name == name:
+                    return path, pool, listing.metadata.resource_version if listing.metadata else None
+        raise KubeError(f"no InferencePool {name} in namespace {self._namespace} ({', '.join(POOL_APIS)})")
+
+    async def _pool_changed(
+        self, kube: Kube, path: str, pool: InferencePool, version: str | None
+    ) -> tuple[InferencePool, str | None]:
+        """Returns once the pool selects other pods or another port: the new pool and where its watch
+        stands. Its deletion is an error: the pods it had keep serving until it is back."""
+        query = {"fieldSelector": f"metadata.name={pool.metadata.name}"}
+        target = self._target(pool)
+        while True:
+            async for line in kube.watch(path, query | ({"resourceVersion": version} if version else {})):
+                event = _event.decode(line)
+                if event.type == "ERROR":
+                    status = _status.decode(event.object)
+                    raise error(status.code or 500, status.message, f"watch {path}")
+                changed = _pool.decode(event.object)
+                version = changed.metadata.resource_version or version
+                if event.type == "BOOKMARK" or changed.metadata.name != pool.metadata.name:
+                    continue
+                if event.type == "DELETED":
+                    raise KubeError(f"InferencePool {pool.metadata.name} was deleted")
+                if self._target(changed) != target:
+                    return changed, version
+
+    def _target(self, pool: InferencePool) -> tuple[LabelSelector, int]:
+        spec = pool.spec
+        labels = spec.selector.get("matchLabels", spec.selector)  # v1 is a LabelSelector, v1alpha2 a map
+        try:
+            selector = LabelSelector.of_labels({str(k): str(v) for k, v in labels.items()})
+        except (AttributeError, ValueError) as exc:
+            raise KubeError(f"InferencePool {pool.metadata.name}: spec.selector: {exc}") from None
+        if spec.target_ports:
+            return selector, spec.target_ports[0].number
+        return selector, spec.target_port_number or self._config.ports.http
+
+    def _publish(self) -> None:
+        instances = []
+        for pod in self._pods["instances"].values():
+            if not pod.serving():
+                continue
+            try:
+                instances.append(instance_of(pod, self._config, self._http_port))
+            except PodError as exc:
+                self._tell(pod, str(exc))
+        peers: set[str] = set()
+        if self._publish_endpoint is not None:
+            for pod in self._pods["peers"].values():
+                if pod.serving() and pod.metadata.name != self._own_pod:
+                    try:
+                        peers.add(peer_endpoint(pod, self._publish_endpoint))
+                    except PodError as exc:
+                        self._tell(pod, str(exc))
+        fleet = Discovered(tuple(sorted(instances, key=lambda i: i.name)), tuple(sorted(peers)))
+        if fleet == self._published:
+            return
+        try:
+            self._sink(fleet)
+        except ConfigError as exc:
+            log.error("discovered instances not taken, the last ones stay: %s", exc)
+            return
+        self._published = fleet
+        self._found.set(sum(len(data_parallel_ranks(instance)) for instance in fleet.instances))
+
+    def _tell(self, pod: Pod, problem: str) -> None:
+        if (pod.metadata.name, problem) not in self._told:
+            self._told.add((pod.metadata.name, problem))
+            log.warning("pod %s left out of discovery: %s", pod.metadata.name, problem)

@@ -1,0 +1,226 @@
+"""Discovery end to end: a Kubernetes API server (kmock, over HTTP, with watch streams), a simulated vLLM
+fleet, and a router (`kvroute serve`) that knows its instances only from pods."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
+from tests.conftest import sample
+from tests.router.discovery.kube_api import PODS, POOLS, KubeAPI, pod, running_kube_api
+
+LABELS = {"app": "vllm"}
+ROUTED = "x-kvroute-instance"
+
+
+@pytest.fixture(scope="module")
+def ports() -> FleetPorts:
+    return FleetPorts.allocate(3)
+
+
+@pytest.fixture(scope="module")
+def fleet(ports: FleetPorts, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
+    # 200 tokens a second: a 600-token answer is a request in flight for 3 s.
+    args = ["--prefill-tps", "200000", "--decode-tps", "200"]
+    with running_fleet(ports, tmp_path_factory.mktemp("fleet"), args):
+        yield ports
+
+
+@pytest.fixture
+def kube() -> Iterator[KubeAPI]:
+    with running_kube_api() as api:
+        yield api
+
+
+def vllm_pod(ports: FleetPorts, number: int, labels: dict[str, str] = LABELS, **kwargs: Any) -> dict[str, Any]:
+    """Engine number of the fleet as a pod: all listen on 127.0.0.1, so each says its ports."""
+    annotations = {
+        "kvroute.io/http-port": str(ports.http + number),
+        "kvroute.io/events-port": str(ports.events + number),
+        "kvroute.io/replay-port": str(ports.replay + number),
+    }
+    return pod(f"vllm-{number}", labels, annotations=annotations | kwargs.pop("annotations", {}), **kwargs)
+
+
+@contextlib.contextmanager
+def router(kube: KubeAPI, tmp_path: Path, discovery: dict[str, Any], **extra: Any) -> Iterator[str]:
+    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    config = {
+        "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],
+        "block_size": 32,
+        "health": {"interval_s": 0.2},
+        "discovery": {"kubeconfig": str(kubeconfig), "namespace": "default", **discovery},
+        **extra,
+    }
+    with running_router(config, tmp_path) as url:
+        yield url
+
+
+def healthy(url: str) -> list[str]:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            body = response.read()
+    except urllib.error.HTTPError as unavailable:  # 503 while no instance is healthy
+        body = unavailable.read()
+    return sorted(json.loads(body)["healthy_instances"])
+
+
+def chat(url: str, max_tokens: int = 2) -> str:
+    """The instance a short chat went to (round robin: each instance in turn)."""
+    body = json.dumps({"model": "tiny-llama", "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "hello"}]}).encode()  # fmt: skip
+    headers = {"content-type": "application/json", "x-kvroute-policy": "round-robin"}
+    request = urllib.request.Request(url + "/v1/chat/completions", body, headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+        return str(response.headers[ROUTED])
+
+
+def routed(url: str, count: int = 6) -> set[str]:
+    return {chat(url) for _ in range(count)}
+
+
+def eventually(condition: Callable[[], object], timeout_s: float = 15.0) -> float:
+    """Seconds until condition held (a 503 meanwhile, no instance healthy yet, counts as not); fails the
+    test past timeout_s."""
+    start = time.monotonic()
+    while not _holds(condition):
+        assert time.monotonic() - start < timeout_s, "not within the time limit"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _holds(condition: Callable[[], object]) -> bool:
+    try:
+        return bool(condition())
+    except urllib.error.HTTPError as error:
+        if error.code != 503:
+            raise
+        return False
+
+
+def stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny-llama", "max_tokens": 600, "stream": True, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"content-type": "application/json", "x-kvroute-policy": "round-robin"}
+    connection.request("POST", "/v1/chat/completions", body, headers)
+    return connection, connection.getresponse()
+
+
+def test_pods_come_and_go_ready_ones_only(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:
+    kube.create(PODS, vllm_pod(fleet, 0))
+    kube.create(PODS, vllm_pod(fleet, 2, ready=False))  # not Ready: never a candidate
+    kube.create(PODS, pod("other", {"app": "web"}, annotations={"kvroute.io/http-port": str(fleet.http + 2)}))
+    with router(kube, tmp_path, {"selector": "app=vllm"}) as url:
+        eventually(lambda: healthy(url) == ["vllm-0"])
+        assert routed(url) == {"vllm-0"}
+
+        kube.create(PODS, vllm_pod(fleet, 1))
+        took = eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=5)
+        assert took < 5, f"a new Ready pod took {took:.2f} s to take traffic"
+        assert routed(url) == {"vllm-0", "vllm-1"}
+
+        # A request in flight on the pod that goes finishes; from 1 s after the event it gets no new one.
+        for _ in range(4):
+            connection, response = stream(url)
+            if response.headers[ROUTED] == "vllm-1":
+                break
+            response.read()
+            connection.close()
+        assert response.headers[ROUTED] == "vllm-1"
+        kube.delete(PODS, "default", "vllm-1")
+        time.sleep(1.0)
+        assert routed(url) == {"vllm-0"}
+        answer = response.read().decode()
+        connection.close()
+        assert response.status == 200 and answer.rstrip().endswith("data: [DONE]")
+        assert answer.count("data: ") > 500, "the stream was cut short"
+
+        # Terminating (deletionTimestamp set, still Ready): out at once; Ready again after a restart: in.
+        kube.patch(PODS, "default", "vllm-0", {"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}})
+        kube.create(PODS, vllm_pod(fleet, 1))
+        eventually(lambda: healthy(url) == ["vllm-1"], timeout_s=5)
+        assert routed(url) == {"vllm-1"}
+        assert sample(url, "kvroute_discovered_instances", source="kubernetes") == 1
+
+
+def test_a_broken_watch_keeps_the_last_set_and_is_counted(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:
+    kube.create(PODS, vllm_pod(fleet, 0))
+    with router(kube, tmp_path, {"selector": "app=vllm"}) as url:
+        eventually(lambda: healthy(url) == ["vllm-0"])
+        restarts = lambda: sample(url, "kvroute_discovery_watch_restarts_total", source="kubernetes") or 0  # noqa: E731
+
+        kube.expire_watches(1)  # the next watch is answered 410 Gone: listed again, counted
+        kube.stop_listening()  # the server goes away: every watch breaks
+        eventually(lambda: restarts() >= 1)
+        time.sleep(1.0)
+        assert routed(url) == {"vllm-0"}, "the last known set stops serving without the API server"
+
+        kube.start()  # back, on the same port; a pod came while it was away
+        kube.create(PODS, vllm_pod(fleet, 1))
+        eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=20)
+        assert restarts() >= 2  # the 410 and the connection refused while it was away
+        kube.delete(PODS, "default", "vllm-0")
+        eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
+
+
+def test_an_inferencepool_selects_the_pods_and_its_target_port(
+    fleet: FleetPorts, kube: KubeAPI, tmp_path: Path
+) -> None:
+    kube.create(PODS, pod("engine-a", {"pool": "a"}, annotations={"kvroute.io/events-port": str(fleet.events)}))
+    kube.create(PODS, vllm_pod(fleet, 1, labels={"pool": "b"}))
+    pool = {
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "tiny", "namespace": "default", "resourceVersion": "1"},
+        "spec": {"selector": {"matchLabels": {"pool": "a"}}, "targetPorts": [{"number": fleet.http}]},
+    }  # fmt: skip
+    kube.create(POOLS, pool)
+    with router(kube, tmp_path, {"source": "inferencepool", "inferencepool": "tiny"}) as url:
+        eventually(lambda: healthy(url) == ["engine-a"])  # at the pool's target port: it has no annotation
+        assert routed(url) == {"engine-a"}
+        kube.patch(POOLS, "default", "tiny", {"spec": {"selector": {"matchLabels": {"pool": "b"}}}})
+        eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
+        assert sample(url, "kvroute_discovered_instances", source="inferencepool") == 1
+
+
+class _Snapshot(msgspec.Struct):
+    router: str
+    instances: dict[str, dict[str, int]]
+
+
+def test_replicas_found_by_peers_selector_are_followed(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:
+    own, replica = free_port_block(1), free_port_block(1)
+    kube.create(PODS, vllm_pod(fleet, 0))
+    kube.create(PODS, pod("router-b", {"app": "kvroute"}, annotations={"kvroute.io/peers-port": str(replica)}))
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    publisher.bind(f"tcp://127.0.0.1:{replica}")  # the replica router-b, as far as its peers can tell
+    try:
+        peers = {"publish": f"tcp://127.0.0.1:{own}", "interval_s": 0.05, "stale_after_s": 0.5}
+        discovery = {"selector": "app=vllm", "peers_selector": "app=kvroute"}
+        with router(kube, tmp_path, discovery, peers=peers) as url:
+            snapshot = msgspec.msgpack.encode(_Snapshot("router-b", {"vllm-0": {"in_flight": 1}}))
+
+            def heard() -> bool:
+                publisher.send(snapshot)
+                return sample(url, "kvroute_peer_routers") == 1
+
+            eventually(heard)
+            kube.delete(PODS, "default", "router-b")  # gone: no longer followed, so it goes silent and stale
+            eventually(lambda: not heard(), timeout_s=5)
+    finally:
+        publisher.close(linger=0)
