@@ -1,19 +1,50 @@
-FROM python:3.11-slim
+# The base: the public Python image on a normal machine; scripts/build_image.sh builds on a Debian bookworm
+# base of its own (debootstrap, Debian's python3.11) where no container registry can be reached.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS base
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 KVROUTE_HOME=/home/kvroute/.cache/kvroute
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    KVROUTE_HOME=/home/kvroute/.cache/kvroute PATH=/opt/kvroute/bin:$PATH
 
-RUN useradd --create-home --uid 10001 kvroute
+# A base without Python (a bare Debian) gets Debian's; the public image has its own.
+RUN if ! command -v python3 > /dev/null || ! python3 -c 'import venv, ensurepip' 2> /dev/null; then \
+        apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+            python3 python3-venv python3-pip ca-certificates && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3 -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
+    && python3 -m venv /opt/kvroute \
+    && groupadd --gid 10001 kvroute && useradd --create-home --uid 10001 --gid 10001 kvroute \
+    && mkdir -p /etc/kvroute
+
+# The dependencies, out of pyproject.toml: the layer that installs them is rebuilt only when they change.
+FROM base AS requirements
+COPY pyproject.toml /tmp/
+RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    > /tmp/requirements.txt
+
+FROM base
+# Where pip finds packages: unset means PyPI (scripts/build_image.sh passes the build machine's index).
+ARG PIP_INDEX_URL=
 WORKDIR /app
+# The build machine's CA bundle (a secret, in no layer) lets pip through a TLS-inspecting proxy.
+COPY --from=requirements /tmp/requirements.txt /tmp/
+RUN --mount=type=secret,id=pip_cert,required=false \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
+    if [ -n "$PIP_INDEX_URL" ]; then export PIP_INDEX_URL; else unset PIP_INDEX_URL; fi; \
+    pip install --quiet --upgrade pip setuptools wheel && pip install --quiet -r /tmp/requirements.txt
+
 COPY pyproject.toml README.md ./
 COPY router ./router
 COPY tinymodel ./tinymodel
 COPY fleet ./fleet
 COPY kvroute ./kvroute
-RUN pip install . && mkdir -p /etc/kvroute
+COPY kvconnectors ./kvconnectors
+RUN pip install --quiet --no-deps --no-build-isolation . && rm -rf build *.egg-info
 
 USER kvroute
 # The tiny model is built at image build time so a config using builtin:tiny-llama starts offline.
 RUN kvroute build-model
 
-EXPOSE 8000
-ENTRYPOINT ["kvroute", "serve", "--config", "/etc/kvroute/config.yaml", "--host", "0.0.0.0", "--port", "8000"]
+EXPOSE 8000 9002 9090
+ENTRYPOINT ["kvroute"]
+CMD ["serve", "--config", "/etc/kvroute/config.yaml", "--host", "0.0.0.0", "--port", "8000"]

