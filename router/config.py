@@ -310,6 +310,12 @@ class AdmissionConfig(_Strict):
     max_in_flight_per_instance: int = Field(
         default=1024, ge=1, description="requests at one instance at once; a full instance is not a candidate"
     )
+    max_waiting_per_instance: int | None = Field(
+        default=None, ge=1,
+        description="the engines' waiting-queue limit, where they refuse (503) past it (a gateway's or an "
+        "engine's queue cap; vLLM itself queues without one): an instance whose queue is near it is not a "
+        "candidate while another has room. null: no limit",
+    )  # fmt: skip
     queue_size: int = Field(default=1024, ge=0, description="requests waiting for a slot; past it: 429")
     queue_timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a slot; past it: 429")
     memory_hold_s: float = Field(

@@ -115,7 +115,7 @@ class Runtime:
             self.upstreams, self.decider, observers, session, self.health, metrics, config.upstream,
             # One connection per request in flight: a request never waits for a pooled one.
             min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
-            admission.memory_hold_s, config.disaggregation,
+            admission.memory_hold_s, config.disaggregation, admission.max_waiting_per_instance,
         )  # fmt: skip
         self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s)
         stack.push_async_callback(self.subscriptions.stop)

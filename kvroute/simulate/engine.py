@@ -44,6 +44,7 @@ class SimRequest:
     sent_s: float = 0.0  # when the client sent it: its trace arrival, or its session's previous answer
     admitted_s: float = -1.0  # when the engine took it from its waiting queue
     instance: int = -1
+    tried: frozenset[int] = frozenset()  # instances that refused it: its retry goes elsewhere
     uncached_estimate: int = 0  # the router's, for its own bookkeeping
     held: list[int] = field(default_factory=list)  # cached blocks it references
     uncached: int = 0  # blocks it holds that are not cached

@@ -44,8 +44,12 @@ class ConsistentHash(SimPolicy):
 
     def route(self, request: SimRequest) -> int:
         key = zlib.crc32((request.session or str(request.number)).encode())
-        position = bisect.bisect(self._points, key) % len(self._points)
-        return self._owners[position]
+        position = bisect.bisect(self._points, key)
+        for step in range(len(self._points)):  # the next owner on the ring that has not refused it
+            owner = self._owners[(position + step) % len(self._points)]
+            if owner not in request.tried:
+                return owner
+        return self._owners[position % len(self._points)]
 
 
 class PowerOfTwo(SimPolicy):
@@ -58,7 +62,8 @@ class PowerOfTwo(SimPolicy):
 
     def route(self, request: SimRequest) -> int:
         instances = self.view.instances
-        first, second = self._rng.sample(range(len(instances)), 2) if len(instances) > 1 else (0, 0)
+        untried = [n for n in range(len(instances)) if n not in request.tried] or [0]
+        first, second = self._rng.sample(untried, 2) if len(untried) > 1 else (untried[0], untried[0])
         return first if instances[first].in_flight <= instances[second].in_flight else second
 
 
@@ -95,21 +100,24 @@ class CacheAwareTrees:
         self._trees: list[dict[int, float]] = [{} for _ in self._workers]  # block hash -> last routed
 
     def choose(self, request: SimRequest, loads: Sequence[int], now: float) -> int:
-        """The engine number for request; loads: the workers', in their order."""
+        """The engine number for request; loads: the workers', in their order. Workers that refused it
+        (request.tried) are left out, as a retry leaves out the worker that failed."""
         if now >= self._next_eviction:
             self._evict()
             self._next_eviction = now + self._interval
         chain = request.chain
+        allowed = [i for i, w in enumerate(self._workers) if w not in request.tried] or [0]
+        loads = [loads[i] for i in allowed]
         if max(loads) - min(loads) > self._abs and max(loads) > self._rel * min(loads):
-            chosen = _least_loaded(loads, self._rng)
+            chosen = allowed[_least_loaded(loads, self._rng)]
         else:
-            matched = [self._matched(tree, chain) for tree in self._trees]
+            matched = [self._matched(self._trees[i], chain) for i in allowed]
             best = max(matched)
             ratio = best * self._block_size / request.trace.input_tokens
             if ratio > self._threshold:
-                chosen = self._rng.choice([i for i, m in enumerate(matched) if m == best])
+                chosen = self._rng.choice([allowed[i] for i, m in enumerate(matched) if m == best])
             else:
-                chosen = _least_loaded(loads, self._rng)
+                chosen = allowed[_least_loaded(loads, self._rng)]
         tree = self._trees[chosen]
         for block_hash in chain:
             tree[block_hash] = now
@@ -227,6 +235,7 @@ class DynamoCost(SimPolicy):
         matches = view.matches(chain)
         prompt_blocks = -(-request.trace.input_tokens // size)
         gpu, cpu, pool = (self._overlap * credit for credit in self.credits)
+        workers = [number for number in workers if number not in request.tried] or list(workers)
         costs = []
         for number in workers:
             match = matches.get(view.instances[number].name, NO_MATCH)
@@ -289,7 +298,8 @@ class VllmRouterKvAware(SimPolicy):
             credit = min((device + self.host_credit * match.cpu) * size, reusable)
             new = math.ceil(length - credit)
             new_tokens.append(new)
-            costs.append((new + self._active_prefill[number]) * (instance.in_flight + 1))
+            cost = (new + self._active_prefill[number]) * (instance.in_flight + 1)
+            costs.append(math.inf if number in request.tried else cost)  # a retry goes elsewhere
         chosen = costs.index(min(costs))
         request.uncached_estimate = new_tokens[chosen]
         self._active_prefill[chosen] += new_tokens[chosen]

@@ -26,6 +26,7 @@ from router.scoring.ttft_model import TTFTFeatures, TTFTPriors
 from router.types import RoutingRequest
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
+from router.upstreams.room import with_room
 
 T = TypeVar("T")
 
@@ -56,7 +57,8 @@ class SimPolicy:
         self.view = view
 
     def route(self, request: SimRequest) -> int:
-        """The instance (its number) for request; may set request.uncached_estimate."""
+        """The instance (its number) for request, not one of request.tried; may set
+        request.uncached_estimate."""
         raise NotImplementedError
 
     def instances_for(self, request: SimRequest) -> list[Instance]:
@@ -106,6 +108,8 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
             for n in range(fleet.instances)
         ],
         "ttft": (priors or priors_for(fleet)).model_dump(),
+        # The operator knows where the engines refuse (EngineSpec.max_waiting, a 503)
+        "admission": {"max_waiting_per_instance": fleet.engine.max_waiting},
     }
     return parse_config(raw, source="simulation")
 
@@ -136,6 +140,7 @@ class ConfiguredPolicy(SimPolicy):
         self._decide, self._include_pool, self._calibrate = decide, include_pool, calibrate
         self._lookup = lookup
         self._limit = config.admission.max_in_flight_per_instance
+        self._max_waiting = config.admission.max_waiting_per_instance if decide else None
         if decide:  # the proxy's own admission; peers built from scorers (llm-d) have none
             self.memory_hold_s = config.admission.memory_hold_s
 
@@ -176,13 +181,14 @@ class ConfiguredPolicy(SimPolicy):
         )
 
     def candidates(self, instances: Sequence[Instance]) -> list[Instance]:
-        """Those with room for another request (max_in_flight_per_instance), or all when none has."""
-        return [i for i in instances if i.own_in_flight < self._limit] or list(instances)
+        """Those with room for another request (router/upstreams/room.py), or all when none has."""
+        return with_room(instances, self._limit, self._max_waiting) or list(instances)
 
     def route(self, request: SimRequest) -> int:
         view = self.view
         routing = self.routing(request)
-        candidates = self.candidates(view.instances)
+        untried = [i for n, i in enumerate(view.instances) if n not in request.tried]
+        candidates = self.candidates(untried)
         if self._decide:
             decision = self._router.decide(Prepared(routing), self._policy, candidates)
             instance: Instance = decision.instance

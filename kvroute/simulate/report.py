@@ -16,7 +16,7 @@ def table(title: str, results: Sequence[RunResult]) -> Table:
     view = Table(title=title)
     disaggregated = any(r.pd_paths for r in results)
     for column in ("policy", "TTFT p50/p99", "ITL p50/p99", "e2e p50/p99", "req/s", "hit local/pool", "ideal",
-                   "imbalance", "rejected/failed",
+                   "imbalance", "rejected/failed/retried",
                    *(["disaggregated/skipped/fallback", "fetched"] if disaggregated else []),
                    "slowest 1%: admit/queue/own", "wall"):  # fmt: skip
         view.add_column(column, justify="left" if column == "policy" else "right")
@@ -26,7 +26,7 @@ def table(title: str, results: Sequence[RunResult]) -> Table:
             r.policy, f"{r.ttft_p50_s:.2f}/{r.ttft_p99_s:.2f} s",
             f"{r.itl_p50_s * 1000:.0f}/{r.itl_p99_s * 1000:.0f} ms", f"{r.e2e_p50_s:.1f}/{r.e2e_p99_s:.1f} s",
             f"{r.throughput_rps:.2f}", f"{r.local_hit_rate:.1%}/{r.pool_hit_rate:.1%}",
-            f"{r.ideal_hit_rate:.1%}", f"{r.load_imbalance:.2f}", f"{r.rejected}/{r.failed}",
+            f"{r.ideal_hit_rate:.1%}", f"{r.load_imbalance:.2f}", f"{r.rejected}/{r.failed}/{r.retried}",
             *(["/".join(str(paths.get(p, 0)) for p in ("disaggregated", "skipped", "fallback")),
                f"{r.transferred_rate:.1%}"] if disaggregated else []),
             _tail_cell(r.tail), f"{r.wall_s:.0f} s",

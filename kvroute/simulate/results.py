@@ -11,7 +11,7 @@ from kvroute.simulate.hardware import FleetSpec
 
 RESULT_FIELDS = (
     "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_rps",
-    "local_hit_rate", "pool_hit_rate", "ideal_hit_rate", "load_imbalance", "rejected", "failed",
+    "local_hit_rate", "pool_hit_rate", "ideal_hit_rate", "load_imbalance", "rejected", "failed", "retried",
 )  # fmt: skip
 
 
@@ -28,6 +28,7 @@ class RunResult:
     ideal_hit_rate: float
     load_imbalance: float  # max / mean busy time over instances
     rejected: int
+    retried: int  # refused by one instance, then served or refused by another (counted in rejected then)
     failed: int = 0  # answered with an error (a peer's failed prefill leg: HTTP 500)
     itl_p50_s: float = 0.0  # inter-token latency: every generated token after a request's first
     itl_p99_s: float = 0.0
@@ -56,6 +57,7 @@ def result_of(
     fleet: FleetSpec,
     wall_s: float,
     failed: int = 0,
+    retried: int = 0,
 ) -> RunResult:
     """Hits are the computing instance's: the prefill instance's for a disaggregated request."""
     size = fleet.engine.block_size
@@ -97,6 +99,7 @@ def result_of(
         ideal_hit_rate=ideal_hit_rate,
         load_imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
         rejected=rejected,
+        retried=retried,
         failed=failed,
         itl_p50_s=itl[0],
         itl_p99_s=itl[1],

@@ -16,6 +16,7 @@ from kvroute.simulate.pool import PoolStore
 from kvroute.simulate.results import RunResult, result_of
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
+from router.config import UpstreamConfig
 from router.dispatch.memory_gate import MemoryGate
 from router.scoring.ttft_model import TTFTPriors
 
@@ -40,6 +41,11 @@ def simulate(
     kind = Run if fleet.pd is None else DisaggregatedRun
     return kind(blocks, fleet, policy, priors, progress, tie_seed).run(ideal_hit_rate)
 
+
+# A refused request is retried, for every policy, as kvroute's proxy retries a 503 before the first byte: on
+# an instance not tried yet, within its default attempts, after a backoff (router/dispatch/attempts.py).
+ATTEMPTS = UpstreamConfig().attempts
+RETRY_BACKOFF_S = 0.05
 
 class Run:
     """A trace through the fleet: requests arrive (a session's turn once the previous one is answered), the
@@ -69,6 +75,7 @@ class Run:
         self.done: list[SimRequest] = []
         self.rejected = 0
         self.failed = 0
+        self.retried = 0  # refused by an instance, then sent to another
         self.outstanding = 0  # sent and not finished, held in the router included
         self.hold: MemoryGate[SimRequest] = MemoryGate(policy.memory_hold_s, loop.clock)
         # An agent sends its next turn only once it has the answer to the previous one: a session's turn waits
@@ -89,7 +96,7 @@ class Run:
                 self._every(policy.sync_interval_s, policy.sync)
         loop.run()
         return result_of(policy.name, self.done, self.rejected, self.engines, ideal_hit_rate, self.fleet,
-                       time.perf_counter() - started, self.failed)  # fmt: skip
+                         time.perf_counter() - started, self.failed, self.retried)  # fmt: skip
 
     # The router's own counts of what it sent to each instance (router/upstreams/instances.py).
     def started(self, request: SimRequest) -> None:
@@ -185,7 +192,14 @@ class Run:
         if not self.engines[request.instance].enqueue(request):
             self.ended(request, admitted=False)
             self.policy.refused(request)
-            self.refused(request)
+            request.tried |= {request.instance}
+            if len(request.tried) < min(ATTEMPTS, len(self.engines)):
+                # As a router retries a 503 that came before the first byte: on another instance, after a
+                # backoff; the client sees one request, later.
+                self.loop.at(self.loop.now + RETRY_BACKOFF_S, lambda: self.dispatch(request))
+                self.retried += 1
+            else:
+                self.refused(request)
 
     def _every(self, interval: float, action: Callable[[], None]) -> None:
         """Do action from the first arrival on, every interval, while requests are to come or in flight."""

@@ -37,6 +37,7 @@ from router.metrics import RouterMetrics
 from router.scoring.policy import Policy
 from router.upstreams.health import HealthChecker
 from router.upstreams.instances import Instance, Upstreams
+from router.upstreams.room import with_room
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +59,21 @@ class Attempts:
         per_instance_limit: int,
         memory_hold_s: float = 0.0,
         disaggregation: DisaggregationConfig | None = None,
+        max_waiting: int | None = None,
     ) -> None:
         """per_instance_limit: requests this router has in flight on one instance at most; memory_hold_s: see
         router/dispatch/memory_gate.py; disaggregation: how disaggregated models' prefill legs go
-        (router/dispatch/prefill_leg.py)."""
+        (router/dispatch/prefill_leg.py); max_waiting: the engines' waiting-queue limit, if they have one
+        (router/upstreams/room.py)."""
         self._upstreams, self._decider, self._observers = upstreams, decider, observers
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
-        self._per_instance_limit = per_instance_limit
+        self._per_instance_limit, self._max_waiting = per_instance_limit, max_waiting
         self._memory_gate: MemoryGate[asyncio.Future[None]] = MemoryGate(memory_hold_s)
         self._retry_budget = RetryBudget()
         disaggregation = disaggregation or DisaggregationConfig()
         self._prefill = PrefillLeg(
             upstreams, decider, observers, session, health, metrics, config, disaggregation.connector,
-            disaggregation.local_prefill_max_tokens, per_instance_limit, self._retry_budget,
+            disaggregation.local_prefill_max_tokens, per_instance_limit, self._retry_budget, max_waiting,
         )  # fmt: skip
         # sock_connect, not connect: aiohttp's connect timeout also runs while a request waits for a pooled
         # connection, and a busy instance is not an unreachable one. A stream's reads have no socket timeout:
@@ -218,7 +221,7 @@ class Attempts:
         """The healthy instances serving model, but those in exclude, that have room for one more request of
         this router; a 429 when every healthy one is full."""
         healthy = self._upstreams.candidates(model, exclude=exclude)
-        candidates = [i for i in healthy if i.own_in_flight < self._per_instance_limit]
+        candidates = with_room(healthy, self._per_instance_limit, self._max_waiting)
         if healthy and not candidates:
             self._metrics.rejected("instances_full").inc()
             self._observers.ab_for(policy).rejected(policy.name)

@@ -33,6 +33,7 @@ from router.metrics import RouterMetrics
 from router.scoring.policy import Policy
 from router.upstreams.health import HealthChecker
 from router.upstreams.instances import Instance, Upstreams
+from router.upstreams.room import with_room
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +122,13 @@ class PrefillLeg:
         local_prefill_max_tokens: int,
         per_instance_limit: int,
         retry_budget: RetryBudget,
+        max_waiting: int | None = None,
     ) -> None:
         self._upstreams, self._decider, self._observers = upstreams, decider, observers
         self._session, self._health, self._metrics, self._config = session, health, metrics, config
         self._connector, self._local_max = connector, local_prefill_max_tokens
         self._per_instance_limit, self._retry_budget = per_instance_limit, retry_budget
+        self._max_waiting = max_waiting
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.connect_timeout_s, sock_read=None
         )
@@ -142,10 +145,8 @@ class PrefillLeg:
         model = prepared.request.model
         tried = {decode_instance}
         for attempt in range(self._config.attempts):
-            candidates = [
-                i for i in self._upstreams.candidates(model, exclude=frozenset(tried), leg="prefill")
-                if i.own_in_flight < self._per_instance_limit
-            ]  # fmt: skip
+            prefill_capable = self._upstreams.candidates(model, exclude=frozenset(tried), leg="prefill")
+            candidates = with_room(prefill_capable, self._per_instance_limit, self._max_waiting)
             if not candidates:
                 break
             if attempt and not self._retry_budget.spend():

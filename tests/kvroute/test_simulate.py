@@ -29,7 +29,7 @@ from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import EXTRA_POLICIES, PD_POLICIES, POLICIES
 from kvroute.simulate.results import RESULT_FIELDS
-from kvroute.simulate.run import DisaggregatedRun, session_of, simulate
+from kvroute.simulate.run import RETRY_BACKOFF_S, DisaggregatedRun, Run, session_of, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
 from router.config import DisaggregationConfig, UpstreamConfig
@@ -180,6 +180,43 @@ def test_a_full_queue_refuses() -> None:
     result = simulate(blocks, _fleet(1, pool=False), _Fixed(*[0] * 12), ideal_hit_rate=0.0)
     assert result.rejected > 0
     assert result.completed + result.rejected == 12
+
+
+class _Preferring(SimPolicy):
+    """Always instance 0, unless it refused the request."""
+
+    name = "preferring"
+
+    def route(self, request: SimRequest) -> int:
+        return min(set(range(len(self.view.instances))) - request.tried)
+
+
+def test_a_refused_request_is_retried_on_another_instance_and_waits_the_backoff() -> None:
+    blocks = TraceBlocks(_trace(*((0.0, 320, (i,) * 10) for i in range(12))), 16)
+    run = Run(blocks, _fleet(2, pool=False), _Preferring())
+    result = run.run(ideal_hit_rate=0.0)
+    assert result.rejected == 0 and result.completed == 12
+    moved = [r for r in run.done if r.tried]
+    assert moved and len(moved) == result.retried
+    assert all(r.tried == {0} and r.instance == 1 for r in moved)
+    assert all(r.first_token_s - r.sent_s >= RETRY_BACKOFF_S for r in moved)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_retries_elsewhere(name: str) -> None:
+    """A retry never goes back to the instance that refused it, whatever the policy."""
+    blocks = TraceBlocks(_trace((0.0, 320, (1,) * 10)), 16)
+    fleet = _fleet(3, pool=True)
+    loop = EventLoop()
+    pool = PoolStore(fleet.pool_blocks())
+    engines = [Engine(n, fleet.engine, blocks, loop, pool, 0.0) for n in range(fleet.instances)]
+    policy = POLICIES[name](fleet)
+    policy.bind(RouterView(fleet, loop, engines, pool, priors_for(fleet)))
+    request = SimRequest(0, blocks.trace.requests[0], blocks.chains[0], "s")
+    first = request.instance = policy.route(request)
+    policy.refused(request)
+    request.tried = frozenset({first})
+    assert policy.route(request) != first
 
 
 def test_the_slowest_ttfts_are_split_into_admission_queue_and_own_prefill() -> None:
