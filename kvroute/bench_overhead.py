@@ -1,8 +1,9 @@
 """`kvroute bench overhead`: what the router itself costs per request.
 
-Two parts, each with its own fixed backend and every router started at once in front of it:
-the grid (wrk against nginx: direct vs each router, concurrency x body size x hot/cold, interleaved) and the
-long-prompt case (agent turns of 10K-100K tokens, where the routing decision needs the prompt's token ids).
+Three parts, each with its own fixed backend and every router started at once in front of it:
+the grid (wrk against nginx: direct vs each router, concurrency x body size x hot/cold, interleaved), the
+long-prompt case (agent turns of 10K-100K tokens, where the routing decision needs the prompt's token ids) and
+streaming (concurrent streamed answers from a paced engine, each chunk timed).
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ from kvroute.overhead_backend import find_nginx, start_nginx, start_render_backe
 from kvroute.overhead_grid import Cell, CellResult, grid, run_grid, warm_up
 from kvroute.overhead_long import LongResult, run_long, summarize, vllm_router_counters
 from kvroute.overhead_profile import CellProfile, Profiler, find_py_spy
-from kvroute.overhead_report import grid_table, long_table, plot, verdict_table, verdicts
+from kvroute.overhead_report import grid_table, long_table, plot, streaming_table, verdict_table, verdicts
+from kvroute.overhead_streaming import (
+    STREAM_TARGETS,
+    StreamResult,
+    StreamSettings,
+    run_streaming,
+    streaming_fleet,
+)
+from kvroute.overhead_streaming import warm_up as warm_up_streams
 from kvroute.overhead_targets import (
     Running,
     backend_fleet,
     parse_overhead_targets,
-    peak_rss_mib,
     running_targets,
 )
 from kvroute.overhead_wrk import find_wrk
@@ -52,6 +60,9 @@ class OverheadOptions:
     long_tokens: tuple[int, ...] = (10_000, 50_000, 100_000)
     long_turns: int = 4
     long_targets: tuple[str, ...] = LONG_TARGETS
+    streams: tuple[int, ...] = (64, 256)  # concurrent streams; () skips the streaming case
+    stream: StreamSettings = field(default_factory=StreamSettings)
+    stream_targets: tuple[str, ...] = STREAM_TARGETS
     vllm_router: str | None = None
     out: Path | None = Path("bench-results/overhead.json")
     plots: Path | None = Path("bench-results")  # PNGs named overhead-*.png
@@ -61,7 +72,7 @@ class OverheadOptions:
 
 @dataclass
 class RouterProcess:
-    phase: str  # grid or long
+    phase: str  # grid, long or streaming
     target: str
     skipped: str = ""
     peak_rss_mib: float | None = None
@@ -74,6 +85,7 @@ class OverheadReport:
     cells: list[CellResult] = field(default_factory=list)
     long_turns: list[LongResult] = field(default_factory=list)
     vllm_router_counters: dict[str, float] = field(default_factory=dict)
+    streams: list[StreamResult] = field(default_factory=list)
     profiles: list[CellProfile] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)
 
@@ -88,7 +100,8 @@ class OverheadReport:
                 "summary": [dataclasses.asdict(s) for s in summaries],
                 "vllm_router_counters": self.vllm_router_counters,
             },
-            "verdicts": [dataclasses.asdict(v) for v in verdicts(self.cells, summaries)],
+            "streaming": [dataclasses.asdict(s) for s in self.streams],
+            "verdicts": [dataclasses.asdict(v) for v in verdicts(self.cells, summaries, self.streams)],
             "profiles": [dataclasses.asdict(p) for p in self.profiles],
             "plots": self.plots,
         }
@@ -109,8 +122,15 @@ def run_overhead_bench(options: OverheadOptions, console: Console | None = None)
     long_targets = parse_overhead_targets(options.long_targets) if options.long_tokens else []
     if long_targets and all(t.kind != "direct" for t in long_targets):
         raise ValueError("--long-targets needs direct: added latency is measured against it")
+    stream_targets = parse_overhead_targets(options.stream_targets) if options.streams else []
+    if stream_targets and all(t.kind != "direct" for t in stream_targets):
+        raise ValueError("--stream-targets needs direct: added latency is measured against it")
     report = OverheadReport(_settings(options))
-    total = len(cells) * len(grid_targets) + len(options.long_tokens) * options.long_turns * len(long_targets)
+    total = (
+        len(cells) * len(grid_targets)
+        + len(options.long_tokens) * options.long_turns * len(long_targets)
+        + len(options.streams) * len(stream_targets)
+    )
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -128,12 +148,18 @@ def run_overhead_bench(options: OverheadOptions, console: Console | None = None)
         )
 
         def show() -> None:
-            live.update(Group(grid_table(report.cells), long_table(summarize(report.long_turns)), progress))
+            tables = [grid_table(report.cells), long_table(summarize(report.long_turns))]
+            live.update(Group(*tables, streaming_table(report.streams), progress))
 
         def advance(label: str) -> Callable[[Any], None]:
             def on_result(result: Any) -> None:
                 progress.update(task, advance=1, description=label)
-                (report.cells if isinstance(result, CellResult) else report.long_turns).append(result)
+                if isinstance(result, CellResult):
+                    report.cells.append(result)
+                elif isinstance(result, StreamResult):
+                    report.streams.append(result)
+                else:
+                    report.long_turns.append(result)
                 show()
                 if not console.is_terminal:  # a log has no live display: one line per measurement instead
                     done = int(progress.tasks[0].completed)
@@ -159,9 +185,19 @@ def run_overhead_bench(options: OverheadOptions, console: Console | None = None)
                 asyncio.run(run_long(runs, options.long_tokens, options.long_turns, advance("long prompts")))
                 report.routers += _processes("long", runs)
                 report.vllm_router_counters = _kv_aware_counters(runs)
+        if stream_targets:
+            progress.update(task, description="streaming: starting the engine and the routers")
+            settings = options.stream
+            with streaming_fleet(stream_targets, settings, log_dir, options.vllm_router) as fleet:
+                engine, ports, runs = fleet
+                warm_up_streams(runs, ports, settings)
+                run_streaming(engine, ports, runs, options.streams, settings, advance("streaming"))
+                order = [t.label for t in stream_targets]
+                report.streams.sort(key=lambda r: (r.concurrency, order.index(r.target)))
+                report.routers += _processes("streaming", runs)
         show()
     summaries = summarize(report.long_turns)
-    console.print(verdict_table(verdicts(report.cells, summaries)))
+    console.print(verdict_table(verdicts(report.cells, summaries, report.streams)))
     for process in report.routers:
         if process.skipped:
             console.print(f"[yellow]{process.phase} {process.target} skipped: {process.skipped}")
@@ -185,7 +221,15 @@ def _profiler(options: OverheadOptions, cells: Sequence[Cell]) -> Profiler | Non
     return Profiler(binary, options.profile_dir, options.duration_s, max(c.concurrency for c in cells))
 
 
-def _one_line(result: CellResult | LongResult) -> str:
+def _one_line(result: CellResult | LongResult | StreamResult) -> str:
+    if isinstance(result, StreamResult):
+        return (
+            f"{result.target} {result.concurrency} streams: {result.tokens_per_s:,.0f} tokens/s, TTFB p50 "
+            f"{result.ttfb_p50_ms or 0:.2f} ms, ITL p99 {result.itl_p99_ms or 0:.2f} ms, cores: "
+            + ("" if result.router_cores is None else f"router {result.router_cores:.2f}, ")
+            + f"engine {result.engine_cores:.2f}, "
+            f"client {result.client_cores:.2f}" + (f", errors: {result.errors}" if result.errors else "")
+        )
     if isinstance(result, CellResult):
         return (
             f"{result.target} c={result.concurrency} {result.size_bytes} B {result.prompt}: "
@@ -226,7 +270,7 @@ def _long_fleet(targets: Sequence[Any], options: OverheadOptions, log_dir: Path)
 
 def _processes(phase: str, runs: Sequence[Running]) -> list[RouterProcess]:
     return [
-        RouterProcess(phase, r.target.label, r.skipped, None if r.pid is None else peak_rss_mib(r.pid))
+        RouterProcess(phase, r.target.label, r.skipped, r.peak_rss_mib())
         for r in runs
         if r.target.kind != "direct"
     ]
@@ -250,9 +294,14 @@ def _settings(options: OverheadOptions) -> dict[str, Any]:
         "long_tokens": list(options.long_tokens),
         "long_turns": options.long_turns,
         "long_targets": list(options.long_targets),
+        "streams": list(options.streams),
+        "stream_tokens": options.stream.tokens,
+        "stream_step_ms": options.stream.step_ms,
+        "stream_targets": list(options.stream_targets),
         "cpus": os.cpu_count(),
-        "backend": "nginx, 1 worker, canned chat completion; long prompts: aiohttp backend that tokenizes",
-        "load_generator": "wrk -t1",
+        "backend": "nginx, 1 worker, canned chat completion; long prompts: aiohttp backend that tokenizes; "
+        "streaming: kvroute.overhead_stream_engine (one process, two ports, one step clock)",
+        "load_generator": "wrk -t1; streaming: kvroute.overhead_stream_client (one process)",
     }
 
 
@@ -277,6 +326,12 @@ def add_overhead_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
         help="long-prompt sizes in tokens ('' to skip; default 10000,50000,100000)")  # fmt: skip
     add("--long-turns", type=int, default=4, help="agent turns per long-prompt session (default 4)")
     add("--long-targets", type=_names, default=LONG_TARGETS, help=f"default {','.join(LONG_TARGETS)}")
+    add("--streams", type=_ints, default=(64, 256),
+        help="concurrent streams, comma-separated ('' skips the streaming case; default 64,256); each run "
+        "streams for --duration seconds after all have started")  # fmt: skip
+    add("--stream-tokens", type=int, default=256, help="tokens per streamed answer (default 256)")
+    add("--stream-step-ms", type=float, default=20.0, help="the engine's time between tokens (default 20)")
+    add("--stream-targets", type=_names, default=STREAM_TARGETS, help=f"default {','.join(STREAM_TARGETS)}")
     add("--vllm-router", help="the vllm-router binary (default: next to this Python, or on PATH)")
     add("--out", default="bench-results/overhead.json", help="JSON results ('' for none)")
     add("--plots", default="bench-results", help="directory for overhead-*.png ('' for none)")
@@ -297,6 +352,9 @@ def _run(args: argparse.Namespace) -> int:
         long_tokens=args.long_tokens,
         long_turns=args.long_turns,
         long_targets=args.long_targets,
+        streams=args.streams,
+        stream=StreamSettings(args.stream_tokens, args.stream_step_ms, args.duration),
+        stream_targets=args.stream_targets,
         vllm_router=args.vllm_router,
         out=Path(args.out) if args.out else None,
         plots=Path(args.plots) if args.plots else None,

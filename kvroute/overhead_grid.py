@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute.overhead_profile import Profiler
-from kvroute.overhead_targets import DIRECT, Running, cpu_seconds, peak_rss_mib
+from kvroute.overhead_targets import DIRECT, Running, cpu_seconds, peak_rss_mib, rotated
 from kvroute.overhead_wrk import Prompt, WrkError, run_wrk
 
 
@@ -72,9 +72,8 @@ def run_grid(
     active = [r for r in runs if not r.skipped]
     results: list[CellResult] = []
     for index, cell in enumerate(cells):
-        rotation = index % len(active) if active else 0
         cell_results = []
-        for run in [*active[rotation:], *active[:rotation]]:
+        for run in rotated(active, index):
             result = _run_cell(wrk, run, cell, duration_s, script_dir)
             cell_results.append(result)
             on_result(result)

@@ -11,11 +11,13 @@ from rich.table import Table
 
 from kvroute.overhead_grid import CellResult
 from kvroute.overhead_long import LongResult, LongSummary
+from kvroute.overhead_streaming import StreamResult
 from kvroute.overhead_targets import PLAIN_PROXY
 
 KVROUTE = "kvroute:kvroute"
 VLLM_RR = "vllm-router:round_robin"
 VLLM_KV = "vllm-router:kv_aware"
+ENVOY_EPP = "envoy-epp:kvroute"
 
 
 @dataclass
@@ -60,6 +62,30 @@ def long_table(summaries: Sequence[LongSummary]) -> Table:
             _num(s.first_turn_added_ms, ".1f"), _num(s.later_turns_added_ms, ".1f"),
         )  # fmt: skip
     return table
+
+
+def streaming_table(results: Sequence[StreamResult]) -> Table:
+    table = Table(title="streaming: relayed tokens/s, time to first byte (TTFB), inter-token latency (ITL)")
+    columns = (
+        "target", "streams", "tokens/s", "x vllm\nrr", "TTFB ms\np50 / p99", "+TTFB ms\np50 / p99",
+        "ITL ms\np50 / p99", "+ITL ms\np50 / p99", "router\ncores", "CPU ms /\n1k tok",
+        "engine /\nclient cores", "failed",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column, no_wrap=True)
+    for r in results:
+        table.add_row(
+            r.target, str(r.concurrency), f"{r.tokens_per_s:,.0f}", _num(r.tokens_per_s_vs_vllm_router),
+            _pair(r.ttfb_p50_ms, r.ttfb_p99_ms), _pair(r.added_ttfb_p50_ms, r.added_ttfb_p99_ms),
+            _pair(r.itl_p50_ms, r.itl_p99_ms), _pair(r.added_itl_p50_ms, r.added_itl_p99_ms),
+            _num(r.router_cores), _num(r.cpu_ms_per_1k_tokens, ",.0f"),
+            f"{r.engine_cores:.2f} / {r.client_cores:.2f}", f"{r.failed_streams} {r.errors[:30]}".strip(),
+        )  # fmt: skip
+    return table
+
+
+def _pair(a: float | None, b: float | None) -> str:
+    return f"{_num(a)} / {_num(b)}"
 
 
 def verdict_table(verdicts: Sequence[Verdict]) -> Table:
@@ -110,7 +136,9 @@ def _grid_verdicts(results: Sequence[CellResult], mine: str, suffix: str) -> lis
     ]
 
 
-def verdicts(results: Sequence[CellResult], long: Sequence[LongSummary]) -> list[Verdict]:
+def verdicts(
+    results: Sequence[CellResult], long: Sequence[LongSummary], streams: Sequence[StreamResult] = ()
+) -> list[Verdict]:
     """Each target judged over every cell it applies to: met only if it holds in all of them. The plain
     pass-through, when measured, is judged by the grid's targets too: the floor under kvroute's requests."""
     out = _grid_verdicts(results, KVROUTE, "")
@@ -132,7 +160,38 @@ def verdicts(results: Sequence[CellResult], long: Sequence[LongSummary]) -> list
                 None if not ratios else max(ratios) < 1,
             )
         )
-    return out
+    return out + _streaming_verdicts(streams)
+
+
+def _streaming_verdicts(streams: Sequence[StreamResult]) -> list[Verdict]:
+    """Envoy + kvroute epp against vllm-router round_robin at each concurrency."""
+    pairs = []
+    for mine in (s for s in streams if s.target == ENVOY_EPP and s.tokens_per_s > 0):
+        theirs = next((s for s in streams if s.target == VLLM_RR and s.concurrency == mine.concurrency), None)
+        if theirs is not None and theirs.tokens_per_s > 0:
+            pairs.append((mine, theirs))
+    shares = [m.tokens_per_s / t.tokens_per_s for m, t in pairs]
+    itl = [
+        (m.concurrency, m.added_itl_p99_ms, t.added_itl_p99_ms)
+        for m, t in pairs
+        if m.added_itl_p99_ms is not None and t.added_itl_p99_ms is not None
+    ]
+    # Added latencies near zero are noise either way: a router within 1 ms of vllm-router's meets it too.
+    itl_met = [mine <= max(1.5 * theirs, theirs + 1.0) for _, mine, theirs in itl]
+    return [
+        Verdict(
+            f"streaming relayed tokens/s ({ENVOY_EPP})",
+            ">= 0.8x vllm-router round_robin's",
+            _spread(shares, "x"),
+            None if not shares else min(shares) >= 0.8,
+        ),
+        Verdict(
+            f"streaming added ITL p99 ({ENVOY_EPP})",
+            "<= 1.5x vllm-router round_robin's (or within 1 ms of it) at every concurrency",
+            "; ".join(f"c={c}: {mine:.2f} vs {theirs:.2f} ms" for c, mine, theirs in itl) or "not measured",
+            None if not itl else all(itl_met),
+        ),
+    ]
 
 
 def _spread(values: Sequence[float], unit: str) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -21,19 +22,38 @@ from kvroute.bench_live import (
     parse_targets,
     vllm_router_args,
 )
+from kvroute.overhead_envoy import start_envoy, start_picker
 from kvroute.processes import Child, free_port_block, spawn, start, wait_all_healthy
 from router.config import parse_config
 
 DIRECT = "direct"
 PLAIN_PROXY = "python-proxy"  # kvroute/plain_proxy.py: what kvroute's HTTP stack alone costs
+ENVOY_EPP = "envoy-epp"  # Envoy (configs/envoy-epp.yaml) asking `kvroute epp`
+SERVE_WORKERS = "kvroute-workers"  # `kvroute serve --workers N`
 _OWN_KINDS = (DIRECT, PLAIN_PROXY)
 
 
 def parse_overhead_targets(specs: Sequence[str]) -> list[Target]:
-    """``direct`` (the backend itself), ``python-proxy`` or anything ``kvroute bench live`` takes."""
-    targets = [Target(spec.strip(), spec.strip()) for spec in specs if spec.strip() in _OWN_KINDS]
-    others = [spec for spec in specs if spec.strip() not in _OWN_KINDS]
+    """``direct`` (the backend itself), ``python-proxy``, ``envoy-epp[:POLICY]``, ``kvroute-workers:N``
+    (kvroute's default policy) or anything ``kvroute bench live`` takes."""
+    targets, others = [], []
+    for spec in (s.strip() for s in specs):
+        kind, _, arg = spec.partition(":")
+        if spec in _OWN_KINDS:
+            targets.append(Target(spec, spec))
+        elif kind == ENVOY_EPP:
+            targets.append(Target(f"{ENVOY_EPP}:{arg or 'kvroute'}", ENVOY_EPP, arg or "kvroute"))
+        elif kind == SERVE_WORKERS:
+            if not arg.isdigit() or int(arg) < 1:
+                raise ValueError(f"target {spec!r}: use {SERVE_WORKERS}:N, N the number of worker processes")
+            targets.append(Target(spec, SERVE_WORKERS, "kvroute"))
+        else:
+            others.append(spec)
     return targets + parse_targets(others, default_policy="kvroute")
+
+
+def serve_workers(target: Target) -> int:
+    return int(target.label.partition(":")[2]) if target.kind == SERVE_WORKERS else 1
 
 
 def backend_fleet(ports: Sequence[int], event_ports: Sequence[int] = ()) -> Fleet:
@@ -57,10 +77,23 @@ class Running:
     url: str = ""
     child: Child | None = None
     skipped: str = ""
+    helpers: list[Child] = field(default_factory=list)  # processes it needs besides its own (Envoy's picker)
 
     @property
     def pid(self) -> int | None:
         return None if self.child is None else self.child.process.pid
+
+    def cpu_seconds(self) -> float | None:
+        """Every process the target started, its children included (`serve --workers`), so far."""
+        if self.child is None:
+            return None
+        return sum(group_cpu_seconds(c.process.pid) for c in (self.child, *self.helpers))
+
+    def peak_rss_mib(self) -> float | None:
+        """The largest VmHWM of its processes (one worker of several, the picker or Envoy)."""
+        if self.child is None:
+            return None
+        return max(group_peak_rss_mib(c.process.pid) for c in (self.child, *self.helpers))
 
 
 @contextlib.contextmanager
@@ -85,6 +118,13 @@ def running_targets(
                     run.child = _start_kvroute(target, fleet, port, log_dir)
                 elif target.kind == PLAIN_PROXY:
                     run.child = _start_plain_proxy(fleet, port, log_dir)
+                elif target.kind == SERVE_WORKERS:
+                    run.child = _start_kvroute(target, fleet, port, log_dir, serve_workers(target))
+                elif target.kind == ENVOY_EPP:
+                    picker = start_picker(target, fleet, log_dir)
+                    stack.callback(picker.child.stop, 15.0)
+                    run.helpers.append(picker.child)
+                    run.child = start_envoy(fleet, picker.port, port, log_dir)
                 else:
                     run.child = _start_vllm_router(target, fleet, port, log_dir, vllm_router)
             except SkipTarget as exc:
@@ -98,12 +138,34 @@ def running_targets(
         yield runs
 
 
-def _start_kvroute(target: Target, fleet: Fleet, port: int, log_dir: Path) -> Child:
-    name = f"kvroute-{target.policy}"
-    config_path = log_dir / f"{name}.yaml"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(yaml.safe_dump(kvroute_config(fleet, target.policy), sort_keys=False))
-    return start(name, ["serve", "--config", str(config_path), "--port", str(port)], log_dir)
+def rotated(active: Sequence[Running], index: int) -> list[Running]:
+    """The targets in the order cell ``index`` runs them: the first one moves on each cell, so that no
+    target always runs first (or right after another)."""
+    if not active:
+        return []
+    rotation = index % len(active)
+    return [*active[rotation:], *active[:rotation]]
+
+
+def _start_kvroute(target: Target, fleet: Fleet, port: int, log_dir: Path, workers: int = 1) -> Child:
+    name = f"kvroute-{target.policy}" + (f"-workers-{workers}" if workers > 1 else "")
+    args = ["serve", "--config", str(write_config(fleet, target.policy, log_dir / f"{name}.yaml"))]
+    if workers > 1:
+        if "--workers" not in serve_help():
+            raise SkipTarget("`kvroute serve` has no --workers option in this build")
+        args += ["--workers", str(workers)]
+    return start(name, [*args, "--port", str(port)], log_dir)
+
+
+def write_config(fleet: Fleet, policy: str, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(kvroute_config(fleet, policy), sort_keys=False))
+    return path
+
+
+def serve_help() -> str:
+    argv = [sys.executable, "-m", "kvroute.cli", "serve", "--help"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False).stdout
 
 
 def _start_plain_proxy(fleet: Fleet, port: int, log_dir: Path) -> Child:
@@ -131,3 +193,29 @@ def peak_rss_mib(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rpartition(")")[2].split()[2]) == pgid:
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """cpu_seconds of every live process in group pgid (each target's processes have a group of their own)."""
+    total = 0.0
+    for pid in _group_pids(pgid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
+
+
+def group_peak_rss_mib(pgid: int) -> float:
+    peaks = [0.0]
+    for pid in _group_pids(pgid):
+        with contextlib.suppress(OSError):
+            peaks.append(peak_rss_mib(pid))
+    return max(peaks)

