@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -99,11 +100,7 @@ class Discovery:
         self._publish()
         version = listing.metadata.resource_version if listing.metadata else None
         while True:
-            async for line in kube.watch(path, query | ({"resourceVersion": version} if version else {})):
-                event = _event.decode(line)
-                if event.type == "ERROR":
-                    status = _status.decode(event.object)
-                    raise error(status.code or 500, status.message, f"watch {path}")
+            async for event in _watched(kube, path, query, version):
                 pod = _pod.decode(event.object)
                 version = pod.metadata.resource_version or version
                 if event.type == "BOOKMARK":
@@ -152,11 +149,7 @@ class Discovery:
         query = {"fieldSelector": f"metadata.name={pool.metadata.name}"}
         target = self._target(pool)
         while True:
-            async for line in kube.watch(path, query | ({"resourceVersion": version} if version else {})):
-                event = _event.decode(line)
-                if event.type == "ERROR":
-                    status = _status.decode(event.object)
-                    raise error(status.code or 500, status.message, f"watch {path}")
+            async for event in _watched(kube, path, query, version):
                 changed = _pool.decode(event.object)
                 version = changed.metadata.resource_version or version
                 if event.type == "BOOKMARK" or changed.metadata.name != pool.metadata.name:
@@ -209,3 +202,15 @@ class Discovery:
         if (pod.metadata.name, problem) not in self._told:
             self._told.add((pod.metadata.name, problem))
             log.warning("pod %s left out of discovery: %s", pod.metadata.name, problem)
+
+
+async def _watched(
+    kube: Kube, path: str, query: dict[str, str], version: str | None
+) -> AsyncIterator[WatchEvent]:
+    """The watch's events from version on; an ERROR event is raised as the API server's error."""
+    async for line in kube.watch(path, query | ({"resourceVersion": version} if version else {})):
+        event = _event.decode(line)
+        if event.type == "ERROR":
+            status = _status.decode(event.object)
+            raise error(status.code or 500, status.message, f"watch {path}")
+        yield event
