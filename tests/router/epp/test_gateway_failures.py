@@ -13,6 +13,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvroute.overhead_envoy import connection_manager, routing_filter
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from tests.conftest import metric
 from tests.router.epp.conftest import (
@@ -183,9 +184,8 @@ def test_the_subset_hint_limits_the_choice(fleet_only: FleetPorts, tmp_path: Pat
     allowed = f"127.0.0.1:{fleet_only.http + 1}"
     with running_picker(picker_config([fleet_only]), tmp_path) as picker:
         envoy, listen, admin = envoy_config(fleet_endpoints([fleet_only]), picker.port)
-        manager = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        manager["http_filters"][0]["typed_config"]["metadata_options"] = {
-            "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}
+        routing_filter(envoy)["metadata_options"]["forwarding_namespaces"] = {
+            "untyped": ["envoy.lb.subset_hint"]
         }
         hint = {
             "name": "envoy.filters.http.set_metadata",
@@ -199,7 +199,7 @@ def test_the_subset_hint_limits_the_choice(fleet_only: FleetPorts, tmp_path: Pat
                 ],
             },
         }
-        manager["http_filters"].insert(0, hint)
+        connection_manager(envoy)["http_filters"].insert(0, hint)
         with running_envoy(envoy, listen, admin, tmp_path) as gateway:
             served = {ask(client(gateway), f"subset-{n}", f"Hello number {n}.")[0] for n in range(6)}
     assert served == {"fleet-1"}

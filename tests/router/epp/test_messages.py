@@ -180,3 +180,27 @@ def test_response_headers_add_and_remove() -> None:
     mutation = answer.response_headers.response.header_mutation
     assert set_headers(mutation) == {"x-kvroute-instance": "fleet-1"}
     assert list(mutation.remove_headers) == [messages.SERVED_KEY]
+
+
+@pytest.mark.parametrize(
+    ("request_", "expected"),
+    [
+        (ext_proc.ProcessingRequest(), None),
+        (with_metadata("kvroute", {"other": "1"}), None),
+        (with_metadata("kvroute", {messages.EXCHANGE_KEY: "17"}), "17"),
+        (with_metadata("envoy.lb", {messages.EXCHANGE_KEY: "17"}), None),  # another namespace
+    ],
+)
+def test_exchange_key(request_: Any, expected: str | None) -> None:
+    assert messages.exchange_key(request_) == expected
+
+
+def test_routed_names_its_exchange_for_the_observer() -> None:
+    (named,) = messages.routed(["10.0.0.1:80"], None, exchange="17")
+    observed = ext_proc.ProcessingRequest()
+    observed.metadata_context.filter_metadata["kvroute"].CopyFrom(
+        named.dynamic_metadata.fields["kvroute"].struct_value
+    )
+    assert messages.exchange_key(observed) == "17"
+    (plain,) = messages.routed(["10.0.0.1:80"], None)
+    assert "kvroute" not in plain.dynamic_metadata.fields

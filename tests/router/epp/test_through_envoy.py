@@ -81,7 +81,9 @@ def test_a_session_sticks_to_its_prefix_instance(gateway: Gateway, picker: Picke
         messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content or ""})
     assert len(set(served)) == 1, served
     # The picker learnt from the answers Envoy relayed: the requests counted as answered there, and the
-    # later turns found their prefix cached (the fleet's KV events reached the picker's index).
+    # later turns found their prefix cached (the fleet's KV events reached the picker's index). A request
+    # ends when Envoy closes its stream, just after the client has the answer.
+    wait_none_in_flight(picker)
     assert metric(picker.metrics_url, "kvroute_requests_total", vllm_instance=served[0], status="200") >= 4
     assert metric(picker.metrics_url, "kvroute_session_turns_total", placement="same") >= 3
 
