@@ -16,19 +16,11 @@ import asyncio
 import itertools
 from typing import Any
 
-from router.dispatch.attempts import ATTEMPTS_HEADER
 from router.dispatch.outcome import Outcome
 from router.epp import messages
 from router.epp.picking import Picker, Routed
 from router.errors import OpenAIError
-from router.http.proxy import (
-    CACHED_BLOCKS_HEADER,
-    INSTANCE_HEADER,
-    POLICY_HEADER,
-    PREDICTED_TTFT_HEADER,
-    PROMPT_BLOCKS_HEADER,
-    answer_usage,
-)
+from router.http.proxy import answer_usage, routing_headers
 from router.http.request_limits import too_large
 
 _MAX_ANSWER_BYTES = 1 << 20  # of a whole answer, kept to read its usage; a larger one is not read
@@ -219,18 +211,7 @@ class Exchange:
             self._ended(outcome)
         else:
             self._body_follows = True
-        decision = outcome.decision
-        return messages.response_headers(
-            {
-                INSTANCE_HEADER: outcome.instance.name,
-                POLICY_HEADER: outcome.policy.name,
-                CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
-                PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
-                PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
-                ATTEMPTS_HEADER: str(outcome.attempts),
-            },
-            remove,
-        )
+        return messages.response_headers(routing_headers(outcome), remove)
 
     def _response_body(self, chunk: Any) -> list[Any]:
         outcome = self._outcome

@@ -141,17 +141,7 @@ class Proxy:
         upstream = outcome.upstream
         assert isinstance(upstream, aiohttp.ClientResponse)
         content_type = upstream.headers.get("content-type", "application/json")
-        decision = outcome.decision
-        debug = {
-            INSTANCE_HEADER: outcome.instance.name,
-            POLICY_HEADER: outcome.policy.name,
-            CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
-            PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
-            PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
-            ATTEMPTS_HEADER: str(outcome.attempts),
-        }
-        if outcome.prefill_instance is not None:
-            debug[PREFILL_INSTANCE_HEADER] = outcome.prefill_instance
+        debug = routing_headers(outcome)
         for name in _RETURNED_HEADERS:
             if (value := upstream.headers.get(name)) is not None:
                 debug[name] = value
@@ -230,6 +220,22 @@ _decode_answer = msgspec.json.Decoder(_Answer).decode
 def _shutting_down() -> OpenAIError:
     return unavailable("The router is shutting down; retry.", "shutting_down", RETRY_AFTER_S)
 
+
+def routing_headers(outcome: Outcome) -> dict[str, str]:
+    """What the answer tells of its routing: the instance (and a disaggregated request's prefill instance),
+    the policy, the prefix it was predicted to reuse and the TTFT, the instances tried."""
+    decision = outcome.decision
+    headers = {
+        INSTANCE_HEADER: outcome.instance.name,
+        POLICY_HEADER: outcome.policy.name,
+        CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
+        PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
+        PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
+        ATTEMPTS_HEADER: str(outcome.attempts),
+    }
+    if outcome.prefill_instance is not None:
+        headers[PREFILL_INSTANCE_HEADER] = outcome.prefill_instance
+    return headers
 
 def answer_usage(payload: bytes) -> _Usage | None:
     """A whole answer's usage, if it has one."""
