@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kvroute.arguments import non_negative_int, positive_float, positive_int
@@ -21,6 +22,8 @@ from kvroute.traces import MOONCAKE_TRACE, Trace, agentic_trace, load_trace
 
 SWEEP_LOADS = (0.3, 0.45, 0.6, 0.75, 0.9)
 SWEEP_INSTANCES = (4, 8, 16, 32)
+SUITE_REQUESTS = 500
+SUITE_WORKERS = 1
 
 
 def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,6 +69,17 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
         "--tie-seed", type=int, default=0,
         help="seed of the routers' random choice between equal scores (runs with one seed repeat exactly)",
     )  # fmt: skip
+    simulate.add_argument("--suite", action="store_true",
+                          help="every policy on a grid of workloads, fleets, loads and pool settings, "
+                               "kvroute against the best peer (docs/bench-simulate.md)")  # fmt: skip
+    simulate.add_argument("--suite-cells", default=None, metavar="SPEC",
+                          help="implies --suite: AXIS=V1,V2 terms (workload, instances, load, pool) "
+                               "replacing the base grid's (every workload, 16, 0.7, on); AXIS=all, or `all`: "
+                               "the full grid")  # fmt: skip
+    simulate.add_argument("--suite-requests", type=positive_int, default=SUITE_REQUESTS,
+                          help="the first N requests of each cell's workload")  # fmt: skip
+    simulate.add_argument("--suite-workers", type=positive_int, default=SUITE_WORKERS,
+                          help="processes running the suite's simulations")  # fmt: skip
     simulate.add_argument("--sweep", choices=["rate", "instances"], default=None)
     simulate.add_argument(
         "--sweep-requests", type=positive_int, default=3000, help="requests per sweep point"
@@ -129,6 +143,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"unknown policies: {', '.join(unknown)}; known{' with --pd' if fleet.pd else ''}: "
               f"{', '.join(known)}", file=sys.stderr)  # fmt: skip
         return 2
+    if args.suite or args.suite_cells is not None:
+        return _suite(args, fleet, names)
     try:
         trace = _trace(args).skip(args.skip)
     except (OSError, ValueError) as exc:
@@ -148,4 +164,22 @@ def _run(args: argparse.Namespace) -> int:
         bench.sweep_instances(trace.head(args.sweep_requests), SWEEP_INSTANCES, args.load, args.slo)
     else:
         bench.compare(trace, args.rate, args.load)
+    return 0
+
+
+def _suite(args: argparse.Namespace, fleet: FleetSpec, names: list[str]) -> int:
+    from kvroute.simulate.suite import parse_cells
+    from kvroute.simulate.suite_bench import run_suite
+
+    if fleet.pd is not None or args.sweep is not None:
+        print("--suite compares policies on aggregated fleets: not with --pd or --sweep", file=sys.stderr)
+        return 2
+    try:
+        cells = parse_cells(args.suite_cells)
+    except ValueError as exc:
+        print(f"--suite-cells: {exc}", file=sys.stderr)
+        return 2
+    pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link])
+    run_suite(cells, names, replace(fleet, pool=pool), args.suite_requests, args.suite_workers,
+              Path(args.out), args.tie_seed)  # fmt: skip
     return 0
