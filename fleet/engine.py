@@ -46,6 +46,16 @@ class EngineStats:
     )
 
 
+@dataclass(slots=True)
+class PromptCache:
+    """What one request's prompt found cached and what it added to the prefix cache, known at its first
+    token, as vLLM counts them for usage.prompt_tokens_details (PrefillStats at the first scheduling, and
+    finalize at the first output)."""
+
+    cached_tokens: int = 0  # from the local prefix cache, or loaded by the KV connector
+    created_tokens: int = 0  # the tokens of the prompt's full blocks now cached, less those
+
+
 TokenSampler = Callable[[int], int]
 """Maps an output position to the token id generated there."""
 
@@ -70,6 +80,8 @@ class _Sequence:
     connector: bool = False  # the engine runs a KV connector, asked about every prompt's uncached tokens
     load: KVLoad | None = None  # until it ends: the prompt's KV beyond the local cache comes from elsewhere
     loading: asyncio.Task[None] | None = None
+    cache: PromptCache = field(default_factory=PromptCache)
+    preempted: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -116,12 +128,13 @@ class Engine:
         lora: Adapter | None = None,
         connector: bool = False,
         load: KVLoad | None = None,
+        cache: PromptCache | None = None,
     ) -> AsyncIterator[int]:
         """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
         cache_salt: vLLM's, which makes the prompt's cache entries its own; lora: the adapter it runs with,
         whose cache entries are its own too; connector: the instance runs a KV connector; load: brings the
         prompt's KV beyond the local cache from a prefill instance (a decode leg), run once the request is
-        admitted; the transfer then takes transfer_tokens_per_s."""
+        admitted; the transfer then takes transfer_tokens_per_s; cache: filled in by the first token."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
@@ -132,6 +145,7 @@ class Engine:
             lora=lora,
             connector=connector,
             load=load,
+            cache=cache or PromptCache(),
         )
         self._waiting.append(seq)
         self._wake.set()
@@ -205,6 +219,9 @@ class Engine:
         seq.blocks = hits + self.pool.allocate(needed)
         seq.num_computed = len(hits) * self.pool.block_size
         seq.num_cached_blocks = len(hits)
+        if not seq.preempted:  # a planned load counts, whatever becomes of it
+            loaded = len(seq.token_ids) - seq.num_computed if seq.load is not None else 0
+            seq.cache.cached_tokens = seq.num_computed + loaded
         if seq.num_output == 0:  # a preempted request is not queried twice
             stats, uncached = self.stats, len(seq.token_ids) - seq.num_computed
             stats.prefix_cache_queries += len(seq.token_ids)
@@ -264,6 +281,7 @@ class Engine:
         self._running.remove(seq)
         self.pool.free(seq.blocks)
         seq.blocks, seq.num_computed, seq.num_cached_blocks = [], 0, 0
+        seq.preempted = True
         self._waiting.appendleft(seq)
         self.stats.preemptions += 1
 
@@ -275,6 +293,9 @@ class Engine:
             self._cache_full_blocks(seq)
             if seq.num_computed < len(seq.token_ids):  # a prefill chunk that is not the last
                 continue
+            if seq.num_output == 0:
+                full = min(seq.num_cached_blocks * self.pool.block_size, seq.num_prompt_tokens)
+                seq.cache.created_tokens = max(0, full - seq.cache.cached_tokens)
             token = seq.sample(seq.num_output)
             seq.token_ids.append(token)
             seq.num_output += 1

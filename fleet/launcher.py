@@ -45,6 +45,7 @@ class FleetOptions:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters every instance serves
     api_key: str | None = None  # what every instance requires on /v1, as vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # as vLLM's option
+    prompt_tokens_details: bool = False  # as vLLM's --enable-prompt-tokens-details
     # Engines per instance behind its one API server (vllm serve --data-parallel-size); rank R of instance I
     # publishes at event_port + I x size + R, as vLLM offsets each rank's ports.
     data_parallel_size: int = 1
@@ -112,6 +113,7 @@ async def run_fleet(
                 ),
                 api_key=options.api_key,
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
+                prompt_tokens_details=options.prompt_tokens_details,
                 transfer=options.transfer_side(index) if options.roles else None,  # roles: a KV connector
                 transfers=transfers,
             )

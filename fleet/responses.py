@@ -10,18 +10,36 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.engine import PromptCache
+
 SYSTEM_FINGERPRINT = "vllm-0.32.0-kvroute-fleet"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, stream: bool) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, stream: bool, details: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """details: prompt_tokens_details (vLLM's --enable-prompt-tokens-details), or None."""
     body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
     if not stream:
-        body.update(prompt_tokens_details=None, completion_tokens_details=None)
+        body.update(prompt_tokens_details=details, completion_tokens_details=None)
+    elif details is not None:
+        body["prompt_tokens_details"] = details
     return body
+
+
+def prompt_tokens_details(cache: PromptCache, chat: bool, stream: bool) -> dict[str, Any]:
+    """As vLLM 0.32 writes them: completions report cached tokens only, and a stream's usage chunk leaves
+    out what is unset or null."""
+    if stream:
+        if chat:
+            return {"cached_tokens": cache.cached_tokens, "created_cache_tokens": cache.created_tokens}
+        return {"cached_tokens": cache.cached_tokens}
+    created = cache.created_tokens if chat else None
+    return {"cached_tokens": cache.cached_tokens, "created_cache_tokens": created, "multimodal_tokens": None}
 
 
 @dataclass
@@ -41,8 +59,10 @@ class Envelope:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def body(
-        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
-    ) -> dict[str, Any]:
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+        cache: PromptCache | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """cache: what the prompt found cached, for the usage's details (None: vLLM's default, none)."""
         head = self._head(stream=False)
         if self.chat:
             message: dict[str, Any] = {
@@ -86,12 +106,15 @@ class Envelope:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": usage(prompt_tokens, completion_tokens, stream=False),
+            "usage": usage(prompt_tokens, completion_tokens, False, self._details(cache, stream=False)),
             **prompt_echo,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
             "metrics": None,
         }
+
+    def _details(self, cache: PromptCache | None, stream: bool) -> dict[str, Any] | None:
+        return None if cache is None else prompt_tokens_details(cache, self.chat, stream)
 
     def role_chunk(self) -> dict[str, Any]:
         """Chat streams open with the role, sent together with the first output."""
@@ -126,11 +149,13 @@ class Envelope:
             }
         return {**self._head(stream=True), "choices": [choice]}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cache: PromptCache | None = None
+    ) -> dict[str, Any]:
         return {
             **self._head(stream=True),
             "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, stream=True),
+            "usage": usage(prompt_tokens, completion_tokens, True, self._details(cache, stream=True)),
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
 

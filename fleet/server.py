@@ -7,7 +7,7 @@ import hashlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from fleet.block_pool import Adapter
 from fleet.cache_config import cache_config_labels
-from fleet.engine import Engine
+from fleet.engine import Engine, PromptCache
 from fleet.kv_transfer import KVTransfers, TransferSide
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
@@ -48,6 +48,7 @@ class SimInstance:
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters, by --lora-modules
     api_key: str | None = None  # vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's option: the chat endpoint only, not /tokenize
+    prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details: usage says what was cached
     # Its KV connector's end of prefill-to-decode transfer (fleet/kv_transfer.py); None: it runs no connector
     transfer: TransferSide | None = None
     transfers: KVTransfers | None = None  # the fleet's, shared by its instances
@@ -176,14 +177,26 @@ class _Generation:
         self.remote_decode = bool(side and side.produces and params and params.get("do_remote_decode"))
         self.remote_prefill = bool(side and side.consumes and params and params.get("do_remote_prefill"))
         self.transfer_params: dict[str, Any] = params or {}
+        self.cache = PromptCache()
 
     async def tokens(self) -> AsyncIterator[int]:
         load = self._fetch if self.remote_prefill and self.instance.transfers is not None else None
         connector = self.instance.transfer is not None
         async for token in self.engine.generate(
-            self.prompt_ids, self.max_tokens, self.sample, self.salt, self.lora, connector, load
+            self.prompt_ids, self.max_tokens, self.sample, self.salt, self.lora, connector, load, self.cache
         ):
             yield token
+
+    def reported_cache(self) -> PromptCache | None:
+        """What the usage reports of the prompt's cache: nothing unless the instance runs with
+        --enable-prompt-tokens-details. A decode leg given the prefill leg's count (vLLM's
+        remote_prefill_cached_tokens) reports that instead of what it loaded."""
+        if not self.instance.prompt_tokens_details:
+            return None
+        remote, params = self.transfer_params.get("remote_prefill_cached_tokens"), self.transfer_params
+        if params.get("do_remote_prefill") and type(remote) is int:
+            return replace(self.cache, cached_tokens=remote)
+        return self.cache
 
     async def _fetch(self) -> bool:
         assert self.instance.transfers is not None
@@ -202,7 +215,8 @@ async def _complete(request: web.Request, generation: _Generation) -> web.Stream
         return await _stream(request, generation)
     output = [token async for token in generation.tokens()]
     text = generation.instance.tokenizer.decode(output)
-    body = generation.envelope.body(text, "length", len(generation.prompt_ids), len(output))
+    prompt_tokens, cache = len(generation.prompt_ids), generation.reported_cache()
+    body = generation.envelope.body(text, "length", prompt_tokens, len(output), cache)
     body["kv_transfer_params"] = generation.kept_for_decode()
     return json_response(body)
 
@@ -220,7 +234,8 @@ async def _stream(request: web.Request, generation: _Generation) -> web.StreamRe
         await response.write(_sse(envelope.token_chunk(token_text(token), finish)))
     options = generation.body.get("stream_options") or {}
     if isinstance(options, dict) and options.get("include_usage"):
-        await response.write(_sse(envelope.usage_chunk(len(generation.prompt_ids), count)))
+        usage = envelope.usage_chunk(len(generation.prompt_ids), count, generation.reported_cache())
+        await response.write(_sse(usage))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

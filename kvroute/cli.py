@@ -118,6 +118,7 @@ def _fleet(args: argparse.Namespace) -> int:
         lora_modules=tuple((name, path) for name, _, path in (m.partition("=") for m in args.lora_modules)),
         api_key=args.api_key,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
         data_parallel_size=args.data_parallel_size,
         timing=EngineTiming(
             prefill_tokens_per_s=args.prefill_tps,
@@ -337,6 +338,11 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument(
         "--exclude-tools-when-tool-choice-none", action="store_true",
         help='render a chat whose tool_choice is "none" without its tools, as vLLM\'s option',
+    )  # fmt: skip
+    fleet.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="usage.prompt_tokens_details in answers (cached_tokens: the prompt tokens found cached), as "
+        "vLLM's option; the router's A/B reads its engine hit rate there",
     )  # fmt: skip
     fleet.add_argument(
         "--data-parallel-size", type=positive_int, default=1,

@@ -96,7 +96,9 @@ def run_demo(options: DemoOptions) -> int:
         log_dir = Path(tmp)
         console.print(f"starting {options.instances} simulated vLLM instances and the router ...")
         try:
-            with running_fleet(ports, log_dir), running_router(config, log_dir) as router_url:
+            # The engines' usage says what they found cached: the A/B's engine hit rate.
+            fleet = running_fleet(ports, log_dir, ["--enable-prompt-tokens-details"])
+            with fleet, running_router(config, log_dir) as router_url:
                 total = workload.requests * len(policies) + ab_workload.requests
                 with Progress(console=console, transient=True) as progress:
                     task = progress.add_task("agentic sessions", total=total)
@@ -135,15 +137,17 @@ def _ab_table(report: dict[str, Any], workload: AgentWorkload) -> Group:
     sessions = f"{workload.sessions} sessions x {workload.turns} turns"
     table = Table(title=f"A/B on live traffic (/admin/ab): {sessions}, split by session")
     for column in ("policy", "share", "requests", "errors", "rejected", "TTFT p50", "TTFT p95", "TTFT p99",
-                   "e2e p50", "predicted cached", "requests per instance"):  # fmt: skip
+                   "e2e p50", "predicted\ncached", "engine\ncached", "requests per instance"):  # fmt: skip
         table.add_column(column)
     for name, result in report["policies"].items():
         ttft, e2e = result["ttft_ms"], result["e2e_ms"]
         cached = result["predicted_cached_tokens"] / max(result["prompt_tokens"], 1)
+        observed = result["observed_prompt_tokens"]  # None: no answer's usage reported it
+        engine = "-" if not observed else f"{result['observed_cached_tokens'] / observed:.1%}"
         table.add_row(
             name, f"{report['split'][name]:.0%}", str(result["requests"]), str(result["errors"]),
             str(result["rejected"]), _ms(ttft["p50"]), _ms(ttft["p95"]), _ms(ttft["p99"]), _ms(e2e["p50"]),
-            f"{cached:.1%}", " ".join(f"{k}:{v}" for k, v in result["requests_per_instance"].items()),
+            f"{cached:.1%}", engine, " ".join(f"{k}:{v}" for k, v in result["requests_per_instance"].items()),
         )  # fmt: skip
     verdicts = [f"verdict: {c['verdict']}" for c in report["comparisons"]]
     return Group(table, *verdicts)

@@ -5,6 +5,8 @@ A decode instance counts the KV it fetched from the prefill instance as cached: 
 cached is what the prefill leg found: its answer's count replaces the decode answer's (as vllm-router and
 llm-d's sidecar do), in a whole answer and in a stream's usage chunk. Answers without the details (vLLM's
 --enable-prompt-tokens-details off) pass as they are.
+
+The same details are what the A/B reads of a stream: its usage chunk's prompt tokens and cached ones.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class _PromptDetails(msgspec.Struct):
 
 
 class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
     prompt_tokens_details: _PromptDetails | None = None
 
 
@@ -34,12 +37,30 @@ _decode_answer = msgspec.json.Decoder(_Answer).decode
 
 def reported_cached_tokens(answer: bytes) -> int | None:
     """The cached prompt tokens an answer's usage reports, if it does."""
+    reported = _reported(answer)
+    return None if reported is None else reported[1]
+
+
+def stream_cached_tokens(events: bytes) -> tuple[int, int] | None:
+    """The prompt tokens and the cached ones a stream's usage chunk reports, if events (whole SSE events)
+    hold it."""
+    if _DETAILS not in events:
+        return None
+    for line in events.split(b"\n"):
+        if line.startswith(b"data: ") and _DETAILS in line:
+            reported = _reported(line[6:])
+            if reported is not None and reported[1] is not None:
+                return reported[0], reported[1]
+    return None
+
+
+def _reported(answer: bytes) -> tuple[int, int | None] | None:
     try:
         usage = _decode_answer(answer).usage
     except (msgspec.DecodeError, RecursionError):
         return None
     details = None if usage is None else usage.prompt_tokens_details
-    return None if details is None else details.cached_tokens
+    return None if usage is None or details is None else (usage.prompt_tokens, details.cached_tokens)
 
 
 def with_cached_tokens(payload: bytes, cached: int) -> bytes:

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 import aiohttp
 import msgspec
 
-from router.dispatch.cached_tokens import with_cached_tokens
+from router.dispatch.cached_tokens import stream_cached_tokens, with_cached_tokens
 from router.dispatch.outcome import Outcome
 from router.dispatch.sse import EventFramer
 from router.errors import error_json, error_object
@@ -43,8 +43,7 @@ class Relay:
         cached = outcome.prefill_cached_tokens
         try:
             if whole := events.whole(outcome.first):
-                self._watch_errors(outcome, whole)
-                yield whole if cached is None else with_cached_tokens(whole, cached)
+                yield self._passed(outcome, whole, cached)
             if self.closing:  # its first chunk came after end_streams
                 outcome.cut = True
                 upstream.close()
@@ -59,8 +58,7 @@ class Relay:
                     outcome.completed = True
                     return
                 if whole := events.whole(chunk):
-                    self._watch_errors(outcome, whole)
-                    yield whole if cached is None else with_cached_tokens(whole, cached)
+                    yield self._passed(outcome, whole, cached)
         except (TimeoutError, aiohttp.ClientError) as exc:
             outcome.broken = True
             if outcome.cut:
@@ -83,6 +81,16 @@ class Relay:
             outcome.cut = True
             if outcome.upstream is not None:
                 outcome.upstream.close()  # the relay's read fails at once; the engine aborts the request
+
+    def _passed(self, outcome: Outcome, events: bytes, cached: int | None) -> bytes:
+        """Whole events as the client gets them: a disaggregated answer's cached tokens as the prefill leg
+        found them; its error event and its usage chunk's cached tokens told to the outcome."""
+        self._watch_errors(outcome, events)
+        if cached is not None:
+            events = with_cached_tokens(events, cached)
+        if (reported := stream_cached_tokens(events)) is not None:
+            outcome.observed_cache(*reported)
+        return events
 
     def _watch_errors(self, outcome: Outcome, events: bytes) -> None:
         """An engine failure the stream reports (its error event) counts against the instance."""

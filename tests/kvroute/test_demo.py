@@ -29,4 +29,6 @@ def test_demo_reports_every_policy(tmp_path: Path) -> None:
     assert set(ab_rows) == {"round-robin", "kvroute"}
     requests = [int(ab_rows[p].split("│")[3]) for p in ab_rows]
     assert sum(requests) == 32 and min(requests) > 0, ab
+    engine_cached = [ab_rows[p].split("│")[11].strip() for p in ab_rows]  # the fleet's usage reports it
+    assert all(cell.endswith("%") for cell in engine_cached), ab
     assert "verdict: not enough data yet" in ab  # 30 TTFTs per policy are needed
