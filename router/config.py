@@ -458,12 +458,14 @@ class DiscoveryPorts(_Strict):
 
 
 class DiscoveryConfig(_Strict):
-    """Instances found in Kubernetes (router/discovery/): Ready pods, beside the static instances."""
+    """Instances found in Kubernetes (router/discovery/): Ready pods or endpoints, beside the static
+    instances."""
 
-    source: Literal["kubernetes", "inferencepool"] = Field(
+    source: Literal["kubernetes", "inferencepool", "endpointslices"] = Field(
         default="kubernetes",
         description="kubernetes: pods matching selector; inferencepool: the pods of a Gateway API Inference "
-        "Extension InferencePool (its spec.selector, its target port as ports.http)",
+        "Extension InferencePool (its spec.selector, its target port as ports.http); endpointslices: the "
+        "ready endpoints of a Service's EndpointSlices (discovery.k8s.io/v1), by service or selector",
     )
     namespace: str | None = Field(
         default=None,
@@ -476,7 +478,15 @@ class DiscoveryConfig(_Strict):
         description="a kubeconfig file; null: the in-cluster service account in a pod, else $KUBECONFIG or "
         "~/.kube/config",
     )
-    selector: str | None = Field(default=None, description="source kubernetes: a label selector on pods")
+    selector: str | None = Field(
+        default=None,
+        description="source kubernetes: a label selector on pods; endpointslices: on EndpointSlices",
+    )
+    service: str | None = Field(
+        default=None,
+        pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$",
+        description="source endpointslices: the Service whose slices are read (kubernetes.io/service-name)",
+    )
     inferencepool: str | None = Field(
         default=None,
         pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
@@ -489,7 +499,13 @@ class DiscoveryConfig(_Strict):
     )
     role_label: str | None = Field(
         default=None,
-        description="a pod label whose value is prefill, decode or both (llm-d: llm-d.ai/role); null: both",
+        description="a pod label whose value is prefill, decode or both (llm-d: llm-d.ai/role); source "
+        "endpointslices: a label of the slices (the Service's labels); null: both",
+    )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="each pod's or endpoint's vllm serve --data-parallel-size (a pod's annotation wins)",
     )
     peers_selector: str | None = Field(
         default=None,
@@ -512,15 +528,19 @@ class DiscoveryConfig(_Strict):
 
     def source_problem(self) -> str | None:
         """What the source lacks or has too much of, with its key under discovery."""
-        if self.source == "kubernetes":
-            if self.selector is None:
-                return "selector: source kubernetes needs a label selector, such as app=vllm"
-            if self.inferencepool is not None:
-                return "inferencepool: only source inferencepool reads a pool"
-        elif self.inferencepool is None:
-            return "inferencepool: source inferencepool needs the pool's name"
-        elif self.selector is not None:
-            return "selector: source inferencepool takes the pool's spec.selector"
+        if self.source != "inferencepool" and self.inferencepool is not None:
+            return "inferencepool: only source inferencepool reads a pool"
+        if self.source != "endpointslices" and self.service is not None:
+            return "service: only source endpointslices reads a Service's slices"
+        if self.source == "kubernetes" and self.selector is None:
+            return "selector: source kubernetes needs a label selector, such as app=vllm"
+        if self.source == "inferencepool":
+            if self.inferencepool is None:
+                return "inferencepool: source inferencepool needs the pool's name"
+            if self.selector is not None:
+                return "selector: source inferencepool takes the pool's spec.selector"
+        if self.source == "endpointslices" and (self.service is None) == (self.selector is None):
+            return "service: source endpointslices takes a service or a selector on the slices, one of them"
         return None
 
 

@@ -1,5 +1,6 @@
-"""Instances found in Kubernetes: Ready pods by label selector, or an InferencePool's, watched and applied
-to the running router beside the configuration's static instances (router/runtime.py).
+"""Instances found in Kubernetes: Ready pods by label selector, or an InferencePool's, or the ready
+endpoints of a Service's EndpointSlices, watched and applied to the running router beside the
+configuration's static instances (router/runtime.py).
 
 ```
 discovery = Discovery(config.discovery, config.peers.publish, runtime.discovered, metrics)

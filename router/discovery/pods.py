@@ -42,7 +42,7 @@ def instance_of(pod: Pod, config: DiscoveryConfig, http_port: int) -> InstanceCo
             events=None if events is None else f"tcp://{host}:{events}",
             replay=None if replay is None else f"tcp://{host}:{replay}",
             models=config.models,
-            data_parallel_size=_number(annotations, DATA_PARALLEL_SIZE, 1),
+            data_parallel_size=_number(annotations, DATA_PARALLEL_SIZE, config.data_parallel_size),
             role=_role(pod, config.role_label),
         )
     except ValueError as exc:  # pydantic's, naming what the annotations made invalid

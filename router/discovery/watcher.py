@@ -1,5 +1,5 @@
-"""The watch: list the pods a selector picks, then follow their changes, and hand the Ready ones to the
-router as instances (and its replicas as peers) each time the set changes.
+"""The watch: list the pods (or EndpointSlices) a selector picks, then follow their changes, and hand the
+Ready ones to the router as instances (and its replicas as peers) each time the set changes.
 
 A session lists and watches until the watch breaks; it then raises, and its supervisor starts a new one
 with backoff (router/supervisor.py), which lists again: a pod deleted while no watch ran is not missed.
@@ -13,16 +13,27 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import msgspec
 
 from router.config import ConfigError, DiscoveryConfig, InstanceConfig, data_parallel_ranks
 from router.discovery.kube import Kube, KubeError, error, own_namespace
 from router.discovery.pods import PodError, instance_of, peer_endpoint
-from router.discovery.wire import InferencePool, Pod, PodList, PoolList, Status, WatchEvent
+from router.discovery.slices import EndpointError, instance_of_endpoint
+from router.discovery.wire import (
+    EndpointSlice,
+    EndpointSliceList,
+    InferencePool,
+    ObjectMeta,
+    Pod,
+    PodList,
+    PoolList,
+    Status,
+    WatchEvent,
+)
 from router.label_selector import LabelSelector
 from router.metrics import RouterMetrics
 
@@ -38,6 +49,19 @@ _event, _pod, _pool = (
     msgspec.json.Decoder(InferencePool),
 )
 _status = msgspec.json.Decoder(Status)
+_slice_list, _slice = msgspec.json.Decoder(EndpointSliceList), msgspec.json.Decoder(EndpointSlice)
+SERVICE_NAME = "kubernetes.io/service-name"  # the label an EndpointSlice names its Service by
+
+
+class _Labelled(Protocol):
+    @property
+    def metadata(self) -> ObjectMeta: ...
+
+    @property
+    def labels(self) -> dict[str, str]: ...
+
+
+Watched = TypeVar("Watched", bound=_Labelled)
 
 
 @dataclass(frozen=True)
@@ -65,9 +89,10 @@ class Discovery:
         self._restarts = metrics.discovery_watch_restarts(config.source)
         self._found = metrics.discovered_instances(config.source)
         self._pods: dict[Kind, dict[str, Pod]] = {"instances": {}, "peers": {}}
+        self._slices: dict[str, EndpointSlice] = {}
         self._http_port = config.ports.http  # an InferencePool's target port replaces it
         self._published: Discovered | None = None
-        self._told: set[tuple[str, str]] = set()  # pod problems logged, each once
+        self._told: set[tuple[str, str]] = set()  # problems logged, each once
 
     async def run(self) -> None:
         """One session, until its watch breaks: then it raises, counted."""
@@ -76,7 +101,9 @@ class Discovery:
                 if self._config.peers_selector is not None:
                     peers = LabelSelector.parse(self._config.peers_selector)
                     tasks.create_task(self._follow(kube, "peers", peers))
-                if self._config.selector is not None:
+                if self._config.source == "endpointslices":
+                    tasks.create_task(self._follow_slices(kube))
+                elif self._config.selector is not None:
                     tasks.create_task(
                         self._follow(kube, "instances", LabelSelector.parse(self._config.selector))
                     )
@@ -93,24 +120,14 @@ class Discovery:
 
     async def _follow(self, kube: Kube, kind: Kind, selector: LabelSelector) -> None:
         path = f"/api/v1/namespaces/{self._namespace}/pods"
-        query = {"labelSelector": str(selector)}
-        listing = _pod_list.decode(await kube.get(path, query))
-        # The server filters by the selector too; matching here keeps what it sends in check.
-        self._pods[kind] = {p.metadata.name: p for p in listing.items if selector.matches(p.labels)}
-        self._publish()
-        version = listing.metadata.resource_version if listing.metadata else None
-        while True:
-            async for event in _watched(kube, path, query, version):
-                pod = _pod.decode(event.object)
-                version = pod.metadata.resource_version or version
-                if event.type == "BOOKMARK":
-                    continue
-                pods = self._pods[kind]
-                if event.type == "DELETED" or not selector.matches(pod.labels):
-                    pods.pop(pod.metadata.name, None)
-                else:
-                    pods[pod.metadata.name] = pod
-                self._publish()
+        await _mirror(kube, path, selector, _pods_listed, _pod.decode, self._pods[kind], self._publish)
+
+    async def _follow_slices(self, kube: Kube) -> None:
+        """The EndpointSlices of the Service (or those the selector picks)."""
+        config = self._config
+        selector = LabelSelector.parse(config.selector or f"{SERVICE_NAME}={config.service}")
+        path = f"/apis/discovery.k8s.io/v1/namespaces/{self._namespace}/endpointslices"
+        await _mirror(kube, path, selector, _slices_listed, _slice.decode, self._slices, self._publish)
 
     async def _follow_pool(self, kube: Kube) -> None:
         """The pods of the InferencePool; when its selector or target port changes, those of the new."""
@@ -171,14 +188,14 @@ class Discovery:
         return selector, spec.target_port_number or self._config.ports.http
 
     def _publish(self) -> None:
-        instances = []
+        instances = self._endpoint_instances() if self._config.source == "endpointslices" else []
         for pod in self._pods["instances"].values():
             if not pod.serving():
                 continue
             try:
                 instances.append(instance_of(pod, self._config, self._http_port))
             except PodError as exc:
-                self._tell(pod, str(exc))
+                self._tell(f"pod {pod.metadata.name}", str(exc))
         peers: set[str] = set()
         if self._publish_endpoint is not None:
             for pod in self._pods["peers"].values():
@@ -186,7 +203,7 @@ class Discovery:
                     try:
                         peers.add(peer_endpoint(pod, self._publish_endpoint))
                     except PodError as exc:
-                        self._tell(pod, str(exc))
+                        self._tell(f"pod {pod.metadata.name}", str(exc))
         fleet = Discovered(tuple(sorted(instances, key=lambda i: i.name)), tuple(sorted(peers)))
         if fleet == self._published:
             return
@@ -198,10 +215,64 @@ class Discovery:
         self._published = fleet
         self._found.set(sum(len(data_parallel_ranks(instance)) for instance in fleet.instances))
 
-    def _tell(self, pod: Pod, problem: str) -> None:
-        if (pod.metadata.name, problem) not in self._told:
-            self._told.add((pod.metadata.name, problem))
-            log.warning("pod %s left out of discovery: %s", pod.metadata.name, problem)
+    def _endpoint_instances(self) -> list[InstanceConfig]:
+        """The slices' serving endpoints, each pod once: the IPv4 slice's when a dual-stack Service has a
+        slice of each family, and one of its copies while the controller moves an endpoint between slices."""
+        found: dict[str, InstanceConfig] = {}
+        for piece in sorted(self._slices.values(), key=lambda s: (s.address_type != "IPv4", s.metadata.name)):
+            for endpoint in piece.endpoints or ():
+                if not endpoint.serving():
+                    continue
+                try:
+                    instance = instance_of_endpoint(endpoint, piece, self._config)
+                except EndpointError as exc:
+                    self._tell(f"an endpoint of EndpointSlice {piece.metadata.name}", str(exc))
+                    continue
+                found.setdefault(instance.name, instance)
+        return list(found.values())
+
+    def _tell(self, what: str, problem: str) -> None:
+        if (what, problem) not in self._told:
+            self._told.add((what, problem))
+            log.warning("%s left out of discovery: %s", what, problem)
+
+
+def _pods_listed(body: bytes) -> tuple[Sequence[Pod], str | None]:
+    listing = _pod_list.decode(body)
+    return listing.items, listing.metadata.resource_version if listing.metadata else None
+
+
+def _slices_listed(body: bytes) -> tuple[Sequence[EndpointSlice], str | None]:
+    listing = _slice_list.decode(body)
+    return listing.items, listing.metadata.resource_version if listing.metadata else None
+
+
+Listed = Callable[[bytes], tuple[Sequence[Watched], str | None]]
+
+
+async def _mirror(
+    kube: Kube, path: str, selector: LabelSelector, listed: Listed[Watched],
+    decode: Callable[[bytes], Watched], found: dict[str, Watched], changed: Callable[[], None],
+) -> None:  # fmt: skip
+    """Keep found (by name) as the objects at path that selector picks: list, then watch; changed() after
+    each change. Returns only by raising, when the watch breaks."""
+    query = {"labelSelector": str(selector)}
+    items, version = listed(await kube.get(path, query))
+    # The server filters by the selector too; matching here keeps what it sends in check.
+    found.clear()
+    found.update((item.metadata.name, item) for item in items if selector.matches(item.labels))
+    changed()
+    while True:
+        async for event in _watched(kube, path, query, version):
+            item = decode(event.object)
+            version = item.metadata.resource_version or version
+            if event.type == "BOOKMARK":
+                continue
+            if event.type == "DELETED" or not selector.matches(item.labels):
+                found.pop(item.metadata.name, None)
+            else:
+                found[item.metadata.name] = item
+            changed()
 
 
 async def _watched(

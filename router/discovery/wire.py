@@ -94,3 +94,52 @@ class InferencePool(_Object):
 class PoolList(_Object):
     items: list[InferencePool]
     metadata: ListMeta | None = None
+
+
+class EndpointConditions(_Object):
+    """Unset means unknown, which the API asks consumers to take as ready (serving), not terminating."""
+
+    ready: bool | None = None
+    serving: bool | None = None
+    terminating: bool | None = None
+
+
+class ObjectReference(_Object):
+    kind: str | None = None
+    name: str | None = None
+
+
+class Endpoint(_Object):
+    addresses: list[str]
+    conditions: EndpointConditions = msgspec.field(default_factory=EndpointConditions)
+    hostname: str | None = None
+    target_ref: ObjectReference | None = None
+
+    def serving(self) -> bool:
+        """Ready, and neither terminating nor unready under a Service that publishes not-ready addresses
+        (which sets ready regardless; serving still tells)."""
+        conditions = self.conditions
+        if not self.addresses or conditions.terminating is True:
+            return False
+        return conditions.ready is not False and conditions.serving is not False
+
+
+class EndpointPort(_Object):
+    port: int | None = None
+    name: str | None = None
+
+
+class EndpointSlice(_Object):
+    metadata: ObjectMeta
+    address_type: str = "IPv4"  # IPv4, IPv6 or FQDN
+    endpoints: list[Endpoint] | None = None
+    ports: list[EndpointPort] | None = None
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self.metadata.labels or {}
+
+
+class EndpointSliceList(_Object):
+    items: list[EndpointSlice]
+    metadata: ListMeta | None = None

@@ -34,9 +34,18 @@ from tests.deploy.chart import (
 
 CASE_IDS = [case.id for case in CASES]
 DISCOVERY_KEYS = {
-    "source", "namespace", "kubeconfig", "selector", "inferencepool", "ports", "models", "role_label", "peers_selector",
+    "source", "namespace", "kubeconfig", "selector", "service", "inferencepool", "ports", "models", "role_label",
+    "data_parallel_size", "peers_selector",
 }  # fmt: skip
 ROUTER_HAS_DISCOVERY = "discovery" in RouterConfig.model_fields
+WATCH = ["get", "list", "watch"]
+PODS_RULE = {"apiGroups": [""], "resources": ["pods"], "verbs": WATCH}
+POOLS_RULE = {
+    "apiGroups": ["inference.networking.k8s.io", "inference.networking.x-k8s.io"],
+    "resources": ["inferencepools"],
+    "verbs": WATCH,
+}
+SLICES_RULE = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": WATCH}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -80,13 +89,17 @@ CONFIG_CASES = [case for case in CASES if case.mode == "serve" and not case.serv
 
 
 INFERENCEPOOL = {"mode": "epp", "discovery": {"source": "inferencepool", "inferencepool": "llama"}}
+ENDPOINTSLICES: dict[str, Any] = {
+    "replicaCount": 3,
+    "discovery": {"source": "endpointslices", "service": "vllm"},
+}
 ELSEWHERE = {"replicaCount": 3, "discovery": {"namespace": "vllm"}}
 
 
 @pytest.mark.parametrize(
     "values",
-    [case.values() for case in CONFIG_CASES] + [INFERENCEPOOL, ELSEWHERE],
-    ids=[case.id for case in CONFIG_CASES] + ["inferencepool", "discovery-elsewhere"],
+    [case.values() for case in CONFIG_CASES] + [INFERENCEPOOL, ENDPOINTSLICES, ELSEWHERE],
+    ids=[case.id for case in CONFIG_CASES] + ["inferencepool", "endpointslices", "discovery-elsewhere"],
 )
 def test_config_passes_check_config(values: dict[str, Any], tmp_path: Path) -> None:
     if values.get("discovery", {}).get("enabled", True) and not ROUTER_HAS_DISCOVERY:
@@ -175,7 +188,7 @@ def test_labels_select_this_release_s_pods(case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_rbac_lets_discovery_watch_pods_and_inferencepools(case: Case) -> None:
+def test_rbac_lets_discovery_watch_pods(case: Case) -> None:
     manifests = render(case)
     pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
     account = one(manifests, "ServiceAccount")["metadata"]["name"]
@@ -186,14 +199,7 @@ def test_rbac_lets_discovery_watch_pods_and_inferencepools(case: Case) -> None:
         return
     role, binding = one(manifests, "Role"), one(manifests, "RoleBinding")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {
-            "apiGroups": ["inference.networking.k8s.io", "inference.networking.x-k8s.io"],
-            "resources": ["inferencepools"],
-            "verbs": ["get", "list", "watch"],
-        },
-    ]
+    assert role["rules"] == [PODS_RULE]
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "Role",
@@ -211,9 +217,32 @@ def test_discovery_elsewhere_gets_a_role_there_and_one_here_for_peers() -> None:
 
 
 def test_an_inferencepool_fleet_takes_the_pool_s_selector() -> None:
-    discovery = router_config(render_values(INFERENCEPOOL))["discovery"]
+    manifests = render_values(INFERENCEPOOL)
+    discovery = router_config(manifests)["discovery"]
     assert (discovery["source"], discovery["inferencepool"]) == ("inferencepool", "llama")
     assert discovery["selector"] is None  # the router takes no selector beside a pool
+    assert one(manifests, "Role")["rules"] == [PODS_RULE, POOLS_RULE]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_an_endpointslices_fleet_reads_the_service_s_slices(version: str) -> None:
+    manifests = render_values(ENDPOINTSLICES)
+    discovery = router_config(manifests)["discovery"]
+    assert (discovery["source"], discovery["service"], discovery["selector"]) == (
+        "endpointslices",
+        "vllm",
+        None,
+    )
+    # pods only for the replicas' peers, in the release's namespace
+    assert one(manifests, "Role")["rules"] == [PODS_RULE, SLICES_RULE]
+    for doc in manifests:
+        kubernetes_validate.validate(doc, version, strict=True)
+    elsewhere = render_values({"discovery": {**ENDPOINTSLICES["discovery"], "namespace": "vllm"}})
+    assert [(role["metadata"]["namespace"], role["rules"]) for role in of_kind(elsewhere, "Role")] == [
+        ("vllm", [SLICES_RULE])
+    ]
+    by_selector = {"discovery": {"source": "endpointslices", "selector": "app=vllm"}}
+    assert router_config(render_values(by_selector))["discovery"]["selector"] == "app=vllm"
 
 
 def test_the_config_values_pass_through() -> None:
@@ -234,7 +263,14 @@ def test_the_config_values_pass_through() -> None:
         ({"mode": "proxy"}, "value must be one of 'serve', 'epp'"),
         ({"replicas": 3}, "additional properties 'replicas' not allowed"),
         ({"discovery": {"enabled": False}}, "a static fleet needs instances"),
-        ({"discovery": {"source": "endpointslices"}}, "value must be one of 'kubernetes', 'inferencepool'"),
+        (
+            {"discovery": {"source": "endpoints"}},
+            "value must be one of 'kubernetes', 'inferencepool', 'endpointslices'",
+        ),
+        (
+            {"discovery": {"source": "endpointslices", "selector": None}},
+            "at '/discovery/service': got null, want string",
+        ),
         ({"discovery": {"selectr": "app=vllm"}}, "additional properties 'selectr' not allowed"),
         ({"discovery": {"source": "inferencepool"}}, "at '/discovery/inferencepool': got null, want string"),
         ({"config": {"models": [{"name": "m"}], "instances": STATIC_FLEET}}, "at '/config': 'not' failed"),

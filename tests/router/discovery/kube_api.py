@@ -23,6 +23,7 @@ _VERSIONS = itertools.count(1)
 PODS = "v1/pods"
 POOLS = "inference.networking.k8s.io/v1/inferencepools"
 POOLS_ALPHA = "inference.networking.x-k8s.io/v1alpha2/inferencepools"
+SLICES = "discovery.k8s.io/v1/endpointslices"
 
 
 class _Emulator(kmock.KubernetesEmulator):
@@ -106,6 +107,9 @@ class KubeAPI:
         emulator = _Emulator()
         await emulator.__aenter__()
         emulator.resources[PODS] = kmock.ResourceInfo(kind="Pod", singular="pod", namespaced=True)
+        emulator.resources[SLICES] = kmock.ResourceInfo(
+            kind="EndpointSlice", singular="endpointslice", namespaced=True
+        )
         for pools in (POOLS, POOLS_ALPHA):
             emulator.resources[pools] = kmock.ResourceInfo(
                 kind="InferencePool", singular="inferencepool", namespaced=True
@@ -172,4 +176,36 @@ def pod(
         "metadata": metadata,
         "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
         "status": status,
+    }
+
+
+def endpoint(
+    pod_name: str, ip: str = "127.0.0.1", ready: bool | None = True, serving: bool | None = None,
+    terminating: bool | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """An endpoint of pod_name, its conditions left out where None (unknown), as the controller may."""
+    conditions = {"ready": ready, "serving": serving, "terminating": terminating}
+    return {
+        "addresses": [ip],
+        "conditions": {key: value for key, value in conditions.items() if value is not None},
+        "targetRef": {"kind": "Pod", "name": pod_name, "namespace": "default"},
+    }
+
+
+def endpoint_slice(
+    name: str, service: str, endpoints: list[dict[str, Any]], ports: dict[str, int],
+    labels: dict[str, str] | None = None, address_type: str = "IPv4", namespace: str = "default",
+) -> dict[str, Any]:  # fmt: skip
+    """An EndpointSlice of service, as the EndpointSlice controller writes it; ports by name."""
+    metadata = {
+        "name": name, "namespace": namespace, "resourceVersion": str(next(_VERSIONS)),
+        "labels": {"kubernetes.io/service-name": service, **(labels or {})},
+    }  # fmt: skip
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": metadata,
+        "addressType": address_type,
+        "endpoints": endpoints,
+        "ports": [{"name": port_name, "port": port, "protocol": "TCP"} for port_name, port in ports.items()],
     }

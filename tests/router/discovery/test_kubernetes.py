@@ -3,45 +3,19 @@ fleet, and a router (`kvroute serve`) that knows its instances only from pods.""
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import zmq
 
-from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
+from kvroute.processes import FleetPorts, free_port_block
 from tests.conftest import sample
-from tests.router.discovery.kube_api import PODS, POOLS, KubeAPI, pod, running_kube_api
+from tests.router.discovery.kube_api import PODS, POOLS, KubeAPI, pod
+from tests.router.discovery.live import ROUTED, eventually, healthy, routed, router, stream
 
 LABELS = {"app": "vllm"}
-ROUTED = "x-kvroute-instance"
-
-
-@pytest.fixture(scope="module")
-def ports() -> FleetPorts:
-    return FleetPorts.allocate(3)
-
-
-@pytest.fixture(scope="module")
-def fleet(ports: FleetPorts, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
-    # 200 tokens a second: a 600-token answer is a request in flight for 3 s.
-    args = ["--prefill-tps", "200000", "--decode-tps", "200"]
-    with running_fleet(ports, tmp_path_factory.mktemp("fleet"), args):
-        yield ports
-
-
-@pytest.fixture
-def kube() -> Iterator[KubeAPI]:
-    with running_kube_api() as api:
-        yield api
 
 
 def vllm_pod(ports: FleetPorts, number: int, labels: dict[str, str] = LABELS, **kwargs: Any) -> dict[str, Any]:
@@ -52,73 +26,6 @@ def vllm_pod(ports: FleetPorts, number: int, labels: dict[str, str] = LABELS, **
         "kvroute.io/replay-port": str(ports.replay + number),
     }
     return pod(f"vllm-{number}", labels, annotations=annotations | kwargs.pop("annotations", {}), **kwargs)
-
-
-@contextlib.contextmanager
-def router(kube: KubeAPI, tmp_path: Path, discovery: dict[str, Any], **extra: Any) -> Iterator[str]:
-    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
-    config = {
-        "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],
-        "block_size": 32,
-        "health": {"interval_s": 0.2},
-        "discovery": {"kubeconfig": str(kubeconfig), "namespace": "default", **discovery},
-        **extra,
-    }
-    with running_router(config, tmp_path) as url:
-        yield url
-
-
-def healthy(url: str) -> list[str]:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=10) as response:
-            body = response.read()
-    except urllib.error.HTTPError as unavailable:  # 503 while no instance is healthy
-        body = unavailable.read()
-    return sorted(json.loads(body)["healthy_instances"])
-
-
-def chat(url: str, max_tokens: int = 2) -> str:
-    """The instance a short chat went to (round robin: each instance in turn)."""
-    body = json.dumps({"model": "tiny-llama", "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": "hello"}]}).encode()  # fmt: skip
-    headers = {"content-type": "application/json", "x-kvroute-policy": "round-robin"}
-    request = urllib.request.Request(url + "/v1/chat/completions", body, headers)
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.status == 200
-        return str(response.headers[ROUTED])
-
-
-def routed(url: str, count: int = 6) -> set[str]:
-    return {chat(url) for _ in range(count)}
-
-
-def eventually(condition: Callable[[], object], timeout_s: float = 15.0) -> float:
-    """Seconds until condition held (a 503 meanwhile, no instance healthy yet, counts as not); fails the
-    test past timeout_s."""
-    start = time.monotonic()
-    while not _holds(condition):
-        assert time.monotonic() - start < timeout_s, "not within the time limit"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def _holds(condition: Callable[[], object]) -> bool:
-    try:
-        return bool(condition())
-    except urllib.error.HTTPError as error:
-        if error.code != 503:
-            raise
-        return False
-
-
-def stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny-llama", "max_tokens": 600, "stream": True, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    headers = {"content-type": "application/json", "x-kvroute-policy": "round-robin"}
-    connection.request("POST", "/v1/chat/completions", body, headers)
-    return connection, connection.getresponse()
 
 
 def test_pods_come_and_go_ready_ones_only(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:

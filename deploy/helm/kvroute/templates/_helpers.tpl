@@ -59,8 +59,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $config "instances" (.Values.instances | default list) }}
 {{- if .Values.discovery.enabled }}
 {{- $discovery := omit .Values.discovery "enabled" | deepCopy }}
-{{- if eq .Values.discovery.source "inferencepool" }}
-{{- /* the pool's own spec.selector picks its pods: the default selector is for source kubernetes */}}
+{{- if or (eq .Values.discovery.source "inferencepool") (and (eq .Values.discovery.source "endpointslices") .Values.discovery.service) }}
+{{- /* the pool's own spec.selector, or the Service's name, picks: the default selector is for pods */}}
 {{- $_ := set $discovery "selector" nil }}
 {{- end }}
 {{- if include "kvroute.peered" . }}
@@ -74,7 +74,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toYaml $config }}
 {{- end }}
 
-{{/* The namespaces the router reads pods (and InferencePools) in: discovery's, and its own for peers. */}}
+{{/* The namespaces the router reads pods (InferencePools, EndpointSlices) in: discovery's, and its own for
+peers. */}}
 {{- define "kvroute.watchedNamespaces" -}}
 {{- $namespaces := list }}
 {{- if .Values.discovery.enabled }}

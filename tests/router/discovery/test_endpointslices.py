@@ -1,0 +1,86 @@
+"""Discovery from EndpointSlices end to end: kmock's API server, the simulated fleet, and a router that knows
+its instances only from the ready endpoints of a Service's slices (a slice per engine here: the engines
+share 127.0.0.1, and a slice's ports are all its endpoints')."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from kvroute.processes import FleetPorts
+from tests.conftest import sample
+from tests.router.discovery.kube_api import SLICES, KubeAPI, endpoint, endpoint_slice
+from tests.router.discovery.live import ROUTED, eventually, healthy, routed, router, stream
+
+
+def engine_slice(ports: FleetPorts, number: int, service: str = "vllm", **conditions: Any) -> dict[str, Any]:
+    """Engine number's slice: its pod vllm-NUMBER, its ports by the names the router reads."""
+    named = {
+        "http": ports.http + number,
+        "kv-events": ports.events + number,
+        "kv-replay": ports.replay + number,
+    }
+    return endpoint_slice(f"{service}-{number}", service, [endpoint(f"vllm-{number}", **conditions)], named)
+
+
+def set_conditions(kube: KubeAPI, number: int, **conditions: Any) -> None:
+    kube.patch(SLICES, "default", f"vllm-{number}", {"endpoints": [endpoint(f"vllm-{number}", **conditions)]})
+
+
+def test_ready_endpoints_come_and_go(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:
+    kube.create(SLICES, engine_slice(fleet, 0, ready=None))  # unknown readiness: ready, as the API says
+    kube.create(SLICES, engine_slice(fleet, 2, ready=False, serving=False))  # not ready: never a candidate
+    kube.create(SLICES, engine_slice(fleet, 1, service="other"))  # another Service's
+    with router(kube, tmp_path, {"source": "endpointslices", "service": "vllm"}) as url:
+        eventually(lambda: healthy(url) == ["vllm-0"])
+        assert routed(url) == {"vllm-0"}
+
+        kube.create(SLICES, engine_slice(fleet, 1))
+        took = eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=5)
+        assert took < 5, f"a new ready endpoint took {took:.2f} s to take traffic"
+        assert routed(url) == {"vllm-0", "vllm-1"}
+
+        # A request in flight on the endpoint that goes finishes; from 1 s after the event it gets no new one.
+        for _ in range(4):
+            connection, response = stream(url)
+            if response.headers[ROUTED] == "vllm-1":
+                break
+            response.read()
+            connection.close()
+        assert response.headers[ROUTED] == "vllm-1"
+        kube.delete(SLICES, "default", "vllm-1")
+        time.sleep(1.0)
+        assert routed(url) == {"vllm-0"}
+        answer = response.read().decode()
+        connection.close()
+        assert response.status == 200 and answer.rstrip().endswith("data: [DONE]")
+        assert answer.count("data: ") > 500, "the stream was cut short"
+
+        # Terminating (still serving, as while it drains): out at once; ready again: in.
+        set_conditions(kube, 0, ready=False, serving=True, terminating=True)
+        set_conditions(kube, 2, ready=True, serving=True)
+        eventually(lambda: healthy(url) == ["vllm-2"], timeout_s=5)
+        assert routed(url) == {"vllm-2"}
+        assert sample(url, "kvroute_discovered_instances", source="endpointslices") == 1
+
+
+def test_a_broken_slice_watch_resumes(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:
+    kube.create(SLICES, engine_slice(fleet, 0))
+    discovery = {"source": "endpointslices", "selector": "kubernetes.io/service-name=vllm"}
+    with router(kube, tmp_path, discovery) as url:
+        eventually(lambda: healthy(url) == ["vllm-0"])
+        restarts = lambda: sample(url, "kvroute_discovery_watch_restarts_total", source="endpointslices") or 0  # noqa: E731
+
+        kube.expire_watches(1)  # the next watch is answered 410 Gone: listed again, counted
+        kube.stop_listening()  # the server goes away: every watch breaks
+        eventually(lambda: restarts() >= 1)
+        time.sleep(1.0)
+        assert routed(url) == {"vllm-0"}, "the last known set stops serving without the API server"
+
+        kube.start()  # back, on the same port; an endpoint came while it was away
+        kube.create(SLICES, engine_slice(fleet, 1))
+        eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=20)
+        assert restarts() >= 2  # the 410 and the connection refused while it was away
+        kube.delete(SLICES, "default", "vllm-0")
+        eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
