@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from kvroute.agent_sessions import SessionRun, TurnOutcome, post_stream
-from kvroute.traces import MOONCAKE_TRACE, Trace, TraceRequest, agentic_trace, load_trace
+from kvroute.traces import Trace, TraceRequest, agentic_trace, load_trace, mooncake_trace
 from router.http.proxy import SESSION_HEADER
 from tinymodel.builder import VOCAB_SIZE
 
@@ -30,13 +30,11 @@ VOCABULARY = range(3, VOCAB_SIZE)
 
 
 def resolve_trace(spec: str, requests: int | None = None, rate: float = 1.0) -> Trace:
-    """``agentic`` (generated), ``mooncake`` (the conversation trace, where this machine has it) or a path."""
+    """``agentic`` (generated), ``mooncake`` (the conversation trace shipped in kvroute/data/) or a path."""
     if spec == "agentic":
         trace = agentic_trace()
     elif spec == "mooncake":
-        if not MOONCAKE_TRACE.is_file():
-            raise ValueError(f"the Mooncake trace is not on this machine ({MOONCAKE_TRACE})")
-        trace = load_trace(MOONCAKE_TRACE, name="mooncake-conversation")
+        trace = mooncake_trace()
     else:
         path = Path(spec)
         if not path.is_file():

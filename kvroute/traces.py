@@ -7,14 +7,14 @@ share a prefix exactly as far as their leading hash ids agree. Times are seconds
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-# The Mooncake conversation trace lives beside the repository on the benchmark machines, not in it.
-MOONCAKE_TRACE = _REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+# The public Mooncake conversation trace (FAST'25), shipped with the package: kvroute/data/README.md.
+MOONCAKE_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.xz"
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,11 @@ class Trace:
 
 
 def load_trace(path: Path, block_tokens: int = 512, name: str | None = None) -> Trace:
-    """A JSONL trace: one `{"timestamp" (ms), "input_length", "output_length", "hash_ids"}` per line."""
+    """A JSONL trace, plain or xz-compressed (`.xz`): one `{"timestamp" (ms), "input_length",
+    "output_length", "hash_ids"}` per line. Unnamed, it is named after the file (`t.jsonl.xz`: `t`)."""
     requests: list[TraceRequest] = []
-    with path.open(encoding="utf-8") as lines:
+    compressed = path.suffix == ".xz"
+    with lzma.open(path, "rt", encoding="utf-8") if compressed else path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -75,7 +77,8 @@ def load_trace(path: Path, block_tokens: int = 512, name: str | None = None) -> 
     requests.sort(key=lambda r: r.arrival_s)
     start = requests[0].arrival_s if requests else 0.0
     requests = [replace(r, arrival_s=r.arrival_s - start) for r in requests]
-    return Trace(name or path.stem, block_tokens, tuple(requests))
+    stem = Path(path.stem).stem if compressed else path.stem
+    return Trace(name or stem, block_tokens, tuple(requests))
 
 
 def _parse_line(line: str) -> TraceRequest:
@@ -157,8 +160,6 @@ def agentic_trace(
     return Trace(f"agentic-{seed}", block_tokens, tuple(requests))
 
 
-def default_trace() -> Trace:
-    """The Mooncake conversation trace where this machine has it, else the generated agentic trace."""
-    if MOONCAKE_TRACE.is_file():
-        return load_trace(MOONCAKE_TRACE, name="mooncake-conversation")
-    return agentic_trace()
+def mooncake_trace() -> Trace:
+    """The Mooncake conversation trace: 12,031 chat requests over an hour, 512-token blocks."""
+    return load_trace(MOONCAKE_TRACE, name="mooncake-conversation")

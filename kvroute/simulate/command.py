@@ -18,7 +18,7 @@ from kvroute.simulate.hardware import (
     PDSpec,
     PoolSpec,
 )
-from kvroute.traces import MOONCAKE_TRACE, Trace, agentic_trace, load_trace
+from kvroute.traces import Trace, agentic_trace, load_trace, mooncake_trace
 
 SWEEP_LOADS = (0.3, 0.45, 0.6, 0.75, 0.9)
 SWEEP_INSTANCES = (4, 8, 16, 32)
@@ -29,8 +29,8 @@ SUITE_WORKERS = 1
 def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     simulate = benches.add_parser("simulate", help="the fleet at scale, in simulated time")
     simulate.add_argument("--trace", default=None,
-                          help="a JSONL trace, `mooncake` or `agentic`; default: the Mooncake "
-                               "conversation trace when present, else the agentic one")  # fmt: skip
+                          help="a JSONL trace (plain or .xz), `mooncake` or `agentic`; default: "
+                               "the Mooncake conversation trace")  # fmt: skip
     simulate.add_argument("--instances", type=positive_int, default=None, help="default: 8, or --pd's")
     simulate.add_argument("--pd", type=_pd, default=None, metavar="P:D",
                           help="a disaggregated fleet: P prefill and D decode instances (the hardware of "
@@ -101,10 +101,11 @@ def _pd(text: str) -> tuple[int, int]:
 
 
 def _trace(args: argparse.Namespace) -> Trace:
-    if args.trace == "agentic" or (args.trace is None and not MOONCAKE_TRACE.is_file()):
+    if args.trace == "agentic":
         return agentic_trace(seed=args.seed, sessions=args.sessions)
-    path = MOONCAKE_TRACE if args.trace in (None, "mooncake") else Path(args.trace)
-    return load_trace(path, name="mooncake-conversation" if path == MOONCAKE_TRACE else None)
+    if args.trace in (None, "mooncake"):
+        return mooncake_trace()
+    return load_trace(Path(args.trace))
 
 
 def _fleet(args: argparse.Namespace) -> FleetSpec | str:

@@ -19,20 +19,14 @@ from kvroute.simulate.registry import policies_for
 from kvroute.simulate.results import RunResult
 from kvroute.simulate.run import simulate
 from kvroute.simulate.workloads import bursty_trace, chat_trace, long_context_trace, rag_trace
-from kvroute.traces import MOONCAKE_TRACE, Trace, agentic_trace, load_trace
+from kvroute.traces import Trace, agentic_trace, mooncake_trace
 
 AGENTIC_SESSIONS = 40  # `--trace agentic`'s default, so agentic-N is `--trace agentic --seed N`'s trace
 LONG_CONTEXT_TURNS = 8  # about the turns a long-context session has: sessions enough for the requests
 
 
-def _mooncake(seed: int, requests: int) -> Trace:
-    if not MOONCAKE_TRACE.is_file():
-        raise FileNotFoundError(f"the Mooncake trace is not at {MOONCAKE_TRACE}")
-    return load_trace(MOONCAKE_TRACE, name="mooncake-conversation").head(requests)
-
-
 WORKLOADS: dict[str, Callable[[int, int], Trace]] = {
-    "mooncake": _mooncake,
+    "mooncake": lambda seed, n: mooncake_trace().head(n),
     "agentic": lambda seed, n: agentic_trace(seed=seed, sessions=AGENTIC_SESSIONS).head(n),
     "rag": lambda seed, n: rag_trace(seed, n),
     "bursty": lambda seed, n: bursty_trace(seed, n),
@@ -106,14 +100,6 @@ class Cell:
     def fleet(self, template: FleetSpec) -> FleetSpec:
         """template's hardware (its pool's link too) with this cell's instances and pool."""
         return replace(template, instances=self.instances, pool=template.pool if self.pool else None)
-
-
-def unavailable(cell: Cell) -> str | None:
-    """Why cell's workload cannot be built on this machine, or None: the Mooncake trace is read from
-    beside the repository, not shipped in it."""
-    if _workload(cell.workload)[0] == "mooncake" and not MOONCAKE_TRACE.is_file():
-        return f"the Mooncake trace is not at {MOONCAKE_TRACE}"
-    return None
 
 
 def parse_cells(spec: str | None) -> list[Cell]:

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvroute.simulate import report, suite_report
 from kvroute.simulate.hardware import FleetSpec, PoolSpec
-from kvroute.simulate.suite import Cell, JobResult, jobs_for, run_jobs, unavailable
+from kvroute.simulate.suite import Cell, JobResult, jobs_for, run_jobs
 
 
 def run_suite(
@@ -29,10 +29,6 @@ def run_suite(
     reference pool)."""
     console = console or Console(width=200)
     template = template if template.pool is not None else replace(template, pool=PoolSpec())
-    skipped = {cell.label: why for cell in cells if (why := unavailable(cell)) is not None}
-    for label, why in skipped.items():
-        console.print(f"skipped {label}: {why}")
-    cells = [cell for cell in cells if cell.label not in skipped]
     jobs = jobs_for(cells, policies, requests, template, tie_seed)
     started = time.perf_counter()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -58,7 +54,7 @@ def run_suite(
     document = {
         "cells": [asdict(cell) for cell in cells], "policies": list(policies), "requests_cap": requests,
         "setup": asdict(template), "tie_seed": tie_seed, "workers": workers, "wall_s": wall_s,
-        "skipped": skipped, "summary": facts, "records": suite_report.records(results),
+        "summary": facts, "records": suite_report.records(results),
     }  # fmt: skip
     report.write_json(out / "suite.json", document)
     console.print(f"results: {out / 'suite.json'}")

@@ -311,6 +311,13 @@ def test_attention_costs_are_the_hardwares_and_kvroutes_priors_follow(tmp_path: 
     assert priors_for(FleetSpec()).attention_s_per_pair == 0.0
 
 
+def test_the_default_trace_is_the_packaged_mooncake_one(tmp_path: Path) -> None:
+    code = main(["bench", "simulate", "--requests", "20", "--policies", "kvroute", "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["trace"] == "mooncake-conversation" and results["requests"] == 20
+
+
 def test_unknown_policy_is_an_error(tmp_path: Path) -> None:
     assert main(["bench", "simulate", "--policies", "magic", "--out", str(tmp_path)]) == 2
 

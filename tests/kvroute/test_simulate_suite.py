@@ -48,8 +48,6 @@ def test_bad_cells_are_named(spec: str) -> None:
 
 def test_every_workload_of_the_full_grid_builds() -> None:
     for name in FULL_GRID["workload"]:
-        if name == "mooncake":
-            continue  # read from outside the repository where present
         assert len(workload_trace(name, 20).requests) == 20, name
 
 

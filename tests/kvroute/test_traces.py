@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import hashlib
 import json
+import lzma
 from pathlib import Path
 
 import pytest
 
-from kvroute.traces import MOONCAKE_TRACE, Trace, TraceRequest, agentic_trace, default_trace, load_trace
+from kvroute.traces import MOONCAKE_TRACE, Trace, TraceRequest, agentic_trace, load_trace, mooncake_trace
 
 
 def _write(path: Path, records: list[object]) -> Path:
@@ -80,15 +82,31 @@ def test_agentic_sessions_grow_by_prefix_and_share_the_system_prompt() -> None:
     assert max(r.input_tokens for r in trace.requests) <= 180_000
 
 
-def test_default_trace_falls_back_to_the_agentic_one() -> None:
-    trace = default_trace()
-    assert trace.name == ("mooncake-conversation" if MOONCAKE_TRACE.is_file() else "agentic-0")
+def test_xz_traces_read_as_plain_ones(tmp_path: Path) -> None:
+    records = [{"timestamp": 1000, "input_length": 600, "output_length": 5, "hash_ids": [0, 2]}]
+    plain = _write(tmp_path / "t.jsonl", records)
+    compressed = tmp_path / "t.jsonl.xz"
+    compressed.write_bytes(lzma.compress(plain.read_bytes()))
+    assert load_trace(compressed) == load_trace(plain)  # named "t" too
+    compressed.write_bytes(lzma.compress(b"not json\n"))
+    with pytest.raises(ValueError, match=r"t\.jsonl\.xz:1: malformed"):
+        load_trace(compressed)
 
 
-def test_mooncake_trace() -> None:
-    if not MOONCAKE_TRACE.is_file():
-        pytest.skip(f"the Mooncake conversation trace is not on this machine ({MOONCAKE_TRACE.name})")
-    trace = load_trace(MOONCAKE_TRACE)
+# SHA-256 of FAST25-release/traces/conversation_trace.jsonl in kvcache-ai/Mooncake (kvroute/data/README.md)
+MOONCAKE_SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+
+
+def test_the_packaged_mooncake_trace() -> None:
+    assert MOONCAKE_TRACE.parent.name == "data" and MOONCAKE_TRACE.parent.parent.name == "kvroute"
+    assert hashlib.sha256(lzma.decompress(MOONCAKE_TRACE.read_bytes())).hexdigest() == MOONCAKE_SHA256
+    trace = mooncake_trace()
+    assert trace.name == "mooncake-conversation" and trace.block_tokens == 512
     assert len(trace.requests) == 12_031
+    first = trace.requests[0]
+    assert (first.arrival_s, first.input_tokens, first.output_tokens) == (0.0, 6758, 500)
+    assert first.block_ids == tuple(range(14))
+    assert trace.requests[1].block_ids[:2] == (0, 14)  # shares the first block with the first request
+    assert all(len(r.block_ids) == -(-r.input_tokens // 512) for r in trace.requests)
     assert trace.duration_s == pytest.approx(3537.0, abs=1.0)
     assert all(r.session is None for r in trace.requests[:100])
