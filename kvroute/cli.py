@@ -42,10 +42,13 @@ def _load_config(path: str) -> RouterConfig | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from router.http.server import run_server
+    from router.http.workers import run_workers
 
     config = _load_config(args.config)
     if config is None:
         return 2
+    if args.workers > 1:
+        return run_workers(config, Path(args.config), args.host, args.port, args.workers)
     run_server(config, args.host, args.port, Path(args.config))
     return 0
 
@@ -255,6 +258,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="routing configuration (YAML)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--workers", type=positive_int, default=1, metavar="N",
+        help="router processes sharing the port, each with the full index, counting each other's requests in "
+        "flight (README: Several workers on one host)",
+    )  # fmt: skip
     serve.set_defaults(run=_serve)
 
     epp = commands.add_parser(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute.overhead_profile import Profiler
-from kvroute.overhead_targets import DIRECT, Running, cpu_seconds, peak_rss_mib, rotated
+from kvroute.overhead_targets import DIRECT, Running, rotated
 from kvroute.overhead_wrk import Prompt, WrkError, run_wrk
 
 
@@ -101,8 +101,7 @@ def _profile_cell(
 def _run_cell(wrk: str, run: Running, cell: Cell, duration_s: float, script_dir: Path) -> CellResult:
     result = CellResult(run.target.label, cell.concurrency, cell.size_bytes, cell.prompt)
     prompt = Prompt(cell.size_bytes, cell.prompt == "cold", uuid.uuid4().hex[:12])
-    pid = run.pid
-    cpu_before = cpu_seconds(pid) if pid is not None else 0.0
+    cpu_before = run.cpu_seconds()  # every process of the target: `serve --workers` has several
     try:
         measured = run_wrk(wrk, run.url, prompt, cell.concurrency, duration_s, script_dir)
     except WrkError as exc:
@@ -113,11 +112,12 @@ def _run_cell(wrk: str, run: Running, cell: Cell, duration_s: float, script_dir:
     result.requests_per_s = measured.requests_per_s
     result.p50_ms, result.p99_ms = measured.p50_us / 1000, measured.p99_us / 1000
     result.mean_ms = measured.mean_us / 1000
-    if pid is not None:
-        result.router_cpu_s = cpu_seconds(pid) - cpu_before
+    cpu_after = run.cpu_seconds()
+    if cpu_before is not None and cpu_after is not None:
+        result.router_cpu_s = cpu_after - cpu_before
         if measured.requests:
             result.cpu_ms_per_1k = result.router_cpu_s * 1000 / measured.requests * 1000
-        result.peak_rss_mib = peak_rss_mib(pid)
+        result.peak_rss_mib = run.peak_rss_mib()
     return result
 
 

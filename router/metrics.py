@@ -1,9 +1,36 @@
 """The router's Prometheus metrics, all prefixed kvroute_ (but the standard process_ ones), with
-low-cardinality labels."""
+low-cardinality labels.
+
+Under `kvroute serve --workers N` (router/http/workers.py) every worker is a router of its own, and whichever
+answers a scrape must speak for all of them. The supervisor gives the workers one directory
+(PROMETHEUS_MULTIPROC_DIR, set before prometheus_client is imported, so its values live in files there:
+prometheus_client's multiprocess mode), and a worker's /metrics reads every worker's files:
+
+- counters and histograms are summed over the workers, those that have exited too (a counter never goes
+  back): requests, errors, retries, latencies, tokens, A/B inputs;
+- but the counters of what every worker sees alike, the engines' KV event streams each worker subscribes to
+  and the configuration file each one reloads (SAME_IN_EVERY_WORKER), are the largest worker's count, not
+  N times the events;
+- gauges are combined by what they mean (multiprocess_mode): requests in flight and the admission queue
+  summed over the live workers, an open circuit breaker or a peer heard the highest (max), an instance
+  healthy or warm the lowest (min), the TTFT model's rates the most recently set;
+- collectors that are not prometheus_client metrics describe state every worker holds alike (the block
+  index, built from the same events; the pool master's answer) and are reported by the worker answering;
+- the process_ metrics are the answering worker's alone: they describe one process, and no sum of them stays
+  a counter when a worker is restarted. Read the host's or the container's CPU and memory instead.
+
+What cannot be combined: a series an instance removed by a reload leaves stays in the files (the worker
+that wrote it can only forget its own copy) until the router restarts; and the answering worker's
+process_ metrics, above.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import glob
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Generic, TypeVar
 
@@ -18,7 +45,9 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series double the output, unread
 
@@ -91,6 +120,84 @@ class UnsetGauge(Collector):
         return [family]
 
 
+# Counters of what every worker sees alike (module docstring): the largest worker's count, not the sum.
+SAME_IN_EVERY_WORKER = frozenset({
+    "kvroute_kv_events", "kvroute_kv_malformed_messages", "kvroute_kv_skipped_events",
+    "kvroute_kv_sequence_gaps", "kvroute_kv_replays", "kvroute_kv_engine_restarts", "kvroute_config_reloads",
+    "kvroute_discovery_watch_restarts",
+})  # fmt: skip
+_PUSH_EVERY_S = 1.0
+
+
+class SharedFunctionGauge(Gauge):
+    """A gauge read from a function, in a worker of several: the function's value is written where the other
+    workers read it once a second, since no worker can call another's function at scrape time."""
+
+    def set_function(self, f: Callable[[], float]) -> None:
+        def push() -> None:
+            while True:
+                self.set(float(f()))
+                time.sleep(_PUSH_EVERY_S)
+
+        threading.Thread(target=push, name=f"push-{self._name}", daemon=True).start()
+
+
+class _WorkerRegistry(CollectorRegistry):
+    """The registry of a worker of several: prometheus_client's metrics write to the shared directory, and
+    the other collectors registered (the index's, the process's) are kept to be asked in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(auto_describe=True)
+        self.local: list[Collector] = []
+
+    def register(self, collector: Collector) -> None:
+        super().register(collector)
+        if not isinstance(collector, MetricWrapperBase):
+            self.local.append(collector)
+
+
+class _AllWorkers(Collector):
+    """What a worker answers a scrape with: every worker's metrics, combined (module docstring), and this
+    worker's other collectors."""
+
+    def __init__(self, path: str, local: list[Collector]) -> None:
+        self._path, self._local = path, local
+
+    def collect(self) -> Iterator[Metric]:
+        files = glob.glob(os.path.join(self._path, "*.db"))
+        for family in _merged(files):
+            if family.name not in SAME_IN_EVERY_WORKER:
+                yield family
+        yield from _largest(
+            family
+            for file in files
+            if os.path.basename(file).startswith("counter_")
+            for family in _merged([file])
+            if family.name in SAME_IN_EVERY_WORKER
+        )
+        for collector in self._local:
+            yield from collector.collect()
+
+
+def _merged(files: list[str]) -> list[Metric]:
+    merged: list[Metric] = MultiProcessCollector.merge(files)  # type: ignore[no-untyped-call]
+    return merged
+
+
+def _largest(families: Iterable[Metric]) -> Iterator[Metric]:
+    """One family per name, each sample the largest of those with its name and labels."""
+    merged: dict[str, tuple[Metric, dict[tuple[str, tuple[tuple[str, str], ...]], Sample]]] = {}
+    for family in families:
+        _, samples = merged.setdefault(family.name, (family, {}))
+        for found in family.samples:
+            key = (found.name, tuple(sorted(found.labels.items())))
+            if key not in samples or found.value > samples[key].value:
+                samples[key] = found
+    for family, samples in merged.values():
+        family.samples = list(samples.values())
+        yield family
+
+
 def _version() -> str:
     try:
         return version("kvroute")
@@ -100,9 +207,13 @@ def _version() -> str:
 
 class RouterMetrics:
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
+        # Set by the supervisor of `kvroute serve --workers N` for its workers (module docstring).
+        self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self.registry = r = _WorkerRegistry() if self.shared_dir else CollectorRegistry(auto_describe=True)
+        self._exported = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds, start time
-        build = Gauge("kvroute_build_info", "The running router's version; always 1", ["version"], registry=r)
+        build = Gauge("kvroute_build_info", "The running router's version; always 1", ["version"], registry=r,
+                      multiprocess_mode="livemax")
         build.labels(_version()).set(1)
         self.requests = Family(
             Counter("kvroute_requests", "Proxied requests by policy, instance, HTTP status and model",
@@ -149,7 +260,7 @@ class RouterMetrics:
         self.circuit_open = Family(
             Gauge("kvroute_circuit_open",
                   "1 from the moment the instance's circuit breaker opens until a probe request succeeds",
-                  ["vllm_instance"], registry=r)
+                  ["vllm_instance"], registry=r, multiprocess_mode="livemax")
         )  # fmt: skip
         self.circuit_opens = Family(
             Counter("kvroute_circuit_opens", "Times the instance's circuit breaker opened", ["vllm_instance"],
@@ -157,15 +268,15 @@ class RouterMetrics:
         )  # fmt: skip
         self.in_flight = Family(
             Gauge("kvroute_instance_in_flight", "Requests in flight through this router",
-                  ["vllm_instance"], registry=r)
+                  ["vllm_instance"], registry=r, multiprocess_mode="livesum")
         )  # fmt: skip
-        self.admission_waiting = Gauge(
+        self.admission_waiting = (SharedFunctionGauge if self.shared_dir else Gauge)(
             "kvroute_admission_waiting", "Requests waiting for an admission slot: the router's own queue",
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         self.healthy = Family(
             Gauge("kvroute_instance_healthy", "1 when the instance passes health checks",
-                  ["vllm_instance"], registry=r)
+                  ["vllm_instance"], registry=r, multiprocess_mode="livemin")
         )  # fmt: skip
         self.task_failures = Family(
             Counter("kvroute_background_task_failures", "Failed iterations of background tasks",
@@ -196,7 +307,7 @@ class RouterMetrics:
             Gauge("kvroute_kv_warm",
                   "1 once the events an instance published before this router subscribed were replayed into "
                   "the index; 0 while they are missing (replay pending, failed, or no replay endpoint)",
-                  ["vllm_instance"], registry=r)
+                  ["vllm_instance"], registry=r, multiprocess_mode="livemin")
         )  # fmt: skip
         self.kv_restarts = Family(
             Counter("kvroute_kv_engine_restarts", "Engine restarts seen as a KV event sequence starting over",
@@ -204,7 +315,7 @@ class RouterMetrics:
         )  # fmt: skip
         self.kv_last_event = Family(
             Gauge("kvroute_kv_last_event_timestamp_seconds", "Engine time of the newest KV event batch",
-                  ["vllm_instance"], registry=r)
+                  ["vllm_instance"], registry=r, multiprocess_mode="livemax")
         )  # fmt: skip
 
         self.untokenized = Family(
@@ -235,7 +346,7 @@ class RouterMetrics:
                   "Calibrated TTFT model terms: overhead in seconds; queue, prefill, load, decode and "
                   "transfer in seconds per token; attention in seconds per token pair; memory a factor (1: "
                   "as predicted)",
-                  ["vllm_instance", "term"], registry=r)
+                  ["vllm_instance", "term"], registry=r, multiprocess_mode="livemostrecent")
         )  # fmt: skip
         self.predicted_cached = Family(
             Counter("kvroute_predicted_cached_tokens",
@@ -273,9 +384,11 @@ class RouterMetrics:
                     ["result"], registry=r)
         )  # fmt: skip
         self.peer_routers = Gauge(
-            "kvroute_peer_routers", "Other routers whose load this router heard within peers.stale_after_s",
-            registry=r,
-        )
+            "kvroute_peer_routers",
+            "Other routers whose load this router heard within peers.stale_after_s (with --workers: its "
+            "sibling workers too)",
+            registry=r, multiprocess_mode="livemax",
+        )  # fmt: skip
         self.peer_snapshots = Family(
             Counter("kvroute_peer_snapshots",
                     "Load snapshots received from other routers, by result (applied, malformed: not "
@@ -291,7 +404,7 @@ class RouterMetrics:
         self.discovered_instances = Family(
             Gauge("kvroute_discovered_instances",
                   "Instances discovery found (Ready pods, a target per data-parallel rank), by source",
-                  ["source"], registry=r)
+                  ["source"], registry=r, multiprocess_mode="livemax")
         )  # fmt: skip
         self.pool_master_up = UnsetGauge(
             "kvroute_pool_master_up",
@@ -316,4 +429,8 @@ class RouterMetrics:
         return [family for family in vars(self).values() if isinstance(family, Family)]
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._exported is self.registry and isinstance(self.registry, _WorkerRegistry):
+            assert self.shared_dir is not None
+            self._exported = CollectorRegistry(auto_describe=False)
+            self._exported.register(_AllWorkers(self.shared_dir, self.registry.local))
+        return generate_latest(self._exported)

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
-from router.config import REMOTE_TOKENIZER, ConfigError, RouterConfig
+from router.config import REMOTE_TOKENIZER, ConfigError, PeersConfig, RouterConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
 from router.dispatch.admission import Admission
@@ -54,7 +54,10 @@ DISCOVERY_MAX_BACKOFF_S = 10.0  # between attempts to reach an API server that i
 
 
 class Runtime:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, peers: PeersConfig | None = None) -> None:
+        """peers: the peers this router takes part with, instead of config's (a worker of several,
+        router/http/workers.py); a reload does not change them."""
+        self._peer_config = config.peers if peers is None else peers
         self.config = config  # what runs: file_config's, with the discovered instances
         self.file_config = config
         self._discovered = Discovered()
@@ -129,7 +132,7 @@ class Runtime:
         # peers configured it binds nothing and runs no loop.
         discovery = config.discovery
         self.peers = PeerSync(
-            config.peers, self.upstreams, metrics, context, self.memory_freed,
+            self._peer_config, self.upstreams, metrics, context, self.memory_freed,
             discovered=discovery is not None and discovery.peers_selector is not None,
         )  # fmt: skip
         stack.callback(self.peers.close)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from router.config import RouterConfig
+from router.config import PeersConfig, RouterConfig
 from router.dispatch.attempts import ATTEMPTS_HEADER
 from router.errors import MALFORMED_HTTP, OpenAIError
 from router.http.admin import admin_routes, admin_token
@@ -55,9 +55,10 @@ class RouterApp(NamedTuple):
     malformed_http: Callable[[], None]  # counts what the HTTP parser refused before the app saw it
 
 
-def create_app(config: RouterConfig, path: Path | None = None) -> RouterApp:
-    """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload."""
-    runtime = Runtime(config)
+def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfig | None = None) -> RouterApp:
+    """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload; peers: instead
+    of config's (router/runtime.py)."""
+    runtime = Runtime(config, peers)
     fleet, metrics, index, bases = runtime.upstreams, runtime.metrics, runtime.index, runtime.bases
     started = int(time.time())
 

@@ -1,17 +1,21 @@
-"""Runs the router app on uvicorn with uvloop and httptools, and shuts it down gracefully."""
+"""Runs the router app on uvicorn with uvloop and httptools, and shuts it down gracefully; alone, or as one
+worker of several on a socket they share (router/http/workers.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
+import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
-from router.config import RouterConfig
+from router.config import PeersConfig, RouterConfig
 from router.http.app import create_app
 from router.upstreams.http_session import freeze_startup_objects, server_config
 
@@ -20,15 +24,32 @@ log = logging.getLogger(__name__)
 # Streams still running when the grace period ends are ended by the router itself, with an error event and
 # [DONE]; uvicorn cancels what is left (whole answers still computing) this much later.
 _CANCEL_AFTER_S = 1
+WORKER_HEADER = "x-kvroute-worker"  # on every answer of a worker of several: its process id
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One of several routers serving one socket (router/http/workers.py)."""
+
+    socket: socket.socket  # bound to the port the other workers listen on too (SO_REUSEPORT); uvicorn listens
+    peers: PeersConfig  # its own publish endpoint, following the others' besides the configured peers
+    ready: Path  # created once it serves
 
 
 class _GracefulServer(uvicorn.Server):
     """On SIGTERM uvicorn stops accepting connections and waits for those in flight up to its timeout, then
     cancels them; this ends the streams cleanly before that."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, grace_s: float, started: Callable[[], None] = lambda: None
+    ) -> None:
         super().__init__(config)
-        self._app, self._grace_s = app, grace_s
+        self._app, self._grace_s, self._on_started = app, grace_s, started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_started()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         log.info("shutting down: no new connections; streams in flight get %g s to finish", self._grace_s)
@@ -44,9 +65,17 @@ class _GracefulServer(uvicorn.Server):
             proxy.end_streams()
 
 
-def run_server(config: RouterConfig, host: str, port: int, path: Path | None = None) -> None:
-    app = create_app(config, path)
+def run_server(
+    config: RouterConfig, host: str, port: int, path: Path | None = None, worker: Worker | None = None
+) -> None:
+    app = create_app(config, path, None if worker is None else worker.peers)
     freeze_startup_objects()
     grace = math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S
-    serving = server_config(app.asgi, host, port, app.malformed_http, timeout_graceful_shutdown=grace)
-    _GracefulServer(serving, app.api, config.shutdown_grace_s).run()
+    headers = [] if worker is None else [(WORKER_HEADER, str(os.getpid()))]
+    serving = server_config(
+        app.asgi, host, port, app.malformed_http, timeout_graceful_shutdown=grace, headers=headers
+    )
+    if worker is None:
+        _GracefulServer(serving, app.api, config.shutdown_grace_s).run()
+        return
+    _GracefulServer(serving, app.api, config.shutdown_grace_s, worker.ready.touch).run([worker.socket])
