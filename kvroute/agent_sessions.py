@@ -148,7 +148,7 @@ async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:
                 run.outcomes.append(outcome)
                 plan.on_turn()
                 messages.append({"role": "assistant", "content": reply})
-                await asyncio.sleep(workload.think_time_s)
+                await asyncio.sleep(workload.think_time(index, turn))
 
     timeout = aiohttp.ClientTimeout(total=plan.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=plan.concurrency)

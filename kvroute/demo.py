@@ -15,16 +15,26 @@ from typing import Any
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console, Group
+from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvroute import demo_ab
 from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
 from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
 from kvroute.workload import AgentWorkload
+from router.dispatch.traffic import TrafficSplit
 from router.http.proxy import POLICY_HEADER
 
 MODEL = "tiny-llama"
+# An agent's turn adds a tool output (a file read, a test log) of 500 to 1,000 tokens to a history it resends
+# whole, after a 1,400-token system prompt every session shares. Shorter ones leave the shared prompt most
+# of every request, which any policy finds cached.
+TOOL_OUTPUT_WORDS = (150, 300)
+# Tools take from 0 to 1 s between turns. With a fixed pause, sessions started together send every turn
+# together: bursts on whichever instance holds several of them, which says more about the start than the
+# policy.
+THINK_TIME_JITTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,21 @@ class PolicyResult:
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def agent_workload(sessions: int, turns: int, seed: int = 0) -> AgentWorkload:
+    low, high = TOOL_OUTPUT_WORDS
+    return AgentWorkload(
+        sessions=sessions, turns=turns, min_turn_words=low, max_turn_words=high,
+        think_time_jitter_s=THINK_TIME_JITTER_S, seed=seed,
+    )  # fmt: skip
+
+
 def run_workload(
-    base_url: str, policy: str | None, workload: AgentWorkload, on_turn: Callable[[], None]
+    base_url: str, policy: str | None, workload: AgentWorkload, concurrency: int, on_turn: Callable[[], None]
 ) -> list[TurnOutcome]:
     """policy: forced on every request; None leaves each session to the router's traffic split."""
     plan = SessionPlan(
-        workload, MODEL, concurrency=workload.sessions, session_prefix=f"demo-{policy or 'split'}",
+        workload, MODEL, concurrency=concurrency,
+        session_prefix=demo_ab.SESSION_PREFIX if policy is None else f"demo-{policy}",
         headers={} if policy is None else {POLICY_HEADER: policy}, on_turn=on_turn,
     )  # fmt: skip
     return asyncio.run(run_sessions(base_url, plan)).outcomes
@@ -81,14 +100,15 @@ def reset_prefix_caches(instance_urls: list[str]) -> None:
 
 def run_demo(options: DemoOptions) -> int:
     console = Console(width=None if Console().is_terminal else 150)
-    workload = AgentWorkload(sessions=options.sessions, turns=options.turns)
-    # The A/B: the traffic split sends half the sessions to round robin, half to the default policy.
-    ab_workload = AgentWorkload(sessions=max(16, 2 * options.sessions), turns=options.turns, seed=7)
+    workload = agent_workload(options.sessions, options.turns)
+    # The A/B: the traffic split sends each session to round robin or the default policy, at the load each
+    # policy had alone (as many sessions at a time), with enough sessions for a verdict.
+    per_policy = demo_ab.sessions_per_policy(options.turns, at_least=2 * options.sessions)
+    ab_sessions = demo_ab.sessions_for_split(TrafficSplit(demo_ab.SPLIT), demo_ab.SEED, per_policy)
+    ab_workload = agent_workload(ab_sessions, options.turns, demo_ab.SEED)
     token = secrets.token_urlsafe(24)
     ports = FleetPorts.allocate(options.instances)
-    config = ports.router_config(
-        admin={"token": token}, traffic={"split": {"round-robin": 50, "kvroute": 50}}
-    )
+    config = ports.router_config(admin={"token": token}, traffic={"split": demo_ab.SPLIT})
     instance_urls = [f"http://127.0.0.1:{ports.http + i}" for i in range(options.instances)]
     policies = ["round-robin", "least-loaded", "precise-prefix", "kvroute"]
     results: list[PolicyResult] = []
@@ -106,20 +126,28 @@ def run_demo(options: DemoOptions) -> int:
                         reset_prefix_caches(instance_urls)
                         hits_before, queries_before = prefix_cache_counts(instance_urls)
                         progress.update(task, description=f"policy {policy}")
-                        turns = run_workload(router_url, policy, workload, lambda: progress.advance(task))
+                        turns = run_workload(
+                            router_url, policy, workload, workload.sessions, lambda: progress.advance(task)
+                        )
                         hits, queries = prefix_cache_counts(instance_urls)
                         hit_rate = (hits - hits_before) / max(queries - queries_before, 1.0)
                         results.append(PolicyResult(policy, turns, hit_rate))
                     reset_prefix_caches(instance_urls)
                     _admin(router_url, "/admin/ab/reset", token, "POST")
-                    progress.update(task, description="A/B: round-robin 50 / kvroute 50")
-                    ab_turns = run_workload(router_url, None, ab_workload, lambda: progress.advance(task))
+                    split = " / ".join(f"{name} {weight}" for name, weight in demo_ab.SPLIT.items())
+                    progress.update(task, description=f"A/B: {split}")
+                    ab_turns = run_workload(
+                        router_url, None, ab_workload, workload.sessions, lambda: progress.advance(task)
+                    )
                 ab = _admin(router_url, "/admin/ab", token)
         except StartupError as exc:
             console.print(f"[red]could not start the local fleet: {exc}")
             return 1
     console.print(_table(results, workload))
-    console.print(_ab_table(ab, ab_workload))
+    console.print(demo_ab.ab_table(ab, ab_workload, workload.sessions))
+    for comparison in ab["comparisons"]:
+        console.print(f"verdict: {comparison['verdict']}")
+        console.print(demo_ab.verdict_meaning(ab, comparison))
     ok = all(t.status == "ok" for t in [*ab_turns, *(t for r in results for t in r.turns)])
     return 0 if ok else 1
 
@@ -133,33 +161,12 @@ def _admin(base_url: str, path: str, token: str, method: str = "GET") -> dict[st
     return answer
 
 
-def _ab_table(report: dict[str, Any], workload: AgentWorkload) -> Group:
-    sessions = f"{workload.sessions} sessions x {workload.turns} turns"
-    table = Table(title=f"A/B on live traffic (/admin/ab): {sessions}, split by session")
-    for column in ("policy", "share", "requests", "errors", "rejected", "TTFT p50", "TTFT p95", "TTFT p99",
-                   "e2e p50", "predicted\ncached", "engine\ncached", "requests per instance"):  # fmt: skip
-        table.add_column(column)
-    for name, result in report["policies"].items():
-        ttft, e2e = result["ttft_ms"], result["e2e_ms"]
-        cached = result["predicted_cached_tokens"] / max(result["prompt_tokens"], 1)
-        observed = result["observed_prompt_tokens"]  # None: no answer's usage reported it
-        engine = "-" if not observed else f"{result['observed_cached_tokens'] / observed:.1%}"
-        table.add_row(
-            name, f"{report['split'][name]:.0%}", str(result["requests"]), str(result["errors"]),
-            str(result["rejected"]), _ms(ttft["p50"]), _ms(ttft["p95"]), _ms(ttft["p99"]), _ms(e2e["p50"]),
-            f"{cached:.1%}", engine, " ".join(f"{k}:{v}" for k, v in result["requests_per_instance"].items()),
-        )  # fmt: skip
-    verdicts = [f"verdict: {c['verdict']}" for c in report["comparisons"]]
-    return Group(table, *verdicts)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
-
-
 def _table(results: list[PolicyResult], workload: AgentWorkload) -> Table:
+    low, high = TOOL_OUTPUT_WORDS
+    shape = f"{workload.sessions} agent sessions x {workload.turns} turns at once"
     table = Table(
-        title=f"{workload.sessions} agent sessions x {workload.turns} turns, shared system prompt, streaming"
+        title=f"Each policy alone: {shape}, shared system prompt, {low}-{high}-word tool outputs, history "
+        "resent every turn, streaming"
     )
     for column in (
         "policy",

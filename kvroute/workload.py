@@ -25,6 +25,9 @@ class AgentWorkload:
     max_turn_words: int = 180
     max_tokens: int = 16
     think_time_s: float = 0.05
+    # Up to this much more after each turn, drawn from the seed: tool calls take varying time, which keeps
+    # sessions that start together from sending their turns together.
+    think_time_jitter_s: float = 0.0
     seed: int = 0
 
     def system_prompt(self) -> str:
@@ -36,6 +39,13 @@ class AgentWorkload:
         return f"[session {session} turn {turn}] tool output: " + _text(
             rng, rng.randint(self.min_turn_words, self.max_turn_words)
         )
+
+    def think_time(self, session: int, turn: int) -> float:
+        """The pause after a turn, before the next."""
+        if not self.think_time_jitter_s:
+            return self.think_time_s
+        rng = random.Random(f"{self.seed}:{session}:{turn}:think")
+        return self.think_time_s + rng.uniform(0.0, self.think_time_jitter_s)
 
     @property
     def requests(self) -> int:
