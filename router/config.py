@@ -255,12 +255,14 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
         # affinity is hysteresis: a session moves when staying scores under half the fastest (about twice its
         # TTFT, past the scorer's resolution), so near-ties do not scatter its cache over the fleet. In-flight
         # load settles what predictions cannot tell apart (new sessions, short prompts): fewer requests there
-        # means a smaller decode batch and room for the next burst (docs/bench-simulate.md measures 0.3)
+        # means a smaller decode batch and room for the next burst (docs/bench-simulate.md measures 0.3);
+        # what still ties goes where the fewest requests went lately and the most KV memory is free
         "kvroute": PolicyConfig(
             scorers=[
                 ScorerSpec(type="ttft-cost", weight=1.0),
                 ScorerSpec(type="session-affinity", weight=0.5),
                 ScorerSpec(type="inflight-load", weight=0.3),
+                ScorerSpec(type="spread", weight=0.1),
             ]
         ),
         # prefix and load weighed in tokens; a session moves only when staying costs over twice the best

@@ -48,12 +48,14 @@ class RouterView:
         self.index = BlockIndex(
             fleet.engine.block_size, speculative_ttl_s=speculative_ttl_s, clock=loop.clock
         )
+        # The router's TTFT model of each role's instances together (router/upstreams/instances.py)
+        fleet_models = {role: TTFTModel(priors) for role in ("prefill", "decode", "both")}
         self.instances = [
             Instance(
                 name=instance_name(e.number),
                 url=f"http://{instance_name(e.number)}",
                 models=frozenset({fleet.model}),
-                ttft_model=TTFTModel(priors),
+                ttft_model=TTFTModel(priors, fleet_models[fleet.role(e.number)]),
                 kv_capacity_tokens=fleet.engine.kv_tokens,
                 clock=loop.clock,
                 block_size=fleet.engine.block_size,

@@ -14,6 +14,7 @@ from router.scorers import (
     queue_depth,
     round_robin,
     session_affinity,
+    spread,
     token_cost,
     ttft_cost,
 )
@@ -30,6 +31,7 @@ SCORERS: dict[str, Registration[Scorer]] = {
     "precise-prefix": precise_prefix.REGISTRATION,
     "token-cost": token_cost.REGISTRATION,
     "ttft-cost": ttft_cost.REGISTRATION,
+    "spread": spread.REGISTRATION,
 }
 
 PICKERS: dict[str, Registration[pickers.Picker]] = {

@@ -21,12 +21,18 @@ Each instance has its own rates: hardware, model and parallelism differ across a
 configured priors and follow observations by exponentially weighted least squares on relative error (a
 TTFT's noise grows with it, and a 50 ms request matters as much as a 5 s one), pulled towards the priors
 (ridge) so that a term the traffic has not exercised yet keeps its prior instead of drifting.
+Instances of one fleet usually share hardware, and a few observations are noise: four answers that came
+back fast whatever queued ahead of them once solved an instance's queue rate to zero, and the router then
+sent it everything. So each instance's rates are pulled towards its fleet's (a model fed every instance's
+observations), which count as fleet_weight observations; an instance leaves them as its own evidence
+outweighs them (another GPU, another parallelism), and the fleet's are pulled towards the configured priors.
 Non-streamed answers arrive whole: their time includes decoding, which a decode term (per generated token)
 absorbs while calibrating; predictions leave it out.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +42,7 @@ from router.scoring.params import Params
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
 _ATTENTION = TERMS.index("attention")
+_MEMORY = TERMS.index("memory")
 _TRANSFER = TERMS.index("transfer")
 # Typical size of each feature: the priors count as prior_weight observations of this size, of the TTFT
 # typical lately. The overhead's is larger than its feature's (1): on its own it would soak up the noise of
@@ -68,6 +75,11 @@ class TTFTPriors(Params):
     calibrate: bool = Field(default=True, description="follow observed TTFTs; false keeps the priors")
     memory: float = Field(default=50.0, ge=1, description="observations that weigh in, about")
     prior_weight: float = Field(default=1.0, gt=0, description="the priors count as this many observations")
+    fleet_weight: float = Field(
+        default=16.0, ge=0,
+        description="in each instance's calibration, its fleet's rates count as this many observations (0: "
+        "each instance on its own, from the priors)",
+    )  # fmt: skip
 
     def rates(self) -> np.ndarray:
         return np.array([
@@ -95,9 +107,16 @@ class TTFTFeatures:
 
 
 class TTFTModel:
-    def __init__(self, priors: TTFTPriors) -> None:
+    def __init__(self, priors: TTFTPriors, fleet: TTFTModel | None = None) -> None:
+        """fleet: the model of the instance's fleet, which its observations feed too and whose rates it is
+        pulled towards (priors.fleet_weight 0 leaves it out)."""
         self._calibrate = priors.calibrate
         self._prior = priors.rates()
+        self._fleet = fleet if priors.fleet_weight > 0 else None
+        self._fleet_weight = priors.fleet_weight
+        self._fleet_solved = -1  # the fleet's solve this instance's rates were last solved against
+        # log(slowdown), and the observations it averages: at first the fleet_weight of a slowdown of 1
+        self._log_speed, self._speed_weight = 0.0, priors.fleet_weight
         # The attention term is on when its prior is: where prefill does not slow with the context, its
         # calibration only fits noise, which moved the simulated fleet's tail both ways.
         self._terms = np.array(
@@ -108,6 +127,7 @@ class TTFTModel:
         # The TTFT of a typical request, tracked: one computed whole, nothing fetched from a prefill instance.
         typical = np.arange(len(TERMS)) != _TRANSFER
         self._typical_s = float(self._prior[typical] @ _SCALES[typical])
+        self._typical_weight = self._prior_weight  # the observations it averages, the prior's counted
         self._gram = np.zeros((len(self._terms), len(self._terms)))  # decayed sums of x x^T and of x y
         self._moment = np.zeros(len(self._terms))
         self._rates = self._prior.copy()
@@ -116,10 +136,16 @@ class TTFTModel:
 
     @property
     def rates(self) -> dict[str, float]:
-        return dict(zip(TERMS, self._rates.tolist(), strict=True))
+        return dict(zip(TERMS, self._current().tolist(), strict=True))
+
+    def _current(self) -> np.ndarray:
+        """The rates, solved again when the fleet's have moved since (at most once per solve of theirs)."""
+        if self._fleet is not None and self._fleet.solved != self._fleet_solved and self._fleet.observations:
+            self._solve()
+        return self._rates
 
     def predict(self, features: TTFTFeatures) -> float:
-        rates = self._rates
+        rates = self._current()
         return float(
             rates[0]
             + rates[1] * features.queued_tokens
@@ -135,13 +161,16 @@ class TTFTModel:
         # requests do not calibrate, and the memory term keeps its configured factor.
         if not self._calibrate or seconds <= 0 or features.memory_wait_s > 0:
             return
+        if self._fleet is not None:
+            self._learn_speed(features, seconds)
+            self._fleet.observe(features, seconds)
         # Robust: an observation far off the prediction counts as at most _MAX_SURPRISE times off, and past
         # _HUBER_DELTA of relative error with a weight falling as the error grows (Huber). On plain relative
         # error one 2 ms answer where 0.8 s was due (a prompt cached that the index did not know) outweighed
         # fifty sound ones and zeroed the prefill rate for hundreds of requests. Rates far off still converge.
         x = features.vector()[self._terms]
         weight = 1.0
-        predicted = float(self._rates[self._terms] @ x)  # with the decoding a whole answer includes
+        predicted = float(self._current()[self._terms] @ x)  # with the decoding a whole answer includes
         if predicted > 0:
             seconds = min(max(seconds, predicted / _MAX_SURPRISE), predicted * _MAX_SURPRISE)
             error = abs(predicted - seconds) / seconds
@@ -150,27 +179,59 @@ class TTFTModel:
         x = x / y  # relative error: divide the equation by y
         self._gram = self._decay * self._gram + weight * np.outer(x, x)
         self._moment = self._decay * self._moment + weight * x * (seconds / y)
-        # A fleet that slows down threefold must not find the priors three times as convincing.
-        self._typical_s = self._decay * self._typical_s + (1 - self._decay) * seconds
+        # A fleet that slows down threefold must not find the priors three times as convincing. An average
+        # of what was observed, the prior counted as prior_weight observations, forgetting as the sums do:
+        # from the first observations on, not after ~memory of them (the priors' typical TTFT can be 20x the
+        # fleet's, which made them 400x too weak and let four answers zero a rate).
+        self._typical_weight = self._decay * self._typical_weight + 1.0
+        self._typical_s += (seconds - self._typical_s) / self._typical_weight
         self.observations += 1
         if self.observations <= _SOLVE_EACH_UNTIL or self.observations % _SOLVE_EVERY == 0:
             self._solve()
 
+    @property
+    def slowdown(self) -> float:
+        """How much slower than its fleet this instance answers (1: as fast; measured, in log space)."""
+        return math.exp(self._log_speed)
+
+    def _learn_speed(self, features: TTFTFeatures, seconds: float) -> None:
+        """Instances differ mostly by one factor (a slower GPU, less parallelism): track it, so that the
+        fleet's rates scaled by it are what each rate is pulled towards."""
+        fleet = self._fleet
+        assert fleet is not None
+        expected = float(fleet._rates[self._terms] @ features.vector()[self._terms])
+        if expected <= 0:
+            return
+        ratio = min(max(seconds / expected, 1 / _MAX_SURPRISE), _MAX_SURPRISE)
+        self._speed_weight = self._decay * self._speed_weight + 1.0
+        self._log_speed += (math.log(ratio) - self._log_speed) / self._speed_weight
+
     def _solve(self) -> None:
+        # Towards the fleet's rates (times this instance's slowdown) once it has some, else the priors.
+        target, weight = self._prior, self._prior_weight
+        if self._fleet is not None:
+            self._fleet_solved = self._fleet.solved
+            if self._fleet.observations:
+                target, weight = self._fleet._rates * _scaled(self.slowdown), self._fleet_weight
         # Priors far out of scale (1e300 s a token) underflow the penalty to a singular or overflowing system:
         # the rates it had stay rather than failing every request.
         try:
             with np.errstate(all="ignore"):  # what overflows is not finite, and refused below
-                penalty = np.diag(self._prior_weight * (_SCALES[self._terms] / self._typical_s) ** 2)
-                solved = np.linalg.solve(
-                    self._gram + penalty, self._moment + penalty @ self._prior[self._terms]
-                )
+                penalty = np.diag(weight * (_SCALES[self._terms] / self._typical_s) ** 2)
+                solved = np.linalg.solve(self._gram + penalty, self._moment + penalty @ target[self._terms])
         except np.linalg.LinAlgError:
             return
         if not np.isfinite(solved).all():
             return
         self._rates[self._terms] = np.maximum(solved, 0.0)  # a negative rate would reward work
         self.solved = self.observations
+
+
+def _scaled(slowdown: float) -> np.ndarray:
+    """Multipliers of the rates for an instance slowdown times slower: the memory factor is no rate."""
+    factors = np.full(len(TERMS), slowdown)
+    factors[_MEMORY] = 1.0
+    return factors
 
 
 def attention_pairs(start: int, tokens: int) -> float:

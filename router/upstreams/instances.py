@@ -105,13 +105,16 @@ class Instance:
         self.own_pending_prefill_tokens -= still_prefilling_tokens
 
     @classmethod
-    def from_config(cls, config: InstanceConfig, router: RouterConfig) -> Instance:
+    def from_config(
+        cls, config: InstanceConfig, router: RouterConfig, fleet_model: TTFTModel | None = None
+    ) -> Instance:
+        """fleet_model: the TTFT model of the instances of its role, which its own is pulled towards."""
         breaker: CircuitBreakerConfig = router.circuit_breaker
         return cls(
             name=config.name,
             url=config.url,
             models=frozenset(router.models_of(config)),
-            ttft_model=TTFTModel(router.ttft),
+            ttft_model=TTFTModel(router.ttft, fleet_model),
             breaker=CircuitBreaker(breaker.failures, breaker.open_s),
             headers=request_headers(config, router),
             data_parallel_rank=config.data_parallel_rank,
@@ -141,10 +144,18 @@ class FleetChanges(NamedTuple):
 
 class Upstreams:
     def __init__(self, config: RouterConfig) -> None:
-        self.instances = [Instance.from_config(i, config) for i in config.instances]
+        # One per role: prefill, decode and whole requests answer on different clocks.
+        self._fleet_models: dict[Role, TTFTModel] = {}
+        self.instances = [self._instance(i, config) for i in config.instances]
         self.models = [m.name for m in config.models]
         self._configs = {i.name: i for i in config.instances}
         self._index()
+
+    def _instance(self, spec: InstanceConfig, config: RouterConfig) -> Instance:
+        fleet = self._fleet_models.get(spec.role)
+        if fleet is None:
+            fleet = self._fleet_models[spec.role] = TTFTModel(config.ttft)
+        return Instance.from_config(spec, config, fleet)
 
     def _index(self) -> None:
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
@@ -179,7 +190,7 @@ class Upstreams:
                 else:
                     # Not a candidate until its first health check passes (at the health checker's next
                     # tick): an engine added before it is up must not fail the first requests sent to it.
-                    instance = Instance.from_config(spec, config)
+                    instance = self._instance(spec, config)
                     instance.healthy = False
             instances.append(instance)
         self.instances = instances

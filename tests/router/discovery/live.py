@@ -83,3 +83,23 @@ def stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPRespon
     headers = {"content-type": "application/json", "x-kvroute-policy": "round-robin"}
     connection.request("POST", "/v1/chat/completions", body, headers)
     return connection, connection.getresponse()
+
+
+def removed_mid_stream(url: str, instance: str, remove: Callable[[], None]) -> None:
+    """A stream in flight on instance when remove() takes it away finishes; 1 s later it gets no new request,
+    the others still do."""
+    for _ in range(4):
+        connection, response = stream(url)
+        if response.headers[ROUTED] == instance:
+            break
+        response.read()
+        connection.close()
+    assert response.headers[ROUTED] == instance
+    others = routed(url) - {instance}
+    remove()
+    time.sleep(1.0)
+    assert routed(url) == others
+    answer = response.read().decode()
+    connection.close()
+    assert response.status == 200 and answer.rstrip().endswith("data: [DONE]")
+    assert answer.count("data: ") > 500, "the stream was cut short"

@@ -11,7 +11,13 @@ from typing import Any
 from kvroute.processes import FleetPorts
 from tests.conftest import sample
 from tests.router.discovery.kube_api import SLICES, KubeAPI, endpoint, endpoint_slice
-from tests.router.discovery.live import ROUTED, eventually, healthy, routed, router, stream
+from tests.router.discovery.live import (
+    eventually,
+    healthy,
+    removed_mid_stream,
+    routed,
+    router,
+)
 
 
 def engine_slice(ports: FleetPorts, number: int, service: str = "vllm", **conditions: Any) -> dict[str, Any]:
@@ -42,20 +48,7 @@ def test_ready_endpoints_come_and_go(fleet: FleetPorts, kube: KubeAPI, tmp_path:
         assert routed(url) == {"vllm-0", "vllm-1"}
 
         # A request in flight on the endpoint that goes finishes; from 1 s after the event it gets no new one.
-        for _ in range(4):
-            connection, response = stream(url)
-            if response.headers[ROUTED] == "vllm-1":
-                break
-            response.read()
-            connection.close()
-        assert response.headers[ROUTED] == "vllm-1"
-        kube.delete(SLICES, "default", "vllm-1")
-        time.sleep(1.0)
-        assert routed(url) == {"vllm-0"}
-        answer = response.read().decode()
-        connection.close()
-        assert response.status == 200 and answer.rstrip().endswith("data: [DONE]")
-        assert answer.count("data: ") > 500, "the stream was cut short"
+        removed_mid_stream(url, "vllm-1", lambda: kube.delete(SLICES, "default", "vllm-1"))
 
         # Terminating (still serving, as while it drains): out at once; ready again: in.
         set_conditions(kube, 0, ready=False, serving=True, terminating=True)

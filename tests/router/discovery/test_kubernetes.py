@@ -13,7 +13,13 @@ import zmq
 from kvroute.processes import FleetPorts, free_port_block
 from tests.conftest import sample
 from tests.router.discovery.kube_api import PODS, POOLS, KubeAPI, pod
-from tests.router.discovery.live import ROUTED, eventually, healthy, routed, router, stream
+from tests.router.discovery.live import (
+    eventually,
+    healthy,
+    removed_mid_stream,
+    routed,
+    router,
+)
 
 LABELS = {"app": "vllm"}
 
@@ -42,20 +48,7 @@ def test_pods_come_and_go_ready_ones_only(fleet: FleetPorts, kube: KubeAPI, tmp_
         assert routed(url) == {"vllm-0", "vllm-1"}
 
         # A request in flight on the pod that goes finishes; from 1 s after the event it gets no new one.
-        for _ in range(4):
-            connection, response = stream(url)
-            if response.headers[ROUTED] == "vllm-1":
-                break
-            response.read()
-            connection.close()
-        assert response.headers[ROUTED] == "vllm-1"
-        kube.delete(PODS, "default", "vllm-1")
-        time.sleep(1.0)
-        assert routed(url) == {"vllm-0"}
-        answer = response.read().decode()
-        connection.close()
-        assert response.status == 200 and answer.rstrip().endswith("data: [DONE]")
-        assert answer.count("data: ") > 500, "the stream was cut short"
+        removed_mid_stream(url, "vllm-1", lambda: kube.delete(PODS, "default", "vllm-1"))
 
         # Terminating (deletionTimestamp set, still Ready): out at once; Ready again after a restart: in.
         kube.patch(PODS, "default", "vllm-0", {"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}})

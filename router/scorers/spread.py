@@ -1,0 +1,69 @@
+"""Spread: where costs tie, the instance placed on least lately and with the most KV memory free.
+
+New sessions and short prompts cost about the same everywhere, and a random choice between equals lets
+the fleet's caches fill unevenly: one instance takes a run of new sessions, their next turns stay there,
+and its queue grows while another's memory sits empty. Weighted low, this scorer decides only near-ties:
+half of its score is the placements each candidate received lately (each counts half after half_life_s),
+half its KV memory in use (the contexts in flight there, or the engine's reported usage when that is
+more), both normalized as llm-d normalizes queue depth: the least placed and the emptiest score 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from pydantic import Field
+
+from router.scoring.candidate import Candidate
+from router.scoring.params import Params, Registration
+from router.scoring.scorer import Scorer, lower_is_better
+from router.types import RoutingRequest
+
+_FORGOTTEN = 0.01  # placements decayed below this are dropped when the table grows (instances come and go)
+_PRUNE_AT = 1024
+
+
+class SpreadParams(Params):
+    half_life_s: float = Field(default=10.0, gt=0, description="a placement counts half after this long")
+
+
+class SpreadScorer:
+    def __init__(self, params: SpreadParams, clock: Callable[[], float] = time.monotonic) -> None:
+        self._half_life_s, self._clock = params.half_life_s, clock
+        self._placed: dict[str, tuple[float, float]] = {}  # name -> (placements, when counted)
+
+    def placements(self, name: str, now: float | None = None) -> float:
+        """The placements on name lately, each weighing half as much every half_life_s."""
+        entry = self._placed.get(name)
+        if entry is None:
+            return 0.0
+        count, counted_at = entry
+        now = self._clock() if now is None else now
+        halvings = max(now - counted_at, 0.0) / self._half_life_s
+        return float(count * 0.5**halvings)
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        now = self._clock()
+        placed = lower_is_better([self.placements(c.name, now) for c in candidates])
+        used = lower_is_better([_memory_used(c) for c in candidates])
+        return [(p + u) / 2 for p, u in zip(placed, used, strict=True)]
+
+    def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
+        now = self._clock()
+        self._placed[chosen.name] = (self.placements(chosen.name, now) + 1.0, now)
+        if len(self._placed) > _PRUNE_AT:
+            kept = {name for name in self._placed if self.placements(name, now) >= _FORGOTTEN}
+            self._placed = {name: entry for name, entry in self._placed.items() if name in kept}
+
+
+def _memory_used(candidate: Candidate) -> float | None:
+    """The share of its KV memory in use; None while its capacity and usage are unknown."""
+    capacity = candidate.kv_capacity_tokens
+    reported = candidate.load.kv_usage if candidate.load is not None else None
+    held = candidate.active_tokens / capacity if capacity else None
+    known = [share for share in (held, reported) if share is not None]
+    return max(known) if known else None
+
+
+REGISTRATION: Registration[Scorer] = Registration(SpreadParams, SpreadScorer, clocked=True)
