@@ -24,8 +24,9 @@ TTFT's noise grows with it, and a 50 ms request matters as much as a 5 s one), p
 Instances of one fleet usually share hardware, and a few observations are noise: four answers that came
 back fast whatever queued ahead of them once solved an instance's queue rate to zero, and the router then
 sent it everything. So each instance's rates are pulled towards its fleet's (a model fed every instance's
-observations), which count as fleet_weight observations; an instance leaves them as its own evidence
-outweighs them (another GPU, another parallelism), and the fleet's are pulled towards the configured priors.
+observations) times the instance's measured slowdown against them, which count as fleet_weight
+observations; an instance leaves them as its own evidence outweighs them (another GPU, another
+parallelism), and the fleet's are pulled towards the configured priors.
 Non-streamed answers arrive whole: their time includes decoding, which a decode term (per generated token)
 absorbs while calibrating; predictions leave it out.
 """
@@ -48,6 +49,13 @@ _TRANSFER = TERMS.index("transfer")
 # typical lately. The overhead's is larger than its feature's (1): on its own it would soak up the noise of
 # the first few observations. Attention's: ~2K tokens computed after ~3K reused.
 _SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 0.25, 64.0, 2048.0 * 4096.0, 2048.0])
+# How firmly each prior holds. The decode term's the least: predictions leave it out, it is there to take
+# a whole answer's decoding, and its prior (an engine's decode speed) is the most often wrong. Whole answers
+# decode about as many tokens each, so their decoding cannot be told from the fixed cost and a cached turn's
+# few prompt tokens: held as firmly as the rest, a decode prior 20x too slow (10 ms a token where the fleet
+# decoded 16 tokens in 8 ms) was taken out of the prefill and overhead rates as well, solving them below
+# zero (0 once clamped) from one cached turn: a 9,000-token prompt computed anew was predicted to cost 0 s.
+_STRENGTH = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.3, 1.0, 1.0])
 _SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
 _MAX_SURPRISE = 4.0  # an observed TTFT counts as at most this many times off the prediction
 _HUBER_DELTA = 0.5  # relative errors beyond this weigh less and less
@@ -217,7 +225,8 @@ class TTFTModel:
         # the rates it had stay rather than failing every request.
         try:
             with np.errstate(all="ignore"):  # what overflows is not finite, and refused below
-                penalty = np.diag(weight * (_SCALES[self._terms] / self._typical_s) ** 2)
+                scales = _SCALES[self._terms] / self._typical_s
+                penalty = np.diag(weight * _STRENGTH[self._terms] * scales**2)
                 solved = np.linalg.solve(self._gram + penalty, self._moment + penalty @ target[self._terms])
         except np.linalg.LinAlgError:
             return

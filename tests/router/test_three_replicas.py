@@ -78,12 +78,7 @@ def replicas(fleet: FleetPorts, tmp_path: Path) -> Iterator[list[Replica]]:
     for n in range(REPLICAS):
         peers = {"publish": endpoints[n], "subscribe": [e for e in endpoints if e != endpoints[n]],
                  "interval_s": 0.05, "stale_after_s": 0.5}  # fmt: skip
-        # The TTFT priors, not each replica's own calibration: calibrating from a handful of whole answers an
-        # instance, with no session affinity at a replica that has not seen the session yet, one session moved
-        # in 3 of 3 runs (not yet understood); no part of what is tested here.
-        config = fleet.router_config(
-            BLOCK_SIZE, peers=peers, health={"interval_s": 0.2}, ttft={"calibrate": False}
-        )
+        config = fleet.router_config(BLOCK_SIZE, peers=peers, health={"interval_s": 0.2})
         path = tmp_path / f"replica-{n}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         started.append(Replica(f"replica-{n}", http + n, path, tmp_path))

@@ -85,3 +85,16 @@ def test_the_routers_instances_share_a_fleet_model_per_role() -> None:
         p1.ttft_model.observe(features, 1.0)  # ten times the priors' prefill rate
     assert p2.ttft_model.predict(features) > 0.5  # learned from its fellow prefill instance
     assert d1.ttft_model.predict(features) < 0.2  # decode instances calibrate apart
+
+
+def test_a_whole_answer_decoding_faster_than_its_prior_does_not_zero_the_prefill_rate() -> None:
+    """A non-streamed answer's time includes its decoding; at 10 ms a token, the decode prior was 20x too slow
+    for a fleet that decoded 16 tokens in 8 ms, and one cached turn solved the prefill rate to 0: a prompt
+    computed anew then cost nothing."""
+    fleet, (model,) = _fleet(TTFTPriors(prefill_s_per_token=5e-5, queue_s_per_token=5e-5), instances=1)
+    cached_turn = TTFTFeatures(queued_tokens=0, uncached_tokens=254, loaded_tokens=0, decoded_tokens=16)
+    model.observe(cached_turn, 0.0216)
+    for rates in (model.rates, fleet.rates):
+        assert rates["prefill"] > 1e-5
+    recompute = TTFTFeatures(queued_tokens=0, uncached_tokens=9_000, loaded_tokens=0)
+    assert model.predict(recompute) > 0.1
