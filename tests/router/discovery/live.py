@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.processes import running_router
+from tests.conftest import sample
 from tests.router.discovery.kube_api import KubeAPI
 
 ROUTED = "x-kvroute-instance"
@@ -103,3 +104,24 @@ def removed_mid_stream(url: str, instance: str, remove: Callable[[], None]) -> N
     connection.close()
     assert response.status == 200 and answer.rstrip().endswith("data: [DONE]")
     assert answer.count("data: ") > 500, "the stream was cut short"
+
+
+def outage_survived(
+    url: str, kube: KubeAPI, source: str, add_second: Callable[[], None], remove_first: Callable[[], None]
+) -> None:
+    """With vllm-0 serving: a 410 Gone and then the API server gone keep the last set serving and are counted;
+    back on its port, what changed meanwhile (add_second: vllm-1) and after (remove_first) is followed."""
+    def restarts() -> float:
+        return sample(url, "kvroute_discovery_watch_restarts_total", source=source) or 0
+
+    kube.expire_watches(1)  # the next watch is answered 410 Gone: listed again, counted
+    kube.stop_listening()  # the server goes away: every watch breaks
+    eventually(lambda: restarts() >= 1)
+    time.sleep(1.0)
+    assert routed(url) == {"vllm-0"}, "the last known set stops serving without the API server"
+    kube.start()  # back, on the same port; an engine came while it was away
+    add_second()
+    eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=20)
+    assert restarts() >= 2  # the 410 and the connection refused while it was away
+    remove_first()
+    eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)

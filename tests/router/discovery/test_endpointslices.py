@@ -4,7 +4,6 @@ share 127.0.0.1, and a slice's ports are all its endpoints')."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from tests.router.discovery.kube_api import SLICES, KubeAPI, endpoint, endpoint_
 from tests.router.discovery.live import (
     eventually,
     healthy,
+    outage_survived,
     removed_mid_stream,
     routed,
     router,
@@ -63,17 +63,6 @@ def test_a_broken_slice_watch_resumes(fleet: FleetPorts, kube: KubeAPI, tmp_path
     discovery = {"source": "endpointslices", "selector": "kubernetes.io/service-name=vllm"}
     with router(kube, tmp_path, discovery) as url:
         eventually(lambda: healthy(url) == ["vllm-0"])
-        restarts = lambda: sample(url, "kvroute_discovery_watch_restarts_total", source="endpointslices") or 0  # noqa: E731
-
-        kube.expire_watches(1)  # the next watch is answered 410 Gone: listed again, counted
-        kube.stop_listening()  # the server goes away: every watch breaks
-        eventually(lambda: restarts() >= 1)
-        time.sleep(1.0)
-        assert routed(url) == {"vllm-0"}, "the last known set stops serving without the API server"
-
-        kube.start()  # back, on the same port; an endpoint came while it was away
-        kube.create(SLICES, engine_slice(fleet, 1))
-        eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=20)
-        assert restarts() >= 2  # the 410 and the connection refused while it was away
-        kube.delete(SLICES, "default", "vllm-0")
-        eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
+        outage_survived(
+            url, kube, "endpointslices", lambda: kube.create(SLICES, engine_slice(fleet, 1)), lambda: kube.delete(SLICES, "default", "vllm-0")
+        )

@@ -3,7 +3,6 @@ fleet, and a router (`kvroute serve`) that knows its instances only from pods.""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from tests.router.discovery.kube_api import PODS, POOLS, KubeAPI, pod
 from tests.router.discovery.live import (
     eventually,
     healthy,
+    outage_survived,
     removed_mid_stream,
     routed,
     router,
@@ -62,20 +62,9 @@ def test_a_broken_watch_keeps_the_last_set_and_is_counted(fleet: FleetPorts, kub
     kube.create(PODS, vllm_pod(fleet, 0))
     with router(kube, tmp_path, {"selector": "app=vllm"}) as url:
         eventually(lambda: healthy(url) == ["vllm-0"])
-        restarts = lambda: sample(url, "kvroute_discovery_watch_restarts_total", source="kubernetes") or 0  # noqa: E731
-
-        kube.expire_watches(1)  # the next watch is answered 410 Gone: listed again, counted
-        kube.stop_listening()  # the server goes away: every watch breaks
-        eventually(lambda: restarts() >= 1)
-        time.sleep(1.0)
-        assert routed(url) == {"vllm-0"}, "the last known set stops serving without the API server"
-
-        kube.start()  # back, on the same port; a pod came while it was away
-        kube.create(PODS, vllm_pod(fleet, 1))
-        eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=20)
-        assert restarts() >= 2  # the 410 and the connection refused while it was away
-        kube.delete(PODS, "default", "vllm-0")
-        eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
+        outage_survived(
+            url, kube, "kubernetes", lambda: kube.create(PODS, vllm_pod(fleet, 1)), lambda: kube.delete(PODS, "default", "vllm-0")
+        )
 
 
 def test_an_inferencepool_selects_the_pods_and_its_target_port(
