@@ -348,6 +348,12 @@ class RouterMetrics:
                   "as predicted)",
                   ["vllm_instance", "term"], registry=r, multiprocess_mode="livemostrecent")
         )  # fmt: skip
+        self.ttft_slowdown = Family(
+            Gauge("kvroute_ttft_instance_slowdown",
+                  "How much slower than its fleet's (the instances of its role) an instance's TTFTs come, as "
+                  "its model measures them: 1 as fast, 2 twice as slow (a degraded or smaller GPU)",
+                  ["vllm_instance"], registry=r, multiprocess_mode="livemostrecent")
+        )  # fmt: skip
         self.predicted_cached = Family(
             Counter("kvroute_predicted_cached_tokens",
                     "Prompt tokens the chosen instance was predicted to reuse, by policy and tier",

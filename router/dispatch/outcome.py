@@ -174,6 +174,7 @@ class Outcome:
         if model.solved == model.observations:  # the rates just changed
             for term, rate in model.rates.items():
                 metrics.ttft_rate(name, term).set(rate)
+            metrics.ttft_slowdown(name).set(model.slowdown)
 
     def observed_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
         """The engine's own count of the prompt tokens it had cached (a whole answer's usage)."""

@@ -86,4 +86,5 @@ def _instance(instance: Instance, blocks: list[int]) -> dict[str, Any]:
         else {"waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage},
         "blocks": {tier.name.lower(): blocks[tier] for tier in Tier},
         "ttft_rates": instance.ttft_model.rates,
+        "ttft_slowdown": instance.ttft_model.slowdown,
     }

@@ -86,6 +86,7 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
         ("kvroute_ttft_observed_seconds", {"vllm_instance"}),
         ("kvroute_ttft_prediction_error_seconds", {"vllm_instance"}),
         ("kvroute_ttft_model_rate", {"vllm_instance", "term"}),
+        ("kvroute_ttft_instance_slowdown", {"vllm_instance"}),
         ("kvroute_predicted_cached_tokens", {"policy", "tier"}),
         ("kvroute_prompt_tokens", {"policy"}),
         ("kvroute_session_turns", {"policy", "placement"}),
@@ -130,6 +131,7 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
             ("kvroute_ttft_observed_seconds_count", {"vllm_instance": s.instance}, 1),
             ("kvroute_ttft_prediction_error_seconds_count", {"vllm_instance": s.instance}, 1),
             *[("kvroute_ttft_model_rate", {"vllm_instance": s.instance, "term": term}, present) for term in TERMS],
+            ("kvroute_ttft_instance_slowdown", {"vllm_instance": s.instance}, 0.0),
         ]
     return samples
 

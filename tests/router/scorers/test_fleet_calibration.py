@@ -51,6 +51,8 @@ def test_an_instance_on_other_hardware_still_finds_its_own_rates() -> None:
         for number, model in enumerate(models):
             features = random_features(rng, whole_answers=False)
             model.observe(features, true_seconds(features) * (2.0 if number == 0 else 1.0))
+    assert slow.slowdown == pytest.approx(2.0, rel=0.1)
+    assert models[1].slowdown == pytest.approx(1.0, rel=0.1)
     for term in ("queue", "prefill"):
         assert slow.rates[term] == pytest.approx(2 * TRUE_RATES[term], rel=0.15), term
         assert models[1].rates[term] == pytest.approx(TRUE_RATES[term], rel=0.15), term
