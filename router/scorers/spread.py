@@ -5,7 +5,9 @@ the fleet's caches fill unevenly: one instance takes a run of new sessions, thei
 and its queue grows while another's memory sits empty. Weighted low, this scorer decides only near-ties:
 half of its score is the placements each candidate received lately (each counts half after half_life_s),
 half its KV memory in use (the contexts in flight there, or the engine's reported usage when that is
-more), both normalized as llm-d normalizes queue depth: the least placed and the emptiest score 1.
+more), both normalized as llm-d normalizes queue depth: the least placed and the emptiest score 1. Counts
+decay continuously, so of instances given as many requests the one given its last longest ago wins: ties
+rotate over the fleet instead of falling at random.
 """
 
 from __future__ import annotations
