@@ -121,6 +121,11 @@ async def stream_chat(
     return TurnOutcome("ok", ttft, e2e, streamed.prompt_tokens, streamed.instance), "".join(text)
 
 
+def session_key(prefix: str, seed: int, index: int) -> str:
+    """The session key run_sessions sends for session index of a workload seeded seed."""
+    return f"{prefix}-{seed}-{index}"
+
+
 async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:
     workload = plan.workload
     run = SessionRun()
@@ -131,7 +136,7 @@ async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:
     async def session(http: aiohttp.ClientSession, index: int) -> None:
         async with slots:
             messages = [{"role": "system", "content": workload.system_prompt()}]
-            headers = {**plan.headers, SESSION_HEADER: f"{plan.session_prefix}-{workload.seed}-{index}"}
+            headers = {**plan.headers, SESSION_HEADER: session_key(plan.session_prefix, workload.seed, index)}
             for turn in range(workload.turns):
                 if time.perf_counter() >= deadline:
                     return

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
+from kvroute.agent_sessions import session_key
 from kvroute.workload import AgentWorkload
 from router.dispatch.ab import MIN_SAMPLES, MIN_SESSIONS
 from router.dispatch.traffic import TrafficSplit
@@ -28,7 +29,7 @@ def sessions_for_split(split: TrafficSplit, seed: int, per_policy: int) -> int:
     counts: Counter[str] = Counter()
     sessions = 0
     while min(counts[name] for name, weight in split.weights.items() if weight > 0) < per_policy:
-        counts[split.policy_for(f"{SESSION_PREFIX}-{seed}-{sessions}")] += 1
+        counts[split.policy_for(session_key(SESSION_PREFIX, seed, sessions))] += 1
         sessions += 1
     return sessions
 
