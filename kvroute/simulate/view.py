@@ -18,7 +18,7 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import PoolStore
 from router.index.block_index import BlockIndex
 from router.index.events import KVEvent
-from router.scoring.ttft_model import TTFTModel, TTFTPriors
+from router.scoring.ttft_model import FleetModels, TTFTModel, TTFTPriors
 from router.types import TierMatch
 from router.upstreams.instances import Instance
 
@@ -48,14 +48,13 @@ class RouterView:
         self.index = BlockIndex(
             fleet.engine.block_size, speculative_ttl_s=speculative_ttl_s, clock=loop.clock
         )
-        # The router's TTFT model of each role's instances together (router/upstreams/instances.py)
-        fleet_models = {role: TTFTModel(priors) for role in ("prefill", "decode", "both")}
+        fleet_models = FleetModels(priors)  # as router/upstreams/instances.py pools them
         self.instances = [
             Instance(
                 name=instance_name(e.number),
                 url=f"http://{instance_name(e.number)}",
                 models=frozenset({fleet.model}),
-                ttft_model=TTFTModel(priors, fleet_models[fleet.role(e.number)]),
+                ttft_model=TTFTModel(priors, fleet_models.of(fleet.role(e.number))),
                 kv_capacity_tokens=fleet.engine.kv_tokens,
                 clock=loop.clock,
                 block_size=fleet.engine.block_size,

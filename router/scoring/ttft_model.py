@@ -236,6 +236,21 @@ class TTFTModel:
         self.solved = self.observations
 
 
+class FleetModels:
+    """The fleet models instances' TTFT models are pulled towards: one per role (prefill legs, decode legs
+    and whole requests answer on different clocks), each made at its first instance."""
+
+    def __init__(self, priors: TTFTPriors) -> None:
+        self._priors = priors
+        self._by_role: dict[str, TTFTModel] = {}
+
+    def of(self, role: str) -> TTFTModel:
+        model = self._by_role.get(role)
+        if model is None:
+            model = self._by_role[role] = TTFTModel(self._priors)
+        return model
+
+
 def _scaled(slowdown: float) -> np.ndarray:
     """Multipliers of the rates for an instance slowdown times slower: the memory factor is no rate."""
     factors = np.full(len(TERMS), slowdown)

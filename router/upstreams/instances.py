@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from router.config import CircuitBreakerConfig, InstanceConfig, Role, RouterConfig, api_key
 from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
-from router.scoring.ttft_model import TTFTModel, TTFTPriors
+from router.scoring.ttft_model import FleetModels, TTFTModel, TTFTPriors
 from router.types import EngineLoad
 from router.upstreams.circuit_breaker import CircuitBreaker
 from router.upstreams.context_residency import ContextResidency
@@ -144,18 +144,14 @@ class FleetChanges(NamedTuple):
 
 class Upstreams:
     def __init__(self, config: RouterConfig) -> None:
-        # One per role: prefill, decode and whole requests answer on different clocks.
-        self._fleet_models: dict[Role, TTFTModel] = {}
+        self._fleet_models = FleetModels(config.ttft)
         self.instances = [self._instance(i, config) for i in config.instances]
         self.models = [m.name for m in config.models]
         self._configs = {i.name: i for i in config.instances}
         self._index()
 
     def _instance(self, spec: InstanceConfig, config: RouterConfig) -> Instance:
-        fleet = self._fleet_models.get(spec.role)
-        if fleet is None:
-            fleet = self._fleet_models[spec.role] = TTFTModel(config.ttft)
-        return Instance.from_config(spec, config, fleet)
+        return Instance.from_config(spec, config, self._fleet_models.of(spec.role))
 
     def _index(self) -> None:
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
