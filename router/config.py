@@ -256,10 +256,13 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
         # TTFT, past the scorer's resolution), so near-ties do not scatter its cache over the fleet. In-flight
         # load settles what predictions cannot tell apart (new sessions, short prompts): fewer requests there
         # means a smaller decode batch and room for the next burst (docs/bench-simulate.md measures 0.3);
-        # what still ties goes where the fewest requests went lately and the most KV memory is free
+        # what still ties goes where the fewest requests went lately and the most KV memory is free. Each cost
+        # also counts half the wait the request would cause those arriving behind it, from the arrival rate
+        # measured: nothing on an idle fleet, and under load a prefix computed again elsewhere costs its queue
+        # (the suite measured 0.5; docs/bench-simulate.md)
         "kvroute": PolicyConfig(
             scorers=[
-                ScorerSpec(type="ttft-cost", weight=1.0),
+                ScorerSpec(type="ttft-cost", weight=1.0, params={"wait_caused": 0.5}),
                 ScorerSpec(type="session-affinity", weight=0.5),
                 ScorerSpec(type="inflight-load", weight=0.3),
                 ScorerSpec(type="spread", weight=0.1),

@@ -354,6 +354,14 @@ class RouterMetrics:
                   "its model measures them: 1 as fast, 2 twice as slow (a degraded or smaller GPU)",
                   ["vllm_instance"], registry=r, multiprocess_mode="livemostrecent")
         )  # fmt: skip
+        self.wait_caused_weight = Family(
+            Gauge("kvroute_policy_wait_caused_weight",
+                  "What the policy weighs the wait a request causes by (ttft-cost's wait_caused): requests "
+                  "expected to arrive behind it at one instance per second it spends there before its "
+                  "first token, from the arrival rate measured; 0 on an idle fleet or with the term off; "
+                  "at 2, a request that waits 1 s is charged its uncached tokens' queue time twice",
+                  ["policy"], registry=r, multiprocess_mode="livemostrecent")
+        )  # fmt: skip
         self.predicted_cached = Family(
             Counter("kvroute_predicted_cached_tokens",
                     "Prompt tokens the chosen instance was predicted to reuse, by policy and tier",

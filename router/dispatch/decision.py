@@ -27,7 +27,7 @@ from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.prompt.token_cache import RemoteTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
 from router.scoring.policy import Policy
-from router.scoring.ttft_features import features_for, reused_blocks
+from router.scoring.ttft_features import features_for, reused_blocks, wait_caused_s
 from router.scoring.ttft_model import TTFTFeatures
 from router.types import NO_MATCH, RoutingRequest, TierMatch
 from router.upstreams.instances import Instance
@@ -75,6 +75,7 @@ class Decision:
     uncached_tokens: int
     features: TTFTFeatures
     predicted_ttft_s: float
+    wait_caused_s: float = 0.0  # the wait it was charged for causing the requests arriving behind it
     speculated: Speculation | None = None  # blocks entered as pending at the instance
     reused: TierMatch = NO_MATCH  # the blocks the instance would reuse, by tier
     chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
@@ -153,7 +154,9 @@ class Decider:
 
     def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
         started = time.perf_counter()
+        behind_per_s = policy.behind_per_s(len(candidates))  # as the choice weighed it, before it counts
         instance = candidates[policy.choose(prepared.request, candidates)]
+        self._metrics.wait_caused_weight(policy.name).set(behind_per_s)
         match = prepared.request.matches.get(instance.name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
         self._index.reused(instance.name, prepared.chain, held)
@@ -163,6 +166,7 @@ class Decider:
         features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
+        predicted_s = instance.ttft_model.predict(features)
         return Decision(
             instance,
             tokens,
@@ -170,7 +174,8 @@ class Decider:
             cached_blocks=(tokens - features.uncached_tokens) // self._block_size,
             uncached_tokens=features.uncached_tokens,
             features=features,
-            predicted_ttft_s=instance.ttft_model.predict(features),
+            predicted_ttft_s=predicted_s,
+            wait_caused_s=wait_caused_s(instance, features, predicted_s, behind_per_s),
             speculated=speculated,
             reused=reused_blocks(prepared.request, instance.name),
             chain=prepared.chain,

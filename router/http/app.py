@@ -32,6 +32,7 @@ from router.http.proxy import (
     PREDICTED_TTFT_HEADER,
     PREFILL_INSTANCE_HEADER,
     PROMPT_BLOCKS_HEADER,
+    WAIT_CAUSED_HEADER,
     BodyLimits,
     Proxy,
 )
@@ -45,7 +46,7 @@ _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 # What a browser page may read of an answer besides the simple headers: when to retry, where it was routed.
 _EXPOSED = [
     "retry-after", INSTANCE_HEADER, POLICY_HEADER, CACHED_BLOCKS_HEADER, PROMPT_BLOCKS_HEADER,
-    PREDICTED_TTFT_HEADER, ATTEMPTS_HEADER, PREFILL_INSTANCE_HEADER, "x-request-id",
+    PREDICTED_TTFT_HEADER, WAIT_CAUSED_HEADER, ATTEMPTS_HEADER, PREFILL_INSTANCE_HEADER, "x-request-id",
 ]  # fmt: skip
 
 

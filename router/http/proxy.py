@@ -50,6 +50,7 @@ PREFILL_INSTANCE_HEADER = "x-kvroute-prefill-instance"  # where its prompt's KV 
 CACHED_BLOCKS_HEADER = "x-kvroute-cached-blocks"
 PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
+WAIT_CAUSED_HEADER = "x-kvroute-wait-caused-ms"  # what the policy charged it for the wait of those behind
 # End-to-end headers that identify a request or carry its trace (vLLM reads traceparent and tracestate).
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "tracestate")
 _RETURNED_HEADERS = ("x-request-id",)  # the engine's id for the request (--enable-request-id-headers)
@@ -223,7 +224,8 @@ def _shutting_down() -> OpenAIError:
 
 def routing_headers(outcome: Outcome) -> dict[str, str]:
     """What the answer tells of its routing: the instance (and a disaggregated request's prefill instance),
-    the policy, the prefix it was predicted to reuse and the TTFT, the instances tried."""
+    the policy, the prefix it was predicted to reuse, the TTFT and the wait it was charged for causing, the
+    instances tried."""
     decision = outcome.decision
     headers = {
         INSTANCE_HEADER: outcome.instance.name,
@@ -231,6 +233,7 @@ def routing_headers(outcome: Outcome) -> dict[str, str]:
         CACHED_BLOCKS_HEADER: str(decision.cached_blocks),
         PROMPT_BLOCKS_HEADER: str(decision.prompt_blocks),
         PREDICTED_TTFT_HEADER: f"{decision.predicted_ttft_s * 1000:.1f}",
+        WAIT_CAUSED_HEADER: f"{decision.wait_caused_s * 1000:.1f}",
         ATTEMPTS_HEADER: str(outcome.attempts),
     }
     if outcome.prefill_instance is not None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pydantic import Field
 
 from router.scoring.candidate import Candidate
+from router.scoring.decaying_count import DecayingCount
 from router.scoring.params import Params, Registration
 from router.scoring.scorer import Scorer, lower_is_better
 from router.types import RoutingRequest
@@ -33,17 +34,12 @@ class SpreadParams(Params):
 class SpreadScorer:
     def __init__(self, params: SpreadParams, clock: Callable[[], float] = time.monotonic) -> None:
         self._half_life_s, self._clock = params.half_life_s, clock
-        self._placed: dict[str, tuple[float, float]] = {}  # name -> (placements, when counted)
+        self._placed: dict[str, DecayingCount] = {}
 
     def placements(self, name: str, now: float | None = None) -> float:
         """The placements on name lately, each weighing half as much every half_life_s."""
-        entry = self._placed.get(name)
-        if entry is None:
-            return 0.0
-        count, counted_at = entry
-        now = self._clock() if now is None else now
-        halvings = max(now - counted_at, 0.0) / self._half_life_s
-        return float(count * 0.5**halvings)
+        count = self._placed.get(name)
+        return 0.0 if count is None else count.at(self._clock() if now is None else now)
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         now = self._clock()
@@ -53,10 +49,12 @@ class SpreadScorer:
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
         now = self._clock()
-        self._placed[chosen.name] = (self.placements(chosen.name, now) + 1.0, now)
+        count = self._placed.get(chosen.name)
+        if count is None:
+            count = self._placed[chosen.name] = DecayingCount(self._half_life_s, now)
+        count.add(now)
         if len(self._placed) > _PRUNE_AT:
-            kept = {name for name in self._placed if self.placements(name, now) >= _FORGOTTEN}
-            self._placed = {name: entry for name, entry in self._placed.items() if name in kept}
+            self._placed = {name: c for name, c in self._placed.items() if c.at(now) >= _FORGOTTEN}
 
 
 def _memory_used(candidate: Candidate) -> float | None:

@@ -6,6 +6,14 @@ instance scores 1, so max-score picks the minimum and a softmax picker's tempera
 speed. r, the resolution, keeps differences of a few milliseconds (below what predictions can tell apart)
 from looking like factors of two, which would make a session-affinity scorer's hysteresis useless.
 
+With wait_caused w > 0 each cost also counts the wait the request causes the requests that arrive there
+behind it: they queue behind its uncached tokens (its queue term: queue rate x those tokens) for as long as
+it waits and prefills, during which about (arrivals a second / instances) x its predicted TTFT arrive. The
+arrival rate is measured (placements, decayed with half-life arrivals_half_life_s), so the term adapts to
+load: nothing on an idle fleet, where each request's own TTFT is all that matters; at high load a prompt that
+would compute again what another instance holds costs the whole queue behind it, and the prefix's instance
+wins unless it is much slower.
+
 With in_flight_exponent e > 0 each cost is (predicted + r) x (requests in flight + 1)^e before the ratio,
 vllm-router kv_aware's multiplier on kvroute's prediction. When KV memory is saturated it sends long
 prompts to the instances with few requests in flight, which hold long contexts already, and keeps the rest
@@ -15,14 +23,16 @@ clear for short ones: a lower median TTFT for a longer tail, the long prompts wa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
 from router.scoring.candidate import Candidate
+from router.scoring.decaying_count import DecayingCount
 from router.scoring.params import Params, Registration
 from router.scoring.scorer import Scorer
-from router.scoring.ttft_features import features_for
+from router.scoring.ttft_features import features_for, wait_caused_s
 from router.types import RoutingRequest
 
 
@@ -33,18 +43,51 @@ class TTFTCostParams(Params):
     in_flight_exponent: float = Field(
         default=0.0, ge=0, le=4, description="costs x (requests in flight + 1) to this power"
     )
+    wait_caused: float = Field(
+        default=0.0, ge=0, le=16,
+        description="x the wait the request causes the requests arriving behind it (0: left out)",
+    )  # fmt: skip
+    arrivals_half_life_s: float = Field(
+        default=10.0, gt=0, description="the measured arrival rate forgets at this half-life"
+    )
 
 
 class TTFTCostScorer:
-    def __init__(self, params: TTFTCostParams) -> None:
+    def __init__(self, params: TTFTCostParams, clock: Callable[[], float] = time.monotonic) -> None:
         self._resolution = params.resolution_s
         self._exponent = params.in_flight_exponent
+        self._wait_caused = params.wait_caused
+        self._clock = clock
+        self._arrivals = DecayingCount(params.arrivals_half_life_s, clock())
 
     def predict(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         return [c.ttft_model.predict(features_for(request, c)) for c in candidates]
 
+    def arrivals_per_s(self) -> float:
+        """Requests a second, measured from the decisions (one counts half after arrivals_half_life_s)."""
+        return self._arrivals.rate_per_s(self._clock())
+
+    def behind_per_s(self, instances: int) -> float:
+        """The requests expected to arrive behind a request at one of `instances`, per second it waits and
+        prefills there (x wait_caused): what the wait it causes is weighed by. 0 when the term is off."""
+        if not self._wait_caused or instances <= 0:
+            return 0.0
+        return self._wait_caused * self.arrivals_per_s() / instances
+
+    def costs(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """Each candidate's cost in seconds: its predicted TTFT, plus the wait it causes when counted."""
+        behind_per_s = self.behind_per_s(len(candidates))
+        if not behind_per_s:
+            return self.predict(request, candidates)
+        costs = []
+        for c in candidates:
+            features = features_for(request, c)
+            predicted = c.ttft_model.predict(features)
+            costs.append(predicted + wait_caused_s(c, features, predicted, behind_per_s))
+        return costs
+
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        costs = [seconds + self._resolution for seconds in self.predict(request, candidates)]
+        costs = [seconds + self._resolution for seconds in self.costs(request, candidates)]
         if not costs:
             return []
         if self._exponent:
@@ -55,5 +98,8 @@ class TTFTCostScorer:
         lowest = min(costs)
         return [min(1.0, lowest / cost) if cost > 0 else 1.0 for cost in costs]
 
+    def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
+        self._arrivals.add(self._clock())
 
-REGISTRATION: Registration[Scorer] = Registration(TTFTCostParams, TTFTCostScorer)
+
+REGISTRATION: Registration[Scorer] = Registration(TTFTCostParams, TTFTCostScorer, clocked=True)

@@ -11,7 +11,7 @@ from router.config import PolicyConfig
 from router.scoring.candidate import Candidate
 from router.scoring.pickers import Picker, ranked
 from router.scoring.registry import PICKERS, SCORERS
-from router.scoring.scorer import Observer, Scorer
+from router.scoring.scorer import Observer, Scorer, WaitWeigher
 from router.types import RoutingRequest
 
 
@@ -29,6 +29,7 @@ class Policy:
         ]
         self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params, rng=rng)
         self._observers = [scorer for scorer, _ in self._scorers if isinstance(scorer, Observer)]
+        self._wait_weighers = [scorer for scorer, _ in self._scorers if isinstance(scorer, WaitWeigher)]
 
     @functools.cached_property
     def prefill_leg(self) -> Policy:
@@ -42,6 +43,11 @@ class Policy:
         for observer in self._observers:
             observer.observe(request, candidates[chosen])
         return chosen
+
+    def behind_per_s(self, instances: int) -> float:
+        """What the policy weighs the wait a request causes by over `instances` candidates (ttft-cost's
+        wait_caused; router/scoring/scorer.py WaitWeigher): 0 when it does not count that wait."""
+        return sum(weigher.behind_per_s(instances) for weigher in self._wait_weighers)
 
     def ranked(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[int]:
         """The candidates' indexes, best total score first, the observers untold: the order of the fallbacks

@@ -31,3 +31,14 @@ class Observer(Protocol):
     """A scorer that learns from decisions (session affinity): told the chosen instance after each pick."""
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None: ...
+
+
+@runtime_checkable
+class WaitWeigher(Protocol):
+    """A scorer that charges a request the wait it causes the requests arriving behind it (ttft-cost's
+    wait_caused): it tells what it weighs that wait by, so the policy can show it."""
+
+    def behind_per_s(self, instances: int) -> float:
+        """Requests expected to arrive behind a request at one of `instances`, per second it spends there
+        before its first token (0: the wait caused is not counted)."""
+        ...

@@ -51,3 +51,11 @@ def features_for(request: RoutingRequest, candidate: Candidate) -> TTFTFeatures:
         memory_wait_s=memory_wait_s(candidate, request.prompt_tokens, request.chain),
         attention_pairs=attention_pairs(kept, uncached),
     )
+
+
+def wait_caused_s(
+    candidate: Candidate, features: TTFTFeatures, predicted_s: float, behind_per_s: float
+) -> float:
+    """The wait a request placed there causes the requests arriving behind it: behind_per_s x its predicted
+    TTFT of them, each queued behind its uncached tokens (the queue term's rate)."""
+    return behind_per_s * predicted_s * candidate.ttft_model.rates["queue"] * features.uncached_tokens

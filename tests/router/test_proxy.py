@@ -104,6 +104,8 @@ def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances
     assert status == 200
     instance, predicted_ms = headers["x-kvroute-instance"], float(headers["x-kvroute-predicted-ttft-ms"])
     assert predicted_ms > 0
+    assert float(headers["x-kvroute-wait-caused-ms"]) >= 0  # what the choice was charged for those behind it
+    assert metric(router_url, "kvroute_policy_wait_caused_weight", policy=headers["x-kvroute-policy"]) >= 0
     assert metric(router_url, "kvroute_ttft_predicted_seconds_count", vllm_instance=instance) >= 1
     assert metric(router_url, "kvroute_ttft_observed_seconds_count", vllm_instance=instance) >= 1
     assert metric(router_url, "kvroute_ttft_prediction_error_seconds_count", vllm_instance=instance) >= 1

@@ -394,3 +394,29 @@ def test_a_mismatch_with_tools_leaves_plain_chats_rendered_here(tokenizer: Promp
     assert counts[2] == 100
     assert (audits(metrics, "mismatch"), audits(metrics, "match", "plain")) == (1, 1)
     assert remote.asked == [{"tools": TOOLS}, {}, {"tools": TOOLS}]  # two audits, then chat 2 itself
+
+
+def test_a_decision_says_the_wait_it_was_charged_for_causing_and_the_policy_its_weight() -> None:
+    config = parse_config(
+        {"models": [{"name": "tiny-llama"}], "block_size": 4,
+         "instances": [{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}],
+         "default_policy": "caused",
+         "policies": {"caused": {"scorers": [{"type": "ttft-cost", "params": {"wait_caused": 1.0}}]}}},
+        source="test",
+    )  # fmt: skip
+    metrics = RouterMetrics()
+    router = Decider(BlockIndex(4), {}, 4, metrics)
+    request = RoutingRequest(model="tiny-llama", prompt_tokens=400, prompt_blocks=100, block_size=4)
+    instances = Upstreams(config).instances
+    now = [0.0]
+    policy = Policy("caused", config.policies["caused"], clock=lambda: now[0])
+    first = router.decide(Prepared(request), policy, instances)
+    assert first.wait_caused_s == 0.0  # nothing has arrived yet: nobody is expected behind it
+    for _ in range(160):  # 4 requests a second over 2 instances, for 4 half-lives of the measured rate
+        now[0] += 0.25
+        weight = policy.behind_per_s(2)
+        decision = router.decide(Prepared(request), policy, instances)
+    assert weight == pytest.approx(2.0, rel=0.1)
+    assert f'kvroute_policy_wait_caused_weight{{policy="caused"}} {weight}' in metrics.render().decode()
+    queue_rate = decision.instance.ttft_model.rates["queue"]
+    assert decision.wait_caused_s == pytest.approx(weight * decision.predicted_ttft_s * queue_rate * 400)

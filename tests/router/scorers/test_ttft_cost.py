@@ -222,3 +222,51 @@ def test_an_in_flight_exponent_multiplies_each_cost_by_the_requests_there() -> N
     halved = TTFTCostScorer(TTFTCostParams(in_flight_exponent=0.5)).score(request, [crowded, quiet])
     assert halved[0] == 1.0  # x 3.2 is not enough to leave the cached prefix, but the gap narrows
     assert plain.score(request, [crowded, quiet])[1] < halved[1] < 1.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def arrive(scorer: TTFTCostScorer, clock: Clock, per_s: float, seconds: float) -> None:
+    """Requests placed at a steady per_s for seconds (the scorer's measured rate follows)."""
+    for _ in range(int(per_s * seconds)):
+        clock.now += 1 / per_s
+        scorer.observe(RoutingRequest("m", prompt_tokens=1), Fake("any"))
+
+
+def test_the_arrival_rate_is_measured_from_the_decisions_and_forgets() -> None:
+    clock = Clock()
+    scorer = TTFTCostScorer(TTFTCostParams(wait_caused=1.0, arrivals_half_life_s=10.0), clock)
+    arrive(scorer, clock, per_s=8.0, seconds=120.0)
+    assert scorer.arrivals_per_s() == pytest.approx(8.0, rel=0.05)
+    clock.now += 10.0
+    assert scorer.arrivals_per_s() == pytest.approx(4.0, rel=0.05)  # a half-life with no arrivals
+
+
+def test_the_wait_a_recompute_causes_the_requests_behind_it_counts_only_under_load() -> None:
+    # A document's instance is busy prefilling; another is idle but would compute the 8,000 tokens again,
+    # and every request arriving there meanwhile waits behind them.
+    request = RoutingRequest("m", prompt_tokens=8192, prompt_blocks=256, block_size=32,
+                             matches={"holder": TierMatch(gpu=255)})  # fmt: skip
+    holder, idle = Fake("holder", pending_prefill_tokens=12_000), Fake("idle")
+    clock = Clock()
+    scorer = TTFTCostScorer(TTFTCostParams(wait_caused=1.0), clock)
+    assert scorer.score(request, [holder, idle])[1] == 1.0  # nothing measured arriving: the own TTFT decides
+    assert scorer.costs(request, [holder, idle]) == scorer.predict(request, [holder, idle])
+    arrive(scorer, clock, per_s=4.0, seconds=60.0)  # 2 a second per instance
+    holder_cost, idle_cost = scorer.costs(request, [holder, idle])
+    own = scorer.predict(request, [holder, idle])
+    assert holder_cost == pytest.approx(own[0], rel=0.01)  # a cached prompt holds nobody up
+    queue_rate = idle.ttft_model.rates["queue"]
+    behind = scorer.arrivals_per_s() / 2 * own[1]  # arrivals there while it waits and prefills
+    assert idle_cost == pytest.approx(own[1] + behind * queue_rate * 8192)
+    assert scorer.score(request, [holder, idle])[0] == 1.0  # so the holder's queue is the cheaper choice
+    # the same scorer without the term keeps choosing by the request's own TTFT
+    plain = TTFTCostScorer(TTFTCostParams(), clock)
+    arrive(plain, clock, per_s=4.0, seconds=60.0)
+    assert plain.score(request, [holder, idle])[1] == 1.0
