@@ -258,8 +258,8 @@ def _builtin_policies() -> dict[str, PolicyConfig]:
         # means a smaller decode batch and room for the next burst (docs/bench-simulate.md measures 0.3);
         # what still ties goes where the fewest requests went lately and the most KV memory is free. Each cost
         # also counts half the wait the request would cause those arriving behind it, from the arrival rate
-        # measured: nothing on an idle fleet, and under load a prefix computed again elsewhere costs its queue
-        # (the suite measured 0.5; docs/bench-simulate.md)
+        # measured (at most half its own TTFT): nothing on an idle fleet, and under load a prefix computed
+        # again elsewhere costs its queue (docs/notes/simulate-investigations.md, "The suite")
         "kvroute": PolicyConfig(
             scorers=[
                 ScorerSpec(type="ttft-cost", weight=1.0, params={"wait_caused": 0.5}),

@@ -11,8 +11,11 @@ behind it: they queue behind its uncached tokens (its queue term: queue rate x t
 it waits and prefills, during which about (arrivals a second / instances) x its predicted TTFT arrive. The
 arrival rate is measured (placements, decayed with half-life arrivals_half_life_s), so the term adapts to
 load: nothing on an idle fleet, where each request's own TTFT is all that matters; at high load a prompt that
-would compute again what another instance holds costs the whole queue behind it, and the prefix's instance
-wins unless it is much slower.
+would compute again what another instance holds costs the queue it builds, and the prefix's instance wins
+unless it is much slower. The charge is at most wait_caused_cap x the request's own predicted TTFT: the router
+sends later arrivals elsewhere, so the count is an upper bound, and it grows with the square of a prompt's
+length. Uncapped, a long prompt waited for KV memory at its prefix's instance while an idle one would have
+taken it sooner (the Mooncake trace's TTFT p99, docs/notes/simulate-investigations.md, "The suite").
 
 With in_flight_exponent e > 0 each cost is (predicted + r) x (requests in flight + 1)^e before the ratio,
 vllm-router kv_aware's multiplier on kvroute's prediction. When KV memory is saturated it sends long
@@ -47,6 +50,10 @@ class TTFTCostParams(Params):
         default=0.0, ge=0, le=16,
         description="x the wait the request causes the requests arriving behind it (0: left out)",
     )  # fmt: skip
+    wait_caused_cap: float = Field(
+        default=0.5, ge=0,
+        description="the wait caused is charged at most this times the request's own predicted TTFT",
+    )  # fmt: skip
     arrivals_half_life_s: float = Field(
         default=10.0, gt=0, description="the measured arrival rate forgets at this half-life"
     )
@@ -56,7 +63,7 @@ class TTFTCostScorer:
     def __init__(self, params: TTFTCostParams, clock: Callable[[], float] = time.monotonic) -> None:
         self._resolution = params.resolution_s
         self._exponent = params.in_flight_exponent
-        self._wait_caused = params.wait_caused
+        self._wait_caused, self._wait_caused_cap = params.wait_caused, params.wait_caused_cap
         self._clock = clock
         self._arrivals = DecayingCount(params.arrivals_half_life_s, clock())
 
@@ -83,7 +90,8 @@ class TTFTCostScorer:
         for c in candidates:
             features = features_for(request, c)
             predicted = c.ttft_model.predict(features)
-            costs.append(predicted + wait_caused_s(c, features, predicted, behind_per_s))
+            caused = wait_caused_s(c, features, predicted, behind_per_s)
+            costs.append(predicted + min(caused, self._wait_caused_cap * predicted))
         return costs
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:

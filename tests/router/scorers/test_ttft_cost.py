@@ -255,7 +255,7 @@ def test_the_wait_a_recompute_causes_the_requests_behind_it_counts_only_under_lo
                              matches={"holder": TierMatch(gpu=255)})  # fmt: skip
     holder, idle = Fake("holder", pending_prefill_tokens=12_000), Fake("idle")
     clock = Clock()
-    scorer = TTFTCostScorer(TTFTCostParams(wait_caused=1.0), clock)
+    scorer = TTFTCostScorer(TTFTCostParams(wait_caused=1.0, wait_caused_cap=100.0), clock)
     assert scorer.score(request, [holder, idle])[1] == 1.0  # nothing measured arriving: the own TTFT decides
     assert scorer.costs(request, [holder, idle]) == scorer.predict(request, [holder, idle])
     arrive(scorer, clock, per_s=4.0, seconds=60.0)  # 2 a second per instance
@@ -270,3 +270,18 @@ def test_the_wait_a_recompute_causes_the_requests_behind_it_counts_only_under_lo
     plain = TTFTCostScorer(TTFTCostParams(), clock)
     arrive(plain, clock, per_s=4.0, seconds=60.0)
     assert plain.score(request, [holder, idle])[1] == 1.0
+
+
+def test_the_wait_caused_is_charged_at_most_the_cap_times_the_requests_own_ttft() -> None:
+    # A 100K-token prompt computed anew: the requests the count puts behind it grow with its length squared,
+    # but the router sends later arrivals elsewhere, so the charge stops at cap x its own TTFT.
+    request = RoutingRequest("m", prompt_tokens=100_000, prompt_blocks=3125, block_size=32)
+    idle = Fake("idle")
+    capped_clock, uncapped_clock = Clock(), Clock()
+    capped = TTFTCostScorer(TTFTCostParams(wait_caused=1.0, wait_caused_cap=0.5), capped_clock)
+    uncapped = TTFTCostScorer(TTFTCostParams(wait_caused=1.0, wait_caused_cap=100.0), uncapped_clock)
+    arrive(capped, capped_clock, per_s=4.0, seconds=60.0)
+    arrive(uncapped, uncapped_clock, per_s=4.0, seconds=60.0)
+    (own,) = capped.predict(request, [idle])
+    assert uncapped.costs(request, [idle])[0] > 3 * own  # what the count alone would charge
+    assert capped.costs(request, [idle]) == [pytest.approx(own * 1.5)]
