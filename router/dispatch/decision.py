@@ -27,7 +27,7 @@ from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.prompt.token_cache import RemoteTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
 from router.scoring.policy import Policy
-from router.scoring.ttft_features import features_for, reused_blocks, wait_caused_s
+from router.scoring.ttft_features import features_for, reused_blocks
 from router.scoring.ttft_model import TTFTFeatures
 from router.types import NO_MATCH, RoutingRequest, TierMatch
 from router.upstreams.instances import Instance
@@ -175,7 +175,7 @@ class Decider:
             uncached_tokens=features.uncached_tokens,
             features=features,
             predicted_ttft_s=predicted_s,
-            wait_caused_s=wait_caused_s(instance, features, predicted_s, behind_per_s),
+            wait_caused_s=policy.wait_charged_s(instance, features, predicted_s, behind_per_s),
             speculated=speculated,
             reused=reused_blocks(prepared.request, instance.name),
             chain=prepared.chain,

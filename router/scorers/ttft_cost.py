@@ -36,6 +36,7 @@ from router.scoring.decaying_count import DecayingCount
 from router.scoring.params import Params, Registration
 from router.scoring.scorer import Scorer
 from router.scoring.ttft_features import features_for, wait_caused_s
+from router.scoring.ttft_model import TTFTFeatures
 from router.types import RoutingRequest
 
 
@@ -90,9 +91,16 @@ class TTFTCostScorer:
         for c in candidates:
             features = features_for(request, c)
             predicted = c.ttft_model.predict(features)
-            caused = wait_caused_s(c, features, predicted, behind_per_s)
-            costs.append(predicted + min(caused, self._wait_caused_cap * predicted))
+            costs.append(predicted + self.charged_s(c, features, predicted, behind_per_s))
         return costs
+
+    def charged_s(
+        self, candidate: Candidate, features: TTFTFeatures, predicted_s: float, behind_per_s: float
+    ) -> float:
+        """What a request predicted to take predicted_s there is charged for the wait it causes: at most
+        wait_caused_cap x predicted_s."""
+        caused = wait_caused_s(candidate, features, predicted_s, behind_per_s)
+        return min(caused, self._wait_caused_cap * predicted_s)
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         costs = [seconds + self._resolution for seconds in self.costs(request, candidates)]

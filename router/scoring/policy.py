@@ -12,6 +12,7 @@ from router.scoring.candidate import Candidate
 from router.scoring.pickers import Picker, ranked
 from router.scoring.registry import PICKERS, SCORERS
 from router.scoring.scorer import Observer, Scorer, WaitWeigher
+from router.scoring.ttft_model import TTFTFeatures
 from router.types import RoutingRequest
 
 
@@ -48,6 +49,12 @@ class Policy:
         """What the policy weighs the wait a request causes by over `instances` candidates (ttft-cost's
         wait_caused; router/scoring/scorer.py WaitWeigher): 0 when it does not count that wait."""
         return sum(weigher.behind_per_s(instances) for weigher in self._wait_weighers)
+
+    def wait_charged_s(
+        self, candidate: Candidate, features: TTFTFeatures, predicted_s: float, behind_per_s: float
+    ) -> float:
+        """What choosing candidate is charged for the wait it causes, at the weight behind_per_s gave."""
+        return sum(w.charged_s(candidate, features, predicted_s, behind_per_s) for w in self._wait_weighers)
 
     def ranked(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[int]:
         """The candidates' indexes, best total score first, the observers untold: the order of the fallbacks

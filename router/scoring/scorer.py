@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from router.scoring.candidate import Candidate
+from router.scoring.ttft_model import TTFTFeatures
 from router.types import RoutingRequest
 
 
@@ -41,4 +42,10 @@ class WaitWeigher(Protocol):
     def behind_per_s(self, instances: int) -> float:
         """Requests expected to arrive behind a request at one of `instances`, per second it spends there
         before its first token (0: the wait caused is not counted)."""
+        ...
+
+    def charged_s(
+        self, candidate: Candidate, features: TTFTFeatures, predicted_s: float, behind_per_s: float
+    ) -> float:
+        """What the request is charged there for the wait it causes, weighed by behind_per_s."""
         ...

@@ -401,7 +401,9 @@ def test_a_decision_says_the_wait_it_was_charged_for_causing_and_the_policy_its_
         {"models": [{"name": "tiny-llama"}], "block_size": 4,
          "instances": [{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}],
          "default_policy": "caused",
-         "policies": {"caused": {"scorers": [{"type": "ttft-cost", "params": {"wait_caused": 1.0}}]}}},
+         "policies": {"caused": {"scorers": [{"type": "ttft-cost", "params": {"wait_caused": 1.0}}]},
+                      "capped": {"scorers": [{"type": "ttft-cost",
+                                              "params": {"wait_caused": 1.0, "wait_caused_cap": 0.01}}]}}},
         source="test",
     )  # fmt: skip
     metrics = RouterMetrics()
@@ -420,3 +422,9 @@ def test_a_decision_says_the_wait_it_was_charged_for_causing_and_the_policy_its_
     assert f'kvroute_policy_wait_caused_weight{{policy="caused"}} {weight}' in metrics.render().decode()
     queue_rate = decision.instance.ttft_model.rates["queue"]
     assert decision.wait_caused_s == pytest.approx(weight * decision.predicted_ttft_s * queue_rate * 400)
+    # what the answer's header reports is the charge the choice weighed: capped as the scorer caps it
+    capped = Policy("capped", config.policies["capped"], clock=lambda: now[0])
+    for _ in range(160):
+        now[0] += 0.25
+        decision = router.decide(Prepared(request), capped, instances)
+    assert decision.wait_caused_s == pytest.approx(0.01 * decision.predicted_ttft_s)
