@@ -58,4 +58,4 @@ def wait_caused_s(
 ) -> float:
     """The wait a request placed there causes the requests arriving behind it: behind_per_s x its predicted
     TTFT of them, each queued behind its uncached tokens (the queue term's rate)."""
-    return behind_per_s * predicted_s * candidate.ttft_model.rates["queue"] * features.uncached_tokens
+    return behind_per_s * predicted_s * candidate.ttft_model.queue_rate * features.uncached_tokens

@@ -42,6 +42,7 @@ from pydantic import Field
 from router.scoring.params import Params
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
+_QUEUE = TERMS.index("queue")
 _ATTENTION = TERMS.index("attention")
 _MEMORY = TERMS.index("memory")
 _TRANSFER = TERMS.index("transfer")
@@ -145,6 +146,11 @@ class TTFTModel:
     @property
     def rates(self) -> dict[str, float]:
         return dict(zip(TERMS, self._current().tolist(), strict=True))
+
+    @property
+    def queue_rate(self) -> float:
+        """Seconds each uncached token prefilling there adds to the wait of the requests queued behind it."""
+        return float(self._current()[_QUEUE])
 
     def _current(self) -> np.ndarray:
         """The rates, solved again when the fleet's have moved since (at most once per solve of theirs)."""
