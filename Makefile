@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STACK_VENV ?= .venv-stack
+LINTED := router fleet kvroute tinymodel kvconnectors tests scripts
 STACK_STAMP := $(STACK_VENV)/.installed
 
 .PHONY: setup stack-env browser bench-tools chart-tools image demo test unit lint model clean
@@ -59,7 +60,8 @@ demo: model
 	$(VENV)/bin/kvroute demo
 
 lint: setup
-	$(VENV)/bin/ruff check router fleet kvroute tinymodel kvconnectors tests scripts
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
 
 test: model lint stack-env browser bench-tools chart-tools image

@@ -142,8 +142,13 @@ class BlockPool:
         return allocated
 
     def cache_blocks(
-        self, blocks: list[Block], hashes: list[bytes], token_ids: list[int], parent: bytes | None,
-        cache_salt: str | None = None, lora: Adapter | None = None,
+        self,
+        blocks: list[Block],
+        hashes: list[bytes],
+        token_ids: list[int],
+        parent: bytes | None,
+        cache_salt: str | None = None,
+        lora: Adapter | None = None,
     ) -> None:
         """Mark consecutive newly full blocks as cached; one BlockStored covers them all. As vLLM announces
         them, untagged: an adapter's name in every block's extra keys, then a salt in a sequence's first

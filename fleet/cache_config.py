@@ -5,18 +5,37 @@ there (num_gpu_blocks x block_size)."""
 from __future__ import annotations
 
 _VLLM_DEFAULTS = {
-    "_block_size_resolved": "True", "cache_dtype": "auto", "cache_hit_alignment_tokens": "None",
-    "enable_mamba_shared_prefix_checkpoint": "False", "enable_prefix_caching": "True",
-    "gpu_memory_utilization": "0.92", "hash_block_size": "None", "is_attention_free": "False",
-    "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None", "kv_cache_memory_bytes": "None",
-    "kv_offloading_backend": "native", "kv_offloading_size": "None", "kv_sharing_fast_prefill": "False",
-    "mamba_block_size": "None", "mamba_cache_dtype": "auto", "mamba_cache_mode": "none",
-    "mamba_page_size_padded": "None", "mamba_ssm_cache_dtype": "auto", "num_cpu_blocks": "None",
-    "prefix_cache_retention_interval": "0", "prefix_caching_hash_algo": "sha256", "prefix_match_unit": "None",
-    "replayssm_buffer_len": "16", "skip_page_size_padded": "None", "sliding_window": "None",
-    "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+    "_block_size_resolved": "True",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.92",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_cache_memory_bytes": "None",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "auto",
+    "num_cpu_blocks": "None",
+    "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16",
+    "skip_page_size_padded": "None",
+    "sliding_window": "None",
+    "swa_bounded_replay": "True",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
     "user_specified_block_size": "True",
-}  # fmt: skip
+}
 
 
 def cache_config_labels(

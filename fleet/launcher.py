@@ -62,9 +62,12 @@ class FleetOptions:
     def transfer_side(self, index: int) -> TransferSide:
         """Instance index's end of the KV transfer: its engine id is its name."""
         return TransferSide(
-            self.instance_name(index), f"http://{self.host}:{self.bootstrap_port + index}", self.host,
-            self.port + index, self.roles[index] if self.roles else "both",
-        )  # fmt: skip
+            self.instance_name(index),
+            f"http://{self.host}:{self.bootstrap_port + index}",
+            self.host,
+            self.port + index,
+            self.roles[index] if self.roles else "both",
+        )
 
 
 async def run_fleet(

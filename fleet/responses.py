@@ -59,9 +59,13 @@ class Envelope:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def body(
-        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+        self,
+        text: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
         cache: PromptCache | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """cache: what the prompt found cached, for the usage's details (None: vLLM's default, none)."""
         head = self._head(stream=False)
         if self.chat:

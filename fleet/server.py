@@ -94,11 +94,20 @@ def _check_cache_salt(salt: object) -> None:
     if salt is None:
         return
     if not isinstance(salt, str) or not salt:
-        raise ClientError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
-                           "BadRequestError", "cache_salt")  # fmt: skip
+        raise ClientError(
+            400,
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+            "BadRequestError",
+            "cache_salt",
+        )
     if len(salt) > 128 or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
-        raise ClientError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain "
-                           "'@', '/', '\\\\', or NUL.", "BadRequestError", "cache_salt")  # fmt: skip
+        raise ClientError(
+            400,
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL.",
+            "BadRequestError",
+            "cache_salt",
+        )
 
 
 async def _read_body(request: web.Request) -> dict[str, Any]:
@@ -154,9 +163,14 @@ class _Generation:
     """What both endpoints share: validation, the engine call, and the response envelopes."""
 
     def __init__(
-        self, request: web.Request, instance: SimInstance, body: dict[str, Any], prompt_ids: list[int],
-        chat: bool, from_text: bool,
-    ) -> None:  # fmt: skip
+        self,
+        request: web.Request,
+        instance: SimInstance,
+        body: dict[str, Any],
+        prompt_ids: list[int],
+        chat: bool,
+        from_text: bool,
+    ) -> None:
         self.instance, self.body, self.prompt_ids, self.chat = instance, body, prompt_ids, chat
         self.engine = instance.engine_for(request)
         self.lora = instance.adapter(body.get("model"))
@@ -385,9 +399,10 @@ class _EngineCollector:
         instance, names = self._instance, ["model_name", "engine"]
         # vLLM's /metrics carries its process's start time; a router tells a restart by it.
         yield GaugeMetricFamily(
-            "process_start_time_seconds", "Start time of the process since unix epoch in seconds",
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds",
             instance.started,
-        )  # fmt: skip
+        )
         values: dict[str, list[float]] = {}
         for engine in instance.engines:
             stats = engine.stats
@@ -411,8 +426,10 @@ class _EngineCollector:
             for rank, value in enumerate(samples):
                 metric.add_metric([instance.model_name, str(rank)], value)
             yield metric
-        configs = [cache_config_labels(e.pool.num_blocks, e.pool.block_size, rank, e.hasher.algorithm)
-                   for rank, e in enumerate(instance.engines)]  # fmt: skip
+        configs = [
+            cache_config_labels(e.pool.num_blocks, e.pool.block_size, rank, e.hasher.algorithm)
+            for rank, e in enumerate(instance.engines)
+        ]
         cache = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(configs[0])
         )
@@ -420,9 +437,10 @@ class _EngineCollector:
             cache.add_metric(list(config.values()), 1.0)
         yield cache
         by_source = CounterMetricFamily(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
             labels=[*names, "source"],
-        )  # fmt: skip
+        )
         for rank, engine in enumerate(instance.engines):
             for source, tokens in engine.stats.prompt_tokens_by_source.items():
                 by_source.add_metric([instance.model_name, str(rank), source], tokens)

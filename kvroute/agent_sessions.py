@@ -64,9 +64,12 @@ class Streamed:
 
 
 async def post_stream(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: Mapping[str, str],
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: Mapping[str, str],
     on_chunk: Callable[[dict[str, Any]], None],
-) -> Streamed | TurnOutcome:  # fmt: skip
+) -> Streamed | TurnOutcome:
     """POST a streamed request and hand every SSE data chunk to on_chunk; a failure (an HTTP error, an
     error event, a broken connection) comes back as its TurnOutcome."""
     prompt_tokens = 0

@@ -186,8 +186,13 @@ def measure_decision(make_tokenizer: Callable[[], LocalTokenizer], repeats: int)
     held = len(previous) // BLOCK_SIZE * BLOCK_SIZE
     hashes: list[BlockHash] = list(range(1, held // BLOCK_SIZE + 1))
     stored = BlockStored(
-        block_hashes=hashes, parent_block_hash=None, token_ids=previous[:held], block_size=BLOCK_SIZE,
-        lora_id=None, medium="GPU", lora_name=None,
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=previous[:held],
+        block_size=BLOCK_SIZE,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
     )
 
     async def once(warm: bool) -> float:

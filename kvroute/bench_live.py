@@ -295,8 +295,13 @@ def _workload(options: LiveOptions, fleet: Fleet, trace: Trace | None) -> LiveWo
 # What vllm-router asks of vLLM for kv_aware (sha256_cbor, whole 32-byte hashes, PYTHONHASHSEED 0 whatever
 # this shell's): every target gets the fleet as vllm-router's documentation sets vLLM up.
 VLLM_ROUTER_HASHING = (
-    "--prefix-caching-hash-algo", "sha256_cbor", "--hash-type", "bytes", "--hash-seed", "0",
-)  # fmt: skip
+    "--prefix-caching-hash-algo",
+    "sha256_cbor",
+    "--hash-type",
+    "bytes",
+    "--hash-seed",
+    "0",
+)
 
 
 def _block_size(fleet_args: Sequence[str]) -> int:
@@ -359,8 +364,10 @@ def _run_target(
     if is_disaggregated(fleet.config):  # decode instances' external hits are KV fetched from prefill ones
         result.pool_hit_rate = None
     result.prompt_tokens_by_role = tokens_by_role(fleet.config, before.by_source, after.by_source)
-    samples = [(name, dict(labels), value - router_before.get((name, labels), 0.0))
-               for (name, labels), value in router_after.items()]  # fmt: skip
+    samples = [
+        (name, dict(labels), value - router_before.get((name, labels), 0.0))
+        for (name, labels), value in router_after.items()
+    ]
     result.router_metrics = {
         name + "{" + ",".join(f"{k}={v}" for k, v in labels.items()) + "}": value
         for name, labels, value in samples
@@ -411,10 +418,20 @@ def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_
     """vllm-router (0.1.17) in front of the fleet; kv_aware also subscribes to every instance's events. On a
     disaggregated fleet, its P/D mode (kvroute/live_pd.py)."""
     args = [
-        binary, "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--worker-startup-timeout-secs", "120", "--worker-startup-check-interval", "1",
-    ]  # fmt: skip
+        binary,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-startup-timeout-secs",
+        "120",
+        "--worker-startup-check-interval",
+        "1",
+    ]
     if is_disaggregated(fleet.config):
         return args + vllm_router_pd_args(fleet.config, policy)
     if "/" in policy:
@@ -540,8 +557,7 @@ def _fill(result: TargetResult, run: SessionRun, before: EngineCounters, after: 
                 pool_hits = after.external_hits - before.external_hits
                 result.pool_hit_rate = pool_hits / result.prefix_queries
     result.requests_per_instance = {
-        name: round(after.finished.get(name, 0.0) - before.finished.get(name, 0.0))
-        for name in after.finished
+        name: round(after.finished.get(name, 0.0) - before.finished.get(name, 0.0)) for name in after.finished
     }
 
 
@@ -583,9 +599,19 @@ def render_table(report: LiveReport) -> Table:
     )
     table.add_column("target", no_wrap=True)
     columns = (
-        "sent", "ok", "failed", "rejected", "TTFT p50", "TTFT p99", "e2e p50",
-        "req/s", "prompt tok/s", "local hit", "pool hit", "per instance",
-    )  # fmt: skip
+        "sent",
+        "ok",
+        "failed",
+        "rejected",
+        "TTFT p50",
+        "TTFT p99",
+        "e2e p50",
+        "req/s",
+        "prompt tok/s",
+        "local hit",
+        "pool hit",
+        "per instance",
+    )
     for column in columns:
         table.add_column(column)
     for r in report.results:
@@ -593,11 +619,18 @@ def render_table(report: LiveReport) -> Table:
             table.add_row(r.target, *["-"] * 11, f"skipped: {r.skipped.splitlines()[0]}")
             continue
         table.add_row(
-            r.target, str(r.sent), str(r.ok), str(r.failed), str(r.rejected),
-            _ms(r.ttft_p50_ms), _ms(r.ttft_p99_ms), _ms(r.e2e_p50_ms),
-            f"{r.requests_per_s:.1f}", f"{r.prompt_tokens_per_s:.0f}",
-            _rate(r.local_hit_rate), _rate(r.pool_hit_rate),
+            r.target,
+            str(r.sent),
+            str(r.ok),
+            str(r.failed),
+            str(r.rejected),
+            _ms(r.ttft_p50_ms),
+            _ms(r.ttft_p99_ms),
+            _ms(r.e2e_p50_ms),
+            f"{r.requests_per_s:.1f}",
+            f"{r.prompt_tokens_per_s:.0f}",
+            _rate(r.local_hit_rate),
+            _rate(r.pool_hit_rate),
             " / ".join(str(count) for count in r.requests_per_instance.values()),
-        )  # fmt: skip
+        )
     return table
-

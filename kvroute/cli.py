@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def _load_config(path: str) -> RouterConfig | None:
     """The configuration, or None after printing why it cannot be used."""
     from router.config import ConfigError, load_config
@@ -86,13 +87,17 @@ def _fleet(args: argparse.Namespace) -> int:
 
     engines = args.instances * args.data_parallel_size
     if args.roles and len(args.roles) != args.instances:
-        print(f"kvroute fleet: --roles names {len(args.roles)} roles for {args.instances} instances",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"kvroute fleet: --roles names {len(args.roles)} roles for {args.instances} instances",
+            file=sys.stderr,
+        )
         return 2
     last = max(args.port + args.instances, args.event_port + engines, args.replay_port + engines) - 1
     if last > MAX_PORT:
-        print(f"kvroute fleet: {args.instances} instances need ports up to {last}, past {MAX_PORT}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"kvroute fleet: {args.instances} instances need ports up to {last}, past {MAX_PORT}",
+            file=sys.stderr,
+        )
         return 2
     try:
         tokenizer = _tokenizer(args.tokenizer)
@@ -259,10 +264,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on")
     serve.add_argument(
-        "--workers", type=positive_int, default=1, metavar="N",
+        "--workers",
+        type=positive_int,
+        default=1,
+        metavar="N",
         help="router processes sharing the port, each with the full index, counting each other's requests in "
         "flight (README: Several workers on one host)",
-    )  # fmt: skip
+    )
     serve.set_defaults(run=_serve)
 
     epp = commands.add_parser(
@@ -273,10 +281,14 @@ def _parser() -> argparse.ArgumentParser:
     epp.add_argument("--port", type=port, default=9002, help="gRPC port: ext_proc and health")
     epp.add_argument("--metrics-port", type=port, default=9090, help="HTTP port: /metrics and /health")
     epp.add_argument(
-        "--fallbacks", type=int, default=2, choices=range(8), metavar="N",
+        "--fallbacks",
+        type=int,
+        default=2,
+        choices=range(8),
+        metavar="N",
         help="endpoints after the chosen one the gateway may try in turn (0: one endpoint only, as an "
         "ORIGINAL_DST cluster reads)",
-    )  # fmt: skip
+    )
     epp.set_defaults(run=_epp)
 
     check = commands.add_parser("check-config", help="validate a configuration file without starting")
@@ -319,62 +331,84 @@ def _parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int", help="KV events' block hashes")
     fleet.add_argument(
-        "--prefix-caching-hash-algo", choices=sorted(HASH_ALGORITHMS), default="sha256",
+        "--prefix-caching-hash-algo",
+        choices=sorted(HASH_ALGORITHMS),
+        default="sha256",
         help="block hash algorithm, as vLLM's option",
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--hash-seed", default=os.environ.get("PYTHONHASHSEED", "0"),
+        "--hash-seed",
+        default=os.environ.get("PYTHONHASHSEED", "0"),
         help="what NONE_HASH hashes, as vLLM's PYTHONHASHSEED; default: PYTHONHASHSEED when set, else 0 "
-             "(a real vLLM without it uses vllm-none-hash)",
-    )  # fmt: skip
+        "(a real vLLM without it uses vllm-none-hash)",
+    )
     fleet.add_argument("--name-prefix", default="fleet-", help="instance names: PREFIX0, PREFIX1, ...")
     fleet.add_argument("--first-index", type=int, default=0, help="index of the first instance's name")
     fleet.add_argument(
-        "--kv-events-topic", default="",
+        "--kv-events-topic",
+        default="",
         help="ZMQ topic of the KV event frames, {instance} and {model} filled in; default: empty, as vLLM's "
-             "(vllm-router's kv_aware reads no other); llm-d's indexer expects kv@{instance}@{model}",
-    )  # fmt: skip
+        "(vllm-router's kv_aware reads no other); llm-d's indexer expects kv@{instance}@{model}",
+    )
     fleet.add_argument(
-        "--drop-events", type=float, default=0.0,
+        "--drop-events",
+        type=float,
+        default=0.0,
         help="share of KV event batches not published live (replay still has them), to test gap handling",
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--lora-modules", nargs="*", default=[], metavar="NAME[=PATH]",
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME[=PATH]",
         help="LoRA adapters every instance serves, named as vLLM's option names them (no weights here)",
-    )  # fmt: skip
+    )
     fleet.add_argument("--api-key", help="required on /v1 requests (Authorization: Bearer), as vLLM's option")
     fleet.add_argument(
-        "--exclude-tools-when-tool-choice-none", action="store_true",
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
         help='render a chat whose tool_choice is "none" without its tools, as vLLM\'s option',
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--enable-prompt-tokens-details", action="store_true",
+        "--enable-prompt-tokens-details",
+        action="store_true",
         help="usage.prompt_tokens_details in answers (cached_tokens: the prompt tokens found cached), as "
         "vLLM's option; the router's A/B reads its engine hit rate there",
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--data-parallel-size", type=positive_int, default=1,
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
         help="engines per instance behind its API server, as vLLM's option; rank R of instance I publishes "
         "at the event and replay ports + I x size + R",
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--roles", type=_roles, default=(), metavar="ROLE,...",
+        "--roles",
+        type=_roles,
+        default=(),
+        metavar="ROLE,...",
         help="each instance's role, prefill, decode or both (prefill/decode disaggregation); default: all "
         "both",
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--kv-connector", choices=["nixl", "mooncake"], default="nixl",
+        "--kv-connector",
+        choices=["nixl", "mooncake"],
+        default="nixl",
         help="the prefill-to-decode connector the instances speak (kv_transfer_params as vLLM's)",
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--bootstrap-port", type=port, default=8998,
+        "--bootstrap-port",
+        type=port,
+        default=8998,
         help="MooncakeConnector's bootstrap port of the first instance (instance i: + i), as decode legs "
         "name it",
-    )  # fmt: skip
+    )
     fleet.add_argument(
-        "--transfer-tps", type=positive_float, default=100_000.0,
+        "--transfer-tps",
+        type=positive_float,
+        default=100_000.0,
         help="KV tokens a decode instance fetches a second",
-    )  # fmt: skip
+    )
     fleet.set_defaults(run=_fleet)
 
     demo = commands.add_parser("demo", help="fleet + router + an agentic workload, for every policy")
@@ -387,9 +421,11 @@ def _parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     index = benches.add_parser("index", help="index ingest, memory, lookup and the routing decision")
     index.add_argument(
-        "--sizes", type=positive_ints, default=(1_000_000, 10_000_000),
+        "--sizes",
+        type=positive_ints,
+        default=(1_000_000, 10_000_000),
         help="index sizes for ingest and memory, comma-separated (default: 1000000,10000000)",
-    )  # fmt: skip
+    )
     index.add_argument("--repeats", type=positive_int, default=200)
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)
@@ -398,14 +434,18 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--fleet", type=int, default=3, help="without --config: simulated instances to start")
     live.add_argument("--fleet-args", help="kvroute fleet options for it (trace default: scaled timings)")
     live.add_argument(
-        "--pd", type=parse_pd, metavar="P:D",
+        "--pd",
+        type=parse_pd,
+        metavar="P:D",
         help="without --config: a disaggregated fleet of P prefill and D decode instances (not --fleet); "
         "vllm-router targets run in its P/D mode",
-    )  # fmt: skip
+    )
     live.add_argument(
-        "--kv-connector", choices=["nixl", "mooncake"], default="nixl",
+        "--kv-connector",
+        choices=["nixl", "mooncake"],
+        default="nixl",
         help="with --pd: the prefill-to-decode connector the instances speak",
-    )  # fmt: skip
+    )
     live.add_argument(
         "--targets",
         help="comma-separated: kvroute[:POLICY], vllm-router:POLICY (or :PREFILL/DECODE on a P/D fleet), "

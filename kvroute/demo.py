@@ -60,9 +60,13 @@ class PolicyResult:
 def agent_workload(sessions: int, turns: int, seed: int = 0) -> AgentWorkload:
     low, high = TOOL_OUTPUT_WORDS
     return AgentWorkload(
-        sessions=sessions, turns=turns, min_turn_words=low, max_turn_words=high,
-        think_time_jitter_s=THINK_TIME_JITTER_S, seed=seed,
-    )  # fmt: skip
+        sessions=sessions,
+        turns=turns,
+        min_turn_words=low,
+        max_turn_words=high,
+        think_time_jitter_s=THINK_TIME_JITTER_S,
+        seed=seed,
+    )
 
 
 def run_workload(
@@ -70,10 +74,13 @@ def run_workload(
 ) -> list[TurnOutcome]:
     """policy: forced on every request; None leaves each session to the router's traffic split."""
     plan = SessionPlan(
-        workload, MODEL, concurrency=concurrency,
+        workload,
+        MODEL,
+        concurrency=concurrency,
         session_prefix=demo_ab.SESSION_PREFIX if policy is None else f"demo-{policy}",
-        headers={} if policy is None else {POLICY_HEADER: policy}, on_turn=on_turn,
-    )  # fmt: skip
+        headers={} if policy is None else {POLICY_HEADER: policy},
+        on_turn=on_turn,
+    )
     return asyncio.run(run_sessions(base_url, plan)).outcomes
 
 

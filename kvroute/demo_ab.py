@@ -37,17 +37,37 @@ def sessions_for_split(split: TrafficSplit, seed: int, per_policy: int) -> int:
 def ab_table(report: dict[str, Any], workload: AgentWorkload, concurrency: int) -> Table:
     shape = f"{workload.sessions} sessions x {workload.turns} turns, {concurrency} at a time"
     table = Table(title=f"A/B on live traffic (/admin/ab): {shape}, split by session")
-    for column in ("policy", "share", "requests", "errors", "rejected", "TTFT p50", "TTFT p95", "TTFT p99",
-                   "e2e p50", "predicted\ncached", "engine\ncached", "requests per instance"):  # fmt: skip
+    for column in (
+        "policy",
+        "share",
+        "requests",
+        "errors",
+        "rejected",
+        "TTFT p50",
+        "TTFT p95",
+        "TTFT p99",
+        "e2e p50",
+        "predicted\ncached",
+        "engine\ncached",
+        "requests per instance",
+    ):
         table.add_column(column)
     for name, result in report["policies"].items():
         ttft, e2e = result["ttft_ms"], result["e2e_ms"]
         table.add_row(
-            name, f"{report['split'][name]:.0%}", str(result["requests"]), str(result["errors"]),
-            str(result["rejected"]), _ms(ttft["p50"]), _ms(ttft["p95"]), _ms(ttft["p99"]), _ms(e2e["p50"]),
-            _percent(predicted_hit_rate(result)), _percent(engine_hit_rate(result)),
+            name,
+            f"{report['split'][name]:.0%}",
+            str(result["requests"]),
+            str(result["errors"]),
+            str(result["rejected"]),
+            _ms(ttft["p50"]),
+            _ms(ttft["p95"]),
+            _ms(ttft["p99"]),
+            _ms(e2e["p50"]),
+            _percent(predicted_hit_rate(result)),
+            _percent(engine_hit_rate(result)),
             " ".join(f"{k}:{v}" for k, v in result["requests_per_instance"].items()),
-        )  # fmt: skip
+        )
     return table
 
 

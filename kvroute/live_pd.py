@@ -69,10 +69,17 @@ def parse_pd(text: str) -> tuple[int, int]:
 def pd_fleet_args(shape: PDShape, bootstrap_port: int) -> list[str]:
     """``kvroute fleet`` options for the shape; instance i's MooncakeConnector bootstrap port is + i."""
     return [
-        "--roles", ",".join(shape.roles), "--kv-connector", shape.connector,
-        "--bootstrap-port", str(bootstrap_port),
-        "--block-size", str(PD_BLOCK_TOKENS), "--kv-blocks", str(PD_KV_BLOCKS),
-    ]  # fmt: skip
+        "--roles",
+        ",".join(shape.roles),
+        "--kv-connector",
+        shape.connector,
+        "--bootstrap-port",
+        str(bootstrap_port),
+        "--block-size",
+        str(PD_BLOCK_TOKENS),
+        "--kv-blocks",
+        str(PD_KV_BLOCKS),
+    ]
 
 
 def pd_router_config(raw: dict[str, Any], shape: PDShape, bootstrap_port: int) -> dict[str, Any]:
@@ -200,8 +207,15 @@ def render_pd_table(results: Sequence[PDResult]) -> Table:
         "prefill instance; paths: the router's own counts (kvroute_pd_requests_total, "
         "vllm_router_pd_prefill_requests_total)",
     )
-    columns = ("target", "computed on prefill", "computed on decode", "fetched", "cached on prefill",
-               "cached on decode", "paths")  # fmt: skip
+    columns = (
+        "target",
+        "computed on prefill",
+        "computed on decode",
+        "fetched",
+        "cached on prefill",
+        "cached on decode",
+        "paths",
+    )
     for column in columns:
         table.add_column(column, no_wrap=column == "target")
     for r in results:
@@ -210,9 +224,13 @@ def render_pd_table(results: Sequence[PDResult]) -> Table:
             continue
         prefill = r.prompt_tokens_by_role.get("prefill", {})
         decode = r.prompt_tokens_by_role.get("decode", {})
-        counts = (prefill.get("local_compute", 0), decode.get("local_compute", 0),
-                  decode.get("external_kv_transfer", 0), prefill.get("local_cache_hit", 0),
-                  decode.get("local_cache_hit", 0))  # fmt: skip
+        counts = (
+            prefill.get("local_compute", 0),
+            decode.get("local_compute", 0),
+            decode.get("external_kv_transfer", 0),
+            prefill.get("local_cache_hit", 0),
+            decode.get("local_cache_hit", 0),
+        )
         paths = ", ".join(f"{path} {count}" for path, count in sorted(r.pd_paths.items()))
         table.add_row(r.target, *(f"{count:,}" for count in counts), paths or "-")
     return table

@@ -38,9 +38,12 @@ class _LiveView:
     def __init__(self, console: Console, table: Callable[[], RenderableType], live: Live) -> None:
         self._console, self._table, self._live = console, table, live
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
             console=console,
-        )  # fmt: skip
+        )
 
     def target(self, label: str, total: int) -> Callable[[], None]:
         task = self._progress.add_task(label, total=total)

@@ -34,8 +34,20 @@ def find_py_spy() -> str | None:
 
 def start_recording(binary: str, pid: int, duration_s: float, out: Path) -> subprocess.Popen[bytes]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = [binary, "record", "--pid", str(pid), "--duration", str(max(int(duration_s), 1)),
-            "--rate", "250", "--format", "raw", "--output", str(out)]  # fmt: skip
+    argv = [
+        binary,
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(max(int(duration_s), 1)),
+        "--rate",
+        "250",
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+    ]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

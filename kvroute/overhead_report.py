@@ -35,20 +35,40 @@ def _num(value: float | None, spec: str = ".2f", unit: str = "") -> str:
 def grid_table(results: Sequence[CellResult]) -> Table:
     table = Table(title="router overhead: wrk against nginx (canned completion)")
     columns = (
-        "target", "c", "body", "prompt", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms",
-        "x direct", "x vllm-rr", "CPU ms/1k req", "RSS MiB", "errors",
-    )  # fmt: skip
+        "target",
+        "c",
+        "body",
+        "prompt",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "+p50 ms",
+        "+p99 ms",
+        "x direct",
+        "x vllm-rr",
+        "CPU ms/1k req",
+        "RSS MiB",
+        "errors",
+    )
     for column in columns:
         table.add_column(column, no_wrap=True)
     for r in results:
         table.add_row(
-            r.target, str(r.concurrency), _size(r.size_bytes), r.prompt,
-            f"{r.requests_per_s:,.0f}", f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}",
-            _num(r.added_p50_ms), _num(r.added_p99_ms),
-            _num(r.throughput_vs_direct), _num(r.throughput_vs_vllm_router),
-            _num(r.cpu_ms_per_1k, ",.0f"), _num(r.peak_rss_mib, ".0f"),
+            r.target,
+            str(r.concurrency),
+            _size(r.size_bytes),
+            r.prompt,
+            f"{r.requests_per_s:,.0f}",
+            f"{r.p50_ms:.2f}",
+            f"{r.p99_ms:.2f}",
+            _num(r.added_p50_ms),
+            _num(r.added_p99_ms),
+            _num(r.throughput_vs_direct),
+            _num(r.throughput_vs_vllm_router),
+            _num(r.cpu_ms_per_1k, ",.0f"),
+            _num(r.peak_rss_mib, ".0f"),
             r.failed[:40] if r.failed else str(r.errors),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -58,29 +78,49 @@ def long_table(summaries: Sequence[LongSummary]) -> Table:
         table.add_column(column, no_wrap=True)
     for s in summaries:
         table.add_row(
-            s.target, f"{s.tokens:,}", _num(s.first_turn_ms, ".1f"), _num(s.later_turns_ms, ".1f"),
-            _num(s.first_turn_added_ms, ".1f"), _num(s.later_turns_added_ms, ".1f"),
-        )  # fmt: skip
+            s.target,
+            f"{s.tokens:,}",
+            _num(s.first_turn_ms, ".1f"),
+            _num(s.later_turns_ms, ".1f"),
+            _num(s.first_turn_added_ms, ".1f"),
+            _num(s.later_turns_added_ms, ".1f"),
+        )
     return table
 
 
 def streaming_table(results: Sequence[StreamResult]) -> Table:
     table = Table(title="streaming: relayed tokens/s, time to first byte (TTFB), inter-token latency (ITL)")
     columns = (
-        "target", "streams", "tokens/s", "x vllm\nrr", "TTFB ms\np50 / p99", "+TTFB ms\np50 / p99",
-        "ITL ms\np50 / p99", "+ITL ms\np50 / p99", "router\ncores", "CPU ms /\n1k tok",
-        "engine /\nclient cores", "failed",
-    )  # fmt: skip
+        "target",
+        "streams",
+        "tokens/s",
+        "x vllm\nrr",
+        "TTFB ms\np50 / p99",
+        "+TTFB ms\np50 / p99",
+        "ITL ms\np50 / p99",
+        "+ITL ms\np50 / p99",
+        "router\ncores",
+        "CPU ms /\n1k tok",
+        "engine /\nclient cores",
+        "failed",
+    )
     for column in columns:
         table.add_column(column, no_wrap=True)
     for r in results:
         table.add_row(
-            r.target, str(r.concurrency), f"{r.tokens_per_s:,.0f}", _num(r.tokens_per_s_vs_vllm_router),
-            _pair(r.ttfb_p50_ms, r.ttfb_p99_ms), _pair(r.added_ttfb_p50_ms, r.added_ttfb_p99_ms),
-            _pair(r.itl_p50_ms, r.itl_p99_ms), _pair(r.added_itl_p50_ms, r.added_itl_p99_ms),
-            _num(r.router_cores), _num(r.cpu_ms_per_1k_tokens, ",.0f"),
-            f"{r.engine_cores:.2f} / {r.client_cores:.2f}", f"{r.failed_streams} {r.errors[:30]}".strip(),
-        )  # fmt: skip
+            r.target,
+            str(r.concurrency),
+            f"{r.tokens_per_s:,.0f}",
+            _num(r.tokens_per_s_vs_vllm_router),
+            _pair(r.ttfb_p50_ms, r.ttfb_p99_ms),
+            _pair(r.added_ttfb_p50_ms, r.added_ttfb_p99_ms),
+            _pair(r.itl_p50_ms, r.itl_p99_ms),
+            _pair(r.added_itl_p50_ms, r.added_itl_p99_ms),
+            _num(r.router_cores),
+            _num(r.cpu_ms_per_1k_tokens, ",.0f"),
+            f"{r.engine_cores:.2f} / {r.client_cores:.2f}",
+            f"{r.failed_streams} {r.errors[:30]}".strip(),
+        )
     return table
 
 

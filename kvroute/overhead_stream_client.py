@@ -141,10 +141,14 @@ class _StreamProtocol(asyncio.Protocol):
 
 def request_bytes(url: str, tokens: int, tag: str) -> bytes:
     parts = urlsplit(url)
-    body = msgspec.json.encode({
-        "model": "tiny-llama", "stream": True, "max_tokens": tokens,
-        "messages": [{"role": "user", "content": f"{tag} Stream an answer of {tokens} tokens, please."}],
-    })  # fmt: skip
+    body = msgspec.json.encode(
+        {
+            "model": "tiny-llama",
+            "stream": True,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": f"{tag} Stream an answer of {tokens} tokens, please."}],
+        }
+    )
     head = (
         f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\ncontent-type: application/json\r\n"
         f"accept: text/event-stream\r\ncontent-length: {len(body)}\r\n\r\n"
@@ -153,9 +157,15 @@ def request_bytes(url: str, tokens: int, tag: str) -> bytes:
 
 
 async def _connection(
-    url: str, index: int, tokens: int, tag: str, start_at: float, stop_at: float, timeout_s: float,
+    url: str,
+    index: int,
+    tokens: int,
+    tag: str,
+    start_at: float,
+    stop_at: float,
+    timeout_s: float,
     collector: _Collector,
-) -> None:  # fmt: skip
+) -> None:
     await asyncio.sleep(max(start_at - time.perf_counter(), 0))
     loop = asyncio.get_running_loop()
     parts = urlsplit(url)
@@ -202,11 +212,21 @@ async def run(
     t0 = wall_before + 0.05
     window = (t0 + ramp_s, t0 + ramp_s + duration_s)
     timeout_s = 30 + 4 * ramp_s
-    await asyncio.gather(*(
-        _connection(urls[i % len(urls)], i, tokens, tag, t0 + ramp_s * i / streams, window[1], timeout_s,
-                    collector)
-        for i in range(streams)
-    ))  # fmt: skip
+    await asyncio.gather(
+        *(
+            _connection(
+                urls[i % len(urls)],
+                i,
+                tokens,
+                tag,
+                t0 + ramp_s * i / streams,
+                window[1],
+                timeout_s,
+                collector,
+            )
+            for i in range(streams)
+        )
+    )
     cpu_s, wall_s = _cpu() - cpu_before, time.perf_counter() - wall_before
     ttfb, itl = sorted(collector.ttfb), sorted(collector.itl)
     in_window = sum(1 for t in collector.arrivals if window[0] <= t < window[1])

@@ -28,10 +28,12 @@ import uvloop
 
 from kvroute.overhead_backend import CANNED_COMPLETION, MODEL
 
-_MODELS = msgspec.json.encode({
-    "object": "list",
-    "data": [{"id": MODEL, "object": "model", "owned_by": "bench", "max_model_len": 1_000_000}],
-})  # fmt: skip
+_MODELS = msgspec.json.encode(
+    {
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "owned_by": "bench", "max_model_len": 1_000_000}],
+    }
+)
 _CHAT_CHUNK = (
     '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny-llama",'
     '"choices":[{"index":0,"delta":{"content":" token"},"finish_reason":%s}]}'

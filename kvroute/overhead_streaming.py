@@ -71,9 +71,15 @@ def running_engine(settings: StreamSettings, log_dir: Path) -> Iterator[tuple[Ch
     base = free_port_block(2)
     ports = [base, base + 1]
     argv = [
-        sys.executable, "-m", "kvroute.overhead_stream_engine", *map(str, ports),
-        "--step-ms", str(settings.step_ms), "--tokens", str(settings.tokens),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvroute.overhead_stream_engine",
+        *map(str, ports),
+        "--step-ms",
+        str(settings.step_ms),
+        "--tokens",
+        str(settings.tokens),
+    ]
     child = spawn("stream-engine", argv, log_dir)
     try:
         wait_healthy(child, [f"http://127.0.0.1:{port}/health" for port in ports], timeout_s=30)
@@ -96,10 +102,21 @@ def run_client(
     urls: Sequence[str], streams: int, tokens: int, step_ms: float, duration_s: float
 ) -> dict[str, object]:
     argv = [
-        sys.executable, "-m", "kvroute.overhead_stream_client", *urls, "--streams", str(streams),
-        "--tokens", str(tokens), "--step-ms", str(step_ms), "--duration", str(duration_s),
-        "--tag", uuid.uuid4().hex[:12],
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvroute.overhead_stream_client",
+        *urls,
+        "--streams",
+        str(streams),
+        "--tokens",
+        str(tokens),
+        "--step-ms",
+        str(step_ms),
+        "--duration",
+        str(duration_s),
+        "--tag",
+        uuid.uuid4().hex[:12],
+    ]
     bound = 120 + duration_s + 6 * tokens * step_ms / 1000
     done = subprocess.run(argv, capture_output=True, text=True, timeout=bound, check=False)
     if done.returncode != 0 or not done.stdout.strip():

@@ -112,9 +112,16 @@ def run_wrk(
     script = script_dir / f"{prompt.tag}.lua"
     script.write_text(prompt.lua())
     argv = [
-        binary, "-t1", f"-c{connections}", f"-d{max(duration_s, 1):.0f}s", "--timeout", "10s",
-        "-s", str(script), url + "/v1/chat/completions",
-    ]  # fmt: skip
+        binary,
+        "-t1",
+        f"-c{connections}",
+        f"-d{max(duration_s, 1):.0f}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(script),
+        url + "/v1/chat/completions",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60, check=False)
     for line in done.stdout.splitlines():
         if line.startswith(_MARK):

@@ -182,9 +182,16 @@ class FleetPorts:
 
     def fleet_args(self) -> list[str]:
         return [
-            "fleet", "--instances", str(self.count), "--port", str(self.http),
-            "--event-port", str(self.events), "--replay-port", str(self.replay),
-        ]  # fmt: skip
+            "fleet",
+            "--instances",
+            str(self.count),
+            "--port",
+            str(self.http),
+            "--event-port",
+            str(self.events),
+            "--replay-port",
+            str(self.replay),
+        ]
 
     def health_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.http + i}/health" for i in range(self.count)]

@@ -117,9 +117,12 @@ class StackPlan:
         master = self.config.pool.master
         binary = self.python.parent / "mooncake_master"
         argv = [
-            str(binary), f"--rpc_port={master.rpc_port}", f"--rpc_address={self.config.host}",
-            f"--metrics_port={master.metrics_port}", f"--metrics_host={self.config.host}",
-        ]  # fmt: skip
+            str(binary),
+            f"--rpc_port={master.rpc_port}",
+            f"--rpc_address={self.config.host}",
+            f"--metrics_port={master.metrics_port}",
+            f"--metrics_host={self.config.host}",
+        ]
         for key, value in master.args.items():
             argv.append(f"--{key}={str(value).lower() if isinstance(value, bool) else value}")
         return argv
@@ -135,12 +138,22 @@ class StackPlan:
             "topic": instance.topic,
         }
         argv = [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", config.model.served_name,
-            "--host", config.host, "--port", str(config.vllm.http_port + index),
-            "--block-size", str(config.block_size),
-            "--kv-events-config", json.dumps(kv_events),
-        ]  # fmt: skip
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            config.model.served_name,
+            "--host",
+            config.host,
+            "--port",
+            str(config.vllm.http_port + index),
+            "--block-size",
+            str(config.block_size),
+            "--kv-events-config",
+            json.dumps(kv_events),
+        ]
         if (transfer := self.kv_transfer_config(index)) is not None:
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         return argv + list(config.vllm.args) + list(config.vllm.instance(index).args)
@@ -167,9 +180,11 @@ class StackPlan:
         # engine_id at the top only: the children take it from there.
         children = [{k: v for k, v in c.items() if k != "engine_id"} for c in connectors]
         multi = {
-            "kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": instance.name,
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "engine_id": instance.name,
             "kv_connector_extra_config": {"connectors": children},
-        }  # fmt: skip
+        }
         # vLLM's scheduler reads the policy of the top-level config only (a child's is ignored): a child's
         # recompute holds for the loads of every child, a P2P transfer's included.
         if any(c.get("kv_load_failure_policy") == "recompute" for c in children):
@@ -230,9 +245,17 @@ class StackPlan:
 
     def router_argv(self) -> list[str]:
         return [
-            sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.router_yaml),
-            "--host", self.config.host, "--port", str(self.config.router.port),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "serve",
+            "--config",
+            str(self.router_yaml),
+            "--host",
+            self.config.host,
+            "--port",
+            str(self.config.router.port),
+        ]
 
     def write_files(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,17 @@ PYTHON_ENV = "KVROUTE_STACK_PYTHON"
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 # Flags the stack sets itself from the rest of the configuration; in `vllm.args` they would contradict it.
-OWN_VLLM_FLAGS = frozenset({
-    "--model", "--served-model-name", "--host", "--port", "--block-size",
-    "--kv-events-config", "--kv-transfer-config",
-})  # fmt: skip
+OWN_VLLM_FLAGS = frozenset(
+    {
+        "--model",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--block-size",
+        "--kv-events-config",
+        "--kv-transfer-config",
+    }
+)
 
 
 StackConfigError = ConfigError  # a stack configuration that cannot be used

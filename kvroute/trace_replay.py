@@ -94,8 +94,6 @@ class ReplayRun(SessionRun):
     late_s: float = 0.0  # how far behind schedule the slowest send was (client saturation)
 
 
-
-
 async def stream_completion(
     http: aiohttp.ClientSession, base_url: str, body: dict[str, Any], headers: Mapping[str, str], start: float
 ) -> TurnOutcome:

@@ -146,11 +146,13 @@ class InstanceConfig(_Strict):
         "set. An instance that writes to the pool counts as connected anyway",
     )
     data_parallel_size: int = Field(
-        default=1, ge=1, le=1024,
+        default=1,
+        ge=1,
+        le=1024,
         description="an engine with internal data parallelism (vllm serve --data-parallel-size N behind one "
         "API server): each rank has a cache of its own, so each becomes a routing target NAME-dpR, its "
         "requests sent with X-data-parallel-rank and its events read at the events (and replay) port + R",
-    )  # fmt: skip
+    )
     data_parallel_rank: int | None = Field(
         default=None, ge=0, description="send X-data-parallel-rank: this, and read this rank's load only"
     )
@@ -161,9 +163,10 @@ class InstanceConfig(_Strict):
         "(kv_both). A model with any prefill or decode instance is served disaggregated (disaggregation:)",
     )
     kv_engine_id: str | None = Field(
-        default=None, min_length=1,
+        default=None,
+        min_length=1,
         description="the engine_id of its --kv-transfer-config; MooncakeConnector's decode leg names it",
-    )  # fmt: skip
+    )
     kv_bootstrap_url: str | None = Field(
         default=None,
         description="MooncakeConnector's bootstrap server, http://HOST:VLLM_MOONCAKE_BOOTSTRAP_PORT, where "
@@ -316,11 +319,12 @@ class AdmissionConfig(_Strict):
         default=1024, ge=1, description="requests at one instance at once; a full instance is not a candidate"
     )
     max_waiting_per_instance: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="the engines' waiting-queue limit, where they refuse (503) past it (a gateway's or an "
         "engine's queue cap; vLLM itself queues without one): an instance whose queue is near it is not a "
         "candidate while another has room. null: no limit",
-    )  # fmt: skip
+    )
     queue_size: int = Field(default=1024, ge=0, description="requests waiting for a slot; past it: 429")
     queue_timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a slot; past it: 429")
     memory_hold_s: float = Field(
@@ -386,10 +390,11 @@ class DisaggregationConfig(_Strict):
         "kv_bootstrap_url)",
     )
     local_prefill_max_tokens: int = Field(
-        default=256, ge=0,
+        default=256,
+        ge=0,
         description="a decode instance computes up to this many uncached prompt tokens itself (what it holds "
         "locally or in the pool covers the rest): the prefill leg is skipped",
-    )  # fmt: skip
+    )
 
 
 def _default_medium_tiers() -> dict[str, TierName]:
@@ -445,8 +450,9 @@ class PeersConfig(_Strict):
     @model_validator(mode="after")
     def _heard_before_stale(self) -> PeersConfig:
         if self.stale_after_s < 2 * self.interval_s:
-            raise ValueError("stale_after_s must be at least twice interval_s: one lost snapshot must not "
-                             "drop a peer")  # fmt: skip
+            raise ValueError(
+                "stale_after_s must be at least twice interval_s: one lost snapshot must not drop a peer"
+            )
         if self.publish is not None and self.publish in self.subscribe:
             raise ValueError(f"subscribe lists this router's own publish endpoint {self.publish}")
         return self
@@ -576,10 +582,11 @@ class LimitsConfig(_Strict):
         default=60.0, gt=0, description="a client slower than this to send its body is answered 408"
     )
     send_timeout_s: float = Field(
-        default=60.0, gt=0,
+        default=60.0,
+        gt=0,
         description="a stream's client that takes no data for this long is cut off, freeing its slot and "
         "aborting the engine's request (nginx's send_timeout)",
-    )  # fmt: skip
+    )
 
 
 class RouterConfig(_Strict):
@@ -664,7 +671,8 @@ class RouterConfig(_Strict):
         # Two entries for one engine would count its load and cache twice, and one ZMQ endpoint cannot be
         # two instances' events.
         _unique(
-            ((f"instances.{n}.url", i.url) for n, i in enumerate(self.instances)), _url_key,
+            ((f"instances.{n}.url", i.url) for n, i in enumerate(self.instances)),
+            _url_key,
             ranks=[i.data_parallel_rank for i in self.instances],
         )
         _unique(
@@ -814,12 +822,17 @@ def data_parallel_ranks(instance: InstanceConfig) -> list[InstanceConfig]:
     if instance.data_parallel_size == 1:
         return [instance]
     return [
-        instance.model_copy(update={
-            "name": f"{instance.name}-dp{rank}", "data_parallel_size": 1, "data_parallel_rank": rank,
-            "events": rank_endpoint(instance.events, rank), "replay": rank_endpoint(instance.replay, rank),
-        })
+        instance.model_copy(
+            update={
+                "name": f"{instance.name}-dp{rank}",
+                "data_parallel_size": 1,
+                "data_parallel_rank": rank,
+                "events": rank_endpoint(instance.events, rank),
+                "replay": rank_endpoint(instance.replay, rank),
+            }
+        )
         for rank in range(instance.data_parallel_size)
-    ]  # fmt: skip
+    ]
 
 
 def rank_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -1,4 +1,4 @@
-""""Did you mean": the key a misspelt configuration key was likely meant to be, among those its place
+""" "Did you mean": the key a misspelt configuration key was likely meant to be, among those its place
 takes."""
 
 from __future__ import annotations

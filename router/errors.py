@@ -58,9 +58,11 @@ def unavailable(message: str, code: str, retry_after_s: int) -> OpenAIError:
 def upstream_failed(instance: str, cause: BaseException) -> OpenAIError:
     """502: the instance accepted the request but its answer broke off (the request may have run)."""
     return OpenAIError(
-        502, f"Instance {instance} failed while answering: {type(cause).__name__}.", "upstream_error",
+        502,
+        f"Instance {instance} failed while answering: {type(cause).__name__}.",
+        "upstream_error",
         "upstream_failed",
-    )  # fmt: skip
+    )
 
 
 def upstream_timeout(instance: str, limit: str) -> OpenAIError:

@@ -115,26 +115,42 @@ class Runtime:
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
         observers = Observers(metrics, self.decider, ab_for, self.memory_freed)
         self.attempts = Attempts(
-            self.upstreams, self.decider, observers, session, self.health, metrics, config.upstream,
+            self.upstreams,
+            self.decider,
+            observers,
+            session,
+            self.health,
+            metrics,
+            config.upstream,
             # One connection per request in flight: a request never waits for a pooled one.
             min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
-            admission.memory_hold_s, config.disaggregation, admission.max_waiting_per_instance,
-        )  # fmt: skip
+            admission.memory_hold_s,
+            config.disaggregation,
+            admission.max_waiting_per_instance,
+        )
         self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s)
         stack.push_async_callback(self.subscriptions.stop)
         self.subscriptions.subscribe(config.instances)
         load = config.load
         scraper = LoadScraper(
-            self.upstreams, control, load.scrape_interval_s, load.timeout_s, load.stale_after_s,
+            self.upstreams,
+            control,
+            load.scrape_interval_s,
+            load.timeout_s,
+            load.stale_after_s,
             restarted=self.subscriptions.engine_restarted,
-        )  # fmt: skip
+        )
         # Memory a peer's request freed may let requests held here go (admission.memory_hold_s). With no
         # peers configured it binds nothing and runs no loop.
         discovery = config.discovery
         self.peers = PeerSync(
-            self._peer_config, self.upstreams, metrics, context, self.memory_freed,
+            self._peer_config,
+            self.upstreams,
+            metrics,
+            context,
+            self.memory_freed,
             discovered=discovery is not None and discovery.peers_selector is not None,
-        )  # fmt: skip
+        )
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
         failures = metrics.task_failures
@@ -149,9 +165,11 @@ class Runtime:
         ]
         if discovery is not None:
             watch = Discovery(discovery, config.peers.publish, self.discovered, metrics).run
-            tasks.append(asyncio.create_task(
-                supervise("discovery", watch, 1.0, failures, max_backoff_s=DISCOVERY_MAX_BACKOFF_S)
-            ))  # fmt: skip
+            tasks.append(
+                asyncio.create_task(
+                    supervise("discovery", watch, 1.0, failures, max_backoff_s=DISCOVERY_MAX_BACKOFF_S)
+                )
+            )
         stack.push_async_callback(_cancelled, tasks)
 
     def memory_freed(self) -> None:
@@ -219,8 +237,13 @@ class Runtime:
         place_instances(self.index, new)
         self.table, started_afresh = self.table.reloaded(old, new)
         self.config = new
-        return {"added": [i.name for i in added], "removed": removed, "policies": list(new.policies),
-                "policies_started_afresh": started_afresh, "split": self.table.split.shares()}  # fmt: skip
+        return {
+            "added": [i.name for i in added],
+            "removed": removed,
+            "policies": list(new.policies),
+            "policies_started_afresh": started_afresh,
+            "split": self.table.split.shares(),
+        }
 
     def _decider(self, control: aiohttp.ClientSession) -> Decider:
         config = self.config
@@ -239,9 +262,16 @@ class Runtime:
             m.name for m in config.models if m.exclude_tools_when_tool_choice_none
         )
         return Decider(
-            self.index, self.tokenizers, config.block_size, self.metrics, remote_tokenizer, pool, adapters,
-            config.tokenization.audit_every, tools_out_when_none,
-        )  # fmt: skip
+            self.index,
+            self.tokenizers,
+            config.block_size,
+            self.metrics,
+            remote_tokenizer,
+            pool,
+            adapters,
+            config.tokenization.audit_every,
+            tools_out_when_none,
+        )
 
 
 async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:

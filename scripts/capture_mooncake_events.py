@@ -175,12 +175,21 @@ def run_capture(args: argparse.Namespace) -> None:
             sink.wait_quiet(args.quiet)
             keys = pool_keys(stack.master_url)
             response = json.loads(raw)
-            records.append({
-                "name": name, "note": note, "instance": instance.name, "path": path, "request": body,
-                "status": status, "prompt_token_ids": prompt_ids, "usage": response.get("usage"),
-                "seqs": sink.seqs_since(start), "pool_keys_after": keys,
-                "new_pool_keys": sorted(set(keys) - keys_before),
-            })  # fmt: skip
+            records.append(
+                {
+                    "name": name,
+                    "note": note,
+                    "instance": instance.name,
+                    "path": path,
+                    "request": body,
+                    "status": status,
+                    "prompt_token_ids": prompt_ids,
+                    "usage": response.get("usage"),
+                    "seqs": sink.seqs_since(start),
+                    "pool_keys_after": keys,
+                    "new_pool_keys": sorted(set(keys) - keys_before),
+                }
+            )
             log(f"{name} on {instance.name}: {status}, seqs {records[-1]['seqs']}, {len(keys)} pool keys")
 
         completion = {"model": MODEL, "max_tokens": 1, "temperature": 0}
@@ -212,14 +221,27 @@ def run_capture(args: argparse.Namespace) -> None:
             {**completion, "messages": messages},
             "a chat computed on B",
         )
-        call("a_chat_pool_hit", a, "/v1/chat/completions", {**completion, "messages": messages},
-             "the same chat on A, loaded from the pool")  # fmt: skip
+        call(
+            "a_chat_pool_hit",
+            a,
+            "/v1/chat/completions",
+            {**completion, "messages": messages},
+            "the same chat on A, loaded from the pool",
+        )
         hashes = [
-            h for f in sink.frames for ev in msgspec.msgpack.decode(f[3])[1]
-            if ev.get("type") == "BlockStored" for h in ev["block_hashes"]
-        ]  # fmt: skip
-        expected = sorted({f"{stack.plan.pool_model_name}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{h.hex()}"
-                           for h in hashes if isinstance(h, bytes)})  # fmt: skip
+            h
+            for f in sink.frames
+            for ev in msgspec.msgpack.decode(f[3])[1]
+            if ev.get("type") == "BlockStored"
+            for h in ev["block_hashes"]
+        ]
+        expected = sorted(
+            {
+                f"{stack.plan.pool_model_name}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{h.hex()}"
+                for h in hashes
+                if isinstance(h, bytes)
+            }
+        )
         query = urllib.parse.urlencode({"keys": ",".join(expected)})
         status, raw = http("GET", f"{stack.master_url}/batch_query_keys?{query}")
         found = json.loads(raw).get("data", {}) if status == 200 else {}

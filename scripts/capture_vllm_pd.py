@@ -49,12 +49,16 @@ MODEL = "tiny-llama"
 ABORT_ENV = "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"
 # Where each instance's prompt tokens came from, and what finished, summed over engines.
 COUNTERS = (
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
-    "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_by_source_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:prompt_tokens_cached_by_source_total",
     "vllm:request_success_total",
-)  # fmt: skip
+)
 WORDS = "cache router block prefix token request worker queue latency batch engine replica session".split()
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
 
@@ -156,15 +160,23 @@ class Capture:
     ) -> dict[str, Any]:
         instance = self.prefill if leg == "prefill" else self.decode
         before = {i.name: settled(i.url) for i in self.plan.instances}
-        record: dict[str, Any] = {"name": name, "leg": leg, "instance": instance.name, "path": path,
-                                  "request": body}  # fmt: skip
+        record: dict[str, Any] = {
+            "name": name,
+            "leg": leg,
+            "instance": instance.name,
+            "path": path,
+            "request": body,
+        }
         record |= post(instance.url + path, body, timeout_s)
         after = {i.name: settled(i.url) for i in self.plan.instances}
         record["increase"] = {
-            n: {k: after[n].get(k, 0.0) - before[n].get(k, 0.0) for k in sorted(after[n])
-                if after[n].get(k, 0.0) != before[n].get(k, 0.0) or "by_source" in k}
+            n: {
+                k: after[n].get(k, 0.0) - before[n].get(k, 0.0)
+                for k in sorted(after[n])
+                if after[n].get(k, 0.0) != before[n].get(k, 0.0) or "by_source" in k
+            }
             for n in after
-        }  # fmt: skip
+        }
         self.records.append(record)
         log(f"{name} ({leg}): {record['status']} in {record['seconds']} s")
         return record
@@ -172,9 +184,12 @@ class Capture:
     def decode_params(self, transfer_id: str) -> dict[str, Any]:
         """router.dispatch.prefill_leg.mooncake_params for the prefill instance."""
         return {
-            "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-            "remote_engine_id": self.prefill.name, "remote_bootstrap_addr": self.bootstrap,
-        }  # fmt: skip
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_engine_id": self.prefill.name,
+            "remote_bootstrap_addr": self.bootstrap,
+        }
 
     def disaggregated(self, name: str, path: str, body: dict[str, Any]) -> None:
         transfer_id = uuid.uuid4().hex
@@ -195,12 +210,20 @@ def start(plan: StackPlan, timeout_s: float) -> list[Child]:
     children: list[Child] = []
     try:
         for index, instance in enumerate(plan.instances):
-            children.append(spawn(instance.name, plan.vllm_argv(index), plan.run_dir / "logs",
-                                  env=plan.vllm_env(index), cwd=plan.run_dir))  # fmt: skip
+            children.append(
+                spawn(
+                    instance.name,
+                    plan.vllm_argv(index),
+                    plan.run_dir / "logs",
+                    env=plan.vllm_env(index),
+                    cwd=plan.run_dir,
+                )
+            )
             log(f"{instance.name} ({instance.role}) pid {children[-1].process.pid}, {instance.url}")
         started = time.monotonic()
-        wait_all_healthy([(c, i.url + "/health") for c, i in zip(children, plan.instances, strict=True)],
-                         timeout_s)  # fmt: skip
+        wait_all_healthy(
+            [(c, i.url + "/health") for c, i in zip(children, plan.instances, strict=True)], timeout_s
+        )
         log(f"both healthy after {time.monotonic() - started:.0f} s")
     except BaseException:
         stop(children)
@@ -224,14 +247,19 @@ def run(args: argparse.Namespace) -> None:
     try:
         for name, (path, body) in bodies.items():
             capture.disaggregated(name, path, body)
-        unknown = {"model": MODEL, "max_tokens": 8, "temperature": 0,
-                   "messages": [{"role": "user", "content": text(rng, 100)}]}  # fmt: skip
+        unknown = {
+            "model": MODEL,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": text(rng, 100)}],
+        }
         capture.unknown_transfer(
             "unknown_transfer.bounded", "/v1/chat/completions", unknown, args.unknown_timeout
         )
         unknown = {**unknown, "messages": [{"role": "user", "content": text(rng, 100)}]}
-        capture.unknown_transfer("unknown_transfer.waited", "/v1/chat/completions", unknown,
-                                 args.abort_timeout + 120)  # fmt: skip
+        capture.unknown_transfer(
+            "unknown_transfer.waited", "/v1/chat/completions", unknown, args.abort_timeout + 120
+        )
         path, chat = bodies["chat"]  # does the decoder still take transfers?
         fresh = [{"role": "user", "content": text(rng, 100)}]
         capture.disaggregated("chat_after_unknown", path, {**chat, "messages": fresh})
@@ -250,14 +278,22 @@ def write(
     side_channel = SIDE_CHANNEL_ENV[config.disaggregation.connector]
     instances = []
     for index, instance in enumerate(plan.instances):
-        env = {**config.vllm.env, **config.vllm.instance(index).env,
-               side_channel: str(config.disaggregation.side_channel_port + index),
-               "PYTHONPATH": "RUN_DIR/pythonpath (a copy of kvconnectors/)"}  # fmt: skip
-        instances.append({
-            "name": instance.name, "role": instance.role, "url": instance.url,
-            "command": ["VLLM_PYTHON", *plan.vllm_argv(index)[1:]], "env": env,
-            "kv_transfer_config": plan.kv_transfer_config(index),
-        })  # fmt: skip
+        env = {
+            **config.vllm.env,
+            **config.vllm.instance(index).env,
+            side_channel: str(config.disaggregation.side_channel_port + index),
+            "PYTHONPATH": "RUN_DIR/pythonpath (a copy of kvconnectors/)",
+        }
+        instances.append(
+            {
+                "name": instance.name,
+                "role": instance.role,
+                "url": instance.url,
+                "command": ["VLLM_PYTHON", *plan.vllm_argv(index)[1:]],
+                "env": env,
+                "kv_transfer_config": plan.kv_transfer_config(index),
+            }
+        )
     capture = {
         "vllm_version": version,
         "config": str(CONFIG.relative_to(REPO)) + " less pool and router, 1 prefill + 1 decode",
@@ -277,10 +313,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "vllm")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--startup-timeout", type=float, default=900)
-    ap.add_argument("--abort-timeout", type=int, default=90,
-                    help=f"the prefiller's {ABORT_ENV} (vLLM's default: 480 s)")  # fmt: skip
-    ap.add_argument("--unknown-timeout", type=float, default=60,
-                    help="how long the first decode leg of an unknown transfer is waited for")  # fmt: skip
+    ap.add_argument(
+        "--abort-timeout", type=int, default=90, help=f"the prefiller's {ABORT_ENV} (vLLM's default: 480 s)"
+    )
+    ap.add_argument(
+        "--unknown-timeout",
+        type=float,
+        default=60,
+        help="how long the first decode leg of an unknown transfer is waited for",
+    )
     run(ap.parse_args())
 
 

@@ -81,8 +81,9 @@ def run(args: argparse.Namespace) -> None:
             record: dict[str, Any] = {"name": name, "path": path, "request": body}
             record |= post(instance.url + path, body, 120)
             after = settled(instance.url)
-            record["increase"] = {k: after[k] - before.get(k, 0.0) for k in sorted(after)
-                                  if after[k] != before.get(k, 0.0)}  # fmt: skip
+            record["increase"] = {
+                k: after[k] - before.get(k, 0.0) for k in sorted(after) if after[k] != before.get(k, 0.0)
+            }
             records.append(record)
             log(f"{name}: {record['status']} in {record['seconds']} s")
         version = vllm_version(str(plan.python))

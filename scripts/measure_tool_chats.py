@@ -62,8 +62,11 @@ def session(turns: int, output_tokens: int) -> list[list[dict[str, Any]]]:
             "function": {"name": "run_tests", "arguments": arguments},
         }
         output = FILLER * max(1, output_tokens // 25)
-        messages = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": f"c{turn}", "content": output}]  # fmt: skip
+        messages = [
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{turn}", "content": output},
+        ]
         chats.append(messages)
     return chats
 
@@ -88,12 +91,16 @@ async def measure(url: str, turns: int, output_tokens: int, template_kwargs: dic
             assert chains[0] == chains[1], f"turn {turn + 1}: the local and the engine's blocks differ"
             tokens = prepared.request.prompt_tokens
             rows.append((turn + 1, tokens, *timings))
-            print(f"turn {turn + 1:3d}  {tokens:7d} tokens  local {timings[0]:7.1f} ms  "
-                  f"/tokenize {timings[1]:7.1f} ms")  # fmt: skip
+            print(
+                f"turn {turn + 1:3d}  {tokens:7d} tokens  local {timings[0]:7.1f} ms  "
+                f"/tokenize {timings[1]:7.1f} ms"
+            )
         later = rows[1:]
-        print(f"median over turns 2-{turns}: local {statistics.median(r[2] for r in later):.1f} ms, "
-              f"/tokenize {statistics.median(r[3] for r in later):.1f} ms; last turn {rows[-1][1]} tokens: "
-              f"{rows[-1][2]:.1f} vs {rows[-1][3]:.1f} ms")  # fmt: skip
+        print(
+            f"median over turns 2-{turns}: local {statistics.median(r[2] for r in later):.1f} ms, "
+            f"/tokenize {statistics.median(r[3] for r in later):.1f} ms; last turn {rows[-1][1]} tokens: "
+            f"{rows[-1][2]:.1f} vs {rows[-1][3]:.1f} ms"
+        )
 
 
 def main() -> None:

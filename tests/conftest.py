@@ -43,7 +43,9 @@ def fleet_ports() -> FleetPorts:
 
 
 @pytest.fixture(scope="session")
-def fleet(fleet_ports: FleetPorts, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
+def fleet(
+    fleet_ports: FleetPorts, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FleetPorts]:
     # Small prefill/decode times keep the suite fast; the engine's timing has its own tests.
     args = ["--prefill-tps", "200000", "--decode-tps", "1000"]
     with running_fleet(fleet_ports, tmp_path_factory.mktemp("fleet"), args):

@@ -34,8 +34,14 @@ ROUTER_LAYERS: list[set[str]] = [
     {"router.scorers", "router.scoring.pickers"},
     {"router.scoring"},
     {"router.prompt"},
-    {"router.metrics", "router.errors", "router.supervisor", "router.types", "router.config_keys",
-     "router.label_selector"},
+    {
+        "router.metrics",
+        "router.errors",
+        "router.supervisor",
+        "router.types",
+        "router.config_keys",
+        "router.label_selector",
+    },
 ]
 # What the simulated fleet shares with the router: the prompt's rendering and the KV event wire format.
 FLEET_MAY_IMPORT = ("router.prompt", "router.index.events", "tinymodel", "fleet")
@@ -47,11 +53,7 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {
-        _module_name(path): path
-        for package in PACKAGES
-        for path in (ROOT / package).rglob("*.py")
-    }
+    return {_module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
 
 
 def _imports(path: Path, name: str, known: set[str]) -> Iterator[str]:
@@ -66,7 +68,9 @@ def _imports(path: Path, name: str, known: set[str]) -> Iterator[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             # `from package import module` imports the module; `from module import name` the module.
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names
+            ]
         else:
             continue
         for target in targets:
@@ -116,8 +120,13 @@ def test_fleet_imports_only_what_it_shares_with_the_router(module: str) -> None:
 @pytest.mark.parametrize("package", ["tinymodel", "kvconnectors"])
 def test_imports_nothing_of_the_project(package: str) -> None:
     """tinymodel is shared by all; kvconnectors runs inside vLLM, where nothing else of the project is."""
-    assert not [t for m, targets in GRAPH.items() if m.startswith(package) for t in targets
-                if not t.startswith(package)]  # fmt: skip
+    assert not [
+        t
+        for m, targets in GRAPH.items()
+        if m.startswith(package)
+        for t in targets
+        if not t.startswith(package)
+    ]
 
 
 def test_no_import_cycles() -> None:

@@ -64,15 +64,26 @@ class Bench:
         for name in self.policies:
             task = progress.add_task(f"{label} {name}", total=total)
             make = policies_for(fleet)[name]
-            result = simulate(blocks, fleet, make(fleet), ideal, tie_seed=self.tie_seed,
-                              progress=lambda n, task=task: progress.update(task, completed=n))  # type: ignore[misc]  # fmt: skip
+            result = simulate(
+                blocks,
+                fleet,
+                make(fleet),
+                ideal,
+                tie_seed=self.tie_seed,
+                progress=lambda n, task=task: progress.update(task, completed=n),
+            )  # type: ignore[misc]
             progress.update(task, completed=total)
             results.append(result)
         return results
 
     def _progress(self) -> Progress:
-        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=self.console)  # fmt: skip
+        return Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
 
     def _prepare(self, trace: Trace) -> tuple[TraceBlocks, float]:
         with self.console.status(f"hashing {len(trace.requests)} prompts of {trace.name} into blocks"):
@@ -80,8 +91,14 @@ class Bench:
             return blocks, blocks.ideal_hit_rate()
 
     def _document(self, trace: Trace, ideal: float, **extra: Any) -> dict[str, Any]:
-        return {"trace": trace.name, "requests": len(trace.requests), "ideal_hit_rate": ideal,
-                "setup": asdict(self.fleet), "tie_seed": self.tie_seed, **extra}  # fmt: skip
+        return {
+            "trace": trace.name,
+            "requests": len(trace.requests),
+            "ideal_hit_rate": ideal,
+            "setup": asdict(self.fleet),
+            "tie_seed": self.tie_seed,
+            **extra,
+        }
 
     def compare(self, trace: Trace, rate: float | None, load: float) -> list[RunResult]:
         base, ideal = self._prepare(trace)
@@ -89,18 +106,25 @@ class Bench:
         blocks = _rescaled(base, rate)
         floor = ttft_floor(base, self.fleet)
         pd = self.fleet.pd
-        title = (f"{trace.name}: {len(trace.requests)} requests at x{rate:.2f} "
-                 f"(offered load {offered_load(base, self.fleet, rate, ideal):.2f}), {self.fleet.instances} "
-                 f"instances{f' ({pd.prefill} prefill, {pd.decode} decode)' if pd else ''}, "
-                 f"pool {'on' if self.fleet.pool else 'off'}"
-                 f"{', attention costs on' if self.fleet.engine.attention_s_per_pair else ''}; "
-                 f"TTFT floor p50 {floor['p50_s']:.2f} s, p99 {floor['p99_s']:.2f} s")  # fmt: skip
+        title = (
+            f"{trace.name}: {len(trace.requests)} requests at x{rate:.2f} "
+            f"(offered load {offered_load(base, self.fleet, rate, ideal):.2f}), {self.fleet.instances} "
+            f"instances{f' ({pd.prefill} prefill, {pd.decode} decode)' if pd else ''}, "
+            f"pool {'on' if self.fleet.pool else 'off'}"
+            f"{', attention costs on' if self.fleet.engine.attention_s_per_pair else ''}; "
+            f"TTFT floor p50 {floor['p50_s']:.2f} s, p99 {floor['p99_s']:.2f} s"
+        )
         with self._progress() as progress:
             results = self._runs("", blocks, self.fleet, ideal, progress)
         self.console.print(report.table(title, results))
-        document = self._document(trace, ideal, rate=rate, load=offered_load(base, self.fleet, rate, ideal),
-                                  ttft_floor=floor,
-                                  policies={r.policy: report.as_json(r) for r in results})  # fmt: skip
+        document = self._document(
+            trace,
+            ideal,
+            rate=rate,
+            load=offered_load(base, self.fleet, rate, ideal),
+            ttft_floor=floor,
+            policies={r.policy: report.as_json(r) for r in results},
+        )
         report.write_json(self.out / "results.json", document)
         report.plot_policies(self.out / "simulate-policies.png", title, results)
         self.console.print(
@@ -132,9 +156,14 @@ class Bench:
         self._finish_sweep("instances", trace, ideal, points, slo_s, "instances")
 
     def _finish_sweep(
-        self, kind: str, trace: Trace, ideal: float, points: dict[str, list[tuple[float, RunResult]]],
-        slo_s: float, xlabel: str,
-    ) -> None:  # fmt: skip
+        self,
+        kind: str,
+        trace: Trace,
+        ideal: float,
+        points: dict[str, list[tuple[float, RunResult]]],
+        slo_s: float,
+        xlabel: str,
+    ) -> None:
         for x in sorted({x for series in points.values() for x, _ in series}):
             results = [r for series in points.values() for px, r in series if px == x]
             self.console.print(report.table(f"{trace.name}, {xlabel} {x:g}", results))
@@ -150,8 +179,9 @@ class Bench:
             trace, ideal, sweep=kind, slo_s=slo_s, sustainable=sustainable, points=series_json
         )
         report.write_json(self.out / f"sweep-{kind}.json", document)
-        report.plot_sweep(self.out / f"simulate-sweep-{kind}.png", f"{trace.name}: {xlabel} sweep", xlabel,
-                          points, slo_s)  # fmt: skip
+        report.plot_sweep(
+            self.out / f"simulate-sweep-{kind}.png", f"{trace.name}: {xlabel} sweep", xlabel, points, slo_s
+        )
 
 
 def _rescaled(blocks: TraceBlocks, rate: float) -> TraceBlocks:

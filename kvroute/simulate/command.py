@@ -28,21 +28,36 @@ SUITE_WORKERS = 1
 
 def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     simulate = benches.add_parser("simulate", help="the fleet at scale, in simulated time")
-    simulate.add_argument("--trace", default=None,
-                          help="a JSONL trace (plain or .xz), `mooncake` or `agentic`; default: "
-                               "the Mooncake conversation trace")  # fmt: skip
+    simulate.add_argument(
+        "--trace",
+        default=None,
+        help="a JSONL trace (plain or .xz), `mooncake` or `agentic`; default: "
+        "the Mooncake conversation trace",
+    )
     simulate.add_argument("--instances", type=positive_int, default=None, help="default: 8, or --pd's")
-    simulate.add_argument("--pd", type=_pd, default=None, metavar="P:D",
-                          help="a disaggregated fleet: P prefill and D decode instances (the hardware of "
-                               "P + D aggregated ones), routed by each router's P/D algorithm")  # fmt: skip
-    simulate.add_argument("--pd-link", choices=sorted(LINK_PRESETS), default="rdma",
-                          help="with --pd: the link decode instances fetch the prompt's KV over")  # fmt: skip
+    simulate.add_argument(
+        "--pd",
+        type=_pd,
+        default=None,
+        metavar="P:D",
+        help="a disaggregated fleet: P prefill and D decode instances (the hardware of "
+        "P + D aggregated ones), routed by each router's P/D algorithm",
+    )
+    simulate.add_argument(
+        "--pd-link",
+        choices=sorted(LINK_PRESETS),
+        default="rdma",
+        help="with --pd: the link decode instances fetch the prompt's KV over",
+    )
     simulate.add_argument(
         "--rate", type=positive_float, default=None, help="arrival rate multiplier (x2: twice as fast)"
     )
-    simulate.add_argument("--load", type=positive_float, default=0.7,
-                          help="without --rate: the offered load, prefill the ideal cache leaves / fleet "
-                               "prefill capacity")  # fmt: skip
+    simulate.add_argument(
+        "--load",
+        type=positive_float,
+        default=0.7,
+        help="without --rate: the offered load, prefill the ideal cache leaves / fleet prefill capacity",
+    )
     simulate.add_argument("--policies", default=None, help="comma-separated; default: all")
     simulate.add_argument("--pool", choices=["on", "off"], default="on")
     simulate.add_argument("--pool-link", choices=sorted(POOL_PRESETS), default="rdma")
@@ -50,36 +65,60 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
         "--event-delay", type=float, default=0.05, help="seconds until KV events reach the index"
     )
     simulate.add_argument(
-        "--attention-cost", choices=["on", "off"], default="off",
+        "--attention-cost",
+        choices=["on", "off"],
+        default="off",
         help="on: a prompt token's prefill and a decode step also cost what reading their context does "
-             "(an 8B model on an H100); off: flat per-token and per-step costs, the reference setup",
-    )  # fmt: skip
+        "(an 8B model on an H100); off: flat per-token and per-step costs, the reference setup",
+    )
     # The whole Mooncake trace (12,031 requests) x 8 policies takes ~30 min on 2 cores: the default keeps
     # a run within 15 minutes; 0 replays everything.
     simulate.add_argument(
-        "--requests", type=non_negative_int, default=3000,
+        "--requests",
+        type=non_negative_int,
+        default=3000,
         help="only the first N requests of the trace (0: all)",
-    )  # fmt: skip
-    simulate.add_argument("--skip", type=int, default=0,
-                          help="start after the trace's first N requests (another window of it; caches "
-                               "start empty)")  # fmt: skip
+    )
+    simulate.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="start after the trace's first N requests (another window of it; caches start empty)",
+    )
     simulate.add_argument("--sessions", type=positive_int, default=40, help="sessions of the agentic trace")
     simulate.add_argument("--seed", type=int, default=0, help="seed of the agentic trace")
     simulate.add_argument(
-        "--tie-seed", type=int, default=0,
+        "--tie-seed",
+        type=int,
+        default=0,
         help="seed of the routers' random choice between equal scores (runs with one seed repeat exactly)",
-    )  # fmt: skip
-    simulate.add_argument("--suite", action="store_true",
-                          help="every policy on a grid of workloads, fleets, loads and pool settings, "
-                               "kvroute against the best peer (docs/bench-simulate.md)")  # fmt: skip
-    simulate.add_argument("--suite-cells", default=None, metavar="SPEC",
-                          help="implies --suite: AXIS=V1,V2 terms (workload, instances, load, pool) "
-                               "replacing the base grid's (every workload, 16, 0.7, on); AXIS=all, or `all`: "
-                               "the full grid")  # fmt: skip
-    simulate.add_argument("--suite-requests", type=positive_int, default=SUITE_REQUESTS,
-                          help="the first N requests of each cell's workload")  # fmt: skip
-    simulate.add_argument("--suite-workers", type=positive_int, default=SUITE_WORKERS,
-                          help="processes running the suite's simulations")  # fmt: skip
+    )
+    simulate.add_argument(
+        "--suite",
+        action="store_true",
+        help="every policy on a grid of workloads, fleets, loads and pool settings, "
+        "kvroute against the best peer (docs/bench-simulate.md)",
+    )
+    simulate.add_argument(
+        "--suite-cells",
+        default=None,
+        metavar="SPEC",
+        help="implies --suite: AXIS=V1,V2 terms (workload, instances, load, pool) "
+        "replacing the base grid's (every workload, 16, 0.7, on); AXIS=all, or `all`: "
+        "the full grid",
+    )
+    simulate.add_argument(
+        "--suite-requests",
+        type=positive_int,
+        default=SUITE_REQUESTS,
+        help="the first N requests of each cell's workload",
+    )
+    simulate.add_argument(
+        "--suite-workers",
+        type=positive_int,
+        default=SUITE_WORKERS,
+        help="processes running the suite's simulations",
+    )
     simulate.add_argument("--sweep", choices=["rate", "instances"], default=None)
     simulate.add_argument(
         "--sweep-requests", type=positive_int, default=3000, help="requests per sweep point"
@@ -141,8 +180,11 @@ def _run(args: argparse.Namespace) -> int:
     names = args.policies.split(",") if args.policies else list(POLICIES if fleet.pd is None else known)
     unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"unknown policies: {', '.join(unknown)}; known{' with --pd' if fleet.pd else ''}: "
-              f"{', '.join(known)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"unknown policies: {', '.join(unknown)}; known{' with --pd' if fleet.pd else ''}: "
+            f"{', '.join(known)}",
+            file=sys.stderr,
+        )
         return 2
     if args.suite or args.suite_cells is not None:
         return _suite(args, fleet, names)
@@ -181,6 +223,13 @@ def _suite(args: argparse.Namespace, fleet: FleetSpec, names: list[str]) -> int:
         print(f"--suite-cells: {exc}", file=sys.stderr)
         return 2
     pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link])
-    run_suite(cells, names, replace(fleet, pool=pool), args.suite_requests, args.suite_workers,
-              Path(args.out), args.tie_seed)  # fmt: skip
+    run_suite(
+        cells,
+        names,
+        replace(fleet, pool=pool),
+        args.suite_requests,
+        args.suite_workers,
+        Path(args.out),
+        args.tie_seed,
+    )
     return 0

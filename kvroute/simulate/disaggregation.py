@@ -34,8 +34,14 @@ Refusal = Literal["retry", "local", "reject", "fail"]
 
 def prefill_leg(request: SimRequest, instance: int = -1) -> SimRequest:
     """request's prefill leg: its prompt, one output token, its KV kept for the decode leg."""
-    return SimRequest(request.number, replace(request.trace, output_tokens=1), request.chain, request.session,
-                      instance=instance, prefills=request)  # fmt: skip
+    return SimRequest(
+        request.number,
+        replace(request.trace, output_tokens=1),
+        request.chain,
+        request.session,
+        instance=instance,
+        prefills=request,
+    )
 
 
 class PDPolicy(SimPolicy):
@@ -108,9 +114,10 @@ class KvroutePD(ConfiguredPolicy, PDPolicy):
         view, tried = self.view, plan.tried
         excluded = tried | {plan.whole.instance.name}
         prefills = [
-            i for i in role_candidates(view.instances, "prefill")
+            i
+            for i in role_candidates(view.instances, "prefill")
             if i.name not in excluded and i.own_in_flight < self._limit
-        ]  # fmt: skip
+        ]
         if len(tried) >= self._attempts or not prefills or (tried and not self._budget.spend()):
             return False
         decision = self._router.decide(plan.prepared, self._policy.prefill_leg, prefills)

@@ -81,8 +81,9 @@ class FleetSpec:
 
     def __post_init__(self) -> None:
         if self.pd is not None and self.pd.prefill + self.pd.decode != self.instances:
-            raise ValueError(f"{self.pd.prefill} prefill and {self.pd.decode} decode instances are not "
-                             f"{self.instances}")  # fmt: skip
+            raise ValueError(
+                f"{self.pd.prefill} prefill and {self.pd.decode} decode instances are not {self.instances}"
+            )
 
     def role(self, number: int) -> Role:
         if self.pd is None:

@@ -104,8 +104,9 @@ class DynamoPD(PDPolicy):
     def bind(self, view: RouterView) -> None:
         super().bind(view)
         self._prefill = DynamoCost(workers=_numbers(view, "prefill"))
-        self._decode = DynamoCost(seed=1, overlap_weight=0.0, assume_kv_reuse=False,
-                                  workers=_numbers(view, "decode"))  # fmt: skip
+        self._decode = DynamoCost(
+            seed=1, overlap_weight=0.0, assume_kv_reuse=False, workers=_numbers(view, "decode")
+        )
         self._prefill.bind(view)
         self._decode.bind(view)
 

@@ -214,9 +214,13 @@ class DynamoCost(SimPolicy):
     credits = (1.0, 0.75, 0.25)
 
     def __init__(
-        self, prefill_load_scale: float = 1.0, seed: int = 0, overlap_weight: float = 1.0,
-        assume_kv_reuse: bool = True, workers: Sequence[int] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        prefill_load_scale: float = 1.0,
+        seed: int = 0,
+        overlap_weight: float = 1.0,
+        assume_kv_reuse: bool = True,
+        workers: Sequence[int] | None = None,
+    ) -> None:
         self._scale, self._overlap, self._reuse = prefill_load_scale, overlap_weight, assume_kv_reuse
         self._rng = random.Random(seed)
         self._workers = workers

@@ -156,9 +156,13 @@ class ConfiguredPolicy(SimPolicy):
         if view.pool is not None and self._include_pool:
             # The simulated instances' pool keys carry no pool name: the index files their blocks under "".
             self._pool = PoolConfirmer(
-                view.index, StoreLookup(view.pool), {view.model: ""}, metrics,
-                self._config.pool.confirm_ttl_s, view.loop.clock,
-            )  # fmt: skip
+                view.index,
+                StoreLookup(view.pool),
+                {view.model: ""},
+                metrics,
+                self._config.pool.confirm_ttl_s,
+                view.loop.clock,
+            )
 
     def routing(self, request: SimRequest) -> RoutingRequest:
         """The request as the router's decision sees it: its blocks and where they are held."""
@@ -215,9 +219,13 @@ class Replicas(SimPolicy):
     others what it has in flight on each instance every share_s seconds (router/upstreams/peer_load.py)."""
 
     def __init__(
-        self, name: str, make: Callable[[], SimPolicy], count: int, by_session: bool = True,
+        self,
+        name: str,
+        make: Callable[[], SimPolicy],
+        count: int,
+        by_session: bool = True,
         share_s: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.name, self._make, self._count, self._by_session = name, make, count, by_session
         self.sync_interval_s = share_s
         self._next = 0

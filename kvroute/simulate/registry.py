@@ -36,8 +36,15 @@ def _llmd(fleet: FleetSpec) -> SimPolicy:
             ScorerSpec(type="queue-depth", weight=1.0),
         ]
     )
-    return ConfiguredPolicy("llm-d", config, "llm-d", decide=False, include_pool=False,
-                            calibrate=False, scrape_interval_s=LLMD_SCRAPE_S)  # fmt: skip
+    return ConfiguredPolicy(
+        "llm-d",
+        config,
+        "llm-d",
+        decide=False,
+        include_pool=False,
+        calibrate=False,
+        scrape_interval_s=LLMD_SCRAPE_S,
+    )
 
 
 POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
@@ -96,9 +103,10 @@ def _in_flight_multiplied(fleet: FleetSpec) -> SimPolicy:
     config = router_config(fleet)
     scorers = [
         ScorerSpec(type=spec.type, weight=spec.weight, params={**spec.params, "in_flight_exponent": 1.0})
-        if spec.type == "ttft-cost" else spec
+        if spec.type == "ttft-cost"
+        else spec
         for spec in config.policies["kvroute"].scorers
-    ]  # fmt: skip
+    ]
     config.policies["kvroute-in-flight-x"] = PolicyConfig(scorers=scorers)
     return ConfiguredPolicy("kvroute-in-flight-x", config, "kvroute-in-flight-x")
 
@@ -147,8 +155,15 @@ def _llmd_pd(fleet: FleetSpec) -> SimPolicy:
     config.policies["llm-d-pd"] = PolicyConfig(
         scorers=[ScorerSpec(type="precise-prefix", weight=2.0), ScorerSpec(type="queue-depth", weight=1.0)]
     )
-    return LlmdPD("llm-d", config, "llm-d-pd", decide=False, include_pool=False, calibrate=False,
-                  scrape_interval_s=LLMD_SCRAPE_S)  # fmt: skip
+    return LlmdPD(
+        "llm-d",
+        config,
+        "llm-d-pd",
+        decide=False,
+        include_pool=False,
+        calibrate=False,
+        scrape_interval_s=LLMD_SCRAPE_S,
+    )
 
 
 # The routers of a disaggregated fleet (--pd), each with its own P/D algorithm.

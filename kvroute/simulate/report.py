@@ -15,22 +15,44 @@ from kvroute.simulate.results import RunResult
 def table(title: str, results: Sequence[RunResult]) -> Table:
     view = Table(title=title)
     disaggregated = any(r.pd_paths for r in results)
-    for column in ("policy", "TTFT p50/p99", "ITL p50/p99", "e2e p50/p99", "req/s", "hit local/pool", "ideal",
-                   "imbalance", "rejected/failed/retried",
-                   *(["disaggregated/skipped/fallback", "fetched"] if disaggregated else []),
-                   "slowest 1%: admit/queue/own", "wall"):  # fmt: skip
+    for column in (
+        "policy",
+        "TTFT p50/p99",
+        "ITL p50/p99",
+        "e2e p50/p99",
+        "req/s",
+        "hit local/pool",
+        "ideal",
+        "imbalance",
+        "rejected/failed/retried",
+        *(["disaggregated/skipped/fallback", "fetched"] if disaggregated else []),
+        "slowest 1%: admit/queue/own",
+        "wall",
+    ):
         view.add_column(column, justify="left" if column == "policy" else "right")
     for r in results:
         paths = r.pd_paths
         view.add_row(
-            r.policy, f"{r.ttft_p50_s:.2f}/{r.ttft_p99_s:.2f} s",
-            f"{r.itl_p50_s * 1000:.0f}/{r.itl_p99_s * 1000:.0f} ms", f"{r.e2e_p50_s:.1f}/{r.e2e_p99_s:.1f} s",
-            f"{r.throughput_rps:.2f}", f"{r.local_hit_rate:.1%}/{r.pool_hit_rate:.1%}",
-            f"{r.ideal_hit_rate:.1%}", f"{r.load_imbalance:.2f}", f"{r.rejected}/{r.failed}/{r.retried}",
-            *(["/".join(str(paths.get(p, 0)) for p in ("disaggregated", "skipped", "fallback")),
-               f"{r.transferred_rate:.1%}"] if disaggregated else []),
-            _tail_cell(r.tail), f"{r.wall_s:.0f} s",
-        )  # fmt: skip
+            r.policy,
+            f"{r.ttft_p50_s:.2f}/{r.ttft_p99_s:.2f} s",
+            f"{r.itl_p50_s * 1000:.0f}/{r.itl_p99_s * 1000:.0f} ms",
+            f"{r.e2e_p50_s:.1f}/{r.e2e_p99_s:.1f} s",
+            f"{r.throughput_rps:.2f}",
+            f"{r.local_hit_rate:.1%}/{r.pool_hit_rate:.1%}",
+            f"{r.ideal_hit_rate:.1%}",
+            f"{r.load_imbalance:.2f}",
+            f"{r.rejected}/{r.failed}/{r.retried}",
+            *(
+                [
+                    "/".join(str(paths.get(p, 0)) for p in ("disaggregated", "skipped", "fallback")),
+                    f"{r.transferred_rate:.1%}",
+                ]
+                if disaggregated
+                else []
+            ),
+            _tail_cell(r.tail),
+            f"{r.wall_s:.0f} s",
+        )
     return view
 
 
@@ -78,8 +100,12 @@ def plot_policies(path: Path, title: str, results: Sequence[RunResult]) -> None:
     latency.set_yscale("log")
     latency.set_title("time to first token")
     hits.bar(positions, [r.local_hit_rate for r in results], label="local hits")
-    hits.bar(positions, [r.pool_hit_rate for r in results], bottom=[r.local_hit_rate for r in results],
-             label="pool hits")  # fmt: skip
+    hits.bar(
+        positions,
+        [r.pool_hit_rate for r in results],
+        bottom=[r.local_hit_rate for r in results],
+        label="pool hits",
+    )
     if results:
         hits.axhline(results[0].ideal_hit_rate, color="black", linestyle="--", label="one infinite cache")
     hits.set_ylabel("share of prompt tokens")

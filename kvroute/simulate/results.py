@@ -10,9 +10,21 @@ from kvroute.simulate.engine import Engine, SimRequest
 from kvroute.simulate.hardware import FleetSpec
 
 RESULT_FIELDS = (
-    "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_rps",
-    "local_hit_rate", "pool_hit_rate", "ideal_hit_rate", "load_imbalance", "rejected", "failed", "retried",
-)  # fmt: skip
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+    "throughput_rps",
+    "local_hit_rate",
+    "pool_hit_rate",
+    "ideal_hit_rate",
+    "load_imbalance",
+    "rejected",
+    "failed",
+    "retried",
+)
 
 
 @dataclass

@@ -47,6 +47,7 @@ def simulate(
 ATTEMPTS = UpstreamConfig().attempts
 RETRY_BACKOFF_S = 0.05
 
+
 class Run:
     """A trace through the fleet: requests arrive (a session's turn once the previous one is answered), the
     policy routes them, the engines serve them."""
@@ -95,8 +96,17 @@ class Run:
             if policy.sync_interval_s is not None:
                 self._every(policy.sync_interval_s, policy.sync)
         loop.run()
-        return result_of(policy.name, self.done, self.rejected, self.engines, ideal_hit_rate, self.fleet,
-                         time.perf_counter() - started, self.failed, self.retried)  # fmt: skip
+        return result_of(
+            policy.name,
+            self.done,
+            self.rejected,
+            self.engines,
+            ideal_hit_rate,
+            self.fleet,
+            time.perf_counter() - started,
+            self.failed,
+            self.retried,
+        )
 
     # The router's own counts of what it sent to each instance (router/upstreams/instances.py).
     def started(self, request: SimRequest) -> None:

@@ -31,8 +31,13 @@ def run_suite(
     template = template if template.pool is not None else replace(template, pool=PoolSpec())
     jobs = jobs_for(cells, policies, requests, template, tie_seed)
     started = time.perf_counter()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console)  # fmt: skip
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
     with progress:
         task = progress.add_task(f"{len(cells)} cells x {len(policies)} policies", total=len(jobs))
 
@@ -46,16 +51,24 @@ def run_suite(
         results = run_jobs(jobs, workers, done)
     wall_s = time.perf_counter() - started
     plural = "s" if workers > 1 else ""
-    title = (f"suite: {len(cells)} cells, at most {requests} requests each, kvroute against the best "
-             f"peer per measure ({wall_s / 60:.1f} min, {workers} worker{plural})")  # fmt: skip
+    title = (
+        f"suite: {len(cells)} cells, at most {requests} requests each, kvroute against the best "
+        f"peer per measure ({wall_s / 60:.1f} min, {workers} worker{plural})"
+    )
     console.print(suite_report.table(title, results))
     facts = suite_report.summary(results)
     console.print(suite_report.summary_line(facts))
     document = {
-        "cells": [asdict(cell) for cell in cells], "policies": list(policies), "requests_cap": requests,
-        "setup": asdict(template), "tie_seed": tie_seed, "workers": workers, "wall_s": wall_s,
-        "summary": facts, "records": suite_report.records(results),
-    }  # fmt: skip
+        "cells": [asdict(cell) for cell in cells],
+        "policies": list(policies),
+        "requests_cap": requests,
+        "setup": asdict(template),
+        "tie_seed": tie_seed,
+        "workers": workers,
+        "wall_s": wall_s,
+        "summary": facts,
+        "records": suite_report.records(results),
+    }
     report.write_json(out / "suite.json", document)
     console.print(f"results: {out / 'suite.json'}")
     return results

@@ -18,8 +18,16 @@ SUBJECT = "kvroute"
 P50_TARGET = 1.1  # TTFT p50 at most 1.1x the best peer's
 P99_TARGET = 1.0  # TTFT p99 at most the best peer's
 HIT_TARGET = 0.95  # hits at least 95% of one infinite shared cache's
-SHORT = {"round-robin": "rr", "consistent-hash": "hash", "power-of-two": "p2c", "sglang-cache-aware": "sgl",
-         "llm-d": "llmd", "dynamo": "dyn", "vllm-router-kv-aware": "kva", "kvroute": "kvr"}  # fmt: skip
+SHORT = {
+    "round-robin": "rr",
+    "consistent-hash": "hash",
+    "power-of-two": "p2c",
+    "sglang-cache-aware": "sgl",
+    "llm-d": "llmd",
+    "dynamo": "dyn",
+    "vllm-router-kv-aware": "kva",
+    "kvroute": "kvr",
+}
 
 
 @dataclass(frozen=True)
@@ -39,10 +47,16 @@ class Verdict:
     @property
     def missed(self) -> list[str]:
         """The targets it misses: `p50`, `p99`, `rejected`, `hit`."""
-        return [name for name, met in (
-            ("p50", self.ttft_p50_ratio <= P50_TARGET), ("p99", self.ttft_p99_ratio <= P99_TARGET),
-            ("rejected", self.rejected <= self.peer_rejected), ("hit", self.hit_share_of_ideal >= HIT_TARGET),
-        ) if not met]  # fmt: skip
+        return [
+            name
+            for name, met in (
+                ("p50", self.ttft_p50_ratio <= P50_TARGET),
+                ("p99", self.ttft_p99_ratio <= P99_TARGET),
+                ("rejected", self.rejected <= self.peer_rejected),
+                ("hit", self.hit_share_of_ideal >= HIT_TARGET),
+            )
+            if not met
+        ]
 
 
 def peers_of(name: str, results: Sequence[RunResult]) -> list[RunResult]:
@@ -84,11 +98,16 @@ def records(jobs: Sequence[JobResult]) -> list[dict[str, Any]]:
         results = [run.result for run in runs]
         for run in runs:
             judged = verdict(run.result, peers_of(run.result.policy, results))
-            out.append({
-                **asdict(cell), "requests": run.requests, "rate": run.rate, "policy": run.result.policy,
-                **as_json(run.result),
-                "vs_best_peer": None if judged is None else {**asdict(judged), "missed": judged.missed},
-            })  # fmt: skip
+            out.append(
+                {
+                    **asdict(cell),
+                    "requests": run.requests,
+                    "rate": run.rate,
+                    "policy": run.result.policy,
+                    **as_json(run.result),
+                    "vs_best_peer": None if judged is None else {**asdict(judged), "missed": judged.missed},
+                }
+            )
     return out
 
 
@@ -112,15 +131,33 @@ def table(title: str, jobs: Sequence[JobResult]) -> Table:
     verdicts = subject_verdicts(jobs)
     legend = ", ".join(f"{SHORT[n]} {n}" for n in names if n in SHORT and SHORT[n] != n)
     view = Table(title=title, caption=f"last columns: each policy's rejected requests; {legend}")
-    for column in ("workload", "inst", "load", "pool", "req", "ideal", "p50/best", "p99/best", "rej/best",
-                   "hit/ideal", "missed", *(SHORT.get(n, n) for n in names)):  # fmt: skip
+    for column in (
+        "workload",
+        "inst",
+        "load",
+        "pool",
+        "req",
+        "ideal",
+        "p50/best",
+        "p99/best",
+        "rej/best",
+        "hit/ideal",
+        "missed",
+        *(SHORT.get(n, n) for n in names),
+    ):
         view.add_column(column, justify="left" if column in ("workload", "missed") else "right")
     for cell, runs in cells.items():
         results = {run.result.policy: run.result for run in runs}
         judged = verdicts.get(cell)
         ideal = runs[0].result.ideal_hit_rate
-        head = [cell.workload, str(cell.instances), f"{cell.load:g}", "on" if cell.pool else "off",
-                str(runs[0].requests), f"{ideal:.0%}"]  # fmt: skip
+        head = [
+            cell.workload,
+            str(cell.instances),
+            f"{cell.load:g}",
+            "on" if cell.pool else "off",
+            str(runs[0].requests),
+            f"{ideal:.0%}",
+        ]
         if judged is None:
             ratios = ["-"] * 5
         else:
@@ -154,6 +191,8 @@ def summary(jobs: Sequence[JobResult]) -> dict[str, Any]:
 def summary_line(facts: Mapping[str, Any]) -> str:
     met, cells = len(facts["meets"]), facts["cells"]
     by_target = ", ".join(f"{target} in {count}" for target, count in facts["missed_by_target"].items())
-    return (f"kvroute meets all four targets (p50 <= {P50_TARGET}x the best peer's, p99 <= the best peer's, "
-            f"rejected <= the best peer's, hits >= {HIT_TARGET:.0%} of ideal) in {met} of {cells} cells; "
-            f"misses {cells - met}: {by_target}")  # fmt: skip
+    return (
+        f"kvroute meets all four targets (p50 <= {P50_TARGET}x the best peer's, p99 <= the best peer's, "
+        f"rejected <= the best peer's, hits >= {HIT_TARGET:.0%} of ideal) in {met} of {cells} cells; "
+        f"misses {cells - met}: {by_target}"
+    )

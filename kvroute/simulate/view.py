@@ -76,9 +76,16 @@ class RouterView:
     def replica(self) -> RouterView:
         """Another router's view of the same fleet: its own index, fed the same events as late, its own
         bookkeeping, and the same scrapes of the engines' metrics."""
-        other = RouterView(self._fleet, self.loop, self._engines, self.pool, self._priors,
-                           self._speculative_ttl_s, listen=False,
-                           tie_seed=self.tie_rng.getrandbits(64))  # fmt: skip
+        other = RouterView(
+            self._fleet,
+            self.loop,
+            self._engines,
+            self.pool,
+            self._priors,
+            self._speculative_ttl_s,
+            listen=False,
+            tie_seed=self.tie_rng.getrandbits(64),
+        )
         self._replicas.append(other)
         return other
 

@@ -99,8 +99,11 @@ def rag_trace(
     for number in range(requests):
         document = rng.choices(range(documents), weights)[0]
         question = round(_lognormal(rng, median_question_tokens, 0.6, 20, 1000))
-        segments = [("system", system_tokens), (("document", document), lengths[document]),
-                    (("question", number), question)]  # fmt: skip
+        segments = [
+            ("system", system_tokens),
+            (("document", document), lengths[document]),
+            (("question", number), question),
+        ]
         output = max(1, round(_lognormal(rng, median_output_tokens, 0.6, 10, 2000)))
         tokens = sum(length for _, length in segments)
         drafts.append(TraceRequest(arrival, tokens, output, namer.ids(segments), f"rag{seed}-q{number}"))

@@ -99,10 +99,15 @@ class Kube:
     ) -> aiohttp.ClientResponse:
         try:
             response: aiohttp.ClientResponse = await self._api.call_api(
-                path, "GET", query_params=list(query.items()), header_params={"Accept": "application/json"},
-                auth_settings=["BearerToken"], _preload_content=False, _request_timeout=limits,
+                path,
+                "GET",
+                query_params=list(query.items()),
+                header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=limits,
                 _return_http_data_only=True,
-            )  # fmt: skip
+            )
         except (aiohttp.ClientError, TimeoutError, client.ApiException) as exc:
             raise KubeError(f"GET {path}: {exc!r}") from exc
         if response.status >= 400:

@@ -77,9 +77,13 @@ class FleetSink(Protocol):
 
 class Discovery:
     def __init__(
-        self, config: DiscoveryConfig, peers_publish: str | None, sink: FleetSink, metrics: RouterMetrics,
+        self,
+        config: DiscoveryConfig,
+        peers_publish: str | None,
+        sink: FleetSink,
+        metrics: RouterMetrics,
         own_pod: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """peers_publish: this router's peers.publish, whose port its replicas publish on too; own_pod: the
         router's pod name, left out of its peers (default: $POD_NAME, else the host name, which is the pod's
         name in Kubernetes)."""
@@ -114,8 +118,11 @@ class Discovery:
             while isinstance(failure, ExceptionGroup):  # the watch that broke, out of its task groups
                 failure = failure.exceptions[0]
             self._restarts.inc()
-            log.warning("Kubernetes discovery broke (%s); the last %d instances keep serving",
-                        failure, len(self._published.instances) if self._published else 0)  # fmt: skip
+            log.warning(
+                "Kubernetes discovery broke (%s); the last %d instances keep serving",
+                failure,
+                len(self._published.instances) if self._published else 0,
+            )
             raise failure from None
 
     async def _follow(self, kube: Kube, kind: Kind, selector: LabelSelector) -> None:
@@ -251,9 +258,14 @@ Listed = Callable[[bytes], tuple[Sequence[Watched], str | None]]
 
 
 async def _mirror(
-    kube: Kube, path: str, selector: LabelSelector, listed: Listed[Watched],
-    decode: Callable[[bytes], Watched], found: dict[str, Watched], changed: Callable[[], None],
-) -> None:  # fmt: skip
+    kube: Kube,
+    path: str,
+    selector: LabelSelector,
+    listed: Listed[Watched],
+    decode: Callable[[bytes], Watched],
+    found: dict[str, Watched],
+    changed: Callable[[], None],
+) -> None:
     """Keep found (by name) as the objects at path that selector picks: list, then watch; changed() after
     each change. Returns only by raising, when the watch breaks."""
     query = {"labelSelector": str(selector)}

@@ -106,9 +106,16 @@ class ABStats:
         stats.ttft_sessions.append(session)
 
     def finished(
-        self, policy: str, instance: str, status: int, seconds: float | None, prompt_tokens: int,
-        predicted_cached: int, prefill_instance: str | None = None, pd_path: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        policy: str,
+        instance: str,
+        status: int,
+        seconds: float | None,
+        prompt_tokens: int,
+        predicted_cached: int,
+        prefill_instance: str | None = None,
+        pd_path: str | None = None,
+    ) -> None:
         """seconds: the end-to-end time of an answer; None for an error, whose time says nothing;
         prefill_instance and pd_path: a disaggregated model's request's prefill leg and path."""
         stats = self._of(policy)
@@ -193,10 +200,11 @@ class ABStats:
                 resampled[name] = self._resample(name)
         a, b = resampled[baseline], resampled[candidate]
         result: dict[str, Any] = {
-            "baseline": baseline, "candidate": candidate,
+            "baseline": baseline,
+            "candidate": candidate,
             "samples": [len(self._of(baseline).ttft), len(self._of(candidate).ttft)],
             "sessions": [a.sessions, b.sessions],  # of the recent samples that a comparison resamples
-        }  # fmt: skip
+        }
         if a.medians is None or b.medians is None:
             samples, sessions = result["samples"], result["sessions"]
             if min(samples) < MIN_SAMPLES:

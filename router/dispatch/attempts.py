@@ -72,9 +72,19 @@ class Attempts:
         self._retry_budget = RetryBudget()
         disaggregation = disaggregation or DisaggregationConfig()
         self._prefill = PrefillLeg(
-            upstreams, decider, observers, session, health, metrics, config, disaggregation.connector,
-            disaggregation.local_prefill_max_tokens, per_instance_limit, self._retry_budget, max_waiting,
-        )  # fmt: skip
+            upstreams,
+            decider,
+            observers,
+            session,
+            health,
+            metrics,
+            config,
+            disaggregation.connector,
+            disaggregation.local_prefill_max_tokens,
+            per_instance_limit,
+            self._retry_budget,
+            max_waiting,
+        )
         # sock_connect, not connect: aiohttp's connect timeout also runs while a request waits for a pooled
         # connection, and a busy instance is not an unreachable one. A stream's reads have no socket timeout:
         # its first chunk gets first_byte_timeout_s and every later one stream_idle_timeout_s (aiohttp's
@@ -226,9 +236,10 @@ class Attempts:
             self._metrics.rejected("instances_full").inc()
             self._observers.ab_for(policy).rejected(policy.name)
             raise too_many_requests(
-                f"Every instance serving `{model}` is at capacity; retry later.", "instances_full",
+                f"Every instance serving `{model}` is at capacity; retry later.",
+                "instances_full",
                 RETRY_AFTER_S,
-            )  # fmt: skip
+            )
         return candidates
 
     def _leg(self, model: str, decision: Decision, transfer: Transfer | None) -> tuple[Leg, PdPath | None]:

@@ -188,13 +188,18 @@ class Decider:
         MultiConnector loads from its first connector that has the blocks: the transfer, before the pool)."""
         features = decision.features
         fetched = replace(
-            features, uncached_tokens=0, loaded_tokens=0, attention_pairs=0.0,
+            features,
+            uncached_tokens=0,
+            loaded_tokens=0,
+            attention_pairs=0.0,
             transferred_tokens=features.uncached_tokens + features.loaded_tokens,
-        )  # fmt: skip
+        )
         return replace(
-            decision, uncached_tokens=0, features=fetched,
+            decision,
+            uncached_tokens=0,
+            features=fetched,
             predicted_ttft_s=decision.instance.ttft_model.predict(fetched),
-        )  # fmt: skip
+        )
 
     def served(self, decision: Decision, policy: Policy) -> None:
         """decision is the one an instance answered (a request retried elsewhere counts once)."""
@@ -244,10 +249,15 @@ class Decider:
         if local is not None and body.chat_template is None and self._audit.trusts(body.model, with_inputs):
             try:
                 ids = await self._local(
-                    off_loop, local.chat_ids, body.messages, body.add_generation_prompt,
-                    body.continue_final_message, body.add_special_tokens, body.tools,
+                    off_loop,
+                    local.chat_ids,
+                    body.messages,
+                    body.add_generation_prompt,
+                    body.continue_final_message,
+                    body.add_special_tokens,
+                    body.tools,
                     template_inputs.get("chat_template_kwargs"),
-                )  # fmt: skip
+                )
             except InvalidPrompt:
                 if not with_inputs:  # with tools or kwargs, a shape beyond what is built here: ask the engine
                     raise

@@ -98,9 +98,15 @@ class Outcome:
 
     @classmethod
     def start(
-        cls, observers: Observers, decision: Decision, policy: Policy, model: str, streamed: bool,
-        first_sent: float | None, leg: Leg = "whole",
-    ) -> Outcome:  # fmt: skip
+        cls,
+        observers: Observers,
+        decision: Decision,
+        policy: Policy,
+        model: str,
+        streamed: bool,
+        first_sent: float | None,
+        leg: Leg = "whole",
+    ) -> Outcome:
         """Count the attempt against its instance, as it is sent."""
         instance = decision.instance
         probe = instance.breaker.sent()
@@ -232,12 +238,16 @@ class Outcome:
         if answered:
             metrics.e2e(policy, self.model).observe(elapsed)
         self.observers.ab_for(self.policy).finished(
-            policy, self.instance.name, 502 if failed else status, elapsed if answered else None,
+            policy,
+            self.instance.name,
+            502 if failed else status,
+            elapsed if answered else None,
             # what the answering instance reused: a decode leg's fetched tokens are not
             decision.prompt_tokens,
             decision.prompt_tokens - decision.uncached_tokens - decision.features.transferred_tokens,
-            self.prefill_instance, self.pd_path,
-        )  # fmt: skip
+            self.prefill_instance,
+            self.pd_path,
+        )
         return True
 
     def _end(self, admitted: bool) -> None:

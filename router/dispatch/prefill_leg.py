@@ -137,9 +137,14 @@ class PrefillLeg:
         return prefill_leg_worth_it(decision, self._local_max)
 
     async def run(
-        self, prepared: Prepared, policy: Policy, path: str, body: dict[str, Any], headers: dict[str, str],
+        self,
+        prepared: Prepared,
+        policy: Policy,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
         decode_instance: str,
-    ) -> Transfer:  # fmt: skip
+    ) -> Transfer:
         """Compute the prompt's KV on the best prefill instance (not the decode one), trying another when one
         cannot be reached, drops the request or fails it, within the attempts and the retry budget."""
         model = prepared.request.model
@@ -161,9 +166,11 @@ class PrefillLeg:
                 sent = {**headers, **instance.headers} if instance.headers else headers
                 async with asyncio.timeout(self._config.first_byte_timeout_s):
                     upstream = await self._session.post(
-                        instance.url + path, data=prefill_body(body, self._connector, transfer_id),
-                        headers=sent, timeout=self._timeout,
-                    )  # fmt: skip
+                        instance.url + path,
+                        data=prefill_body(body, self._connector, transfer_id),
+                        headers=sent,
+                        timeout=self._timeout,
+                    )
                     answer = await upstream.read()
             except NOT_CONNECTED:
                 outcome.abandon(upstream, admitted=False, withdraw=True)

@@ -150,9 +150,10 @@ class Picker:
         """A request that is not a completion (GET /v1/models, /health...): the least busy healthy instance,
         nothing accounted."""
         healthy = [
-            i for i in self.runtime.upstreams.instances
+            i
+            for i in self.runtime.upstreams.instances
             if i.healthy and (subset is None or endpoint(i.url) in subset)
-        ]  # fmt: skip
+        ]
         if not healthy:
             message = "No healthy instance right now. Retry later."
             raise unavailable(message, "no_healthy_instance", RETRY_AFTER_S)

@@ -118,9 +118,13 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int) -> None:
         )
         log.info(
             "endpoint picker on %s:%d (gRPC: ext_proc, health), metrics on %s:%d; %d instances, fallbacks %d",
-            listen.host, listen.port, listen.host, listen.metrics_port, len(runtime.upstreams.instances),
+            listen.host,
+            listen.port,
+            listen.host,
+            listen.metrics_port,
+            len(runtime.upstreams.instances),
             fallbacks,
-        )  # fmt: skip
+        )
         try:
             await stop.wait()
         finally:

@@ -34,8 +34,11 @@ def admin_token(config: AdminConfig) -> str | None:
     if token is not None and len(token) < MIN_TOKEN_LENGTH:
         if config.token_env not in _warned_short:
             _warned_short.add(config.token_env)
-            log.warning("$%s holds fewer than %d characters: the admin routes stay off", config.token_env,
-                        MIN_TOKEN_LENGTH)
+            log.warning(
+                "$%s holds fewer than %d characters: the admin routes stay off",
+                config.token_env,
+                MIN_TOKEN_LENGTH,
+            )
         return None
     return token
 
@@ -45,9 +48,13 @@ def check_admin_token(request: Request, expected: str) -> None:
     403 with another."""
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given:
-        raise OpenAIError(401, "Admin routes need `Authorization: Bearer <token>`.",
-                          "authentication_error", "missing_token",
-                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        raise OpenAIError(
+            401,
+            "Admin routes need `Authorization: Bearer <token>`.",
+            "authentication_error",
+            "missing_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     if not hmac.compare_digest(given.encode(), expected.encode()):
         raise OpenAIError(403, "Wrong admin token.", "permission_error", "wrong_token")
 

@@ -45,9 +45,17 @@ log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 # What a browser page may read of an answer besides the simple headers: when to retry, where it was routed.
 _EXPOSED = [
-    "retry-after", INSTANCE_HEADER, POLICY_HEADER, CACHED_BLOCKS_HEADER, PROMPT_BLOCKS_HEADER,
-    PREDICTED_TTFT_HEADER, WAIT_CAUSED_HEADER, ATTEMPTS_HEADER, PREFILL_INSTANCE_HEADER, "x-request-id",
-]  # fmt: skip
+    "retry-after",
+    INSTANCE_HEADER,
+    POLICY_HEADER,
+    CACHED_BLOCKS_HEADER,
+    PROMPT_BLOCKS_HEADER,
+    PREDICTED_TTFT_HEADER,
+    WAIT_CAUSED_HEADER,
+    ATTEMPTS_HEADER,
+    PREFILL_INSTANCE_HEADER,
+    "x-request-id",
+]
 
 
 class RouterApp(NamedTuple):
@@ -67,22 +75,30 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with runtime:
             app.state.proxy = Proxy(
-                fleet, lambda: runtime.table, runtime.decider, runtime.attempts, runtime.relay,
-                runtime.admission, metrics,
+                fleet,
+                lambda: runtime.table,
+                runtime.decider,
+                runtime.attempts,
+                runtime.relay,
+                runtime.admission,
+                metrics,
                 BodyLimits(
                     config.tokenization.max_body_bytes,
                     config.tokenization.thread_above_bytes,
                     config.limits.body_timeout_s,
                     config.limits.send_timeout_s,
                 ),
-            )  # fmt: skip
+            )
             reloader = app.state.reloader = Reloader(runtime, path)
             healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
             log.info(
                 "routing %s to %d instances (%d answering), default policy %s; the /admin API is %s",
-                ", ".join(fleet.models), len(fleet.instances), healthy, config.default_policy,
+                ", ".join(fleet.models),
+                len(fleet.instances),
+                healthy,
+                config.default_policy,
                 "on" if admin_token(config.admin) is not None else "off (no admin.token)",
-            )  # fmt: skip
+            )
             watch = asyncio.create_task(reloader.watch())
             try:
                 yield

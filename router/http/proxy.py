@@ -148,9 +148,14 @@ class Proxy:
                 debug[name] = value
         if content_type.startswith("text/event-stream"):
             return RelayResponse(
-                self._relay.stream(outcome, self._ended_here), lambda: self._ended_here(outcome),
-                upstream.status, debug, content_type, limits.send_timeout_s, lambda: self._stalled(outcome),
-            )  # fmt: skip
+                self._relay.stream(outcome, self._ended_here),
+                lambda: self._ended_here(outcome),
+                upstream.status,
+                debug,
+                content_type,
+                limits.send_timeout_s,
+                lambda: self._stalled(outcome),
+            )
         payload = outcome.first
         if outcome.prefill_cached_tokens is not None:
             payload = with_cached_tokens(payload, outcome.prefill_cached_tokens)
@@ -195,8 +200,9 @@ class Proxy:
     def _stalled(self, outcome: Outcome) -> None:
         log.warning(
             "a client took nothing of its stream from %s for %g s (limits.send_timeout_s): cut off",
-            outcome.instance.name, self._limits.send_timeout_s,
-        )  # fmt: skip
+            outcome.instance.name,
+            self._limits.send_timeout_s,
+        )
         self._metrics.client_errors("send_timeout").inc()
 
 
@@ -215,7 +221,6 @@ class _Answer(msgspec.Struct):
 
 
 _decode_answer = msgspec.json.Decoder(_Answer).decode
-
 
 
 def _shutting_down() -> OpenAIError:
@@ -239,6 +244,7 @@ def routing_headers(outcome: Outcome) -> dict[str, str]:
     if outcome.prefill_instance is not None:
         headers[PREFILL_INSTANCE_HEADER] = outcome.prefill_instance
     return headers
+
 
 def answer_usage(payload: bytes) -> _Usage | None:
     """A whole answer's usage, if it has one."""

@@ -16,9 +16,15 @@ class RelayResponse(StreamingResponse):
     the engine's request for as long as it likes."""
 
     def __init__(
-        self, relay: AsyncGenerator[bytes, None], finish: Callable[[], None], status: int,
-        headers: dict[str, str], media_type: str, send_timeout_s: float, stalled: Callable[[], None],
-    ) -> None:  # fmt: skip
+        self,
+        relay: AsyncGenerator[bytes, None],
+        finish: Callable[[], None],
+        status: int,
+        headers: dict[str, str],
+        media_type: str,
+        send_timeout_s: float,
+        stalled: Callable[[], None],
+    ) -> None:
         super().__init__(relay, status, headers=headers, media_type=media_type)
         self._relay, self._finish = relay, finish
         self._send_timeout_s, self._stalled = send_timeout_s, stalled

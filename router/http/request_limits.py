@@ -30,9 +30,11 @@ def too_large(limit: int) -> OpenAIError:
 
 def unsupported_encoding(encoding: str) -> OpenAIError:
     return OpenAIError(
-        415, f"Unsupported Content-Encoding {encoding!r}; send the body uncompressed.",
-        "invalid_request_error", "unsupported_content_encoding",
-    )  # fmt: skip
+        415,
+        f"Unsupported Content-Encoding {encoding!r}; send the body uncompressed.",
+        "invalid_request_error",
+        "unsupported_content_encoding",
+    )
 
 
 def unsupported_media_type(content_type: str) -> OpenAIError:

@@ -187,9 +187,15 @@ class _Supervisor:
     def _start(self, slot: _Slot) -> None:
         others = [e for i, e in enumerate(self._endpoints) if i != slot.index]
         spec = _Spec(
-            str(self._path), self._host, self._port, self._endpoints[slot.index],
-            others, str(self._ready_dir), os.getpid(), logging.getLogger().getEffectiveLevel(),
-        )  # fmt: skip
+            str(self._path),
+            self._host,
+            self._port,
+            self._endpoints[slot.index],
+            others,
+            str(self._ready_dir),
+            os.getpid(),
+            logging.getLogger().getEffectiveLevel(),
+        )
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self._metrics_dir)}
         argv = [sys.executable, "-m", "router.http.workers", msgspec.json.encode(spec).decode()]
         slot.process = subprocess.Popen(argv, env=env)
@@ -207,15 +213,20 @@ class _Supervisor:
         ready.unlink(missing_ok=True)
         slot.startup_failures = 0 if served else slot.startup_failures + 1
         if slot.startup_failures >= MAX_STARTUP_FAILURES:
-            log.error("worker %d exited with %s before serving, %d times in a row: stopping", slot.index,
-                      code, slot.startup_failures)  # fmt: skip
+            log.error(
+                "worker %d exited with %s before serving, %d times in a row: stopping",
+                slot.index,
+                code,
+                slot.startup_failures,
+            )
             return False
         if now - slot.started > _SERVED_LONG_S:
             slot.backoff_s = _FIRST_BACKOFF_S
         delay, slot.backoff_s = slot.backoff_s, min(slot.backoff_s * 2, _MAX_BACKOFF_S)
         slot.restart_at = now + delay
-        log.warning("worker %d (pid %d) exited with %s; restarting it in %.1f s", slot.index, pid, code,
-                    delay)  # fmt: skip
+        log.warning(
+            "worker %d (pid %d) exited with %s; restarting it in %.1f s", slot.index, pid, code, delay
+        )
         return True
 
     def _announce(self) -> None:
@@ -224,8 +235,13 @@ class _Supervisor:
         pids = [slot.process.pid for slot in self._slots if slot.process is not None]
         if len(pids) == len(self._slots) and all((self._ready_dir / str(pid)).exists() for pid in pids):
             self._announced = True
-            log.info("%d workers serving on %s:%d, pids %s", len(pids), self._host, self._port,
-                     " ".join(map(str, pids)))  # fmt: skip
+            log.info(
+                "%d workers serving on %s:%d, pids %s",
+                len(pids),
+                self._host,
+                self._port,
+                " ".join(map(str, pids)),
+            )
 
     def _signal_all(self, signum: int) -> None:
         for slot in self._slots:

@@ -59,8 +59,12 @@ class Tier(IntEnum):
 
 # vLLM's own tiers are upper case; the MooncakeStoreConnector announces what it wrote to the pool as "cpu".
 DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
-    None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.CPU, "cpu": Tier.POOL,
-}  # fmt: skip
+    None: Tier.GPU,
+    "GPU": Tier.GPU,
+    "CPU": Tier.CPU,
+    "STORAGE": Tier.CPU,
+    "cpu": Tier.POOL,
+}
 
 
 # What vLLM's GPU block pool announces under: its events carry every block's extra keys (an adapter's name, a
@@ -228,10 +232,12 @@ class BlockIndex:
         if self._groups.anchored(state.bit):
             return True
         if any(
-            isinstance(e, BlockStored) and e.kv_cache_spec_kind not in CONSTRAINING_KINDS
-            and e.kv_cache_spec_kind is not None and e.medium in _GPU_MEDIA
+            isinstance(e, BlockStored)
+            and e.kv_cache_spec_kind not in CONSTRAINING_KINDS
+            and e.kv_cache_spec_kind is not None
+            and e.medium in _GPU_MEDIA
             for e in events
-        ):  # fmt: skip
+        ):
             self._groups.anchor(state.bit)
             return True
         return False
@@ -582,9 +588,14 @@ class BlockIndex:
         return gpu, cpu, self._held(chain, self._holders[Tier.POOL]) if include_pool else None
 
     def _matched(
-        self, chain: Sequence[int], gpu: _Masks, cpu: _Masks, held: _Masks, reusable: int | None,
+        self,
+        chain: Sequence[int],
+        gpu: _Masks,
+        cpu: _Masks,
+        held: _Masks,
+        reusable: int | None,
         cuts: dict[tuple[int, int], int],
-    ) -> dict[str, TierMatch]:  # fmt: skip
+    ) -> dict[str, TierMatch]:
         """The matches of held, each block's holders over the tiers counted. All in C: the running AND of held
         (owners holding every block so far) never grows, so where an owner's bit leaves it is a bisection.
         A hybrid model's owner's match is then cut to what its other KV cache groups allow (cuts: those

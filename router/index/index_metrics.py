@@ -26,8 +26,9 @@ class IndexCollector:
                 key = (instance, tier.name.lower())
                 blocks[key] = blocks.get(key, 0) + size
         family = GaugeMetricFamily(
-            "kvroute_index_blocks", "Blocks the index holds by instance and tier",
-            labels=["vllm_instance", "tier"]
+            "kvroute_index_blocks",
+            "Blocks the index holds by instance and tier",
+            labels=["vllm_instance", "tier"],
         )
         for labels, size in sorted(blocks.items()):
             family.add_metric(list(labels), size)

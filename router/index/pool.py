@@ -63,8 +63,10 @@ def place_instances(index: BlockIndex, config: RouterConfig) -> None:
             log.warning(
                 "instance %s serves models of pool names %s; its pool credit assumes %s (list its models, "
                 "or give aliases one pool_name)",
-                instance.name, ", ".join(sorted(served)), name,
-            )  # fmt: skip
+                instance.name,
+                ", ".join(sorted(served)),
+                name,
+            )
         index.set_pool_name(instance.name, name)
         if instance.name in members:
             index.join_pool(instance.name)

@@ -253,8 +253,12 @@ class KVEventSubscriber:
             log.error(
                 "%s publishes KV blocks of %d tokens but block_size is %d: the index cannot hold them, so "
                 "routing ignores what %s has cached; set block_size: %d (the engines' --block-size)",
-                self.instance, size, self._block_size, self.instance, size,
-            )  # fmt: skip
+                self.instance,
+                size,
+                self._block_size,
+                self.instance,
+                size,
+            )
 
     def _restart(self, rank: int) -> None:
         """rank's events come from a new engine process: its predecessor's blocks are gone."""

@@ -22,9 +22,14 @@ class Subscriptions:
             if instance.events is None:
                 continue
             subscriber = KVEventSubscriber(
-                instance.name, instance.events, instance.replay, self._index, self._metrics, self._context,
+                instance.name,
+                instance.events,
+                instance.replay,
+                self._index,
+                self._metrics,
+                self._context,
                 block_size=self._index.block_size,
-            )  # fmt: skip
+            )
             self._running[instance.name] = subscriber, asyncio.create_task(subscriber.run())
 
     def unsubscribe(self, name: str) -> None:

@@ -31,16 +31,38 @@ class InvalidPrompt(ValueError):
     """The request's messages or prompt cannot be tokenized; the message says why."""
 
 
-_TEXT_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "thinking": "thinking",
-                "refusal": "refusal"}  # fmt: skip
+_TEXT_FIELDS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "thinking": "thinking",
+    "refusal": "refusal",
+}
 _BILLING_HEADER = "x-anthropic-billing-header"
 _FUNCTION_OPTIONAL = ("strict", "defer_loading")
 # The fields vLLM's content part types declare; a text part's other fields reach the template with it.
-_PART_FIELDS = frozenset({
-    "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url",
-    "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid",
-    "video_embeds", "video_url",
-})  # fmt: skip
+_PART_FIELDS = frozenset(
+    {
+        "audio_embeds",
+        "audio_url",
+        "closed",
+        "data",
+        "file",
+        "image_embeds",
+        "image_pil",
+        "image_url",
+        "input_audio",
+        "name",
+        "prompt_cache_breakpoint",
+        "refusal",
+        "text",
+        "thinking",
+        "type",
+        "uuid",
+        "video_embeds",
+        "video_url",
+    }
+)
 
 
 def engine_conversation(messages: Sequence[Any], template: str | None) -> list[dict[str, Any]]:
@@ -186,8 +208,11 @@ def _tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
         ):
             raise InvalidPrompt(f"messages[{index}].tool_calls: only function calls with an id are supported")
         laid_out = {"arguments": _arguments(function["arguments"]), "name": function["name"]}
-        calls.append(_fields_first({"id": call["id"], "function": _fields_first(laid_out, function),
-                                    "type": "function"}, call))  # fmt: skip
+        calls.append(
+            _fields_first(
+                {"id": call["id"], "function": _fields_first(laid_out, function), "type": "function"}, call
+            )
+        )
     return calls
 
 

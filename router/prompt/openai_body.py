@@ -15,6 +15,7 @@ from router.errors import bad_request
 
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"  # vLLM: the engine of a data parallel server to use
 
+
 class ChatRequest(msgspec.Struct):
     messages: list[Any]
     model: str = ""  # none: the only model served (vLLM's server takes its own); see decode_body
@@ -43,8 +44,11 @@ class ChatRequest(msgspec.Struct):
     def engine_template_inputs(self) -> dict[str, Any]:
         """What, beside the messages and flags, an instance's /tokenize needs to render this chat as the chat
         endpoint will."""
-        inputs = {"tools": self.tools, "chat_template": self.chat_template,
-                  "chat_template_kwargs": self.template_kwargs()}  # fmt: skip
+        inputs = {
+            "tools": self.tools,
+            "chat_template": self.chat_template,
+            "chat_template_kwargs": self.template_kwargs(),
+        }
         return {key: value for key, value in inputs.items() if value is not None}
 
 
@@ -144,8 +148,9 @@ def _check_tool_call_arguments(messages: list[Any]) -> None:
             ):
                 raise bad_request(
                     f"A tool call's arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels.",
-                    "invalid_tool_call_arguments", "messages",
-                )  # fmt: skip
+                    "invalid_tool_call_arguments",
+                    "messages",
+                )
 
 
 def nesting_depth(text: str) -> int:

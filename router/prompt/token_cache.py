@@ -45,14 +45,40 @@ from router.prompt.tokenization import PromptTokenizer, completion_text_or_ids
 log = logging.getLogger(__name__)
 
 # Kinds that transform each piece on its own, whatever precedes it in the text (tokenizers 0.19 - 0.23).
-_PIECEWISE_NORMALIZERS = frozenset({
-    "BertNormalizer", "ByteLevel", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "Nmt", "Precompiled",
-    "Prepend", "Replace", "Sequence", "Strip", "StripAccents",
-})  # fmt: skip
-_PIECEWISE_PRE_TOKENIZERS = frozenset({
-    "BertPreTokenizer", "ByteLevel", "CharDelimiterSplit", "Digits", "FixedLength", "Metaspace",
-    "Punctuation", "Sequence", "Split", "UnicodeScripts", "Whitespace", "WhitespaceSplit",
-})  # fmt: skip
+_PIECEWISE_NORMALIZERS = frozenset(
+    {
+        "BertNormalizer",
+        "ByteLevel",
+        "Lowercase",
+        "NFC",
+        "NFD",
+        "NFKC",
+        "NFKD",
+        "Nmt",
+        "Precompiled",
+        "Prepend",
+        "Replace",
+        "Sequence",
+        "Strip",
+        "StripAccents",
+    }
+)
+_PIECEWISE_PRE_TOKENIZERS = frozenset(
+    {
+        "BertPreTokenizer",
+        "ByteLevel",
+        "CharDelimiterSplit",
+        "Digits",
+        "FixedLength",
+        "Metaspace",
+        "Punctuation",
+        "Sequence",
+        "Split",
+        "UnicodeScripts",
+        "Whitespace",
+        "WhitespaceSplit",
+    }
+)
 _PROBE_LEFT = ("", "a b", "\n")
 _PROBE_RIGHT = ("", "x", " x", "  x", "\n", "\n\n y", "é🙂", "<|user|>\n")
 
@@ -308,14 +334,16 @@ class RemoteTokenizer:
         template_inputs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """template_inputs: tools, chat_template, chat_template_kwargs, rendered by the engine itself."""
-        return await self._tokenize({
-            "model": self.model,
-            "messages": list(messages),
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-            "add_special_tokens": add_special_tokens,
-            **(template_inputs or {}),
-        })  # fmt: skip
+        return await self._tokenize(
+            {
+                "model": self.model,
+                "messages": list(messages),
+                "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message,
+                "add_special_tokens": add_special_tokens,
+                **(template_inputs or {}),
+            }
+        )
 
     async def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """Token ids are the engine's prompt as they are; vLLM's /tokenize takes text only."""

@@ -90,14 +90,20 @@ class TokenizationAudit:
         self._metrics.tokenization_audits(model, kind, "mismatch").inc()
         if key not in self._distrusted:
             self._distrusted.add(key)
-            differ = next((i for i, (a, b) in enumerate(zip(ids, engine_ids, strict=False)) if a != b),
-                          min(len(ids), len(engine_ids)))  # fmt: skip
+            differ = next(
+                (i for i, (a, b) in enumerate(zip(ids, engine_ids, strict=False)) if a != b),
+                min(len(ids), len(engine_ids)),
+            )
             log.warning(
                 "%s: a chat (%s) rendered here gave %d ids, the engine %d, first different at %d; from now "
                 "on the engine tokenizes this model's %s",
-                model, kind, len(ids), len(engine_ids), differ,
+                model,
+                kind,
+                len(ids),
+                len(engine_ids),
+                differ,
                 "chats" if kind == "plain" else "chats with tools or chat_template_kwargs",
-            )  # fmt: skip
+            )
 
     def close(self) -> None:
         for check in self._checks:

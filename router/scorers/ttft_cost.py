@@ -41,20 +41,21 @@ from router.types import RoutingRequest
 
 
 class TTFTCostParams(Params):
-    resolution_s: float = Field(
-        default=0.05, ge=0, description="TTFT differences well below it are noise"
-    )
+    resolution_s: float = Field(default=0.05, ge=0, description="TTFT differences well below it are noise")
     in_flight_exponent: float = Field(
         default=0.0, ge=0, le=4, description="costs x (requests in flight + 1) to this power"
     )
     wait_caused: float = Field(
-        default=0.0, ge=0, le=16,
+        default=0.0,
+        ge=0,
+        le=16,
         description="x the wait the request causes the requests arriving behind it (0: left out)",
-    )  # fmt: skip
+    )
     wait_caused_cap: float = Field(
-        default=0.5, ge=0,
+        default=0.5,
+        ge=0,
         description="the wait caused is charged at most this times the request's own predicted TTFT",
-    )  # fmt: skip
+    )
     arrivals_half_life_s: float = Field(
         default=10.0, gt=0, description="the measured arrival rate forgets at this half-life"
     )
@@ -108,8 +109,7 @@ class TTFTCostScorer:
             return []
         if self._exponent:
             costs = [
-                cost * (c.in_flight + 1) ** self._exponent
-                for cost, c in zip(costs, candidates, strict=True)
+                cost * (c.in_flight + 1) ** self._exponent for cost, c in zip(costs, candidates, strict=True)
             ]
         lowest = min(costs)
         return [min(1.0, lowest / cost) if cost > 0 else 1.0 for cost in costs]

@@ -31,9 +31,11 @@ class Registration(Generic[T]):
     randomized: bool = False  # the factory then takes a random.Random or None (pickers' ties)
 
     def build(
-        self, raw_params: dict[str, Any], clock: Callable[[], float] = time.monotonic,
+        self,
+        raw_params: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-    ) -> T:  # fmt: skip
+    ) -> T:
         params = self.params.model_validate(raw_params)
         extra: list[Any] = [clock] if self.clocked else []
         if self.randomized:

@@ -18,9 +18,12 @@ from router.types import RoutingRequest
 
 class Policy:
     def __init__(
-        self, name: str, config: PolicyConfig, clock: Callable[[], float] = time.monotonic,
+        self,
+        name: str,
+        config: PolicyConfig,
+        clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """clock: what scorers whose state expires (session affinity) read the time from; rng: what the
         picker breaks ties with (a seeded one makes a simulation repeat exactly)."""
         self.name, self.config = name, config

@@ -85,17 +85,25 @@ class TTFTPriors(Params):
     memory: float = Field(default=50.0, ge=1, description="observations that weigh in, about")
     prior_weight: float = Field(default=1.0, gt=0, description="the priors count as this many observations")
     fleet_weight: float = Field(
-        default=16.0, ge=0,
+        default=16.0,
+        ge=0,
         description="in each instance's calibration, its fleet's rates count as this many observations (0: "
         "each instance on its own, from the priors)",
-    )  # fmt: skip
+    )
 
     def rates(self) -> np.ndarray:
-        return np.array([
-            self.overhead_s, self.queue_s_per_token, self.prefill_s_per_token, self.load_s_per_token,
-            self.memory_wait_factor, self.decode_s_per_token, self.attention_s_per_pair,
-            self.transfer_s_per_token,
-        ])  # fmt: skip
+        return np.array(
+            [
+                self.overhead_s,
+                self.queue_s_per_token,
+                self.prefill_s_per_token,
+                self.load_s_per_token,
+                self.memory_wait_factor,
+                self.decode_s_per_token,
+                self.attention_s_per_pair,
+                self.transfer_s_per_token,
+            ]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +117,18 @@ class TTFTFeatures:
     transferred_tokens: int = 0  # fetched from a prefill instance (a decode leg)
 
     def vector(self) -> np.ndarray:
-        return np.array([
-            1.0, self.queued_tokens, self.uncached_tokens, self.loaded_tokens, self.memory_wait_s,
-            self.decoded_tokens, self.attention_pairs, self.transferred_tokens,
-        ])  # fmt: skip
+        return np.array(
+            [
+                1.0,
+                self.queued_tokens,
+                self.uncached_tokens,
+                self.loaded_tokens,
+                self.memory_wait_s,
+                self.decoded_tokens,
+                self.attention_pairs,
+                self.transferred_tokens,
+            ]
+        )
 
 
 class TTFTModel:

@@ -91,9 +91,12 @@ class Instance:
         self.own_pending_prefill_tokens += uncached_tokens
 
     def end(
-        self, prompt_tokens: int, still_prefilling_tokens: int = 0, admitted: bool = True,
+        self,
+        prompt_tokens: int,
+        still_prefilling_tokens: int = 0,
+        admitted: bool = True,
         chain: Sequence[int] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A request sent here is over: answered or failed (admitted: the engine held its context), or
         refused or never delivered."""
         self.own_in_flight -= 1
@@ -175,7 +178,8 @@ class Upstreams:
             if instance is None:
                 previous = previous_by_name.get(spec.name)
                 if previous is not None and (previous.url, previous.data_parallel_rank) == (
-                    spec.url, spec.data_parallel_rank
+                    spec.url,
+                    spec.data_parallel_rank,
                 ):
                     previous.models = frozenset(config.models_of(spec))
                     previous.headers = request_headers(spec, config)
@@ -210,9 +214,10 @@ class Upstreams:
         When every healthy one's breaker is open the breakers step aside (as Envoy's panic mode): a client
         whose requests make every engine fail must not black out the model for everyone."""
         healthy = [
-            i for i in self._by_model.get(model, ())
+            i
+            for i in self._by_model.get(model, ())
             if i.healthy and i.name not in exclude and i.role != _OTHER_LEG[leg]
-        ]  # fmt: skip
+        ]
         return [i for i in healthy if i.breaker.allows()] or healthy
 
     def only_model(self) -> str | None:

@@ -135,7 +135,12 @@ def service_monitor_errors(monitors: list[Manifest]) -> list[list[str]]:
     script = (Path(__file__).parent / "servicemonitor_schema.mjs").read_text()
     done = subprocess.run(
         ["node", "--input-type=module", "--eval", script],
-        input=json.dumps(monitors), capture_output=True, text=True, cwd=TOOLS, timeout=60, check=True,
-    )  # fmt: skip
+        input=json.dumps(monitors),
+        capture_output=True,
+        text=True,
+        cwd=TOOLS,
+        timeout=60,
+        check=True,
+    )
     errors: list[list[str]] = json.loads(done.stdout)
     return errors

@@ -34,9 +34,18 @@ from tests.deploy.chart import (
 
 CASE_IDS = [case.id for case in CASES]
 DISCOVERY_KEYS = {
-    "source", "namespace", "kubeconfig", "selector", "service", "inferencepool", "ports", "models", "role_label",
-    "data_parallel_size", "peers_selector",
-}  # fmt: skip
+    "source",
+    "namespace",
+    "kubeconfig",
+    "selector",
+    "service",
+    "inferencepool",
+    "ports",
+    "models",
+    "role_label",
+    "data_parallel_size",
+    "peers_selector",
+}
 ROUTER_HAS_DISCOVERY = "discovery" in RouterConfig.model_fields
 WATCH = ["get", "list", "watch"]
 PODS_RULE = {"apiGroups": [""], "resources": ["pods"], "verbs": WATCH}

@@ -32,9 +32,23 @@ pytestmark = pytest.mark.image
 IMAGE = os.environ.get("KVROUTE_IMAGE", "localhost/kvroute:dev")
 # What the chart's securityContext asks for (deploy/helm/kvroute/values.yaml), and the host's network.
 RUN = [
-    "podman", "run", "--runtime", "runc", "--rm", "--network", "host", "--read-only", "--tmpfs", "/tmp",
-    "--user", "10001:10001", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-]  # fmt: skip
+    "podman",
+    "run",
+    "--runtime",
+    "runc",
+    "--rm",
+    "--network",
+    "host",
+    "--read-only",
+    "--tmpfs",
+    "/tmp",
+    "--user",
+    "10001:10001",
+    "--cap-drop",
+    "ALL",
+    "--security-opt",
+    "no-new-privileges",
+]
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +160,16 @@ def test_serve_answers_health_and_a_chat_through_the_fleet(served: str) -> None:
 def test_epp_answers_the_chart_s_grpc_probes(image: str, fleet: FleetPorts, tmp_path: Path) -> None:
     grpc_port = free_port_block(2)
     args = [
-        "epp", "--config", "/etc/kvroute/config.yaml", "--host", "127.0.0.1",
-        "--port", str(grpc_port), "--metrics-port", str(grpc_port + 1),
-    ]  # fmt: skip
+        "epp",
+        "--config",
+        "/etc/kvroute/config.yaml",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(grpc_port),
+        "--metrics-port",
+        str(grpc_port + 1),
+    ]
     directory = config_dir(tmp_path, fleet.router_config())
     ready_url = f"http://127.0.0.1:{grpc_port + 1}/health"
     with (

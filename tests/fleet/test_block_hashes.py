@@ -57,7 +57,10 @@ def test_every_block_a_real_vllm_stored_hashes_alike(capture: str, as_int: bool)
 
 def test_a_cache_salt_keys_the_first_block_as_vllm_does() -> None:
     capture: dict[str, Any] = json.loads((FIXTURES / "lora_capture.json").read_text())
-    hasher, pool = BlockHasher(capture["env"]["PYTHONHASHSEED"]), BlockPool(2, 32)  # 64-bit hashes on the wire
+    hasher, pool = (
+        BlockHasher(capture["env"]["PYTHONHASHSEED"]),
+        BlockPool(2, 32),
+    )  # 64-bit hashes on the wire
     by_name = {request["name"]: request for request in capture["requests"]}
     salted, plain = by_name["base-salted"], by_name["base"]
     assert salted["cache_salt"] and salted["model"] == plain["model"] == capture["base_model"]
@@ -67,7 +70,10 @@ def test_a_cache_salt_keys_the_first_block_as_vllm_does() -> None:
         ours = hasher.chain(tokens, capture["block_size"], salt=entry["cache_salt"])
         announced = [h for event in events for h in event.block_hashes]
         assert announced and [pool.wire_hash(h) for h in ours[: len(announced)]] == announced
-    assert hasher.chain(plain["prompt_token_ids"], 32)[0] != hasher.chain(salted["prompt_token_ids"], 32, salt="x")[0]
+    assert (
+        hasher.chain(plain["prompt_token_ids"], 32)[0]
+        != hasher.chain(salted["prompt_token_ids"], 32, salt="x")[0]
+    )
 
 
 def test_the_fleet_announces_blocks_hashed_with_the_algorithm_and_seed_it_is_given(tmp_path: Path) -> None:

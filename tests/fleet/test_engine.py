@@ -19,8 +19,11 @@ T = TypeVar("T")
 BS = 16
 
 
-def run(scenario: Callable[[Engine, list[float], list[KVEvent]], Awaitable[T]], blocks: int = 64,
-        timing: EngineTiming | None = None) -> T:  # fmt: skip
+def run(
+    scenario: Callable[[Engine, list[float], list[KVEvent]], Awaitable[T]],
+    blocks: int = 64,
+    timing: EngineTiming | None = None,
+) -> T:
     async def main() -> T:
         slept: list[float] = []
 
@@ -86,11 +89,16 @@ def test_an_adapters_blocks_are_its_own_and_announced_as_vllm_announces_them(sal
     assert adapter_events and {e.lora_id for e in adapter_events} == {1}
     first = adapter_events[0]
     assert first.parent_block_hash is None
-    assert first.extra_keys == [("sql", salt) if salt else ("sql",), *[("sql",)] * (len(first.block_hashes) - 1)]
+    assert first.extra_keys == [
+        ("sql", salt) if salt else ("sql",),
+        *[("sql",)] * (len(first.block_hashes) - 1),
+    ]
     index = BlockIndex(BS)
     index.apply(("e", 0), events)
     hashed = block_hashing.ChainCache(BS)
-    assert index.match(hashed.chain(list(range(64)), block_hashing.prompt_key(salt, "sql"))) == {"e": TierMatch(4)}
+    assert index.match(hashed.chain(list(range(64)), block_hashing.prompt_key(salt, "sql"))) == {
+        "e": TierMatch(4)
+    }
     assert index.match(hashed.chain(list(range(64)), block_hashing.prompt_key(salt))) == {"e": TierMatch(4)}
     assert index.match(block_hashing.chain(list(range(64)), BS, block_hashing.root_for("sql"))) == {}
 

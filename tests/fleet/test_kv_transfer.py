@@ -26,8 +26,13 @@ DECODE = TransferSide("d0", "http://127.0.0.1:8999", "127.0.0.1", 8102, "decode"
 
 
 def _mooncake_decode_params(transfer_id: str, side: TransferSide = PREFILL) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-            "remote_engine_id": side.engine_id, "remote_bootstrap_addr": side.bootstrap_url}  # fmt: skip
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_engine_id": side.engine_id,
+        "remote_bootstrap_addr": side.bootstrap_url,
+    }
 
 
 def _fetch(transfers: KVTransfers, params: dict[str, Any], prompt: list[int] = PROMPT) -> bool:
@@ -79,7 +84,11 @@ def test_nixl_prefill_answer_carries_what_the_decode_leg_sends_back() -> None:
     params = transfers.keep(PREFILL, {"do_remote_decode": True}, PROMPT)
     assert params is not None
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == ("p0", "127.0.0.1", 8101)
+    assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == (
+        "p0",
+        "127.0.0.1",
+        8101,
+    )
     assert {"remote_block_ids", "remote_request_id", "tp_size"} <= params.keys()
     assert _fetch(transfers, params)
     assert not _fetch(transfers, params)
@@ -102,7 +111,9 @@ def test_kv_of_a_stopped_instance_or_kept_too_long_cannot_be_fetched() -> None:
 
 def test_fleet_options_name_each_instances_transfer_side(tmp_path: Path) -> None:
     options = FleetOptions(tmp_path, instances=2, port=9100, bootstrap_port=9200, roles=("prefill", "decode"))
-    assert options.transfer_side(1) == TransferSide("fleet-1", "http://127.0.0.1:9201", "127.0.0.1", 9101, "decode")
+    assert options.transfer_side(1) == TransferSide(
+        "fleet-1", "http://127.0.0.1:9201", "127.0.0.1", 9101, "decode"
+    )
 
 
 def test_a_decode_leg_whose_kv_is_gone_is_computed_not_hung(tokenizer: PromptTokenizer) -> None:
@@ -112,14 +123,27 @@ def test_a_decode_leg_whose_kv_is_gone_is_computed_not_hung(tokenizer: PromptTok
     async def run() -> tuple[int, dict[str, Any], Engine]:
         transfers = KVTransfers("mooncake")
         engine = Engine(BlockPool(256, 32, True), EngineTiming(prefill_tokens_per_s=1e6), BlockHasher("0"))
-        instance = SimInstance("d0", "tiny-llama", [engine], tokenizer, printable_token_ids(tokenizer), 4096, 0,
-                               transfer=DECODE, transfers=transfers)  # fmt: skip
+        instance = SimInstance(
+            "d0",
+            "tiny-llama",
+            [engine],
+            tokenizer,
+            printable_token_ids(tokenizer),
+            4096,
+            0,
+            transfer=DECODE,
+            transfers=transfers,
+        )
         task = asyncio.create_task(engine.run())
         port = free_port_block(1)
         try:
             async with serve(instance, "127.0.0.1", port), aiohttp.ClientSession() as session:
-                body = {"model": "tiny-llama", "prompt": "hello " * 200, "max_tokens": 2,
-                        "kv_transfer_params": _mooncake_decode_params("never-kept")}  # fmt: skip
+                body = {
+                    "model": "tiny-llama",
+                    "prompt": "hello " * 200,
+                    "max_tokens": 2,
+                    "kv_transfer_params": _mooncake_decode_params("never-kept"),
+                }
                 async with asyncio.timeout(10):
                     response = await session.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
                     return response.status, await response.json(), engine
@@ -129,7 +153,11 @@ def test_a_decode_leg_whose_kv_is_gone_is_computed_not_hung(tokenizer: PromptTok
     status, answer, engine = asyncio.run(run())
     assert status == 200
     prompt = answer["usage"]["prompt_tokens"]
-    assert engine.stats.prompt_tokens_by_source == {"local_compute": prompt, "local_cache_hit": 0, "external_kv_transfer": 0}
+    assert engine.stats.prompt_tokens_by_source == {
+        "local_compute": prompt,
+        "local_cache_hit": 0,
+        "external_kv_transfer": 0,
+    }
     # As vLLM counts a load that fails (tests/fixtures/vllm/pd_capture.json): a hit when planned, and the
     # prompt, holding nothing valid, looked up again.
     stats = engine.stats

@@ -28,19 +28,26 @@ from fleet.kv_transfer import ABORT_TIMEOUT_ENV
 from kvroute.processes import FleetPorts, running_fleet
 from tests.fleet.layout import key_paths, sse_chunks
 
-CAPTURE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "pd_capture.json").read_text())
+CAPTURE = json.loads(
+    (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "pd_capture.json").read_text()
+)
 RECORDS = {r["name"]: r for r in CAPTURE["requests"]}
 ABORT_S = 2.0  # the fleet's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: the capture's prefiller's, scaled down
 SCALE = ABORT_S / CAPTURE["abort_timeout_s"]
 # The counters the fleet keeps, summed over engines; the source or finished reason in braces. Not {abort}:
 # vLLM 0.32 does not count a request whose client left (unknown_transfer.bounded); the fleet does.
 COUNTERS = (
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
-    "vllm:prompt_tokens_by_source_total{local_compute}", "vllm:prompt_tokens_by_source_total{local_cache_hit}",
-    "vllm:prompt_tokens_by_source_total{external_kv_transfer}", "vllm:request_success_total{length}",
-)  # fmt: skip
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:prompt_tokens_by_source_total{local_compute}",
+    "vllm:prompt_tokens_by_source_total{local_cache_hit}",
+    "vllm:prompt_tokens_by_source_total{external_kv_transfer}",
+    "vllm:request_success_total{length}",
+)
 
 
 @dataclass
@@ -56,10 +63,23 @@ def fleet_args() -> list[str]:
     prefill = CAPTURE["instances"][0]
     assert (prefill["name"], prefill["role"]) == ("vllm-0", "prefill")
     return [
-        "--name-prefix", "vllm-", "--roles", "prefill,decode", "--kv-connector", "mooncake",
-        "--bootstrap-port", prefill["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"],
-        "--block-size", "32", "--max-model-len", "4096", "--prefill-tps", "1000000", "--decode-tps", "5000",
-    ]  # fmt: skip
+        "--name-prefix",
+        "vllm-",
+        "--roles",
+        "prefill,decode",
+        "--kv-connector",
+        "mooncake",
+        "--bootstrap-port",
+        prefill["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"],
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "4096",
+        "--prefill-tps",
+        "1000000",
+        "--decode-tps",
+        "5000",
+    ]
 
 
 def post(url: str, body: Any, timeout_s: float) -> tuple[int | None, str, str]:
@@ -99,7 +119,9 @@ def replayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rep
             before = {instance: counters(base) for instance, base in bases.items()}
             timeout_s = record["seconds"] * SCALE if record.get("timed_out") else 60.0
             started = time.monotonic()
-            status, content_type, text = post(bases[record["instance"]] + record["path"], record["request"], timeout_s)
+            status, content_type, text = post(
+                bases[record["instance"]] + record["path"], record["request"], timeout_s
+            )
             seconds = time.monotonic() - started
             after = {instance: counters(base) for instance, base in bases.items()}
             increase = {i: {k: after[i][k] - before[i][k] for k in COUNTERS} for i in bases}
@@ -108,7 +130,9 @@ def replayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rep
 
 
 def test_the_capture_disaggregates_every_leg_as_kvroute_sends_it() -> None:
-    legs = [(r["name"].rsplit(".", 1)[-1], r["request"].get("kv_transfer_params")) for r in CAPTURE["requests"]]
+    legs = [
+        (r["name"].rsplit(".", 1)[-1], r["request"].get("kv_transfer_params")) for r in CAPTURE["requests"]
+    ]
     prefill_legs = [params for leg, params in legs if leg == "prefill"]
     assert len(prefill_legs) == 5
     assert all(set(p) == {"do_remote_decode", "do_remote_prefill", "transfer_id"} for p in prefill_legs)
@@ -116,18 +140,24 @@ def test_the_capture_disaggregates_every_leg_as_kvroute_sends_it() -> None:
         params = record["request"]["kv_transfer_params"]
         assert record["request"]["max_tokens"] == (1 if record["leg"] == "prefill" else 8)
         if record["leg"] == "decode":
-            assert params["remote_engine_id"] == "vllm-0" and params["remote_bootstrap_addr"].startswith("http://")
+            assert params["remote_engine_id"] == "vllm-0" and params["remote_bootstrap_addr"].startswith(
+                "http://"
+            )
 
 
 @pytest.mark.parametrize("name", RECORDS)
-def test_every_leg_answers_with_vllms_status_and_content_type(replayed: dict[str, Replayed], name: str) -> None:
+def test_every_leg_answers_with_vllms_status_and_content_type(
+    replayed: dict[str, Replayed], name: str
+) -> None:
     record, ours = RECORDS[name], replayed[name]
     assert ours.status == record["status"]
     assert ours.content_type.split(";")[0] == record.get("content_type", "").split(";")[0]
 
 
 @pytest.mark.parametrize("name", [name for name, record in RECORDS.items() if "response" in record])
-def test_whole_answers_have_vllms_layout_usage_and_transfer_params(replayed: dict[str, Replayed], name: str) -> None:
+def test_whole_answers_have_vllms_layout_usage_and_transfer_params(
+    replayed: dict[str, Replayed], name: str
+) -> None:
     real, ours = RECORDS[name]["response"], json.loads(replayed[name].text)
     assert key_paths(ours) == key_paths(real)
     # Both legs count the whole prompt; the prefill leg's one token; no prompt_tokens_details (vLLM's
@@ -164,4 +194,7 @@ def test_a_decode_leg_naming_a_transfer_nobody_prefilled_waits_for_the_abort_tim
     assert replayed["unknown_transfer.bounded"].status is None
     assert ABORT_S <= replayed["unknown_transfer.waited"].seconds < ABORT_S + 5
     decoder = replayed["unknown_transfer.waited"].increase["vllm-1"]
-    assert decoder["vllm:prompt_tokens_by_source_total{local_compute}"] == waited["response"]["usage"]["prompt_tokens"]
+    assert (
+        decoder["vllm:prompt_tokens_by_source_total{local_compute}"]
+        == waited["response"]["usage"]["prompt_tokens"]
+    )

@@ -25,8 +25,17 @@ CAPTURE = json.loads(
     ).read_text()
 )
 RECORDED = {r["name"]: r for r in CAPTURE["requests"]}
-ENGINE_ARGS = ["--block-size", str(CAPTURE["block_size"]), "--max-model-len", "4096",
-               "--prefill-tps", "1000000", "--decode-tps", "5000", "--enable-prompt-tokens-details"]  # fmt: skip
+ENGINE_ARGS = [
+    "--block-size",
+    str(CAPTURE["block_size"]),
+    "--max-model-len",
+    "4096",
+    "--prefill-tps",
+    "1000000",
+    "--decode-tps",
+    "5000",
+    "--enable-prompt-tokens-details",
+]
 
 
 def _completion_tokens(recorded: dict[str, Any]) -> int:

@@ -21,21 +21,49 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 # GenerateRequest.model_dump() from vLLM 0.32's own classes for these requests (request_id and token_ids
 # aside): the greedy chat one, and a streamed completion of token ids without max_tokens.
 VLLM_CHAT_GREEDY = {
-    "token_offsets": None, "features": None, "content_parts": None,
+    "token_offsets": None,
+    "features": None,
+    "content_parts": None,
     "sampling_params": {
-        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 0.0,
-        "seed": 3, "stop": [], "stop_token_ids": [], "max_tokens": 4, "output_kind": 2, "skip_clone": True,
-        "bad_words": [], "skip_reading_prefix_cache": False,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "temperature": 0.0,
+        "seed": 3,
+        "stop": [],
+        "stop_token_ids": [],
+        "max_tokens": 4,
+        "output_kind": 2,
+        "skip_clone": True,
+        "bad_words": [],
+        "skip_reading_prefix_cache": False,
     },
-    "model": MODEL, "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
-    "output_mode": "tokens", "stream": False, "stream_options": None, "cache_salt": None, "priority": 0,
-    "kv_transfer_params": None, "ec_transfer_params": None,
-}  # fmt: skip
+    "model": MODEL,
+    "reasoning_ended": None,
+    "reasoning_parser_kwargs": None,
+    "return_token_ids": None,
+    "output_mode": "tokens",
+    "stream": False,
+    "stream_options": None,
+    "cache_salt": None,
+    "priority": 0,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+}
 VLLM_COMPLETION_STREAM_SAMPLING = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
-    "top_p": 1.0, "min_p": 0.0, "stop": [], "stop_token_ids": [], "output_kind": 1, "skip_clone": True,
-    "bad_words": [], "skip_reading_prefix_cache": False,
-}  # fmt: skip
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "stop": [],
+    "stop_token_ids": [],
+    "output_kind": 1,
+    "skip_clone": True,
+    "bad_words": [],
+    "skip_reading_prefix_cache": False,
+}
 
 
 def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -68,7 +96,9 @@ def test_reasoning_effort_reaches_the_chat_endpoints_template_not_tokenizes(flee
     _, rendered = _post(base + "/v1/chat/completions/render", body)
     _, ignored = _post(base + "/tokenize", body)
     kwargs = {"reasoning_effort": "none", "enable_thinking": False}
-    _, as_kwargs = _post(base + "/tokenize", {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": kwargs})
+    _, as_kwargs = _post(
+        base + "/tokenize", {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": kwargs}
+    )
     _, plain = _post(base + "/tokenize", {"model": MODEL, "messages": MESSAGES})
     assert rendered["token_ids"] == as_kwargs["tokens"] != plain["tokens"] == ignored["tokens"]
 
@@ -126,8 +156,13 @@ def test_vllm_router_cache_aware_renders_every_request(fleet: FleetPorts, tmp_pa
             assert status == 200
         metrics = f"http://127.0.0.1:{port + 1}"
         renders = metric(metrics, "vllm_router_kv_routing_inputs_total", transport="http", result="render")
-        decisions = metric(metrics, "vllm_router_prefix_routing_decisions_total", policy="cache_aware",
-                           stage="regular", outcome="prefix_hit")  # fmt: skip
+        decisions = metric(
+            metrics,
+            "vllm_router_prefix_routing_decisions_total",
+            policy="cache_aware",
+            stage="regular",
+            outcome="prefix_hit",
+        )
     finally:
         child.stop()
     assert renders == 2 * fleet.count  # it renders each request on every instance

@@ -15,8 +15,12 @@ from tests.conftest import instance_url
 
 
 def _post(ports: FleetPorts, raw: bytes) -> tuple[int, Any]:
-    request = urllib.request.Request(instance_url(ports, 0) + "/v1/completions", data=raw, method="POST",
-                                     headers={"content-type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        instance_url(ports, 0) + "/v1/completions",
+        data=raw,
+        method="POST",
+        headers={"content-type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.load(response)
@@ -39,12 +43,18 @@ def test_a_body_after_a_byte_order_mark_is_read(fleet: FleetPorts) -> None:
     [
         ("", "Parameter 'cache_salt' must be a non-empty string if provided."),
         (7, "Parameter 'cache_salt' must be a non-empty string if provided."),
-        ("tenant/a", "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
-                     "'\\\\', or NUL."),
-        ("x" * 129, "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
-                    "'\\\\', or NUL."),
+        (
+            "tenant/a",
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+            "'\\\\', or NUL.",
+        ),
+        (
+            "x" * 129,
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+            "'\\\\', or NUL.",
+        ),
     ],
-)  # fmt: skip
+)
 def test_cache_salts_vllm_refuses_are_refused(fleet: FleetPorts, salt: object, message: str) -> None:
     raw = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "cache_salt": salt}).encode()
     status, body = _post(fleet, raw)
@@ -53,7 +63,7 @@ def test_cache_salts_vllm_refuses_are_refused(fleet: FleetPorts, salt: object, m
 
 
 def test_booleans_are_read_as_vllms_models_read_them(fleet: FleetPorts) -> None:
-    """"false" is False to pydantic, and to the router; read as a truthy string it would stream."""
+    """ "false" is False to pydantic, and to the router; read as a truthy string it would stream."""
     raw = b'{"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "stream": "false"}'
     status, body = _post(fleet, raw)
     assert (status, body["object"]) == (200, "text_completion")
@@ -86,5 +96,7 @@ def test_sampling_parameters_vllm_refuses_are_refused(
 
 @pytest.mark.parametrize("value", ["0.5", 1, True, None])
 def test_sampling_parameters_vllm_reads_as_numbers_are_taken(fleet: FleetPorts, value: object) -> None:
-    raw = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "temperature": value}).encode()
+    raw = json.dumps(
+        {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "temperature": value}
+    ).encode()
     assert _post(fleet, raw)[0] == 200

@@ -26,8 +26,18 @@ from router.index.events import BlockRemoved, BlockStored, EventDecoder, KVEvent
 from tests.fleet.layout import key_paths, sse_chunks
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
-ENGINE_ARGS = ["--block-size", "32", "--kv-blocks", "72", "--max-model-len", "2048",
-               "--prefill-tps", "1000000", "--decode-tps", "5000"]  # fmt: skip
+ENGINE_ARGS = [
+    "--block-size",
+    "32",
+    "--kv-blocks",
+    "72",
+    "--max-model-len",
+    "2048",
+    "--prefill-tps",
+    "1000000",
+    "--decode-tps",
+    "5000",
+]
 
 
 @dataclass
@@ -52,7 +62,9 @@ def _frames(path: Path) -> list[list[bytes]]:
 
 def _request(url: str, method: str, body: Any) -> tuple[int, str, bytes]:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.headers["content-type"], response.read()
@@ -206,7 +218,9 @@ def test_stream_chunks_have_vllms_keys(session: Session, name: str) -> None:
     assert session.responses[name].body.endswith(b"data: [DONE]\n\n")
 
 
-@pytest.mark.parametrize("name", ["tokenize_chat", "tokenize_chat_gen", "tokenize_completion", "reset_prefix_cache"])
+@pytest.mark.parametrize(
+    "name", ["tokenize_chat", "tokenize_chat_gen", "tokenize_completion", "reset_prefix_cache"]
+)
 def test_identical_bodies(session: Session, name: str) -> None:
     recorded = {r["name"]: r for r in session.capture["requests"]}[name]
     assert json.loads(session.responses[name].body) == recorded["response"]
@@ -239,11 +253,20 @@ def test_metrics_use_vllms_names_labels_and_prefix_counts(session: Session) -> N
         return found
 
     real, ours = samples(recorded["text"]), samples(session.responses["metrics"].body.decode())
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ):
         assert name in ours, name
     for name, our_samples in ours.items():
         assert name in real, name
         assert {tuple(sorted(s.labels)) for s in our_samples} == {tuple(sorted(s.labels)) for s in real[name]}
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"):
+    for name in (
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+    ):
         assert ours[name][0].value == real[name][0].value, name

@@ -33,10 +33,19 @@ def _options(
     config = tmp_path / "router.yaml"
     config.write_text(yaml.safe_dump(fleet.router_config()))
     return LiveOptions(
-        config=config, targets=targets, sessions=SESSIONS, turns=TURNS, concurrency=SESSIONS,
-        time_limit_s=120, request_timeout_s=120, max_tokens=4, system_prompt_words=200,
-        vllm_router=vllm_router, out=tmp_path / "live.json", log_dir=tmp_path / "logs",
-    )  # fmt: skip
+        config=config,
+        targets=targets,
+        sessions=SESSIONS,
+        turns=TURNS,
+        concurrency=SESSIONS,
+        time_limit_s=120,
+        request_timeout_s=120,
+        max_tokens=4,
+        system_prompt_words=200,
+        vllm_router=vllm_router,
+        out=tmp_path / "live.json",
+        log_dir=tmp_path / "logs",
+    )
 
 
 def _check_counts(report: LiveReport) -> None:
@@ -77,7 +86,9 @@ def test_kvroute_targets_a_running_router_and_a_missing_binary(
     assert [t["target"] for t in written["targets"]] == list(by_target)
 
 
-@pytest.mark.skipif(find_vllm_router(None) is None, reason="vllm-router not installed (pip install '.[bench]')")
+@pytest.mark.skipif(
+    find_vllm_router(None) is None, reason="vllm-router not installed (pip install '.[bench]')"
+)
 def test_vllm_router_round_robin_and_kv_aware(fleet: FleetPorts, tmp_path: Path) -> None:
     report = run_live_bench(_options(fleet, tmp_path, ("vllm-router:round_robin", "vllm-router:kv_aware")))
 
@@ -86,7 +97,9 @@ def test_vllm_router_round_robin_and_kv_aware(fleet: FleetPorts, tmp_path: Path)
     _check_counts(report)
     assert set(round_robin.requests_per_instance.values()) == {SESSIONS * TURNS // 3}
     lookups = {k: v for k, v in kv_aware.router_metrics.items() if "kv_placement_lookups" in k}
-    assert sum(lookups.values()) == kv_aware.sent, lookups  # it looked every request up in its event-fed index
+    assert sum(lookups.values()) == kv_aware.sent, (
+        lookups
+    )  # it looked every request up in its event-fed index
     # ...and found the prefixes the fleet's events announced (the shared system prompt, the earlier turns): a
     # peer whose index stays empty is only load balancing, which would make every comparison with it unfair.
     assert sum(v for k, v in lookups.items() if "result=hit" in k) > 0, lookups
@@ -94,8 +107,24 @@ def test_vllm_router_round_robin_and_kv_aware(fleet: FleetPorts, tmp_path: Path)
 
 def test_command_starts_its_own_fleet(tmp_path: Path) -> None:
     out = tmp_path / "live.json"
-    args = ["bench", "live", "--fleet", "2", "--targets", "kvroute:round-robin,kvroute", "--sessions", "2",
-            "--turns", "2", "--max-tokens", "4", "--time-limit", "30", "--out", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "live",
+        "--fleet",
+        "2",
+        "--targets",
+        "kvroute:round-robin,kvroute",
+        "--sessions",
+        "2",
+        "--turns",
+        "2",
+        "--max-tokens",
+        "4",
+        "--time-limit",
+        "30",
+        "--out",
+        str(out),
+    ]
     child = start("bench-live", args, tmp_path)
     code = child.wait(180)
     assert code == 0, child.log_tail()
@@ -110,15 +139,39 @@ def test_command_starts_its_own_fleet(tmp_path: Path) -> None:
 def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
     """The small run `make test` keeps: it finishes, and the JSON and plots have everything (not the numbers)."""
     out = tmp_path / "live.json"
-    args = ["bench", "live", "--fleet", "2", "--trace", "agentic", "--requests", "16", "--rate", "20",
-            "--max-tokens", "4", "--time-limit", "30", "--out", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "live",
+        "--fleet",
+        "2",
+        "--trace",
+        "agentic",
+        "--requests",
+        "16",
+        "--rate",
+        "20",
+        "--max-tokens",
+        "4",
+        "--time-limit",
+        "30",
+        "--out",
+        str(out),
+    ]
     child = start("bench-live-trace", args, tmp_path)
     code = child.wait(300)
     assert code == 0, child.log_tail()
     written = json.loads(out.read_text())
     workload = written["workload"]
     assert workload["mode"] == "trace" and workload["trace"] == "agentic-0" and workload["requests"] == 16
-    assert {"rate", "sessions", "block_tokens", "trace_block_tokens", "max_tokens", "title", "fleet_args"} <= set(workload)
+    assert {
+        "rate",
+        "sessions",
+        "block_tokens",
+        "trace_block_tokens",
+        "max_tokens",
+        "title",
+        "fleet_args",
+    } <= set(workload)
     # hashed as vllm-router asks of vLLM; scaled: 32 of 512 tokens per hash id
     assert workload["fleet_args"] == [*VLLM_ROUTER_HASHING, "--prefill-tps", "2000"]
     fields = {f.name for f in dataclasses.fields(TargetResult)}
@@ -157,10 +210,18 @@ def test_disaggregated_fleet_through_kvroute_and_vllm_router_pd(tmp_path: Path) 
     has_binary = find_vllm_router(None) is not None
     targets = ("kvroute", "vllm-router:cache_aware") if has_binary else ("kvroute",)
     options = LiveOptions(
-        pd=(2, 2), targets=targets, sessions=SESSIONS, turns=TURNS, concurrency=SESSIONS, time_limit_s=120,
-        request_timeout_s=120, max_tokens=4, system_prompt_words=200, out=tmp_path / "live.json",
+        pd=(2, 2),
+        targets=targets,
+        sessions=SESSIONS,
+        turns=TURNS,
+        concurrency=SESSIONS,
+        time_limit_s=120,
+        request_timeout_s=120,
+        max_tokens=4,
+        system_prompt_words=200,
+        out=tmp_path / "live.json",
         log_dir=tmp_path / "logs",
-    )  # fmt: skip
+    )
     report = run_live_bench(options)
 
     assert report.roles == ["prefill", "prefill", "decode", "decode"]
@@ -182,9 +243,16 @@ def test_disaggregated_fleet_through_kvroute_and_vllm_router_pd(tmp_path: Path) 
 
 def test_mooncake_fleet_without_bootstrap_server_skips_vllm_router(tmp_path: Path) -> None:
     options = LiveOptions(
-        pd=(1, 1), kv_connector="mooncake", targets=("kvroute", "vllm-router:round_robin"), sessions=2,
-        turns=2, max_tokens=4, system_prompt_words=200, out=None, log_dir=tmp_path / "logs",
-    )  # fmt: skip
+        pd=(1, 1),
+        kv_connector="mooncake",
+        targets=("kvroute", "vllm-router:round_robin"),
+        sessions=2,
+        turns=2,
+        max_tokens=4,
+        system_prompt_words=200,
+        out=None,
+        log_dir=tmp_path / "logs",
+    )
     kvroute, vllm_router = run_live_bench(options).results
 
     assert kvroute.ok == kvroute.sent == 4 and kvroute.pd_paths, kvroute
@@ -193,12 +261,23 @@ def test_mooncake_fleet_without_bootstrap_server_skips_vllm_router(tmp_path: Pat
 
 def _pd_config(connector: str = "nixl", block_size: int = 16) -> dict[str, object]:
     instances = [
-        {"name": "p0", "url": "http://127.0.0.1:9001", "role": "prefill", "events": "tcp://127.0.0.1:5001",
-         "kv_engine_id": "p0", "kv_bootstrap_url": "http://127.0.0.1:9"},
+        {
+            "name": "p0",
+            "url": "http://127.0.0.1:9001",
+            "role": "prefill",
+            "events": "tcp://127.0.0.1:5001",
+            "kv_engine_id": "p0",
+            "kv_bootstrap_url": "http://127.0.0.1:9",
+        },
         {"name": "d0", "url": "http://127.0.0.1:9002", "role": "decode"},
-        {"name": "b0", "url": "http://127.0.0.1:9003", "role": "both", "kv_engine_id": "b0",
-         "kv_bootstrap_url": "http://127.0.0.1:9"},
-    ]  # fmt: skip
+        {
+            "name": "b0",
+            "url": "http://127.0.0.1:9003",
+            "role": "both",
+            "kv_engine_id": "b0",
+            "kv_bootstrap_url": "http://127.0.0.1:9",
+        },
+    ]
     return {
         "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],
         "block_size": block_size,
@@ -208,8 +287,21 @@ def _pd_config(connector: str = "nixl", block_size: int = 16) -> dict[str, objec
 
 
 P0, D0, B0 = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
-PD_HEAD = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", P0, "none", "--prefill", B0,
-           "none", "--decode", D0, "--decode", B0]  # fmt: skip
+PD_HEAD = [
+    "--vllm-pd-disaggregation",
+    "--kv-connector",
+    "nixl",
+    "--prefill",
+    P0,
+    "none",
+    "--prefill",
+    B0,
+    "none",
+    "--decode",
+    D0,
+    "--decode",
+    B0,
+]
 
 
 @pytest.mark.parametrize(

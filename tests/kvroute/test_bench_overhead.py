@@ -47,9 +47,11 @@ def _long(target: str, first: float, later: float) -> LongSummary:
 
 def test_verdicts_hold_only_if_every_cell_meets_the_target() -> None:
     cells = [
-        _cell(KVROUTE, 1, 900, 0.6), _cell(VLLM_RR, 1, 3000, 0.5),
-        _cell(KVROUTE, 64, 1000, None), _cell(VLLM_RR, 64, 10_000, None),
-    ]  # fmt: skip
+        _cell(KVROUTE, 1, 900, 0.6),
+        _cell(VLLM_RR, 1, 3000, 0.5),
+        _cell(KVROUTE, 64, 1000, None),
+        _cell(VLLM_RR, 64, 10_000, None),
+    ]
     long = [_long(KVROUTE, 20, 5), _long(VLLM_KV, 30, 4)]
     met = {v.name: v.met for v in verdicts(cells, long)}
     assert met == {
@@ -65,8 +67,10 @@ def test_verdicts_hold_only_if_every_cell_meets_the_target() -> None:
 
 def test_the_plain_proxy_is_judged_by_the_same_targets_when_measured() -> None:
     cells = [
-        _cell(KVROUTE, 64, 1000, None), _cell(PLAIN_PROXY, 64, 6000, None), _cell(VLLM_RR, 64, 10_000, None),
-    ]  # fmt: skip
+        _cell(KVROUTE, 64, 1000, None),
+        _cell(PLAIN_PROXY, 64, 6000, None),
+        _cell(VLLM_RR, 64, 10_000, None),
+    ]
     met = {v.name: v.met for v in verdicts(cells, [])}
     assert met["throughput at c=64"] is False
     assert met["throughput at c=64 (python-proxy, the floor)"] is True
@@ -86,18 +90,50 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
     long_targets = "direct,kvroute" + (",vllm-router:kv_aware" if has_vllm_router else "")
     out = tmp_path / "overhead.json"
     argv = [
-        sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--duration", "1",
-        "--concurrency", "1,64", "--sizes", "200", "--prompts", "cold", "--targets", grid_targets,
-        "--long-tokens", "2000", "--long-turns", "2", "--long-targets", long_targets, "--streams", "",
-        "--out", str(out), "--plots", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvroute.cli",
+        "bench",
+        "overhead",
+        "--duration",
+        "1",
+        "--concurrency",
+        "1,64",
+        "--sizes",
+        "200",
+        "--prompts",
+        "cold",
+        "--targets",
+        grid_targets,
+        "--long-tokens",
+        "2000",
+        "--long-turns",
+        "2",
+        "--long-targets",
+        long_targets,
+        "--streams",
+        "",
+        "--out",
+        str(out),
+        "--plots",
+        str(tmp_path),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
 
     assert set(report) == {
-        "settings", "routers", "cells", "long_prompt", "streaming", "verdicts", "profiles", "plots",
-    }  # fmt: skip
+        "settings",
+        "routers",
+        "cells",
+        "long_prompt",
+        "streaming",
+        "verdicts",
+        "profiles",
+        "plots",
+    }
     assert report["streaming"] == []  # --streams ''
 
     assert report["profiles"] == []  # only with --profile
@@ -112,7 +148,11 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
         assert (cell["peak_rss_mib"] is not None) == routed
         assert (cell["added_p50_ms"] is not None) == routed
         assert (cell["throughput_vs_vllm_router"] is not None) == has_vllm_router
-    assert {r["target"] for r in report["routers"] if not r["skipped"]} >= {KVROUTE, "kvroute:round-robin", PLAIN_PROXY}
+    assert {r["target"] for r in report["routers"] if not r["skipped"]} >= {
+        KVROUTE,
+        "kvroute:round-robin",
+        PLAIN_PROXY,
+    }
 
     long = report["long_prompt"]
     assert set(long) == {"turns", "summary", "vllm_router_counters"}
@@ -129,11 +169,15 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
         assert any("render" in key for key in long["vllm_router_counters"])
 
     assert [v["name"] for v in report["verdicts"]] == [
-        "added p50 at c=1", "throughput at c=64",
-        "added p50 at c=1 (python-proxy, the floor)", "throughput at c=64 (python-proxy, the floor)",
-        "long-prompt decision, turn 1", "long-prompt decision, later turns",
-        f"streaming relayed tokens/s ({ENVOY_EPP})", f"streaming added ITL p99 ({ENVOY_EPP})",
-    ]  # fmt: skip
+        "added p50 at c=1",
+        "throughput at c=64",
+        "added p50 at c=1 (python-proxy, the floor)",
+        "throughput at c=64 (python-proxy, the floor)",
+        "long-prompt decision, turn 1",
+        "long-prompt decision, later turns",
+        f"streaming relayed tokens/s ({ENVOY_EPP})",
+        f"streaming added ITL p99 ({ENVOY_EPP})",
+    ]
     assert all(set(v) == {f.name for f in dataclasses.fields(Verdict)} for v in report["verdicts"])
     assert report["plots"] and all(Path(p).stat().st_size > 0 for p in report["plots"])
 
@@ -147,8 +191,12 @@ def test_the_command_explains_missing_tools(tmp_path: Path) -> None:
     env = {"PATH": str(tmp_path)}  # neither wrk nor nginx on it
     done = subprocess.run(
         [sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--long-tokens", "", "--out", ""],
-        capture_output=True, text=True, timeout=60, check=False, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
     assert done.returncode == 2 and "wrk" in done.stderr and "make bench-tools" in done.stderr
 
 
@@ -163,10 +211,32 @@ def test_a_small_streaming_run_measures_every_target(tmp_path: Path) -> None:
     targets.append("kvroute-workers:2")
     out = tmp_path / "overhead.json"
     argv = [
-        sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--targets", "", "--long-tokens", "",
-        "--streams", "2,4", "--stream-tokens", "8", "--stream-step-ms", "5", "--duration", "1",
-        "--stream-targets", ",".join(targets), "--out", str(out), "--plots", "", "--log-dir", str(tmp_path / "logs"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvroute.cli",
+        "bench",
+        "overhead",
+        "--targets",
+        "",
+        "--long-tokens",
+        "",
+        "--streams",
+        "2,4",
+        "--stream-tokens",
+        "8",
+        "--stream-step-ms",
+        "5",
+        "--duration",
+        "1",
+        "--stream-targets",
+        ",".join(targets),
+        "--out",
+        str(out),
+        "--plots",
+        "",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -195,8 +265,9 @@ def test_a_small_streaming_run_measures_every_target(tmp_path: Path) -> None:
         assert (result["peak_rss_mib"] is not None) == routed
     names = [v["name"] for v in report["verdicts"]]
     assert names[-2:] == [
-        f"streaming relayed tokens/s ({ENVOY_EPP})", f"streaming added ITL p99 ({ENVOY_EPP})",
-    ]  # fmt: skip
+        f"streaming relayed tokens/s ({ENVOY_EPP})",
+        f"streaming added ITL p99 ({ENVOY_EPP})",
+    ]
 
 
 def test_the_stream_engine_streams_what_was_asked(tmp_path: Path) -> None:
@@ -212,9 +283,11 @@ def test_streaming_verdicts_compare_envoy_with_vllm_router() -> None:
         )
 
     streams = [
-        result(ENVOY_EPP, 64, 3000, 1.2), result(VLLM_RR, 64, 3200, 0.5),
-        result(ENVOY_EPP, 256, 9000, 30.0), result(VLLM_RR, 256, 12_000, 4.0),
-    ]  # fmt: skip
+        result(ENVOY_EPP, 64, 3000, 1.2),
+        result(VLLM_RR, 64, 3200, 0.5),
+        result(ENVOY_EPP, 256, 9000, 30.0),
+        result(VLLM_RR, 256, 12_000, 4.0),
+    ]
     met = {v.name: v.met for v in verdicts([], [], streams)}
     assert met[f"streaming relayed tokens/s ({ENVOY_EPP})"] is False  # 0.75x at 256
     assert met[f"streaming added ITL p99 ({ENVOY_EPP})"] is False  # 30 ms against 4 ms at 256

@@ -34,7 +34,9 @@ def _keep_pytests_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
         ("demo --turns 0", "argument --turns: '0' is not a positive integer"),
     ],
 )
-def test_bad_arguments_are_named_and_exit_2(argv: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_named_and_exit_2(
+    argv: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exited:
         main(argv.split())
     assert exited.value.code == 2
@@ -46,7 +48,9 @@ def test_fleet_ports_past_65535_are_refused(capsys: pytest.CaptureFixture[str]) 
     assert "3 instances need ports up to 65536, past 65535" in capsys.readouterr().err
 
 
-def test_a_fleet_tokenizer_that_cannot_be_loaded_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_fleet_tokenizer_that_cannot_be_loaded_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     absent = tmp_path / "absent"
     assert main(["fleet", "--tokenizer", str(absent)]) == 2
     assert capsys.readouterr().err == f"kvroute fleet: --tokenizer {absent}: not a directory\n"
@@ -54,7 +58,9 @@ def test_a_fleet_tokenizer_that_cannot_be_loaded_is_named(tmp_path: Path, capsys
     assert f"kvroute fleet: --tokenizer {tmp_path}: " in capsys.readouterr().err
 
 
-def test_check_config_reports_a_file_that_is_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_config_reports_a_file_that_is_not_utf8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "bad.yaml"
     path.write_bytes(b"models: [{name: \xff}]\n")
     assert main(["check-config", str(path)]) == 2

@@ -67,10 +67,12 @@ def test_the_ab_runs_enough_sessions_for_each_policy() -> None:
 def _report(p50s: tuple[float, float], **comparison: object) -> tuple[dict[str, Any], dict[str, Any]]:
     def policy(p50: float, engine_cached: int | None) -> dict[str, Any]:
         return {
-            "ttft_ms": {"p50": p50}, "prompt_tokens": 1000, "predicted_cached_tokens": 600,
+            "ttft_ms": {"p50": p50},
+            "prompt_tokens": 1000,
+            "predicted_cached_tokens": 600,
             "observed_prompt_tokens": None if engine_cached is None else 1000,
             "observed_cached_tokens": engine_cached,
-        }  # fmt: skip
+        }
 
     report = {"policies": {"round-robin": policy(p50s[0], 550), "kvroute": policy(p50s[1], 800)}}
     return report, {"baseline": "round-robin", "candidate": "kvroute", "sessions": [12, 14], **comparison}
@@ -79,18 +81,27 @@ def _report(p50s: tuple[float, float], **comparison: object) -> tuple[dict[str, 
 @pytest.mark.parametrize(
     ("p50s", "comparison", "says"),
     [
-        ((212, 150), {"ttft_p50_diff_ms": 62.4, "ci95_ms": [36.1, 88.3]},
-         "kvroute's median time to first token is 62.4 ms below round-robin's (150 against 212 ms); the 95% "
-         "confidence interval of that gap, [36.1, 88.3] ms, excludes zero"),
-        ((150, 212), {"ttft_p50_diff_ms": -62.4, "ci95_ms": [-88.3, -36.1]},
-         "round-robin's median time to first token is 62.4 ms below kvroute's (150 against 212 ms); the 95% "
-         "confidence interval of that gap, [36.1, 88.3] ms"),
-        ((212, 200), {"ttft_p50_diff_ms": 12.0, "ci95_ms": [-5.0, 30.0]},
-         "the medians differ by 12.0 ms (kvroute 200, round-robin 212 ms) but the 95% confidence interval of the "
-         "difference, [-5.0, 30.0] ms, holds zero"),
+        (
+            (212, 150),
+            {"ttft_p50_diff_ms": 62.4, "ci95_ms": [36.1, 88.3]},
+            "kvroute's median time to first token is 62.4 ms below round-robin's (150 against 212 ms); the 95% "
+            "confidence interval of that gap, [36.1, 88.3] ms, excludes zero",
+        ),
+        (
+            (150, 212),
+            {"ttft_p50_diff_ms": -62.4, "ci95_ms": [-88.3, -36.1]},
+            "round-robin's median time to first token is 62.4 ms below kvroute's (150 against 212 ms); the 95% "
+            "confidence interval of that gap, [36.1, 88.3] ms",
+        ),
+        (
+            (212, 200),
+            {"ttft_p50_diff_ms": 12.0, "ci95_ms": [-5.0, 30.0]},
+            "the medians differ by 12.0 ms (kvroute 200, round-robin 212 ms) but the 95% confidence interval of the "
+            "difference, [-5.0, 30.0] ms, holds zero",
+        ),
         ((212, 200), {}, f"no verdict yet: each policy needs {MIN_SESSIONS} sessions"),
     ],
-)  # fmt: skip
+)
 def test_the_verdict_in_words(p50s: tuple[float, float], comparison: dict[str, Any], says: str) -> None:
     sentence = demo_ab.verdict_meaning(*_report(p50s, **comparison))
     assert sentence.startswith("Measured on live traffic split by session (12 sessions to round-robin, 14 to")

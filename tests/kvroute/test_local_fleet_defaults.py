@@ -27,10 +27,14 @@ def test_default_fleet_and_shipped_config_work_together(tmp_path: Path) -> None:
         wait_healthy(fleet, [f"{i.url}/health" for i in config.instances])
         base = f"http://127.0.0.1:{router_port}"
         wait_healthy(router, [base + "/metrics"])
-        body = json.dumps({"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        body = json.dumps(
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        )
         seen = set()
         for _ in range(6):
-            status, headers, payload = post(base + "/v1/chat/completions", body.encode(), {"x-kvroute-policy": "round-robin"})
+            status, headers, payload = post(
+                base + "/v1/chat/completions", body.encode(), {"x-kvroute-policy": "round-robin"}
+            )
             assert status == 200, payload
             seen.add(headers["x-kvroute-instance"])
         assert seen == {"fleet-0", "fleet-1", "fleet-2"}

@@ -23,7 +23,14 @@ async def echo(request: web.Request) -> web.Response:
 def test_it_forwards_the_body_and_returns_status_type_and_body_untouched(tmp_path: Path) -> None:
     with serving(healthy, echo) as upstream:
         port = free_port_block(1)
-        argv = [sys.executable, "-m", "kvroute.plain_proxy", "--port", str(port), f"http://127.0.0.1:{upstream}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvroute.plain_proxy",
+            "--port",
+            str(port),
+            f"http://127.0.0.1:{upstream}",
+        ]
         child = spawn("plain-proxy", argv, tmp_path)
         try:
             url = f"http://127.0.0.1:{port}"

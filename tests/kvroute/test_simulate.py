@@ -266,16 +266,23 @@ def test_the_memory_hold_routes_a_prompt_only_once_memory_frees() -> None:
 
 def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
     out = tmp_path / "sim"
-    code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30",
-                 "--out", str(out)])  # fmt: skip
+    code = main(
+        ["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30", "--out", str(out)]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["policies"]) == set(POLICIES) and "kvroute" in results["policies"]
     assert 0 < results["ttft_floor"]["p50_s"] <= results["ttft_floor"]["p99_s"]
     for name, fields in results["policies"].items():
         assert set(RESULT_FIELDS) <= set(fields), name
-        assert set(fields["tail"]) == {"requests", "ttft_s", "admission_wait_s", "queued_s", "own_prefill_s",
-                                       "admission_over_0_5_s_share"}, name
+        assert set(fields["tail"]) == {
+            "requests",
+            "ttft_s",
+            "admission_wait_s",
+            "queued_s",
+            "own_prefill_s",
+            "admission_over_0_5_s_share",
+        }, name
         assert fields["rejected"] + fields["completed"] == 30
         assert len(fields["busy_per_instance_s"]) == 8 and fields["longest_session_s"] > 0, name
     assert (out / "simulate-policies.png").stat().st_size > 0
@@ -283,8 +290,22 @@ def test_small_run_writes_every_field_for_every_policy(tmp_path: Path) -> None:
 
 def test_every_variant_of_kvroutes_configuration_runs(tmp_path: Path) -> None:
     out = tmp_path / "variants"
-    code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "2", "--requests", "12",
-                 "--policies", ",".join(EXTRA_POLICIES), "--out", str(out)])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "simulate",
+            "--trace",
+            "agentic",
+            "--sessions",
+            "2",
+            "--requests",
+            "12",
+            "--policies",
+            ",".join(EXTRA_POLICIES),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())["policies"]
     assert set(results) == set(EXTRA_POLICIES)
@@ -297,8 +318,24 @@ def test_attention_costs_are_the_hardwares_and_kvroutes_priors_follow(tmp_path: 
     runs = {}
     for setting in ("off", "on"):
         out = tmp_path / setting
-        code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30",
-                     "--policies", "kvroute", "--attention-cost", setting, "--out", str(out)])  # fmt: skip
+        code = main(
+            [
+                "bench",
+                "simulate",
+                "--trace",
+                "agentic",
+                "--sessions",
+                "3",
+                "--requests",
+                "30",
+                "--policies",
+                "kvroute",
+                "--attention-cost",
+                setting,
+                "--out",
+                str(out),
+            ]
+        )
         assert code == 0
         runs[setting] = json.loads((out / "results.json").read_text())
     engine = runs["on"]["setup"]["engine"]
@@ -355,8 +392,9 @@ def test_the_longest_session_counts_only_time_with_a_turn_in_flight() -> None:
         TraceRequest(0.0, 320, 50, tuple(range(20, 30)), "short"),
         TraceRequest(100.0, 330, 50, tuple(range(1, 12)), "long"),
     )
-    result = simulate(TraceBlocks(Trace("s", 32, turns), 16), _fleet(2, pool=False), _Fixed(0, 1, 0),
-                      ideal_hit_rate=0.0)  # fmt: skip
+    result = simulate(
+        TraceBlocks(Trace("s", 32, turns), 16), _fleet(2, pool=False), _Fixed(0, 1, 0), ideal_hit_rate=0.0
+    )
     busy = result.busy_per_instance_s
     assert busy[0] > busy[1] > 0
     assert result.longest_session_s == pytest.approx(busy[0])  # not the 100 s between its turns
@@ -432,9 +470,14 @@ def test_kvroute_confirms_pool_credit_with_the_routers_own_confirmer() -> None:
     computed = KVCache(400, 16)
     computed.cache(chain, None, blocks.tokens(blocks.trace.requests[0], 0, len(chain)))
     written = BlockStored(
-        block_hashes=[pool_hash(h) for h in chain], parent_block_hash=None, token_ids=[], block_size=16,
-        lora_id=None, medium=POOL_MEDIUM, lora_name=None,
-    )  # fmt: skip
+        block_hashes=[pool_hash(h) for h in chain],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=POOL_MEDIUM,
+        lora_name=None,
+    )
     view.index.apply(("sim-1", 0), [*computed.events, written])
 
     def route_at(time_s: float) -> list[tuple[int, bytes]]:
@@ -601,7 +644,10 @@ def test_a_decode_leg_fetches_the_prompt_the_prefill_leg_computed_and_holds_it_f
     run = DisaggregatedRun(blocks, fleet, _FixedPD((0, 1), (None, 1)))
     prefill_engine, fetched = run.engines[0], run.engines[1].on_fetched
     free_at_fetch: list[int] = []
-    run.engines[1].on_fetched = lambda request: (free_at_fetch.append(prefill_engine.kv.num_free), fetched(request))
+    run.engines[1].on_fetched = lambda request: (
+        free_at_fetch.append(prefill_engine.kv.num_free),
+        fetched(request),
+    )
     result = run.run(ideal_hit_rate=0.0)
     assert result.completed == 2 and result.pd_paths == {"disaggregated": 1, "skipped": 1}
     first, second = sorted(run.done, key=lambda r: r.number)
@@ -648,8 +694,19 @@ def test_kvroutes_prefill_rule_is_the_proxys() -> None:
     fleet = _pd_fleet(1, 1)
     policy = PD_POLICIES["kvroute"](fleet)
     assert isinstance(policy, KvroutePD)
-    proxy = PrefillLeg(None, None, None, None, None, None, UpstreamConfig(), "nixl",
-                       DisaggregationConfig().local_prefill_max_tokens, 1024, RetryBudget())  # fmt: skip
+    proxy = PrefillLeg(
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        UpstreamConfig(),
+        "nixl",
+        DisaggregationConfig().local_prefill_max_tokens,
+        1024,
+        RetryBudget(),
+    )
     target = Instance("sim-1", "http://sim-1", frozenset({fleet.model}), role="decode")
     for prompt, uncached in ((0, 0), (1000, 0), (1000, 256), (1000, 257), (5000, 5000)):
         decision = Decision(target, prompt, prompt // 16, 0, uncached, TTFTFeatures(0, uncached, 0), 0.1)
@@ -667,7 +724,12 @@ def test_a_refused_prefill_leg_fails_retries_or_falls_back_as_each_router_does()
     for name, make in PD_POLICIES.items():
         result = simulate(blocks, fleet, make(fleet), ideal_hit_rate=0.0)
         assert result.completed + result.rejected + result.failed == 20, name
-        outcomes[name] = (result.failed > 0, result.rejected > 0, result.pd_paths.get("fallback", 0), result.completed)
+        outcomes[name] = (
+            result.failed > 0,
+            result.rejected > 0,
+            result.pd_paths.get("fallback", 0),
+            result.completed,
+        )
     assert outcomes["vllm-router"][:3] == (True, False, 0)
     assert outcomes["llm-d"][:3] == (False, True, 0)
     for name in ("dynamo", "kvroute"):
@@ -677,8 +739,22 @@ def test_a_refused_prefill_leg_fails_retries_or_falls_back_as_each_router_does()
 
 def test_a_small_disaggregated_run_writes_every_field_for_every_router(tmp_path: Path) -> None:
     out = tmp_path / "pd"
-    code = main(["bench", "simulate", "--trace", "agentic", "--sessions", "3", "--requests", "30",
-                 "--pd", "2:2", "--out", str(out)])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "simulate",
+            "--trace",
+            "agentic",
+            "--sessions",
+            "3",
+            "--requests",
+            "30",
+            "--pd",
+            "2:2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert results["setup"]["pd"]["prefill"] == 2 and results["setup"]["instances"] == 4
@@ -695,11 +771,19 @@ def test_a_small_disaggregated_run_writes_every_field_for_every_router(tmp_path:
 
 @pytest.mark.parametrize(
     "arguments",
-    [["--pd", "2:2", "--instances", "8"], ["--pd", "2:2", "--policies", "round-robin"],
-     ["--pd", "2:2", "--sweep", "instances"]],
-)  # fmt: skip
+    [
+        ["--pd", "2:2", "--instances", "8"],
+        ["--pd", "2:2", "--policies", "round-robin"],
+        ["--pd", "2:2", "--sweep", "instances"],
+    ],
+)
 def test_disaggregated_runs_refuse_what_they_cannot_do(tmp_path: Path, arguments: list[str]) -> None:
-    assert main(["bench", "simulate", "--trace", "agentic", "--sessions", "2", *arguments, "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            ["bench", "simulate", "--trace", "agentic", "--sessions", "2", *arguments, "--out", str(tmp_path)]
+        )
+        == 2
+    )
 
 
 def test_pd_takes_prefill_and_decode_instances() -> None:

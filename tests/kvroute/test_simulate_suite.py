@@ -10,15 +10,30 @@ from kvroute.simulate.results import RESULT_FIELDS, RunResult
 from kvroute.simulate.suite import FULL_GRID, Cell, parse_cells, workload_trace
 from kvroute.simulate.suite_report import peers_of, verdict
 
-VERDICT_FIELDS = {"ttft_p50_ratio", "ttft_p50_peer", "ttft_p99_ratio", "ttft_p99_peer", "rejected",
-                  "peer_rejected", "rejected_peer", "hit_share_of_ideal", "missed"}  # fmt: skip
+VERDICT_FIELDS = {
+    "ttft_p50_ratio",
+    "ttft_p50_peer",
+    "ttft_p99_ratio",
+    "ttft_p99_peer",
+    "rejected",
+    "peer_rejected",
+    "rejected_peer",
+    "hit_share_of_ideal",
+    "missed",
+}
 
 
 def test_default_suite_is_the_base_grid_the_fast_workloads_everywhere_and_the_slow_one_axis_off() -> None:
     cells = parse_cells(None)
     assert len(cells) == len(set(cells)) == 10 + 4 * 12 - 4 + 2 * 4
-    assert {c.workload for c in cells if c.instances == 32} == {"mooncake", "rag", "bursty", "chat",
-                                                                 "agentic-0", "long-context"}  # fmt: skip
+    assert {c.workload for c in cells if c.instances == 32} == {
+        "mooncake",
+        "rag",
+        "bursty",
+        "chat",
+        "agentic-0",
+        "long-context",
+    }
     assert Cell("rag", 32, 0.9, False) in cells and Cell("long-context", 16, 0.7, False) in cells
     assert Cell("long-context", 32, 0.9, True) not in cells and Cell("agentic-1", 32, 0.7, True) not in cells
     assert Cell("long-context", 16, 0.7, True) in cells and Cell("agentic-4", 16, 0.7, True) in cells
@@ -29,11 +44,13 @@ def test_default_suite_is_the_base_grid_the_fast_workloads_everywhere_and_the_sl
     ("spec", "expected"),
     [
         ("workload=rag", [Cell("rag", 16, 0.7, True)]),
-        ("workload=chat-2;pool=off  load=0.5,0.9",
-         [Cell("chat-2", 16, 0.5, False), Cell("chat-2", 16, 0.9, False)]),
+        (
+            "workload=chat-2;pool=off  load=0.5,0.9",
+            [Cell("chat-2", 16, 0.5, False), Cell("chat-2", 16, 0.9, False)],
+        ),
         ("workload=bursty instances=all", [Cell("bursty", 16, 0.7, True), Cell("bursty", 32, 0.7, True)]),
     ],
-)  # fmt: skip
+)
 def test_cells_replace_the_base_grids_axes(spec: str, expected: list[Cell]) -> None:
     assert parse_cells(spec) == expected
 
@@ -69,8 +86,12 @@ def _result(policy: str, p50: float, p99: float, rejected: int, hits: float) -> 
 
 
 def test_verdict_takes_the_best_peer_per_measure() -> None:
-    results = [_result("kvroute", 1.0, 5.0, 2, 0.49), _result("dynamo", 0.8, 6.0, 0, 0.4),
-               _result("llm-d", 2.0, 4.0, 1, 0.4), _result("kvroute-priors", 0.1, 0.1, 0, 0.5)]  # fmt: skip
+    results = [
+        _result("kvroute", 1.0, 5.0, 2, 0.49),
+        _result("dynamo", 0.8, 6.0, 0, 0.4),
+        _result("llm-d", 2.0, 4.0, 1, 0.4),
+        _result("kvroute-priors", 0.1, 0.1, 0, 0.5),
+    ]
     peers = peers_of("kvroute", results)
     assert [p.policy for p in peers] == ["dynamo", "llm-d"]  # kvroute's variants are no peers
     judged = verdict(results[0], peers)
@@ -84,8 +105,20 @@ def test_verdict_takes_the_best_peer_per_measure() -> None:
 
 def test_a_tiny_suite_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policies = ["kvroute", "dynamo", "round-robin"]
-    code = main(["bench", "simulate", "--suite-cells", "workload=chat,bursty", "--suite-requests", "40",
-                 "--policies", ",".join(policies), "--out", str(tmp_path)])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "simulate",
+            "--suite-cells",
+            "workload=chat,bursty",
+            "--suite-requests",
+            "40",
+            "--policies",
+            ",".join(policies),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     document = json.loads((tmp_path / "suite.json").read_text())
     records = document["records"]

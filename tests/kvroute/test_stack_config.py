@@ -52,8 +52,14 @@ def test_shipped_configs_load(name: str) -> None:
         (lambda r: r["pool"]["client"].update(protocol="udp"), "pool.client.protocol"),
         (lambda r: r["vllm"]["env"].pop("PYTHONHASHSEED"), "PYTHONHASHSEED must be fixed"),
         (lambda r: r["vllm"].update(per_instance=[{}]), "vllm.per_instance: 1 entries for 2 instances"),
-        (lambda r: r["vllm"].update(per_instance=[{}, {"args": ["--port=1"]}]), "vllm.per_instance.1.args: --port=1 is set by the stack"),
-        (lambda r: r["vllm"].update(per_instance=[{"role": "prefill"}, {}]), "vllm.per_instance.0.role: prefill needs a disaggregation section"),
+        (
+            lambda r: r["vllm"].update(per_instance=[{}, {"args": ["--port=1"]}]),
+            "vllm.per_instance.1.args: --port=1 is set by the stack",
+        ),
+        (
+            lambda r: r["vllm"].update(per_instance=[{"role": "prefill"}, {}]),
+            "vllm.per_instance.0.role: prefill needs a disaggregation section",
+        ),
         (lambda r: r["vllm"].update(per_instance=[{"role": "leader"}, {}]), "vllm.per_instance.0.role"),
     ],
 )
@@ -101,13 +107,18 @@ def test_plan_derives_commands_files_and_router_config(tmp_path: Path, model_dir
     assert flag["--model"] == str(plan.model_dir) and flag["--served-model-name"] == "tiny-llama"
     assert (flag["--host"], flag["--port"], flag["--block-size"]) == ("127.0.0.1", "40004", "32")
     assert json.loads(flag["--kv-events-config"]) == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://[::ffff:127.0.0.1]:40006",
-        "replay_endpoint": "tcp://127.0.0.1:40008", "topic": "",
-    }  # fmt: skip
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://[::ffff:127.0.0.1]:40006",
+        "replay_endpoint": "tcp://127.0.0.1:40008",
+        "topic": "",
+    }
     assert json.loads(flag["--kv-transfer-config"]) == {
-        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"lookup_rpc_port": 40004},
-    }  # fmt: skip
+    }
     env = plan.vllm_env(1)
     assert env["PYTHONHASHSEED"] == "0" and env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "0"
     assert env["MOONCAKE_CONFIG_PATH"] == str(plan.mooncake_json)
@@ -135,8 +146,11 @@ def test_a_templated_event_topic_is_filled_per_instance(tmp_path: Path, model_di
 
 def test_the_connectors_cache_prefix_reaches_the_router_config(tmp_path: Path, model_dir: Path) -> None:
     raw = cpu_raw()
-    raw["pool"]["connector"] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                                "kv_connector_extra_config": {"cache_prefix": "team-a"}}  # fmt: skip
+    raw["pool"]["connector"] = {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cache_prefix": "team-a"},
+    }
     plan = StackPlan(parse_stack_config(raw), tmp_path / "run", base_dir=tmp_path)
     router = parse_config(plan.router_config())
     assert (router.models[0].pool_name, router.models[0].pool_cache_prefix) == ("tiny-llama", "team-a")
@@ -152,11 +166,26 @@ def test_a_missing_stack_python_is_named(tmp_path: Path) -> None:
     ("change", "message"),
     [
         (lambda r: r["disaggregation"].update(connector="p2p"), "disaggregation.connector"),
-        (lambda r: r["disaggregation"]["transfer"].update(kv_role="kv_both"), "disaggregation.transfer: kv_role is set by the stack"),
-        (lambda r: r["disaggregation"]["transfer"].pop("kv_connector"), "disaggregation.transfer: kv_connector is missing"),
-        (lambda r: r["vllm"]["env"].update(VLLM_MOONCAKE_BOOTSTRAP_PORT="8998"), "vllm.env: VLLM_MOONCAKE_BOOTSTRAP_PORT is set by the stack"),
-        (lambda r: r["vllm"]["per_instance"][2].update(env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "1"}), "vllm.per_instance.2.env: VLLM_MOONCAKE_BOOTSTRAP_PORT"),
-        (lambda r: r["disaggregation"].update(side_channel_port=8412), "disaggregation.side_channel_port: port 8412 is also vllm.http_port + 1"),
+        (
+            lambda r: r["disaggregation"]["transfer"].update(kv_role="kv_both"),
+            "disaggregation.transfer: kv_role is set by the stack",
+        ),
+        (
+            lambda r: r["disaggregation"]["transfer"].pop("kv_connector"),
+            "disaggregation.transfer: kv_connector is missing",
+        ),
+        (
+            lambda r: r["vllm"]["env"].update(VLLM_MOONCAKE_BOOTSTRAP_PORT="8998"),
+            "vllm.env: VLLM_MOONCAKE_BOOTSTRAP_PORT is set by the stack",
+        ),
+        (
+            lambda r: r["vllm"]["per_instance"][2].update(env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "1"}),
+            "vllm.per_instance.2.env: VLLM_MOONCAKE_BOOTSTRAP_PORT",
+        ),
+        (
+            lambda r: r["disaggregation"].update(side_channel_port=8412),
+            "disaggregation.side_channel_port: port 8412 is also vllm.http_port + 1",
+        ),
     ],
 )
 def test_invalid_disaggregation_names_the_key(change: Any, message: str) -> None:
@@ -177,23 +206,36 @@ def test_a_disaggregated_plan_gives_each_instance_its_role_connector_and_bootstr
     config = load_stack_config(CONFIGS / "stack-pd-cpu.yaml").with_ports(40000)
     assert config.port_count() == 15 and sorted(config.ports().values()) == list(range(40000, 40015))
     plan = StackPlan(config, tmp_path / "run", base_dir=tmp_path)
-    assert [(i.name, i.role) for i in plan.instances] == [("vllm-0", "prefill"), ("vllm-1", "prefill"), ("vllm-2", "decode")]
+    assert [(i.name, i.role) for i in plan.instances] == [
+        ("vllm-0", "prefill"),
+        ("vllm-1", "prefill"),
+        ("vllm-2", "decode"),
+    ]
     mooncake = {
-        "kv_connector": "MooncakeConnector", "kv_connector_module_path": "kvconnectors.mooncake",
+        "kv_connector": "MooncakeConnector",
+        "kv_connector_module_path": "kvconnectors.mooncake",
         "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2},
-    }  # fmt: skip
-    pool = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    }
+    pool = {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
     for index, kv_role in enumerate(["kv_producer", "kv_producer", "kv_consumer"]):
         transfer = json.loads(flags(plan.vllm_argv(index))["--kv-transfer-config"])
         assert transfer == {
-            "kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": f"vllm-{index}",
-            "kv_connector_extra_config": {"connectors": [
-                {**mooncake, "kv_role": kv_role},
-                {**pool, "kv_connector_extra_config": {"lookup_rpc_port": 40003 + index}},
-            ]},
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "engine_id": f"vllm-{index}",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {**mooncake, "kv_role": kv_role},
+                    {**pool, "kv_connector_extra_config": {"lookup_rpc_port": 40003 + index}},
+                ]
+            },
             # the scheduler reads it at the top only: a failed transfer is recomputed too, not a 500
             "kv_load_failure_policy": "recompute",
-        }  # fmt: skip
+        }
         env = plan.vllm_env(index)
         assert env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == str(40012 + index)
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(plan.python_path_dir)
@@ -201,7 +243,10 @@ def test_a_disaggregated_plan_gives_each_instance_its_role_connector_and_bootstr
     plan.write_files()
     assert (plan.python_path_dir / "kvconnectors" / "mooncake.py").is_file()
     router = parse_config(yaml.safe_load(plan.router_yaml.read_text()))
-    assert router.disaggregation.connector == "mooncake" and router.disaggregation.local_prefill_max_tokens == 256
+    assert (
+        router.disaggregation.connector == "mooncake"
+        and router.disaggregation.local_prefill_max_tokens == 256
+    )
     assert [(i.name, i.role, i.kv_engine_id, i.kv_bootstrap_url) for i in router.instances] == [
         ("vllm-0", "prefill", "vllm-0", "http://127.0.0.1:40012"),
         ("vllm-1", "prefill", "vllm-1", "http://127.0.0.1:40013"),
@@ -214,10 +259,12 @@ def test_without_disaggregation_one_connector_and_no_roles(tmp_path: Path, model
     del raw["pool"]
     plan = StackPlan(parse_stack_config(raw), tmp_path / "run", base_dir=tmp_path)
     assert json.loads(flags(plan.vllm_argv(2))["--kv-transfer-config"]) == {
-        "kv_connector": "MooncakeConnector", "kv_connector_module_path": "kvconnectors.mooncake",
+        "kv_connector": "MooncakeConnector",
+        "kv_connector_module_path": "kvconnectors.mooncake",
         "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2},
-        "kv_role": "kv_consumer", "engine_id": "vllm-2",
-    }  # fmt: skip
+        "kv_role": "kv_consumer",
+        "engine_id": "vllm-2",
+    }
     router = parse_config(StackPlan(load_stack_config(CONFIGS / "stack-cpu.yaml"), tmp_path).router_config())
     assert {i.role for i in router.instances} == {"both"} and not router.disaggregated_models()
 
@@ -249,8 +296,11 @@ def test_gpu_configs_run_each_instance_on_its_own_device(
             continue
         assert (transfer["kv_connector"], transfer["engine_id"]) == ("MultiConnector", instance.name)
         p2p, pool = transfer["kv_connector_extra_config"]["connectors"]
-        assert p2p == {"kv_connector": "NixlConnector", "kv_buffer_device": "cuda",
-                       "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer"}[instance.role]}  # fmt: skip
+        assert p2p == {
+            "kv_connector": "NixlConnector",
+            "kv_buffer_device": "cuda",
+            "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer"}[instance.role],
+        }
         assert pool["kv_connector"] == "MooncakeStoreConnector"
         assert plan.vllm_env(index)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(5600 + index)
     if connector is not None:

@@ -24,8 +24,9 @@ def test_a_model_built_by_an_older_kvroute_gets_the_current_chat_template(tmp_pa
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old", "bos_token": "<s>"}))
     assert ensure_model(tmp_path) == directory
     assert json.loads((directory / "tokenizer_config.json").read_text()) == {
-        "chat_template": CHAT_TEMPLATE, "bos_token": "<s>",
-    }  # fmt: skip
+        "chat_template": CHAT_TEMPLATE,
+        "bos_token": "<s>",
+    }
     assert sorted(path.name for path in directory.iterdir()) == ["config.json", "tokenizer_config.json"]
 
 

@@ -16,7 +16,9 @@ from kvroute.trace_replay import VOCABULARY, PromptSynth, ReplayPlan, replay_siz
 from kvroute.traces import Trace, TraceRequest
 
 
-def _request(arrival_s: float, block_ids: tuple[int, ...], input_tokens: int, session: str | None = None) -> TraceRequest:
+def _request(
+    arrival_s: float, block_ids: tuple[int, ...], input_tokens: int, session: str | None = None
+) -> TraceRequest:
     return TraceRequest(arrival_s, input_tokens, output_tokens=100, block_ids=block_ids, session=session)
 
 
@@ -28,8 +30,12 @@ def test_shared_hash_ids_are_shared_tokens() -> None:
     assert len(first) == 96 and len(second) == 3 * 32 + 16  # the last hash id cut in proportion
     assert first[:64] == second[:64] and first[64:96] != second[64:96]
     assert all(token in VOCABULARY for token in first + second)
-    again = PromptSynth(seed=7, block_tokens=32, trace_block_tokens=512).prompt(_request(0, (1, 2, 3), 3 * 512))
-    other_seed = PromptSynth(seed=8, block_tokens=32, trace_block_tokens=512).prompt(_request(0, (1, 2, 3), 3 * 512))
+    again = PromptSynth(seed=7, block_tokens=32, trace_block_tokens=512).prompt(
+        _request(0, (1, 2, 3), 3 * 512)
+    )
+    other_seed = PromptSynth(seed=8, block_tokens=32, trace_block_tokens=512).prompt(
+        _request(0, (1, 2, 3), 3 * 512)
+    )
     assert again == first and other_seed[:32] != first[:32]
 
 
@@ -40,7 +46,9 @@ def test_every_hash_id_keeps_a_token() -> None:
 
 def test_resolve_trace_takes_the_head_and_scales_the_rate(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    lines = [{"timestamp": 1000 * i, "input_length": 600, "output_length": 5, "hash_ids": [0, i]} for i in range(5)]
+    lines = [
+        {"timestamp": 1000 * i, "input_length": 600, "output_length": 5, "hash_ids": [0, i]} for i in range(5)
+    ]
     path.write_text("\n".join(json.dumps(line) for line in lines))
 
     trace = resolve_trace(str(path), requests=3, rate=2.0)
@@ -91,9 +99,15 @@ def test_requests_go_out_on_schedule_whatever_the_answers_take() -> None:
         _request(99.0, (1, 4), 1024),  # past the time limit
     )
     plan = ReplayPlan(
-        Trace("t", 512, requests), "m", seed=3, block_tokens=32, max_tokens=8, max_prompt_tokens=1000,
-        time_limit_s=5, session_header="x-session",
-    )  # fmt: skip
+        Trace("t", 512, requests),
+        "m",
+        seed=3,
+        block_tokens=32,
+        max_tokens=8,
+        max_prompt_tokens=1000,
+        time_limit_s=5,
+        session_header="x-session",
+    )
     recorder = _Recorder(delay_s=0.5)  # slower than the gaps between arrivals
 
     started, run = asyncio.run(_replay(recorder, plan))
@@ -105,7 +119,10 @@ def test_requests_go_out_on_schedule_whatever_the_answers_take() -> None:
     assert sent_at == pytest.approx([0.0, 0.2, 0.6], abs=0.1)  # open loop: not waiting for answers
     bodies = [body for _, _, body in recorder.received]
     assert [len(b["prompt"]) for b in bodies] == [64, 94, 64]
-    assert bodies[1]["prompt"][:64] == bodies[0]["prompt"] and bodies[2]["prompt"][:32] == bodies[0]["prompt"][:32]
+    assert (
+        bodies[1]["prompt"][:64] == bodies[0]["prompt"]
+        and bodies[2]["prompt"][:32] == bodies[0]["prompt"][:32]
+    )
     assert {b["max_tokens"] for b in bodies} == {8} and all(b["stream"] for b in bodies)
     sessions = [headers.get("x-session") for _, headers, _ in recorder.received]
     assert sessions[0] == sessions[1] == "trace-3-a" and sessions[2] is None

@@ -16,10 +16,13 @@ def _write(path: Path, records: list[object]) -> Path:
 
 
 def test_load_trace_converts_milliseconds_and_sorts(tmp_path: Path) -> None:
-    path = _write(tmp_path / "t.jsonl", [
-        {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [0, 2]},
-        {"timestamp": 1000, "input_length": 512, "output_length": 7, "hash_ids": [0]},
-    ])  # fmt: skip
+    path = _write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [0, 2]},
+            {"timestamp": 1000, "input_length": 512, "output_length": 7, "hash_ids": [0]},
+        ],
+    )
     trace = load_trace(path)
     assert trace.name == "t"
     assert trace.block_tokens == 512

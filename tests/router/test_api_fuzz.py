@@ -42,16 +42,26 @@ def test_no_operation_answers_a_server_error(router_url: str) -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=20,
 )
 roles = st.sampled_from(["system", "user", "assistant", "tool", "developer", ""]) | json_values
-contents = st.text(max_size=50) | json_values | st.lists(
-    st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]), "text": st.text(max_size=20) | json_values}),
-    max_size=3,
+contents = (
+    st.text(max_size=50)
+    | json_values
+    | st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url", "x"]), "text": st.text(max_size=20) | json_values}
+        ),
+        max_size=3,
+    )
 )
 messages = st.lists(
-    st.fixed_dictionaries({"role": roles}, optional={"content": contents, "name": json_values, "tool_calls": json_values}),
+    st.fixed_dictionaries(
+        {"role": roles}, optional={"content": contents, "name": json_values, "tool_calls": json_values}
+    ),
     max_size=5,
 )
 # Generation runs for real: every body caps max_tokens (or is rejected for it), so none runs for long.

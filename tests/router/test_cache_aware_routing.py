@@ -30,11 +30,20 @@ WORKLOAD = AgentWorkload(system_prompt_words=600, min_turn_words=80, max_turn_wo
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetPorts, str]]:
     ports = FleetPorts.allocate(3)
     # Prefill slow enough that queued prompts are visible to routing; decode fast to keep the test short.
-    args = ["--prefill-tps", "20000", "--decode-tps", "2000", "--lora-modules", "tiny-lora=/adapters/tiny-lora"]
+    args = [
+        "--prefill-tps",
+        "20000",
+        "--decode-tps",
+        "2000",
+        "--lora-modules",
+        "tiny-lora=/adapters/tiny-lora",
+    ]
     tmp = tmp_path_factory.mktemp("cache-aware")
     config = ports.router_config()
-    config["models"] = [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"},
-                        {"name": "tiny-lora", "lora_of": "tiny-llama"}]  # fmt: skip
+    config["models"] = [
+        {"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"},
+        {"name": "tiny-lora", "lora_of": "tiny-llama"},
+    ]
     with (
         running_fleet(ports, tmp / "fleet", args),
         running_router(config, tmp / "router") as url,
@@ -43,13 +52,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetPorts
 
 
 def _turn(url: str, messages: list[dict[str, str]], session: str) -> tuple[str, int, int, str]:
-    body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": WORKLOAD.max_tokens,
-                       "temperature": 0}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": "tiny-llama", "messages": messages, "max_tokens": WORKLOAD.max_tokens, "temperature": 0}
+    ).encode()
     status, headers, payload = post(url + "/v1/chat/completions", body, {"x-session-id": session})
     assert status == 200, payload
     reply = json.loads(payload)["choices"][0]["message"]["content"]
-    return (headers["x-kvroute-instance"], int(headers["x-kvroute-cached-blocks"]),
-            int(headers["x-kvroute-prompt-blocks"]), reply)  # fmt: skip
+    return (
+        headers["x-kvroute-instance"],
+        int(headers["x-kvroute-cached-blocks"]),
+        int(headers["x-kvroute-prompt-blocks"]),
+        reply,
+    )
 
 
 def _hits(ports: FleetPorts, name: str) -> float:
@@ -116,8 +130,10 @@ def test_a_restarted_router_rebuilds_its_index_from_the_engines_replay_buffers(
     stack: tuple[FleetPorts, str], tmp_path: Path
 ) -> None:
     ports, url = stack
-    messages = [{"role": "system", "content": f"Replay {random.random()}: " + WORKLOAD.system_prompt()},
-                {"role": "user", "content": WORKLOAD.user_message(2000, 0)}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": f"Replay {random.random()}: " + WORKLOAD.system_prompt()},
+        {"role": "user", "content": WORKLOAD.user_message(2000, 0)},
+    ]
     first, _, _, reply = _turn(url, messages, "before-restart")
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and now?"}]
     with running_router(ports.router_config(), tmp_path) as fresh:
@@ -136,8 +152,10 @@ def test_without_a_local_tokenizer_the_router_asks_an_instance(
     ports, _ = stack
     config = ports.router_config()
     config["models"] = [{"name": "tiny-llama", "tokenizer": "remote"}]
-    messages = [{"role": "system", "content": f"Remote {random.random()}: " + WORKLOAD.system_prompt()},
-                {"role": "user", "content": WORKLOAD.user_message(3000, 0)}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": f"Remote {random.random()}: " + WORKLOAD.system_prompt()},
+        {"role": "user", "content": WORKLOAD.user_message(3000, 0)},
+    ]
     with running_router(config, tmp_path) as url:
         first, _, prompt_blocks, reply = _turn(url, messages, "remote")
         assert prompt_blocks > 0
@@ -152,8 +170,10 @@ def test_tool_requests_are_tokenized_by_the_engine_and_documents_route_blind(
 ) -> None:
     ports, url = stack
     tools = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object"}}}]
-    messages = [{"role": "system", "content": f"Tools {random.random()}: " + WORKLOAD.system_prompt()},
-                {"role": "user", "content": WORKLOAD.user_message(4000, 0)}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": f"Tools {random.random()}: " + WORKLOAD.system_prompt()},
+        {"role": "user", "content": WORKLOAD.user_message(4000, 0)},
+    ]
     body = {"model": "tiny-llama", "messages": messages, "max_tokens": 4, "tools": tools}
     status, headers, _ = post(
         url + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": "tools"}
@@ -209,8 +229,10 @@ def test_a_lora_adapters_prompt_is_credited_with_its_own_cache_only_as_the_engin
 def _sender(ports: FleetPorts, url: str, tag: str) -> Callable[..., tuple[str, int, float]]:
     """Sends one new prompt, under a salt and a model, and says where it went, the blocks the router
     predicted cached there, and the blocks the engine reused."""
-    messages = [{"role": "system", "content": f"{tag} {random.random()}: " + WORKLOAD.system_prompt()},
-                {"role": "user", "content": WORKLOAD.user_message(1000, 0)}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": f"{tag} {random.random()}: " + WORKLOAD.system_prompt()},
+        {"role": "user", "content": WORKLOAD.user_message(1000, 0)},
+    ]
 
     def send(salt: str | None, model: str = "tiny-llama") -> tuple[str, int, float]:
         fields = {"model": model, "messages": messages, "max_tokens": 2, "temperature": 0}

@@ -46,10 +46,22 @@ class Outcome:
 
 def instance_args(ports: FleetPorts, index: int) -> list[str]:
     args = [
-        "fleet", "--instances", "1", "--first-index", str(index), "--port", str(ports.http + index),
-        "--event-port", str(ports.events + index), "--replay-port", str(ports.replay + index),
-        "--prefill-tps", "20000", "--decode-tps", "50",
-    ]  # fmt: skip
+        "fleet",
+        "--instances",
+        "1",
+        "--first-index",
+        str(index),
+        "--port",
+        str(ports.http + index),
+        "--event-port",
+        str(ports.events + index),
+        "--replay-port",
+        str(ports.replay + index),
+        "--prefill-tps",
+        "20000",
+        "--decode-tps",
+        "50",
+    ]
     return [*args, "--drop-events", "0.2"] if index == LOSSY else args
 
 
@@ -148,7 +160,9 @@ def nudge_until_converged(router_url: str, ports: FleetPorts, index: int, tries:
     for turn in range(tries):
         body = json.dumps({"model": "tiny-llama", "prompt": f"nudge {turn} " * 40, "max_tokens": 1}).encode()
         request = urllib.request.Request(
-            f"http://127.0.0.1:{ports.http + index}/v1/completions", body, {"content-type": "application/json"}
+            f"http://127.0.0.1:{ports.http + index}/v1/completions",
+            body,
+            {"content-type": "application/json"},
         )
         urllib.request.urlopen(request, timeout=10).close()
         if seconds_to_converge(router_url, ports, index, 0.5) is not None:
@@ -208,4 +222,6 @@ def test_chaos_no_request_lost_or_hung_and_the_index_converges(
         assert convergence and convergence[0] is not None, "the index never matched the restarted instance"
         assert gaps >= 1, "the lossy instance dropped no batch the router noticed"
         assert seconds_to_converge(router_url, ports, 0, CONVERGE_S) is not None
-        assert nudge_until_converged(router_url, ports, LOSSY), "replay did not fill the lossy instance's gaps"
+        assert nudge_until_converged(router_url, ports, LOSSY), (
+            "replay did not fill the lossy instance's gaps"
+        )

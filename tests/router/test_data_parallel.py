@@ -30,9 +30,17 @@ WORKLOAD = AgentWorkload(system_prompt_words=600, min_turn_words=80, max_turn_wo
 
 
 def _config(**instance: object) -> dict[str, Any]:
-    first = {"name": "big", "url": "http://127.0.0.1:8000", "events": "tcp://127.0.0.1:5557",
-             "replay": "tcp://127.0.0.1:5600", **instance}  # fmt: skip
-    return {"models": [{"name": "m"}], "instances": [first, {"name": "small", "url": "http://127.0.0.1:8001"}]}
+    first = {
+        "name": "big",
+        "url": "http://127.0.0.1:8000",
+        "events": "tcp://127.0.0.1:5557",
+        "replay": "tcp://127.0.0.1:5600",
+        **instance,
+    }
+    return {
+        "models": [{"name": "m"}],
+        "instances": [first, {"name": "small", "url": "http://127.0.0.1:8001"}],
+    }
 
 
 def test_each_rank_is_a_target_at_its_offset_ports_with_its_rank_header() -> None:
@@ -98,7 +106,10 @@ def test_the_ranks_of_one_engine_share_one_scrape_of_its_metrics_and_each_takes_
         engine = FakeEngine()
         engine.body = exposition(("1", "2"), ("3", "4"), ("0.2", "0.6"))
         async with engine.serving() as url, aiohttp.ClientSession() as session:
-            raw = {"models": [{"name": "m"}], "instances": [{"name": "big", "url": url, "data_parallel_size": 2}]}
+            raw = {
+                "models": [{"name": "m"}],
+                "instances": [{"name": "big", "url": url, "data_parallel_size": 2}],
+            }
             fleet = Upstreams(parse_config(raw))
             await LoadScraper(fleet, session, timeout_s=1.0).scrape_all()
             return [i.load for i in fleet.instances], len(engine.headers)
@@ -112,8 +123,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetPorts
     tmp = tmp_path_factory.mktemp("data-parallel")
     config = ports.router_config()
     config["instances"] = [{**config["instances"][0], "data_parallel_size": RANKS}]  # type: ignore[index]
-    args = ["--instances", "1", "--data-parallel-size", str(RANKS), "--prefill-tps", "20000",
-            "--decode-tps", "2000"]  # fmt: skip
+    args = [
+        "--instances",
+        "1",
+        "--data-parallel-size",
+        str(RANKS),
+        "--prefill-tps",
+        "20000",
+        "--decode-tps",
+        "2000",
+    ]
     one_instance = FleetPorts(ports.http, ports.events, ports.replay, 1)
     with (
         running_fleet(one_instance, tmp / "fleet", args),
@@ -137,8 +156,14 @@ def test_a_conversation_stays_on_the_rank_that_holds_it_and_the_prediction_is_wh
         for turn in range(3):
             messages.append({"role": "user", "content": WORKLOAD.user_message(session * 10 + turn, turn)})
             before = [_rank_hits(ports, rank) for rank in range(RANKS)]
-            body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": WORKLOAD.max_tokens,
-                               "temperature": 0}).encode()  # fmt: skip
+            body = json.dumps(
+                {
+                    "model": "tiny-llama",
+                    "messages": messages,
+                    "max_tokens": WORKLOAD.max_tokens,
+                    "temperature": 0,
+                }
+            ).encode()
             # The first turn is placed by round robin (an idle fleet's ranks tie), the rest by the default policy.
             placed = {"x-kvroute-policy": "round-robin"} if turn == 0 else {}
             status, headers, payload = post(url + "/v1/chat/completions", body, placed)
@@ -150,7 +175,9 @@ def test_a_conversation_stays_on_the_rank_that_holds_it_and_the_prediction_is_wh
             if turn:
                 assert reused > 0
             chosen.append(instance)
-            messages.append({"role": "assistant", "content": json.loads(payload)["choices"][0]["message"]["content"]})
+            messages.append(
+                {"role": "assistant", "content": json.loads(payload)["choices"][0]["message"]["content"]}
+            )
         assert chosen == [chosen[0]] * len(chosen)
         used.add(chosen[0])
     assert used == {"fleet-0-dp0", "fleet-0-dp1"}

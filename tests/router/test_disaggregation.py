@@ -33,8 +33,15 @@ def long_text(tag: str, words: int = 400) -> str:
 
 def chat(text: str, stream: bool = False, max_tokens: int = 4) -> bytes:
     messages = [{"role": "user", "content": text}]
-    return json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": max_tokens, "stream": stream,
-                       "stream_options": {"include_usage": True} if stream else None}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": "tiny-llama",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None,
+        }
+    ).encode()
 
 
 def pd_config(fleet: FleetPorts, connector: str, **extra: object) -> dict[str, object]:
@@ -44,7 +51,10 @@ def pd_config(fleet: FleetPorts, connector: str, **extra: object) -> dict[str, o
     for number, (instance, role) in enumerate(zip(instances, ROLES, strict=True)):
         instance["role"] = role
         if role == "prefill":
-            instance |= {"kv_engine_id": instance["name"], "kv_bootstrap_url": f"http://127.0.0.1:{BOOTSTRAP_PORT + number}"}
+            instance |= {
+                "kv_engine_id": instance["name"],
+                "kv_bootstrap_url": f"http://127.0.0.1:{BOOTSTRAP_PORT + number}",
+            }
     return config
 
 
@@ -74,10 +84,14 @@ def by_source(fleet: FleetPorts, index: int) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
-def pd_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetPorts, str]]:
+def pd_fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[FleetPorts, str]]:
     connector = request.param
     ports = FleetPorts.allocate(len(ROLES))
-    with running_fleet(ports, tmp_path_factory.mktemp(f"pd-fleet-{connector}"), [*FLEET_ARGS, "--kv-connector", connector]):
+    with running_fleet(
+        ports, tmp_path_factory.mktemp(f"pd-fleet-{connector}"), [*FLEET_ARGS, "--kv-connector", connector]
+    ):
         yield ports, connector
 
 
@@ -113,7 +127,9 @@ def test_a_long_prompt_is_prefilled_on_a_prefill_instance_and_its_kv_fetched_by_
 
 
 def test_a_stream_goes_both_legs_and_streams_from_the_decode_instance(pd_router: str) -> None:
-    status, headers, payload = post(pd_router + "/v1/chat/completions", chat(long_text("streamed"), stream=True))
+    status, headers, payload = post(
+        pd_router + "/v1/chat/completions", chat(long_text("streamed"), stream=True)
+    )
     assert status == 200, payload
     assert headers["x-kvroute-prefill-instance"] in PREFILL and headers["x-kvroute-instance"] in DECODE
     events = [line[6:] for line in payload.decode().splitlines() if line.startswith("data: ")]
@@ -133,8 +149,11 @@ def test_the_next_turn_skips_the_prefill_leg_where_the_decode_instance_holds_the
     decode = headers["x-kvroute-instance"]
     time.sleep(0.3)  # the decode instance's KV events reach the index
     reply = json.loads(payload)["choices"][0]["message"]["content"]
-    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": reply},
-                {"role": "user", "content": "and then?"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": text},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "and then?"},
+    ]
     body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": 4}).encode()
     before = by_source(fleet, int(decode[-1]))
     status, headers, payload = post(pd_router + "/v1/chat/completions", body, session)
@@ -171,13 +190,21 @@ def test_prefill_leg_dropped_is_retried_on_another_prefill_instance(
         with running_router(config, tmp_path) as url:
             prefilled = set()
             for n in range(3):  # round robin over the prefill instances reaches the dying one
-                status, headers, payload = post(url + "/v1/chat/completions", chat(long_text(f"retry {n}")),
-                                                {"x-kvroute-policy": "round-robin"})  # fmt: skip
+                status, headers, payload = post(
+                    url + "/v1/chat/completions",
+                    chat(long_text(f"retry {n}")),
+                    {"x-kvroute-policy": "round-robin"},
+                )
                 assert status == 200, payload
                 assert headers["x-kvroute-instance"] in DECODE
                 prefilled.add(headers["x-kvroute-prefill-instance"])
             assert prefilled == {"fleet-1"}
-            assert metric(url, "kvroute_upstream_errors_total", vllm_instance="dying-prefill", kind="disconnected") >= 1
+            assert (
+                metric(
+                    url, "kvroute_upstream_errors_total", vllm_instance="dying-prefill", kind="disconnected"
+                )
+                >= 1
+            )
 
 
 def test_with_no_prefill_instance_up_the_decode_instance_computes_the_prompt(
@@ -207,8 +234,11 @@ def test_decode_leg_that_cannot_connect_goes_to_another_decode_instance_with_the
         # Gone after the router found it healthy: its next connection is refused.
         for n in range(2):  # round robin reaches the dead decode instance
             before = by_source(fleet, 3)
-            status, headers, payload = post(url + "/v1/chat/completions", chat(long_text(f"decode retry {n}")),
-                                            {"x-kvroute-policy": "round-robin"})  # fmt: skip
+            status, headers, payload = post(
+                url + "/v1/chat/completions",
+                chat(long_text(f"decode retry {n}")),
+                {"x-kvroute-policy": "round-robin"},
+            )
             assert status == 200, payload
             assert headers["x-kvroute-instance"] == "fleet-3"
             prompt = json.loads(payload)["usage"]["prompt_tokens"]
@@ -229,22 +259,36 @@ def test_decode_leg_dropped_before_its_first_byte_gets_a_fresh_prefill_elsewhere
         with running_router(config, tmp_path) as url:
             statuses, decoded = [], set()
             for n in range(2):
-                status, headers, _payload = post(url + "/v1/chat/completions", chat(long_text(f"dropped {n}")),
-                                                {"x-kvroute-policy": "round-robin"})  # fmt: skip
+                status, headers, _payload = post(
+                    url + "/v1/chat/completions",
+                    chat(long_text(f"dropped {n}")),
+                    {"x-kvroute-policy": "round-robin"},
+                )
                 statuses.append(status)
                 decoded.add(headers.get("x-kvroute-instance"))
             assert statuses == [200, 200] and decoded == {"fleet-3"}
-            assert metric(url, "kvroute_upstream_errors_total", vllm_instance="dying-decode", kind="disconnected") >= 1
-            assert prefill_legs(url) == 3  # the dropped request's KV may have gone with the decode leg: prefilled anew
+            assert (
+                metric(
+                    url, "kvroute_upstream_errors_total", vllm_instance="dying-decode", kind="disconnected"
+                )
+                >= 1
+            )
+            assert (
+                prefill_legs(url) == 3
+            )  # the dropped request's KV may have gone with the decode leg: prefilled anew
 
 
-def test_a_client_that_leaves_during_the_prefill_leg_aborts_it(pd_fleet: tuple[FleetPorts, str], tmp_path: Path) -> None:
+def test_a_client_that_leaves_during_the_prefill_leg_aborts_it(
+    pd_fleet: tuple[FleetPorts, str], tmp_path: Path
+) -> None:
     fleet, connector = pd_fleet
     with running_router(pd_config(fleet, connector), tmp_path) as url:
         prefill_urls = [f"http://127.0.0.1:{fleet.http + i}" for i in (0, 1)]
 
         def aborted() -> float:
-            return sum(sample(u, "vllm:request_success_total", finished_reason="abort") or 0 for u in prefill_urls)
+            return sum(
+                sample(u, "vllm:request_success_total", finished_reason="abort") or 0 for u in prefill_urls
+            )
 
         before = aborted()
 
@@ -254,8 +298,11 @@ def test_a_client_that_leaves_during_the_prefill_leg_aborts_it(pd_fleet: tuple[F
                 body = chat(long_text("left", words=2000))
                 with pytest.raises(TimeoutError):
                     async with asyncio.timeout(0.4):
-                        await session.post(url + "/v1/chat/completions", data=body,
-                                           headers={"content-type": "application/json"})  # fmt: skip
+                        await session.post(
+                            url + "/v1/chat/completions",
+                            data=body,
+                            headers={"content-type": "application/json"},
+                        )
 
         asyncio.run(leave())
         deadline = time.monotonic() + 10
@@ -267,7 +314,9 @@ def test_a_client_that_leaves_during_the_prefill_leg_aborts_it(pd_fleet: tuple[F
             sample(url, "kvroute_instance_in_flight", vllm_instance=f"fleet-{i}") for i in range(4)
         ):
             time.sleep(0.1)
-        assert not any(sample(url, "kvroute_instance_in_flight", vllm_instance=f"fleet-{i}") for i in range(4))
+        assert not any(
+            sample(url, "kvroute_instance_in_flight", vllm_instance=f"fleet-{i}") for i in range(4)
+        )
 
 
 def test_a_prefill_leg_past_the_first_byte_timeout_is_a_504_and_holds_nothing(
@@ -282,7 +331,9 @@ def test_a_prefill_leg_past_the_first_byte_timeout_is_a_504_and_holds_nothing(
 
     config = pd_config(fleet, connector, upstream={"first_byte_timeout_s": 0.5})
     with serving(healthy, stall, path="/v1/chat/completions") as port:
-        del with_instance(config, 0, "stalled-prefill", port)[1]  # the stalled one is the only prefill instance
+        del with_instance(config, 0, "stalled-prefill", port)[
+            1
+        ]  # the stalled one is the only prefill instance
         with running_router(config, tmp_path) as url:
             started = time.monotonic()
             status, _, payload = post(url + "/v1/chat/completions", chat(long_text("stalled")))

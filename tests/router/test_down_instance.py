@@ -23,11 +23,25 @@ SESSION = " ".join(f"context{i}" for i in range(300))
 def two_instances(tmp_path: Path) -> Iterator[tuple[FleetPorts, list[Child]]]:
     ports = FleetPorts.allocate(2)
     children = [
-        start(f"fleet-{i}", ["fleet", "--instances", "1", "--first-index", str(i), "--port", str(ports.http + i),
-                             "--event-port", str(ports.events + i), "--replay-port", str(ports.replay + i)],
-              tmp_path)
+        start(
+            f"fleet-{i}",
+            [
+                "fleet",
+                "--instances",
+                "1",
+                "--first-index",
+                str(i),
+                "--port",
+                str(ports.http + i),
+                "--event-port",
+                str(ports.events + i),
+                "--replay-port",
+                str(ports.replay + i),
+            ],
+            tmp_path,
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     try:
         for i, child in enumerate(children):
             wait_healthy(child, [ports.health_urls()[i]])

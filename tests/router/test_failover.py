@@ -49,7 +49,9 @@ def test_requests_are_routed_around_a_dead_instance(router_with_dead_instance: s
     assert [status for status, _, _ in results] == [200] * 8
     assert {headers["x-kvroute-instance"] for _, headers, _ in results} == {"fleet-0", "fleet-1", "fleet-2"}
     assert (
-        metric(router_with_dead_instance, "kvroute_upstream_errors_total", vllm_instance="dead", kind="connect")
+        metric(
+            router_with_dead_instance, "kvroute_upstream_errors_total", vllm_instance="dead", kind="connect"
+        )
         >= 1
     )
     assert metric(router_with_dead_instance, "kvroute_instance_healthy", vllm_instance="dead") == 0
@@ -149,8 +151,10 @@ def test_a_request_dropped_unanswered_is_served_by_another_instance(
     dropping_upstream: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
     config = fleet.router_config()
-    config["instances"] = [{"name": "dropper", "url": f"http://127.0.0.1:{dropping_upstream}"},
-                           config["instances"][0]]  # fmt: skip
+    config["instances"] = [
+        {"name": "dropper", "url": f"http://127.0.0.1:{dropping_upstream}"},
+        config["instances"][0],
+    ]
     with running_router(config, tmp_path) as url:
         body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2}).encode()
         served = []
@@ -199,8 +203,10 @@ def test_an_instance_that_never_accepts_is_a_connect_failure_served_elsewhere(
 ) -> None:
     config = fleet.router_config(health={"interval_s": 60, "unhealthy_after": 100})
     config["upstream"] = {"connect_timeout_s": 0.3}
-    config["instances"] = [{"name": "stuck", "url": f"http://127.0.0.1:{never_accepting_port}"},
-                           config["instances"][0]]  # fmt: skip
+    config["instances"] = [
+        {"name": "stuck", "url": f"http://127.0.0.1:{never_accepting_port}"},
+        config["instances"][0],
+    ]
     with running_router(config, tmp_path) as url:
         for _ in range(4):
             status, headers, payload = post(
@@ -262,15 +268,22 @@ def test_an_upstreams_retry_after_reaches_the_client(status: int, tmp_path: Path
 async def _queue_full(request: web.Request) -> web.Response:
     """vLLM's answer past --max-num-queued-reqs: a 503 before any work, asking for another instance."""
     await request.read()
-    error = {"message": "The engine is currently busy and cannot accept new requests. Please try again later "
-                        "or on a different instance.", "type": "Service Unavailable", "param": None, "code": 503}
-    return web.json_response({"error": error}, status=503, headers={"Retry-After": "3"})  # fmt: skip
+    error = {
+        "message": "The engine is currently busy and cannot accept new requests. Please try again later "
+        "or on a different instance.",
+        "type": "Service Unavailable",
+        "param": None,
+        "code": 503,
+    }
+    return web.json_response({"error": error}, status=503, headers={"Retry-After": "3"})
 
 
 def _two_instances(first: int, second: int) -> dict[str, object]:
     return {
         "models": [{"name": "tiny-llama"}],
-        "instances": [{"name": f"i{n}", "url": f"http://127.0.0.1:{port}"} for n, port in enumerate((first, second))],
+        "instances": [
+            {"name": f"i{n}", "url": f"http://127.0.0.1:{port}"} for n, port in enumerate((first, second))
+        ],
         "circuit_breaker": {"failures": 2},
     }
 
@@ -280,7 +293,9 @@ def test_a_busy_instances_503_is_served_by_another_instance(tmp_path: Path) -> N
         with running_router(_two_instances(busy, free), tmp_path) as url:
             attempts = []
             for _ in range(6):  # round robin: every other request tries the busy one first
-                status, headers, payload = post(url + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"})
+                status, headers, payload = post(
+                    url + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"}
+                )
                 assert (status, headers["x-kvroute-instance"]) == (200, "i1"), payload
                 attempts.append(headers["x-kvroute-attempts"])
             assert sorted(set(attempts)) == ["1", "2"]

@@ -47,7 +47,9 @@ def traffic(router_url: str) -> list[Served]:
     # KV events and the end of a relayed stream are recorded after the client has its answer.
     for instance in {s.instance for s in served}:
         _eventually(
-            lambda i=instance: sample(router_url, "kvroute_kv_events_total", vllm_instance=i, type="BlockStored")
+            lambda i=instance: sample(
+                router_url, "kvroute_kv_events_total", vllm_instance=i, type="BlockStored"
+            )
         )
         _eventually(lambda i=instance: sample(router_url, "kvroute_instance_in_flight", vllm_instance=i) == 0)
     return served
@@ -119,8 +121,11 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
     samples.append(("kvroute_session_turns_total", {"policy": first, "placement": "first"}, 1))
     for s in served:
         samples += [
-            ("kvroute_requests_total", {"policy": s.policy, "vllm_instance": s.instance, "status": "200",
-                                        "model": MODEL}, 1),
+            (
+                "kvroute_requests_total",
+                {"policy": s.policy, "vllm_instance": s.instance, "status": "200", "model": MODEL},
+                1,
+            ),
             ("kvroute_ttft_predicted_seconds_count", {"vllm_instance": s.instance}, 1),
             ("kvroute_index_blocks", {"vllm_instance": s.instance, "tier": "gpu"}, 1),
             ("kvroute_kv_events_total", {"vllm_instance": s.instance, "type": "BlockStored"}, 1),
@@ -130,7 +135,10 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
         samples += [
             ("kvroute_ttft_observed_seconds_count", {"vllm_instance": s.instance}, 1),
             ("kvroute_ttft_prediction_error_seconds_count", {"vllm_instance": s.instance}, 1),
-            *[("kvroute_ttft_model_rate", {"vllm_instance": s.instance, "term": term}, present) for term in TERMS],
+            *[
+                ("kvroute_ttft_model_rate", {"vllm_instance": s.instance, "term": term}, present)
+                for term in TERMS
+            ],
             ("kvroute_ttft_instance_slowdown", {"vllm_instance": s.instance}, 0.0),
         ]
     return samples

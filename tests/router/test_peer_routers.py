@@ -31,14 +31,22 @@ def _in_flight(url: str) -> int:
 def _stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     """A chat stream that holds its instance for ~4 s (the session fleet decodes 1,000 tokens a second)."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny-llama", "max_tokens": 4000, "stream": True,
-                       "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "max_tokens": 4000,
+            "stream": True,
+            "messages": [{"role": "user", "content": "a long answer"}],
+        }
+    )
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     connection.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
     return connection, connection.getresponse()
 
 
-def test_routers_count_each_others_requests_and_forget_one_that_stops(fleet: FleetPorts, tmp_path: Path) -> None:
+def test_routers_count_each_others_requests_and_forget_one_that_stops(
+    fleet: FleetPorts, tmp_path: Path
+) -> None:
     port = free_port_block(2)
     first, second = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
     settings = {
@@ -47,13 +55,18 @@ def test_routers_count_each_others_requests_and_forget_one_that_stops(fleet: Fle
     }
     timing = {"interval_s": 0.05, "stale_after_s": 0.5}
     with contextlib.ExitStack() as routers:
-        second_url = routers.enter_context(running_router(fleet.router_config(
-            peers={"publish": second, "subscribe": [first], **timing}, **settings), tmp_path, "second",
-        ))  # fmt: skip
+        second_url = routers.enter_context(
+            running_router(
+                fleet.router_config(peers={"publish": second, "subscribe": [first], **timing}, **settings),
+                tmp_path,
+                "second",
+            )
+        )
         with running_router(
             fleet.router_config(peers={"publish": first, "subscribe": [second], **timing}, **settings),
-            tmp_path, "first",
-        ) as first_url:  # fmt: skip
+            tmp_path,
+            "first",
+        ) as first_url:
             for url in (first_url, second_url):
                 _eventually(lambda url=url: sample(url, "kvroute_peer_routers") == 1)  # type: ignore[misc]
             streams = [_stream(first_url) for _ in range(3)]  # one on each instance, through the first

@@ -50,7 +50,9 @@ def get_json(url: str) -> Any:
 
 
 def test_chat_non_streaming_carries_usage_and_debug_headers(client: openai.OpenAI) -> None:
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=1)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, seed=1
+    )
     completion = raw.parse()
     assert raw.headers["x-kvroute-instance"] in FLEET_NAMES
     assert raw.headers["x-kvroute-policy"] == "kvroute"
@@ -63,9 +65,13 @@ def test_chat_non_streaming_carries_usage_and_debug_headers(client: openai.OpenA
 def test_streamed_chat_text_equals_non_streamed(client: openai.OpenAI, seed: int) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, seed=seed)
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=20, seed=seed, stream=True,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=20,
+        seed=seed,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content
@@ -77,10 +83,10 @@ def test_streamed_completion_text_equals_non_streamed(client: openai.OpenAI) -> 
     prompt = "def parse_retry_after(value):"
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=15, seed=5)
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=15, seed=5, stream=True
-        ) if c.choices
-    )  # fmt: skip
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=15, seed=5, stream=True)
+        if c.choices
+    )
     assert streamed == whole.choices[0].text
     assert whole.usage is not None and whole.usage.completion_tokens == 15
 
@@ -98,7 +104,9 @@ def test_stream_is_relayed_chunk_by_chunk_with_headers(router_url: str) -> None:
     assert len(events) == 6  # five tokens, then [DONE]
 
 
-def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances_model(router_url: str) -> None:
+def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances_model(
+    router_url: str,
+) -> None:
     body = json.dumps({"model": MODEL, "prompt": "calibrate " * 40, "max_tokens": 2, "stream": True}).encode()
     status, headers, _ = post(router_url + "/v1/completions", body)
     assert status == 200
@@ -111,7 +119,9 @@ def test_each_answer_says_its_predicted_ttft_and_streams_calibrate_the_instances
     assert metric(router_url, "kvroute_ttft_prediction_error_seconds_count", vllm_instance=instance) >= 1
     # The model followed what it observed. Which rates moved, and how far, depends on the TTFTs this shared
     # fleet gave (under load a rate may be fitted to 0), so only the move itself is asserted.
-    rates = [metric(router_url, "kvroute_ttft_model_rate", vllm_instance=instance, term=term) for term in TERMS]
+    rates = [
+        metric(router_url, "kvroute_ttft_model_rate", vllm_instance=instance, term=term) for term in TERMS
+    ]
     assert min(rates) >= 0
     assert rates != pytest.approx(TTFTPriors().rates().tolist())
 
@@ -130,7 +140,9 @@ def test_health_reports_healthy_instances(router_url: str) -> None:
     assert health["unhealthy_instances"] == health["unavailable_models"] == health["warnings"] == []
 
 
-def test_health_warns_of_engines_whose_blocks_the_index_cannot_hold(fleet: FleetPorts, tmp_path: Path) -> None:
+def test_health_warns_of_engines_whose_blocks_the_index_cannot_hold(
+    fleet: FleetPorts, tmp_path: Path
+) -> None:
     """The fleet's blocks are of 32 tokens: a router configured for 16 would route blind, and says so."""
     with running_router(fleet.router_config(block_size=16), tmp_path) as url:
         deadline = time.monotonic() + 10
@@ -144,7 +156,10 @@ def test_health_warns_of_engines_whose_blocks_the_index_cannot_hold(fleet: Fleet
             time.sleep(0.2)
     assert health["status"] == "degraded"  # still 200: the router serves, but routes blind
     assert health["warnings"], health  # the instances that served a prompt, or replayed one at start
-    assert all(warning.endswith("publishes KV blocks of 32 tokens; block_size is 16") for warning in health["warnings"])
+    assert all(
+        warning.endswith("publishes KV blocks of 32 tokens; block_size is 16")
+        for warning in health["warnings"]
+    )
 
 
 def _error(status: int, code: str, param: str | None, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -158,17 +173,33 @@ def _error(status: int, code: str, param: str | None, kind: str = "invalid_reque
         ("/v1/chat/completions", b"", _error(400, "invalid_json", None)),
         ("/v1/chat/completions", b"[1, 2]", _error(400, "invalid_field", None)),
         ("/v1/chat/completions", b'{"model": "tiny-llama"}', _error(400, "invalid_field", "messages")),
-        ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": []}', _error(400, "invalid_field", "messages")),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny-llama", "messages": []}',
+            _error(400, "invalid_field", "messages"),
+        ),
         ("/v1/chat/completions", b'{"model": 7, "messages": []}', _error(400, "invalid_field", "model")),
         ("/v1/completions", b'{"model": "tiny-llama"}', _error(400, "invalid_field", "prompt")),
-        ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "stream": "maybe"}',
-         _error(400, "invalid_field", "stream")),
-        ("/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', _error(404, "model_not_found", "model")),
-        ("/v1/chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',
-         _error(404, "model_not_found", "model")),
+        (
+            "/v1/completions",
+            b'{"model": "tiny-llama", "prompt": "x", "stream": "maybe"}',
+            _error(400, "invalid_field", "stream"),
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "no-such-model", "prompt": "x"}',
+            _error(404, "model_not_found", "model"),
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',
+            _error(404, "model_not_found", "model"),
+        ),
     ],
-)  # fmt: skip
-def test_client_errors_have_openai_shape(router_url: str, path: str, body: bytes, expected: dict[str, Any]) -> None:
+)
+def test_client_errors_have_openai_shape(
+    router_url: str, path: str, body: bytes, expected: dict[str, Any]
+) -> None:
     status, headers, payload = post(router_url + path, body)
     assert status == expected["status"]
     assert headers["content-type"] == "application/json"
@@ -200,7 +231,9 @@ def test_upstream_4xx_is_passed_through_unchanged(router_url: str, fleet: FleetP
 def test_forced_round_robin_cycles_through_the_fleet(router_url: str) -> None:
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
     chosen = [
-        post(router_url + "/v1/completions", body, {"x-kvroute-policy": "round-robin"})[1]["x-kvroute-instance"]
+        post(router_url + "/v1/completions", body, {"x-kvroute-policy": "round-robin"})[1][
+            "x-kvroute-instance"
+        ]
         for _ in range(6)
     ]
     assert set(chosen[:3]) == FLEET_NAMES
@@ -229,10 +262,17 @@ def test_metrics_count_requests_by_policy_instance_and_status(router_url: str, c
     with urllib.request.urlopen(router_url + "/metrics", timeout=10) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
     requests = families["kvroute_requests"].samples
-    assert any(s.labels["policy"] == "kvroute" and s.labels["status"] == "200" and s.value >= 1 for s in requests)
+    assert any(
+        s.labels["policy"] == "kvroute" and s.labels["status"] == "200" and s.value >= 1 for s in requests
+    )
     assert {s.labels["vllm_instance"] for s in requests} <= FLEET_NAMES
-    for name in ("kvroute_time_to_first_byte_seconds", "kvroute_request_duration_seconds",
-                 "kvroute_routing_decision_seconds", "kvroute_instance_healthy", "kvroute_rejected_requests"):
+    for name in (
+        "kvroute_time_to_first_byte_seconds",
+        "kvroute_request_duration_seconds",
+        "kvroute_routing_decision_seconds",
+        "kvroute_instance_healthy",
+        "kvroute_rejected_requests",
+    ):
         assert name in families, name
 
 
@@ -246,16 +286,20 @@ def test_stream_arrives_while_generating_and_a_hang_up_aborts_it(router_url: str
     name = response.headers["x-kvroute-instance"]
     instance = instance_url(fleet, int(name.removeprefix("fleet-")))
     assert response.readline().startswith(b"data: {")
-    assert metric(instance, "vllm:num_requests_running") == 1  # still generating: the router relayed without buffering
+    assert (
+        metric(instance, "vllm:num_requests_running") == 1
+    )  # still generating: the router relayed without buffering
     assert metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 1
     response.close()
     for _ in range(100):  # the router closes its upstream connection, the engine aborts the request
-        if metric(instance, "vllm:num_requests_running") == 0 and metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 0:
+        if (
+            metric(instance, "vllm:num_requests_running") == 0
+            and metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 0
+        ):
             break
         time.sleep(0.05)
     assert metric(instance, "vllm:num_requests_running") == 0
     assert metric(router_url, "kvroute_instance_in_flight", vllm_instance=name) == 0
-
 
 
 @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")

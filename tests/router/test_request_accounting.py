@@ -32,8 +32,11 @@ def _start_slow_body(url: str) -> socket.socket:
 
 def test_a_client_slow_to_send_its_body_holds_no_slot_and_gets_a_408(tmp_path: Path) -> None:
     with serving(healthy, answering) as port:
-        config = {**only_instance("i0", port), "admission": {"max_in_flight": 1, "queue_timeout_s": 1},
-                  "limits": {"body_timeout_s": 2}}  # fmt: skip
+        config = {
+            **only_instance("i0", port),
+            "admission": {"max_in_flight": 1, "queue_timeout_s": 1},
+            "limits": {"body_timeout_s": 2},
+        }
         with running_router(config, tmp_path) as url:
             slow = _start_slow_body(url)
             try:
@@ -74,7 +77,8 @@ def test_a_stream_its_client_left_is_counted_as_closed_not_as_an_answer(tmp_path
             with socket.create_connection((host, int(router_port))) as client:
                 client.sendall(
                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
                 )
                 received = b""
                 while b"data: " not in received:  # its first chunk came; then it leaves
@@ -108,14 +112,20 @@ def test_the_time_to_first_byte_counts_the_attempt_that_failed_before_it(tmp_pat
     with serving(healthy, _drop_after_a_second) as dropper, serving(healthy, answering) as fine:
         config = {
             "models": [{"name": "tiny-llama"}],
-            "instances": [{"name": "dropper", "url": f"http://127.0.0.1:{dropper}"},
-                          {"name": "fine", "url": f"http://127.0.0.1:{fine}"}],
+            "instances": [
+                {"name": "dropper", "url": f"http://127.0.0.1:{dropper}"},
+                {"name": "fine", "url": f"http://127.0.0.1:{fine}"},
+            ],
             "health": {"interval_s": 60},
-        }  # fmt: skip
+        }
         with running_router(config, tmp_path) as url:
             status, headers, _ = post(url + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"})
             if headers["x-kvroute-attempts"] == "1":  # round robin began with the fine one
                 status, headers, _ = post(url + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"})
-            assert (status, headers["x-kvroute-attempts"], headers["x-kvroute-instance"]) == (200, "2", "fine")
+            assert (status, headers["x-kvroute-attempts"], headers["x-kvroute-instance"]) == (
+                200,
+                "2",
+                "fine",
+            )
             assert metric(url, "kvroute_time_to_first_byte_seconds_sum", policy="round-robin") >= 1.0
             assert metric(url, "kvroute_request_duration_seconds_sum", policy="round-robin") >= 1.0

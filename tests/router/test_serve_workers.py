@@ -93,8 +93,9 @@ def _eventually(condition: Callable[[], object], timeout_s: float = 20.0) -> Non
 def chat(served: Served, messages: list[dict[str, str]], session: str | None = None) -> dict[str, str]:
     """The answer's headers; fails unless it is a 200."""
     body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": 4}).encode()
-    status, headers, payload = post(served.url + "/v1/chat/completions", body,
-                                    {"x-session-id": session} if session else {})  # fmt: skip
+    status, headers, payload = post(
+        served.url + "/v1/chat/completions", body, {"x-session-id": session} if session else {}
+    )
     assert status == 200, payload
     served.sent += 1
     return {name.lower(): value for name, value in headers.items()}
@@ -196,8 +197,12 @@ def test_a_killed_worker_loses_no_later_request_and_is_replaced(served: Served) 
         assert int(chat(served, [{"role": "user", "content": f"after {i}"}])[WORKER]) != victim
     _eventually(lambda: len(served.workers()) == 2 and victim not in served.workers())
     replacement = (served.workers() - before).pop()
-    _eventually(lambda: replacement in {int(chat(served, [{"role": "user", "content": "new"}])[WORKER])
-                                        for _ in range(16)})  # fmt: skip
+    _eventually(
+        lambda: (
+            replacement
+            in {int(chat(served, [{"role": "user", "content": "new"}])[WORKER]) for _ in range(16)}
+        )
+    )
     _, samples = scrape(served.url)  # the dead worker's requests still count
     assert requests_total(samples) == served.sent
     assert "exited with -9; restarting it" in served.child.log_path.read_text()
@@ -208,13 +213,20 @@ def test_sigterm_drains_and_ends_every_process(fleet: FleetPorts, tmp_path: Path
     try:
         workers = running.workers()
         with ThreadPoolExecutor(1) as pool:
-            body = {"model": "tiny-llama", "max_tokens": 1500, "stream": True,
-                    "messages": [{"role": "user", "content": "a long answer"}]}  # fmt: skip
+            body = {
+                "model": "tiny-llama",
+                "max_tokens": 1500,
+                "stream": True,
+                "messages": [{"role": "user", "content": "a long answer"}],
+            }
             streamed = pool.submit(post, running.url + "/v1/chat/completions", json.dumps(body).encode())
-            _eventually(lambda: any(
-                value for key, value in scrape(running.url)[1].items()
-                if key.startswith("kvroute_instance_in_flight")
-            ))  # fmt: skip
+            _eventually(
+                lambda: any(
+                    value
+                    for key, value in scrape(running.url)[1].items()
+                    if key.startswith("kvroute_instance_in_flight")
+                )
+            )
             running.child.process.send_signal(signal.SIGTERM)
             status, _, payload = streamed.result(timeout=30)
         assert status == 200

@@ -133,7 +133,11 @@ class WholeAnswer(threading.Thread):
     def run(self) -> None:
         try:
             with urllib.request.urlopen(story(self.url, self.tokens, stream=False), timeout=30) as response:
-                self.status, self.headers, self.body = response.status, dict(response.headers), response.read()
+                self.status, self.headers, self.body = (
+                    response.status,
+                    dict(response.headers),
+                    response.read(),
+                )
         except urllib.error.HTTPError as error:
             self.status, self.headers, self.body = error.code, dict(error.headers), error.read()
 

@@ -27,8 +27,9 @@ def _request(port: int, prompt: str, stream: bool = True) -> socket.socket:
     client = socket.create_connection(("127.0.0.1", port), timeout=30)
     client.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-    )  # fmt: skip
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     return client
 
 

@@ -116,7 +116,9 @@ def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_done(
 def test_a_pause_between_chunks_within_the_idle_timeout_is_not_held_to_the_first_byte_timeout(
     pauses_after_first_chunk: int, fleet: FleetPorts, tmp_path: Path
 ) -> None:
-    config = _first_alone(fleet, "pausing", pauses_after_first_chunk, first_byte_timeout_s=0.5, stream_idle_timeout_s=4)
+    config = _first_alone(
+        fleet, "pausing", pauses_after_first_chunk, first_byte_timeout_s=0.5, stream_idle_timeout_s=4
+    )
     with running_router(config, tmp_path) as url:
         status, headers, payload = post(url + "/v1/completions", STREAM)
         assert status == 200 and headers["x-kvroute-instance"] == "pausing"
@@ -156,8 +158,12 @@ _stream_of = contextlib.contextmanager(_streaming)
 
 
 def _error_event(code: int) -> bytes:
-    error = {"message": "failed", "type": "InternalServerError" if code >= 500 else "BadRequestError",
-             "param": None, "code": code}  # fmt: skip
+    error = {
+        "message": "failed",
+        "type": "InternalServerError" if code >= 500 else "BadRequestError",
+        "param": None,
+        "code": code,
+    }
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
@@ -172,8 +178,9 @@ def test_an_engine_error_event_mid_stream_counts_against_the_instance_a_refusal_
         with running_router(config, tmp_path) as url:
             status, _, payload = post(url + "/v1/completions", STREAM)
             assert status == 200 and payload == CHUNK + _error_event(code) + b"data: [DONE]\n\n"  # as sent
-            assert (sample(url, "kvroute_upstream_errors_total", vllm_instance="erring", kind="stream_error")
-                    or 0) == failures  # fmt: skip
+            assert (
+                sample(url, "kvroute_upstream_errors_total", vllm_instance="erring", kind="stream_error") or 0
+            ) == failures
             assert (sample(url, "kvroute_circuit_opens_total", vllm_instance="erring") or 0) == failures
 
 

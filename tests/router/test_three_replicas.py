@@ -76,8 +76,12 @@ def replicas(fleet: FleetPorts, tmp_path: Path) -> Iterator[list[Replica]]:
     endpoints = [f"tcp://127.0.0.1:{publish + n}" for n in range(REPLICAS)]
     started = []
     for n in range(REPLICAS):
-        peers = {"publish": endpoints[n], "subscribe": [e for e in endpoints if e != endpoints[n]],
-                 "interval_s": 0.05, "stale_after_s": 0.5}  # fmt: skip
+        peers = {
+            "publish": endpoints[n],
+            "subscribe": [e for e in endpoints if e != endpoints[n]],
+            "interval_s": 0.05,
+            "stale_after_s": 0.5,
+        }
         config = fleet.router_config(BLOCK_SIZE, peers=peers, health={"interval_s": 0.2})
         path = tmp_path / f"replica-{n}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -159,8 +163,12 @@ def take_turn(replica: Replica, session: Session, rng: random.Random) -> tuple[i
         predicted = int(response.headers["x-kvroute-cached-blocks"])
     session.messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
     session.instance = session.instance or instance
-    turn = (int(replica.name.rpartition("-")[2]), instance, predicted,
-            answer["usage"]["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
+    turn = (
+        int(replica.name.rpartition("-")[2]),
+        instance,
+        predicted,
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
     session.turns.append(turn)
     return turn
 

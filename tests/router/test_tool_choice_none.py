@@ -17,9 +17,15 @@ from tests.router.test_proxy import post
 BLOCK = 16
 MESSAGES = [{"role": "user", "content": "Summarise the failing tests in two lines. " * 6}]
 TOOLS = [
-    {"type": "function", "function": {"name": "run_tests", "description": "Runs the project's test suite.",
-     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Runs the project's test suite.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +38,13 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def _prompt_blocks(router_url: str, tool_choice: str) -> tuple[int, int]:
     """The router's count of the chat's prompt blocks and the engine's, from its usage."""
-    body = {"model": "tiny-llama", "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice,
-            "max_tokens": 1}  # fmt: skip
+    body = {
+        "model": "tiny-llama",
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": 1,
+    }
     status, headers, answer = post(router_url + "/v1/chat/completions", json.dumps(body).encode())
     assert status == 200, answer
     return int(headers["x-kvroute-prompt-blocks"]), json.loads(answer)["usage"]["prompt_tokens"] // BLOCK

@@ -100,9 +100,11 @@ def test_an_instances_own_key_variable_wins_and_unset_ones_are_refused(
     raw = {
         "models": [{"name": "m"}],
         "upstream": {"api_key_env": "FLEET_KEY"},
-        "instances": [{"name": "a", "url": "http://127.0.0.1:9001"},
-                      {"name": "b", "url": "http://127.0.0.1:9002", "api_key_env": "B_KEY"}],
-    }  # fmt: skip
+        "instances": [
+            {"name": "a", "url": "http://127.0.0.1:9001"},
+            {"name": "b", "url": "http://127.0.0.1:9002", "api_key_env": "B_KEY"},
+        ],
+    }
     config = parse_config(raw)
     assert [config.api_key_env_of(i) for i in config.instances] == ["FLEET_KEY", "B_KEY"]
     monkeypatch.setenv("FLEET_KEY", "k" * 20)
@@ -123,8 +125,15 @@ def test_serve_and_check_config_refuse_an_unset_key_variable(
 ) -> None:
     monkeypatch.delenv("KVROUTE_TEST_UNSET_KEY", raising=False)
     path = tmp_path / "router.yaml"
-    path.write_text(json.dumps({"models": [{"name": "m"}], "upstream": {"api_key_env": "KVROUTE_TEST_UNSET_KEY"},
-                                "instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "models": [{"name": "m"}],
+                "upstream": {"api_key_env": "KVROUTE_TEST_UNSET_KEY"},
+                "instances": [{"name": "a", "url": "http://127.0.0.1:9"}],
+            }
+        )
+    )
     for command in ("check-config", "serve --config"):
         assert main([*command.split(), str(path)]) == 2
         assert "key variables are not set: $KVROUTE_TEST_UNSET_KEY" in capsys.readouterr().err
@@ -133,8 +142,13 @@ def test_serve_and_check_config_refuse_an_unset_key_variable(
 def test_a_clients_key_variable_without_a_key_is_refused_rather_than_serving_everyone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    config = parse_config({"models": [{"name": "m"}], "auth": {"api_keys_env": "CLIENT_KEYS"},
-                           "instances": [{"name": "a", "url": "http://127.0.0.1:9001"}]})  # fmt: skip
+    config = parse_config(
+        {
+            "models": [{"name": "m"}],
+            "auth": {"api_keys_env": "CLIENT_KEYS"},
+            "instances": [{"name": "a", "url": "http://127.0.0.1:9001"}],
+        }
+    )
     for unset in (None, "", " , "):
         if unset is None:
             monkeypatch.delenv("CLIENT_KEYS", raising=False)

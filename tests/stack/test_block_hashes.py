@@ -25,17 +25,32 @@ SEED = "0"
 def test_the_fleet_hashes_blocks_as_the_installed_vllm_does() -> None:
     rng = random.Random(7)
     cases = [
-        {"algorithm": algorithm, "tokens": [rng.randrange(32_000) for _ in range(length)], "lora": lora,
-         "salt": salt}
+        {
+            "algorithm": algorithm,
+            "tokens": [rng.randrange(32_000) for _ in range(length)],
+            "lora": lora,
+            "salt": salt,
+        }
         for algorithm in HASH_ALGORITHMS
-        for length, lora, salt in [(80, None, None), (70, ["sql", "/adapters/sql"], None), (65, None, "tenant-a"),
-                                   (48, ["sql", "/adapters/sql"], "tenant-b")]
-    ]  # fmt: skip
+        for length, lora, salt in [
+            (80, None, None),
+            (70, ["sql", "/adapters/sql"], None),
+            (65, None, "tenant-a"),
+            (48, ["sql", "/adapters/sql"], "tenant-b"),
+        ]
+    ]
     answer = subprocess.run(
-        [str(load_stack_config(CONFIG).python_path(REPO)), str(Path(__file__).with_name("vllm_block_hashes.py"))],
-        input=json.dumps({"block_size": BLOCK, "cases": cases}), capture_output=True, text=True,
-        timeout=300, check=True, env={**os.environ, "PYTHONHASHSEED": SEED},
-    )  # fmt: skip
+        [
+            str(load_stack_config(CONFIG).python_path(REPO)),
+            str(Path(__file__).with_name("vllm_block_hashes.py")),
+        ],
+        input=json.dumps({"block_size": BLOCK, "cases": cases}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": SEED},
+    )
     expected: list[list[str]] = json.loads(answer.stdout.strip().splitlines()[-1])
     for case, vllm_hashes in zip(cases, expected, strict=True):
         lora = Adapter(case["lora"][0], 1, case["lora"][1]) if case["lora"] else None

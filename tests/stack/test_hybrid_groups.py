@@ -25,10 +25,17 @@ BLOCK = 16
 def vllm_run(second_group: str, seed: int) -> list[dict[str, object]]:
     spec = {"second_group": second_group, "block_size": BLOCK, "num_blocks": 120, "seed": seed}
     answer = subprocess.run(
-        [str(load_stack_config(CONFIG).python_path(REPO)), str(Path(__file__).with_name("vllm_hybrid_hits.py"))],
-        input=json.dumps(spec), capture_output=True, text=True, timeout=300, check=True,
+        [
+            str(load_stack_config(CONFIG).python_path(REPO)),
+            str(Path(__file__).with_name("vllm_hybrid_hits.py")),
+        ],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
         env={**os.environ, "PYTHONHASHSEED": "0"},
-    )  # fmt: skip
+    )
     return json.loads(answer.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -41,7 +48,9 @@ def test_the_index_credits_the_hits_the_engine_finds(second_group: str, seed: in
         if step["batch"] is not None:
             index.apply(("engine", 0), decoder.decode(bytes.fromhex(str(step["batch"]))).events)
         for tokens, hit_tokens in step["probes"]:  # type: ignore[attr-defined]
-            reusable = (len(tokens) - 1) // BLOCK  # as the router asks: vLLM's lookup stops before the last token
+            reusable = (
+                len(tokens) - 1
+            ) // BLOCK  # as the router asks: vLLM's lookup stops before the last token
             matched = index.match(block_hashing.chain(tokens, BLOCK), reusable=reusable).get("engine")
             credited = 0 if matched is None else matched.gpu * BLOCK
             assert credited == hit_tokens, (step, tokens[:8])

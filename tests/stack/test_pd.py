@@ -118,8 +118,10 @@ def disaggregated(stack: Stack, messages: list[dict[str, Any]], stream: bool = F
 
 def test_the_stack_has_the_roles_of_its_config(pd_stack: Stack) -> None:
     assert [(i.name, i.role) for i in pd_stack.instances] == [
-        ("vllm-0", "prefill"), ("vllm-1", "prefill"), ("vllm-2", "decode"),
-    ]  # fmt: skip
+        ("vllm-0", "prefill"),
+        ("vllm-1", "prefill"),
+        ("vllm-2", "decode"),
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -36,7 +36,9 @@ def test_restarted_instance_entries_are_dropped_and_the_others_kept(stack: Stack
     complete(restarted.url, random_tokens(rng, 4 * BLOCK + 3))  # the new engine's first events: seq 0 again
 
     wait_until(
-        lambda: metric(router, "kvroute_kv_engine_restarts_total", vllm_instance=restarted.name) == restarts + 1,
+        lambda: (
+            metric(router, "kvroute_kv_engine_restarts_total", vllm_instance=restarted.name) == restarts + 1
+        ),
         "the router saw the sequence start over",
     )
     assert wait_steady(lambda: gpu_blocks(restarted.name)) == 4  # the new request's blocks, nothing older

@@ -29,9 +29,15 @@ pytestmark = pytest.mark.stack
 
 RENDERED = [name for name in TEMPLATES if name != "a tuple loop over messages"]  # that one fails to render
 CHATS: dict[str, list[dict[str, Any]]] = {
-    "plain strings": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Run the tests."}],
+    "plain strings": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Run the tests."},
+    ],
     "text parts": [
-        {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": ""}, "two"]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": ""}, "two"],
+        },
         {"role": "assistant", "content": [{"type": "text", "text": "done", "cache_control": {"type": "x"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "ok"}, "exit 0"]},
         {"role": "assistant", "content": None},
@@ -52,10 +58,19 @@ def stack_python() -> Path:
 def renderer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port_block(1)
     argv = [
-        str(stack_python()), "-m", "vllm.entrypoints.launchers.render.entry",
-        "--model", str(tinymodel.ensure_model()), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port), "--trust-request-chat-template",
-    ]  # fmt: skip
+        str(stack_python()),
+        "-m",
+        "vllm.entrypoints.launchers.render.entry",
+        "--model",
+        str(tinymodel.ensure_model()),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--trust-request-chat-template",
+    ]
     child = spawn("vllm-render", argv, tmp_path_factory.mktemp("render"))
     try:
         wait_healthy(child, [f"http://127.0.0.1:{port}/health"], timeout_s=180)
@@ -84,9 +99,13 @@ def test_content_format_is_vllms() -> None:
     )
     templates = {name: template for name, (template, _) in TEMPLATES.items()}
     done = subprocess.run(
-        [str(stack_python()), "-c", script], input=json.dumps(templates), capture_output=True, text=True,
-        timeout=300, check=True,
-    )  # fmt: skip
+        [str(stack_python()), "-c", script],
+        input=json.dumps(templates),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     vllm_formats = json.loads(done.stdout.strip().splitlines()[-1])
     assert vllm_formats == {name: expected for name, (_, expected) in TEMPLATES.items()}
     assert {name: content_format(template) for name, template in templates.items()} == vllm_formats

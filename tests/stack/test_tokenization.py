@@ -91,8 +91,11 @@ def test_completion_ids_equal_vllm(stack: Stack, tokenizer: PromptTokenizer, nam
         assert tokenizer.completion_ids(prompt) == vllm_ids, instance.name
 
 
-READ = {"name": "read_file", "description": "Read a file of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}  # fmt: skip
+READ = {
+    "name": "read_file",
+    "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+}
 RUN = {"name": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
 TOOLS = [{"type": "function", "function": READ}, {"type": "function", "function": RUN}]
 
@@ -102,25 +105,48 @@ def call(call_id: str, name: str, arguments: str, **extra: Any) -> dict[str, Any
 
 
 AGENT_TURNS: list[dict[str, Any]] = [
-    {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1; cch=81f3e\nYou are a coding agent."},
+    {
+        "role": "system",
+        "content": "x-anthropic-billing-header: cc_version=2.1; cch=81f3e\nYou are a coding agent.",
+    },
     {"role": "user", "content": "Why does the retry test fail?", "name": "dev"},
-    {"role": "assistant", "content": None,
-     "tool_calls": [call("c1", "read_file", '{"path": "router/proxy.py", "note": "naïve 東京"}')]},
-    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "def retry():"},
-                                                        {"type": "text", "text": ""},
-                                                        {"type": "text", "text": "    pass"}]},
-    {"role": "assistant", "content": "The body is empty.", "reasoning": "Read it first.",
-     "tool_calls": [call("c2", "run", '{"cmd": "pytest -x"}', index=0)]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [call("c1", "read_file", '{"path": "router/proxy.py", "note": "naïve 東京"}')],
+    },
+    {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": [
+            {"type": "text", "text": "def retry():"},
+            {"type": "text", "text": ""},
+            {"type": "text", "text": "    pass"},
+        ],
+    },
+    {
+        "role": "assistant",
+        "content": "The body is empty.",
+        "reasoning": "Read it first.",
+        "tool_calls": [call("c2", "run", '{"cmd": "pytest -x"}', index=0)],
+    },
     {"role": "tool", "tool_call_id": "c2", "content": "1 failed"},
-]  # fmt: skip
+]
 ODD_CALLS = [
     {"role": "user", "content": "go"},
-    {"role": "assistant", "content": "",
-     "tool_calls": [call("a", "run", "{not json"), call("b", "run", "[1, 2]"), call("c", "run", "")]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [call("a", "run", "{not json"), call("b", "run", "[1, 2]"), call("c", "run", "")],
+    },
     {"role": "assistant", "content": "no calls", "tool_calls": []},
-]  # fmt: skip
-FLAGGED_TOOL = {"type": "function", "defer_loading": True, "x": 1,
-                "function": {**RUN, "strict": True, "description": "Run a shell command.", "y": 2}}  # fmt: skip
+]
+FLAGGED_TOOL = {
+    "type": "function",
+    "defer_loading": True,
+    "x": 1,
+    "function": {**RUN, "strict": True, "description": "Run a shell command.", "y": 2},
+}
 DEVELOPER = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "hi"},
@@ -156,9 +182,11 @@ def test_deprecated_reasoning_content_renders_as_the_chat_endpoint_does(
     stack: Stack, tokenizer: PromptTokenizer
 ) -> None:
     """The chat endpoint renames reasoning_content to reasoning (its /tokenize does not)."""
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "ok", "reasoning_content": "think"},
-                {"role": "user", "content": "more"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok", "reasoning_content": "think"},
+        {"role": "user", "content": "more"},
+    ]
     ids = tokenizer.chat_ids(messages, tools=TOOLS)
     assert ids != tokenizer.chat_ids([{**m, "reasoning_content": None} for m in messages], tools=TOOLS)
     body = {"model": MODEL, "messages": messages, "tools": TOOLS, **ONE_TOKEN}
@@ -166,7 +194,8 @@ def test_deprecated_reasoning_content_renders_as_the_chat_endpoint_does(
 
 
 @pytest.mark.parametrize(
-    "template_kwargs", [{"enable_thinking": False}, {"enable_thinking": True}, {"unread": 1, "enable_thinking": 0}]
+    "template_kwargs",
+    [{"enable_thinking": False}, {"enable_thinking": True}, {"unread": 1, "enable_thinking": 0}],
 )
 def test_chat_template_kwargs_equal_vllm(
     stack: Stack, tokenizer: PromptTokenizer, template_kwargs: dict[str, Any]
@@ -196,8 +225,13 @@ def test_router_routes_chats_with_tools_by_their_prefix_and_its_audit_agrees(sta
     through it, in the pool), and the audit's check against an instance's /tokenize matched."""
     router = stack.router_url
     messages = [*AGENT_TURNS, {"role": "user", "content": "Fix it, then run the whole suite again. " * 8}]
-    body = {"model": MODEL, "messages": messages, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False},
-            **ONE_TOKEN}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "tools": TOOLS,
+        "chat_template_kwargs": {"enable_thinking": False},
+        **ONE_TOKEN,
+    }
     first = post(router + "/v1/chat/completions", body)
     name = first.headers[INSTANCE_HEADER]
     wait_steady(lambda: metric(router, "kvroute_index_blocks", vllm_instance=name))

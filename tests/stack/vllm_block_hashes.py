@@ -18,7 +18,12 @@ for case in spec["cases"]:
     kv_cache_utils.init_none_hash(hash_fn)  # from PYTHONHASHSEED, as an engine does at start
     lora = LoRARequest(case["lora"][0], 1, case["lora"][1]) if case["lora"] else None
     request = Request(
-        "r", case["tokens"], SamplingParams(max_tokens=1), None, lora_request=lora, cache_salt=case["salt"],
+        "r",
+        case["tokens"],
+        SamplingParams(max_tokens=1),
+        None,
+        lora_request=lora,
+        cache_salt=case["salt"],
         block_hasher=kv_cache_utils.get_request_block_hasher(spec["block_size"], hash_fn),
     )
     hashes.append([bytes(h).hex() for h in request.block_hashes])

@@ -39,14 +39,21 @@ if spec["second_group"] == "mamba":
 else:
     second = SlidingWindowSpec(sliding_window=2 * BS, **attention)
 config = KVCacheConfig(
-    num_blocks=spec["num_blocks"], kv_cache_tensors=[],
-    kv_cache_groups=[KVCacheGroupSpec(["attention"], FullAttentionSpec(**attention)),
-                     KVCacheGroupSpec(["second"], second)],
-)  # fmt: skip
+    num_blocks=spec["num_blocks"],
+    kv_cache_tensors=[],
+    kv_cache_groups=[
+        KVCacheGroupSpec(["attention"], FullAttentionSpec(**attention)),
+        KVCacheGroupSpec(["second"], second),
+    ],
+)
 manager = KVCacheManager(
-    config, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS, enable_caching=True,
+    config,
+    max_model_len=8192,
+    scheduler_block_size=BS,
+    hash_block_size=BS,
+    enable_caching=True,
     enable_kv_cache_events=True,
-)  # fmt: skip
+)
 encoder = msgspec.msgpack.Encoder()
 requests = 0
 

@@ -81,9 +81,13 @@ class KubeAPI:
         cluster = {"name": "kmock", "cluster": {"server": self.url}}
         context = {"name": "kmock", "context": {"cluster": "kmock", "user": "test", "namespace": namespace}}
         config = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock", "clusters": [cluster],
-            "contexts": [context], "users": [{"name": "test", "user": {"token": "test-token"}}],
-        }  # fmt: skip
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "kmock",
+            "clusters": [cluster],
+            "contexts": [context],
+            "users": [{"name": "test", "user": {"token": "test-token"}}],
+        }
         path.write_text(yaml.safe_dump(config))
         return path
 
@@ -159,17 +163,24 @@ def running_kube_api() -> Iterator[KubeAPI]:
 
 
 def pod(
-    name: str, labels: dict[str, str], ip: str | None = "127.0.0.1", ready: bool = True,
-    annotations: dict[str, str] | None = None, namespace: str = "default",
-) -> dict[str, Any]:  # fmt: skip
+    name: str,
+    labels: dict[str, str],
+    ip: str | None = "127.0.0.1",
+    ready: bool = True,
+    annotations: dict[str, str] | None = None,
+    namespace: str = "default",
+) -> dict[str, Any]:
     status: dict[str, Any] = {"phase": "Running" if ready else "Pending"}
     if ip is not None:
         status["podIP"] = ip
     status["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
     metadata = {
-        "name": name, "namespace": namespace, "labels": labels, "annotations": annotations or {},
+        "name": name,
+        "namespace": namespace,
+        "labels": labels,
+        "annotations": annotations or {},
         "resourceVersion": str(next(_VERSIONS)),
-    }  # fmt: skip
+    }
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -180,9 +191,12 @@ def pod(
 
 
 def endpoint(
-    pod_name: str, ip: str = "127.0.0.1", ready: bool | None = True, serving: bool | None = None,
+    pod_name: str,
+    ip: str = "127.0.0.1",
+    ready: bool | None = True,
+    serving: bool | None = None,
     terminating: bool | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """An endpoint of pod_name, its conditions left out where None (unknown), as the controller may."""
     conditions = {"ready": ready, "serving": serving, "terminating": terminating}
     return {
@@ -193,14 +207,21 @@ def endpoint(
 
 
 def endpoint_slice(
-    name: str, service: str, endpoints: list[dict[str, Any]], ports: dict[str, int],
-    labels: dict[str, str] | None = None, address_type: str = "IPv4", namespace: str = "default",
-) -> dict[str, Any]:  # fmt: skip
+    name: str,
+    service: str,
+    endpoints: list[dict[str, Any]],
+    ports: dict[str, int],
+    labels: dict[str, str] | None = None,
+    address_type: str = "IPv4",
+    namespace: str = "default",
+) -> dict[str, Any]:
     """An EndpointSlice of service, as the EndpointSlice controller writes it; ports by name."""
     metadata = {
-        "name": name, "namespace": namespace, "resourceVersion": str(next(_VERSIONS)),
+        "name": name,
+        "namespace": namespace,
+        "resourceVersion": str(next(_VERSIONS)),
         "labels": {"kubernetes.io/service-name": service, **(labels or {})},
-    }  # fmt: skip
+    }
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",

@@ -44,8 +44,9 @@ def healthy(url: str) -> list[str]:
 
 def chat(url: str, max_tokens: int = 2) -> str:
     """The instance a short chat went to (round robin: each instance in turn)."""
-    body = json.dumps({"model": "tiny-llama", "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": "hello"}]}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": "tiny-llama", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]}
+    ).encode()
     headers = {"content-type": "application/json", "x-kvroute-policy": "round-robin"}
     request = urllib.request.Request(url + "/v1/chat/completions", body, headers)
     with urllib.request.urlopen(request, timeout=30) as response:
@@ -78,8 +79,15 @@ def _holds(condition: Callable[[], object]) -> bool:
 
 def stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny-llama", "max_tokens": 600, "stream": True, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "max_tokens": 600,
+            "stream": True,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "a long answer"}],
+        }
+    )
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     headers = {"content-type": "application/json", "x-kvroute-policy": "round-robin"}
     connection.request("POST", "/v1/chat/completions", body, headers)
@@ -111,6 +119,7 @@ def outage_survived(
 ) -> None:
     """With vllm-0 serving: a 410 Gone and then the API server gone keep the last set serving and are counted;
     back on its port, what changed meanwhile (add_second: vllm-1) and after (remove_first) is followed."""
+
     def restarts() -> float:
         return sample(url, "kvroute_discovery_watch_restarts_total", source=source) or 0
 

@@ -64,5 +64,9 @@ def test_a_broken_slice_watch_resumes(fleet: FleetPorts, kube: KubeAPI, tmp_path
     with router(kube, tmp_path, discovery) as url:
         eventually(lambda: healthy(url) == ["vllm-0"])
         outage_survived(
-            url, kube, "endpointslices", lambda: kube.create(SLICES, engine_slice(fleet, 1)), lambda: kube.delete(SLICES, "default", "vllm-0")
+            url,
+            kube,
+            "endpointslices",
+            lambda: kube.create(SLICES, engine_slice(fleet, 1)),
+            lambda: kube.delete(SLICES, "default", "vllm-0"),
         )

@@ -24,7 +24,9 @@ from tests.router.discovery.live import (
 LABELS = {"app": "vllm"}
 
 
-def vllm_pod(ports: FleetPorts, number: int, labels: dict[str, str] = LABELS, **kwargs: Any) -> dict[str, Any]:
+def vllm_pod(
+    ports: FleetPorts, number: int, labels: dict[str, str] = LABELS, **kwargs: Any
+) -> dict[str, Any]:
     """Engine number of the fleet as a pod: all listen on 127.0.0.1, so each says its ports."""
     annotations = {
         "kvroute.io/http-port": str(ports.http + number),
@@ -58,25 +60,34 @@ def test_pods_come_and_go_ready_ones_only(fleet: FleetPorts, kube: KubeAPI, tmp_
         assert sample(url, "kvroute_discovered_instances", source="kubernetes") == 1
 
 
-def test_a_broken_watch_keeps_the_last_set_and_is_counted(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:
+def test_a_broken_watch_keeps_the_last_set_and_is_counted(
+    fleet: FleetPorts, kube: KubeAPI, tmp_path: Path
+) -> None:
     kube.create(PODS, vllm_pod(fleet, 0))
     with router(kube, tmp_path, {"selector": "app=vllm"}) as url:
         eventually(lambda: healthy(url) == ["vllm-0"])
         outage_survived(
-            url, kube, "kubernetes", lambda: kube.create(PODS, vllm_pod(fleet, 1)), lambda: kube.delete(PODS, "default", "vllm-0")
+            url,
+            kube,
+            "kubernetes",
+            lambda: kube.create(PODS, vllm_pod(fleet, 1)),
+            lambda: kube.delete(PODS, "default", "vllm-0"),
         )
 
 
 def test_an_inferencepool_selects_the_pods_and_its_target_port(
     fleet: FleetPorts, kube: KubeAPI, tmp_path: Path
 ) -> None:
-    kube.create(PODS, pod("engine-a", {"pool": "a"}, annotations={"kvroute.io/events-port": str(fleet.events)}))
+    kube.create(
+        PODS, pod("engine-a", {"pool": "a"}, annotations={"kvroute.io/events-port": str(fleet.events)})
+    )
     kube.create(PODS, vllm_pod(fleet, 1, labels={"pool": "b"}))
     pool = {
-        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
         "metadata": {"name": "tiny", "namespace": "default", "resourceVersion": "1"},
         "spec": {"selector": {"matchLabels": {"pool": "a"}}, "targetPorts": [{"number": fleet.http}]},
-    }  # fmt: skip
+    }
     kube.create(POOLS, pool)
     with router(kube, tmp_path, {"source": "inferencepool", "inferencepool": "tiny"}) as url:
         eventually(lambda: healthy(url) == ["engine-a"])  # at the pool's target port: it has no annotation
@@ -91,10 +102,14 @@ class _Snapshot(msgspec.Struct):
     instances: dict[str, dict[str, int]]
 
 
-def test_replicas_found_by_peers_selector_are_followed(fleet: FleetPorts, kube: KubeAPI, tmp_path: Path) -> None:
+def test_replicas_found_by_peers_selector_are_followed(
+    fleet: FleetPorts, kube: KubeAPI, tmp_path: Path
+) -> None:
     own, replica = free_port_block(1), free_port_block(1)
     kube.create(PODS, vllm_pod(fleet, 0))
-    kube.create(PODS, pod("router-b", {"app": "kvroute"}, annotations={"kvroute.io/peers-port": str(replica)}))
+    kube.create(
+        PODS, pod("router-b", {"app": "kvroute"}, annotations={"kvroute.io/peers-port": str(replica)})
+    )
     publisher = zmq.Context.instance().socket(zmq.PUB)
     publisher.setsockopt(zmq.LINGER, 0)
     publisher.bind(f"tcp://127.0.0.1:{replica}")  # the replica router-b, as far as its peers can tell

@@ -12,19 +12,38 @@ from router.discovery.pods import PodError, instance_name, instance_of, peer_end
 from router.discovery.wire import Pod
 from tests.router.discovery.kube_api import pod
 
-CONFIG = DiscoveryConfig(selector="app=vllm", role_label="llm-d.ai/role", ports={"http": 8000, "events": 5557})  # type: ignore[arg-type]
+CONFIG = DiscoveryConfig(
+    selector="app=vllm", role_label="llm-d.ai/role", ports={"http": 8000, "events": 5557}
+)  # type: ignore[arg-type]
 
 
 def _pod(ip: str = "10.0.0.7", labels: dict[str, str] | None = None, **annotations: str) -> Pod:
-    raw = pod("vllm-abc", labels or {"app": "vllm"}, ip=ip, annotations={f"kvroute.io/{k.replace('_', '-')}": v for k, v in annotations.items()})
+    raw = pod(
+        "vllm-abc",
+        labels or {"app": "vllm"},
+        ip=ip,
+        annotations={f"kvroute.io/{k.replace('_', '-')}": v for k, v in annotations.items()},
+    )
     return msgspec.convert(raw, Pod)
 
 
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
-        (_pod(), {"name": "vllm-abc", "url": "http://10.0.0.7:8000", "events": "tcp://10.0.0.7:5557", "replay": None, "role": "both"}),
-        (_pod(http_port="9000", events_port="6000", replay_port="6001"), {"url": "http://10.0.0.7:9000", "events": "tcp://10.0.0.7:6000", "replay": "tcp://10.0.0.7:6001"}),
+        (
+            _pod(),
+            {
+                "name": "vllm-abc",
+                "url": "http://10.0.0.7:8000",
+                "events": "tcp://10.0.0.7:5557",
+                "replay": None,
+                "role": "both",
+            },
+        ),
+        (
+            _pod(http_port="9000", events_port="6000", replay_port="6001"),
+            {"url": "http://10.0.0.7:9000", "events": "tcp://10.0.0.7:6000", "replay": "tcp://10.0.0.7:6001"},
+        ),
         (_pod(ip="fd00::7"), {"url": "http://[fd00::7]:8000", "events": "tcp://[fd00::7]:5557"}),
         (_pod(labels={"app": "vllm", "llm-d.ai/role": "decode"}), {"role": "decode"}),
         (_pod(labels={"app": "vllm", "llm-d.ai/role": "decode"}, role="prefill"), {"role": "prefill"}),
@@ -38,7 +57,13 @@ def test_pod_as_instance(given: Pod, expected: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     "given",
-    [_pod(http_port="http"), _pod(http_port="70000"), _pod(role="leader"), _pod(data_parallel_size="0"), _pod(ip="x")],
+    [
+        _pod(http_port="http"),
+        _pod(http_port="70000"),
+        _pod(role="leader"),
+        _pod(data_parallel_size="0"),
+        _pod(ip="x"),
+    ],
 )
 def test_bad_annotations_leave_the_pod_out(given: Pod) -> None:
     with pytest.raises(PodError):

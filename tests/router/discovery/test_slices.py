@@ -14,9 +14,12 @@ from router.discovery.wire import Endpoint, EndpointSlice
 from tests.router.discovery.kube_api import endpoint, endpoint_slice
 
 CONFIG = DiscoveryConfig(
-    source="endpointslices", service="vllm", role_label="llm-d.ai/role", data_parallel_size=2,
+    source="endpointslices",
+    service="vllm",
+    role_label="llm-d.ai/role",
+    data_parallel_size=2,
     ports={"http": 8000, "events": 5557, "replay": 5558},  # type: ignore[arg-type]
-)  # fmt: skip
+)
 
 
 def _slice(ports: dict[str, int] | None = None, ip: str = "10.0.0.7", **kwargs: Any) -> EndpointSlice:
@@ -44,17 +47,28 @@ def test_which_endpoints_serve(conditions: dict[str, bool], serving: bool) -> No
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
-        (_slice(), {"name": "vllm-abc", "url": "http://10.0.0.7:8000", "events": "tcp://10.0.0.7:5557",
-                    "replay": "tcp://10.0.0.7:5558", "role": "both", "data_parallel_size": 2}),
-        (_slice({"http": 9000, "kv-events": 6000, "kv-replay": 6001}),
-         {"url": "http://10.0.0.7:9000", "events": "tcp://10.0.0.7:6000", "replay": "tcp://10.0.0.7:6001"}),
+        (
+            _slice(),
+            {
+                "name": "vllm-abc",
+                "url": "http://10.0.0.7:8000",
+                "events": "tcp://10.0.0.7:5557",
+                "replay": "tcp://10.0.0.7:5558",
+                "role": "both",
+                "data_parallel_size": 2,
+            },
+        ),
+        (
+            _slice({"http": 9000, "kv-events": 6000, "kv-replay": 6001}),
+            {"url": "http://10.0.0.7:9000", "events": "tcp://10.0.0.7:6000", "replay": "tcp://10.0.0.7:6001"},
+        ),
         (_slice({"": 9000}), {"url": "http://10.0.0.7:9000", "events": "tcp://10.0.0.7:5557"}),  # a lone port
         (_slice({"metrics": 9090}), {"url": "http://10.0.0.7:8000"}),
         (_slice(ip="fd00::7", address_type="IPv6"), {"url": "http://[fd00::7]:8000"}),
         (_slice(ip="vllm-0.vllm.llm.svc", address_type="FQDN"), {"url": "http://vllm-0.vllm.llm.svc:8000"}),
         (_slice(labels={"llm-d.ai/role": "decode"}), {"role": "decode"}),
     ],
-)  # fmt: skip
+)
 def test_endpoint_as_instance(given: EndpointSlice, expected: dict[str, Any]) -> None:
     instance = instance_of_endpoint((given.endpoints or [])[0], given, CONFIG)
     assert {key: getattr(instance, key) for key in expected} == expected

@@ -46,10 +46,20 @@ def test_slots_then_a_bounded_queue_then_refusals() -> None:
     assert asyncio.run(main()) == ["queue_full", "queue_timeout", "admitted, 0 waiting"]
 
 
-def chat(url: str, max_tokens: int = 2, stream: bool = False, headers: dict[str, str] | None = None,
-         ) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
-    body = json.dumps({"model": "tiny-llama", "max_tokens": max_tokens, "stream": stream,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()  # fmt: skip
+def chat(
+    url: str,
+    max_tokens: int = 2,
+    stream: bool = False,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    ).encode()
     return post(url + "/v1/chat/completions", body, headers)
 
 
@@ -75,8 +85,14 @@ def small_router(fleet: FleetPorts, tmp_path: Path, request: pytest.FixtureReque
 def test_full_instances_and_a_full_router_answer_429_with_retry_after(small_router: str) -> None:
     # The session fleet decodes 1,000 tokens/s: a 1,500-token stream holds its instance for 1.5 s.
     host, port = small_router.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny-llama", "max_tokens": 1500, "stream": True,
-                       "messages": [{"role": "user", "content": "a long answer"}]})  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "max_tokens": 1500,
+            "stream": True,
+            "messages": [{"role": "user", "content": "a long answer"}],
+        }
+    )
     streams = []
     for _ in range(3):  # one after another: each is routed (its headers are back) before the next
         connection = http.client.HTTPConnection(host, int(port), timeout=30)

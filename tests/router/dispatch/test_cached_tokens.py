@@ -6,8 +6,16 @@ import json
 
 from router.dispatch.cached_tokens import reported_cached_tokens, with_cached_tokens
 
-WHOLE = json.dumps({"id": "x", "usage": {"prompt_tokens": 1200, "completion_tokens": 4,
-                                         "prompt_tokens_details": {"cached_tokens": 1200}}}).encode()  # fmt: skip
+WHOLE = json.dumps(
+    {
+        "id": "x",
+        "usage": {
+            "prompt_tokens": 1200,
+            "completion_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 1200},
+        },
+    }
+).encode()
 
 
 def test_the_prefill_answers_count_is_read() -> None:
@@ -19,8 +27,11 @@ def test_the_prefill_answers_count_is_read() -> None:
 
 def test_a_whole_answer_takes_the_prefill_legs_count() -> None:
     rewritten = json.loads(with_cached_tokens(WHOLE, 320))
-    assert rewritten["usage"] == {"prompt_tokens": 1200, "completion_tokens": 4,
-                                  "prompt_tokens_details": {"cached_tokens": 320}}  # fmt: skip
+    assert rewritten["usage"] == {
+        "prompt_tokens": 1200,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 320},
+    }
     assert rewritten["id"] == "x"
 
 

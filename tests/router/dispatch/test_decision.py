@@ -30,9 +30,14 @@ class RecordingRemote:
     def __init__(self) -> None:
         self.asked: list[Mapping[str, Any] | None] = []
 
-    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-                       continue_final_message: bool = False, add_special_tokens: bool = False,
-                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+    async def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_inputs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         self.asked.append(template_inputs)
         return list(range(100))
 
@@ -44,13 +49,19 @@ class AgreeingRemote(RecordingRemote):
         super().__init__()
         self.tokenizer = tokenizer
 
-    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-                       continue_final_message: bool = False, add_special_tokens: bool = False,
-                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+    async def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_inputs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         self.asked.append(template_inputs)
         inputs = template_inputs or {}
-        return self.tokenizer.chat_ids(messages, tools=inputs.get("tools"),
-                                       template_kwargs=inputs.get("chat_template_kwargs"))  # fmt: skip
+        return self.tokenizer.chat_ids(
+            messages, tools=inputs.get("tools"), template_kwargs=inputs.get("chat_template_kwargs")
+        )
 
 
 def prepare(tokenizer: PromptTokenizer, remote: RecordingRemote, **body: Any) -> int:
@@ -84,7 +95,11 @@ def test_template_inputs_go_to_the_engine(tokenizer: PromptTokenizer, inputs: di
 
 @pytest.mark.parametrize(
     ("kwargs", "reasoning_effort"),
-    [({"enable_thinking": None}, None), ({"enable_thinking": "auto"}, None), ({"enable_thinking": None}, "low")],
+    [
+        ({"enable_thinking": None}, None),
+        ({"enable_thinking": "auto"}, None),
+        ({"enable_thinking": None}, "low"),
+    ],
 )
 def test_kwargs_set_to_null_or_auto_are_left_unset_as_vllm_merges_them(
     tokenizer: PromptTokenizer, kwargs: dict[str, Any], reasoning_effort: str | None
@@ -100,9 +115,14 @@ class MessageRecordingRemote(RecordingRemote):
         super().__init__()
         self.messages: list[Sequence[Any]] = []
 
-    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-                       continue_final_message: bool = False, add_special_tokens: bool = False,
-                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+    async def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_inputs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         self.messages.append(messages)
         return await super().chat_ids(messages, template_inputs=template_inputs)
 
@@ -112,8 +132,11 @@ def test_the_engine_asked_for_ids_gets_reasoning_content_renamed_as_its_chat_end
 ) -> None:
     remote = MessageRecordingRemote()
     router = Decider(BlockIndex(32), {}, 32, RouterMetrics(), lambda model: remote)  # type: ignore[arg-type,return-value]
-    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "x", "reasoning_content": "r"},
-                {"role": "user", "content": "y"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "x", "reasoning_content": "r"},
+        {"role": "user", "content": "y"},
+    ]
     asyncio.run(router.prepare(ChatRequest(model="tiny-llama", messages=messages), None))
     assert remote.messages[0][1] == {"role": "assistant", "content": "x", "reasoning": "r"}
 
@@ -130,7 +153,9 @@ def test_chat_template_kwargs_are_rendered_here_those_the_template_reads(tokeniz
     remote = RecordingRemote()
     thinking_off = prepare(tokenizer, remote, chat_template_kwargs={"enable_thinking": False, "unread": 1})
     assert remote.asked == []
-    assert thinking_off == len(tokenizer.chat_ids(MESSAGES)) + len(tokenizer.text_ids("<think></think>\n", False))
+    assert thinking_off == len(tokenizer.chat_ids(MESSAGES)) + len(
+        tokenizer.text_ids("<think></think>\n", False)
+    )
     assert prepare(tokenizer, remote, chat_template_kwargs={"unread": 1}) == len(tokenizer.chat_ids(MESSAGES))
 
 
@@ -144,8 +169,14 @@ def prepare_chats(
     """Each chat's prompt tokens as the router counts them, one after another, audits let run in between;
     bodies: each chat's other fields (default: TOOLS)."""
     metrics = RouterMetrics()
-    router = Decider(BlockIndex(32), {"tiny-llama": tokenizer}, 32, metrics, lambda model: remote,  # type: ignore[arg-type,return-value]
-                    audit_every=audit_every)  # fmt: skip
+    router = Decider(
+        BlockIndex(32),
+        {"tiny-llama": tokenizer},
+        32,
+        metrics,
+        lambda model: remote,  # type: ignore[arg-type,return-value]
+        audit_every=audit_every,
+    )
 
     async def run() -> list[int]:
         counts = []
@@ -188,8 +219,13 @@ def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine(tokenizer:
 
 def test_a_chat_with_tools_not_rendered_here_goes_to_the_engine(tokenizer: PromptTokenizer) -> None:
     """A tool call without an id is beyond what the router reproduces of vLLM's request model."""
-    chat = [{"role": "user", "content": "go"},
-            {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "x", "arguments": ""}}]}]  # fmt: skip
+    chat = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": "x", "arguments": ""}}],
+        },
+    ]
     remote = RecordingRemote()
     counts, metrics = prepare_chats(tokenizer, remote, [chat], audit_every=1)
     assert counts == [100]
@@ -202,12 +238,17 @@ def test_a_chat_with_tools_not_rendered_here_goes_to_the_engine(tokenizer: Promp
     [(True, "none", False), (True, "auto", True), (True, None, True), (False, "none", True)],
 )
 def test_tools_are_left_out_as_the_engines_option_leaves_them_out(
-    tokenizer: PromptTokenizer, engines_leave_tools_out: bool, tool_choice: str | None, rendered_with_tools: bool
+    tokenizer: PromptTokenizer,
+    engines_leave_tools_out: bool,
+    tool_choice: str | None,
+    rendered_with_tools: bool,
 ) -> None:
     """vLLM's --exclude-tools-when-tool-choice-none renders a chat whose tool_choice is "none" without its
     tools: so must the router, or the prompt's blocks are not the engine's (stated per model in the config)."""
     models = frozenset({"tiny-llama"} if engines_leave_tools_out else ())
-    router = Decider(BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), tools_out_when_none=models)  # type: ignore[dict-item]
+    router = Decider(
+        BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), tools_out_when_none=models
+    )  # type: ignore[dict-item]
     body = ChatRequest(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
     prompt_tokens = asyncio.run(router.prepare(body, None)).request.prompt_tokens
     assert prompt_tokens == len(tokenizer.chat_ids(MESSAGES, tools=TOOLS if rendered_with_tools else None))
@@ -243,10 +284,15 @@ def test_a_salted_prompt_matches_only_blocks_cached_under_its_salt(tokenizer: Pr
     def stored(salt: str | None) -> BlockStored:
         extra = None if salt is None else [[salt]] + [None] * (blocks - 1)  # as msgpack decodes vLLM's tuples
         return BlockStored(
-            block_hashes=[(7 if salt else 9) << 20 | i for i in range(blocks)], parent_block_hash=None,
-            token_ids=ids[: blocks * 32], block_size=32, lora_id=None, medium="GPU", lora_name=None,
+            block_hashes=[(7 if salt else 9) << 20 | i for i in range(blocks)],
+            parent_block_hash=None,
+            token_ids=ids[: blocks * 32],
+            block_size=32,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
             extra_keys=extra,
-        )  # fmt: skip
+        )
 
     index.apply(("salted", 0), [stored("tenant-a")])
     index.apply(("plain", 0), [stored(None)])
@@ -282,9 +328,13 @@ def test_an_adapters_prompt_matches_only_blocks_cached_under_that_adapter(
         return BlockStored(
             block_hashes=[tag << 20 | i for i in range(first, first + count)],
             parent_block_hash=None if first == 0 else tag << 20 | first - 1,
-            token_ids=ids[first * 32 : (first + count) * 32], block_size=32, lora_id=None if lora is None else 1,
-            medium="GPU", lora_name=lora, extra_keys=extra,
-        )  # fmt: skip
+            token_ids=ids[first * 32 : (first + count) * 32],
+            block_size=32,
+            lora_id=None if lora is None else 1,
+            medium="GPU",
+            lora_name=lora,
+            extra_keys=extra,
+        )
 
     split = blocks // 2
     index.apply(("sql", 0), [stored("sql-lora", 0, split, 1), stored("sql-lora", split, blocks - split, 1)])
@@ -342,10 +392,13 @@ def test_off_loop_tokenization_runs_on_the_worker_thread_with_the_same_ids(
 
 def test_a_decision_withdrawn_takes_back_only_its_speculative_blocks() -> None:
     config = parse_config(
-        {"models": [{"name": "tiny-llama"}], "block_size": 4,
-         "instances": [{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}]},
+        {
+            "models": [{"name": "tiny-llama"}],
+            "block_size": 4,
+            "instances": [{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}],
+        },
         source="test",
-    )  # fmt: skip
+    )
     index = BlockIndex(4)
     router = Decider(index, {}, 4, RouterMetrics())
     chain = list(range(1, 9))
@@ -376,9 +429,14 @@ def test_plain_chats_are_audited_too_and_a_plain_mismatch_sends_every_chat_to_th
 class ToolBlindRemote(AgreeingRemote):
     """An engine that renders plain chats as the router does, and chats with tools otherwise."""
 
-    async def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-                       continue_final_message: bool = False, add_special_tokens: bool = False,
-                       template_inputs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+    async def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_inputs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         if template_inputs:
             self.asked.append(template_inputs)
             return list(range(100))
@@ -398,14 +456,22 @@ def test_a_mismatch_with_tools_leaves_plain_chats_rendered_here(tokenizer: Promp
 
 def test_a_decision_says_the_wait_it_was_charged_for_causing_and_the_policy_its_weight() -> None:
     config = parse_config(
-        {"models": [{"name": "tiny-llama"}], "block_size": 4,
-         "instances": [{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}],
-         "default_policy": "caused",
-         "policies": {"caused": {"scorers": [{"type": "ttft-cost", "params": {"wait_caused": 1.0}}]},
-                      "capped": {"scorers": [{"type": "ttft-cost",
-                                              "params": {"wait_caused": 1.0, "wait_caused_cap": 0.01}}]}}},
+        {
+            "models": [{"name": "tiny-llama"}],
+            "block_size": 4,
+            "instances": [{"name": "a", "url": "http://a"}, {"name": "b", "url": "http://b"}],
+            "default_policy": "caused",
+            "policies": {
+                "caused": {"scorers": [{"type": "ttft-cost", "params": {"wait_caused": 1.0}}]},
+                "capped": {
+                    "scorers": [
+                        {"type": "ttft-cost", "params": {"wait_caused": 1.0, "wait_caused_cap": 0.01}}
+                    ]
+                },
+            },
+        },
         source="test",
-    )  # fmt: skip
+    )
     metrics = RouterMetrics()
     router = Decider(BlockIndex(4), {}, 4, metrics)
     request = RoutingRequest(model="tiny-llama", prompt_tokens=400, prompt_blocks=100, block_size=4)

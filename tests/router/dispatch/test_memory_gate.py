@@ -111,7 +111,9 @@ def test_the_proxy_holds_a_prompt_until_the_one_filling_memory_ends(tmp_path: Pa
                     target=post,
                     args=(
                         url + "/v1/completions",
-                        json.dumps({**stream, "prompt": [6] * 300, "stream": False, "max_tokens": 1}).encode(),
+                        json.dumps(
+                            {**stream, "prompt": [6] * 300, "stream": False, "max_tokens": 1}
+                        ).encode(),
                     ),
                 )
                 second.start()

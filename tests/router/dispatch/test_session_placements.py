@@ -8,7 +8,14 @@ from router.dispatch.session_placements import SessionPlacements
 def test_turns_are_placed_against_the_sessions_last() -> None:
     placements = SessionPlacements()
     turns = [("s", "a"), ("s", "a"), ("t", "a"), ("s", "b"), ("s", "b"), ("t", "b")]
-    assert [placements.record(*turn) for turn in turns] == ["first", "same", "first", "moved", "same", "moved"]
+    assert [placements.record(*turn) for turn in turns] == [
+        "first",
+        "same",
+        "first",
+        "moved",
+        "same",
+        "moved",
+    ]
 
 
 def test_the_least_recently_seen_session_is_forgotten_first() -> None:

@@ -47,7 +47,14 @@ def test_requests_without_a_session_are_drawn_one_by_one() -> None:
 
 @pytest.mark.parametrize(
     "weights",
-    [{"a": 0}, {"a": -1, "b": 2}, {}, {"a": float("inf"), "b": 1}, {"a": float("nan")}, {"a": 1e308, "b": 1e308}],
+    [
+        {"a": 0},
+        {"a": -1, "b": 2},
+        {},
+        {"a": float("inf"), "b": 1},
+        {"a": float("nan")},
+        {"a": 1e308, "b": 1e308},
+    ],
 )
 def test_a_split_needs_a_positive_weight_and_no_negative_one(weights: dict[str, float]) -> None:
     with pytest.raises(ValueError):
@@ -86,7 +93,9 @@ def _clustered(stats: ABStats, policy: str, rng: random.Random, keyed: bool) -> 
     for session in range(12):
         typical = rng.lognormvariate(-1.6, 0.8)
         for _ in range(40):
-            stats.first_byte(policy, typical * rng.uniform(0.9, 1.1), f"{policy}-{session}" if keyed else None)
+            stats.first_byte(
+                policy, typical * rng.uniform(0.9, 1.1), f"{policy}-{session}" if keyed else None
+            )
 
 
 def test_the_interval_resamples_sessions_so_a_few_long_ones_do_not_make_a_winner() -> None:

@@ -32,9 +32,11 @@ STICKY = {"sticky": {"scorers": [{"type": "session-affinity"}]}}
 def ask(gateway_client: openai.OpenAI, session: str, content: str) -> tuple[str, str]:
     """(the instance that answered, how many endpoints Envoy tried)."""
     raw = gateway_client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4,
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=4,
         extra_headers={"x-session-id": session},
-    )  # fmt: skip
+    )
     assert raw.parse().choices[0].message.content
     return raw.headers[INSTANCE], raw.headers["x-kvroute-attempts"]
 

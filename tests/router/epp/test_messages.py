@@ -44,14 +44,18 @@ def with_metadata(namespace: str, fields: dict[str, Any]) -> Any:
     [
         (ext_proc.ProcessingRequest(), None),
         (with_metadata("envoy.lb.subset_hint", {"other": 1}), None),
-        (with_metadata("envoy.lb.subset_hint", {messages.SUBSET_KEY: ["10.0.0.1:80", "10.0.0.2:80"]}),
-         frozenset({"10.0.0.1:80", "10.0.0.2:80"})),
+        (
+            with_metadata("envoy.lb.subset_hint", {messages.SUBSET_KEY: ["10.0.0.1:80", "10.0.0.2:80"]}),
+            frozenset({"10.0.0.1:80", "10.0.0.2:80"}),
+        ),
         (with_metadata("envoy.lb.subset_hint", {messages.SUBSET_KEY: []}), frozenset()),
-        (with_metadata("envoy.lb.subset_hint", {messages.SUBSET_KEY: "10.0.0.1:80, 10.0.0.2:80"}),
-         frozenset({"10.0.0.1:80", "10.0.0.2:80"})),
+        (
+            with_metadata("envoy.lb.subset_hint", {messages.SUBSET_KEY: "10.0.0.1:80, 10.0.0.2:80"}),
+            frozenset({"10.0.0.1:80", "10.0.0.2:80"}),
+        ),
         (with_metadata("envoy.lb", {messages.SUBSET_KEY: ["10.0.0.1:80"]}), None),  # another namespace
     ],
-)  # fmt: skip
+)
 def test_subset_hint(request_: Any, expected: frozenset[str] | None) -> None:
     assert messages.subset_hint(request_) == expected
 
@@ -62,10 +66,13 @@ def test_subset_hint(request_: Any, expected: frozenset[str] | None) -> None:
         (ext_proc.ProcessingRequest(), {}, None),
         (ext_proc.ProcessingRequest(), {messages.SERVED_KEY: "10.0.0.2:80"}, "10.0.0.2:80"),
         (ext_proc.ProcessingRequest(), {messages.SERVED_KEY: "-"}, None),  # Envoy's %UPSTREAM_HOST% for none
-        (with_metadata("envoy.lb", {messages.SERVED_KEY: "10.0.0.3:80"}), {messages.SERVED_KEY: "10.0.0.2:80"},
-         "10.0.0.3:80"),  # the protocol's metadata comes first
+        (
+            with_metadata("envoy.lb", {messages.SERVED_KEY: "10.0.0.3:80"}),
+            {messages.SERVED_KEY: "10.0.0.2:80"},
+            "10.0.0.3:80",
+        ),  # the protocol's metadata comes first
     ],
-)  # fmt: skip
+)
 def test_served_endpoint(request_: Any, headers: dict[str, str], expected: str | None) -> None:
     assert messages.served_endpoint(request_, headers) == expected
 

@@ -29,12 +29,16 @@ from tests.router.test_proxy import post
 
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-RAW: dict[str, Any] = {"models": [{"name": "tiny-llama"}], "instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}
+RAW: dict[str, Any] = {
+    "models": [{"name": "tiny-llama"}],
+    "instances": [{"name": "a", "url": "http://127.0.0.1:9"}],
+}
 
 
 def config_of(fleet: FleetPorts, **extra: Any) -> dict[str, Any]:
-    return fleet.router_config(admin={"token": TOKEN}, traffic={"split": {"round-robin": 50, "kvroute": 50}},
-                               **extra)  # fmt: skip
+    return fleet.router_config(
+        admin={"token": TOKEN}, traffic={"split": {"round-robin": 50, "kvroute": 50}}, **extra
+    )
 
 
 @pytest.fixture()
@@ -45,8 +49,9 @@ def admin_router(fleet: FleetPorts, tmp_path: Path) -> Iterator[tuple[str, Path]
 
 def call(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"content-type": "application/json", **(headers or {})})  # fmt: skip
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.load(response)
@@ -57,8 +62,14 @@ def call(method: str, url: str, body: Any = None, headers: dict[str, str] | None
 def chat(
     url: str, session: str, headers: dict[str, str] | None = None, stream: bool = False
 ) -> dict[str, str]:
-    body = json.dumps({"model": "tiny-llama", "max_tokens": 2, "stream": stream,
-                       "messages": [{"role": "user", "content": f"hello from {session}"}]}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "max_tokens": 2,
+            "stream": stream,
+            "messages": [{"role": "user", "content": f"hello from {session}"}],
+        }
+    ).encode()
     status, response_headers, payload = post(
         url + "/v1/chat/completions", body, {"x-session-id": session, **(headers or {})}
     )
@@ -110,20 +121,31 @@ def test_sessions_follow_the_split_and_the_header_forces_a_policy(admin_router: 
     assert body["comparisons"][0]["baseline"] == "round-robin"
     assert "verdict" in body["comparisons"][0]
     # TTFTs are kept with their session: the repeated ten count once
-    assert body["comparisons"][0]["sessions"] == [Counter(seen.values())[p] for p in ("round-robin", "kvroute")]
+    assert body["comparisons"][0]["sessions"] == [
+        Counter(seen.values())[p] for p in ("round-robin", "kvroute")
+    ]
 
 
 def test_the_split_changes_at_runtime(admin_router: tuple[str, Path]) -> None:
     url, _ = admin_router
     assert call("PUT", url + "/admin/traffic", {"split": {"round-robin": 0, "kvroute": 100}}, AUTH) == (
-        200, {"split": {"round-robin": 0.0, "kvroute": 1.0}})  # fmt: skip
+        200,
+        {"split": {"round-robin": 0.0, "kvroute": 1.0}},
+    )
     assert {chat(url, f"t{i}")["x-kvroute-policy"] for i in range(20)} == {"kvroute"}
-    assert call("GET", url + "/admin/traffic", headers=AUTH) == (200, {"split": {"round-robin": 0.0, "kvroute": 1.0}})
+    assert call("GET", url + "/admin/traffic", headers=AUTH) == (
+        200,
+        {"split": {"round-robin": 0.0, "kvroute": 1.0}},
+    )
     status, body = call("PUT", url + "/admin/traffic", {"split": {"nope": 1}}, AUTH)
     assert status == 400 and "Unknown policies ['nope']" in body["error"]["message"]
     assert call("PUT", url + "/admin/traffic", {"split": {"kvroute": -1}}, AUTH)[0] == 400
-    bad_key = urllib.request.Request(url + "/admin/traffic", data=b'{"split": {"\xff": 1}}', method="PUT",
-                                     headers={"content-type": "application/json", **AUTH})  # fmt: skip
+    bad_key = urllib.request.Request(
+        url + "/admin/traffic",
+        data=b'{"split": {"\xff": 1}}',
+        method="PUT",
+        headers={"content-type": "application/json", **AUTH},
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:  # not UTF-8: a 400 in OpenAI's shape, not a 500
         urllib.request.urlopen(bad_key, timeout=30)
     assert refused.value.code == 400 and "The body must be" in json.load(refused.value)["error"]["message"]
@@ -175,8 +197,14 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
     config = config_of(fleet)
 
     def stream(i: int) -> tuple[str, bytes]:
-        body = json.dumps({"model": "tiny-llama", "max_tokens": 200, "stream": True,
-                           "messages": [{"role": "user", "content": f"long answer {i}"}]}).encode()  # fmt: skip
+        body = json.dumps(
+            {
+                "model": "tiny-llama",
+                "max_tokens": 200,
+                "stream": True,
+                "messages": [{"role": "user", "content": f"long answer {i}"}],
+            }
+        ).encode()
         status, headers, payload = post(
             url + "/v1/chat/completions", body, {"x-kvroute-policy": "round-robin"}
         )
@@ -193,9 +221,12 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
         results = [s.result() for s in streams]
     assert "fleet-2" in {instance for instance, _ in results}  # it was serving when it was removed
     assert all(payload.rstrip().endswith(b"data: [DONE]") for _, payload in results)
-    assert {chat(url, f"r{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(12)} == {
-        "fleet-0", "fleet-1"}  # fmt: skip
-    wait_for(lambda: metric(url, "kvroute_index_blocks", vllm_instance="fleet-0", tier="gpu") > 0, "index kept")
+    assert {
+        chat(url, f"r{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(12)
+    } == {"fleet-0", "fleet-1"}
+    wait_for(
+        lambda: metric(url, "kvroute_index_blocks", vllm_instance="fleet-0", tier="gpu") > 0, "index kept"
+    )
     assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") is None  # its series went with it
     # and the streams it served to their end after the reload did not bring any of them back
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
@@ -206,7 +237,10 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
     wait_for(lambda: sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") == 1, "fleet-2 checked")
     served = {chat(url, f"b{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(6)}
     assert "fleet-2" in served
-    assert metric(url, "kvroute_requests_total", policy="round-robin", vllm_instance="fleet-2", status="200") >= 1
+    assert (
+        metric(url, "kvroute_requests_total", policy="round-robin", vllm_instance="fleet-2", status="200")
+        >= 1
+    )
     assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-0") == 1
 
 
@@ -253,7 +287,9 @@ def test_a_policy_removed_and_added_back_starts_afresh() -> None:
     table = RoutingTable.from_config(full)
     old = table.policies["round-robin"]
     table.ab.failed("round-robin")
-    without = {name: spec.model_dump(mode="json") for name, spec in full.policies.items() if name != "round-robin"}
+    without = {
+        name: spec.model_dump(mode="json") for name, spec in full.policies.items() if name != "round-robin"
+    }
     smaller = parse_config({**RAW, "policies": without})
     table, _ = table.reloaded(full, smaller)
     table, _ = table.reloaded(smaller, full)

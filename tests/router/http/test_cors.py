@@ -18,9 +18,12 @@ def _preflight(url: str) -> dict[str, str]:
     request = urllib.request.Request(
         url + "/v1/chat/completions",
         method="OPTIONS",
-        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"},
-    )  # fmt: skip
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
         return {k.lower(): v for k, v in response.headers.items()}
@@ -36,14 +39,18 @@ def test_a_browser_on_an_allowed_origin_may_call_the_api(
         assert allowed["access-control-allow-origin"] == ORIGIN
         assert "authorization" in allowed["access-control-allow-headers"].lower()
         body = b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
-        status, headers, _ = post(url + "/v1/chat/completions", body,
-                                  {"Origin": ORIGIN, "authorization": "Bearer browser-key"})  # fmt: skip
+        status, headers, _ = post(
+            url + "/v1/chat/completions", body, {"Origin": ORIGIN, "authorization": "Bearer browser-key"}
+        )
         assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
         assert "x-kvroute-instance" in headers["access-control-expose-headers"].lower()
         status, headers, _ = post(url + "/v1/chat/completions", body, {"Origin": ORIGIN})
         assert status == 401 and headers["access-control-allow-origin"] == ORIGIN  # the page can read why
-        status, headers, _ = post(url + "/v1/chat/completions", body,
-                                  {"Origin": "https://other.example", "authorization": "Bearer browser-key"})  # fmt: skip
+        status, headers, _ = post(
+            url + "/v1/chat/completions",
+            body,
+            {"Origin": "https://other.example", "authorization": "Bearer browser-key"},
+        )
         assert status == 200 and "access-control-allow-origin" not in {k.lower() for k in headers}
 
 

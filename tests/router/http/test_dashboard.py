@@ -30,7 +30,9 @@ FLEET_NAMES = {"fleet-0", "fleet-1", "fleet-2"}
 SENT = {"kvroute": 4, "round-robin": 3, "least-loaded": 2}
 
 
-def test_without_an_admin_token_the_dashboard_is_open_and_loads_nothing_from_elsewhere(router_url: str) -> None:
+def test_without_an_admin_token_the_dashboard_is_open_and_loads_nothing_from_elsewhere(
+    router_url: str,
+) -> None:
     with urllib.request.urlopen(router_url + "/dashboard", timeout=10) as response:
         assert response.status == 200
         assert response.headers["content-type"].startswith("text/html")
@@ -54,12 +56,18 @@ def send(router_url: str) -> dict[str, Counter[str]]:
     served: dict[str, Counter[str]] = {policy: Counter() for policy in SENT}
     for policy, count in SENT.items():
         for turn in range(count):
-            body = json.dumps({
-                "model": "tiny-llama", "max_tokens": 2,
-                "messages": [{"role": "user", "content": f"dashboard check {policy} {turn}"}],
-            }).encode()  # fmt: skip
-            status, headers, payload = post(router_url + "/v1/chat/completions", body,
-                                            {"x-kvroute-policy": policy, "x-session-id": f"dash-{turn}"})  # fmt: skip
+            body = json.dumps(
+                {
+                    "model": "tiny-llama",
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"dashboard check {policy} {turn}"}],
+                }
+            ).encode()
+            status, headers, payload = post(
+                router_url + "/v1/chat/completions",
+                body,
+                {"x-kvroute-policy": policy, "x-session-id": f"dash-{turn}"},
+            )
             assert status == 200, payload
             headers = {k.lower(): v for k, v in headers.items()}
             assert headers["x-kvroute-policy"] == policy
@@ -107,10 +115,20 @@ class DashboardDom(HTMLParser):
 def render(url: str, profile: Path, timeout_s: float = 60.0) -> str:
     """The DOM after the page's scripts ran for 8 s of virtual time (four refreshes)."""
     args = [
-        str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom", url,
-    ]  # fmt: skip
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=8000",
+        "--dump-dom",
+        url,
+    ]
     browser = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = browser.communicate(timeout=timeout_s)
@@ -192,7 +210,9 @@ def test_with_an_admin_token_the_state_needs_it(guarded_url: str) -> None:
     status, body = call("GET", guarded_url + "/dashboard/state")
     assert status == 401 and body["error"]["code"] == "missing_token"
     assert "ab" not in body
-    status, body = call("GET", guarded_url + "/dashboard/state", headers={"authorization": "Bearer wrong-token-0000000000"})
+    status, body = call(
+        "GET", guarded_url + "/dashboard/state", headers={"authorization": "Bearer wrong-token-0000000000"}
+    )
     assert status == 403 and body["error"]["code"] == "wrong_token"
     status, body = call("GET", guarded_url + "/dashboard/state", headers=AUTH)
     assert status == 200 and set(body["ab"]) == {"split", "baseline", "policies", "comparisons"}
@@ -200,7 +220,9 @@ def test_with_an_admin_token_the_state_needs_it(guarded_url: str) -> None:
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium: make browser")
-def test_the_page_asks_for_the_admin_token_or_takes_it_from_its_address(guarded_url: str, tmp_path: Path) -> None:
+def test_the_page_asks_for_the_admin_token_or_takes_it_from_its_address(
+    guarded_url: str, tmp_path: Path
+) -> None:
     asked = render(guarded_url + "/dashboard", tmp_path / "asked")
     dom = DashboardDom()
     dom.feed(asked)

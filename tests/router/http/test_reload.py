@@ -25,7 +25,10 @@ from router.metrics import RouterMetrics
 from router.reload import Reloader
 from router.runtime import Runtime
 
-RAW: dict[str, Any] = {"models": [{"name": "tiny-llama"}], "instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}
+RAW: dict[str, Any] = {
+    "models": [{"name": "tiny-llama"}],
+    "instances": [{"name": "a", "url": "http://127.0.0.1:9"}],
+}
 # Well past the watch's 50 ms step: a second batch of events from one change would be in by then.
 QUIET_S = 1.0
 
@@ -221,7 +224,9 @@ def test_a_failed_watch_starts_again_and_sighup_reloads_meanwhile(
     metrics = RouterMetrics()
 
     def failures() -> float:
-        value = metrics.registry.get_sample_value("kvroute_background_task_failures_total", {"task": "config-watch"})
+        value = metrics.registry.get_sample_value(
+            "kvroute_background_task_failures_total", {"task": "config-watch"}
+        )
         return value or 0.0
 
     def handled() -> bool:

@@ -84,20 +84,26 @@ def test_chunked_body_over_the_limit_is_413(router_url: str) -> None:
     chunk = f"{len(mib):x}\r\n".encode() + mib + b"\r\n"
     chunks = [b'{"model": "tiny-llama", "messages": "'] + [chunk] * (LIMIT // len(mib) + 2) + [b"0\r\n\r\n"]
     chunks[0] = f"{len(chunks[0]):x}\r\n".encode() + chunks[0] + b"\r\n"
-    status, body = exchange(router_url + CHAT, {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}, chunks)
+    status, body = exchange(
+        router_url + CHAT, {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}, chunks
+    )
     assert_openai_error(status, body, 413)
 
 
 def test_chunked_body_under_the_limit_is_routed(router_url: str) -> None:
     raw = chat()
-    chunks = [f"{len(raw[i:i + 7]):x}\r\n".encode() + raw[i:i + 7] + b"\r\n" for i in range(0, len(raw), 7)]
+    chunks = [
+        f"{len(raw[i : i + 7]):x}\r\n".encode() + raw[i : i + 7] + b"\r\n" for i in range(0, len(raw), 7)
+    ]
     head = {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}
     status, body = exchange(router_url + CHAT, head, [*chunks, b"0\r\n\r\n"])
     assert status == 200, body
     assert json.loads(body)["object"] == "chat.completion"
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "application/jsonx", ""])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "application/jsonx", ""]
+)
 def test_content_type_other_than_json_is_415(router_url: str, content_type: str) -> None:
     status, _, body = post(router_url + CHAT, chat(), {"content-type": content_type})
     assert_openai_error(status, body, 415)
@@ -105,7 +111,9 @@ def test_content_type_other_than_json_is_415(router_url: str, content_type: str)
 
 def test_a_compressed_body_is_415_naming_its_encoding(router_url: str) -> None:
     raw = gzip.compress(chat())
-    status, _, body = post(router_url + CHAT, raw, {"content-type": "application/json", "content-encoding": "gzip"})
+    status, _, body = post(
+        router_url + CHAT, raw, {"content-type": "application/json", "content-encoding": "gzip"}
+    )
     assert_openai_error(status, body, 415)
     assert json.loads(body)["error"]["code"] == "unsupported_content_encoding"
     assert "'gzip'" in json.loads(body)["error"]["message"]
@@ -149,7 +157,12 @@ def _nested(depth: int) -> object:
 
 
 def _deep_json(depth: int) -> bytes:
-    return b'{"model": "tiny-llama", "messages": [{"role": "user", "content": ' + b"[" * depth + b"]" * depth + b"}]}"
+    return (
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": '
+        + b"[" * depth
+        + b"]" * depth
+        + b"}]}"
+    )
 
 
 ABSURD = {
@@ -180,12 +193,15 @@ def test_absurd_chat_bodies_are_client_errors(router_url: str, raw: bytes) -> No
     assert_openai_error(status, body)
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"model": "tiny-llama", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
-    b'{"model": "tiny-llama", "prompt": [[1, 2], ["a"], {"x": 1}]}',
-    b'{"model": "tiny-llama", "prompt": [-1, 99999999999]}',
-    b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 1000000000000}',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "tiny-llama", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        b'{"model": "tiny-llama", "prompt": [[1, 2], ["a"], {"x": 1}]}',
+        b'{"model": "tiny-llama", "prompt": [-1, 99999999999]}',
+        b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 1000000000000}',
+    ],
+)
 def test_absurd_completion_bodies_are_client_errors(router_url: str, raw: bytes) -> None:
     status, _, body = post(router_url + "/v1/completions", raw)
     assert_openai_error(status, body)
@@ -235,7 +251,9 @@ def test_client_errors_are_counted_by_code(router_url: str) -> None:
 
 def test_head_probes_and_wrong_methods_are_answered_properly(router_url: str) -> None:
     for path in ("/health", "/v1/models"):
-        with urllib.request.urlopen(urllib.request.Request(router_url + path, method="HEAD"), timeout=10) as answer:
+        with urllib.request.urlopen(
+            urllib.request.Request(router_url + path, method="HEAD"), timeout=10
+        ) as answer:
             assert answer.status == 200, path
             assert answer.read() == b""
     request = urllib.request.Request(router_url + "/v1/models", data=b"{}", method="PUT")

@@ -27,10 +27,15 @@ class Recorder:
     async def answer(self, request: web.Request) -> web.Response:
         await request.read()
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
-        answer = {"id": "cmpl-1", "object": "text_completion", "choices": [
-            {"index": 0, "text": "ok", "finish_reason": "stop"}]}  # fmt: skip
+        answer = {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+        }
         # As vLLM with --enable-request-id-headers: the client's id, or one of its own.
-        return web.json_response(answer, headers={"X-Request-Id": request.headers.get("X-Request-Id", "engine-1")})
+        return web.json_response(
+            answer, headers={"X-Request-Id": request.headers.get("X-Request-Id", "engine-1")}
+        )
 
 
 @pytest.fixture
@@ -82,16 +87,26 @@ def test_client_credentials_and_hop_by_hop_headers_never_reach_the_engine(
     recorded: tuple[str, Recorder, Path],
 ) -> None:
     url, recorder, _ = recorded
-    sent = {"authorization": "Bearer client-secret", "cookie": "session=secret",
-            "proxy-authorization": "Basic c2VjcmV0", "x-api-key": "secret", "connection": "keep-alive, x-custom",
-            "x-custom": "hop", "x-request-id": "req-42", "traceparent": TRACEPARENT, "tracestate": "k=v"}  # fmt: skip
+    sent = {
+        "authorization": "Bearer client-secret",
+        "cookie": "session=secret",
+        "proxy-authorization": "Basic c2VjcmV0",
+        "x-api-key": "secret",
+        "connection": "keep-alive, x-custom",
+        "x-custom": "hop",
+        "x-request-id": "req-42",
+        "traceparent": TRACEPARENT,
+        "tracestate": "k=v",
+    }
     status, headers, payload = post(url + "/v1/completions", body(), sent)
     assert status == 200, payload
     (seen,) = recorder.headers
     # End-to-end headers that identify the request or carry its trace pass, and the engine's id comes back.
     assert (seen["x-request-id"], seen["traceparent"], seen["tracestate"]) == ("req-42", TRACEPARENT, "k=v")
     assert headers["x-request-id"] == "req-42"
-    leaked = {k for k in ("authorization", "cookie", "proxy-authorization", "x-api-key", "x-custom") if k in seen}
+    leaked = {
+        k for k in ("authorization", "cookie", "proxy-authorization", "x-api-key", "x-custom") if k in seen
+    }
     assert leaked == set()
     assert "secret" not in json.dumps(seen)
 
@@ -104,8 +119,12 @@ def test_no_request_makes_the_router_connect_to_an_address_it_was_not_configured
     listener.start()
     elsewhere = f"127.0.0.1:{listener.port}"
     try:
-        for headers in ({"host": elsewhere}, {"x-forwarded-host": elsewhere},
-                        {"forwarded": f"host={elsewhere}"}, {"x-kvroute-instance": f"http://{elsewhere}"}):  # fmt: skip
+        for headers in (
+            {"host": elsewhere},
+            {"x-forwarded-host": elsewhere},
+            {"forwarded": f"host={elsewhere}"},
+            {"x-kvroute-instance": f"http://{elsewhere}"},
+        ):
             assert post(url + "/v1/completions", body(), headers)[0] == 200
         assert post(url + "/v1/completions", body(model=f"http://{elsewhere}"), {})[0] == 404
         assert post(url + "/v1/completions", body(url=f"http://{elsewhere}/v1"), {})[0] == 200

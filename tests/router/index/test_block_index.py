@@ -28,8 +28,15 @@ def vllm_hash(position: int, salt: int = 0, as_bytes: bool = False) -> int | byt
     return value.to_bytes(32, "big") if as_bytes else value
 
 
-def stored(first: int, count: int, tokens: list[int] = TOKENS, medium: str | None = "GPU", salt: int = 0,
-           as_bytes: bool = False, lora: str | None = None) -> BlockStored:  # fmt: skip
+def stored(
+    first: int,
+    count: int,
+    tokens: list[int] = TOKENS,
+    medium: str | None = "GPU",
+    salt: int = 0,
+    as_bytes: bool = False,
+    lora: str | None = None,
+) -> BlockStored:
     return BlockStored(
         block_hashes=[vllm_hash(i, salt, as_bytes) for i in range(first, first + count)],
         parent_block_hash=None if first == 0 else vllm_hash(first - 1, salt, as_bytes),
@@ -168,8 +175,16 @@ def test_tiers_are_credited_to_the_best_copy() -> None:
 
 def placeholder(position: int, as_bytes: bool = False) -> BlockStored:
     """What vLLM's OffloadingConnector announces by default (self_describing_kv_events off): a key alone."""
-    return BlockStored(block_hashes=[vllm_hash(position, as_bytes=as_bytes)], parent_block_hash=None, token_ids=[],
-                       block_size=0, lora_id=None, medium="CPU", lora_name=None, group_idx=0)  # fmt: skip
+    return BlockStored(
+        block_hashes=[vllm_hash(position, as_bytes=as_bytes)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=0,
+    )
 
 
 @pytest.mark.parametrize("as_bytes", [False, True])
@@ -257,8 +272,15 @@ def test_events_that_do_not_fit_are_counted_and_skipped_without_losing_their_bat
     assert index.entries == 0
     assert index.stats.mismatched == 1
     index = BlockIndex(BS)
-    empty = BlockStored(block_hashes=[], parent_block_hash=None, token_ids=[], block_size=BS, lora_id=None,
-                        medium="GPU", lora_name=None)  # fmt: skip
+    empty = BlockStored(
+        block_hashes=[],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
     huge_token = stored(0, 1, tokens=[2**40] * BS)
     short_extras = BlockStored(**{**msgspec.structs.asdict(stored(0, 2)), "extra_keys": [None]})
     index.apply(A, [empty, huge_token, short_extras, stored(0, 3)])
@@ -438,8 +460,11 @@ def test_pool_blocks_count_for_every_instance_that_writes_to_the_pool() -> None:
     index.apply(A, [stored(0, 3, as_bytes=True), pooled(0, 7)])
     index.apply(B, [pooled(0, 2, salt=9, tokens=OTHER_TOKENS)])  # B writes something else: connected too
     index.apply(("c", 0), [stored(0, 2, salt=3)])  # C never wrote to the pool
-    assert index.match(prompt()) == {"a": TierMatch(gpu=3, pool=4), "b": TierMatch(pool=7),
-                                     "c": TierMatch(gpu=2)}  # fmt: skip
+    assert index.match(prompt()) == {
+        "a": TierMatch(gpu=3, pool=4),
+        "b": TierMatch(pool=7),
+        "c": TierMatch(gpu=2),
+    }
     assert index.pool_members() == ["a", "b"]
     assert index.pool_entries == 9
     assert index.match(prompt(), include_pool=False) == {"a": TierMatch(gpu=3), "c": TierMatch(gpu=2)}
@@ -458,8 +483,11 @@ def test_pool_blocks_count_only_for_members_of_the_pool_name_they_were_written_u
     assert index.match(prompt()) == {"a": TierMatch(gpu=2, pool=4), "a2": TierMatch(pool=6)}
     assert index.pooled(prompt(), 0, 10, "m70") == []
     index.apply(B, [pooled(0, 3)])  # the 70B's own objects for the first blocks
-    assert index.match(prompt()) == {"a": TierMatch(gpu=2, pool=4), "a2": TierMatch(pool=6),
-                                     "b": TierMatch(pool=3)}  # fmt: skip
+    assert index.match(prompt()) == {
+        "a": TierMatch(gpu=2, pool=4),
+        "a2": TierMatch(pool=6),
+        "b": TierMatch(pool=3),
+    }
     assert index.pool_entries == 9
     hashes = [cast(bytes, vllm_hash(p, as_bytes=True)) for p in range(6)]
     assert index.pooled(prompt(), 0, 10, "m70") == list(enumerate(hashes[:3]))

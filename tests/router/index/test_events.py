@@ -30,9 +30,14 @@ STORED = BlockStored(
     group_idx=0,
 )
 STORED_BYTES = BlockStored(
-    block_hashes=[b"\x01" * 32], parent_block_hash=b"\x02" * 32, token_ids=list(range(32)), block_size=32,
-    lora_id=None, medium="cpu", lora_name="adapter",
-)  # fmt: skip
+    block_hashes=[b"\x01" * 32],
+    parent_block_hash=b"\x02" * 32,
+    token_ids=list(range(32)),
+    block_size=32,
+    lora_id=None,
+    medium="cpu",
+    lora_name="adapter",
+)
 EVENTS = [STORED, STORED_BYTES, BlockRemoved(block_hashes=[BIG_INT], medium="GPU"), AllBlocksCleared()]
 
 
@@ -52,9 +57,17 @@ def test_map_encoding_matches_vllm_keys() -> None:
     payload = msgspec.msgpack.decode(EventEncoder("map").encode(1.0, [STORED]))
     assert payload[0] == 1.0 and len(payload) == 2  # a None rank is omitted
     assert list(payload[1][0]) == [
-        "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name", "extra_keys", "group_idx",
-    ]  # fmt: skip
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    ]
 
 
 def test_short_arrays_unknown_keys_and_extra_items_are_accepted() -> None:
@@ -64,7 +77,13 @@ def test_short_arrays_unknown_keys_and_extra_items_are_accepted() -> None:
             [
                 ["BlockStored", [1], None, [5] * 16, 16, None, "GPU"],  # an older, shorter array
                 ["BlockRemoved", [1], "GPU", 0, "future", "fields"],
-                {"type": "BlockRemoved", "block_hashes": [2], "medium": None, "locality": "LOCAL", "new": [1]},
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": [2],
+                    "medium": None,
+                    "locality": "LOCAL",
+                    "new": [1],
+                },
             ],
         ]
     )
@@ -98,9 +117,16 @@ def test_a_bad_event_is_skipped_and_counted_while_its_neighbours_survive(bad_eve
 
 @pytest.mark.parametrize(
     "payload",
-    [b"", b"\xc1", b"garbage", msgspec.msgpack.encode({"ts": 1}), msgspec.msgpack.encode([1.0]),
-     msgspec.msgpack.encode(["x", []]), msgspec.msgpack.encode([1.0, [], 0])[:-1]],
-)  # fmt: skip
+    [
+        b"",
+        b"\xc1",
+        b"garbage",
+        msgspec.msgpack.encode({"ts": 1}),
+        msgspec.msgpack.encode([1.0]),
+        msgspec.msgpack.encode(["x", []]),
+        msgspec.msgpack.encode([1.0, [], 0])[:-1],
+    ],
+)
 def test_a_payload_that_is_not_a_batch_raises_malformed(payload: bytes) -> None:
     with pytest.raises(MalformedBatch):
         EventDecoder().decode(payload)

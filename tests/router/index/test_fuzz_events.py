@@ -31,7 +31,9 @@ from router.metrics import RouterMetrics
 from router.prompt import block_hashing
 from router.types import TierMatch
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 decoder = EventDecoder()
 encode = msgspec.msgpack.encode
 
@@ -60,10 +62,15 @@ def good_events(draw: st.DrawFn) -> KVEvent:
     if kind is BlockRemoved:
         return BlockRemoved(block_hashes=block_hashes, medium=medium, group_idx=draw(st.none() | ints))
     return BlockStored(
-        block_hashes=block_hashes, parent_block_hash=draw(st.none() | hashes), token_ids=draw(token_lists),
-        block_size=draw(ints), lora_id=draw(st.none() | ints), medium=medium,
-        lora_name=draw(st.none() | st.text(max_size=8)), extra_keys=draw(st.none() | st.lists(values, max_size=3)),
-    )  # fmt: skip
+        block_hashes=block_hashes,
+        parent_block_hash=draw(st.none() | hashes),
+        token_ids=draw(token_lists),
+        block_size=draw(ints),
+        lora_id=draw(st.none() | ints),
+        medium=medium,
+        lora_name=draw(st.none() | st.text(max_size=8)),
+        extra_keys=draw(st.none() | st.lists(values, max_size=3)),
+    )
 
 
 def wire_form(event: KVEvent, array: bool) -> Any:
@@ -151,7 +158,9 @@ def test_a_batch_of_arbitrary_events_keeps_or_counts_each_one(ts: Any, events: l
 
 @FUZZ
 @given(st.data(), st.lists(good_events(), min_size=1, max_size=5), st.booleans())
-def test_one_broken_event_costs_at_most_itself(data: st.DataObject, events: list[KVEvent], array: bool) -> None:
+def test_one_broken_event_costs_at_most_itself(
+    data: st.DataObject, events: list[KVEvent], array: bool
+) -> None:
     wire = [wire_form(event, array) for event in events]
     broken = data.draw(st.integers(0, len(wire) - 1))
     wire[broken] = data.draw(mutated(wire[broken]))
@@ -165,8 +174,12 @@ def test_one_broken_event_costs_at_most_itself(data: st.DataObject, events: list
 
 @FUZZ
 @given(st.data(), st.lists(good_events(), max_size=4), st.booleans())
-def test_truncated_or_extended_batches_are_malformed(data: st.DataObject, events: list[KVEvent], array: bool) -> None:
-    payload = EventEncoder("array" if array else "map").encode(3.5, events, data.draw(st.none() | st.integers(0, 7)))
+def test_truncated_or_extended_batches_are_malformed(
+    data: st.DataObject, events: list[KVEvent], array: bool
+) -> None:
+    payload = EventEncoder("array" if array else "map").encode(
+        3.5, events, data.draw(st.none() | st.integers(0, 7))
+    )
     batch = check_decoded(payload, len(events))
     assert batch is not None and batch.skipped_events == 0
     cut = data.draw(st.integers(0, len(payload) - 1))
@@ -192,11 +205,27 @@ def test_deep_nesting_is_malformed_or_skipped_not_a_recursion_error(depth: int, 
 
 @pytest.mark.parametrize(
     "payload",
-    [b"\x92\xcb" + encode(1.0)[1:] + b"\xdd\xff\xff\xff\xff",  # an array that claims 4 billion events
-     b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
-     encode([1.0, [{"type": "BlockStored", "block_hashes": list(range(50_000)), "parent_block_hash": None,
-                    "token_ids": list(range(800_000)), "block_size": 16}]])],
-)  # fmt: skip
+    [
+        b"\x92\xcb" + encode(1.0)[1:] + b"\xdd\xff\xff\xff\xff",  # an array that claims 4 billion events
+        b"\xdd\xff\xff\xff\xff",
+        b"\xdf\xff\xff\xff\xff",
+        b"\xc6\xff\xff\xff\xff",
+        encode(
+            [
+                1.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": list(range(50_000)),
+                        "parent_block_hash": None,
+                        "token_ids": list(range(800_000)),
+                        "block_size": 16,
+                    }
+                ],
+            ]
+        ),
+    ],
+)
 def test_huge_claimed_or_real_arrays_are_handled(payload: bytes) -> None:
     check_decoded(payload)
 
@@ -216,14 +245,24 @@ def vllm_hash(position: int, salt: int, as_bytes: bool) -> int | bytes:
     return value.to_bytes(32, "big") if as_bytes else value
 
 
-def stored(first: int, count: int, salt: int, as_bytes: bool, medium: str | None, tokens: list[int] = TOKENS,
-           block_size: int = BS) -> BlockStored:  # fmt: skip
+def stored(
+    first: int,
+    count: int,
+    salt: int,
+    as_bytes: bool,
+    medium: str | None,
+    tokens: list[int] = TOKENS,
+    block_size: int = BS,
+) -> BlockStored:
     return BlockStored(
         block_hashes=[vllm_hash(i, salt, as_bytes) for i in range(first, first + count)],
         parent_block_hash=None if first == 0 else vllm_hash(first - 1, salt, as_bytes),
-        token_ids=tokens[first * BS : (first + count) * BS], block_size=block_size, lora_id=None,
-        medium=medium, lora_name=None,
-    )  # fmt: skip
+        token_ids=tokens[first * BS : (first + count) * BS],
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
 
 
 positions = st.integers(0, 9)
@@ -251,16 +290,23 @@ def bad_stores(draw: st.DrawFn, hows: tuple[str, ...] = BAD_HOWS) -> tuple[str, 
     how = draw(st.sampled_from(hows))
     if how == "tokens":
         bad = draw(st.sampled_from([-1, -(2**63), 2**32, 2**64 - 1]))
-        event = msgspec.structs.replace(event, token_ids=[*event.token_ids[:-1], bad] if event.token_ids else [bad])
+        event = msgspec.structs.replace(
+            event, token_ids=[*event.token_ids[:-1], bad] if event.token_ids else [bad]
+        )
     elif how == "short":
         event = msgspec.structs.replace(event, token_ids=event.token_ids[: draw(st.integers(0, 3))])
     elif how == "size":
         event = msgspec.structs.replace(event, block_size=draw(st.sampled_from([0, -4, 3, 8, 2**40])))
     elif how == "mixed" and event.block_hashes:
-        event.block_hashes[-1] = vllm_hash(first + count - 1, salt, not isinstance(event.block_hashes[0], bytes))
+        event.block_hashes[-1] = vllm_hash(
+            first + count - 1, salt, not isinstance(event.block_hashes[0], bytes)
+        )
     elif how == "odd_hash":
-        event = msgspec.structs.replace(event, block_hashes=draw(st.lists(hashes, min_size=count, max_size=count)),
-                                        parent_block_hash=draw(st.none() | hashes))  # fmt: skip
+        event = msgspec.structs.replace(
+            event,
+            block_hashes=draw(st.lists(hashes, min_size=count, max_size=count)),
+            parent_block_hash=draw(st.none() | hashes),
+        )
     elif how == "extra":
         extra = draw(st.lists(st.none() | values, max_size=count + 1))
         event = msgspec.structs.replace(event, extra_keys=extra)
@@ -274,17 +320,23 @@ def bad_stores(draw: st.DrawFn, hows: tuple[str, ...] = BAD_HOWS) -> tuple[str, 
 def removes(medium: st.SearchStrategy[str | None] = mediums) -> st.SearchStrategy[tuple[str, Any]]:
     event = st.builds(
         lambda ps, salt, as_bytes, medium: BlockRemoved([vllm_hash(p, salt, as_bytes) for p in ps], medium),
-        st.lists(positions, max_size=4), salts, st.booleans(), medium,
-    )  # fmt: skip
+        st.lists(positions, max_size=4),
+        salts,
+        st.booleans(),
+        medium,
+    )
     return st.tuples(st.just("remove"), st.tuples(owners, event))
 
 
 def pool_stores() -> st.SearchStrategy[tuple[str, Any]]:
     return st.builds(
-        lambda op, without_tokens: (op[0], (op[1][0], msgspec.structs.replace(op[1][1], token_ids=[]))
-                                    if without_tokens else op[1]),
-        good_stores(st.just("cpu")), st.booleans(),
-    )  # fmt: skip
+        lambda op, without_tokens: (
+            op[0],
+            (op[1][0], msgspec.structs.replace(op[1][1], token_ids=[])) if without_tokens else op[1],
+        ),
+        good_stores(st.just("cpu")),
+        st.booleans(),
+    )
 
 
 # A prefix cache reset: the GPU block pool's clear, and a SimpleCPUOffloadConnector's after it in one batch
@@ -326,8 +378,9 @@ def check_books(index: BlockIndex, bound: int) -> None:
             assert 0 <= position < len(chain) and isinstance(full, bytes)
 
 
-any_op = st.one_of(good_stores(), bad_stores(), removes(), pool_stores(), clears, drops, speculations, waits,
-                   forgets)  # fmt: skip
+any_op = st.one_of(
+    good_stores(), bad_stores(), removes(), pool_stores(), clears, drops, speculations, waits, forgets
+)
 
 
 @FUZZ
@@ -341,9 +394,12 @@ def test_any_event_sequence_keeps_the_books_and_the_bound(ops: list[tuple[str, A
 
 
 # Hashes the model can place: vLLM's own (one type per event), not arbitrary ones.
-modelled_bad = bad_stores(("tokens", "short", "size", "extra", "empty")).filter(lambda op: op[1][1].medium != "cpu")
-gpu_cpu_op = st.one_of(good_stores(), modelled_bad,
-                       removes(st.sampled_from(list(TIER_OF))), clears, drops, speculations, waits)  # fmt: skip
+modelled_bad = bad_stores(("tokens", "short", "size", "extra", "empty")).filter(
+    lambda op: op[1][1].medium != "cpu"
+)
+gpu_cpu_op = st.one_of(
+    good_stores(), modelled_bad, removes(st.sampled_from(list(TIER_OF))), clears, drops, speculations, waits
+)
 
 
 class Model:
@@ -390,7 +446,9 @@ class Model:
                     held[slot] -= 1
         elif kind == "clear":  # the GPU's blocks, and the CPU's after a second clear
             owner, count = arg
-            self.held[owner] = {slot: n for slot, n in self.held[owner].items() if slot[0] == "cpu" and count < 2}
+            self.held[owner] = {
+                slot: n for slot, n in self.held[owner].items() if slot[0] == "cpu" and count < 2
+            }
         elif kind == "drop":
             self.held[arg].clear()
         elif kind == "speculate":
@@ -459,7 +517,9 @@ def subscriber() -> Iterator[KVEventSubscriber]:
     context.term()
 
 
-good_payloads = st.builds(lambda events: EventEncoder().encode(1.0, events), st.lists(good_events(), max_size=3))
+good_payloads = st.builds(
+    lambda events: EventEncoder().encode(1.0, events), st.lists(good_events(), max_size=3)
+)
 frame = st.one_of(st.binary(max_size=12), st.integers(0, 2**64 - 1).map(pack_seq), good_payloads)
 
 

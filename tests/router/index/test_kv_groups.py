@@ -29,9 +29,11 @@ def mamba(*positions: int) -> list[BlockStored]:
 def window(first: int, count: int, tokens: int = 2 * BS + 1) -> BlockStored:
     """A sliding window of tokens: a hit must end with cdiv(tokens - 1, BS) of its blocks (2 here)."""
     return msgspec.structs.replace(
-        stored(first, count), group_idx=OTHER, kv_cache_spec_kind="sliding_window",
+        stored(first, count),
+        group_idx=OTHER,
+        kv_cache_spec_kind="sliding_window",
         kv_cache_spec_sliding_window=tokens,
-    )  # fmt: skip
+    )
 
 
 def group_removed(*positions: int) -> BlockRemoved:
@@ -117,8 +119,10 @@ def test_blocks_a_window_needs_to_end_a_hit() -> None:
 
 def test_vllm_hashes_as_bytes_resolve_too() -> None:
     index = BlockIndex(BS)
-    events = [msgspec.structs.replace(e, block_hashes=[vllm_hash(p, as_bytes=True)], parent_block_hash=None)
-              for p, e in [(2, mamba(2)[0])]]  # fmt: skip
+    events = [
+        msgspec.structs.replace(e, block_hashes=[vllm_hash(p, as_bytes=True)], parent_block_hash=None)
+        for p, e in [(2, mamba(2)[0])]
+    ]
     head = msgspec.structs.replace(
         stored(0, 4, as_bytes=True), group_idx=FULL, kv_cache_spec_kind="full_attention"
     )

@@ -48,8 +48,13 @@ def matched_blocks(index: BlockIndex, name: str, tokenizer: PromptTokenizer) -> 
     entry = request(name)
     cached = CachedChatTokenizer(tokenizer)
     models = {CAPTURE["base_model"], CAPTURE["lora_name"]}
-    router = Decider(index, dict.fromkeys(models, cached), BLOCK, RouterMetrics(),
-                    adapters=frozenset({CAPTURE["lora_name"]}))  # fmt: skip
+    router = Decider(
+        index,
+        dict.fromkeys(models, cached),
+        BLOCK,
+        RouterMetrics(),
+        adapters=frozenset({CAPTURE["lora_name"]}),
+    )
     body = CompletionRequest(
         model=entry["model"], prompt=entry["prompt_token_ids"], cache_salt=entry["cache_salt"]
     )

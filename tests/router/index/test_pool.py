@@ -68,10 +68,21 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
     base = free_port_block(2)
     log = (tmp_path_factory.mktemp("master") / "master.log").open("wb")
     process = subprocess.Popen(
-        [str(binary), "--rpc_address", "127.0.0.1", "--rpc_port", str(base),
-         "--metrics_host", "127.0.0.1", "--metrics_port", str(base + 1)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(binary),
+            "--rpc_address",
+            "127.0.0.1",
+            "--rpc_port",
+            str(base),
+            "--metrics_host",
+            "127.0.0.1",
+            "--metrics_port",
+            str(base + 1),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         admin = f"http://127.0.0.1:{base + 1}"
         _wait_up(process, admin + "/health")
@@ -107,8 +118,11 @@ def pool_holding(master: Master, positions: range, pool_name: str = "model") -> 
     keys = [key_of(p, pool_name) for p in positions]
     client = subprocess.Popen(
         [str(STACK_PYTHON), str(ROOT / "scripts" / "pool_put.py"), master.rpc, *keys],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         assert client.stdout is not None
         assert client.stdout.readline() == b"ready\n", "the pool client could not put its objects"
@@ -163,11 +177,17 @@ def test_pool_credit_stops_where_the_master_no_longer_has_the_blocks(master: Mas
     assert metric_value(metrics, "kvroute_pool_master_up") == 1
 
 
-def test_pool_credit_is_confirmed_under_the_connectors_cache_prefix_and_store_namespace(master: Master) -> None:
+def test_pool_credit_is_confirmed_under_the_connectors_cache_prefix_and_store_namespace(
+    master: Master,
+) -> None:
     """With a cache_prefix and a store namespace the connector's keys start with more than the model's name:
     stated in the model's config, the router asks for those keys and keeps the credit the pool holds."""
-    model = ModelConfig(name="tiny-llama", pool_name="model", pool_cache_prefix="team-a",
-                        pool_store_namespace="@store_pp:1@store_format:tp_shared_mqa")  # fmt: skip
+    model = ModelConfig(
+        name="tiny-llama",
+        pool_name="model",
+        pool_cache_prefix="team-a",
+        pool_store_namespace="@store_pp:1@store_format:tp_shared_mqa",
+    )
     start, metrics = key_start(model), RouterMetrics()
     index = BlockIndex(BS)
     index.set_pool_name("a", start)
@@ -180,7 +200,9 @@ def test_pool_credit_is_confirmed_under_the_connectors_cache_prefix_and_store_na
 
 
 @contextlib.asynccontextmanager
-async def in_process_master(present: bool, meanwhile: Callable[[], object] = lambda: None) -> AsyncIterator[str]:
+async def in_process_master(
+    present: bool, meanwhile: Callable[[], object] = lambda: None
+) -> AsyncIterator[str]:
     """A master on this event loop that says every key asked about is there (or that none is), once meanwhile
     (what happens while it is asked) has run; yields its URL."""
 
@@ -203,7 +225,9 @@ def test_a_block_announced_again_while_the_master_is_asked_stays() -> None:
     async def run() -> dict[str, TierMatch]:
         meanwhile = lambda: index.apply(B, [pooled(4, 1)])  # noqa: E731
         async with in_process_master(False, meanwhile) as url, aiohttp.ClientSession() as session:
-            return await PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics).confirm("tiny-llama", prompt())
+            return await PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics).confirm(
+                "tiny-llama", prompt()
+            )
 
     assert asyncio.run(run()) == {"a": TierMatch(gpu=2)}
     assert index.pooled(prompt(), 0, 10, "model") == [(4, vllm_hash(4, as_bytes=True))]
@@ -248,7 +272,11 @@ def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
     async def twice() -> None:
         async with aiohttp.ClientSession() as session:
             confirmer = PoolConfirmer(
-                index, MasterLookup(master.admin_url, session), {"tiny-llama": "model"}, metrics, confirm_ttl_s=60
+                index,
+                MasterLookup(master.admin_url, session),
+                {"tiny-llama": "model"},
+                metrics,
+                confirm_ttl_s=60,
             )
             chain = prompt()
             with pool_holding(master, range(6)):

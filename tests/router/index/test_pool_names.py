@@ -47,13 +47,20 @@ HASH_HEX = bytes(range(32)).hex()
     ("settings", "key"),
     [
         ({}, f"Llama-3.1-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
-        ({"pool_cache_prefix": "team-a"}, f"team-a@Llama-3.1-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
-        ({"pool_store_namespace": NAMESPACE},
-         f"Llama-3.1-8B{NAMESPACE}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
-        ({"pool_cache_prefix": "team-a", "pool_store_namespace": NAMESPACE},
-         f"team-a@Llama-3.1-8B{NAMESPACE}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}"),
+        (
+            {"pool_cache_prefix": "team-a"},
+            f"team-a@Llama-3.1-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}",
+        ),
+        (
+            {"pool_store_namespace": NAMESPACE},
+            f"Llama-3.1-8B{NAMESPACE}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}",
+        ),
+        (
+            {"pool_cache_prefix": "team-a", "pool_store_namespace": NAMESPACE},
+            f"team-a@Llama-3.1-8B{NAMESPACE}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH_HEX}",
+        ),
     ],
-)  # fmt: skip
+)
 def test_pool_keys_are_the_connectors_with_its_cache_prefix_and_store_namespace(
     settings: dict[str, str], key: str
 ) -> None:
@@ -68,13 +75,17 @@ def test_instances_whose_keys_start_differently_count_each_others_pool_blocks_no
     """Two deployments of one model sharing a master, told apart by the connector's cache_prefix: neither
     can load what the other wrote."""
     raw = {
-        "models": [{"name": "llama-8b", "pool_name": "Llama-3.1-8B", "pool_cache_prefix": "team-a"},
-                   {"name": "llama-8b-b", "pool_name": "Llama-3.1-8B", "pool_cache_prefix": "team-b"}],
+        "models": [
+            {"name": "llama-8b", "pool_name": "Llama-3.1-8B", "pool_cache_prefix": "team-a"},
+            {"name": "llama-8b-b", "pool_name": "Llama-3.1-8B", "pool_cache_prefix": "team-b"},
+        ],
         "block_size": BS,
-        "instances": [{"name": "a", "url": "http://127.0.0.1:9001", "models": ["llama-8b"]},
-                      {"name": "b", "url": "http://127.0.0.1:9002", "models": ["llama-8b-b"]}],
+        "instances": [
+            {"name": "a", "url": "http://127.0.0.1:9001", "models": ["llama-8b"]},
+            {"name": "b", "url": "http://127.0.0.1:9002", "models": ["llama-8b-b"]},
+        ],
         "pool": {"master_url": "http://127.0.0.1:9003"},
-    }  # fmt: skip
+    }
     index = BlockIndex(BS)
     place_instances(index, parse_config(raw))
     index.apply(("a", 0), [pooled(0, 6)])

@@ -182,9 +182,16 @@ class Harness:
         self.sink = sink or RecordingSink()
         self.metrics = RouterMetrics()
         self.subscriber = KVEventSubscriber(
-            "a", self.endpoint, self.replay_endpoint, self.sink, self.metrics, self.context,
-            replay_timeout_s=replay_timeout_s, max_message_bytes=max_message_bytes, block_size=block_size,
-        )  # fmt: skip
+            "a",
+            self.endpoint,
+            self.replay_endpoint,
+            self.sink,
+            self.metrics,
+            self.context,
+            replay_timeout_s=replay_timeout_s,
+            max_message_bytes=max_message_bytes,
+            block_size=block_size,
+        )
 
     def engine(self) -> FakeEngine:
         return FakeEngine(self.endpoint, self.replay_endpoint)
@@ -212,8 +219,11 @@ class Harness:
     def since(self, before: dict[str, float] | None = None) -> dict[str, float]:
         """The counts that changed (since the start, without before)."""
         before = before or {}
-        return {name: value - before.get(name, 0.0) for name, value in self.counts().items()
-                if value != before.get(name, 0.0)}  # fmt: skip
+        return {
+            name: value - before.get(name, 0.0)
+            for name, value in self.counts().items()
+            if value != before.get(name, 0.0)
+        }
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[asyncio.Task[None]]:
@@ -510,7 +520,9 @@ def test_an_engine_of_another_block_size_is_named_once(caplog: pytest.LogCapture
         asyncio.run(main())
 
 
-def test_blocks_of_other_sizes_beside_the_engines_own_are_no_mismatch(caplog: pytest.LogCaptureFixture) -> None:
+def test_blocks_of_other_sizes_beside_the_engines_own_are_no_mismatch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """vLLM 0.32 publishes some in passing: partial blocks, an offloading connector's placeholders of size 0,
     other KV cache groups' blocks."""
     size = BS * 2
@@ -644,7 +656,9 @@ def test_a_session_started_again_goes_on_from_its_position(monkeypatch: pytest.M
         engine = harness.engine()
         async with harness.running():
             await engine.subscribed()
-            await asyncio.wait_for(engine.replay_asked.wait(), TIMEOUT_S)  # the warm start has its (empty) buffer
+            await asyncio.wait_for(
+                engine.replay_asked.wait(), TIMEOUT_S
+            )  # the warm start has its (empty) buffer
             for n in range(5):
                 engine.publish(batch(n))
             await harness.sink.wait_applied(5)
@@ -756,9 +770,13 @@ def test_a_simulated_fleet_instance_produces_stored_blocks(model_dir: Path, tmp_
         context = zmq.asyncio.Context()
         sink = RecordingSink()
         subscriber = KVEventSubscriber(
-            "fleet-0", f"tcp://127.0.0.1:{ports.events}", f"tcp://127.0.0.1:{ports.replay}", sink,
-            RouterMetrics(), context,
-        )  # fmt: skip
+            "fleet-0",
+            f"tcp://127.0.0.1:{ports.events}",
+            f"tcp://127.0.0.1:{ports.replay}",
+            sink,
+            RouterMetrics(),
+            context,
+        )
         task = asyncio.create_task(subscriber.run())
         try:
             async with asyncio.timeout(TIMEOUT_S * 3):
@@ -786,11 +804,16 @@ def test_news_of_a_restart_goes_to_the_instances_subscriber_or_drops_an_unfollow
     subscriber (here it has applied nothing, so nothing of it is dropped); one without events loses its
     entries, as nothing else says what the new process holds."""
     port = free_port_block(1)
-    config = parse_config({
-        "models": [{"name": "tiny-llama"}], "block_size": 4,
-        "instances": [{"name": "followed", "url": "http://127.0.0.1:9", "events": f"tcp://127.0.0.1:{port}"},
-                      {"name": "unfollowed", "url": "http://127.0.0.1:10"}],
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "models": [{"name": "tiny-llama"}],
+            "block_size": 4,
+            "instances": [
+                {"name": "followed", "url": "http://127.0.0.1:9", "events": f"tcp://127.0.0.1:{port}"},
+                {"name": "unfollowed", "url": "http://127.0.0.1:10"},
+            ],
+        }
+    )
     runtime = Runtime(config)
     index = runtime.index
     for name in ("followed", "unfollowed"):
@@ -815,11 +838,20 @@ def test_an_instance_given_new_models_keeps_its_subscriber_and_entries_new_event
     ports = free_port_block(2)
 
     def config_with(models: list[str], events_port: int) -> RouterConfig:
-        return parse_config({
-            "models": [{"name": "tiny-llama"}, {"name": "adapter", "lora_of": "tiny-llama"}], "block_size": 4,
-            "instances": [{"name": "a", "url": "http://127.0.0.1:9", "models": models,
-                           "events": f"tcp://127.0.0.1:{events_port}"}],
-        })  # fmt: skip
+        return parse_config(
+            {
+                "models": [{"name": "tiny-llama"}, {"name": "adapter", "lora_of": "tiny-llama"}],
+                "block_size": 4,
+                "instances": [
+                    {
+                        "name": "a",
+                        "url": "http://127.0.0.1:9",
+                        "models": models,
+                        "events": f"tcp://127.0.0.1:{events_port}",
+                    }
+                ],
+            }
+        )
 
     first = config_with(["tiny-llama"], ports)
     runtime = Runtime(first)

@@ -22,16 +22,26 @@ def one(message: dict[str, Any], template: str = TEMPLATE) -> dict[str, Any]:
 
 def test_only_the_fields_vllm_keeps_reach_the_template() -> None:
     assert one({"role": "user", "content": "hi", "name": "dev", "extra": 1, "task": 3}) == {
-        "role": "user", "content": "hi", "name": "dev",
-    }  # fmt: skip
+        "role": "user",
+        "content": "hi",
+        "name": "dev",
+    }
     assert one({"role": "tool", "content": "ok", "tool_call_id": None}) == {
-        "role": "tool", "content": "ok", "tool_call_id": None,
-    }  # fmt: skip
+        "role": "tool",
+        "content": "ok",
+        "tool_call_id": None,
+    }
 
 
 def test_text_parts_join_with_newlines_and_empty_ones_drop() -> None:
-    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "input_text", "text": "b"},
-             {"type": "text", "text": None}, "c", {"type": "refusal", "refusal": "d"}]  # fmt: skip
+    parts = [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": ""},
+        {"type": "input_text", "text": "b"},
+        {"type": "text", "text": None},
+        "c",
+        {"type": "refusal", "refusal": "d"},
+    ]
     assert one({"role": "user", "content": parts})["content"] == "a\nb\nc\nd"
     assert one({"role": "assistant", "content": None})["content"] == ""
 
@@ -55,11 +65,19 @@ def test_claude_codes_billing_header_leaves_system_text_only() -> None:
 
 
 def test_tool_calls_are_laid_out_in_the_request_models_order_with_arguments_parsed() -> None:
-    call = {"index": 0, "type": "function", "function": {"x": 1, "arguments": '{"b": 1, "a": [2]}', "name": "f"},
-            "id": "c1"}  # fmt: skip
+    call = {
+        "index": 0,
+        "type": "function",
+        "function": {"x": 1, "arguments": '{"b": 1, "a": [2]}', "name": "f"},
+        "id": "c1",
+    }
     [built] = one({"role": "assistant", "content": "", "tool_calls": [call]})["tool_calls"]
-    expected = {"id": "c1", "function": {"arguments": {"b": 1, "a": [2]}, "name": "f", "x": 1},
-                "type": "function", "index": 0}  # fmt: skip
+    expected = {
+        "id": "c1",
+        "function": {"arguments": {"b": 1, "a": [2]}, "name": "f", "x": 1},
+        "type": "function",
+        "index": 0,
+    }
     assert json.dumps(built) == json.dumps(expected)
     assert call["function"]["arguments"] == '{"b": 1, "a": [2]}'  # the request's own dict is left alone
 
@@ -91,27 +109,47 @@ def test_tool_calls_beyond_the_request_model_are_no_prompt_here(call: Any) -> No
 
 
 def test_developer_messages_merge_into_the_system_message_unless_the_template_names_them() -> None:
-    messages = [{"role": "system", "content": "A."}, {"role": "user", "content": "hi"},
-                {"role": "developer", "content": "B.", "tools": None}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "A."},
+        {"role": "user", "content": "hi"},
+        {"role": "developer", "content": "B.", "tools": None},
+    ]
     assert engine_conversation(messages, TEMPLATE) == [
-        {"role": "system", "content": "A.\n\nB."}, {"role": "user", "content": "hi"},
-    ]  # fmt: skip
+        {"role": "system", "content": "A.\n\nB."},
+        {"role": "user", "content": "hi"},
+    ]
     assert engine_conversation(messages, TEMPLATE + "{# 'developer' #}")[2] == {
-        "role": "developer", "content": "B.", "tools": None,
-    }  # fmt: skip
+        "role": "developer",
+        "content": "B.",
+        "tools": None,
+    }
     assert engine_conversation(messages[2:], TEMPLATE) == [{"role": "system", "content": "B."}]
 
 
 def test_tools_are_dumped_as_vllms_model_lays_them_out() -> None:
-    tools = [{"type": "function", "x": 1, "function": {"parameters": {"type": "object"}, "name": "run", "y": 2}},
-             {"function": {"name": "read", "strict": True, "description": "Read."}, "defer_loading": True}]  # fmt: skip
-    assert json.dumps(engine_tools(tools)) == json.dumps([
-        {"type": "function", "function": {"name": "run", "description": None, "parameters": {"type": "object"}}},
-        {"type": "function",
-         "function": {"name": "read", "description": "Read.", "parameters": None, "strict": True,
-                      "defer_loading": True},
-         "defer_loading": True},
-    ])  # fmt: skip
+    tools = [
+        {"type": "function", "x": 1, "function": {"parameters": {"type": "object"}, "name": "run", "y": 2}},
+        {"function": {"name": "read", "strict": True, "description": "Read."}, "defer_loading": True},
+    ]
+    assert json.dumps(engine_tools(tools)) == json.dumps(
+        [
+            {
+                "type": "function",
+                "function": {"name": "run", "description": None, "parameters": {"type": "object"}},
+            },
+            {
+                "type": "function",
+                "function": {
+                    "name": "read",
+                    "description": "Read.",
+                    "parameters": None,
+                    "strict": True,
+                    "defer_loading": True,
+                },
+                "defer_loading": True,
+            },
+        ]
+    )
 
 
 @pytest.mark.parametrize(

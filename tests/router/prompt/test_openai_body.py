@@ -35,8 +35,10 @@ from tests.router.test_proxy import post
         ({"model": "m", "vllm_xargs": {"x": 1}}, None),
         ({"model": "m", "vllm_xargs": "kv_cache_report_mode"}, None),
         # Spelled with an escape, as JSON allows: vLLM reads the same key.
-        ('{"model": "m", "prompt": "p", "vllm_xargs": {"kv_cache_report_\\u006dode": "full"}}',
-         {"model": "m", "prompt": "p"}),
+        (
+            '{"model": "m", "prompt": "p", "vllm_xargs": {"kv_cache_report_\\u006dode": "full"}}',
+            {"model": "m", "prompt": "p"},
+        ),
     ],
 )
 def test_only_the_full_kv_report_mode_is_taken_out(
@@ -77,13 +79,18 @@ def test_the_engine_never_gets_the_full_kv_report_mode(tmp_path: Path) -> None:
     ("raw", "expected"),
     [
         (b'{"prompt": "hi"}', {"model": "only", "prompt": "hi"}),  # vLLM's server takes its own model
-        (b'\xef\xbb\xbf{"model": "m", "prompt": "hi"}', {"model": "m", "prompt": "hi"}),  # a BOM, as json does
+        (
+            b'\xef\xbb\xbf{"model": "m", "prompt": "hi"}',
+            {"model": "m", "prompt": "hi"},
+        ),  # a BOM, as json does
         (b'{"model": "m", "prompt": "hi", "add_special_tokens": 0}', {"add_special_tokens": False}),
         (b'{"model": "m", "prompt": "hi", "stream": "true"}', {"stream": True}),
         (b'{"model": "m", "prompt_embeds": "AAAA"}', {"prompt": None, "prompt_embeds": "AAAA"}),  # vLLM's
         # pydantic's lax booleans and a null model, as vLLM's request models take them
-        (b'{"model": "m", "prompt": "hi", "stream": "yes", "add_special_tokens": "Off"}',
-         {"stream": True, "add_special_tokens": False}),
+        (
+            b'{"model": "m", "prompt": "hi", "stream": "yes", "add_special_tokens": "Off"}',
+            {"stream": True, "add_special_tokens": False},
+        ),
         (b'{"model": "m", "prompt": "hi", "stream": 1.0}', {"stream": True}),
         (b'{"model": null, "prompt": "hi"}', {"model": "only"}),
     ],
@@ -93,9 +100,14 @@ def test_bodies_vllm_accepts_are_accepted(raw: bytes, expected: dict[str, object
     assert {key: getattr(body, key) for key in expected} == expected
 
 
-@pytest.mark.parametrize("raw", [b'{"model": "m", "prompt": "hi", "stream": "maybe"}',
-                                 b'{"model": "m", "prompt": "hi", "stream": 0.5}',
-                                 b'{"model": null, "prompt": 7}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "prompt": "hi", "stream": "maybe"}',
+        b'{"model": "m", "prompt": "hi", "stream": 0.5}',
+        b'{"model": null, "prompt": 7}',
+    ],
+)
 def test_what_vllm_refuses_too_is_still_refused(raw: bytes) -> None:
     with pytest.raises(OpenAIError, match="Invalid request body"):
         decode_body(raw, CompletionRequest, "only")
@@ -103,9 +115,16 @@ def test_what_vllm_refuses_too_is_still_refused(raw: bytes) -> None:
 
 def _chat_with_arguments(arguments: str) -> bytes:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
-    return json.dumps({"model": "m", "messages": [
-        {"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ],
+        }
+    ).encode()
 
 
 @pytest.mark.parametrize("depth", [MAX_ARGUMENTS_DEPTH + 1, 950, 100_000])
@@ -116,7 +135,10 @@ def test_tool_call_arguments_nested_past_the_limit_are_refused(depth: int) -> No
     with pytest.raises(OpenAIError, match="nest deeper than 512 levels") as refused:
         decode_body(_chat_with_arguments("[" * depth + "]" * depth), ChatRequest, "m")
     assert (refused.value.status, refused.value.code, refused.value.param) == (
-        400, "invalid_tool_call_arguments", "messages")  # fmt: skip
+        400,
+        "invalid_tool_call_arguments",
+        "messages",
+    )
 
 
 def test_tool_call_arguments_up_to_the_limit_or_with_brackets_in_strings_are_taken() -> None:

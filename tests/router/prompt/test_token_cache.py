@@ -29,10 +29,36 @@ Messages = list[dict[str, Any]]
 
 WORDS = "the cache router token block prefix engine worker def return self import error test".split()
 PIECES = [
-    "hello", " world", "\n", "\n\n", "  ", "\t", "\r\n", "é", "e\u0301", "n\u0303\u0323", "🙂", "👍🏽",
-    "👨\u200d👩\u200d👧", "日本語", "שלום", "\u200b", "ﬁ", "</s>", "<s>", "<pad>", "</s", "s>", "<", ">",
-    "<|user|>\n", "def f(x):\n    return x", " </s> ", "</s></s>", "<</s>>",
-]  # fmt: skip
+    "hello",
+    " world",
+    "\n",
+    "\n\n",
+    "  ",
+    "\t",
+    "\r\n",
+    "é",
+    "e\u0301",
+    "n\u0303\u0323",
+    "🙂",
+    "👍🏽",
+    "👨\u200d👩\u200d👧",
+    "日本語",
+    "שלום",
+    "\u200b",
+    "ﬁ",
+    "</s>",
+    "<s>",
+    "<pad>",
+    "</s",
+    "s>",
+    "<",
+    ">",
+    "<|user|>\n",
+    "def f(x):\n    return x",
+    " </s> ",
+    "</s></s>",
+    "<</s>>",
+]
 
 
 def random_content(rng: random.Random) -> Any:

@@ -42,16 +42,21 @@ def test_truncation_and_padding_in_tokenizer_json_are_not_applied(model_dir: Pat
     assert tokenizer.texts_ids([long_text]) == [tokenizer.text_ids(long_text)]
 
 
-def test_a_dict_of_named_templates_renders_with_the_one_transformers_picks(model_dir: Path, tmp_path: Path) -> None:
+def test_a_dict_of_named_templates_renders_with_the_one_transformers_picks(
+    model_dir: Path, tmp_path: Path
+) -> None:
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
     path = copy / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["chat_template"] = [
-        {"name": "default", "template": "D{% for m in messages %}{% for part in m.content %}{{ part.text }}"
-                                        "{% endfor %}{% endfor %}{{ enable_thinking }}"},
+        {
+            "name": "default",
+            "template": "D{% for m in messages %}{% for part in m.content %}{{ part.text }}"
+            "{% endfor %}{% endfor %}{{ enable_thinking }}",
+        },
         {"name": "tool_use", "template": "T{{ tools | length }}{{ enable_thinking }}"},
-    ]  # fmt: skip
+    ]
     path.write_text(json.dumps(config))
     tokenizer = PromptTokenizer(copy)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]

@@ -72,14 +72,16 @@ def test_a_new_instance_predicts_with_the_fleets_rates() -> None:
 
 
 def test_the_routers_instances_share_a_fleet_model_per_role() -> None:
-    config = RouterConfig.model_validate({
-        "models": [{"name": "m"}],
-        "instances": [
-            {"name": "p1", "url": "http://127.0.0.1:1", "role": "prefill"},
-            {"name": "p2", "url": "http://127.0.0.1:2", "role": "prefill"},
-            {"name": "d1", "url": "http://127.0.0.1:3", "role": "decode"},
-        ],
-    })  # fmt: skip
+    config = RouterConfig.model_validate(
+        {
+            "models": [{"name": "m"}],
+            "instances": [
+                {"name": "p1", "url": "http://127.0.0.1:1", "role": "prefill"},
+                {"name": "p2", "url": "http://127.0.0.1:2", "role": "prefill"},
+                {"name": "d1", "url": "http://127.0.0.1:3", "role": "decode"},
+            ],
+        }
+    )
     upstreams = Upstreams(config)
     p1, p2, d1 = upstreams.instances
     features = TTFTFeatures(queued_tokens=0, uncached_tokens=1000, loaded_tokens=0)

@@ -15,14 +15,14 @@ from tests.router.scorers.candidates import Fake
 REQUEST = RoutingRequest(model="m")
 
 
-
-
 def waiting(*queues: float | None) -> list[Fake]:
     return [Fake(f"i{n}", load=None if q is None else EngineLoad(q, 0.0, 0.0)) for n, q in enumerate(queues)]
 
 
 def usage(*fractions: float | None) -> list[Fake]:
-    return [Fake(f"i{n}", load=None if u is None else EngineLoad(0.0, 0.0, u)) for n, u in enumerate(fractions)]
+    return [
+        Fake(f"i{n}", load=None if u is None else EngineLoad(0.0, 0.0, u)) for n, u in enumerate(fractions)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,9 @@ def usage(*fractions: float | None) -> list[Fake]:
         ((), []),
     ],
 )
-def test_queue_depth_normalizes_between_shortest_and_longest_queue(queues: tuple[float | None, ...], expected: list[float]) -> None:
+def test_queue_depth_normalizes_between_shortest_and_longest_queue(
+    queues: tuple[float | None, ...], expected: list[float]
+) -> None:
     assert QueueDepthScorer(QueueDepthParams()).score(REQUEST, waiting(*queues)) == expected
 
 
@@ -53,7 +55,9 @@ def test_queue_depth_normalizes_between_shortest_and_longest_queue(queues: tuple
         ((), []),
     ],
 )
-def test_kv_usage_scores_the_free_fraction(fractions: tuple[float | None, ...], expected: list[float]) -> None:
+def test_kv_usage_scores_the_free_fraction(
+    fractions: tuple[float | None, ...], expected: list[float]
+) -> None:
     assert KvUsageScorer(KvUsageParams()).score(REQUEST, usage(*fractions)) == expected
 
 
@@ -124,7 +128,9 @@ def test_the_least_recently_sent_session_is_dropped_first() -> None:
     ]
 
 
-@pytest.mark.parametrize(("params", "key"), [({"max_sessions": 0}, "max_sessions"), ({"ttl_s": 0}, "ttl_s"), ({"ttl": 5}, "ttl")])
+@pytest.mark.parametrize(
+    ("params", "key"), [({"max_sessions": 0}, "max_sessions"), ({"ttl_s": 0}, "ttl_s"), ({"ttl": 5}, "ttl")]
+)
 def test_session_affinity_rejects_bad_params(params: dict[str, int], key: str) -> None:
     with pytest.raises(ValueError, match=key):
         SCORERS["session-affinity"].build(params)
@@ -141,4 +147,8 @@ def test_registered_load_scorers_stay_in_range(name: str) -> None:
         scores = scorer.score(session("s"), candidates)
         assert len(scores) == count
         assert all(0.0 <= s <= 1.0 for s in scores)
-        assert all(s == 0.0 for s, c in zip(scores, candidates, strict=True) if c.load is None or name == "session-affinity")
+        assert all(
+            s == 0.0
+            for s, c in zip(scores, candidates, strict=True)
+            if c.load is None or name == "session-affinity"
+        )

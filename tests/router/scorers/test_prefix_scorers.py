@@ -23,7 +23,9 @@ def request(prompt_blocks: int, **matches: TierMatch) -> RoutingRequest:
         ({"b": TierMatch(pool=10)}, [0.0, 0.6]),
     ],
 )
-def test_precise_prefix_is_the_credited_share_of_the_prompt(matches: dict[str, TierMatch], expected: list[float]) -> None:
+def test_precise_prefix_is_the_credited_share_of_the_prompt(
+    matches: dict[str, TierMatch], expected: list[float]
+) -> None:
     scores = PrecisePrefixScorer(PrecisePrefixParams()).score(request(10, **matches), [Fake("a"), Fake("b")])
     assert scores == pytest.approx(expected)
 
@@ -58,6 +60,7 @@ def test_decode_pressure_spreads_new_sessions_but_old_ones_stay() -> None:
     scorer = TokenCostScorer(TokenCostParams(decode_weight=0.5))  # the arithmetic below uses 0.5
     # a new session: 2,000 shared system-prompt tokens held by a, 50 of its own
     new = RoutingRequest("m", None, 2050, 64, 32, {"a": TierMatch(gpu=62)})
+
     def best(candidates: list[Fake], req: RoutingRequest = new) -> str:
         scores = scorer.score(req, candidates)
         return candidates[scores.index(max(scores))].name

@@ -19,8 +19,13 @@ TRUE_RATES = {"overhead": 0.012, "queue": 3e-4, "prefill": 2.5e-4, "load": 6e-5,
 
 def true_seconds(f: TTFTFeatures) -> float:
     r = TRUE_RATES
-    return (r["overhead"] + r["queue"] * f.queued_tokens + r["prefill"] * f.uncached_tokens
-            + r["load"] * f.loaded_tokens + r["decode"] * f.decoded_tokens)  # fmt: skip
+    return (
+        r["overhead"]
+        + r["queue"] * f.queued_tokens
+        + r["prefill"] * f.uncached_tokens
+        + r["load"] * f.loaded_tokens
+        + r["decode"] * f.decoded_tokens
+    )
 
 
 def random_features(rng: random.Random, load: bool = True, whole_answers: bool = True) -> TTFTFeatures:
@@ -47,7 +52,9 @@ def test_calibration_finds_an_instances_rates_from_noisy_ttfts() -> None:
         model.observe(features, true_seconds(features) * rng.uniform(0.95, 1.05))
     # The overhead is small beside the noise, and decoding only shows in the few whole answers.
     for term, truth in TRUE_RATES.items():
-        assert model.rates[term] == pytest.approx(truth, rel=0.25 if term in ("overhead", "decode") else 0.1), term
+        assert model.rates[term] == pytest.approx(
+            truth, rel=0.25 if term in ("overhead", "decode") else 0.1
+        ), term
     assert prediction_error(model) < 0.03
 
 
@@ -106,8 +113,13 @@ def test_priors_out_of_scale_keep_the_rates_instead_of_failing_every_request(pri
 
 
 def test_features_reuse_whole_blocks_and_never_the_last_token() -> None:
-    request = RoutingRequest("m", prompt_tokens=100, prompt_blocks=3, block_size=32,
-                             matches={"a": TierMatch(gpu=1, pool=2), "b": TierMatch(gpu=3)})  # fmt: skip
+    request = RoutingRequest(
+        "m",
+        prompt_tokens=100,
+        prompt_blocks=3,
+        block_size=32,
+        matches={"a": TierMatch(gpu=1, pool=2), "b": TierMatch(gpu=3)},
+    )
     # Computed tokens attend to the reused ones before them and to each other: n x (reused + (n + 1) / 2).
     assert features_for(request, Fake("a", pending_prefill_tokens=7)) == TTFTFeatures(
         7, 100 - 96, 64, attention_pairs=4 * (96 + 2.5)
@@ -159,13 +171,35 @@ def test_calibration_learns_what_attention_to_a_long_context_costs() -> None:
         # 50K of the 400K in flight must leave first; they leave at 400K per 8 s
         (Fake("full", active_tokens=400_000, kv_capacity_tokens=400_000, context_hold_s=8.0), 50_000, 1.0),
         # the engine reports more held than this router sent there (other clients)
-        (Fake("shared", active_tokens=100_000, kv_capacity_tokens=400_000, context_hold_s=8.0,
-              load=EngineLoad(0, 4, 1.0)), 50_000, 1.0),
+        (
+            Fake(
+                "shared",
+                active_tokens=100_000,
+                kv_capacity_tokens=400_000,
+                context_hold_s=8.0,
+                load=EngineLoad(0, 4, 1.0),
+            ),
+            50_000,
+            1.0,
+        ),
         # the prompt's first 50K tokens are a prefix a request in flight holds: it takes only its other 50K
-        (Fake("sharing", active_tokens=350_000, kv_capacity_tokens=400_000, context_hold_s=8.0, shared=50_000),
-         100_000, 0.0),
+        (
+            Fake(
+                "sharing",
+                active_tokens=350_000,
+                kv_capacity_tokens=400_000,
+                context_hold_s=8.0,
+                shared=50_000,
+            ),
+            100_000,
+            0.0,
+        ),
         # at most every context in flight has to leave
-        (Fake("overflowing", active_tokens=100_000, kv_capacity_tokens=120_000, context_hold_s=8.0), 500_000, 8.0),
+        (
+            Fake("overflowing", active_tokens=100_000, kv_capacity_tokens=120_000, context_hold_s=8.0),
+            500_000,
+            8.0,
+        ),
     ],
     ids=lambda value: value.name if isinstance(value, Fake) else None,
 )
@@ -183,9 +217,13 @@ def test_a_predicted_wait_for_memory_adds_to_the_ttft_and_does_not_calibrate() -
 
 def test_a_full_instance_loses_to_loading_from_the_pool() -> None:
     scorer = TTFTCostScorer(TTFTCostParams())
-    request = RoutingRequest("m", prompt_tokens=64_000, prompt_blocks=2000, block_size=32,
-                             matches={"roomy": TierMatch(gpu=1999), "full": TierMatch(gpu=1999),
-                                      "free": TierMatch(pool=1999)})  # fmt: skip
+    request = RoutingRequest(
+        "m",
+        prompt_tokens=64_000,
+        prompt_blocks=2000,
+        block_size=32,
+        matches={"roomy": TierMatch(gpu=1999), "full": TierMatch(gpu=1999), "free": TierMatch(pool=1999)},
+    )
     roomy = Fake("roomy", active_tokens=300_000, kv_capacity_tokens=400_000, context_hold_s=30.0)
     full = Fake("full", active_tokens=380_000, kv_capacity_tokens=400_000, context_hold_s=30.0)
     free = Fake("free", active_tokens=100_000, kv_capacity_tokens=400_000, context_hold_s=30.0)
@@ -196,8 +234,13 @@ def test_a_full_instance_loses_to_loading_from_the_pool() -> None:
 
 def test_the_fastest_instance_wins_local_before_pool_before_cold_until_queues_change_that() -> None:
     scorer = TTFTCostScorer(TTFTCostParams())
-    request = RoutingRequest("m", prompt_tokens=3200, prompt_blocks=100, block_size=32,
-                             matches={"local": TierMatch(gpu=99), "pooled": TierMatch(pool=99)})  # fmt: skip
+    request = RoutingRequest(
+        "m",
+        prompt_tokens=3200,
+        prompt_blocks=100,
+        block_size=32,
+        matches={"local": TierMatch(gpu=99), "pooled": TierMatch(pool=99)},
+    )
     idle = [Fake("local"), Fake("pooled"), Fake("cold")]
     seconds = scorer.predict(request, idle)
     assert seconds[0] < seconds[1] < seconds[2]
@@ -209,8 +252,9 @@ def test_the_fastest_instance_wins_local_before_pool_before_cold_until_queues_ch
 
 
 def test_an_in_flight_exponent_multiplies_each_cost_by_the_requests_there() -> None:
-    request = RoutingRequest("m", prompt_tokens=3200, prompt_blocks=100, block_size=32,
-                             matches={"cached": TierMatch(gpu=99)})  # fmt: skip
+    request = RoutingRequest(
+        "m", prompt_tokens=3200, prompt_blocks=100, block_size=32, matches={"cached": TierMatch(gpu=99)}
+    )
     crowded, quiet = Fake("cached", in_flight=9), Fake("cold", in_flight=0)
     plain = TTFTCostScorer(TTFTCostParams())
     seconds = plain.predict(request, [crowded, quiet])
@@ -251,8 +295,9 @@ def test_the_arrival_rate_is_measured_from_the_decisions_and_forgets() -> None:
 def test_the_wait_a_recompute_causes_the_requests_behind_it_counts_only_under_load() -> None:
     # A document's instance is busy prefilling; another is idle but would compute the 8,000 tokens again,
     # and every request arriving there meanwhile waits behind them.
-    request = RoutingRequest("m", prompt_tokens=8192, prompt_blocks=256, block_size=32,
-                             matches={"holder": TierMatch(gpu=255)})  # fmt: skip
+    request = RoutingRequest(
+        "m", prompt_tokens=8192, prompt_blocks=256, block_size=32, matches={"holder": TierMatch(gpu=255)}
+    )
     holder, idle = Fake("holder", pending_prefill_tokens=12_000), Fake("idle")
     clock = Clock()
     scorer = TTFTCostScorer(TTFTCostParams(wait_caused=1.0, wait_caused_cap=100.0), clock)

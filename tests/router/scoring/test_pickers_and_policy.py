@@ -35,13 +35,13 @@ def test_softmax_prefers_higher_scores_and_sharpens_as_temperature_falls() -> No
     assert cold > 0.99
 
 
-
-
 def test_non_finite_totals_rank_lowest_and_never_crash_a_pick() -> None:
     """A scorer's overflow (nan, inf) must not take routing down: such totals lose to any finite one."""
     nan, inf = math.nan, math.inf
-    pickers: list[Picker] = [MaxScorePicker(MaxScoreParams(), random.Random(3)),
-               SoftmaxPicker(SoftmaxParams(temperature=0.1), random.Random(4))]  # fmt: skip
+    pickers: list[Picker] = [
+        MaxScorePicker(MaxScoreParams(), random.Random(3)),
+        SoftmaxPicker(SoftmaxParams(temperature=0.1), random.Random(4)),
+    ]
     for picker in pickers:
         assert {picker.pick([nan, 0.2, inf, -inf]) for _ in range(200)} == {1}
         assert {picker.pick([nan, inf, nan]) for _ in range(200)} == {0, 1, 2}  # nothing finite: any

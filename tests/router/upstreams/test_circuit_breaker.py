@@ -79,13 +79,19 @@ def test_an_instance_answering_5xx_is_cut_off_after_consecutive_failures(
         served = [post(url + "/v1/completions", BODY, ROUND_ROBIN) for _ in range(16)]
         to_failing = [status for status, headers, _ in served if headers["x-kvroute-instance"] == "failing"]
         assert to_failing == [500, 500, 500]  # relayed as they came, then no more requests go there
-        assert all(status == 200 for status, headers, _ in served if headers["x-kvroute-instance"] != "failing")
+        assert all(
+            status == 200 for status, headers, _ in served if headers["x-kvroute-instance"] != "failing"
+        )
         assert metric(url, "kvroute_circuit_open", vllm_instance="failing") == 1
         assert metric(url, "kvroute_circuit_opens_total", vllm_instance="failing") == 1
-        assert metric(url, "kvroute_instance_healthy", vllm_instance="failing") == 1  # /health alone says fine
+        assert (
+            metric(url, "kvroute_instance_healthy", vllm_instance="failing") == 1
+        )  # /health alone says fine
 
 
-def test_4xx_answers_never_open_the_breaker(refusing_upstream: int, fleet: FleetPorts, tmp_path: Path) -> None:
+def test_4xx_answers_never_open_the_breaker(
+    refusing_upstream: int, fleet: FleetPorts, tmp_path: Path
+) -> None:
     with running_router(_router_config(fleet, "refusing", refusing_upstream), tmp_path) as url:
         served = [post(url + "/v1/completions", BODY, ROUND_ROBIN) for _ in range(16)]
         to_refusing = [status for status, headers, _ in served if headers["x-kvroute-instance"] == "refusing"]

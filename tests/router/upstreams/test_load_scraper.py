@@ -36,12 +36,19 @@ def captured_metrics(**values: str) -> bytes:
     return text
 
 
-def exposition(waiting: tuple[str, ...] = ("0.0",), running: tuple[str, ...] = ("0.0",),
-               usage: tuple[str, ...] = ("0.0",)) -> bytes:  # fmt: skip
+def exposition(
+    waiting: tuple[str, ...] = ("0.0",),
+    running: tuple[str, ...] = ("0.0",),
+    usage: tuple[str, ...] = ("0.0",),
+) -> bytes:
     """The three families, one sample per engine, with a look-alike family first (vLLM has it after)."""
     lines = []
-    for name, values in [("num_requests_waiting_by_reason", ("7.0",)), ("num_requests_running", running),
-                         ("num_requests_waiting", waiting), ("kv_cache_usage_perc", usage)]:  # fmt: skip
+    for name, values in [
+        ("num_requests_waiting_by_reason", ("7.0",)),
+        ("num_requests_running", running),
+        ("num_requests_waiting", waiting),
+        ("kv_cache_usage_perc", usage),
+    ]:
         lines += [f"# HELP vllm:{name} help text", f"# TYPE vllm:{name} gauge"]
         lines += [f'vllm:{name}{{engine="{e}",model_name="tiny-llama"}} {v}' for e, v in enumerate(values)]
     return ("\n".join(lines) + "\n").encode()
@@ -51,12 +58,22 @@ def exposition(waiting: tuple[str, ...] = ("0.0",), running: tuple[str, ...] = (
     ("body", "expected"),
     [
         (captured_metrics(), EngineLoad(0.0, 0.0, 0.0)),
-        (captured_metrics(num_requests_waiting="3.0", num_requests_running="2.0", kv_cache_usage_perc="0.25"), EngineLoad(3.0, 2.0, 0.25)),
+        (
+            captured_metrics(
+                num_requests_waiting="3.0", num_requests_running="2.0", kv_cache_usage_perc="0.25"
+            ),
+            EngineLoad(3.0, 2.0, 0.25),
+        ),
         (captured_metrics(kv_cache_usage_perc="NaN"), None),
-        (exposition(("1", "2"), ("3", "4"), ("0.2", "0.6")), EngineLoad(3.0, 7.0, 0.4)),  # data parallel: sums, mean usage
+        (
+            exposition(("1", "2"), ("3", "4"), ("0.2", "0.6")),
+            EngineLoad(3.0, 7.0, 0.4),
+        ),  # data parallel: sums, mean usage
         (exposition(("5",), ("1",), ("1e-1",)), EngineLoad(5.0, 1.0, 0.1)),
-        (b'vllm:num_requests_waiting 2\nvllm:num_requests_running{a="x y}"} 1 1700000000000\nvllm:kv_cache_usage_perc 0.5',
-         EngineLoad(2.0, 1.0, 0.5)),  # first line, no labels, spaces and braces in labels, timestamp, no final newline
+        (
+            b'vllm:num_requests_waiting 2\nvllm:num_requests_running{a="x y}"} 1 1700000000000\nvllm:kv_cache_usage_perc 0.5',
+            EngineLoad(2.0, 1.0, 0.5),
+        ),  # first line, no labels, spaces and braces in labels, timestamp, no final newline
         (exposition(("NaN",)), None),
         (exposition(usage=("+Inf",)), None),
         (exposition(usage=("12.5",)), None),  # a percentage, not vLLM's fraction
@@ -65,7 +82,10 @@ def exposition(waiting: tuple[str, ...] = ("0.0",), running: tuple[str, ...] = (
         (exposition(("1", "two")), None),  # one bad engine spoils the round
         (exposition(usage=("",)), None),
         (exposition().replace(b"vllm:kv_cache_usage_perc{", b"vllm:kv_cache_usage{"), None),
-        (exposition().replace(b"vllm:num_requests_waiting{", b"vllm:num_requests_waiting_total{"), None),  # only look-alikes
+        (
+            exposition().replace(b"vllm:num_requests_waiting{", b"vllm:num_requests_waiting_total{"),
+            None,
+        ),  # only look-alikes
         (b"", None),
         (b"<html><body>502 Bad Gateway</body></html>", None),
         (bytes(range(256)) * 64, None),
@@ -118,7 +138,9 @@ class FakeEngine:
         (200, exposition(), True),  # slower than timeout_s
     ],
 )
-def test_an_unusable_answer_keeps_the_last_load_until_it_is_stale(status: int, body: bytes, hang: bool) -> None:
+def test_an_unusable_answer_keeps_the_last_load_until_it_is_stale(
+    status: int, body: bytes, hang: bool
+) -> None:
     async def main() -> list[EngineLoad | None]:
         engine, clock = FakeEngine(), ManualClock(1000.0)
         async with engine.serving() as url, aiohttp.ClientSession() as session:
@@ -225,16 +247,20 @@ def test_load_and_kv_capacity_of_every_instance_are_scraped(two_instances: Fleet
 
 
 def cache_config_line(engine: int, blocks: str, block_size: str = "16") -> str:
-    return (f'vllm:cache_config_info{{block_size="{block_size}",engine="{engine}",num_gpu_blocks="{blocks}",'
-            f'num_gpu_blocks_override="1"}} 1.0')  # fmt: skip
+    return (
+        f'vllm:cache_config_info{{block_size="{block_size}",engine="{engine}",num_gpu_blocks="{blocks}",'
+        f'num_gpu_blocks_override="1"}} 1.0'
+    )
 
 
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
         (captured_metrics(), 72 * 32),  # vLLM's: kv_cache_size_tokens="2304" beside it
-        (("# HELP x\n" + cache_config_line(0, "100") + "\n" + cache_config_line(1, "50") + "\n").encode(),
-         150 * 16),  # data parallel: every engine's blocks
+        (
+            ("# HELP x\n" + cache_config_line(0, "100") + "\n" + cache_config_line(1, "50") + "\n").encode(),
+            150 * 16,
+        ),  # data parallel: every engine's blocks
         (("# HELP x\n" + cache_config_line(0, "None") + "\n").encode(), None),  # before profiling
         (exposition(), None),  # no such family
     ],

@@ -103,13 +103,17 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
         context = zmq.asyncio.Context()
         first_metrics, second_metrics = RouterMetrics(), RouterMetrics()
         first = PeerSync(
-            config(publish=first_endpoint, subscribe=[second_endpoint], **settings).peers, first_fleet,
-            first_metrics, context,
-        )  # fmt: skip
+            config(publish=first_endpoint, subscribe=[second_endpoint], **settings).peers,
+            first_fleet,
+            first_metrics,
+            context,
+        )
         second = PeerSync(
-            config(publish=second_endpoint, subscribe=[first_endpoint], **settings).peers, second_fleet,
-            second_metrics, context,
-        )  # fmt: skip
+            config(publish=second_endpoint, subscribe=[first_endpoint], **settings).peers,
+            second_fleet,
+            second_metrics,
+            context,
+        )
         first.start()
         second.start()
         first_tasks = [asyncio.create_task(loop()) for loop in first.loops().values()]
@@ -117,7 +121,9 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
         try:
             first_fleet.instances[0].start(prompt_tokens=2000, uncached_tokens=2000)
             second_fleet.instances[1].start(prompt_tokens=300, uncached_tokens=0)
-            await _until(lambda: second_fleet.instances[0].in_flight == 1 and first_fleet.instances[1].in_flight == 1)
+            await _until(
+                lambda: second_fleet.instances[0].in_flight == 1 and first_fleet.instances[1].in_flight == 1
+            )
             a = second_fleet.instances[0]
             assert (a.own_in_flight, a.active_tokens, a.pending_prefill_tokens) == (0, 2000, 2000)
             assert second_metrics.registry.get_sample_value("kvroute_peer_routers") == 1
@@ -129,9 +135,11 @@ def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() ->
             assert a.in_flight == 1
             counts = {
                 s.labels["result"]: s.value
-                for metric in second_metrics.registry.collect() if metric.name == "kvroute_peer_snapshots"
-                for s in metric.samples if s.name.endswith("_total")
-            }  # fmt: skip
+                for metric in second_metrics.registry.collect()
+                if metric.name == "kvroute_peer_snapshots"
+                for s in metric.samples
+                if s.name.endswith("_total")
+            }
             assert counts["malformed"] == 3 and counts["own"] == 1 and counts["applied"] >= 1
             for task in first_tasks:  # the first router stops
                 task.cancel()
@@ -165,7 +173,9 @@ def test_a_follower_keeps_what_it_routes_to_forgets_in_time_and_bounds_its_peers
     metrics = RouterMetrics()
     changes: list[int] = []
     settings = config(subscribe=["tcp://127.0.0.1:5999"], interval_s=0.01, stale_after_s=1.0).peers
-    sync = PeerSync(settings, fleet, metrics, zmq.asyncio.Context.instance(), lambda: changes.append(1), clock)
+    sync = PeerSync(
+        settings, fleet, metrics, zmq.asyncio.Context.instance(), lambda: changes.append(1), clock
+    )
     assert list(sync.loops()) == ["peers-expire"]  # not started: nothing to publish or follow yet
 
     def snapshot(router: str, **loads: dict[str, int]) -> bytes:
@@ -180,7 +190,9 @@ def test_a_follower_keeps_what_it_routes_to_forgets_in_time_and_bounds_its_peers
             sync.receive(snapshot(f"r{peer}", a={"in_flight": 0}))
     sync.receive(snapshot("one too many", a={"in_flight": 100}))
     assert a.in_flight == 2 and sync.loads.peers == MAX_PEERS
-    assert metrics.registry.get_sample_value("kvroute_peer_snapshots_total", {"result": "too_many_peers"}) == 1
+    assert (
+        metrics.registry.get_sample_value("kvroute_peer_snapshots_total", {"result": "too_many_peers"}) == 1
+    )
 
     async def main() -> None:
         expiring = asyncio.create_task(sync.expire_stale())

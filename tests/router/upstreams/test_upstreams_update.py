@@ -36,8 +36,15 @@ def test_an_instance_moved_to_another_url_starts_afresh() -> None:
 
 def test_an_added_instance_is_no_candidate_until_its_first_health_check_passes() -> None:
     fleet = Upstreams(config())
-    added = parse_config({"models": [{"name": "m"}], "instances": [
-        {"name": "a", "url": "http://127.0.0.1:9001"}, {"name": "b", "url": "http://127.0.0.1:9002"}]})  # fmt: skip
+    added = parse_config(
+        {
+            "models": [{"name": "m"}],
+            "instances": [
+                {"name": "a", "url": "http://127.0.0.1:9001"},
+                {"name": "b", "url": "http://127.0.0.1:9002"},
+            ],
+        }
+    )
     fleet.update(added)
     assert [i.name for i in fleet.candidates("m")] == ["a"]
     (new,) = [i for i in fleet.instances if i.name == "b"]
@@ -47,10 +54,18 @@ def test_an_added_instance_is_no_candidate_until_its_first_health_check_passes()
 
 
 def test_a_model_whose_instances_are_all_down_is_unavailable_while_the_others_serve() -> None:
-    fleet = Upstreams(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
-        {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
-        {"name": "b", "url": "http://127.0.0.1:9002", "models": ["n"]},
-        {"name": "c", "url": "http://127.0.0.1:9003", "models": ["n"]}]}))  # fmt: skip
+    fleet = Upstreams(
+        parse_config(
+            {
+                "models": [{"name": "m"}, {"name": "n"}],
+                "instances": [
+                    {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
+                    {"name": "b", "url": "http://127.0.0.1:9002", "models": ["n"]},
+                    {"name": "c", "url": "http://127.0.0.1:9003", "models": ["n"]},
+                ],
+            }
+        )
+    )
     assert fleet.unavailable_models() == []
     by_name = {i.name: i for i in fleet.instances}
     by_name["b"].healthy = False
@@ -60,9 +75,17 @@ def test_a_model_whose_instances_are_all_down_is_unavailable_while_the_others_se
 
 
 def test_a_models_context_length_is_the_least_its_instances_take() -> None:
-    fleet = Upstreams(parse_config({"models": [{"name": "m"}, {"name": "n"}], "instances": [
-        {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
-        {"name": "b", "url": "http://127.0.0.1:9002", "models": ["m", "n"]}]}))  # fmt: skip
+    fleet = Upstreams(
+        parse_config(
+            {
+                "models": [{"name": "m"}, {"name": "n"}],
+                "instances": [
+                    {"name": "a", "url": "http://127.0.0.1:9001", "models": ["m"]},
+                    {"name": "b", "url": "http://127.0.0.1:9002", "models": ["m", "n"]},
+                ],
+            }
+        )
+    )
     assert fleet.max_model_len("m") is None  # no instance has said yet
     a, b = fleet.instances
     a.max_model_len, b.max_model_len = {"m": 32768}, {"m": 8192, "n": 4096}
