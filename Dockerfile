@@ -35,6 +35,7 @@ RUN --mount=type=secret,id=pip_cert,required=false \
 
 COPY pyproject.toml README.md ./
 COPY router ./router
+COPY scorers ./scorers
 COPY tinymodel ./tinymodel
 COPY fleet ./fleet
 COPY kvroute ./kvroute

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STACK_VENV ?= .venv-stack
-LINTED := router fleet kvroute tinymodel kvconnectors tests scripts
+LINTED := router scorers fleet kvroute tinymodel kvconnectors tests scripts
 STACK_STAMP := $(STACK_VENV)/.installed
 
 .PHONY: setup stack-env browser bench-tools chart-tools image demo test unit lint model clean

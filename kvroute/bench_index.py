@@ -25,16 +25,16 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from router.config import PolicyConfig, ScorerSpec
 from router.dispatch.decision import Decider, LocalTokenizer
 from router.index.block_index import BlockIndex
 from router.index.events import BlockHash, BlockStored
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
 from router.prompt.openai_body import ChatRequest
-from router.scoring.policy import Policy
-from router.types import RoutingRequest
 from router.upstreams.instances import Instance
+from scorers.policy import Policy
+from scorers.policy_config import PolicyConfig, ScorerSpec
+from scorers.request import RoutingRequest
 
 BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 32

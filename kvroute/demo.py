@@ -23,8 +23,8 @@ from kvroute import demo_ab
 from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
 from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
 from kvroute.workload import AgentWorkload
-from router.dispatch.traffic import TrafficSplit
 from router.http.proxy import POLICY_HEADER
+from router.traffic_split import TrafficSplit
 
 MODEL = "tiny-llama"
 # An agent's turn adds a tool output (a file read, a test log) of 500 to 1,000 tokens to a history it resends

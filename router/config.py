@@ -6,7 +6,7 @@ import ipaddress
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -15,12 +15,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router import strict_yaml
-from router.config_keys import suggested
-from router.dispatch.traffic import TrafficSplit
 from router.label_selector import LABEL_KEY, LabelSelector
-from router.scoring.params import Registration
-from router.scoring.registry import PICKERS, SCORERS, validate_params
-from router.scoring.ttft_model import TTFTPriors
+from router.traffic_split import TrafficSplit
+from scorers.config_keys import suggested
+from scorers.policy_config import PolicyConfig, builtin_policies
+from scorers.ttft_model import TTFTPriors
 
 Role = Literal["prefill", "decode", "both"]
 KVConnector = Literal["nixl", "mooncake"]
@@ -198,89 +197,6 @@ class InstanceConfig(_Strict):
         if endpoint is None:
             return None
         return _checked_zmq_endpoint(endpoint)
-
-
-def _check_plugin(
-    kind: str, registry: Mapping[str, Registration[Any]], name: str, params: dict[str, Any]
-) -> None:
-    if name not in registry:
-        raise ValueError(f"unknown {kind} type {name!r}; known: {', '.join(sorted(registry))}")
-    validate_params(registry[name].params, params)
-
-
-class ScorerSpec(_Strict):
-    type: str
-    weight: float = Field(default=1.0, ge=0.0)
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _known_type(self) -> ScorerSpec:
-        _check_plugin("scorer", SCORERS, self.type, self.params)
-        return self
-
-
-class PickerSpec(_Strict):
-    type: str = "max-score"
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _known_type(self) -> PickerSpec:
-        _check_plugin("picker", PICKERS, self.type, self.params)
-        return self
-
-
-class PolicyConfig(_Strict):
-    scorers: list[ScorerSpec] = Field(min_length=1)
-    picker: PickerSpec = Field(default_factory=PickerSpec)
-
-    @field_validator("scorers")
-    @classmethod
-    def _some_weight(cls, scorers: list[ScorerSpec]) -> list[ScorerSpec]:
-        # All at 0, every total is 0 and the picker draws at random: surely not what was meant.
-        if all(spec.weight == 0 for spec in scorers):
-            raise ValueError("every weight is 0")
-        return scorers
-
-
-def _builtin_policies() -> dict[str, PolicyConfig]:
-    return {
-        "round-robin": PolicyConfig(scorers=[ScorerSpec(type="round-robin")]),
-        "least-loaded": PolicyConfig(scorers=[ScorerSpec(type="inflight-load")]),
-        # llm-d's precise prefix-cache profile, with its default weights
-        "precise-prefix": PolicyConfig(
-            scorers=[
-                ScorerSpec(type="precise-prefix", weight=2.0),
-                ScorerSpec(type="kv-usage", weight=1.0),
-                ScorerSpec(type="queue-depth", weight=1.0),
-            ]
-        ),
-        # the default: each instance's predicted time to first token, prefix, pool and queue in seconds;
-        # affinity is hysteresis: a session moves when staying scores under half the fastest (about twice its
-        # TTFT, past the scorer's resolution), so near-ties do not scatter its cache over the fleet. In-flight
-        # load settles what predictions cannot tell apart (new sessions, short prompts): fewer requests there
-        # means a smaller decode batch and room for the next burst (docs/bench-simulate.md measures 0.3);
-        # what still ties goes where the fewest requests went lately and the most KV memory is free. Each cost
-        # also counts half the wait the request would cause those arriving behind it, from the arrival rate
-        # measured (at most half its own TTFT): nothing on an idle fleet, and under load a prefix computed
-        # again elsewhere costs its queue (docs/notes/simulate-investigations.md, "The suite")
-        "kvroute": PolicyConfig(
-            scorers=[
-                ScorerSpec(type="ttft-cost", weight=1.0, params={"wait_caused": 0.5}),
-                ScorerSpec(type="session-affinity", weight=0.5),
-                ScorerSpec(type="inflight-load", weight=0.3),
-                ScorerSpec(type="spread", weight=0.1),
-            ]
-        ),
-        # prefix and load weighed in tokens; a session moves only when staying costs over twice the best
-        # alternative (affinity 0.5 against cost ratios); the engines' own queues break near-ties
-        "token-cost": PolicyConfig(
-            scorers=[
-                ScorerSpec(type="token-cost", weight=1.0),
-                ScorerSpec(type="session-affinity", weight=0.5),
-                ScorerSpec(type="queue-depth", weight=0.2),
-            ]
-        ),
-    }
 
 
 class TrafficConfig(_Strict):
@@ -595,7 +511,7 @@ class RouterConfig(_Strict):
     # One per data-parallel rank once validated; none only with discovery (_consistent).
     instances: list[InstanceConfig]
     discovery: DiscoveryConfig | None = None
-    policies: dict[str, PolicyConfig] = Field(default_factory=_builtin_policies)
+    policies: dict[str, PolicyConfig] = Field(default_factory=builtin_policies)
     default_policy: str = "kvroute"
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)

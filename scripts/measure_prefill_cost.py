@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from kvroute.processes import free_port_block  # noqa: E402
 from kvroute.stack import running_stack  # noqa: E402
 from kvroute.stack_config import load_stack_config  # noqa: E402
-from router.scoring.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors, attention_pairs  # noqa: E402
+from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors, attention_pairs  # noqa: E402
 from tinymodel.builder import MODEL_NAME, VOCAB_SIZE, ensure_model  # noqa: E402
 
 CACHED = (0, 1024, 2048, 3072)

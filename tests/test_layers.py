@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "fleet", "kvroute", "tinymodel", "kvconnectors")
+PACKAGES = ("router", "scorers", "fleet", "kvroute", "tinymodel", "kvconnectors")
 
 # Within router, a layer may import its own and those listed after it, never one before it. The request's way
-# is http -> dispatch -> policy -> upstreams -> index -> scorers -> prompt; metrics, errors and types are the
-# floor.
+# is http or epp -> dispatch -> upstreams -> index -> prompt; metrics and errors are the floor. Any of them may
+# use scorers/, which uses nothing of the router's.
 ROUTER_LAYERS: list[set[str]] = [
     {"router.http", "router.epp"},
     {"router.reload"},
@@ -25,24 +25,20 @@ ROUTER_LAYERS: list[set[str]] = [
     # Discovery hands what it finds to the runtime through a callback (FleetSink), which starts it.
     {"router.discovery"},
     {"router.dispatch"},
-    {"router.scoring.policy"},
     {"router.upstreams"},
     {"router.index"},
     {"router.config", "router.strict_yaml"},
-    # The configuration checks scorer types and traffic splits as the running router builds them.
-    {"router.scoring.registry", "router.dispatch.traffic"},
-    {"router.scorers", "router.scoring.pickers"},
-    {"router.scoring"},
     {"router.prompt"},
     {
         "router.metrics",
         "router.errors",
         "router.supervisor",
-        "router.types",
-        "router.config_keys",
         "router.label_selector",
+        "router.traffic_split",
     },
 ]
+# The two front doors share everything below them and nothing of each other.
+FRONT_DOORS = ("router.http", "router.epp")
 # What the simulated fleet shares with the router: the prompt's rendering and the KV event wire format.
 FLEET_MAY_IMPORT = ("router.prompt", "router.index.events", "tinymodel", "fleet")
 
@@ -101,7 +97,7 @@ def test_every_router_module_has_a_layer() -> None:
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("router")))
 def test_router_imports_point_down(module: str) -> None:
-    upward = [t for t in GRAPH[module] if not t.startswith(("router", "tinymodel"))]
+    upward = [t for t in GRAPH[module] if not t.startswith(("router", "scorers", "tinymodel"))]
     assert not upward, f"{module} imports outside router: {upward}"
     if module == "router":
         return
@@ -109,6 +105,20 @@ def test_router_imports_point_down(module: str) -> None:
     assert layer is not None
     above = [t for t in GRAPH[module] if t.startswith("router.") and (_layer(t) or 0) < layer]
     assert not above, f"{module} imports from a layer above it: {above}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(FRONT_DOORS)))
+def test_front_doors_import_nothing_of_each_other(module: str) -> None:
+    other = FRONT_DOORS[1] if module.startswith(FRONT_DOORS[0]) else FRONT_DOORS[0]
+    crossing = [t for t in GRAPH[module] if t == other or t.startswith(other + ".")]
+    assert not crossing, f"{module} imports the other front door: {crossing}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("scorers")))
+def test_scorers_import_nothing_of_the_router(module: str) -> None:
+    """The scoring framework and its plugins stand alone: the router hands them what they read."""
+    others = [t for t in GRAPH[module] if not t.startswith("scorers")]
+    assert not others, f"{module} imports {others}"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("fleet")))

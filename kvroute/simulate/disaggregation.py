@@ -23,8 +23,8 @@ from router.config import RouterConfig
 from router.dispatch.decision import Decision, Prepared
 from router.dispatch.prefill_leg import prefill_leg_worth_it
 from router.dispatch.retry_budget import RetryBudget
-from router.scoring.ttft_model import TTFTFeatures
 from router.upstreams.instances import Instance
+from scorers.ttft_model import TTFTFeatures
 
 # What a router does when a prefill instance refuses the prefill leg (its queue is full): try another one
 # (the policy set request.prefill to it), let the decode instance compute the prompt, pass the 503 on to the

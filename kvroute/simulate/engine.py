@@ -30,7 +30,7 @@ from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.traces import TraceRequest
 from router.dispatch.outcome import PdPath
 from router.index.events import BlockStored, KVEvent
-from router.types import EngineLoad
+from scorers.candidate import EngineLoad
 
 POOL_MEDIUM = "cpu"  # how the MooncakeStoreConnector announces its pool writes
 

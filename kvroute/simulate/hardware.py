@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.config import Role
-from router.scoring.ttft_model import attention_pairs
+from scorers.ttft_model import attention_pairs
 
 # Seconds per token loaded from the pool into an instance's GPU. An 8B Llama's KV is 128 KiB a token
 # (32 layers x 8 KV heads x 128 x 2 x fp16): RDMA at ~200 Gb/s moves ~25 GB/s, TCP at ~25 Gb/s ~3 GB/s.

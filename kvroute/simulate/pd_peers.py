@@ -11,8 +11,8 @@ from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.peers import CacheAwareTrees, DynamoCost
 from kvroute.simulate.policies import ConfiguredPolicy
 from kvroute.simulate.view import RouterView
-from router.scoring.ttft_features import features_for
-from router.types import NO_MATCH
+from scorers.request import NO_MATCH
+from scorers.ttft_features import features_for
 
 
 def _numbers(view: RouterView, leg: Literal["prefill", "decode"]) -> list[int]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.view import RouterView
-from router.types import NO_MATCH
+from scorers.request import NO_MATCH
 
 
 def _least_loaded(loads: Sequence[float], rng: random.Random) -> int:

@@ -1,7 +1,7 @@
 """Routing policies under simulation: kvroute's own, built as the router builds them, and the seam peers use.
 
 kvroute's default policy is the configuration's builtin `kvroute` policy, made by
-router.scoring.policy.Policy from a RouterConfig parsed like an operator's YAML, and decided by
+scorers.policy.Policy from a RouterConfig parsed like an operator's YAML, and decided by
 router.dispatch.decision.Decider.decide (which also enters speculative blocks), so the simulation runs the
 product's code, not a copy of it.
 """
@@ -20,13 +20,13 @@ from router.config import PeersConfig, RouterConfig, parse_config
 from router.dispatch.decision import Decider, Prepared
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
-from router.scoring.policy import Policy
-from router.scoring.ttft_features import features_for
-from router.scoring.ttft_model import TTFTFeatures, TTFTPriors
-from router.types import RoutingRequest
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
 from router.upstreams.room import with_room
+from scorers.policy import Policy
+from scorers.request import RoutingRequest
+from scorers.ttft_features import features_for
+from scorers.ttft_model import TTFTFeatures, TTFTPriors
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pd_peers import DynamoPD, LlmdPD, VllmRouterPD
 from kvroute.simulate.peers import ConsistentHash, DynamoCost, PowerOfTwo, SGLangCacheAware, VllmRouterKvAware
 from kvroute.simulate.policies import ConfiguredPolicy, Replicas, SimPolicy, priors_for, router_config
-from router.config import PolicyConfig, ScorerSpec
+from scorers.policy_config import PolicyConfig, ScorerSpec
 
 LLMD_SCRAPE_S = 0.05  # llm-d scrapes the engines' /metrics every 50 ms
 

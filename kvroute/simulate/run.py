@@ -18,7 +18,7 @@ from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
 from router.config import UpstreamConfig
 from router.dispatch.memory_gate import MemoryGate
-from router.scoring.ttft_model import TTFTPriors
+from scorers.ttft_model import TTFTPriors
 
 
 def session_of(request: TraceRequest) -> str | None:

@@ -18,9 +18,9 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import PoolStore
 from router.index.block_index import BlockIndex
 from router.index.events import KVEvent
-from router.scoring.ttft_model import FleetModels, TTFTModel, TTFTPriors
-from router.types import TierMatch
 from router.upstreams.instances import Instance
+from scorers.request import TierMatch
+from scorers.ttft_model import FleetModels, TTFTModel, TTFTPriors
 
 
 def instance_name(number: int) -> str:

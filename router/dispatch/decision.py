@@ -26,11 +26,11 @@ from router.prompt.chat_conversation import InvalidPrompt, engine_messages
 from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.prompt.token_cache import RemoteTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
-from router.scoring.policy import Policy
-from router.scoring.ttft_features import features_for, reused_blocks
-from router.scoring.ttft_model import TTFTFeatures
-from router.types import NO_MATCH, RoutingRequest, TierMatch
 from router.upstreams.instances import Instance
+from scorers.policy import Policy
+from scorers.request import NO_MATCH, RoutingRequest, TierMatch
+from scorers.ttft_features import features_for, reused_blocks
+from scorers.ttft_model import TTFTFeatures
 
 log = logging.getLogger(__name__)
 

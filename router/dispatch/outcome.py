@@ -19,8 +19,8 @@ from typing import Literal, Protocol
 from router.dispatch.ab import ABStats
 from router.dispatch.decision import Decider, Decision
 from router.metrics import RouterMetrics
-from router.scoring.policy import Policy
 from router.upstreams.instances import Instance
+from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
 

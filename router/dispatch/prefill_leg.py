@@ -30,10 +30,10 @@ from router.dispatch.outcome import BUSY, Observers, Outcome
 from router.dispatch.retry_budget import RetryBudget
 from router.errors import upstream_timeout
 from router.metrics import RouterMetrics
-from router.scoring.policy import Policy
 from router.upstreams.health import HealthChecker
 from router.upstreams.instances import Instance, Upstreams
 from router.upstreams.room import with_room
+from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
 

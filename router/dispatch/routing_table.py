@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 
 from router.config import RouterConfig, TrafficConfig
 from router.dispatch.ab import ABStats
-from router.dispatch.traffic import TrafficSplit
 from router.errors import bad_request
-from router.scoring.policy import Policy
+from router.traffic_split import TrafficSplit
+from scorers.policy import Policy
 
 _DISCARDED = ABStats(max_samples=1)  # results of policies a reload replaced: never read
 

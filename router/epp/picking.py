@@ -21,8 +21,8 @@ from router.epp.messages import endpoint
 from router.errors import model_not_found, too_many_requests, unavailable
 from router.prompt.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
 from router.runtime import Runtime
-from router.scoring.policy import Policy
 from router.upstreams.instances import Instance
+from scorers.policy import Policy
 
 Kind = type[ChatRequest] | type[CompletionRequest]
 ROUTED_PATHS: Mapping[str, Kind] = {

@@ -38,7 +38,7 @@ from typing import NamedTuple, TypeAlias, cast
 from router.index.events import EVENT_TYPES, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from router.index.kv_groups import CONSTRAINING_KINDS, GroupConstraints
 from router.prompt import block_hashing
-from router.types import TierMatch
+from scorers.request import TierMatch
 
 log = logging.getLogger(__name__)
 

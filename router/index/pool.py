@@ -26,7 +26,7 @@ import msgspec
 from router.config import ModelConfig, RouterConfig
 from router.index.block_index import BlockIndex
 from router.metrics import RouterMetrics
-from router.types import TierMatch
+from scorers.request import TierMatch
 
 log = logging.getLogger(__name__)
 

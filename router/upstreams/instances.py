@@ -9,12 +9,12 @@ from typing import NamedTuple
 
 from router.config import CircuitBreakerConfig, InstanceConfig, Role, RouterConfig, api_key
 from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
-from router.scoring.ttft_model import FleetModels, TTFTModel, TTFTPriors
-from router.types import EngineLoad
 from router.upstreams.circuit_breaker import CircuitBreaker
 from router.upstreams.context_residency import ContextResidency
 from router.upstreams.inflight_blocks import InflightBlocks
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad
+from scorers.candidate import EngineLoad
+from scorers.ttft_model import FleetModels, TTFTModel, TTFTPriors
 
 
 @dataclass(frozen=True, slots=True)

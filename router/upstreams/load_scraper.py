@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.types import EngineLoad
 from router.upstreams.instances import Instance, Upstreams
+from scorers.candidate import EngineLoad
 
 log = logging.getLogger(__name__)
 

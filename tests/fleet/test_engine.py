@@ -13,7 +13,7 @@ from fleet.engine import Engine, EngineTiming
 from router.index.block_index import BlockIndex
 from router.index.events import BlockStored, KVEvent
 from router.prompt import block_hashing
-from router.types import TierMatch
+from scorers.request import TierMatch
 
 T = TypeVar("T")
 BS = 16

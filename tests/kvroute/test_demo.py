@@ -12,7 +12,7 @@ import pytest
 from kvroute import demo_ab
 from kvroute.processes import start
 from router.dispatch.ab import MIN_SESSIONS
-from router.dispatch.traffic import TrafficSplit
+from router.traffic_split import TrafficSplit
 
 
 def test_demo_reports_every_policy(tmp_path: Path) -> None:

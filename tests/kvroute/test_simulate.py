@@ -37,8 +37,8 @@ from router.dispatch.decision import Decision
 from router.dispatch.prefill_leg import PrefillLeg
 from router.dispatch.retry_budget import RetryBudget
 from router.index.events import BlockRemoved, BlockStored, KVEvent
-from router.scoring.ttft_model import TTFTFeatures
 from router.upstreams.instances import Instance
+from scorers.ttft_model import TTFTFeatures
 
 SIZE = 4
 

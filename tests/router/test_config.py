@@ -10,7 +10,7 @@ import yaml
 
 from router.config import ConfigError, load_config, parse_config
 from router.index.pool import pool_names
-from router.scoring.registry import SCORERS
+from scorers.registry import SCORERS
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = {

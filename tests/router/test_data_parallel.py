@@ -17,9 +17,9 @@ from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.workload import AgentWorkload
 from router.config import ConfigError, parse_config
 from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
-from router.types import EngineLoad
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity
+from scorers.candidate import EngineLoad
 from tests.conftest import instance_url, metric
 from tests.router.test_proxy import post
 from tests.router.upstreams.test_load_scraper import FakeEngine, exposition

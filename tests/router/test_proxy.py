@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts, running_router
-from router.scoring.ttft_model import TERMS, TTFTPriors
+from scorers.ttft_model import TERMS, TTFTPriors
 from tests.conftest import instance_url, ipv6_loopback, metric
 from tests.router.fake_upstreams import answering, healthy, serving
 

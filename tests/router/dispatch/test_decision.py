@@ -17,9 +17,9 @@ from router.metrics import RouterMetrics
 from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
-from router.scoring.policy import Policy
-from router.types import RoutingRequest, TierMatch
 from router.upstreams.instances import Upstreams
+from scorers.policy import Policy
+from scorers.request import RoutingRequest, TierMatch
 
 MESSAGES = [{"role": "user", "content": "run the tests " * 40}]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from router.dispatch.ab import ABStats, _bootstrap_medians
-from router.dispatch.traffic import TrafficSplit
+from router.traffic_split import TrafficSplit
 
 SESSIONS = [f"session-{i}" for i in range(2000)]
 

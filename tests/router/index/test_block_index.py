@@ -14,7 +14,7 @@ import xxhash
 from router.index.block_index import BlockIndex, Tier
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from router.prompt import block_hashing
-from router.types import TierMatch
+from scorers.request import TierMatch
 from tests.conftest import ManualClock
 
 BS = 4

@@ -29,7 +29,7 @@ from router.index.events import (
 from router.index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
-from router.types import TierMatch
+from scorers.request import TierMatch
 
 FUZZ = settings(
     max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -8,7 +8,7 @@ import msgspec
 from router.index.block_index import BlockIndex
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.kv_groups import GroupConstraints, ending_blocks
-from router.types import TierMatch
+from scorers.request import TierMatch
 from tests.router.index.test_block_index import BS, TOKENS, prompt, removed, stored, vllm_hash
 
 A, B = ("a", 0), ("b", 0)

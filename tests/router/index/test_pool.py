@@ -27,7 +27,7 @@ from router.index.block_index import BlockIndex
 from router.index.pool import MasterLookup, PoolConfirmer, key_start, pool_key
 from router.metrics import RouterMetrics
 from router.prompt.openai_body import CompletionRequest
-from router.types import TierMatch
+from scorers.request import TierMatch
 from tests.router.index.test_block_index import (
     BS,
     OTHER_TOKENS,

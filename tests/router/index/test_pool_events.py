@@ -15,7 +15,7 @@ from router.index.block_index import BlockIndex
 from router.index.events import EventDecoder
 from router.index.pool import pool_key
 from router.prompt import block_hashing
-from router.types import TierMatch
+from scorers.request import TierMatch
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 CAPTURE: dict[str, Any] = json.loads((FIXTURES / "mooncake_capture.json").read_text())

@@ -12,7 +12,7 @@ from router.config import ModelConfig, RouterConfig, parse_config
 from router.index.block_index import BlockIndex
 from router.index.pool import key_start, place_instances, pool_key
 from router.runtime import Runtime
-from router.types import TierMatch
+from scorers.request import TierMatch
 from tests.router.index.test_block_index import BS, pooled, prompt
 
 

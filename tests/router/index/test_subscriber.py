@@ -35,7 +35,7 @@ from router.index.events import (
 from router.index.subscriber import KVEventSubscriber, Owner
 from router.metrics import RouterMetrics
 from router.runtime import Runtime
-from router.types import TierMatch
+from scorers.request import TierMatch
 from tests.conftest import ipv6_loopback
 from tests.router.index.test_block_index import BS, TOKENS, prompt, stored
 

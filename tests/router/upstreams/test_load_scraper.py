@@ -17,9 +17,9 @@ from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet
 from router.config import parse_config
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
-from router.types import EngineLoad
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity, parse_start_time
+from scorers.candidate import EngineLoad
 from tests.conftest import ManualClock
 
 CAPTURE = Path(__file__).parents[2] / "fixtures" / "vllm" / "capture_int.json"

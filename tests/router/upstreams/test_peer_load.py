@@ -12,11 +12,11 @@ import zmq.asyncio
 from kvroute.processes import free_port_block
 from router.config import ConfigError, RouterConfig, parse_config
 from router.metrics import RouterMetrics
-from router.scorers.inflight_load import InflightLoadParams, InflightLoadScorer
-from router.scoring.ttft_features import memory_wait_s
 from router.upstreams.instances import Upstreams
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
 from router.upstreams.peer_sync import MAX_PEERS, PeerSync, PeerSyncError
+from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
+from scorers.ttft_features import memory_wait_s
 from tests.conftest import ManualClock
 
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.types import EngineLoad
 from router.upstreams.instances import Instance
 from router.upstreams.room import waiting, with_room
+from scorers.candidate import EngineLoad
 
 
 def _instance(name: str, own_in_flight: int = 0, load: EngineLoad | None = None) -> Instance:

@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
-from router.scoring.candidate import Candidate
-from router.scoring.decaying_count import DecayingCount
-from router.scoring.params import Params, Registration
-from router.scoring.scorer import Scorer, lower_is_better
-from router.types import RoutingRequest
+from scorers.candidate import Candidate
+from scorers.decaying_count import DecayingCount
+from scorers.params import Params, Registration
+from scorers.plugins import Scorer, lower_is_better
+from scorers.request import RoutingRequest
 
 _FORGOTTEN = 0.01  # placements decayed below this are dropped when the table grows (instances come and go)
 _PRUNE_AT = 1024

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.scoring.candidate import Candidate
-from router.scoring.params import Params, Registration
-from router.scoring.scorer import Scorer
-from router.types import RoutingRequest
+from scorers.candidate import Candidate
+from scorers.params import Params, Registration
+from scorers.plugins import Scorer
+from scorers.request import RoutingRequest
 
 
 class RoundRobinParams(Params):

@@ -9,11 +9,12 @@ from collections import Counter
 import pytest
 
 from router.config import RouterConfig
-from router.scorers.spread import SpreadParams, SpreadScorer
-from router.scoring.policy import Policy
-from router.types import EngineLoad, RoutingRequest, TierMatch
+from scorers.candidate import EngineLoad
+from scorers.policy import Policy
+from scorers.request import RoutingRequest, TierMatch
+from scorers.spread import SpreadParams, SpreadScorer
 from tests.conftest import ManualClock
-from tests.router.scorers.candidates import Fake
+from tests.scorers.candidates import Fake
 
 
 def test_the_least_placed_and_the_emptiest_score_highest() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.scoring.candidate import Candidate
-from router.scoring.ttft_model import TTFTFeatures, attention_pairs
-from router.types import NO_MATCH, RoutingRequest, TierMatch
+from scorers.candidate import Candidate
+from scorers.request import NO_MATCH, RoutingRequest, TierMatch
+from scorers.ttft_model import TTFTFeatures, attention_pairs
 
 
 def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:

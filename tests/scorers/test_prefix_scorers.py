@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.scorers.precise_prefix import PrecisePrefixParams, PrecisePrefixScorer
-from router.scorers.token_cost import TokenCostParams, TokenCostScorer
-from router.types import RoutingRequest, TierMatch
-from tests.router.scorers.candidates import Fake
+from scorers.precise_prefix import PrecisePrefixParams, PrecisePrefixScorer
+from scorers.request import RoutingRequest, TierMatch
+from scorers.token_cost import TokenCostParams, TokenCostScorer
+from tests.scorers.candidates import Fake
 
 
 def request(prompt_blocks: int, **matches: TierMatch) -> RoutingRequest:

@@ -6,12 +6,12 @@ import math
 import random
 from collections import Counter
 
-from router.config import PickerSpec, PolicyConfig, ScorerSpec
-from router.scoring.pickers import MaxScoreParams, MaxScorePicker, Picker, SoftmaxParams, SoftmaxPicker
-from router.scoring.policy import Policy
-from router.types import RoutingRequest
+from scorers.pickers import MaxScoreParams, MaxScorePicker, Picker, SoftmaxParams, SoftmaxPicker
+from scorers.policy import Policy
+from scorers.policy_config import PickerSpec, PolicyConfig, ScorerSpec
+from scorers.request import RoutingRequest
 from tests.conftest import ManualClock
-from tests.router.scorers.candidates import Fake
+from tests.scorers.candidates import Fake
 
 
 def test_max_score_picks_the_best() -> None:

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from router.scoring.candidate import Candidate
-from router.scoring.params import Params, Registration
-from router.scoring.scorer import Scorer
-from router.types import NO_MATCH, RoutingRequest
+from scorers.candidate import Candidate
+from scorers.params import Params, Registration
+from scorers.plugins import Scorer
+from scorers.request import NO_MATCH, RoutingRequest
 
 
 class TokenCostParams(Params):

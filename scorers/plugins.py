@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from router.scoring.candidate import Candidate
-from router.scoring.ttft_model import TTFTFeatures
-from router.types import RoutingRequest
+from scorers.candidate import Candidate
+from scorers.request import RoutingRequest
+from scorers.ttft_model import TTFTFeatures
 
 
 class Scorer(Protocol):

@@ -6,10 +6,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from router.config_keys import suggested
-from router.scorers import (
+from scorers import (
     inflight_load,
     kv_usage,
+    pickers,
     precise_prefix,
     queue_depth,
     round_robin,
@@ -18,9 +18,9 @@ from router.scorers import (
     token_cost,
     ttft_cost,
 )
-from router.scoring import pickers
-from router.scoring.params import Params, Registration
-from router.scoring.scorer import Scorer
+from scorers.config_keys import suggested
+from scorers.params import Params, Registration
+from scorers.plugins import Scorer
 
 SCORERS: dict[str, Registration[Scorer]] = {
     "round-robin": round_robin.REGISTRATION,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import Field
 
-from router.scoring.params import Params
+from scorers.params import Params
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
 _QUEUE = TERMS.index("queue")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.scorers.inflight_load import InflightLoadParams, InflightLoadScorer
-from router.scorers.round_robin import RoundRobinParams, RoundRobinScorer
-from router.scoring.registry import SCORERS
-from router.types import RoutingRequest
-from tests.router.scorers.candidates import Fake
+from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
+from scorers.registry import SCORERS
+from scorers.request import RoutingRequest
+from scorers.round_robin import RoundRobinParams, RoundRobinScorer
+from tests.scorers.candidates import Fake
 
 REQUEST = RoutingRequest(model="m")
 

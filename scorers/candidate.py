@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
-from router.scoring.ttft_model import TTFTModel
-from router.types import EngineLoad
+from scorers.ttft_model import TTFTModel
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine reports of its load (its /metrics)."""
+
+    waiting: float
+    running: float
+    kv_usage: float  # 0..1
 
 
 class Candidate(Protocol):

@@ -1,17 +1,9 @@
-"""The routing decision's data, shared by the index, the upstreams' view and the scorers: what a request
-asks for, what each instance holds of it, and what an engine reports of its load."""
+"""What a scorer reads of a request: its prompt's blocks, and what each instance holds of them, by tier."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    waiting: float
-    running: float
-    kv_usage: float  # 0..1
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from router.config import RouterConfig
-from router.scoring.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors
 from router.upstreams.instances import Upstreams
-from tests.router.scorers.test_ttft_cost import TRUE_RATES, random_features, true_seconds
+from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors
+from tests.scorers.test_ttft_cost import TRUE_RATES, random_features, true_seconds
 
 QUEUED_BUT_BATCHED = TTFTFeatures(queued_tokens=2000, uncached_tokens=300, loaded_tokens=0)
 

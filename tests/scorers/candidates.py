@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.scoring.ttft_model import TTFTModel, TTFTPriors
-from router.types import EngineLoad
+from scorers.candidate import EngineLoad
+from scorers.ttft_model import TTFTModel, TTFTPriors
 
 
 @dataclass

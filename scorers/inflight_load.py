@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from router.scoring.candidate import Candidate
-from router.scoring.params import Params, Registration
-from router.scoring.scorer import Scorer, lower_is_better
-from router.types import RoutingRequest
+from scorers.candidate import Candidate
+from scorers.params import Params, Registration
+from scorers.plugins import Scorer, lower_is_better
+from scorers.request import RoutingRequest
 
 
 class InflightLoadParams(Params):

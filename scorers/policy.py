@@ -7,13 +7,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from router.config import PolicyConfig
-from router.scoring.candidate import Candidate
-from router.scoring.pickers import Picker, ranked
-from router.scoring.registry import PICKERS, SCORERS
-from router.scoring.scorer import Observer, Scorer, WaitWeigher
-from router.scoring.ttft_model import TTFTFeatures
-from router.types import RoutingRequest
+from scorers.candidate import Candidate
+from scorers.pickers import Picker, ranked
+from scorers.plugins import Observer, Scorer, WaitWeigher
+from scorers.policy_config import PolicyConfig
+from scorers.registry import PICKERS, SCORERS
+from scorers.request import RoutingRequest
+from scorers.ttft_model import TTFTFeatures
 
 
 class Policy:
@@ -50,7 +50,7 @@ class Policy:
 
     def behind_per_s(self, instances: int) -> float:
         """What the policy weighs the wait a request causes by over `instances` candidates (ttft-cost's
-        wait_caused; router/scoring/scorer.py WaitWeigher): 0 when it does not count that wait."""
+        wait_caused; scorers/plugins.py WaitWeigher): 0 when it does not count that wait."""
         return sum(weigher.behind_per_s(instances) for weigher in self._wait_weighers)
 
     def wait_charged_s(

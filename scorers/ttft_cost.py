@@ -1,6 +1,6 @@
 """TTFT cost: each instance's predicted time to first token for this request, in seconds.
 
-Prefix overlap, pool hits and queueing all become time on one scale (router/scoring/ttft_model.py), where the
+Prefix overlap, pool hits and queueing all become time on one scale (scorers/ttft_model.py), where the
 weighted-sum policies add unitless scores. Scores are (fastest + r) / (predicted + r): the fastest
 instance scores 1, so max-score picks the minimum and a softmax picker's temperature acts on relative
 speed. r, the resolution, keeps differences of a few milliseconds (below what predictions can tell apart)
@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
-from router.scoring.candidate import Candidate
-from router.scoring.decaying_count import DecayingCount
-from router.scoring.params import Params, Registration
-from router.scoring.scorer import Scorer
-from router.scoring.ttft_features import features_for, wait_caused_s
-from router.scoring.ttft_model import TTFTFeatures
-from router.types import RoutingRequest
+from scorers.candidate import Candidate
+from scorers.decaying_count import DecayingCount
+from scorers.params import Params, Registration
+from scorers.plugins import Scorer
+from scorers.request import RoutingRequest
+from scorers.ttft_features import features_for, wait_caused_s
+from scorers.ttft_model import TTFTFeatures
 
 
 class TTFTCostParams(Params):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from router.scorers.kv_usage import KvUsageParams, KvUsageScorer
-from router.scorers.queue_depth import QueueDepthParams, QueueDepthScorer
-from router.scorers.session_affinity import SessionAffinityParams, SessionAffinityScorer
-from router.scoring.registry import SCORERS
-from router.types import EngineLoad, RoutingRequest
+from scorers.candidate import EngineLoad
+from scorers.kv_usage import KvUsageParams, KvUsageScorer
+from scorers.queue_depth import QueueDepthParams, QueueDepthScorer
+from scorers.registry import SCORERS
+from scorers.request import RoutingRequest
+from scorers.session_affinity import SessionAffinityParams, SessionAffinityScorer
 from tests.conftest import ManualClock
-from tests.router.scorers.candidates import Fake
+from tests.scorers.candidates import Fake
 
 REQUEST = RoutingRequest(model="m")
 

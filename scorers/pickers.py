@@ -9,7 +9,7 @@ from typing import Protocol
 
 from pydantic import Field
 
-from router.scoring.params import Params, Registration
+from scorers.params import Params, Registration
 
 
 class Picker(Protocol):

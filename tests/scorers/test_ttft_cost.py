@@ -8,11 +8,12 @@ import random
 
 import pytest
 
-from router.scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
-from router.scoring.ttft_features import features_for, memory_wait_s
-from router.scoring.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors
-from router.types import EngineLoad, RoutingRequest, TierMatch
-from tests.router.scorers.candidates import Fake
+from scorers.candidate import EngineLoad
+from scorers.request import RoutingRequest, TierMatch
+from scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
+from scorers.ttft_features import features_for, memory_wait_s
+from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors
+from tests.scorers.candidates import Fake
 
 TRUE_RATES = {"overhead": 0.012, "queue": 3e-4, "prefill": 2.5e-4, "load": 6e-5, "decode": 0.02}
 
