@@ -2,7 +2,7 @@
 low-cardinality labels.
 
 Under `kvroute serve --workers N` (router/http/workers.py) every worker is a router of its own, and whichever
-answers a scrape must speak for all of them. The supervisor gives the workers one directory
+answers a scrape must speak for all of them. The worker pool (their parent) gives the workers one directory
 (PROMETHEUS_MULTIPROC_DIR, set before prometheus_client is imported, so its values live in files there:
 prometheus_client's multiprocess mode), and a worker's /metrics reads every worker's files:
 
@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -212,9 +212,348 @@ def _version() -> str:
         return "unknown"
 
 
-class RouterMetrics:
+# How the processes of `kvroute serve --workers N` combine a gauge's values (module docstring).
+GaugeMode = Literal["livemax", "livemin", "livesum", "livemostrecent"]
+
+
+def _counter(r: CollectorRegistry, name: str, documentation: str, labels: list[str]) -> Family[Counter]:
+    return Family(Counter(name, documentation, labels, registry=r))
+
+
+def _histogram(
+    r: CollectorRegistry, name: str, documentation: str, labels: list[str], buckets: tuple[float, ...]
+) -> Family[Histogram]:
+    return Family(Histogram(name, documentation, labels, buckets=buckets, registry=r))
+
+
+def _gauge(
+    r: CollectorRegistry, name: str, documentation: str, labels: list[str], mode: GaugeMode
+) -> Family[Gauge]:
+    return Family(Gauge(name, documentation, labels, registry=r, multiprocess_mode=mode))
+
+
+# RouterMetrics' families, one class per concern; each adds its families to the router's registry as
+# attributes of RouterMetrics itself (metrics.requests, metrics.ttft_rate...), in the order they are exported.
+
+
+class _RequestFamilies:
+    def _add_request_families(self, r: CollectorRegistry, shared: bool) -> None:
+        """The requests: answered, refused, how long they took, those in flight and those queued."""
+        self.requests = _counter(
+            r,
+            "kvroute_requests",
+            "Proxied requests by policy, instance, HTTP status and model",
+            ["policy", "vllm_instance", "status", "model"],
+        )
+        self.rejected = _counter(
+            r, "kvroute_rejected_requests", "Requests the router answered itself with an error", ["reason"]
+        )
+        self.client_errors = _counter(
+            r,
+            "kvroute_client_errors",
+            "Requests answered 4xx by the router for what the client sent (a wrong API key's 401 "
+            "and 429s are in kvroute_rejected_requests_total), by error code; missing_token and "
+            "wrong_token: the admin token's 401 and 403",
+            ["code"],
+        )
+        self.ttft = _histogram(
+            r,
+            "kvroute_time_to_first_byte_seconds",
+            "Routing to an answer's (200) first byte: TTFT for streams",
+            ["policy", "model"],
+            _LATENCY_BUCKETS,
+        )
+        self.e2e = _histogram(
+            r,
+            "kvroute_request_duration_seconds",
+            "End-to-end time of proxied requests answered 200",
+            ["policy", "model"],
+            _LATENCY_BUCKETS,
+        )
+        self.memory_hold = _histogram(
+            r,
+            "kvroute_memory_hold_seconds",
+            "Time requests waited in the router for an instance with KV memory for them "
+            "(admission.memory_hold_s; not in the time to first byte)",
+            ["model"],
+            _LATENCY_BUCKETS,
+        )
+        self.in_flight = _gauge(
+            r,
+            "kvroute_instance_in_flight",
+            "Requests in flight through this router",
+            ["vllm_instance"],
+            "livesum",
+        )
+        self.admission_waiting = (SharedFunctionGauge if shared else Gauge)(
+            "kvroute_admission_waiting",
+            "Requests waiting for an admission slot: the router's own queue",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+
+
+class _RoutingFamilies:
+    def _add_routing_families(self, r: CollectorRegistry) -> None:
+        """The routing decisions: their time, their prefix knowledge, and what the A/B results weigh."""
+        self.decision = _histogram(
+            r,
+            "kvroute_routing_decision_seconds",
+            "Routing time by stage: prepare (tokenize, hash, look up) and choose (score, pick)",
+            ["stage"],
+            _DECISION_BUCKETS,
+        )
+        self.untokenized = _counter(
+            r, "kvroute_untokenized_prompts", "Prompts routed without prefix knowledge, by reason", ["reason"]
+        )
+        self.tokenization_audits = _counter(
+            r,
+            "kvroute_tokenization_audits",
+            "Chats tokenized here and checked against an instance's /tokenize, by kind (plain, "
+            "with_inputs: tools or chat_template_kwargs) and result (match, mismatch: the model's "
+            "chats of that kind go to the engine from then on, failed)",
+            ["model", "kind", "result"],
+        )
+        self.predicted_cached = _counter(
+            r,
+            "kvroute_predicted_cached_tokens",
+            "Prompt tokens the chosen instance was predicted to reuse, by policy and tier",
+            ["policy", "tier"],
+        )
+        self.prompt_tokens = _counter(
+            r,
+            "kvroute_prompt_tokens",
+            "Prompt tokens of the requests answered, as the router counted them (none for a prompt "
+            "routed without prefix knowledge), by policy: kvroute_predicted_cached_tokens' whole",
+            ["policy"],
+        )
+        self.session_turns = _counter(
+            r,
+            "kvroute_session_turns",
+            "Requests answered that carried a session key, by policy and placement: first (a session "
+            "new, or forgotten past 65,536), same (the instance of its last turn), moved",
+            ["policy", "placement"],
+        )
+        self.pd_requests = _counter(
+            r,
+            "kvroute_pd_requests",
+            "Answered requests of disaggregated models by path: disaggregated (a prefill leg, then "
+            "the decode leg), skipped (the decode instance held all but disaggregation."
+            "local_prefill_max_tokens of the prompt and computed the rest), fallback (no prefill "
+            "instance took the prefill leg; the decode instance computed the prompt)",
+            ["model", "path"],
+        )
+        self.pd_leg = _histogram(
+            r,
+            "kvroute_pd_leg_seconds",
+            "Legs of disaggregated requests: prefill (sent to its answer) and decode (sent to its "
+            "first byte, the prompt's KV fetched), by instance",
+            ["leg", "vllm_instance"],
+            _LATENCY_BUCKETS,
+        )
+
+
+class _TtftModelFamilies:
+    def _add_ttft_model_families(self, r: CollectorRegistry) -> None:
+        """The TTFT model: its predictions against what came, its calibrated terms, the weight it lends."""
+        self.ttft_predicted = _histogram(
+            r,
+            "kvroute_ttft_predicted_seconds",
+            "The TTFT predicted for the chosen instance",
+            ["vllm_instance"],
+            _LATENCY_BUCKETS,
+        )
+        self.ttft_observed = _histogram(
+            r,
+            "kvroute_ttft_observed_seconds",
+            "Streams' time to the first chunk, by instance",
+            ["vllm_instance"],
+            _LATENCY_BUCKETS,
+        )
+        self.ttft_error = _histogram(
+            r,
+            "kvroute_ttft_prediction_error_seconds",
+            "Streams' observed minus predicted TTFT",
+            ["vllm_instance"],
+            _ERROR_BUCKETS,
+        )
+        self.ttft_rate = _gauge(
+            r,
+            "kvroute_ttft_model_rate",
+            "Calibrated TTFT model terms: overhead in seconds; queue, prefill, load, decode and "
+            "transfer in seconds per token; attention in seconds per token pair; memory a factor (1: "
+            "as predicted)",
+            ["vllm_instance", "term"],
+            "livemostrecent",
+        )
+        self.ttft_slowdown = _gauge(
+            r,
+            "kvroute_ttft_instance_slowdown",
+            "How much slower than its fleet's (the instances of its role) an instance's TTFTs come, as "
+            "its model measures them: 1 as fast, 2 twice as slow (a degraded or smaller GPU)",
+            ["vllm_instance"],
+            "livemostrecent",
+        )
+        self.wait_caused_weight = _gauge(
+            r,
+            "kvroute_policy_wait_caused_weight",
+            "What the policy weighs the wait a request causes by (ttft-cost's wait_caused): requests "
+            "expected to arrive behind it at one instance per second it spends there before its "
+            "first token, from the arrival rate measured; 0 on an idle fleet or with the term off; "
+            "at 2, a request that waits 1 s is charged its uncached tokens' queue time twice",
+            ["policy"],
+            "livemostrecent",
+        )
+
+
+class _UpstreamFamilies:
+    def _add_upstream_families(self, r: CollectorRegistry) -> None:
+        """The instances: failures reaching them, retries elsewhere, circuit breakers, health checks."""
+        self.upstream_errors = _counter(
+            r, "kvroute_upstream_errors", "Failures reaching an instance, by kind", ["vllm_instance", "kind"]
+        )
+        self.retries = _counter(
+            r,
+            "kvroute_retries",
+            "Requests sent elsewhere after this instance dropped them unanswered",
+            ["vllm_instance"],
+        )
+        self.circuit_open = _gauge(
+            r,
+            "kvroute_circuit_open",
+            "1 from the moment the instance's circuit breaker opens until a probe request succeeds",
+            ["vllm_instance"],
+            "livemax",
+        )
+        self.circuit_opens = _counter(
+            r, "kvroute_circuit_opens", "Times the instance's circuit breaker opened", ["vllm_instance"]
+        )
+        self.healthy = _gauge(
+            r,
+            "kvroute_instance_healthy",
+            "1 when the instance passes health checks",
+            ["vllm_instance"],
+            "livemin",
+        )
+
+
+class _KvEventFamilies:
+    def _add_kv_event_families(self, r: CollectorRegistry) -> None:
+        """The engines' KV event streams the index is built from (SAME_IN_EVERY_WORKER's, most of them)."""
+        self.kv_events = _counter(
+            r,
+            "kvroute_kv_events",
+            "KV-cache events received, by instance and event type "
+            "(kvroute_index_mismatched_events: those whose blocks the index could not hold)",
+            ["vllm_instance", "type"],
+        )
+        self.kv_malformed = _counter(
+            r,
+            "kvroute_kv_malformed_messages",
+            "KV event messages with bad frames or payloads",
+            ["vllm_instance"],
+        )
+        self.kv_skipped_events = _counter(
+            r,
+            "kvroute_kv_skipped_events",
+            "Undecodable single events inside otherwise good batches",
+            ["vllm_instance"],
+        )
+        self.kv_gaps = _counter(
+            r,
+            "kvroute_kv_sequence_gaps",
+            "Jumps forward in a KV event stream's sequence numbers",
+            ["vllm_instance"],
+        )
+        self.kv_replays = _counter(
+            r,
+            "kvroute_kv_replays",
+            "Replays of missed KV events from an instance's buffer, by result",
+            ["vllm_instance", "result"],
+        )
+        self.kv_warm = _gauge(
+            r,
+            "kvroute_kv_warm",
+            "1 once the events an instance published before this router subscribed were replayed into "
+            "the index; 0 while they are missing (replay pending, failed, or no replay endpoint)",
+            ["vllm_instance"],
+            "livemin",
+        )
+        self.kv_restarts = _counter(
+            r,
+            "kvroute_kv_engine_restarts",
+            "Engine restarts seen as a KV event sequence starting over",
+            ["vllm_instance"],
+        )
+        self.kv_last_event = _gauge(
+            r,
+            "kvroute_kv_last_event_timestamp_seconds",
+            "Engine time of the newest KV event batch",
+            ["vllm_instance"],
+            "livemax",
+        )
+
+
+class _ControlFamilies:
+    def _add_control_families(self, r: CollectorRegistry) -> None:
+        """The router's own running: background tasks, reloads, peer routers, discovery, the pool's master."""
+        self.task_failures = _counter(
+            r, "kvroute_background_task_failures", "Failed iterations of background tasks", ["task"]
+        )
+        self.config_reloads = _counter(
+            r, "kvroute_config_reloads", "Configuration reloads by result (ok, invalid)", ["result"]
+        )
+        self.peer_routers = Gauge(
+            "kvroute_peer_routers",
+            "Other routers whose load this router heard within peers.stale_after_s (with --workers: its "
+            "sibling workers too)",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.peer_snapshots = _counter(
+            r,
+            "kvroute_peer_snapshots",
+            "Load snapshots received from other routers, by result (applied, malformed: not "
+            "decodable, own: this router's own, subscribed by mistake, too_many_peers)",
+            ["result"],
+        )
+        self.discovery_watch_restarts = _counter(
+            r,
+            "kvroute_discovery_watch_restarts",
+            "Kubernetes discovery sessions that broke (410 Gone, connection lost, API server down) "
+            "and were started again, by source; the last known instances serve meanwhile",
+            ["source"],
+        )
+        self.discovered_instances = _gauge(
+            r,
+            "kvroute_discovered_instances",
+            "Instances discovery found (Ready pods, a target per data-parallel rank), by source",
+            ["source"],
+            "livemax",
+        )
+        self.pool_master_up = UnsetGauge(
+            "kvroute_pool_master_up",
+            "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit "
+            "(no sample before the first lookup, none without a pool)",
+            registry=r,
+        )
+        self.pool_lookups = _counter(
+            r, "kvroute_pool_lookups", "Pool blocks looked up on the Mooncake master, by answer", ["result"]
+        )
+
+
+class RouterMetrics(
+    _RequestFamilies,
+    _RoutingFamilies,
+    _TtftModelFamilies,
+    _UpstreamFamilies,
+    _KvEventFamilies,
+    _ControlFamilies,
+):
+    """Every family the router exports, each an attribute (metrics.ttft(policy, model).observe(...))."""
+
     def __init__(self) -> None:
-        # Set by the supervisor of `kvroute serve --workers N` for its workers (module docstring).
+        # Set by the WorkerPool of `kvroute serve --workers N` for its workers (module docstring).
         self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.registry = r = _WorkerRegistry() if self.shared_dir else CollectorRegistry(auto_describe=True)
         self._exported = self.registry
@@ -227,384 +566,12 @@ class RouterMetrics:
             multiprocess_mode="livemax",
         )
         build.labels(_version()).set(1)
-        self.requests = Family(
-            Counter(
-                "kvroute_requests",
-                "Proxied requests by policy, instance, HTTP status and model",
-                ["policy", "vllm_instance", "status", "model"],
-                registry=r,
-            )
-        )
-        self.rejected = Family(
-            Counter(
-                "kvroute_rejected_requests",
-                "Requests the router answered itself with an error",
-                ["reason"],
-                registry=r,
-            )
-        )
-        self.ttft = Family(
-            Histogram(
-                "kvroute_time_to_first_byte_seconds",
-                "Routing to an answer's (200) first byte: TTFT for streams",
-                ["policy", "model"],
-                buckets=_LATENCY_BUCKETS,
-                registry=r,
-            )
-        )
-        self.e2e = Family(
-            Histogram(
-                "kvroute_request_duration_seconds",
-                "End-to-end time of proxied requests answered 200",
-                ["policy", "model"],
-                buckets=_LATENCY_BUCKETS,
-                registry=r,
-            )
-        )
-        self.decision = Family(
-            Histogram(
-                "kvroute_routing_decision_seconds",
-                "Routing time by stage: prepare (tokenize, hash, look up) and choose (score, pick)",
-                ["stage"],
-                buckets=_DECISION_BUCKETS,
-                registry=r,
-            )
-        )
-        self.memory_hold = Family(
-            Histogram(
-                "kvroute_memory_hold_seconds",
-                "Time requests waited in the router for an instance with KV memory for them "
-                "(admission.memory_hold_s; not in the time to first byte)",
-                ["model"],
-                buckets=_LATENCY_BUCKETS,
-                registry=r,
-            )
-        )
-        self.upstream_errors = Family(
-            Counter(
-                "kvroute_upstream_errors",
-                "Failures reaching an instance, by kind",
-                ["vllm_instance", "kind"],
-                registry=r,
-            )
-        )
-        self.retries = Family(
-            Counter(
-                "kvroute_retries",
-                "Requests sent elsewhere after this instance dropped them unanswered",
-                ["vllm_instance"],
-                registry=r,
-            )
-        )
-        self.client_errors = Family(
-            Counter(
-                "kvroute_client_errors",
-                "Requests answered 4xx by the router for what the client sent (a wrong API key's 401 "
-                "and 429s are in kvroute_rejected_requests_total), by error code; missing_token and "
-                "wrong_token: the admin token's 401 and 403",
-                ["code"],
-                registry=r,
-            )
-        )
-        self.circuit_open = Family(
-            Gauge(
-                "kvroute_circuit_open",
-                "1 from the moment the instance's circuit breaker opens until a probe request succeeds",
-                ["vllm_instance"],
-                registry=r,
-                multiprocess_mode="livemax",
-            )
-        )
-        self.circuit_opens = Family(
-            Counter(
-                "kvroute_circuit_opens",
-                "Times the instance's circuit breaker opened",
-                ["vllm_instance"],
-                registry=r,
-            )
-        )
-        self.in_flight = Family(
-            Gauge(
-                "kvroute_instance_in_flight",
-                "Requests in flight through this router",
-                ["vllm_instance"],
-                registry=r,
-                multiprocess_mode="livesum",
-            )
-        )
-        self.admission_waiting = (SharedFunctionGauge if self.shared_dir else Gauge)(
-            "kvroute_admission_waiting",
-            "Requests waiting for an admission slot: the router's own queue",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.healthy = Family(
-            Gauge(
-                "kvroute_instance_healthy",
-                "1 when the instance passes health checks",
-                ["vllm_instance"],
-                registry=r,
-                multiprocess_mode="livemin",
-            )
-        )
-        self.task_failures = Family(
-            Counter(
-                "kvroute_background_task_failures",
-                "Failed iterations of background tasks",
-                ["task"],
-                registry=r,
-            )
-        )
-        self.kv_events = Family(
-            Counter(
-                "kvroute_kv_events",
-                "KV-cache events received, by instance and event type "
-                "(kvroute_index_mismatched_events: those whose blocks the index could not hold)",
-                ["vllm_instance", "type"],
-                registry=r,
-            )
-        )
-        self.kv_malformed = Family(
-            Counter(
-                "kvroute_kv_malformed_messages",
-                "KV event messages with bad frames or payloads",
-                ["vllm_instance"],
-                registry=r,
-            )
-        )
-        self.kv_skipped_events = Family(
-            Counter(
-                "kvroute_kv_skipped_events",
-                "Undecodable single events inside otherwise good batches",
-                ["vllm_instance"],
-                registry=r,
-            )
-        )
-        self.kv_gaps = Family(
-            Counter(
-                "kvroute_kv_sequence_gaps",
-                "Jumps forward in a KV event stream's sequence numbers",
-                ["vllm_instance"],
-                registry=r,
-            )
-        )
-        self.kv_replays = Family(
-            Counter(
-                "kvroute_kv_replays",
-                "Replays of missed KV events from an instance's buffer, by result",
-                ["vllm_instance", "result"],
-                registry=r,
-            )
-        )
-        self.kv_warm = Family(
-            Gauge(
-                "kvroute_kv_warm",
-                "1 once the events an instance published before this router subscribed were replayed into "
-                "the index; 0 while they are missing (replay pending, failed, or no replay endpoint)",
-                ["vllm_instance"],
-                registry=r,
-                multiprocess_mode="livemin",
-            )
-        )
-        self.kv_restarts = Family(
-            Counter(
-                "kvroute_kv_engine_restarts",
-                "Engine restarts seen as a KV event sequence starting over",
-                ["vllm_instance"],
-                registry=r,
-            )
-        )
-        self.kv_last_event = Family(
-            Gauge(
-                "kvroute_kv_last_event_timestamp_seconds",
-                "Engine time of the newest KV event batch",
-                ["vllm_instance"],
-                registry=r,
-                multiprocess_mode="livemax",
-            )
-        )
-
-        self.untokenized = Family(
-            Counter(
-                "kvroute_untokenized_prompts",
-                "Prompts routed without prefix knowledge, by reason",
-                ["reason"],
-                registry=r,
-            )
-        )
-        self.tokenization_audits = Family(
-            Counter(
-                "kvroute_tokenization_audits",
-                "Chats tokenized here and checked against an instance's /tokenize, by kind (plain, "
-                "with_inputs: tools or chat_template_kwargs) and result (match, mismatch: the model's "
-                "chats of that kind go to the engine from then on, failed)",
-                ["model", "kind", "result"],
-                registry=r,
-            )
-        )
-        self.ttft_predicted = Family(
-            Histogram(
-                "kvroute_ttft_predicted_seconds",
-                "The TTFT predicted for the chosen instance",
-                ["vllm_instance"],
-                buckets=_LATENCY_BUCKETS,
-                registry=r,
-            )
-        )
-        self.ttft_observed = Family(
-            Histogram(
-                "kvroute_ttft_observed_seconds",
-                "Streams' time to the first chunk, by instance",
-                ["vllm_instance"],
-                buckets=_LATENCY_BUCKETS,
-                registry=r,
-            )
-        )
-        self.ttft_error = Family(
-            Histogram(
-                "kvroute_ttft_prediction_error_seconds",
-                "Streams' observed minus predicted TTFT",
-                ["vllm_instance"],
-                buckets=_ERROR_BUCKETS,
-                registry=r,
-            )
-        )
-        self.ttft_rate = Family(
-            Gauge(
-                "kvroute_ttft_model_rate",
-                "Calibrated TTFT model terms: overhead in seconds; queue, prefill, load, decode and "
-                "transfer in seconds per token; attention in seconds per token pair; memory a factor (1: "
-                "as predicted)",
-                ["vllm_instance", "term"],
-                registry=r,
-                multiprocess_mode="livemostrecent",
-            )
-        )
-        self.ttft_slowdown = Family(
-            Gauge(
-                "kvroute_ttft_instance_slowdown",
-                "How much slower than its fleet's (the instances of its role) an instance's TTFTs come, as "
-                "its model measures them: 1 as fast, 2 twice as slow (a degraded or smaller GPU)",
-                ["vllm_instance"],
-                registry=r,
-                multiprocess_mode="livemostrecent",
-            )
-        )
-        self.wait_caused_weight = Family(
-            Gauge(
-                "kvroute_policy_wait_caused_weight",
-                "What the policy weighs the wait a request causes by (ttft-cost's wait_caused): requests "
-                "expected to arrive behind it at one instance per second it spends there before its "
-                "first token, from the arrival rate measured; 0 on an idle fleet or with the term off; "
-                "at 2, a request that waits 1 s is charged its uncached tokens' queue time twice",
-                ["policy"],
-                registry=r,
-                multiprocess_mode="livemostrecent",
-            )
-        )
-        self.predicted_cached = Family(
-            Counter(
-                "kvroute_predicted_cached_tokens",
-                "Prompt tokens the chosen instance was predicted to reuse, by policy and tier",
-                ["policy", "tier"],
-                registry=r,
-            )
-        )
-        self.prompt_tokens = Family(
-            Counter(
-                "kvroute_prompt_tokens",
-                "Prompt tokens of the requests answered, as the router counted them (none for a prompt "
-                "routed without prefix knowledge), by policy: kvroute_predicted_cached_tokens' whole",
-                ["policy"],
-                registry=r,
-            )
-        )
-        self.session_turns = Family(
-            Counter(
-                "kvroute_session_turns",
-                "Requests answered that carried a session key, by policy and placement: first (a session "
-                "new, or forgotten past 65,536), same (the instance of its last turn), moved",
-                ["policy", "placement"],
-                registry=r,
-            )
-        )
-        self.pd_requests = Family(
-            Counter(
-                "kvroute_pd_requests",
-                "Answered requests of disaggregated models by path: disaggregated (a prefill leg, then "
-                "the decode leg), skipped (the decode instance held all but disaggregation."
-                "local_prefill_max_tokens of the prompt and computed the rest), fallback (no prefill "
-                "instance took the prefill leg; the decode instance computed the prompt)",
-                ["model", "path"],
-                registry=r,
-            )
-        )
-        self.pd_leg = Family(
-            Histogram(
-                "kvroute_pd_leg_seconds",
-                "Legs of disaggregated requests: prefill (sent to its answer) and decode (sent to its "
-                "first byte, the prompt's KV fetched), by instance",
-                ["leg", "vllm_instance"],
-                buckets=_LATENCY_BUCKETS,
-                registry=r,
-            )
-        )
-        self.config_reloads = Family(
-            Counter(
-                "kvroute_config_reloads",
-                "Configuration reloads by result (ok, invalid)",
-                ["result"],
-                registry=r,
-            )
-        )
-        self.peer_routers = Gauge(
-            "kvroute_peer_routers",
-            "Other routers whose load this router heard within peers.stale_after_s (with --workers: its "
-            "sibling workers too)",
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.peer_snapshots = Family(
-            Counter(
-                "kvroute_peer_snapshots",
-                "Load snapshots received from other routers, by result (applied, malformed: not "
-                "decodable, own: this router's own, subscribed by mistake, too_many_peers)",
-                ["result"],
-                registry=r,
-            )
-        )
-        self.discovery_watch_restarts = Family(
-            Counter(
-                "kvroute_discovery_watch_restarts",
-                "Kubernetes discovery sessions that broke (410 Gone, connection lost, API server down) "
-                "and were started again, by source; the last known instances serve meanwhile",
-                ["source"],
-                registry=r,
-            )
-        )
-        self.discovered_instances = Family(
-            Gauge(
-                "kvroute_discovered_instances",
-                "Instances discovery found (Ready pods, a target per data-parallel rank), by source",
-                ["source"],
-                registry=r,
-                multiprocess_mode="livemax",
-            )
-        )
-        self.pool_master_up = UnsetGauge(
-            "kvroute_pool_master_up",
-            "1 when the Mooncake master answered the last pool lookup; 0: routing without pool credit "
-            "(no sample before the first lookup, none without a pool)",
-            registry=r,
-        )
-        self.pool_lookups = Family(
-            Counter(
-                "kvroute_pool_lookups",
-                "Pool blocks looked up on the Mooncake master, by answer",
-                ["result"],
-                registry=r,
-            )
-        )
+        self._add_request_families(r, shared=bool(self.shared_dir))
+        self._add_routing_families(r)
+        self._add_ttft_model_families(r)
+        self._add_upstream_families(r)
+        self._add_kv_event_families(r)
+        self._add_control_families(r)
 
     def forget_instance(self, name: str) -> None:
         for family in self._families():

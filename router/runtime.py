@@ -36,7 +36,8 @@ from router.index.index_metrics import IndexCollector
 from router.index.pool import MasterLookup, PoolConfirmer, place_instances, pool_names
 from router.index.subscriptions import Subscriptions
 from router.metrics import RouterMetrics
-from router.prompt.token_cache import CachedChatTokenizer, RemoteTokenizer
+from router.prompt.remote_tokenizer import RemoteTokenizer
+from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
 from router.supervisor import supervise
 from router.upstreams.health import HealthChecker

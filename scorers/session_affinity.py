@@ -7,7 +7,6 @@ at most max_sessions of them, the least recently used dropped first. No session 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from pydantic import Field
@@ -16,6 +15,7 @@ from scorers.candidate import Candidate
 from scorers.params import Params, Registration
 from scorers.plugins import Scorer
 from scorers.request import RoutingRequest
+from scorers.session_lru import SessionLRU
 
 
 class SessionAffinityParams(Params):
@@ -25,8 +25,8 @@ class SessionAffinityParams(Params):
 
 class SessionAffinityScorer:
     def __init__(self, params: SessionAffinityParams, clock: Callable[[], float] = time.monotonic) -> None:
-        self._max_sessions, self._ttl_s, self._clock = params.max_sessions, params.ttl_s, clock
-        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (instance, last sent)
+        self._ttl_s, self._clock = params.ttl_s, clock
+        self._sessions = SessionLRU[tuple[str, float]](params.max_sessions)  # key -> (instance, last sent)
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         instance = self.instance_of(request.session_key)
@@ -36,10 +36,7 @@ class SessionAffinityScorer:
         key = request.session_key
         if key is None:
             return
-        self._sessions[key] = (chosen.name, self._clock())
-        self._sessions.move_to_end(key)
-        if len(self._sessions) > self._max_sessions:
-            self._sessions.popitem(last=False)
+        self._sessions.put(key, (chosen.name, self._clock()))
 
     def instance_of(self, session_key: str | None) -> str | None:
         """The instance this session was last sent to, unless that has expired."""
@@ -50,7 +47,7 @@ class SessionAffinityScorer:
             return None
         instance, sent_at = entry
         if self._clock() - sent_at > self._ttl_s:
-            del self._sessions[session_key]
+            self._sessions.forget(session_key)
             return None
         return instance
 

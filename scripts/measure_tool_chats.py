@@ -35,7 +35,8 @@ from router.dispatch.decision import Decider  # noqa: E402
 from router.index.block_index import BlockIndex  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
 from router.prompt.openai_body import ChatRequest  # noqa: E402
-from router.prompt.token_cache import CachedChatTokenizer, RemoteTokenizer  # noqa: E402
+from router.prompt.remote_tokenizer import RemoteTokenizer  # noqa: E402
+from router.prompt.token_cache import CachedChatTokenizer  # noqa: E402
 from router.prompt.tokenization import PromptTokenizer  # noqa: E402
 from tinymodel.builder import MODEL_NAME, ensure_model  # noqa: E402
 

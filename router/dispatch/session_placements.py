@@ -4,26 +4,23 @@ place. Sessions are known by the router's digest of their key; the least recentl
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Literal
+
+from scorers.session_lru import SessionLRU
 
 Placement = Literal["first", "same", "moved"]
 
 
 class SessionPlacements:
     def __init__(self, max_sessions: int = 65_536) -> None:
-        self._max_sessions = max_sessions
-        self._last: OrderedDict[str, str] = OrderedDict()  # session key -> instance of its last turn
+        self._last = SessionLRU[str](max_sessions)  # session key -> instance of its last turn
 
     def __len__(self) -> int:
         return len(self._last)
 
     def record(self, session_key: str, instance: str) -> Placement:
         """Where this turn went against the session's last one; first for a session new or forgotten."""
-        last = self._last.pop(session_key, None)
-        self._last[session_key] = instance
+        last = self._last.put(session_key, instance)
         if last is None:
-            if len(self._last) > self._max_sessions:
-                self._last.popitem(last=False)
             return "first"
         return "same" if last == instance else "moved"

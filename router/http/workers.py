@@ -1,23 +1,23 @@
 """`kvroute serve --workers N`: N router processes on one host, serving one port.
 
-A supervisor binds the port (and so fails at once when it is taken) and starts N workers, each a whole router
-(router/http/server.py) listening on the port with SO_REUSEPORT: the kernel spreads new connections evenly
-over the workers listening, and a worker that died takes none. (One socket shared by all was measured
-worse: a worker that wakes first accepts a whole burst of connections, and with keep-alive it keeps them.)
-Each worker has its own KV-event subscriptions and so the full block index, its own health checks,
-admission limits and A/B results. The workers count
-each other's requests in flight as routers in front of one fleet do (router/upstreams/peer_sync.py): each
-publishes on an ipc:// endpoint in the supervisor's private directory and follows the others', besides the
-peers the configuration names. A configured `peers.publish` is bound by the supervisor, which forwards every
-worker's snapshots there, so routers on other hosts hear each worker as a peer of its own.
+A WorkerPool, the parent process, binds the port (and so fails at once when it is taken) and starts N
+workers, each a whole router (router/http/server.py) listening on the port with SO_REUSEPORT: the kernel
+spreads new connections evenly over the workers listening, and a worker that died takes none. (One socket
+shared by all was measured worse: a worker that wakes first accepts a whole burst of connections, and with
+keep-alive it keeps them.) Each worker has its own KV-event subscriptions and so the full block index, its own
+health checks, admission limits and A/B results. The workers count each other's requests in flight as routers
+in front of one fleet do (router/upstreams/peer_sync.py): each publishes on an ipc:// endpoint in the pool's
+private directory and follows the others', besides the peers the configuration names. A configured
+`peers.publish` is bound by the pool, which forwards every worker's snapshots there, so routers on other hosts
+hear each worker as a peer of its own.
 
-The supervisor forwards SIGHUP to every worker (each reloads the file; each also watches it), and on SIGTERM
-or SIGINT sends SIGTERM to each, which drains as a lone router does; a worker whose supervisor dies gets
+The pool forwards SIGHUP to every worker (each reloads the file; each also watches it), and on SIGTERM
+or SIGINT sends SIGTERM to each, which drains as a lone router does; a worker whose pool dies gets
 SIGTERM too. A worker that exits is restarted, after a delay that doubles while it keeps exiting soon after
-its start; one that exits MAX_STARTUP_FAILURES times in a row before serving ends the supervisor (exit 1).
+its start; one that exits MAX_STARTUP_FAILURES times in a row before serving ends the pool (exit 1).
 Every answer of a worker carries `x-kvroute-worker: PID`.
 
-/metrics: router/metrics.py combines the workers' metrics through a directory the supervisor owns. The
+/metrics: router/metrics.py combines the workers' metrics through a directory the pool owns. The
 /admin routes reach the worker that answers: PUT /admin/traffic and POST /admin/ab/reset change that worker
 only, and GET /admin/ab reports its own requests. Change the split in the file instead, which every worker
 reloads; POST /admin/reload reloads the answering worker at once and the others as their watch sees the file.
@@ -65,7 +65,7 @@ class _Spec(msgspec.Struct, frozen=True):
     publish: str
     follow: list[str]
     ready_dir: str
-    supervisor: int
+    parent: int  # the pool's pid
     log_level: int
 
 
@@ -97,12 +97,12 @@ def run_workers(config: RouterConfig, path: Path, host: str, port: int, workers:
                 except zmq.ZMQError as exc:
                     print(f"peers.publish {config.peers.publish} cannot be bound: {exc}", file=sys.stderr)
                     return 1
-            supervisor = _Supervisor(config, path, host, port, root, endpoints)
-            return supervisor.run()
+            pool = WorkerPool(config, path, host, port, root, endpoints)
+            return pool.run()
 
 
 def _listen(host: str, port: int, listen: bool = True) -> socket.socket:
-    """Bound as uvicorn binds its own, with SO_REUSEPORT; listen=False: the supervisor's, which holds the port
+    """Bound as uvicorn binds its own, with SO_REUSEPORT; listen=False: the pool's, which holds the port
     and takes no connection (only listening sockets do)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -136,7 +136,10 @@ def _forward(context: zmq.Context[zmq.Socket[bytes]], endpoints: list[str], publ
     threading.Thread(target=relay, name="peers-forward", daemon=True).start()
 
 
-class _Supervisor:
+class WorkerPool:
+    """The parent of `kvroute serve --workers N`: starts the workers, restarts those that exit, passes
+    signals on. (Not router/supervisor.py, which runs a process's background loops.)"""
+
     def __init__(
         self, config: RouterConfig, path: Path, host: str, port: int, root: Path, endpoints: list[str]
     ) -> None:
@@ -154,7 +157,7 @@ class _Supervisor:
             sig: signal.signal(sig, self._received) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         }
         try:
-            return self._supervise()
+            return self._keep_serving()
         finally:
             self._stop()
             for sig, handler in previous.items():
@@ -163,7 +166,7 @@ class _Supervisor:
     def _received(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
 
-    def _supervise(self) -> int:
+    def _keep_serving(self) -> int:
         for slot in self._slots:
             self._start(slot)
         while True:
@@ -203,7 +206,7 @@ class _Supervisor:
         log.info("worker %d started: pid %d", slot.index, slot.process.pid)
 
     def _exited(self, slot: _Slot, now: float) -> bool:
-        """Schedule the worker's restart; False when it keeps failing to start: the supervisor gives up."""
+        """Schedule the worker's restart; False when it keeps failing to start: the pool gives up."""
         assert slot.process is not None
         pid, code = slot.process.pid, slot.process.returncode
         slot.process = None
@@ -270,7 +273,7 @@ class _Supervisor:
 def _worker(spec: _Spec) -> int:
     from router.http.server import Worker, run_server
 
-    _end_with(spec.supervisor)
+    _end_with(spec.parent)
     path = Path(spec.config)
     try:
         config = load_config(path)
@@ -292,11 +295,11 @@ def _worker(spec: _Spec) -> int:
     return 0
 
 
-def _end_with(supervisor: int) -> None:
-    """SIGTERM this worker when its supervisor dies, killed even (Linux's PR_SET_PDEATHSIG)."""
+def _end_with(parent: int) -> None:
+    """SIGTERM this worker when its pool dies, killed even (Linux's PR_SET_PDEATHSIG)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != supervisor:  # it died before the line above
+    if os.getppid() != parent:  # it died before the line above
         os.kill(os.getpid(), signal.SIGTERM)
 
 

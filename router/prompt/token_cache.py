@@ -22,7 +22,7 @@ concatenated, unless some step looks beyond its own piece. We cut only after a t
 A probe at start-up encodes a few strings both ways and drops any token for which it still fails. Without
 any cut token, with add_special_tokens=True, or without a cut in the text, the whole text is encoded.
 
-``RemoteTokenizer`` is the fallback without a local tokenizer: an instance's ``POST /tokenize``.
+``RemoteTokenizer``, the fallback without a local tokenizer, is in router/prompt/remote_tokenizer.py.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-import aiohttp
-import msgspec
 import xxhash
 
-from router.prompt.tokenization import PromptTokenizer, completion_text_or_ids
+# Re-exported while router/dispatch/decision.py imports it from here.
+from router.prompt.remote_tokenizer import RemoteTokenizer as RemoteTokenizer
+from router.prompt.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -301,73 +301,3 @@ def _prefix_keys(data: bytes, cuts: list[int]) -> list[int]:
         keys.append(hasher.intdigest())
         done = cut
     return keys
-
-
-class TokenizeFailed(Exception):
-    """An instance's /tokenize gave no usable answer; the message and ``__cause__`` say why."""
-
-
-class _TokenizeResponse(msgspec.Struct):
-    count: int
-    tokens: list[int]
-
-
-_decode_response = msgspec.json.Decoder(_TokenizeResponse).decode
-
-
-class RemoteTokenizer:
-    """Token ids from an instance's ``POST /tokenize`` (vLLM's API), through the caller's session."""
-
-    def __init__(
-        self, session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float = 10.0
-    ) -> None:
-        self.session, self.model = session, model
-        self.url = base_url.rstrip("/") + "/tokenize"
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-
-    async def chat_ids(
-        self,
-        messages: Sequence[Any],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        add_special_tokens: bool = False,
-        template_inputs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """template_inputs: tools, chat_template, chat_template_kwargs, rendered by the engine itself."""
-        return await self._tokenize(
-            {
-                "model": self.model,
-                "messages": list(messages),
-                "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message,
-                "add_special_tokens": add_special_tokens,
-                **(template_inputs or {}),
-            }
-        )
-
-    async def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
-        """Token ids are the engine's prompt as they are; vLLM's /tokenize takes text only."""
-        text_or_ids = completion_text_or_ids(prompt)
-        if isinstance(text_or_ids, list):
-            return text_or_ids
-        body = {"model": self.model, "prompt": text_or_ids, "add_special_tokens": add_special_tokens}
-        return await self._tokenize(body)
-
-    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
-        try:
-            async with self.session.post(self.url, json=body, timeout=self.timeout) as response:
-                payload = await response.read()
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise TokenizeFailed(f"POST {self.url} failed: {exc!r}") from exc
-        if status != 200:
-            raise TokenizeFailed(f"POST {self.url} answered {status}: {payload[:200]!r}")
-        try:
-            decoded = _decode_response(payload)
-        except msgspec.DecodeError as exc:
-            raise TokenizeFailed(f"POST {self.url} answered an unreadable body: {exc}") from exc
-        if decoded.count != len(decoded.tokens):
-            raise TokenizeFailed(
-                f"POST {self.url} answered count {decoded.count} for {len(decoded.tokens)} ids"
-            )
-        return decoded.tokens

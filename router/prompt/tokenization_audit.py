@@ -20,7 +20,7 @@ from typing import Any
 
 from router.metrics import RouterMetrics
 from router.prompt.chat_conversation import engine_messages
-from router.prompt.token_cache import RemoteTokenizer, TokenizeFailed
+from router.prompt.remote_tokenizer import RemoteTokenizer, TokenizeFailed
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ class Served:
     sent: int = 0  # requests answered 200 through it, which kvroute_requests_total must count
 
     def workers(self) -> set[int]:
-        """The supervisor's children: its workers."""
+        """The pool's children: its workers."""
         return children(self.child.process.pid)
 
 
@@ -190,7 +190,7 @@ def test_a_killed_worker_loses_no_later_request_and_is_replaced(served: Served) 
     victim = min(before)
     os.kill(victim, signal.SIGKILL)
     _eventually(lambda: not alive(victim))
-    # Once its supervisor has reaped it: a request sent in the ~0.1 s before was reset in 3 of 6 runs (not
+    # Once its pool has reaped it: a request sent in the ~0.1 s before was reset in 3 of 6 runs (not
     # understood; its socket may still be in the port's SO_REUSEPORT group until then).
     _eventually(lambda: "exited with -9" in served.child.log_path.read_text())
     for i in range(20):  # the other worker takes every connection meanwhile
