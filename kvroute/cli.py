@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from fleet.block_pool import HASH_ALGORITHMS
 from kvroute.arguments import MAX_PORT, port, positive_float, positive_int, positive_ints
-from kvroute.bench_overhead import add_overhead_parser
-from kvroute.live_pd import parse_pd
+from kvroute.bench.live.pd import parse_pd
+from kvroute.bench.overhead.run import add_overhead_parser
 from kvroute.simulate.command import add_simulate_parser
 
 if TYPE_CHECKING:
@@ -154,13 +154,13 @@ def _tokenizer(spec: str) -> PromptTokenizer:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvroute.demo import DemoOptions, run_demo
+    from kvroute.demo.run import DemoOptions, run_demo
 
     return run_demo(DemoOptions(sessions=args.sessions, turns=args.turns, instances=args.instances))
 
 
 def _bench_index(args: argparse.Namespace) -> int:
-    from kvroute.bench_index import BenchOptions, run_bench
+    from kvroute.bench.index import BenchOptions, run_bench
     from router.prompt.token_cache import CachedChatTokenizer
     from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
 
@@ -173,7 +173,7 @@ def _bench_index(args: argparse.Namespace) -> int:
 def _bench_live(args: argparse.Namespace) -> int:
     import shlex
 
-    from kvroute.bench_live import LiveOptions, run_live_bench
+    from kvroute.bench.live.run import LiveOptions, run_live_bench
     from kvroute.processes import StartupError
     from router.config import ConfigError
 
@@ -219,8 +219,8 @@ def _build_model(args: argparse.Namespace) -> int:
 
 def _stack(args: argparse.Namespace) -> int:
     from kvroute.processes import StartupError
-    from kvroute.stack import stack_down, stack_status, stack_up
-    from kvroute.stack_config import StackConfigError, load_stack_config
+    from kvroute.stack.config import StackConfigError, load_stack_config
+    from kvroute.stack.run import stack_down, stack_status, stack_up
 
     run_dir = Path(args.run_dir)
     if args.action == "down":

@@ -1,6 +1,6 @@
 """Capture KV events from two real vLLM instances sharing a Mooncake pool (configs/stack-cpu.yaml).
 
-Starts the stack on free ports (`kvroute.stack.running_stack`), subscribes to both instances' KV-event PUB
+Starts the stack on free ports (`kvroute.stack.run.running_stack`), subscribes to both instances' KV-event PUB
 sockets, sends a fixed script of requests straight to one instance or the other (a cold prompt, the same
 prompt on the other instance loaded from the pool, an extension of it, a chat the other way round), and after
 each request records which PUB seqs followed and the master's pool keys (GET /get_all_keys). Then it checks
@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvroute.processes import free_port_block  # noqa: E402
-from kvroute.stack import InstanceInfo, Stack, running_stack  # noqa: E402
-from kvroute.stack_config import load_stack_config  # noqa: E402
+from kvroute.stack.config import load_stack_config  # noqa: E402
+from kvroute.stack.run import InstanceInfo, Stack, running_stack  # noqa: E402
 
 MODEL = "tiny-llama"
 BLOCK = 32

@@ -2,8 +2,8 @@
 sends them, straight to the instances.
 
 Starts one prefill (kv_producer) and one decode (kv_consumer) vLLM from configs/stack-pd-cpu.yaml with the
-stack's own code (kvroute.stack.StackPlan: flags, kv_transfer_config, PYTHONPATH with kvconnectors/), less the
-pool and the router, on free ports, each in its own process group. For a chat and a completion, whole and
+stack's own code (kvroute.stack.run.StackPlan: flags, kv_transfer_config, PYTHONPATH with kvconnectors/), less
+the pool and the router, on free ports, each in its own process group. For a chat and a completion, whole and
 streamed, it sends the prefill leg (router.dispatch.prefill_leg.prefill_body) to the prefiller and the decode
 leg to the decoder, recording bodies, statuses, answers (the streamed decode leg's SSE events) and how each
 instance's prompt-token counters moved. Then a decode leg naming a transfer nobody prefilled, twice: once
@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from capture_vllm_fixtures import log, vllm_version  # noqa: E402
 
 from kvroute.processes import Child, free_port_block, spawn, wait_all_healthy  # noqa: E402
-from kvroute.stack import StackPlan  # noqa: E402
-from kvroute.stack_config import SIDE_CHANNEL_ENV, StackConfig, parse_stack_config  # noqa: E402
+from kvroute.stack.config import SIDE_CHANNEL_ENV, StackConfig, parse_stack_config  # noqa: E402
+from kvroute.stack.run import StackPlan  # noqa: E402
 from router.config import read_yaml  # noqa: E402
 from router.dispatch.prefill_leg import prefill_body  # noqa: E402
 

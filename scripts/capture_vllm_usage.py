@@ -1,8 +1,8 @@
 """Capture what real vLLM's usage says of cached prompt tokens with --enable-prompt-tokens-details.
 
-Starts one vLLM from configs/stack-cpu.yaml with the stack's own code (kvroute.stack.StackPlan), less the pool
-and the router, with --enable-prompt-tokens-details, on free ports in its own process group. For a chat and a
-completion, whole and streamed (stream_options.include_usage), it sends a prompt, then the same prompt
+Starts one vLLM from configs/stack-cpu.yaml with the stack's own code (kvroute.stack.run.StackPlan), less the
+pool and the router, with --enable-prompt-tokens-details, on free ports in its own process group. For a chat
+and a completion, whole and streamed (stream_options.include_usage), it sends a prompt, then the same prompt
 extended (its prefix cached), then the first again, each with how the instance's prefix-cache counters moved.
 Stops exactly the process it started and writes:
 
@@ -31,8 +31,8 @@ from capture_vllm_fixtures import log, vllm_version  # noqa: E402
 from capture_vllm_pd import MODEL, STREAM, post, settled, start, stop, text  # noqa: E402
 
 from kvroute.processes import free_port_block  # noqa: E402
-from kvroute.stack import StackPlan  # noqa: E402
-from kvroute.stack_config import StackConfig, parse_stack_config  # noqa: E402
+from kvroute.stack.config import StackConfig, parse_stack_config  # noqa: E402
+from kvroute.stack.run import StackPlan  # noqa: E402
 from router.config import read_yaml  # noqa: E402
 
 CONFIG = REPO / "configs" / "stack-cpu.yaml"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian's nginx and wrk, for `kvroute bench overhead` (a C backend and a C load generator) and its test
-# (tests/kvroute/test_bench_overhead.py).
+# (tests/kvroute/bench/test_overhead.py).
 #   scripts/install_bench_tools.sh
 # Idempotent: nothing happens when both are there already. The benchmark runs its own nginx (its own config,
 # 127.0.0.1, stopped by PID), never the system service.

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvroute.processes import free_port_block  # noqa: E402
-from kvroute.stack import running_stack  # noqa: E402
-from kvroute.stack_config import load_stack_config  # noqa: E402
+from kvroute.stack.config import load_stack_config  # noqa: E402
+from kvroute.stack.run import running_stack  # noqa: E402
 from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors, attention_pairs  # noqa: E402
 from tinymodel.builder import MODEL_NAME, VOCAB_SIZE, ensure_model  # noqa: E402
 

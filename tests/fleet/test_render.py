@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvroute.bench_live import Fleet, find_vllm_router, vllm_router_args
+from kvroute.bench.live.run import Fleet, find_vllm_router, vllm_router_args
 from kvroute.processes import FleetPorts, free_port_block, spawn, wait_healthy
 from router.config import parse_config
 from tests.conftest import instance_url, metric

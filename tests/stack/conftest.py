@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvroute.processes import free_port_block
-from kvroute.stack import Stack, running_stack
-from kvroute.stack_config import load_stack_config
+from kvroute.stack.config import load_stack_config
+from kvroute.stack.run import Stack, running_stack
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "stack-cpu.yaml"

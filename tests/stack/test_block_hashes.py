@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleet.block_pool import HASH_ALGORITHMS, Adapter, BlockHasher
-from kvroute.stack_config import load_stack_config
+from kvroute.stack.config import load_stack_config
 from tests.stack.conftest import CONFIG, REPO
 
 pytestmark = pytest.mark.stack

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.stack_config import load_stack_config
+from kvroute.stack.config import load_stack_config
 from router.index.block_index import BlockIndex
 from router.index.events import EventDecoder
 from router.prompt import block_hashing

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvroute.stack import Stack
+from kvroute.stack.run import Stack
 from tests.stack.client import (
     BLOCK,
     CACHED_HEADER,

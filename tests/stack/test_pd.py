@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import free_port_block
-from kvroute.stack import InstanceInfo, Stack, running_stack
-from kvroute.stack_config import load_stack_config
+from kvroute.stack.config import load_stack_config
+from kvroute.stack.run import InstanceInfo, Stack, running_stack
 from tests.stack.client import (
     BLOCK,
     INSTANCE_HEADER,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvroute.stack import InstanceInfo, Stack
+from kvroute.stack.run import InstanceInfo, Stack
 from tests.stack.client import (
     BLOCK,
     INSTANCE_HEADER,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvroute.stack import Stack
+from kvroute.stack.run import Stack
 from tests.stack.client import BLOCK, complete, metric, random_tokens, wait_steady, wait_until
 
 pytestmark = pytest.mark.stack

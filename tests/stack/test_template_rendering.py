@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvroute.processes import free_port_block, spawn, wait_healthy
-from kvroute.stack_config import load_stack_config
+from kvroute.stack.config import load_stack_config
 from router.prompt.template_reading import content_format
 from router.prompt.tokenization import PromptTokenizer
 from tests.router.chat_templates import TEMPLATES

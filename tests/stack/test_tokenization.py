@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvroute.stack import Stack
+from kvroute.stack.run import Stack
 from router.prompt.openai_body import ChatRequest
 from router.prompt.tokenization import PromptTokenizer
 from tests.stack.client import (

@@ -24,26 +24,33 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvroute.overhead_backend import find_nginx, start_nginx, start_render_backends
-from kvroute.overhead_grid import Cell, CellResult, grid, run_grid, warm_up
-from kvroute.overhead_long import LongResult, run_long, summarize, vllm_router_counters
-from kvroute.overhead_profile import CellProfile, Profiler, find_py_spy
-from kvroute.overhead_report import grid_table, long_table, plot, streaming_table, verdict_table, verdicts
-from kvroute.overhead_streaming import (
+from kvroute.bench.overhead.backend import find_nginx, start_nginx, start_render_backends
+from kvroute.bench.overhead.grid import Cell, CellResult, grid, run_grid, warm_up
+from kvroute.bench.overhead.long import LongResult, run_long, summarize, vllm_router_counters
+from kvroute.bench.overhead.profiler import CellProfile, Profiler, find_py_spy
+from kvroute.bench.overhead.report import (
+    grid_table,
+    long_table,
+    plot,
+    streaming_table,
+    verdict_table,
+    verdicts,
+)
+from kvroute.bench.overhead.streaming import (
     STREAM_TARGETS,
     StreamResult,
     StreamSettings,
     run_streaming,
     streaming_fleet,
 )
-from kvroute.overhead_streaming import warm_up as warm_up_streams
-from kvroute.overhead_targets import (
+from kvroute.bench.overhead.streaming import warm_up as warm_up_streams
+from kvroute.bench.overhead.targets import (
     Running,
     backend_fleet,
     parse_overhead_targets,
     running_targets,
 )
-from kvroute.overhead_wrk import find_wrk
+from kvroute.bench.overhead.wrk import find_wrk
 from kvroute.processes import StartupError, free_port_block
 
 GRID_TARGETS = ("direct", "kvroute", "kvroute:round-robin", "python-proxy", "vllm-router:round_robin")
@@ -300,8 +307,8 @@ def _settings(options: OverheadOptions) -> dict[str, Any]:
         "stream_targets": list(options.stream_targets),
         "cpus": os.cpu_count(),
         "backend": "nginx, 1 worker, canned chat completion; long prompts: aiohttp backend that tokenizes; "
-        "streaming: kvroute.overhead_stream_engine (one process, two ports, one step clock)",
-        "load_generator": "wrk -t1; streaming: kvroute.overhead_stream_client (one process)",
+        "streaming: kvroute.bench.overhead.stream_engine (one process, two ports, one step clock)",
+        "load_generator": "wrk -t1; streaming: kvroute.bench.overhead.stream_client (one process)",
     }
 
 

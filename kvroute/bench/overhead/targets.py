@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from kvroute.bench_live import (
+from kvroute.bench.live.run import (
     Fleet,
     SkipTarget,
     Target,
@@ -22,12 +22,12 @@ from kvroute.bench_live import (
     parse_targets,
     vllm_router_args,
 )
-from kvroute.overhead_envoy import start_envoy, start_picker
+from kvroute.bench.overhead.envoy import start_envoy, start_picker
 from kvroute.processes import Child, free_port_block, spawn, start, wait_all_healthy
 from router.config import parse_config
 
 DIRECT = "direct"
-PLAIN_PROXY = "python-proxy"  # kvroute/plain_proxy.py: what kvroute's HTTP stack alone costs
+PLAIN_PROXY = "python-proxy"  # kvroute/bench/overhead/plain_proxy.py: what kvroute's HTTP stack alone costs
 ENVOY_EPP = "envoy-epp"  # Envoy (configs/envoy-epp.yaml) asking `kvroute epp`
 SERVE_WORKERS = "kvroute-workers"  # `kvroute serve --workers N`
 _OWN_KINDS = (DIRECT, PLAIN_PROXY)
@@ -170,7 +170,7 @@ def serve_help() -> str:
 
 def _start_plain_proxy(fleet: Fleet, port: int, log_dir: Path) -> Child:
     urls = [instance.url for instance in fleet.config.instances]
-    argv = [sys.executable, "-m", "kvroute.plain_proxy", "--port", str(port), *urls]
+    argv = [sys.executable, "-m", "kvroute.bench.overhead.plain_proxy", "--port", str(port), *urls]
     return spawn(PLAIN_PROXY, argv, log_dir)
 
 

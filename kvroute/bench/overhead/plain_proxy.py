@@ -5,7 +5,7 @@ answer whole: no parsing, tokenization, routing decision or metrics. Everything 
 the same uvicorn, garbage-collector and aiohttp session settings (router/upstreams/http_session.py), and no
 FastAPI on the request path (as router/http/fast_path.py). So the gap between it and kvroute is what routing
 costs, and the gap between it and vllm-router what this HTTP stack costs. Run as
-``python -m kvroute.plain_proxy --port PORT URL [URL ...]``.
+``python -m kvroute.bench.overhead.plain_proxy --port PORT URL [URL ...]``.
 """
 
 from __future__ import annotations

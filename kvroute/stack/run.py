@@ -37,7 +37,7 @@ from kvroute.processes import (
     stop_group,
     wait_all_healthy,
 )
-from kvroute.stack_config import SIDE_CHANNEL_ENV, StackConfig
+from kvroute.stack.config import SIDE_CHANNEL_ENV, StackConfig
 from router.config import ConfigError, Role, parse_config
 from router.prompt.tokenization import resolve_tokenizer_path
 
@@ -46,7 +46,7 @@ STATE_FILE = "state.json"
 VLLM_STOP_TIMEOUT_S = 30.0
 # The project's code that runs inside vLLM (connectors named by kv_connector_module_path). Each stack takes a
 # copy of this one package, so that the stack venv's python sees nothing else of the project's environment.
-VLLM_SIDE_PACKAGE = Path(__file__).resolve().parents[1] / "kvconnectors"
+VLLM_SIDE_PACKAGE = Path(__file__).resolve().parents[2] / "kvconnectors"
 
 
 @dataclass(frozen=True)

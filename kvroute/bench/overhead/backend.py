@@ -3,7 +3,7 @@
 nginx answers every POST with one canned chat completion: a C server whose own cost is far below any router's.
 The long-prompt case needs a backend that also tokenizes as vLLM does (``/tokenize`` and
 ``/v1/chat/completions/render``), since vllm-router's ``kv_aware`` asks the workers for token ids; that one is
-a small aiohttp server run as ``python -m kvroute.overhead_backend PORT``, one process per port.
+a small aiohttp server run as ``python -m kvroute.bench.overhead.backend PORT``, one process per port.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def start_nginx(binary: str, ports: Sequence[int], log_dir: Path) -> Child:
 def start_render_backends(ports: Sequence[int], log_dir: Path) -> list[Child]:
     """One process per port, so two workers tokenize in parallel as two vLLM servers would."""
     children = [
-        spawn(f"backend-{port}", [sys.executable, "-m", "kvroute.overhead_backend", str(port)], log_dir)
+        spawn(f"backend-{port}", [sys.executable, "-m", "kvroute.bench.overhead.backend", str(port)], log_dir)
         for port in ports
     ]
     try:

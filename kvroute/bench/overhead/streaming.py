@@ -1,9 +1,9 @@
 """The streaming case of ``kvroute bench overhead``: streamed answers relayed by each router, measured chunk
 by chunk against the same engine reached directly.
 
-The engine (kvroute/overhead_stream_engine.py, one process on two ports) paces every stream by one decode
-step clock; the client (kvroute/overhead_stream_client.py, a process of its own) keeps N streams going and
-times each chunk. Each concurrency runs every target back to back, in an order that rotates from one
+The engine (kvroute/bench/overhead/stream_engine.py, one process on two ports) paces every stream by one
+decode step clock; the client (kvroute/bench/overhead/stream_client.py, a process of its own) keeps N streams
+going and times each chunk. Each concurrency runs every target back to back, in an order that rotates from one
 concurrency to the next, after a short warm-up of each. What a router adds is its percentile minus direct's.
 """
 
@@ -19,8 +19,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.bench_live import Target
-from kvroute.overhead_targets import DIRECT, Running, backend_fleet, cpu_seconds, rotated, running_targets
+from kvroute.bench.live.run import Target
+from kvroute.bench.overhead.targets import (
+    DIRECT,
+    Running,
+    backend_fleet,
+    cpu_seconds,
+    rotated,
+    running_targets,
+)
 from kvroute.processes import Child, free_port_block, spawn, wait_healthy
 
 STREAM_TARGETS = ("direct", "vllm-router:round_robin", "kvroute", "kvroute-workers:2", "envoy-epp")
@@ -73,7 +80,7 @@ def running_engine(settings: StreamSettings, log_dir: Path) -> Iterator[tuple[Ch
     argv = [
         sys.executable,
         "-m",
-        "kvroute.overhead_stream_engine",
+        "kvroute.bench.overhead.stream_engine",
         *map(str, ports),
         "--step-ms",
         str(settings.step_ms),
@@ -104,7 +111,7 @@ def run_client(
     argv = [
         sys.executable,
         "-m",
-        "kvroute.overhead_stream_client",
+        "kvroute.bench.overhead.stream_client",
         *urls,
         "--streams",
         str(streams),

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvroute.bench_live import (
+from kvroute.bench.live.pd import SOURCES, NoPDMode, vllm_router_pd_args
+from kvroute.bench.live.run import (
     DEFAULT_TARGETS,
     VLLM_ROUTER_HASHING,
     LiveOptions,
@@ -20,7 +21,6 @@ from kvroute.bench_live import (
     parse_targets,
     run_live_bench,
 )
-from kvroute.live_pd import SOURCES, NoPDMode, vllm_router_pd_args
 from kvroute.processes import FleetPorts, start
 from router.config import parse_config
 

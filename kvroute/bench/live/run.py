@@ -1,13 +1,13 @@
 """``kvroute bench live``: the same workload through several routers in front of one fleet.
 
-The workload is generated agent sessions or a request trace replayed open loop (kvroute/live_workloads.py).
-Targets run one after another against the same instances, each with content of its own seed (its own
-system prompt too), so none is served from a cache another warmed; prefix caches are also reset
-between targets where the instances allow it. Hit rates come from the engines' own counters
+The workload is generated agent sessions or a request trace replayed open loop
+(kvroute/bench/live/workloads.py). Targets run one after another against the same instances, each with content
+of its own seed (its own system prompt too), so none is served from a cache another warmed; prefix caches are
+also reset between targets where the instances allow it. Hit rates come from the engines' own counters
 (``vllm:prefix_cache_*``), summed over instances, before and after each target. The benchmark starts every
 router it measures on 127.0.0.1, in its own process group, and stops exactly those. On a prefill/decode
-disaggregated fleet (kvroute/live_pd.py) vllm-router runs in its P/D mode, and each target's prompt tokens are
-told apart by where they were computed.
+disaggregated fleet (kvroute/bench/live/pd.py) vllm-router runs in its P/D mode, and each target's prompt
+tokens are told apart by where they were computed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute.agent_sessions import SessionRun
-from kvroute.live_pd import (
+from kvroute.bench.live.pd import (
     PD_TARGETS,
     Connector,
     NoPDMode,
@@ -49,9 +49,9 @@ from kvroute.live_pd import (
     tokens_by_source,
     vllm_router_pd_args,
 )
-from kvroute.live_plots import write_plots
-from kvroute.live_view import bench_view
-from kvroute.live_workloads import LiveWorkload, SessionWorkload, TraceWorkload
+from kvroute.bench.live.plots import write_plots
+from kvroute.bench.live.view import bench_view
+from kvroute.bench.live.workloads import LiveWorkload, SessionWorkload, TraceWorkload
 from kvroute.processes import (
     FleetPorts,
     StartupError,
@@ -416,7 +416,7 @@ def find_vllm_router(explicit: str | None) -> str | None:
 
 def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_port: int) -> list[str]:
     """vllm-router (0.1.17) in front of the fleet; kv_aware also subscribes to every instance's events. On a
-    disaggregated fleet, its P/D mode (kvroute/live_pd.py)."""
+    disaggregated fleet, its P/D mode (kvroute/bench/live/pd.py)."""
     args = [
         binary,
         "--host",

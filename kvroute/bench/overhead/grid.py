@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.overhead_profile import Profiler
-from kvroute.overhead_targets import DIRECT, Running, rotated
-from kvroute.overhead_wrk import Prompt, WrkError, run_wrk
+from kvroute.bench.overhead.profiler import Profiler
+from kvroute.bench.overhead.targets import DIRECT, Running, rotated
+from kvroute.bench.overhead.wrk import Prompt, WrkError, run_wrk
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvroute import demo_ab
+from kvroute.demo import ab as demo_ab
 from kvroute.processes import start
 from router.dispatch.ab import MIN_SESSIONS
 from router.traffic_split import TrafficSplit

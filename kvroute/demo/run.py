@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvroute import demo_ab
 from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
+from kvroute.demo import ab as demo_ab
 from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
 from kvroute.workload import AgentWorkload
 from router.http.proxy import POLICY_HEADER

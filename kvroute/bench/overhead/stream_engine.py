@@ -10,8 +10,8 @@ audit then counts a failed check, nothing more).
 
 A raw asyncio protocol on httptools and uvloop: measured on 2 cores at 256 streams of 20 ms steps (12,800
 chunks/s), it uses a fraction of what an aiohttp server needs for the same streams (docs/bench-overhead.md).
-Run as ``python -m kvroute.overhead_stream_engine --step-ms 20 PORT [PORT...]``: one process on every port,
-so every stream shares one step clock however a router spreads them.
+Run as ``python -m kvroute.bench.overhead.stream_engine --step-ms 20 PORT [PORT...]``: one process on every
+port, so every stream shares one step clock however a router spreads them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import httptools
 import msgspec
 import uvloop
 
-from kvroute.overhead_backend import CANNED_COMPLETION, MODEL
+from kvroute.bench.overhead.backend import CANNED_COMPLETION, MODEL
 
 _MODELS = msgspec.json.encode(
     {

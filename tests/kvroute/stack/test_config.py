@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from kvroute.processes import StartupError
-from kvroute.stack import StackPlan
-from kvroute.stack_config import StackConfigError, load_stack_config, parse_stack_config
+from kvroute.stack.config import StackConfigError, load_stack_config, parse_stack_config
+from kvroute.stack.run import StackPlan
 from router.config import parse_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def cpu_raw(name: str = "stack-cpu.yaml") -> dict[str, Any]:

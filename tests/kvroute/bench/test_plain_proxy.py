@@ -26,7 +26,7 @@ def test_it_forwards_the_body_and_returns_status_type_and_body_untouched(tmp_pat
         argv = [
             sys.executable,
             "-m",
-            "kvroute.plain_proxy",
+            "kvroute.bench.overhead.plain_proxy",
             "--port",
             str(port),
             f"http://127.0.0.1:{upstream}",

@@ -16,10 +16,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from kvroute.bench_live import Fleet, SkipTarget, Target, kvroute_config
+from kvroute.bench.live.run import Fleet, SkipTarget, Target, kvroute_config
 from kvroute.processes import Child, free_port_block, spawn, start, wait_healthy
 
-ENVOY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "envoy-epp.yaml"
+ENVOY_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "envoy-epp.yaml"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"  # the picker's routing filter in ENVOY_CONFIG
 
 

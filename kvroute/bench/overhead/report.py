@@ -9,10 +9,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvroute.overhead_grid import CellResult
-from kvroute.overhead_long import LongResult, LongSummary
-from kvroute.overhead_streaming import StreamResult
-from kvroute.overhead_targets import PLAIN_PROXY
+from kvroute.bench.overhead.grid import CellResult
+from kvroute.bench.overhead.long import LongResult, LongSummary
+from kvroute.bench.overhead.streaming import StreamResult
+from kvroute.bench.overhead.targets import PLAIN_PROXY
 
 KVROUTE = "kvroute:kvroute"
 VLLM_RR = "vllm-router:round_robin"

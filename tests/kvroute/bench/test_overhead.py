@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.bench_live import find_vllm_router
-from kvroute.overhead_backend import find_nginx
-from kvroute.overhead_envoy import find_envoy
-from kvroute.overhead_grid import CellResult
-from kvroute.overhead_long import LongResult, LongSummary
-from kvroute.overhead_report import ENVOY_EPP, KVROUTE, VLLM_KV, VLLM_RR, Verdict, verdicts
-from kvroute.overhead_streaming import StreamResult, StreamSettings, run_client, running_engine
-from kvroute.overhead_targets import PLAIN_PROXY, SERVE_WORKERS, parse_overhead_targets, serve_help
-from kvroute.overhead_wrk import Prompt, WrkResult, find_wrk
+from kvroute.bench.live.run import find_vllm_router
+from kvroute.bench.overhead.backend import find_nginx
+from kvroute.bench.overhead.envoy import find_envoy
+from kvroute.bench.overhead.grid import CellResult
+from kvroute.bench.overhead.long import LongResult, LongSummary
+from kvroute.bench.overhead.report import ENVOY_EPP, KVROUTE, VLLM_KV, VLLM_RR, Verdict, verdicts
+from kvroute.bench.overhead.streaming import StreamResult, StreamSettings, run_client, running_engine
+from kvroute.bench.overhead.targets import PLAIN_PROXY, SERVE_WORKERS, parse_overhead_targets, serve_help
+from kvroute.bench.overhead.wrk import Prompt, WrkResult, find_wrk
 
 
 @pytest.mark.parametrize("size", [200, 2048, 16384])

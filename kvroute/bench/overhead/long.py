@@ -21,7 +21,7 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.overhead_targets import DIRECT, Running
+from kvroute.bench.overhead.targets import DIRECT, Running
 
 _WORDS = (
     "router cache prefix token block engine worker request session agent tool output index event score "

@@ -1,0 +1,1 @@
+"""`kvroute bench overhead`: what the router itself costs per request (run.py)."""
