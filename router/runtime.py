@@ -72,7 +72,7 @@ class Runtime:
             config.index.speculative_ttl_s,
             medium_tiers={None: Tier.GPU, **tiers},  # events without a medium are vLLM's own GPU cache
         )
-        place_instances(self.index, config)
+        place_in_pool(self.index, config)
         self.metrics.registry.register(
             IndexCollector(self.index, lambda: {i.name for i in self.upstreams.instances})
         )
@@ -235,7 +235,7 @@ class Runtime:
         for instance in added:
             self.metrics.restore_instance(instance.name)
         self.subscriptions.subscribe([spec for spec in added if spec.name not in same_events])
-        place_instances(self.index, new)
+        place_in_pool(self.index, new)
         self.table, started_afresh = self.table.reloaded(old, new)
         self.config = new
         return {
@@ -256,7 +256,7 @@ class Runtime:
         pool = None
         if config.pool.master_url is not None:
             lookup = MasterLookup(config.pool.master_url, control, config.pool.timeout_s)
-            names, ttl_s = pool_names(config), config.pool.confirm_ttl_s
+            names, ttl_s = pool_names(config.models), config.pool.confirm_ttl_s
             pool = PoolConfirmer(self.index, lookup, names, self.metrics, ttl_s)
         adapters = frozenset(name for name, base in self.bases.items() if base is not None)
         tools_out_when_none = frozenset(
@@ -273,6 +273,13 @@ class Runtime:
             config.tokenization.audit_every,
             tools_out_when_none,
         )
+
+
+def place_in_pool(index: BlockIndex, config: RouterConfig) -> None:
+    """Tell the index each instance's pool name and the pool members the configuration names."""
+    names = pool_names(config.models)
+    served = {i.name: [names[model] for model in config.models_of(i)] for i in config.instances}
+    place_instances(index, served, set(config.pool_members()))
 
 
 async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:

@@ -173,7 +173,7 @@ class ConfiguredPolicy(SimPolicy):
         elif self._pool is None:
             matches = view.matches(chain, include_pool=False)
         else:
-            matches = _at_once(self._pool.confirm(view.model, chain))
+            matches = _at_once(self._pool.matches(view.model, chain))
         return RoutingRequest(
             model=view.model,
             session_key=request.session,

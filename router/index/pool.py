@@ -10,6 +10,9 @@ Pool keys start with the model's name (its pool name), after the connector's cac
 store namespace when they are set: that start is what the index calls a pool name, so a request's pool credit
 is the pool entries of its model's, on the instances serving a model of the same; place_instances tells the
 index who is who.
+
+Without a master, the index's matches are taken as they are (IndexOnlyMatches): either way the routing
+decision asks a PrefixMatches for them.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import aiohttp
 import msgspec
 
-from router.config import ModelConfig, RouterConfig
+from router.config import ModelConfig
 from router.index.block_index import BlockIndex
 from router.metrics import RouterMetrics
 from scorers.request import TierMatch
@@ -47,29 +50,28 @@ def key_start(model: ModelConfig) -> str:
     return f"{cache_prefix}{name}{model.pool_store_namespace or ''}"
 
 
-def pool_names(config: RouterConfig) -> dict[str, str]:
+def pool_names(models: Iterable[ModelConfig]) -> dict[str, str]:
     """Each model's pool name: the start of its pool keys."""
-    return {m.name: key_start(m) for m in config.models}
+    return {m.name: key_start(m) for m in models}
 
 
-def place_instances(index: BlockIndex, config: RouterConfig) -> None:
-    """Give the index each instance's pool name, that of its (first) model, and join the configured pool
-    members. An instance listed for models of several pool names runs one of them; the first is assumed."""
-    names, members = pool_names(config), set(config.pool_members())
-    for instance in config.instances:
-        models = config.models_of(instance)
-        name, served = names[models[0]], {names[model] for model in models}
-        if len(served) > 1 and instance.name in members:
+def place_instances(index: BlockIndex, served: Mapping[str, Sequence[str]], members: Collection[str]) -> None:
+    """Give the index each instance's pool name, that of its (first) model, and join the pool members (those
+    configured to read the pool). served: each instance's models' pool names, in the order its models are
+    listed; an instance listed for models of several pool names runs one of them, and the first is assumed."""
+    for instance, names in served.items():
+        name, distinct = names[0], set(names)
+        if len(distinct) > 1 and instance in members:
             log.warning(
                 "instance %s serves models of pool names %s; its pool credit assumes %s (list its models, "
                 "or give aliases one pool_name)",
-                instance.name,
-                ", ".join(sorted(served)),
+                instance,
+                ", ".join(sorted(distinct)),
                 name,
             )
-        index.set_pool_name(instance.name, name)
-        if instance.name in members:
-            index.join_pool(instance.name)
+        index.set_pool_name(instance, name)
+        if instance in members:
+            index.join_pool(instance)
 
 
 class _KeyAnswer(msgspec.Struct):
@@ -124,26 +126,41 @@ class MasterLookup:
 
 
 class PrefixMatches(Protocol):
-    async def confirm(
+    """Where a routing decision gets each instance's cached prefix of a request's blocks."""
+
+    async def matches(
         self, model: str, chain: Sequence[int], reusable: int | None = None
     ) -> Mapping[str, TierMatch]:
         """Each instance's match of chain (reusable: as BlockIndex.match), its pool credit as trusted."""
         ...
 
+    async def confirm(
+        self, model: str, chain: Sequence[int], reusable: int | None = None
+    ) -> Mapping[str, TierMatch]:
+        """matches' old name, kept until router/dispatch/decision.py calls matches."""
+        ...
 
-class NoPool:
+
+class IndexOnlyMatches:
     """The index's matches as they are: no Mooncake master to confirm pool credit with."""
 
     def __init__(self, index: BlockIndex) -> None:
         self._index = index
 
-    async def confirm(
+    async def matches(
         self, model: str, chain: Sequence[int], reusable: int | None = None
     ) -> Mapping[str, TierMatch]:
         return self._index.match(chain, reusable=reusable)
 
+    confirm = matches  # the old name, until router/dispatch/decision.py calls matches
+
+
+NoPool = IndexOnlyMatches  # the old name, until router/dispatch/decision.py builds IndexOnlyMatches
+
 
 class PoolConfirmer:
+    """PrefixMatches whose pool credit the pool confirms first: the Mooncake master (or the simulation's)."""
+
     def __init__(
         self,
         index: BlockIndex,
@@ -163,7 +180,7 @@ class PoolConfirmer:
         self._clock = clock
         self._confirmed: dict[tuple[str, bytes], float] = {}  # (model, vLLM hash) -> trusted until, in order
 
-    async def confirm(
+    async def matches(
         self, model: str, chain: Sequence[int], reusable: int | None = None
     ) -> dict[str, TierMatch]:
         """The index's matches of chain (reusable: as BlockIndex.match) with the pool credit of model's pool
@@ -208,6 +225,8 @@ class PoolConfirmer:
             return matches
         self._index.forget_pooled(gone, name)
         return self._index.match(chain, reusable=reusable)
+
+    confirm = matches  # the old name, until router/dispatch/decision.py calls matches
 
     def _expire(self, now: float) -> None:
         """Answers are kept in the order they were given, so the expired ones are at the front."""

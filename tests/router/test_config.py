@@ -61,14 +61,14 @@ def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_ow
         "chat": "/adapters/chat",
         "unlisted-base": "builtin:tiny-llama",
     }
-    assert pool_names(config) == {
+    assert pool_names(config.models) == {
         "llama": "Llama-3.1-8B",
         "sql": "Llama-3.1-8B",
         "chat": "Llama-3.1-8B",
         "unlisted-base": "qwen",
     }
     plain = parse_config(_with(models=[{"name": "llama"}, {"name": "sql", "lora_of": "llama"}]))
-    assert pool_names(plain) == {"llama": "llama", "sql": "llama"}
+    assert pool_names(plain.models) == {"llama": "llama", "sql": "llama"}
     nulls = parse_config(
         _with(
             models=[
@@ -77,7 +77,8 @@ def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_ow
             ]
         )
     )
-    assert (nulls.models[1].tokenizer, pool_names(nulls)["sql"]) == ("/models/llama", "L-8B")  # null: not set
+    # null: not set
+    assert (nulls.models[1].tokenizer, pool_names(nulls.models)["sql"]) == ("/models/llama", "L-8B")
 
 
 def test_a_real_model_left_on_the_test_tokenizer_is_warned_of() -> None:
@@ -123,7 +124,7 @@ def test_an_adapter_takes_its_bases_pool_key_settings_unless_it_has_its_own() ->
             ]
         )
     )
-    assert pool_names(config) == {
+    assert pool_names(config.models) == {
         "llama": "team-a@L-8B@store_pp:1@x",
         "sql": "team-a@L-8B@store_pp:1@x",
         "chat": "team-b@L-8B@store_pp:1@x",

@@ -330,10 +330,10 @@ def test_a_drifted_entry_count_is_resynced_before_evicting(caplog: pytest.LogCap
     """Evicting by a count above the maps' size cuts too much, and past their size never ends."""
     index = BlockIndex(BS, max_entries=10)
     index.apply(A, [stored(0, 6)])
-    index._entries += 5  # a bookkeeping slip
+    index._holdings.entries += 5  # a bookkeeping slip
     index.apply(B, [stored(0, 6, salt=1)])
     assert index.entries == sum(map(sum, index.entries_by_owner().values())) == 10
-    index._entries += 5
+    index._holdings.entries += 5
     index.apply(B, [stored(6, 1, salt=1)])
     assert index.entries == sum(map(sum, index.entries_by_owner().values())) == 10
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
@@ -378,11 +378,11 @@ def test_a_request_speculated_after_a_withdrawn_one_keeps_its_own_deadline() -> 
     assert index.match(prompt()) == {"a": TierMatch(gpu=10)}
     clock.now = 103.0
     assert index.match(prompt()) == {}
-    assert not index._pending and not any(index._respeculated.values())  # nothing left behind
+    assert index._speculations.settled()  # nothing left behind
     late = index.speculate("a", prompt())
     clock.now = 106.0
     index.withdraw("a", late)  # an error that came after its deadline: nothing of it is left to take back
-    assert not any(index._respeculated.values())
+    assert not any(index._speculations._respeculated.values())  # its withdrawal noted no deadline
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -407,7 +407,7 @@ def test_a_speculative_block_counts_while_its_latest_deadline_is_ahead(seed: int
         assert index.match(probe) == {name: TierMatch(gpu=n) for name, n in held.items() if n}
     clock.now += 2.0
     assert index.match(chains[0]) == {}
-    assert not index._pending and not any(index._respeculated.values())  # nothing left behind
+    assert index._speculations.settled()  # nothing left behind
 
 
 OTHER_TOKENS = [t + 1000 for t in TOKENS]
@@ -675,7 +675,8 @@ def test_an_instance_that_left_gives_its_bit_to_the_next_and_leaves_it_nothing()
         assert index.match(prompt())[name] == TierMatch(gpu=10)
         index.forget_instance(name)
         assert name not in index.match(prompt())
-    assert (index._owner_by_bit.keys(), index._free_bits) == ({1}, [2])  # every pod had bit 2 in turn
+    holdings = index._holdings
+    assert (holdings.owner_by_bit.keys(), holdings.free_bits) == ({1}, [2])  # every pod had bit 2 in turn
     # The next one takes that bit, and none of what its last holder had: entries, pool credit, speculation.
     index.apply(("new", 0), [stored(0, 1)])
     assert index.match(prompt()) == {"keep": TierMatch(gpu=2), "new": TierMatch(gpu=1)}

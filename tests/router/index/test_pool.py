@@ -23,6 +23,7 @@ from aiohttp.test_utils import TestServer
 from kvroute.processes import free_port_block
 from router.config import ModelConfig
 from router.dispatch.decision import Decider
+from router.index import matching
 from router.index.block_index import BlockIndex
 from router.index.pool import MasterLookup, PoolConfirmer, key_start, pool_key
 from router.metrics import RouterMetrics
@@ -152,7 +153,7 @@ def confirm(
         async with aiohttp.ClientSession() as session:
             confirmer = PoolConfirmer(index, MasterLookup(url, session, timeout_s=2.0), pool_names, metrics)
             chain = prompt()
-            return [await confirmer.confirm(model, chain) for model in models]
+            return [await confirmer.matches(model, chain) for model in models]
 
     return asyncio.run(run())
 
@@ -225,7 +226,7 @@ def test_a_block_announced_again_while_the_master_is_asked_stays() -> None:
     async def run() -> dict[str, TierMatch]:
         meanwhile = lambda: index.apply(B, [pooled(4, 1)])  # noqa: E731
         async with in_process_master(False, meanwhile) as url, aiohttp.ClientSession() as session:
-            return await PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics).confirm(
+            return await PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics).matches(
                 "tiny-llama", prompt()
             )
 
@@ -241,18 +242,18 @@ class PromptTokens:
         return list(TOKENS)
 
 
-def test_a_decision_with_pool_credit_probes_the_index_once() -> None:
+def test_a_decision_with_pool_credit_probes_the_index_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The own prefixes the pool confirmation begins from come from the probe of the matches themselves: one
     look at each tier's holders per decision, and the same matches."""
     index, metrics = indexed(), RouterMetrics()
     probes: list[int] = []
-    held = index._held
+    held = matching.holder_masks
 
     def counting(chain: Sequence[int], *maps: dict[int, int]) -> list[int] | None:
         probes.append(len(maps))
         return held(chain, *maps)
 
-    index._held = counting  # type: ignore[method-assign]
+    monkeypatch.setattr(matching, "holder_masks", counting)
 
     async def run() -> dict[str, TierMatch]:
         async with in_process_master(True) as url, aiohttp.ClientSession() as session:
@@ -280,9 +281,9 @@ def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
             )
             chain = prompt()
             with pool_holding(master, range(6)):
-                assert (await confirmer.confirm("tiny-llama", chain))["b"] == TierMatch(pool=6)
+                assert (await confirmer.matches("tiny-llama", chain))["b"] == TierMatch(pool=6)
             # The pool client is gone and its objects with it, but the answer of a moment ago stands.
-            assert (await confirmer.confirm("tiny-llama", chain))["b"] == TierMatch(pool=6)
+            assert (await confirmer.matches("tiny-llama", chain))["b"] == TierMatch(pool=6)
 
     asyncio.run(twice())
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="present") == 6

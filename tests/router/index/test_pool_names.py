@@ -11,7 +11,7 @@ import pytest
 from router.config import ModelConfig, RouterConfig, parse_config
 from router.index.block_index import BlockIndex
 from router.index.pool import key_start, place_instances, pool_key
-from router.runtime import Runtime
+from router.runtime import Runtime, place_in_pool
 from scorers.request import TierMatch
 from tests.router.index.test_block_index import BS, pooled, prompt
 
@@ -32,11 +32,22 @@ def config(*instances: tuple[str, str]) -> RouterConfig:
 
 def test_each_instance_counts_the_pool_blocks_of_its_models_pool_name() -> None:
     index = BlockIndex(BS)
-    place_instances(index, config(("a", "llama-8b"), ("a2", "llama-8b"), ("b", "llama-70b")))
+    place_in_pool(index, config(("a", "llama-8b"), ("a2", "llama-8b"), ("b", "llama-70b")))
     index.apply(("a", 0), [pooled(0, 6)])
     assert index.match(prompt()) == {"a": TierMatch(pool=6), "a2": TierMatch(pool=6)}
     assert [index.pool_name(i) for i in ("a", "a2", "b")] == ["Llama-3.1-8B", "Llama-3.1-8B", "llama-70b"]
     assert index.pool_members() == ["a", "a2", "b"]
+
+
+def test_an_instance_listed_for_models_of_several_pool_names_counts_the_first_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The index takes each instance's models' pool names, in the order they are listed, and the members."""
+    index = BlockIndex(BS)
+    place_instances(index, {"a": ["Llama-3.1-8B", "llama-70b"], "b": ["llama-70b"]}, members={"a"})
+    assert [index.pool_name(i) for i in ("a", "b")] == ["Llama-3.1-8B", "llama-70b"]
+    assert index.pool_members() == ["a"]
+    assert "instance a serves models of pool names Llama-3.1-8B, llama-70b; its pool" in caplog.text
 
 
 NAMESPACE = "@store_tp:4@store_pp:1@store_format:hnc"
@@ -87,7 +98,7 @@ def test_instances_whose_keys_start_differently_count_each_others_pool_blocks_no
         "pool": {"master_url": "http://127.0.0.1:9003"},
     }
     index = BlockIndex(BS)
-    place_instances(index, parse_config(raw))
+    place_in_pool(index, parse_config(raw))
     index.apply(("a", 0), [pooled(0, 6)])
     assert index.match(prompt()) == {"a": TierMatch(pool=6)}
     assert index.pool_name("b") == "team-b@Llama-3.1-8B"
@@ -133,5 +144,5 @@ def test_a_reload_that_takes_an_instance_out_of_the_pool_matches_a_fresh_start()
         return runtime.index
 
     fresh = BlockIndex(BS)
-    place_instances(fresh, new)
+    place_in_pool(fresh, new)
     assert asyncio.run(reload()).pool_members() == fresh.pool_members() == ["a"]

@@ -1,0 +1,150 @@
+"""Matching a prompt's block chain against the block index: each instance's contiguous prefix, by best tier.
+
+All in C where it counts: one dict probe per block and tier gives each block's holders as an owner mask; the
+running AND of those masks (owners holding every block so far) never grows, so where an owner's bit leaves it
+is a bisection.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+from collections.abc import Sequence
+from typing import TypeAlias
+
+from router.index.holdings import Holdings, Tier
+from router.index.kv_groups import GroupConstraints
+from router.index.speculation import Speculations
+from scorers.request import TierMatch
+
+Masks: TypeAlias = list[int] | None  # each block's holders in a tier, as owner bits; None: no one holds any
+
+
+class Matcher:
+    def __init__(self, holdings: Holdings, speculations: Speculations, groups: GroupConstraints) -> None:
+        self._holders = holdings.holders
+        self._owner_by_bit = holdings.owner_by_bit
+        self._speculations = speculations
+        self._groups = groups
+
+    def match(self, chain: Sequence[int], include_pool: bool, reusable: int | None) -> dict[str, TierMatch]:
+        """BlockIndex.match."""
+        gpu, cpu, pool = self._probe(chain, include_pool)
+        return self._matched(chain, gpu, cpu, either(either(gpu, cpu), pool), reusable, {})
+
+    def match_with_own(
+        self, chain: Sequence[int], reusable: int | None
+    ) -> tuple[dict[str, TierMatch], dict[str, TierMatch]]:
+        """BlockIndex.match_with_own."""
+        gpu, cpu, pool = self._probe(chain)
+        held = either(gpu, cpu)
+        cuts: dict[tuple[int, int], int] = {}
+        own = self._matched(chain, gpu, cpu, held, reusable, cuts)
+        if pool is None:
+            return own, own
+        return self._matched(chain, gpu, cpu, either(held, pool), reusable, cuts), own
+
+    def _probe(self, chain: Sequence[int], include_pool: bool = True) -> tuple[Masks, Masks, Masks]:
+        """Each block's holders in the GPU (speculative entries too), CPU and pool tiers; None for a tier no
+        one holds anything in, and for every tier when chain is empty."""
+        speculations = self._speculations
+        speculations.expire()
+        if not chain:
+            return None, None, None
+        holders = self._holders
+        gpu = holder_masks(chain, holders[Tier.GPU], speculations.pending)
+        cpu = holder_masks(chain, holders[Tier.CPU])
+        return gpu, cpu, holder_masks(chain, holders[Tier.POOL]) if include_pool else None
+
+    def _matched(
+        self,
+        chain: Sequence[int],
+        gpu: Masks,
+        cpu: Masks,
+        held: Masks,
+        reusable: int | None,
+        cuts: dict[tuple[int, int], int],
+    ) -> dict[str, TierMatch]:
+        """The matches of held, each block's holders over the tiers counted. A hybrid model's owner's match
+        is then cut to what its other KV cache groups allow (cuts: those found already, by owner and match
+        length)."""
+        if held is None:
+            return {}
+        alive = list(itertools.accumulate(held, operator.and_))
+        ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
+        if self._groups:
+            groups, limit = self._groups, len(chain) if reusable is None else reusable
+            pending = self._speculations.pending
+            for bit, end in ends.items():
+                if groups.constrains(bit):
+                    if (found := cuts.get((bit, end))) is None:
+                        found = cuts[bit, end] = groups.cut(bit, chain, min(end, limit), pending)
+                    ends[bit] = found
+            ends = {bit: end for bit, end in ends.items() if end}
+        return self._attribute(ends, gpu, cpu, only_gpu=held is gpu)
+
+    def _attribute(
+        self, ends: dict[int, int], gpu: list[int] | None, cpu: list[int] | None, only_gpu: bool
+    ) -> dict[str, TierMatch]:
+        """Credit each matched block to the best tier its owner holds it in (GPU, then CPU, then pool)."""
+        if cpu is not None and gpu is not None:
+            cpu = list(map(operator.and_, cpu, map(operator.invert, gpu)))  # CPU copies not also on GPU
+        matches: dict[str, TierMatch] = {}
+        owner_by_bit = self._owner_by_bit
+        for bit, end in ends.items():
+            if only_gpu:
+                found = TierMatch(gpu=end)
+            else:
+                on_gpu = _count_with(gpu, bit, end)
+                on_cpu = _count_with(cpu, bit, end)
+                found = TierMatch(on_gpu, on_cpu, end - on_gpu - on_cpu)
+            name = owner_by_bit[bit][0]
+            known = matches.get(name)
+            if known is None or _total(found) > _total(known):
+                matches[name] = found
+        return matches
+
+
+def holder_masks(chain: Sequence[int], *maps: dict[int, int]) -> list[int] | None:
+    """Each block's holder mask over maps; None when they are all empty."""
+    present = [mapping for mapping in maps if mapping]
+    if not present:
+        return None
+    zeros = itertools.repeat(0)
+    masks = list(map(present[0].get, chain, zeros))
+    for mapping in present[1:]:
+        masks = list(map(operator.or_, masks, map(mapping.get, chain, zeros)))
+    return masks
+
+
+def either(first: list[int] | None, second: list[int] | None) -> list[int] | None:
+    """Each block's holders in either of two tiers' masks (None: a tier no one holds anything in)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return list(map(operator.or_, first, second))
+
+
+def _match_length(alive: list[int], bit: int) -> int:
+    """Blocks before bit leaves the running AND; the masks never gain bits, so this is a bisection."""
+    return bisect.bisect_left(alive, True, key=lambda mask: not mask & bit)
+
+
+def _count_with(masks: list[int] | None, bit: int, end: int) -> int:
+    """How many of the first end masks have bit set, counted in C."""
+    if masks is None:
+        return 0
+    return end - list(map(operator.and_, itertools.islice(masks, end), itertools.repeat(bit))).count(0)
+
+
+def _bits(mask: int) -> list[int]:
+    found = []
+    while mask:
+        low = mask & -mask
+        found.append(low)
+        mask ^= low
+    return found
+
+
+def _total(match: TierMatch) -> int:
+    return match.gpu + match.cpu + match.pool
