@@ -17,7 +17,7 @@ import aiohttp
 import msgspec
 
 from kvroute.workload import AgentWorkload
-from router.http.proxy import INSTANCE_HEADER, SESSION_HEADER
+from router.dispatch.routing_headers import INSTANCE_HEADER, SESSION_HEADER
 
 Status = Literal["ok", "failed", "rejected"]
 

@@ -22,7 +22,7 @@ import aiohttp
 
 from kvroute.agent_sessions import SessionRun, TurnOutcome, post_stream
 from kvroute.traces import Trace, TraceRequest, agentic_trace, load_trace, mooncake_trace
-from router.http.proxy import SESSION_HEADER
+from router.dispatch.routing_headers import SESSION_HEADER
 from tinymodel.builder import VOCAB_SIZE
 
 # Token ids of the tiny model's vocabulary with the special tokens (0-2) left out.

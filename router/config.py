@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from router import strict_yaml
 from router.label_selector import LABEL_KEY, LabelSelector
@@ -110,9 +118,11 @@ _INHERITED_BY_ADAPTERS = ("pool_cache_prefix", "pool_store_namespace", "exclude_
 class TokenizationConfig(_Strict):
     cache_max_entries: int = Field(default=65_536, ge=1, description="conversation prefixes kept")
     cache_max_tokens: int = Field(default=2_000_000, ge=1, description="token ids kept over all prefixes")
-    max_body_bytes: int = Field(
+    max_tokenized_bytes: int = Field(
         default=4 * 2**20,
         ge=0,
+        # its first name, kept for the files that use it; limits.max_body_bytes bounds what is read at all
+        validation_alias=AliasChoices("max_tokenized_bytes", "max_body_bytes"),
         description="larger bodies are routed without tokenizing (CPU and memory a request may take)",
     )
     thread_above_bytes: int = Field(

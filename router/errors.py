@@ -10,6 +10,9 @@ _encode = msgspec.json.Encoder().encode
 MALFORMED_HTTP = "malformed_http"  # the code of the 400 for what the HTTP parser refused
 
 
+RETRY_AFTER_S = 1  # what the router's own 429s and 503s ask a client to wait
+
+
 class OpenAIError(Exception):
     def __init__(
         self,
@@ -110,3 +113,9 @@ class _ErrorShape(msgspec.Struct):
 def error_object(payload: bytes) -> dict[str, object]:
     """The `error` object of an OpenAI-shaped error body; msgspec.DecodeError when payload is not one."""
     return msgspec.json.decode(payload, type=_ErrorShape).error
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        413, f"The request body is larger than {limit} bytes.", "invalid_request_error", "body_too_large"
+    )

@@ -3,7 +3,7 @@
 ```
 runtime = Runtime(config)          # the parts that need no event loop: instances, index, tokenizers, table
 async with runtime:                # sessions, health checks, KV-event subscriptions, load scrapes, peers
-    ...                            # serve with runtime.decider, runtime.attempts, runtime.table...
+    ...                            # route with runtime.routing (router/dispatch/routing.py)...
 ```
 
 A reload builds nothing anew that a restart would have to: it applies a new configuration's instances and
@@ -30,7 +30,9 @@ from router.dispatch.attempts import Attempts
 from router.dispatch.decision import Decider, LocalTokenizer
 from router.dispatch.outcome import Observers
 from router.dispatch.relay import Relay
+from router.dispatch.routing import RoutingService
 from router.dispatch.routing_table import RoutingTable
+from router.dispatch.sending import RetryPolicy, SendContext, Sender
 from router.index.block_index import BlockIndex, Tier
 from router.index.index_metrics import IndexCollector
 from router.index.pool import MasterLookup, PoolConfirmer, place_instances, pool_names
@@ -45,6 +47,7 @@ from router.upstreams.http_session import upstream_session
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper
 from router.upstreams.peer_sync import PeerSync
+from router.upstreams.room import HasRoom
 
 log = logging.getLogger(__name__)
 
@@ -110,25 +113,7 @@ class Runtime:
         self.decider = self._decider(control)
         stack.callback(self.decider.close)
         await self.health.check_all()
-        admission = config.admission
-        self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
-        metrics.admission_waiting.set_function(lambda: self.admission.waiting)
-        ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
-        observers = Observers(metrics, self.decider, ab_for, self.memory_freed)
-        self.attempts = Attempts(
-            self.upstreams,
-            self.decider,
-            observers,
-            session,
-            self.health,
-            metrics,
-            config.upstream,
-            # One connection per request in flight: a request never waits for a pooled one.
-            min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance),
-            admission.memory_hold_s,
-            config.disaggregation,
-            admission.max_waiting_per_instance,
-        )
+        self.routing = self._routing(session)
         self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s)
         stack.push_async_callback(self.subscriptions.stop)
         self.subscriptions.subscribe(config.instances)
@@ -172,6 +157,36 @@ class Runtime:
                 )
             )
         stack.push_async_callback(_cancelled, tasks)
+
+    def _routing(self, session: aiohttp.ClientSession) -> RoutingService:
+        """The routing service both front doors call, over admission, the send loop and the decider."""
+        config, metrics = self.config, self.metrics
+        admission = config.admission
+        self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
+        metrics.admission_waiting.set_function(lambda: self.admission.waiting)
+        ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
+        observers = Observers(metrics, self.decider, ab_for, self.memory_freed)
+        # One connection per request in flight: a request never waits for a pooled one.
+        per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)
+        sending = SendContext(
+            self.upstreams,
+            self.decider,
+            observers,
+            self.health,
+            Sender(session, config.upstream),
+            RetryPolicy(config.upstream.attempts),
+            HasRoom(per_instance, admission.max_waiting_per_instance),
+        )
+        self.attempts = Attempts(sending, admission.memory_hold_s, config.disaggregation)
+        return RoutingService(
+            self.upstreams,
+            lambda: self.table,
+            self.decider,
+            self.attempts,
+            self.admission,
+            observers,
+            config.tokenization,
+        )
 
     def memory_freed(self) -> None:
         """A request ended here or at a peer router: the requests held for memory that now fit go."""

@@ -5,17 +5,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import Protocol
 
 from pydantic import Field
 
 from scorers.params import Params, Registration
-
-
-class Picker(Protocol):
-    def pick(self, scores: Sequence[float]) -> int:
-        """The index of the chosen candidate; scores is never empty."""
-        ...
+from scorers.plugins import Picker
 
 
 class MaxScoreParams(Params):

@@ -5,15 +5,24 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from scorers.candidate import Candidate
-from scorers.pickers import Picker, ranked
-from scorers.plugins import Observer, Scorer, WaitWeigher
+from scorers.pickers import ranked
+from scorers.plugins import Explainer, Picker, PickObserver, ResponseObserver, Scorer
 from scorers.policy_config import PolicyConfig
 from scorers.registry import PICKERS, SCORERS
 from scorers.request import RoutingRequest
-from scorers.ttft_model import TTFTFeatures
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    index: int  # of the chosen candidate
+    explained: Mapping[str, float]  # the explainers' figures about the choice (scorers/plugins.py)
+
+
+_NOTHING_EXPLAINED: Mapping[str, float] = {}
 
 
 class Policy:
@@ -32,8 +41,10 @@ class Policy:
             (SCORERS[spec.type].build(spec.params, clock), spec.weight) for spec in config.scorers
         ]
         self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params, rng=rng)
-        self._observers = [scorer for scorer, _ in self._scorers if isinstance(scorer, Observer)]
-        self._wait_weighers = [scorer for scorer, _ in self._scorers if isinstance(scorer, WaitWeigher)]
+        plugins = [scorer for scorer, _ in self._scorers]
+        self._observers = [plugin for plugin in plugins if isinstance(plugin, PickObserver)]
+        self._explainers = [plugin for plugin in plugins if isinstance(plugin, Explainer)]
+        self._responders = [plugin for plugin in plugins if isinstance(plugin, ResponseObserver)]
 
     @functools.cached_property
     def prefill_leg(self) -> Policy:
@@ -43,21 +54,26 @@ class Policy:
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> int:
         """The index of the chosen candidate; candidates is never empty."""
+        return self.pick(request, candidates).index
+
+    def pick(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Pick:
+        """The chosen candidate and what the explainers say of the choice; the observers are told it."""
         chosen = 0 if len(candidates) == 1 else self._picker.pick(self._totals(request, candidates))
+        explained = _NOTHING_EXPLAINED
+        if self._explainers:
+            explained = {}
+            for explainer in self._explainers:
+                explained.update(explainer.explain(request, len(candidates), candidates[chosen]))
         for observer in self._observers:
             observer.observe(request, candidates[chosen])
-        return chosen
+        return Pick(chosen, explained)
 
-    def behind_per_s(self, instances: int) -> float:
-        """What the policy weighs the wait a request causes by over `instances` candidates (ttft-cost's
-        wait_caused; scorers/plugins.py WaitWeigher): 0 when it does not count that wait."""
-        return sum(weigher.behind_per_s(instances) for weigher in self._wait_weighers)
-
-    def wait_charged_s(
-        self, candidate: Candidate, features: TTFTFeatures, predicted_s: float, behind_per_s: float
-    ) -> float:
-        """What choosing candidate is charged for the wait it causes, at the weight behind_per_s gave."""
-        return sum(w.charged_s(candidate, features, predicted_s, behind_per_s) for w in self._wait_weighers)
+    def responded(
+        self, request: RoutingRequest, chosen: Candidate, ttft_s: float | None, status: int
+    ) -> None:
+        """After a response: the plugins that learn from answers are told it."""
+        for responder in self._responders:
+            responder.responded(request, chosen, ttft_s, status)
 
     def ranked(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[int]:
         """The candidates' indexes, best total score first, the observers untold: the order of the fallbacks

@@ -20,7 +20,7 @@ from scorers import (
 )
 from scorers.config_keys import suggested
 from scorers.params import Params, Registration
-from scorers.plugins import Scorer
+from scorers.plugins import Picker, Scorer
 
 SCORERS: dict[str, Registration[Scorer]] = {
     "round-robin": round_robin.REGISTRATION,
@@ -34,7 +34,7 @@ SCORERS: dict[str, Registration[Scorer]] = {
     "spread": spread.REGISTRATION,
 }
 
-PICKERS: dict[str, Registration[pickers.Picker]] = {
+PICKERS: dict[str, Registration[Picker]] = {
     "max-score": pickers.MAX_SCORE,
     "softmax": pickers.SOFTMAX,
 }

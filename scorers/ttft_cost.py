@@ -27,14 +27,14 @@ clear for short ones: a lower median TTFT for a longer tail, the long prompts wa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pydantic import Field
 
 from scorers.candidate import Candidate
 from scorers.decaying_count import DecayingCount
 from scorers.params import Params, Registration
-from scorers.plugins import Scorer
+from scorers.plugins import WAIT_CAUSED_S, WAIT_CAUSED_WEIGHT, Scorer
 from scorers.request import RoutingRequest
 from scorers.ttft_features import features_for, wait_caused_s
 from scorers.ttft_model import TTFTFeatures
@@ -113,6 +113,16 @@ class TTFTCostScorer:
             ]
         lowest = min(costs)
         return [min(1.0, lowest / cost) if cost > 0 else 1.0 for cost in costs]
+
+    def explain(self, request: RoutingRequest, candidates: int, chosen: Candidate) -> Mapping[str, float]:
+        """The wait the chosen candidate was charged for causing, and its weight, as the choice weighed them
+        (before the choice counts among the arrivals)."""
+        behind_per_s = self.behind_per_s(candidates)
+        if not behind_per_s:
+            return {WAIT_CAUSED_S: 0.0, WAIT_CAUSED_WEIGHT: 0.0}
+        features = features_for(request, chosen)
+        charged = self.charged_s(chosen, features, chosen.ttft_model.predict(features), behind_per_s)
+        return {WAIT_CAUSED_S: charged, WAIT_CAUSED_WEIGHT: behind_per_s}
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
         self._arrivals.add(self._clock())

@@ -70,8 +70,8 @@ class Bench:
                 make(fleet),
                 ideal,
                 tie_seed=self.tie_seed,
-                progress=lambda n, task=task: progress.update(task, completed=n),
-            )  # type: ignore[misc]
+                progress=lambda n, task=task: progress.update(task, completed=n),  # type: ignore[misc]
+            )
             progress.update(task, completed=total)
             results.append(result)
         return results

@@ -15,24 +15,10 @@ from typing import Any
 
 import msgspec
 
+from router.dispatch.usage import answer_usage
+
 _DETAILS = b'"prompt_tokens_details"'
 _encode = msgspec.json.Encoder().encode
-
-
-class _PromptDetails(msgspec.Struct):
-    cached_tokens: int | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    prompt_tokens_details: _PromptDetails | None = None
-
-
-class _Answer(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_decode_answer = msgspec.json.Decoder(_Answer).decode
 
 
 def reported_cached_tokens(answer: bytes) -> int | None:
@@ -55,12 +41,10 @@ def stream_cached_tokens(events: bytes) -> tuple[int, int] | None:
 
 
 def _reported(answer: bytes) -> tuple[int, int | None] | None:
-    try:
-        usage = _decode_answer(answer).usage
-    except (msgspec.DecodeError, RecursionError):
+    usage = answer_usage(answer)
+    if usage is None or usage.prompt_tokens_details is None:
         return None
-    details = None if usage is None else usage.prompt_tokens_details
-    return None if usage is None or details is None else (usage.prompt_tokens, details.cached_tokens)
+    return usage.prompt_tokens, usage.cached_tokens
 
 
 def with_cached_tokens(payload: bytes, cached: int) -> bytes:

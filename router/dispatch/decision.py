@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -19,14 +19,15 @@ import xxhash
 
 from router.dispatch.session_placements import SessionPlacements
 from router.index.block_index import BlockIndex, Speculation
-from router.index.pool import NoPool, PrefixMatches
+from router.index.pool import IndexOnlyMatches, PrefixMatches
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
 from router.prompt.openai_body import ChatRequest, CompletionRequest
-from router.prompt.token_cache import RemoteTokenizer
+from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
 from router.upstreams.instances import Instance
+from scorers.plugins import WAIT_CAUSED_WEIGHT
 from scorers.policy import Policy
 from scorers.request import NO_MATCH, RoutingRequest, TierMatch
 from scorers.ttft_features import features_for, reused_blocks
@@ -75,11 +76,12 @@ class Decision:
     uncached_tokens: int
     features: TTFTFeatures
     predicted_ttft_s: float
-    wait_caused_s: float = 0.0  # the wait it was charged for causing the requests arriving behind it
+    explained: Mapping[str, float] = field(default_factory=dict)  # the policy's figures (scorers/plugins.py)
     speculated: Speculation | None = None  # blocks entered as pending at the instance
     reused: TierMatch = NO_MATCH  # the blocks the instance would reuse, by tier
     chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
     session_key: str | None = None  # the router's digest of the client's session key
+    request: RoutingRequest | None = None  # what the policy chose it for (its after-response hook's)
 
 
 class Decider:
@@ -102,7 +104,7 @@ class Decider:
         tools_out_when_none: the models whose engines leave a chat's tools out when its tool_choice is "none"
         (vLLM's --exclude-tools-when-tool-choice-none)."""
         self._audit = TokenizationAudit(audit_every, metrics, remote)
-        self._pool = NoPool(index) if pool is None else pool
+        self._pool = IndexOnlyMatches(index) if pool is None else pool
         self._adapters = adapters
         self._tools_out_when_none = tools_out_when_none
         self._index = index
@@ -139,7 +141,7 @@ class Decider:
         # The engine computes the last prompt token whatever it holds, and looks up the blocks before it only:
         # a hybrid model's other groups decide its hit within those (router/index/kv_groups.py).
         reusable = max(len(ids) - 1, 0) // self._block_size
-        matches = await self._pool.confirm(body.model, chain, reusable) if chain else {}
+        matches = await self._pool.matches(body.model, chain, reusable) if chain else {}
         request = RoutingRequest(
             model=body.model,
             session_key=session_key,
@@ -154,9 +156,9 @@ class Decider:
 
     def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
         started = time.perf_counter()
-        behind_per_s = policy.behind_per_s(len(candidates))  # as the choice weighed it, before it counts
-        instance = candidates[policy.choose(prepared.request, candidates)]
-        self._metrics.wait_caused_weight(policy.name).set(behind_per_s)
+        pick = policy.pick(prepared.request, candidates)
+        instance = candidates[pick.index]
+        self._metrics.wait_caused_weight(policy.name).set(pick.explained.get(WAIT_CAUSED_WEIGHT, 0.0))
         match = prepared.request.matches.get(instance.name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
         self._index.reused(instance.name, prepared.chain, held)
@@ -175,11 +177,12 @@ class Decider:
             uncached_tokens=features.uncached_tokens,
             features=features,
             predicted_ttft_s=predicted_s,
-            wait_caused_s=policy.wait_charged_s(instance, features, predicted_s, behind_per_s),
+            explained=pick.explained,
             speculated=speculated,
             reused=reused_blocks(prepared.request, instance.name),
             chain=prepared.chain,
             session_key=prepared.request.session_key,
+            request=prepared.request,
         )
 
     def decode_leg(self, decision: Decision) -> Decision:

@@ -11,3 +11,5 @@ NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
 # The router's key refused (clients' never reach engines), which vLLM checks before anything else.
 REFUSED_CREDENTIALS = (401, 403)
+# Refusals that say nothing of the request as the client sent it: the key, or an engine too busy for it.
+NOT_THE_REQUESTS_FAULT = (*REFUSED_CREDENTIALS, 429)

@@ -18,6 +18,7 @@ from typing import Literal, Protocol
 
 from router.dispatch.ab import ABStats
 from router.dispatch.decision import Decider, Decision
+from router.dispatch.usage import answer_usage
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
@@ -54,6 +55,15 @@ class Observers:
     ab_for: Callable[[Policy], ABStats]
     memory_freed: Callable[[], None]
 
+    def request_failed(self, policy: Policy) -> None:
+        """No instance answered the request: it failed (the A/B counts it against its policy)."""
+        self.ab_for(policy).failed(policy.name)
+
+    def request_rejected(self, policy: Policy, code: str) -> None:
+        """The router turned the request away before any instance had it: code says why."""
+        self.metrics.rejected(code).inc()
+        self.ab_for(policy).rejected(policy.name)
+
 
 @dataclass(eq=False)
 class Prefill:
@@ -69,7 +79,7 @@ class Prefill:
         return tokens
 
     def retire(self) -> None:
-        self.instance.own_pending_prefill_tokens -= self.take()
+        self.instance.prefill_done(self.take())
 
 
 @dataclass(eq=False)  # kept in a set by identity
@@ -86,13 +96,17 @@ class Outcome:
     upstream: Answer | None = None  # once the instance answered
     first: bytes = b""  # a stream's first chunk, or the whole answer
     attempts: int = 1
-    finished: bool = False
-    broken: bool = False  # the stream from upstream broke off
-    engine_error: bool = False  # the engine's stream carried an error event (it failed mid-way)
-    cut: bool = False  # ended by the router (shutting down), not by the instance
-    completed: bool = False  # relayed to its end (a stream not broken, cut, nor left by its client)
     leg: Leg = "whole"
     pd_path: PdPath | None = None  # how a disaggregated model's request was served
+    finished: bool = False
+    # How it ended, set by the verbs below: the stream from upstream broke off; the engine's stream carried an
+    # error event (it failed mid-way); ended by the router (shutting down), not by the instance; relayed to
+    # its end (a stream not broken, cut, nor left by its client).
+    _broken: bool = False
+    _engine_error: bool = False
+    _cut: bool = False
+    _completed: bool = False
+    _first_byte_s: float | None = None  # this attempt's time to its first byte, once an answer's came
     prefill_instance: str | None = None  # a decode leg's: where its prompt's KV was computed
     prefill_cached_tokens: int | None = None  # what the prefill leg's answer reports it found cached
 
@@ -106,6 +120,8 @@ class Outcome:
         streamed: bool,
         first_sent: float | None,
         leg: Leg = "whole",
+        pd_path: PdPath | None = None,
+        attempts: int = 1,
     ) -> Outcome:
         """Count the attempt against its instance, as it is sent."""
         instance = decision.instance
@@ -121,7 +137,20 @@ class Outcome:
             # model expects the first token instead (an engine answers whole only at the end).
             asyncio.get_running_loop().call_later(decision.predicted_ttft_s, prefill.retire)
         first = started if first_sent is None else first_sent
-        return cls(observers, decision, policy, model, streamed, started, first, prefill, probe, leg=leg)
+        return cls(
+            observers,
+            decision,
+            policy,
+            model,
+            streamed,
+            started,
+            first,
+            prefill,
+            probe,
+            attempts=attempts,
+            leg=leg,
+            pd_path=pd_path,
+        )
 
     @property
     def instance(self) -> Instance:
@@ -130,6 +159,49 @@ class Outcome:
     @property
     def status(self) -> int:
         return 0 if self.upstream is None else self.upstream.status
+
+    @property
+    def cut(self) -> bool:
+        """Ended by the router (shutting down), not by the instance."""
+        return self._cut
+
+    @property
+    def broken(self) -> bool:
+        return self._broken
+
+    @property
+    def engine_error(self) -> bool:
+        return self._engine_error
+
+    @property
+    def completed(self) -> bool:
+        return self._completed
+
+    def cut_off(self) -> None:
+        """The router ends it (shutting down): the instance is not to blame."""
+        self._cut = True
+
+    def broke(self) -> None:
+        """The stream from the instance broke off (or was cut under its read)."""
+        self._broken = True
+
+    def engine_failed(self) -> None:
+        """The engine's stream reported its own failure (an error event)."""
+        self._engine_error = True
+
+    def complete(self) -> None:
+        """Relayed to its end: a stream not broken, cut nor left by its client, or a whole answer in hand."""
+        self._completed = True
+
+    def completed_whole(self, payload: bytes) -> None:
+        """A whole answer went through: its usage tells the tokens it generated (the TTFT model's sample) and
+        those the engine found cached (the A/B's engine-observed hits)."""
+        usage = answer_usage(payload) if payload else None
+        if not self.streamed:  # a stream's first byte was taken when it came (even if not a stream)
+            self.first_byte(None if usage is None else usage.completion_tokens)
+        if usage is not None and usage.prompt_tokens_details is not None:
+            self.observed_cache(usage.prompt_tokens, usage.cached_tokens or 0)
+        self._completed = True
 
     @property
     def for_client(self) -> bool:
@@ -161,6 +233,7 @@ class Outcome:
             return
         now = time.perf_counter()
         waited, elapsed = now - self.first_sent, now - self.started
+        self._first_byte_s = elapsed
         metrics, policy = self.observers.metrics, self.policy.name
         decision, name = self.decision, self.instance.name
         if self.for_client:
@@ -229,9 +302,12 @@ class Outcome:
             self._breaker_succeeded()
         if not self.for_client:
             return True
+        decision = self.decision
+        if decision.request is not None:
+            self.policy.responded(decision.request, self.instance, self._first_byte_s, status)
         if left:
             status = _CLIENT_CLOSED
-        metrics, policy, decision = self.observers.metrics, self.policy.name, self.decision
+        metrics, policy = self.observers.metrics, self.policy.name
         metrics.requests(policy, self.instance.name, str(status), self.model).inc()
         elapsed = time.perf_counter() - self.first_sent
         answered = status == 200 and not failed

@@ -12,32 +12,24 @@ decode leg, which answers the client, fetches that KV through the connector inst
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 
-from router.config import KVConnector, UpstreamConfig
+from router.config import KVConnector
 from router.dispatch.cached_tokens import reported_cached_tokens
-from router.dispatch.decision import Decider, Decision, Prepared
-from router.dispatch.failures import DROPPED, NOT_CONNECTED
-from router.dispatch.outcome import BUSY, Observers, Outcome
-from router.dispatch.retry_budget import RetryBudget
+from router.dispatch.decision import Decision, Prepared
+from router.dispatch.failures import NOT_THE_REQUESTS_FAULT
+from router.dispatch.outcome import BUSY, Outcome
+from router.dispatch.sending import SendContext, Sent
 from router.errors import upstream_timeout
-from router.metrics import RouterMetrics
-from router.upstreams.health import HealthChecker
-from router.upstreams.instances import Instance, Upstreams
-from router.upstreams.room import with_room
+from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
-
-_RETRY_BACKOFF_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +76,8 @@ def prefill_body(body: dict[str, Any], connector: KVConnector, transfer_id: str)
     return _encode(leg)
 
 
-def decode_body(body: dict[str, Any], transfer: Transfer) -> bytes:
+def decode_leg_body(body: dict[str, Any], transfer: Transfer) -> bytes:
+    """The client's request as the decode leg: its KV fetched from the prefill instance."""
     return _encode({**body, "kv_transfer_params": transfer.params})
 
 
@@ -109,29 +102,8 @@ def prefill_leg_worth_it(decision: Decision, local_prefill_max_tokens: int) -> b
 
 
 class PrefillLeg:
-    def __init__(
-        self,
-        upstreams: Upstreams,
-        decider: Decider,
-        observers: Observers,
-        session: aiohttp.ClientSession,
-        health: HealthChecker,
-        metrics: RouterMetrics,
-        config: UpstreamConfig,
-        connector: KVConnector,
-        local_prefill_max_tokens: int,
-        per_instance_limit: int,
-        retry_budget: RetryBudget,
-        max_waiting: int | None = None,
-    ) -> None:
-        self._upstreams, self._decider, self._observers = upstreams, decider, observers
-        self._session, self._health, self._metrics, self._config = session, health, metrics, config
-        self._connector, self._local_max = connector, local_prefill_max_tokens
-        self._per_instance_limit, self._retry_budget = per_instance_limit, retry_budget
-        self._max_waiting = max_waiting
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout_s, sock_read=None
-        )
+    def __init__(self, context: SendContext, connector: KVConnector, local_prefill_max_tokens: int) -> None:
+        self._context, self._connector, self._local_max = context, connector, local_prefill_max_tokens
 
     def worth_it(self, decision: Decision) -> bool:
         return prefill_leg_worth_it(decision, self._local_max)
@@ -147,65 +119,72 @@ class PrefillLeg:
     ) -> Transfer:
         """Compute the prompt's KV on the best prefill instance (not the decode one), trying another when one
         cannot be reached, drops the request or fails it, within the attempts and the retry budget."""
+        context = self._context
         model = prepared.request.model
         tried = {decode_instance}
-        for attempt in range(self._config.attempts):
-            prefill_capable = self._upstreams.candidates(model, exclude=frozenset(tried), leg="prefill")
-            candidates = with_room(prefill_capable, self._per_instance_limit, self._max_waiting)
-            if not candidates:
+        for attempt in range(context.retry.attempts):
+            prefill_capable = context.upstreams.candidates(model, exclude=frozenset(tried), leg="prefill")
+            candidates = context.room.filter(prepared.request, prefill_capable)
+            if not candidates or (attempt and not context.retry.may_retry(attempt - 1, True)):
                 break
-            if attempt and not self._retry_budget.spend():
-                break
-            decision = self._decider.decide(prepared, policy.prefill_leg, candidates)
+            decision = context.decider.decide(prepared, policy.prefill_leg, candidates)
             instance = decision.instance
             tried.add(instance.name)
             transfer_id = uuid.uuid4().hex
-            outcome = Outcome.start(self._observers, decision, policy, model, False, None, leg="prefill")
-            upstream: aiohttp.ClientResponse | None = None
+            outcome = Outcome.start(context.observers, decision, policy, model, False, None, leg="prefill")
+            payload = prefill_body(body, self._connector, transfer_id)
             try:
-                sent = {**headers, **instance.headers} if instance.headers else headers
-                async with asyncio.timeout(self._config.first_byte_timeout_s):
-                    upstream = await self._session.post(
-                        instance.url + path,
-                        data=prefill_body(body, self._connector, transfer_id),
-                        headers=sent,
-                        timeout=self._timeout,
-                    )
-                    answer = await upstream.read()
-            except NOT_CONNECTED:
-                outcome.abandon(upstream, admitted=False, withdraw=True)
-                self._metrics.upstream_errors(instance.name, "connect").inc()
-                self._health.mark_unreachable(instance)
-                continue
-            except DROPPED:
-                outcome.abandon(upstream, withdraw=True)
-                self._metrics.upstream_errors(instance.name, "disconnected").inc()
-                await asyncio.sleep(_RETRY_BACKOFF_S * random.uniform(0.5, 1.5))
-                continue
-            except TimeoutError as exc:
-                # The prompt may still be computing there; the client has waited its first-byte limit.
-                outcome.abandon(upstream)
-                self._metrics.upstream_errors(instance.name, "timeout").inc()
-                raise upstream_timeout(instance.name, "first_byte_timeout_s") from exc
-            except BaseException:  # the client left (the engine aborts the leg), or a bad answer
-                outcome.abandon(upstream, failed=False)
+                sent = await context.sender.prefill(instance, path, payload, headers)
+            except BaseException:  # the client left: the engine aborts the leg
+                outcome.abandon(None, failed=False)
                 raise
-            outcome.answered(upstream, answer, attempts=len(tried) - 1)
-            outcome.first_byte(decoded_tokens=1)
-            outcome.completed = True
-            outcome.finish()
-            status = upstream.status
-            if status == 200:
-                params = self._params(instance, transfer_id, answer)
-                if params is not None:
-                    return Transfer(instance, params, reported_cached_tokens(answer))
-                self._metrics.upstream_errors(instance.name, "no_transfer_params").inc()
-                continue
-            if 400 <= status < 500 and status not in (401, 403, 429):
-                # Refused as the client sent it: the decode instance answers it, with the engine's own error.
-                raise NoPrefill(f"{instance.name} answered {status}")
-            self._metrics.upstream_errors(instance.name, "busy" if status == BUSY else "response").inc()
+            transfer = await self._transfer(sent, outcome, transfer_id, len(tried) - 1)
+            if transfer is not None:
+                return transfer
         raise NoPrefill("no prefill instance took it")
+
+    async def _transfer(
+        self, sent: Sent, outcome: Outcome, transfer_id: str, attempts: int
+    ) -> Transfer | None:
+        """The KV a prefill leg computed, ready to fetch; None: another prefill instance may try."""
+        instance, upstream, metrics = outcome.instance, sent.upstream, self._context.observers.metrics
+        if sent.kind == "not_connected":
+            outcome.abandon(upstream, admitted=False, withdraw=True)
+            metrics.upstream_errors(instance.name, "connect").inc()
+            self._context.health.mark_unreachable(instance)
+            return None
+        if sent.kind == "dropped":
+            outcome.abandon(upstream, withdraw=True)
+            metrics.upstream_errors(instance.name, "disconnected").inc()
+            await self._context.retry.back_off(1)
+            return None
+        if sent.kind == "timed_out":
+            # The prompt may still be computing there; the client has waited its first-byte limit.
+            outcome.abandon(upstream)
+            metrics.upstream_errors(instance.name, "timeout").inc()
+            raise upstream_timeout(instance.name, "first_byte_timeout_s") from sent.error
+        if sent.kind == "bad_answer":
+            outcome.abandon(upstream, failed=False)
+            assert sent.error is not None
+            raise sent.error
+        assert upstream is not None
+        answer = sent.first
+        outcome.answered(upstream, answer, attempts=attempts)
+        outcome.first_byte(decoded_tokens=1)
+        outcome.complete()
+        outcome.finish()
+        status = upstream.status
+        if status == 200:
+            params = self._params(instance, transfer_id, answer)
+            if params is not None:
+                return Transfer(instance, params, reported_cached_tokens(answer))
+            metrics.upstream_errors(instance.name, "no_transfer_params").inc()
+            return None
+        if 400 <= status < 500 and status not in NOT_THE_REQUESTS_FAULT:
+            # Refused as the client sent it: the decode instance answers it, with the engine's own error.
+            raise NoPrefill(f"{instance.name} answered {status}")
+        metrics.upstream_errors(instance.name, "busy" if status == BUSY else "response").inc()
+        return None
 
     def _params(self, instance: Instance, transfer_id: str, answer: bytes) -> dict[str, Any] | None:
         """The decode leg's kv_transfer_params; None when a NixlConnector prefill answer has none (the

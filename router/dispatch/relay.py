@@ -45,7 +45,7 @@ class Relay:
             if whole := events.whole(outcome.first):
                 yield self._passed(outcome, whole, cached)
             if self.closing:  # its first chunk came after end_streams
-                outcome.cut = True
+                outcome.cut_off()
                 upstream.close()
             while True:
                 async with asyncio.timeout(idle_s):
@@ -55,12 +55,12 @@ class Relay:
                         raise aiohttp.ClientConnectionError("ended by the router")
                     if rest := events.rest():
                         yield rest
-                    outcome.completed = True
+                    outcome.complete()
                     return
                 if whole := events.whole(chunk):
                     yield self._passed(outcome, whole, cached)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            outcome.broken = True
+            outcome.broke()
             if outcome.cut:
                 yield sse_error("the router is shutting down; the stream was ended early", "shutting_down")
             else:
@@ -78,7 +78,7 @@ class Relay:
         have the server cut the connections without notice."""
         self.closing = True
         for outcome in list(self._streams):
-            outcome.cut = True
+            outcome.cut_off()
             if outcome.upstream is not None:
                 outcome.upstream.close()  # the relay's read fails at once; the engine aborts the request
 
@@ -95,7 +95,7 @@ class Relay:
     def _watch_errors(self, outcome: Outcome, events: bytes) -> None:
         """An engine failure the stream reports (its error event) counts against the instance."""
         if _ERROR_EVENT in events and not outcome.engine_error and _server_error_event(events):
-            outcome.engine_error = True
+            outcome.engine_failed()
             self._metrics.upstream_errors(outcome.instance.name, "stream_error").inc()
 
 

@@ -90,7 +90,7 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with Runtime(config) as runtime:
-        picker = Picker(runtime, fallbacks)
+        picker = Picker(runtime.routing, runtime.health, runtime.metrics, fallbacks)
         server = grpc.aio.server()
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExtProc(picker, config.limits.max_body_bytes), server

@@ -17,11 +17,10 @@ import itertools
 from typing import Any
 
 from router.dispatch.outcome import Outcome
+from router.dispatch.routing_headers import routing_headers
 from router.epp import messages
 from router.epp.picking import Picker, Routed
-from router.errors import OpenAIError
-from router.http.proxy import answer_usage, routing_headers
-from router.http.request_limits import too_large
+from router.errors import OpenAIError, too_large
 
 _MAX_ANSWER_BYTES = 1 << 20  # of a whole answer, kept to read its usage; a larger one is not read
 # How long an ended request waits for the observing stream's first chunk, which may have been sent before the
@@ -137,7 +136,8 @@ class Exchange:
             if self._answer is not None:
                 # The observer does not see a stream's end: one the routing stream did not relay is taken as
                 # answered whole (Envoy does not tell the picker whether the client left first).
-                outcome.completed = outcome.completed or not self._relayed
+                if not self._relayed:
+                    outcome.complete()
                 outcome.finish()
             else:
                 outcome.abandon(None, failed=False)
@@ -185,7 +185,7 @@ class Exchange:
     def _refused(self, error: OpenAIError) -> Any:
         # As the router's HTTP app counts them: its own 429s where they are decided, 5xx as upstream trouble.
         if error.status < 500 and error.status != 429:
-            self._picker.runtime.metrics.client_errors(str(error.code)).inc()
+            self._picker.metrics.client_errors(str(error.code)).inc()
         return messages.immediate(error)
 
     def _response_headers(self, message: Any) -> Any:
@@ -200,8 +200,8 @@ class Exchange:
             # Envoy answered itself: none of the endpoints could be reached (or Envoy gave up on them).
             self._outcome = None
             outcome.abandon(None, failed=True, admitted=False, withdraw=True)
-            outcome.observers.ab_for(outcome.policy).failed(outcome.policy.name)
-            self._picker.runtime.metrics.upstream_errors(outcome.instance.name, "gateway").inc()
+            outcome.observers.request_failed(outcome.policy)
+            self._picker.metrics.upstream_errors(outcome.instance.name, "gateway").inc()
             return messages.response_headers({}, remove)
         if served is not None and served != routed.endpoints[0] and served in routed.endpoints:
             fallback = routed.fallbacks[routed.endpoints.index(served) - 1]
@@ -234,12 +234,10 @@ class Exchange:
 
     def _ended(self, outcome: Outcome) -> None:
         """The answer's last byte went through: told once everywhere, as kvroute serve tells it."""
-        outcome.completed = True
-        if not outcome.streamed:
-            usage = answer_usage(bytes(self._whole)) if self._whole else None
-            outcome.first_byte(None if usage is None else usage.completion_tokens)
-            if usage is not None and usage.prompt_tokens_details is not None:
-                outcome.observed_cache(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
+        if outcome.streamed:
+            outcome.complete()
+        else:
+            outcome.completed_whole(bytes(self._whole))
         self._outcome = None
         outcome.finish()
         if self._holds_slot:

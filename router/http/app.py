@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,13 +19,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from router.config import PeersConfig, RouterConfig
-from router.dispatch.attempts import ATTEMPTS_HEADER
-from router.errors import MALFORMED_HTTP, OpenAIError
-from router.http.admin import admin_routes, admin_token
-from router.http.client_auth import ClientAuth, client_key_digests
-from router.http.dashboard import dashboard_routes
-from router.http.fast_path import OpenAIFastPath
-from router.http.proxy import (
+from router.dispatch.routing import ROUTED_PATHS, Kind
+from router.dispatch.routing_headers import (
+    ATTEMPTS_HEADER,
     CACHED_BLOCKS_HEADER,
     INSTANCE_HEADER,
     POLICY_HEADER,
@@ -33,11 +29,14 @@ from router.http.proxy import (
     PREFILL_INSTANCE_HEADER,
     PROMPT_BLOCKS_HEADER,
     WAIT_CAUSED_HEADER,
-    BodyLimits,
-    Proxy,
 )
+from router.errors import MALFORMED_HTTP, OpenAIError
+from router.http.admin import admin_routes, admin_token
+from router.http.client_auth import ClientAuth, client_key_digests
+from router.http.dashboard import dashboard_routes
+from router.http.fast_path import OpenAIFastPath
+from router.http.proxy import BodyLimits, Proxy
 from router.http.request_limits import RequestLimits
-from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.reload import Reloader
 from router.runtime import Runtime
 
@@ -68,51 +67,13 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
     """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload; peers: instead
     of config's (router/runtime.py)."""
     runtime = Runtime(config, peers)
-    fleet, metrics, index, bases = runtime.upstreams, runtime.metrics, runtime.index, runtime.bases
-    started = int(time.time())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with runtime:
-            app.state.proxy = Proxy(
-                fleet,
-                lambda: runtime.table,
-                runtime.decider,
-                runtime.attempts,
-                runtime.relay,
-                runtime.admission,
-                metrics,
-                BodyLimits(
-                    config.tokenization.max_body_bytes,
-                    config.tokenization.thread_above_bytes,
-                    config.limits.body_timeout_s,
-                    config.limits.send_timeout_s,
-                ),
-            )
-            reloader = app.state.reloader = Reloader(runtime, path)
-            healthy = sum(i.healthy and i.failed_checks == 0 for i in fleet.instances)
-            log.info(
-                "routing %s to %d instances (%d answering), default policy %s; the /admin API is %s",
-                ", ".join(fleet.models),
-                len(fleet.instances),
-                healthy,
-                config.default_policy,
-                "on" if admin_token(config.admin) is not None else "off (no admin.token)",
-            )
-            watch = asyncio.create_task(reloader.watch())
-            try:
-                yield
-            finally:
-                watch.cancel()
-                await asyncio.gather(watch, return_exceptions=True)
-
+    metrics = runtime.metrics
     # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
     app = FastAPI(
-        title="kvroute", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False}
+        title="kvroute",
+        lifespan=_lifespan(runtime, config, path),
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-
-    def current_config() -> RouterConfig:
-        return runtime.config
 
     def client_error(error: OpenAIError) -> None:
         # 429s are counted where they are decided, with the router's own rejections; so are the 401s for a
@@ -124,15 +85,66 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
     def malformed_http() -> None:
         metrics.client_errors(MALFORMED_HTTP).inc()
 
+    def current_admin_token() -> str | None:
+        return admin_token(runtime.config.admin)
+
     async def reload() -> dict[str, Any]:
         reloader: Reloader = app.state.reloader
         return await reloader.reload()
 
-    def current_admin_token() -> str | None:
-        return admin_token(current_config().admin)
-
     app.include_router(admin_routes(current_admin_token, runtime, reload))
-    app.include_router(dashboard_routes(fleet, index, runtime, current_admin_token))
+    app.include_router(dashboard_routes(runtime.upstreams, runtime.index, runtime, current_admin_token))
+    _answer_errors(app, client_error)
+    _serve_openai(app)
+    _serve_operations(app, runtime)
+    # Outside FastAPI, whose middleware stack would wrap every request and every send; the limits apply to
+    # the fast path and to the app's routes alike.
+    fast = OpenAIFastPath(app, proxy=lambda: app.state.proxy, rejected=client_error)
+    limits = RequestLimits(
+        fast, max_body_bytes=lambda: runtime.config.limits.max_body_bytes, rejected=client_error
+    )
+    auth = ClientAuth(limits, client_key_digests(config.auth), metrics.rejected("invalid_api_key").inc)
+    if not config.cors.allow_origins:
+        return RouterApp(app, auth, malformed_http)
+    # Outermost: a browser's preflight carries no API key, and every answer, errors too, needs the headers.
+    cors = CORSMiddleware(
+        auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED
+    )
+    return RouterApp(app, cors, malformed_http)
+
+
+def _lifespan(
+    runtime: Runtime, config: RouterConfig, path: Path | None
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The runtime started, the proxy and the reloader in the app's state, the config file watched."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with runtime:
+            limits = BodyLimits(config.limits.body_timeout_s, config.limits.send_timeout_s)
+            app.state.proxy = Proxy(runtime.routing, runtime.relay, runtime.metrics, limits)
+            reloader = app.state.reloader = Reloader(runtime, path)
+            fleet = runtime.upstreams
+            log.info(
+                "routing %s to %d instances (%d answering), default policy %s; the /admin API is %s",
+                ", ".join(fleet.models),
+                len(fleet.instances),
+                sum(i.healthy and i.failed_checks == 0 for i in fleet.instances),
+                config.default_policy,
+                "on" if admin_token(config.admin) is not None else "off (no admin.token)",
+            )
+            watch = asyncio.create_task(reloader.watch())
+            try:
+                yield
+            finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+
+    return lifespan
+
+
+def _answer_errors(app: FastAPI, client_error: Callable[[OpenAIError], None]) -> None:
+    """Every error the app answers, in OpenAI's shape."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -153,13 +165,25 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
         client_error(error)
         return error.response()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await request.app.state.proxy.forward(request, "/v1/chat/completions", ChatRequest)  # type: ignore[no-any-return]
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await request.app.state.proxy.forward(request, "/v1/completions", CompletionRequest)  # type: ignore[no-any-return]
+def _serve_openai(app: FastAPI) -> None:
+    """The routed routes, declared for the app's OpenAPI schema (the fast path answers them first)."""
+    for path, kind in ROUTED_PATHS.items():
+        app.add_api_route(path, _forwarded(path, kind), methods=["POST"])
+
+
+def _forwarded(path: str, kind: Kind) -> Callable[[Request], Awaitable[Response]]:
+    async def forward(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        return await proxy.forward(request, path, kind)
+
+    return forward
+
+
+def _serve_operations(app: FastAPI, runtime: Runtime) -> None:
+    """/v1/models, /health and /metrics."""
+    fleet, metrics, bases = runtime.upstreams, runtime.metrics, runtime.bases
+    started = int(time.time())
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
@@ -197,18 +221,3 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=_PROMETHEUS_TEXT)
-
-    # Outside FastAPI, whose middleware stack would wrap every request and every send; the limits apply to
-    # the fast path and to the app's routes alike.
-    fast = OpenAIFastPath(app, proxy=lambda: app.state.proxy, rejected=client_error)
-    limits = RequestLimits(
-        fast, max_body_bytes=lambda: current_config().limits.max_body_bytes, rejected=client_error
-    )
-    auth = ClientAuth(limits, client_key_digests(config.auth), metrics.rejected("invalid_api_key").inc)
-    if not config.cors.allow_origins:
-        return RouterApp(app, auth, malformed_http)
-    # Outermost: a browser's preflight carries no API key, and every answer, errors too, needs the headers.
-    cors = CORSMiddleware(
-        auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED
-    )
-    return RouterApp(app, cors, malformed_http)

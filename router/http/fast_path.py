@@ -1,32 +1,25 @@
-"""POST /v1/chat/completions and /v1/completions straight to the proxy, past FastAPI.
+"""The routed OpenAI routes (router/dispatch/routing.py ROUTED_PATHS) straight to the proxy, past FastAPI.
 
 FastAPI's middleware stack, routing and dependency solving cost more per request than kvroute's routing
-decision (py-spy, docs/bench-overhead.md). The two OpenAI routes are still declared on the app (for its
-OpenAPI schema); this wrapper, outside the app, answers them before FastAPI sees them. Errors other than
-OpenAIError reach the server, which answers 500 as FastAPI would.
+decision (py-spy, docs/bench-overhead.md). The routes are still declared on the app, from the same
+table (for its OpenAPI schema); this wrapper, outside the app, answers them before FastAPI sees them. Errors
+other than OpenAIError reach the server, which answers 500 as FastAPI would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.dispatch.routing import ROUTED_PATHS
 from router.errors import OpenAIError
-from router.prompt.openai_body import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from router.http.proxy import Proxy
-
-Forward = Callable[["Proxy", Request], Awaitable[Response]]
-ROUTES: dict[str, Forward] = {
-    "/v1/chat/completions": lambda proxy, req: proxy.forward(req, "/v1/chat/completions", ChatRequest),
-    "/v1/completions": lambda proxy, req: proxy.forward(req, "/v1/completions", CompletionRequest),
-}
 
 
 class OpenAIFastPath:
@@ -37,12 +30,14 @@ class OpenAIFastPath:
         self.app, self._proxy, self._rejected = app, proxy, rejected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        forward = ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if forward is None:
+        routed = scope["type"] == "http" and scope["method"] == "POST"
+        path = scope["path"] if routed else ""
+        kind = ROUTED_PATHS.get(path) if routed else None
+        if kind is None:
             await self.app(scope, receive, send)
             return
         try:
-            response = await forward(self._proxy(), Request(scope, receive))
+            response = await self._proxy().forward(Request(scope, receive), path, kind)
         except OpenAIError as error:
             self._rejected(error)
             response = error.response()

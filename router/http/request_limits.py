@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import OpenAIError
+from router.errors import OpenAIError, too_large
 
 _GUARDED_PREFIX = "/v1/"
 _JSON = "application/json"
@@ -20,12 +20,6 @@ class _Rejected(Exception):
     def __init__(self, error: OpenAIError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-def too_large(limit: int) -> OpenAIError:
-    return OpenAIError(
-        413, f"The request body is larger than {limit} bytes.", "invalid_request_error", "body_too_large"
-    )
 
 
 def unsupported_encoding(encoding: str) -> OpenAIError:

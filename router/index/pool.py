@@ -134,12 +134,6 @@ class PrefixMatches(Protocol):
         """Each instance's match of chain (reusable: as BlockIndex.match), its pool credit as trusted."""
         ...
 
-    async def confirm(
-        self, model: str, chain: Sequence[int], reusable: int | None = None
-    ) -> Mapping[str, TierMatch]:
-        """matches' old name, kept until router/dispatch/decision.py calls matches."""
-        ...
-
 
 class IndexOnlyMatches:
     """The index's matches as they are: no Mooncake master to confirm pool credit with."""
@@ -151,11 +145,6 @@ class IndexOnlyMatches:
         self, model: str, chain: Sequence[int], reusable: int | None = None
     ) -> Mapping[str, TierMatch]:
         return self._index.match(chain, reusable=reusable)
-
-    confirm = matches  # the old name, until router/dispatch/decision.py calls matches
-
-
-NoPool = IndexOnlyMatches  # the old name, until router/dispatch/decision.py builds IndexOnlyMatches
 
 
 class PoolConfirmer:
@@ -225,8 +214,6 @@ class PoolConfirmer:
             return matches
         self._index.forget_pooled(gone, name)
         return self._index.match(chain, reusable=reusable)
-
-    confirm = matches  # the old name, until router/dispatch/decision.py calls matches
 
     def _expire(self, now: float) -> None:
         """Answers are kept in the order they were given, so the expired ones are at the front."""

@@ -38,8 +38,6 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-# Re-exported while router/dispatch/decision.py imports it from here.
-from router.prompt.remote_tokenizer import RemoteTokenizer as RemoteTokenizer
 from router.prompt.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """The HTTP stack kvroute serves and proxies with: one place for its settings, which the benchmark's plain
-pass-through (kvroute/plain_proxy.py) uses too, so that it measures the same stack minus the routing."""
+pass-through (kvroute/bench/overhead/plain_proxy.py) uses too, so that it measures the same stack minus the
+routing."""
 
 from __future__ import annotations
 

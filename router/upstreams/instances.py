@@ -11,9 +11,11 @@ from router.config import CircuitBreakerConfig, InstanceConfig, Role, RouterConf
 from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.upstreams.circuit_breaker import CircuitBreaker
 from router.upstreams.context_residency import ContextResidency
+from router.upstreams.filters import HEALTHY, filtered
 from router.upstreams.inflight_blocks import InflightBlocks
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad
 from scorers.candidate import EngineLoad
+from scorers.request import RoutingRequest
 from scorers.ttft_model import FleetModels, TTFTModel, TTFTPriors
 
 
@@ -107,6 +109,11 @@ class Instance:
             self.contexts.withdraw(prompt_tokens)
         self.own_pending_prefill_tokens -= still_prefilling_tokens
 
+    def prefill_done(self, tokens: int) -> None:
+        """Tokens of a request in flight here that the engine is past prefilling (its first byte came, or the
+        time it was predicted to take passed)."""
+        self.own_pending_prefill_tokens -= tokens
+
     @classmethod
     def from_config(
         cls, config: InstanceConfig, router: RouterConfig, fleet_model: TTFTModel | None = None
@@ -134,9 +141,6 @@ def request_headers(instance: InstanceConfig, router: RouterConfig) -> dict[str,
     if instance.data_parallel_rank is not None:  # vLLM's API server sends it to that rank's engine
         headers[DATA_PARALLEL_RANK_HEADER] = str(instance.data_parallel_rank)
     return headers
-
-
-_OTHER_LEG: dict[Role, Role | None] = {"decode": "prefill", "prefill": "decode", "both": None}
 
 
 class FleetChanges(NamedTuple):
@@ -213,12 +217,9 @@ class Upstreams:
         order; of a disaggregated model, those taking leg (a decode leg is also where a whole request goes).
         When every healthy one's breaker is open the breakers step aside (as Envoy's panic mode): a client
         whose requests make every engine fail must not black out the model for everyone."""
-        healthy = [
-            i
-            for i in self._by_model.get(model, ())
-            if i.healthy and i.name not in exclude and i.role != _OTHER_LEG[leg]
-        ]
-        return [i for i in healthy if i.breaker.allows()] or healthy
+        serving = self._by_model.get(model, ())
+        found = [i for i in serving if i.name not in exclude] if exclude else list(serving)
+        return filtered(HEALTHY[leg], RoutingRequest(model), found)
 
     def only_model(self) -> str | None:
         """The model a request that names none is for: the one configured, if there is one only."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.upstreams.instances import Instance
+from scorers.request import RoutingRequest
 
 
 def waiting(instance: Instance) -> float:
@@ -35,3 +36,13 @@ def with_room(
     if max_waiting is None:
         return open_
     return [i for i in open_ if not queue_near_full(i, max_waiting)] or open_
+
+
+class HasRoom:
+    """The candidate filter (scorers/plugins.py Filter) of those with room for one more request."""
+
+    def __init__(self, per_instance_limit: int, max_waiting: int | None) -> None:
+        self.per_instance_limit, self._max_waiting = per_instance_limit, max_waiting
+
+    def filter(self, request: RoutingRequest, candidates: list[Instance]) -> list[Instance]:
+        return with_room(candidates, self.per_instance_limit, self._max_waiting)

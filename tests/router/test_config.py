@@ -529,7 +529,7 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_example_configs_are_valid() -> None:
     checked: set[str] = set()
     for path in sorted((ROOT / "configs").glob("*.yaml")):
-        if path.name.startswith("stack-"):  # stack configurations: tests/kvroute/test_stack_config.py
+        if path.name.startswith("stack-"):  # stack configurations: tests/kvroute/stack/test_config.py
             continue
         if path.name.startswith("envoy-"):  # Envoy's bootstraps: tests/router/epp run Envoy with them
             continue

@@ -32,10 +32,9 @@ from kvroute.simulate.results import RESULT_FIELDS
 from kvroute.simulate.run import RETRY_BACKOFF_S, DisaggregatedRun, Run, session_of, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
-from router.config import DisaggregationConfig, UpstreamConfig
+from router.config import DisaggregationConfig
 from router.dispatch.decision import Decision
 from router.dispatch.prefill_leg import PrefillLeg
-from router.dispatch.retry_budget import RetryBudget
 from router.index.events import BlockRemoved, BlockStored, KVEvent
 from router.upstreams.instances import Instance
 from scorers.ttft_model import TTFTFeatures
@@ -694,19 +693,7 @@ def test_kvroutes_prefill_rule_is_the_proxys() -> None:
     fleet = _pd_fleet(1, 1)
     policy = PD_POLICIES["kvroute"](fleet)
     assert isinstance(policy, KvroutePD)
-    proxy = PrefillLeg(
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        UpstreamConfig(),
-        "nixl",
-        DisaggregationConfig().local_prefill_max_tokens,
-        1024,
-        RetryBudget(),
-    )
+    proxy = PrefillLeg(None, "nixl", DisaggregationConfig().local_prefill_max_tokens)
     target = Instance("sim-1", "http://sim-1", frozenset({fleet.model}), role="decode")
     for prompt, uncached in ((0, 0), (1000, 0), (1000, 256), (1000, 257), (5000, 5000)):
         decision = Decision(target, prompt, prompt // 16, 0, uncached, TTFTFeatures(0, uncached, 0), 0.1)

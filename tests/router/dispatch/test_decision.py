@@ -18,6 +18,7 @@ from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.upstreams.instances import Upstreams
+from scorers.plugins import WAIT_CAUSED_S, WAIT_CAUSED_WEIGHT
 from scorers.policy import Policy
 from scorers.request import RoutingRequest, TierMatch
 
@@ -479,18 +480,20 @@ def test_a_decision_says_the_wait_it_was_charged_for_causing_and_the_policy_its_
     now = [0.0]
     policy = Policy("caused", config.policies["caused"], clock=lambda: now[0])
     first = router.decide(Prepared(request), policy, instances)
-    assert first.wait_caused_s == 0.0  # nothing has arrived yet: nobody is expected behind it
+    assert first.explained[WAIT_CAUSED_S] == 0.0  # nothing has arrived yet: nobody is expected behind it
     for _ in range(160):  # 4 requests a second over 2 instances, for 4 half-lives of the measured rate
         now[0] += 0.25
-        weight = policy.behind_per_s(2)
         decision = router.decide(Prepared(request), policy, instances)
+        weight = decision.explained[WAIT_CAUSED_WEIGHT]
     assert weight == pytest.approx(2.0, rel=0.1)
     assert f'kvroute_policy_wait_caused_weight{{policy="caused"}} {weight}' in metrics.render().decode()
     queue_rate = decision.instance.ttft_model.rates["queue"]
-    assert decision.wait_caused_s == pytest.approx(weight * decision.predicted_ttft_s * queue_rate * 400)
+    assert decision.explained[WAIT_CAUSED_S] == pytest.approx(
+        weight * decision.predicted_ttft_s * queue_rate * 400
+    )
     # what the answer's header reports is the charge the choice weighed: capped as the scorer caps it
     capped = Policy("capped", config.policies["capped"], clock=lambda: now[0])
     for _ in range(160):
         now[0] += 0.25
         decision = router.decide(Prepared(request), capped, instances)
-    assert decision.wait_caused_s == pytest.approx(0.01 * decision.predicted_ttft_s)
+    assert decision.explained[WAIT_CAUSED_S] == pytest.approx(0.01 * decision.predicted_ttft_s)

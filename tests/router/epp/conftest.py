@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvroute.overhead_envoy import connection_manager, envoy_bootstrap, find_envoy, routing_filter
+from kvroute.bench.overhead.envoy import connection_manager, envoy_bootstrap, find_envoy, routing_filter
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet, spawn, start, wait_healthy
 
 FAST_FLEET = ["--prefill-tps", "200000", "--decode-tps", "1000"]

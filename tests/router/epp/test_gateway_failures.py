@@ -13,7 +13,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute.overhead_envoy import connection_manager, routing_filter
+from kvroute.bench.overhead.envoy import connection_manager, routing_filter
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from tests.conftest import metric
 from tests.router.epp.conftest import (

@@ -1,0 +1,143 @@
+"""Send one attempt to one instance and say what came of it; the retry policy both legs share.
+
+An attempt is sent, and its first bytes read (a stream's first chunk, a whole answer), within its limits.
+What came of it is one of: answered (any status: the send loop judges it), not connected (nothing was sent),
+dropped (sent, and the connection broke before an answer), timed out, or answered badly. A client that
+leaves cancels it: the connection is closed, so the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+
+from router.config import UpstreamConfig
+from router.dispatch.decision import Decider
+from router.dispatch.failures import DROPPED, NOT_CONNECTED
+from router.dispatch.outcome import Observers
+from router.dispatch.retry_budget import RetryBudget
+from router.upstreams.health import HealthChecker
+from router.upstreams.instances import Instance, Upstreams
+from router.upstreams.room import HasRoom
+
+SentKind = Literal["answered", "not_connected", "dropped", "timed_out", "bad_answer"]
+_BACKOFF_S = 0.05  # before a retry, per instance tried, jittered
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    kind: SentKind
+    upstream: aiohttp.ClientResponse | None
+    first: bytes = b""  # a stream's first chunk or a whole answer, when answered
+    error: BaseException | None = None
+
+
+class Sender:
+    def __init__(self, session: aiohttp.ClientSession, config: UpstreamConfig) -> None:
+        self._session, self._first_byte_s = session, config.first_byte_timeout_s
+        # sock_connect, not connect: aiohttp's connect timeout also runs while a request waits for a pooled
+        # connection, and a busy instance is not an unreachable one. A stream's reads have no socket timeout:
+        # its first chunk gets first_byte_timeout_s and every later one stream_idle_timeout_s (aiohttp's
+        # sock_read would hold every chunk to the first one's limit).
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=None
+        )
+        self._response_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.response_timeout_s
+        )
+
+    async def attempt(
+        self, instance: Instance, path: str, payload: bytes, headers: dict[str, str], stream: bool
+    ) -> Sent:
+        """A request the client waits for: a stream's first byte comes after prefill (first_byte_timeout_s),
+        a whole answer only after the last token (response_timeout_s between reads)."""
+        timeout = self._stream_timeout if stream else self._response_timeout
+        limit = self._first_byte_s if stream else None
+        return await self._send(instance, path, payload, headers, stream, timeout, limit)
+
+    async def prefill(self, instance: Instance, path: str, payload: bytes, headers: dict[str, str]) -> Sent:
+        """A prefill leg: one token, whole, within the client's first-byte limit."""
+        return await self._send(
+            instance, path, payload, headers, False, self._stream_timeout, self._first_byte_s
+        )
+
+    async def _send(
+        self,
+        instance: Instance,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        client_timeout: aiohttp.ClientTimeout,
+        limit_s: float | None,
+    ) -> Sent:
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            sent = {**headers, **instance.headers} if instance.headers else headers
+            async with asyncio.timeout(limit_s):
+                upstream = await self._session.post(
+                    instance.url + path, data=payload, headers=sent, timeout=client_timeout
+                )
+                first = await _first_bytes(upstream, stream)
+        except NOT_CONNECTED as exc:
+            return Sent("not_connected", upstream, error=exc)
+        except DROPPED as exc:
+            return Sent("dropped", upstream, error=exc)
+        except TimeoutError as exc:  # aiohttp's read timeout is one too
+            return Sent("timed_out", upstream, error=exc)
+        except aiohttp.ClientError as exc:
+            return Sent("bad_answer", upstream, error=exc)
+        except BaseException:
+            if upstream is not None:
+                upstream.close()  # not released to the pool: the engine must see the connection go (abort)
+            raise
+        return Sent("answered", upstream, first)
+
+
+async def _first_bytes(upstream: aiohttp.ClientResponse, stream: bool) -> bytes:
+    """A successful stream's first chunk; otherwise the whole answer (an error's is short), also when a stream
+    was asked for and a whole answer came (a gateway in front of the engine), which is relayed whole."""
+    if not (stream and upstream.status == 200 and upstream.content_type == "text/event-stream"):
+        return await upstream.read()
+    first = await upstream.content.readany()
+    if not first:  # a 200 stream that ends before its first chunk is broken, not empty
+        raise aiohttp.ServerDisconnectedError()
+    return first
+
+
+class RetryPolicy:
+    """How many attempts a request gets, and the retry budget that bounds retries of sent requests to a share
+    of the traffic (router/dispatch/retry_budget.py), for both legs."""
+
+    def __init__(self, attempts: int, budget: RetryBudget | None = None) -> None:
+        self.attempts = attempts
+        self._budget = budget or RetryBudget()
+
+    def earn(self) -> None:
+        """A request came: it earns a share of a retry."""
+        self._budget.earn()
+
+    def may_retry(self, attempt: int, another_has_room: bool) -> bool:
+        """Whether a request whose attempt failed may go to another instance: an attempt left, an instance
+        not tried with room for it, and the retry budget, spent only then."""
+        return attempt + 1 < self.attempts and another_has_room and self._budget.spend()
+
+    async def back_off(self, tried: int) -> None:
+        await asyncio.sleep(_BACKOFF_S * tried * random.uniform(0.5, 1.5))
+
+
+@dataclass(frozen=True)
+class SendContext:
+    """What both legs' send loops work with."""
+
+    upstreams: Upstreams
+    decider: Decider
+    observers: Observers
+    health: HealthChecker
+    sender: Sender
+    retry: RetryPolicy
+    room: HasRoom  # the filter of instances with room for one more request
