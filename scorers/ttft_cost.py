@@ -27,6 +27,7 @@ clear for short ones: a lower median TTFT for a longer tail, the long prompts wa
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 
 from pydantic import Field
@@ -61,6 +62,14 @@ class TTFTCostParams(Params):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Weighed:
+    request: RoutingRequest
+    candidates: Sequence[Candidate]
+    charges: list[float]
+    behind_per_s: float
+
+
 class TTFTCostScorer:
     def __init__(self, params: TTFTCostParams, clock: Callable[[], float] = time.monotonic) -> None:
         self._resolution = params.resolution_s
@@ -68,6 +77,7 @@ class TTFTCostScorer:
         self._wait_caused, self._wait_caused_cap = params.wait_caused, params.wait_caused_cap
         self._clock = clock
         self._arrivals = DecayingCount(params.arrivals_half_life_s, clock())
+        self._weighed: _Weighed | None = None  # the last costs' charges, for explain to report
 
     def predict(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         return [c.ttft_model.predict(features_for(request, c)) for c in candidates]
@@ -88,11 +98,14 @@ class TTFTCostScorer:
         behind_per_s = self.behind_per_s(len(candidates))
         if not behind_per_s:
             return self.predict(request, candidates)
-        costs = []
+        costs, charges = [], []
         for c in candidates:
             features = features_for(request, c)
             predicted = c.ttft_model.predict(features)
-            costs.append(predicted + self.charged_s(c, features, predicted, behind_per_s))
+            charged = self.charged_s(c, features, predicted, behind_per_s)
+            charges.append(charged)
+            costs.append(predicted + charged)
+        self._weighed = _Weighed(request, candidates, charges, behind_per_s)
         return costs
 
     def charged_s(
@@ -117,6 +130,11 @@ class TTFTCostScorer:
     def explain(self, request: RoutingRequest, candidates: int, chosen: Candidate) -> Mapping[str, float]:
         """The wait the chosen candidate was charged for causing, and its weight, as the choice weighed them
         (before the choice counts among the arrivals)."""
+        weighed, self._weighed = self._weighed, None
+        if weighed is not None and weighed.request is request and len(weighed.candidates) == candidates:
+            for candidate, charged in zip(weighed.candidates, weighed.charges, strict=True):
+                if candidate is chosen:
+                    return {WAIT_CAUSED_S: charged, WAIT_CAUSED_WEIGHT: weighed.behind_per_s}
         behind_per_s = self.behind_per_s(candidates)
         if not behind_per_s:
             return {WAIT_CAUSED_S: 0.0, WAIT_CAUSED_WEIGHT: 0.0}

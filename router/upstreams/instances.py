@@ -162,6 +162,7 @@ class Upstreams:
 
     def _index(self) -> None:
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
+        self._any_request = {model: RoutingRequest(model) for model in self.models}  # what filters are shown
         self._disaggregated = frozenset(
             model for model, instances in self._by_model.items() if any(i.role != "both" for i in instances)
         )
@@ -219,7 +220,9 @@ class Upstreams:
         whose requests make every engine fail must not black out the model for everyone."""
         serving = self._by_model.get(model, ())
         found = [i for i in serving if i.name not in exclude] if exclude else list(serving)
-        return filtered(HEALTHY[leg], RoutingRequest(model), found)
+        if not found:
+            return found
+        return filtered(HEALTHY[leg], self._any_request[model], found)
 
     def only_model(self) -> str | None:
         """The model a request that names none is for: the one configured, if there is one only."""
