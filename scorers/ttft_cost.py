@@ -27,8 +27,8 @@ clear for short ones: a lower median TTFT for a longer tail, the long prompts wa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from pydantic import Field
 
