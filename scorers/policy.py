@@ -16,7 +16,7 @@ from scorers.registry import PICKERS, SCORERS
 from scorers.request import RoutingRequest
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pick:
     index: int  # of the chosen candidate
     explained: Mapping[str, float]  # the explainers' figures about the choice (scorers/plugins.py)

@@ -62,7 +62,7 @@ class TTFTCostParams(Params):
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Weighed:
     request: RoutingRequest
     candidates: Sequence[Candidate]

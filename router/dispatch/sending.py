@@ -28,7 +28,7 @@ SentKind = Literal["answered", "not_connected", "dropped", "timed_out", "bad_ans
 _BACKOFF_S = 0.05  # before a retry, per instance tried, jittered
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sent:
     kind: SentKind
     upstream: aiohttp.ClientResponse | None

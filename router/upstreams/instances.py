@@ -218,10 +218,11 @@ class Upstreams:
         order; of a disaggregated model, those taking leg (a decode leg is also where a whole request goes).
         When every healthy one's breaker is open the breakers step aside (as Envoy's panic mode): a client
         whose requests make every engine fail must not black out the model for everyone."""
-        serving = self._by_model.get(model, ())
-        found = [i for i in serving if i.name not in exclude] if exclude else list(serving)
-        if not found:
-            return found
+        serving = self._by_model.get(model)
+        if not serving:
+            return []
+        # HEALTHY's first filter makes a new list: the fleet's own is never handed out.
+        found = [i for i in serving if i.name not in exclude] if exclude else serving
         return filtered(HEALTHY[leg], self._any_request[model], found)
 
     def only_model(self) -> str | None:
