@@ -6,8 +6,8 @@ on a shared machine are not.
 The router's real app (create_app, its runtime, the fast path, the proxy) runs in-process and takes hot 2 KiB
 chats one at a time through ASGI, against canned answers from an aiohttp server in another process (not
 counted). The run is made twice, with the two request counts, and the difference divided by theirs: start-up
-and imports cancel out. The same tree varies about 1% between runs. To measure another commit, make a worktree of
-it and run this file with PYTHONPATH=WORKTREE: the router is imported from there.
+and imports cancel out. The same tree varies about 1% between runs. To measure another commit, make a
+worktree of it and run this file with PYTHONPATH=WORKTREE: the router is imported from there.
 """
 
 from __future__ import annotations
