@@ -61,7 +61,7 @@ demo: model
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
-	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/ruff format --check .  # the code blocks of the Markdown pages too
 	$(VENV)/bin/mypy
 
 test: model lint stack-env browser bench-tools chart-tools image
