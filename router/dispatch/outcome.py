@@ -106,7 +106,7 @@ class Outcome:
     _engine_error: bool = False
     _cut: bool = False
     _completed: bool = False
-    _first_byte_s: float | None = None  # this attempt's time to its first byte, once an answer's came
+    _first_byte_s: float | None = None  # a stream's time to its first byte (a whole answer's comes last)
     prefill_instance: str | None = None  # a decode leg's: where its prompt's KV was computed
     prefill_cached_tokens: int | None = None  # what the prefill leg's answer reports it found cached
 
@@ -201,7 +201,7 @@ class Outcome:
             self.first_byte(None if usage is None else usage.completion_tokens)
         if usage is not None and usage.prompt_tokens_details is not None:
             self.observed_cache(usage.prompt_tokens, usage.cached_tokens or 0)
-        self._completed = True
+        self.complete()
 
     @property
     def for_client(self) -> bool:
@@ -233,7 +233,6 @@ class Outcome:
             return
         now = time.perf_counter()
         waited, elapsed = now - self.first_sent, now - self.started
-        self._first_byte_s = elapsed
         metrics, policy = self.observers.metrics, self.policy.name
         decision, name = self.decision, self.instance.name
         if self.for_client:
@@ -243,6 +242,7 @@ class Outcome:
             metrics.pd_leg(self.leg, name).observe(elapsed)
         model = self.instance.ttft_model
         if self.streamed:
+            self._first_byte_s = elapsed
             model.observe(decision.features, elapsed)
             metrics.ttft_observed(name).observe(elapsed)
             metrics.ttft_error(name).observe(elapsed - decision.predicted_ttft_s)

@@ -125,7 +125,9 @@ class PrefillLeg:
         for attempt in range(context.retry.attempts):
             prefill_capable = context.upstreams.candidates(model, exclude=frozenset(tried), leg="prefill")
             candidates = context.room.filter(prepared.request, prefill_capable)
-            if not candidates or (attempt and not context.retry.may_retry(attempt - 1, True)):
+            if not candidates:
+                break
+            if attempt and not context.retry.may_retry(attempt - 1, another_has_room=True):  # a retry
                 break
             decision = context.decider.decide(prepared, policy.prefill_leg, candidates)
             instance = decision.instance
