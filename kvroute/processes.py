@@ -228,6 +228,15 @@ def running_fleet(ports: FleetPorts, log_dir: Path, extra_args: Sequence[str] = 
 @contextlib.contextmanager
 def running_router(config: dict[str, object], log_dir: Path, name: str = "router") -> Iterator[str]:
     """Yields the router's base URL."""
+    with running_router_process(config, log_dir, name) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def running_router_process(
+    config: dict[str, object], log_dir: Path, name: str = "router"
+) -> Iterator[tuple[str, Child]]:
+    """Yields the router's base URL and its process (to read its memory, say)."""
     config_path = log_dir / f"{name}.yaml"
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -236,6 +245,6 @@ def running_router(config: dict[str, object], log_dir: Path, name: str = "router
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(child, [url + "/metrics"])
-        yield url
+        yield url, child
     finally:
         child.stop()
