@@ -513,6 +513,12 @@ class LimitsConfig(_Strict):
         description="a stream's client that takes no data for this long is cut off, freeing its slot and "
         "aborting the engine's request (nginx's send_timeout)",
     )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a connection must send a request's head within this long of opening, or of its previous "
+        "answer's end, or it is closed (408 if the head was begun; nginx's client_header_timeout)",
+    )
 
 
 class RouterConfig(_Strict):

@@ -1,0 +1,118 @@
+"""The router's side of a client's HTTP/1 connection: uvicorn's httptools protocol, with what it lacks in
+front of clients it does not control. What the parser refuses is answered in OpenAI's error shape; a
+request's head must arrive in time; an HTTP/1.0 client's stream is delimited by the connection's end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+from uvicorn._types import ASGISendEvent
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from router.errors import MALFORMED_HTTP, error_json
+
+HEADER_TIMEOUT = "header_timeout"  # the code of the 408 for a head begun and not ended in time
+_MALFORMED_MESSAGE = "The request is not valid HTTP/1.1: its request line, headers or framing are malformed."
+_EARLY_S = 0.01  # a deadline this close is reached: uvloop's clock counts milliseconds
+
+
+def connection_protocol(header_timeout_s: float, refused: Callable[[], None]) -> type[HttpToolsProtocol]:
+    """refused: counts the 400s for malformed HTTP. A connection must complete a request's head within
+    header_timeout_s of opening or of its previous answer's end (nginx's client_header_timeout), else it is
+    closed: silently if it sent nothing, with a 408 if it began a head. uvicorn's keep-alive timeout still
+    closes an idle connection sooner after an answer; any data unsets it, and this deadline does not move."""
+
+    class RouterProtocol(HttpToolsProtocol):
+        # One timer a connection, not one a request: it looks at the deadline when it fires and sets itself
+        # again for what is left; a connection busy answering when it fires gets it back with its next wait.
+        _head_timer: asyncio.TimerHandle | None = None
+        _waiting_since: float | None = None  # for a request's head; None while a request is answered
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._waiting_since = self.loop.time()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+
+        def on_headers_complete(self) -> None:
+            self._waiting_since = None
+            super().on_headers_complete()
+            if (
+                self.scope["http_version"] == "1.0"
+                and self.cycle is not None
+                and self.cycle.scope is self.scope
+            ):
+                # uvicorn builds the cycle inline; its task has not begun, so it sends as this class does.
+                self.cycle.__class__ = CloseDelimitedCycle
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.cycle.response_complete and not self.transport.is_closing():  # none pipelined
+                self._waiting_since = self.loop.time()
+                if self._head_timer is None:
+                    self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
+
+        def _head_deadline(self) -> None:
+            self._head_timer = None
+            if self._waiting_since is None or self.transport.is_closing():
+                return
+            left = self._waiting_since + header_timeout_s - self.loop.time()
+            if left > _EARLY_S:
+                self._head_timer = self.loop.call_later(left, self._head_deadline)
+                return
+            # on_message_begin makes a new scope at a head's first byte; the cycle takes it once it is whole.
+            if self.scope is not None and (self.cycle is None or self.cycle.scope is not self.scope):
+                message = f"The request's head did not arrive within {header_timeout_s:g} s."
+                body = error_json(message, "invalid_request_error", HEADER_TIMEOUT)
+                self.transport.write(
+                    _error_answer(b"408 Request Timeout", body, self.server_state.default_headers)
+                )
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            refused()
+            body = error_json(_MALFORMED_MESSAGE, "invalid_request_error", MALFORMED_HTTP)
+            self.transport.write(_error_answer(b"400 Bad Request", body, self.server_state.default_headers))
+            self.transport.close()
+
+    return RouterProtocol
+
+
+def _error_answer(status: bytes, body: bytes, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    head = [b"HTTP/1.1 " + status + b"\r\n"]
+    head += [name + b": " + value + b"\r\n" for name, value in default_headers]
+    head += [
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n\r\n",
+    ]
+    return b"".join(head) + body
+
+
+class CloseDelimitedCycle(RequestResponseCycle):
+    """An HTTP/1.0 request's exchange. HTTP/1.0 has no chunked coding: an answer of no stated length (a
+    stream) goes as it comes and ends with the connection (RFC 9112, 6.3); uvicorn would chunk it, and the
+    client would read the chunks' sizes as data. uvicorn keeps no HTTP/1.0 connection alive: it says
+    connection: close, and closes after the answer, whatever the request's Connection header asked."""
+
+    _close_delimited = False
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if message["type"] == "http.response.start":
+            self._close_delimited = self._unframed(message["status"], message.get("headers", ()))
+            if self._close_delimited:
+                self.chunked_encoding = False  # nor content-length: uvicorn adds no framing
+        elif message["type"] == "http.response.body" and self._close_delimited:
+            self.expected_content_length = len(message.get("body", b""))  # all that uvicorn checks
+        await super().send(message)
+
+    def _unframed(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        if self.response_started or self.scope["method"] == "HEAD" or status in (204, 304):
+            return False
+        framing = (b"content-length", b"transfer-encoding")
+        return not any(name.lower() in framing for name, _ in headers)
