@@ -286,7 +286,10 @@ class UpstreamConfig(_Strict):
         default=60.0, gt=0, description="streams: between chunks once the first one has arrived"
     )
     response_timeout_s: float = Field(
-        default=3600.0, gt=0, description="non-streamed requests: the whole answer arrives at the end"
+        default=3600.0,
+        gt=0,
+        description="non-streamed requests: the longest from sending one to its answer's last byte (a whole "
+        "answer arrives at the end of the generation)",
     )
     max_connections_per_instance: int = Field(
         default=1024, ge=1, description="one per request in flight there: it caps those too"
@@ -503,6 +506,12 @@ class CircuitBreakerConfig(_Strict):
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(
         default=32 * 2**20, ge=1, description="POST /v1/* bodies larger than this are answered 413"
+    )
+    max_buffered_body_bytes: int = Field(
+        default=256 * 2**20,
+        ge=1,
+        description="request bodies read ahead of admission, all requests together (each counts its "
+        "Content-Length, else max_body_bytes): past it, a body waits unread, then 503 after body_timeout_s",
     )
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="a client slower than this to send its body is answered 408"

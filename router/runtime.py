@@ -114,7 +114,7 @@ class Runtime:
         stack.callback(self.decider.close)
         await self.health.check_all()
         self.routing = self._routing(session)
-        self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s)
+        self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s, config.upstream.response_timeout_s)
         stack.push_async_callback(self.subscriptions.stop)
         self.subscriptions.subscribe(config.instances)
         load = config.load

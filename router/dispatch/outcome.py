@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 from router.dispatch.ab import ABStats
 from router.dispatch.decision import Decider, Decision
-from router.dispatch.usage import answer_usage
+from router.dispatch.usage import Usage, answer_usage
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
@@ -196,7 +196,10 @@ class Outcome:
     def completed_whole(self, payload: bytes) -> None:
         """A whole answer went through: its usage tells the tokens it generated (the TTFT model's sample) and
         those the engine found cached (the A/B's engine-observed hits)."""
-        usage = answer_usage(payload) if payload else None
+        self.completed_with(answer_usage(payload) if payload else None)
+
+    def completed_with(self, usage: Usage | None) -> None:
+        """A whole answer went through, with this usage (None: it had none, or it was not read)."""
         if not self.streamed:  # a stream's first byte was taken when it came (even if not a stream)
             self.first_byte(None if usage is None else usage.completion_tokens)
         if usage is not None and usage.prompt_tokens_details is not None:

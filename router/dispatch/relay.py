@@ -1,4 +1,5 @@
-"""Relay: an answer's stream passed to the client chunk by chunk, whole events at a time.
+"""Relay: an answer's stream passed to the client chunk by chunk, whole events at a time; and a whole answer
+too long to hold, passed on as it arrives.
 
 A stream that breaks ends with an error event and [DONE] rather than a cut connection; an engine's own error
 event counts against its instance; shutting down ends every stream still relayed the same way.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 
 import aiohttp
@@ -16,6 +18,7 @@ import msgspec
 from router.dispatch.cached_tokens import stream_cached_tokens, with_cached_tokens
 from router.dispatch.outcome import Outcome
 from router.dispatch.sse import EventFramer
+from router.dispatch.usage import tail_usage
 from router.errors import error_json, error_object
 from router.metrics import RouterMetrics
 
@@ -26,10 +29,21 @@ log = logging.getLogger(__name__)
 _ERROR_EVENT = b'data: {"error"'
 
 
+# Of a whole answer relayed as it arrives, the last bytes kept to read its usage from.
+_TAIL_BYTES = 64 * 2**10
+
+
+class RelayBroken(Exception):
+    """A whole answer relayed as it arrived broke off: its client must see it cut (its connection closed),
+    not a body that looks complete."""
+
+
 class Relay:
-    def __init__(self, metrics: RouterMetrics, idle_timeout_s: float) -> None:
-        """idle_timeout_s: the longest an engine may leave a stream without a chunk."""
+    def __init__(self, metrics: RouterMetrics, idle_timeout_s: float, response_timeout_s: float) -> None:
+        """idle_timeout_s: the longest an engine may leave a stream without a chunk; response_timeout_s: the
+        longest a whole answer may take, from its sending to its last byte."""
         self._metrics, self._idle_timeout_s = metrics, idle_timeout_s
+        self._response_timeout_s = response_timeout_s
         self._streams: set[Outcome] = set()  # being relayed to clients
         self.closing = False  # shutting down: streams still starting end at once
 
@@ -53,8 +67,8 @@ class Relay:
                 if not chunk:
                     if outcome.cut:  # closed under the read, which saw an end rather than an error
                         raise aiohttp.ClientConnectionError("ended by the router")
-                    if rest := events.rest():
-                        yield rest
+                    if events.unfinished():  # closed mid-event: a body ended by its connection's close
+                        raise aiohttp.ClientPayloadError("the stream ended in the middle of an event")
                     outcome.complete()
                     return
                 if whole := events.whole(chunk):
@@ -69,6 +83,39 @@ class Relay:
                 self._metrics.upstream_errors(outcome.instance.name, kind).inc()
                 yield sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
             yield b"data: [DONE]\n\n"
+        finally:
+            self._streams.discard(outcome)
+            ended(outcome)
+
+    async def whole(self, outcome: Outcome, ended: Callable[[Outcome], None]) -> AsyncGenerator[bytes, None]:
+        """A whole answer longer than what is held (router/dispatch/sending.py WHOLE_HELD_BYTES), passed on
+        as it arrives within response_timeout_s of its sending; its usage read from its last bytes. One that
+        breaks off raises RelayBroken; ended(outcome) once it is over, however it ends."""
+        upstream = outcome.upstream
+        assert isinstance(upstream, aiohttp.ClientResponse)
+        loop, content = asyncio.get_running_loop(), upstream.content
+        deadline = loop.time() + self._response_timeout_s - (time.perf_counter() - outcome.started)
+        tail = outcome.first[-_TAIL_BYTES:]
+        self._streams.add(outcome)
+        try:
+            yield outcome.first
+            while True:
+                async with asyncio.timeout_at(deadline):
+                    part = await content.readany()
+                if not part:
+                    if outcome.cut:
+                        raise aiohttp.ClientConnectionError("ended by the router")
+                    outcome.completed_with(tail_usage(tail))
+                    return
+                tail = (tail + part)[-_TAIL_BYTES:] if len(part) < _TAIL_BYTES else part[-_TAIL_BYTES:]
+                yield part
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            outcome.broke()
+            if not outcome.cut:
+                log.warning("a whole answer from %s broke off: %r", outcome.instance.name, exc)
+                kind = "timeout" if isinstance(exc, TimeoutError) else "response"
+                self._metrics.upstream_errors(outcome.instance.name, kind).inc()
+            raise RelayBroken from exc
         finally:
             self._streams.discard(outcome)
             ended(outcome)

@@ -26,6 +26,10 @@ from router.upstreams.room import HasRoom
 
 SentKind = Literal["answered", "not_connected", "dropped", "timed_out", "bad_answer"]
 _BACKOFF_S = 0.05  # before a retry, per instance tried, jittered
+# Of a whole answer, this much is held before the client gets it (its usage read, an error put in OpenAI's
+# shape); past it, the rest is relayed as it arrives (router/dispatch/relay.py), so that a request holds no
+# more than this of its answer. vLLM's answers are kilobytes; logprobs of thousands of tokens, a megabyte.
+WHOLE_HELD_BYTES = 4 * 2**20
 
 
 @dataclass(slots=True)
@@ -39,31 +43,27 @@ class Sent:
 class Sender:
     def __init__(self, session: aiohttp.ClientSession, config: UpstreamConfig) -> None:
         self._session, self._first_byte_s = session, config.first_byte_timeout_s
+        self._response_s = config.response_timeout_s
         # sock_connect, not connect: aiohttp's connect timeout also runs while a request waits for a pooled
-        # connection, and a busy instance is not an unreachable one. A stream's reads have no socket timeout:
-        # its first chunk gets first_byte_timeout_s and every later one stream_idle_timeout_s (aiohttp's
-        # sock_read would hold every chunk to the first one's limit).
-        self._stream_timeout = aiohttp.ClientTimeout(
+        # connection, and a busy instance is not an unreachable one. No read has a socket timeout: a stream's
+        # first chunk gets first_byte_timeout_s and every later one stream_idle_timeout_s (aiohttp's sock_read
+        # would hold every chunk to the first one's limit), and a whole answer response_timeout_s in all (a
+        # socket timeout would let an answer that drips a byte at a time go on for ever).
+        self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.connect_timeout_s, sock_read=None
-        )
-        self._response_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout_s, sock_read=config.response_timeout_s
         )
 
     async def attempt(
         self, instance: Instance, path: str, payload: bytes, headers: dict[str, str], stream: bool
     ) -> Sent:
         """A request the client waits for: a stream's first byte comes after prefill (first_byte_timeout_s),
-        a whole answer only after the last token (response_timeout_s between reads)."""
-        timeout = self._stream_timeout if stream else self._response_timeout
-        limit = self._first_byte_s if stream else None
-        return await self._send(instance, path, payload, headers, stream, timeout, limit)
+        a whole answer only after the last token (response_timeout_s, from sending it)."""
+        limit = self._first_byte_s if stream else self._response_s
+        return await self._send(instance, path, payload, headers, stream, limit)
 
     async def prefill(self, instance: Instance, path: str, payload: bytes, headers: dict[str, str]) -> Sent:
         """A prefill leg: one token, whole, within the client's first-byte limit."""
-        return await self._send(
-            instance, path, payload, headers, False, self._stream_timeout, self._first_byte_s
-        )
+        return await self._send(instance, path, payload, headers, False, self._first_byte_s)
 
     async def _send(
         self,
@@ -72,15 +72,14 @@ class Sender:
         payload: bytes,
         headers: dict[str, str],
         stream: bool,
-        client_timeout: aiohttp.ClientTimeout,
-        limit_s: float | None,
+        limit_s: float,
     ) -> Sent:
         upstream: aiohttp.ClientResponse | None = None
         try:
             sent = {**headers, **instance.headers} if instance.headers else headers
             async with asyncio.timeout(limit_s):
                 upstream = await self._session.post(
-                    instance.url + path, data=payload, headers=sent, timeout=client_timeout
+                    instance.url + path, data=payload, headers=sent, timeout=self._timeout
                 )
                 first = await _first_bytes(upstream, stream)
         except NOT_CONNECTED as exc:
@@ -99,14 +98,30 @@ class Sender:
 
 
 async def _first_bytes(upstream: aiohttp.ClientResponse, stream: bool) -> bytes:
-    """A successful stream's first chunk; otherwise the whole answer (an error's is short), also when a stream
-    was asked for and a whole answer came (a gateway in front of the engine), which is relayed whole."""
-    if not (stream and upstream.status == 200 and upstream.content_type == "text/event-stream"):
-        return await upstream.read()
+    """A successful stream's first chunk; otherwise the whole answer, up to WHOLE_HELD_BYTES of it, also when
+    a stream was asked for and a whole answer came (a gateway in front of the engine)."""
+    if not (stream and streams_events(upstream)):
+        return await _held(upstream.content, WHOLE_HELD_BYTES)
     first = await upstream.content.readany()
     if not first:  # a 200 stream that ends before its first chunk is broken, not empty
         raise aiohttp.ServerDisconnectedError()
     return first
+
+
+async def _held(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """An answer's first limit bytes; all of it when it is no longer, and content is then at its end."""
+    parts: list[bytes] = []
+    held = 0
+    while held < limit and (part := await content.read(limit - held)):
+        parts.append(part)
+        held += len(part)
+    return b"".join(parts)
+
+
+def streams_events(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether an answer is relayed event by event: a successful stream. Anything else, an error above all
+    (whatever its content type), is an answer in one piece."""
+    return upstream.status == 200 and upstream.content_type == "text/event-stream"
 
 
 class RetryPolicy:

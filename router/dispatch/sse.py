@@ -22,10 +22,10 @@ class EventFramer:
         self._held = chunk[cut:]
         return chunk[:cut]
 
-    def rest(self) -> bytes:
-        """What is held: the stream ended there on purpose, so it goes to the client as it is."""
-        held, self._held = self._held, b""
-        return held
+    def unfinished(self) -> bool:
+        """Whether an event was begun and not ended: a stream that ends there broke off in its middle (a
+        client drops an event its stream ends in, and the engine ends every event it sends)."""
+        return bool(self._held.strip())
 
 
 def _end_of(data: bytes, boundary: bytes) -> int:

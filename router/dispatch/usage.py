@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
 
@@ -33,4 +35,21 @@ def answer_usage(payload: bytes) -> Usage | None:
     try:
         return _decode_answer(payload).usage
     except (msgspec.DecodeError, RecursionError):  # an engine's answer nested past the decoder's depth
+        return None
+
+
+_USAGE_KEY = b'"usage"'
+
+
+def tail_usage(tail: bytes) -> Usage | None:
+    """The usage of a whole answer too long to hold, from its last bytes: vLLM writes it near the end, after
+    the choices. The last "usage" key in them is the answer's: a choice's text holds its quotes escaped."""
+    start = tail.rfind(_USAGE_KEY)
+    if start < 0:
+        return None
+    rest = tail[start + len(_USAGE_KEY) :].lstrip().removeprefix(b":").lstrip()
+    try:
+        value, _ = json.JSONDecoder().raw_decode(rest.decode())
+        return msgspec.convert(value, Usage)
+    except (ValueError, msgspec.ValidationError):  # UnicodeDecodeError is a ValueError
         return None

@@ -32,6 +32,7 @@ from router.dispatch.routing_headers import (
 )
 from router.errors import MALFORMED_HTTP, OpenAIError
 from router.http.admin import admin_routes, admin_token
+from router.http.body_budget import BodyBudget
 from router.http.client_auth import ClientAuth, client_key_digests
 from router.http.dashboard import dashboard_routes
 from router.http.fast_path import OpenAIFastPath
@@ -121,8 +122,13 @@ def _lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with runtime:
-            limits = BodyLimits(config.limits.body_timeout_s, config.limits.send_timeout_s)
-            app.state.proxy = Proxy(runtime.routing, runtime.relay, runtime.metrics, limits)
+            limits = BodyLimits(
+                lambda: runtime.config.limits.max_body_bytes,
+                config.limits.body_timeout_s,
+                config.limits.send_timeout_s,
+            )
+            bodies = BodyBudget(lambda: runtime.config.limits.max_buffered_body_bytes)
+            app.state.proxy = Proxy(runtime.routing, runtime.relay, runtime.metrics, limits, bodies)
             reloader = app.state.reloader = Reloader(runtime, path)
             fleet = runtime.upstreams
             log.info(

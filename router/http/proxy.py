@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -20,6 +21,7 @@ from router.dispatch.outcome import Outcome
 from router.dispatch.relay import Relay
 from router.dispatch.routing import Kind, RoutingService
 from router.dispatch.routing_headers import routing_headers
+from router.dispatch.sending import streams_events
 from router.errors import (
     RETRY_AFTER_S,
     OpenAIError,
@@ -29,27 +31,38 @@ from router.errors import (
     error_object,
     unavailable,
 )
+from router.http.body_budget import BodyBudget
 from router.http.client_watch import ClientWatch
 from router.http.relay_response import RelayResponse
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
-_RETURNED_HEADERS = ("x-request-id",)  # the engine's id for the request (--enable-request-id-headers)
+# Of an engine's answer, what the client gets too: the engine's id for the request (vLLM's
+# --enable-request-id-headers) and, on an error, when to come back (an engine, or a gateway in front of it).
+_PASSED_ON = frozenset({b"x-request-id"})
+_PASSED_ON_ERRORS = _PASSED_ON | {b"retry-after"}
 _MAX_ERROR_TEXT = 500  # characters of a non-JSON upstream error kept in the message
 
 
 @dataclass(frozen=True)
 class BodyLimits:
+    max_body_bytes: Callable[[], int]  # the largest body, read at each request (a reload applies)
     body_timeout_s: float = 60.0  # the longest a client may take to send its body
     send_timeout_s: float = 60.0  # to take a stream's next chunk
 
 
 class Proxy:
     def __init__(
-        self, routing: RoutingService, relay: Relay, metrics: RouterMetrics, limits: BodyLimits
+        self,
+        routing: RoutingService,
+        relay: Relay,
+        metrics: RouterMetrics,
+        limits: BodyLimits,
+        bodies: BodyBudget,
     ) -> None:
         self._routing, self._relay, self._metrics, self._limits = routing, relay, metrics, limits
+        self._bodies = bodies
         self._starting: set[asyncio.Task[object]] = set()  # requests not yet answered nor streaming
         self._ended: set[asyncio.Task[object]] = set()  # of those, the ones end_streams cancelled
 
@@ -81,22 +94,16 @@ class Proxy:
             task.cancel()
 
     async def _forward(self, request: Request, path: str, kind: Kind) -> Response:
-        # The body is read before a slot is taken, and within a time limit: a client that trickles its body
-        # must not hold one of the slots that bound the work in flight.
-        limits = self._limits
-        try:
-            async with asyncio.timeout(limits.body_timeout_s):
-                raw = await request.body()
-        except ClientDisconnect:  # gone while sending its body
-            raise client_closed() from None
-        except TimeoutError:
-            raise body_timeout(limits.body_timeout_s) from None
+        raw, share = await self._read_body(request)
         # From here until the answer begins, a client that leaves cancels the work: waiting for a slot (an
         # overloaded router's clients time out), routing, or waiting for the engine.
         routing = self._routing
         with ClientWatch(request.receive) as watch:
             try:
-                await routing.admit()
+                try:
+                    await routing.admit()
+                finally:
+                    self._bodies.give_back(share)  # admitted, its body counts with the work in flight
                 try:
                     received = routing.receive(raw, kind, request.headers)
                     outcome = await routing.send(received, await routing.prepare(received), path)
@@ -107,37 +114,69 @@ class Proxy:
                 if not watch.client_left():
                     raise
                 raise client_closed() from None  # counted with the client errors
+        try:
+            return self._answer(outcome)
+        except BaseException:
+            self._ended_here(outcome)  # whatever failed in making the answer, its slot is freed
+            raise
+
+    async def _read_body(self, request: Request) -> tuple[bytes, int]:
+        """The body and its share of the body budget (router/http/body_budget.py), read before a slot is
+        taken and within a time limit: a client that trickles its body must not hold one of the slots that
+        bound the work in flight."""
+        limit_s, bodies = self._limits.body_timeout_s, self._bodies
+        declared = request.headers.get("content-length")  # a number: router/http/request_limits.py checked
+        share = int(declared) if declared is not None else self._limits.max_body_bytes()
+        reading = False
+        try:
+            async with asyncio.timeout(limit_s):
+                taken = await bodies.take(share)
+                reading = True
+                try:
+                    return await request.body(), taken
+                except BaseException:
+                    bodies.give_back(taken)
+                    raise
+        except ClientDisconnect:  # gone while sending its body
+            raise client_closed() from None
+        except TimeoutError:
+            if reading:
+                raise body_timeout(limit_s) from None
+            self._metrics.rejected("bodies_budget").inc()  # other bodies held the budget all that time
+            raise _bodies_waited(limit_s) from None
+
+    def _answer(self, outcome: Outcome) -> Response:
+        """The client's answer to an outcome: relayed as it arrives (a stream; a whole answer too long to
+        hold), which ends the outcome when it is over, or in one piece, the outcome ended here."""
         upstream = outcome.upstream
         assert isinstance(upstream, aiohttp.ClientResponse)
         content_type = upstream.headers.get("content-type", "application/json")
-        debug = routing_headers(outcome)
-        for name in _RETURNED_HEADERS:
-            if (value := upstream.headers.get(name)) is not None:
-                debug[name] = value
-        if content_type.startswith("text/event-stream"):
+        status = upstream.status
+        headers = _answer_headers(outcome, upstream)
+        if streams_events(upstream) or (status < 400 and not upstream.content.at_eof()):
+            relay = self._relay.stream if streams_events(upstream) else self._relay.whole
+            length = upstream.headers.get("content-length")
+            if length is not None and not streams_events(upstream):
+                headers.append((b"content-length", length.encode()))
             return RelayResponse(
-                self._relay.stream(outcome, self._ended_here),
+                relay(outcome, self._ended_here),
                 lambda: self._ended_here(outcome),
-                upstream.status,
-                debug,
+                status,
+                headers,
                 content_type,
-                limits.send_timeout_s,
+                self._limits.send_timeout_s,
                 lambda: self._stalled(outcome),
             )
         payload = outcome.first
         if outcome.prefill_cached_tokens is not None:
             payload = with_cached_tokens(payload, outcome.prefill_cached_tokens)
-        try:
-            status = upstream.status
-            if status >= 400:
-                payload, content_type = _openai_error_body(payload, status), "application/json"
-                # An engine (or a gateway in front of it) that says when to come back is passed on.
-                if (retry_after := upstream.headers.get("Retry-After")) is not None:
-                    debug["Retry-After"] = retry_after
-            outcome.completed_whole(payload)  # even if a stream was asked for and not given
-        finally:
-            self._ended_here(outcome)
-        return Response(payload, upstream.status, headers=debug, media_type=content_type)
+        if status >= 400:  # in OpenAI's shape, whatever its content type said
+            payload, content_type = _openai_error_body(payload, status), "application/json"
+        outcome.completed_whole(payload)  # even if a stream was asked for and not given
+        self._ended_here(outcome)
+        response = Response(payload, status, media_type=content_type)
+        response.raw_headers.extend(headers)
+        return response
 
     def _ended_here(self, outcome: Outcome) -> None:
         """The answer is over: its outcome is told once, and its slot freed with it."""
@@ -151,6 +190,24 @@ class Proxy:
             self._limits.send_timeout_s,
         )
         self._metrics.client_errors("send_timeout").inc()
+
+
+def _answer_headers(outcome: Outcome, upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    """The routing headers, and those of the engine's passed on as the bytes it sent: an engine's header
+    need not be text the router could re-encode."""
+    headers = [(name.encode(), value.encode()) for name, value in routing_headers(outcome).items()]
+    passed_on = _PASSED_ON if upstream.status < 400 else _PASSED_ON_ERRORS
+    headers += [(name.lower(), value) for name, value in upstream.raw_headers if name.lower() in passed_on]
+    return headers
+
+
+def _bodies_waited(limit_s: float) -> OpenAIError:
+    return unavailable(
+        f"The router held as many request bodies as it may (limits.max_buffered_body_bytes) for {limit_s:g} s"
+        " (limits.body_timeout_s); retry.",
+        "bodies_budget",
+        RETRY_AFTER_S,
+    )
 
 
 def _shutting_down() -> OpenAIError:

@@ -1,5 +1,6 @@
-"""The response that relays a stream to its client: cleaned up however it ends, and cut off when the client
-takes nothing for too long."""
+"""The response that relays an answer as it arrives (a stream, a whole answer too long to hold) to its
+client: cleaned up however it ends, cut off when the client takes nothing for too long, and its connection
+closed when the answer breaks off where the client could not tell."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from collections.abc import AsyncGenerator, Callable
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from router.dispatch.relay import RelayBroken
+
 
 class RelayResponse(StreamingResponse):
-    """A stream whose cleanup runs however it ends: completed, client gone, or never started. A client that
+    """An answer whose cleanup runs however it ends: completed, client gone, or never started. A client that
     takes nothing for send_timeout_s is cut off: it would hold its admission slot, its instance's place and
     the engine's request for as long as it likes."""
 
@@ -20,12 +23,13 @@ class RelayResponse(StreamingResponse):
         relay: AsyncGenerator[bytes, None],
         finish: Callable[[], None],
         status: int,
-        headers: dict[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
         media_type: str,
         send_timeout_s: float,
         stalled: Callable[[], None],
     ) -> None:
-        super().__init__(relay, status, headers=headers, media_type=media_type)
+        super().__init__(relay, status, media_type=media_type)
+        self.raw_headers.extend(raw_headers)  # bytes as the engine sent them, not text re-encoded
         self._relay, self._finish = relay, finish
         self._send_timeout_s, self._stalled = send_timeout_s, stalled
 
@@ -63,6 +67,8 @@ class RelayResponse(StreamingResponse):
             # Returning unfinished makes the server close the connection, and the relay's end aborts the
             # engine's request.
             self._stalled()
+        except RelayBroken:
+            pass  # unfinished too: the client sees a body cut short, not one that looks whole
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
