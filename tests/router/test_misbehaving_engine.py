@@ -113,3 +113,40 @@ def test_a_whole_answer_larger_than_what_is_held_is_relayed_as_it_arrives(tmp_pa
             assert status == 200 and length > text_mib * _MIB
             assert usage is not None and usage["completion_tokens"] == 7
             assert grown < text_mib / 4, f"the router's peak memory grew {grown:.0f} MiB"
+
+
+def test_an_answer_head_past_what_a_header_may_hold_fails_cleanly_and_frees_the_slot(tmp_path: Path) -> None:
+    """A header of 64 KiB: the HTTP client refuses the answer; the client gets a 502 in OpenAI's shape."""
+    engine = Misbehaviour(JSON_HEAD + b"x-padding: " + b"p" * 65536 + b"\r\n", lambda: [b"{}"])
+    with misbehaving(engine) as port:
+        with running_router(only_instance("verbose", port), tmp_path) as url:
+            status, _, payload = post(url + "/v1/completions", WHOLE)
+            assert status == 502 and json.loads(payload)["error"]["code"] == "upstream_failed", payload
+            assert metric(url, "kvroute_instance_in_flight", vllm_instance="verbose") == 0
+
+
+def test_an_answer_head_that_never_ends_times_out(tmp_path: Path) -> None:
+    """Headers sent a byte a second, never ending: the whole answer's deadline ends it."""
+    head = b"HTTP/1.1 200 OK\r\n" + b"x-slow: " + b"s" * 100
+    engine = Misbehaviour(b"", lambda: [head[i : i + 1] for i in range(len(head))], pause_s=0.2)
+    with misbehaving(engine) as port:
+        config = only_instance("slow-head", port) | {"upstream": {"response_timeout_s": 1.5}}
+        with running_router(config, tmp_path) as url:
+            started = time.monotonic()
+            status, _, payload = post(url + "/v1/completions", WHOLE)
+            assert status == 504 and b"response_timeout_s" in payload, payload
+            assert time.monotonic() - started < 5
+
+
+def test_a_stream_event_that_never_ends_is_relayed_as_it_comes(tmp_path: Path) -> None:
+    """An engine that writes one event of 3 MiB without its blank line is not held past 1 MiB: the client gets
+    all of it as it came, and the close ends the stream as a broken one (the event never ended)."""
+    endless = b"data: " + b"x" * (3 * _MIB)
+    engine = Misbehaviour(
+        SSE_HEAD, lambda: [CHUNK] + [endless[i : i + _MIB] for i in range(0, len(endless), _MIB)]
+    )
+    with misbehaving(engine) as port:
+        with running_router(only_instance("endless", port), tmp_path) as url:
+            status, _, payload = post(url + "/v1/completions", STREAM)
+            assert status == 200 and payload.startswith(CHUNK + endless[:_MIB])
+            assert len(payload) >= len(CHUNK) + len(endless)
