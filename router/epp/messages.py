@@ -5,8 +5,9 @@ The protocol is the Gateway API Inference Extension's (docs/proposals/004-endpoi
 the chosen endpoints, in order, as the `x-gateway-destination-endpoint` header and the same value in the
 dynamic metadata namespace `envoy.lb`; the gateway's subset hint in the filter metadata namespace
 `envoy.lb.subset_hint`; the endpoint that served in `envoy.lb` on the response path. kvroute's own: the
-routing stream's key in the dynamic metadata namespace `kvroute`, which the observing filter's streams
-forward, so that what it sees of an answer reaches the request's exchange.
+request's key in the dynamic metadata namespace `kvroute`, which the observing and answering filters' streams
+forward, so that what they see of an answer reaches the request's exchange; and the gRPC metadata that marks
+a routing filter whose stream may end with the decision (STREAM_METADATA).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 EXCHANGE_NAMESPACE = "kvroute"
 EXCHANGE_KEY = "exchange"
+# gRPC metadata a gateway's ext_proc filter sends (its grpc_service's initial_metadata): `route` marks the
+# routing filter whose answer phases other filters follow, so the picker may end that stream once it decided.
+STREAM_METADATA = "kvroute-stream"
+ROUTING_ONLY = "route"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 # Envoy takes a body back in pieces of up to 64 KiB in full-duplex mode; the GIE's picker keeps under it.
 BODY_CHUNK_BYTES = 62_000
@@ -79,6 +84,11 @@ def exchange_key(request: Any) -> str | None:
     if namespace is None or EXCHANGE_KEY not in namespace.fields:
         return None
     return str(namespace.fields[EXCHANGE_KEY].string_value) or None
+
+
+def routing_only(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+    """Whether a stream's gRPC metadata marks it routing only (STREAM_METADATA)."""
+    return any(key == STREAM_METADATA and value == ROUTING_ONLY for key, value in metadata or ())
 
 
 def full_duplex(request: Any) -> tuple[bool, bool]:

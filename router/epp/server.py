@@ -1,15 +1,17 @@
 """`kvroute epp`: the endpoint picker as a gRPC server (Envoy's ext_proc and gRPC health), on a Runtime that
-runs everything `kvroute serve` runs (index subscriptions, health checks, load scrapes, metrics), with the
-metrics on an HTTP port of their own.
+runs everything `kvroute serve` runs (index subscriptions, health checks, load scrapes, metrics, the
+configuration file followed and re-read on SIGHUP), with the metrics on an HTTP port of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +23,7 @@ from router.config import RouterConfig
 from router.epp import messages
 from router.epp.picking import Picker
 from router.epp.session import Exchanges
+from router.reload import Reloader
 from router.runtime import Runtime
 from router.supervisor import supervise
 
@@ -41,35 +44,55 @@ class Listen:
 
 
 class ExtProc:
-    """envoy.service.ext_proc.v3.ExternalProcessor: one Exchange per routing stream, closed however it ends;
-    an observing stream (Envoy's observability mode: nothing it is answered is read) tells the exchange it
-    names what it sees of the answer, and ends once there is nothing more to learn."""
+    """envoy.service.ext_proc.v3.ExternalProcessor. A routing stream gets an Exchange of its own; the streams
+    that follow a request (router/epp/session.py) find it by the key they name: the answering stream (its
+    first message is the answer's headers) is told like a routing stream and ends the request when it closes,
+    and an observing stream (Envoy's observability mode: nothing it is answered is read) tells what it sees
+    of the answer and ends once there is nothing more to learn. A routing stream that Envoy marks routing
+    only (messages.routing_only) ends as soon as the request is decided."""
 
     def __init__(self, picker: Picker, max_body_bytes: int) -> None:
         self._exchanges = Exchanges(picker, max_body_bytes)
 
     async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        exchange = None
+        first = await anext(requests, None)
+        if first is None:
+            return
+        if first.observability_mode:
+            await self._observe(first, requests)
+            return
+        routing_only = False
+        if first.HasField("response_headers"):
+            found = self._exchanges.get(messages.exchange_key(first))
+            if found is None:  # not an inference request, or one a picker since restarted routed
+                yield messages.response_headers({}, [messages.SERVED_KEY])
+                return
+            exchange = found
+        else:
+            exchange = self._exchanges.new()
+            routing_only = messages.routing_only(context.invocation_metadata())
         try:
-            async for message in requests:
-                if message.observability_mode:
-                    await self._observe(message, requests)
-                    return
-                if exchange is None:
-                    exchange = self._exchanges.new()
+            message = first
+            while message is not None:
                 for answer in await exchange.on(message):
                     yield answer
+                if routing_only and exchange.decided:
+                    return  # Envoy goes on without this stream: a picker that dies now fails nothing
+                message = await anext(requests, None)
         except Exception:
             log.exception("ext_proc stream failed")  # the gateway applies its failure mode
             raise
         finally:
-            if exchange is not None:
+            if routing_only:
+                exchange.routing_closed()
+            else:
                 exchange.close()
 
     async def _observe(self, first: Any, requests: AsyncIterator[Any]) -> None:
         exchange = self._exchanges.get(messages.exchange_key(first))
         if exchange is None:
             return
+        exchange.follow()
         try:
             message = first
             while not message.HasField("response_body") or exchange.observed(message.response_body):
@@ -80,42 +103,24 @@ class ExtProc:
             exchange.observer_closed()
 
 
-def run_epp(config: RouterConfig, listen: Listen, fallbacks: int) -> None:
-    asyncio.run(_serve(config, listen, fallbacks))
+def run_epp(config: RouterConfig, listen: Listen, fallbacks: int, path: Path | None = None) -> None:
+    """path: the file config came from, re-read on SIGHUP and when what it holds changes (router/reload.py);
+    None: config is kept as it is."""
+    asyncio.run(_serve(config, listen, fallbacks, path))
 
 
-async def _serve(config: RouterConfig, listen: Listen, fallbacks: int) -> None:
+async def _serve(config: RouterConfig, listen: Listen, fallbacks: int, path: Path | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with Runtime(config) as runtime:
+    async with Runtime(config) as runtime, contextlib.AsyncExitStack() as stack:
         picker = Picker(runtime.routing, runtime.health, runtime.metrics, fallbacks)
-        server = grpc.aio.server()
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProc(picker, config.limits.max_body_bytes), server
-        )
-        checks = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-        host = f"[{listen.host}]" if ":" in listen.host else listen.host
-        server.add_insecure_port(f"{host}:{listen.port}")  # raises when the port cannot be bound
-        for service in _ALWAYS_SERVING:
-            await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
-
-        async def readiness() -> None:
-            ready = any(i.healthy for i in runtime.upstreams.instances)
-            serving = health_pb2.HealthCheckResponse
-            status = serving.SERVING if ready else serving.NOT_SERVING
-            for service in _SERVING_WHEN_READY:
-                await checks.set(service, status)
-
-        await readiness()
+        server, checks = await _grpc_server(ExtProc(picker, config.limits.max_body_bytes), listen)
+        await _background(stack, runtime, checks, Reloader(runtime, path))
         await server.start()
         # Up last: a process manager (or a test) that sees /metrics answer finds the gRPC port open too.
-        metrics_site = await _metrics_site(runtime, listen)
-        ready_task = asyncio.create_task(
-            supervise("epp_readiness", readiness, _READINESS_EVERY_S, runtime.metrics.task_failures)
-        )
+        stack.push_async_callback((await _metrics_site(runtime, listen)).cleanup)
         log.info(
             "endpoint picker on %s:%d (gRPC: ext_proc, health), metrics on %s:%d; %d instances, fallbacks %d",
             listen.host,
@@ -131,9 +136,47 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int) -> None:
             log.info("shutting down: streams in flight get %g s to finish", config.shutdown_grace_s)
             await checks.enter_graceful_shutdown()
             await server.stop(config.shutdown_grace_s)
-            ready_task.cancel()
-            await asyncio.gather(ready_task, return_exceptions=True)
-            await metrics_site.cleanup()
+
+
+async def _grpc_server(ext_proc: ExtProc, listen: Listen) -> tuple[grpc.aio.Server, Any]:
+    """ext_proc and gRPC health, bound but not started; _background sets the health service's readiness."""
+    server = grpc.aio.server()
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(ext_proc, server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    host = f"[{listen.host}]" if ":" in listen.host else listen.host
+    server.add_insecure_port(f"{host}:{listen.port}")  # raises when the port cannot be bound
+    for service in _ALWAYS_SERVING:
+        await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, checks
+
+
+async def _background(
+    stack: contextlib.AsyncExitStack, runtime: Runtime, checks: Any, reloader: Reloader
+) -> None:
+    """Readiness set, then followed (some instance healthy), and the configuration file watched, until stack
+    closes."""
+
+    async def readiness() -> None:
+        ready = any(i.healthy for i in runtime.upstreams.instances)
+        serving = health_pb2.HealthCheckResponse
+        status = serving.SERVING if ready else serving.NOT_SERVING
+        for service in _SERVING_WHEN_READY:
+            await checks.set(service, status)
+
+    await readiness()
+    failures = runtime.metrics.task_failures
+    tasks = [
+        asyncio.create_task(supervise("epp_readiness", readiness, _READINESS_EVERY_S, failures)),
+        asyncio.create_task(reloader.watch()),
+    ]
+
+    async def stop() -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    stack.push_async_callback(stop)
 
 
 async def _metrics_site(runtime: Runtime, listen: Listen) -> web.AppRunner:

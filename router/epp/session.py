@@ -1,19 +1,26 @@
 """One request's ext_proc streams: its headers and body in, where it goes out; then what Envoy tells of the
 answer it relays (status, served endpoint, first and last bytes), told to the request's Outcome.
 
-The routing stream waits for the picker at each message, so it sees the answer's headers only; the answer's
-body goes to a second, observing ext_proc filter that does not wait (configs/envoy-epp.yaml), whose stream
-names the routing stream by a key Envoy's dynamic metadata carries. The first chunk it shows is the first
-byte (a stream's TTFT sample); a whole answer is read to its end for its usage. The routing stream, held open
-to the end of the request, ends the outcome and frees the admission slot when it closes, however the request
-ended (answered, or the client left); the observer's first chunk, on a stream of its own, may come just after.
-A gateway that shows the routing stream the body itself (response_body_mode STREAMED) is followed there.
+Envoy fails a request whose stream to the picker breaks while the picker may still change it, so the stream
+that decides (fail closed) ends as soon as it has (routing only: configs/envoy-epp.yaml), and what follows
+comes on streams Envoy lets go when they break (fail open), which name the request by a key Envoy's dynamic
+metadata carries: an observing stream, opened as soon as the request is routed, that does not wait (the
+answer's body: its first chunk is the first byte, a stream's TTFT sample; a whole answer is read to its end
+for its usage), and an answering stream that waits at the answer's headers (status, served endpoint;
+kvroute's headers added) and is held open to the end of the request. The answering stream ends the outcome
+and frees the admission slot when it closes, however the request ended (answered, or the client left); the
+observer's first chunk, on a stream of its own, may come just after. A request over before its answer began
+has no answering stream: the observing stream's end, or nothing following the decision, ends it.
+
+A gateway that does not split them (the Gateway API Inference Extension's, one ext_proc filter) shows the
+routing stream the answer too, and holds it open to the end: it is followed there, as the answering stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 from typing import Any
 
 from router.dispatch.outcome import Outcome
@@ -24,8 +31,11 @@ from router.errors import OpenAIError, too_large
 
 _MAX_ANSWER_BYTES = 1 << 20  # of a whole answer, kept to read its usage; a larger one is not read
 # How long an ended request waits for the observing stream's first chunk, which may have been sent before the
-# routing stream closed and come after it (another gRPC stream); none comes when the client left first.
+# answering stream closed and come after it (another gRPC stream); none comes when the client left first.
 _OBSERVER_GRACE_S = 1.0
+# How long a routed request waits for a stream to follow it once the routing stream has ended: Envoy opens the
+# observing one as it passes the routed request on, at once; none comes when the request was gone by then.
+_FOLLOWED_WITHIN_S = 5.0
 
 
 class GatewayAnswer:
@@ -48,11 +58,15 @@ class Exchanges:
 
     def __init__(self, picker: Picker, max_body_bytes: int) -> None:
         self._picker, self._max_body_bytes = picker, max_body_bytes
+        # Unique to this process: a request routed by a picker that has since restarted names a key the new
+        # one has never given, not another request's.
+        self._prefix = secrets.token_hex(4)
         self._keys = itertools.count(1)
         self._open: dict[str, Exchange] = {}
 
     def new(self) -> Exchange:
-        return Exchange(self._picker, self._max_body_bytes, str(next(self._keys)), self._open)
+        key = f"{self._prefix}-{next(self._keys)}"
+        return Exchange(self._picker, self._max_body_bytes, key, self._open)
 
     def get(self, key: str | None) -> Exchange | None:
         return None if key is None else self._open.get(key)
@@ -76,6 +90,10 @@ class Exchange:
         self._observed = False  # the observing stream showed what there was to learn, or closed
         self._body_follows = False  # the answer's headers came, and a body after them
         self._grace: asyncio.TimerHandle | None = None
+        self.decided = False  # the request's last message is answered: the routing stream has no more to do
+        self._followed = False  # an observing or answering stream named this request
+        self._answering = False  # the answer's headers came on the stream held open to the request's end
+        self._unfollowed: asyncio.TimerHandle | None = None
 
     async def on(self, message: Any) -> list[Any]:
         """The answers to one message from Envoy: none while a full-duplex body is still coming."""
@@ -87,6 +105,7 @@ class Exchange:
         if phase == "request_trailers":
             # Full duplex: a body with trailers has no last chunk; its route is known at the trailers.
             routing = await self._route(end=False) if self._routed is None and self._duplex_request else []
+            self.decided = True
             return [*routing, messages.passed(phase)]
         if phase == "response_headers":
             return [self._response_headers(message)]
@@ -94,8 +113,21 @@ class Exchange:
             return self._response_body(message.response_body)
         return [messages.passed(phase)]
 
+    def routing_closed(self) -> None:
+        """A routing-only stream ended, the request decided: a routed one that no stream follows (it was gone
+        before Envoy passed it on) is over after a while."""
+        if self._key in self._open and not self._followed:
+            self._unfollowed = asyncio.get_running_loop().call_later(_FOLLOWED_WITHIN_S, self._close_now)
+
+    def follow(self) -> None:
+        """An observing or answering stream names this request: those now tell its end."""
+        self._followed = True
+        if self._unfollowed is not None:
+            self._unfollowed.cancel()
+            self._unfollowed = None
+
     def close(self) -> None:
-        """The routing stream is over, and so is the request (Envoy holds it open until then): an answer
+        """The answering stream is over, and so is the request (Envoy holds it open until then): an answer
         still counted as running ends here, and one that never began is taken back. An answer whose first
         chunk the observer has not shown yet waits a little for it."""
         waits = self._outcome is not None and self._body_follows and not (self._relayed or self._observed)
@@ -122,14 +154,17 @@ class Exchange:
         return more
 
     def observer_closed(self) -> None:
-        """The observing stream ended: an ended request waiting for it is over."""
+        """The observing stream ended: an ended request waiting for it is over, and so is a routed one whose
+        answer never began (the observer of a routing-only stream stays until the answer's first chunk)."""
         self._observed = True
         if self._grace is not None:
             self._grace.cancel()
             self._close_now()
+        elif self._followed and not self._answering:
+            self._close_now()
 
     def _close_now(self) -> None:
-        self._grace = None
+        self._grace = self._unfollowed = None
         self._open.pop(self._key, None)
         outcome, self._outcome = self._outcome, None
         if outcome is not None:
@@ -171,6 +206,7 @@ class Exchange:
             )
         except OpenAIError as error:
             return [self._refused(error)]
+        self.decided = end
         self._routed, self._outcome = routed, routed.outcome
         self._holds_slot = routed.outcome is not None
         key = None
@@ -183,12 +219,15 @@ class Exchange:
         return [messages.as_body_answer(answer, None if routed.body == raw else routed.body)]
 
     def _refused(self, error: OpenAIError) -> Any:
+        self.decided = True
         # As the router's HTTP app counts them: its own 429s where they are decided, 5xx as upstream trouble.
         if error.status < 500 and error.status != 429:
             self._picker.metrics.client_errors(str(error.code)).inc()
         return messages.immediate(error)
 
     def _response_headers(self, message: Any) -> Any:
+        self.follow()
+        self._answering = True
         headers = messages.header_map(message.response_headers.headers)
         remove = [messages.SERVED_KEY] if messages.SERVED_KEY in headers else []
         outcome, routed = self._outcome, self._routed

@@ -30,6 +30,7 @@ class Picker:
     port: int  # gRPC
     metrics_url: str
     child: Child
+    config_path: Path
 
 
 @dataclass(frozen=True)
@@ -61,16 +62,22 @@ def running_picker(
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    base = free_port_block(2)
+    with picker_on(free_port_block(2), path, log_dir, *args, name=name) as picker:
+        yield picker
+
+
+@contextlib.contextmanager
+def picker_on(port: int, path: Path, log_dir: Path, *args: str, name: str = "epp") -> Iterator[Picker]:
+    """`kvroute epp --config path` with gRPC on port and metrics on the next one, up once /metrics answers."""
     child = start(
         name,
-        ["epp", "--config", str(path), "--port", str(base), "--metrics-port", str(base + 1), *args],
+        ["epp", "--config", str(path), "--port", str(port), "--metrics-port", str(port + 1), *args],
         log_dir,
     )
-    metrics_url = f"http://127.0.0.1:{base + 1}"
+    metrics_url = f"http://127.0.0.1:{port + 1}"
     try:
         wait_healthy(child, [metrics_url + "/metrics"])
-        yield Picker(base, metrics_url, child)
+        yield Picker(port, metrics_url, child, path)
     finally:
         child.stop()
 
@@ -81,8 +88,11 @@ def envoy_config(
     fail_open: bool = False,
     cluster: str = "fleet",
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
+    picker_retries: int | None = None,
 ) -> tuple[dict[str, Any], int, int]:
-    """configs/envoy-epp.yaml on free ports: (the bootstrap, its listener port, its admin port)."""
+    """configs/envoy-epp.yaml on free ports: (the bootstrap, its listener port, its admin port). picker_retries:
+    how many times Envoy tries the routing stream again while the picker cannot be reached (None: as
+    shipped)."""
     listen = free_port_block(2)
     config = envoy_bootstrap([("127.0.0.1", port) for port in endpoints], picker_port, listen, listen + 1)
     manager = connection_manager(config)
@@ -92,6 +102,8 @@ def envoy_config(
     ext_proc["processing_mode"]["request_body_mode"] = request_body_mode
     if request_body_mode != "FULL_DUPLEX_STREAMED":
         ext_proc["processing_mode"]["request_trailer_mode"] = "SKIP"
+    if picker_retries is not None:
+        ext_proc["grpc_service"]["retry_policy"]["num_retries"] = picker_retries
     return config, listen, listen + 1
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute.bench.overhead.envoy import connection_manager, routing_filter
+from kvroute.bench.overhead.envoy import ROUTING_FILTER, connection_manager, routing_filter
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from tests.conftest import metric
 from tests.router.epp.conftest import (
@@ -24,7 +24,7 @@ from tests.router.epp.conftest import (
     running_envoy,
     running_picker,
 )
-from tests.router.epp.test_through_envoy import INSTANCE, MODEL, client
+from tests.router.epp.test_through_envoy import INSTANCE, MODEL, client, wait_none_in_flight
 
 STICKY = {"sticky": {"scorers": [{"type": "session-affinity"}]}}
 
@@ -79,24 +79,31 @@ def fleet_only(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.mark.parametrize(
-    ("fail_open", "mode"),
+    ("fail_open", "mode", "retries"),
     [
-        (False, "FULL_DUPLEX_STREAMED"),
-        (False, "BUFFERED"),
+        (False, "FULL_DUPLEX_STREAMED", None),
+        (False, "BUFFERED", 1),
         # Fail open needs the body buffered in Envoy: in full duplex Envoy may have handed it to the stream
         # before the stream fails, and then answers 500 whatever failure_mode_allow says (seen here).
-        (True, "BUFFERED"),
+        (True, "BUFFERED", 1),
     ],
 )
 def test_a_picker_that_is_down_fails_closed_or_open(
-    fleet_only: FleetPorts, tmp_path: Path, fail_open: bool, mode: str
+    fleet_only: FleetPorts, tmp_path: Path, fail_open: bool, mode: str, retries: int | None
 ) -> None:
+    """After Envoy's retries (as shipped: about 10 s, for a picker that restarts; once, where the test looks
+    at the failure mode only)."""
     nobody = free_port_block(1)  # no picker listens there
     envoy, listen, admin = envoy_config(
-        fleet_endpoints([fleet_only]), nobody, fail_open=fail_open, request_body_mode=mode
+        fleet_endpoints([fleet_only]),
+        nobody,
+        fail_open=fail_open,
+        request_body_mode=mode,
+        picker_retries=retries,
     )
     with running_envoy(envoy, listen, admin, tmp_path) as gateway:
         messages = [{"role": "user", "content": "Anyone there?"}]
+        started = time.monotonic()
         if fail_open:  # placed by Envoy's own fallback policy, without kvroute's decision
             answer = client(gateway).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
             assert answer.choices[0].message.content
@@ -104,6 +111,8 @@ def test_a_picker_that_is_down_fails_closed_or_open(
             with pytest.raises(openai.APIStatusError) as refused:
                 client(gateway).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
             assert refused.value.status_code >= 500
+        if retries is None:  # 40 waits drawn up to 0.5 s (mostly): 9.4 s on average, 3 s is 7 sigmas off
+            assert 3 < time.monotonic() - started < 30
 
 
 def test_a_full_router_answers_429(fleet_only: FleetPorts, tmp_path: Path) -> None:
@@ -205,3 +214,26 @@ def test_the_subset_hint_limits_the_choice(fleet_only: FleetPorts, tmp_path: Pat
         with running_envoy(envoy, listen, admin, tmp_path) as gateway:
             served = {ask(client(gateway), f"subset-{n}", f"Hello number {n}.")[0] for n in range(6)}
     assert served == {"fleet-1"}
+
+
+def test_a_gateway_with_one_filter_is_followed_on_its_routing_stream(
+    fleet_only: FleetPorts, tmp_path: Path
+) -> None:
+    """The Gateway API Inference Extension's gateways call the picker from one ext_proc filter, which shows
+    it the answer too and holds its stream to the request's end: the picker follows the answer there."""
+    with running_picker(picker_config([fleet_only]), tmp_path) as picker:
+        envoy, listen, admin = envoy_config(fleet_endpoints([fleet_only]), picker.port)
+        ext_proc = routing_filter(envoy)
+        del ext_proc["grpc_service"]["initial_metadata"]  # not routing only
+        ext_proc["processing_mode"].update(
+            response_header_mode="SEND", response_body_mode="STREAMED", response_trailer_mode="SEND"
+        )
+        filters = connection_manager(envoy)["http_filters"]
+        filters[:] = [f for f in filters if f["name"] in (ROUTING_FILTER, "envoy.filters.http.router")]
+        with running_envoy(envoy, listen, admin, tmp_path) as gateway:
+            served, attempts = ask(client(gateway), "one-filter", "Hello, one filter.")
+            stream = client(gateway).completions.create(model=MODEL, prompt="One", max_tokens=4, stream=True)
+            assert "".join(c.choices[0].text for c in stream if c.choices)
+            wait_none_in_flight(picker)
+        assert served.startswith("fleet-") and attempts == "1"
+        assert metric(picker.metrics_url, "kvroute_requests_total", vllm_instance=served, status="200") >= 1

@@ -211,3 +211,17 @@ def test_routed_names_its_exchange_for_the_observer() -> None:
     assert messages.exchange_key(observed) == "17"
     (plain,) = messages.routed(["10.0.0.1:80"], None)
     assert "kvroute" not in plain.dynamic_metadata.fields
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        (None, False),
+        ((), False),
+        ((("user-agent", "envoy"),), False),
+        (((messages.STREAM_METADATA, "answer"),), False),
+        ((("user-agent", "envoy"), (messages.STREAM_METADATA, messages.ROUTING_ONLY)), True),
+    ],
+)
+def test_routing_only(metadata: Any, expected: bool) -> None:
+    assert messages.routing_only(metadata) is expected

@@ -6,11 +6,12 @@ import json
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from openai import OpenAI
+from openai import APITimeoutError, OpenAI
 
 from tests.conftest import metric, sample
 from tests.router.epp.conftest import Gateway, Picker
@@ -115,6 +116,28 @@ def test_a_client_gone_mid_stream_leaves_nothing_in_flight(gateway: Gateway, pic
     assert in_flight(picker) == 1
     stream.close()
     wait_none_in_flight(picker)
+
+
+def test_a_client_gone_before_its_answer_began_leaves_nothing_in_flight(
+    gateway: Gateway, picker: Picker
+) -> None:
+    """No answer's headers, so no answering stream: the observing stream's end tells the picker (Envoy closes
+    it a second after the request, its deferred_close_timeout)."""
+    impatient = OpenAI(base_url=gateway.url, api_key="unused", max_retries=0, timeout=1.0)
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(
+            impatient.chat.completions.create,
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write a long story, all at once."}],
+            max_tokens=3000,  # 3 s at the fleet's pace: the client leaves after 1 s, before the answer
+        )
+        deadline = time.monotonic() + 10
+        while not in_flight(picker):
+            assert time.monotonic() < deadline, "never counted in flight"
+            time.sleep(0.05)
+        with pytest.raises(APITimeoutError):
+            whole.result(timeout=30)
+    wait_none_in_flight(picker, timeout_s=20)
 
 
 def post(gateway: Gateway, path: str, body: bytes) -> tuple[int, dict[str, object]]:
