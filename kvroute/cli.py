@@ -60,7 +60,7 @@ def _epp(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     if config is None:
         return 2
-    run_epp(config, Listen(args.host, args.port, args.metrics_port), args.fallbacks)
+    run_epp(config, Listen(args.host, args.port, args.metrics_port), args.fallbacks, Path(args.config))
     return 0
 
 
