@@ -11,11 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fleet.block_pool import HASH_ALGORITHMS
 from kvroute.arguments import MAX_PORT, port, positive_float, positive_int, positive_ints
-from kvroute.bench.live.pd import parse_pd
-from kvroute.bench.overhead.run import add_overhead_parser
-from kvroute.simulate.command import add_simulate_parser
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
@@ -254,6 +250,11 @@ class _DefaultsShown(argparse.HelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from fleet.block_pool import HASH_ALGORITHMS
+    from kvroute.bench.live.pd import parse_pd
+    from kvroute.bench.overhead.run import add_overhead_parser
+    from kvroute.simulate.command import add_simulate_parser
+
     parser = argparse.ArgumentParser(prog="kvroute", description="Cache-aware router for vLLM fleets")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -485,7 +486,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    # SIGHUP is held from the first line until the command is known (the parser's imports take most of a
+    # second): its default would end a `serve` or `epp` still starting. Those ignore it until their reloader
+    # takes it, as the file is read at the start and the reloader's first look reloads it when it changed
+    # meanwhile; the other commands are ended by it, as before.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        args = _parser().parse_args(argv)
+        if args.run in (_serve, _epp):
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # discards one held meanwhile
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

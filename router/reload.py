@@ -56,7 +56,8 @@ class Reloader:
 
     async def watch(self) -> None:
         """Reload on SIGHUP and when what the file holds changes, for as long as the router runs: a watch that
-        fails is counted, logged and started again, and SIGHUP goes on reloading meanwhile."""
+        fails is counted, logged and started again, and SIGHUP goes on reloading meanwhile. Before and after,
+        SIGHUP is ignored (kvroute/cli.py): the watch's first look catches up with a change made before."""
         if self._path is None:
             return
         hangup = asyncio.Event()
@@ -72,8 +73,8 @@ class Reloader:
                 tasks.create_task(
                     supervise("config-watch", lambda: self._follow(path), 1.0, self._metrics.task_failures)
                 )
-        finally:  # without a handler, SIGHUP ends the process
-            loop.remove_signal_handler(signal.SIGHUP)
+        finally:
+            _ignore_hangups(loop)
 
     async def _reload_on(self, hangup: asyncio.Event) -> None:
         while True:
@@ -112,6 +113,19 @@ class Reloader:
             pass  # logged and counted by reload()
         except Exception:  # one failed reload must not end the watch
             log.exception("configuration reload failed, the running one stays")
+
+
+def _ignore_hangups(loop: asyncio.AbstractEventLoop) -> None:
+    """SIGHUP's handler removed, and SIGHUP ignored from now on rather than given its default, which ends the
+    process: one during the shutdown must not turn a clean exit into a death by signal. Blocked in this thread
+    meanwhile, so that one sent between the two steps is not taken here by the default (another thread could
+    still take it, within those two system calls)."""
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        if loop.remove_signal_handler(signal.SIGHUP):
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
 
 def _content_of(path: Path, config: RouterConfig) -> bytes | None:

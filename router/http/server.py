@@ -1,5 +1,5 @@
 """Runs the router app on uvicorn with uvloop and httptools, and shuts it down gracefully; alone, or as one
-worker of several on a socket they share (router/http/workers.py)."""
+worker of several on a port they share (router/http/workers.py)."""
 
 from __future__ import annotations
 
@@ -29,11 +29,17 @@ WORKER_HEADER = "x-kvroute-worker"  # on every answer of a worker of several: it
 
 @dataclass(frozen=True)
 class Worker:
-    """One of several routers serving one socket (router/http/workers.py)."""
+    """One of several routers serving one port (router/http/workers.py)."""
 
-    socket: socket.socket  # bound to the port the other workers listen on too (SO_REUSEPORT); uvicorn listens
+    socket: socket.socket  # its pool's, listening on the port with the other workers' (SO_REUSEPORT)
     peers: PeersConfig  # its own publish endpoint, following the others' besides the configured peers
-    ready: Path  # created once it serves
+    ready: Path  # there while it accepts connections: created once it serves, removed when it stops
+
+    def accepting(self, accepts: bool) -> None:
+        if accepts:
+            self.ready.touch()
+        else:
+            self.ready.unlink(missing_ok=True)
 
 
 class _GracefulServer(uvicorn.Server):
@@ -41,18 +47,25 @@ class _GracefulServer(uvicorn.Server):
     cancels them; this ends the streams cleanly before that."""
 
     def __init__(
-        self, config: uvicorn.Config, app: FastAPI, grace_s: float, started: Callable[[], None] = lambda: None
+        self,
+        config: uvicorn.Config,
+        app: FastAPI,
+        grace_s: float,
+        accepting: Callable[[bool], None] = lambda _: None,
     ) -> None:
         super().__init__(config)
-        self._app, self._grace_s, self._on_started = app, grace_s, started
+        self._app, self._grace_s, self._accepting = app, grace_s, accepting
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started:
-            self._on_started()
+        if self.started and not self.should_exit:  # not when a SIGTERM came during the startup
+            self._accepting(True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         log.info("shutting down: no new connections; streams in flight get %g s to finish", self._grace_s)
+        for server in self.servers:  # uvicorn's first step too, taken here so that `accepting` follows it
+            server.close()
+        self._accepting(False)
         ending = asyncio.get_running_loop().call_later(self._grace_s, self._end_streams)
         try:
             await super().shutdown(sockets)
@@ -79,4 +92,4 @@ def run_server(
     if worker is None:
         _GracefulServer(serving, app.api, config.shutdown_grace_s).run()
         return
-    _GracefulServer(serving, app.api, config.shutdown_grace_s, worker.ready.touch).run([worker.socket])
+    _GracefulServer(serving, app.api, config.shutdown_grace_s, worker.accepting).run([worker.socket])

@@ -1,21 +1,28 @@
 """`kvroute serve --workers N`: N router processes on one host, serving one port.
 
-A WorkerPool, the parent process, binds the port (and so fails at once when it is taken) and starts N
-workers, each a whole router (router/http/server.py) listening on the port with SO_REUSEPORT: the kernel
-spreads new connections evenly over the workers listening, and a worker that died takes none. (One socket
-shared by all was measured worse: a worker that wakes first accepts a whole burst of connections, and with
-keep-alive it keeps them.) Each worker has its own KV-event subscriptions and so the full block index, its own
-health checks, admission limits and A/B results. The workers count each other's requests in flight as routers
-in front of one fleet do (router/upstreams/peer_sync.py): each publishes on an ipc:// endpoint in the pool's
-private directory and follows the others', besides the peers the configuration names. A configured
-`peers.publish` is bound by the pool, which forwards every worker's snapshots there, so routers on other hosts
-hear each worker as a peer of its own.
+A WorkerPool, the parent process, makes one socket per worker on the port (and so fails at once when it is
+taken), all listening with SO_REUSEPORT, and starts N workers, each a whole router (router/http/server.py)
+accepting on its own socket. (One socket shared by all was measured worse: a worker that wakes first accepts a
+whole burst of connections, and with keep-alive it keeps them.) The pool holds the sockets for its whole life
+and gives a worker's to its successor: a worker that dies does not close it, so the connections waiting in
+its queue, not yet accepted, are its successor's to answer rather than reset (those it had accepted are lost
+with it). And the pool steers new connections to the sockets of the workers that serve (a BPF program on the
+port's SO_REUSEPORT group, _Steering): while one serves, none waits for a worker starting, restarting or
+draining. Each worker has its own KV-event subscriptions and so the full block index, its own health checks,
+admission limits and A/B results. The workers count each other's requests in flight as routers in front of
+one fleet do (router/upstreams/peer_sync.py): each publishes on an ipc:// endpoint in the pool's private
+directory and follows the others', besides the peers the configuration names. A configured `peers.publish`
+is bound by the pool, which forwards every worker's snapshots there, so routers on other hosts hear each
+worker as a peer of its own.
 
-The pool forwards SIGHUP to every worker (each reloads the file; each also watches it), and on SIGTERM
-or SIGINT sends SIGTERM to each, which drains as a lone router does; a worker whose pool dies gets
-SIGTERM too. A worker that exits is restarted, after a delay that doubles while it keeps exiting soon after
-its start; one that exits MAX_STARTUP_FAILURES times in a row before serving ends the pool (exit 1).
-Every answer of a worker carries `x-kvroute-worker: PID`.
+The pool forwards SIGHUP to every worker (each reloads the file; each also watches it); a worker still
+starting ignores it, as it reads the file then. On SIGTERM or SIGINT the pool sends SIGTERM to each, which
+drains as a lone router does; a worker whose pool dies gets SIGTERM too. A worker that exits is restarted at
+once; one that keeps exiting soon after its start (a crash: a SIGKILL from the OOM killer is one) waits
+0.5 s, then twice as long each time. A death by a signal that asks a process to end (SIGHUP, SIGTERM, SIGINT)
+is no crash. A worker that exits MAX_STARTUP_FAILURES times in a row before serving ends the pool (exit 1)
+only when no other worker serves: a pool that still serves goes on, and tries again. Every answer of a
+worker carries `x-kvroute-worker: PID`.
 
 /metrics: router/metrics.py combines the workers' metrics through a directory the pool owns. The
 /admin routes reach the worker that answers: PUT /admin/traffic and POST /admin/ab/reset change that worker
@@ -29,13 +36,16 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -45,15 +55,21 @@ import zmq
 from prometheus_client.multiprocess import mark_process_dead
 
 from router.config import ConfigError, PeersConfig, RouterConfig, load_config
+from router.http.server import Worker, run_server
 
 log = logging.getLogger(__name__)
 
 MAX_STARTUP_FAILURES = 5
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.5, 30.0
-_SERVED_LONG_S = 60.0  # a worker that ran this long starts again with the first backoff
+_SERVED_LONG_S = 60.0  # a worker that ran this long is restarted at once, whatever came before
 _POLL_S = 0.1
 _KILL_AFTER_S = 10.0  # past the drain: what the workers' own grace and cancellation need, and a margin
 _BACKLOG = 2048  # uvicorn's
+_ASKED_TO_END = frozenset({signal.SIGHUP, signal.SIGTERM, signal.SIGINT})  # a death by these is no crash
+
+_SO_ATTACH_REUSEPORT_CBPF = 51  # Linux's; Python's socket module does not name it
+# Classic BPF's A = a random number (at SKF_AD_OFF + SKF_AD_RANDOM), A %= K, if A == K (jump), return K.
+_LOAD_RANDOM, _MODULO, _IF_EQUAL, _RETURN = (0x20, 0, 0, 0xFFFFF038), 0x94, 0x15, 0x06
 
 
 class _Spec(msgspec.Struct, frozen=True):
@@ -62,6 +78,7 @@ class _Spec(msgspec.Struct, frozen=True):
     config: str
     host: str
     port: int
+    listener: int  # the descriptor of its socket, the pool's
     publish: str
     follow: list[str]
     ready_dir: str
@@ -72,24 +89,29 @@ class _Spec(msgspec.Struct, frozen=True):
 @dataclass
 class _Slot:
     index: int
+    listener: socket.socket  # for the pool's whole life, whichever worker accepts on it
     process: subprocess.Popen[bytes] | None = None
+    exits: int | None = None  # a descriptor readable once the process exited (a pidfd)
+    served: bool = False
     started: float = 0.0
     restart_at: float = 0.0
-    backoff_s: float = _FIRST_BACKOFF_S
+    backoff_s: float = 0.0
     startup_failures: int = 0
 
 
 def run_workers(config: RouterConfig, path: Path, host: str, port: int, workers: int) -> int:
     """Serve with workers processes until SIGTERM or SIGINT; config is path's, already validated. The exit
     code: 0 after a stop, 1 when the port or a worker cannot start."""
-    with tempfile.TemporaryDirectory(prefix="kvroute-serve-") as private:
+    with tempfile.TemporaryDirectory(prefix="kvroute-serve-") as private, contextlib.ExitStack() as held:
         root = Path(private)
         try:
-            held = _listen(host, port, listen=False)
+            listeners = [held.enter_context(_bound(host, port)) for _ in range(workers)]
+            for sock in listeners:  # in the slots' order, which is then their order in the port's group
+                sock.listen(_BACKLOG)
         except OSError as exc:
             print(f"kvroute serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
             return 1
-        with contextlib.closing(held), zmq.Context() as context:
+        with zmq.Context() as context:
             endpoints = [f"ipc://{root}/peers-{i}" for i in range(workers)]
             if config.peers.publish is not None:
                 try:
@@ -97,20 +119,17 @@ def run_workers(config: RouterConfig, path: Path, host: str, port: int, workers:
                 except zmq.ZMQError as exc:
                     print(f"peers.publish {config.peers.publish} cannot be bound: {exc}", file=sys.stderr)
                     return 1
-            pool = WorkerPool(config, path, host, port, root, endpoints)
+            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints)
             return pool.run()
 
 
-def _listen(host: str, port: int, listen: bool = True) -> socket.socket:
-    """Bound as uvicorn binds its own, with SO_REUSEPORT; listen=False: the pool's, which holds the port
-    and takes no connection (only listening sockets do)."""
+def _bound(host: str, port: int) -> socket.socket:
+    """A worker's socket, bound as uvicorn binds its own, with SO_REUSEPORT."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
-        if listen:
-            sock.listen(_BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -136,19 +155,62 @@ def _forward(context: zmq.Context[zmq.Socket[bytes]], endpoints: list[str], publ
     threading.Thread(target=relay, name="peers-forward", daemon=True).start()
 
 
+class _Steering:
+    """Which of the port's listening sockets the kernel gives new connections: a classic BPF program on their
+    SO_REUSEPORT group returns one of the chosen sockets' indices there, at random. A socket's index is its
+    place in the order they began listening, the slots' (run_workers), and stays so: no socket leaves the
+    group while the pool serves. Where the kernel takes no program, its own even spread stays: a restarting
+    worker's socket takes its share of new connections, which wait for the successor."""
+
+    def __init__(self, member: socket.socket) -> None:
+        self._member = member
+        self._chosen: tuple[int, ...] | None = ()
+
+    def to(self, indices: Sequence[int]) -> None:
+        if self._chosen is None or tuple(indices) == self._chosen:
+            return
+        code = b"".join(struct.pack("HBBI", *step) for step in _one_of(indices))
+        steps = ctypes.create_string_buffer(code)  # the kernel copies it during the call
+        program = struct.pack("HP", len(code) // 8, ctypes.addressof(steps))
+        try:
+            self._member.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_REUSEPORT_CBPF, program)
+        except OSError as exc:
+            self._chosen = None
+            log.warning("new connections cannot be steered to the workers that serve: %s", exc)
+            return
+        self._chosen = tuple(indices)
+
+
+def _one_of(indices: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """The program: A random number modulo len(indices) picks one (a chain of comparisons, as classic BPF
+    has no tables)."""
+    steps = [_LOAD_RANDOM, (_MODULO, 0, 0, len(indices))]
+    for position, index in enumerate(indices[:-1]):
+        steps += [(_IF_EQUAL, 0, 1, position), (_RETURN, 0, 0, index)]
+    return [*steps, (_RETURN, 0, 0, indices[-1])]
+
+
 class WorkerPool:
-    """The parent of `kvroute serve --workers N`: starts the workers, restarts those that exit, passes
-    signals on. (Not router/supervisor.py, which runs a process's background loops.)"""
+    """The parent of `kvroute serve --workers N`: starts the workers, restarts those that exit, steers new
+    connections to those that serve, passes signals on. (Not router/supervisor.py, which runs a process's
+    background loops.)"""
 
     def __init__(
-        self, config: RouterConfig, path: Path, host: str, port: int, root: Path, endpoints: list[str]
+        self,
+        config: RouterConfig,
+        path: Path,
+        address: tuple[str, int],
+        listeners: list[socket.socket],
+        root: Path,
+        endpoints: list[str],
     ) -> None:
-        self._config, self._path, self._host, self._port = config, path, host, port
+        self._config, self._path, (self._host, self._port) = config, path, address
         self._endpoints = endpoints
         self._metrics_dir, self._ready_dir = root / "metrics", root / "ready"
         self._metrics_dir.mkdir()
         self._ready_dir.mkdir()
-        self._slots = [_Slot(i) for i in range(len(endpoints))]
+        self._slots = [_Slot(i, listener) for i, listener in enumerate(listeners)]
+        self._steering = _Steering(listeners[0])
         self._signals: list[int] = []
         self._announced = False
 
@@ -184,15 +246,23 @@ class WorkerPool:
                         self._start(slot)
                 elif slot.process.poll() is not None and not self._exited(slot, now):
                     return 1
+            self._steer()
             self._announce()
-            time.sleep(_POLL_S)
+            self._pause()
+
+    def _pause(self) -> None:
+        """_POLL_S, or less when a worker exits meanwhile: its socket is steered away from at once."""
+        exits = [slot.exits for slot in self._slots if slot.exits is not None]
+        select.select(exits, [], [], _POLL_S)
 
     def _start(self, slot: _Slot) -> None:
         others = [e for i, e in enumerate(self._endpoints) if i != slot.index]
+        fd = slot.listener.fileno()
         spec = _Spec(
             str(self._path),
             self._host,
             self._port,
+            fd,
             self._endpoints[slot.index],
             others,
             str(self._ready_dir),
@@ -201,43 +271,70 @@ class WorkerPool:
         )
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self._metrics_dir)}
         argv = [sys.executable, "-m", "router.http.workers", msgspec.json.encode(spec).decode()]
-        slot.process = subprocess.Popen(argv, env=env)
+        # The worker inherits the blocked SIGHUP through exec: until its first line ignores it, a SIGHUP (the
+        # pool's, passed on, or a terminal's hangup to the whole group) would end it. This thread's only: one
+        # sent to the pool meanwhile reaches its handler through another thread, or waits.
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            slot.process = subprocess.Popen(argv, env=env, pass_fds=(fd,))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        with contextlib.suppress(OSError, AttributeError):  # without one, _pause sleeps its whole time
+            slot.exits = os.pidfd_open(slot.process.pid)
         slot.started = time.monotonic()
         log.info("worker %d started: pid %d", slot.index, slot.process.pid)
 
     def _exited(self, slot: _Slot, now: float) -> bool:
-        """Schedule the worker's restart; False when it keeps failing to start: the pool gives up."""
+        """Schedule the worker's restart; False when it keeps failing to start and no other worker serves:
+        the pool gives up."""
         assert slot.process is not None
         pid, code = slot.process.pid, slot.process.returncode
         slot.process = None
+        if slot.exits is not None:
+            os.close(slot.exits)
+            slot.exits = None
         mark_process_dead(pid, str(self._metrics_dir))  # type: ignore[no-untyped-call]
         ready = self._ready_dir / str(pid)
-        served = ready.exists()
+        served, slot.served = slot.served or ready.exists(), False
         ready.unlink(missing_ok=True)
-        slot.startup_failures = 0 if served else slot.startup_failures + 1
-        if slot.startup_failures >= MAX_STARTUP_FAILURES:
-            log.error(
-                "worker %d exited with %s before serving, %d times in a row: stopping",
-                slot.index,
-                code,
-                slot.startup_failures,
-            )
+        serving = self._steer()
+        delay = _restart_delay(slot, code, served, now)
+        failed = f" before serving ({slot.startup_failures} in a row)" if slot.startup_failures else ""
+        if slot.startup_failures >= MAX_STARTUP_FAILURES and not serving:
+            log.error("worker %d exited with %s%s, and no worker serves: stopping", slot.index, code, failed)
             return False
-        if now - slot.started > _SERVED_LONG_S:
-            slot.backoff_s = _FIRST_BACKOFF_S
-        delay, slot.backoff_s = slot.backoff_s, min(slot.backoff_s * 2, _MAX_BACKOFF_S)
         slot.restart_at = now + delay
         log.warning(
-            "worker %d (pid %d) exited with %s; restarting it in %.1f s", slot.index, pid, code, delay
+            "worker %d (pid %d) exited with %s%s; restarting it in %.1f s",
+            slot.index,
+            pid,
+            code,
+            failed,
+            delay,
         )
         return True
+
+    def _steer(self) -> list[int]:
+        """New connections to the workers that serve, whose slots it returns; while none does, to every
+        socket, where they wait."""
+        serving = [slot.index for slot in self._slots if self._serves(slot)]
+        self._steering.to(serving or [slot.index for slot in self._slots])
+        return serving
+
+    def _serves(self, slot: _Slot) -> bool:
+        """Whether slot's worker accepts connections now: it made its ready file, and has not removed it."""
+        if slot.process is None or slot.process.poll() is not None:
+            return False
+        serves = (self._ready_dir / str(slot.process.pid)).exists()
+        slot.served |= serves
+        return serves
 
     def _announce(self) -> None:
         if self._announced:
             return
-        pids = [slot.process.pid for slot in self._slots if slot.process is not None]
-        if len(pids) == len(self._slots) and all((self._ready_dir / str(pid)).exists() for pid in pids):
+        if all(self._serves(slot) for slot in self._slots):
             self._announced = True
+            pids = [slot.process.pid for slot in self._slots if slot.process is not None]
             log.info(
                 "%d workers serving on %s:%d, pids %s",
                 len(pids),
@@ -254,11 +351,15 @@ class WorkerPool:
 
     def _stop(self) -> None:
         """SIGTERM every worker, and wait for them to drain; a further SIGTERM or SIGINT asks them to end at
-        once (as SIGINT, which uvicorn takes for a second), and SIGKILL ends those left past the grace."""
+        once (as SIGINT, which uvicorn takes for a second), and SIGKILL ends those left past the grace. A
+        socket whose worker no longer accepts refuses new connections from then on."""
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + self._config.shutdown_grace_s + _KILL_AFTER_S
         running = [slot.process for slot in self._slots if slot.process is not None]
         while any(process.poll() is None for process in running) and time.monotonic() < deadline:
+            for slot in self._slots:
+                if not self._serves(slot):
+                    _stop_listening(slot.listener)
             if any(signum != signal.SIGHUP for signum in self._signals):
                 self._signals.clear()
                 self._signal_all(signal.SIGINT)
@@ -268,12 +369,39 @@ class WorkerPool:
                 log.warning("worker pid %d still running after the grace period: killed", process.pid)
                 process.kill()
                 process.wait()
+        for slot in self._slots:
+            if slot.exits is not None:
+                os.close(slot.exits)
+
+
+def _stop_listening(sock: socket.socket) -> None:
+    """Takes sock out of the port's group, though its worker may hold it open too: what waits in its queue is
+    reset (moved to the others' queues, under Linux's net.ipv4.tcp_migrate_req), and new connections go to
+    the others, or are refused. Only once its worker has closed its own listener: uvloop takes an error on
+    the socket it polls for a fatal one."""
+    with contextlib.suppress(OSError):
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.shutdown(socket.SHUT_RD)  # on a listening socket only: on another it would end the reading
+
+
+def _restart_delay(slot: _Slot, code: int, served: bool, now: float) -> float:
+    """How soon slot's worker, exited with code, starts again; its failures counted. A death by a signal that
+    asks a process to end is neither a crash nor a failure to start. Any other exit before serving is a
+    failure to start; any soon after the start, a crash (the OOM killer's SIGKILL among them), doubles the
+    wait for the next."""
+    if -code in _ASKED_TO_END:
+        return 0.0
+    slot.startup_failures = 0 if served else slot.startup_failures + 1
+    if now - slot.started > _SERVED_LONG_S:
+        slot.backoff_s = 0.0
+    delay = slot.backoff_s
+    slot.backoff_s = min(max(2 * delay, _FIRST_BACKOFF_S), _MAX_BACKOFF_S)
+    return delay
 
 
 def _worker(spec: _Spec) -> int:
-    from router.http.server import Worker, run_server
-
     _end_with(spec.parent)
+    listener = socket.socket(fileno=spec.listener)
     path = Path(spec.config)
     try:
         config = load_config(path)
@@ -283,13 +411,6 @@ def _worker(spec: _Spec) -> int:
         return 2
     own = {"publish": spec.publish, "subscribe": [*spec.follow, *config.peers.subscribe]}
     peers = PeersConfig.model_validate(config.peers.model_dump() | own)
-    try:
-        # Listening starts when uvicorn serves, after the app's startup: a connection must not wait in the
-        # backlog of a worker still starting (or be reset with it).
-        listener = _listen(spec.host, spec.port, listen=False)
-    except OSError as exc:
-        print(f"kvroute serve: cannot listen on {spec.host}:{spec.port}: {exc}", file=sys.stderr)
-        return 1
     ready = Path(spec.ready_dir) / str(os.getpid())
     run_server(config, spec.host, spec.port, path, Worker(listener, peers, ready))
     return 0
@@ -303,7 +424,16 @@ def _end_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _ignore_hangups() -> None:
+    """SIGHUP, blocked since the pool started this process, ignored until the reloader takes it: the file is
+    read at the start, and the reloader's first look reloads it when it changed meanwhile, so an earlier
+    SIGHUP has nothing to add. (Ignoring it discards one that waits.)"""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+
+
 if __name__ == "__main__":
+    _ignore_hangups()
     worker_spec = msgspec.json.decode(sys.argv[1], type=_Spec)
     logging.basicConfig(
         level=worker_spec.log_level,
