@@ -1,9 +1,9 @@
-"""SIGHUP never ends `kvroute serve`, alone or with workers, whatever phase of its life it comes in: from its
-first line on, all through the start-up (imports, tokenizer, the app's startup, each worker's own start, which
-begins with SIGHUP blocked), while it serves (it reloads), and during the shutdown (the exit is SIGTERM's). And
-the pool counts no death by a signal that asks a process to end as a failure to start, while one worker's
-deaths at start-up by SIGKILL (as the OOM killer sends) back off without ending a pool whose other worker
-serves.
+"""SIGHUP never ends `kvroute serve`, alone or with workers, or `kvroute epp`, whatever phase of its life it
+comes in: from its first line on, all through the start-up (imports, tokenizer, the app's startup, each
+worker's own start, which begins with SIGHUP blocked), while it serves (it reloads), and during the shutdown
+(the exit is SIGTERM's). And the pool counts no death by a signal that asks a process to end as a failure to
+start, while one worker's deaths at start-up by SIGKILL (as the OOM killer sends) back off without ending a
+pool whose other worker serves.
 
 (The interpreter's own start, about 0.1 s, comes before any line of kvroute's: a SIGHUP then ends it, as it
 would any program; a parent can spare its child that, as the pool spares its workers.)"""
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,38 +25,52 @@ from tests.router.test_serve_workers import start_workers
 from tests.router.test_shutdown import EXITED_ON_SIGTERM
 
 
-def _serve(fleet: FleetPorts, tmp_path: Path, extra: list[str]) -> tuple[Child, int]:
-    config = tmp_path / "router.yaml"
-    config.write_text(yaml.safe_dump(fleet.router_config()))
-    port = free_port_block(1)
-    return start("router", ["serve", "--config", str(config), "--port", str(port), *extra], tmp_path), port
+@dataclass(frozen=True)
+class _Command:
+    args: list[str]  # after the configuration's and the port's
+    exit_code: int  # on SIGTERM
+    reloads: bool  # logs its reloads (the endpoint picker's reload is router/epp's)
+
+    def start(self, fleet: FleetPorts, tmp_path: Path) -> tuple[Child, str]:
+        """The process, and the URL that answers once it serves."""
+        config = tmp_path / "router.yaml"
+        config.write_text(yaml.safe_dump(fleet.router_config()))
+        port = free_port_block(2)
+        argv = [*self.args[:1], "--config", str(config), "--port", str(port), *self.args[1:]]
+        if self.args[0] == "epp":
+            argv += ["--metrics-port", str(port + 1)]
+            return start("epp", argv, tmp_path), f"http://127.0.0.1:{port + 1}/metrics"
+        return start("router", argv, tmp_path), f"http://127.0.0.1:{port}/health"
 
 
 def _log(child: Child) -> str:
     return child.log_path.read_text(errors="replace")
 
 
-def _serves(child: Child, url: str, workers: bool) -> bool:
-    return http_ok(url + "/health") and (not workers or "2 workers serving on" in _log(child))
+def _serves(child: Child, url: str, command: _Command) -> bool:
+    return http_ok(url) and ("--workers" not in command.args or "2 workers serving on" in _log(child))
 
 
 @pytest.mark.parametrize(
-    ("extra", "exit_code"),
-    [pytest.param([], EXITED_ON_SIGTERM, id="alone"), pytest.param(["--workers", "2"], 0, id="workers")],
+    "command",
+    [
+        pytest.param(_Command(["serve"], EXITED_ON_SIGTERM, True), id="alone"),
+        pytest.param(_Command(["serve", "--workers", "2"], 0, True), id="workers"),
+        pytest.param(_Command(["epp"], 0, False), id="epp"),
+    ],
 )
 def test_sighup_at_every_phase_neither_ends_it_nor_stops_it_serving(
-    fleet: FleetPorts, tmp_path: Path, extra: list[str], exit_code: int
+    fleet: FleetPorts, tmp_path: Path, command: _Command
 ) -> None:
-    child, port = _serve(fleet, tmp_path, extra)
-    group, url = child.process.pid, f"http://127.0.0.1:{port}"
-    workers = "--workers" in extra
+    child, url = command.start(fleet, tmp_path)
+    group = child.process.pid
     try:
         eventually(lambda: sighup_taken(group) or child.process.poll() is not None, 60, "SIGHUP taken")
         threads = sighup_taken(group)
         # To the whole group, as a terminal's hangup: the pool, and each worker from its spawn on.
         with Hangups(group) as hangups:
             eventually(
-                lambda: child.process.poll() is not None or _serves(child, url, workers), 120, "serving"
+                lambda: child.process.poll() is not None or _serves(child, url, command), 120, "serving"
             )
         assert child.process.poll() is None, f"ended by a SIGHUP at start-up:\n{child.log_tail()}"
         # Taken from its first line: before the start-up's work, which soon starts threads.
@@ -63,11 +78,12 @@ def test_sighup_at_every_phase_neither_ends_it_nor_stops_it_serving(
         assert hangups.sent >= 3
         for _ in range(3):
             os.killpg(group, signal.SIGHUP)
-            assert http_ok(url + "/health")
-        eventually(lambda: "configuration reloaded on SIGHUP" in _log(child), 30, "a reload on SIGHUP")
+            assert http_ok(url)
+        if command.reloads:
+            eventually(lambda: "configuration reloaded on SIGHUP" in _log(child), 30, "a reload on SIGHUP")
         child.process.send_signal(signal.SIGTERM)
         with Hangups(group):
-            assert child.wait(90) == exit_code, child.log_tail()
+            assert child.wait(90) == command.exit_code, child.log_tail()
         assert "exited with" not in _log(child)  # no worker died
     finally:
         child.stop()
