@@ -190,8 +190,8 @@ def test_a_killed_worker_loses_no_later_request_and_is_replaced(served: Served) 
     victim = min(before)
     os.kill(victim, signal.SIGKILL)
     _eventually(lambda: not alive(victim))
-    # Once its pool has reaped it: a request sent in the ~0.1 s before was reset in 3 of 6 runs (not
-    # understood; its socket may still be in the port's SO_REUSEPORT group until then).
+    # Once its pool has reaped it and steered new connections away (tests/router/test_worker_faults.py checks
+    # the connections that come in meanwhile: they wait for the successor).
     _eventually(lambda: "exited with -9" in served.child.log_path.read_text())
     for i in range(20):  # the other worker takes every connection meanwhile
         assert int(chat(served, [{"role": "user", "content": f"after {i}"}])[WORKER]) != victim
