@@ -68,8 +68,10 @@ def _request(prompt: str, stream: bool, version: str = "1.1", *headers: str) -> 
 
 def _until_closed(sock: socket.socket) -> bytes:
     received = b""
-    while data := sock.recv(65536):
-        received += data
+    # A server closing with a byte unread resets the connection: what came before it still counts.
+    with contextlib.suppress(ConnectionResetError):
+        while data := sock.recv(65536):
+            received += data
     return received
 
 
@@ -93,6 +95,14 @@ def _closed_after(sock: socket.socket, since: float) -> tuple[float, bytes]:
     return time.monotonic() - since, received
 
 
+def _closed_between(sock: socket.socket, before: float, after: float) -> tuple[float, float, bytes]:
+    """When the server closed sock, counted from a moment before the server's clock started (the lower
+    bound) and from one after it (the upper): a client on a loaded machine reads an answer late."""
+    received = _until_closed(sock)
+    now = time.monotonic()
+    return now - before, now - after, received
+
+
 def test_a_connection_that_sends_nothing_is_closed_silently(port: int) -> None:
     opened = time.monotonic()
     with _connect(port) as sock:
@@ -107,7 +117,8 @@ def test_a_head_sent_a_byte_at_a_time_and_never_ended_is_answered_408(port: int)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         readable: list[socket.socket] = []
         while not readable and time.monotonic() - opened < HEADER_TIMEOUT_S + MARGIN_S:
-            sock.sendall(b"x")  # X-xxxx... one byte at a time, never ": value\r\n\r\n"
+            with contextlib.suppress(OSError):  # closed meanwhile: what is sent is read below
+                sock.sendall(b"x")  # X-xxxx... one byte at a time, never ": value\r\n\r\n"
             readable, _, _ = select.select([sock], [], [], 0.2)
         after, received = _closed_after(sock, opened)
     head, _, body = received.partition(b"\r\n\r\n")
@@ -123,6 +134,7 @@ def test_a_keep_alive_connection_outlives_the_header_timeout_while_it_asks(port:
     timer; this one still ends it."""
     with _connect(port) as sock:
         for prompt, stream in [("a", False), ("slow", True), ("b", False), ("c", False), ("d", True)]:
+            asked = time.monotonic()
             sock.sendall(_request(prompt, stream))
             head, body = _read_answer(sock)
             assert head.startswith(b"HTTP/1.1 200 "), head
@@ -130,9 +142,9 @@ def test_a_keep_alive_connection_outlives_the_header_timeout_while_it_asks(port:
             answered = time.monotonic()
             time.sleep(HEADER_TIMEOUT_S / 4)
         sock.sendall(b"GET /health HTTP/1.1\r\nHost:")
-        after, received = _closed_after(sock, answered)
+        since_asked, since_answered, received = _closed_between(sock, asked, answered)
     assert received.startswith(b"HTTP/1.1 408 ")
-    assert HEADER_TIMEOUT_S - 0.1 <= after <= HEADER_TIMEOUT_S + MARGIN_S
+    assert since_asked >= HEADER_TIMEOUT_S - 0.1 and since_answered <= HEADER_TIMEOUT_S + MARGIN_S
 
 
 @pytest.mark.parametrize(
@@ -214,9 +226,11 @@ def test_an_idle_keep_alive_connection_is_still_closed_after_uvicorns_5_s(
     upstream: int, tmp_path: Path
 ) -> None:
     with running_router(_config(upstream, header_timeout_s=60), tmp_path) as url:
-        with _connect(int(url.rsplit(":", 1)[1])) as sock:
+        address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        with socket.create_connection(address, timeout=5 + MARGIN_S) as sock:
+            asked = time.monotonic()
             sock.sendall(_request("a", False))
             assert _read_answer(sock)[0].startswith(b"HTTP/1.1 200 ")
-            after, received = _closed_after(sock, time.monotonic())
+            since_asked, since_answered, received = _closed_between(sock, asked, time.monotonic())
     assert received == b""
-    assert 5 - 0.5 <= after <= 5 + MARGIN_S
+    assert since_asked >= 5 - 0.1 and since_answered <= 5 + MARGIN_S
