@@ -30,7 +30,7 @@ from router.dispatch.routing_headers import (
     PROMPT_BLOCKS_HEADER,
     WAIT_CAUSED_HEADER,
 )
-from router.errors import MALFORMED_HTTP, OpenAIError
+from router.errors import OpenAIError
 from router.http.admin import admin_routes, admin_token
 from router.http.body_budget import BodyBudget
 from router.http.client_auth import ClientAuth, client_key_digests
@@ -61,7 +61,7 @@ _EXPOSED = [
 class RouterApp(NamedTuple):
     api: FastAPI  # every route; its state holds the proxy once the lifespan has started
     asgi: ASGIApp  # what the server runs: the request limits and the OpenAI fast path in front of api
-    malformed_http: Callable[[], None]  # counts what the HTTP parser refused before the app saw it
+    refused_http: Callable[[str], None]  # counts, by its code, what the server refused before the app saw it
 
 
 def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfig | None = None) -> RouterApp:
@@ -83,8 +83,8 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
         if error.status < 500 and error.status != 429:
             metrics.client_errors(str(error.code)).inc()
 
-    def malformed_http() -> None:
-        metrics.client_errors(MALFORMED_HTTP).inc()
+    def refused_http(code: str) -> None:
+        metrics.client_errors(code).inc()
 
     def current_admin_token() -> str | None:
         return admin_token(runtime.config.admin)
@@ -106,12 +106,12 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
     )
     auth = ClientAuth(limits, client_key_digests(config.auth), metrics.rejected("invalid_api_key").inc)
     if not config.cors.allow_origins:
-        return RouterApp(app, auth, malformed_http)
+        return RouterApp(app, auth, refused_http)
     # Outermost: a browser's preflight carries no API key, and every answer, errors too, needs the headers.
     cors = CORSMiddleware(
         auth, config.cors.allow_origins, allow_methods=["*"], allow_headers=["*"], expose_headers=_EXPOSED
     )
-    return RouterApp(app, cors, malformed_http)
+    return RouterApp(app, cors, refused_http)
 
 
 def _lifespan(

@@ -87,7 +87,7 @@ def run_server(
     headers = [] if worker is None else [(WORKER_HEADER, str(os.getpid()))]
     head_limit = config.limits.header_timeout_s
     serving = server_config(
-        app.asgi, host, port, app.malformed_http, head_limit, timeout_graceful_shutdown=grace, headers=headers
+        app.asgi, host, port, app.refused_http, head_limit, timeout_graceful_shutdown=grace, headers=headers
     )
     if worker is None:
         _GracefulServer(serving, app.api, config.shutdown_grace_s).run()

@@ -17,8 +17,9 @@ _MALFORMED_MESSAGE = "The request is not valid HTTP/1.1: its request line, heade
 _EARLY_S = 0.01  # a deadline this close is reached: uvloop's clock counts milliseconds
 
 
-def connection_protocol(header_timeout_s: float, refused: Callable[[], None]) -> type[HttpToolsProtocol]:
-    """refused: counts the 400s for malformed HTTP. A connection must complete a request's head within
+def connection_protocol(header_timeout_s: float, refused: Callable[[str], None]) -> type[HttpToolsProtocol]:
+    """refused: told the code of each answer it gives before any app sees the request (a 400 for malformed
+    HTTP, a 408 for a head too slow). A connection must complete a request's head within
     header_timeout_s of opening or of its previous answer's end (nginx's client_header_timeout), else it is
     closed: silently if it sent nothing, with a 408 if it began a head. uvicorn's keep-alive timeout still
     closes an idle connection sooner after an answer; any data unsets it, and this deadline does not move."""
@@ -73,13 +74,14 @@ def connection_protocol(header_timeout_s: float, refused: Callable[[], None]) ->
             if self.scope is not None and (cycle is None or cycle.scope is not self.scope):
                 message = f"The request's head did not arrive within {header_timeout_s:g} s."
                 body = error_json(message, "invalid_request_error", HEADER_TIMEOUT)
+                refused(HEADER_TIMEOUT)
                 self.transport.write(
                     _error_answer(b"408 Request Timeout", body, self.server_state.default_headers)
                 )
             self.transport.close()
 
         def send_400_response(self, msg: str) -> None:
-            refused()
+            refused(MALFORMED_HTTP)
             body = error_json(_MALFORMED_MESSAGE, "invalid_request_error", MALFORMED_HTTP)
             self.transport.write(_error_answer(b"400 Bad Request", body, self.server_state.default_headers))
             self.transport.close()

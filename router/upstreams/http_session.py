@@ -28,7 +28,7 @@ def server_config(
     app: Any,
     host: str,
     port: int,
-    malformed_http: Callable[[], None] = lambda: None,
+    refused_http: Callable[[str], None] = lambda code: None,
     header_timeout_s: float = LimitsConfig().header_timeout_s,
     **options: Any,
 ) -> uvicorn.Config:
@@ -37,7 +37,7 @@ def server_config(
         host=host,
         port=port,
         loop="uvloop",
-        http=connection_protocol(header_timeout_s, malformed_http),
+        http=connection_protocol(header_timeout_s, refused_http),
         access_log=False,
         log_level="warning",
         proxy_headers=False,  # nothing reads the client address; X-Forwarded-* is not trusted

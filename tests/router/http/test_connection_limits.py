@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import free_port_block, running_router, start, wait_healthy
+from tests.conftest import sample
 from tests.router.fake_upstreams import healthy, only_instance, serving
 
 HEADER_TIMEOUT_S = 2.0
@@ -112,6 +113,8 @@ def test_a_connection_that_sends_nothing_is_closed_silently(port: int) -> None:
 
 
 def test_a_head_sent_a_byte_at_a_time_and_never_ended_is_answered_408(port: int) -> None:
+    url = f"http://127.0.0.1:{port}"
+    counted = sample(url, "kvroute_client_errors_total", code="header_timeout") or 0
     opened = time.monotonic()
     with _connect(port) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
@@ -126,6 +129,7 @@ def test_a_head_sent_a_byte_at_a_time_and_never_ended_is_answered_408(port: int)
     assert b"connection: close" in head.lower()
     assert json.loads(body)["error"]["code"] == "header_timeout"
     assert HEADER_TIMEOUT_S - 0.1 <= after <= HEADER_TIMEOUT_S + MARGIN_S
+    assert sample(url, "kvroute_client_errors_total", code="header_timeout") == counted + 1
 
 
 def test_a_keep_alive_connection_outlives_the_header_timeout_while_it_asks(port: int) -> None:
