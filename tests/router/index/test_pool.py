@@ -226,9 +226,9 @@ def test_a_block_announced_again_while_the_master_is_asked_stays() -> None:
     async def run() -> dict[str, TierMatch]:
         meanwhile = lambda: index.apply(B, [pooled(4, 1)])  # noqa: E731
         async with in_process_master(False, meanwhile) as url, aiohttp.ClientSession() as session:
-            return await PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics).matches(
-                "tiny-llama", prompt()
-            )
+            return await PoolConfirmer(
+                index, MasterLookup(url, session, timeout_s=2.0), POOL_NAMES, metrics
+            ).matches("tiny-llama", prompt())
 
     assert asyncio.run(run()) == {"a": TierMatch(gpu=2)}
     assert index.pooled(prompt(), 0, 10, "model") == [(4, vllm_hash(4, as_bytes=True))]
@@ -257,7 +257,7 @@ def test_a_decision_with_pool_credit_probes_the_index_once(monkeypatch: pytest.M
 
     async def run() -> dict[str, TierMatch]:
         async with in_process_master(True) as url, aiohttp.ClientSession() as session:
-            pool = PoolConfirmer(index, MasterLookup(url, session), POOL_NAMES, metrics)
+            pool = PoolConfirmer(index, MasterLookup(url, session, timeout_s=2.0), POOL_NAMES, metrics)
             router = Decider(index, {"tiny-llama": PromptTokens()}, BS, metrics, pool=pool)  # type: ignore[dict-item]
             body = CompletionRequest(prompt="the prompt", model="tiny-llama")
             return (await router.prepare(body, None)).request.matches
@@ -274,7 +274,7 @@ def test_confirmed_blocks_are_trusted_for_a_while(master: Master) -> None:
         async with aiohttp.ClientSession() as session:
             confirmer = PoolConfirmer(
                 index,
-                MasterLookup(master.admin_url, session),
+                MasterLookup(master.admin_url, session, timeout_s=2.0),
                 {"tiny-llama": "model"},
                 metrics,
                 confirm_ttl_s=60,
