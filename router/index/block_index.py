@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 from router.index.events import KVEvent
@@ -59,6 +59,13 @@ class BlockIndex:
     def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
         """One batch of an owner's KV events, in order."""
         self._ingest.apply(self._holdings.owner(owner), self._pools.of(owner[0]), events)
+
+    def apply_in_steps(self, owner: Owner, events: Sequence[KVEvent], step_blocks: int) -> Iterator[None]:
+        """apply(owner, events) in steps of about step_blocks blocks, for a caller that gives others turns
+        between them (router/index/ingest.py says what a lookup between two sees). The caller stops taking
+        steps when the owner is dropped or forgotten meanwhile."""
+        state, pool = self._holdings.owner(owner), self._pools.of(owner[0])
+        return self._ingest.apply_in_steps(state, pool, events, step_blocks)
 
     def drop_instance(self, instance: str) -> None:
         """Forget everything every rank of instance holds (it restarted)."""

@@ -138,6 +138,72 @@ class Holdings:
                 return packed
         return None
 
+    def store(
+        self, state: OwnerState, tier: Tier, keys: Sequence[int], own: list[int], counted: bool
+    ) -> None:
+        """Enter blocks for state by their vLLM keys (vllm_key), of kvroute hashes own, the last one first;
+        counted=False keeps a block stored twice at one reference."""
+        blocks, holders, bit = state.blocks[tier], self.holders[tier], state.bit
+        # Blocks no one holds, under keys the owner does not use: the common case, bulk inserted in C, tail
+        # first (see below). A key in use with other content (an inconsistent publisher, a 64-bit collision)
+        # must take the per-block path: overwritten, it would be counted twice and its old hash kept.
+        if holders.keys().isdisjoint(own) and blocks.keys().isdisjoint(keys):
+            holders.update(zip(reversed(own), itertools.repeat(bit)))
+            blocks.update(zip(reversed(keys), [(h << COUNT_BITS) + 1 for h in reversed(own)], strict=True))
+            self.entries += len(own)
+            self.stats.stored += len(own)
+            return
+        pop, held = blocks.pop, holders.get
+        bump = 1 if counted else 0
+        added = 0
+        # Tail first: the bound drops an owner's oldest-inserted entries first, and like vLLM's eviction it
+        # should cut chains from their ends, not their roots. Re-inserting makes an entry the newest.
+        for index in range(len(own) - 1, -1, -1):
+            key, own_hash = keys[index], own[index]
+            packed = pop(key, None)
+            if packed is None:
+                added += 1
+                holders[own_hash] = held(own_hash, 0) | bit
+                blocks[key] = (own_hash << COUNT_BITS) + 1
+            else:
+                blocks[key] = packed + bump if packed & COUNT_MASK != COUNT_MASK else packed
+        self.entries += added
+        self.stats.stored += len(own)
+
+    def store_known(
+        self,
+        publisher: OwnerState,
+        state: OwnerState,
+        tier: Tier,
+        vllm_hashes: Sequence[BlockHash],
+        pool: PoolState,
+        counted: bool = True,
+    ) -> list[tuple[int, BlockHash]]:
+        """Blocks announced without their tokens or extra keys (pool writes, offloads): the publisher computed
+        them, so its own cache announced them first, with both, under the same vLLM hashes. Entered for state
+        as store would; (kvroute hash, vLLM hash) of those known, as the others are skipped."""
+        blocks, holders, bit = state.blocks[tier], self.holders[tier], state.bit
+        find, bump = self.find, 1 if counted else 0
+        known: list[tuple[int, BlockHash]] = []
+        for vllm_hash in reversed(vllm_hashes):  # tail first, as store
+            key = vllm_key(vllm_hash)
+            packed = blocks.pop(key, None)
+            if packed is None:
+                found = find(publisher, key, pool)
+                if found is None:
+                    self.stats.orphaned += 1
+                    continue
+                own_hash = found >> COUNT_BITS
+                packed = (own_hash << COUNT_BITS) + 1
+                holders[own_hash] = holders.get(own_hash, 0) | bit  # the pool's bit is its members' mask
+                self.entries += 1
+            elif packed & COUNT_MASK != COUNT_MASK:
+                packed += bump
+            blocks[key] = packed
+            known.append((packed >> COUNT_BITS, vllm_hash))
+        self.stats.stored += len(known)
+        return known
+
     def remove(self, state: OwnerState, tier: Tier, vllm_hashes: Sequence[BlockHash]) -> None:
         blocks = state.blocks[tier]
         release = self.release

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
+from msgspec.structs import replace
+
 from router.index.events import EVENT_TYPES, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
-from router.index.holdings import COUNT_BITS, COUNT_MASK, Holdings, OwnerState, PoolState, Tier, vllm_key
+from router.index.holdings import COUNT_BITS, Holdings, OwnerState, PoolState, Tier, vllm_key
 from router.index.kv_groups import CONSTRAINING_KINDS, GroupConstraints
 from router.index.pool_tier import PoolTier
 from router.prompt import block_hashing
@@ -29,6 +33,27 @@ _GPU_MEDIA = frozenset({None, "GPU"})
 _HANDLED = (BlockStored, BlockRemoved, AllBlocksCleared)
 if set(_HANDLED) != set(EVENT_TYPES):
     raise TypeError(f"BlockIndex.apply handles {_HANDLED}; router/index/events.py has {list(EVENT_TYPES)}")
+
+
+# Steps of an unbounded size: apply's own, in one.
+_WHOLE = sys.maxsize
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What a batch's earlier events tell its later ones, kept while it is applied (at once or in steps)."""
+
+    events: Sequence[KVEvent]
+    # vLLM's scheduler publishes its GPU block pool's events, then its connector's: an event of another medium
+    # means the rest of the batch is the connector's.
+    past_gpu: bool = False
+    # Constraining groups' events, applied once the batch's full-attention blocks are in: a group's block
+    # takes the kvroute hash of the full-attention block at its position, which may come later.
+    grouped: list[BlockStored | BlockRemoved] = field(default_factory=list)
+    hybrid: bool | None = None  # learnt once a batch, when a constraining group's store comes
+
+    def state(self) -> tuple[bool, list[BlockStored | BlockRemoved], bool | None]:
+        return self.past_gpu, self.grouped, self.hybrid
 
 
 class Ingest:
@@ -52,14 +77,58 @@ class Ingest:
 
     def apply(self, state: OwnerState, pool: PoolState, events: Sequence[KVEvent]) -> None:
         """One batch of state's events; pool: its pool name's pseudo-owner."""
-        # vLLM's scheduler publishes its GPU block pool's events, then its connector's: an event of another
-        # medium means the rest of the batch is the connector's.
-        past_gpu = False
-        # Constraining groups' events, applied once the batch's full-attention blocks are in: a group's block
-        # takes the kvroute hash of the full-attention block at its position, which may come later.
-        grouped: list[BlockStored | BlockRemoved] = []
-        hybrid: bool | None = None  # learnt once a batch, when a constraining group's store comes
+        grouped = self._take(state, pool, events, None, None)[2]
+        if grouped:
+            self._apply_grouped(state, grouped)
+        if self._holdings.entries > self._holdings.max_entries:
+            self._holdings.shrink(self._pools.states())
+
+    def apply_in_steps(
+        self, state: OwnerState, pool: PoolState, events: Sequence[KVEvent], step_blocks: int
+    ) -> Iterator[None]:
+        """apply, in steps of about step_blocks blocks, for a caller that lets others run between them.
+
+        Run to its end, it has done what apply does (for a batch that names no block twice in one event). A
+        lookup between two steps sees the batch up to some point and nothing after it: a store of more
+        blocks than a step is checked and hashed first, then entered from its end, so that none of it is
+        reachable along a chain until all of it is; a removal of more may be seen in part, as if its blocks
+        had come one an event, as vLLM sends them. The constraining groups' events come last, as in apply.
+        """
+        batch = _Batch(events)
+        start = 0
+        while start < len(events):
+            end = work = 0
+            for end, event in enumerate(itertools.islice(events, start, None), start=start + 1):  # noqa: B007
+                work += 1 if isinstance(event, AllBlocksCleared) else len(event.block_hashes)
+                if work >= step_blocks:
+                    break
+            taken, parts, _ = self._take(state, pool, events[start:end], batch, step_blocks)
+            start += taken
+            if parts is not None:
+                yield from parts  # which ends with a step of its own
+            else:
+                yield
+        yield from self._grouped_in_steps(state, batch.grouped, step_blocks)
+        if self._holdings.entries > self._holdings.max_entries:
+            self._holdings.shrink(self._pools.states())
+
+    def _take(
+        self,
+        state: OwnerState,
+        pool: PoolState,
+        events: Sequence[KVEvent],
+        batch: _Batch | None,
+        step: int | None,
+    ) -> tuple[int, Iterator[None] | None, list[BlockStored | BlockRemoved]]:
+        """Apply events in order: a whole batch, or (with batch) a run of batch's. With step, an event of
+        more blocks than step ends the run. How many events were taken, that event's application in steps
+        (None when it was no such event), and the constraining groups' events, left for the batch's end."""
+        past_gpu, grouped, hybrid = (False, [], None) if batch is None else batch.state()
+        whole = events if batch is None else batch.events
+        parts: Iterator[None] | None = None
+        taken = 0
         for event in events:
+            taken += 1
             if not isinstance(event, AllBlocksCleared) and event.medium not in _GPU_MEDIA:
                 past_gpu = True
             if isinstance(event, BlockStored):
@@ -67,7 +136,7 @@ class Ingest:
                     continue
                 kind = event.kv_cache_spec_kind
                 if kind in CONSTRAINING_KINDS and event.medium in _GPU_MEDIA:
-                    hybrid = self._hybrid(state, events) if hybrid is None else hybrid
+                    hybrid = self._hybrid(state, whole) if hybrid is None else hybrid
                     if hybrid and event.block_size != self.block_size:  # not to be set beside the index's
                         self.stats.mismatched += 1
                         continue
@@ -76,24 +145,19 @@ class Ingest:
                         self._groups.declare(state.bit, event.group_idx, kind, window)
                         grouped.append(event)
                         continue
-                tier = self._tier(event.medium)
-                if tier is Tier.POOL:
-                    self._store_pooled(state, pool, event)
-                elif not event.token_ids:  # the OffloadingConnector's default announcement: a key alone
-                    self._store_known(state, state, tier, event, pool)
-                elif event.medium in _GPU_MEDIA or event.extra_keys is not None:
-                    self._store(state, tier, event, pool)
-                elif self._shaped(event):
-                    # An offload announced without its request's extra keys (vLLM 0.32's OffloadingConnector
-                    # defers them): hashed from its tokens, a salted prompt's or an adapter's block would be
-                    # another prompt's. Its vLLM hashes are its GPU copies', announced with the keys first.
-                    self._store_known(state, state, tier, event, pool)
+                parts = self._stored(state, pool, event, step)
+                if parts is not None:
+                    break
             elif isinstance(event, BlockRemoved):
                 if event.medium in _GPU_MEDIA and self._groups.is_group(state.bit, event.group_idx):
                     grouped.append(event)
                     continue
                 tier = self._tier(event.medium)
-                self._holdings.remove(pool if tier is Tier.POOL else state, tier, event.block_hashes)
+                owner, hashes = pool if tier is Tier.POOL else state, event.block_hashes
+                if step is not None and len(hashes) > step:
+                    parts = self._removed_in_steps(owner, tier, hashes, step)
+                    break
+                self._holdings.remove(owner, tier, hashes)
             elif isinstance(event, AllBlocksCleared):
                 # It names no medium (vLLM 0.32). The GPU block pool's reset sends one, and so does that of a
                 # SimpleCPUOffloadConnector's CPU block pool, which the same reset call makes after the GPU's:
@@ -104,10 +168,43 @@ class Ingest:
                     self._groups.clear(state.bit)
                 self._holdings.clear(state, self._offload_tiers if past_gpu else self._gpu_tiers)
                 past_gpu = True
-        if grouped:
-            self._apply_grouped(state, grouped)
-        if self._holdings.entries > self._holdings.max_entries:
-            self._holdings.shrink(self._pools.states())
+        if batch is not None:
+            batch.past_gpu, batch.grouped, batch.hybrid = past_gpu, grouped, hybrid
+        return taken, parts, grouped
+
+    def _stored(
+        self, state: OwnerState, pool: PoolState, event: BlockStored, step: int | None
+    ) -> Iterator[None] | None:
+        """Index a store of blocks that are the owner's own (not a constraining group's); with step, one of
+        more blocks than step is left to the steps returned."""
+        parts = step if step is not None and len(event.block_hashes) > step else None
+        tier = self._tier(event.medium)
+        if tier is Tier.POOL:
+            steps = self._store_pooled(state, pool, event, parts or _WHOLE)
+            if parts:
+                return steps
+            for _ in steps:
+                pass
+        elif event.token_ids and (event.medium in _GPU_MEDIA or event.extra_keys is not None):
+            if parts:
+                return self._store_in_steps(state, tier, event, pool, parts)
+            self._store(state, tier, event, pool)
+        elif not event.token_ids or self._shaped(event):
+            # Without tokens: the OffloadingConnector's default announcement, a key alone. Or an offload
+            # announced without its request's extra keys (vLLM 0.32's OffloadingConnector defers them): hashed
+            # from its tokens, a salted prompt's or an adapter's block would be another prompt's. Its vLLM
+            # hashes are its GPU copies', announced with the keys first.
+            if parts:
+                return self._store_known_in_steps(state, state, tier, event.block_hashes, pool, parts)
+            self._holdings.store_known(state, state, tier, event.block_hashes, pool)
+        return None
+
+    def _removed_in_steps(
+        self, owner: OwnerState, tier: Tier, hashes: Sequence[BlockHash], step: int
+    ) -> Iterator[None]:
+        for start in range(0, len(hashes), step):
+            self._holdings.remove(owner, tier, hashes[start : start + step])
+            yield
 
     def _tier(self, medium: str | None) -> Tier:
         return self._medium_tiers.get(medium, Tier.CPU)
@@ -149,6 +246,25 @@ class Ingest:
                     known.append((key, packed >> COUNT_BITS))
             self._groups.store(state.bit, event.group_idx, known)
 
+    def _grouped_in_steps(
+        self, state: OwnerState, events: Sequence[BlockStored | BlockRemoved], step: int
+    ) -> Iterator[None]:
+        """_apply_grouped in parts of about step blocks; an event of more is cut into events of its blocks."""
+        part: list[BlockStored | BlockRemoved] = []
+        blocks = 0
+        for event in events:
+            hashes = event.block_hashes
+            cut = range(0, len(hashes), step) if len(hashes) > step else ()
+            for piece in [replace(event, block_hashes=hashes[i : i + step]) for i in cut] if cut else [event]:
+                part.append(piece)
+                blocks += len(piece.block_hashes)
+                if blocks >= step:
+                    self._apply_grouped(state, part)
+                    part, blocks = [], 0
+                    yield
+        if part:
+            self._apply_grouped(state, part)
+
     # ---- stores -------------------------------------------------------------------------------------
 
     def _store(
@@ -157,38 +273,53 @@ class Ingest:
         """Index the event's blocks for state, whose parent may be in pool; their kvroute hashes, or [] when
         they cannot be indexed. counted=False keeps a block stored twice at one reference."""
         own = self._hashes(state, event, pool)
-        if not own:
-            return own
+        if own:
+            hashes = event.block_hashes
+            # Integer hashes are vLLM's 64 bits already; only bytes hashes need converting.
+            keys = cast("list[int]", hashes) if type(hashes[0]) is int else [vllm_key(h) for h in hashes]
+            self._holdings.store(state, tier, keys, own, counted)
+        return own
+
+    def _store_in_steps(
+        self,
+        state: OwnerState,
+        tier: Tier,
+        event: BlockStored,
+        pool: PoolState,
+        step: int,
+        counted: bool = True,
+    ) -> Generator[None, None, list[int]]:
+        """_store in steps of step blocks: checked and hashed first (which changes nothing), then entered from
+        the end, as Holdings.store enters them, so that nothing of it is reachable before all of it is."""
+        size, tokens, extra = self.block_size, event.token_ids, event.extra_keys
+        if not self._shaped(event):
+            return []
+        for start in range(0, len(tokens), step * size):
+            if max(tokens[start : start + step * size]) >= 1 << 32:  # as _hashes checks them all
+                self.stats.mismatched += 1
+                return []
+            yield
+        parent = self._parent(state, event, pool)
+        if parent is None:
+            return []
+        own: list[int] = []
+        for start in range(0, len(event.block_hashes), step):
+            keys = None if extra is None else extra[start : start + step]
+            try:
+                own += block_hashing.chain(tokens[start * size : (start + step) * size], size, parent, keys)
+            except OverflowError:  # a negative token id: no uint32
+                self.stats.mismatched += 1
+                return []
+            parent = own[-1]
+            yield
         hashes = event.block_hashes
-        # Integer hashes are vLLM's 64 bits already; only bytes hashes need converting.
-        keys = cast(list[int], hashes) if type(hashes[0]) is int else [vllm_key(h) for h in hashes]
-        holdings, blocks = self._holdings, state.blocks[tier]
-        holders, bit = holdings.holders[tier], state.bit
-        # Blocks no one holds, under keys the owner does not use: the common case, bulk inserted in C, tail
-        # first (see below). A key in use with other content (an inconsistent publisher, a 64-bit collision)
-        # must take the per-block path: overwritten, it would be counted twice and its old hash kept.
-        if holders.keys().isdisjoint(own) and blocks.keys().isdisjoint(keys):
-            holders.update(zip(reversed(own), itertools.repeat(bit)))
-            blocks.update(zip(reversed(keys), [(h << COUNT_BITS) + 1 for h in reversed(own)], strict=True))
-            holdings.entries += len(own)
-            self.stats.stored += len(own)
-            return own
-        pop, held = blocks.pop, holders.get
-        bump = 1 if counted else 0
-        added = 0
-        # Tail first: the bound drops an owner's oldest-inserted entries first, and like vLLM's eviction it
-        # should cut chains from their ends, not their roots. Re-inserting makes an entry the newest.
-        for index in range(len(own) - 1, -1, -1):
-            key, own_hash = keys[index], own[index]
-            packed = pop(key, None)
-            if packed is None:
-                added += 1
-                holders[own_hash] = held(own_hash, 0) | bit
-                blocks[key] = (own_hash << COUNT_BITS) + 1
-            else:
-                blocks[key] = packed + bump if packed & COUNT_MASK != COUNT_MASK else packed
-        holdings.entries += added
-        self.stats.stored += len(own)
+        integers = type(hashes[0]) is int  # for all parts, as _store decides it for all
+        for end in range(len(own), 0, -step):
+            start = max(0, end - step)
+            part = hashes[start:end]
+            keys = cast("list[int]", part) if integers else [vllm_key(h) for h in part]
+            self._holdings.store(state, tier, keys, own[start:end], counted)
+            yield
         return own
 
     def _hashes(self, state: OwnerState, event: BlockStored, pool: PoolState) -> list[int]:
@@ -199,19 +330,24 @@ class Ingest:
         if max(event.token_ids) >= 1 << 32:  # kvroute hashes token ids as uint32
             self.stats.mismatched += 1
             return []
-        if event.parent_block_hash is None:
-            parent = block_hashing.root_for(event.lora_name)
-        else:
-            packed = self._holdings.find(state, vllm_key(event.parent_block_hash), pool)
-            if packed is None:
-                self.stats.orphaned += len(event.block_hashes)
-                return []
-            parent = packed >> COUNT_BITS
+        parent = self._parent(state, event, pool)
+        if parent is None:
+            return []
         try:
             return block_hashing.chain(event.token_ids, self.block_size, parent, event.extra_keys)
         except OverflowError:  # a negative token id: no uint32
             self.stats.mismatched += 1
             return []
+
+    def _parent(self, state: OwnerState, event: BlockStored, pool: PoolState) -> int | None:
+        """The kvroute hash the event's blocks chain from; None, counted as orphaned, when it is unknown."""
+        if event.parent_block_hash is None:
+            return block_hashing.root_for(event.lora_name)
+        packed = self._holdings.find(state, vllm_key(event.parent_block_hash), pool)
+        if packed is None:
+            self.stats.orphaned += len(event.block_hashes)
+            return None
+        return packed >> COUNT_BITS
 
     def _shaped(self, event: BlockStored) -> bool:
         """Whether the event's blocks are the index's: of its block size, with their tokens (and extra keys,
@@ -226,7 +362,11 @@ class Ingest:
         self.stats.mismatched += 1
         return False
 
-    def _store_pooled(self, publisher: OwnerState, pool: PoolState, event: BlockStored) -> None:
+    def _store_pooled(
+        self, publisher: OwnerState, pool: PoolState, event: BlockStored, step: int
+    ) -> Iterator[None]:
+        """A pool write by publisher, entered for its pool name's pseudo-owner; in steps of step blocks
+        (_WHOLE: at once)."""
         hashes = event.block_hashes
         if type(hashes[0]) is not bytes:
             self.stats.unkeyed += len(hashes)
@@ -243,45 +383,35 @@ class Ingest:
         # vLLM's store worker announces pool writes without the request's extra keys (a LoRA adapter's name, a
         # cache salt): hashed from their tokens they would be the base model's plain blocks. The writer's own
         # cache announced them first, with those keys, so its kvroute hashes are taken when it knows them all.
-        find = self._holdings.find
-        if event.token_ids and not all(find(publisher, vllm_key(h), pool) is not None for h in hashes):
-            own = self._store(pool, Tier.POOL, event, pool, counted=False)  # all of the blocks or none
-            pool.hashes.update(zip(own, cast(list[bytes], hashes), strict=False))
+        find, known_all = self._holdings.find, True
+        for start in range(0, len(hashes) if event.token_ids else 0, step):
+            if not all(find(publisher, vllm_key(h), pool) is not None for h in hashes[start : start + step]):
+                known_all = False
+                break
+            yield
+        if not known_all:
+            own = yield from self._store_in_steps(pool, Tier.POOL, event, pool, step, False)
+            pool.hashes.update(zip(own, cast(list[bytes], hashes), strict=False))  # all of the blocks or none
         else:
-            known = self._store_known(publisher, pool, Tier.POOL, event, pool, counted=False)
+            known = yield from self._store_known_in_steps(
+                publisher, pool, Tier.POOL, hashes, pool, step, False
+            )
             pool.hashes.update(cast(list[tuple[int, bytes]], known))
 
-    def _store_known(
+    def _store_known_in_steps(
         self,
         publisher: OwnerState,
         state: OwnerState,
         tier: Tier,
-        event: BlockStored,
+        hashes: Sequence[BlockHash],
         pool: PoolState,
+        step: int,
         counted: bool = True,
-    ) -> list[tuple[int, BlockHash]]:
-        """Blocks announced without their tokens or extra keys (pool writes, offloads): the publisher computed
-        them, so its own cache announced them first, with both, under the same vLLM hashes. Indexed for state
-        as _store would; (kvroute hash, vLLM hash) of those known, as the others are skipped."""
-        holdings = self._holdings
-        blocks, holders, bit = state.blocks[tier], holdings.holders[tier], state.bit
-        find, bump = holdings.find, 1 if counted else 0
+    ) -> Generator[None, None, list[tuple[int, BlockHash]]]:
+        """Holdings.store_known in steps of step blocks, from the end as it goes."""
         known: list[tuple[int, BlockHash]] = []
-        for vllm_hash in reversed(event.block_hashes):  # tail first, as _store
-            key = vllm_key(vllm_hash)
-            packed = blocks.pop(key, None)
-            if packed is None:
-                found = find(publisher, key, pool)
-                if found is None:
-                    self.stats.orphaned += 1
-                    continue
-                own_hash = found >> COUNT_BITS
-                packed = (own_hash << COUNT_BITS) + 1
-                holders[own_hash] = holders.get(own_hash, 0) | bit  # the pool's bit is its members' mask
-                holdings.entries += 1
-            elif packed & COUNT_MASK != COUNT_MASK:
-                packed += bump
-            blocks[key] = packed
-            known.append((packed >> COUNT_BITS, vllm_hash))
-        self.stats.stored += len(known)
+        for end in range(len(hashes), 0, -step):
+            part = hashes[max(0, end - step) : end]
+            known += self._holdings.store_known(publisher, state, tier, part, pool, counted)
+            yield
         return known
