@@ -3,11 +3,14 @@
 A batch is the msgpack array ``[ts, events, data_parallel_rank]``. Events are tagged structs, encoded as
 maps (``{"type": "BlockStored", ...}``, vLLM >= 0.26) or as arrays (``["BlockStored", ...]``, older, trailing
 defaults omitted). Unknown keys and extra trailing array items are ignored, as newer vLLM adds fields.
+A large batch can be decoded in parts (its envelope, its events' items, runs of events), for a caller that
+gives other work turns between them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeAlias, get_args
 
@@ -20,6 +23,11 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 # Each rank becomes an index owner and a followed sequence: a bad publisher must not mint them without end.
 MAX_DATA_PARALLEL_RANK = 255
+# Events a batch may hold. vLLM publishes a batch per engine step: a store per request and KV cache group
+# whose blocks filled, a removal per evicted block; its largest defaults (1,024 sequences, 32,768 tokens a
+# step in 16-token blocks, a few groups) make some thousands. Each event costs an object before it is decoded:
+# a payload of one-byte items would otherwise make 8 million of them from 8 MiB (1.7 s, 400 MB).
+MAX_EVENTS = 1 << 17
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
@@ -95,12 +103,29 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DATA_PARALLEL_RANK)] | None = None
 
 
+class _Envelope(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: msgspec.Raw
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DATA_PARALLEL_RANK)] | None = None
+
+
 @dataclass(slots=True)
 class EventBatch:
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None
     skipped_events: int
+
+
+@dataclass(slots=True)
+class EncodedBatch:
+    """A batch whose envelope is checked (its timestamp, its rank, an array of at most MAX_EVENTS events) and
+    whose events are still encoded: they are a view of its payload, which is all it holds."""
+
+    ts: float
+    data_parallel_rank: int | None
+    events: msgspec.Raw
+    size: int  # the payload's bytes
 
 
 class MalformedBatch(ValueError):
@@ -113,6 +138,8 @@ class EventDecoder:
 
     def __init__(self) -> None:
         self._batch = msgspec.msgpack.Decoder(_RawBatch)
+        self._envelope = msgspec.msgpack.Decoder(_Envelope)
+        self._items = msgspec.msgpack.Decoder(list[msgspec.Raw])
         self._map_event = msgspec.msgpack.Decoder(KVEvent)
         self._array_event = msgspec.msgpack.Decoder(_ArrayEvent)
 
@@ -125,12 +152,48 @@ class EventDecoder:
             raise MalformedBatch(f"batch timestamp {raw.ts} is not finite")
         events: list[KVEvent] = []
         skipped = 0
-        for item in raw.events:
+        for item in raw.events:  # as events() does: inline, as every live batch comes this way
             try:
                 events.append(self._decode_event(item))
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 skipped += 1
         return EventBatch(raw.ts, events, raw.data_parallel_rank, skipped)
+
+    def envelope(self, payload: bytes) -> EncodedBatch:
+        """A batch to decode in parts (items, then events): its events are checked to be an array of at most
+        MAX_EVENTS, and are left as they are."""
+        try:
+            raw = self._envelope.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            raise MalformedBatch(str(exc)) from exc
+        if not math.isfinite(raw.ts):
+            raise MalformedBatch(f"batch timestamp {raw.ts} is not finite")
+        count = _array_length(memoryview(raw.events))
+        if count is None:
+            raise MalformedBatch("the batch's events are not an array")
+        if count > MAX_EVENTS:
+            raise MalformedBatch(f"{count} events in a batch; an engine step makes at most thousands")
+        return EncodedBatch(raw.ts, raw.data_parallel_rank, raw.events, len(payload))
+
+    def items(self, batch: EncodedBatch) -> list[msgspec.Raw]:
+        """batch's events, each still encoded: its envelope, decoded, parsed them, so this cannot fail."""
+        return self._items.decode(batch.events)
+
+    def events(self, items: Iterable[msgspec.Raw]) -> tuple[list[KVEvent], int]:
+        """The events among items, and how many items were none (skipped)."""
+        events: list[KVEvent] = []
+        skipped = 0
+        for item in items:
+            try:
+                events.append(self._decode_event(item))
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                skipped += 1
+        return events, skipped
+
+    def complete(self, batch: EncodedBatch) -> EventBatch:
+        """batch decoded at once, as decode would have."""
+        events, skipped = self.events(self.items(batch))
+        return EventBatch(batch.ts, events, batch.data_parallel_rank, skipped)
 
     def _decode_event(self, item: msgspec.Raw) -> KVEvent:
         # msgpack arrays start with 0x90-0x9f, 0xdc or 0xdd; everything else is tried as a map.
@@ -158,6 +221,20 @@ class EventEncoder:
         if data_parallel_rank is not None:
             batch.append(data_parallel_rank)
         return self._encoder.encode(batch)
+
+
+def _array_length(view: memoryview) -> int | None:
+    """The length of the msgpack array view begins with; None when it is no array."""
+    if not view.nbytes:
+        return None
+    first = view[0]
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F
+    if first == 0xDC and view.nbytes >= 3:
+        return int.from_bytes(view[1:3], "big")
+    if first == 0xDD and view.nbytes >= 5:
+        return int.from_bytes(view[1:5], "big")
+    return None
 
 
 def pack_seq(seq: int) -> bytes:

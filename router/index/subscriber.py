@@ -6,17 +6,25 @@ entries are dropped, as stale entries route worse than none. A jump back is a ne
 predecessor's blocks are gone, unless it is a batch already applied coming again (the live copy of a replayed
 batch), which has the engine timestamp recorded for its number. Timestamps are only compared for equality:
 engine clocks step, and a new process's may be behind its predecessor's.
+
+A faulty or hostile publisher costs the rest of the router neither its event loop nor its memory: a replay
+answer is cut (a failed replay) at bounds an engine's never reaches, a message past a size no engine step
+makes is refused, and a large batch is decoded and applied in steps, with turns for other work between them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -24,6 +32,7 @@ from router.index.events import (
     END_OF_REPLAY,
     EVENT_TYPES,
     BlockStored,
+    EncodedBatch,
     EventBatch,
     EventDecoder,
     KVEvent,
@@ -36,6 +45,25 @@ from router.supervisor import supervise
 
 log = logging.getLogger(__name__)
 _YIELD_EVERY = 256  # batches handled between turns given to the event loop
+# The largest message taken (ZMQ's MAXMSGSIZE: libzmq drops the connection that carries a larger one). One
+# event is decoded in one go, which nothing else on the event loop can interleave (msgspec holds the GIL: in a
+# thread it stalls the loop as long), at 8-25 ms a MiB here: an event of 8 MiB held the loop 60-85 ms. vLLM
+# publishes a batch per engine step, of at most its token budget's blocks and as many evictions: 32,768 tokens
+# (its largest default, doubled) make 0.32 MB a KV cache group, 131,072 (no chunked prefill, a 128k context)
+# 1.26 MB (tests/router/index/test_rogue_publisher.py measures these).
+MAX_MESSAGE_BYTES = 8 * 2**20
+# A payload of at most this many bytes is decoded and applied in one go: batches of 1-32 blocks are 0.3-5 KB,
+# and this much of the costliest content (one-byte events, each skipped) takes ~20 ms. A larger one goes in
+# steps, with turns for the rest of the router between them.
+_AT_ONCE_BYTES = 16 * 2**10
+_STEP_BLOCKS = 4096  # blocks applied in a step: ~3 ms here
+_STEP_EVENTS, _STEP_BYTES = 512, 256 * 2**10  # events decoded in a step: ~3 ms here
+# vLLM answers a replay with its buffer from the number asked (at most buffer_steps batches, 10,000 by
+# default) and an end marker. An answer that does not end is cut: past ten times that many batches, past a
+# deadline, or (for a gap, whose batches are kept until all have come) past this many bytes kept.
+_REPLAY_MAX_BATCHES = 100_000
+_REPLAY_MAX_BYTES = 256 * 2**20
+_REPLAY_DEADLINE_S = 60.0
 # Applied batches whose timestamps a rank's position keeps: the copies that come again are the live ones of a
 # warm start's replay, published while it was read.
 _REMEMBERED = 1024
@@ -44,13 +72,26 @@ _FOREIGN_STORES_NAMED = 4  # BlockStored events of another size, and none of blo
 Owner: TypeAlias = tuple[str, int]
 """(instance name, data parallel rank); a batch without a rank belongs to rank 0."""
 
-_Numbered: TypeAlias = tuple[int, EventBatch]
+_Numbered: TypeAlias = tuple[int, EventBatch | EncodedBatch]
+_Replayed: TypeAlias = tuple[int, EncodedBatch]  # held until applied: its events still encoded
+_Steps: TypeAlias = Callable[[Owner, Sequence[KVEvent], int], Iterator[None]]
 
 
 class EventSink(Protocol):
     def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None: ...
 
     def drop(self, owner: Owner) -> None: ...
+
+
+@runtime_checkable
+class SteppedSink(EventSink, Protocol):
+    """A sink that can take a large batch in steps (BlockIndex); another one takes it in one."""
+
+    def apply_in_steps(self, owner: Owner, events: Sequence[KVEvent], step_blocks: int) -> Iterator[None]: ...
+
+
+class _ReplayFailed(Exception):
+    """The replay endpoint fell silent, or its answer went past a bound."""
 
 
 @dataclass(slots=True)
@@ -77,7 +118,7 @@ class KVEventSubscriber:
         metrics: RouterMetrics,
         context: zmq.asyncio.Context,
         replay_timeout_s: float = 2.0,
-        max_message_bytes: int = 64 * 2**20,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
         block_size: int | None = None,
     ) -> None:
         """block_size: the index's; an engine whose blocks are all of another size cannot be indexed, which
@@ -88,6 +129,10 @@ class KVEventSubscriber:
         self._sizes_seen = [0, 0]  # BlockStored events of block_size and of others, since the engine began
         self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
         self._sink, self._metrics, self._context = sink, metrics, context
+        self._steps: _Steps = (
+            sink.apply_in_steps if isinstance(sink, SteppedSink) else functools.partial(_at_once, sink)
+        )
+        self._told_cut = False  # a replay cut at a bound is logged once; the failed replays count them all
         self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
         self._decoder = EventDecoder()
         self._positions: dict[int, _Position] = {}
@@ -121,10 +166,13 @@ class KVEventSubscriber:
         reconnecting = asyncio.create_task(self._reconnect_when_dropped(sub))
         try:
             await self._warm_start()
-            while True:
+            for received in itertools.count(1):
                 numbered = self._parse(await sub.recv_multipart())
                 if numbered is not None:
                     await self._accept(*numbered, live=True)
+                if received % _YIELD_EVERY == 0:
+                    # Queued messages complete at once: a flood must not keep the loop from everything else.
+                    await asyncio.sleep(0)
         finally:
             try:
                 reconnecting.cancel()
@@ -150,22 +198,22 @@ class KVEventSubscriber:
             monitor.close(linger=0)
 
     async def _warm_start(self) -> None:
-        """Rebuild from the engine's buffer what a restarted router would otherwise never learn. A session
-        started again goes on from its positions instead: its next batch shows what it missed, as a gap."""
+        """Rebuild from the engine's buffer what a restarted router would otherwise never learn, applying its
+        batches as they come (a buffer may be larger than a router would hold at once). A session started
+        again goes on from its positions instead: its next batch shows what it missed, as a gap."""
         if self._replay_endpoint is None or self._positions:
             return
-        replayed = await self._replay(0)
-        if replayed is None:
-            self._replays_failed.inc()
+        try:
+            async with contextlib.aclosing(self._replayed(0)) as replayed:
+                async for seq, batch in replayed:
+                    await self._accept(seq, batch, live=False)
+        except _ReplayFailed:
+            self._replays_failed.inc()  # what came is applied: its next batch replays the rest, as a gap
             return
         self._replays_ok.inc()
-        for number, (seq, batch) in enumerate(replayed, start=1):
-            await self._accept(seq, batch, live=False)
-            if number % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)  # a buffer of 10,000 batches must not stall every other request
         self._warm.set(1)
 
-    async def _accept(self, seq: int, batch: EventBatch, live: bool) -> None:
+    async def _accept(self, seq: int, batch: EventBatch | EncodedBatch, live: bool) -> None:
         """Apply a batch in sequence; a gap before a live batch is replayed, one inside a replay cannot be."""
         rank = batch.data_parallel_rank or 0
         position = self._positions.get(rank)
@@ -186,17 +234,21 @@ class KVEventSubscriber:
             if live:
                 # From one batch earlier: if the batch applied last comes back different, a new process has
                 # passed our position (its sequence restarted at 0), so its whole history is needed instead.
-                replayed = await self._replay(expected - 1 if position is not None and expected else expected)
+                start = expected - 1 if position is not None and expected else expected
+                replayed = await self._replay(start, rank, seq)
                 if self._positions.get(rank) is not position:  # dropped meanwhile, as engine_restarted does
                     return await self._accept(seq, batch, live)
                 if position is not None and replayed and _restarted(replayed, rank, expected - 1, position):
                     self._restart(rank)
-                    expected, replayed = 0, await self._replay(0)
+                    expected, replayed = 0, await self._replay(0, rank, seq)
             if not await self._fill(rank, expected, seq, replayed):
                 return await self._accept(seq, batch, live)
-        self._apply(rank, seq, batch)
+        if isinstance(batch, EventBatch):
+            self._apply(rank, seq, batch)
+        else:
+            await self._apply_encoded(rank, seq, batch)
 
-    async def _fill(self, rank: int, start: int, end: int, replayed: list[_Numbered] | None) -> bool:
+    async def _fill(self, rank: int, start: int, end: int, replayed: list[_Replayed] | None) -> bool:
         """Apply the batches start..end-1 of rank; drop the owner first when some of them are lost. False
         when rank was dropped meanwhile (a long gap gives the event loop turns, as engine_restarted may)."""
         mine = {seq: batch for seq, batch in replayed or () if (batch.data_parallel_rank or 0) == rank}
@@ -209,35 +261,84 @@ class KVEventSubscriber:
             self._replays_failed.inc()
             self._drop(rank)  # what follows the lost batches is still true, so it is applied after the drop
         for number, seq in enumerate(range(first, end), start=1):
-            self._apply(rank, seq, mine[seq])
+            position = await self._apply_encoded(rank, seq, mine[seq])
             if number % _YIELD_EVERY == 0:
-                position = self._positions.get(rank)
                 await asyncio.sleep(0)  # a gap of thousands of batches must not stall every other request
-                if self._positions.get(rank) is not position:
-                    return False
+            if self._positions.get(rank) is not position:
+                return False
         return True
 
-    def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
-        position = self._positions.get(rank)
-        if position is None:
-            position = self._positions[rank] = _Position(seq)
-        position.next_seq = seq + 1
-        applied = position.applied
-        applied[seq] = batch.ts
-        if len(applied) > _REMEMBERED:
-            applied.popitem(last=False)
+    def _apply(self, rank: int, seq: int, batch: EventBatch) -> _Position:
+        """Apply batch seq of rank; the position it advanced."""
+        position = self._advance(rank, seq, batch.ts)
         expected_size = self._block_size
-        for event in batch.events:
+        for event in batch.events:  # as _observe does: inline, as every live batch comes this way
             self._events[type(event)].inc()
             if type(event) is BlockStored and expected_size is not None:
                 self._check_block_size(event)
         if batch.skipped_events:
             self._skipped.inc(batch.skipped_events)
-        self._last_event.set(batch.ts)
         try:
             self._sink.apply((self.instance, rank), batch.events)
         except Exception:
             log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
+        return position
+
+    async def _apply_encoded(self, rank: int, seq: int, batch: EncodedBatch) -> _Position:
+        """_apply for a batch whose events are still encoded: a large one is decoded and applied in steps,
+        between which engine_restarted may drop rank (the position returned is then no longer rank's)."""
+        if batch.size <= _AT_ONCE_BYTES:
+            return self._apply(rank, seq, self._decoder.complete(batch))
+        position = self._advance(rank, seq, batch.ts)
+        await self._apply_in_steps(rank, position, batch)
+        return position
+
+    def _advance(self, rank: int, seq: int, ts: float) -> _Position:
+        position = self._positions.get(rank)
+        if position is None:
+            position = self._positions[rank] = _Position(seq)
+        position.next_seq = seq + 1
+        applied = position.applied
+        applied[seq] = ts
+        if len(applied) > _REMEMBERED:
+            applied.popitem(last=False)
+        self._last_event.set(ts)
+        return position
+
+    async def _apply_in_steps(self, rank: int, position: _Position, batch: EncodedBatch) -> None:
+        """A large batch, decoded and applied in steps with turns for the rest of the router between them.
+        Left when rank is dropped meanwhile (the rest would be dropped too); dropped when cancelled midway,
+        as what rank holds is then neither before nor after it."""
+        try:
+            events: list[KVEvent] = []
+            for part in _parts(self._decoder.items(batch)):
+                decoded, skipped = self._decoder.events(part)
+                self._observe(decoded, skipped)
+                events += decoded
+                await asyncio.sleep(0)
+                if self._positions.get(rank) is not position:
+                    return
+            try:
+                for _ in self._steps((self.instance, rank), events, _STEP_BLOCKS):
+                    await asyncio.sleep(0)
+                    if self._positions.get(rank) is not position:
+                        return
+            except Exception:
+                log.exception("the KV event sink failed on a batch from %s rank %d", self.instance, rank)
+        except asyncio.CancelledError:
+            if self._positions.get(rank) is position:
+                self._drop(rank)
+            raise
+
+    def _observe(self, events: Sequence[KVEvent], skipped: int) -> None:
+        """Count events of a batch applied (and skipped ones), and learn the engine's block size from them."""
+        expected_size = self._block_size
+        for event in events:
+            self._events[type(event)].inc()
+            if type(event) is BlockStored and expected_size is not None:
+                self._check_block_size(event)
+        if skipped:
+            self._skipped.inc(skipped)
 
     def _check_block_size(self, event: BlockStored) -> None:
         """vLLM also stores blocks of other sizes in passing: partial blocks, an offloading connector's
@@ -274,38 +375,95 @@ class KVEventSubscriber:
         except Exception:
             log.exception("the KV event sink failed to drop %s rank %d", self.instance, rank)
 
-    async def _replay(self, start: int) -> list[_Numbered] | None:
-        """The buffered batches from start on; None when there is no replay endpoint, or when it falls
-        silent for replay_timeout_s (an idle limit: a long buffer may take longer in all)."""
+    async def _replay(self, start: int, rank: int, end: int) -> list[_Replayed] | None:
+        """rank's buffered batches numbered start to end - 1 (those still buffered), kept until the answer
+        ends; None when there is no replay endpoint or the replay fails. What is kept is bounded in bytes:
+        the batches' payloads, and a few hundred bytes each besides."""
         if self._replay_endpoint is None:
             return None
+        kept: list[_Replayed] = []
+        held = 0
+        try:
+            async with contextlib.aclosing(self._replayed(start)) as replayed:
+                async for seq, batch in replayed:
+                    if start <= seq < end and (batch.data_parallel_rank or 0) == rank:
+                        held += batch.size  # replayed batches are all encoded
+                        if held > _REPLAY_MAX_BYTES:
+                            raise self._cut(f"over {_REPLAY_MAX_BYTES >> 20} MiB")
+                        kept.append((seq, batch))
+        except _ReplayFailed:
+            return None
+        return kept
+
+    async def _replayed(self, start: int) -> AsyncGenerator[_Replayed, None]:
+        """The buffered batches from start on, as they come, their events still encoded. Raises _ReplayFailed
+        when the endpoint falls silent for replay_timeout_s (an idle limit: a long buffer may take longer in
+        all), or its answer runs past _REPLAY_MAX_BATCHES or _REPLAY_DEADLINE_S."""
+        assert self._replay_endpoint is not None
         dealer = self._socket(zmq.DEALER, self._replay_endpoint)
-        replayed: list[_Numbered] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _REPLAY_DEADLINE_S
         try:
             await dealer.send_multipart((b"", pack_seq(start)))
-            while True:
-                async with asyncio.timeout(self._replay_timeout_s):
-                    frames = (await dealer.recv_multipart())[1:]  # after the empty delimiter
+            for received in itertools.count(1):
+                if received > _REPLAY_MAX_BATCHES:
+                    raise self._cut(f"past {_REPLAY_MAX_BATCHES} batches")
+                now = loop.time()
+                if now >= deadline:  # checked here too: queued messages come at once, and never time out
+                    raise self._cut(f"past {_REPLAY_DEADLINE_S:.0f} s")
+                silent_at = now + self._replay_timeout_s
+                try:
+                    async with asyncio.timeout_at(min(silent_at, deadline)):
+                        frames = (await dealer.recv_multipart())[1:]  # after the empty delimiter
+                except TimeoutError:
+                    if silent_at < deadline:
+                        timeout_s = self._replay_timeout_s
+                        log.warning("replay from %s fell silent for %.1fs", self._replay_endpoint, timeout_s)
+                        raise _ReplayFailed("silent") from None
+                    raise self._cut(f"past {_REPLAY_DEADLINE_S:.0f} s") from None
                 if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
-                    return replayed
+                    return
                 if len(frames) == 2:  # older vLLM answers without the topic
                     frames.insert(0, b"")
-                numbered = self._parse(frames)
+                numbered = self._parse_replayed(frames)
                 if numbered is not None:
-                    replayed.append(numbered)
-                if len(replayed) % _YIELD_EVERY == 0:
+                    yield numbered
+                if received % _YIELD_EVERY == 0:
                     await asyncio.sleep(0)  # queued messages complete at once: give the loop a turn
-        except TimeoutError:
-            log.warning("replay from %s fell silent for %.1fs", self._replay_endpoint, self._replay_timeout_s)
-            return None
         finally:
             dealer.close(linger=0)
 
+    def _cut(self, bound: str) -> _ReplayFailed:
+        """A replay went past a bound: said once, counted as a failed replay every time."""
+        if not self._told_cut:
+            self._told_cut = True
+            log.warning(
+                "replay from %s cut %s: an engine answers with at most its buffer, then ends; its KV events "
+                'are followed live (kvroute_kv_replays_total{result="failed"} counts further cuts)',
+                self._replay_endpoint,
+                bound,
+            )
+        return _ReplayFailed(bound)
+
     def _parse(self, frames: list[bytes]) -> _Numbered | None:
-        """[topic, seq, payload] as (seq, batch); anything else is counted and yields None."""
+        """[topic, seq, payload] as (seq, batch); anything else is counted and yields None. A large payload's
+        events are left encoded, to be decoded in steps."""
+        if len(frames) == 3 and len(frames[1]) == 8 and (seq := unpack_seq(frames[1])) >= 0:
+            payload = frames[2]
+            try:
+                if len(payload) > _AT_ONCE_BYTES:
+                    return seq, self._decoder.envelope(payload)
+                return seq, self._decoder.decode(payload)
+            except MalformedBatch:
+                pass
+        self._malformed.inc()
+        return None
+
+    def _parse_replayed(self, frames: list[bytes]) -> _Replayed | None:
+        """As _parse, the events left encoded whatever their size: they may be held a while before applied."""
         if len(frames) == 3 and len(frames[1]) == 8 and (seq := unpack_seq(frames[1])) >= 0:
             try:
-                return seq, self._decoder.decode(frames[2])
+                return seq, self._decoder.envelope(frames[2])
             except MalformedBatch:
                 pass
         self._malformed.inc()
@@ -326,7 +484,25 @@ class KVEventSubscriber:
         return sock
 
 
-def _restarted(replayed: list[_Numbered], rank: int, seq: int, position: _Position) -> bool:
+def _at_once(sink: EventSink, owner: Owner, events: Sequence[KVEvent], step_blocks: int) -> Iterator[None]:
+    """A sink that cannot take a batch in steps takes it in one."""
+    sink.apply(owner, events)
+    yield from ()
+
+
+def _parts(items: list[msgspec.Raw]) -> Iterator[list[msgspec.Raw]]:
+    """items in runs of at most _STEP_EVENTS events and about _STEP_BYTES bytes: one step's decoding each."""
+    start = size = 0
+    for end, item in enumerate(items, start=1):
+        size += len(item)
+        if end - start >= _STEP_EVENTS or size >= _STEP_BYTES:
+            yield items[start:end]
+            start, size = end, 0
+    if start < len(items):
+        yield items[start:]
+
+
+def _restarted(replayed: list[_Replayed], rank: int, seq: int, position: _Position) -> bool:
     """Whether the buffered batch seq of rank is not the one applied as seq (told by its engine timestamp)."""
     for found_seq, batch in replayed:
         if found_seq == seq and (batch.data_parallel_rank or 0) == rank:
