@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from kvroute.processes import Child
 
@@ -100,16 +101,16 @@ def accept_queue(port: int, worker: int) -> int:
     raise AssertionError(f"worker {worker} listens on no socket of port {port}")
 
 
-class Hangups:
-    """SIGHUP to process group pgid every interval_s, as long as the with block lasts."""
+class _Every:
+    """tick() every interval_s on a thread of its own, as long as the with block lasts (or until it returns
+    False)."""
 
-    def __init__(self, pgid: int, interval_s: float = 0.05) -> None:
-        self._pgid, self._interval_s = pgid, interval_s
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._send, daemon=True)
-        self.sent = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Hangups:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -119,13 +120,29 @@ class Hangups:
         self._done.set()
         self._thread.join()
 
-    def _send(self) -> None:
-        while not self._done.wait(self._interval_s):
-            try:
-                os.killpg(self._pgid, signal.SIGHUP)
-            except ProcessLookupError:
-                return
-            self.sent += 1
+    def _run(self) -> None:
+        while not self._done.wait(self._interval_s) and self.tick():
+            pass
+
+    def tick(self) -> bool:
+        raise NotImplementedError
+
+
+class Hangups(_Every):
+    """SIGHUP to process group pgid every interval_s, as long as the with block lasts."""
+
+    def __init__(self, pgid: int, interval_s: float = 0.05) -> None:
+        super().__init__(interval_s)
+        self._pgid = pgid
+        self.sent = 0
+
+    def tick(self) -> bool:
+        try:
+            os.killpg(self._pgid, signal.SIGHUP)
+        except ProcessLookupError:
+            return False
+        self.sent += 1
+        return True
 
 
 def chat(port: int, text: str, timeout_s: float = 120.0) -> tuple[str, int | None]:
@@ -177,29 +194,18 @@ class Requests:
         return self.results
 
 
-class Pinger:
+class Pinger(_Every):
     """A request every interval_s, one at a time, as long as the with block lasts: whether the port answers
     all along, and which workers did."""
 
     def __init__(self, port: int, interval_s: float = 0.2) -> None:
-        self._port, self._interval_s = port, interval_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._ping, daemon=True)
+        super().__init__(interval_s)
+        self._port = port
         self.results: list[tuple[str, int | None]] = []
 
-    def __enter__(self) -> Pinger:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._done.set()
-        self._thread.join()
-
-    def _ping(self) -> None:
-        while not self._done.wait(self._interval_s):
-            self.results.append(chat(self._port, f"ping {len(self.results)}", timeout_s=60.0))
+    def tick(self) -> bool:
+        self.results.append(chat(self._port, f"ping {len(self.results)}", timeout_s=60.0))
+        return True
 
     def failures(self) -> list[str]:
         return [outcome for outcome, _ in self.results if outcome != "200"]

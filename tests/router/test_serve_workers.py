@@ -21,6 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import Child, FleetPorts, free_port_block, group_alive, start, wait_healthy
+from tests.router.signalling import alive, children
 from tests.router.test_proxy import post
 
 WORKER = "x-kvroute-worker"
@@ -36,26 +37,6 @@ class Served:
     def workers(self) -> set[int]:
         """The pool's children: its workers."""
         return children(self.child.process.pid)
-
-
-def children(parent: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == parent:
-            found.add(int(stat.parent.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
 
 
 def start_workers(fleet: FleetPorts, log_dir: Path, name: str, **extra: object) -> Served:

@@ -125,61 +125,46 @@ async def until(done: Callable[[], bool], timeout_s: float = TIMEOUT_S) -> None:
             await asyncio.sleep(0.01)
 
 
+def _followed_live(plan: Plan, removed: int) -> Follower:
+    """A follower of plan's live batches, until it counted removed BlockRemoved events; the event loop's
+    lateness meanwhile checked after."""
+    probe = LagProbe()
+
+    async def main() -> Follower:
+        async with rogue(plan) as peer:
+            follower = Follower(peer, replay=False)
+            async with follower.running(probe):
+                await peer.sent()
+                await until(lambda: follower.count("kvroute_kv_events_total", type="BlockRemoved") == removed)
+            return follower
+
+    follower = asyncio.run(main())
+    probe.check()
+    return follower
+
+
 @pytest.mark.usefixtures("frozen_gc")
 @pytest.mark.parametrize("per_event", [64, 500_000])
 def test_a_huge_batch_is_applied_in_steps_with_turns_for_the_rest(per_event: int) -> None:
     """500,000 blocks (6.5 MB, under the message cap) in events of 64 blocks, or in one event. Applied whole,
     they held the loop's thread 0.36-0.75 s (late timers: 0.47-1.2 s, on 2 loaded cores); in steps, 40-55 ms."""
     plan = Plan(live=[{"stored": 500_000, "per_event": per_event, "block_size": BS}, {"batch": 1}])
-    probe = LagProbe()
-
-    async def main() -> None:
-        async with rogue(plan) as peer:
-            follower = Follower(peer, replay=False)
-            async with follower.running(probe):
-                await peer.sent()
-                await until(lambda: follower.count("kvroute_kv_events_total", type="BlockRemoved") == 1)
-            assert follower.index.entries == 500_000
-
-    asyncio.run(main())
-    probe.check()
+    assert _followed_live(plan, removed=1).index.entries == 500_000
 
 
 @pytest.mark.usefixtures("frozen_gc")
 def test_a_batch_of_countless_tiny_events_is_malformed_before_it_is_decoded() -> None:
     """A 4 MiB batch of 4 million one-byte events: an object each before they were decoded (and skipped), the
     loop held 10 s."""
-    plan = Plan(live=[{"nils": 4 * MiB}, {"batch": 1}])
-    probe = LagProbe()
-
-    async def main() -> None:
-        async with rogue(plan) as peer:
-            follower = Follower(peer, replay=False)
-            async with follower.running(probe):
-                await peer.sent()
-                await until(lambda: follower.count("kvroute_kv_events_total", type="BlockRemoved") == 1)
-            assert follower.count("kvroute_kv_malformed_messages_total") == 1
-
-    asyncio.run(main())
-    probe.check()
+    follower = _followed_live(Plan(live=[{"nils": 4 * MiB}, {"batch": 1}]), removed=1)
+    assert follower.count("kvroute_kv_malformed_messages_total") == 1
 
 
 @pytest.mark.usefixtures("frozen_gc")
 def test_a_flood_of_small_batches_leaves_the_event_loop_turns() -> None:
     """30,000 batches queued at once: each arrives complete, so a loop that only awaits them gave no other
     task a turn until all were applied (1.4 s of its thread, a timer 3.6 s late)."""
-    plan = Plan(live=[{"flood": 30_000}])
-    probe = LagProbe()
-
-    async def main() -> None:
-        async with rogue(plan) as peer:
-            follower = Follower(peer, replay=False)
-            async with follower.running(probe):
-                await peer.sent()
-                await until(lambda: follower.count("kvroute_kv_events_total", type="BlockRemoved") == 30_000)
-
-    asyncio.run(main())
-    probe.check()
+    _followed_live(Plan(live=[{"flood": 30_000}]), removed=30_000)
 
 
 @contextlib.contextmanager
