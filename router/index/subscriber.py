@@ -8,8 +8,9 @@ batch), which has the engine timestamp recorded for its number. Timestamps are o
 engine clocks step, and a new process's may be behind its predecessor's.
 
 A faulty or hostile publisher costs the rest of the router neither its event loop nor its memory: a replay
-answer is cut (a failed replay) at bounds an engine's never reaches, a message past a size no engine step
-makes is refused, and a large batch is decoded and applied in steps, with turns for other work between them.
+answer is cut (a failed replay) at bounds an engine's never reaches (router/index/replay.py), a message past
+a size no engine step makes is refused, and a large batch is decoded and applied in steps, with turns for
+other work between them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import functools
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, runtime_checkable
 
@@ -29,7 +30,6 @@ import zmq
 import zmq.asyncio
 
 from router.index.events import (
-    END_OF_REPLAY,
     EVENT_TYPES,
     BlockStored,
     EncodedBatch,
@@ -37,9 +37,9 @@ from router.index.events import (
     EventDecoder,
     KVEvent,
     MalformedBatch,
-    pack_seq,
     unpack_seq,
 )
+from router.index.replay import ReplayClient, Replayed, ReplayFailed
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 
@@ -58,12 +58,6 @@ MAX_MESSAGE_BYTES = 8 * 2**20
 _AT_ONCE_BYTES = 16 * 2**10
 _STEP_BLOCKS = 4096  # blocks applied in a step: ~3 ms here
 _STEP_EVENTS, _STEP_BYTES = 512, 256 * 2**10  # events decoded in a step: ~3 ms here
-# vLLM answers a replay with its buffer from the number asked (at most buffer_steps batches, 10,000 by
-# default) and an end marker. An answer that does not end is cut: past ten times that many batches, past a
-# deadline, or (for a gap, whose batches are kept until all have come) past this many bytes kept.
-_REPLAY_MAX_BATCHES = 100_000
-_REPLAY_MAX_BYTES = 256 * 2**20
-_REPLAY_DEADLINE_S = 60.0
 # Applied batches whose timestamps a rank's position keeps: the copies that come again are the live ones of a
 # warm start's replay, published while it was read.
 _REMEMBERED = 1024
@@ -73,7 +67,6 @@ Owner: TypeAlias = tuple[str, int]
 """(instance name, data parallel rank); a batch without a rank belongs to rank 0."""
 
 _Numbered: TypeAlias = tuple[int, EventBatch | EncodedBatch]
-_Replayed: TypeAlias = tuple[int, EncodedBatch]  # held until applied: its events still encoded
 _Steps: TypeAlias = Callable[[Owner, Sequence[KVEvent], int], Iterator[None]]
 
 
@@ -88,10 +81,6 @@ class SteppedSink(EventSink, Protocol):
     """A sink that can take a large batch in steps (BlockIndex); another one takes it in one."""
 
     def apply_in_steps(self, owner: Owner, events: Sequence[KVEvent], step_blocks: int) -> Iterator[None]: ...
-
-
-class _ReplayFailed(Exception):
-    """The replay endpoint fell silent, or its answer went past a bound."""
 
 
 @dataclass(slots=True)
@@ -127,18 +116,22 @@ class KVEventSubscriber:
         self._block_size = block_size
         self.foreign_block_size: int | None = None  # the engine's, once known to differ from block_size
         self._sizes_seen = [0, 0]  # BlockStored events of block_size and of others, since the engine began
-        self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
+        self._endpoint = endpoint
         self._sink, self._metrics, self._context = sink, metrics, context
         self._steps: _Steps = (
             sink.apply_in_steps if isinstance(sink, SteppedSink) else functools.partial(_at_once, sink)
         )
-        self._told_cut = False  # a replay cut at a bound is logged once; the failed replays count them all
-        self._replay_timeout_s, self._max_message_bytes = replay_timeout_s, max_message_bytes
+        self._max_message_bytes = max_message_bytes
         self._decoder = EventDecoder()
         self._positions: dict[int, _Position] = {}
         self._started_over: set[int] = set()  # ranks seen restarting since the load scraper last said so
         self._events = {kind: metrics.kv_events(instance, kind.__name__) for kind in EVENT_TYPES}
         self._malformed = metrics.kv_malformed(instance)
+        self._replayer: ReplayClient | None = None
+        if replay_endpoint is not None:
+            self._replayer = ReplayClient(
+                replay_endpoint, self._socket, self._decoder, self._malformed.inc, replay_timeout_s
+            )
         self._skipped = metrics.kv_skipped_events(instance)
         self._gaps = metrics.kv_gaps(instance)
         self._replays_ok = metrics.kv_replays(instance, "ok")
@@ -201,13 +194,13 @@ class KVEventSubscriber:
         """Rebuild from the engine's buffer what a restarted router would otherwise never learn, applying its
         batches as they come (a buffer may be larger than a router would hold at once). A session started
         again goes on from its positions instead: its next batch shows what it missed, as a gap."""
-        if self._replay_endpoint is None or self._positions:
+        if self._replayer is None or self._positions:
             return
         try:
-            async with contextlib.aclosing(self._replayed(0)) as replayed:
+            async with contextlib.aclosing(self._replayer.batches(0)) as replayed:
                 async for seq, batch in replayed:
                     await self._accept(seq, batch, live=False)
-        except _ReplayFailed:
+        except ReplayFailed:
             self._replays_failed.inc()  # what came is applied: its next batch replays the rest, as a gap
             return
         self._replays_ok.inc()
@@ -224,7 +217,7 @@ class KVEventSubscriber:
             position = None
         if position is not None:
             expected = position.next_seq
-        elif live and self._replay_endpoint is not None:
+        elif live and self._replayer is not None:
             expected = 0  # a process we have not followed yet: its history is in the buffer from 0
         else:
             expected = seq  # the oldest batch still to be had is where history begins
@@ -248,7 +241,7 @@ class KVEventSubscriber:
         else:
             await self._apply_encoded(rank, seq, batch)
 
-    async def _fill(self, rank: int, start: int, end: int, replayed: list[_Replayed] | None) -> bool:
+    async def _fill(self, rank: int, start: int, end: int, replayed: list[Replayed] | None) -> bool:
         """Apply the batches start..end-1 of rank; drop the owner first when some of them are lost. False
         when rank was dropped meanwhile (a long gap gives the event loop turns, as engine_restarted may)."""
         mine = {seq: batch for seq, batch in replayed or () if (batch.data_parallel_rank or 0) == rank}
@@ -375,75 +368,10 @@ class KVEventSubscriber:
         except Exception:
             log.exception("the KV event sink failed to drop %s rank %d", self.instance, rank)
 
-    async def _replay(self, start: int, rank: int, end: int) -> list[_Replayed] | None:
-        """rank's buffered batches numbered start to end - 1 (those still buffered), kept until the answer
-        ends; None when there is no replay endpoint or the replay fails. What is kept is bounded in bytes:
-        the batches' payloads, and a few hundred bytes each besides."""
-        if self._replay_endpoint is None:
-            return None
-        kept: list[_Replayed] = []
-        held = 0
-        try:
-            async with contextlib.aclosing(self._replayed(start)) as replayed:
-                async for seq, batch in replayed:
-                    if start <= seq < end and (batch.data_parallel_rank or 0) == rank:
-                        held += batch.size  # replayed batches are all encoded
-                        if held > _REPLAY_MAX_BYTES:
-                            raise self._cut(f"over {_REPLAY_MAX_BYTES >> 20} MiB")
-                        kept.append((seq, batch))
-        except _ReplayFailed:
-            return None
-        return kept
-
-    async def _replayed(self, start: int) -> AsyncGenerator[_Replayed, None]:
-        """The buffered batches from start on, as they come, their events still encoded. Raises _ReplayFailed
-        when the endpoint falls silent for replay_timeout_s (an idle limit: a long buffer may take longer in
-        all), or its answer runs past _REPLAY_MAX_BATCHES or _REPLAY_DEADLINE_S."""
-        assert self._replay_endpoint is not None
-        dealer = self._socket(zmq.DEALER, self._replay_endpoint)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _REPLAY_DEADLINE_S
-        try:
-            await dealer.send_multipart((b"", pack_seq(start)))
-            for received in itertools.count(1):
-                if received > _REPLAY_MAX_BATCHES:
-                    raise self._cut(f"past {_REPLAY_MAX_BATCHES} batches")
-                now = loop.time()
-                if now >= deadline:  # checked here too: queued messages come at once, and never time out
-                    raise self._cut(f"past {_REPLAY_DEADLINE_S:.0f} s")
-                silent_at = now + self._replay_timeout_s
-                try:
-                    async with asyncio.timeout_at(min(silent_at, deadline)):
-                        frames = (await dealer.recv_multipart())[1:]  # after the empty delimiter
-                except TimeoutError:
-                    if silent_at < deadline:
-                        timeout_s = self._replay_timeout_s
-                        log.warning("replay from %s fell silent for %.1fs", self._replay_endpoint, timeout_s)
-                        raise _ReplayFailed("silent") from None
-                    raise self._cut(f"past {_REPLAY_DEADLINE_S:.0f} s") from None
-                if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
-                    return
-                if len(frames) == 2:  # older vLLM answers without the topic
-                    frames.insert(0, b"")
-                numbered = self._parse_replayed(frames)
-                if numbered is not None:
-                    yield numbered
-                if received % _YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # queued messages complete at once: give the loop a turn
-        finally:
-            dealer.close(linger=0)
-
-    def _cut(self, bound: str) -> _ReplayFailed:
-        """A replay went past a bound: said once, counted as a failed replay every time."""
-        if not self._told_cut:
-            self._told_cut = True
-            log.warning(
-                "replay from %s cut %s: an engine answers with at most its buffer, then ends; its KV events "
-                'are followed live (kvroute_kv_replays_total{result="failed"} counts further cuts)',
-                self._replay_endpoint,
-                bound,
-            )
-        return _ReplayFailed(bound)
+    async def _replay(self, start: int, rank: int, end: int) -> list[Replayed] | None:
+        """rank's buffered batches numbered start to end - 1 (those still buffered); None when there is no
+        replay endpoint or the replay fails."""
+        return None if self._replayer is None else await self._replayer.kept(start, rank, end)
 
     def _parse(self, frames: list[bytes]) -> _Numbered | None:
         """[topic, seq, payload] as (seq, batch); anything else is counted and yields None. A large payload's
@@ -454,16 +382,6 @@ class KVEventSubscriber:
                 if len(payload) > _AT_ONCE_BYTES:
                     return seq, self._decoder.envelope(payload)
                 return seq, self._decoder.decode(payload)
-            except MalformedBatch:
-                pass
-        self._malformed.inc()
-        return None
-
-    def _parse_replayed(self, frames: list[bytes]) -> _Replayed | None:
-        """As _parse, the events left encoded whatever their size: they may be held a while before applied."""
-        if len(frames) == 3 and len(frames[1]) == 8 and (seq := unpack_seq(frames[1])) >= 0:
-            try:
-                return seq, self._decoder.envelope(frames[2])
             except MalformedBatch:
                 pass
         self._malformed.inc()
@@ -502,7 +420,7 @@ def _parts(items: list[msgspec.Raw]) -> Iterator[list[msgspec.Raw]]:
         yield items[start:]
 
 
-def _restarted(replayed: list[_Replayed], rank: int, seq: int, position: _Position) -> bool:
+def _restarted(replayed: list[Replayed], rank: int, seq: int, position: _Position) -> bool:
     """Whether the buffered batch seq of rank is not the one applied as seq (told by its engine timestamp)."""
     for found_seq, batch in replayed:
         if found_seq == seq and (batch.data_parallel_rank or 0) == rank:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
+from router.index import replay
 from router.index import subscriber as kv_subscriber
 from router.index.block_index import BlockIndex
 from router.index.events import BlockRemoved, BlockStored, EventEncoder, KVEvent
@@ -182,11 +183,11 @@ def test_an_endless_replay_of_a_gap_is_cut_at_its_bytes_and_the_subscriber_goes_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A gap's replay is kept until it ends: one that never did grew the router by 12 GB a minute. Cut once
-    its batches hold _REPLAY_MAX_BYTES (256 MiB; 16 here), it counts as a failed replay; the owner is dropped
+    its batches hold REPLAY_MAX_BYTES (256 MiB; 16 here), it counts as a failed replay; the owner is dropped
     and the live batches are followed. (Unbounded, the 64 MiB sent here were held as 362 MiB, until the
     replay fell silent.)"""
     bound = 16 * MiB
-    monkeypatch.setattr(kv_subscriber, "_REPLAY_MAX_BYTES", bound, raising=False)
+    monkeypatch.setattr(replay, "REPLAY_MAX_BYTES", bound)
     plan = Plan(live=[{"batch": 1, "seq": 0}, {"batch": 2, "seq": 1_000}, {"batch": 3, "seq": 1_001}])
     plan.replay, plan.replay_after, plan.replay_bytes, plan.replay_limit = "endless", 1, MiB, 64
 
@@ -209,10 +210,10 @@ def test_an_endless_replay_of_a_gap_is_cut_at_its_bytes_and_the_subscriber_goes_
 
 def test_an_endless_warm_start_is_cut_at_its_batches_or_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """A warm start applies its batches as they come, holding none: one that never ends is cut after
-    _REPLAY_MAX_BATCHES (100,000; 300 here) or _REPLAY_DEADLINE_S (60 s; 2 here), whichever comes first,
+    REPLAY_MAX_BATCHES (100,000; 300 here) or REPLAY_DEADLINE_S (60 s; 2 here), whichever comes first,
     long before it would fall silent (replay_timeout_s, 5 s here: unbounded, it was only ended by that)."""
-    monkeypatch.setattr(kv_subscriber, "_REPLAY_MAX_BATCHES", 300, raising=False)
-    monkeypatch.setattr(kv_subscriber, "_REPLAY_DEADLINE_S", 2.0, raising=False)
+    monkeypatch.setattr(replay, "REPLAY_MAX_BATCHES", 300)
+    monkeypatch.setattr(replay, "REPLAY_DEADLINE_S", 2.0)
     for interval_s in (0.0, 0.02):  # fast: cut by its batches; a drip, never silent: by its deadline
         plan = Plan(live=[{"batch": 9, "seq": 100_000}], replay="endless", replay_interval_s=interval_s)
         plan.replay_bytes, plan.replay_limit = 1000, 1000
