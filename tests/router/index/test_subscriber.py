@@ -197,10 +197,27 @@ class Harness:
         return FakeEngine(self.endpoint, self.replay_endpoint)
 
     async def first_batch_applied(self, engine: FakeEngine) -> None:
-        """Once the subscriber has connected: the engine's first batch, published and applied."""
-        await engine.subscribed()
+        """Once the subscriber has connected and warmed up: the engine's first batch, published and applied."""
+        await self.subscribed(engine)
         engine.publish(batch(0))
         await self.sink.wait_applied(1)
+
+    async def subscribed(self, engine: FakeEngine) -> None:
+        """Once the subscriber follows engine's events and its warm start is over: what engine publishes
+        from now on comes live, not in the warm start's replay."""
+        await engine.subscribed()
+        await self.warmed()
+
+    async def warmed(self) -> None:
+        """Once the warm start's replay has ended (or failed): its batches are applied as they come, so their
+        being applied does not tell that it is over, and its result is counted only at its end."""
+        if self.replay_endpoint is None:
+            return
+        async with asyncio.timeout(TIMEOUT_S):
+            while True:  # a metric to look at: no event tells of it
+                if self.count("kvroute_kv_warm") or self.count("kvroute_kv_replays_total", result="failed"):
+                    return
+                await asyncio.sleep(0.005)
 
     def count(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(name, {"vllm_instance": "a", **labels})
@@ -396,7 +413,7 @@ def test_an_engine_restart_drops_the_owner_once(missed: int, newest: int, counte
         harness = Harness(replay=True)
         old = harness.engine()
         async with harness.running():
-            await old.subscribed()
+            await harness.subscribed(old)
             for n in range(3):
                 old.publish(batch(n))
             await harness.sink.wait_applied(3)
@@ -425,6 +442,7 @@ def test_a_warm_start_recovers_what_was_published_before() -> None:
         assert harness.count("kvroute_kv_warm") == 0
         async with harness.running():
             await harness.sink.wait_applied(3)
+            await harness.warmed()
         await publisher.close()
         assert harness.sink.ids() == [0, 1, 2]
         assert harness.since() == {"ok": 1}
@@ -624,7 +642,7 @@ def test_a_clock_stepping_back_is_no_restart_when_a_gap_is_replayed() -> None:
         harness = Harness(replay=True)
         engine = harness.engine()
         async with harness.running():
-            await engine.subscribed()
+            await harness.subscribed(engine)
             engine.publish(batch(0), ts=1000.0)
             engine.publish(batch(1), ts=900.0)  # the engine's clock was set back
             await harness.sink.wait_applied(2)
@@ -712,7 +730,7 @@ def test_news_of_a_restart_the_subscriber_has_not_seen_drops_the_owner_at_once(r
         harness = Harness(replay=replay)
         engine = harness.engine()
         async with harness.running():
-            await engine.subscribed()
+            await harness.subscribed(engine)
             for n in range(3):
                 engine.publish(batch(n))
             await harness.sink.wait_applied(3)
