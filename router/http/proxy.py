@@ -153,11 +153,11 @@ class Proxy:
         content_type = upstream.headers.get("content-type", "application/json")
         status = upstream.status
         headers = _answer_headers(outcome, upstream)
-        if streams_events(upstream) or (status < 400 and not upstream.content.at_eof()):
-            relay = self._relay.stream if streams_events(upstream) else self._relay.whole
-            length = upstream.headers.get("content-length")
-            if length is not None and not streams_events(upstream):
+        events = streams_events(upstream)
+        if events or (status < 400 and not upstream.content.at_eof()):  # a stream, or more than is held
+            if not events and (length := upstream.headers.get("content-length")) is not None:
                 headers.append((b"content-length", length.encode()))
+            relay = self._relay.stream if events else self._relay.whole
             return RelayResponse(
                 relay(outcome, self._ended_here),
                 lambda: self._ended_here(outcome),
