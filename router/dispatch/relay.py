@@ -75,6 +75,8 @@ class Relay:
                     yield self._passed(outcome, whole, cached)
         except (TimeoutError, aiohttp.ClientError) as exc:
             outcome.broke()
+            if events.cut_open:  # part of an event too long to hold went out: ended, it is not glued to ours
+                yield b"\n\n"
             if outcome.cut:
                 yield sse_error("the router is shutting down; the stream was ended early", "shutting_down")
             else:

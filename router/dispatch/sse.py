@@ -9,23 +9,28 @@ _MAX_HELD = 1 << 20  # an upstream that never ends an event is relayed as it com
 class EventFramer:
     def __init__(self) -> None:
         self._held = b""
+        self.cut_open = False  # what went to the client ends in the middle of an event (one past _MAX_HELD)
 
     def whole(self, chunk: bytes) -> bytes:
         """The complete events received so far; what follows the last one is held until it completes."""
         if self._held:
             chunk, self._held = self._held + chunk, b""
         if chunk.endswith(b"\n\n"):  # the common case: engines write whole events
+            self.cut_open = False
             return chunk
         cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), 0)
         if len(chunk) - cut > _MAX_HELD:
+            self.cut_open = True
             return chunk
         self._held = chunk[cut:]
+        if cut:
+            self.cut_open = False
         return chunk[:cut]
 
     def unfinished(self) -> bool:
         """Whether an event was begun and not ended: a stream that ends there broke off in its middle (a
         client drops an event its stream ends in, and the engine ends every event it sends)."""
-        return bool(self._held.strip())
+        return self.cut_open or bool(self._held.strip())
 
 
 def _end_of(data: bytes, boundary: bytes) -> int:

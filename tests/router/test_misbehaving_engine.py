@@ -140,7 +140,8 @@ def test_an_answer_head_that_never_ends_times_out(tmp_path: Path) -> None:
 
 def test_a_stream_event_that_never_ends_is_relayed_as_it_comes(tmp_path: Path) -> None:
     """An engine that writes one event of 3 MiB without its blank line is not held past 1 MiB: the client gets
-    all of it as it came, and the close ends the stream as a broken one (the event never ended)."""
+    most of it as it came (the last part still held when the connection closes is dropped), then the event
+    ended, an error event and [DONE]: the close broke the stream in the middle of an event."""
     endless = b"data: " + b"x" * (3 * _MIB)
     engine = Misbehaviour(
         SSE_HEAD, lambda: [CHUNK] + [endless[i : i + _MIB] for i in range(0, len(endless), _MIB)]
@@ -148,5 +149,7 @@ def test_a_stream_event_that_never_ends_is_relayed_as_it_comes(tmp_path: Path) -
     with misbehaving(engine) as port:
         with running_router(only_instance("endless", port), tmp_path) as url:
             status, _, payload = post(url + "/v1/completions", STREAM)
-            assert status == 200 and payload.startswith(CHUNK + endless[:_MIB])
-            assert len(payload) >= len(CHUNK) + len(endless)
+            assert status == 200 and payload.startswith(CHUNK + endless[: 2 * _MIB])
+            events = _events(payload)
+            assert events[-1] == DONE.strip() and len(events) == 4, [event[:60] for event in events]
+            assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == "stream_broken"
