@@ -52,9 +52,6 @@ class _Batch:
     grouped: list[BlockStored | BlockRemoved] = field(default_factory=list)
     hybrid: bool | None = None  # learnt once a batch, when a constraining group's store comes
 
-    def state(self) -> tuple[bool, list[BlockStored | BlockRemoved], bool | None]:
-        return self.past_gpu, self.grouped, self.hybrid
-
 
 class Ingest:
     def __init__(
@@ -77,9 +74,10 @@ class Ingest:
 
     def apply(self, state: OwnerState, pool: PoolState, events: Sequence[KVEvent]) -> None:
         """One batch of state's events; pool: its pool name's pseudo-owner."""
-        grouped = self._take(state, pool, events, None, None)[2]
-        if grouped:
-            self._apply_grouped(state, grouped)
+        batch = _Batch(events)
+        self._take(state, pool, events, batch, None)
+        if batch.grouped:
+            self._apply_grouped(state, batch.grouped)
         if self._holdings.entries > self._holdings.max_entries:
             self._holdings.shrink(self._pools.states())
 
@@ -102,7 +100,7 @@ class Ingest:
                 work += 1 if isinstance(event, AllBlocksCleared) else len(event.block_hashes)
                 if work >= step_blocks:
                     break
-            taken, parts, _ = self._take(state, pool, events[start:end], batch, step_blocks)
+            taken, parts = self._take(state, pool, events[start:end], batch, step_blocks)
             start += taken
             if parts is not None:
                 yield from parts  # which ends with a step of its own
@@ -117,14 +115,13 @@ class Ingest:
         state: OwnerState,
         pool: PoolState,
         events: Sequence[KVEvent],
-        batch: _Batch | None,
+        batch: _Batch,
         step: int | None,
-    ) -> tuple[int, Iterator[None] | None, list[BlockStored | BlockRemoved]]:
-        """Apply events in order: a whole batch, or (with batch) a run of batch's. With step, an event of
-        more blocks than step ends the run. How many events were taken, that event's application in steps
-        (None when it was no such event), and the constraining groups' events, left for the batch's end."""
-        past_gpu, grouped, hybrid = (False, [], None) if batch is None else batch.state()
-        whole = events if batch is None else batch.events
+    ) -> tuple[int, Iterator[None] | None]:
+        """Apply events, batch's or a run of them, in order; the constraining groups' events are left in
+        batch.grouped for the batch's end. With step, an event of more blocks than step ends the run. How
+        many events were taken, and that event's application in steps (None when it was no such event)."""
+        past_gpu, grouped, hybrid = batch.past_gpu, batch.grouped, batch.hybrid  # locals, for the loop
         parts: Iterator[None] | None = None
         taken = 0
         for event in events:
@@ -136,7 +133,7 @@ class Ingest:
                     continue
                 kind = event.kv_cache_spec_kind
                 if kind in CONSTRAINING_KINDS and event.medium in _GPU_MEDIA:
-                    hybrid = self._hybrid(state, whole) if hybrid is None else hybrid
+                    hybrid = self._hybrid(state, batch.events) if hybrid is None else hybrid
                     if hybrid and event.block_size != self.block_size:  # not to be set beside the index's
                         self.stats.mismatched += 1
                         continue
@@ -168,9 +165,8 @@ class Ingest:
                     self._groups.clear(state.bit)
                 self._holdings.clear(state, self._offload_tiers if past_gpu else self._gpu_tiers)
                 past_gpu = True
-        if batch is not None:
-            batch.past_gpu, batch.grouped, batch.hybrid = past_gpu, grouped, hybrid
-        return taken, parts, grouped
+        batch.past_gpu, batch.grouped, batch.hybrid = past_gpu, grouped, hybrid
+        return taken, parts
 
     def _stored(
         self, state: OwnerState, pool: PoolState, event: BlockStored, step: int | None
