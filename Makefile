@@ -7,7 +7,7 @@ STACK_VENV ?= .venv-stack
 LINTED := router scorers fleet kvroute tinymodel kvconnectors tests scripts
 STACK_STAMP := $(STACK_VENV)/.installed
 
-.PHONY: setup stack-env browser bench-tools chart-tools image demo test unit lint model clean
+.PHONY: setup stack-env browser bench-tools chart-tools agent-clis image demo test unit lint model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,14 @@ $(CHART_TOOLS_STAMP): scripts/install_chart_tools.sh $(STAMP)
 
 chart-tools: $(CHART_TOOLS_STAMP)
 
+# Codex CLI (npm registry), which tests/router/test_codex_cli.py runs through kvroute.
+AGENT_CLIS_STAMP := $(VENV)/.agent-clis
+$(AGENT_CLIS_STAMP): scripts/install_agent_clis.sh $(STAMP)
+	scripts/install_agent_clis.sh $(VENV)/agent-clis
+	touch $(AGENT_CLIS_STAMP)
+
+agent-clis: $(AGENT_CLIS_STAMP)
+
 # The container image (kvroute:dev), built by podman on a debootstrap base: no registry needed. Its layers are
 # cached, so an unchanged tree rebuilds in seconds; tests/deploy/test_image.py runs it.
 image:
@@ -64,7 +72,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .  # the code blocks of the Markdown pages too
 	$(VENV)/bin/mypy
 
-test: model lint stack-env browser bench-tools chart-tools image
+test: model lint stack-env browser bench-tools chart-tools agent-clis image
 	$(PY) -m pytest -q
 
 clean:
