@@ -65,11 +65,17 @@ _PART_FIELDS = frozenset(
 )
 
 
-def engine_conversation(messages: Sequence[Any], template: str | None) -> list[dict[str, Any]]:
-    """The messages as vLLM renders them with ``template`` (the model's chat template text)."""
+def engine_conversation(
+    messages: Sequence[Any], template: str | None, calls_as_given: bool = False
+) -> list[dict[str, Any]]:
+    """The messages as vLLM renders them with ``template`` (the model's chat template text).
+
+    calls_as_given: assistant tool calls reach the template as given, only their arguments parsed in place,
+    as on vLLM's Responses path (router/prompt/responses_chat.py); the chat request model re-lays them."""
     as_parts = template is not None and content_format(template) == "openai"
     conversation = [
-        _message(message, index, as_parts) for index, message in enumerate(engine_messages(messages))
+        _message(message, index, as_parts, calls_as_given)
+        for index, message in enumerate(engine_messages(messages))
     ]
     if any(message["role"] == "developer" for message in conversation) and not _names_developer(template):
         conversation = _developer_as_system(conversation)
@@ -117,7 +123,7 @@ def _apply_chat_template_parameters() -> frozenset[str]:
     return frozenset(p.name for p in parameters if p.kind not in variadic) | {"chat_template", "tokenize"}
 
 
-def _message(message: Any, index: int, as_parts: bool) -> dict[str, Any]:
+def _message(message: Any, index: int, as_parts: bool, calls_as_given: bool) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise InvalidPrompt(f"messages[{index}] must be an object")
     role = message.get("role")
@@ -135,7 +141,7 @@ def _message(message: Any, index: int, as_parts: bool) -> dict[str, Any]:
     if role == "assistant":
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
-            calls = _tool_calls(tool_calls, index)
+            calls = _calls_as_given(tool_calls, index) if calls_as_given else _tool_calls(tool_calls, index)
             if calls:
                 built["tool_calls"] = calls
         reasoning = message.get("reasoning")
@@ -213,6 +219,25 @@ def _tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
                 {"id": call["id"], "function": _fields_first(laid_out, function), "type": "function"}, call
             )
         )
+    return calls
+
+
+def _calls_as_given(tool_calls: Any, index: int) -> list[dict[str, Any]]:
+    """Each call with its fields in the order given and its arguments an object: vLLM's
+    ``_postprocess_messages`` parses a string in place, keeps an object, and makes anything else ``{}``."""
+    if not isinstance(tool_calls, list):
+        raise InvalidPrompt(f"messages[{index}].tool_calls must be a list")
+    calls = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+            raise InvalidPrompt(f"messages[{index}].tool_calls: only function calls are supported")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            arguments = _arguments(arguments)
+        elif not isinstance(arguments, dict):
+            arguments = {}
+        calls.append({**call, "function": {**function, "arguments": arguments}})
     return calls
 
 

@@ -80,9 +80,10 @@ class PromptTokenizer:
         add_special_tokens: bool = False,
         tools: Sequence[Any] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        calls_as_given: bool = False,
     ) -> list[int]:
         text = self.render_chat(
-            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs, calls_as_given
         )
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
@@ -93,8 +94,10 @@ class PromptTokenizer:
         continue_final_message: bool = False,
         tools: Sequence[Any] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        calls_as_given: bool = False,
     ) -> str:
-        """template_kwargs: the request's ``chat_template_kwargs``."""
+        """template_kwargs: the request's ``chat_template_kwargs``; calls_as_given: tool calls laid out as on
+        vLLM's Responses path (see ``engine_conversation``)."""
         if add_generation_prompt and continue_final_message:
             raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
         tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = None
@@ -103,7 +106,7 @@ class PromptTokenizer:
         template = self.template_text(tool_dicts)
         kwargs = engine_template_kwargs(template_kwargs, template) if template_kwargs else {}
         rendered = self._tokenizer.apply_chat_template(
-            engine_conversation(messages, template),
+            engine_conversation(messages, template, calls_as_given),
             tools=tool_dicts,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
