@@ -1,0 +1,213 @@
+"""POST /reset_prefix_cache (and vLLM's other cache resets) through the router, against a simulated fleet.
+
+The router runs in this process, on uvicorn in a thread, with the reset routes added to its app: the index
+is read as the router shows it (/dashboard/state) and the engines' caches as they show them (/debug/cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+import pytest
+import uvicorn
+
+import router.http.app
+from kvroute.processes import FleetPorts, free_port_block, running_fleet
+from router.config import parse_config
+from router.http.admin import admin_token
+from router.http.app import create_app
+from router.http.cache_reset import cache_reset_routes
+from router.runtime import Runtime
+from router.upstreams.http_session import server_config
+from tests.conftest import instance_url, sample
+from tests.router.test_proxy import get_json, post
+
+TOKEN = "test-admin-token-0123456789"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+NAMES = ["fleet-0", "fleet-1"]
+# Long enough for several 32-token blocks.
+PROMPT = " ".join(f"word{i}" for i in range(150))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
+    """A fleet of its own: resets would clear the caches other tests' shared fleet holds."""
+    ports = FleetPorts.allocate(len(NAMES))
+    args = ["--prefill-tps", "200000", "--decode-tps", "1000"]
+    with running_fleet(ports, tmp_path_factory.mktemp("fleet"), args):
+        yield ports
+
+
+@contextlib.contextmanager
+def serving(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The router of raw, with the reset routes, on a free port; yields its base URL."""
+    runtimes: list[Runtime] = []
+
+    class Kept(Runtime):  # create_app makes its runtime itself; the routes need its fleet and index
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            runtimes.append(self)
+
+    monkeypatch.setattr(router.http.app, "Runtime", Kept)
+    app = create_app(parse_config(raw))
+    runtime = runtimes[0]
+    if not any(getattr(route, "path", None) == "/reset_prefix_cache" for route in app.api.routes):
+        token = lambda: admin_token(runtime.config.admin)  # noqa: E731
+        app.api.include_router(cache_reset_routes(runtime.upstreams, runtime.index, token))
+    port = free_port_block(1)
+    server = uvicorn.Server(server_config(app.asgi, "127.0.0.1", port))
+    thread = threading.Thread(target=server.run, name="router", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: server.started, "the router to start")
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the router did not stop"
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def call(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    status, _, body = post(url, b"", headers)
+    return status, json.loads(body) if body else None
+
+
+def chat(url: str, max_tokens: int = 2) -> dict[str, str]:
+    """The answer's headers."""
+    body = {
+        "model": "tiny-llama",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": PROMPT}],
+    }
+    status, headers, payload = post(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200, payload
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def indexed(url: str, headers: dict[str, str] | None = None) -> dict[str, int]:
+    """GPU blocks the router's index holds, by instance."""
+    request = urllib.request.Request(url + "/dashboard/state", headers=headers or {})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        state = json.load(response)
+    return {i["name"]: i["blocks"]["gpu"] for i in state["instances"]}
+
+
+def engine_blocks(fleet: FleetPorts) -> dict[str, int]:
+    """Distinct blocks each engine's cache holds, as the engine says."""
+    return {
+        name: get_json(f"{instance_url(fleet, i)}/debug/cache")["block_hashes"]
+        for i, name in enumerate(NAMES)
+    }
+
+
+def in_step(url: str, fleet: FleetPorts, instance: str, headers: dict[str, str] | None = None) -> None:
+    """Waits until the index holds what instance's engine holds, some blocks (its events are in)."""
+    wait_for(
+        lambda: indexed(url, headers)[instance] == engine_blocks(fleet)[instance] > 0,
+        f"{instance}'s blocks in the index",
+    )
+
+
+def test_a_reset_empties_every_engine_and_the_index_at_once(
+    fleet: FleetPorts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No speculative entries: a reset leaves those of requests routed just before to their deadline (2 s).
+    with serving(fleet.router_config(index={"speculative_ttl_s": 0}), monkeypatch) as url:
+        instance = chat(url)["x-kvroute-instance"]
+        in_step(url, fleet, instance)
+        assert int(chat(url)["x-kvroute-cached-blocks"]) > 0  # a repeat is predicted to hit
+
+        status, body = call(url + "/reset_prefix_cache")
+        assert status == 200 and body == {"success": True, "instances": dict.fromkeys(NAMES, True)}
+        assert engine_blocks(fleet) == dict.fromkeys(NAMES, 0)
+        # At once: an idle engine's AllBlocksCleared waits for its next step.
+        assert indexed(url) == dict.fromkeys(NAMES, 0)
+        repeat = chat(url)
+        assert repeat["x-kvroute-cached-blocks"] == "0"
+        # The event came with that request's step, before its blocks: the index holds what the engine holds.
+        in_step(url, fleet, repeat["x-kvroute-instance"])
+
+
+def test_with_an_admin_token_a_reset_needs_it(fleet: FleetPorts, monkeypatch: pytest.MonkeyPatch) -> None:
+    with serving(fleet.router_config(admin={"token": TOKEN}), monkeypatch) as url:
+        instance = chat(url)["x-kvroute-instance"]
+        in_step(url, fleet, instance, AUTH)
+        status, body = call(url + "/reset_prefix_cache")
+        assert status == 401 and body["error"]["code"] == "missing_token"
+        status, body = call(url + "/reset_prefix_cache", {"authorization": "Bearer wrong-token-0000000000"})
+        assert status == 403 and body["error"]["code"] == "wrong_token"
+        assert engine_blocks(fleet)[instance] > 0 and indexed(url, AUTH)[instance] > 0  # neither reset
+
+        status, body = call(url + "/reset_prefix_cache", AUTH)
+        assert status == 200 and body["success"] is True
+        assert engine_blocks(fleet) == indexed(url, AUTH) == dict.fromkeys(NAMES, 0)
+
+
+def test_an_engine_holding_blocks_refuses_and_keeps_them(
+    fleet: FleetPorts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As vLLM: 200 with success false (callers may retry); the others reset."""
+    with serving(fleet.router_config(), monkeypatch) as url, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(chat, url, 5000)  # 5 s of decoding
+        wait_for(lambda: busy(fleet) is not None, "the request to run")
+        holder = busy(fleet)
+        assert holder is not None
+        wait_for(lambda: indexed(url)[holder] > 0, "the running request's blocks in the index")
+
+        status, body = call(url + "/reset_prefix_cache")
+        assert status == 200
+        assert body == {"success": False, "instances": {name: name != holder for name in NAMES}}
+        assert indexed(url)[holder] > 0 and engine_blocks(fleet)[holder] > 0
+        assert running.result()["x-kvroute-instance"] == holder
+        assert call(url + "/reset_prefix_cache")[1]["success"] is True
+
+
+def busy(fleet: FleetPorts) -> str | None:
+    """The instance running a request, if one is."""
+    running = {
+        name: sample(instance_url(fleet, i), "vllm:num_requests_running") for i, name in enumerate(NAMES)
+    }
+    return next((name for name, count in running.items() if count), None)
+
+
+def test_engines_that_did_not_reset_are_named(fleet: FleetPorts, monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = fleet.router_config()
+    instances = cast(list[dict[str, str]], raw["instances"])
+    raw["instances"] = [*instances, {"name": "gone", "url": f"http://127.0.0.1:{free_port_block(1)}"}]
+    with serving(raw, monkeypatch) as url:
+        instance = chat(url)["x-kvroute-instance"]
+        in_step(url, fleet, instance)
+        status, body = call(url + "/reset_prefix_cache")
+        assert status == 502 and body["error"]["code"] == "reset_failed", body
+        message = body["error"]["message"]
+        assert "failed on 1 of 3 engines (gone: unreachable (ClientConnectorError))" in message
+        # Those that answered were reset, and forgotten.
+        assert engine_blocks(fleet)[instance] == indexed(url)[instance] == 0
+
+        # The fleet serves no multi-modal or encoder cache reset, as vLLM without VLLM_SERVER_DEV_MODE=1.
+        for path in ("/reset_mm_cache", "/reset_encoder_cache"):
+            status, body = call(url + path)
+            assert status == 502
+            for name in NAMES:
+                assert (
+                    f"{name}: HTTP 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1"
+                    in body["error"]["message"]
+                )
+
+        status, body = call(url + "/reset_prefix_cache?reset_running_requests=maybe")
+        assert status == 400 and "reset_running_requests" in body["error"]["message"]
