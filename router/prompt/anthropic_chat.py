@@ -109,6 +109,8 @@ def anthropic_chat_body(body: Mapping[str, Any], probes: TemplateProbes | None =
     chat["messages"] = _system_message(body.get("system"), messages, probes) + _chat_messages(
         messages, probes
     )
+    if not chat["messages"]:
+        raise InvalidPrompt("nothing to render: no system prompt and no message with content")
     if type(body.get("max_tokens")) is int:
         chat["max_tokens"] = body["max_tokens"]
     if lax_bool(body.get("stream")):
@@ -152,7 +154,8 @@ def _checked_messages(messages: Any) -> list[Mapping[str, Any]]:
 
 
 def _check_block(block: Any, where: str) -> None:
-    if not isinstance(block, Mapping) or block.get("type") not in _BLOCK_TYPES:
+    kind = block.get("type") if isinstance(block, Mapping) else None
+    if not (isinstance(kind, str) and kind in _BLOCK_TYPES):
         raise InvalidPrompt(f"{where}: a content block of an unknown type")
     for field, kind in _BLOCK_FIELDS.items():
         value = block.get(field)
@@ -271,17 +274,18 @@ def _tool_call(block: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _tool_message(block: Mapping[str, Any]) -> dict[str, Any]:
+    """A user's tool result: its text items joined with newlines (vLLM reads a missing text as "")."""
     content = block.get("content")
-    text = content if isinstance(content, str) else ""
-    if isinstance(content, list):
-        kinds = {item.get("type") for item in content}
-        if "image" in kinds or "tool_reference" in kinds:
+    texts = [content] if isinstance(content, str) else []
+    for item in content if isinstance(content, list) else ():
+        kind = item.get("type")
+        if kind in ("image", "tool_reference"):  # each becomes a message of its own
             raise InvalidPrompt("a tool_result holding images or tool references is not rendered here")
-        texts = [item.get("text", "") for item in content if item.get("type") == "text"]
-        if not all(isinstance(item_text, str) for item_text in texts):
-            raise InvalidPrompt("a tool_result's text item without a string text")
-        text = "\n".join(texts)
-    return {"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": text}
+        if kind == "text":
+            if not isinstance(item.get("text", ""), str):
+                raise InvalidPrompt("a tool_result's text item without a string text")
+            texts.append(item.get("text", ""))
+    return {"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": "\n".join(texts)}
 
 
 def _tools(tools: Any, messages: list[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
@@ -357,7 +361,7 @@ def _tool_choice(choice: Any) -> Any:
     if choice is None:
         return None
     kind = choice.get("type") if isinstance(choice, Mapping) else None
-    if kind in _TOOL_CHOICES:
+    if isinstance(kind, str) and kind in _TOOL_CHOICES:
         return _TOOL_CHOICES[kind]
     if kind == "tool" and isinstance(choice.get("name"), str) and choice["name"]:
         return {"type": "function", "function": {"name": choice["name"]}}
