@@ -106,9 +106,8 @@ def anthropic_chat_body(body: Mapping[str, Any], probes: TemplateProbes | None =
     chat: dict[str, Any] = {}
     if isinstance(body.get("model"), str):
         chat["model"] = body["model"]
-    chat["messages"] = _system_message(body.get("system"), messages, probes) + _chat_messages(
-        messages, probes
-    )
+    system = _system_message(body.get("system"), messages, probes)
+    chat["messages"] = system + _chat_messages(messages, probes)
     if not chat["messages"]:
         raise InvalidPrompt("nothing to render: no system prompt and no message with content")
     if type(body.get("max_tokens")) is int:
