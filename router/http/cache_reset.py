@@ -159,7 +159,7 @@ def _with_success(answer: _Answer) -> _Answer:
         return answer
     if isinstance(body, dict) and isinstance(success := body.get("success"), bool):
         return _Answer(answer.engine, body, success=success)
-    return _Answer(answer.engine, failure=f'answered 200 with {body!r}, not {{"success": bool}}')
+    return _Answer(answer.engine, failure=f'answered 200 with {repr(body)[:200]}, not {{"success": bool}}')
 
 
 def _forget_gpu_blocks(index: BlockIndex, names: tuple[str, ...]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -46,8 +47,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
 
 
 @contextlib.contextmanager
-def serving(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The router of raw, with the reset routes, on a free port; yields its base URL."""
+def serving(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch, timeout_s: float = 30.0) -> Iterator[str]:
+    """The router of raw, with the reset routes (timeout_s: theirs), on a free port; yields its base URL."""
     runtimes: list[Runtime] = []
 
     class Kept(Runtime):  # create_app makes its runtime itself; the routes need its fleet and index
@@ -60,7 +61,7 @@ def serving(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     runtime = runtimes[0]
     if not any(getattr(route, "path", None) == "/reset_prefix_cache" for route in app.api.routes):
         token = lambda: admin_token(runtime.config.admin)  # noqa: E731
-        app.api.include_router(cache_reset_routes(runtime.upstreams, runtime.index, token))
+        app.api.include_router(cache_reset_routes(runtime.upstreams, runtime.index, token, timeout_s))
     port = free_port_block(1)
     server = uvicorn.Server(server_config(app.asgi, "127.0.0.1", port))
     thread = threading.Thread(target=server.run, name="router", daemon=True)
@@ -211,3 +212,18 @@ def test_engines_that_did_not_reset_are_named(fleet: FleetPorts, monkeypatch: py
 
         status, body = call(url + "/reset_prefix_cache?reset_running_requests=maybe")
         assert status == 400 and "reset_running_requests" in body["error"]["message"]
+
+
+def test_an_engine_that_does_not_answer_is_named_after_the_timeout(
+    fleet: FleetPorts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never answers
+        raw = fleet.router_config()
+        instances = cast(list[dict[str, str]], raw["instances"])
+        url_of_silent = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        raw["instances"] = [*instances, {"name": "silent", "url": url_of_silent}]
+        with serving(raw, monkeypatch, timeout_s=0.5) as url:
+            started = time.monotonic()
+            status, body = call(url + "/reset_prefix_cache")
+            assert status == 502 and "(silent: no answer within 0.5 s)" in body["error"]["message"], body
+            assert time.monotonic() - started < 5
