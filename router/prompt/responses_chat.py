@@ -203,7 +203,8 @@ def _custom_arguments(payload: Any, index: int) -> str:
 
 def _reasoning_text(item: Mapping[str, Any], index: int) -> str:
     """The first content text, else the first summary text, else ""; encrypted reasoning is not readable."""
-    if item.get("encrypted_content"):
+    encrypted = item.get("encrypted_content")
+    if encrypted or not (encrypted is None or isinstance(encrypted, str)):
         raise InvalidPrompt(f"input[{index}]: encrypted reasoning is not supported")
     if not (isinstance(item.get("id", ""), str) and item.get("status") in _STATUSES):
         raise InvalidPrompt(f"input[{index}]: a reasoning item's id and status are malformed")
@@ -233,20 +234,39 @@ def _assistant_text(item: Mapping[str, Any], index: int) -> str:
     """vLLM keeps only an assistant message's first part: output_text parts when the item says it is a message
     (it reads them as an output message), input_text parts either way."""
     content, where = item.get("content"), f"input[{index}].content"
-    if item.get("status") not in _STATUSES:
-        raise InvalidPrompt(f"input[{index}].status is not a status")
     if isinstance(content, str):
+        if (
+            item.get("type") == "message"
+            and isinstance(item.get("id"), str)
+            and item.get("status") in _STATUSES[1:]
+        ):
+            raise InvalidPrompt(
+                f"{where}: vLLM reads a string as an output message's parts when id and status are set"
+            )
         return content
     parts = _list(content, where)
     if not parts:
         raise InvalidPrompt(f"{where} is empty")
-    kinds = {_part_type(part) for part in parts}
-    if kinds <= {"output_text", "refusal"} and item.get("type") == "message":
+    if item.get("type") == "message" and {_part_type(part) for part in parts} <= {"output_text", "refusal"}:
+        _check_output_message(item, index)
         return _output_text(parts[0])
-    if kinds == {"input_text"}:
-        _input_content(parts, where)
-        return str(parts[0]["text"])
-    raise InvalidPrompt(f"{where}: only text parts are supported")
+    _input_content(parts, where)
+    return str(parts[0]["text"])
+
+
+def _check_output_message(item: Mapping[str, Any], index: int) -> None:
+    """What vLLM needs to read the item as an output message; else it would refuse it or misread it."""
+    if not (isinstance(item.get("id", ""), str) and item.get("status", "completed") in _STATUSES[1:]):
+        raise InvalidPrompt(f"input[{index}]: an output message's id and status are malformed")
+    for part in item["content"]:
+        field = "text" if part["type"] == "output_text" else "refusal"
+        annotations = part.get("annotations", [])
+        if not isinstance(part.get(field), str) or not isinstance(annotations, list):
+            raise InvalidPrompt(f"input[{index}].content: a part's {field} or annotations are malformed")
+        if not all(isinstance(annotation, Mapping) for annotation in annotations):
+            raise InvalidPrompt(f"input[{index}].content: a part's annotations are malformed")
+        if not (part.get("logprobs") is None or isinstance(part["logprobs"], list)):
+            raise InvalidPrompt(f"input[{index}].content: a part's logprobs are malformed")
 
 
 def _part_type(part: Any) -> str | None:
@@ -366,7 +386,9 @@ def _namespace_tools(tool: Mapping[str, Any], index: int) -> list[dict[str, Any]
 
 def _template_kwargs(chat_template_kwargs: Any, reasoning: Any) -> dict[str, Any] | None:
     """The request's chat_template_kwargs under vLLM's own: the reasoning effort, and ``enable_thinking``
-    (effort not "none") unless the request sets it. vLLM's own generation flags are ResponsesChat's fields."""
+    (effort not "none") unless the request sets it; vLLM's generation flags are ResponsesChat's fields. A None
+    or "auto" value counts as unset: vLLM merges the request's kwargs over the server's defaults, which are
+    never empty (``cohere_format``, read by Cohere's renderer only), and that merge drops those values."""
     if not (chat_template_kwargs is None or isinstance(chat_template_kwargs, dict)):
         raise InvalidPrompt("chat_template_kwargs must be an object")
     if not (reasoning is None or isinstance(reasoning, Mapping)):
@@ -375,13 +397,11 @@ def _template_kwargs(chat_template_kwargs: Any, reasoning: Any) -> dict[str, Any
     effort = reasoning.get("effort") if reasoning is not None else None
     if effort not in _EFFORTS:
         raise InvalidPrompt("reasoning.effort is not an effort")
-    kwargs = {
-        key: value
-        for key, value in given.items()
-        if key not in ("add_generation_prompt", "continue_final_message")
-    }
+    own: dict[str, Any] = {"add_generation_prompt": None, "continue_final_message": None}
     if effort is not None:
-        kwargs["reasoning_effort"] = effort
+        own["reasoning_effort"] = effort
         if "enable_thinking" not in given:
-            kwargs["enable_thinking"] = effort != "none"
+            own["enable_thinking"] = effort != "none"
+    merged = given | own
+    kwargs = {key: value for key, value in merged.items() if not (value is None or value == "auto")}
     return kwargs or None
