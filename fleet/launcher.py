@@ -9,11 +9,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiohttp import web
+
 from fleet.block_pool import Adapter, BlockHasher, BlockPool
 from fleet.engine import Engine, EngineTiming
 from fleet.kv_transfer import Connector, KVTransfers, Role, TransferSide
+from fleet.messages_api import add_messages_routes
 from fleet.publisher import EventPublisher
 from fleet.render import add_render_routes
+from fleet.response_store import DEFAULT_CAPACITY, ResponseStore
+from fleet.responses_api import add_responses_routes
 from fleet.sampling import printable_token_ids
 from fleet.server import SimInstance, serve
 from router.prompt.tokenization import PromptTokenizer
@@ -46,6 +51,12 @@ class FleetOptions:
     api_key: str | None = None  # what every instance requires on /v1, as vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # as vLLM's option
     prompt_tokens_details: bool = False  # as vLLM's --enable-prompt-tokens-details
+    # as vLLM's --enable-auto-tool-choice with a --tool-call-parser: on, since agents send tools
+    auto_tool_choice: bool = True
+    # The Responses API's store, as vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1 (on: turns can be chained with
+    # previous_response_id, background runs work); each instance keeps at most this many responses
+    responses_store: bool = True
+    responses_store_capacity: int = DEFAULT_CAPACITY
     # Engines per instance behind its one API server (vllm serve --data-parallel-size); rank R of instance I
     # publishes at event_port + I x size + R, as vLLM offsets each rank's ports.
     data_parallel_size: int = 1
@@ -68,6 +79,14 @@ class FleetOptions:
             self.port + index,
             self.roles[index] if self.roles else "both",
         )
+
+
+def add_api_routes(app: web.Application) -> None:
+    """What every instance serves beside the chat and completion endpoints: the render endpoints, the
+    Responses API and the Anthropic Messages API."""
+    add_render_routes(app)
+    add_responses_routes(app)
+    add_messages_routes(app)
 
 
 async def run_fleet(
@@ -117,11 +136,13 @@ async def run_fleet(
                 api_key=options.api_key,
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
                 prompt_tokens_details=options.prompt_tokens_details,
+                auto_tool_choice=options.auto_tool_choice,
+                responses=ResponseStore(options.responses_store, options.responses_store_capacity),
                 transfer=options.transfer_side(index) if options.roles else None,  # roles: a KV connector
                 transfers=transfers,
             )
             port = options.port + index
-            await stack.enter_async_context(serve(instance, options.host, port, add_render_routes))
+            await stack.enter_async_context(serve(instance, options.host, port, add_api_routes))
         print(
             f"fleet ready: {options.instances} instances, http {options.host}:{options.port}"
             f"-{options.port + options.instances - 1}, events from {options.event_port}, "

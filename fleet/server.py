@@ -19,6 +19,7 @@ from fleet.block_pool import Adapter
 from fleet.cache_config import cache_config_labels
 from fleet.engine import Engine, PromptCache
 from fleet.kv_transfer import KVTransfers, TransferSide
+from fleet.response_store import ResponseStore
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from fleet.sampling_checks import sampling_error
@@ -49,6 +50,11 @@ class SimInstance:
     api_key: str | None = None  # vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's option: the chat endpoint only, not /tokenize
     prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details: usage says what was cached
+    # vLLM's --enable-auto-tool-choice with a --tool-call-parser: without them a chat (or an Anthropic body)
+    # whose tool_choice is not "none" is refused. Agents send tools, so the simulated fleet takes them.
+    auto_tool_choice: bool = True
+    # The Responses API's store (VLLM_ENABLE_RESPONSES_API_STORE); on here, so turns can be chained
+    responses: ResponseStore = field(default_factory=ResponseStore)
     # Its KV connector's end of prefill-to-decode transfer (fleet/kv_transfer.py); None: it runs no connector
     transfer: TransferSide | None = None
     transfers: KVTransfers | None = None  # the fleet's, shared by its instances
@@ -73,7 +79,7 @@ class ClientError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
@@ -159,7 +165,7 @@ def max_tokens_for(limit: int, body: dict[str, Any], prompt_len: int, chat: bool
     return min(limit - prompt_len, requested or limit)
 
 
-class _Generation:
+class Generation:
     """What both endpoints share: validation, the engine call, and the response envelopes."""
 
     def __init__(
@@ -202,11 +208,13 @@ class _Generation:
             yield token
 
     def reported_cache(self) -> PromptCache | None:
-        """What the usage reports of the prompt's cache: nothing unless the instance runs with
-        --enable-prompt-tokens-details. A decode leg given the prefill leg's count (vLLM's
+        """What a chat or completion's usage reports of the prompt's cache: nothing unless the instance runs
+        with --enable-prompt-tokens-details."""
+        return self.prompt_cache() if self.instance.prompt_tokens_details else None
+
+    def prompt_cache(self) -> PromptCache:
+        """What the prompt found cached. A decode leg given the prefill leg's count (vLLM's
         remote_prefill_cached_tokens) reports that instead of what it loaded."""
-        if not self.instance.prompt_tokens_details:
-            return None
         remote, params = self.transfer_params.get("remote_prefill_cached_tokens"), self.transfer_params
         if params.get("do_remote_prefill") and type(remote) is int:
             return replace(self.cache, cached_tokens=remote)
@@ -224,7 +232,7 @@ class _Generation:
         return instance.transfers.keep(instance.transfer, self.transfer_params, self.prompt_ids)
 
 
-async def _complete(request: web.Request, generation: _Generation) -> web.StreamResponse:
+async def _complete(request: web.Request, generation: Generation) -> web.StreamResponse:
     if generation.body.get("stream"):
         return await _stream(request, generation)
     output = [token async for token in generation.tokens()]
@@ -235,7 +243,7 @@ async def _complete(request: web.Request, generation: _Generation) -> web.Stream
     return json_response(body)
 
 
-async def _stream(request: web.Request, generation: _Generation) -> web.StreamResponse:
+async def _stream(request: web.Request, generation: Generation) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
     envelope, token_text = generation.envelope, generation.instance.tokenizer.token_text
@@ -259,7 +267,7 @@ def _aliases(instance: SimInstance) -> str:
     return ", ".join([instance.model_name, *(a.name for a in instance.adapters)])
 
 
-def _check_model(instance: SimInstance, body: dict[str, Any]) -> None:
+def check_model(instance: SimInstance, body: dict[str, Any]) -> None:
     """A body naming no model is for the instance's own, as vLLM takes it."""
     if not body.get("model"):
         body["model"] = instance.model_name
@@ -281,9 +289,9 @@ def handler(
             body = await _read_body(request)
             return await work(instance, request, body)  # type: ignore[no-any-return]
         except ClientError as exc:
-            return _error(exc.status, exc.message, exc.kind, exc.param)
+            return error_response(exc.status, exc.message, exc.kind, exc.param)
         except InvalidPrompt as exc:
-            return _error(400, str(exc), "BadRequestError")
+            return error_response(400, str(exc), "BadRequestError")
 
     return handle
 
@@ -312,13 +320,28 @@ def _completion_ids(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     return instance.tokenizer.completion_ids(body["prompt"], body.get("add_special_tokens", True))
 
 
+def _check_tool_choice(instance: SimInstance, body: dict[str, Any]) -> None:
+    """vLLM's refusal of a tool choice it has no parser for (tools alone mean "auto")."""
+    choice = body.get("tool_choice", "auto" if body.get("tools") else None)
+    if instance.auto_tool_choice or choice in (None, "none"):
+        return
+    if choice == "auto":
+        message = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    else:
+        named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
+        shown = f'function "{choice["function"].get("name")}"' if named else f'"{choice}"'
+        message = f"tool_choice={shown} requires --tool-call-parser to be set"
+    raise ClientError(400, message, "BadRequestError")
+
+
 def validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     """A chat request's prompt token ids, after the checks vLLM makes first (generate and render alike)."""
-    _check_model(instance, body)
+    check_model(instance, body)
     _check_cache_salt(body.get("cache_salt"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
+    _check_tool_choice(instance, body)
     return _chat_ids(
         instance, body, body.get("reasoning_effort"), instance.exclude_tools_when_tool_choice_none
     )
@@ -326,7 +349,7 @@ def validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
 
 def validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:
     """A completion's prompt token ids and whether they came from text, after vLLM's first checks."""
-    _check_model(instance, body)
+    check_model(instance, body)
     _check_cache_salt(body.get("cache_salt"))
     if "prompt" not in body:
         raise ClientError(400, "prompt is required", "BadRequestError", "prompt")
@@ -337,14 +360,14 @@ def validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[l
 
 async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     ids = validated_chat(instance, body)
-    return await _complete(request, _Generation(request, instance, body, ids, chat=True, from_text=True))
+    return await _complete(request, Generation(request, instance, body, ids, chat=True, from_text=True))
 
 
 async def _completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.StreamResponse:
     ids, from_text = validated_completion(instance, body)
-    generation = _Generation(request, instance, body, ids, chat=False, from_text=from_text)
+    generation = Generation(request, instance, body, ids, chat=False, from_text=from_text)
     return await _complete(request, generation)
 
 
@@ -474,11 +497,26 @@ def _api_key_guard(key: str) -> Any:
     return guard
 
 
+@web.middleware
+async def _json_route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown path or a wrong method answered as vLLM's server (Starlette) answers them."""
+    try:
+        return await handler(request)  # type: ignore[no-any-return]
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow",)}
+        detail = {"detail": "Not Found" if exc.status == 404 else "Method Not Allowed"}
+        return web.Response(
+            status=exc.status, body=_json.encode(detail), content_type="application/json", headers=headers
+        )
+
+
 def build_app(
     instance: SimInstance, extra_routes: Callable[[web.Application], None] = lambda app: None
 ) -> web.Application:
-    """extra_routes: adds routes built on this module's request handling (fleet/render.py's)."""
+    """extra_routes: adds routes built on this module's request handling (fleet/render.py's, the agent
+    APIs': fleet/launcher.py's add_api_routes)."""
     middlewares = [_api_key_guard(instance.api_key)] if instance.api_key else []
+    middlewares.append(_json_route_errors)
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app["instance"] = instance
     registry = CollectorRegistry(auto_describe=False)
