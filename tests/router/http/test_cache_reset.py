@@ -1,12 +1,13 @@
 """POST /reset_prefix_cache (and vLLM's other cache resets) through the router, against a simulated fleet.
 
-The router runs in this process, on uvicorn in a thread, with the reset routes added to its app: the index
-is read as the router shows it (/dashboard/state) and the engines' caches as they show them (/debug/cache).
+The router runs in this process, on uvicorn in a thread (so that a test can shorten the resets' timeout): the
+index is read as the router shows it (/dashboard/state), the engines' caches as they show them (/debug/cache).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import socket
 import threading
@@ -22,10 +23,8 @@ import uvicorn
 import router.http.app
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from router.config import parse_config
-from router.http.admin import admin_token
 from router.http.app import create_app
-from router.http.cache_reset import cache_reset_routes
-from router.runtime import Runtime
+from router.http.cache_reset import RESET_TIMEOUT_S, cache_reset_routes
 from router.upstreams.http_session import server_config
 from tests.conftest import instance_url, sample
 from tests.router.test_proxy import get_json, post
@@ -47,21 +46,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPorts]:
 
 
 @contextlib.contextmanager
-def serving(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch, timeout_s: float = 30.0) -> Iterator[str]:
-    """The router of raw, with the reset routes (timeout_s: theirs), on a free port; yields its base URL."""
-    runtimes: list[Runtime] = []
-
-    class Kept(Runtime):  # create_app makes its runtime itself; the routes need its fleet and index
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            runtimes.append(self)
-
-    monkeypatch.setattr(router.http.app, "Runtime", Kept)
+def serving(
+    raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch, timeout_s: float = RESET_TIMEOUT_S
+) -> Iterator[str]:
+    """The router of raw, its resets waiting timeout_s for each engine, on a free port; yields its URL."""
+    routes = functools.partial(cache_reset_routes, timeout_s=timeout_s)
+    monkeypatch.setattr(router.http.app, "cache_reset_routes", routes)
     app = create_app(parse_config(raw))
-    runtime = runtimes[0]
-    if not any(getattr(route, "path", None) == "/reset_prefix_cache" for route in app.api.routes):
-        token = lambda: admin_token(runtime.config.admin)  # noqa: E731
-        app.api.include_router(cache_reset_routes(runtime.upstreams, runtime.index, token, timeout_s))
     port = free_port_block(1)
     server = uvicorn.Server(server_config(app.asgi, "127.0.0.1", port))
     thread = threading.Thread(target=server.run, name="router", daemon=True)
