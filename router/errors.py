@@ -19,7 +19,7 @@ class OpenAIError(Exception):
         status: int,
         message: str,
         kind: str,
-        code: str,
+        code: str | int,
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -27,12 +27,38 @@ class OpenAIError(Exception):
         self.status, self.message, self.kind, self.code = status, message, kind, code
         self.param, self.headers = param, headers or {}
 
-    def response(self) -> Response:
-        body = error_json(self.message, self.kind, self.code, self.param)
+    def response(self, anthropic: bool = False) -> Response:
+        """anthropic: in the shape of Anthropic's API, for its routes."""
+        if anthropic:
+            body = anthropic_error_json(self.message, anthropic_error_type(self.status))
+        else:
+            body = error_json(self.message, self.kind, self.code, self.param)
         return Response(body, self.status, headers=self.headers, media_type="application/json")
 
 
-def error_json(message: str, kind: str, code: str, param: str | None = None) -> bytes:
+# Anthropic's error types by status, for the router's own errors on its routes
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error_json(message: str, kind: str) -> bytes:
+    """Anthropic's error body, as vLLM's Messages routes answer it: {"type":"error","error":{...}}."""
+    return _encode({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def error_json(message: str, kind: str, code: str | int, param: str | None = None) -> bytes:
     """OpenAI's error object, encoded: for answers the router makes itself and for SSE error events."""
     return _encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
 

@@ -242,8 +242,9 @@ class _RequestFamilies:
         self.requests = _counter(
             r,
             "kvroute_requests",
-            "Proxied requests by policy, instance, HTTP status and model",
-            ["policy", "vllm_instance", "status", "model"],
+            "Proxied requests by policy, instance, HTTP status, model and API (chat, completions, responses, "
+            "messages, count_tokens, embeddings...)",
+            ["policy", "vllm_instance", "status", "model", "api"],
         )
         self.rejected = _counter(
             r, "kvroute_rejected_requests", "Requests the router answered itself with an error", ["reason"]

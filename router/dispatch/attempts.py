@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,25 @@ from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a request may go, and what its attempts send: the client's body, or one made for the instance
+    (a Responses request's id names its instance, router/dispatch/response_ids.py)."""
+
+    api: str = "chat"  # the metrics' label
+    pinned: Instance | None = None  # the one instance that may serve it (it holds the stored response)
+    pinned_by: str | None = None  # that stored response's id
+    body_for: Callable[[Instance], bytes] | None = None
+    watch: Callable[[bytes], None] | None = None  # shown the answer, as router/dispatch/outcome.py says
+    get: bool = False  # sent as a GET (retrieving a stored response), without a body
+
+    @property
+    def splits(self) -> bool:
+        """Whether a disaggregated model's prefill leg can serve it: the chat and completions APIs only
+        (the router's prefill leg is one of those; the agents' APIs are routed whole)."""
+        return self.api in ("chat", "completions")
 
 
 @dataclass(eq=False, slots=True)
@@ -74,7 +93,14 @@ class Attempts:
         self._prefill = PrefillLeg(context, disaggregation.connector, disaggregation.local_prefill_max_tokens)
 
     async def send(
-        self, prepared: Prepared, policy: Policy, path: str, raw: bytes, headers: dict[str, str], stream: bool
+        self,
+        prepared: Prepared,
+        policy: Policy,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        target: Target = Target(),
     ) -> Outcome:
         """Send to the best instance and wait for the first bytes of its answer: the outcome that serves the
         client, or an OpenAIError saying why none could."""
@@ -85,14 +111,16 @@ class Attempts:
         if self._memory_gate.must_wait(prompt_tokens, self._upstreams.candidates(model), prepared.chain):
             await self._hold_for_memory(model, prompt_tokens, prepared.chain)
         for attempt in range(self._retry.attempts):
-            candidates = self.candidates(prepared, policy, frozenset(tries.tried))
+            candidates = self.candidates(prepared, policy, frozenset(tries.tried), target.pinned)
             if not candidates:
                 break
             outcome, payload = await self._start(
-                prepared, policy, path, raw, headers, stream, candidates, tries
+                prepared, policy, path, raw, headers, stream, candidates, tries, target
             )
             try:
-                sent = await self._context.sender.attempt(outcome.instance, path, payload, headers, stream)
+                sent = await self._context.sender.attempt(
+                    outcome.instance, path, payload, headers, stream, "GET" if target.get else "POST"
+                )
             except BaseException:
                 outcome.abandon(None, failed=False)
                 raise
@@ -110,20 +138,22 @@ class Attempts:
         stream: bool,
         candidates: list[Instance],
         tries: _Tries,
+        target: Target,
     ) -> tuple[Outcome, bytes]:
         """The attempt at the best candidate, started, and what it sends: the client's body, or a decode
         leg's once its prefill leg computed the prompt elsewhere."""
         decision = self._decider.decide(prepared, policy, candidates)
         model = prepared.request.model
-        leg, pd_path = self._leg(model, decision, tries.transfer)
+        leg, pd_path = self._leg(model, decision, tries.transfer, target.splits)
         sent_decision = self._decider.decode_leg(decision) if leg == "decode" else decision
         observers = self._observers
         outcome = Outcome.start(
-            observers, sent_decision, policy, model, stream, tries.first_sent, leg, pd_path
+            observers, sent_decision, policy, model, stream, tries.first_sent, leg, pd_path, api=target.api
         )
+        outcome.watch = target.watch
         tries.first_sent = outcome.first_sent
         if leg != "decode":
-            return outcome, raw
+            return outcome, raw if target.body_for is None else target.body_for(decision.instance)
         body = tries.body = msgspec.json.decode(raw) if tries.body is None else tries.body
         try:
             transfer = tries.transfer or await self._prefill.run(
@@ -236,12 +266,20 @@ class Attempts:
         return _tried(unavailable(message + " Retry later.", code, RETRY_AFTER_S), tries.tried)
 
     def candidates(
-        self, prepared: Prepared, policy: Policy, exclude: frozenset[str] = frozenset()
+        self,
+        prepared: Prepared,
+        policy: Policy,
+        exclude: frozenset[str] = frozenset(),
+        pinned: Instance | None = None,
     ) -> list[Instance]:
-        """The healthy instances serving the request's model, but those in exclude, that have room for one
-        more request of this router (router/upstreams/filters.py); a 429 when every healthy one is full."""
+        """The healthy instances serving the request's model (pinned: that one alone, if it is healthy), but
+        those in exclude, that have room for one more request of this router (router/upstreams/filters.py);
+        a 429 when every healthy one is full."""
         model = prepared.request.model
-        healthy = self._upstreams.candidates(model, exclude=exclude)
+        if pinned is None:
+            healthy = self._upstreams.candidates(model, exclude=exclude)
+        else:
+            healthy = [pinned] if pinned.healthy and pinned.name not in exclude else []
         candidates = self._context.room.filter(prepared.request, healthy)
         if healthy and not candidates:
             self._observers.request_rejected(policy, "instances_full")
@@ -252,11 +290,15 @@ class Attempts:
             )
         return candidates
 
-    def _leg(self, model: str, decision: Decision, transfer: Transfer | None) -> tuple[Leg, PdPath | None]:
+    def _leg(
+        self, model: str, decision: Decision, transfer: Transfer | None, splits: bool
+    ) -> tuple[Leg, PdPath | None]:
         """What the attempt at decision's instance is: a whole request (and, of a disaggregated model, why)
         or the decode leg after a prefill leg (done already when transfer is one still to fetch)."""
         if not self._upstreams.disaggregated(model):
             return "whole", None
+        if not splits:
+            return "whole", "unsplit"
         if transfer is not None or self._prefill.worth_it(decision):
             return "decode", None
         return "whole", "skipped"

@@ -22,9 +22,11 @@ from router.index.block_index import BlockIndex, Speculation
 from router.index.pool import IndexOnlyMatches, PrefixMatches
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
+from router.prompt.anthropic_chat import TemplateProbes, template_probes
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
-from router.prompt.openai_body import ChatRequest, CompletionRequest
+from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
 from router.prompt.remote_tokenizer import RemoteTokenizer
+from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
 from router.upstreams.instances import Instance
 from scorers.plugins import WAIT_CAUSED_WEIGHT
@@ -53,6 +55,7 @@ class LocalTokenizer(Protocol):
         add_special_tokens: bool = False,
         tools: Sequence[Any] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        calls_as_given: bool = False,
     ) -> list[int]: ...
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]: ...
@@ -154,6 +157,12 @@ class Decider:
         self._metrics.decision("prepare").observe(time.perf_counter() - started)
         return Prepared(request)
 
+    def anthropic_probes(self, model: str) -> TemplateProbes | None:
+        """What vLLM's Messages server finds by trying the model's chat template
+        (router/prompt/anthropic_chat.py); None without a local tokenizer."""
+        tokenizer = getattr(self._tokenizers.get(model), "tokenizer", None)
+        return template_probes(tokenizer) if isinstance(tokenizer, PromptTokenizer) else None
+
     def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
         started = time.perf_counter()
         pick = policy.pick(prepared.request, candidates)
@@ -249,6 +258,8 @@ class Decider:
         }
         template_inputs = body.engine_template_inputs()
         with_inputs = bool(template_inputs)
+        # A Responses request's tool calls reach the template in another order than /tokenize's (the audit's).
+        responses = isinstance(body, ResponsesChatRequest)
         if local is not None and body.chat_template is None and self._audit.trusts(body.model, with_inputs):
             try:
                 ids = await self._local(
@@ -260,12 +271,14 @@ class Decider:
                     body.add_special_tokens,
                     body.tools,
                     template_inputs.get("chat_template_kwargs"),
+                    responses,
                 )
             except InvalidPrompt:
                 if not with_inputs:  # with tools or kwargs, a shape beyond what is built here: ask the engine
                     raise
             else:
-                self._audit.consider(body.model, body.messages, flags, template_inputs, ids)
+                if not responses:
+                    self._audit.consider(body.model, body.messages, flags, template_inputs, ids)
                 return ids
         # A request's own template (and chats the audit found rendered differently) go to the engine's code.
         remote = self._remote(body.model)

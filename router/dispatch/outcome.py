@@ -29,7 +29,8 @@ BUSY = 503  # refused before anything ran: not a failure of the instance
 # What an attempt is of its request: all of it, or one leg of a disaggregated one (the decode leg answers the
 # client, as a whole request does; the prefill leg's answer is the router's only).
 Leg = Literal["whole", "prefill", "decode"]
-PdPath = Literal["disaggregated", "skipped", "fallback"]
+# unsplit: an API the prefill leg cannot serve (the agents'), routed whole to a decode instance
+PdPath = Literal["disaggregated", "skipped", "fallback", "unsplit"]
 _CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
 
 
@@ -109,6 +110,9 @@ class Outcome:
     _first_byte_s: float | None = None  # a stream's time to its first byte (a whole answer's comes last)
     prefill_instance: str | None = None  # a decode leg's: where its prompt's KV was computed
     prefill_cached_tokens: int | None = None  # what the prefill leg's answer reports it found cached
+    api: str = "chat"  # the metrics' label
+    # Shown a successful answer: whole, or each run of whole stream events (a stored response's output)
+    watch: Callable[[bytes], None] | None = None
 
     @classmethod
     def start(
@@ -122,6 +126,7 @@ class Outcome:
         leg: Leg = "whole",
         pd_path: PdPath | None = None,
         attempts: int = 1,
+        api: str = "chat",
     ) -> Outcome:
         """Count the attempt against its instance, as it is sent."""
         instance = decision.instance
@@ -150,6 +155,7 @@ class Outcome:
             attempts=attempts,
             leg=leg,
             pd_path=pd_path,
+            api=api,
         )
 
     @property
@@ -196,6 +202,8 @@ class Outcome:
     def completed_whole(self, payload: bytes) -> None:
         """A whole answer went through: its usage tells the tokens it generated (the TTFT model's sample) and
         those the engine found cached (the A/B's engine-observed hits)."""
+        if self.watch is not None and self.status == 200 and payload:
+            self.watch(payload)
         self.completed_with(answer_usage(payload) if payload else None)
 
     def completed_with(self, usage: Usage | None) -> None:
@@ -311,7 +319,7 @@ class Outcome:
         if left:
             status = _CLIENT_CLOSED
         metrics, policy = self.observers.metrics, self.policy.name
-        metrics.requests(policy, self.instance.name, str(status), self.model).inc()
+        metrics.requests(policy, self.instance.name, str(status), self.model, self.api).inc()
         elapsed = time.perf_counter() - self.first_sent
         answered = status == 200 and not failed
         if answered:

@@ -19,10 +19,11 @@ from router.dispatch.cached_tokens import stream_cached_tokens, with_cached_toke
 from router.dispatch.outcome import Outcome
 from router.dispatch.sse import EventFramer
 from router.dispatch.usage import tail_usage
-from router.errors import error_json, error_object
+from router.errors import anthropic_error_json, error_json, error_object
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
 
 # How vLLM reports a failure after a stream began; inside a JSON string a quote is escaped, so no generated
 # text can look like it.
@@ -78,13 +79,14 @@ class Relay:
             if events.cut_open:  # part of an event too long to hold went out: ended, it is not glued to ours
                 yield b"\n\n"
             if outcome.cut:
-                yield sse_error("the router is shutting down; the stream was ended early", "shutting_down")
+                message, code = "the router is shutting down; the stream was ended early", "shutting_down"
             else:
                 log.warning("stream from %s broke: %r", outcome.instance.name, exc)
                 kind = "stream_idle" if isinstance(exc, TimeoutError) else "stream"
                 self._metrics.upstream_errors(outcome.instance.name, kind).inc()
-                yield sse_error(f"the upstream instance failed mid-stream: {type(exc).__name__}")
-            yield b"data: [DONE]\n\n"
+                message = f"the upstream instance failed mid-stream: {type(exc).__name__}"
+                code = "stream_broken"
+            yield stream_error(message, code, outcome.api)
         finally:
             self._streams.discard(outcome)
             ended(outcome)
@@ -135,6 +137,8 @@ class Relay:
         """Whole events as the client gets them: a disaggregated answer's cached tokens as the prefill leg
         found them; its error event and its usage chunk's cached tokens told to the outcome."""
         self._watch_errors(outcome, events)
+        if outcome.watch is not None:
+            outcome.watch(events)
         if cached is not None:
             events = with_cached_tokens(events, cached)
         if (reported := stream_cached_tokens(events)) is not None:
@@ -150,6 +154,17 @@ class Relay:
 
 def sse_error(message: str, code: str = "stream_broken") -> bytes:
     return b"data: " + error_json(message, "upstream_error", code) + b"\n\n"
+
+
+def stream_error(message: str, code: str, api: str) -> bytes:
+    """The events that end a stream the router cuts, in its API's terms: OpenAI's error chunk and [DONE];
+    a Responses `error` event; Anthropic's `error` event (neither of those has a [DONE])."""
+    if api == "responses":
+        error = {"type": "error", "code": code, "message": message, "param": None}
+        return b"event: error\ndata: " + _encode(error) + b"\n\n"
+    if api == "messages":
+        return b"event: error\ndata: " + anthropic_error_json(message, "api_error") + b"\n\n"
+    return sse_error(message, code) + b"data: [DONE]\n\n"
 
 
 def _server_error_event(events: bytes) -> bool:

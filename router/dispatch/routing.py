@@ -22,23 +22,30 @@ from dataclasses import dataclass
 
 from router.config import TokenizationConfig
 from router.dispatch.admission import Admission, Overloaded
-from router.dispatch.attempts import Attempts
+from router.dispatch.agent_bodies import (
+    AgentRead,
+    StoredResponses,
+    read_messages,
+    read_model_only,
+    response_not_found,
+)
+from router.dispatch.apis import ROUTED_PATHS, Api
+from router.dispatch.attempts import Attempts, Target
 from router.dispatch.decision import Decider, Prepared
 from router.dispatch.outcome import Observers, Outcome
+from router.dispatch.response_history import ResponseHistory
+from router.dispatch.response_ids import ResponseIds
 from router.dispatch.routing_headers import forwarded_headers
 from router.dispatch.routing_table import RoutingTable
-from router.errors import RETRY_AFTER_S, model_not_found, too_many_requests, unavailable
+from router.errors import RETRY_AFTER_S, OpenAIError, model_not_found, too_many_requests, unavailable
 from router.prompt.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
 from router.upstreams.instances import Instance, Upstreams
 from scorers.policy import Policy
 
-Kind = type[ChatRequest] | type[CompletionRequest]
-# The routes routed by their prompt, and the body each takes: both front doors serve these, and the engine's
-# path is the client's. A new API (an agent's) is one more entry, with its stage in receive().
-ROUTED_PATHS: Mapping[str, Kind] = {
-    "/v1/chat/completions": ChatRequest,
-    "/v1/completions": CompletionRequest,
-}
+__all__ = ["ROUTED_PATHS", "Api", "Picked", "Received", "RoutingService"]
+
+# What a request for a stored response meets when the instance holding it has gone: vLLM's unknown id instead.
+_GONE = frozenset({"no_healthy_instance", "upstream_unreachable"})
 
 
 @dataclass(slots=True)  # not frozen: one is made per request, and a frozen one's __init__ costs 4x
@@ -52,6 +59,8 @@ class Received:
     headers: dict[str, str]  # the request headers the engine gets
     tokenize: bool  # small enough to tokenize (else routed without prefix knowledge)
     off_loop: bool  # long enough to tokenize on the worker thread
+    api: Api
+    target: Target  # where it may go and what each attempt sends
 
     @property
     def model(self) -> str:
@@ -88,6 +97,7 @@ class RoutingService:
             tokenization.max_tokenized_bytes,
             tokenization.thread_above_bytes,
         )
+        self.responses = StoredResponses(ResponseIds(upstreams), ResponseHistory())
 
     async def admit(self) -> None:
         """Take an admission slot (waiting for one within admission's bounds), or raise a 429."""
@@ -102,23 +112,47 @@ class RoutingService:
         """A request that held a slot is over."""
         self._admission.leave()
 
-    def receive(self, raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Received:
+    def receive(
+        self, raw: bytes, api: Api, headers: Mapping[str, str], stored: str | None = None, query: str = ""
+    ) -> Received:
         """The body decoded (a 400 in the route's shape when it is not what the route takes), its model
-        served (else a 404), its policy chosen by the force header or the traffic split."""
-        body: ChatRequest | CompletionRequest = (
-            decode_body(raw, ChatRequest, self.upstreams.only_model())
-            if kind is ChatRequest
-            else decode_body(raw, CompletionRequest, self.upstreams.only_model())
-        )
+        served (else a 404), its policy chosen by the force header or the traffic split. stored: the stored
+        response the path names (a retrieval or cancellation), with the query string of a retrieval."""
+        read = self._read(raw, api, stored, query)
+        body = read.body
         if not self.upstreams.serves(body.model):
             raise model_not_found(body.model)
         table = self._table()
-        session = headers.get(table.traffic.session_header) or body.user
+        session = headers.get(table.traffic.session_header) or read.session
         policy = table.policy_for(headers.get(table.traffic.force_header), session)
-        tokenize = len(raw) <= self._tokenized_max
-        raw = without_full_kv_report(raw, body.vllm_xargs)
+        tokenize = read.tokenize and len(raw) <= self._tokenized_max
+        if api.body in ("chat", "completion"):
+            raw = without_full_kv_report(raw, body.vllm_xargs)
         off_loop = len(raw) > self._thread_above
-        return Received(body, policy, session, raw, forwarded_headers(headers), tokenize, off_loop)
+        target = Target(api.name, read.pinned, read.pinned_by, read.body_for, read.watch, api.get)
+        headers = forwarded_headers(headers)
+        return Received(body, policy, session, raw, headers, tokenize, off_loop, api, target)
+
+    def _read(self, raw: bytes, api: Api, stored: str | None, query: str) -> AgentRead:
+        only = self.upstreams.only_model()
+        kind = api.body
+        if kind == "chat":
+            chat = decode_body(raw, ChatRequest, only)
+            return AgentRead(chat, chat.user)
+        if kind == "completion":
+            completion = decode_body(raw, CompletionRequest, only)
+            return AgentRead(completion, completion.user)
+        if kind == "responses":
+            return self.responses.read(raw, only)
+        if kind == "messages":
+            return read_messages(raw, only, self.decider.anthropic_probes)
+        if stored is not None:
+            holder = self.responses.stored(stored)
+            streamed = "stream=true" in query.lower()
+            model = min(holder.models) if holder.models else (only or "")
+            body = CompletionRequest(model=model, stream=streamed)
+            return AgentRead(body, tokenize=False, pinned=holder, pinned_by=stored)
+        return read_model_only(raw, only)
 
     async def prepare(self, received: Received) -> Prepared:
         """The prompt's token ids, blocks and matches in the index."""
@@ -128,10 +162,17 @@ class RoutingService:
 
     async def send(self, received: Received, prepared: Prepared, path: str) -> Outcome:
         """Sent to the best instance with room, retried elsewhere while the client has had nothing: the
-        outcome whose first bytes came (router/dispatch/attempts.py)."""
-        return await self._attempts.send(
-            prepared, received.policy, path, received.raw, received.headers, received.streamed
-        )
+        outcome whose first bytes came (router/dispatch/attempts.py). A request for a stored response whose
+        instance is gone gets vLLM's answer for an id it does not hold."""
+        target = received.target
+        try:
+            return await self._attempts.send(
+                prepared, received.policy, path, received.raw, received.headers, received.streamed, target
+            )
+        except OpenAIError as error:
+            if target.pinned_by is None or error.code not in _GONE:
+                raise
+            raise response_not_found(target.pinned_by) from error
 
     def pick(
         self, received: Received, prepared: Prepared, outside: frozenset[str] | None, fallbacks: int
@@ -139,7 +180,10 @@ class RoutingService:
         """The best instance with room but those outside (the gateway's subset hint leaves them out; None:
         it gave none), its attempt started, and up to fallbacks others, best first."""
         policy = received.policy
-        candidates = self._attempts.candidates(prepared, policy, outside or frozenset())
+        target = received.target
+        candidates = self._attempts.candidates(prepared, policy, outside or frozenset(), target.pinned)
+        if not candidates and target.pinned_by is not None:
+            raise response_not_found(target.pinned_by)
         if not candidates:
             code = "no_healthy_instance" if outside is None else "no_instance_in_subset"
             self.observers.request_rejected(policy, code)
@@ -150,7 +194,12 @@ class RoutingService:
         if fallbacks and len(candidates) > 1:
             order = policy.ranked(prepared.request, candidates)
             others = tuple(candidates[i] for i in order if candidates[i] is not decision.instance)[:fallbacks]
-        outcome = Outcome.start(self.observers, decision, policy, received.model, received.streamed, None)
+        if target.body_for is not None:  # the body names the chosen instance: no other may serve it
+            others = ()
+        outcome = Outcome.start(
+            self.observers, decision, policy, received.model, received.streamed, None, api=target.api
+        )
+        outcome.watch = target.watch
         return Picked(outcome, others)
 
     def moved(self, outcome: Outcome, prepared: Prepared, served: Instance, skipped: int) -> Outcome:
@@ -166,4 +215,5 @@ class RoutingService:
             outcome.streamed,
             outcome.first_sent,
             attempts=outcome.attempts + 1 + skipped,
+            api=outcome.api,
         )

@@ -54,12 +54,18 @@ class Sender:
         )
 
     async def attempt(
-        self, instance: Instance, path: str, payload: bytes, headers: dict[str, str], stream: bool
+        self,
+        instance: Instance,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        method: str = "POST",
     ) -> Sent:
         """A request the client waits for: a stream's first byte comes after prefill (first_byte_timeout_s),
         a whole answer only after the last token (response_timeout_s, from sending it)."""
         limit = self._first_byte_s if stream else self._response_s
-        return await self._send(instance, path, payload, headers, stream, limit)
+        return await self._send(instance, path, payload, headers, stream, limit, method)
 
     async def prefill(self, instance: Instance, path: str, payload: bytes, headers: dict[str, str]) -> Sent:
         """A prefill leg: one token, whole, within the client's first-byte limit."""
@@ -73,13 +79,18 @@ class Sender:
         headers: dict[str, str],
         stream: bool,
         limit_s: float,
+        method: str = "POST",
     ) -> Sent:
         upstream: aiohttp.ClientResponse | None = None
         try:
             sent = {**headers, **instance.headers} if instance.headers else headers
             async with asyncio.timeout(limit_s):
-                upstream = await self._session.post(
-                    instance.url + path, data=payload, headers=sent, timeout=self._timeout
+                upstream = await self._session.request(
+                    method,
+                    instance.url + path,
+                    data=payload if method == "POST" else None,
+                    headers=sent,
+                    timeout=self._timeout,
                 )
                 first = await _first_bytes(upstream, stream)
         except NOT_CONNECTED as exc:

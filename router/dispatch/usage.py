@@ -1,4 +1,11 @@
-"""An answer's `usage`, as OpenAI's answers (and vLLM's) report it: the one parser of it."""
+"""An answer's `usage`, as vLLM's answers report it, in each API's terms: the one parser of it.
+
+Chat and completions: prompt_tokens and prompt_tokens_details.cached_tokens. Responses: input_tokens and
+input_tokens_details.cached_tokens, at the top of a whole response and inside a stream's response.completed.
+Anthropic Messages: input_tokens counts what was not cached, beside cache_read_input_tokens and
+cache_creation_input_tokens (present with vLLM's --enable-prompt-tokens-details), in a whole message and in
+a stream's message_delta. All read as the chat's terms.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +30,33 @@ class Usage(msgspec.Struct):
         return None if details is None else details.cached_tokens
 
 
+class _AnyUsage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    prompt_tokens_details: PromptDetails | None = None
+    input_tokens: int | None = None  # the agents' APIs
+    output_tokens: int = 0
+    input_tokens_details: PromptDetails | None = None  # Responses
+    cache_read_input_tokens: int | None = None  # Anthropic's
+    cache_creation_input_tokens: int | None = None
+
+    def as_chat(self) -> Usage:
+        if self.prompt_tokens is not None or self.input_tokens is None:
+            return Usage(self.prompt_tokens or 0, self.completion_tokens, self.prompt_tokens_details)
+        if self.cache_read_input_tokens is None and self.cache_creation_input_tokens is None:
+            return Usage(self.input_tokens, self.output_tokens, self.input_tokens_details)
+        cached = self.cache_read_input_tokens or 0
+        prompt = self.input_tokens + cached + (self.cache_creation_input_tokens or 0)
+        return Usage(prompt, self.output_tokens, PromptDetails(cached))
+
+
+class _Response(msgspec.Struct):
+    usage: _AnyUsage | None = None
+
+
 class _Answer(msgspec.Struct):
-    usage: Usage | None = None
+    usage: _AnyUsage | None = None
+    response: _Response | None = None  # a Responses stream's response.completed event
 
 
 _decode_answer = msgspec.json.Decoder(_Answer).decode
@@ -33,9 +65,13 @@ _decode_answer = msgspec.json.Decoder(_Answer).decode
 def answer_usage(payload: bytes) -> Usage | None:
     """A whole answer's (or one stream event's) usage, if it has one."""
     try:
-        return _decode_answer(payload).usage
+        answer = _decode_answer(payload)
     except (msgspec.DecodeError, RecursionError):  # an engine's answer nested past the decoder's depth
         return None
+    usage = answer.usage
+    if usage is None and answer.response is not None:
+        usage = answer.response.usage
+    return None if usage is None else usage.as_chat()
 
 
 _USAGE_KEY = b'"usage"'
@@ -50,6 +86,6 @@ def tail_usage(tail: bytes) -> Usage | None:
     rest = tail[start + len(_USAGE_KEY) :].lstrip().removeprefix(b":").lstrip()
     try:
         value, _ = json.JSONDecoder().raw_decode(rest.decode())
-        return msgspec.convert(value, Usage)
+        return msgspec.convert(value, _AnyUsage).as_chat()
     except (ValueError, msgspec.ValidationError):  # UnicodeDecodeError is a ValueError
         return None

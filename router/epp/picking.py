@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from router.dispatch.apis import routed_api
 from router.dispatch.decision import Prepared
 from router.dispatch.outcome import Outcome
-from router.dispatch.routing import ROUTED_PATHS, RoutingService
+from router.dispatch.routing import RoutingService
 from router.epp.messages import endpoint
 from router.errors import RETRY_AFTER_S, unavailable
 from router.metrics import RouterMetrics
@@ -46,13 +47,15 @@ class Picker:
     ) -> Routed:
         """Where the request goes, or an OpenAIError for the gateway to answer (429, 503, 4xx). An inference
         request's Routed holds an admission slot until its outcome ends (leave)."""
-        kind = ROUTED_PATHS.get(path.partition("?")[0])
-        if kind is None or method != "POST":
+        path, _, query = path.partition("?")
+        routed = routed_api(method, path)
+        if routed is None:
             return self._anywhere(subset, raw)
+        api, stored = routed
         routing = self.routing
         await routing.admit()
         try:
-            received = routing.receive(raw, kind, headers)
+            received = routing.receive(raw, api, headers, stored, query)
             prepared = await routing.prepare(received)
             outside = None if subset is None else self._outside(received.model, subset)
             picked = routing.pick(received, prepared, outside, self._fallbacks)
@@ -61,7 +64,9 @@ class Picker:
             raise
         chosen = picked.outcome.instance
         endpoints = [endpoint(i.url) for i in (chosen, *picked.fallbacks)]
-        return Routed(endpoints, received.raw, picked.outcome, prepared, picked.fallbacks)
+        body_for = received.target.body_for
+        body = received.raw if body_for is None else body_for(chosen)
+        return Routed(endpoints, body, picked.outcome, prepared, picked.fallbacks)
 
     def leave(self) -> None:
         """A routed inference request is over: its admission slot is free."""

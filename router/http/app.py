@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from router.config import PeersConfig, RouterConfig
-from router.dispatch.routing import ROUTED_PATHS, Kind
+from router.dispatch.apis import CANCEL_RESPONSE, RETRIEVE_RESPONSE, ROUTED_PATHS, Api
 from router.dispatch.routing_headers import (
     ATTEMPTS_HEADER,
     CACHED_BLOCKS_HEADER,
@@ -33,6 +33,7 @@ from router.dispatch.routing_headers import (
 from router.errors import OpenAIError
 from router.http.admin import admin_routes, admin_token
 from router.http.body_budget import BodyBudget
+from router.http.cache_reset import cache_reset_routes
 from router.http.client_auth import ClientAuth, client_key_digests
 from router.http.dashboard import dashboard_routes
 from router.http.fast_path import OpenAIFastPath
@@ -95,6 +96,7 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
 
     app.include_router(admin_routes(current_admin_token, runtime, reload))
     app.include_router(dashboard_routes(runtime.upstreams, runtime.index, runtime, current_admin_token))
+    app.include_router(cache_reset_routes(runtime.upstreams, runtime.index, current_admin_token))
     _answer_errors(app, client_error)
     _serve_openai(app)
     _serve_operations(app, runtime)
@@ -159,11 +161,11 @@ def _answer_errors(app: FastAPI, client_error: Callable[[OpenAIError], None]) ->
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        """An unknown route's 404 and a wrong method's 405 as vLLM answers them: {"detail": ...}."""
         headers = dict(exc.headers or {})  # a 405's Allow, say
-        error = OpenAIError(exc.status_code, str(exc.detail), kind, str(exc.status_code), headers=headers)
+        error = OpenAIError(exc.status_code, str(exc.detail), "invalid_request_error", str(exc.status_code))
         client_error(error)
-        return error.response()
+        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -174,14 +176,16 @@ def _answer_errors(app: FastAPI, client_error: Callable[[OpenAIError], None]) ->
 
 def _serve_openai(app: FastAPI) -> None:
     """The routed routes, declared for the app's OpenAPI schema (the fast path answers them first)."""
-    for path, kind in ROUTED_PATHS.items():
-        app.add_api_route(path, _forwarded(path, kind), methods=["POST"])
+    for path, api in ROUTED_PATHS.items():
+        app.add_api_route(path, _forwarded(api), methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", _forwarded(RETRIEVE_RESPONSE), methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", _forwarded(CANCEL_RESPONSE), methods=["POST"])
 
 
-def _forwarded(path: str, kind: Kind) -> Callable[[Request], Awaitable[Response]]:
+def _forwarded(api: Api) -> Callable[[Request], Awaitable[Response]]:
     async def forward(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        return await proxy.forward(request, path, kind)
+        return await proxy.forward(request, request.url.path, api, request.path_params.get("response_id"))
 
     return forward
 

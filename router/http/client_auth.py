@@ -1,5 +1,6 @@
-"""Client API keys: when configured, every /v1 request needs `Authorization: Bearer <key>`, checked before
-anything else is done with it (its size, its type, its body): a client without a key learns nothing else."""
+"""Client API keys: when configured, every /v1 request needs `Authorization: Bearer <key>` (or, as Anthropic's
+clients send it, `x-api-key: <key>`), checked before anything else is done with it (its size, its type, its
+body): a client without a key learns nothing else."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from router.config import ClientAuthConfig, client_api_keys
 from router.errors import invalid_api_key
 
 _GUARDED_PREFIX = "/v1/"
+_ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def client_key_digests(auth: ClientAuthConfig) -> frozenset[bytes]:
@@ -29,12 +31,15 @@ class ClientAuth:
         if self._digests and scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIX):
             if not self._allowed(scope):
                 self._rejected()
-                await invalid_api_key().response()(scope, receive, send)
+                anthropic = scope["path"].startswith(_ANTHROPIC_PREFIX)
+                await invalid_api_key().response(anthropic)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
-        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        scheme, _, key = header.decode("latin-1").partition(" ")
+        headers = dict(scope["headers"])
+        scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            key = headers.get(b"x-api-key", b"").decode("latin-1")
         # Digests of equal length are looked up in a set: no timing difference tells a prefix of a key.
-        return scheme.lower() == "bearer" and hashlib.sha256(key.encode()).digest() in self._digests
+        return bool(key) and hashlib.sha256(key.encode()).digest() in self._digests

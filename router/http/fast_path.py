@@ -1,4 +1,4 @@
-"""The routed OpenAI routes (router/dispatch/routing.py ROUTED_PATHS) straight to the proxy, past FastAPI.
+"""The routed routes (router/dispatch/apis.py) straight to the proxy, past FastAPI.
 
 FastAPI's middleware stack, routing and dependency solving cost more per request than kvroute's routing
 decision (py-spy, docs/bench-overhead.md). The routes are still declared on the app, from the same
@@ -15,7 +15,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.dispatch.routing import ROUTED_PATHS
+from router.dispatch.apis import routed_api
 from router.errors import OpenAIError
 
 if TYPE_CHECKING:
@@ -30,17 +30,16 @@ class OpenAIFastPath:
         self.app, self._proxy, self._rejected = app, proxy, rejected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        routed = scope["type"] == "http" and scope["method"] == "POST"
-        path = scope["path"] if routed else ""
-        kind = ROUTED_PATHS.get(path) if routed else None
-        if kind is None:
+        routed = routed_api(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if routed is None:
             await self.app(scope, receive, send)
             return
+        api, stored = routed
         try:
-            response = await self._proxy().forward(Request(scope, receive), path, kind)
+            response = await self._proxy().forward(Request(scope, receive), scope["path"], api, stored)
         except OpenAIError as error:
             self._rejected(error)
-            response = error.response()
+            response = error.response(api.anthropic)
         # The client's id on every answer, the router's own errors too, so that its logs can find them (the
         # engine's own echo, with vLLM's --enable-request-id-headers, is passed on as it is).
         request_id = Headers(scope=scope).get("x-request-id")

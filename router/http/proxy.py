@@ -16,15 +16,18 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from router.dispatch.apis import Api
 from router.dispatch.cached_tokens import with_cached_tokens
 from router.dispatch.outcome import Outcome
 from router.dispatch.relay import Relay
-from router.dispatch.routing import Kind, RoutingService
+from router.dispatch.routing import RoutingService
 from router.dispatch.routing_headers import routing_headers
 from router.dispatch.sending import streams_events
 from router.errors import (
     RETRY_AFTER_S,
     OpenAIError,
+    anthropic_error_json,
+    anthropic_error_type,
     body_timeout,
     client_closed,
     error_json,
@@ -66,16 +69,17 @@ class Proxy:
         self._starting: set[asyncio.Task[object]] = set()  # requests not yet answered nor streaming
         self._ended: set[asyncio.Task[object]] = set()  # of those, the ones end_streams cancelled
 
-    async def forward(self, request: Request, path: str, kind: Kind) -> Response:
+    async def forward(self, request: Request, path: str, api: Api, stored: str | None = None) -> Response:
         """The answer, or an OpenAIError; one still being routed or computed when the router shuts down is a
-        503 the client may retry (the engine aborts it), not the server's plain-text 500."""
+        503 the client may retry (the engine aborts it), not the server's plain-text 500. stored: the stored
+        response the path names."""
         task = asyncio.current_task()
         assert task is not None
         if self._relay.closing:
             raise _shutting_down()
         self._starting.add(task)
         try:
-            return await self._forward(request, path, kind)
+            return await self._forward(request, path, api, stored)
         except asyncio.CancelledError:
             if task not in self._ended:
                 raise
@@ -93,8 +97,11 @@ class Proxy:
             self._ended.add(task)
             task.cancel()
 
-    async def _forward(self, request: Request, path: str, kind: Kind) -> Response:
+    async def _forward(self, request: Request, path: str, api: Api, stored: str | None) -> Response:
         raw, share = await self._read_body(request)
+        query = request.url.query
+        if query:  # a retrieval's stream and starting_after, Claude Code's ?beta=true: the engine's too
+            path = f"{path}?{query}"
         # From here until the answer begins, a client that leaves cancels the work: waiting for a slot (an
         # overloaded router's clients time out), routing, or waiting for the engine.
         routing = self._routing
@@ -105,7 +112,7 @@ class Proxy:
                 finally:
                     self._bodies.give_back(share)  # admitted, its body counts with the work in flight
                 try:
-                    received = routing.receive(raw, kind, request.headers)
+                    received = routing.receive(raw, api, request.headers, stored, query)
                     outcome = await routing.send(received, await routing.prepare(received), path)
                 except BaseException:
                     routing.leave()
@@ -115,7 +122,7 @@ class Proxy:
                     raise
                 raise client_closed() from None  # counted with the client errors
         try:
-            return self._answer(outcome)
+            return self._answer(outcome, api.anthropic)
         except BaseException:
             self._ended_here(outcome)  # whatever failed in making the answer, its slot is freed
             raise
@@ -145,7 +152,7 @@ class Proxy:
             self._metrics.rejected("bodies_budget").inc()  # other bodies held the budget all that time
             raise _bodies_waited(limit_s) from None
 
-    def _answer(self, outcome: Outcome) -> Response:
+    def _answer(self, outcome: Outcome, anthropic: bool) -> Response:
         """The client's answer to an outcome: relayed as it arrives (a stream; a whole answer too long to
         hold), which ends the outcome when it is over, or in one piece, the outcome ended here."""
         upstream = outcome.upstream
@@ -170,8 +177,8 @@ class Proxy:
         payload = outcome.first
         if outcome.prefill_cached_tokens is not None:
             payload = with_cached_tokens(payload, outcome.prefill_cached_tokens)
-        if status >= 400:  # in OpenAI's shape, whatever its content type said
-            payload, content_type = _openai_error_body(payload, status), "application/json"
+        if status >= 400:  # in the API's shape, whatever its content type said
+            payload, content_type = _error_body(payload, status, anthropic), "application/json"
         outcome.completed_whole(payload)  # even if a stream was asked for and not given
         self._ended_here(outcome)
         response = Response(payload, status, media_type=content_type)
@@ -214,13 +221,18 @@ def _shutting_down() -> OpenAIError:
     return unavailable("The router is shutting down; retry.", "shutting_down", RETRY_AFTER_S)
 
 
-def _openai_error_body(payload: bytes, status: int) -> bytes:
-    """An upstream error answer in OpenAI's shape: as it is when it has one, else its text wrapped in one."""
+def _error_body(payload: bytes, status: int, anthropic: bool) -> bytes:
+    """An upstream error answer with an `error` object (OpenAI's shape, and Anthropic's, which vLLM's
+    Messages routes answer but for body validation errors, in OpenAI's) as it is; else its text wrapped in
+    the API's shape."""
     try:
         error_object(payload)
         return payload
     except (msgspec.DecodeError, RecursionError):
         pass
     text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
+    message = f"The instance answered {status}: {text}"
+    if anthropic:
+        return anthropic_error_json(message, anthropic_error_type(status))
     kind = "upstream_error" if status >= 500 else "invalid_request_error"
-    return error_json(f"The instance answered {status}: {text}", kind, str(status))
+    return error_json(message, kind, str(status))

@@ -52,6 +52,11 @@ class ChatRequest(msgspec.Struct):
         return {key: value for key, value in inputs.items() if value is not None}
 
 
+class ResponsesChatRequest(ChatRequest):
+    """A Responses request as the chat vLLM renders it (router/prompt/responses_chat.py): its tool calls
+    reach the template in the order vLLM's Responses code builds them, not the chat endpoint's."""
+
+
 def chat_endpoint_template_kwargs(
     given: dict[str, Any] | None, reasoning_effort: Any
 ) -> dict[str, Any] | None:

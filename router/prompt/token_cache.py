@@ -218,9 +218,15 @@ class CachedChatTokenizer:
         add_special_tokens: bool = False,
         tools: Sequence[Any] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        calls_as_given: bool = False,
     ) -> list[int]:
         text = self.tokenizer.render_chat(
-            messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            template_kwargs,
+            calls_as_given=calls_as_given,
         )
         data = text.encode()
         pattern = None if add_special_tokens else self._cut_pattern

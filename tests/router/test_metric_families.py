@@ -13,12 +13,13 @@ def _series_of(metrics: RouterMetrics, instance: str) -> list[str]:
 
 def test_a_forgotten_instance_stays_out_when_requests_it_was_serving_end() -> None:
     metrics = RouterMetrics()
-    metrics.requests("kvroute", "gone", "200", "m").inc()
+    metrics.requests("kvroute", "gone", "200", "m", "chat").inc()
     metrics.in_flight("gone").set(1)
-    metrics.requests("kvroute", "kept", "200", "m").inc()
+    metrics.requests("kvroute", "kept", "200", "m", "chat").inc()
     metrics.forget_instance("gone")
     assert _series_of(metrics, "gone") == []
-    metrics.requests("kvroute", "gone", "200", "m").inc()  # a stream it was serving ends after the reload
+    # a stream it was serving ends after the reload
+    metrics.requests("kvroute", "gone", "200", "m", "chat").inc()
     metrics.in_flight("gone").set(0)
     metrics.ttft_observed("gone").observe(0.2)
     assert _series_of(metrics, "gone") == []
@@ -27,11 +28,11 @@ def test_a_forgotten_instance_stays_out_when_requests_it_was_serving_end() -> No
 
 def test_an_instance_added_back_is_exported_afresh() -> None:
     metrics = RouterMetrics()
-    metrics.requests("kvroute", "back", "200", "m").inc()
+    metrics.requests("kvroute", "back", "200", "m", "chat").inc()
     metrics.forget_instance("back")
-    metrics.requests("kvroute", "back", "200", "m").inc()  # counted nowhere
+    metrics.requests("kvroute", "back", "200", "m", "chat").inc()  # counted nowhere
     metrics.restore_instance("back")
-    metrics.requests("kvroute", "back", "200", "m").inc()
+    metrics.requests("kvroute", "back", "200", "m", "chat").inc()
     lines = [line for line in _series_of(metrics, "back") if line.startswith("kvroute_requests_total")]
     assert lines and lines[0].endswith(" 1.0")
 

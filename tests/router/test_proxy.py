@@ -212,10 +212,18 @@ def test_client_errors_have_openai_shape(
     assert error["error"]["message"]
 
 
-def test_unknown_route_is_an_openai_404(router_url: str) -> None:
-    status, _, payload = post(router_url + "/v1/embeddings", b"{}")
-    assert status == 404
-    assert json.loads(payload)["error"]["type"] == "not_found_error"
+def test_unknown_route_is_vllms_404(router_url: str) -> None:
+    status, _, payload = post(router_url + "/v1/nothing/here", b"{}")
+    assert (status, json.loads(payload)) == (404, {"detail": "Not Found"})
+
+
+def test_the_engines_other_routes_reach_an_instance(router_url: str, fleet: FleetPorts) -> None:
+    """vLLM's routes beyond chat and completions go to an instance, by load and model."""
+    body = json.dumps({"model": MODEL, "prompt": "hello there"}).encode()
+    direct_status, _, direct_payload = post(instance_url(fleet, 0) + "/tokenize", body)
+    status, headers, payload = post(router_url + "/tokenize", body)
+    assert (status, payload) == (direct_status, direct_payload) and status == 200
+    assert headers["x-kvroute-instance"] in FLEET_NAMES
 
 
 def test_upstream_4xx_is_passed_through_unchanged(router_url: str, fleet: FleetPorts) -> None:

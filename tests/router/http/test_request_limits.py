@@ -261,4 +261,4 @@ def test_head_probes_and_wrong_methods_are_answered_properly(router_url: str) ->
         urllib.request.urlopen(request, timeout=10)
     assert raised.value.code == 405
     assert "GET" in raised.value.headers["allow"]
-    assert_openai_error(405, raised.value.read())
+    assert json.loads(raised.value.read()) == {"detail": "Method Not Allowed"}  # as vLLM answers it

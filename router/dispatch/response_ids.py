@@ -1,0 +1,65 @@
+"""Stored responses' ids name the instance that holds them.
+
+vLLM keeps a stored response (and the conversation it was rendered from) in the memory of the instance
+that made it; a follow-up naming it by `previous_response_id`, a retrieval and a cancellation must go there.
+The router sets the id itself, through vLLM's own `request_id` body field: ``resp_`` + a digest of the
+instance's URL + a random part. Any router (another worker, a replica, this one after a restart) reads the
+instance back from the id alone, with no state to share or lose. An id a client chose itself is remembered
+here, in this process, for as long as it stays among the most recent.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from functools import lru_cache
+
+import xxhash
+
+from router.upstreams.instances import Instance, Upstreams
+
+_PREFIX = "resp_"
+_TAG_CHARS = 12  # 48 bits of the URL's digest: no two instances of a fleet share one
+_REMEMBERED = 65_536  # ids clients chose, with their instances
+
+
+@lru_cache(maxsize=4096)
+def instance_tag(url: str) -> str:
+    return xxhash.xxh3_64_hexdigest(url.encode())[:_TAG_CHARS]
+
+
+class ResponseIds:
+    def __init__(self, upstreams: Upstreams) -> None:
+        self._upstreams = upstreams
+        self._chosen: OrderedDict[str, str] = OrderedDict()  # a client's id -> the instance's URL
+
+    @staticmethod
+    def nonce() -> str:
+        return secrets.token_hex(12)
+
+    @staticmethod
+    def made(instance: Instance, nonce: str) -> str:
+        """The id of the response the instance makes for the request with this nonce."""
+        return f"{_PREFIX}{instance_tag(instance.url)}{nonce}"
+
+    def chosen(self, response_id: str, instance: Instance) -> None:
+        """A client set the id itself: the instance that made it is remembered here."""
+        self._chosen[response_id] = instance.url
+        self._chosen.move_to_end(response_id)
+        if len(self._chosen) > _REMEMBERED:
+            self._chosen.popitem(last=False)
+
+    def holder(self, response_id: str) -> Instance | None:
+        """The instance the id names, if it is one of the fleet's now."""
+        url = self._chosen.get(response_id)
+        if url is not None:
+            return next((i for i in self._upstreams.instances if i.url == url), None)
+        if not response_id.startswith(_PREFIX):
+            return None
+        tag = response_id[len(_PREFIX) : len(_PREFIX) + _TAG_CHARS]
+        return next((i for i in self._upstreams.instances if instance_tag(i.url) == tag), None)
+
+    @staticmethod
+    def nonce_of(response_id: str) -> str:
+        """The random part of an id the router made (the key of router/dispatch/response_history.py)."""
+        return response_id[len(_PREFIX) + _TAG_CHARS :] if response_id.startswith(_PREFIX) else response_id

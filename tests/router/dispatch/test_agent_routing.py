@@ -1,0 +1,138 @@
+"""The agents' APIs as routing reads them: the route table, stored responses' ids and history, usage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.config import RouterConfig
+from router.dispatch.agent_bodies import with_request_id
+from router.dispatch.apis import (
+    CANCEL_RESPONSE,
+    CHAT,
+    MESSAGES,
+    RESPONSES,
+    RETRIEVE_RESPONSE,
+    routed_api,
+)
+from router.dispatch.response_history import ResponseHistory
+from router.dispatch.response_ids import ResponseIds
+from router.dispatch.usage import answer_usage
+from router.upstreams.instances import Upstreams
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("POST", "/v1/chat/completions", (CHAT, None)),
+        ("POST", "/v1/responses", (RESPONSES, None)),
+        ("POST", "/v1/messages", (MESSAGES, None)),
+        ("GET", "/v1/responses/resp_abc", (RETRIEVE_RESPONSE, "resp_abc")),
+        ("POST", "/v1/responses/resp_abc/cancel", (CANCEL_RESPONSE, "resp_abc")),
+        ("GET", "/v1/responses", None),
+        ("POST", "/v1/responses/resp_abc", None),
+        ("GET", "/v1/responses/resp_abc/cancel", None),
+        ("POST", "/v1/responses/a/b", None),
+        ("GET", "/v1/chat/completions", None),
+        ("POST", "/v1/nothing", None),
+    ],
+)
+def test_routes_are_found_by_method_and_path(
+    method: str, path: str, expected: tuple[object, str | None] | None
+) -> None:
+    assert routed_api(method, path) == expected
+
+
+def _fleet(*urls: str) -> Upstreams:
+    instances = [{"name": f"i{n}", "url": url} for n, url in enumerate(urls)]
+    return Upstreams(RouterConfig.model_validate({"models": [{"name": "m"}], "instances": instances}))
+
+
+def test_an_id_names_its_instance_for_any_router_that_knows_the_fleet() -> None:
+    urls = [f"http://10.0.0.{n}:8000" for n in range(50)]
+    made = ResponseIds(_fleet(*urls))
+    for instance in made._upstreams.instances:
+        response_id = made.made(instance, ResponseIds.nonce())
+        reader = ResponseIds(_fleet(*reversed(urls)))  # another replica, instances in another order
+        holder = reader.holder(response_id)
+        assert holder is not None and holder.url == instance.url
+        assert response_id.startswith("resp_")
+
+
+def test_ids_of_instances_gone_or_unknown_name_none() -> None:
+    ids = ResponseIds(_fleet("http://a:1", "http://b:1"))
+    gone = ids.made(_fleet("http://c:1").instances[0], "x")
+    assert ids.holder(gone) is None
+    assert ids.holder("resp_0123456789abcdef") is None
+    assert ids.holder("not-even-a-response") is None
+
+
+def test_an_id_a_client_chose_is_remembered_with_its_instance() -> None:
+    fleet = _fleet("http://a:1", "http://b:1")
+    ids = ResponseIds(fleet)
+    ids.chosen("my-own-id", fleet.instances[1])
+    holder = ids.holder("my-own-id")
+    assert holder is fleet.instances[1]
+
+
+@pytest.mark.parametrize("body", [b'{"model":"m","input":"x"}', b'  {"input":"x"}', b"{}", b"{ }"])
+def test_the_request_id_is_set_first_and_the_rest_is_kept(body: bytes) -> None:
+    stamped = with_request_id(body, "resp_1")
+    assert json.loads(stamped) == {"request_id": "resp_1", **json.loads(body)}
+
+
+def test_history_keeps_a_conversation_once_its_answer_came_and_forgets_the_oldest() -> None:
+    history = ResponseHistory(max_entries=2)
+    messages = [{"role": "user", "content": "hi"}]
+    history.started("a", messages, 10)
+    assert history.conversation("a") is None  # no output yet: vLLM has not stored it either
+    stream = (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"o"}\n\n'
+        b'event: response.completed\ndata: {"type":"response.completed","response":'
+        b'{"status":"incomplete","output":[{"type":"message","content":[{"type":"output_text","text":"o"}]}]}}\n\n'
+    )
+    history.completed("a", stream)
+    known = history.conversation("a")
+    assert known is not None and known.messages == messages and known.output[0]["type"] == "message"
+    history.started("b", messages, 10)
+    history.completed("b", b'{"id":"b","status":"completed","output":[]}')
+    history.started("c", messages, 10)
+    assert history.conversation("a") is None  # the oldest went
+    assert history.conversation("b") is not None
+
+
+def test_history_is_bounded_in_bytes() -> None:
+    history = ResponseHistory(max_bytes=1000)
+    for n in range(20):
+        history.started(str(n), [], 100)
+    assert len(history) == 10
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (
+            b'{"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}',
+            (40, 2, 32),
+        ),
+        (
+            b'{"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32},"output_tokens":3}}',
+            (40, 3, 32),
+        ),
+        (
+            b'{"type":"response.completed","response":{"usage":{"input_tokens":40,'
+            b'"input_tokens_details":{"cached_tokens":0},"output_tokens":3}}}',
+            (40, 3, 0),
+        ),
+        (
+            b'{"usage":{"input_tokens":8,"output_tokens":2,"cache_read_input_tokens":32,"cache_creation_input_tokens":0}}',
+            (40, 2, 32),
+        ),
+        (b'{"usage":{"input_tokens":40,"output_tokens":2}}', (40, 2, None)),
+    ],
+)
+def test_usage_is_read_in_each_apis_terms(answer: bytes, expected: tuple[int, int, int | None]) -> None:
+    usage = answer_usage(answer)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == expected
