@@ -120,6 +120,49 @@ class Script:
         self.send(name, "GET", f"/v1/responses/{response_id}")
 
 
+def codex_like(prompt: str) -> dict[str, Any]:
+    """What Codex CLI sends: developer and user items with ids, a call and its output, namespace and
+    web_search tools, reasoning, store off, a stream, fields vLLM ignores."""
+    namespace = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [TOOL]}
+    return {
+        "model": MODEL,
+        "instructions": "",
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "id": "msg_1",
+                "content": [{"type": "input_text", "text": "Be terse."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "id": "msg_2",
+                "content": [{"type": "input_text", "text": prompt}],
+            },
+            {
+                "type": "function_call",
+                "status": "completed",
+                "id": "fc_1",
+                "name": "read_file",
+                "arguments": '{"path": "README.md"}',
+                "call_id": "call_1",
+            },
+            {"type": "function_call_output", "id": "fco_1", "call_id": "call_1", "output": "# kvroute\n"},
+        ],
+        "tools": [TOOL, namespace, {"type": "web_search", "external_web_access": False}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "session-1",
+        "client_metadata": {"x": "y"},
+        "max_output_tokens": 4,
+    }
+
+
 def responses_script(script: Script, rng: random.Random) -> None:
     # ~90 prompt tokens, so a repeat finds two full blocks cached
     prompt = words(rng, 30)
@@ -140,6 +183,7 @@ def responses_script(script: Script, rng: random.Random) -> None:
     ]
     with_tools = {**base, "input": items, "instructions": "You are a coding agent.", "tools": [TOOL]}
     script.send("responses_tools", "POST", "/v1/responses", with_tools)
+    script.send("responses_codex_like", "POST", "/v1/responses", codex_like(prompt))
     stored_off = {**base, "input": prompt, "store": False, "request_id": "resp_cap_unstored"}
     script.send("responses_store_false", "POST", "/v1/responses", stored_off)
     script.send("retrieve", "GET", "/v1/responses/resp_cap_a")
@@ -201,6 +245,24 @@ def messages_script(script: Script, rng: random.Random) -> None:
     }
     script.send("messages_tools", "POST", "/v1/messages?beta=true", blocks)
     script.send("messages_tools_stream", "POST", "/v1/messages?beta=true", {**blocks, "stream": True})
+    turns = [
+        *blocks["messages"],
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Reading it."},
+                {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "README.md"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "# kvroute"},
+                {"type": "text", "text": "Go on."},
+            ],
+        },
+    ]
+    script.send("messages_conversation", "POST", "/v1/messages", {**blocks, "messages": turns})
     count = {k: v for k, v in blocks.items() if k in ("model", "system", "messages", "tools")}
     script.send("count_tokens", "POST", "/v1/messages/count_tokens", count)
     plain_count = {k: v for k, v in body.items() if k in ("model", "system", "messages")}
