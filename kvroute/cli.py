@@ -123,6 +123,9 @@ def _fleet(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        auto_tool_choice=args.enable_auto_tool_choice,
+        responses_store=args.enable_responses_api_store,
+        responses_store_capacity=args.responses_store_capacity,
         data_parallel_size=args.data_parallel_size,
         timing=EngineTiming(
             prefill_tokens_per_s=args.prefill_tps,
@@ -375,6 +378,23 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="usage.prompt_tokens_details in answers (cached_tokens: the prompt tokens found cached), as "
         "vLLM's option; the router's A/B reads its engine hit rate there",
+    )
+    fleet.add_argument(
+        "--enable-responses-api-store",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep Responses API responses (previous_response_id, background, retrieve, cancel), as vLLM "
+        "with VLLM_ENABLE_RESPONSES_API_STORE=1; each instance keeps its newest --responses-store-capacity",
+    )
+    fleet.add_argument(
+        "--responses-store-capacity", type=positive_int, default=1024, help="responses kept per instance"
+    )
+    fleet.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take chats and Anthropic bodies with tools, as vLLM with --enable-auto-tool-choice and a "
+        "--tool-call-parser",
     )
     fleet.add_argument(
         "--data-parallel-size",
