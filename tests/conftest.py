@@ -63,15 +63,18 @@ def instance_url(ports: FleetPorts, index: int) -> str:
 
 
 def sample(base_url: str, name: str, **labels: str) -> float | None:
-    """The value of the sample called name (counters end in _total) with labels, from base_url/metrics; None
-    when there is none (a labelled metric not touched yet)."""
+    """The value of the sample called name (counters end in _total) with labels, from base_url/metrics, summed
+    over the labels not given (a counter's requests of every API, say); None when there is none (a labelled
+    metric not touched yet)."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
         text = response.read().decode()
-    for family in text_string_to_metric_families(text):
-        for found in family.samples:
-            if found.name == name and all(found.labels.get(k) == v for k, v in labels.items()):
-                return float(found.value)
-    return None
+    values = [
+        float(found.value)
+        for family in text_string_to_metric_families(text)
+        for found in family.samples
+        if found.name == name and all(found.labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(values) if values else None
 
 
 def metric(base_url: str, name: str, **labels: str) -> float:

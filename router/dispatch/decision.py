@@ -280,6 +280,8 @@ class Decider:
                 if not responses:
                     self._audit.consider(body.model, body.messages, flags, template_inputs, ids)
                 return ids
+        if responses:  # /tokenize would lay its tool calls out as a chat's
+            raise UnreproducibleTemplate("a Responses prompt without a local tokenizer")
         # A request's own template (and chats the audit found rendered differently) go to the engine's code.
         remote = self._remote(body.model)
         if remote is None:

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from openai import APITimeoutError, OpenAI
+from anthropic import Anthropic
+from openai import APITimeoutError, NotFoundError, OpenAI
 
 from tests.conftest import metric, sample
 from tests.router.epp.conftest import Gateway, Picker
@@ -190,3 +191,50 @@ def test_the_health_service_knows_no_other_service(picker: Picker) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{picker.port}") as channel, pytest.raises(grpc.RpcError) as raised:
         health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_responses_chain_stays_where_its_responses_are_stored(gateway: Gateway, picker: Picker) -> None:
+    """Each turn names the previous response: the picker sends it to the instance holding that response,
+    and (whole answers: the picker reads their output) predicts what the engine finds cached."""
+    openai = client(gateway)
+    previous, instances = None, set()
+    for turn in range(4):
+        raw = openai.responses.with_raw_response.create(
+            model=MODEL,
+            instructions="You review patches.",
+            input=f"Turn {turn}: review the next hunk of the parser. " * 8,
+            max_output_tokens=4,
+            **({"previous_response_id": previous} if previous else {}),
+        )
+        response = raw.parse()
+        instances.add(raw.headers[INSTANCE])
+        previous = response.id
+        assert response.usage is not None
+        predicted = int(raw.headers["x-kvroute-cached-blocks"]) * 32  # the fleet's block size
+        assert predicted == response.usage.input_tokens_details.cached_tokens
+    assert len(instances) == 1
+    retrieved = openai.responses.with_raw_response.retrieve(previous)
+    assert retrieved.headers[INSTANCE] in instances and retrieved.parse().id == previous
+    with pytest.raises(NotFoundError):
+        openai.responses.create(
+            model=MODEL, input="x", previous_response_id="resp_unknown", max_output_tokens=2
+        )
+    wait_none_in_flight(picker)
+
+
+def test_responses_and_messages_stream_through_the_gateway(gateway: Gateway, picker: Picker) -> None:
+    events = list(
+        client(gateway).responses.create(
+            model=MODEL, input="Stream a review.", max_output_tokens=4, stream=True
+        )
+    )
+    assert events[-1].type == "response.completed"
+    messages = Anthropic(base_url=gateway.url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    with messages.messages.stream(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Stream a reply."}]
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.usage.output_tokens == 4
+    counted = messages.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "count me"}])
+    assert counted.input_tokens > 0
+    wait_none_in_flight(picker)
