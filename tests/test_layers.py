@@ -32,7 +32,6 @@ ROUTER_LAYERS: list[set[str]] = [
     {
         "router.metrics",
         "router.errors",
-        "router.anthropic_errors",
         "router.supervisor",
         "router.label_selector",
         "router.traffic_split",
