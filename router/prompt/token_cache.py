@@ -138,6 +138,25 @@ def probed_cut_tokens(tokenizer: PromptTokenizer) -> frozenset[str]:
     return frozenset(candidates.keys() - failed)
 
 
+def special_affixes(tokenizer: PromptTokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the tokenizer's post-processor puts before and after a text's own when asked to add special
+    tokens (a BOS, say), if it adds the same whatever the text: then a chat encoded with them is those around
+    the chat encoded without, and shares its cached prefixes. None when the probes disagree."""
+    texts = [text for left in _PROBE_LEFT for text in (left, left + " and more") if text]
+    plain = tokenizer.texts_ids(texts, add_special_tokens=False)
+    special = tokenizer.texts_ids(texts, add_special_tokens=True)
+    found: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    for own, full in zip(plain, special, strict=True):
+        start = next((i for i in range(len(full) - len(own) + 1) if full[i : i + len(own)] == own), None)
+        if start is None:
+            return None
+        found.add((tuple(full[:start]), tuple(full[start + len(own) :])))
+    if len(found) != 1:
+        return None
+    prefix, suffix = found.pop()
+    return list(prefix), list(suffix)
+
+
 @dataclass
 class TokenCacheStats:
     requests: int = 0
@@ -177,6 +196,7 @@ class CachedChatTokenizer:
             raise ValueError("max_entries and max_tokens must be positive")
         self.tokenizer, self.max_entries, self.max_tokens = tokenizer, max_entries, max_tokens
         self.cut_tokens = probed_cut_tokens(tokenizer)
+        self._affixes = special_affixes(tokenizer)
         alternatives = sorted((re.escape(token.encode()) for token in self.cut_tokens), key=len, reverse=True)
         self._cut_pattern = re.compile(b"|".join(alternatives)) if alternatives else None
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
@@ -220,6 +240,20 @@ class CachedChatTokenizer:
         template_kwargs: Mapping[str, Any] | None = None,
         calls_as_given: bool = False,
     ) -> list[int]:
+        if (
+            add_special_tokens and self._affixes is not None
+        ):  # a Responses prompt: the chat's ids, a BOS before
+            prefix, suffix = self._affixes
+            plain = self.chat_ids(
+                messages,
+                add_generation_prompt,
+                continue_final_message,
+                False,
+                tools,
+                template_kwargs,
+                calls_as_given,
+            )
+            return [*prefix, *plain, *suffix]
         text = self.tokenizer.render_chat(
             messages,
             add_generation_prompt,

@@ -17,6 +17,7 @@ import pytest
 
 from router.prompt.chat_conversation import InvalidPrompt, engine_conversation
 from router.prompt.responses_chat import ResponsesChat, responses_chat
+from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 
 CAPTURE = json.loads(
@@ -29,7 +30,13 @@ REFUSED = sorted(name for name, case in RENDERS.items() if case["status"] != 200
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def engine_ids(tokenizer: PromptTokenizer, chat: ResponsesChat) -> list[int]:
+@pytest.fixture(scope="module")
+def cached(tokenizer: PromptTokenizer) -> CachedChatTokenizer:
+    """The router's tokenizer: a Responses prompt's BOS put before the chat's cached ids."""
+    return CachedChatTokenizer(tokenizer)
+
+
+def engine_ids(tokenizer: PromptTokenizer | CachedChatTokenizer, chat: ResponsesChat) -> list[int]:
     return tokenizer.chat_ids(
         chat.messages,
         chat.add_generation_prompt,
@@ -42,10 +49,13 @@ def engine_ids(tokenizer: PromptTokenizer, chat: ResponsesChat) -> list[int]:
 
 
 @pytest.mark.parametrize("name", RENDERED)
-def test_a_request_renders_the_ids_vllm_renders(tokenizer: PromptTokenizer, name: str) -> None:
+def test_a_request_renders_the_ids_vllm_renders(
+    tokenizer: PromptTokenizer, cached: CachedChatTokenizer, name: str
+) -> None:
     case = RENDERS[name]
     body = copy.deepcopy(case["body"])
     assert engine_ids(tokenizer, responses_chat(body)) == case["token_ids"]
+    assert engine_ids(cached, responses_chat(body)) == case["token_ids"]
     assert body == case["body"]  # the body is read, never changed
 
 
@@ -56,12 +66,15 @@ def test_what_vllm_refuses_is_no_prompt(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
-def test_each_turn_of_a_chain_renders_from_the_previous_turns(tokenizer: PromptTokenizer, name: str) -> None:
+def test_each_turn_of_a_chain_renders_from_the_previous_turns(
+    tokenizer: PromptTokenizer, cached: CachedChatTokenizer, name: str
+) -> None:
     previous: ResponsesChat | None = None
     output: list[Any] = []
     for turn in CHAINS[name]:
         chat = responses_chat(turn["body"], previous.messages if previous else (), output)
         assert engine_ids(tokenizer, chat) == turn["token_ids"]
+        assert engine_ids(cached, chat) == turn["token_ids"]  # the earlier turns' ids reused
         previous, output = chat, turn["output"]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from router.prompt.chat_conversation import InvalidPrompt
-from router.prompt.token_cache import CachedChatTokenizer, cut_tokens
+from router.prompt.token_cache import CachedChatTokenizer, cut_tokens, special_affixes
 from router.prompt.tokenization import PromptTokenizer
 from tinymodel.builder import CHAT_TEMPLATE
 
@@ -180,12 +180,18 @@ def test_sessions_sharing_a_system_prompt_reuse_only_that(cached: CachedChatToke
     assert cached.stats.tokens_reused - before == len(cached.tokenizer.text_ids(shared, False))
 
 
-def test_add_special_tokens_and_completions_are_encoded_whole(cached: CachedChatTokenizer) -> None:
+def test_with_special_tokens_a_chat_is_the_bos_and_its_cached_ids(cached: CachedChatTokenizer) -> None:
+    """A Responses prompt (add_special_tokens on): the post-processor's BOS before the chat's own ids, which
+    share the cache with chats'."""
+    assert special_affixes(cached.tokenizer) == ([0], [])
     messages = [{"role": "user", "content": "hi"}]
     cached.chat_ids(messages)
     ids = cached.chat_ids(messages, add_special_tokens=True)
     assert ids == cached.tokenizer.chat_ids(messages, add_special_tokens=True) and ids[:2] == [0, 0]
-    assert cached.stats.hits == 0
+    assert cached.stats.hits == 1
+
+
+def test_completions_are_encoded_whole(cached: CachedChatTokenizer) -> None:
     assert cached.completion_ids("def f():") == cached.tokenizer.completion_ids("def f():")
     assert cached.completion_ids([[5, 6]]) == [5, 6]
 
