@@ -1,13 +1,17 @@
-"""Drive multi-turn agent sessions through any OpenAI-compatible endpoint and time every turn.
+"""Drive multi-turn agent sessions through an endpoint and time every turn.
 
 Each session resends its whole history every turn (system prompt, tool outputs, the assistant's replies),
-streamed, so TTFT is what the engine's prefix cache and the router's placement decide. Sessions run at most
-``concurrency`` at a time; no turn starts after the deadline.
+streamed, so TTFT is what the engine's prefix cache and the router's placement decide. The session speaks
+one API: chat completions, OpenAI Responses or Anthropic Messages (kvroute/agent_apis.py); with Responses it
+can instead chain stored responses by previous_response_id. Sessions run at most ``concurrency`` at a time;
+no turn starts after the deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +20,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
+from kvroute.agent_apis import LAST_EVENT, PATHS, READERS, Api, History, StreamReading, request_body
 from kvroute.workload import AgentWorkload
 from router.dispatch.routing_headers import INSTANCE_HEADER, SESSION_HEADER
 
@@ -46,6 +51,13 @@ class SessionPlan:
     session_prefix: str = "bench"
     headers: Mapping[str, str] = field(default_factory=dict)  # sent with every turn, e.g. a forced policy
     on_turn: Callable[[], None] = lambda: None  # told after every turn (progress bars)
+    api: Api = "chat"
+    # responses only: each turn sends its new input after the last stored response (previous_response_id)
+    responses_chain: bool = False
+
+    def __post_init__(self) -> None:
+        if self.responses_chain and self.api != "responses":
+            raise ValueError("a chain of stored responses needs the responses API")
 
 
 @dataclass
@@ -76,15 +88,17 @@ async def post_stream(
     try:
         async with http.post(url, json=body, headers=headers) as response:
             if response.status != 200:
-                detail = (await response.text())[:200]
+                detail = http_error_detail(await response.text())
                 status: Status = "rejected" if response.status in REJECT_STATUSES else "failed"
                 return TurnOutcome(status, error=f"HTTP {response.status}: {detail}")
             async for line in response.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = _chunk_decoder.decode(line[6:])
-                if "error" in chunk:
-                    return TurnOutcome("failed", error=str(chunk["error"].get("message")))
+                if "error" in chunk:  # OpenAI's error chunk, Anthropic's error event
+                    error = chunk["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    return TurnOutcome("failed", error=str(message))
                 usage = chunk.get("usage")
                 if usage:
                     prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -96,32 +110,51 @@ async def post_stream(
         return TurnOutcome("failed", error="malformed SSE chunk")
 
 
-async def stream_chat(
-    http: aiohttp.ClientSession, base_url: str, body: dict[str, Any], headers: dict[str, str]
-) -> tuple[TurnOutcome, str]:
-    """One streamed chat completion: TTFT is the time to the first chunk carrying content."""
+_RESPONSE_ID = re.compile(r"\bresp_[0-9A-Za-z_-]+")
+
+
+def http_error_detail(body: str) -> str:
+    """An error answer's message (OpenAI's and Anthropic's error objects both have one), else the start of
+    the body; response ids masked, so that the same failure of many sessions counts as one kind."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        error = error.get("message")
+    message = str(error or body)
+    return _RESPONSE_ID.sub("resp_*", message[:200])
+
+
+@dataclass(frozen=True)
+class Reply:
+    outcome: TurnOutcome
+    text: str = ""
+    response_id: str = ""  # responses: the id it was stored under
+
+
+async def stream_turn(
+    http: aiohttp.ClientSession, base_url: str, api: Api, body: dict[str, Any], headers: Mapping[str, str]
+) -> Reply:
+    """One streamed turn in api: TTFT is the time to the first event carrying text (to the first sign of
+    output when the reply decodes to nothing); a stream cut before its API's last event failed."""
     started = time.perf_counter()
-    first_chunk = first_content = 0.0
-    text: list[str] = []
+    reading = StreamReading()
+    read = READERS[api]
 
     def on_chunk(chunk: dict[str, Any]) -> None:
-        nonlocal first_chunk, first_content
-        for choice in chunk.get("choices") or ():
-            now = time.perf_counter() - started
-            first_chunk = first_chunk or now
-            content = (choice.get("delta") or {}).get("content") or ""
-            if content:
-                first_content = first_content or now
-                text.append(content)
+        read(chunk, reading, time.perf_counter() - started)
 
-    streamed = await post_stream(http, f"{base_url}/v1/chat/completions", body, headers, on_chunk)
+    streamed = await post_stream(http, base_url + PATHS[api], body, headers, on_chunk)
     if isinstance(streamed, TurnOutcome):
-        return streamed, ""
-    ttft = first_content or first_chunk  # a reply of tokens that decode to nothing still has a first chunk
-    if not ttft:
-        return TurnOutcome("failed", error="stream ended without a chunk"), ""
+        return Reply(streamed)
+    if reading.error:
+        return Reply(TurnOutcome("failed", error=reading.error))
+    if not reading.finished or not reading.ttft:
+        return Reply(TurnOutcome("failed", error=f"stream ended without {LAST_EVENT[api]}"))
     e2e = time.perf_counter() - started
-    return TurnOutcome("ok", ttft, e2e, streamed.prompt_tokens, streamed.instance), "".join(text)
+    outcome = TurnOutcome("ok", reading.ttft, e2e, reading.prompt_tokens, streamed.instance)
+    return Reply(outcome, "".join(reading.text), reading.response_id)
 
 
 def session_key(prefix: str, seed: int, index: int) -> str:
@@ -138,24 +171,17 @@ async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:
 
     async def session(http: aiohttp.ClientSession, index: int) -> None:
         async with slots:
-            messages = [{"role": "system", "content": workload.system_prompt()}]
+            history = History(workload.system_prompt())
             headers = {**plan.headers, SESSION_HEADER: session_key(plan.session_prefix, workload.seed, index)}
             for turn in range(workload.turns):
                 if time.perf_counter() >= deadline:
                     return
-                messages.append({"role": "user", "content": workload.user_message(index, turn)})
-                body = {
-                    "model": plan.model,
-                    "messages": messages,
-                    "max_tokens": workload.max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                outcome, reply = await stream_chat(http, base_url, body, headers)
-                run.outcomes.append(outcome)
+                history.texts.append(workload.user_message(index, turn))
+                body = request_body(plan.api, history, plan.model, workload.max_tokens, plan.responses_chain)
+                reply = await stream_turn(http, base_url, plan.api, body, headers)
+                run.outcomes.append(reply.outcome)
                 plan.on_turn()
-                messages.append({"role": "assistant", "content": reply})
+                history.answered(reply.text, reply.response_id if plan.responses_chain else "")
                 await asyncio.sleep(workload.think_time(index, turn))
 
     timeout = aiohttp.ClientTimeout(total=plan.request_timeout_s)

@@ -190,6 +190,8 @@ def _bench_live(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         max_tokens=args.max_tokens,
         system_prompt_words=args.system_words,
+        api=args.api,
+        responses_chain=args.responses_chain,
         trace=args.trace,
         rate=args.rate,
         requests=args.requests or None,
@@ -485,6 +487,17 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--request-timeout", type=float, default=120.0)
     live.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn (trace: at most)")
     live.add_argument("--system-words", type=int, default=400, help="words of the shared system prompt")
+    live.add_argument(
+        "--api",
+        choices=("chat", "responses", "messages"),
+        default="chat",
+        help="sessions' API: /v1/chat/completions, /v1/responses (as Codex), /v1/messages (as Claude Code)",
+    )
+    live.add_argument(
+        "--responses-chain",
+        action="store_true",
+        help="with --api responses: each turn sends only its new input after previous_response_id (stored)",
+    )
     live.add_argument("--seed", type=int, default=1, help="target i replays sessions of seed + i")
     live.add_argument("--vllm-router", help="vllm-router binary; default: beside this Python or on PATH")
     live.add_argument("--no-reset", action="store_true", help="do not reset prefix caches between targets")

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from kvroute.agent_apis import Api
 from kvroute.agent_sessions import SessionRun
 from kvroute.bench.live.pd import (
     PD_TARGETS,
@@ -140,6 +141,8 @@ class LiveOptions:
     request_timeout_s: float = 120.0
     max_tokens: int = 16
     system_prompt_words: int = 400
+    api: Api = "chat"  # the sessions' API: chat completions, OpenAI Responses or Anthropic Messages
+    responses_chain: bool = False  # responses: each turn after the last by previous_response_id (stored)
     trace: str | None = None  # agentic, mooncake or a JSONL path: replay it instead of sessions
     rate: float = 5.0  # multiplies the trace's arrival rate
     requests: int | None = 400  # the trace's first N requests (None: all)
@@ -234,6 +237,10 @@ def run_live_bench(options: LiveOptions, console: Console | None = None) -> Live
     console = console or Console(width=None if Console().is_terminal else 160)
     if options.pd is not None and options.config is not None:
         raise ValueError("--pd starts a simulated fleet; a --config fleet's roles are its own")
+    if options.trace is not None and options.api != "chat":
+        raise ValueError("--api is the sessions' API; a trace is replayed as completions")
+    if options.responses_chain and options.api != "responses":
+        raise ValueError("--responses-chain needs --api responses")
     parse_targets(options.targets or (), default_policy="")  # a typo fails before anything starts
     trace = None if options.trace is None else resolve_trace(options.trace, options.requests, options.rate)
     fleet_args = () if options.config else (*VLLM_ROUTER_HASHING, *_fleet_args(options, trace))
@@ -277,7 +284,13 @@ def _workload(options: LiveOptions, fleet: Fleet, trace: Trace | None) -> LiveWo
             system_prompt_words=options.system_prompt_words,
         )
         return SessionWorkload(
-            sessions, fleet.model, options.concurrency, options.time_limit_s, options.request_timeout_s
+            sessions,
+            fleet.model,
+            options.concurrency,
+            options.time_limit_s,
+            options.request_timeout_s,
+            options.api,
+            options.responses_chain,
         )
     plan = ReplayPlan(
         trace,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvroute.agent_apis import PATHS, Api
 from kvroute.agent_sessions import SessionPlan, SessionRun, run_sessions
 from kvroute.trace_replay import ReplayPlan, replay_size, replay_trace
 from kvroute.workload import AgentWorkload
@@ -36,6 +37,8 @@ class SessionWorkload:
     concurrency: int
     time_limit_s: float
     request_timeout_s: float
+    api: Api = "chat"
+    responses_chain: bool = False  # responses: previous_response_id chains, not the whole history
 
     @property
     def size(self) -> int:
@@ -44,12 +47,17 @@ class SessionWorkload:
     @property
     def title(self) -> str:
         w = self.workload
-        return f"{w.sessions} agent sessions x {w.turns} turns, concurrency {self.concurrency}"
+        title = f"{w.sessions} agent sessions x {w.turns} turns, concurrency {self.concurrency}"
+        if self.api != "chat":
+            title += f", {PATHS[self.api]}"
+        return title + (" chained by previous_response_id" if self.responses_chain else "")
 
     def describe(self) -> dict[str, Any]:
         w = self.workload
         return {
             "mode": "sessions",
+            "api": self.api,
+            "responses_chain": self.responses_chain,
             "sessions": w.sessions,
             "turns": w.turns,
             "concurrency": self.concurrency,
@@ -68,6 +76,8 @@ class SessionWorkload:
             request_timeout_s=self.request_timeout_s,
             session_prefix=label,
             on_turn=progress,
+            api=self.api,
+            responses_chain=self.responses_chain,
         )
         return await run_sessions(url, plan)
 
