@@ -2,8 +2,8 @@
 
 Codex (0.169, `make agent-clis`) posts every turn to {base_url}/responses as a stream, with the whole history
 again (no previous_response_id); a turn ends only on `response.completed`. Its prompt is ~25k tokens of
-system prompt and tool definitions, so the fleet's model length is raised, and its decoding is fast: a
-random-weight model does not stop before its length runs out.
+system prompt and tool definitions, so the fleet's model length is raised, and its decoding is fast: the
+simulated engine does not stop before its length runs out.
 """
 
 from __future__ import annotations
