@@ -25,7 +25,6 @@ from starlette.responses import JSONResponse, Response
 from router.errors import OpenAIError
 from router.http.admin import check_admin_token
 from router.index.block_index import BlockIndex
-from router.index.events import AllBlocksCleared
 from router.upstreams.instances import Upstreams
 
 log = logging.getLogger(__name__)
@@ -164,8 +163,8 @@ def _with_success(answer: _Answer) -> _Answer:
 
 def _forget_gpu_blocks(index: BlockIndex, names: tuple[str, ...]) -> None:
     """What the engine's AllBlocksCleared will do when it comes, done now: every rank's GPU blocks go."""
-    for owner in [owner for owner in index.entries_by_owner() if owner[0] in names]:
-        index.apply(owner, [AllBlocksCleared()])
+    for name in names:
+        index.cache_reset(name)
 
 
 def _raise_for_failures(what: str, answers: list[_Answer]) -> None:

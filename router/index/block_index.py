@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 
-from router.index.events import KVEvent
+from router.index.events import AllBlocksCleared, KVEvent
 from router.index.holdings import DEFAULT_MEDIUM_TIERS, Holdings, IndexStats, Owner, Tier
 from router.index.ingest import Ingest
 from router.index.kv_groups import GroupConstraints
@@ -72,6 +72,15 @@ class BlockIndex:
         for state in self._holdings.of_instance(instance):
             self._holdings.clear(state)
             self._groups.clear(state.bit)
+
+    def cache_reset(self, instance: str) -> None:
+        """instance emptied its prefix cache (/reset_prefix_cache): what its AllBlocksCleared will do when it
+        comes (with its next engine step) done now, and the blocks of requests just sent there no longer
+        counted as on their way."""
+        states = self._holdings.of_instance(instance)
+        for state in states:
+            self._ingest.apply(state, self._pools.of(instance), [AllBlocksCleared()])
+        self._speculations.forget(state.bit for state in states)
 
     def forget_instance(self, instance: str) -> None:
         """instance left the fleet: its entries, its pool membership and its owner bits go, and the bits are
