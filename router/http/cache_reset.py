@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from router.errors import OpenAIError
@@ -47,6 +47,7 @@ class _Answer:
     body: object = None  # the JSON of a 200
     failure: str | None = None  # why there is no 200 (or not the one expected)
     success: bool | None = None  # what a 200 of /reset_prefix_cache says
+    status: int | None = None  # the engine's, when it answered
 
 
 def cache_reset_routes(
@@ -131,7 +132,7 @@ async def _post(
     try:
         async with session.post(engine.url + path, params=params, headers=engine.headers) as response:
             if response.status != 200:
-                return _Answer(engine, failure=_status_failure(response.status))
+                return _Answer(engine, failure=_status_failure(response.status), status=response.status)
             data = await response.read()
             if not data:
                 return _Answer(engine)
@@ -171,6 +172,8 @@ def _raise_for_failures(what: str, answers: list[_Answer]) -> None:
     failed = [answer for answer in answers if answer.failure is not None]
     if not failed:
         return
+    if all(answer.status == 404 for answer in answers):  # no engine serves it: nor does the router
+        raise HTTPException(404, "Not Found")
     named = "; ".join(f"{', '.join(a.engine.names)}: {a.failure}" for a in failed)
     log.warning("resetting %s failed on %s", what, named)
     message = f"Resetting {what} failed on {len(failed)} of {len(answers)} engines ({named})."

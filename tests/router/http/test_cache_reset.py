@@ -127,6 +127,8 @@ def test_a_reset_empties_every_engine_and_the_index_at_once(
         status, body = call(url + "/reset_prefix_cache")
         assert status == 200 and body == {"success": True, "instances": dict.fromkeys(NAMES, True)}
         assert engine_blocks(fleet) == dict.fromkeys(NAMES, 0)
+        # No engine serves the multi-modal cache's reset (no VLLM_SERVER_DEV_MODE): neither does the router.
+        assert call(url + "/reset_mm_cache") == (404, {"detail": "Not Found"})
         # At once: an idle engine's AllBlocksCleared waits for its next step.
         assert indexed(url) == dict.fromkeys(NAMES, 0)
         repeat = chat(url)
