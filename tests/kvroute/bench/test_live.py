@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
+from kvroute.agent_apis import Api
 from kvroute.bench.live.pd import SOURCES, NoPDMode, vllm_router_pd_args
 from kvroute.bench.live.run import (
     DEFAULT_TARGETS,
@@ -21,6 +23,7 @@ from kvroute.bench.live.run import (
     parse_targets,
     run_live_bench,
 )
+from kvroute.cli import main
 from kvroute.processes import FleetPorts, start
 from router.config import parse_config
 
@@ -103,6 +106,55 @@ def test_vllm_router_round_robin_and_kv_aware(fleet: FleetPorts, tmp_path: Path)
     # ...and found the prefixes the fleet's events announced (the shared system prompt, the earlier turns): a
     # peer whose index stays empty is only load balancing, which would make every comparison with it unfair.
     assert sum(v for k, v in lookups.items() if "result=hit" in k) > 0, lookups
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_sessions_over_the_agents_apis(api: Api, fleet: FleetPorts, tmp_path: Path) -> None:
+    """Every target answers every turn in the API (vllm-router 0.1.17 forwards both paths), and each turn's
+    prompt tokens, read from the API's own usage, are what the engines counted."""
+    has_binary = find_vllm_router(None) is not None
+    targets = ("kvroute:round-robin", "kvroute", *(("vllm-router:round_robin",) if has_binary else ()))
+    report = run_live_bench(dataclasses.replace(_options(fleet, tmp_path, targets), api=api))
+
+    assert [r.target for r in report.results] == [t if ":" in t else f"{t}:kvroute" for t in targets]
+    assert not any(r.skipped for r in report.results), [r.skipped for r in report.results]
+    _check_counts(report)
+    round_robin, kvroute = report.results[:2]
+    assert kvroute.local_hit_rate >= round_robin.local_hit_rate  # type: ignore[operator]
+    workload = json.loads((tmp_path / "live.json").read_text())["workload"]
+    assert (workload["api"], workload["responses_chain"]) == (api, False)
+    assert f"/v1/{api}" in workload["title"]
+
+
+def test_a_chain_of_stored_responses_needs_their_instance(fleet: FleetPorts, tmp_path: Path) -> None:
+    """Chained by previous_response_id, kvroute sends every turn where its response is stored, even under
+    round robin; vllm-router's round robin does not, and those turns fail with vLLM's 404."""
+    has_binary = find_vllm_router(None) is not None
+    targets = ("kvroute:round-robin", *(("vllm-router:round_robin",) if has_binary else ()))
+    options = dataclasses.replace(_options(fleet, tmp_path, targets), api="responses", responses_chain=True)
+    kvroute, *peers = run_live_bench(options).results
+
+    assert kvroute.ok == kvroute.sent == SESSIONS * TURNS, kvroute.errors
+    assert kvroute.prompt_tokens == kvroute.prefix_queries
+    for peer in peers:
+        assert peer.sent == SESSIONS * TURNS and peer.ok >= SESSIONS  # first turns name no stored response
+        assert peer.failed == peer.sent - peer.ok > 0
+        assert list(peer.errors) == ["HTTP 404: Response with id 'resp_*' not found."], peer.errors
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("--responses-chain", "--responses-chain needs --api responses"),
+        ("--api messages --trace agentic", "--api is the sessions' API; a trace is replayed as completions"),
+    ],
+)
+def test_api_options_refused_before_anything_starts(
+    argv: str, message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # main() installs its own handlers
+    assert main(["bench", "live", *argv.split()]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_command_starts_its_own_fleet(tmp_path: Path) -> None:
