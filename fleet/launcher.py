@@ -36,6 +36,7 @@ class FleetOptions:
     block_size: int = 32
     kv_blocks: int = 2048
     max_model_len: int = 32768
+    max_new_tokens: int | None = None  # the output budget of a request naming none (vLLM's generation config)
     event_encoding: str = "map"
     int_hashes: bool = True
     hash_seed: str = "0"
@@ -136,6 +137,7 @@ async def run_fleet(
                 api_key=options.api_key,
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
                 prompt_tokens_details=options.prompt_tokens_details,
+                max_new_tokens=options.max_new_tokens,
                 auto_tool_choice=options.auto_tool_choice,
                 responses=ResponseStore(options.responses_store, options.responses_store_capacity),
                 transfer=options.transfer_side(index) if options.roles else None,  # roles: a KV connector

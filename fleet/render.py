@@ -64,7 +64,9 @@ def _generate_request(
 ) -> dict[str, Any]:
     if not ids:
         raise ClientError(400, "No token_ids rendered", "BadRequestError")
-    max_tokens = max_tokens_for(instance.max_model_len, body, len(ids), chat, from_text)
+    max_tokens = max_tokens_for(
+        instance.max_model_len, body, len(ids), chat, from_text, instance.max_new_tokens
+    )
     stream = bool(body.get("stream"))
     return {
         "request_id": request_id,

@@ -50,6 +50,8 @@ class SimInstance:
     api_key: str | None = None  # vLLM's --api-key
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's option: the chat endpoint only, not /tokenize
     prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details: usage says what was cached
+    # vLLM's --override-generation-config '{"max_new_tokens": N}': the output budget of a request naming none
+    max_new_tokens: int | None = None
     # vLLM's --enable-auto-tool-choice with a --tool-call-parser: without them a chat (or an Anthropic body)
     # whose tool_choice is not "none" is refused. Agents send tools, so the simulated fleet takes them.
     auto_tool_choice: bool = True
@@ -135,8 +137,17 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def max_tokens_for(limit: int, body: dict[str, Any], prompt_len: int, chat: bool, from_text: bool) -> int:
-    """vLLM 0.32's rules: reject what can never fit, otherwise clamp the output budget to the context."""
+def max_tokens_for(
+    limit: int,
+    body: dict[str, Any],
+    prompt_len: int,
+    chat: bool,
+    from_text: bool,
+    default: int | None = None,
+) -> int:
+    """vLLM 0.32's rules: reject what can never fit, otherwise clamp the output budget to the context;
+    default: the budget of a request naming none (vLLM's max_new_tokens generation config), else the rest of
+    the context."""
     completion_budget = chat and body.get("max_completion_tokens") is not None
     param = "max_completion_tokens" if completion_budget else "max_tokens"
     requested = body.get(param, None if chat else 16)
@@ -162,7 +173,7 @@ def max_tokens_for(limit: int, body: dict[str, Any], prompt_len: int, chat: bool
             "BadRequestError",
             "input_tokens",
         )
-    return min(limit - prompt_len, requested or limit)
+    return min(limit - prompt_len, requested or default or limit)
 
 
 class Generation:
@@ -183,7 +194,9 @@ class Generation:
         self.envelope = Envelope(chat=chat, model=body["model"])  # the base's name or an adapter's
         if not prompt_ids:
             raise ClientError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
-        self.max_tokens = max_tokens_for(instance.max_model_len, body, len(prompt_ids), chat, from_text)
+        self.max_tokens = max_tokens_for(
+            instance.max_model_len, body, len(prompt_ids), chat, from_text, instance.max_new_tokens
+        )
         if body.get("n", 1) != 1:
             raise ClientError(400, "the simulated fleet supports n=1 only", "BadRequestError", "n")
         seed = request_seed(body.get("seed"), body.get("temperature", 1.0), prompt_ids)

@@ -123,6 +123,7 @@ def _fleet(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        max_new_tokens=args.max_new_tokens,
         auto_tool_choice=args.enable_auto_tool_choice,
         responses_store=args.enable_responses_api_store,
         responses_store_capacity=args.responses_store_capacity,
@@ -322,6 +323,12 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-blocks", type=positive_int, default=2048, help="KV cache capacity in blocks per instance"
     )
     fleet.add_argument("--max-model-len", type=positive_int, default=32768, help="longest prompt and answer")
+    fleet.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        help="the output budget of a request that names none (else the rest of the context), as vLLM's "
+        "--override-generation-config '{\"max_new_tokens\": N}'",
+    )
     fleet.add_argument("--prefill-tps", type=positive_float, default=8000.0, help="prefill tokens per second")
     fleet.add_argument(
         "--decode-tps", type=positive_float, default=100.0, help="decode steps (tokens) per second"

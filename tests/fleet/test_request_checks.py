@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from fleet.server import max_tokens_for
 from kvroute.processes import FleetPorts
 from tests.conftest import instance_url
 
@@ -100,3 +101,12 @@ def test_sampling_parameters_vllm_reads_as_numbers_are_taken(fleet: FleetPorts, 
         {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "temperature": value}
     ).encode()
     assert _post(fleet, raw)[0] == 200
+
+
+def test_a_request_naming_no_budget_gets_the_max_new_tokens_default() -> None:
+    """vLLM's --override-generation-config '{"max_new_tokens": N}': N for a request without max_tokens, the
+    rest of the context without N, and what the request names when it names one."""
+    assert max_tokens_for(100, {}, 40, chat=True, from_text=True) == 60
+    assert max_tokens_for(100, {}, 40, chat=True, from_text=True, default=16) == 16
+    assert max_tokens_for(100, {}, 90, chat=True, from_text=True, default=16) == 10
+    assert max_tokens_for(100, {"max_tokens": 30}, 40, chat=True, from_text=True, default=16) == 30

@@ -45,7 +45,9 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ports = FleetPorts.allocate(len(NAMES))
     tmp = tmp_path_factory.mktemp("codex")
+    # Codex names no output budget: the engines give it 16 tokens, as vLLM's generation config can
     args = ["--prefill-tps", "1000000", "--decode-tps", "100000", "--max-model-len", "40000"]
+    args += ["--max-new-tokens", "16"]
     with (
         running_fleet(ports, tmp / "fleet", args),
         running_router_process(ports.router_config(), tmp / "router") as (url, router),
@@ -168,4 +170,17 @@ def test_another_session_goes_where_codexs_instructions_are_cached(stack: Stack,
     second = codex_turn(stack, codex_home(tmp_path / "second", stack.url), tmp_path, "say bye")
     assert second.status == "200" and second.instance == first.instance
     assert second.predicted_cached_tokens > 0.8 * second.prompt_tokens
+    assert engine_hits(stack.fleet, NAMES.index(first.instance)) - hits == second.predicted_cached_tokens
+
+
+def test_a_resumed_session_goes_on_where_its_history_is_cached(stack: Stack, tmp_path: Path) -> None:
+    """`codex exec resume` sends the session's whole history again, with the answer and the new prompt: it
+    goes to the instance holding the history, predicted to hit what the engine there then reuses."""
+    home = codex_home(tmp_path / "home", stack.url)
+    first = codex_turn(stack, home, tmp_path, "say hi")
+    hits = engine_hits(stack.fleet, NAMES.index(first.instance))
+    second = codex_turn(stack, home, tmp_path, "resume", "--last", "and now say bye")
+    assert second.status == "200" and second.instance == first.instance
+    assert second.prompt_tokens > first.prompt_tokens
+    assert second.predicted_cached_tokens > 0.9 * first.prompt_tokens
     assert engine_hits(stack.fleet, NAMES.index(first.instance)) - hits == second.predicted_cached_tokens
