@@ -172,6 +172,25 @@ def test_a_short_prompt_is_served_whole_by_a_decode_instance(pd_router: str) -> 
     assert headers["x-kvroute-instance"] in DECODE and "x-kvroute-prefill-instance" not in headers
 
 
+def test_the_agents_apis_go_whole_to_a_decode_instance(pd_router: str) -> None:
+    """The prefill leg is a chat or a completion: a Responses or Messages request is not split, however long,
+    and goes whole to a decode instance (counted as unsplit)."""
+    text = long_text("agent")
+    bodies = {
+        "/v1/responses": {"model": "tiny-llama", "input": text, "max_output_tokens": 4},
+        "/v1/messages": {
+            "model": "tiny-llama",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": text}],
+        },
+    }
+    for path, body in bodies.items():
+        status, headers, payload = post(pd_router + path, json.dumps(body).encode())
+        assert status == 200, payload
+        assert headers["x-kvroute-instance"] in DECODE and "x-kvroute-prefill-instance" not in headers
+    assert metric(pd_router, "kvroute_pd_requests_total", model="tiny-llama", path="unsplit") >= 2
+
+
 async def drop(request: web.Request) -> web.StreamResponse:
     """An engine that dies with the request it was sent."""
     await request.read()
