@@ -193,6 +193,22 @@ class FleetPorts:
             str(self.replay),
         ]
 
+    def instance_args(self, index: int) -> list[str]:
+        """The fleet's instance index alone, in a process of its own (so that it can be stopped alone)."""
+        return [
+            "fleet",
+            "--instances",
+            "1",
+            "--first-index",
+            str(index),
+            "--port",
+            str(self.http + index),
+            "--event-port",
+            str(self.events + index),
+            "--replay-port",
+            str(self.replay + index),
+        ]
+
     def health_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.http + i}/health" for i in range(self.count)]
 

@@ -333,20 +333,7 @@ def _text_message(text: str) -> Message:
 
 def fleet_command(ports: FleetPorts, index: int) -> list[str]:
     """Instance index of ports' fleet alone, in its own process (so that it can be stopped alone)."""
-    return [
-        "fleet",
-        "--instances",
-        "1",
-        "--first-index",
-        str(index),
-        "--port",
-        str(ports.http + index),
-        "--event-port",
-        str(ports.events + index),
-        "--replay-port",
-        str(ports.replay + index),
-        *FLEET_ARGS,
-    ]
+    return [*ports.instance_args(index), *FLEET_ARGS]
 
 
 @contextlib.contextmanager

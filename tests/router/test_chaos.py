@@ -45,23 +45,7 @@ class Outcome:
 
 
 def instance_args(ports: FleetPorts, index: int) -> list[str]:
-    args = [
-        "fleet",
-        "--instances",
-        "1",
-        "--first-index",
-        str(index),
-        "--port",
-        str(ports.http + index),
-        "--event-port",
-        str(ports.events + index),
-        "--replay-port",
-        str(ports.replay + index),
-        "--prefill-tps",
-        "20000",
-        "--decode-tps",
-        "50",
-    ]
+    args = [*ports.instance_args(index), "--prefill-tps", "20000", "--decode-tps", "50"]
     return [*args, "--drop-events", "0.2"] if index == LOSSY else args
 
 

@@ -25,19 +25,7 @@ def two_instances(tmp_path: Path) -> Iterator[tuple[FleetPorts, list[Child]]]:
     children = [
         start(
             f"fleet-{i}",
-            [
-                "fleet",
-                "--instances",
-                "1",
-                "--first-index",
-                str(i),
-                "--port",
-                str(ports.http + i),
-                "--event-port",
-                str(ports.events + i),
-                "--replay-port",
-                str(ports.replay + i),
-            ],
+            ports.instance_args(i),
             tmp_path,
         )
         for i in range(2)
