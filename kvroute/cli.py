@@ -156,7 +156,8 @@ def _tokenizer(spec: str) -> PromptTokenizer:
 def _demo(args: argparse.Namespace) -> int:
     from kvroute.demo.run import DemoOptions, run_demo
 
-    return run_demo(DemoOptions(sessions=args.sessions, turns=args.turns, instances=args.instances))
+    options = DemoOptions(sessions=args.sessions, turns=args.turns, instances=args.instances, api=args.api)
+    return run_demo(options)
 
 
 def _bench_index(args: argparse.Namespace) -> int:
@@ -445,6 +446,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--sessions", type=positive_int, default=8)
     demo.add_argument("--turns", type=positive_int, default=6)
     demo.add_argument("--instances", type=positive_int, default=3)
+    demo.add_argument(
+        "--api",
+        choices=("chat", "responses", "messages"),
+        default="chat",
+        help="the sessions' API: /v1/chat/completions, /v1/responses (as Codex), /v1/messages (as Claude "
+        "Code)",
+    )
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks")

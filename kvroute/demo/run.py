@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvroute.agent_apis import Api
 from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
 from kvroute.demo import ab as demo_ab
 from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
@@ -42,6 +43,7 @@ class DemoOptions:
     sessions: int = 8
     turns: int = 6
     instances: int = 3
+    api: Api = "chat"  # the sessions' API: chat completions, or the agents' Responses or Messages
 
 
 @dataclass
@@ -70,7 +72,12 @@ def agent_workload(sessions: int, turns: int, seed: int = 0) -> AgentWorkload:
 
 
 def run_workload(
-    base_url: str, policy: str | None, workload: AgentWorkload, concurrency: int, on_turn: Callable[[], None]
+    base_url: str,
+    policy: str | None,
+    workload: AgentWorkload,
+    concurrency: int,
+    on_turn: Callable[[], None],
+    api: Api = "chat",
 ) -> list[TurnOutcome]:
     """policy: forced on every request; None leaves each session to the router's traffic split."""
     plan = SessionPlan(
@@ -80,6 +87,7 @@ def run_workload(
         session_prefix=demo_ab.SESSION_PREFIX if policy is None else f"demo-{policy}",
         headers={} if policy is None else {POLICY_HEADER: policy},
         on_turn=on_turn,
+        api=api,
     )
     return asyncio.run(run_sessions(base_url, plan)).outcomes
 
@@ -134,7 +142,12 @@ def run_demo(options: DemoOptions) -> int:
                         hits_before, queries_before = prefix_cache_counts(instance_urls)
                         progress.update(task, description=f"policy {policy}")
                         turns = run_workload(
-                            router_url, policy, workload, workload.sessions, lambda: progress.advance(task)
+                            router_url,
+                            policy,
+                            workload,
+                            workload.sessions,
+                            lambda: progress.advance(task),
+                            options.api,
                         )
                         hits, queries = prefix_cache_counts(instance_urls)
                         hit_rate = (hits - hits_before) / max(queries - queries_before, 1.0)
@@ -144,7 +157,12 @@ def run_demo(options: DemoOptions) -> int:
                     split = " / ".join(f"{name} {weight}" for name, weight in demo_ab.SPLIT.items())
                     progress.update(task, description=f"A/B: {split}")
                     ab_turns = run_workload(
-                        router_url, None, ab_workload, workload.sessions, lambda: progress.advance(task)
+                        router_url,
+                        None,
+                        ab_workload,
+                        workload.sessions,
+                        lambda: progress.advance(task),
+                        options.api,
                     )
                 ab = _admin(router_url, "/admin/ab", token)
         except StartupError as exc:

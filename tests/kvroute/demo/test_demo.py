@@ -15,8 +15,12 @@ from router.dispatch.ab import MIN_SESSIONS
 from router.traffic_split import TrafficSplit
 
 
-def test_demo_reports_every_policy(tmp_path: Path) -> None:
-    child = start("demo", ["demo", "--sessions", "5", "--turns", "3", "--instances", "2"], tmp_path)
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_demo_reports_every_policy(tmp_path: Path, api: str) -> None:
+    """Over each API: the agents' too, whose usage (a Responses stream's response.completed, a Messages one's
+    message_delta) is where the A/B reads what the engines found cached."""
+    args = ["demo", "--sessions", "5", "--turns", "3", "--instances", "2", "--api", api]
+    child = start("demo", args, tmp_path)
     code = child.wait(180)
     output = child.log_path.read_text()
     assert code == 0, output
