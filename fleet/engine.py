@@ -77,6 +77,7 @@ class _Sequence:
     num_computed: int = 0
     num_cached_blocks: int = 0
     num_output: int = 0
+    finish_reason: str = "length"  # vLLM's finished_reason when it has its max_tokens: stop, at a sampled EOS
     connector: bool = False  # the engine runs a KV connector, asked about every prompt's uncached tokens
     load: KVLoad | None = None  # until it ends: the prompt's KV beyond the local cache comes from elsewhere
     loading: asyncio.Task[None] | None = None
@@ -129,12 +130,14 @@ class Engine:
         connector: bool = False,
         load: KVLoad | None = None,
         cache: PromptCache | None = None,
+        finish_reason: str = "length",
     ) -> AsyncIterator[int]:
         """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
         cache_salt: vLLM's, which makes the prompt's cache entries its own; lora: the adapter it runs with,
         whose cache entries are its own too; connector: the instance runs a KV connector; load: brings the
         prompt's KV beyond the local cache from a prefill instance (a decode leg), run once the request is
-        admitted; the transfer then takes transfer_tokens_per_s; cache: filled in by the first token."""
+        admitted; the transfer then takes transfer_tokens_per_s; cache: filled in by the first token;
+        finish_reason: what it finishes as once it has max_tokens (stop: the model sampled its EOS)."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
@@ -146,6 +149,7 @@ class Engine:
             connector=connector,
             load=load,
             cache=cache or PromptCache(),
+            finish_reason=finish_reason,
         )
         self._waiting.append(seq)
         self._wake.set()
@@ -330,7 +334,8 @@ class Engine:
         self._running.remove(seq)
         self.pool.free(seq.blocks)
         seq.blocks = []
-        self.stats.finished["length"] = self.stats.finished.get("length", 0) + 1
+        reason = seq.finish_reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         seq.outputs.put_nowait(None)
 
     def _abort(self, seq: _Sequence) -> None:

@@ -37,6 +37,7 @@ class FleetOptions:
     kv_blocks: int = 2048
     max_model_len: int = 32768
     max_new_tokens: int | None = None  # the output budget of a request naming none (vLLM's generation config)
+    eos_after: int | None = None  # where the simulated model ends its answers; None: at their budget
     event_encoding: str = "map"
     int_hashes: bool = True
     hash_seed: str = "0"
@@ -138,6 +139,7 @@ async def run_fleet(
                 exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
                 prompt_tokens_details=options.prompt_tokens_details,
                 max_new_tokens=options.max_new_tokens,
+                eos_after=options.eos_after,
                 auto_tool_choice=options.auto_tool_choice,
                 responses=ResponseStore(options.responses_store, options.responses_store_capacity),
                 transfer=options.transfer_side(index) if options.roles else None,  # roles: a KV connector

@@ -52,6 +52,9 @@ class SimInstance:
     prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details: usage says what was cached
     # vLLM's --override-generation-config '{"max_new_tokens": N}': the output budget of a request naming none
     max_new_tokens: int | None = None
+    # Where the simulated model samples its EOS: an answer ends there (finish_reason stop) unless its budget
+    # ends first. None: never (the sampler draws printable tokens only); agents take a cut answer for an error
+    eos_after: int | None = None
     # vLLM's --enable-auto-tool-choice with a --tool-call-parser: without them a chat (or an Anthropic body)
     # whose tool_choice is not "none" is refused. Agents send tools, so the simulated fleet takes them.
     auto_tool_choice: bool = True
@@ -197,6 +200,10 @@ class Generation:
         self.max_tokens = max_tokens_for(
             instance.max_model_len, body, len(prompt_ids), chat, from_text, instance.max_new_tokens
         )
+        # The tokens the model generates: its budget (max_tokens), or fewer where it samples its EOS first
+        eos = instance.eos_after
+        self.output_len = min(self.max_tokens, eos) if eos is not None else self.max_tokens
+        self.finish_reason = "stop" if self.output_len < self.max_tokens else "length"
         if body.get("n", 1) != 1:
             raise ClientError(400, "the simulated fleet supports n=1 only", "BadRequestError", "n")
         seed = request_seed(body.get("seed"), body.get("temperature", 1.0), prompt_ids)
@@ -216,7 +223,15 @@ class Generation:
         load = self._fetch if self.remote_prefill and self.instance.transfers is not None else None
         connector = self.instance.transfer is not None
         async for token in self.engine.generate(
-            self.prompt_ids, self.max_tokens, self.sample, self.salt, self.lora, connector, load, self.cache
+            self.prompt_ids,
+            self.output_len,
+            self.sample,
+            self.salt,
+            self.lora,
+            connector,
+            load,
+            self.cache,
+            self.finish_reason,
         ):
             yield token
 
@@ -251,7 +266,7 @@ async def _complete(request: web.Request, generation: Generation) -> web.StreamR
     output = [token async for token in generation.tokens()]
     text = generation.instance.tokenizer.decode(output)
     prompt_tokens, cache = len(generation.prompt_ids), generation.reported_cache()
-    body = generation.envelope.body(text, "length", prompt_tokens, len(output), cache)
+    body = generation.envelope.body(text, generation.finish_reason, prompt_tokens, len(output), cache)
     body["kv_transfer_params"] = generation.kept_for_decode()
     return json_response(body)
 
@@ -265,7 +280,7 @@ async def _stream(request: web.Request, generation: Generation) -> web.StreamRes
         if count == 0 and generation.chat:  # vLLM sends the role with the first output, not before
             await response.write(_sse(envelope.role_chunk()))
         count += 1
-        finish = "length" if count == generation.max_tokens else None
+        finish = generation.finish_reason if count == generation.output_len else None
         await response.write(_sse(envelope.token_chunk(token_text(token), finish)))
     options = generation.body.get("stream_options") or {}
     if isinstance(options, dict) and options.get("include_usage"):

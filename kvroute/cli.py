@@ -124,6 +124,7 @@ def _fleet(args: argparse.Namespace) -> int:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         max_new_tokens=args.max_new_tokens,
+        eos_after=args.eos_after,
         auto_tool_choice=args.enable_auto_tool_choice,
         responses_store=args.enable_responses_api_store,
         responses_store_capacity=args.responses_store_capacity,
@@ -329,6 +330,13 @@ def _parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="the output budget of a request that names none (else the rest of the context), as vLLM's "
         "--override-generation-config '{\"max_new_tokens\": N}'",
+    )
+    fleet.add_argument(
+        "--eos-after",
+        type=positive_int,
+        help="the simulated model samples its end-of-sequence token after N tokens: a longer budget ends "
+        "there, as a finished answer (finish_reason stop, Anthropic's end_turn); default: never, every "
+        "answer runs to its budget",
     )
     fleet.add_argument("--prefill-tps", type=positive_float, default=8000.0, help="prefill tokens per second")
     fleet.add_argument(

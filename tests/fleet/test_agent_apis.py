@@ -161,6 +161,26 @@ def test_cached_tokens_are_the_engines_prefix_hits(tokenizer: PromptTokenizer) -
     run(tokenizer, test)
 
 
+def test_eos_after_ends_answers_as_finished_within_their_budget(tokenizer: PromptTokenizer) -> None:
+    """--eos-after: the model samples its EOS after N tokens; a budget reached first still cuts the answer."""
+
+    async def test(client: Client) -> None:
+        messages = [{"role": "user", "content": "hi"}]
+        _, ended = await client.post(
+            "/v1/messages", {"model": MODEL, "max_tokens": 100, "messages": messages}
+        )
+        assert (ended["stop_reason"], ended["usage"]["output_tokens"]) == ("end_turn", 3)
+        _, cut = await client.post("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": messages})
+        assert (cut["stop_reason"], cut["usage"]["output_tokens"]) == ("max_tokens", 2)
+        _, response = await client.post("/v1/responses", {"input": "hi", "max_output_tokens": 100})
+        assert (response["status"], response["usage"]["output_tokens"]) == ("completed", 3)
+        body = {"model": MODEL, "max_tokens": 100, "messages": messages}
+        _, chat = await client.post("/v1/chat/completions", body)
+        assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"]["completion_tokens"] == 3
+
+    run(tokenizer, test, eos_after=3)
+
+
 def test_a_response_is_stored_when_it_ends_and_its_messages_when_it_starts(
     tokenizer: PromptTokenizer,
 ) -> None:
