@@ -76,7 +76,7 @@ def _label_names(url: str) -> dict[str, set[frozenset[str]]]:
 @pytest.mark.parametrize(
     ("family", "labels"),
     [
-        ("kvroute_requests", {"policy", "vllm_instance", "status", "model"}),
+        ("kvroute_requests", {"policy", "vllm_instance", "status", "model", "api"}),
         ("kvroute_time_to_first_byte_seconds", {"policy", "model"}),
         ("kvroute_request_duration_seconds", {"policy", "model"}),
         ("kvroute_routing_decision_seconds", {"stage"}),
@@ -123,7 +123,13 @@ def _counts(served: list[Served]) -> list[tuple[str, dict[str, str], float]]:
         samples += [
             (
                 "kvroute_requests_total",
-                {"policy": s.policy, "vllm_instance": s.instance, "status": "200", "model": MODEL},
+                {
+                    "policy": s.policy,
+                    "vllm_instance": s.instance,
+                    "status": "200",
+                    "model": MODEL,
+                    "api": "chat",
+                },
                 1,
             ),
             ("kvroute_ttft_predicted_seconds_count", {"vllm_instance": s.instance}, 1),
