@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from anthropic import Anthropic
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import APITimeoutError, NotFoundError, OpenAI
 
 from tests.conftest import metric, sample
