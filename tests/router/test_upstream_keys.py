@@ -16,6 +16,7 @@ from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.config import ConfigError, parse_config
 from tests.conftest import sample
 from tests.router.dispatch.test_admission import chat
+from tests.router.test_proxy import post
 
 ENGINE_KEY = "engine-key-0123456789"
 ENGINE_KEY_ENV = "KVROUTE_TEST_ENGINE_KEY"
@@ -55,6 +56,16 @@ def test_the_router_sends_the_instances_key_and_not_the_clients(
             status, headers, payload = chat(url, headers={"authorization": "Bearer client-key-0123456789"})
             assert status == 200, payload
             served.add(headers["x-kvroute-instance"])
+        # Anthropic's clients send the key as x-api-key; the engine still gets the router's own Bearer key.
+        body = {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        for key, expected in (("client-key-0123456789", 200), ("wrong-key-0123456789", 401)):
+            status, _, payload = post(
+                url + "/v1/messages",
+                json.dumps(body).encode(),
+                {"x-api-key": key, "anthropic-version": "2023-06-01"},
+            )
+            assert status == expected, payload
+        assert json.loads(payload)["type"] == "error"  # the 401 in Anthropic's shape on its route
     assert served == {"fleet-0", "fleet-1"}
 
 
