@@ -189,6 +189,23 @@ def check_background_cancel(client: openai.OpenAI) -> None:
     assert client.responses.retrieve(queued.id).status == "cancelled"
 
 
+def check_background_stream_resumes(client: openai.OpenAI) -> None:
+    """A background response's events, followed again from the middle (?stream=true&starting_after=N), come
+    from the instance that holds them."""
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Tell a story.", max_output_tokens=8, background=True, stream=True
+        )
+    )
+    assert events[-1].type == "response.completed"
+    response_id = events[-1].response.id
+    resumed = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in resumed] == [
+        e.sequence_number for e in events if e.sequence_number > 2
+    ]
+    assert resumed[-1].type == "response.completed"
+
+
 def check_follow_up_not_found(client: openai.OpenAI, response_id: str) -> None:
     """A follow-up and a retrieval of a response no instance holds: vLLM's 404, NotFoundError, quickly."""
     started = time.monotonic()
@@ -385,6 +402,10 @@ def test_responses_chain_stays_on_one_instance_with_predicted_hits(fleet: Fleet)
 
 def test_responses_background_cancel(fleet: Fleet) -> None:
     check_background_cancel(fleet.openai())
+
+
+def test_a_background_stream_resumes_through_the_router(fleet: Fleet) -> None:
+    check_background_stream_resumes(fleet.openai())
 
 
 def test_unknown_response_id_is_not_found(fleet: Fleet) -> None:
