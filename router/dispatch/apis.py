@@ -22,13 +22,7 @@ class Api:
     name: str  # the metrics' `api` label
     body: BodyKind
     anthropic: bool = False  # errors in Anthropic's shape ({"type":"error","error":{...}})
-    stored_response: bool = False  # the path names a stored response, whose instance serves it
     get: bool = False  # sent to the engine as a GET, without a body
-
-    @property
-    def prompt(self) -> bool:
-        """Routed by its prompt's cached prefix."""
-        return self.body in ("chat", "completion", "responses", "messages")
 
 
 CHAT = Api("chat", "chat")
@@ -36,8 +30,9 @@ COMPLETIONS = Api("completions", "completion")
 RESPONSES = Api("responses", "responses")
 MESSAGES = Api("messages", "messages", anthropic=True)
 COUNT_TOKENS = Api("count_tokens", "count_tokens", anthropic=True)
-RETRIEVE_RESPONSE = Api("responses", "none", stored_response=True, get=True)
-CANCEL_RESPONSE = Api("responses", "none", stored_response=True)
+# A stored response's: the path names it, and the instance holding it serves it
+RETRIEVE_RESPONSE = Api("responses", "none", get=True)
+CANCEL_RESPONSE = Api("responses", "none")
 
 # POST routes, by path: the engine's path is the client's.
 ROUTED_PATHS: dict[str, Api] = {

@@ -4,8 +4,9 @@
 to send the request and follows the answer it relays. They differ only in how bytes move. Both call, in order:
 
     admit()            an admission slot, or a 429 when the router is at capacity
-    receive(...)       the body decoded, its model checked, its policy taken from the routing table in force
-                       (an agent API's translation to a chat belongs here, before the prompt is read)
+    receive(...)       the body decoded as its API's (router/dispatch/apis.py; an agent's as the chat vLLM
+                       renders, router/dispatch/agent_bodies.py), its model checked, the instance a stored
+                       response pins it to, its policy taken from the routing table in force
                        (a flow-control queue belongs after it: a request waits there, holding no instance)
     prepare(...)       its prompt tokenized, hashed and looked up in the index
     send(...)          serve: an instance chosen, the request sent, retried elsewhere up to its first bytes
