@@ -10,6 +10,7 @@ import yaml
 
 from router.config import ConfigError, load_config, parse_config
 from router.index.pool import pool_names
+from scorers.policy_config import builtin_policies
 from scorers.registry import SCORERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +31,7 @@ def test_local_fleet_config_matches_the_fleets_defaults() -> None:
     assert [i.replay for i in config.instances] == [f"tcp://127.0.0.1:{5701 + i}" for i in range(3)]
     assert config.block_size == 32
     assert config.default_policy == "kvroute"
+    assert config.policies == builtin_policies()  # the quick start runs the shipped default policy
 
 
 def test_defaults_are_filled_in() -> None:
