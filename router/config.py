@@ -74,7 +74,9 @@ MIN_TOKEN_LENGTH = 16  # of the admin token: guessing it must be out of reach
 
 
 class ModelConfig(_Strict):
-    name: str = Field(min_length=1)
+    name: str = Field(
+        min_length=1, description="the model's name as clients send it and the engines serve it"
+    )
     tokenizer: str = Field(
         default="builtin:tiny-llama",
         description="tokenizer directory, builtin:tiny-llama, or remote (ask an instance's /tokenize)",
@@ -141,11 +143,18 @@ class TokenizationConfig(_Strict):
 
 
 class InstanceConfig(_Strict):
-    name: Annotated[str, Field(pattern=_NAME)]
-    url: str
-    events: str | None = None
-    replay: str | None = None
-    models: list[str] | None = None
+    name: Annotated[str, Field(pattern=_NAME, description="the instance's name in headers, metrics and logs")]
+    url: str = Field(description="its OpenAI server, http://HOST:PORT")
+    events: str | None = Field(
+        default=None,
+        description="its KV events publisher (vLLM --kv-events-config endpoint), tcp://HOST:PORT; null: the "
+        "index knows nothing of its cache",
+    )
+    replay: str | None = Field(
+        default=None,
+        description="its KV events replay endpoint (vLLM's replay_endpoint), for gaps and warm starts",
+    )
+    models: list[str] | None = Field(default=None, description="the models it serves; null: every model")
     api_key_env: str | None = Field(
         default=None, min_length=1, description="this instance's key variable instead of upstream.api_key_env"
     )
@@ -278,7 +287,7 @@ class CorsConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    connect_timeout_s: float = Field(default=5.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="to open a connection to an instance")
     first_byte_timeout_s: float = Field(
         default=600.0, gt=0, description="streams: to the first chunk (prefill is slow, queues are long)"
     )
@@ -491,8 +500,8 @@ class LoadConfig(_Strict):
 
 
 class HealthConfig(_Strict):
-    interval_s: float = Field(default=2.0, gt=0)
-    timeout_s: float = Field(default=1.0, gt=0)
+    interval_s: float = Field(default=2.0, gt=0, description="between two checks of an instance's /health")
+    timeout_s: float = Field(default=1.0, gt=0, description="for one check's answer")
     unhealthy_after: int = Field(default=2, ge=1, description="consecutive failed checks")
 
 
@@ -531,13 +540,20 @@ class LimitsConfig(_Strict):
 
 
 class RouterConfig(_Strict):
-    models: list[ModelConfig] = Field(min_length=1)
-    block_size: int = Field(default=16, ge=1)
+    models: list[ModelConfig] = Field(min_length=1, description="the models routed")
+    block_size: int = Field(
+        default=16, ge=1, description="the engines' KV block size in tokens (vLLM's --block-size)"
+    )
     # One per data-parallel rank once validated; none only with discovery (_consistent).
-    instances: list[InstanceConfig]
-    discovery: DiscoveryConfig | None = None
-    policies: dict[str, PolicyConfig] = Field(default_factory=builtin_policies)
-    default_policy: str = "kvroute"
+    instances: list[InstanceConfig] = Field(description="the vLLM instances (may be empty with discovery)")
+    discovery: DiscoveryConfig | None = Field(default=None, description="instances found in Kubernetes")
+    policies: dict[str, PolicyConfig] = Field(
+        default_factory=builtin_policies,
+        description="routing policies by name (a mapping here replaces the built-in ones)",
+    )
+    default_policy: str = Field(
+        default="kvroute", description="every request's policy when traffic.split is empty"
+    )
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

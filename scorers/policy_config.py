@@ -26,9 +26,9 @@ def _check_plugin(
 
 
 class ScorerSpec(_Strict):
-    type: str
-    weight: float = Field(default=1.0, ge=0.0)
-    params: dict[str, Any] = Field(default_factory=dict)
+    type: str = Field(description="the scorer (see Scorers and pickers)")
+    weight: float = Field(default=1.0, ge=0.0, description="its score's weight in the policy's total")
+    params: dict[str, Any] = Field(default_factory=dict, description="the scorer's parameters")
 
     @model_validator(mode="after")
     def _known_type(self) -> ScorerSpec:
@@ -37,8 +37,8 @@ class ScorerSpec(_Strict):
 
 
 class PickerSpec(_Strict):
-    type: str = "max-score"
-    params: dict[str, Any] = Field(default_factory=dict)
+    type: str = Field(default="max-score", description="how the totals choose an instance")
+    params: dict[str, Any] = Field(default_factory=dict, description="the picker's parameters")
 
     @model_validator(mode="after")
     def _known_type(self) -> PickerSpec:
@@ -47,8 +47,8 @@ class PickerSpec(_Strict):
 
 
 class PolicyConfig(_Strict):
-    scorers: list[ScorerSpec] = Field(min_length=1)
-    picker: PickerSpec = Field(default_factory=PickerSpec)
+    scorers: list[ScorerSpec] = Field(min_length=1, description="weighed scores of each candidate instance")
+    picker: PickerSpec = Field(default_factory=PickerSpec, description="chooses by the weighed total")
 
     @field_validator("scorers")
     @classmethod

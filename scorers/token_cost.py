@@ -25,9 +25,11 @@ from scorers.request import NO_MATCH, RoutingRequest
 
 
 class TokenCostParams(Params):
-    gpu_credit: float = Field(default=1.0, ge=0.0, le=1.0)
-    cpu_credit: float = Field(default=0.8, ge=0.0, le=1.0)
-    pool_credit: float = Field(default=0.6, ge=0.0, le=1.0)
+    gpu_credit: float = Field(
+        default=1.0, ge=0.0, le=1.0, description="what a block in the instance's GPU counts"
+    )
+    cpu_credit: float = Field(default=0.8, ge=0.0, le=1.0, description="a block in its CPU offload tier")
+    pool_credit: float = Field(default=0.6, ge=0.0, le=1.0, description="a block in the shared Mooncake pool")
     decode_weight: float = Field(
         default=0.25, ge=0.0, description="prefill tokens one in-flight context token is worth"
     )
