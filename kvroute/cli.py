@@ -41,13 +41,40 @@ def _serve(args: argparse.Namespace) -> int:
     from router.http.server import run_server
     from router.http.workers import run_workers
 
-    config = _load_config(args.config)
+    path = Path(args.config) if args.config else _config_from_workers(args)
+    if path is None:
+        return 2
+    config = _load_config(str(path))
     if config is None:
         return 2
     if args.workers > 1:
-        return run_workers(config, Path(args.config), args.host, args.port, args.workers)
-    run_server(config, args.host, args.port, Path(args.config))
+        return run_workers(config, path, args.host, args.port, args.workers)
+    run_server(config, args.host, args.port, path)
     return 0
+
+
+def _config_from_workers(args: argparse.Namespace) -> Path | None:
+    """--worker-urls: the configuration the instances describe, printed and written to a file of its own
+    (the workers and a reload read it there); None after printing why it cannot be made."""
+    import tempfile
+
+    import yaml
+
+    from kvroute.worker_urls import WorkersUnreadable, config_from_workers
+
+    try:
+        config = config_from_workers(args.worker_urls, args.kv_events or (), args.kv_replay or ())
+    except WorkersUnreadable as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return None
+    text = yaml.safe_dump(config, sort_keys=False)
+    path = Path(tempfile.mkdtemp(prefix="kvroute-")) / "router.yaml"
+    path.write_text(text)
+    print(
+        f"# the configuration of these instances ({path}); keep it and start with --config:\n{text}",
+        flush=True,
+    )
+    return path
 
 
 def _epp(args: argparse.Namespace) -> int:
@@ -269,7 +296,27 @@ def _parser() -> argparse.ArgumentParser:
 
     with_defaults = _DefaultsShown
     serve = commands.add_parser("serve", help="run the router", formatter_class=with_defaults)
-    serve.add_argument("--config", required=True, help="routing configuration (YAML)")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="routing configuration (YAML)")
+    source.add_argument(
+        "--worker-urls",
+        nargs="+",
+        metavar="URL",
+        help="instead of --config: the vLLM instances' URLs; what they serve, their block size and the "
+        "tokenizer are read from them, and the configuration made is printed",
+    )
+    serve.add_argument(
+        "--kv-events",
+        nargs="+",
+        metavar="URL",
+        help="with --worker-urls: each instance's KV events endpoint (tcp://HOST:PORT), in the same order",
+    )
+    serve.add_argument(
+        "--kv-replay",
+        nargs="+",
+        metavar="URL",
+        help="with --worker-urls: each instance's KV events replay endpoint, in the same order",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on")
     serve.add_argument(
