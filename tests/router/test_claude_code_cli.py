@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.processes import Child, FleetPorts, running_fleet, running_router_process, spawn
-from tests.conftest import instance_url, sample
+from kvroute.processes import spawn
+from tests.router.agent_cli import BIN, NAMES, Run, Stack, engine_hits, one_request, running_stack
 
-CLAUDE = Path(sys.prefix) / "agent-clis" / "node_modules" / ".bin" / "claude"  # the venv's, `make agent-clis`
-NAMES = ["fleet-0", "fleet-1"]
+CLAUDE = BIN / "claude"
 RUN_TIMEOUT_S = 180
 
 pytestmark = pytest.mark.skipif(
@@ -39,25 +33,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@dataclass(frozen=True)
-class Stack:
-    fleet: FleetPorts
-    url: str  # kvroute's
-    router: Child
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    ports = FleetPorts.allocate(len(NAMES))
-    tmp = tmp_path_factory.mktemp("claude-code")
     args = ["--prefill-tps", "1000000", "--decode-tps", "100000", "--max-model-len", "65536"]
     # Room for a few ~52k-token prompts; answers that end (end_turn); usage that says what was cached
     args += ["--kv-blocks", "8192", "--eos-after", "16", "--enable-prompt-tokens-details"]
-    with (
-        running_fleet(ports, tmp / "fleet", args),
-        running_router_process(ports.router_config(), tmp / "router") as (url, router),
-    ):
-        yield Stack(ports, url, router)
+    with running_stack(tmp_path_factory.mktemp("claude-code"), args) as running:
+        yield running
 
 
 def claude(stack: Stack, home: Path, workdir: Path, *args: str) -> tuple[int, str]:
@@ -90,61 +72,12 @@ def claude(stack: Stack, home: Path, workdir: Path, *args: str) -> tuple[int, st
     return rc, child.log_path.read_text(errors="replace")
 
 
-def requests_served(url: str) -> dict[tuple[str, str, str], float]:
-    """kvroute_requests_total by (api, status, instance)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    found: dict[tuple[str, str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for counted in family.samples:
-            if counted.name == "kvroute_requests_total":
-                labels = counted.labels
-                key = (labels["api"], labels["status"], labels["vllm_instance"])
-                found[key] = found.get(key, 0.0) + counted.value
-    return found
-
-
-def total(url: str, name: str) -> float:
-    """The sum of the samples called name; 0 before there is any."""
-    return sample(url, name) or 0.0
-
-
-def engine_hits(fleet: FleetPorts, index: int) -> float:
-    """Prompt tokens the engine found in its prefix cache, as vLLM counts them."""
-    return total(instance_url(fleet, index), "vllm:prefix_cache_hits_total")
-
-
-def router_errors(router: Child) -> list[str]:
-    text = router.log_path.read_text(errors="replace")
-    return [line for line in text.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
-
-
-class Run(NamedTuple):
-    output: str
-    instance: str
-    prompt_tokens: float  # as the router counted them
-    predicted_cached_tokens: float
-
-
 def claude_run(stack: Stack, home: Path, workdir: Path, *args: str) -> Run:
-    """One `claude` run that ends well, and the one Messages request it made through the router, which failed
-    nowhere."""
-    before = requests_served(stack.url)
-    counted = {name: total(stack.url, name) for name in (*_PER_RUN, *_FAILURES)}
-    rc, output = claude(stack, home, workdir, *args)
-    assert rc == 0, output
-    after = requests_served(stack.url)
-    new = {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
-    ((api, status, instance),) = new  # no count_tokens call, no side call, no retry of a broken stream
-    assert (api, status, new[api, status, instance]) == ("messages", "200", 1), new
-    grown = {name: total(stack.url, name) - counted[name] for name in counted}
-    assert {name: grown[name] for name in _FAILURES} == dict.fromkeys(_FAILURES, 0)
-    assert router_errors(stack.router) == []
-    return Run(output, instance, *(grown[name] for name in _PER_RUN))
-
-
-_PER_RUN = ("kvroute_prompt_tokens_total", "kvroute_predicted_cached_tokens_total")
-_FAILURES = ("kvroute_upstream_errors_total", "kvroute_retries_total", "kvroute_rejected_requests_total")
+    """One `claude` run that ends well, and the one Messages request it made (no count_tokens call, no side
+    call), which failed nowhere."""
+    run = one_request(stack, "messages", lambda: claude(stack, home, workdir, *args))
+    assert run.status == "200"
+    return run
 
 
 def result(run: Run) -> dict[str, Any]:
