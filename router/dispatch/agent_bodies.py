@@ -102,7 +102,7 @@ class StoredResponses:
         previous_output: Any = ()
         try:
             if head.previous_response_id is not None:
-                known = self.history.conversation(ResponseIds.nonce_of(head.previous_response_id))
+                known = self.history.conversation(self.ids.history_key(head.previous_response_id))
                 if known is None:
                     raise InvalidPrompt("the previous response's conversation is not known here")
                 previous_messages, previous_output = known.messages, known.output

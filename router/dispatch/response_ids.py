@@ -59,7 +59,9 @@ class ResponseIds:
         tag = response_id[len(_PREFIX) : len(_PREFIX) + _TAG_CHARS]
         return next((i for i in self._upstreams.instances if instance_tag(i.url) == tag), None)
 
-    @staticmethod
-    def nonce_of(response_id: str) -> str:
-        """The random part of an id the router made (the key of router/dispatch/response_history.py)."""
-        return response_id[len(_PREFIX) + _TAG_CHARS :] if response_id.startswith(_PREFIX) else response_id
+    def history_key(self, response_id: str) -> str:
+        """What router/dispatch/response_history.py keeps the response's conversation under: the random part
+        of an id the router made (it is chosen before the instance is), a client's own id whole."""
+        if response_id in self._chosen or not response_id.startswith(_PREFIX):
+            return response_id
+        return response_id[len(_PREFIX) + _TAG_CHARS :]

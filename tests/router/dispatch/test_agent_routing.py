@@ -7,7 +7,7 @@ import json
 import pytest
 
 from router.config import RouterConfig
-from router.dispatch.agent_bodies import with_request_id
+from router.dispatch.agent_bodies import StoredResponses, with_request_id
 from router.dispatch.apis import (
     CANCEL_RESPONSE,
     CHAT,
@@ -136,3 +136,23 @@ def test_usage_is_read_in_each_apis_terms(answer: bytes, expected: tuple[int, in
     usage = answer_usage(answer)
     assert usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == expected
+
+
+@pytest.mark.parametrize("chosen", [None, "resp_chosen_by_the_client"])
+def test_a_follow_up_of_a_response_routed_here_knows_its_conversation(chosen: str | None) -> None:
+    """The router's own id or the client's: the follow-up is pinned to the instance and rendered on the
+    conversation kept here, so its prompt is known (tokenized)."""
+    fleet = _fleet("http://a:1", "http://b:1")
+    responses = StoredResponses(ResponseIds(fleet), ResponseHistory())
+    body = {"model": "m", "input": "first", **({"request_id": chosen} if chosen else {})}
+    first = responses.read(json.dumps(body).encode(), None)
+    assert first.body_for is not None and first.watch is not None
+    sent = json.loads(first.body_for(fleet.instances[1]))
+    response_id = sent["request_id"]
+    assert chosen is None or response_id == chosen
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}]
+    first.watch(json.dumps({"id": response_id, "status": "completed", "output": output}).encode())
+    follow_up = {"model": "m", "input": "second", "previous_response_id": response_id}
+    read = responses.read(json.dumps(follow_up).encode(), None)
+    assert read.pinned is fleet.instances[1] and read.tokenize
+    assert [m["content"] for m in read.body.messages] == ["first", "ok", "second"]
