@@ -99,7 +99,7 @@ class Proxy:
 
     async def _forward(self, request: Request, path: str, api: Api, stored: str | None) -> Response:
         raw, share = await self._read_body(request)
-        query = request.url.query
+        query = request.scope["query_string"].decode("latin-1")  # not request.url: built for each request
         if query:  # a retrieval's stream and starting_after, Claude Code's ?beta=true: the engine's too
             path = f"{path}?{query}"
         # From here until the answer begins, a client that leaves cancels the work: waiting for a slot (an
