@@ -30,6 +30,15 @@ _encode = msgspec.json.Encoder().encode
 _ERROR_EVENT = b'data: {"error"'
 
 
+# The event that ends a stream, by API: a client that has it may close the connection before the engine's own
+# end reaches the router (Codex does, at response.completed), and has still had all of its answer.
+_LAST_EVENT = {
+    "chat": b"data: [DONE]",
+    "completions": b"data: [DONE]",
+    "responses": b"event: response.completed",
+    "messages": b"event: message_stop",
+}
+
 # Of a whole answer relayed as it arrives, the last bytes kept to read its usage from.
 _TAIL_BYTES = 64 * 2**10
 
@@ -139,6 +148,9 @@ class Relay:
         self._watch_errors(outcome, events)
         if outcome.watch is not None:
             outcome.watch(events)
+        last = _LAST_EVENT.get(outcome.api)
+        if last is not None and last in events:
+            outcome.complete()
         if cached is not None:
             events = with_cached_tokens(events, cached)
         if (reported := stream_cached_tokens(events)) is not None:

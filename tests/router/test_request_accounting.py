@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvroute.processes import running_router
-from tests.conftest import metric
+from tests.conftest import metric, sample
 from tests.router.fake_upstreams import answering, healthy, only_instance, serving
 from tests.router.test_proxy import post
 
@@ -129,3 +129,47 @@ def test_the_time_to_first_byte_counts_the_attempt_that_failed_before_it(tmp_pat
             )
             assert metric(url, "kvroute_time_to_first_byte_seconds_sum", policy="round-robin") >= 1.0
             assert metric(url, "kvroute_request_duration_seconds_sum", policy="round-robin") >= 1.0
+
+
+async def _lingering_stream(request: web.Request) -> web.StreamResponse:
+    """A Responses stream whose engine holds the connection a while after its last event."""
+    await request.read()
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    try:
+        await response.write(
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n'
+        )
+        completed = {"type": "response.completed", "response": {"status": "completed", "output": []}}
+        await response.write(b"event: response.completed\ndata: " + json.dumps(completed).encode() + b"\n\n")
+        await asyncio.sleep(2)
+    except ConnectionResetError:
+        pass
+    return response
+
+
+def test_a_client_that_leaves_after_the_last_event_had_its_whole_answer(tmp_path: Path) -> None:
+    """Codex closes its connection at response.completed: the engine's end of the stream may reach the router
+    later, and the answer still counts as answered, not as a client that left."""
+    body = json.dumps({"model": "tiny-llama", "input": "hi", "stream": True}).encode()
+    with (
+        serving(healthy, _lingering_stream, path="/v1/responses") as port,
+        running_router(only_instance("i0", port), tmp_path) as url,
+    ):
+        host, router_port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(router_port))) as client:
+            client.sendall(
+                b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            client.settimeout(10)
+            received = b""
+            while b"event: response.completed" not in received:
+                chunk = client.recv(4096)
+                assert chunk, received
+                received += chunk
+        time.sleep(0.5)
+        labels = {"policy": "kvroute", "vllm_instance": "i0", "api": "responses"}
+        assert metric(url, "kvroute_requests_total", status="200", **labels) == 1
+        assert (sample(url, "kvroute_requests_total", status="499", **labels) or 0) == 0
