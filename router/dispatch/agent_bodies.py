@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -20,7 +21,14 @@ from router.dispatch.response_ids import ResponseIds
 from router.errors import OpenAIError, bad_request
 from router.prompt.anthropic_chat import TemplateProbes, anthropic_chat_body
 from router.prompt.chat_conversation import InvalidPrompt
-from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
+from router.prompt.openai_body import (
+    BOM,
+    ChatRequest,
+    CompletionRequest,
+    ResponsesChatRequest,
+    json_object,
+    served_model,
+)
 from router.prompt.responses_chat import responses_chat
 from router.upstreams.instances import Instance
 
@@ -30,7 +38,6 @@ class _ResponsesHead(msgspec.Struct):
     stream: bool | None = None
     user: str | None = None
     store: bool = True
-    background: bool = False
     previous_response_id: str | None = None
     request_id: str | None = None  # vLLM's: the response's id, a client's own choice
     prompt_cache_key: str | None = None  # Codex sends its session's id
@@ -72,25 +79,34 @@ class StoredResponses:
         self.ids, self.history = ids, history
 
     def read(self, raw: bytes, only_model: str | None) -> AgentRead:
-        fields = _object(raw)
+        fields = json_object(raw)
         head = _convert(fields, _ResponsesHead)
-        model = _model(head.model, only_model)
+        model = served_model(head.model, only_model)
         previous = head.previous_response_id
         pinned = None if previous is None else self.stored(previous)
         session = head.prompt_cache_key or head.user
-        body, tokenized = self._chat(fields, head, model)
+        body, messages = self._chat(fields, head, model)
         key = head.request_id or ResponseIds.nonce()
-        stored = head.store and tokenized is not None
-        if stored and tokenized is not None:
-            self.history.started(key, tokenized, len(raw))
-        watch = (lambda answer: self.history.completed(key, answer)) if stored else None
+        watch: Callable[[bytes], None] | None = None
+        if head.store and messages is not None:  # kept, as the instance keeps it, for a follow-up's prompt
+            self.history.started(key, messages, len(raw))
+            watch = partial(self.history.completed, key)
         stamped = self._stamped(raw, key, head.request_id)
-        return AgentRead(body, session, tokenized is not None, pinned, previous, stamped, watch)
+        return AgentRead(body, session, messages is not None, pinned, previous, stamped, watch)
+
+    def read_stored(self, response_id: str, query: str, only_model: str | None) -> AgentRead:
+        """A retrieval or cancellation of a stored response (query: a retrieval's), for its instance."""
+        holder = self.stored(response_id)
+        streamed = "stream=true" in query.lower()
+        model = min(holder.models, default=only_model or "")
+        body = CompletionRequest(model=model, stream=streamed)
+        return AgentRead(body, tokenize=False, pinned=holder, pinned_by=response_id)
 
     def stored(self, response_id: str) -> Instance:
-        """The instance holding a stored response, or vLLM's answer for an id no instance holds."""
+        """The instance holding a stored response, or vLLM's answer for an id no instance holds: one the
+        fleet no longer has, or one down (its connection failing is told the same way, routing.send)."""
         holder = self.ids.holder(response_id)
-        if holder is None:
+        if holder is None or not holder.healthy:
             raise response_not_found(response_id)
         return holder
 
@@ -139,9 +155,9 @@ def read_messages(
     raw: bytes, only_model: str | None, probes: Callable[[str], TemplateProbes | None]
 ) -> AgentRead:
     """An Anthropic Messages request, as the chat vLLM serves it; probes: the model's template's."""
-    fields = _object(raw)
+    fields = json_object(raw)
     head = _convert(fields, _MessagesHead)
-    model = _model(head.model, only_model)
+    model = served_model(head.model, only_model)
     session = head.metadata.user_id if head.metadata is not None else None
     try:
         chat = msgspec.convert(anthropic_chat_body(fields, probes(model)), ChatRequest, strict=False)
@@ -153,8 +169,8 @@ def read_messages(
 
 def read_model_only(raw: bytes, only_model: str | None) -> AgentRead:
     """A request routed by load and model alone (count_tokens, tokenizer and pooling routes)."""
-    head = _convert(_object(raw), _ModelOnly)
-    return AgentRead(CompletionRequest(model=_model(head.model, only_model)), tokenize=False)
+    head = _convert(json_object(raw), _ModelOnly)
+    return AgentRead(CompletionRequest(model=served_model(head.model, only_model)), tokenize=False)
 
 
 def response_not_found(response_id: str) -> OpenAIError:
@@ -164,26 +180,11 @@ def response_not_found(response_id: str) -> OpenAIError:
     )
 
 
-_BOM = b"\xef\xbb\xbf"
-
-
 def with_request_id(raw: bytes, response_id: str) -> bytes:
     """The body (a JSON object without a request_id) with vLLM's request_id field set first."""
-    rest = raw.removeprefix(_BOM).lstrip()[1:]
+    rest = raw.removeprefix(BOM).lstrip()[1:]
     field = b'{"request_id":' + msgspec.json.encode(response_id)
     return field + (b"," + rest if rest.lstrip()[:1] != b"}" else rest)
-
-
-def _object(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        raise bad_request("The request body is empty; expected a JSON object.", "invalid_json")
-    try:
-        fields = msgspec.json.decode(raw.removeprefix(_BOM))
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(fields, dict):
-        raise bad_request("The request body must be a JSON object.", "invalid_json")
-    return fields
 
 
 def _convert(fields: dict[str, Any], kind: type[Any]) -> Any:
@@ -191,11 +192,3 @@ def _convert(fields: dict[str, Any], kind: type[Any]) -> Any:
         return msgspec.convert(fields, kind, strict=False)
     except msgspec.ValidationError as exc:
         raise bad_request(f"Invalid request body: {exc}", "invalid_field") from None
-
-
-def _model(named: str | None, only_model: str | None) -> str:
-    if named:
-        return named
-    if only_model is None:
-        raise bad_request("`model` is required: the router serves several.", "invalid_field", "model")
-    return only_model

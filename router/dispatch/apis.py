@@ -14,7 +14,7 @@ from typing import Literal
 
 # How the router reads a body: as a chat or a completion (router/prompt/openai_body.py), as an agent API it
 # renders as vLLM does (router/dispatch/agent_bodies.py), or for its model alone.
-BodyKind = Literal["chat", "completion", "responses", "messages", "count_tokens", "model_only", "none"]
+BodyKind = Literal["chat", "completion", "responses", "messages", "model_only", "none"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +29,24 @@ CHAT = Api("chat", "chat")
 COMPLETIONS = Api("completions", "completion")
 RESPONSES = Api("responses", "responses")
 MESSAGES = Api("messages", "messages", anthropic=True)
-COUNT_TOKENS = Api("count_tokens", "count_tokens", anthropic=True)
+COUNT_TOKENS = Api("count_tokens", "model_only", anthropic=True)
 # A stored response's: the path names it, and the instance holding it serves it
 RETRIEVE_RESPONSE = Api("responses", "none", get=True)
 CANCEL_RESPONSE = Api("responses", "none")
 
+# vLLM's other model routes, routed by load: tokenizer endpoints, and those of pooling models.
+_BY_LOAD = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+}
 # POST routes, by path: the engine's path is the client's.
 ROUTED_PATHS: dict[str, Api] = {
     "/v1/chat/completions": CHAT,
@@ -41,21 +54,8 @@ ROUTED_PATHS: dict[str, Api] = {
     "/v1/responses": RESPONSES,
     "/v1/messages": MESSAGES,
     "/v1/messages/count_tokens": COUNT_TOKENS,
+    **{path: Api(name, "model_only") for path, name in _BY_LOAD.items()},
 }
-# vLLM's other model routes, routed by load: tokenizer endpoints, and those of pooling models.
-for _path, _name in (
-    ("/tokenize", "tokenize"),
-    ("/detokenize", "detokenize"),
-    ("/v1/embeddings", "embeddings"),
-    ("/pooling", "pooling"),
-    ("/classify", "classify"),
-    ("/score", "score"),
-    ("/v1/score", "score"),
-    ("/rerank", "rerank"),
-    ("/v1/rerank", "rerank"),
-    ("/v2/rerank", "rerank"),
-):
-    ROUTED_PATHS[_path] = Api(_name, "model_only")
 
 _STORED_RESPONSE = re.compile(r"/v1/responses/([^/]+)(/cancel)?")
 

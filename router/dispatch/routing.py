@@ -30,7 +30,7 @@ from router.dispatch.agent_bodies import (
     read_model_only,
     response_not_found,
 )
-from router.dispatch.apis import ROUTED_PATHS, Api
+from router.dispatch.apis import Api
 from router.dispatch.attempts import Attempts, Target
 from router.dispatch.decision import Decider, Prepared
 from router.dispatch.outcome import Observers, Outcome
@@ -42,8 +42,6 @@ from router.errors import RETRY_AFTER_S, OpenAIError, model_not_found, too_many_
 from router.prompt.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
 from router.upstreams.instances import Instance, Upstreams
 from scorers.policy import Policy
-
-__all__ = ["ROUTED_PATHS", "Api", "Picked", "Received", "RoutingService"]
 
 # What a request for a stored response meets when the instance holding it has gone: vLLM's unknown id instead.
 _GONE = frozenset({"no_healthy_instance", "upstream_unreachable"})
@@ -60,7 +58,6 @@ class Received:
     headers: dict[str, str]  # the request headers the engine gets
     tokenize: bool  # small enough to tokenize (else routed without prefix knowledge)
     off_loop: bool  # long enough to tokenize on the worker thread
-    api: Api
     target: Target  # where it may go and what each attempt sends
 
     @property
@@ -132,7 +129,7 @@ class RoutingService:
         off_loop = len(raw) > self._thread_above
         target = Target(api.name, read.pinned, read.pinned_by, read.body_for, read.watch, api.get)
         headers = forwarded_headers(headers)
-        return Received(body, policy, session, raw, headers, tokenize, off_loop, api, target)
+        return Received(body, policy, session, raw, headers, tokenize, off_loop, target)
 
     def _read(self, raw: bytes, api: Api, stored: str | None, query: str) -> AgentRead:
         only = self.upstreams.only_model()
@@ -148,11 +145,7 @@ class RoutingService:
         if kind == "messages":
             return read_messages(raw, only, self.decider.anthropic_probes)
         if stored is not None:
-            holder = self.responses.stored(stored)
-            streamed = "stream=true" in query.lower()
-            model = min(holder.models) if holder.models else (only or "")
-            body = CompletionRequest(model=model, stream=streamed)
-            return AgentRead(body, tokenize=False, pinned=holder, pinned_by=stored)
+            return self.responses.read_stored(stored, query, only)
         return read_model_only(raw, only)
 
     async def prepare(self, received: Received) -> Prepared:

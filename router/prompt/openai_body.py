@@ -95,7 +95,7 @@ Body = TypeVar("Body", ChatRequest, CompletionRequest)
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {
     kind: msgspec.json.Decoder(kind, strict=False) for kind in (ChatRequest, CompletionRequest)
 }
-_BOM = b"\xef\xbb\xbf"  # before JSON, Python's json (vLLM's) skips it
+BOM = b"\xef\xbb\xbf"  # before JSON, Python's json (vLLM's) skips it
 _PARAM = re.compile(r"at `\$\.(\w+)")
 _MISSING = re.compile(r"missing required field `(\w+)`")
 
@@ -103,9 +103,7 @@ _MISSING = re.compile(r"missing required field `(\w+)`")
 def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> Body:
     """only_model: the model a body without one is for (vLLM's server takes its own); None: it must name
     one."""
-    if not raw.strip():
-        raise bad_request("The request body is empty; expected a JSON object.", "invalid_json")
-    raw = raw.removeprefix(_BOM)
+    raw = _content(raw)
     try:
         body: Body = _decoders[kind].decode(raw)
     except msgspec.ValidationError as exc:
@@ -124,11 +122,36 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
         _check_tool_call_arguments(body.messages)
     if isinstance(body, CompletionRequest) and body.prompt is None and body.prompt_embeds is None:
         raise bad_request("`prompt` or `prompt_embeds` is required.", "invalid_field", "prompt")
-    if not body.model:
-        if only_model is None:
-            raise bad_request("`model` is required: the router serves several.", "invalid_field", "model")
-        body.model = only_model
+    body.model = served_model(body.model, only_model)
     return body
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A body read as a plain JSON object (the agents' APIs), with decode_body's errors."""
+    try:
+        fields = msgspec.json.decode(_content(raw))
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(fields, dict):
+        raise bad_request("The request body must be a JSON object.", "invalid_json")
+    return fields
+
+
+def served_model(named: str | None, only_model: str | None) -> str:
+    """The model a body names; without one, only_model (vLLM's server takes its own), if the router serves
+    one model only."""
+    if named:
+        return named
+    if only_model is None:
+        raise bad_request("`model` is required: the router serves several.", "invalid_field", "model")
+    return only_model
+
+
+def _content(raw: bytes) -> bytes:
+    """raw without the BOM Python's json (vLLM's) skips; a 400 when there is nothing."""
+    if not raw.strip():
+        raise bad_request("The request body is empty; expected a JSON object.", "invalid_json")
+    return raw.removeprefix(BOM)
 
 
 # vLLM parses each tool call's arguments with json.loads, which fails past Python's recursion limit (~940
