@@ -18,8 +18,8 @@ import msgspec
 from router.dispatch.usage import answer_usage
 
 _DETAILS = b'"prompt_tokens_details"'
-# What a usage reporting cached tokens holds, in each API's terms
-_CACHED_MARKERS = (_DETAILS, b'"input_tokens_details"', b'"cache_read_input_tokens"')
+# What a usage reporting cached tokens holds, by API (chat's and completions' otherwise)
+_CACHED_MARKERS = {"responses": b'"input_tokens_details"', "messages": b'"cache_read_input_tokens"'}
 _encode = msgspec.json.Encoder().encode
 
 
@@ -29,11 +29,11 @@ def reported_cached_tokens(answer: bytes) -> int | None:
     return None if reported is None else reported[1]
 
 
-def stream_cached_tokens(events: bytes) -> tuple[int, int] | None:
+def stream_cached_tokens(events: bytes, api: str = "chat") -> tuple[int, int] | None:
     """The prompt tokens and the cached ones a stream's usage chunk reports, if events (whole SSE events)
-    hold it (or a Responses stream's response.completed, an Anthropic one's message_delta)."""
-    marker = next((m for m in _CACHED_MARKERS if m in events), None)
-    if marker is None:
+    hold it (a Responses stream's response.completed, an Anthropic one's message_delta)."""
+    marker = _CACHED_MARKERS.get(api, _DETAILS)
+    if marker not in events:
         return None
     for line in events.split(b"\n"):
         if line.startswith(b"data: ") and marker in line:

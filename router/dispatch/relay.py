@@ -153,7 +153,7 @@ class Relay:
             outcome.complete()
         if cached is not None:
             events = with_cached_tokens(events, cached)
-        if (reported := stream_cached_tokens(events)) is not None:
+        if (reported := stream_cached_tokens(events, outcome.api)) is not None:
             outcome.observed_cache(*reported)
         return events
 
