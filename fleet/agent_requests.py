@@ -11,9 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fleet.sampling_checks import sampling_error
-from fleet.server import ClientError
-from router.prompt.openai_body import lax_bool
+from fleet.server import ClientError, checked_fields
 
 _BOM = "\ufeff"
 _PHRASE = "Bad Request"  # vLLM names these errors by the HTTP status phrase
@@ -72,12 +70,4 @@ async def read_json_body(
             for name in missing
         ]
         raise BodyValidationError(errors, f"body.{missing[0]}")
-    for name in booleans:
-        if body.get(name) is not None:
-            read = lax_bool(body[name])
-            if read is None:
-                raise ClientError(400, f"{name}: Input should be a valid boolean", "BadRequestError", name)
-            body[name] = read
-    if (problem := sampling_error(body)) is not None:
-        raise ClientError(400, problem[1], "BadRequestError", problem[0])
-    return body
+    return checked_fields(body, booleans)

@@ -175,15 +175,7 @@ def _run(request: web.Request, instance: SimInstance, body: dict[str, Any], kept
     chat = responses_chat(
         body, previous_messages, previous_output, instance.exclude_tools_when_tool_choice_none
     )
-    ids = instance.tokenizer.chat_ids(
-        chat.messages,
-        chat.add_generation_prompt,
-        chat.continue_final_message,
-        add_special_tokens=True,
-        tools=chat.tools,
-        template_kwargs=chat.template_kwargs,
-        calls_as_given=True,
-    )
+    ids = chat.token_ids(instance.tokenizer)
     generation = _generation(request, instance, body, ids)
     response_id = str(body.get("request_id") or new_id("resp_"))
     echo = ResponseEcho(response_id, int(time.time()), body["model"], body, generation.max_tokens)

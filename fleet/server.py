@@ -128,7 +128,13 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
         raise ClientError(400, f"invalid JSON body: {exc}", "BadRequestError") from exc
     if not isinstance(body, dict):
         raise ClientError(400, "the request body must be a JSON object", "BadRequestError")
-    for name in BOOLEAN_FIELDS:  # as vLLM's pydantic models read them: "false" is False, "yes" True
+    return checked_fields(body, BOOLEAN_FIELDS)
+
+
+def checked_fields(body: dict[str, Any], booleans: Iterable[str]) -> dict[str, Any]:
+    """body with its booleans read as vLLM's pydantic models read them ("false" is False, "yes" True) and
+    its sampling parameters checked as vLLM checks them."""
+    for name in booleans:
         if body.get(name) is not None:
             read = lax_bool(body[name])
             if read is None:

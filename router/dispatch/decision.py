@@ -26,6 +26,7 @@ from router.prompt.anthropic_chat import TemplateProbes, template_probes
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
 from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
 from router.prompt.remote_tokenizer import RemoteTokenizer
+from router.prompt.responses_chat import ChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
 from router.upstreams.instances import Instance
@@ -46,18 +47,7 @@ class UnreproducibleTemplate(Exception):
     """The request feeds the chat template inputs the router cannot render as the engine will."""
 
 
-class LocalTokenizer(Protocol):
-    def chat_ids(
-        self,
-        messages: Sequence[Any],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        add_special_tokens: bool = False,
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        calls_as_given: bool = False,
-    ) -> list[int]: ...
-
+class LocalTokenizer(ChatTokenizer, Protocol):
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]: ...
 
 

@@ -25,16 +25,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from router.prompt.chat_conversation import InvalidPrompt
 
 
 @dataclass(frozen=True, slots=True)
 class ResponsesChat:
-    """What vLLM renders for a Responses request: ``PromptTokenizer.chat_ids(messages, add_generation_prompt,
-    continue_final_message, add_special_tokens=True, tools=tools, template_kwargs=template_kwargs,
-    calls_as_given=True)`` gives its prompt token ids."""
+    """What vLLM renders for a Responses request; token_ids gives its prompt's ids."""
 
     messages: list[dict[str, Any]]  # what vLLM keeps for this response, the next one's previous messages
     tools: (
@@ -45,6 +43,32 @@ class ResponsesChat:
     template_kwargs: (
         dict[str, Any] | None
     )  # the request's chat_template_kwargs with vLLM's own (reasoning effort)
+
+    def token_ids(self, tokenizer: ChatTokenizer) -> list[int]:
+        """The prompt's ids as vLLM's Responses code tokenizes it: with the tokenizer's special tokens, tool
+        calls as it builds them (router/dispatch/decision.py does the same for a ResponsesChatRequest)."""
+        return tokenizer.chat_ids(
+            self.messages,
+            self.add_generation_prompt,
+            self.continue_final_message,
+            add_special_tokens=True,
+            tools=self.tools,
+            template_kwargs=self.template_kwargs,
+            calls_as_given=True,
+        )
+
+
+class ChatTokenizer(Protocol):
+    def chat_ids(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        calls_as_given: bool = False,
+    ) -> list[int]: ...
 
 
 _PARTIAL = ("in_progress", "incomplete")

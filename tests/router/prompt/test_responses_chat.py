@@ -37,15 +37,7 @@ def cached(tokenizer: PromptTokenizer) -> CachedChatTokenizer:
 
 
 def engine_ids(tokenizer: PromptTokenizer | CachedChatTokenizer, chat: ResponsesChat) -> list[int]:
-    return tokenizer.chat_ids(
-        chat.messages,
-        chat.add_generation_prompt,
-        chat.continue_final_message,
-        add_special_tokens=True,
-        tools=chat.tools,
-        template_kwargs=chat.template_kwargs,
-        calls_as_given=True,
-    )
+    return chat.token_ids(tokenizer)
 
 
 @pytest.mark.parametrize("name", RENDERED)
