@@ -3,7 +3,8 @@
 The page holds no data and is open. The state holds the A/B report, which /admin guards: with an admin token
 configured, it needs that token as /admin does (the page asks for it, or takes it from /dashboard#token=...);
 without one, it is open. Instance URLs are left out, so the page does not tell strangers where the engines
-listen.
+listen. Flow control's queue and refusals are this router process's (under `kvroute serve --workers N`, the
+worker that answered).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import HTMLResponse, JSONResponse
 
+from router.config import ObjectiveConfig
+from router.dispatch.flow_gate import FlowGate
 from router.http.admin import check_admin_token
 from router.index.block_index import BlockIndex, Tier
+from router.metrics import RouterMetrics
 from router.runtime import Runtime
 from router.upstreams.instances import Instance, Upstreams
 
@@ -55,6 +59,7 @@ def dashboard_routes(
                 "bytes": index.footprint_bytes(),
                 "pool_entries": index.pool_entries,
             },
+            "flow_control": flow_control_state(runtime.flow_gate, runtime.metrics),
             "ab": await table.ab.report_off_loop(table.split.weights),
         }
         return JSONResponse(body, headers={"cache-control": "no-store"})
@@ -70,6 +75,53 @@ def instances_state(fleet: Upstreams, index: BlockIndex) -> list[dict[str, Any]]
         for tier, size in zip(Tier, sizes, strict=True):
             totals[tier] += size
     return [_instance(i, blocks[i.name]) for i in fleet.instances]
+
+
+def flow_control_state(gate: FlowGate, metrics: RouterMetrics) -> dict[str, Any]:
+    """Flow control's settings and queue: each objective configured (and `default`, every other request's),
+    highest priority first, with its requests waiting now and those refused so far by reason. An objective a
+    reload removed is listed while requests of it still wait, with no priority."""
+    config, control = gate.config, gate.control
+    waiting: dict[str, int] = {}
+    for queue in control.queues().values():
+        for name, count in queue.by_objective.items():
+            waiting[name] = waiting.get(name, 0) + count
+    refused: dict[str, dict[str, int]] = {}
+    for family in metrics.flow_refused.metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                by_reason = refused.setdefault(sample.labels["objective"], {})
+                by_reason[sample.labels["reason"]] = int(sample.value)
+    configured: dict[str, ObjectiveConfig | None] = {
+        **config.objectives,
+        "default": config.objective(None)[1],
+    }
+    for name, count in waiting.items():
+        if count:
+            configured.setdefault(name, None)
+
+    def rank(item: tuple[str, ObjectiveConfig | None]) -> tuple[bool, int, str]:
+        """Highest priority first; those no longer configured last."""
+        name, settings = item
+        return settings is None, 0 if settings is None else -settings.priority, name
+
+    objectives = [
+        {
+            "name": name,
+            "priority": None if settings is None else settings.priority,
+            "max_queued": None if settings is None else settings.max_queued,
+            "max_queue_s": None if settings is None else settings.max_queue_s,
+            "queued": waiting.get(name, 0),
+            "refused": refused.get(name, {}),
+        }
+        for name, settings in sorted(configured.items(), key=rank)
+    ]
+    return {
+        "enabled": config.enabled,
+        "ordering": config.ordering,
+        "queued": control.queued(),
+        "objectives": objectives,
+    }
 
 
 def _instance(instance: Instance, blocks: list[int]) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """The dashboard on the session router: open and self-contained, and, rendered by headless Chromium, showing
-the running fleet and the same A/B numbers as /dashboard/state, which counts what was sent. On a router with an
-admin token, the state needs it, and the page asks for it or takes it from its address."""
+the running fleet, flow control's queue by objective and the same A/B numbers as /dashboard/state, which counts
+what was sent. On a router with an admin token, the state needs it, and the page asks for it or takes it from
+its address."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -21,6 +23,10 @@ from typing import Any
 import pytest
 
 from kvroute.processes import FleetPorts, running_router
+from router.config import parse_config
+from router.errors import OpenAIError
+from router.http.dashboard import flow_control_state
+from router.runtime import Runtime
 from tests.conftest import sample
 from tests.router.http.test_admin import AUTH, TOKEN, call
 from tests.router.test_proxy import get_json, post
@@ -28,6 +34,8 @@ from tests.router.test_proxy import get_json, post
 CHROMIUM = Path("/usr/bin/chromium")
 FLEET_NAMES = {"fleet-0", "fleet-1", "fleet-2"}
 SENT = {"kvroute": 4, "round-robin": 3, "least-loaded": 2}
+FLOW_FIELDS = {"name", "priority", "max_queued", "max_queue_s", "queued", "refused"}
+INTERACTIVE: dict[str, object] = {"objectives": {"interactive": {"priority": 10}}}
 
 
 def test_without_an_admin_token_the_dashboard_is_open_and_loads_nothing_from_elsewhere(
@@ -44,6 +52,49 @@ def test_without_an_admin_token_the_dashboard_is_open_and_loads_nothing_from_els
     assert {i["name"] for i in state["instances"]} == FLEET_NAMES
     assert set(state["index"]) == {"entries", "max_entries", "bytes", "pool_entries"}
     assert set(state["ab"]) == {"split", "baseline", "policies", "comparisons"}
+    flow = state["flow_control"]
+    assert (flow["enabled"], flow["ordering"], flow["queued"]) == (True, "spt", 0)
+    [default] = flow["objectives"]  # none configured: every request's is `default`
+    assert set(default) == FLOW_FIELDS
+    assert (default["name"], default["priority"], default["queued"]) == ("default", 0, 0)
+
+
+def test_flow_control_state_lists_the_objectives_by_priority_with_their_queue_and_refusals() -> None:
+    raw = {
+        "models": [{"name": "tiny-llama"}],
+        "instances": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "flow_control": {
+            "ordering": "fcfs",
+            "objectives": {"batch": {"priority": -5, "max_queued": 0}, "interactive": {"priority": 10}},
+        },
+    }
+    runtime = Runtime(parse_config(raw))
+    gate = runtime.flow_gate
+    empty = flow_control_state(gate, runtime.metrics)
+    assert (empty["enabled"], empty["ordering"], empty["queued"]) == (True, "fcfs", 0)
+    assert [(o["name"], o["priority"], o["queued"], o["refused"]) for o in empty["objectives"]] == [
+        ("interactive", 10, 0, {}),
+        ("default", 0, 0, {}),
+        ("batch", -5, 0, {}),
+    ]
+
+    # One interactive request waits (no instance has room); a batch one behind it is refused: batch may
+    # queue none.
+    async def queue_then_refuse() -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        gate.control.admit(waiter, "tiny-llama", "tenant-a", "interactive", 100.0, 100, lambda: False)
+        with pytest.raises(OpenAIError) as refused:
+            await gate.wait("tiny-llama", "tenant-b", "batch", 100.0, 100)
+        assert refused.value.code == "queue_full"
+
+    asyncio.run(queue_then_refuse())
+    state = flow_control_state(gate, runtime.metrics)
+    assert state["queued"] == 1
+    by_name = {o["name"]: o for o in state["objectives"]}
+    assert all(set(o) == FLOW_FIELDS for o in state["objectives"])
+    assert (by_name["interactive"]["queued"], by_name["interactive"]["refused"]) == (1, {})
+    assert (by_name["batch"]["queued"], by_name["batch"]["refused"]) == (0, {"queue_full": 1})
+    assert (by_name["batch"]["max_queued"], by_name["default"]["max_queue_s"]) == (0, 20.0)
 
 
 def requests_by_policy(router_url: str) -> dict[str, dict[str, Any]]:
@@ -77,7 +128,7 @@ def send(router_url: str) -> dict[str, Counter[str]]:
 
 class DashboardDom(HTMLParser):
     """The dumped DOM's data-field elements as {(row, field): (text, data-value)}; row is the enclosing
-    data-instance, data-policy or data-comparison, or None."""
+    data-instance, data-objective, data-policy or data-comparison, or None."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -89,7 +140,12 @@ class DashboardDom(HTMLParser):
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = dict(attrs)
-        row = a.get("data-instance") or a.get("data-policy") or a.get("data-comparison")
+        row = (
+            a.get("data-instance")
+            or a.get("data-objective")
+            or a.get("data-policy")
+            or a.get("data-comparison")
+        )
         if tag in ("tr", "li") and row is not None:
             self._row = row
         if tag == "rect" and a.get("data-policy"):
@@ -179,6 +235,16 @@ def test_dashboard_renders_the_fleet_and_the_ab_numbers(router_url: str, tmp_pat
         assert fields[(name, "health")][0] == ("up" if instance["healthy"] else "down")
         assert fields[(name, "in-flight")][1] == instance["in_flight"]
         assert fields[(name, "blocks-gpu")][1] == instance["blocks"]["gpu"]
+    flow = after["flow_control"]
+    assert fields[(None, "flow-enabled")] == ("on", True)
+    assert fields[(None, "flow-ordering")][1] == flow["ordering"]
+    assert fields[(None, "flow-queued")][1] == flow["queued"]
+    assert {row for row, field in fields if field == "max-queued"} == {o["name"] for o in flow["objectives"]}
+    for objective in flow["objectives"]:
+        name = objective["name"]
+        assert fields[(name, "priority")][1] == objective["priority"]
+        assert fields[(name, "queued")][1] == objective["queued"]
+        assert fields[(name, "refused")][1] == objective["refused"]
     assert {row for row, field in fields if field == "requests"} == set(after["ab"]["policies"])
     for policy, stats in after["ab"]["policies"].items():
         assert fields[(policy, "requests")] == (str(stats["requests"]), stats["requests"])
@@ -196,8 +262,8 @@ def test_dashboard_renders_the_fleet_and_the_ab_numbers(router_url: str, tmp_pat
 
 @pytest.fixture(scope="module")
 def guarded_url(fleet: FleetPorts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A router with an admin token."""
-    config = fleet.router_config(admin={"token": TOKEN})
+    """A router with an admin token, and an objective of flow control's configured."""
+    config = fleet.router_config(admin={"token": TOKEN}, flow_control=INTERACTIVE)
     with running_router(config, tmp_path_factory.mktemp("guarded"), name="guarded") as url:
         yield url
 
@@ -216,6 +282,10 @@ def test_with_an_admin_token_the_state_needs_it(guarded_url: str) -> None:
     assert status == 403 and body["error"]["code"] == "wrong_token"
     status, body = call("GET", guarded_url + "/dashboard/state", headers=AUTH)
     assert status == 200 and set(body["ab"]) == {"split", "baseline", "policies", "comparisons"}
+    flow = body["flow_control"]
+    assert (flow["enabled"], flow["queued"]) == (True, 0)
+    objectives = [(o["name"], o["priority"], o["queued"]) for o in flow["objectives"]]
+    assert objectives == [("interactive", 10, 0), ("default", 0, 0)]
     assert sample(guarded_url, "kvroute_client_errors_total", code="missing_token") == before + 1
 
 
@@ -235,5 +305,7 @@ def test_the_page_asks_for_the_admin_token_or_takes_it_from_its_address(
     dom.feed(given)
     assert dom.fields[(None, "status")][0] == "live", dom.fields.get((None, "status"))
     assert {row for row, field in dom.fields if field == "health"} == FLEET_NAMES
+    assert dom.fields[("interactive", "priority")] == ("10", 10)
+    assert dom.fields[("default", "queued")] == ("0", 0)
     assert re.search(r'<form id="token-form" hidden="">', given), "the token form is shown"
     assert TOKEN not in given
