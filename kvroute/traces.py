@@ -24,6 +24,8 @@ class TraceRequest:
     output_tokens: int
     block_ids: tuple[int, ...]
     session: str | None = None
+    flow: str | None = None  # the tenant it comes from (a fairness header); None: its session's
+    objective: str | None = None  # the objective it names (router/config.py FlowControlConfig)
 
 
 @dataclass(frozen=True)

@@ -294,6 +294,52 @@ class _RequestFamilies:
         )
 
 
+class _FlowFamilies:
+    def _add_flow_families(self, r: CollectorRegistry) -> None:
+        """Flow control (router/dispatch/flow_control.py): what waits in the router's queue, for how long,
+        and what it let go or refused. By flow: the first 100 a fairness header names or API keys (not
+        sessions: a series each would be without bound)."""
+        self.flow_queue_length = _gauge(
+            r,
+            "kvroute_flow_control_queued",
+            "Requests waiting in the router's queue, by objective",
+            ["objective"],
+            "livesum",
+        )
+        self.flow_queue_length_by_flow = _gauge(
+            r,
+            "kvroute_flow_control_flow_queued",
+            "Requests waiting in the router's queue, by flow",
+            ["flow"],
+            "livesum",
+        )
+        self.flow_queue_seconds = _histogram(
+            r,
+            "kvroute_flow_control_queue_seconds",
+            "Time requests waited in the router's queue before being sent (or refused), by objective "
+            "(in the time to first byte)",
+            ["objective"],
+            _LATENCY_BUCKETS,
+        )
+        self.flow_dispatched = _counter(
+            r,
+            "kvroute_flow_control_dispatched",
+            "Requests flow control let go, by objective: at_once (an instance had room and nobody waited) "
+            "or queued",
+            ["objective", "how"],
+        )
+        self.flow_queued = _counter(
+            r, "kvroute_flow_control_enqueued", "Requests that waited in the router's queue", ["objective"]
+        )
+        self.flow_refused = _counter(
+            r,
+            "kvroute_flow_control_refused",
+            "Requests flow control refused (429), by objective and reason: queue_full, flow_queue_full, "
+            "queue_timeout, rate_limited",
+            ["objective", "reason"],
+        )
+
+
 class _RoutingFamilies:
     def _add_routing_families(self, r: CollectorRegistry) -> None:
         """The routing decisions: their time, their prefix knowledge, and what the A/B results weigh."""
@@ -545,6 +591,7 @@ class _ControlFamilies:
 
 class RouterMetrics(
     _RequestFamilies,
+    _FlowFamilies,
     _RoutingFamilies,
     _TtftModelFamilies,
     _UpstreamFamilies,
@@ -568,6 +615,7 @@ class RouterMetrics(
         )
         build.labels(_version()).set(1)
         self._add_request_families(r, shared=bool(self.shared_dir))
+        self._add_flow_families(r)
         self._add_routing_families(r)
         self._add_ttft_model_families(r)
         self._add_upstream_families(r)

@@ -28,6 +28,7 @@ from router.discovery.merge import with_discovered
 from router.dispatch.admission import Admission
 from router.dispatch.attempts import Attempts
 from router.dispatch.decision import Decider, LocalTokenizer
+from router.dispatch.flow_gate import FlowGate
 from router.dispatch.outcome import Observers
 from router.dispatch.relay import Relay
 from router.dispatch.routing import RoutingService
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 # What a reload may change; everything else is built into running parts and needs a restart. discovery is
 # not: its watch is set up once, at start (a changed selector or source is a new fleet, not an edit).
-RELOADABLE = frozenset({"policies", "default_policy", "traffic", "admin", "instances"})
+RELOADABLE = frozenset({"policies", "default_policy", "traffic", "admin", "instances", "flow_control"})
 DISCOVERY_MAX_BACKOFF_S = 10.0  # between attempts to reach an API server that is down
 
 
@@ -82,6 +83,8 @@ class Runtime:
         self.tokenizers = _local_tokenizers(config)
         # Replaced whole by a reload or the admin API; a request keeps the one it started with.
         self.table = RoutingTable.from_config(config)
+        # Its queues outlive reloads, which change its settings.
+        self.flow_gate = FlowGate(config.flow_control, self.upstreams, self.metrics)
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
         self._context = zmq.asyncio.Context()  # its I/O threads start with its first socket
         self.subscriptions = Subscriptions(self.index, self.metrics, self._context)
@@ -134,7 +137,7 @@ class Runtime:
             self.upstreams,
             metrics,
             context,
-            self.memory_freed,
+            self.room_freed,
             discovered=discovery is not None and discovery.peers_selector is not None,
         )
         stack.callback(self.peers.close)
@@ -165,7 +168,7 @@ class Runtime:
         self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
         metrics.admission_waiting.set_function(lambda: self.admission.waiting)
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
-        observers = Observers(metrics, self.decider, ab_for, self.memory_freed)
+        observers = Observers(metrics, self.decider, ab_for, self.room_freed)
         # One connection per request in flight: a request never waits for a pooled one.
         per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)
         sending = SendContext(
@@ -186,11 +189,14 @@ class Runtime:
             self.admission,
             observers,
             config.tokenization,
+            self.flow_gate,
         )
 
-    def memory_freed(self) -> None:
-        """A request ended here or at a peer router: the requests held for memory that now fit go."""
+    def room_freed(self) -> None:
+        """A request's prefill or the request ended, here or at a peer router: the requests waiting in the
+        router that may go now go."""
         self.attempts.memory_freed()
+        self.flow_gate.pump()
 
     def warnings(self) -> list[str]:
         return self.subscriptions.warnings()
@@ -252,6 +258,7 @@ class Runtime:
         self.subscriptions.subscribe([spec for spec in added if spec.name not in same_events])
         place_in_pool(self.index, new)
         self.table, started_afresh = self.table.reloaded(old, new)
+        self.flow_gate.control.configure(new.flow_control)
         self.config = new
         return {
             "added": [i.name for i in added],

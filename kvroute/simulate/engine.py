@@ -65,6 +65,9 @@ class SimRequest:
     path: PdPath | None = None  # how a disaggregated fleet served it
     pending: int = 0  # its uncached tokens its router still counts as queued at its instance
     retire_after_s: float | None = None  # the router stops counting them this long after sending it
+    flow: str | None = None  # the flow and objective the router's queue counted it under
+    objective: str = "default"
+    queued_s: float = 0.0  # how long it waited in the router's queue
 
 
 class Engine:

@@ -16,8 +16,8 @@ from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
-from router.config import PeersConfig, RouterConfig, parse_config
-from router.dispatch.decision import Decider, Prepared
+from router.config import FlowControlConfig, PeersConfig, RouterConfig, parse_config
+from router.dispatch.decision import Decider, Prepared, uncached_at_best
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance
@@ -31,6 +31,8 @@ from scorers.ttft_model import TTFTFeatures, TTFTPriors
 T = TypeVar("T")
 
 PEERS_STALE_AFTER_S: float = PeersConfig.model_fields["stale_after_s"].default
+# The objectives the simulated clients name, by priority: the same for every router that reads them.
+SIM_OBJECTIVES: dict[str, dict[str, Any]] = {"interactive": {"priority": 10}, "batch": {"priority": -10}}
 
 
 def _at_once(work: Coroutine[Any, Any, T]) -> T:
@@ -52,6 +54,9 @@ class SimPolicy:
     memory_hold_s = 0.0  # the router holds requests no instance has memory for
     # (router/dispatch/memory_gate.py)
     sync_interval_s: float | None = None  # sync() runs this often
+    flow_control: FlowControlConfig | None = (
+        None  # the router queues requests (router/dispatch/flow_control.py)
+    )
 
     def bind(self, view: RouterView) -> None:
         self.view = view
@@ -60,6 +65,14 @@ class SimPolicy:
         """The instance (its number) for request, not one of request.tried; may set
         request.uncached_estimate."""
         raise NotImplementedError
+
+    def work(self, request: SimRequest) -> float:
+        """The uncached tokens request would compute at best, for the router's queue to order by."""
+        return float(request.trace.input_tokens)
+
+    def sheds(self, request: SimRequest) -> bool:
+        """Whether the router refuses request on arrival (429) for the fleet's load."""
+        return False
 
     def instances_for(self, request: SimRequest) -> list[Instance]:
         """The bookkeeping of the router that sent request: what it counts in flight on each instance."""
@@ -110,6 +123,8 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
         "ttft": (priors or priors_for(fleet)).model_dump(),
         # The operator knows where the engines refuse (EngineSpec.max_waiting, a 503)
         "admission": {"max_waiting_per_instance": fleet.engine.max_waiting},
+        # and the objectives its clients name (kvroute/simulate/workloads.py tenants_trace)
+        "flow_control": {"objectives": SIM_OBJECTIVES},
     }
     return parse_config(raw, source="simulation")
 
@@ -133,8 +148,12 @@ class ConfiguredPolicy(SimPolicy):
         include_pool: bool = True,
         calibrate: bool = True,
         scrape_interval_s: float | None = None,
+        shed_sheddable: bool = False,
     ) -> None:
+        """shed_sheddable: refuse requests of negative priority while the fleet reads saturated, as llm-d's
+        admission does by default without flow control (sheds())."""
         self.name = name
+        self._shed_sheddable = shed_sheddable
         self.scrape_interval_s = scrape_interval_s if scrape_interval_s else config.load.scrape_interval_s
         self._config, self._policy_name = config, policy
         self._decide, self._include_pool, self._calibrate = decide, include_pool, calibrate
@@ -143,6 +162,8 @@ class ConfiguredPolicy(SimPolicy):
         self._max_waiting = config.admission.max_waiting_per_instance if decide else None
         if decide:  # the proxy's own admission; peers built from scorers (llm-d) have none
             self.memory_hold_s = config.admission.memory_hold_s
+            if config.flow_control.enabled:
+                self.flow_control = config.flow_control
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)
@@ -183,6 +204,24 @@ class ConfiguredPolicy(SimPolicy):
             matches=matches,
             chain=chain,
         )
+
+    def work(self, request: SimRequest) -> float:
+        return float(uncached_at_best(self.routing(request)))
+
+    def sheds(self, request: SimRequest) -> bool:
+        """llm-d's legacy admission (flow control off, its default): a request whose objective has a negative
+        priority is refused while its utilization detector reads the pool saturated: the mean over the
+        endpoints of max(waiting / 5, KV usage / 0.8) at 1.0 or more (pkg/epp/.../saturationdetector)."""
+        objective = request.trace.objective
+        if not self._shed_sheddable or objective is None:
+            return False
+        if SIM_OBJECTIVES.get(objective, {}).get("priority", 0) >= 0:
+            return False
+        scores = [
+            0.0 if i.load is None else max(i.load.waiting / 5, i.load.kv_usage / 0.8)
+            for i in self.view.instances
+        ]
+        return sum(scores) / len(scores) >= 1.0
 
     def candidates(self, instances: Sequence[Instance]) -> list[Instance]:
         """Those with room for another request (router/upstreams/room.py), or all when none has."""

@@ -27,7 +27,8 @@ def _configured(
 
 def _llmd(fleet: FleetSpec) -> SimPolicy:
     """llm-d's precise prefix-cache profile: precise-prefix 2, kv-cache-utilization 1, queue 1, max score.
-    Its index has no pool tier, so GPU blocks only; it reads the engines' metrics scraped every 50 ms."""
+    Its index has no pool tier, so GPU blocks only; it reads the engines' metrics scraped every 50 ms, and its
+    admission (flow control off, its default) sheds negative-priority requests while they read saturated."""
     config = router_config(fleet)
     config.policies["llm-d"] = PolicyConfig(
         scorers=[
@@ -44,6 +45,7 @@ def _llmd(fleet: FleetSpec) -> SimPolicy:
         include_pool=False,
         calibrate=False,
         scrape_interval_s=LLMD_SCRAPE_S,
+        shed_sheddable=True,
     )
 
 
@@ -75,6 +77,17 @@ def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
     admission = config.admission.model_copy(update={"memory_hold_s": 5.0})
     config = config.model_copy(update={"admission": admission})
     return ConfiguredPolicy("kvroute+memory-hold", config, "kvroute")
+
+
+def _with_flow_control(name: str, **settings: object) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default with flow control's settings changed (enabled=False: sent on arrival)."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        config = router_config(fleet)
+        flow_control = config.flow_control.model_copy(update=settings)
+        return ConfiguredPolicy(name, config.model_copy(update={"flow_control": flow_control}), "kvroute")
+
+    return make
 
 
 def _with_context_load(
@@ -129,6 +142,8 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "token-cost": _configured("token-cost", "token-cost", calibrate=False),
     "kvroute+kv-usage": _with_kv_usage,
     "kvroute+memory-hold": _with_memory_hold,
+    "kvroute-no-queue": _with_flow_control("kvroute-no-queue", enabled=False),
+    "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),
     "kvroute-in-flight-x": _in_flight_multiplied,
     "kvroute+context-load": _with_context_load("kvroute+context-load", 0.3, 0.0),
     "kvroute+both-load": _with_context_load("kvroute+both-load", 0.3, 0.3),

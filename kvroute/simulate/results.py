@@ -54,6 +54,9 @@ class RunResult:
     busy_per_instance_s: list[float] = field(default_factory=list)
     longest_session_s: float = 0.0  # longest_session_active: about the busiest instance's time, without moves
     tail: dict[str, float] = field(default_factory=dict)  # where the slowest 1% of TTFTs went (tail_of)
+    # By the trace's flow (tenant), when it names them: TTFT percentiles, and the share of the dispatches from
+    # the router's queue made while two flows or more had requests waiting (flows_of).
+    flows: dict[str, dict[str, float]] = field(default_factory=dict)
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, float | int]:
@@ -70,6 +73,7 @@ def result_of(
     wall_s: float,
     failed: int = 0,
     retried: int = 0,
+    backlogged_dispatches: dict[str, int] | None = None,
 ) -> RunResult:
     """Hits are the computing instance's: the prefill instance's for a disaggregated request."""
     size = fleet.engine.block_size
@@ -125,8 +129,29 @@ def result_of(
         busy_per_instance_s=busy.tolist(),
         longest_session_s=longest_session_active(done),
         tail=tail_of(done, fleet),
+        flows=flows_of(done, backlogged_dispatches or {}),
         wall_s=wall_s,
     )
+
+
+def flows_of(done: list[SimRequest], backlogged_dispatches: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per flow the trace names: requests answered, TTFT p50 and p99, and its share of the dispatches the
+    router's queue made while two flows or more were waiting (absent for routers without a queue)."""
+    ttfts: dict[str, list[float]] = {}
+    for request in done:
+        if request.trace.flow is not None:
+            ttfts.setdefault(request.trace.flow, []).append(request.first_token_s - request.sent_s)
+    total = sum(backlogged_dispatches.values())
+    flows: dict[str, dict[str, float]] = {}
+    for flow, values in sorted(ttfts.items()):
+        flows[flow] = {
+            "requests": len(values),
+            "ttft_p50_s": float(np.percentile(values, 50)),
+            "ttft_p99_s": float(np.percentile(values, 99)),
+        }
+        if total:
+            flows[flow]["backlogged_dispatch_share"] = backlogged_dispatches.get(flow, 0) / total
+    return flows
 
 
 def _weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs: tuple[float, ...]) -> list[float]:

@@ -17,6 +17,7 @@ from kvroute.simulate.results import RunResult, result_of
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
 from router.config import UpstreamConfig
+from router.dispatch.flow_control import DEFAULT_FLOW, FlowControl, Refused
 from router.dispatch.memory_gate import MemoryGate
 from scorers.ttft_model import TTFTPriors
 
@@ -79,6 +80,11 @@ class Run:
         self.retried = 0  # refused by an instance, then sent to another
         self.outstanding = 0  # sent and not finished, held in the router included
         self.hold: MemoryGate[SimRequest] = MemoryGate(policy.memory_hold_s, loop.clock)
+        self.flow: FlowControl[SimRequest] | None = None
+        if policy.flow_control is not None:
+            self.flow = FlowControl(policy.flow_control, loop.clock)
+        self.refused_by_router: dict[str, int] = {}  # flow control's refusals, by reason
+        self.backlogged_dispatches: dict[str, int] = {}  # by trace flow, let go while 2+ flows waited
         # An agent sends its next turn only once it has the answer to the previous one: a session's turn waits
         # for that, however early the trace has it (traces without sessions are open loop).
         self._busy_sessions: set[str] = set()
@@ -106,6 +112,7 @@ class Run:
             time.perf_counter() - started,
             self.failed,
             self.retried,
+            self.backlogged_dispatches,
         )
 
     # The router's own counts of what it sent to each instance (router/upstreams/instances.py).
@@ -127,14 +134,17 @@ class Run:
     def first_token(self, request: SimRequest) -> None:
         self.retire(request)
         self.policy.first_token(request)
+        self._let_go()
 
     def finish(self, request: SimRequest) -> None:
         self.ended(request)
         self.policy.finished(request)
         self.done.append(request)
         self.outstanding -= 1
+        self._flow_ended(request)
         self._release(request)
         self._release_held()
+        self._let_go()
 
     def refused(self, request: SimRequest, failed: bool = False) -> None:
         """The request never reached an engine that would serve it: the client had a 503 (or a 500)."""
@@ -143,8 +153,51 @@ class Run:
         else:
             self.rejected += 1
         self.outstanding -= 1
+        self._flow_ended(request)
         self._release(request)
         self._release_held()
+        self._let_go()
+
+    def _flow_ended(self, request: SimRequest) -> None:
+        if self.flow is not None and request.flow is not None:
+            self.flow.ended(request.flow, request.objective)
+
+    def _room(self) -> bool:
+        """Whether an instance may take a request now (router/dispatch/saturation.py); of a disaggregated
+        fleet, a prefill instance and a decode instance."""
+        assert self.flow is not None
+        instances, saturation = self.view.instances, self.flow.saturation
+        if self.fleet.pd is None:
+            return saturation.has_room(instances)
+        prefill = [i for i in instances if i.role == "prefill"]
+        return saturation.stages_have_room(prefill, [i for i in instances if i.role != "prefill"])
+
+    def _let_go(self) -> None:
+        """Room may have appeared: the requests waiting in the router's queue that may go now, placed."""
+        flow = self.flow
+        if flow is None:
+            return
+        while (entry := flow.next_ready()) is not None:
+            request = entry.item
+            request.queued_s = self.loop.now - entry.since
+            traced = request.trace.flow
+            waiting = flow.queues()[entry.model].by_flow
+            if traced is not None and len(waiting) > (entry.flow in waiting):  # another flow waits too
+                self.backlogged_dispatches[traced] = self.backlogged_dispatches.get(traced, 0) + 1
+            self.dispatch(request)
+            flow.placed(entry.model)
+
+    def _expire(self) -> None:
+        assert self.flow is not None
+        for entry in self.flow.expired():
+            self._refuse_in_router(entry.item, "queue_timeout")
+
+    def _refuse_in_router(self, request: SimRequest, reason: str) -> None:
+        """Flow control refused request with a 429: it never reached an engine."""
+        self.refused_by_router[reason] = self.refused_by_router.get(reason, 0) + 1
+        self.rejected += 1
+        self.outstanding -= 1
+        self._release(request)
 
     def _release_held(self) -> None:
         """Memory freed up: the requests held in the router that now fit go
@@ -184,16 +237,45 @@ class Run:
     def _submit(self, number: int) -> None:
         traced = self.trace[number]
         request = SimRequest(number, traced, self.blocks.chains[number], session_of(traced), self.loop.now)
-        if not self.engines[0].fits(traced):
+        if not self.engines[0].fits(traced) or self.policy.sheds(request):
             self.rejected += 1
             self._release(request)
             return
         self.outstanding += 1
         view = self.view
+        if self.flow is not None and not self._queue(request):
+            return
         if self.hold.must_wait(traced.input_tokens, view.instances, request.chain):
             self.hold.hold(request, traced.input_tokens, lambda: view.instances, request.chain)
             return
         self.dispatch(request)
+
+    def _queue(self, request: SimRequest) -> bool:
+        """Whether request goes now; else it waits in the router's queue, or was refused."""
+        flow = self.flow
+        assert flow is not None
+        traced = request.trace
+        request.flow = traced.flow or request.session or DEFAULT_FLOW
+        request.objective = flow.config.objective(traced.objective)[0]
+        work = self.policy.work(request)
+        try:
+            entry = flow.admit(
+                request,
+                self.view.model,
+                request.flow,
+                traced.objective,
+                work,
+                traced.input_tokens,
+                self._room,
+            )
+        except Refused as refused:
+            request.flow = None
+            self._refuse_in_router(request, refused.code)
+            return False
+        if entry is None:
+            return True
+        self.loop.at(entry.deadline, self._expire)
+        return False
 
     def dispatch(self, request: SimRequest) -> None:
         request.uncached_estimate = request.trace.input_tokens

@@ -18,7 +18,14 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.registry import policies_for
 from kvroute.simulate.results import RunResult
 from kvroute.simulate.run import simulate
-from kvroute.simulate.workloads import bursty_trace, chat_trace, long_context_trace, rag_trace
+from kvroute.simulate.workloads import (
+    bursty_trace,
+    chat_trace,
+    long_context_trace,
+    rag_trace,
+    skewed_flows_trace,
+    tenants_trace,
+)
 from kvroute.traces import Trace, agentic_trace, mooncake_trace
 
 AGENTIC_SESSIONS = 40  # `--trace agentic`'s default, so agentic-N is `--trace agentic --seed N`'s trace
@@ -32,6 +39,8 @@ WORKLOADS: dict[str, Callable[[int, int], Trace]] = {
     "bursty": lambda seed, n: bursty_trace(seed, n),
     "long-context": lambda seed, n: long_context_trace(seed, max(8, n // LONG_CONTEXT_TURNS)).head(n),
     "chat": lambda seed, n: chat_trace(seed, n),
+    "tenants": lambda seed, n: tenants_trace(seed, n),
+    "flows": lambda seed, n: skewed_flows_trace(seed, n),
 }
 _NAME = re.compile(r"(?P<kind>[a-z-]+?)(?:-(?P<seed>\d+))?")
 
@@ -44,6 +53,8 @@ FULL_GRID: dict[str, tuple[str, ...]] = {
         "bursty",
         "long-context",
         "chat",
+        "tenants",
+        "flows",
     ),
     "instances": ("16", "32"),
     "load": ("0.5", "0.7", "0.9"),
@@ -51,7 +62,7 @@ FULL_GRID: dict[str, tuple[str, ...]] = {
 }
 # `--suite-cells` replaces axes of the base grid: every workload on 16 instances at load 0.7, pool on.
 BASE_GRID: dict[str, tuple[str, ...]] = {
-    "workload": FULL_GRID["workload"],
+    "workload": FULL_GRID["workload"][:-2],
     "instances": ("16",),
     "load": ("0.7",),
     "pool": ("on",),
@@ -62,8 +73,10 @@ BASE_GRID: dict[str, tuple[str, ...]] = {
 # a request. 62 cells, ~30 minutes on this 2-core machine (docs/bench-simulate.md).
 _FAST = ("mooncake", "rag", "bursty", "chat")
 _SLOW = ("agentic-0", "long-context")
+_TENANTS = ("tenants", "flows")  # two flows each (kvroute/simulate/workloads.py)
 DEFAULT_GRIDS: tuple[dict[str, tuple[str, ...]], ...] = (
     BASE_GRID,
+    {**BASE_GRID, "workload": _TENANTS, "load": ("0.7", "0.9")},
     {**FULL_GRID, "workload": _FAST},
     {**BASE_GRID, "workload": _SLOW, "load": ("0.5", "0.9")},
     {**BASE_GRID, "workload": _SLOW, "instances": ("32",)},
@@ -186,7 +199,22 @@ def run_job(job: Job) -> JobResult:
     scaled = blocks.with_trace(blocks.trace.with_rate(rate))
     policy = policies_for(fleet)[job.policy](fleet)
     result = simulate(scaled, fleet, policy, ideal, tie_seed=job.tie_seed)
+    if (
+        "interactive" in result.flows
+    ):  # what the interactive flow gets alone, at the same rate, for comparison
+        alone = _of_flow(scaled, "interactive")
+        policy = policies_for(fleet)[job.policy](fleet)
+        result.flows["interactive-alone"] = simulate(
+            alone, fleet, policy, ideal, tie_seed=job.tie_seed
+        ).flows["interactive"]
     return JobResult(job, len(blocks.trace.requests), rate, result)
+
+
+def _of_flow(blocks: TraceBlocks, flow: str) -> TraceBlocks:
+    """The requests of one flow, at the times they have beside the others."""
+    kept = [n for n, request in enumerate(blocks.trace.requests) if request.flow == flow]
+    trace = replace(blocks.trace, requests=tuple(blocks.trace.requests[n] for n in kept))
+    return TraceBlocks(trace, blocks.block_size, [blocks.chains[n] for n in kept])
 
 
 def jobs_for(

@@ -56,6 +56,9 @@ def run_suite(
         f"peer per measure ({wall_s / 60:.1f} min, {workers} worker{plural})"
     )
     console.print(suite_report.table(title, results))
+    flows = suite_report.flows_table(results)
+    if flows is not None:
+        console.print(flows)
     facts = suite_report.summary(results)
     console.print(suite_report.summary_line(facts))
     document = {

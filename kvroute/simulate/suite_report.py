@@ -196,3 +196,33 @@ def summary_line(facts: Mapping[str, Any]) -> str:
         f"rejected <= the best peer's, hits >= {HIT_TARGET:.0%} of ideal) in {met} of {cells} cells; "
         f"misses {cells - met}: {by_target}"
     )
+
+
+def flows_table(jobs: Sequence[JobResult]) -> Table | None:
+    """The cells whose workload has flows (tenants): per policy, each flow's TTFT p50/p99, the interactive
+    flow's p99 against what it gets alone, and the shares of the queue's dispatches while flows competed."""
+    rows = [run for run in jobs if run.result.flows]
+    if not rows:
+        return None
+    view = Table(title="tenants: TTFT by flow (interactive alone: the same requests without the batch flow)")
+    for column in ("cell", "policy", "flow", "TTFT p50/p99", "p99 / alone", "dispatch share"):
+        view.add_column(column, justify="left" if column in ("cell", "policy", "flow") else "right")
+    for run in rows:
+        flows = run.result.flows
+        alone = flows.get("interactive-alone")
+        for flow, figures in flows.items():
+            if flow == "interactive-alone":
+                continue
+            versus = "-"
+            if flow == "interactive" and alone is not None and alone["ttft_p99_s"] > 0:
+                versus = f"{figures['ttft_p99_s'] / alone['ttft_p99_s']:.2f}"
+            share = figures.get("backlogged_dispatch_share")
+            view.add_row(
+                run.job.cell.label,
+                run.result.policy,
+                flow,
+                f"{figures['ttft_p50_s']:.2f}/{figures['ttft_p99_s']:.2f} s",
+                versus,
+                "-" if share is None else f"{share:.0%}",
+            )
+    return view

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 
 from kvroute.traces import Trace, TraceRequest
 
@@ -57,10 +58,7 @@ def _zipf_weights(count: int, exponent: float) -> list[float]:
 def _trace(name: str, block_tokens: int, requests: list[TraceRequest]) -> Trace:
     requests.sort(key=lambda r: r.arrival_s)
     start = requests[0].arrival_s if requests else 0.0
-    shifted = tuple(
-        TraceRequest(r.arrival_s - start, r.input_tokens, r.output_tokens, r.block_ids, r.session)
-        for r in requests
-    )
+    shifted = tuple(replace(r, arrival_s=r.arrival_s - start) for r in requests)
     return Trace(name, block_tokens, shifted)
 
 
@@ -279,3 +277,91 @@ def chat_trace(
         conversation += 1
     drafts.sort(key=lambda r: r.arrival_s)
     return _trace(f"chat-{seed}", block_tokens, drafts[:requests])
+
+
+def tenants_trace(
+    seed: int = 0,
+    requests: int = 2000,
+    block_tokens: int = 512,
+    *,
+    sessions_rps: float = 0.2,
+    turns: int = 12,
+    tools_tokens: int = 3_000,
+    median_turn_tokens: int = 300,
+    median_think_s: float = 3.0,
+    batch_share: float = 0.8,
+    min_batch_tokens: int = 6_000,
+    max_batch_tokens: int = 24_000,
+) -> Trace:
+    """Two tenants on one fleet: flow `interactive`, agent sessions of short turns (each resends a context
+    that grows by a tool result and an answer, log-normal around `median_turn_tokens`, after a think time
+    around `median_think_s`), and flow `batch`, one-shot long prompts (log-uniform between
+    `min_batch_tokens` and `max_batch_tokens`, nothing shared but a 1,000-token instruction) arriving as a
+    Poisson process at 4x the interactive turns' rate (`batch_share` of all requests). Each flow names an
+    objective of its own name (kvroute/simulate/policies.py configures `interactive` at priority 10 and
+    `batch` at -10). Stands for a coding assistant's users beside an offline job on the same instances: the
+    batch flood must not push the sessions' short turns back.
+    """
+    rng = random.Random(seed)
+    namer = BlockNamer(block_tokens)
+    drafts: list[TraceRequest] = []
+    interactive = round(requests * (1 - batch_share))
+    start, session = 0.0, 0
+    while sum(r.flow == "interactive" for r in drafts) < interactive:
+        start += rng.expovariate(sessions_rps)
+        name = f"tenant{seed}-s{session}"
+        history: list[Segment] = [("tools", tools_tokens), ((name, "task"), 400)]
+        arrival = start
+        for turn in range(turns):
+            tokens = sum(length for _, length in history)
+            output = max(1, round(_lognormal(rng, 80, 0.6, 5, 600)))
+            drafts.append(
+                TraceRequest(arrival, tokens, output, namer.ids(history), name, "interactive", "interactive")
+            )
+            history += [((name, "answer", turn), output)]
+            history += [((name, "result", turn), round(_lognormal(rng, median_turn_tokens, 0.7, 20, 4000)))]
+            arrival += _lognormal(rng, median_think_s, 0.6, 0.5, 30.0)
+        session += 1
+    drafts = sorted(drafts, key=lambda r: r.arrival_s)[:interactive]
+    span = drafts[-1].arrival_s if drafts else 1.0
+    ratio = max_batch_tokens / min_batch_tokens
+    arrival = 0.0
+    for number in range(requests - interactive):
+        arrival += rng.expovariate((requests - interactive) / span)
+        document = round(min_batch_tokens * ratio ** rng.random())
+        segments: list[Segment] = [("batch-instructions", 1_000), (("batch", number), document)]
+        output = max(1, round(_lognormal(rng, 200, 0.6, 10, 1000)))
+        ids = namer.ids(segments)
+        drafts.append(
+            TraceRequest(arrival, 1_000 + document, output, ids, f"batch{seed}-{number}", "batch", "batch")
+        )
+    return _trace(f"tenants-{seed}", block_tokens, drafts)
+
+
+def skewed_flows_trace(
+    seed: int = 0,
+    requests: int = 2000,
+    block_tokens: int = 512,
+    *,
+    heavy_share: float = 0.8,
+    median_prompt_tokens: int = 3_000,
+    rate_rps: float = 10.0,
+) -> Trace:
+    """Two tenants of equal priority sending the same kind of request, one (`heavy`) four times as many as
+    the other (`light`): one-shot prompts (a shared 500-token instruction and a log-normal body around
+    `median_prompt_tokens`), Poisson at `rate_rps` together. While both have requests waiting, a fair
+    router dispatches them about equally (issue: each at least 45%), whatever their arrival rates.
+    """
+    rng = random.Random(seed)
+    namer = BlockNamer(block_tokens)
+    drafts: list[TraceRequest] = []
+    arrival = 0.0
+    for number in range(requests):
+        arrival += rng.expovariate(rate_rps)
+        flow = "heavy" if rng.random() < heavy_share else "light"
+        body = round(_lognormal(rng, median_prompt_tokens, 0.6, 100, 16_000))
+        segments: list[Segment] = [("instructions", 500), ((flow, number), body)]
+        output = max(1, round(_lognormal(rng, 150, 0.6, 10, 1000)))
+        ids = namer.ids(segments)
+        drafts.append(TraceRequest(arrival, 500 + body, output, ids, f"{flow}{seed}-{number}", flow=flow))
+    return _trace(f"flows-{seed}", block_tokens, drafts)

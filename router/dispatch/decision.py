@@ -77,6 +77,13 @@ class Decision:
     request: RoutingRequest | None = None  # what the policy chose it for (its after-response hook's)
 
 
+def uncached_at_best(request: RoutingRequest) -> int:
+    """The prompt tokens the instance holding most of it would still compute: the work a queue orders by."""
+    best = max((m.gpu + m.cpu + m.pool for m in request.matches.values()), default=0)
+    reusable = max(request.prompt_tokens - 1, 0) // request.block_size
+    return request.prompt_tokens - min(best, reusable) * request.block_size
+
+
 class Decider:
     def __init__(
         self,
@@ -146,6 +153,16 @@ class Decider:
         )
         self._metrics.decision("prepare").observe(time.perf_counter() - started)
         return Prepared(request)
+
+    async def refresh(self, prepared: Prepared) -> Prepared:
+        """prepared with its matches looked up again: what the instances and the pool hold now, after it
+        waited in the router's queue (a document another request was prefilling may be there by now)."""
+        request = prepared.request
+        if not request.chain:
+            return prepared
+        reusable = max(request.prompt_tokens - 1, 0) // self._block_size
+        matches = await self._pool.matches(request.model, request.chain, reusable)
+        return Prepared(replace(request, matches=matches))
 
     def anthropic_probes(self, model: str) -> TemplateProbes | None:
         """What vLLM's Messages server finds by trying the model's chat template

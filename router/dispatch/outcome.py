@@ -18,6 +18,7 @@ from typing import Literal, Protocol
 
 from router.dispatch.ab import ABStats
 from router.dispatch.decision import Decider, Decision
+from router.dispatch.flow_gate import FlowTicket
 from router.dispatch.usage import Usage, answer_usage
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance
@@ -49,12 +50,12 @@ class Answer(Protocol):
 @dataclass(frozen=True)
 class Observers:
     """The parts an outcome tells: metrics, the decider (speculative blocks, served turns), the A/B results
-    of the routing table in force, and the memory gate (requests held until memory frees)."""
+    of the routing table in force, and the requests waiting in the router (flow control, the memory gate)."""
 
     metrics: RouterMetrics
     decider: Decider
     ab_for: Callable[[Policy], ABStats]
-    memory_freed: Callable[[], None]
+    room_freed: Callable[[], None]  # a first byte or an end: requests waiting in the router may go
 
     def request_failed(self, policy: Policy) -> None:
         """No instance answered the request: it failed (the A/B counts it against its policy)."""
@@ -73,6 +74,7 @@ class Prefill:
 
     instance: Instance
     tokens: int
+    freed: Callable[[], None]  # told once tokens were queued and no longer are
 
     def take(self) -> int:
         """The tokens still queued, from now on not (0 once taken)."""
@@ -80,7 +82,10 @@ class Prefill:
         return tokens
 
     def retire(self) -> None:
-        self.instance.prefill_done(self.take())
+        tokens = self.take()
+        if tokens:
+            self.instance.prefill_done(tokens)
+            self.freed()
 
 
 @dataclass(eq=False)  # kept in a set by identity
@@ -97,6 +102,7 @@ class Outcome:
     upstream: Answer | None = None  # once the instance answered
     first: bytes = b""  # a stream's first chunk, or the whole answer
     attempts: int = 1
+    ticket: FlowTicket | None = None  # its place in flow control's counts
     leg: Leg = "whole"
     pd_path: PdPath | None = None  # how a disaggregated model's request was served
     finished: bool = False
@@ -136,7 +142,7 @@ class Outcome:
         metrics.in_flight(instance.name).set(instance.own_in_flight)
         metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
         started = time.perf_counter()
-        prefill = Prefill(instance, decision.uncached_tokens)
+        prefill = Prefill(instance, decision.uncached_tokens, observers.room_freed)
         if not streamed and prefill.tokens:
             # A whole answer's first byte comes with its last: its prefill retires when the instance's TTFT
             # model expects the first token instead (an engine answers whole only at the end).
@@ -341,7 +347,7 @@ class Outcome:
         instance, decision = self.instance, self.decision
         instance.end(decision.prompt_tokens, self.prefill.take(), admitted, decision.chain)
         self.observers.metrics.in_flight(instance.name).set(instance.own_in_flight)
-        self.observers.memory_freed()
+        self.observers.room_freed()
 
     def _breaker_failed(self) -> None:
         instance = self.instance

@@ -6,12 +6,15 @@ to send the request and follows the answer it relays. They differ only in how by
     admit()            an admission slot, or a 429 when the router is at capacity
     receive(...)       the body decoded as its API's (router/dispatch/apis.py; an agent's as the chat vLLM
                        renders, router/dispatch/agent_bodies.py), its model checked, the instance a stored
-                       response pins it to, its policy taken from the routing table in force
-                       (a flow-control queue belongs after it: a request waits there, holding no instance)
+                       response pins it to, its policy taken from the routing table in force, its flow
+                       and objective
     prepare(...)       its prompt tokenized, hashed and looked up in the index
+    wait_turn(...)     flow control: it waits in the router, holding no instance, while every instance
+                       that could serve it is saturated, then is looked up again
+                       (router/dispatch/flow_gate.py)
     send(...)          serve: an instance chosen, the request sent, retried elsewhere up to its first bytes
     pick(...)          epp: an instance chosen, and the fallbacks, best first; the gateway sends it
-    leave()            the slot is free again, when the request's Outcome has ended
+    leave(ticket)      the slot is free again, when the request's Outcome has ended
 
 What became of the request is told by its Outcome (router/dispatch/outcome.py).
 """
@@ -32,7 +35,8 @@ from router.dispatch.agent_bodies import (
 )
 from router.dispatch.apis import Api
 from router.dispatch.attempts import Attempts, Target
-from router.dispatch.decision import Decider, Prepared
+from router.dispatch.decision import Decider, Prepared, uncached_at_best
+from router.dispatch.flow_gate import FlowGate, FlowTicket, flow_of, objective_of
 from router.dispatch.outcome import Observers, Outcome
 from router.dispatch.response_history import ResponseHistory
 from router.dispatch.response_ids import ResponseIds
@@ -59,6 +63,9 @@ class Received:
     tokenize: bool  # small enough to tokenize (else routed without prefix knowledge)
     off_loop: bool  # long enough to tokenize on the worker thread
     target: Target  # where it may go and what each attempt sends
+    flow: str  # whom it is fair to (router/dispatch/flow_gate.py flow_of)
+    objective: str | None  # the objective it names
+    ticket: FlowTicket | None = None  # its place in flow control, once admitted there
 
     @property
     def model(self) -> str:
@@ -87,10 +94,12 @@ class RoutingService:
         admission: Admission,
         observers: Observers,
         tokenization: TokenizationConfig,
+        flow_gate: FlowGate,
     ) -> None:
         """table: the routing table in force (a reload or PUT /admin/traffic replaces it whole)."""
         self.upstreams, self.decider, self.observers = upstreams, decider, observers
         self._table, self._attempts, self._admission = table, attempts, admission
+        self._flow_gate = flow_gate
         self._tokenized_max, self._thread_above = (
             tokenization.max_tokenized_bytes,
             tokenization.thread_above_bytes,
@@ -106,9 +115,10 @@ class RoutingService:
             message = "The router is at capacity; retry later."
             raise too_many_requests(message, str(exc), RETRY_AFTER_S) from exc
 
-    def leave(self) -> None:
-        """A request that held a slot is over."""
+    def leave(self, ticket: FlowTicket | None = None) -> None:
+        """A request that held a slot is over (ticket: its place in flow control, if it had one)."""
         self._admission.leave()
+        self._flow_gate.leave(ticket)
 
     def receive(
         self, raw: bytes, api: Api, headers: Mapping[str, str], stored: str | None = None, query: str = ""
@@ -128,8 +138,11 @@ class RoutingService:
             raw = without_full_kv_report(raw, body.vllm_xargs)
         off_loop = len(raw) > self._thread_above
         target = Target(api.name, read.pinned, read.pinned_by, read.body_for, read.watch, api.get)
+        flow_control = self._flow_gate.config
+        flow = flow_of(flow_control, headers, session)
+        objective = objective_of(flow_control, headers)
         headers = forwarded_headers(headers)
-        return Received(body, policy, session, raw, headers, tokenize, off_loop, target)
+        return Received(body, policy, session, raw, headers, tokenize, off_loop, target, flow, objective)
 
     def _read(self, raw: bytes, api: Api, stored: str | None, query: str) -> AgentRead:
         only = self.upstreams.only_model()
@@ -154,15 +167,36 @@ class RoutingService:
             received.body, received.session, received.tokenize, received.off_loop
         )
 
+    async def wait_turn(self, received: Received, prepared: Prepared) -> Prepared:
+        """Flow control: wait while every instance that could serve it is saturated (a 429 past a limit),
+        then what the index and the pool hold now. A request a stored response pins to one instance does
+        not wait for the fleet."""
+        if received.target.pinned is not None:
+            return prepared
+        request = prepared.request
+        work = uncached_at_best(request) if request.chain else len(received.raw)
+        tokens = request.prompt_tokens or len(received.raw)
+        received.ticket = ticket = await self._flow_gate.wait(
+            received.model, received.flow, received.objective, work, tokens
+        )
+        if ticket is None or not ticket.granted:
+            return prepared
+        try:
+            return await self.decider.refresh(prepared)
+        finally:
+            self._flow_gate.started(ticket)
+
     async def send(self, received: Received, prepared: Prepared, path: str) -> Outcome:
         """Sent to the best instance with room, retried elsewhere while the client has had nothing: the
         outcome whose first bytes came (router/dispatch/attempts.py). A request for a stored response whose
         instance is gone gets vLLM's answer for an id it does not hold."""
         target = received.target
         try:
-            return await self._attempts.send(
+            outcome = await self._attempts.send(
                 prepared, received.policy, path, received.raw, received.headers, received.streamed, target
             )
+            outcome.ticket = received.ticket
+            return outcome
         except OpenAIError as error:
             if target.pinned_by is None or error.code not in _GONE:
                 raise
@@ -194,6 +228,7 @@ class RoutingService:
             self.observers, decision, policy, received.model, received.streamed, None, api=target.api
         )
         outcome.watch = target.watch
+        outcome.ticket = received.ticket
         return Picked(outcome, others)
 
     def moved(self, outcome: Outcome, prepared: Prepared, served: Instance, skipped: int) -> Outcome:
@@ -201,7 +236,7 @@ class RoutingService:
         after skipped others: the first attempt failed, and the one at served is the request's."""
         outcome.abandon(None, failed=True, admitted=False, withdraw=True)
         decision = self.decider.decide(prepared, outcome.policy, [served])
-        return Outcome.start(
+        moved = Outcome.start(
             self.observers,
             decision,
             outcome.policy,
@@ -211,3 +246,5 @@ class RoutingService:
             attempts=outcome.attempts + 1 + skipped,
             api=outcome.api,
         )
+        moved.ticket = outcome.ticket
+        return moved

@@ -17,6 +17,7 @@ PROMPT_BLOCKS_HEADER = "x-kvroute-prompt-blocks"
 PREDICTED_TTFT_HEADER = "x-kvroute-predicted-ttft-ms"
 WAIT_CAUSED_HEADER = "x-kvroute-wait-caused-ms"  # what the policy charged it for the wait of those behind
 ATTEMPTS_HEADER = "x-kvroute-attempts"  # instances tried: more than 1 after a retry
+QUEUED_HEADER = "x-kvroute-queued-ms"  # how long it waited in the router's queue (flow control)
 # End-to-end headers that identify a request or carry its trace (vLLM reads traceparent and tracestate).
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "traceparent", "tracestate")
 
@@ -29,7 +30,7 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
 def routing_headers(outcome: Outcome) -> dict[str, str]:
     """What the answer tells of its routing: the instance (and a disaggregated request's prefill instance),
     the policy, the prefix it was predicted to reuse, the TTFT and the wait it was charged for causing, the
-    instances tried."""
+    instances tried, the time it waited in the router's queue."""
     decision = outcome.decision
     headers = {
         INSTANCE_HEADER: outcome.instance.name,
@@ -42,4 +43,6 @@ def routing_headers(outcome: Outcome) -> dict[str, str]:
     }
     if outcome.prefill_instance is not None:
         headers[PREFILL_INSTANCE_HEADER] = outcome.prefill_instance
+    if outcome.ticket is not None:
+        headers[QUEUED_HEADER] = f"{outcome.ticket.queued_s * 1000:.1f}"
     return headers

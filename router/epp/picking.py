@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from router.dispatch.apis import routed_api
 from router.dispatch.decision import Prepared
+from router.dispatch.flow_gate import FlowTicket
 from router.dispatch.outcome import Outcome
-from router.dispatch.routing import RoutingService
+from router.dispatch.routing import Received, RoutingService
 from router.epp.messages import endpoint
 from router.errors import RETRY_AFTER_S, unavailable
 from router.metrics import RouterMetrics
@@ -54,13 +55,14 @@ class Picker:
         api, stored = routed
         routing = self.routing
         await routing.admit()
+        received: Received | None = None
         try:
             received = routing.receive(raw, api, headers, stored, query)
-            prepared = await routing.prepare(received)
+            prepared = await routing.wait_turn(received, await routing.prepare(received))
             outside = None if subset is None else self._outside(received.model, subset)
             picked = routing.pick(received, prepared, outside, self._fallbacks)
         except BaseException:
-            routing.leave()
+            routing.leave(None if received is None else received.ticket)
             raise
         chosen = picked.outcome.instance
         endpoints = [endpoint(i.url) for i in (chosen, *picked.fallbacks)]
@@ -68,9 +70,9 @@ class Picker:
         body = received.raw if body_for is None else body_for(chosen)
         return Routed(endpoints, body, picked.outcome, prepared, picked.fallbacks)
 
-    def leave(self) -> None:
-        """A routed inference request is over: its admission slot is free."""
-        self.routing.leave()
+    def leave(self, ticket: FlowTicket | None) -> None:
+        """A routed inference request is over: its admission slot is free, and its place in flow control."""
+        self.routing.leave(ticket)
 
     def moved(self, routed: Routed, outcome: Outcome, served: Instance) -> Outcome:
         """The gateway could not reach outcome's instance and served the request from served, a fallback:

@@ -178,7 +178,7 @@ class Exchange:
                 outcome.abandon(None, failed=False)
         if self._holds_slot:
             self._holds_slot = False
-            self._picker.leave()
+            self._picker.leave(None if outcome is None else outcome.ticket)
 
     async def _request_headers(self, message: Any) -> list[Any]:
         self._duplex_request, self._duplex_response = messages.full_duplex(message)
@@ -281,4 +281,4 @@ class Exchange:
         outcome.finish()
         if self._holds_slot:
             self._holds_slot = False
-            self._picker.leave()
+            self._picker.leave(outcome.ticket)

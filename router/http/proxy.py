@@ -20,7 +20,7 @@ from router.dispatch.apis import Api
 from router.dispatch.cached_tokens import with_cached_tokens
 from router.dispatch.outcome import Outcome
 from router.dispatch.relay import Relay
-from router.dispatch.routing import RoutingService
+from router.dispatch.routing import Received, RoutingService
 from router.dispatch.routing_headers import routing_headers
 from router.dispatch.sending import streams_events
 from router.errors import (
@@ -111,11 +111,13 @@ class Proxy:
                     await routing.admit()
                 finally:
                     self._bodies.give_back(share)  # admitted, its body counts with the work in flight
+                received: Received | None = None
                 try:
                     received = routing.receive(raw, api, request.headers, stored, query)
-                    outcome = await routing.send(received, await routing.prepare(received), path)
+                    prepared = await routing.wait_turn(received, await routing.prepare(received))
+                    outcome = await routing.send(received, prepared, path)
                 except BaseException:
-                    routing.leave()
+                    routing.leave(None if received is None else received.ticket)
                     raise
             except asyncio.CancelledError:
                 if not watch.client_left():
@@ -188,7 +190,7 @@ class Proxy:
     def _ended_here(self, outcome: Outcome) -> None:
         """The answer is over: its outcome is told once, and its slot freed with it."""
         if outcome.finish():
-            self._routing.leave()
+            self._routing.leave(outcome.ticket)
 
     def _stalled(self, outcome: Outcome) -> None:
         log.warning(

@@ -55,7 +55,7 @@ class PeerSync:
     """Publishes this router's load and follows its peers'.
 
     ```
-    sync = PeerSync(config.peers, fleet, metrics, context, on_change=proxy.memory_freed)
+    sync = PeerSync(config.peers, fleet, metrics, context, on_change=proxy.room_freed)
     sync.start()  # binds and connects: a bad endpoint fails here
     tasks = [asyncio.create_task(loop()) for loop in sync.loops().values()]
     ...

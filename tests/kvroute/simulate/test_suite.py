@@ -25,7 +25,7 @@ VERDICT_FIELDS = {
 
 def test_default_suite_is_the_base_grid_the_fast_workloads_everywhere_and_the_slow_one_axis_off() -> None:
     cells = parse_cells(None)
-    assert len(cells) == len(set(cells)) == 10 + 4 * 12 - 4 + 2 * 4
+    assert len(cells) == len(set(cells)) == 10 + 4 * 12 - 4 + 2 * 4 + 2 * 2
     assert {c.workload for c in cells if c.instances == 32} == {
         "mooncake",
         "rag",
@@ -37,7 +37,8 @@ def test_default_suite_is_the_base_grid_the_fast_workloads_everywhere_and_the_sl
     assert Cell("rag", 32, 0.9, False) in cells and Cell("long-context", 16, 0.7, False) in cells
     assert Cell("long-context", 32, 0.9, True) not in cells and Cell("agentic-1", 32, 0.7, True) not in cells
     assert Cell("long-context", 16, 0.7, True) in cells and Cell("agentic-4", 16, 0.7, True) in cells
-    assert len(parse_cells("all")) == 10 * 2 * 3 * 2
+    assert Cell("tenants", 16, 0.9, True) in cells and Cell("flows", 16, 0.7, True) in cells
+    assert len(parse_cells("all")) == 12 * 2 * 3 * 2
 
 
 @pytest.mark.parametrize(

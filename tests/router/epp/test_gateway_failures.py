@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Iterator
@@ -237,3 +238,48 @@ def test_a_gateway_with_one_filter_is_followed_on_its_routing_stream(
             wait_none_in_flight(picker)
         assert served.startswith("fleet-") and attempts == "1"
         assert metric(picker.metrics_url, "kvroute_requests_total", vllm_instance=served, status="200") >= 1
+
+
+def test_the_picker_holds_envoys_request_while_the_instance_prefills(tmp_path: Path) -> None:
+    """Flow control in the endpoint picker: while the one instance prefills a long prompt, the next request's
+    routing stream is held (Envoy waits for the picker), then routed once its first byte came; one past its
+    objective's queue time is refused with a 429 and the drop reason."""
+    ports = FleetPorts.allocate(1)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running_fleet(ports, tmp_path / "fleet", ["--prefill-tps", "500"]))
+        objectives = {"default": {"max_queue_s": 10}, "impatient": {"max_queue_s": 0.5}}
+        flow_control = {"engine_queue_s": 0.0, "objectives": objectives}
+        picker = stack.enter_context(
+            running_picker(picker_config([ports], flow_control=flow_control), tmp_path)
+        )
+        envoy, listen, admin = envoy_config(fleet_endpoints([ports]), picker.port)
+        gateway = client(stack.enter_context(running_envoy(envoy, listen, admin, tmp_path)))
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            # About 4 s of prefill; streamed, so its first byte tells the picker when the prefill ended.
+            long = pool.submit(
+                lambda: list(
+                    gateway.completions.create(model=MODEL, prompt=[5] * 2000, max_tokens=1, stream=True)
+                )
+            )
+            deadline = time.monotonic() + 20
+            while metric(picker.metrics_url, "kvroute_instance_in_flight") != 1:
+                assert time.monotonic() < deadline, "the long prompt never went"
+                time.sleep(0.05)
+            waited = pool.submit(
+                gateway.completions.with_raw_response.create, model=MODEL, prompt=[6] * 50, max_tokens=1
+            )
+            with pytest.raises(openai.RateLimitError) as refused:
+                gateway.completions.create(
+                    model=MODEL,
+                    prompt=[7] * 50,
+                    max_tokens=1,
+                    extra_headers={"x-gateway-inference-objective": "impatient"},
+                )
+            assert refused.value.response.headers["x-kvroute-dropped-reason"] == "queue_timeout"
+            assert not waited.done()
+            long.result(timeout=30)
+            raw = waited.result(timeout=30)
+        assert raw.parse().choices
+        assert float(raw.headers["x-kvroute-queued-ms"]) > 1000
+        assert metric(picker.metrics_url, "kvroute_flow_control_dispatched_total", how="queued") == 1
+        wait_none_in_flight(picker)

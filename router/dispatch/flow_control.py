@@ -1,0 +1,195 @@
+"""Flow control: a request that no instance can take without queueing waits in the router, and is placed when
+one has room, in an order that lowers the median and bounds the tail, by priority and fairly between flows.
+
+The proxy and the simulator drive the same object: admit() on arrival says whether the request goes now or
+waits (or is refused: a limit, with the seconds a client should wait); whenever room may have appeared (a
+first byte, an end, a peer's change) the caller takes next_ready() until it answers None, places each, and
+tells placed(); ended() when a placed request is over. A waiter that is let go counts as granted until
+placed, so the room it takes is not handed out twice. Ordering is router/dispatch/flow_queue.py's,
+saturation router/dispatch/saturation.py's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from router.config import FlowControlConfig, ObjectiveConfig
+from router.dispatch.flow_queue import FlowQueue, Queued
+from router.dispatch.saturation import Saturation
+
+T = TypeVar("T")
+Room = Callable[[], bool]
+DEFAULT_FLOW = "default"
+
+# Buckets and in-flight counts of flows that went quiet are forgotten past this many.
+_FLOWS_KEPT = 16384
+
+
+class Refused(Exception):
+    """Not admitted: code says which limit, retry_after_s when a client may try again."""
+
+    def __init__(self, code: str, retry_after_s: int) -> None:
+        super().__init__(code)
+        self.code, self.retry_after_s = code, retry_after_s
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Tokens a second, with a second's burst; a request may overdraw it, and the next waits until it is
+    back to zero."""
+
+    level: float
+    at: float
+
+    def take(self, tokens: int, rate: float, now: float) -> float:
+        """The seconds until a request may be taken; 0: taken now."""
+        self.level = min(rate, self.level + (now - self.at) * rate)
+        self.at = now
+        if self.level < 0:
+            return -self.level / rate
+        self.level -= tokens
+        return 0.0
+
+
+class FlowControl(Generic[T]):
+    def __init__(self, config: FlowControlConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._queues: dict[str, FlowQueue[T]] = {}  # by model
+        self._rooms: dict[str, Room] = {}
+        self._granted: dict[str, int] = {}  # by model: let go, not placed yet
+        self._in_flight_flow: dict[str, int] = {}
+        self._in_flight_objective: dict[str, int] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        self.configure(config)
+
+    def configure(self, config: FlowControlConfig) -> None:
+        """A reload: the queues and counts stay, the limits and ordering from now on are config's."""
+        self.config = config
+        self.saturation = Saturation(config.engine_queue_s, config.kv_usage)
+        for queue in self._queues.values():
+            queue.ordering = config.ordering
+            queue.aging_tokens_per_s = config.aging_tokens_per_s
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def queues(self) -> dict[str, FlowQueue[T]]:
+        """The queues by model."""
+        return self._queues
+
+    def queued_by_objective(self, objective: str) -> int:
+        return sum(q.by_objective.get(objective, 0) for q in self._queues.values())
+
+    def queued_by_flow(self, flow: str) -> int:
+        return sum(q.by_flow.get(flow, 0) for q in self._queues.values())
+
+    def admit(
+        self, item: T, model: str, flow: str, objective: str | None, work: float, tokens: int, room: Room
+    ) -> Queued[T] | None:
+        """None: go now (counted in flight); else the entry it waits as, until next_ready() lets it go or
+        its deadline passes. Raises Refused past a limit. room: whether model's instances have room now."""
+        name, settings = self.config.objective(objective)
+        self._rate_limit(flow, name, settings, tokens)
+        queue = self._queue(model)
+        self._rooms[model] = room
+        if not len(queue) and not self._granted.get(model) and not self._at_limit(flow, name) and room():
+            self._count(flow, name, 1)
+            return None
+        if queue.by_objective.get(name, 0) >= settings.max_queued:
+            raise Refused("queue_full", math.ceil(settings.max_queue_s))
+        per_flow = self.config.per_flow.max_queued
+        if per_flow is not None and queue.by_flow.get(flow, 0) >= per_flow:
+            raise Refused("flow_queue_full", math.ceil(settings.max_queue_s))
+        now = self._clock()
+        entry = Queued(item, flow, name, settings.priority, work, now, now + settings.max_queue_s, model)
+        queue.add(entry)
+        return entry
+
+    def next_ready(self) -> Queued[T] | None:
+        """The next waiter that may go now, taken off its queue and counted in flight (the caller places it
+        and calls placed()), or None."""
+        for model, queue in self._queues.items():
+            if not len(queue) or self._granted.get(model) or not self._rooms[model]():
+                continue
+            for head in queue.heads(lambda flow: self._flow_at_limit(flow)):
+                if self._objective_at_limit(head.objective):
+                    continue
+                queue.remove(head)
+                self._granted[model] = self._granted.get(model, 0) + 1
+                self._count(head.flow, head.objective, 1)
+                return head
+        return None
+
+    def placed(self, model: str) -> None:
+        """A waiter let go has been counted at its instance (or gave up): the room it took is accounted."""
+        left = self._granted.get(model, 0) - 1
+        self._granted[model] = max(left, 0)
+
+    def ended(self, flow: str, objective: str) -> None:
+        """A request admitted or let go is over."""
+        self._count(flow, objective, -1)
+
+    def leave(self, entry: Queued[T]) -> None:
+        """entry stops waiting (its client left, or its deadline passed)."""
+        queue = self._queues.get(entry.model)
+        if queue is not None:
+            queue.remove(entry)
+
+    def expired(self) -> list[Queued[T]]:
+        """The waiters past their deadline, taken off their queues: each is refused."""
+        gone = [entry for queue in self._queues.values() for entry in queue.expired()]
+        for entry in gone:
+            self.leave(entry)
+        return gone
+
+    def _queue(self, model: str) -> FlowQueue[T]:
+        queue = self._queues.get(model)
+        if queue is None:
+            config = self.config
+            queue = self._queues[model] = FlowQueue(config.ordering, config.aging_tokens_per_s, self._clock)
+        return queue
+
+    def _rate_limit(self, flow: str, objective: str, settings: ObjectiveConfig, tokens: int) -> None:
+        now = self._clock()
+        per_flow = self.config.per_flow.tokens_per_s
+        limits = ((f"objective:{objective}", settings.tokens_per_s), (f"flow:{flow}", per_flow))
+        for key, rate in limits:
+            if rate is None:
+                continue
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                if len(self._buckets) > _FLOWS_KEPT:  # those refilled to a burst are as good as new
+                    self._buckets = {
+                        k: b for k, b in self._buckets.items() if b.level + (now - b.at) * rate < rate
+                    }
+                bucket = self._buckets[key] = _Bucket(rate, now)
+            wait_s = bucket.take(tokens, rate, now)
+            if wait_s:
+                raise Refused("rate_limited", max(1, math.ceil(wait_s)))
+
+    def _at_limit(self, flow: str, objective: str) -> bool:
+        return self._flow_at_limit(flow) or self._objective_at_limit(objective)
+
+    def _flow_at_limit(self, flow: str) -> bool:
+        limit = self.config.per_flow.max_in_flight
+        return limit is not None and self._in_flight_flow.get(flow, 0) >= limit
+
+    def _objective_at_limit(self, objective: str) -> bool:
+        limit = self.config.objective(objective)[1].max_in_flight
+        return limit is not None and self._in_flight_objective.get(objective, 0) >= limit
+
+    def _count(self, flow: str, objective: str, change: int) -> None:
+        for counts, key in ((self._in_flight_flow, flow), (self._in_flight_objective, objective)):
+            left = counts.get(key, 0) + change
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)

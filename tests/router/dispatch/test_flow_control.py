@@ -1,0 +1,226 @@
+"""Flow control's queue: who waits, in what order requests leave, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import FlowControlConfig, ObjectiveConfig
+from router.dispatch.flow_control import FlowControl, Refused
+from router.dispatch.flow_queue import FlowQueue, Queued
+from router.dispatch.saturation import Saturation
+from router.upstreams.instances import Instance
+from tests.conftest import ManualClock
+
+
+class Room:
+    """Whether the fleet has room, as a test sets it."""
+
+    def __init__(self, open_: bool = False) -> None:
+        self.open = open_
+
+    def __call__(self) -> bool:
+        return self.open
+
+
+def control(clock: ManualClock, **settings: object) -> FlowControl[str]:
+    return FlowControl(FlowControlConfig(**settings), clock)  # type: ignore[arg-type]
+
+
+def drain(flow: FlowControl[str], limit: int = 100) -> list[str]:
+    """What leaves while the room stays open, each placed at once."""
+    out: list[str] = []
+    while len(out) < limit and (entry := flow.next_ready()) is not None:
+        out.append(entry.item)
+        flow.placed(entry.model)
+    return out
+
+
+def test_goes_at_once_while_there_is_room_and_nobody_waits() -> None:
+    clock, room = ManualClock(), Room(True)
+    flow = control(clock)
+    assert flow.admit("a", "m", "f", None, 100, 100, room) is None
+    room.open = False
+    assert flow.admit("b", "m", "f", None, 100, 100, room) is not None
+    room.open = True  # someone waits: a newcomer queues behind (and may pass) it, not around it
+    assert flow.admit("c", "m", "g", None, 10, 10, room) is not None
+    assert flow.admit("d", "m", "f", None, 1, 1, room) is not None
+    assert drain(flow) == ["c", "b", "d"]  # within a flow, first come first served
+
+
+@pytest.mark.parametrize(
+    ("ordering", "expected"),
+    [
+        ("spt", ["short", "middle", "long"]),
+        ("fcfs", ["long", "short", "middle"]),
+        ("edf", ["long", "short", "middle"]),
+    ],
+)
+def test_ordering_of_single_request_flows(ordering: str, expected: list[str]) -> None:
+    """Each session (one flow) has one request waiting: spt takes the least uncached work first."""
+    clock, room = ManualClock(), Room()
+    flow = control(clock, ordering=ordering)
+    for name, work in (("long", 30_000), ("short", 100), ("middle", 2_000)):
+        flow.admit(name, "m", f"session-{name}", None, work, work, room)
+        clock.now += 0.001
+    room.open = True
+    assert drain(flow) == expected
+
+
+def test_a_long_prompt_waits_a_bounded_time_for_later_short_ones() -> None:
+    """At 10,000 tokens a second of aging, a 50,000-token prompt lets shorter ones that come within 5 s of it
+    pass, not later ones."""
+    clock, room = ManualClock(), Room()
+    flow = control(clock, aging_tokens_per_s=10_000)
+    flow.admit("long", "m", "a", None, 50_000, 50_000, room)
+    clock.now = 4.0
+    flow.admit("within", "m", "b", None, 10, 10, room)
+    clock.now = 5.5
+    flow.admit("after", "m", "c", None, 10, 10, room)
+    room.open = True
+    assert drain(flow) == ["within", "long", "after"]
+
+
+def test_a_backlogged_flow_cannot_crowd_out_another() -> None:
+    """Flow "flood" queues 8 requests before "turns" queues 2 of the same size: they alternate."""
+    clock, room = ManualClock(), Room()
+    flow = control(clock, ordering="fcfs")
+    for n in range(8):
+        flow.admit(f"flood-{n}", "m", "flood", None, 1000, 1000, room)
+    for n in range(2):
+        flow.admit(f"turn-{n}", "m", "turns", None, 1000, 1000, room)
+    room.open = True
+    assert drain(flow, 4) == ["flood-0", "turn-0", "flood-1", "turn-1"]
+
+
+def test_spt_shares_by_tokens_between_backlogged_flows() -> None:
+    """Under spt a flow of long prompts gets fewer dispatches, not fewer tokens, than one of short ones."""
+    clock, room = ManualClock(), Room()
+    flow = control(clock)
+    for n in range(20):
+        flow.admit(f"long-{n}", "m", "batch", None, 9_999, 9_999, room)
+        flow.admit(f"short-{n}", "m", "chat", None, 999, 999, room)
+    room.open = True
+    first = drain(flow, 22)
+    assert sum(name.startswith("short") for name in first) == 20  # 20 x 1,000 tokens beside 2 x 10,000
+    assert sum(name.startswith("long") for name in first) == 2
+
+
+def test_higher_priority_band_leaves_first_and_unknown_objective_is_default() -> None:
+    clock, room = ManualClock(), Room()
+    objectives = {"interactive": ObjectiveConfig(priority=10), "batch": ObjectiveConfig(priority=-10)}
+    flow = control(clock, objectives=objectives)
+    flow.admit("batch", "m", "x", "batch", 1, 1, room)
+    flow.admit("default", "m", "x", "no-such-objective", 1, 1, room)
+    flow.admit("interactive", "m", "x", "interactive", 50_000, 50_000, room)
+    room.open = True
+    assert drain(flow) == ["interactive", "default", "batch"]
+
+
+def test_queue_limit_refuses_and_deadline_expires() -> None:
+    clock, room = ManualClock(), Room()
+    flow = control(clock, objectives={"default": ObjectiveConfig(max_queued=2, max_queue_s=5.0)})
+    a = flow.admit("a", "m", "f", None, 1, 1, room)
+    flow.admit("b", "m", "f", None, 1, 1, room)
+    with pytest.raises(Refused) as refused:
+        flow.admit("c", "m", "f", None, 1, 1, room)
+    assert refused.value.code == "queue_full" and refused.value.retry_after_s == 5
+    clock.now = 4.9
+    assert flow.expired() == []
+    clock.now = 5.0
+    assert {e.item for e in flow.expired()} == {"a", "b"} and flow.queued() == 0
+    assert a is not None and not a.live
+    room.open = True
+    assert drain(flow) == []
+
+
+def test_a_client_that_leaves_is_dequeued() -> None:
+    clock, room = ManualClock(), Room()
+    flow = control(clock)
+    gone = flow.admit("gone", "m", "f", None, 1, 1, room)
+    flow.admit("stays", "m", "f", None, 2, 2, room)
+    assert gone is not None
+    flow.leave(gone)
+    room.open = True
+    assert drain(flow) == ["stays"]
+
+
+def test_in_flight_limit_holds_a_flow_back_until_one_ends() -> None:
+    clock, room = ManualClock(), Room(True)
+    flow = control(clock, per_flow={"max_in_flight": 1})
+    assert flow.admit("a1", "m", "a", None, 1, 1, room) is None
+    assert flow.admit("a2", "m", "a", None, 1, 1, room) is not None  # a is at its limit: a2 waits
+    assert flow.admit("b1", "m", "b", None, 1, 1, room) is not None  # someone waits: b1 queues too
+    assert drain(flow) == ["b1"]  # a2 is skipped, b1 is not held behind it
+    flow.ended("a", "default")
+    assert drain(flow) == ["a2"]
+
+
+def test_tokens_per_second_refuses_with_retry_after() -> None:
+    clock, room = ManualClock(), Room(True)
+    flow = control(clock, per_flow={"tokens_per_s": 1000.0})
+    assert flow.admit("a", "m", "f", None, 3000, 3000, room) is None  # a burst may overdraw the bucket
+    with pytest.raises(Refused) as refused:
+        flow.admit("b", "m", "f", None, 10, 10, room)
+    assert refused.value.code == "rate_limited" and refused.value.retry_after_s == 2
+    assert flow.admit("other", "m", "g", None, 10, 10, room) is None  # another flow has its own
+    clock.now = 2.0
+    assert flow.admit("b", "m", "f", None, 10, 10, room) is None
+
+
+def test_let_go_one_at_a_time_until_placed() -> None:
+    """A waiter let go counts as granted until placed, so the room it takes is not given twice."""
+    clock, room = ManualClock(), Room()
+    flow = control(clock)
+    for name in ("a", "b"):
+        flow.admit(name, "m", name, None, 1, 1, room)
+    room.open = True
+    first = flow.next_ready()
+    assert first is not None and flow.next_ready() is None
+    flow.placed(first.model)
+    second = flow.next_ready()
+    assert second is not None and second.item == "b"
+
+
+def test_reload_keeps_the_queue_and_takes_new_limits() -> None:
+    clock, room = ManualClock(), Room()
+    flow = control(clock)
+    flow.admit("a", "m", "f", None, 1, 1, room)
+    flow.configure(FlowControlConfig(objectives={"default": ObjectiveConfig(max_queued=1)}))
+    with pytest.raises(Refused):
+        flow.admit("b", "m", "f", None, 1, 1, room)
+    room.open = True
+    assert drain(flow) == ["a"]
+
+
+def test_memory_of_flows_is_bounded() -> None:
+    clock = ManualClock()
+    queue = FlowQueue[int]("spt", 10_000.0, clock)
+    for n in range(20_000):
+        clock.now = n * 0.01
+        entry = Queued(n, f"session-{n}", "default", 0, 10.0, clock.now, clock.now + 10.0)
+        queue.add(entry)
+        queue.remove(entry)
+    assert len(queue) == 0 and not queue.by_flow
+    queue.add(Queued(-1, "last", "default", 0, 10.0, clock.now, clock.now + 10.0))
+    assert all(len(band.tags) <= 4097 for band in queue._bands.values())
+
+
+def saturated_instance(pending_tokens: int, capacity: int | None = None, active: int = 0) -> Instance:
+    instance = Instance(name="i", url="http://i", models=frozenset({"m"}), kv_capacity_tokens=capacity)
+    instance.own_pending_prefill_tokens = pending_tokens
+    if active:
+        instance.start(active, 0)
+    return instance
+
+
+def test_saturation_by_queued_prefill_and_by_memory() -> None:
+    saturation = Saturation(engine_queue_s=0.5, kv_usage=0.9)
+    rate = saturated_instance(0).ttft_model.queue_rate  # seconds per queued token
+    under, over = int(0.4 / rate), int(0.6 / rate)
+    assert saturation.open(saturated_instance(under))
+    assert not saturation.open(saturated_instance(over))
+    assert not saturation.open(saturated_instance(0, capacity=1000, active=950))
+    assert saturation.open(saturated_instance(0, capacity=1000, active=800))
+    assert saturation.has_room([saturated_instance(over), saturated_instance(under)])
+    assert not saturation.has_room([saturated_instance(over)])
+    assert saturation.has_room([])  # nothing serves it: it goes on to be answered 503, not to wait
