@@ -39,6 +39,7 @@ class TurnOutcome:
     prompt_tokens: int = 0
     instance: str = ""
     error: str = ""
+    flow: str | None = None  # a trace replay's: the flow (tenant) the request came from
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,14 @@ leading hash ids share exactly those tokens, and a router or engine sees the tra
 Each hash id stands for ``block_tokens`` real tokens instead of the trace's 512, and outputs are capped,
 so a trace written for large GPUs fits a small fleet (the real stack here has a 4,096-token context).
 Latencies count from the scheduled arrival, so a client or router that falls behind pays for it.
+A request of a flow (a tenant) names it and its objective in the headers a gateway would set; each outcome
+keeps its flow, for results per flow.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -21,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from kvroute.agent_sessions import SessionRun, TurnOutcome, post_stream
+from kvroute.simulate.workloads import skewed_flows_trace, tenants_trace
 from kvroute.traces import Trace, TraceRequest, agentic_trace, load_trace, mooncake_trace
 from router.dispatch.routing_headers import SESSION_HEADER
 from tinymodel.builder import VOCAB_SIZE
@@ -28,17 +32,32 @@ from tinymodel.builder import VOCAB_SIZE
 # Token ids of the tiny model's vocabulary with the special tokens (0-2) left out.
 VOCABULARY = range(3, VOCAB_SIZE)
 
+# The headers a gateway names a request's flow (its tenant) and objective in (router/config.py
+# FlowControlConfig); a router without flow control ignores them.
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+# Requests the multi-tenant workloads are generated with when all are asked for (their own default).
+TENANT_TRACE_REQUESTS = 2000
+
 
 def resolve_trace(spec: str, requests: int | None = None, rate: float = 1.0) -> Trace:
-    """``agentic`` (generated), ``mooncake`` (the conversation trace shipped in kvroute/data/) or a path."""
+    """``agentic`` (generated), ``mooncake`` (the conversation trace shipped in kvroute/data/), ``tenants``
+    or ``flows`` (kvroute/simulate/workloads.py's multi-tenant workloads, seed 0) or a path.
+
+    The tenant workloads are generated with ``requests`` requests (each flow its share of them), not cut
+    from a longer trace, whose first requests would be nearly all of one flow."""
     if spec == "agentic":
         trace = agentic_trace()
     elif spec == "mooncake":
         trace = mooncake_trace()
+    elif spec == "tenants":
+        trace = tenants_trace(0, requests or TENANT_TRACE_REQUESTS)
+    elif spec == "flows":
+        trace = skewed_flows_trace(0, requests or TENANT_TRACE_REQUESTS)
     else:
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(f"--trace {spec!r}: not agentic, mooncake or a trace file")
+            raise ValueError(f"--trace {spec!r}: not agentic, mooncake or a trace file, nor tenants or flows")
         trace = load_trace(path)
     if requests is not None:
         trace = trace.head(requests)
@@ -113,6 +132,16 @@ async def stream_completion(
     return TurnOutcome("ok", ttft, time.perf_counter() - start, streamed.prompt_tokens, streamed.instance)
 
 
+def flow_headers(request: TraceRequest) -> dict[str, str]:
+    """The flow and objective a request names, as a gateway would send them; none for a request without."""
+    headers = {}
+    if request.flow is not None:
+        headers[FAIRNESS_HEADER] = request.flow
+    if request.objective is not None:
+        headers[OBJECTIVE_HEADER] = request.objective
+    return headers
+
+
 async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
     synth = PromptSynth(plan.seed, plan.block_tokens, plan.trace.block_tokens)
     run = ReplayRun()
@@ -123,6 +152,7 @@ async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
         headers = dict(plan.headers)
         if request.session is not None:
             headers[plan.session_header] = f"{plan.session_prefix}-{plan.seed}-{request.session}"
+        headers.update(flow_headers(request))
         body = {
             "model": plan.model,
             "prompt": synth.prompt(request),
@@ -131,7 +161,8 @@ async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        run.outcomes.append(await stream_completion(http, base_url, body, headers, due))
+        outcome = await stream_completion(http, base_url, body, headers, due)
+        run.outcomes.append(dataclasses.replace(outcome, flow=request.flow))
         plan.on_request()
 
     timeout = aiohttp.ClientTimeout(total=plan.request_timeout_s)
@@ -156,8 +187,13 @@ async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
     return run
 
 
-def replay_size(plan: ReplayPlan) -> int:
-    """Requests the replay will go through (sent or not), for progress bars."""
+def replayed(plan: ReplayPlan) -> list[TraceRequest]:
+    """The requests the replay will go through (sent or not): those due within its time limit."""
     requests = plan.trace.requests
     origin = requests[0].arrival_s if requests else 0.0
-    return sum(1 for r in requests if r.arrival_s - origin <= plan.time_limit_s)
+    return [r for r in requests if r.arrival_s - origin <= plan.time_limit_s]
+
+
+def replay_size(plan: ReplayPlan) -> int:
+    """Requests the replay will go through (sent or not), for progress bars."""
+    return len(replayed(plan))

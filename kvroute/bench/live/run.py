@@ -7,7 +7,9 @@ also reset between targets where the instances allow it. Hit rates come from the
 (``vllm:prefix_cache_*``), summed over instances, before and after each target. The benchmark starts every
 router it measures on 127.0.0.1, in its own process group, and stops exactly those. On a prefill/decode
 disaggregated fleet (kvroute/bench/live/pd.py) vllm-router runs in its P/D mode, and each target's prompt
-tokens are told apart by where they were computed.
+tokens are told apart by where they were computed. A trace of several flows (tenants) is also reported per
+flow, and kvroute's routers get the objectives the simulator configures, so a flow's priority means the same
+live as simulated.
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
 from kvroute.agent_apis import Api
-from kvroute.agent_sessions import SessionRun
+from kvroute.agent_sessions import SessionRun, TurnOutcome
 from kvroute.bench.live.pd import (
     PD_TARGETS,
     Connector,
@@ -62,6 +64,7 @@ from kvroute.processes import (
     spawn,
     wait_healthy,
 )
+from kvroute.simulate.policies import SIM_OBJECTIVES
 from kvroute.trace_replay import ReplayPlan, ReplayRun, resolve_trace
 from kvroute.traces import Trace
 from kvroute.workload import AgentWorkload
@@ -143,7 +146,7 @@ class LiveOptions:
     system_prompt_words: int = 400
     api: Api = "chat"  # the sessions' API: chat completions, OpenAI Responses or Anthropic Messages
     responses_chain: bool = False  # responses: each turn after the last by previous_response_id (stored)
-    trace: str | None = None  # agentic, mooncake or a JSONL path: replay it instead of sessions
+    trace: str | None = None  # agentic, mooncake, tenants, flows or a JSONL path: replayed, not sessions
     rate: float = 5.0  # multiplies the trace's arrival rate
     requests: int | None = 400  # the trace's first N requests (None: all)
     block_tokens: int = 32  # real tokens per trace hash id
@@ -179,6 +182,38 @@ class EngineCounters:
 
 
 @dataclass
+class FlowResult:
+    """One flow's requests through a target."""
+
+    requests: int = 0
+    ok: int = 0
+    failed: int = 0
+    rejected: int = 0
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+
+
+def flow_results(outcomes: Iterable[TurnOutcome]) -> dict[str, FlowResult]:
+    """Outcomes by the flow they came from, in name order; empty when none has a flow."""
+    by_flow: dict[str, list[TurnOutcome]] = {}
+    for outcome in outcomes:
+        if outcome.flow is not None:
+            by_flow.setdefault(outcome.flow, []).append(outcome)
+    results = {}
+    for flow, flow_outcomes in sorted(by_flow.items()):
+        ttfts = sorted(o.ttft_s for o in flow_outcomes if o.status == "ok")
+        results[flow] = FlowResult(
+            requests=len(flow_outcomes),
+            ok=len(ttfts),
+            failed=sum(o.status == "failed" for o in flow_outcomes),
+            rejected=sum(o.status == "rejected" for o in flow_outcomes),
+            ttft_p50_ms=_quantile(ttfts, 0.5) * 1000 if ttfts else None,
+            ttft_p99_ms=_quantile(ttfts, 0.99) * 1000 if ttfts else None,
+        )
+    return results
+
+
+@dataclass
 class TargetResult:
     target: str
     kind: str
@@ -211,6 +246,7 @@ class TargetResult:
     errors: dict[str, int] = field(default_factory=dict)
     router_metrics: dict[str, float] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)  # every ok request's, in completion order
+    flows: dict[str, FlowResult] = field(default_factory=dict)  # a trace's flows (tenants), if it has them
 
 
 @dataclass
@@ -223,6 +259,10 @@ class LiveReport:
     @property
     def disaggregated(self) -> bool:
         return any(role != "both" for role in self.roles)
+
+    @property
+    def has_flows(self) -> bool:
+        return any(r.flows for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -254,14 +294,14 @@ def run_live_bench(options: LiveOptions, console: Console | None = None) -> Live
         described = _describe(workload, options, fleet)
         instances = fleet.config.instances
         report = LiveReport(described, [i.name for i in instances], [], [i.role for i in instances])
-        with bench_view(console, lambda: render_table(report)) as view:
+        with bench_view(console, lambda: render_tables(report)) as view:
             for index, target in enumerate(targets):
                 seed = options.seed + index
                 progress = view.target(target.label, workload.size)
                 result = _run_target(target, seed, workload, progress, fleet, options, log_dir)
                 report.results.append(result)
                 view.done(_summary(result))
-    console.print(render_table(report))
+    console.print(render_tables(report))
     if report.disaggregated:
         console.print(render_pd_table(report.results))
     for result in report.results:
@@ -409,7 +449,9 @@ def _endpoint(
 
 
 def kvroute_config(fleet: Fleet, policy: str) -> dict[str, Any]:
-    """The fleet's configuration with ``policy`` as the default (round-robin added if it is missing)."""
+    """The fleet's configuration with ``policy`` as the default (round-robin added if it is missing), and
+    the objectives the simulator configures (kvroute/simulate/policies.py) beside any of its own, which win
+    where they share a name: a trace's objectives mean the same live as simulated."""
     policies = {name: spec.model_dump(mode="json") for name, spec in fleet.config.policies.items()}
     policies.setdefault("round-robin", ROUND_ROBIN)
     if policy not in policies:
@@ -417,6 +459,9 @@ def kvroute_config(fleet: Fleet, policy: str) -> dict[str, Any]:
     config = copy.deepcopy(fleet.raw)
     config["policies"] = policies
     config["default_policy"] = policy
+    flow_control = config.get("flow_control") or {}
+    objectives = {**copy.deepcopy(SIM_OBJECTIVES), **(flow_control.get("objectives") or {})}
+    config["flow_control"] = {**flow_control, "objectives": objectives}
     return config
 
 
@@ -550,6 +595,7 @@ def _fill(result: TargetResult, run: SessionRun, before: EngineCounters, after: 
     if isinstance(run, ReplayRun):
         result.not_sent, result.late_s = run.not_sent, run.late_s
     result.ttft_ms = [round(o.ttft_s * 1000, 2) for o in ok]
+    result.flows = flow_results(outcomes)
     if ok:
         ttfts = sorted(o.ttft_s for o in ok)
         result.ttft_p50_ms = _quantile(ttfts, 0.5) * 1000
@@ -603,6 +649,33 @@ def _ms(value: float | None) -> str:
 
 def _rate(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
+
+
+def render_tables(report: LiveReport) -> RenderableType:
+    """The results table, and the table per flow when the trace has flows."""
+    if not report.has_flows:
+        return render_table(report)
+    return Group(render_table(report), render_flow_table(report))
+
+
+def render_flow_table(report: LiveReport) -> Table:
+    """Each target's requests by flow (tenant): TTFT, and how many failed or were refused."""
+    table = Table(title="per flow")
+    for column in ("target", "flow", "requests", "ok", "failed", "rejected", "TTFT p50", "TTFT p99"):
+        table.add_column(column, no_wrap=column == "target")
+    for r in report.results:
+        for flow, f in r.flows.items():
+            table.add_row(
+                r.target,
+                flow,
+                str(f.requests),
+                str(f.ok),
+                str(f.failed),
+                str(f.rejected),
+                _ms(f.ttft_p50_ms),
+                _ms(f.ttft_p99_ms),
+            )
+    return table
 
 
 def render_table(report: LiveReport) -> Table:

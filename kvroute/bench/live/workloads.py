@@ -7,13 +7,14 @@ cache another one warmed) and tell a progress callback after every request.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvroute.agent_apis import PATHS, Api
 from kvroute.agent_sessions import SessionPlan, SessionRun, run_sessions
-from kvroute.trace_replay import ReplayPlan, replay_size, replay_trace
+from kvroute.trace_replay import ReplayPlan, replay_size, replay_trace, replayed
 from kvroute.workload import AgentWorkload
 
 
@@ -109,6 +110,7 @@ class TraceWorkload:
             "rate": self.rate,
             "trace_span_s": requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0,
             "sessions": len({r.session for r in requests if r.session is not None}),
+            "flows": dict(sorted(Counter(r.flow for r in replayed(p) if r.flow is not None).items())),
             "trace_block_tokens": p.trace.block_tokens,
             "block_tokens": p.block_tokens,
             "max_tokens": p.max_tokens,
