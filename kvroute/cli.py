@@ -545,7 +545,9 @@ def _parser() -> argparse.ArgumentParser:
         "NAME=URL (a running router); default: kvroute:round-robin,kvroute,vllm-router:round_robin,"
         "vllm-router:cache_aware,vllm-router:kv_aware, and vllm-router:power_of_two on a P/D fleet",
     )
-    live.add_argument("--trace", help="replay agentic, mooncake or a JSONL file (open loop), not sessions")
+    live.add_argument(
+        "--trace", help="replay agentic, mooncake, tenants, flows or a JSONL file (open loop), not sessions"
+    )
     live.add_argument("--rate", type=float, default=5.0, help="trace: multiplies its arrival rate")
     live.add_argument("--requests", type=int, default=400, help="trace: its first N requests (0: all)")
     live.add_argument("--block-tokens", type=int, default=32, help="trace: real tokens per hash id")

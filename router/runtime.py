@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 # not: its watch is set up once, at start (a changed selector or source is a new fleet, not an edit).
 RELOADABLE = frozenset({"policies", "default_policy", "traffic", "admin", "instances", "flow_control"})
 DISCOVERY_MAX_BACKOFF_S = 10.0  # between attempts to reach an API server that is down
+FLOW_TICK_S = 0.25  # how often waiting requests look for room that appeared without an event
 
 
 class Runtime:
@@ -146,6 +147,7 @@ class Runtime:
         loops = {
             "health": (self.health.check_due, self.health.tick_s, True),
             "load": (scraper.scrape_all, scraper.interval_s, False),
+            "flow_control": (self.flow_gate.tick, FLOW_TICK_S, True),
             **{name: (loop, config.peers.interval_s, False) for name, loop in self.peers.loops().items()},
         }
         tasks = [

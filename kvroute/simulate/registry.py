@@ -144,6 +144,7 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute+memory-hold": _with_memory_hold,
     "kvroute-no-queue": _with_flow_control("kvroute-no-queue", enabled=False),
     "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),
+    "kvroute-queue-edf": _with_flow_control("kvroute-queue-edf", ordering="edf"),
     "kvroute-in-flight-x": _in_flight_multiplied,
     "kvroute+context-load": _with_context_load("kvroute+context-load", 0.3, 0.0),
     "kvroute+both-load": _with_context_load("kvroute+both-load", 0.3, 0.3),

@@ -149,6 +149,12 @@ class FlowGate:
         self.control.placed(model)
         self.pump()
 
+    async def tick(self) -> None:
+        """Room can also appear without an event here (an instance back to health, a silent peer's counts
+        dropped): looked for every tick while requests wait."""
+        if self.control.queued():
+            self.pump()
+
     def pump(self) -> None:
         """Room may have appeared: let go the waiters that may go now."""
         control = self.control

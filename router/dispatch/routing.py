@@ -174,8 +174,9 @@ class RoutingService:
         if received.target.pinned is not None:
             return prepared
         request = prepared.request
-        work = uncached_at_best(request) if request.chain else len(received.raw)
-        tokens = request.prompt_tokens or len(received.raw)
+        # Untokenized (too large, or no tokenizer): about 4 bytes a token.
+        tokens = request.prompt_tokens or len(received.raw) // 4
+        work = uncached_at_best(request) if request.chain else tokens
         received.ticket = ticket = await self._flow_gate.wait(
             received.model, received.flow, received.objective, work, tokens
         )
