@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.bench.overhead.envoy import ROUTING_FILTER, connection_manager, routing_filter
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
-from tests.conftest import metric
+from tests.conftest import metric, sample
 from tests.router.epp.conftest import (
     FAST_FLEET,
     envoy_config,
@@ -262,7 +262,7 @@ def test_the_picker_holds_envoys_request_while_the_instance_prefills(tmp_path: P
                 )
             )
             deadline = time.monotonic() + 20
-            while metric(picker.metrics_url, "kvroute_instance_in_flight") != 1:
+            while sample(picker.metrics_url, "kvroute_instance_in_flight") != 1:
                 assert time.monotonic() < deadline, "the long prompt never went"
                 time.sleep(0.05)
             waited = pool.submit(

@@ -21,6 +21,7 @@ class Outcome:
 
     streamed = False
     attempts = 1
+    ticket = None
 
     def __init__(self) -> None:
         self.told: list[str] = []
@@ -37,7 +38,7 @@ class Picker:
     async def route(self, method: str, path: str, headers: object, raw: bytes, subset: object) -> Routed:
         return Routed(["10.0.0.1:8000"], raw, self.outcome)  # type: ignore[arg-type]
 
-    def leave(self) -> None:
+    def leave(self, ticket: object) -> None:
         self.left += 1
 
 
