@@ -322,11 +322,17 @@ class FlowControlConfig(_Strict):
         "within each), edf (the earliest deadline, no fairness)",
     )
     aging_tokens_per_s: float = Field(
+        default=100_000.0,
+        gt=0,
+        description="how ordering weighs work against waiting: a prompt this many tokens longer (its cost: "
+        "spt's predicted uncached tokens, fcfs's 1,000 a request) waits up to a second more than a later "
+        "shorter one",
+    )
+    flow_share_tokens_per_s: float = Field(
         default=10_000.0,
         gt=0,
-        description="how ordering weighs work against waiting: a request is tagged with its arrival time "
-        "plus its cost (spt: its predicted uncached tokens; fcfs: 1,000) at this rate, the smallest tag "
-        "first; a flow that keeps more than this many tokens a second waiting falls behind the others",
+        description="fairness between flows: a flow that keeps more than this many tokens a second waiting "
+        "falls behind the flows that do not; flows that both do take turns by tokens",
     )
     engine_queue_s: float = Field(
         default=0.05,

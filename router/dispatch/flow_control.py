@@ -73,6 +73,7 @@ class FlowControl(Generic[T]):
         for queue in self._queues.values():
             queue.ordering = config.ordering
             queue.aging_tokens_per_s = config.aging_tokens_per_s
+            queue.flow_share_tokens_per_s = config.flow_share_tokens_per_s
 
     @property
     def enabled(self) -> bool:
@@ -154,7 +155,9 @@ class FlowControl(Generic[T]):
         queue = self._queues.get(model)
         if queue is None:
             config = self.config
-            queue = self._queues[model] = FlowQueue(config.ordering, config.aging_tokens_per_s, self._clock)
+            queue = self._queues[model] = FlowQueue(
+                config.ordering, config.aging_tokens_per_s, config.flow_share_tokens_per_s, self._clock
+            )
         return queue
 
     def _rate_limit(self, flow: str, objective: str, settings: ObjectiveConfig, tokens: int) -> None:

@@ -1,18 +1,21 @@
 """The router's queue for one model: requests wait here holding no instance, and leave in a chosen order.
 
-Bands first: a request leaves only when no request of a higher priority may. Within a band, a virtual clock
-over flows (a tenant, a session, an agent program): each request is tagged on arrival with
+Bands first: a request leaves only when no request of a higher priority may. Within a band each request is
+tagged on arrival, and the smallest tag leaves first:
 
-    tag = max(arrival time, its flow's previous tag) + cost / aging_tokens_per_s
+    tag = max(arrival + cost / aging_tokens_per_s, its flow's share clock)
+    share clock = max(arrival, share clock) + cost / flow_share_tokens_per_s   (after it)
 
-and the smallest tag leaves first. The cost says what is shared:
-- `spt`: its predicted uncached tokens. A flow with one request waiting (most sessions) is ordered by arrival
-  plus its work, shortest first among those that came together, which lowers the median; a prompt N tokens
-  longer waits at most N / aging_tokens_per_s seconds more than a later short one, so no prompt starves. A
-  flow that keeps more work waiting than that rate falls behind the others: two flows that both do share
-  the dispatches evenly, whatever their arrival rates.
-- `fcfs`: every request counts as 1,000 tokens. Flows take turns; within a flow, first come first served.
-- `edf`: no fairness; the earliest deadline (arrival plus its objective's queue limit) first.
+The cost is what ordering weighs:
+- `spt`: its predicted uncached tokens. Requests that came together leave shortest first, which lowers the
+  median; a prompt N tokens longer waits at most N / aging_tokens_per_s seconds more than a later short
+  one, so none starves.
+- `fcfs`: every request counts as 1,000 tokens: first come first served.
+- `edf`: no cost and no fairness; the earliest deadline (arrival plus its objective's queue limit) first.
+
+The share clock is fairness between flows (tenants, sessions, agent programs): a flow that keeps more than
+flow_share_tokens_per_s waiting runs its clock ahead of time and falls behind the flows that do not; two
+flows that both do take turns by tokens (by requests under fcfs), whatever their arrival rates.
 
 It only orders: when a request may leave is router/dispatch/saturation.py's; limits are
 router/dispatch/flow_control.py's.
@@ -30,7 +33,7 @@ from typing import Generic, Literal, TypeVar
 T = TypeVar("T")
 Ordering = Literal["spt", "fcfs", "edf"]
 
-# Flows' last tags are kept while they are ahead of the clock; past this many, those behind it (as good as a
+# Flows' share clocks are kept while they are ahead of time; past this many, those behind it (as good as a
 # flow never seen) are forgotten.
 _FLOWS_KEPT = 4096
 _FCFS_COST = 1_000.0  # tokens: what every request counts as under fcfs
@@ -53,7 +56,7 @@ class Queued(Generic[T]):
 @dataclass(eq=False, slots=True)
 class _Band(Generic[T]):
     tagged: list[tuple[float, int, Queued[T]]] = field(default_factory=list)  # a heap by tag
-    tags: dict[str, float] = field(default_factory=dict)  # each flow's last tag
+    shares: dict[str, float] = field(default_factory=dict)  # each flow's share clock
     count: int = 0
 
     def live(self) -> Iterator[Queued[T]]:
@@ -74,10 +77,12 @@ class FlowQueue(Generic[T]):
     def __init__(
         self,
         ordering: Ordering = "spt",
-        aging_tokens_per_s: float = 10_000.0,
+        aging_tokens_per_s: float = 100_000.0,
+        flow_share_tokens_per_s: float = 10_000.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ordering, self.aging_tokens_per_s, self._clock = ordering, aging_tokens_per_s, clock
+        self.ordering, self._clock = ordering, clock
+        self.aging_tokens_per_s, self.flow_share_tokens_per_s = aging_tokens_per_s, flow_share_tokens_per_s
         self._bands: dict[int, _Band[T]] = {}
         self._priorities: list[int] = []  # highest first
         self._seq = itertools.count()
@@ -138,13 +143,13 @@ class FlowQueue(Generic[T]):
     def _tag(self, band: _Band[T], queued: Queued[T]) -> float:
         if self.ordering == "edf":
             return queued.deadline
-        tags = band.tags
+        shares, arrival = band.shares, queued.since
         cost = _FCFS_COST if self.ordering == "fcfs" else queued.work + 1.0
-        tags[queued.flow] = tag = (
-            max(queued.since, tags.get(queued.flow, 0.0)) + cost / self.aging_tokens_per_s
-        )
-        if len(tags) > _FLOWS_KEPT:  # a flow whose last tag has passed starts afresh anyway
-            band.tags = {flow: kept for flow, kept in tags.items() if kept > queued.since}
+        share = shares.get(queued.flow, 0.0)
+        tag = max(arrival + cost / self.aging_tokens_per_s, share)
+        shares[queued.flow] = max(arrival, share) + cost / self.flow_share_tokens_per_s
+        if len(shares) > _FLOWS_KEPT:  # a flow whose clock has passed starts afresh anyway
+            band.shares = {flow: kept for flow, kept in shares.items() if kept > arrival}
         return tag
 
 

@@ -194,7 +194,7 @@ def test_reload_keeps_the_queue_and_takes_new_limits() -> None:
 
 def test_memory_of_flows_is_bounded() -> None:
     clock = ManualClock()
-    queue = FlowQueue[int]("spt", 10_000.0, clock)
+    queue = FlowQueue[int]("spt", clock=clock)
     for n in range(20_000):
         clock.now = n * 0.01
         entry = Queued(n, f"session-{n}", "default", 0, 10.0, clock.now, clock.now + 10.0)
@@ -202,7 +202,7 @@ def test_memory_of_flows_is_bounded() -> None:
         queue.remove(entry)
     assert len(queue) == 0 and not queue.by_flow
     queue.add(Queued(-1, "last", "default", 0, 10.0, clock.now, clock.now + 10.0))
-    assert all(len(band.tags) <= 4097 for band in queue._bands.values())
+    assert all(len(band.shares) <= 4097 for band in queue._bands.values())
 
 
 def saturated_instance(pending_tokens: int, capacity: int | None = None, active: int = 0) -> Instance:
