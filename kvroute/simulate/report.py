@@ -75,6 +75,7 @@ def as_json(result: RunResult) -> dict[str, Any]:
         "busy_per_instance_s": result.busy_per_instance_s,
         "longest_session_s": result.longest_session_s,
         "tail": result.tail,
+        "flows": result.flows,
         "wall_s": result.wall_s,
     }
 
