@@ -275,6 +275,7 @@ class Run:
         if entry is None:
             return True
         self.loop.at(entry.deadline, self._expire)
+        self._let_go()  # those waiting may all be held by their limits while this one may go
         return False
 
     def dispatch(self, request: SimRequest) -> None:

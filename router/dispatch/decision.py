@@ -104,7 +104,8 @@ class Decider:
         tools_out_when_none: the models whose engines leave a chat's tools out when its tool_choice is "none"
         (vLLM's --exclude-tools-when-tool-choice-none)."""
         self._audit = TokenizationAudit(audit_every, metrics, remote)
-        self._pool = IndexOnlyMatches(index) if pool is None else pool
+        self._index_matches = IndexOnlyMatches(index)
+        self._pool = self._index_matches if pool is None else pool
         self._adapters = adapters
         self._tools_out_when_none = tools_out_when_none
         self._index = index
@@ -161,7 +162,9 @@ class Decider:
         if not request.chain:
             return prepared
         reusable = max(request.prompt_tokens - 1, 0) // self._block_size
-        matches = await self._pool.matches(request.model, request.chain, reusable)
+        # The index alone: a pool master's round trip would hold up the queue behind it (the pool entries are
+        # taken as announced; the arrival's lookup confirmed those it had then).
+        matches = await self._index_matches.matches(request.model, request.chain, reusable)
         return Prepared(replace(request, matches=matches))
 
     def anthropic_probes(self, model: str) -> TemplateProbes | None:

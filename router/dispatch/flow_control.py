@@ -42,17 +42,15 @@ class _Bucket:
     """Tokens a second, with a second's burst; a request may overdraw it, and the next waits until it is
     back to zero."""
 
+    rate: float
     level: float
     at: float
 
-    def take(self, tokens: int, rate: float, now: float) -> float:
-        """The seconds until a request may be taken; 0: taken now."""
-        self.level = min(rate, self.level + (now - self.at) * rate)
+    def wait_s(self, now: float) -> float:
+        """Refilled to now: the seconds until a request may be taken (0: now)."""
+        self.level = min(self.rate, self.level + (now - self.at) * self.rate)
         self.at = now
-        if self.level < 0:
-            return -self.level / rate
-        self.level -= tokens
-        return 0.0
+        return -self.level / self.rate if self.level < 0 else 0.0
 
 
 class FlowControl(Generic[T]):
@@ -123,7 +121,7 @@ class FlowControl(Generic[T]):
             for head in queue.heads(lambda flow: self._flow_at_limit(flow)):
                 if self._objective_at_limit(head.objective):
                     continue
-                queue.remove(head)
+                queue.dispatched(head)
                 self._granted[model] = self._granted.get(model, 0) + 1
                 self._count(head.flow, head.objective, 1)
                 return head
@@ -161,22 +159,29 @@ class FlowControl(Generic[T]):
         return queue
 
     def _rate_limit(self, flow: str, objective: str, settings: ObjectiveConfig, tokens: int) -> None:
+        """Refused when the objective's or the flow's bucket is overdrawn; else both are charged."""
         now = self._clock()
-        per_flow = self.config.per_flow.tokens_per_s
-        limits = ((f"objective:{objective}", settings.tokens_per_s), (f"flow:{flow}", per_flow))
-        for key, rate in limits:
-            if rate is None:
-                continue
-            bucket = self._buckets.get(key)
-            if bucket is None:
-                if len(self._buckets) > _FLOWS_KEPT:  # those refilled to a burst are as good as new
-                    self._buckets = {
-                        k: b for k, b in self._buckets.items() if b.level + (now - b.at) * rate < rate
-                    }
-                bucket = self._buckets[key] = _Bucket(rate, now)
-            wait_s = bucket.take(tokens, rate, now)
-            if wait_s:
-                raise Refused("rate_limited", max(1, math.ceil(wait_s)))
+        limits = (
+            (f"objective:{objective}", settings.tokens_per_s),
+            (f"flow:{flow}", self.config.per_flow.tokens_per_s),
+        )
+        buckets = [self._bucket(key, rate, now) for key, rate in limits if rate is not None]
+        wait_s = max((bucket.wait_s(now) for bucket in buckets), default=0.0)
+        if wait_s:
+            raise Refused("rate_limited", max(1, math.ceil(wait_s)))
+        for bucket in buckets:
+            bucket.level -= tokens
+
+    def _bucket(self, key: str, rate: float, now: float) -> _Bucket:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) > _FLOWS_KEPT:  # those refilled to a burst are as good as new
+                self._buckets = {
+                    k: b for k, b in self._buckets.items() if b.level + (now - b.at) * b.rate < b.rate
+                }
+            bucket = self._buckets[key] = _Bucket(rate, rate, now)
+        bucket.rate = rate  # a reload may have changed it
+        return bucket
 
     def _at_limit(self, flow: str, objective: str) -> bool:
         return self._flow_at_limit(flow) or self._objective_at_limit(objective)

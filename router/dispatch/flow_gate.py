@@ -103,6 +103,7 @@ class FlowGate:
             return ticket
         self._metrics.flow_queued(name).inc()
         self._count(name, flow)
+        self.pump()  # those waiting may all be held by their limits while this one may go
         queued_at = time.monotonic()
         try:
             async with asyncio.timeout(entry.deadline - queued_at):

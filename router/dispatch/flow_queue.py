@@ -4,7 +4,7 @@ Bands first: a request leaves only when no request of a higher priority may. Wit
 tagged on arrival, and the smallest tag leaves first:
 
     tag = max(arrival + cost / aging_tokens_per_s, its flow's share clock)
-    share clock = max(arrival, share clock) + cost / flow_share_tokens_per_s   (after it)
+    share clock = max(arrival, band clock, share clock) + cost / flow_share_tokens_per_s   (after it)
 
 The cost is what ordering weighs:
 - `spt`: its predicted uncached tokens. Requests that came together leave shortest first, which lowers the
@@ -15,7 +15,8 @@ The cost is what ordering weighs:
 
 The share clock is fairness between flows (tenants, sessions, agent programs): a flow that keeps more than
 flow_share_tokens_per_s waiting runs its clock ahead of time and falls behind the flows that do not; two
-flows that both do take turns by tokens (by requests under fcfs), whatever their arrival rates.
+flows that both do take turns by tokens (by requests under fcfs), whatever their arrival rates. The band
+clock (the largest tag let go) keeps a flow that starts late from jumping ahead of those already waiting.
 
 It only orders: when a request may leave is router/dispatch/saturation.py's; limits are
 router/dispatch/flow_control.py's.
@@ -50,6 +51,7 @@ class Queued(Generic[T]):
     deadline: float  # past it the request is refused, not dispatched
     model: str = ""
     seq: int = 0
+    tag: float = 0.0
     live: bool = True
 
 
@@ -57,6 +59,7 @@ class Queued(Generic[T]):
 class _Band(Generic[T]):
     tagged: list[tuple[float, int, Queued[T]]] = field(default_factory=list)  # a heap by tag
     shares: dict[str, float] = field(default_factory=dict)  # each flow's share clock
+    clock: float = 0.0  # virtual: the largest tag let go so far
     count: int = 0
 
     def live(self) -> Iterator[Queued[T]]:
@@ -140,17 +143,27 @@ class FlowQueue(Generic[T]):
             if queued.live and queued.deadline <= now
         ]
 
+    def dispatched(self, queued: Queued[T]) -> None:
+        """queued leaves to be sent: the band's virtual clock moves up to its tag."""
+        band = self._bands[queued.priority]
+        band.clock = max(band.clock, queued.tag)
+        self.remove(queued)
+
     def _tag(self, band: _Band[T], queued: Queued[T]) -> float:
         if self.ordering == "edf":
             return queued.deadline
-        shares, arrival = band.shares, queued.since
+        arrival = queued.since
         cost = _FCFS_COST if self.ordering == "fcfs" else queued.work + 1.0
-        share = shares.get(queued.flow, 0.0)
-        tag = max(arrival + cost / self.aging_tokens_per_s, share)
-        shares[queued.flow] = max(arrival, share) + cost / self.flow_share_tokens_per_s
-        if len(shares) > _FLOWS_KEPT:  # a flow whose clock has passed starts afresh anyway
-            band.shares = {flow: kept for flow, kept in shares.items() if kept > arrival}
-        return tag
+        # A flow's clock starts from the band's (no credit for having been idle, as in start-time fair
+        # queueing) and runs at most one queue limit ahead (what it was charged for requests that timed out
+        # or whose clients left is not held against it for longer).
+        floor = max(arrival, band.clock)
+        share = min(band.shares.get(queued.flow, 0.0), floor + queued.deadline - arrival)
+        band.shares[queued.flow] = max(floor, share) + cost / self.flow_share_tokens_per_s
+        queued.tag = max(arrival + cost / self.aging_tokens_per_s, share)
+        if len(band.shares) > _FLOWS_KEPT:  # a flow whose clock has passed starts afresh anyway
+            band.shares = {flow: kept for flow, kept in band.shares.items() if kept > floor}
+        return queued.tag
 
 
 def _lower(counts: dict[str, int], key: str) -> None:

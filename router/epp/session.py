@@ -23,6 +23,7 @@ import itertools
 import secrets
 from typing import Any
 
+from router.dispatch.flow_gate import FlowTicket
 from router.dispatch.outcome import Outcome
 from router.dispatch.routing_headers import routing_headers
 from router.epp import messages
@@ -81,6 +82,7 @@ class Exchange:
         self._body = bytearray()
         self._duplex_request = self._duplex_response = False
         self._routed: Routed | None = None
+        self._ticket: FlowTicket | None = None  # the routed request's place in flow control
         self._outcome: Outcome | None = None  # the attempt the answer is told to, until it ends
         self._holds_slot = False
         self._answer: GatewayAnswer | None = None  # once the answer's first byte came
@@ -178,7 +180,7 @@ class Exchange:
                 outcome.abandon(None, failed=False)
         if self._holds_slot:
             self._holds_slot = False
-            self._picker.leave(None if outcome is None else outcome.ticket)
+            self._picker.leave(self._ticket)
 
     async def _request_headers(self, message: Any) -> list[Any]:
         self._duplex_request, self._duplex_response = messages.full_duplex(message)
@@ -208,6 +210,8 @@ class Exchange:
             return [self._refused(error)]
         self.decided = end
         self._routed, self._outcome = routed, routed.outcome
+        # Kept apart from the outcome, which an answer Envoy made itself drops before the request is over.
+        self._ticket = None if routed.outcome is None else routed.outcome.ticket
         self._holds_slot = routed.outcome is not None
         key = None
         if routed.outcome is not None:
@@ -281,4 +285,4 @@ class Exchange:
         outcome.finish()
         if self._holds_slot:
             self._holds_slot = False
-            self._picker.leave(outcome.ticket)
+            self._picker.leave(self._ticket)

@@ -224,3 +224,32 @@ def test_saturation_by_queued_prefill_and_by_memory() -> None:
     assert saturation.has_room([saturated_instance(over), saturated_instance(under)])
     assert not saturation.has_room([saturated_instance(over)])
     assert saturation.has_room([])  # nothing serves it: it goes on to be answered 503, not to wait
+
+
+def test_a_flow_charged_for_requests_that_timed_out_is_not_starved_later() -> None:
+    """Flow a queues far more than it is served and its requests time out; once flow b competes with it,
+    they take turns: a's clock ran at most one queue limit ahead."""
+    clock, room = ManualClock(), Room()
+    flow = control(clock, objectives={"default": ObjectiveConfig(max_queue_s=20.0)})
+    for n in range(100):
+        flow.admit(f"old-{n}", "m", "a", None, 10_000, 10_000, room)
+    clock.now = 21.0
+    assert len(flow.expired()) == 100
+    for n in range(3):
+        flow.admit(f"a-{n}", "m", "a", None, 10_000, 10_000, room)
+        flow.admit(f"b-{n}", "m", "b", None, 10_000, 10_000, room)
+    room.open = True
+    assert drain(flow) == ["a-0", "b-0", "a-1", "b-1", "a-2", "b-2"]
+
+
+def test_a_flow_over_its_rate_does_not_spend_its_objectives() -> None:
+    clock, room = ManualClock(), Room(True)
+    objectives = {"default": ObjectiveConfig(tokens_per_s=10_000)}
+    flow = control(clock, objectives=objectives, per_flow={"tokens_per_s": 1_000.0})
+    assert flow.admit("f1", "m", "f", None, 3_000, 3_000, room) is None
+    with pytest.raises(Refused):
+        flow.admit("f2", "m", "f", None, 10, 10, room)  # f's own bucket: refused, nothing charged
+    assert flow.admit("g1", "m", "g", None, 7_000, 7_000, room) is None
+    assert flow.admit("h1", "m", "h", None, 10, 10, room) is None  # the objective's 10,000 are not overdrawn
+    with pytest.raises(Refused):
+        flow.admit("h2", "m", "h", None, 10, 10, room)
