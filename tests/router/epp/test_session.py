@@ -21,7 +21,7 @@ class Outcome:
 
     streamed = False
     attempts = 1
-    ticket = None
+    ticket = object()  # its place in flow control, which leave() must be given back
 
     def __init__(self) -> None:
         self.told: list[str] = []
@@ -34,12 +34,14 @@ class Picker:
     def __init__(self) -> None:
         self.outcome = Outcome()
         self.left = 0
+        self.tickets: list[object] = []
 
     async def route(self, method: str, path: str, headers: object, raw: bytes, subset: object) -> Routed:
         return Routed(["10.0.0.1:8000"], raw, self.outcome)  # type: ignore[arg-type]
 
     def leave(self, ticket: object) -> None:
         self.left += 1
+        self.tickets.append(ticket)
 
 
 class Context:
@@ -99,6 +101,7 @@ def test_a_routed_request_no_stream_follows_is_over_after_a_while(picker: Picker
         assert (picker.left, picker.outcome.told) == (0, [])
         await asyncio.sleep(0.2)
         assert (picker.left, picker.outcome.told) == (1, ["abandon"])
+        assert picker.tickets == [picker.outcome.ticket]  # its place in flow control given back
 
     asyncio.run(scenario())
 
