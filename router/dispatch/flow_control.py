@@ -96,10 +96,11 @@ class FlowControl(Generic[T]):
         """None: go now (counted in flight); else the entry it waits as, until next_ready() lets it go or
         its deadline passes. Raises Refused past a limit. room: whether model's instances have room now."""
         name, settings = self.config.objective(objective)
-        self._rate_limit(flow, name, settings, tokens)
+        buckets = self._within_rate(flow, name, settings)
         queue = self._queue(model)
         self._rooms[model] = room
         if not len(queue) and not self._granted.get(model) and not self._at_limit(flow, name) and room():
+            _charge(buckets, tokens)
             self._count(flow, name, 1)
             return None
         if queue.by_objective.get(name, 0) >= settings.max_queued:
@@ -107,6 +108,7 @@ class FlowControl(Generic[T]):
         per_flow = self.config.per_flow.max_queued
         if per_flow is not None and queue.by_flow.get(flow, 0) >= per_flow:
             raise Refused("flow_queue_full", math.ceil(settings.max_queue_s))
+        _charge(buckets, tokens)
         now = self._clock()
         entry = Queued(item, flow, name, settings.priority, work, now, now + settings.max_queue_s, model)
         queue.add(entry)
@@ -158,8 +160,9 @@ class FlowControl(Generic[T]):
             )
         return queue
 
-    def _rate_limit(self, flow: str, objective: str, settings: ObjectiveConfig, tokens: int) -> None:
-        """Refused when the objective's or the flow's bucket is overdrawn; else both are charged."""
+    def _within_rate(self, flow: str, objective: str, settings: ObjectiveConfig) -> list[_Bucket]:
+        """The objective's and the flow's buckets, to charge once the request is admitted; Refused when one
+        is overdrawn (nothing is charged for a request refused)."""
         now = self._clock()
         limits = (
             (f"objective:{objective}", settings.tokens_per_s),
@@ -169,8 +172,7 @@ class FlowControl(Generic[T]):
         wait_s = max((bucket.wait_s(now) for bucket in buckets), default=0.0)
         if wait_s:
             raise Refused("rate_limited", max(1, math.ceil(wait_s)))
-        for bucket in buckets:
-            bucket.level -= tokens
+        return buckets
 
     def _bucket(self, key: str, rate: float, now: float) -> _Bucket:
         bucket = self._buckets.get(key)
@@ -201,3 +203,8 @@ class FlowControl(Generic[T]):
                 counts[key] = left
             else:
                 counts.pop(key, None)
+
+
+def _charge(buckets: list[_Bucket], tokens: int) -> None:
+    for bucket in buckets:
+        bucket.level -= tokens

@@ -253,3 +253,17 @@ def test_a_flow_over_its_rate_does_not_spend_its_objectives() -> None:
     assert flow.admit("h1", "m", "h", None, 10, 10, room) is None  # the objective's 10,000 are not overdrawn
     with pytest.raises(Refused):
         flow.admit("h2", "m", "h", None, 10, 10, room)
+
+
+def test_a_request_refused_for_a_full_queue_spends_no_rate() -> None:
+    clock, room = ManualClock(), Room()
+    objectives = {"default": ObjectiveConfig(max_queued=1, tokens_per_s=10_000)}
+    flow = control(clock, objectives=objectives)
+    assert flow.admit("waits", "m", "f", None, 6_000, 6_000, room) is not None
+    with pytest.raises(Refused) as refused:
+        flow.admit("full", "m", "g", None, 6_000, 6_000, room)
+    assert refused.value.code == "queue_full"
+    room.open = True
+    assert drain(flow) == ["waits"]
+    # 4,000 left: the refused request took none (had it, the bucket would be 2,000 overdrawn)
+    assert flow.admit("next", "m", "h", None, 10, 10, room) is None
