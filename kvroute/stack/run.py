@@ -293,8 +293,9 @@ class StackPlan:
 class Stack:
     """The processes of one running stack; `up()` starts them, `stop()` stops exactly them."""
 
-    def __init__(self, plan: StackPlan) -> None:
+    def __init__(self, plan: StackPlan, with_router: bool = True) -> None:
         self.plan = plan
+        self.with_router = with_router  # False: the engines alone, for a router started by hand
         self.children: dict[str, Child] = {}
         self.timings: dict[str, float] = {}
         self._health: dict[str, str] = {}
@@ -336,10 +337,11 @@ class Stack:
                     child = self._start_vllm(index)
                     wait_all_healthy([(child, f"{instance.url}/health")], config.vllm.startup_timeout_s)
             self.timings["vllm_s"] = time.monotonic() - vllm_started
-            router_started = time.monotonic()
-            router = self._spawn("router", plan.router_argv(), plan.router_url + "/health")
-            wait_all_healthy([(router, plan.router_url + "/health")], config.router.startup_timeout_s)
-            self.timings["router_s"] = time.monotonic() - router_started
+            if self.with_router:
+                router_started = time.monotonic()
+                router = self._spawn("router", plan.router_argv(), plan.router_url + "/health")
+                wait_all_healthy([(router, plan.router_url + "/health")], config.router.startup_timeout_s)
+                self.timings["router_s"] = time.monotonic() - router_started
             self.timings["total_s"] = time.monotonic() - started
             self.write_state()
         except BaseException:
@@ -377,7 +379,7 @@ class Stack:
             "python": str(self.plan.python),
             "model_dir": str(self.plan.model_dir),
             "pool_model_name": self.plan.pool_model_name,
-            "router_url": self.plan.router_url,
+            "router_url": self.plan.router_url if self.with_router else None,
             "master_url": self.plan.master_url,
             "instances": [asdict(i) for i in self.plan.instances],
             "processes": [asdict(p) for p in processes],
@@ -462,10 +464,12 @@ def stack_status(run_dir: Path) -> list[tuple[str, bool, bool]]:
     ]
 
 
-def stack_up(config: StackConfig, run_dir: Path, base_dir: Path | None = None) -> Stack:
+def stack_up(
+    config: StackConfig, run_dir: Path, base_dir: Path | None = None, with_router: bool = True
+) -> Stack:
     """Start the stack and leave it running (the CLI's `up`); refuses when state.json names live processes."""
     if any(alive for _, alive, _ in stack_status(run_dir)):
         raise StartupError(f"a stack is already running from {run_dir}; `kvroute stack down` first")
-    stack = Stack(StackPlan(config, run_dir, base_dir))
+    stack = Stack(StackPlan(config, run_dir, base_dir), with_router)
     stack.up()
     return stack
