@@ -25,9 +25,10 @@ async def answering(request: web.Request) -> web.Response:
 
 
 def only_instance(name: str, port: int) -> dict[str, object]:
-    """A router configuration whose one instance, name, is the fake on port."""
+    """A router configuration whose one instance, name, is the fake on port. A fake reports no model path
+    (/v1/models root) and has no /tokenize: the router tokenizes with the test model's tokenizer."""
     return {
-        "models": [{"name": "tiny-llama"}],
+        "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],
         "instances": [{"name": name, "url": f"http://127.0.0.1:{port}"}],
     }
 

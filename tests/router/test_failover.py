@@ -62,7 +62,7 @@ def test_no_reachable_instance_is_a_503_with_retry_after(tmp_path: Path, unhealt
     # 1: health checks find every instance down first; 100: the request itself finds them unreachable.
     dead = free_port_block(3)
     config = {
-        "models": [{"name": "tiny-llama"}],
+        "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],  # fakes: no root
         "instances": [{"name": f"gone-{i}", "url": f"http://127.0.0.1:{dead + i}"} for i in range(3)],
         "health": {"interval_s": 60, "unhealthy_after": unhealthy_after},
     }
@@ -280,7 +280,7 @@ async def _queue_full(request: web.Request) -> web.Response:
 
 def _two_instances(first: int, second: int) -> dict[str, object]:
     return {
-        "models": [{"name": "tiny-llama"}],
+        "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],  # fakes: no root
         "instances": [
             {"name": f"i{n}", "url": f"http://127.0.0.1:{port}"} for n, port in enumerate((first, second))
         ],
@@ -382,7 +382,7 @@ def test_a_request_every_instance_drops_does_not_take_the_model_down(tmp_path: P
 
     with serving(healthy, picky) as first, serving(healthy, picky) as second:
         config = {
-            "models": [{"name": "tiny-llama"}],
+            "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],  # fakes: no root
             "instances": [
                 {"name": f"i{n}", "url": f"http://127.0.0.1:{port}"} for n, port in enumerate((first, second))
             ],

@@ -111,7 +111,7 @@ async def _drop_after_a_second(request: web.Request) -> web.Response:
 def test_the_time_to_first_byte_counts_the_attempt_that_failed_before_it(tmp_path: Path) -> None:
     with serving(healthy, _drop_after_a_second) as dropper, serving(healthy, answering) as fine:
         config = {
-            "models": [{"name": "tiny-llama"}],
+            "models": [{"name": "tiny-llama", "tokenizer": "builtin:tiny-llama"}],  # fakes: no root
             "instances": [
                 {"name": "dropper", "url": f"http://127.0.0.1:{dropper}"},
                 {"name": "fine", "url": f"http://127.0.0.1:{fine}"},
