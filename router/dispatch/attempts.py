@@ -35,6 +35,7 @@ from router.errors import (
     upstream_timeout,
     upstream_unauthorized,
 )
+from router.tracing.spans import NULL_TRACE, Trace
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
@@ -101,9 +102,11 @@ class Attempts:
         headers: dict[str, str],
         stream: bool,
         target: Target = Target(),
+        trace: Trace = NULL_TRACE,
     ) -> Outcome:
         """Send to the best instance and wait for the first bytes of its answer: the outcome that serves the
-        client, or an OpenAIError saying why none could."""
+        client, or an OpenAIError saying why none could. trace: the request's, which gets a span for each
+        attempt (the one that answers ends with the answer, router/tracing/)."""
         model = prepared.request.model
         tries = _Tries()
         self._retry.earn()
@@ -115,17 +118,25 @@ class Attempts:
             if not candidates:
                 break
             outcome, payload = await self._start(
-                prepared, policy, path, raw, headers, stream, candidates, tries, target
+                prepared, policy, path, raw, headers, stream, candidates, tries, target, trace
             )
+            span = trace.attempt(outcome.instance, attempt, outcome.leg)
             try:
                 sent = await self._context.sender.attempt(
-                    outcome.instance, path, payload, headers, stream, "GET" if target.get else "POST"
+                    outcome.instance,
+                    path,
+                    payload,
+                    span.headers(headers),
+                    stream,
+                    "GET" if target.get else "POST",
                 )
             except BaseException:
                 outcome.abandon(None, failed=False)
                 raise
+            span.sent(sent.kind, 0 if sent.upstream is None else sent.upstream.status)
             if await self._answered(sent, outcome, attempt, tries, stream):
                 return outcome
+            span.end()
         raise self._none_answered(model, policy, tries)
 
     async def _start(
@@ -139,10 +150,13 @@ class Attempts:
         candidates: list[Instance],
         tries: _Tries,
         target: Target,
+        trace: Trace,
     ) -> tuple[Outcome, bytes]:
         """The attempt at the best candidate, started, and what it sends: the client's body, or a decode
         leg's once its prefill leg computed the prompt elsewhere."""
-        decision = self._decider.decide(prepared, policy, candidates)
+        with trace.step("decide") as step:
+            decision = self._decider.decide(prepared, policy, candidates)
+            step.decided(decision, policy.name)
         model = prepared.request.model
         leg, pd_path = self._leg(model, decision, tries.transfer, target.splits)
         sent_decision = self._decider.decode_leg(decision) if leg == "decode" else decision
@@ -157,7 +171,7 @@ class Attempts:
         body = tries.body = msgspec.json.decode(raw) if tries.body is None else tries.body
         try:
             transfer = tries.transfer or await self._prefill.run(
-                prepared, policy, path, body, headers, decision.instance.name
+                prepared, policy, path, body, headers, decision.instance.name, trace
             )
         except NoPrefill as exc:
             # The decode instance computes the prompt itself: a whole request, as aggregated.

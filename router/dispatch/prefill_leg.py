@@ -26,6 +26,7 @@ from router.dispatch.failures import NOT_THE_REQUESTS_FAULT
 from router.dispatch.outcome import BUSY, Outcome
 from router.dispatch.sending import SendContext, Sent
 from router.errors import upstream_timeout
+from router.tracing.spans import NULL_TRACE, Trace
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
@@ -116,9 +117,26 @@ class PrefillLeg:
         body: dict[str, Any],
         headers: dict[str, str],
         decode_instance: str,
+        trace: Trace = NULL_TRACE,
     ) -> Transfer:
         """Compute the prompt's KV on the best prefill instance (not the decode one), trying another when one
-        cannot be reached, drops the request or fails it, within the attempts and the retry budget."""
+        cannot be reached, drops the request or fails it, within the attempts and the retry budget. trace:
+        the request's, which gets a span for the leg (its decisions and attempts beneath)."""
+        with trace.step("prefill") as leg:
+            transfer = await self._run(prepared, policy, path, body, headers, decode_instance, leg)
+            leg.set("kvroute.prefill_instance", transfer.instance.name)
+            return transfer
+
+    async def _run(
+        self,
+        prepared: Prepared,
+        policy: Policy,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        decode_instance: str,
+        leg: Trace,
+    ) -> Transfer:
         context = self._context
         model = prepared.request.model
         tried = {decode_instance}
@@ -129,18 +147,22 @@ class PrefillLeg:
                 break
             if attempt and not context.retry.may_retry(attempt - 1, another_has_room=True):  # a retry
                 break
-            decision = context.decider.decide(prepared, policy.prefill_leg, candidates)
+            with leg.step("decide") as step:
+                decision = context.decider.decide(prepared, policy.prefill_leg, candidates)
+                step.decided(decision, policy.prefill_leg.name)
             instance = decision.instance
             tried.add(instance.name)
             transfer_id = uuid.uuid4().hex
             outcome = Outcome.start(context.observers, decision, policy, model, False, None, leg="prefill")
             payload = prefill_body(body, self._connector, transfer_id)
-            try:
-                sent = await context.sender.prefill(instance, path, payload, headers)
-            except BaseException:  # the client left: the engine aborts the leg
-                outcome.abandon(None, failed=False)
-                raise
-            transfer = await self._transfer(sent, outcome, transfer_id, len(tried) - 1)
+            with leg.attempt(instance, attempt, "prefill") as span:
+                try:
+                    sent = await context.sender.prefill(instance, path, payload, span.headers(headers))
+                except BaseException:  # the client left: the engine aborts the leg
+                    outcome.abandon(None, failed=False)
+                    raise
+                span.sent(sent.kind, 0 if sent.upstream is None else sent.upstream.status)
+                transfer = await self._transfer(sent, outcome, transfer_id, len(tried) - 1)
             if transfer is not None:
                 return transfer
         raise NoPrefill("no prefill instance took it")
