@@ -7,12 +7,12 @@ STACK_VENV ?= .venv-stack
 LINTED := router scorers fleet kvroute tinymodel kvconnectors tests scripts
 STACK_STAMP := $(STACK_VENV)/.installed
 
-.PHONY: setup stack-env browser bench-tools chart-tools agent-clis image demo test unit lint model clean
+.PHONY: setup stack-env browser bench-tools chart-tools agent-clis image image-tools demo test unit lint model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,bench,deploy]'
+	$(PY) -m pip install --quiet -e '.[dev,fleet,bench,deploy]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -60,6 +60,11 @@ agent-clis: $(AGENT_CLIS_STAMP)
 # cached, so an unchanged tree rebuilds in seconds; tests/deploy/test_image.py runs it.
 image:
 	scripts/build_image.sh kvroute:dev
+
+# The simulated fleet in an image of its own (kvroute:dev-tools: the Dockerfile's dev-tools target, with
+# kvroute[fleet]); no test needs it.
+image-tools:
+	scripts/build_image.sh kvroute:dev-tools dev-tools
 
 model: setup
 	$(VENV)/bin/kvroute build-model

@@ -45,6 +45,14 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part.strip()) for part in text.split(","))
 
 
+def parse_pd(text: str) -> tuple[int, int]:
+    """P:D, a disaggregated fleet's prefill and decode instances."""
+    prefill, colon, decode = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"{text!r} is not P:D, prefill and decode instances (2:2)")
+    return positive_int(prefill), positive_int(decode)
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

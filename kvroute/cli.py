@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvroute.arguments import MAX_PORT, port, positive_float, positive_int, positive_ints
+from kvroute.arguments import MAX_PORT, parse_pd, port, positive_float, positive_int, positive_ints
+from kvroute.extras import requires_extra
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
@@ -103,10 +104,11 @@ def _roles(value: str) -> tuple[str, ...]:
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    import uvloop
+    with requires_extra("fleet"):
+        import uvloop
 
-    from fleet.engine import EngineTiming
-    from fleet.launcher import FleetOptions, run_fleet
+        from fleet.engine import EngineTiming
+        from fleet.launcher import FleetOptions, run_fleet
 
     engines = args.instances * args.data_parallel_size
     if args.roles and len(args.roles) != args.instances:
@@ -182,14 +184,16 @@ def _tokenizer(spec: str) -> PromptTokenizer:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvroute.demo.run import DemoOptions, run_demo
+    with requires_extra("fleet"):
+        from kvroute.demo.run import DemoOptions, run_demo
 
     options = DemoOptions(sessions=args.sessions, turns=args.turns, instances=args.instances, api=args.api)
     return run_demo(options)
 
 
 def _bench_index(args: argparse.Namespace) -> int:
-    from kvroute.bench.index import BenchOptions, run_bench
+    with requires_extra("bench"):
+        from kvroute.bench.index import BenchOptions, run_bench
     from router.prompt.token_cache import CachedChatTokenizer
     from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
 
@@ -202,7 +206,8 @@ def _bench_index(args: argparse.Namespace) -> int:
 def _bench_live(args: argparse.Namespace) -> int:
     import shlex
 
-    from kvroute.bench.live.run import LiveOptions, run_live_bench
+    with requires_extra("bench"):
+        from kvroute.bench.live.run import LiveOptions, run_live_bench
     from kvroute.processes import StartupError
     from router.config import ConfigError
 
@@ -264,12 +269,15 @@ def _stack(args: argparse.Namespace) -> int:
             print(f"{name:<18} {'alive' if alive else 'dead':<6} {'healthy' if healthy else 'unhealthy'}")
         return 0 if processes and all(healthy for _, _, healthy in processes) else 1
     try:
-        stack = stack_up(load_stack_config(Path(args.config)), run_dir)
+        stack = stack_up(load_stack_config(Path(args.config)), run_dir, with_router=not args.no_router)
     except (StackConfigError, StartupError) as exc:
         print(exc, file=sys.stderr)
         return 2
     timings = ", ".join(f"{k} {v:.0f}s" for k, v in stack.timings.items())
-    print(f"router {stack.router_url}, instances {' '.join(i.url for i in stack.instances)} ({timings})")
+    router = f"router {stack.router_url}, " if stack.with_router else ""
+    print(f"{router}instances {' '.join(i.url for i in stack.instances)} ({timings})")
+    for instance in stack.instances:
+        print(f"  {instance.name}: {instance.url}, KV events {instance.events}, replay {instance.replay}")
     print(f"state and logs in {run_dir}; stop with: kvroute stack down --run-dir {run_dir}")
     return 0
 
@@ -285,9 +293,7 @@ class _DefaultsShown(argparse.HelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fleet.block_pool import HASH_ALGORITHMS
-    from kvroute.bench.live.pd import parse_pd
-    from kvroute.bench.overhead.run import add_overhead_parser
+    from kvroute.bench.overhead.command import add_overhead_parser
     from kvroute.simulate.command import add_simulate_parser
 
     parser = argparse.ArgumentParser(prog="kvroute", description="Cache-aware router for vLLM fleets")
@@ -401,7 +407,7 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--hash-type", choices=["int", "bytes"], default="int", help="KV events' block hashes")
     fleet.add_argument(
         "--prefix-caching-hash-algo",
-        choices=sorted(HASH_ALGORITHMS),
+        choices=["sha256", "sha256_cbor"],  # fleet/block_pool.py's HASH_ALGORITHMS
         default="sha256",
         help="block hash algorithm, as vLLM's option",
     )
@@ -586,6 +592,9 @@ def _parser() -> argparse.ArgumentParser:
     stack.add_argument("action", choices=["up", "down", "status"])
     stack.add_argument("--config", default="configs/stack-cpu.yaml", help="stack configuration (YAML)")
     stack.add_argument("--run-dir", default=".stack", help="state.json, generated configs and logs")
+    stack.add_argument(
+        "--no-router", action="store_true", help="up: the engines and the pool alone, for your own router"
+    )
     stack.set_defaults(run=_stack)
     return parser
 

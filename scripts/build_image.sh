@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds the kvroute image (the Dockerfile) on a machine with no container registry: podman, with a Debian
 # bookworm base made by debootstrap from the machine's own apt mirror, run with runc.
-#   scripts/build_image.sh [TAG]        (default kvroute:dev)
+#   scripts/build_image.sh [TAG [TARGET]]   (default kvroute:dev, the Dockerfile's last target: runtime)
 # Installs podman, debootstrap and runc with apt-get when missing. The base (localhost/debian-base:bookworm)
 # is made once and kept; podman's layer cache keeps the dependency layer while pyproject.toml is unchanged.
 # On a machine with Docker and a registry, `docker build -t kvroute .` builds the same Dockerfile.
 set -euo pipefail
 
 tag=${1:-kvroute:dev}
+target=${2:-}
 suite=bookworm
 base=localhost/debian-base:$suite
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,11 +91,12 @@ pip_setting() {
 build() {
     local args=(--runtime runc --network host --build-arg "BASE_IMAGE=$base" -t "$tag" -f "$repo/Dockerfile")
     local index cert started
+    if [[ -n $target ]]; then args+=(--target "$target"); fi
     index=$(pip_setting PIP_INDEX_URL index-url)
     if [[ $index == http://* || $index == https://* ]]; then args+=(--build-arg "PIP_INDEX_URL=$index"); fi
     cert=$(pip_setting PIP_CERT cert)
     if [[ -n $cert && -s $cert ]]; then args+=(--secret "id=pip_cert,src=$cert"); fi
-    log "podman build -t $tag"
+    log "podman build -t $tag${target:+ --target $target}"
     started=$SECONDS
     "${sudo[@]}" podman build "${args[@]}" "$repo"
     log "$tag built in $((SECONDS - started)) s"

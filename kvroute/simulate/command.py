@@ -7,7 +7,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from kvroute.arguments import non_negative_int, positive_float, positive_int
+from kvroute.arguments import non_negative_int, parse_pd, positive_float, positive_int
+from kvroute.extras import requires_extra
 from kvroute.simulate.hardware import (
     ATTENTION_S_PER_PAIR,
     DECODE_S_PER_CONTEXT_TOKEN,
@@ -37,7 +38,7 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.add_argument("--instances", type=positive_int, default=None, help="default: 8, or --pd's")
     simulate.add_argument(
         "--pd",
-        type=_pd,
+        type=parse_pd,
         default=None,
         metavar="P:D",
         help="a disaggregated fleet: P prefill and D decode instances (the hardware of "
@@ -132,13 +133,6 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.set_defaults(run=_run)
 
 
-def _pd(text: str) -> tuple[int, int]:
-    prefill, colon, decode = text.partition(":")
-    if not colon:
-        raise argparse.ArgumentTypeError(f"{text!r} is not P:D, prefill and decode instances (4:4)")
-    return positive_int(prefill), positive_int(decode)
-
-
 def _trace(args: argparse.Namespace) -> Trace:
     if args.trace == "agentic":
         return agentic_trace(seed=args.seed, sessions=args.sessions)
@@ -170,7 +164,8 @@ def _fleet(args: argparse.Namespace) -> FleetSpec | str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvroute.simulate.registry import POLICIES, policies_for
+    with requires_extra("bench"):
+        from kvroute.simulate.registry import POLICIES, policies_for
 
     fleet = _fleet(args)
     if isinstance(fleet, str):
@@ -198,7 +193,8 @@ def _run(args: argparse.Namespace) -> int:
     if len(trace.requests) < 2:
         print("the trace needs at least two requests (after --skip)", file=sys.stderr)
         return 2
-    from kvroute.simulate.bench import Bench
+    with requires_extra("bench"):
+        from kvroute.simulate.bench import Bench
 
     bench = Bench(fleet, names, Path(args.out), args.tie_seed)
     if args.sweep == "rate":
@@ -211,8 +207,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _suite(args: argparse.Namespace, fleet: FleetSpec, names: list[str]) -> int:
-    from kvroute.simulate.suite import parse_cells
-    from kvroute.simulate.suite_bench import run_suite
+    with requires_extra("bench"):
+        from kvroute.simulate.suite import parse_cells
+        from kvroute.simulate.suite_bench import run_suite
 
     if fleet.pd is not None or args.sweep is not None:
         print("--suite compares policies on aggregated fleets: not with --pd or --sweep", file=sys.stderr)

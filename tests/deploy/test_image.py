@@ -1,7 +1,7 @@
 """The container image (`make image`: podman, runc, a debootstrap base) runs as the chart runs it: read-only
 root, user 10001, no capabilities, its configuration a mounted directory. It checks configurations, and
 `kvroute serve` in it answers /health and chats through a simulated fleet on the host (host network), and
-`kvroute epp` answers the gRPC health checks the chart's probes make."""
+`kvroute epp` answers the gRPC health checks the chart's probes make. The simulated fleet is not in it."""
 
 from __future__ import annotations
 
@@ -85,6 +85,13 @@ def test_check_config_accepts_the_chart_s_config(image: str, fleet: str, tmp_pat
     done = run_in_image(image, directory, "check-config", "/etc/kvroute/config.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "/etc/kvroute/config.yaml: ok" in done.stdout
+
+
+def test_the_simulated_fleet_is_not_in_the_image(image: str, tmp_path: Path) -> None:
+    """The image holds what serve and epp need; kvroute[fleet] is the dev-tools target's (Dockerfile)."""
+    done = run_in_image(image, config_dir(tmp_path, {}), "fleet")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "install kvroute[fleet]" in done.stderr
 
 
 def test_check_config_names_a_bad_key(image: str, tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ target's ``vllm-router:POLICY`` gives both POLICY through ``--policy``, as vllm-
 
 from __future__ import annotations
 
-import argparse
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +18,6 @@ from typing import Any, Literal, Protocol
 
 from rich.table import Table
 
-from kvroute.arguments import positive_int
 from router.config import InstanceConfig, RouterConfig
 
 Connector = Literal["nixl", "mooncake"]
@@ -57,13 +55,6 @@ class PDShape:
     @property
     def roles(self) -> list[str]:
         return ["prefill"] * self.prefill + ["decode"] * self.decode
-
-
-def parse_pd(text: str) -> tuple[int, int]:
-    prefill, colon, decode = text.partition(":")
-    if not colon:
-        raise argparse.ArgumentTypeError(f"{text!r} is not P:D, prefill and decode instances (2:2)")
-    return positive_int(prefill), positive_int(decode)
 
 
 def pd_fleet_args(shape: PDShape, bootstrap_port: int) -> list[str]:

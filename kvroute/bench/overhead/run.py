@@ -25,6 +25,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvroute.bench.overhead.backend import find_nginx, start_nginx, start_render_backends
+from kvroute.bench.overhead.defaults import GRID_TARGETS, LONG_TARGETS, STREAM_TARGETS
 from kvroute.bench.overhead.grid import Cell, CellResult, grid, run_grid, warm_up
 from kvroute.bench.overhead.long import LongResult, run_long, summarize, vllm_router_counters
 from kvroute.bench.overhead.profiler import CellProfile, Profiler, find_py_spy
@@ -37,7 +38,6 @@ from kvroute.bench.overhead.report import (
     verdicts,
 )
 from kvroute.bench.overhead.streaming import (
-    STREAM_TARGETS,
     StreamResult,
     StreamSettings,
     run_streaming,
@@ -52,9 +52,6 @@ from kvroute.bench.overhead.targets import (
 )
 from kvroute.bench.overhead.wrk import find_wrk
 from kvroute.processes import StartupError, free_port_block
-
-GRID_TARGETS = ("direct", "kvroute", "kvroute:round-robin", "python-proxy", "vllm-router:round_robin")
-LONG_TARGETS = ("direct", "kvroute", "vllm-router:round_robin", "vllm-router:kv_aware")
 
 
 @dataclass(frozen=True)
@@ -312,59 +309,8 @@ def _settings(options: OverheadOptions) -> dict[str, Any]:
     }
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def add_overhead_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    overhead = benches.add_parser("overhead", help="the router's own latency, throughput and CPU cost")
-    add = overhead.add_argument
-    add("--duration", type=float, default=5.0, help="seconds of wrk per grid cell and target (default 5)")
-    add("--concurrency", type=_ints, default=(1, 64), help="wrk connections, comma-separated (default 1,64)")
-    add("--sizes", type=_ints, default=(200, 2048, 16384), help="request body bytes (default 200,2048,16384)")
-    add("--prompts", type=_names, default=("hot", "cold"), help="hot (one prompt repeated), cold (each new)")
-    add(
-        "--targets",
-        type=_names,
-        default=GRID_TARGETS,
-        help=f"grid targets ('' for no grid; default {','.join(GRID_TARGETS)})",
-    )
-    add(
-        "--long-tokens",
-        type=_ints,
-        default=(10_000, 50_000, 100_000),
-        help="long-prompt sizes in tokens ('' to skip; default 10000,50000,100000)",
-    )
-    add("--long-turns", type=int, default=4, help="agent turns per long-prompt session (default 4)")
-    add("--long-targets", type=_names, default=LONG_TARGETS, help=f"default {','.join(LONG_TARGETS)}")
-    add(
-        "--streams",
-        type=_ints,
-        default=(64, 256),
-        help="concurrent streams, comma-separated ('' skips the streaming case; default 64,256); each run "
-        "streams for --duration seconds after all have started",
-    )
-    add("--stream-tokens", type=int, default=256, help="tokens per streamed answer (default 256)")
-    add("--stream-step-ms", type=float, default=20.0, help="the engine's time between tokens (default 20)")
-    add("--stream-targets", type=_names, default=STREAM_TARGETS, help=f"default {','.join(STREAM_TARGETS)}")
-    add("--vllm-router", help="the vllm-router binary (default: next to this Python, or on PATH)")
-    add("--out", default="bench-results/overhead.json", help="JSON results ('' for none)")
-    add("--plots", default="bench-results", help="directory for overhead-*.png ('' for none)")
-    add("--log-dir", help="keep the processes' logs here (default: a temporary directory)")
-    add(
-        "--profile",
-        metavar="DIR",
-        help="also run each kvroute grid cell at the highest concurrency under py-spy, raw stacks to DIR, "
-        "top functions in the JSON",
-    )
-    overhead.set_defaults(run=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """`kvroute bench overhead` with its parsed arguments (kvroute/bench/overhead/command.py)."""
     options = OverheadOptions(
         duration_s=args.duration,
         concurrency=args.concurrency,

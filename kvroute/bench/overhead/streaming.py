@@ -30,7 +30,6 @@ from kvroute.bench.overhead.targets import (
 )
 from kvroute.processes import Child, free_port_block, spawn, wait_healthy
 
-STREAM_TARGETS = ("direct", "vllm-router:round_robin", "kvroute", "kvroute-workers:2", "envoy-epp")
 VLLM_RR = "vllm-router:round_robin"
 _CHAT = "/v1/chat/completions"
 _LATENCIES = ("ttfb_p50_ms", "ttfb_p99_ms", "itl_p50_ms", "itl_p99_ms")
