@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 
 from kvroute.agent_apis import Api
@@ -637,7 +638,7 @@ def _describe(workload: LiveWorkload, options: LiveOptions, fleet: Fleet) -> dic
 
 def _summary(result: TargetResult) -> str:
     if result.skipped:
-        return f"[yellow]skipped: {result.skipped.splitlines()[0]}"
+        return f"[yellow]skipped: {escape(result.skipped.splitlines()[0])}"
     errors = f", errors: {result.errors}" if result.errors else ""
     not_sent = f", {result.not_sent} too long, not sent" if result.not_sent else ""
     return f"{result.ok}/{result.sent} ok in {result.duration_s:.1f} s{not_sent}{errors}"
@@ -702,7 +703,7 @@ def render_table(report: LiveReport) -> Table:
         table.add_column(column)
     for r in report.results:
         if r.skipped:
-            table.add_row(r.target, *["-"] * 11, f"skipped: {r.skipped.splitlines()[0]}")
+            table.add_row(r.target, *["-"] * 11, f"skipped: {escape(r.skipped.splitlines()[0])}")
             continue
         table.add_row(
             r.target,

@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvroute.bench.overhead.backend import find_nginx, start_nginx, start_render_backends
@@ -204,7 +205,7 @@ def run_overhead_bench(options: OverheadOptions, console: Console | None = None)
     console.print(verdict_table(verdicts(report.cells, summaries, report.streams)))
     for process in report.routers:
         if process.skipped:
-            console.print(f"[yellow]{process.phase} {process.target} skipped: {process.skipped}")
+            console.print(f"[yellow]{process.phase} {process.target} skipped: {escape(process.skipped)}")
     if options.plots is not None:
         report.plots = [str(p) for p in plot(report.cells, report.long_turns, options.plots, "overhead")]
     if options.out is not None:
@@ -335,6 +336,6 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         run_overhead_bench(options)
     except (MissingTool, StartupError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]bench overhead: {exc}")
+        Console(stderr=True).print(f"[red]bench overhead: {escape(str(exc))}")
         return 2
     return 0
