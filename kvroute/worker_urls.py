@@ -1,9 +1,10 @@
 """A router configuration from the vLLM instances themselves: `kvroute serve --worker-urls URL...`.
 
 Each instance says what it serves (`/v1/models`: the served names, the model's path as `root`) and its KV
-block size (`/metrics`: vllm:cache_config_info). The tokenizer is the model's own directory when it is on
-this machine, else the instances' `/tokenize` (exact, one round trip a request). The configuration made is
-printed, to be kept as a file and edited later.
+block size (`/metrics`: vllm:cache_config_info). The tokenizer is the model's own when it is on this machine
+(its directory, or its Hugging Face id in the local cache: as the router finds a model's by default,
+router/upstreams/model_tokenizers.py), else the instances' `/tokenize` (exact, one round trip a request).
+The configuration made is printed, to be kept as a file and edited later.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import REMOTE_TOKENIZER
+from router.prompt.tokenization import local_tokenizer_dir
 
 _NAME_CHARACTERS = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -66,11 +67,8 @@ def config_from_workers(
 
 
 def _tokenizer(root: str) -> str:
-    """The model's own directory, if it is here with a tokenizer; else the instances' /tokenize."""
-    path = Path(root).expanduser()
-    if path.is_dir() and any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return str(path)
-    return REMOTE_TOKENIZER
+    """The model's own if it is here (a directory, or a Hugging Face id); else the instances' /tokenize."""
+    return REMOTE_TOKENIZER if local_tokenizer_dir(root) is None else root
 
 
 def _name(url: str, number: int) -> str:

@@ -24,6 +24,7 @@ from pydantic import (
 
 from router import strict_yaml
 from router.label_selector import LABEL_KEY, LabelSelector
+from router.tracing.config import TracingConfig
 from router.traffic_split import TrafficSplit
 from scorers.config_keys import suggested
 from scorers.policy_config import PolicyConfig, builtin_policies
@@ -77,9 +78,14 @@ class ModelConfig(_Strict):
     name: str = Field(
         min_length=1, description="the model's name as clients send it and the engines serve it"
     )
-    tokenizer: str = Field(
-        default="builtin:tiny-llama",
-        description="tokenizer directory, builtin:tiny-llama, or remote (ask an instance's /tokenize)",
+    tokenizer: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the tokenizer: a directory, a Hugging Face id in the local cache (the router does not "
+        "download), builtin:tiny-llama (the test model's), or remote (ask an instance's /tokenize). Default: "
+        "the one vLLM loads, as its --tokenizer defaults to --model: the model's name (an adapter's: its "
+        "base's) as a directory or cached id here, else the model's root as its instances report it in "
+        "/v1/models, found here alike, else remote, with a warning. Chosen once, at start",
     )
     pool_name: str | None = Field(
         default=None,
@@ -674,6 +680,7 @@ class RouterConfig(_Strict):
     load: LoadConfig = Field(default_factory=LoadConfig)
     peers: PeersConfig = Field(default_factory=PeersConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     shutdown_grace_s: float = Field(
         default=30.0, gt=0, description="on SIGTERM: new connections are refused, streams get this long"
     )
@@ -807,17 +814,20 @@ class RouterConfig(_Strict):
         return instance.api_key_env or self.upstream.api_key_env
 
     def tokenizer_warnings(self) -> list[str]:
-        """Models left on the default tokenizer, the tiny test model's, whose name says they are another:
-        their prompts would hash to blocks no engine stores, and routing would be blind to the cache."""
-        default = ModelConfig.model_fields["tokenizer"].default
-        listed = {model.name: model for model in self.models}
+        """Models with no tokenizer set whose own is not found on this machine by their name: at start the
+        router looks where their instances say the model is, and failing that asks their /tokenize for every
+        prompt (router/upstreams/model_tokenizers.py)."""
+        from router.prompt.tokenization import local_tokenizer_dir
+
         warnings = []
         for number, model in enumerate(self.models):
-            base = listed.get(model.lora_of, model) if model.lora_of else model  # an adapter's is its base's
-            if "tokenizer" not in model.model_fields_set and base.name != "tiny-llama":
+            own = model.lora_of or model.name  # an adapter's is its base's
+            if model.tokenizer is None and local_tokenizer_dir(own) is None:
                 warnings.append(
-                    f"models.{number} ({model.name}) has no tokenizer set and uses {default}, the test "
-                    "model's; set its tokenizer directory, or `remote` to ask the instances"
+                    f"models.{number} ({model.name}) has no tokenizer set, and {own!r} is neither a "
+                    "tokenizer directory here nor a model in the local Hugging Face cache: at start the "
+                    "router looks where its instances say the model is (/v1/models root), else asks their "
+                    "/tokenize for every prompt; set its tokenizer directory, or `remote`"
                 )
         return warnings
 
@@ -826,6 +836,8 @@ class RouterConfig(_Strict):
         from router.prompt.tokenization import check_tokenizer_spec
 
         for number, model in enumerate(self.models):
+            if model.tokenizer is None or model.tokenizer == REMOTE_TOKENIZER:
+                continue
             try:
                 check_tokenizer_spec(model.tokenizer)
             except ValueError as exc:

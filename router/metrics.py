@@ -356,10 +356,20 @@ class _RoutingFamilies:
         self.tokenization_audits = _counter(
             r,
             "kvroute_tokenization_audits",
-            "Chats tokenized here and checked against an instance's /tokenize, by kind (plain, "
-            "with_inputs: tools or chat_template_kwargs) and result (match, mismatch: the model's "
-            "chats of that kind go to the engine from then on, failed)",
+            "Prompts tokenized here and checked against an instance's /tokenize, by kind (start_text, "
+            "start_chat: the probes at start; the audit's chats: plain, with_inputs: tools or "
+            "chat_template_kwargs) and result (match, mismatch: an audited model's chats of that kind "
+            "go to the engine from then on, failed)",
             ["model", "kind", "result"],
+        )
+        self.tokenizer_mismatch = _gauge(
+            r,
+            "kvroute_tokenizer_mismatch",
+            "1 once a check since start (the probes at start, or an audit) found the router's token ids "
+            "for the model differ from the instance's /tokenize: its prompts hash to blocks no instance "
+            "holds; 0: checked and matched",
+            ["model", "vllm_instance"],
+            "livemax",
         )
         self.predicted_cached = _counter(
             r,

@@ -1,8 +1,8 @@
 """Everything the router runs, built from its configuration, started and stopped as one async context.
 
 ```
-runtime = Runtime(config)          # the parts that need no event loop: instances, index, tokenizers, table
-async with runtime:                # sessions, health checks, KV-event subscriptions, load scrapes, peers
+runtime = Runtime(config)          # the parts that need no event loop: instances, index, table
+async with runtime:                # sessions, health checks, tokenizers, KV events, load scrapes, peers
     ...                            # route with runtime.routing (router/dispatch/routing.py)...
 ```
 
@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import zmq.asyncio
 
-from router.config import REMOTE_TOKENIZER, ConfigError, PeersConfig, RouterConfig
+from router.config import ConfigError, PeersConfig, RouterConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
 from router.dispatch.admission import Admission
@@ -41,12 +42,16 @@ from router.index.subscriptions import Subscriptions
 from router.metrics import RouterMetrics
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
-from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
+from router.prompt.tokenization import PromptTokenizer
+from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
 from router.supervisor import supervise
+from router.tracing import start_tracing
+from router.tracing.spans import Tracing
 from router.upstreams.health import HealthChecker
 from router.upstreams.http_session import upstream_session
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper
+from router.upstreams.model_tokenizers import TokenizerChoice, choose_tokenizers
 from router.upstreams.peer_sync import PeerSync
 from router.upstreams.room import HasRoom
 
@@ -81,7 +86,8 @@ class Runtime:
         self.metrics.registry.register(
             IndexCollector(self.index, lambda: {i.name for i in self.upstreams.instances})
         )
-        self.tokenizers = _local_tokenizers(config)
+        self.tokenizers: dict[str, LocalTokenizer] = {}  # loaded at start, once the instances have answered
+        self.tokenizer_watch = TokenizerWatch(self.metrics)
         # Replaced whole by a reload or the admin API; a request keeps the one it started with.
         self.table = RoutingTable.from_config(config)
         # Its queues outlive reloads, which change its settings.
@@ -114,10 +120,16 @@ class Runtime:
         context = self._context
         stack.callback(context.destroy, linger=0)
         self.health = HealthChecker(self.upstreams, control, config.health, metrics)
+        await self.health.check_all()  # their /v1/models too: where a model's tokenizer may be found
+        choices = choose_tokenizers(config.models, self.upstreams.instances)
+        self.tokenizer_watch.origins = {name: choice.origin for name, choice in choices.items()}
+        self.tokenizers = await asyncio.to_thread(_local_tokenizers, config, choices)
         self.decider = self._decider(control)
         stack.callback(self.decider.close)
-        await self.health.check_all()
-        self.routing = self._routing(session)
+        tracing = start_tracing(config.tracing)
+        # At exit, the spans still held are exported (off the loop: that blocks up to the exporter's timeout).
+        stack.push_async_callback(asyncio.to_thread, tracing.close)
+        self.routing = self._routing(session, tracing)
         self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s, config.upstream.response_timeout_s)
         stack.push_async_callback(self.subscriptions.stop)
         self.subscriptions.subscribe(config.instances)
@@ -154,6 +166,9 @@ class Runtime:
             asyncio.create_task(supervise(name, loop, every, failures, first_delay=delayed))
             for name, (loop, every, delayed) in loops.items()
         ]
+        tasks.append(
+            asyncio.create_task(check_at_start(self.tokenizer_watch, self.tokenizers, self._remotes(control)))
+        )
         if discovery is not None:
             watch = Discovery(discovery, config.peers.publish, self.discovered, metrics).run
             tasks.append(
@@ -163,7 +178,7 @@ class Runtime:
             )
         stack.push_async_callback(_cancelled, tasks)
 
-    def _routing(self, session: aiohttp.ClientSession) -> RoutingService:
+    def _routing(self, session: aiohttp.ClientSession, tracing: Tracing) -> RoutingService:
         """The routing service both front doors call, over admission, the send loop and the decider."""
         config, metrics = self.config, self.metrics
         admission = config.admission
@@ -192,6 +207,7 @@ class Runtime:
             observers,
             config.tokenization,
             self.flow_gate,
+            tracing,
         )
 
     def room_freed(self) -> None:
@@ -201,7 +217,20 @@ class Runtime:
         self.flow_gate.pump()
 
     def warnings(self) -> list[str]:
-        return self.subscriptions.warnings()
+        return self.subscriptions.warnings() + self.tokenizer_watch.alarms()
+
+    def _remotes(self, control: aiohttp.ClientSession) -> dict[str, list[RemoteTokenizer]]:
+        """The /tokenize of each engine serving a model tokenized here, that answered its health check."""
+        remotes: dict[str, list[RemoteTokenizer]] = {}
+        for model in self.tokenizers:
+            urls: dict[str, str] = {}  # an engine's data-parallel ranks share its URL
+            for instance in self.upstreams.instances:
+                if model in instance.models and instance.healthy:
+                    urls.setdefault(instance.url, instance.name)
+            remotes[model] = [
+                RemoteTokenizer(control, url, model, instance=name) for url, name in urls.items()
+            ]
+        return remotes
 
     def apply(self, new: RouterConfig, source: str) -> dict[str, Any]:
         """Take over new's instances (beside those discovered) and routing table; ConfigError when it changes
@@ -275,7 +304,9 @@ class Runtime:
 
         def remote_tokenizer(model: str) -> RemoteTokenizer | None:
             candidates = self.upstreams.candidates(model)
-            return RemoteTokenizer(control, candidates[0].url, model) if candidates else None
+            if not candidates:
+                return None
+            return RemoteTokenizer(control, candidates[0].url, model, instance=candidates[0].name)
 
         pool = None
         if config.pool.master_url is not None:
@@ -296,6 +327,7 @@ class Runtime:
             adapters,
             config.tokenization.audit_every,
             tools_out_when_none,
+            self.tokenizer_watch,
         )
 
 
@@ -312,11 +344,12 @@ async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _local_tokenizers(config: RouterConfig) -> dict[str, LocalTokenizer]:
-    """One per tokenizer: a base model and its LoRA adapters share it, and its token cache (the same ids)."""
+def _local_tokenizers(config: RouterConfig, choices: dict[str, TokenizerChoice]) -> dict[str, LocalTokenizer]:
+    """One per tokenizer directory: a base model and its LoRA adapters share it, and its token cache (the
+    same ids)."""
     cache = config.tokenization
-    by_source: dict[str, LocalTokenizer] = {}
-    for source in dict.fromkeys(m.tokenizer for m in config.models if m.tokenizer != REMOTE_TOKENIZER):
-        tokenizer = PromptTokenizer(resolve_tokenizer_path(source))
-        by_source[source] = CachedChatTokenizer(tokenizer, cache.cache_max_entries, cache.cache_max_tokens)
-    return {m.name: by_source[m.tokenizer] for m in config.models if m.tokenizer in by_source}
+    by_path: dict[Path, LocalTokenizer] = {}
+    for path in dict.fromkeys(choice.path for choice in choices.values() if choice.path is not None):
+        tokenizer = PromptTokenizer(path)
+        by_path[path] = CachedChatTokenizer(tokenizer, cache.cache_max_entries, cache.cache_max_tokens)
+    return {name: by_path[choice.path] for name, choice in choices.items() if choice.path is not None}

@@ -25,9 +25,11 @@ ROUTER_LAYERS: list[set[str]] = [
     # Discovery hands what it finds to the runtime through a callback (FleetSink), which starts it.
     {"router.discovery"},
     {"router.dispatch"},
+    # A request's spans: dispatch opens them; what they read of a decision is described, not imported.
+    {"router.tracing"},
     {"router.upstreams"},
     {"router.index"},
-    {"router.config", "router.strict_yaml"},
+    {"router.config", "router.strict_yaml", "router.tracing.config"},
     {"router.prompt"},
     {
         "router.metrics",

@@ -29,6 +29,8 @@ from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.responses_chat import ChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
+from router.prompt.tokenizer_check import TokenizerWatch
+from router.tracing.spans import NULL_TRACE, Trace
 from router.upstreams.instances import Instance
 from scorers.plugins import WAIT_CAUSED_WEIGHT
 from scorers.policy import Policy
@@ -96,14 +98,16 @@ class Decider:
         adapters: frozenset[str] = frozenset(),
         audit_every: int = 0,
         tools_out_when_none: frozenset[str] = frozenset(),
+        watch: TokenizerWatch | None = None,
     ) -> None:
         """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
         pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
         adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name;
         audit_every: one chat in this many is checked (router/prompt/tokenization_audit.py);
         tools_out_when_none: the models whose engines leave a chat's tools out when its tool_choice is "none"
-        (vLLM's --exclude-tools-when-tool-choice-none)."""
-        self._audit = TokenizationAudit(audit_every, metrics, remote)
+        (vLLM's --exclude-tools-when-tool-choice-none); watch: where the audit's mismatches are raised (by
+        default, one of its own)."""
+        self._audit = TokenizationAudit(audit_every, watch or TokenizerWatch(metrics), remote)
         self._index_matches = IndexOnlyMatches(index)
         self._pool = self._index_matches if pool is None else pool
         self._adapters = adapters
@@ -124,25 +128,33 @@ class Decider:
         session_key: str | None,
         tokenize: bool = True,
         off_loop: bool = False,
+        trace: Trace = NULL_TRACE,
     ) -> Prepared:
         """tokenize=False routes without prefix knowledge (a body too large to tokenize); off_loop: tokenize
-        on the worker thread (a long prompt would hold up every other request on the event loop)."""
+        on the worker thread (a long prompt would hold up every other request on the event loop); trace: the
+        request's, which gets a span for each step."""
         started = time.perf_counter()
         if session_key is not None:  # a client's string, kept per session: store a fixed-size digest
             session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
         try:
-            ids = await self._token_ids(body, off_loop) if tokenize else []
+            with trace.step("tokenize") as step:  # a failure is the span's error
+                ids = await self._token_ids(body, off_loop) if tokenize else []
+                step.set("kvroute.prompt_tokens", len(ids))
         except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
             log.debug("routing without prefix knowledge: %r", exc)
             self._metrics.untokenized(type(exc).__name__).inc()
             ids = []
         lora_name = body.model if body.model in self._adapters else None
-        chain = self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
-        # The engine computes the last prompt token whatever it holds, and looks up the blocks before it only:
-        # a hybrid model's other groups decide its hit within those (router/index/kv_groups.py).
-        reusable = max(len(ids) - 1, 0) // self._block_size
-        matches = await self._pool.matches(body.model, chain, reusable) if chain else {}
+        with trace.step("lookup") as step:
+            chain = (
+                self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
+            )
+            # The engine computes the last prompt token whatever it holds, and looks up the blocks before it
+            # only: a hybrid model's other groups decide its hit within those (router/index/kv_groups.py).
+            reusable = max(len(ids) - 1, 0) // self._block_size
+            matches = await self._pool.matches(body.model, chain, reusable) if chain else {}
+            step.set("kvroute.prompt_blocks", len(chain))
         request = RoutingRequest(
             model=body.model,
             session_key=session_key,

@@ -44,6 +44,7 @@ from router.dispatch.routing_headers import forwarded_headers
 from router.dispatch.routing_table import RoutingTable
 from router.errors import RETRY_AFTER_S, OpenAIError, model_not_found, too_many_requests, unavailable
 from router.prompt.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
+from router.tracing.spans import NULL_TRACE, NULL_TRACING, Trace, Tracing
 from router.upstreams.instances import Instance, Upstreams
 from scorers.policy import Policy
 
@@ -66,6 +67,7 @@ class Received:
     flow: str  # whom it is fair to (router/dispatch/flow_gate.py flow_of)
     objective: str | None  # the objective it names
     ticket: FlowTicket | None = None  # its place in flow control, once admitted there
+    trace: Trace = NULL_TRACE  # its root span (router/tracing/)
 
     @property
     def model(self) -> str:
@@ -95,9 +97,12 @@ class RoutingService:
         observers: Observers,
         tokenization: TokenizationConfig,
         flow_gate: FlowGate,
+        tracing: Tracing = NULL_TRACING,
     ) -> None:
-        """table: the routing table in force (a reload or PUT /admin/traffic replaces it whole)."""
+        """table: the routing table in force (a reload or PUT /admin/traffic replaces it whole); tracing:
+        what starts each request's trace, which both front doors call (router/tracing/)."""
         self.upstreams, self.decider, self.observers = upstreams, decider, observers
+        self.tracing = tracing
         self._table, self._attempts, self._admission = table, attempts, admission
         self._flow_gate = flow_gate
         self._tokenized_max, self._thread_above = (
@@ -121,11 +126,26 @@ class RoutingService:
         self._flow_gate.leave(ticket)
 
     def receive(
-        self, raw: bytes, api: Api, headers: Mapping[str, str], stored: str | None = None, query: str = ""
+        self,
+        raw: bytes,
+        api: Api,
+        headers: Mapping[str, str],
+        stored: str | None = None,
+        query: str = "",
+        trace: Trace = NULL_TRACE,
     ) -> Received:
         """The body decoded (a 400 in the route's shape when it is not what the route takes), its model
         served (else a 404), its policy chosen by the force header or the traffic split. stored: the stored
-        response the path names (a retrieval or cancellation), with the query string of a retrieval."""
+        response the path names (a retrieval or cancellation), with the query string of a retrieval; trace:
+        the request's root span."""
+        with trace.step("parse"):
+            received = self._received(raw, api, headers, stored, query, trace)
+        trace.parsed(received.model, received.policy.name, received.streamed)
+        return received
+
+    def _received(
+        self, raw: bytes, api: Api, headers: Mapping[str, str], stored: str | None, query: str, trace: Trace
+    ) -> Received:
         read = self._read(raw, api, stored, query)
         body = read.body
         if not self.upstreams.serves(body.model):
@@ -142,7 +162,9 @@ class RoutingService:
         flow = flow_of(flow_control, headers, session)
         objective = objective_of(flow_control, headers)
         headers = forwarded_headers(headers)
-        return Received(body, policy, session, raw, headers, tokenize, off_loop, target, flow, objective)
+        return Received(
+            body, policy, session, raw, headers, tokenize, off_loop, target, flow, objective, trace=trace
+        )
 
     def _read(self, raw: bytes, api: Api, stored: str | None, query: str) -> AgentRead:
         only = self.upstreams.only_model()
@@ -164,7 +186,7 @@ class RoutingService:
     async def prepare(self, received: Received) -> Prepared:
         """The prompt's token ids, blocks and matches in the index."""
         return await self.decider.prepare(
-            received.body, received.session, received.tokenize, received.off_loop
+            received.body, received.session, received.tokenize, received.off_loop, received.trace
         )
 
     async def wait_turn(self, received: Received, prepared: Prepared) -> Prepared:
@@ -182,6 +204,7 @@ class RoutingService:
         )
         if ticket is None or not ticket.granted:
             return prepared
+        received.trace.queued(ticket.queued_s, ticket.objective)
         try:
             return await self.decider.refresh(prepared)
         finally:
@@ -194,7 +217,14 @@ class RoutingService:
         target = received.target
         try:
             outcome = await self._attempts.send(
-                prepared, received.policy, path, received.raw, received.headers, received.streamed, target
+                prepared,
+                received.policy,
+                path,
+                received.raw,
+                received.headers,
+                received.streamed,
+                target,
+                received.trace,
             )
             outcome.ticket = received.ticket
             return outcome
@@ -218,7 +248,9 @@ class RoutingService:
             self.observers.request_rejected(policy, code)
             message = f"No healthy instance serves `{received.model}` right now. Retry later."
             raise unavailable(message, code, RETRY_AFTER_S)
-        decision = self.decider.decide(prepared, policy, candidates)
+        with received.trace.step("decide") as step:
+            decision = self.decider.decide(prepared, policy, candidates)
+            step.decided(decision, policy.name)
         others: tuple[Instance, ...] = ()
         if fallbacks and len(candidates) > 1:
             order = policy.ranked(prepared.request, candidates)

@@ -54,16 +54,26 @@ class Picker:
             return self._anywhere(subset, raw)
         api, stored = routed
         routing = self.routing
-        await routing.admit()
+        route = path if stored is None else path.replace(stored, "{response_id}", 1)
+        # A span for the decision alone: the gateway sends the request, and the engine's spans are its.
+        trace = routing.tracing.request(f"pick {method} {route}", headers)
         received: Received | None = None
         try:
-            received = routing.receive(raw, api, headers, stored, query)
-            prepared = await routing.wait_turn(received, await routing.prepare(received))
-            outside = None if subset is None else self._outside(received.model, subset)
-            picked = routing.pick(received, prepared, outside, self._fallbacks)
-        except BaseException:
-            routing.leave(None if received is None else received.ticket)
+            await routing.admit()
+            try:
+                received = routing.receive(raw, api, headers, stored, query, trace)
+                prepared = await routing.wait_turn(received, await routing.prepare(received))
+                outside = None if subset is None else self._outside(received.model, subset)
+                picked = routing.pick(received, prepared, outside, self._fallbacks)
+            except BaseException:
+                routing.leave(None if received is None else received.ticket)
+                raise
+        except BaseException as error:
+            trace.failed(error)
+            trace.end()
             raise
+        trace.set("kvroute.fallbacks", len(picked.fallbacks))
+        trace.end()
         chosen = picked.outcome.instance
         endpoints = [endpoint(i.url) for i in (chosen, *picked.fallbacks)]
         body_for = received.target.body_for

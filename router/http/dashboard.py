@@ -4,7 +4,8 @@ The page holds no data and is open. The state holds the A/B report, which /admin
 configured, it needs that token as /admin does (the page asks for it, or takes it from /dashboard#token=...);
 without one, it is open. Instance URLs are left out, so the page does not tell strangers where the engines
 listen. Flow control's queue and refusals are this router process's (under `kvroute serve --workers N`, the
-worker that answered).
+worker that answered). Alarms (what /health lists as warnings, such as a model whose token ids differ from an
+instance's) head the page.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def dashboard_routes(
     async def state() -> JSONResponse:
         table = runtime.table
         body = {
+            "alarms": runtime.warnings(),
+            "tokenizers": runtime.tokenizer_watch.state(),
             "instances": instances_state(fleet, index),
             "index": {
                 "entries": index.entries,

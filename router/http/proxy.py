@@ -38,6 +38,7 @@ from router.http.body_budget import BodyBudget
 from router.http.client_watch import ClientWatch
 from router.http.relay_response import RelayResponse
 from router.metrics import RouterMetrics
+from router.tracing.spans import Trace
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,21 @@ class Proxy:
             task.cancel()
 
     async def _forward(self, request: Request, path: str, api: Api, stored: str | None) -> Response:
-        raw, share = await self._read_body(request)
+        route = path if stored is None else path.replace(stored, "{response_id}", 1)
+        trace = self._routing.tracing.request(f"{request.method} {route}", request.headers)
+        try:
+            return await self._traced(request, path, api, stored, trace)
+        except BaseException as error:
+            trace.failed(error)
+            trace.end()
+            raise
+
+    async def _traced(
+        self, request: Request, path: str, api: Api, stored: str | None, trace: Trace
+    ) -> Response:
+        """The answer to the request whose root span is trace, which ends with it."""
+        with trace.step("receive"):
+            raw, share = await self._read_body(request)
         query = request.scope["query_string"].decode("latin-1")  # not request.url: built for each request
         if query:  # a retrieval's stream and starting_after, Claude Code's ?beta=true: the engine's too
             path = f"{path}?{query}"
@@ -113,7 +128,7 @@ class Proxy:
                     self._bodies.give_back(share)  # admitted, its body counts with the work in flight
                 received: Received | None = None
                 try:
-                    received = routing.receive(raw, api, request.headers, stored, query)
+                    received = routing.receive(raw, api, request.headers, stored, query, trace)
                     prepared = await routing.wait_turn(received, await routing.prepare(received))
                     outcome = await routing.send(received, prepared, path)
                 except BaseException:
@@ -124,9 +139,9 @@ class Proxy:
                     raise
                 raise client_closed() from None  # counted with the client errors
         try:
-            return self._answer(outcome, api.anthropic)
+            return self._answer(outcome, api.anthropic, trace)
         except BaseException:
-            self._ended_here(outcome)  # whatever failed in making the answer, its slot is freed
+            self._ended_here(outcome, trace)  # whatever failed in making the answer, its slot is freed
             raise
 
     async def _read_body(self, request: Request) -> tuple[bytes, int]:
@@ -154,9 +169,10 @@ class Proxy:
             self._metrics.rejected("bodies_budget").inc()  # other bodies held the budget all that time
             raise _bodies_waited(limit_s) from None
 
-    def _answer(self, outcome: Outcome, anthropic: bool) -> Response:
+    def _answer(self, outcome: Outcome, anthropic: bool, trace: Trace) -> Response:
         """The client's answer to an outcome: relayed as it arrives (a stream; a whole answer too long to
-        hold), which ends the outcome when it is over, or in one piece, the outcome ended here."""
+        hold), which ends the outcome (and its trace) when it is over, or in one piece, the outcome ended
+        here."""
         upstream = outcome.upstream
         assert isinstance(upstream, aiohttp.ClientResponse)
         content_type = upstream.headers.get("content-type", "application/json")
@@ -168,8 +184,8 @@ class Proxy:
                 headers.append((b"content-length", length.encode()))
             relay = self._relay.stream if events else self._relay.whole
             return RelayResponse(
-                relay(outcome, self._ended_here),
-                lambda: self._ended_here(outcome),
+                relay(outcome, lambda ended: self._ended_here(ended, trace)),
+                lambda: self._ended_here(outcome, trace),
                 status,
                 headers,
                 content_type,
@@ -182,15 +198,16 @@ class Proxy:
         if status >= 400:  # in the API's shape, whatever its content type said
             payload, content_type = _error_body(payload, status, anthropic), "application/json"
         outcome.completed_whole(payload)  # even if a stream was asked for and not given
-        self._ended_here(outcome)
+        self._ended_here(outcome, trace)
         response = Response(payload, status, media_type=content_type)
         response.raw_headers.extend(headers)
         return response
 
-    def _ended_here(self, outcome: Outcome) -> None:
-        """The answer is over: its outcome is told once, and its slot freed with it."""
+    def _ended_here(self, outcome: Outcome, trace: Trace) -> None:
+        """The answer is over: its outcome is told once, and its slot freed with it; its trace ends."""
         if outcome.finish():
             self._routing.leave(outcome.ticket)
+            trace.finished(outcome)
 
     def _stalled(self, outcome: Outcome) -> None:
         log.warning(

@@ -29,9 +29,16 @@ class RemoteTokenizer:
     """Token ids from an instance's ``POST /tokenize`` (vLLM's API), through the caller's session."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float = 10.0
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        model: str,
+        timeout_s: float = 10.0,
+        instance: str = "",
     ) -> None:
+        """instance: its name, in logs and metrics (its URL is not shown)."""
         self.session, self.model = session, model
+        self.instance = instance or base_url
         self.url = base_url.rstrip("/") + "/tokenize"
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 

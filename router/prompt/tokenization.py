@@ -24,25 +24,55 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_TOKENIZERS = ("tiny-llama",)  # tinymodel/builder.py builds it (its MODEL_NAME)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # either makes a directory a tokenizer's
+
+
+def local_tokenizer_dir(name: str) -> Path | None:
+    """Where the tokenizer vLLM loads for ``--tokenizer name`` is on this machine without downloading: name
+    as a directory holding a tokenizer, or as a Hugging Face id whose snapshot the local cache holds."""
+    path = Path(name).expanduser()
+    if any((path / file).is_file() for file in TOKENIZER_FILES):
+        return path
+    if name.startswith(("/", ".", "~")):
+        return None
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    for file in TOKENIZER_FILES:
+        try:
+            cached = try_to_load_from_cache(name, file, cache_dir=constants.HF_HUB_CACHE)
+        except ValueError:  # not a repository id
+            return None
+        if isinstance(cached, str):
+            return Path(cached).parent
+    return None
+
+
 def check_tokenizer_spec(spec: str) -> None:
-    """ValueError for what resolve_tokenizer_path cannot give: an unknown builtin, a directory not there (a
-    bare ``org/name`` is left to transformers). Checked without building the builtin model."""
+    """ValueError for what resolve_tokenizer_path cannot give: an unknown builtin, a directory not there, a
+    Hugging Face id not in the local cache. Checked without building the builtin model."""
     if spec.startswith(BUILTIN_PREFIX):
         if spec.removeprefix(BUILTIN_PREFIX) not in BUILTIN_TOKENIZERS:
             known = ", ".join(BUILTIN_TOKENIZERS)
             raise ValueError(f"unknown builtin tokenizer {spec!r}; known: {known}")
-    elif spec.startswith(("/", ".", "~")) and not Path(spec).expanduser().is_dir():
-        raise ValueError(f"{spec!r} is not a directory")
+    elif spec.startswith(("/", ".", "~")):
+        if not Path(spec).expanduser().is_dir():
+            raise ValueError(f"{spec!r} is not a directory")
+    elif local_tokenizer_dir(spec) is None:
+        raise ValueError(
+            f"{spec!r} is neither a tokenizer directory here nor a model in the local Hugging Face cache "
+            "(the router does not download)"
+        )
 
 
 def resolve_tokenizer_path(spec: str) -> Path:
-    """A directory path, or ``builtin:tiny-llama`` for the locally built tiny model."""
+    """A directory path, a Hugging Face id's snapshot in the local cache, or ``builtin:tiny-llama`` for the
+    locally built tiny model."""
     if spec.startswith(BUILTIN_PREFIX):
         check_tokenizer_spec(spec)
         from tinymodel import builder as tinymodel
 
         return tinymodel.ensure_model()
-    return Path(spec).expanduser()
+    return local_tokenizer_dir(spec) or Path(spec).expanduser()
 
 
 def completion_text_or_ids(prompt: Any) -> str | list[int]:
@@ -62,7 +92,8 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         self.path = path
-        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        # Files on this machine only: a start-up never waits on, or fails for, the Hugging Face Hub.
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         # tokenizer.json may set truncation or padding, which transformers clears on each of its own calls and
         # vLLM never applies to a prompt; texts_ids calls the backend directly, so it clears them once here.
         self._tokenizer.backend_tokenizer.no_truncation()

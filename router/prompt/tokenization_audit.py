@@ -7,7 +7,8 @@ exactness rests on reproducing vLLM's message handling for this model's template
 of each model and kind, and one in ``every`` after it, is also sent to an instance's ``/tokenize`` in the
 background (the request does not wait). The kinds: "plain" chats, and chats "with_inputs" (``tools`` or
 ``chat_template_kwargs``). One mismatch and that model's chats of that kind go to the engine's renderer from
-then on, all its chats after a plain one: routing on wrong ids would credit blocks no instance holds.
+then on, all its chats after a plain one: routing on wrong ids would credit blocks no instance holds. Each
+mismatch is also an alarm (router/prompt/tokenizer_check.py): an error log, a metric, the dashboard.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from router.metrics import RouterMetrics
 from router.prompt.chat_conversation import engine_messages
 from router.prompt.remote_tokenizer import RemoteTokenizer, TokenizeFailed
+from router.prompt.tokenizer_check import TokenizerWatch
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,11 @@ def _kind(with_inputs: bool) -> str:
 
 class TokenizationAudit:
     def __init__(
-        self, every: int, metrics: RouterMetrics, remote: Callable[[str], RemoteTokenizer | None]
+        self, every: int, watch: TokenizerWatch, remote: Callable[[str], RemoteTokenizer | None]
     ) -> None:
-        """every: one chat in this many is checked (0: none); remote: an instance's /tokenize for a model."""
-        self._every, self._metrics, self._remote = every, metrics, remote
+        """every: one chat in this many is checked (0: none); watch: where each comparison is told; remote:
+        an instance's /tokenize for a model."""
+        self._every, self._watch, self._remote = every, watch, remote
         self._seen: Counter[tuple[str, str]] = Counter()
         self._distrusted: set[tuple[str, str]] = set()
         self._checks: set[asyncio.Task[None]] = set()
@@ -81,29 +83,16 @@ class TokenizationAudit:
         try:
             engine_ids = await remote.chat_ids(messages, **flags, template_inputs=template_inputs)
         except TokenizeFailed as exc:
-            log.debug("tokenization audit of %s could not ask the engine: %s", model, exc)
-            self._metrics.tokenization_audits(model, kind, "failed").inc()
+            self._watch.failed(model, remote.instance, kind, exc)
             return
-        if engine_ids == ids:
-            self._metrics.tokenization_audits(model, kind, "match").inc()
+        if self._watch.compared(model, remote.instance, kind, ids, engine_ids) or key in self._distrusted:
             return
-        self._metrics.tokenization_audits(model, kind, "mismatch").inc()
-        if key not in self._distrusted:
-            self._distrusted.add(key)
-            differ = next(
-                (i for i, (a, b) in enumerate(zip(ids, engine_ids, strict=False)) if a != b),
-                min(len(ids), len(engine_ids)),
-            )
-            log.warning(
-                "%s: a chat (%s) rendered here gave %d ids, the engine %d, first different at %d; from now "
-                "on the engine tokenizes this model's %s",
-                model,
-                kind,
-                len(ids),
-                len(engine_ids),
-                differ,
-                "chats" if kind == "plain" else "chats with tools or chat_template_kwargs",
-            )
+        self._distrusted.add(key)
+        log.warning(
+            "%s: from now on the engine tokenizes this model's %s",
+            model,
+            "chats" if kind == "plain" else "chats with tools or chat_template_kwargs",
+        )
 
     def close(self) -> None:
         for check in self._checks:

@@ -22,11 +22,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from router.errors import OpenAIError
 from router.tracing.config import OtlpProtocol, TracingConfig
-from router.tracing.spans import NULL_TRACE, Attribute, NullTrace
+from router.tracing.spans import NULL_TRACE, Attribute, Decision, NullTrace, Outcome
 
 if TYPE_CHECKING:
-    from router.dispatch.decision import Decision
-    from router.dispatch.outcome import Outcome
     from router.upstreams.instances import Instance
 
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -25,11 +25,48 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from router.dispatch.decision import Decision
-    from router.dispatch.outcome import Outcome
     from router.upstreams.instances import Instance
+    from scorers.request import TierMatch
 
 Attribute = str | bool | int | float
+
+
+class Decision(Protocol):
+    """What a span reads of a routing decision (router/dispatch/decision.py's, which imports this module)."""
+
+    @property
+    def instance(self) -> Instance: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def prompt_blocks(self) -> int: ...
+    @property
+    def cached_blocks(self) -> int: ...
+    @property
+    def uncached_tokens(self) -> int: ...
+    @property
+    def predicted_ttft_s(self) -> float: ...
+    @property
+    def reused(self) -> TierMatch: ...
+
+
+class Outcome(Protocol):
+    """What a span reads of how an answer ended (router/dispatch/outcome.py's)."""
+
+    @property
+    def instance(self) -> Instance: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def cut(self) -> bool: ...
+    @property
+    def broken(self) -> bool: ...
+    @property
+    def engine_error(self) -> bool: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def prefill_instance(self) -> str | None: ...
 
 
 class Trace(Protocol):

@@ -25,6 +25,8 @@ DOWN_PROBE_INTERVAL_S = 0.5
 class _ModelCard(msgspec.Struct):
     id: str
     max_model_len: int | None = None
+    root: str | None = None  # vLLM's --model (an adapter's: its path, with its base as parent)
+    parent: str | None = None
 
 
 class _ModelList(msgspec.Struct):
@@ -71,7 +73,8 @@ class HealthChecker:
         self._schedule(instance)
 
     async def _read_model_cards(self, instance: Instance) -> None:
-        """Its models' max_model_len, which /v1/models passes on (clients size their prompts by it)."""
+        """Its models' max_model_len, which /v1/models passes on (clients size their prompts by it), and each
+        base model's root (vLLM's --model), where its tokenizer is looked for (model_tokenizers.py)."""
         try:
             async with self._session.get(
                 instance.url + "/v1/models", headers=instance.headers, timeout=self._timeout
@@ -81,6 +84,7 @@ class HealthChecker:
             log.debug("no model cards from %s: %r", instance.name, exc)
             return
         instance.max_model_len = {c.id: c.max_model_len for c in cards if c.max_model_len is not None}
+        instance.roots = {c.id: c.root for c in cards if c.root and c.parent is None}
 
     def mark_unreachable(self, instance: Instance) -> None:
         """Passive check: a request could not reach it; route around it until a check passes."""

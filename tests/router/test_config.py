@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from router.config import ConfigError, load_config, parse_config
+from router.config import ConfigError, RouterConfig, load_config, parse_config
 from router.index.pool import pool_names
 from scorers.policy_config import builtin_policies
 from scorers.registry import SCORERS
@@ -61,7 +62,7 @@ def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_ow
         "llama": "/models/llama",
         "sql": "/models/llama",
         "chat": "/adapters/chat",
-        "unlisted-base": "builtin:tiny-llama",
+        "unlisted-base": None,  # its base's own, found at start (router/upstreams/model_tokenizers.py)
     }
     assert pool_names(config.models) == {
         "llama": "Llama-3.1-8B",
@@ -83,25 +84,34 @@ def test_an_adapter_takes_its_bases_tokenizer_and_pool_name_unless_it_has_its_ow
     assert (nulls.models[1].tokenizer, pool_names(nulls.models)["sql"]) == ("/models/llama", "L-8B")
 
 
-def test_a_real_model_left_on_the_test_tokenizer_is_warned_of() -> None:
+def test_a_model_whose_own_tokenizer_is_not_here_by_its_name_is_warned_of(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """No model falls back to the test model's tokenizer: one named by a directory here has its own."""
+    local = tmp_path / "my-model"
+    shutil.copytree(model_dir, local)
     config = parse_config(
         _with(
             models=[
-                {"name": "tiny-llama"},
-                {"name": "tiny-lora", "lora_of": "tiny-llama"},  # the test model's own
+                {"name": str(local)},
+                {"name": "my-lora", "lora_of": str(local)},
                 {"name": "llama", "tokenizer": "/models/llama"},
                 {"name": "sql", "lora_of": "llama"},
-                {"name": "qwen"},
-                {"name": "qwen-sql", "lora_of": "qwen"},
+                {"name": "tiny-llama"},  # a name, not the builtin
+                {"name": "qwen-sql", "lora_of": "tiny-llama"},
                 {"name": "remote", "tokenizer": "remote"},
+                {"name": "test", "tokenizer": "builtin:tiny-llama"},
             ]
         )
     )
+    assert config.models[0].tokenizer is None
     warnings = config.tokenizer_warnings()
     assert [w.split(" ")[0] for w in warnings] == ["models.4", "models.5"]
-    assert warnings[0] == (
-        "models.4 (qwen) has no tokenizer set and uses builtin:tiny-llama, the test model's; "
-        "set its tokenizer directory, or `remote` to ask the instances"
+    assert warnings[1] == (
+        "models.5 (qwen-sql) has no tokenizer set, and 'tiny-llama' is neither a tokenizer directory here "
+        "nor a model in the local Hugging Face cache: at start the router looks where its instances say "
+        "the model is (/v1/models root), else asks their /tokenize for every prompt; set its tokenizer "
+        "directory, or `remote`"
     )
 
 
@@ -502,15 +512,19 @@ def test_a_key_given_twice_is_an_error_naming_it_and_a_merge_key_may_be_overridd
     [
         ("builtin:llama", "unknown builtin tokenizer 'builtin:llama'; known: tiny-llama"),
         ("/nonexistent/tokenizer", "'/nonexistent/tokenizer' is not a directory"),
+        (
+            "no-such-org/no-such-model",
+            "'no-such-org/no-such-model' is neither a tokenizer directory here nor a model in the local "
+            "Hugging Face cache (the router does not download)",
+        ),
     ],
 )
 def test_a_tokenizer_serve_could_not_load_is_refused_naming_its_key(tokenizer: str, message: str) -> None:
     config = parse_config(_with(models=[{"name": "m", "tokenizer": tokenizer}]))
     with pytest.raises(ConfigError, match=re.escape(f"router.yaml: models.0.tokenizer: {message}")):
         config.require_tokenizers("router.yaml")
-    parse_config(_with(models=[{"name": "m", "tokenizer": "builtin:tiny-llama"}])).require_tokenizers(
-        "router.yaml"
-    )
+    for fine in ("builtin:tiny-llama", "remote", None):
+        parse_config(_with(models=[{"name": "m", "tokenizer": fine}])).require_tokenizers("router.yaml")
 
 
 def test_a_policy_with_some_weights_at_0_is_valid() -> None:
@@ -543,10 +557,23 @@ def test_example_configs_are_valid() -> None:
     assert {"local-fleet.yaml", "ab-rollout.yaml", "pd-fleet.yaml"} <= checked
 
 
-def test_the_readmes_configuration_reference_is_a_valid_configuration() -> None:
-    readme = (ROOT / "README.md").read_text()
-    reference = readme[readme.index("## Configuration reference") :]
-    block = reference.split("```yaml", 1)[1].split("```", 1)[0]
-    config = parse_config(yaml.safe_load(block), source="README.md")
-    assert config.traffic.split == {"round-robin": 10, "kvroute": 90}
-    assert config.pool.master_url == "http://127.0.0.1:9003"
+def test_the_docs_configuration_examples_are_valid_configurations() -> None:
+    """Every YAML example in README and docs/ made of router configuration sections validates, put beside a
+    model and an instance where it names none."""
+    sections = set(RouterConfig.model_fields)
+    base = {
+        "models": [{"name": "m", "tokenizer": "builtin:tiny-llama"}],
+        "instances": [{"name": "i", "url": "http://h:1"}],
+    }
+    checked = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+            try:
+                example = yaml.safe_load(block)
+            except yaml.YAMLError:
+                continue  # two files side by side, and the like
+            helm_values = isinstance(example, dict) and "enabled" in (example.get("discovery") or {})
+            if isinstance(example, dict) and example and set(example) <= sections and not helm_values:
+                parse_config({**base, **example}, source=page.name)
+                checked.append(page.name)
+    assert {"policies.md", "flow-control.md", "disaggregation.md", "kubernetes.md"} <= set(checked)

@@ -28,6 +28,8 @@ MESSAGES = [{"role": "user", "content": "run the tests " * 40}]
 class RecordingRemote:
     """Stands in for an instance's /tokenize: records what it was asked, answers with fixed ids."""
 
+    instance = "engine-0"
+
     def __init__(self) -> None:
         self.asked: list[Mapping[str, Any] | None] = []
 
@@ -208,7 +210,9 @@ def test_chats_with_tools_are_rendered_here_and_the_first_and_every_nth_is_check
     assert (audits(metrics, "match"), audits(metrics, "mismatch")) == (3, 0)
 
 
-def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine(tokenizer: PromptTokenizer) -> None:
+def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine_and_raises_the_alarm(
+    tokenizer: PromptTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
     chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(3)]
     first = len(tokenizer.chat_ids(chats[0], tools=TOOLS))
     remote = RecordingRemote()
@@ -216,6 +220,10 @@ def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine(tokenizer:
     assert counts == [first, 100, 100]
     assert (audits(metrics, "mismatch"), audits(metrics, "match")) == (1, 0)
     assert len(remote.asked) == 3  # the audit, then the two chats themselves
+    labels = {"model": "tiny-llama", "vllm_instance": "engine-0"}
+    assert metrics.registry.get_sample_value("kvroute_tokenizer_mismatch", labels) == 1
+    [error] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "model tiny-llama, instance engine-0" in error.getMessage()
 
 
 def test_a_chat_with_tools_not_rendered_here_goes_to_the_engine(tokenizer: PromptTokenizer) -> None:

@@ -1,0 +1,145 @@
+"""A router whose token ids are not its instances' says so: an error log naming the model and the instance, a
+metric, /health and the dashboard. The engine here is a fake whose /v1/models reports the model's directory
+(its root, as vLLM does) and whose /tokenize agrees with that directory's tokenizer, or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from kvroute.processes import free_port_block, running_router_process
+from router.prompt.tokenization import PromptTokenizer
+from tests.conftest import sample
+from tests.router.test_proxy import get_json, post
+
+MODEL = "served-llama"
+BLOCK_SIZE = 16
+PROMPT = "Summarise the failing tests in tests/test_models.py, one line each. " * 6
+
+
+@contextmanager
+def engine(root: Path, shift: int) -> Iterator[int]:
+    """A fake vLLM serving MODEL from root, its /tokenize ids shifted by shift (0: the same as root's);
+    yields its port."""
+    tokenizer = PromptTokenizer(root)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": MODEL, "root": str(root), "parent": None}]}
+        )
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        if "messages" in body:
+            ids = tokenizer.chat_ids(body["messages"], body.get("add_generation_prompt", True))
+        else:
+            ids = tokenizer.text_ids(body["prompt"], body.get("add_special_tokens", True))
+        shifted = [token + shift for token in ids]
+        return web.json_response({"count": len(shifted), "tokens": shifted, "max_model_len": 2048})
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/completions", completions)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = free_port_block(1)
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+def eventually(condition: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "the router did not get there"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.fixture
+def model_root(model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny model in a directory of another name: nothing here goes by the builtin's name."""
+    root = tmp_path / "weights" / "served-llama-dir"
+    shutil.copytree(model_dir, root)
+    return root
+
+
+@contextmanager
+def router(model_root: Path, tmp_path: Path, shift: int) -> Iterator[tuple[str, Path]]:
+    """A router in front of one fake engine (shift: its ids'); yields its URL and its log."""
+    with engine(model_root, shift) as port:
+        config = {
+            "models": [{"name": MODEL}],  # no tokenizer: the one vLLM loads, found by the instances' root
+            "block_size": BLOCK_SIZE,
+            "instances": [{"name": "engine-a", "url": f"http://127.0.0.1:{port}"}],
+        }
+        with running_router_process(config, tmp_path) as (url, child):
+            yield url, child.log_path
+
+
+def test_an_instance_whose_ids_differ_raises_the_alarm(model_root: Path, tmp_path: Path) -> None:
+    with router(model_root, tmp_path, shift=1) as (url, log_path):
+        labels = {"model": MODEL, "vllm_instance": "engine-a"}
+        assert eventually(lambda: sample(url, "kvroute_tokenizer_mismatch", **labels)) == 1
+        assert sample(
+            url, "kvroute_tokenization_audits_total", model=MODEL, kind="start_text", result="mismatch"
+        )
+        alarm = f"tokenizer mismatch: model {MODEL} on instance engine-a (start_text)"
+        state = get_json(url + "/dashboard/state")
+        assert alarm in state["alarms"]
+        [model] = state["tokenizers"]
+        assert model["model"] == MODEL and model["tokenizer"].startswith(str(model_root))
+        assert [(m["instance"], m["check"]) for m in model["mismatches"]] == [("engine-a", "start_text")]
+        assert model["mismatches"][0]["first_different"] == 0
+        health = get_json(url + "/health")
+        assert (health["status"], health["warnings"]) == ("degraded", [alarm])
+        errors = [line for line in log_path.read_text().splitlines() if "ERROR" in line]
+        assert any(f"model {MODEL}, instance engine-a" in line for line in errors), errors
+
+
+def test_an_instance_that_agrees_is_checked_quietly_and_its_root_tokenizes(
+    model_root: Path, tmp_path: Path
+) -> None:
+    with router(model_root, tmp_path, shift=0) as (url, log_path):
+        labels = {"model": MODEL, "vllm_instance": "engine-a"}
+        eventually(
+            lambda: sample(
+                url, "kvroute_tokenization_audits_total", model=MODEL, kind="start_chat", result="match"
+            )
+        )
+        assert sample(url, "kvroute_tokenizer_mismatch", **labels) == 0
+        state = get_json(url + "/dashboard/state")
+        assert state["alarms"] == []
+        assert state["tokenizers"][0]["matched"] == ["engine-a"]
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).encode()
+        status, headers, _ = post(url + "/v1/completions", body)
+        tokens = len(PromptTokenizer(model_root).text_ids(PROMPT))
+        assert (status, int(headers["x-kvroute-prompt-blocks"])) == (200, tokens // BLOCK_SIZE)
+        assert "ERROR" not in log_path.read_text()
