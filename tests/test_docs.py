@@ -33,7 +33,9 @@ def test_the_readme_is_short() -> None:
 
 def test_the_readme_states_only_figures_copied_from_the_benchmarks_page() -> None:
     """The README's one table of results is docs/benchmarks.md's, row for row, so the two cannot disagree."""
-    rows = [line for line in README.read_text().splitlines() if line.startswith("|") and re.search(r"\d", line)]
+    rows = [
+        line for line in README.read_text().splitlines() if line.startswith("|") and re.search(r"\d", line)
+    ]
     results = [row for row in rows if " s " in row or " ms" in row or "x " in row]
     assert results, "the README has no table of results"
     benchmarks = BENCHMARKS.read_text().splitlines()
