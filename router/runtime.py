@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from router.upstreams.health import HealthChecker
 from router.upstreams.http_session import upstream_session
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper
-from router.upstreams.model_tokenizers import TokenizerChoice, choose_tokenizers
+from router.upstreams.model_tokenizers import TokenizerChoice, choose_tokenizers, find_model_tokenizer
 from router.upstreams.peer_sync import PeerSync
 from router.upstreams.room import HasRoom
 
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 RELOADABLE = frozenset({"policies", "default_policy", "traffic", "admin", "instances", "flow_control"})
 DISCOVERY_MAX_BACKOFF_S = 10.0  # between attempts to reach an API server that is down
 FLOW_TICK_S = 0.25  # how often waiting requests look for room that appeared without an event
+TOKENIZER_SEARCH_S = 2.0  # how often a model left to its instances' /tokenize looks for its own tokenizer
+_NOT_LOADED = "remote: the instances' /tokenize (the tokenizer found here did not load)"
 
 
 class Runtime:
@@ -121,13 +124,17 @@ class Runtime:
         stack.callback(context.destroy, linger=0)
         self.health = HealthChecker(self.upstreams, control, config.health, metrics)
         await self.health.check_all()  # their /v1/models too: where a model's tokenizer may be found
-        choices = choose_tokenizers(config.models, self.upstreams.instances)
-        self.tokenizer_watch.origins = {name: choice.origin for name, choice in choices.items()}
+        choices = await asyncio.to_thread(choose_tokenizers, config.models, self.upstreams.instances)
         self.tokenizers = await asyncio.to_thread(_local_tokenizers, config, choices)
+        self.tokenizer_watch.origins = {
+            name: choice.origin if name in self.tokenizers or choice.path is None else _NOT_LOADED
+            for name, choice in choices.items()
+        }
+        self._control = control
         self.decider = self._decider(control)
         stack.callback(self.decider.close)
         tracing = start_tracing(config.tracing)
-        # At exit, the spans still held are exported (off the loop: that blocks up to the exporter's timeout).
+        # At exit, the spans still held are exported, off the loop: the SDK waits up to 30 s for a collector.
         stack.push_async_callback(asyncio.to_thread, tracing.close)
         self.routing = self._routing(session, tracing)
         self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s, config.upstream.response_timeout_s)
@@ -160,6 +167,7 @@ class Runtime:
             "health": (self.health.check_due, self.health.tick_s, True),
             "load": (scraper.scrape_all, scraper.interval_s, False),
             "flow_control": (self.flow_gate.tick, FLOW_TICK_S, True),
+            "tokenizers": (self._adopt_found_tokenizers, TOKENIZER_SEARCH_S, True),
             **{name: (loop, config.peers.interval_s, False) for name, loop in self.peers.loops().items()},
         }
         tasks = [
@@ -219,10 +227,26 @@ class Runtime:
     def warnings(self) -> list[str]:
         return self.subscriptions.warnings() + self.tokenizer_watch.alarms()
 
-    def _remotes(self, control: aiohttp.ClientSession) -> dict[str, list[RemoteTokenizer]]:
+    async def _adopt_found_tokenizers(self) -> None:
+        """A model that names no tokenizer and had none found at start (its engines not up yet, or found
+        by discovery later) is tokenized here once one reports a root this machine holds."""
+        waiting = [m for m in self.config.models if m.tokenizer is None and m.name not in self.tokenizers]
+        found = {m.name: c for m in waiting if (c := find_model_tokenizer(m, self.upstreams.instances))}
+        if not found:
+            return
+        loaded = await asyncio.to_thread(_local_tokenizers, self.config, found)
+        for name, tokenizer in loaded.items():
+            self.tokenizers[name] = tokenizer  # the decider's own dict: its next request is tokenized here
+            self.tokenizer_watch.origins[name] = found[name].origin
+            log.warning("model %s is tokenized here from now on, with %s", name, found[name].origin)
+        await check_at_start(self.tokenizer_watch, loaded, self._remotes(self._control, loaded))
+
+    def _remotes(
+        self, control: aiohttp.ClientSession, models: Iterable[str] | None = None
+    ) -> dict[str, list[RemoteTokenizer]]:
         """The /tokenize of each engine serving a model tokenized here, that answered its health check."""
         remotes: dict[str, list[RemoteTokenizer]] = {}
-        for model in self.tokenizers:
+        for model in self.tokenizers if models is None else models:
             urls: dict[str, str] = {}  # an engine's data-parallel ranks share its URL
             for instance in self.upstreams.instances:
                 if model in instance.models and instance.healthy:
@@ -277,6 +301,7 @@ class Runtime:
             if name not in in_place:  # gone: its entries, pool membership, owner bits and series go
                 self.index.forget_instance(name)
                 self.metrics.forget_instance(name)
+                self.tokenizer_watch.forget(name)
                 continue
             if name not in same_events:
                 self.index.drop_instance(name)
@@ -349,7 +374,16 @@ def _local_tokenizers(config: RouterConfig, choices: dict[str, TokenizerChoice])
     same ids)."""
     cache = config.tokenization
     by_path: dict[Path, LocalTokenizer] = {}
-    for path in dict.fromkeys(choice.path for choice in choices.values() if choice.path is not None):
-        tokenizer = PromptTokenizer(path)
+    for path, configured in {c.path: c.configured for c in choices.values() if c.path is not None}.items():
+        try:
+            tokenizer = PromptTokenizer(path)
+        except Exception as exc:
+            if configured:
+                raise
+            # Found, not named: one that will not load here leaves the model to its instances' /tokenize.
+            log.warning(
+                "the tokenizer at %s does not load (%s): its models go to the instances' /tokenize", path, exc
+            )
+            continue
         by_path[path] = CachedChatTokenizer(tokenizer, cache.cache_max_entries, cache.cache_max_tokens)
-    return {name: by_path[choice.path] for name, choice in choices.items() if choice.path is not None}
+    return {name: by_path[c.path] for name, c in choices.items() if c.path is not None and c.path in by_path}

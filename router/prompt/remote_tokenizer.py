@@ -12,6 +12,10 @@ import msgspec
 
 from router.prompt.tokenization import completion_text_or_ids
 
+ANSWER_BYTES_PER_REQUEST_BYTE = 16  # a token id of up to 6 digits and its comma, for each byte of prompt
+ANSWER_SLACK_BYTES = 64 * 2**10  # the answer's other fields
+_JSON = {"content-type": "application/json"}
+
 
 class TokenizeFailed(Exception):
     """An instance's /tokenize gave no usable answer; the message and ``__cause__`` say why."""
@@ -71,12 +75,21 @@ class RemoteTokenizer:
         return await self._tokenize(body)
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        request = msgspec.json.encode(body)
+        # An answer lists at most a token per byte of the prompt, in a few bytes each: a larger one is not
+        # /tokenize's, and is not read into memory (an engine answering every path with a huge body).
+        limit = ANSWER_BYTES_PER_REQUEST_BYTE * len(request) + ANSWER_SLACK_BYTES
+        headers = {"content-type": "application/json"}
         try:
-            async with self.session.post(self.url, json=body, timeout=self.timeout) as response:
-                payload = await response.read()
+            async with self.session.post(
+                self.url, data=request, headers=headers, timeout=self.timeout
+            ) as response:
                 status = response.status
+                payload = await _read_at_most(response, limit)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TokenizeFailed(f"POST {self.url} failed: {exc!r}") from exc
+        if payload is None:
+            raise TokenizeFailed(f"POST {self.url} answered more than {limit} bytes")
         if status != 200:
             raise TokenizeFailed(f"POST {self.url} answered {status}: {payload[:200]!r}")
         try:
@@ -88,3 +101,16 @@ class RemoteTokenizer:
                 f"POST {self.url} answered count {decoded.count} for {len(decoded.tokens)} ids"
             )
         return decoded.tokens
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The answer's body, or None when it is longer than limit (the rest left unread)."""
+    if response.content_length is not None and response.content_length > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)

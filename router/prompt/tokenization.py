@@ -24,25 +24,42 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_TOKENIZERS = ("tiny-llama",)  # tinymodel/builder.py builds it (its MODEL_NAME)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # either makes a directory a tokenizer's
+# A directory is a tokenizer's with tokenizer.json, or with tokenizer_config.json beside a vocabulary (a
+# config alone loads as an empty tokenizer, which would hash every prompt to nothing).
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+VOCABULARY_FILES = ("vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
 
 
 def local_tokenizer_dir(name: str) -> Path | None:
     """Where the tokenizer vLLM loads for ``--tokenizer name`` is on this machine without downloading: name
     as a directory holding a tokenizer, or as a Hugging Face id whose snapshot the local cache holds."""
-    path = Path(name).expanduser()
-    if any((path / file).is_file() for file in TOKENIZER_FILES):
-        return path
-    if name.startswith(("/", ".", "~")):
+    try:
+        path = Path(name).expanduser()
+        if _is_tokenizer_dir(path):
+            return path
+        if name.startswith(("/", ".", "~")):
+            return None
+        return _cached_tokenizer_dir(name)
+    except OSError:  # a name no file system takes (too long), a cache that cannot be read
         return None
+
+
+def _is_tokenizer_dir(path: Path) -> bool:
+    if (path / TOKENIZER_FILE).is_file():
+        return True
+    return (path / TOKENIZER_CONFIG).is_file() and any((path / file).is_file() for file in VOCABULARY_FILES)
+
+
+def _cached_tokenizer_dir(name: str) -> Path | None:
     from huggingface_hub import constants, try_to_load_from_cache
 
-    for file in TOKENIZER_FILES:
+    for file in (TOKENIZER_FILE, TOKENIZER_CONFIG):
         try:
             cached = try_to_load_from_cache(name, file, cache_dir=constants.HF_HUB_CACHE)
         except ValueError:  # not a repository id
             return None
-        if isinstance(cached, str):
+        if isinstance(cached, str) and _is_tokenizer_dir(Path(cached).parent):
             return Path(cached).parent
     return None
 

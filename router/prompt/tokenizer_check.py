@@ -5,7 +5,11 @@ prompts to blocks no instance holds: cache-aware routing goes blind with no erro
 model with a tokenizer here has a text and a chat tokenized by every instance serving it (``POST
 /tokenize``), and the audit (router/prompt/tokenization_audit.py) checks chats now and then after that. A
 mismatch is an error log naming the model and the instance, ``kvroute_tokenizer_mismatch`` at 1 for them
-(until the router restarts), a warning on /health and an alarm on /dashboard.
+(until the router restarts or the instance leaves), a warning on /health and an alarm on /dashboard.
+
+A chat that differs where the text matched is the chat's rendering (a template or tool layout of the
+engine's own), not the tokenizer: the audit hands those chats to the engine, and the difference is a warning
+and a line on /dashboard, not an alarm.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 
 # Accents, CJK, digits, runs of spaces and a tab: where two tokenizers of one family part ways first.
 PROBE_TEXT = "kvroute checks its tokenizer: naïve café, 東京タワー, ☃ 12345 + 678 = 13023.\n\tTwo  spaces."
+TEXT_CHECK = "start_text"  # the plain text's: the tokenizer alone, no template
 PROBE_CHAT = [
     {"role": "system", "content": "You are a careful assistant."},
     {"role": "user", "content": "Grüße aus Köln! What is 12 + 30?"},
@@ -50,7 +55,9 @@ class TokenizerWatch:
         self._metrics = metrics
         self.origins: dict[str, str] = {}  # model -> its tokenizer and how it was found, set at start
         self._matched: dict[str, set[str]] = {}  # model -> instances whose ids matched
-        self._mismatches: dict[str, dict[str, Mismatch]] = {}  # model -> instance -> the first one found
+        self._text_matched: dict[str, set[str]] = {}  # model -> instances whose ids of the plain text matched
+        self._mismatches: dict[str, dict[str, Mismatch]] = {}  # model -> instance -> the first alarm
+        self._renderings: dict[str, dict[str, Mismatch]] = {}  # model -> instance -> a chat's, text matched
 
     def compared(self, model: str, instance: str, check: str, ids: list[int], engine_ids: list[int]) -> bool:
         """Record one comparison (check: its kind, a label of kvroute_tokenization_audits); whether the ids
@@ -58,16 +65,32 @@ class TokenizerWatch:
         if engine_ids == ids:
             self._metrics.tokenization_audits(model, check, "match").inc()
             self._matched.setdefault(model, set()).add(instance)
+            if check == TEXT_CHECK:
+                self._text_matched.setdefault(model, set()).add(instance)
             if instance not in self._mismatches.get(model, {}):
                 self._metrics.tokenizer_mismatch(model, instance).set(0)
             return True
         self._metrics.tokenization_audits(model, check, "mismatch").inc()
-        self._metrics.tokenizer_mismatch(model, instance).set(1)
         differ = next(
             (i for i, (a, b) in enumerate(zip(ids, engine_ids, strict=False)) if a != b),
             min(len(ids), len(engine_ids)),
         )
         mismatch = Mismatch(check, len(ids), len(engine_ids), differ)
+        if check != TEXT_CHECK and instance in self._text_matched.get(model, ()):
+            self._renderings.setdefault(model, {}).setdefault(instance, mismatch)
+            log.warning(
+                "model %s, instance %s: a chat (%s) renders to other token ids there (%d here, %d there, "
+                "first different at %d) though plain text tokenizes alike: the engine's chat template or "
+                "tool layout differs, and such chats are tokenized by the engine",
+                model,
+                instance,
+                check,
+                len(ids),
+                len(engine_ids),
+                differ,
+            )
+            return False
+        self._metrics.tokenizer_mismatch(model, instance).set(1)
         self._mismatches.setdefault(model, {}).setdefault(instance, mismatch)
         log.error(
             "tokenizer mismatch: model %s, instance %s: the router's token ids differ from the engine's "
@@ -84,6 +107,14 @@ class TokenizerWatch:
             self.origins.get(model, "its tokenizer"),
         )
         return False
+
+    def forget(self, instance: str) -> None:
+        """instance left the fleet: its comparisons go with it (its metric series are dropped apart)."""
+        for table in (self._matched, self._text_matched):
+            for instances in table.values():
+                instances.discard(instance)
+        for found in (*self._mismatches.values(), *self._renderings.values()):
+            found.pop(instance, None)
 
     def failed(self, model: str, instance: str, check: str, reason: TokenizeFailed) -> None:
         log.debug("%s: %s could not be asked for token ids (%s): %s", model, instance, check, reason)
@@ -107,6 +138,10 @@ class TokenizerWatch:
                     {"instance": instance, **asdict(mismatch)}
                     for instance, mismatch in self._mismatches.get(model, {}).items()
                 ],
+                "renderings": [
+                    {"instance": instance, **asdict(mismatch)}
+                    for instance, mismatch in self._renderings.get(model, {}).items()
+                ],
             }
             for model, origin in self.origins.items()
         ]
@@ -123,13 +158,13 @@ async def check_at_start(
         for model, tokenizer in tokenizers.items()
         for remote in remotes.get(model, ())
     ]
-    await asyncio.gather(*checks)
+    await asyncio.gather(*checks, return_exceptions=True)
 
 
 async def _probe(
     watch: TokenizerWatch, model: str, tokenizer: ProbedTokenizer, remote: RemoteTokenizer
 ) -> None:
-    await _compare(watch, model, remote, "start_text", tokenizer.completion_ids(PROBE_TEXT), PROBE_TEXT)
+    await _compare(watch, model, remote, TEXT_CHECK, tokenizer.completion_ids(PROBE_TEXT), PROBE_TEXT)
     try:
         chat = tokenizer.chat_ids(PROBE_CHAT)
     except Exception as exc:  # a template that will not render this chat: the text alone is checked

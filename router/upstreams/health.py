@@ -61,7 +61,9 @@ class HealthChecker:
         if ok:
             if not instance.healthy:
                 log.info("instance %s is healthy again", instance.name)
-            came_up = first or not instance.healthy  # a new engine, or one back: it may take other lengths
+            # A new engine, or one back, may take other lengths; one whose first checks failed (still
+            # loading) without being marked down yet has not said them either.
+            came_up = first or not instance.healthy or not instance.cards_read
             instance.healthy, instance.failed_checks = True, 0
             if came_up:  # after it takes requests again: a slow answer here must not hold them back
                 await self._read_model_cards(instance)
@@ -79,7 +81,9 @@ class HealthChecker:
             async with self._session.get(
                 instance.url + "/v1/models", headers=instance.headers, timeout=self._timeout
             ) as response:
-                cards = msgspec.json.decode(await response.read(), type=_ModelList).data
+                body = await response.read()
+            instance.cards_read = True  # it answered: asked again when it comes up again, not before
+            cards = msgspec.json.decode(body, type=_ModelList).data
         except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.debug("no model cards from %s: %r", instance.name, exc)
             return

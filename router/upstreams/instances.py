@@ -42,6 +42,7 @@ class Instance:
     kv_capacity_tokens: int | None = None  # from the engine's vllm:cache_config_info once scraped
     max_model_len: dict[str, int] = field(default_factory=dict)  # by model, from its /v1/models once healthy
     roots: dict[str, str] = field(default_factory=dict)  # by base model, the same: its path (vLLM --model)
+    cards_read: bool = False  # /v1/models answered since it last came up
     failed_checks: int = 0
     ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class TokenizerChoice:
     path: Path | None  # the directory loaded; None: the instances' /tokenize
     origin: str  # what it is and how it was found, for the start-up log and the dashboard
+    configured: bool = True  # named by the configuration; False: found by the model's name or root
 
 
 def choose_tokenizers(
@@ -47,15 +48,11 @@ def _choice(model: ModelConfig, instances: Sequence[Instance]) -> TokenizerChoic
         return TokenizerChoice(None, "remote: the instances' /tokenize, as configured")
     if spec is not None:
         return TokenizerChoice(resolve_tokenizer_path(spec), spec)
+    found = find_model_tokenizer(model, instances)
+    if found is not None:
+        return found
     own = model.lora_of or model.name
-    roots = list(dict.fromkeys(i.roots[own] for i in instances if own in i.roots))
-    places = [(own, "the model's name")] + [(root, "the model's root on its instances") for root in roots]
-    for name, how in places:
-        found = local_tokenizer_dir(name)
-        if found is not None:
-            cached = "" if found == Path(name).expanduser() else f", in the Hugging Face cache at {found}"
-            return TokenizerChoice(found, f"{name} ({how}{cached})")
-    reported = ", ".join(roots) or "none reported"
+    reported = ", ".join(_roots(own, instances)) or "none reported"
     log.warning(
         "model %s: no tokenizer configured, and none on this machine by its name (%s) nor by its root on "
         "its instances (%s), as a directory or a Hugging Face id in the local cache: its prompts are "
@@ -65,4 +62,23 @@ def _choice(model: ModelConfig, instances: Sequence[Instance]) -> TokenizerChoic
         own,
         reported,
     )
-    return TokenizerChoice(None, f"remote: the instances' /tokenize (none found here; roots: {reported})")
+    return TokenizerChoice(
+        None, f"remote: the instances' /tokenize (none found here; roots: {reported})", configured=False
+    )
+
+
+def find_model_tokenizer(model: ModelConfig, instances: Sequence[Instance]) -> TokenizerChoice | None:
+    """The tokenizer of a model that names none, found here by its name or its instances' root; None."""
+    own = model.lora_of or model.name
+    places = [(own, "the model's name")]
+    places += [(root, "the model's root on its instances") for root in _roots(own, instances)]
+    for name, how in places:
+        found = local_tokenizer_dir(name)
+        if found is not None:
+            cached = "" if found == Path(name).expanduser() else f", in the Hugging Face cache at {found}"
+            return TokenizerChoice(found, f"{name} ({how}{cached})", configured=False)
+    return None
+
+
+def _roots(model: str, instances: Sequence[Instance]) -> list[str]:
+    return list(dict.fromkeys(i.roots[model] for i in instances if model in i.roots))

@@ -7,6 +7,7 @@ the stack gave them. The routers these commands start are this test's own, stopp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +30,7 @@ SECTION = "## In front of your vLLM fleet"
 EXAMPLE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 EXAMPLE_PORT = "8080"
 HITS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")  # local, and from the pool
+STACK_INSTANCES = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")  # the example's, each a stack's instance
 
 
 def _section_blocks() -> list[str]:
@@ -59,8 +60,8 @@ def _substitutions(stack: Stack, router_port: int) -> dict[str, str]:
     """The example's addresses and names -> the stack's."""
     first, second = stack.instances
     return {
-        "http://10.0.0.1:8000": first.url,
-        "http://10.0.0.2:8000": second.url,
+        STACK_INSTANCES[0]: first.url,
+        STACK_INSTANCES[1]: second.url,
         "tcp://10.0.0.1:5557": first.events,
         "tcp://10.0.0.2:5557": second.events,
         "tcp://10.0.0.1:5558": first.replay,
@@ -110,7 +111,8 @@ class Shell:
         self.servers.append(server)
         port = int(re.search(r"--port (\d+)", self.concrete(command))[1])  # type: ignore[index]
         deadline = time.monotonic() + 60
-        while not _answers(f"http://127.0.0.1:{port}/health"):
+        # Up, and its index warm: each engine's replayed events applied (the chats' blocks were sent before)
+        while not _warm(f"http://127.0.0.1:{port}"):
             said = log.with_suffix(".err").read_text()[-2000:]
             assert server.poll() is None, f"{command!r} exited: {said}"
             assert time.monotonic() < deadline, f"{command!r} never answered: {said}"
@@ -118,19 +120,20 @@ class Shell:
         return server
 
     def stop(self, server: subprocess.Popen[bytes]) -> None:
-        if server.poll() is None:
+        """The server's whole process group (its workers too, were it to have exited before them)."""
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            server.wait()
 
 
-def _answers(url: str) -> bool:
+def _warm(router: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return bool(response.status == 200)
+        return metric(router, "kvroute_kv_warm") == len(STACK_INSTANCES)
     except OSError:
         return False
 

@@ -28,15 +28,20 @@ PROMPT = "Summarise the failing tests in tests/test_models.py, one line each. " 
 
 
 @contextmanager
-def engine(root: Path, shift: int) -> Iterator[int]:
-    """A fake vLLM serving MODEL from root, its /tokenize ids shifted by shift (0: the same as root's);
-    yields its port."""
+def engine(
+    root: Path, shift: int, chat_shift: int | None = None, ready: threading.Event | None = None
+) -> Iterator[int]:
+    """A fake vLLM serving MODEL from root, its /tokenize ids shifted by shift (0: the same as root's), a
+    chat's by chat_shift when given; yields its port. Until ready is set it answers 503, as an engine still
+    loading its weights is not yet up."""
     tokenizer = PromptTokenizer(root)
 
     async def health(request: web.Request) -> web.Response:
-        return web.Response()
+        return web.Response(status=200 if ready is None or ready.is_set() else 503)
 
     async def models(request: web.Request) -> web.Response:
+        if ready is not None and not ready.is_set():
+            return web.Response(status=503)
         return web.json_response(
             {"object": "list", "data": [{"id": MODEL, "root": str(root), "parent": None}]}
         )
@@ -47,7 +52,8 @@ def engine(root: Path, shift: int) -> Iterator[int]:
             ids = tokenizer.chat_ids(body["messages"], body.get("add_generation_prompt", True))
         else:
             ids = tokenizer.text_ids(body["prompt"], body.get("add_special_tokens", True))
-        shifted = [token + shift for token in ids]
+        by = shift if chat_shift is None or "messages" not in body else chat_shift
+        shifted = [token + by for token in ids]
         return web.json_response({"count": len(shifted), "tokens": shifted, "max_model_len": 2048})
 
     async def completions(request: web.Request) -> web.Response:
@@ -91,17 +97,24 @@ def model_root(model_dir: Path, tmp_path: Path) -> Path:
     return root
 
 
+def _config(port: int) -> dict[str, Any]:
+    return {
+        "models": [{"name": MODEL}],  # no tokenizer: the one vLLM loads, found by the instances' root
+        "block_size": BLOCK_SIZE,
+        "instances": [{"name": "engine-a", "url": f"http://127.0.0.1:{port}"}],
+    }
+
+
 @contextmanager
-def router(model_root: Path, tmp_path: Path, shift: int) -> Iterator[tuple[str, Path]]:
+def router(
+    model_root: Path, tmp_path: Path, shift: int, chat_shift: int | None = None
+) -> Iterator[tuple[str, Path]]:
     """A router in front of one fake engine (shift: its ids'); yields its URL and its log."""
-    with engine(model_root, shift) as port:
-        config = {
-            "models": [{"name": MODEL}],  # no tokenizer: the one vLLM loads, found by the instances' root
-            "block_size": BLOCK_SIZE,
-            "instances": [{"name": "engine-a", "url": f"http://127.0.0.1:{port}"}],
-        }
-        with running_router_process(config, tmp_path) as (url, child):
-            yield url, child.log_path
+    with (
+        engine(model_root, shift, chat_shift) as port,
+        running_router_process(_config(port), tmp_path) as (url, child),
+    ):
+        yield url, child.log_path
 
 
 def test_an_instance_whose_ids_differ_raises_the_alarm(model_root: Path, tmp_path: Path) -> None:
@@ -143,3 +156,45 @@ def test_an_instance_that_agrees_is_checked_quietly_and_its_root_tokenizes(
         tokens = len(PromptTokenizer(model_root).text_ids(PROMPT))
         assert (status, int(headers["x-kvroute-prompt-blocks"])) == (200, tokens // BLOCK_SIZE)
         assert "ERROR" not in log_path.read_text()
+
+
+def test_a_chat_rendered_otherwise_where_the_text_matches_is_no_alarm(
+    model_root: Path, tmp_path: Path
+) -> None:
+    """The engine's template, not its tokenizer: such chats go to the engine, with a warning."""
+    with router(model_root, tmp_path, shift=0, chat_shift=1) as (url, log_path):
+        eventually(
+            lambda: sample(
+                url, "kvroute_tokenization_audits_total", model=MODEL, kind="start_chat", result="mismatch"
+            )
+        )
+        assert sample(url, "kvroute_tokenizer_mismatch", model=MODEL, vllm_instance="engine-a") == 0
+        state = get_json(url + "/dashboard/state")
+        assert state["alarms"] == [] and get_json(url + "/health")["status"] == "ok"
+        [model] = state["tokenizers"]
+        assert [(m["instance"], m["check"]) for m in model["renderings"]] == [("engine-a", "start_chat")]
+        assert "chat (start_chat) renders to other token ids" in log_path.read_text()
+
+
+def test_a_model_whose_engine_comes_up_later_is_tokenized_with_its_root_from_then_on(
+    model_root: Path, tmp_path: Path
+) -> None:
+    ready = threading.Event()
+    with (
+        engine(model_root, shift=0, ready=ready) as port,
+        running_router_process(_config(port), tmp_path) as (url, child),
+    ):
+        [model] = get_json(url + "/dashboard/state")["tokenizers"]
+        assert model["tokenizer"].startswith("remote")  # no engine answered at start
+        ready.set()
+        found = eventually(
+            lambda: (
+                (t := get_json(url + "/dashboard/state")["tokenizers"][0]["tokenizer"]).startswith(
+                    str(model_root)
+                )
+                and t
+            )
+        )
+        assert "the model's root on its instances" in found
+        eventually(lambda: get_json(url + "/dashboard/state")["tokenizers"][0]["matched"] == ["engine-a"])
+        assert "is tokenized here from now on" in child.log_path.read_text()
