@@ -199,7 +199,10 @@ def _bench_index(args: argparse.Namespace) -> int:
 
     tokenizer = PromptTokenizer(resolve_tokenizer_path("builtin:tiny-llama"))
     out = Path(args.out) if args.out else None
-    run_bench(BenchOptions(args.sizes, args.repeats, out), lambda: CachedChatTokenizer(tokenizer))
+    options = BenchOptions(
+        args.sizes, args.repeats, out, args.wire_blocks, args.wire_single_blocks, args.fleets
+    )
+    run_bench(options, lambda: CachedChatTokenizer(tokenizer))
     return 0
 
 
@@ -526,6 +529,21 @@ def _parser() -> argparse.ArgumentParser:
         help="index sizes for ingest and memory, comma-separated (default: 1000000,10000000)",
     )
     index.add_argument("--repeats", type=positive_int, default=200)
+    index.add_argument(
+        "--wire-blocks",
+        type=positive_ints,
+        default=(2_000_000, 10_000_000),
+        help="end to end over ZMQ, 32 blocks a message: blocks sent (each also a memory figure)",
+    )
+    index.add_argument(
+        "--wire-single-blocks",
+        type=positive_int,
+        default=200_000,
+        help="end to end over ZMQ, one block a message: blocks sent",
+    )
+    index.add_argument(
+        "--fleets", type=positive_ints, default=(8, 100, 1_000), help="instances of the fleets decided over"
+    )
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)
     live = benches.add_parser("live", help="agent sessions or a trace through several routers, one fleet")

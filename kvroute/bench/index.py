@@ -5,7 +5,11 @@
 - memory: bytes the index holds per indexed block (its dicts and their key and value objects);
 - lookup + score: index match plus a policy's scores over 8 instances for prompts of 1K, 10K and 100K tokens;
 - the full routing decision (tokenize + hash + lookup + score + pick) for turn 30 of an agent session with
-  ~80K tokens of history, cold and with the tokenization cache warm from turns 1-29.
+  ~80K tokens of history, cold and with the tokenization cache warm from turns 1-29;
+- end to end (kvroute/bench/index_ingest.py): 8 publishers over ZMQ into the router's subscriber and index,
+  at 32 and at 1 block a message, and the process's memory per block held;
+- decisions over fleets of 8, 100 and 1,000 instances (kvroute/bench/index_decisions.py): an 80K-token
+  turn's chain hashed, matched and chosen by the default policy.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvroute.bench.index_decisions import measure_decisions
+from kvroute.bench.index_ingest import measure_ingest_end_to_end
 from router.dispatch.decision import Decider, LocalTokenizer
 from router.index.block_index import BlockIndex
 from router.index.events import BlockHash, BlockStored
@@ -47,6 +53,10 @@ class BenchOptions:
     sizes: tuple[int, ...] = (1_000_000, 10_000_000)
     repeats: int = 200
     out: Path | None = None
+    # end to end: blocks sent at 32 a message (each a memory figure too), and blocks sent one a message
+    wire_blocks: tuple[int, ...] = (2_000_000, 10_000_000)
+    wire_single_blocks: int = 200_000
+    fleets: tuple[int, ...] = (8, 100, 1_000)
 
 
 def _events(blocks: int, seed: int) -> Iterator[tuple[tuple[str, int], BlockStored]]:
@@ -216,8 +226,8 @@ def measure_decision(make_tokenizer: Callable[[], LocalTokenizer], repeats: int)
 
 def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer]) -> dict[str, Any]:
     console = Console(width=None if Console().is_terminal else 120)
-    report: dict[str, Any] = {"ingest": [], "lookup": {}, "decision": {}}
-    steps = len(options.sizes) + 3 + 1
+    report: dict[str, Any] = {"ingest": [], "lookup": {}, "decision": {}, "wire": [], "fleets": {}}
+    steps = len(options.sizes) + 3 + 1 + len(options.wire_blocks) + 1 + 1
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("index benchmark", total=steps)
         for size in options.sizes:
@@ -230,6 +240,13 @@ def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer
             progress.advance(task)
         progress.update(task, description="routing decision, 80K-token agent turn")
         report["decision"] = measure_decision(make_tokenizer, options.repeats)
+        progress.advance(task)
+        for blocks, per_message in [*((b, 32) for b in options.wire_blocks), (options.wire_single_blocks, 1)]:
+            progress.update(task, description=f"end to end, {blocks:,} blocks, {per_message} a message")
+            report["wire"].append(measure_ingest_end_to_end(blocks, per_message).summary())
+            progress.advance(task)
+        progress.update(task, description="decisions over fleets of " + ", ".join(map(str, options.fleets)))
+        report["fleets"] = measure_decisions(options.fleets)
         progress.advance(task)
     console.print(_table(report))
     if options.out is not None:
@@ -252,6 +269,21 @@ def _table(report: dict[str, Any]) -> Table:
             f"lookup+score, {int(tokens):,}-token prompt ({lookup['blocks']} blocks)",
             f"p50 {lookup['p50_ms']:.3f} ms, p99 {lookup['p99_ms']:.3f} ms",
             "p50 <= 1 ms at 10K" if tokens == "10000" else "",
+        )
+    for wire in report["wire"]:
+        per_message = int(wire["blocks_per_message"])
+        table.add_row(
+            f"end to end, {int(wire['blocks']):,} blocks, {per_message} a message, 8 publishers",
+            f"{wire['blocks_per_cpu_s'] / 1e6:.3f} M blocks/CPU-s, {wire['messages_per_cpu_s'] / 1e3:.1f}K "
+            f"msg/CPU-s; {wire['rss_bytes_per_block']:.0f} B RSS/block",
+            ">= 1 M blocks/s; <= 64 B" if per_message > 1 else ">= 100K msg/s",
+        )
+    for size, fleet in report["fleets"].items():
+        table.add_row(
+            f"80K-token decision over {int(size):,} instances",
+            f"{fleet['decision_ms']:.2f} ms (hash {fleet['hash_ms']:.2f}, match {fleet['match_ms']:.2f}, "
+            f"choose {fleet['choose_ms']:.2f})",
+            "<= 1 ms" if size == "1000" else "",
         )
     decision = report["decision"]
     for label in ("cold", "cached"):

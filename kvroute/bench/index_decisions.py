@@ -1,0 +1,100 @@
+"""Decisions over fleets of several sizes for ``kvroute bench index``: an 80K-token agent turn's block chain
+hashed, matched against the index and scored by the default policy over 8, 100 and 1,000 instances.
+
+The fleet: every instance holds the session's shared system prompt (its first blocks), and ten of them hold
+a tenth, two tenths... up to all of the session's history, as a fleet some of whose instances served the
+session's earlier turns. Each instance also holds filler chains of its own, so the tables are of a fleet's
+size, not of one session's.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+from router.index.block_index import BlockIndex
+from router.index.events import BlockStored
+from router.prompt import block_hashing
+from router.upstreams.instances import Instance
+from scorers.policy import Policy
+from scorers.policy_config import builtin_policies
+from scorers.request import RoutingRequest
+
+BLOCK_SIZE = 16
+VOCAB = 150_000
+SYSTEM_PROMPT_BLOCKS = 128  # 2,048 tokens every instance holds
+SESSION_HOLDERS = 10
+FILLER_BLOCKS = 2_000  # of each instance's own, besides the session's
+MODEL = "m"
+
+
+def _stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BLOCK_SIZE,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+def _fleet(instances: int, tokens: list[int], chain_blocks: int) -> BlockIndex:
+    index = BlockIndex(BLOCK_SIZE, max_entries=instances * (chain_blocks + FILLER_BLOCKS) + 1)
+    rng = random.Random(instances)
+    filler = [rng.randrange(VOCAB) for _ in range(FILLER_BLOCKS * BLOCK_SIZE)]
+    for n in range(instances):
+        held = SYSTEM_PROMPT_BLOCKS
+        if n < SESSION_HOLDERS:
+            held = max(held, chain_blocks * (n + 1) // SESSION_HOLDERS)
+        own = (n + 1) << 40  # every instance's vLLM hashes apart from the others'
+        index.apply((f"i{n}", 0), [_stored(list(range(own, own + held)), tokens[: held * BLOCK_SIZE])])
+        # A chain of its own, from a first token no other instance's starts with
+        start = own + (1 << 32)
+        index.apply((f"i{n}", 0), [_stored(list(range(start, start + FILLER_BLOCKS)), [n, *filler[1:]])])
+    return index
+
+
+def _median_ms(action: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1e3
+
+
+def measure_decisions(
+    fleet_sizes: tuple[int, ...] = (8, 100, 1_000), prompt_tokens: int = 80_000, repeats: int = 20
+) -> dict[str, dict[str, float]]:
+    """Per fleet size: hashing the prompt's chain, matching it, choosing with the default policy (ms)."""
+    rng = random.Random(prompt_tokens)
+    tokens = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
+    return {str(size): _measure_fleet(size, tokens, repeats) for size in fleet_sizes}
+
+
+def _measure_fleet(size: int, tokens: list[int], repeats: int) -> dict[str, float]:
+    chain = block_hashing.chain(tokens, BLOCK_SIZE)
+    index = _fleet(size, tokens, len(chain))
+    candidates = [Instance(f"i{n}", f"http://127.0.0.1:{9000 + n}", frozenset({MODEL})) for n in range(size)]
+    policy = Policy("kvroute", builtin_policies()["kvroute"])
+    matches = index.match(chain)
+
+    def choose() -> None:
+        request = RoutingRequest(MODEL, "session", len(tokens), len(chain), BLOCK_SIZE, matches, chain)
+        policy.choose(request, candidates)
+
+    hash_ms = _median_ms(lambda: block_hashing.chain(tokens, BLOCK_SIZE), repeats)
+    match_ms = _median_ms(lambda: index.match(chain), repeats)
+    choose_ms = _median_ms(choose, repeats)
+    return {
+        "hash_ms": hash_ms,
+        "match_ms": match_ms,
+        "choose_ms": choose_ms,
+        "decision_ms": hash_ms + match_ms + choose_ms,
+        "matched_instances": len(matches),
+        "index_entries": index.entries,
+    }

@@ -1,0 +1,186 @@
+"""End-to-end ingest for ``kvroute bench index``: publishers over TCP, ZMQ, msgpack, the router's own
+subscriber and its index, as a fleet's KV events reach a router.
+
+Each publisher is a process of its own, bound on 127.0.0.1 as vLLM binds its PUB socket, with every message
+encoded before the clock starts (vLLM's wire format: topic, 8-byte sequence number, a msgpack batch), so what
+is timed is the router's side. Its send queue is unbounded: a router that falls behind delays messages rather
+than losing them, and every block is counted in. The router's process measures its wall and CPU time from the
+first block to the last, and its resident memory before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing
+import random
+import resource
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import zmq
+import zmq.asyncio
+
+from kvroute.processes import free_port_block
+from router.index.block_index import BlockIndex
+from router.index.events import BlockStored, EventEncoder, KVEvent, pack_seq
+from router.index.subscriber import KVEventSubscriber
+from router.metrics import RouterMetrics
+
+BLOCK_SIZE = 16
+VOCAB = 150_000
+_TOKEN_LISTS = 64  # token lists reused by every publisher: parents make each block distinct
+_HASH_SPACE = 1 << 40  # each publisher's block hashes start at its own multiple of this
+SUBSCRIBED_WITHIN_S = 30.0
+INGEST_WITHIN_S = 600.0  # a run that takes longer is reported as failed, not waited for
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    publishers: int
+    blocks_per_message: int
+    blocks: int
+    wall_s: float
+    cpu_s: float
+    rss_growth_bytes: int
+    index_entries: int
+
+    @property
+    def messages(self) -> int:
+        return self.blocks // self.blocks_per_message
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "blocks": self.blocks,
+            "blocks_per_message": self.blocks_per_message,
+            "blocks_per_s": self.blocks / self.wall_s,
+            "blocks_per_cpu_s": self.blocks / self.cpu_s,
+            "messages_per_s": self.messages / self.wall_s,
+            "messages_per_cpu_s": self.messages / self.cpu_s,
+            "rss_bytes_per_block": self.rss_growth_bytes / max(1, self.index_entries),
+            "index_entries": self.index_entries,
+        }
+
+
+def _payloads(publisher: int, messages: int, blocks_per_message: int) -> list[list[bytes]]:
+    """A publisher's messages, ready to send: one chain of BlockStored events, each message continuing it."""
+    rng = random.Random(publisher)
+    tokens = [
+        [rng.randrange(VOCAB) for _ in range(BLOCK_SIZE * blocks_per_message)] for _ in range(_TOKEN_LISTS)
+    ]
+    encoder = EventEncoder()
+    parent: int | None = None
+    next_hash = (publisher + 1) * _HASH_SPACE
+    frames = []
+    for seq in range(messages):
+        hashes = list(range(next_hash, next_hash + blocks_per_message))
+        event: KVEvent = BlockStored(
+            block_hashes=list(hashes),
+            parent_block_hash=parent,
+            token_ids=tokens[seq % _TOKEN_LISTS],
+            block_size=BLOCK_SIZE,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        frames.append([b"", pack_seq(seq), encoder.encode(time.time(), [event])])
+        parent, next_hash = hashes[-1], next_hash + blocks_per_message
+    return frames
+
+
+def _publish(port: int, messages: int, blocks_per_message: int, number: int, control: Connection) -> None:
+    """A publisher process: encode, bind, say when subscribed to, send everything at the go, then wait to be
+    stopped. An XPUB socket, which is PUB on the wire, tells when the subscription arrived: a PUB drops what
+    it sends before."""
+    frames = _payloads(number, messages, blocks_per_message)
+    context = zmq.Context()
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 0)  # unbounded: a slow subscriber delays messages, none is dropped
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    control.send("bound")
+    pub.recv()  # the subscription
+    control.send("subscribed")
+    if control.recv() == "go":
+        for message in frames:
+            pub.send_multipart(message, copy=False)
+        control.recv()
+    pub.close()
+    context.term()
+
+
+async def _ingest(endpoints: list[str], blocks: int, go: list[Connection]) -> tuple[BlockIndex, float, float]:
+    """The router's side: a subscriber per publisher into one index, timed from the go to the last block."""
+    index = BlockIndex(BLOCK_SIZE, max_entries=blocks + 1)
+    metrics = RouterMetrics()
+    context = zmq.asyncio.Context()
+    subscribers = [
+        KVEventSubscriber(f"p{i}", endpoint, None, index, metrics, context, block_size=BLOCK_SIZE)
+        for i, endpoint in enumerate(endpoints)
+    ]
+    tasks = [asyncio.create_task(subscriber.run()) for subscriber in subscribers]
+    try:
+        for control in go:
+            said = await asyncio.wait_for(asyncio.to_thread(control.recv), SUBSCRIBED_WITHIN_S)
+            if said != "subscribed":
+                raise RuntimeError("a publisher was not subscribed to")
+        wall, cpu = time.perf_counter(), time.process_time()
+        for control in go:
+            control.send("go")
+        deadline = wall + INGEST_WITHIN_S
+        while index.stats.stored < blocks:
+            if time.perf_counter() > deadline:
+                raise RuntimeError(
+                    f"{index.stats.stored} of {blocks} blocks arrived in {INGEST_WITHIN_S:.0f} s"
+                )
+            await asyncio.sleep(0.005)
+        return index, time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        context.term()
+
+
+def measure_ingest_end_to_end(blocks: int, blocks_per_message: int, publishers: int = 8) -> IngestResult:
+    """blocks arriving from publishers over ZMQ into a router's index, blocks_per_message to a message."""
+    messages = blocks // blocks_per_message // publishers
+    total = messages * blocks_per_message * publishers
+    port = free_port_block(publishers)
+    spawn = multiprocessing.get_context("spawn")
+    links = [spawn.Pipe() for _ in range(publishers)]
+    processes = [
+        spawn.Process(target=_publish, args=(port + i, messages, blocks_per_message, i, child), daemon=True)
+        for i, (_, child) in enumerate(links)
+    ]
+    for process in processes:
+        process.start()
+    controls = [parent for parent, _ in links]
+    try:
+        for control in controls:
+            if control.recv() != "bound":
+                raise RuntimeError("a publisher did not start")
+        gc.collect()
+        rss_before = _rss_bytes()
+        endpoints = [f"tcp://127.0.0.1:{port + i}" for i in range(publishers)]
+        index, wall, cpu = asyncio.run(_ingest(endpoints, total, controls))
+        gc.collect()
+        rss_growth = _rss_bytes() - rss_before
+        return IngestResult(publishers, blocks_per_message, total, wall, cpu, rss_growth, index.entries)
+    finally:
+        for control in controls:
+            control.send("stop")
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (/proc), or its peak where /proc is not."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,21 @@
+"""`kvroute bench index`'s end-to-end ingest and fleet decisions, at a small size: what they count is right
+(their timings are the benchmark's, not a test's)."""
+
+from __future__ import annotations
+
+from kvroute.bench.index_decisions import SESSION_HOLDERS, measure_decisions
+from kvroute.bench.index_ingest import measure_ingest_end_to_end
+
+
+def test_every_block_sent_over_zmq_reaches_the_index() -> None:
+    result = measure_ingest_end_to_end(blocks=2 * 50 * 32, blocks_per_message=32, publishers=2)
+    assert (result.blocks, result.messages, result.index_entries) == (3_200, 100, 3_200)
+    single = measure_ingest_end_to_end(blocks=300, blocks_per_message=1, publishers=3)
+    assert (single.blocks, single.messages, single.index_entries) == (300, 300, 300)
+    assert single.summary()["messages_per_s"] > 0
+
+
+def test_every_instance_of_a_fleet_matches_the_shared_prompt() -> None:
+    fleets = measure_decisions((4, 20), prompt_tokens=4_096, repeats=1)
+    assert [fleets[size]["matched_instances"] for size in ("4", "20")] == [4, 20]
+    assert SESSION_HOLDERS < 20
