@@ -47,6 +47,12 @@ class Mismatch:
     engine_tokens: int
     first_different: int
 
+    def __str__(self) -> str:
+        return (
+            f"{self.check}: {self.router_tokens} ids here, {self.engine_tokens} there, first different at "
+            f"{self.first_different}"
+        )
+
 
 class TokenizerWatch:
     """Each comparison of the router's ids with an instance's, and what each model is tokenized with."""
@@ -79,30 +85,24 @@ class TokenizerWatch:
         if check != TEXT_CHECK and instance in self._text_matched.get(model, ()):
             self._renderings.setdefault(model, {}).setdefault(instance, mismatch)
             log.warning(
-                "model %s, instance %s: a chat (%s) renders to other token ids there (%d here, %d there, "
-                "first different at %d) though plain text tokenizes alike: the engine's chat template or "
-                "tool layout differs, and such chats are tokenized by the engine",
+                "model %s, instance %s: a chat renders to other token ids there (%s) though plain text "
+                "tokenizes alike: the engine's chat template or tool layout differs, and such chats are "
+                "tokenized by the engine",
                 model,
                 instance,
-                check,
-                len(ids),
-                len(engine_ids),
-                differ,
+                mismatch,
             )
             return False
         self._metrics.tokenizer_mismatch(model, instance).set(1)
         self._mismatches.setdefault(model, {}).setdefault(instance, mismatch)
         log.error(
             "tokenizer mismatch: model %s, instance %s: the router's token ids differ from the engine's "
-            "/tokenize (%s: %d ids here, %d there, first different at %d), so its prompts hash to blocks no "
-            "instance holds. The router tokenizes %s with %s; set models[].tokenizer to the engine's "
-            "tokenizer (its --tokenizer, else its --model), or to remote",
+            "/tokenize (%s), so its prompts hash to blocks no instance holds. The router tokenizes %s with "
+            "%s; set models[].tokenizer to the engine's tokenizer (its --tokenizer, else its --model), or to "
+            "remote",
             model,
             instance,
-            check,
-            len(ids),
-            len(engine_ids),
-            differ,
+            mismatch,
             model,
             self.origins.get(model, "its tokenizer"),
         )

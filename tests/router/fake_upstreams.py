@@ -50,6 +50,13 @@ def serving(
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post(path, completions)
+    with serving_app(app, host) as port:
+        yield port
+
+
+@contextlib.contextmanager
+def serving_app(app: web.Application, host: str = "127.0.0.1") -> Iterator[int]:
+    """app on its own loop and thread, on a free port of host; yields the port."""
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())

@@ -4,7 +4,6 @@ metric, /health and the dashboard. The engine here is a fake whose /v1/models re
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import threading
@@ -17,9 +16,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvroute.processes import free_port_block, running_router_process
+from kvroute.processes import running_router_process
 from router.prompt.tokenization import PromptTokenizer
 from tests.conftest import sample
+from tests.router.fake_upstreams import serving_app
 from tests.router.test_proxy import get_json, post
 
 MODEL = "served-llama"
@@ -65,20 +65,8 @@ def engine(
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/completions", completions)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    port = free_port_block(1)
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with serving_app(app) as port:
         yield port
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
 
 
 def eventually(condition: Callable[[], Any], timeout_s: float = 15.0) -> Any:
@@ -173,7 +161,7 @@ def test_a_chat_rendered_otherwise_where_the_text_matches_is_no_alarm(
         assert state["alarms"] == [] and get_json(url + "/health")["status"] == "ok"
         [model] = state["tokenizers"]
         assert [(m["instance"], m["check"]) for m in model["renderings"]] == [("engine-a", "start_chat")]
-        assert "chat (start_chat) renders to other token ids" in log_path.read_text()
+        assert "a chat renders to other token ids there (start_chat:" in log_path.read_text()
 
 
 def test_a_model_whose_engine_comes_up_later_is_tokenized_with_its_root_from_then_on(
