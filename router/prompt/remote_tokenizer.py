@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from router.bounded_read import read_at_most
 from router.prompt.tokenization import completion_text_or_ids
 
 ANSWER_BYTES_PER_REQUEST_BYTE = 16  # a token id of up to 6 digits and its comma, for each byte of prompt
@@ -85,7 +86,7 @@ class RemoteTokenizer:
                 self.url, data=request, headers=headers, timeout=self.timeout
             ) as response:
                 status = response.status
-                payload = await _read_at_most(response, limit)
+                payload = await read_at_most(response, limit)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TokenizeFailed(f"POST {self.url} failed: {exc!r}") from exc
         if payload is None:
@@ -101,16 +102,3 @@ class RemoteTokenizer:
                 f"POST {self.url} answered count {decoded.count} for {len(decoded.tokens)} ids"
             )
         return decoded.tokens
-
-
-async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
-    """The answer's body, or None when it is longer than limit (the rest left unread)."""
-    if response.content_length is not None and response.content_length > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in response.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)

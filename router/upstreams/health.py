@@ -13,6 +13,7 @@ import time
 import aiohttp
 import msgspec
 
+from router.bounded_read import read_at_most
 from router.config import HealthConfig
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance, Upstreams
@@ -20,6 +21,8 @@ from router.upstreams.instances import Instance, Upstreams
 log = logging.getLogger(__name__)
 
 DOWN_PROBE_INTERVAL_S = 0.5
+# A /v1/models answer: a card per model and adapter, a few hundred bytes each.
+MAX_MODEL_CARDS_BYTES = 4 * 2**20
 
 
 class _ModelCard(msgspec.Struct):
@@ -81,8 +84,15 @@ class HealthChecker:
             async with self._session.get(
                 instance.url + "/v1/models", headers=instance.headers, timeout=self._timeout
             ) as response:
-                body = await response.read()
+                body = await read_at_most(response, MAX_MODEL_CARDS_BYTES)
             instance.cards_read = True  # it answered: asked again when it comes up again, not before
+            if body is None:
+                log.warning(
+                    "%s: /v1/models answered more than %d bytes, not read",
+                    instance.name,
+                    MAX_MODEL_CARDS_BYTES,
+                )
+                return
             cards = msgspec.json.decode(body, type=_ModelList).data
         except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.debug("no model cards from %s: %r", instance.name, exc)

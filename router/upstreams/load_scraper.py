@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from router.bounded_read import read_at_most
 from router.upstreams.instances import Instance, Upstreams
 from scorers.candidate import EngineLoad
 
@@ -32,6 +33,8 @@ _BLOCK_SIZE = re.compile(rb'[{,]block_size="(\d+)"')
 # vLLM gzips /metrics for clients that accept it: ~0.7 ms of its CPU and ~0.09 ms of ours per scrape
 # to save 50 KB, nine times the cost of the parse below.
 _UNCOMPRESSED = {"Accept-Encoding": "identity"}
+# An engine's /metrics: some hundred KB, a few MB with many data-parallel ranks; a larger answer is not read.
+MAX_METRICS_BYTES = 32 * 2**20
 
 
 def _line_start(text: bytes, head: bytes, start: int) -> int:
@@ -164,7 +167,7 @@ class LoadScraper:
             metrics = self._session.get(url + "/metrics", headers=_UNCOMPRESSED, timeout=self._timeout)
             async with metrics as response:
                 if response.status == 200:
-                    body = await response.read()
+                    body = await read_at_most(response, MAX_METRICS_BYTES)
         except (TimeoutError, aiohttp.ClientError):
             pass
         for instance in instances:
