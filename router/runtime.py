@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
-from router.config import ConfigError, PeersConfig, RouterConfig
+from router.config import ConfigError, ModelConfig, PeersConfig, RouterConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
 from router.dispatch.admission import Admission
@@ -52,7 +52,12 @@ from router.upstreams.health import HealthChecker
 from router.upstreams.http_session import upstream_session
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper
-from router.upstreams.model_tokenizers import TokenizerChoice, choose_tokenizers, find_model_tokenizer
+from router.upstreams.model_tokenizers import (
+    TokenizerChoice,
+    choose_tokenizers,
+    find_model_tokenizer,
+    model_roots,
+)
 from router.upstreams.peer_sync import PeerSync
 from router.upstreams.room import HasRoom
 
@@ -91,6 +96,7 @@ class Runtime:
         )
         self.tokenizers: dict[str, LocalTokenizer] = {}  # loaded at start, once the instances have answered
         self.tokenizer_watch = TokenizerWatch(self.metrics)
+        self._roots_searched: dict[str, frozenset[str]] = {}  # by model left to /tokenize: roots looked at
         # Replaced whole by a reload or the admin API; a request keeps the one it started with.
         self.table = RoutingTable.from_config(config)
         # Its queues outlive reloads, which change its settings.
@@ -130,6 +136,7 @@ class Runtime:
             name: choice.origin if name in self.tokenizers or choice.path is None else _NOT_LOADED
             for name, choice in choices.items()
         }
+        self._roots_searched = {m.name: self._roots(m) for m in config.models if m.tokenizer is None}
         self._control = control
         self.decider = self._decider(control)
         stack.callback(self.decider.close)
@@ -230,8 +237,16 @@ class Runtime:
     async def _adopt_found_tokenizers(self) -> None:
         """A model that names no tokenizer and had none found at start (its engines not up yet, or found
         by discovery later) is tokenized here once one reports a root this machine holds."""
-        waiting = [m for m in self.config.models if m.tokenizer is None and m.name not in self.tokenizers]
-        found = {m.name: c for m in waiting if (c := find_model_tokenizer(m, self.upstreams.instances))}
+        found: dict[str, TokenizerChoice] = {}
+        for model in self.config.models:
+            if model.tokenizer is not None or model.name in self.tokenizers:
+                continue
+            roots = self._roots(model)
+            if self._roots_searched.get(model.name) == roots:  # looked for there already
+                continue
+            self._roots_searched[model.name] = roots
+            if (choice := find_model_tokenizer(model, self.upstreams.instances)) is not None:
+                found[model.name] = choice
         if not found:
             return
         loaded = await asyncio.to_thread(_local_tokenizers, self.config, found)
@@ -240,6 +255,10 @@ class Runtime:
             self.tokenizer_watch.origins[name] = found[name].origin
             log.warning("model %s is tokenized here from now on, with %s", name, found[name].origin)
         await check_at_start(self.tokenizer_watch, loaded, self._remotes(self._control, loaded))
+
+    def _roots(self, model: ModelConfig) -> frozenset[str]:
+        """Where model's instances say it is (an adapter: its base), as far as they have said."""
+        return frozenset(model_roots(model.lora_of or model.name, self.upstreams.instances))
 
     def _remotes(
         self, control: aiohttp.ClientSession, models: Iterable[str] | None = None

@@ -31,6 +31,7 @@ from rich.table import Table
 
 from kvroute.bench.index_decisions import measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
+from kvroute.bench.index_parts import BLOCK_SIZE, durations, gpu_blocks
 from router.dispatch.decision import Decider, LocalTokenizer
 from router.index.block_index import BlockIndex
 from router.index.events import BlockHash, BlockStored
@@ -42,7 +43,6 @@ from scorers.policy import Policy
 from scorers.policy_config import PolicyConfig, ScorerSpec
 from scorers.request import RoutingRequest
 
-BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 32
 INSTANCES = 8
 VOCAB = 150_000
@@ -71,15 +71,7 @@ def _events(blocks: int, seed: int) -> Iterator[tuple[tuple[str, int], BlockStor
         next_hash += BLOCKS_PER_EVENT
         yield (
             (f"i{instance}", 0),
-            BlockStored(
-                block_hashes=hashes,
-                parent_block_hash=parents[instance],
-                token_ids=pool[number % 64],
-                block_size=BLOCK_SIZE,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-            ),
+            gpu_blocks(hashes, pool[number % 64], parents[instance]),
         )
         parents[instance] = next_hash - 1
 
@@ -112,12 +104,7 @@ def _quantiles(samples: list[float]) -> dict[str, float]:
 
 
 def _timed(action: Callable[[], object], repeats: int) -> dict[str, float]:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        samples.append(time.perf_counter() - started)
-    return _quantiles(samples)
+    return _quantiles(durations(action, repeats))
 
 
 def _fleet_policy() -> tuple[list[Instance], Policy]:
@@ -146,17 +133,7 @@ def measure_lookup(prompt_tokens: int, repeats: int) -> dict[str, float]:
         held = len(chain) * (n + 1) // INSTANCES
         index.apply(
             (f"i{n}", 0),
-            [
-                BlockStored(
-                    block_hashes=[(n << 48) + b for b in range(held)],
-                    parent_block_hash=None,
-                    token_ids=tokens[: held * BLOCK_SIZE],
-                    block_size=BLOCK_SIZE,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                )
-            ],
+            [gpu_blocks([(n << 48) + b for b in range(held)], tokens[: held * BLOCK_SIZE])],
         )
     instances, policy = _fleet_policy()
 
@@ -195,15 +172,7 @@ def measure_decision(make_tokenizer: Callable[[], LocalTokenizer], repeats: int)
     previous = make_tokenizer().chat_ids(history[-2])
     held = len(previous) // BLOCK_SIZE * BLOCK_SIZE
     hashes: list[BlockHash] = list(range(1, held // BLOCK_SIZE + 1))
-    stored = BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=previous[:held],
-        block_size=BLOCK_SIZE,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    stored = gpu_blocks(hashes, previous[:held])
 
     async def once(warm: bool) -> float:
         index = BlockIndex(BLOCK_SIZE)

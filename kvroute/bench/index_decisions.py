@@ -11,35 +11,21 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from collections.abc import Callable
 
+from kvroute.bench.index_parts import BLOCK_SIZE, durations, gpu_blocks
 from router.index.block_index import BlockIndex
-from router.index.events import BlockStored
 from router.prompt import block_hashing
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 from scorers.policy_config import builtin_policies
 from scorers.request import RoutingRequest
 
-BLOCK_SIZE = 16
 VOCAB = 150_000
 SYSTEM_PROMPT_BLOCKS = 128  # 2,048 tokens every instance holds
 SESSION_HOLDERS = 10
 FILLER_BLOCKS = 2_000  # of each instance's own, besides the session's
 MODEL = "m"
-
-
-def _stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> BlockStored:
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=BLOCK_SIZE,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
 
 
 def _fleet(instances: int, tokens: list[int], chain_blocks: int) -> BlockIndex:
@@ -51,20 +37,15 @@ def _fleet(instances: int, tokens: list[int], chain_blocks: int) -> BlockIndex:
         if n < SESSION_HOLDERS:
             held = max(held, chain_blocks * (n + 1) // SESSION_HOLDERS)
         own = (n + 1) << 40  # every instance's vLLM hashes apart from the others'
-        index.apply((f"i{n}", 0), [_stored(list(range(own, own + held)), tokens[: held * BLOCK_SIZE])])
+        index.apply((f"i{n}", 0), [gpu_blocks(list(range(own, own + held)), tokens[: held * BLOCK_SIZE])])
         # A chain of its own, from a first token no other instance's starts with
         start = own + (1 << 32)
-        index.apply((f"i{n}", 0), [_stored(list(range(start, start + FILLER_BLOCKS)), [n, *filler[1:]])])
+        index.apply((f"i{n}", 0), [gpu_blocks(list(range(start, start + FILLER_BLOCKS)), [n, *filler[1:]])])
     return index
 
 
 def _median_ms(action: Callable[[], object], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e3
+    return statistics.median(durations(action, repeats)) * 1e3
 
 
 def measure_decisions(

@@ -22,13 +22,13 @@ from multiprocessing.connection import Connection
 import zmq
 import zmq.asyncio
 
+from kvroute.bench.index_parts import BLOCK_SIZE, gpu_blocks
 from kvroute.processes import free_port_block
 from router.index.block_index import BlockIndex
-from router.index.events import BlockStored, EventEncoder, KVEvent, pack_seq
+from router.index.events import EventEncoder, KVEvent, pack_seq
 from router.index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
 
-BLOCK_SIZE = 16
 VOCAB = 150_000
 _TOKEN_LISTS = 64  # token lists reused by every publisher: parents make each block distinct
 _HASH_SPACE = 1 << 40  # each publisher's block hashes start at its own multiple of this
@@ -75,15 +75,7 @@ def _payloads(publisher: int, messages: int, blocks_per_message: int) -> list[li
     frames = []
     for seq in range(messages):
         hashes = list(range(next_hash, next_hash + blocks_per_message))
-        event: KVEvent = BlockStored(
-            block_hashes=list(hashes),
-            parent_block_hash=parent,
-            token_ids=tokens[seq % _TOKEN_LISTS],
-            block_size=BLOCK_SIZE,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
+        event: KVEvent = gpu_blocks(hashes, tokens[seq % _TOKEN_LISTS], parent)
         frames.append([b"", pack_seq(seq), encoder.encode(time.time(), [event])])
         parent, next_hash = hashes[-1], next_hash + blocks_per_message
     return frames

@@ -154,9 +154,7 @@ class Attempts:
     ) -> tuple[Outcome, bytes]:
         """The attempt at the best candidate, started, and what it sends: the client's body, or a decode
         leg's once its prefill leg computed the prompt elsewhere."""
-        with trace.step("decide") as step:
-            decision = self._decider.decide(prepared, policy, candidates)
-            step.decided(decision, policy.name)
+        decision = self._decider.decide(prepared, policy, candidates, trace)
         model = prepared.request.model
         leg, pd_path = self._leg(model, decision, tries.transfer, target.splits)
         sent_decision = self._decider.decode_leg(decision) if leg == "decode" else decision

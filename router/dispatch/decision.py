@@ -185,7 +185,16 @@ class Decider:
         tokenizer = getattr(self._tokenizers.get(model), "tokenizer", None)
         return template_probes(tokenizer) if isinstance(tokenizer, PromptTokenizer) else None
 
-    def decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
+    def decide(
+        self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance], trace: Trace = NULL_TRACE
+    ) -> Decision:
+        """policy's choice among candidates; trace: the span it is made under, which gets a child for it."""
+        with trace.step("decide") as step:
+            decision = self._decide(prepared, policy, candidates)
+            step.decided(decision, policy.name)
+        return decision
+
+    def _decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
         started = time.perf_counter()
         pick = policy.pick(prepared.request, candidates)
         instance = candidates[pick.index]

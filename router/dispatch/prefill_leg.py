@@ -147,9 +147,7 @@ class PrefillLeg:
                 break
             if attempt and not context.retry.may_retry(attempt - 1, another_has_room=True):  # a retry
                 break
-            with leg.step("decide") as step:
-                decision = context.decider.decide(prepared, policy.prefill_leg, candidates)
-                step.decided(decision, policy.prefill_leg.name)
+            decision = context.decider.decide(prepared, policy.prefill_leg, candidates, leg)
             instance = decision.instance
             tried.add(instance.name)
             transfer_id = uuid.uuid4().hex

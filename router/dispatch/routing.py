@@ -125,6 +125,12 @@ class RoutingService:
         self._admission.leave()
         self._flow_gate.leave(ticket)
 
+    def trace(self, action: str, path: str, stored: str | None, headers: Mapping[str, str]) -> Trace:
+        """A request's root span, named by action and its route (a stored response's id as a placeholder,
+        so names stay few), continuing the client's trace context."""
+        route = path if stored is None else path.replace(stored, "{response_id}", 1)
+        return self.tracing.request(f"{action} {route}", headers)
+
     def receive(
         self,
         raw: bytes,
@@ -248,9 +254,7 @@ class RoutingService:
             self.observers.request_rejected(policy, code)
             message = f"No healthy instance serves `{received.model}` right now. Retry later."
             raise unavailable(message, code, RETRY_AFTER_S)
-        with received.trace.step("decide") as step:
-            decision = self.decider.decide(prepared, policy, candidates)
-            step.decided(decision, policy.name)
+        decision = self.decider.decide(prepared, policy, candidates, received.trace)
         others: tuple[Instance, ...] = ()
         if fallbacks and len(candidates) > 1:
             order = policy.ranked(prepared.request, candidates)

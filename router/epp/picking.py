@@ -54,9 +54,8 @@ class Picker:
             return self._anywhere(subset, raw)
         api, stored = routed
         routing = self.routing
-        route = path if stored is None else path.replace(stored, "{response_id}", 1)
         # A span for the decision alone: the gateway sends the request, and the engine's spans are its.
-        trace = routing.tracing.request(f"pick {method} {route}", headers)
+        trace = routing.trace(f"pick {method}", path, stored, headers)
         received: Received | None = None
         try:
             await routing.admit()

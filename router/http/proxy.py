@@ -99,8 +99,7 @@ class Proxy:
             task.cancel()
 
     async def _forward(self, request: Request, path: str, api: Api, stored: str | None) -> Response:
-        route = path if stored is None else path.replace(stored, "{response_id}", 1)
-        trace = self._routing.tracing.request(f"{request.method} {route}", request.headers)
+        trace = self._routing.trace(request.method, path, stored, request.headers)
         try:
             return await self._traced(request, path, api, stored, trace)
         except BaseException as error:

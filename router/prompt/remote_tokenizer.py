@@ -80,10 +80,9 @@ class RemoteTokenizer:
         # An answer lists at most a token per byte of the prompt, in a few bytes each: a larger one is not
         # /tokenize's, and is not read into memory (an engine answering every path with a huge body).
         limit = ANSWER_BYTES_PER_REQUEST_BYTE * len(request) + ANSWER_SLACK_BYTES
-        headers = {"content-type": "application/json"}
         try:
             async with self.session.post(
-                self.url, data=request, headers=headers, timeout=self.timeout
+                self.url, data=request, headers=_JSON, timeout=self.timeout
             ) as response:
                 status = response.status
                 payload = await read_at_most(response, limit)

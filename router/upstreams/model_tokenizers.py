@@ -52,7 +52,7 @@ def _choice(model: ModelConfig, instances: Sequence[Instance]) -> TokenizerChoic
     if found is not None:
         return found
     own = model.lora_of or model.name
-    reported = ", ".join(_roots(own, instances)) or "none reported"
+    reported = ", ".join(model_roots(own, instances)) or "none reported"
     log.warning(
         "model %s: no tokenizer configured, and none on this machine by its name (%s) nor by its root on "
         "its instances (%s), as a directory or a Hugging Face id in the local cache: its prompts are "
@@ -71,7 +71,7 @@ def find_model_tokenizer(model: ModelConfig, instances: Sequence[Instance]) -> T
     """The tokenizer of a model that names none, found here by its name or its instances' root; None."""
     own = model.lora_of or model.name
     places = [(own, "the model's name")]
-    places += [(root, "the model's root on its instances") for root in _roots(own, instances)]
+    places += [(root, "the model's root on its instances") for root in model_roots(own, instances)]
     for name, how in places:
         found = local_tokenizer_dir(name)
         if found is not None:
@@ -80,5 +80,6 @@ def find_model_tokenizer(model: ModelConfig, instances: Sequence[Instance]) -> T
     return None
 
 
-def _roots(model: str, instances: Sequence[Instance]) -> list[str]:
+def model_roots(model: str, instances: Sequence[Instance]) -> list[str]:
+    """model's roots (vLLM's --model) as instances report them, each once."""
     return list(dict.fromkeys(i.roots[model] for i in instances if model in i.roots))

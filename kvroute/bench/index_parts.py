@@ -1,0 +1,35 @@
+"""What the index benchmarks share: the KV events they feed it, and how an action is timed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from router.index.events import BlockHash, BlockStored
+
+BLOCK_SIZE = 16
+
+
+def gpu_blocks(
+    hashes: Sequence[BlockHash], tokens: list[int], parent: BlockHash | None = None
+) -> BlockStored:
+    """A BlockStored event of GPU blocks of BLOCK_SIZE tokens, no adapter, as vLLM announces a prefill."""
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BLOCK_SIZE,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+def durations(action: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds each of repeats calls of action took."""
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return samples
