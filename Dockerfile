@@ -33,11 +33,13 @@ ARG PIP_INDEX_URL=
 WORKDIR /app
 # The build machine's CA bundle (a secret, in no layer) lets pip through a TLS-inspecting proxy.
 COPY --from=requirements /tmp/requirements.txt /tmp/
+COPY scripts/own_otel_proto.sh /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
     if [ -n "$PIP_INDEX_URL" ]; then export PIP_INDEX_URL; else unset PIP_INDEX_URL; fi; \
     python3 -m venv /opt/kvroute \
-    && pip install --quiet --upgrade pip setuptools wheel && pip install --quiet -r /tmp/requirements.txt
+    && pip install --quiet --upgrade pip setuptools wheel && pip install --quiet -r /tmp/requirements.txt \
+    && /tmp/own_otel_proto.sh python3
 
 COPY pyproject.toml README.md ./
 COPY router ./router

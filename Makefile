@@ -9,10 +9,11 @@ STACK_STAMP := $(STACK_VENV)/.installed
 
 .PHONY: setup stack-env browser bench-tools chart-tools agent-clis image image-tools demo test unit lint model clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/own_otel_proto.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,fleet,bench,deploy]'
+	scripts/own_otel_proto.sh $(PY)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -290,3 +290,14 @@ def test_the_fleets_hash_algorithms_are_the_ones_it_offers() -> None:
     option = next(a for a in commands.choices["fleet"]._actions if a.dest == "prefix_caching_hash_algo")
     assert sorted(option.choices or ()) == sorted(HASH_ALGORITHMS)
     assert option.default in HASH_ALGORITHMS
+
+
+def test_both_otlp_exporters_import_beside_envoys_api() -> None:
+    """xds-protos ships an older copy of opentelemetry-proto's files; the install must leave the exporters' own."""
+    code = (
+        "from envoy.service.ext_proc.v3 import external_processor_pb2\n"
+        "from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter\n"
+        "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
+    )
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0, finished.stderr[-2000:]

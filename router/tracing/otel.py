@@ -194,10 +194,16 @@ def _ended_as(outcome: Outcome) -> str | None:
 
 def _otlp_exporter(protocol: OtlpProtocol, endpoint: str | None) -> SpanExporter:
     """The exporter of the protocol, imported only then (each pulls its transport in)."""
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
-        return Grpc(endpoint=endpoint)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+            return Grpc(endpoint=endpoint)
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
-    return Http(endpoint=endpoint)
+        return Http(endpoint=endpoint)
+    except ImportError as error:  # xds-protos, installed after it, overwrote opentelemetry-proto's files
+        raise RuntimeError(
+            f"tracing: the OTLP exporter does not import ({error}); xds-protos carries an older copy of "
+            "opentelemetry-proto's files: run scripts/own_otel_proto.sh with this Python"
+        ) from error

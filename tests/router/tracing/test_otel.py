@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -124,3 +125,14 @@ def test_a_span_that_ends_in_an_error_names_it(
 def test_the_null_trace_passes_headers_on_untouched() -> None:
     headers = {"traceparent": SAMPLED["traceparent"]}
     assert NULL_TRACE.step("x").attempt(INSTANCE, 0, "whole").headers(headers) is headers
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_an_exporter_that_does_not_import_names_the_script_that_mends_it(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = "http" if protocol == "http/protobuf" else "grpc"
+    monkeypatch.setitem(sys.modules, f"opentelemetry.exporter.otlp.proto.{module}.trace_exporter", None)
+    config = TracingConfig(endpoint="http://127.0.0.1:4318", protocol=protocol)
+    with pytest.raises(RuntimeError, match=r"scripts/own_otel_proto\.sh"):
+        OtelTracing(config)
