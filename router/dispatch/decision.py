@@ -114,7 +114,6 @@ class Decider:
         self._tools_out_when_none = tools_out_when_none
         self._index = index
         self._tokenizers = tokenizers
-        self._chains = block_hashing.ChainCache(block_size)
         self._block_size = block_size
         self._metrics = metrics
         self._remote = remote
@@ -147,9 +146,8 @@ class Decider:
             ids = []
         lora_name = body.model if body.model in self._adapters else None
         with trace.step("lookup") as step:
-            chain = (
-                self._chains.chain(ids, block_hashing.prompt_key(body.cache_salt, lora_name)) if ids else []
-            )
+            key = block_hashing.prompt_key(body.cache_salt, lora_name)
+            chain = block_hashing.prompt_chain(ids, self._block_size, key) if ids else []
             # The engine computes the last prompt token whatever it holds, and looks up the blocks before it
             # only: a hybrid model's other groups decide its hit within those (router/index/kv_groups.py).
             reusable = max(len(ids) - 1, 0) // self._block_size

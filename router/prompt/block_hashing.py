@@ -9,12 +9,16 @@ tokens under another adapter are another cache entry.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 import xxhash
+
+try:
+    from router.prompt._chain_kernel import chain_hashes
+except ImportError as error:  # a source tree whose compiled core was never built, or built for another Python
+    raise ImportError(f"kvroute's compiled core is not built ({error}): run `make setup`") from error
 
 ROOT = 0
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -56,17 +60,23 @@ def chain(
 
     extra_keys, when given, holds one entry per block (None for most) mixed into that block's hash.
     """
+    if extra_keys is None or all(key is None for key in extra_keys):
+        return chain_hashes(token_ids, block_size, parent)
     data = _full_blocks(token_ids, block_size)
     step = block_size * 4
-    if extra_keys is not None and any(key is not None for key in extra_keys):
-        hashes: list[int] = []
-        for index in range(len(data) // step):
-            if extra_keys[index] is not None:
-                parent = _xxh3(_pack(extra_keys[index]), parent)
-            parent = _xxh3(data[index * step : (index + 1) * step], parent)
-            hashes.append(parent)
-        return hashes
-    return _chain_from(data, step, parent)
+    hashes: list[int] = []
+    for index in range(len(data) // step):  # an engine's event with its blocks' own keys: rare, and short
+        if extra_keys[index] is not None:
+            parent = _xxh3(_pack(extra_keys[index]), parent)
+        parent = _xxh3(data[index * step : (index + 1) * step], parent)
+        hashes.append(parent)
+    return hashes
+
+
+def prompt_chain(token_ids: Sequence[int], block_size: int, key: PromptKey = PLAIN) -> list[int]:
+    """A prompt's block hashes as its engine's events give them (prompt_key). Hashed whole every time: in
+    the compiled kernel that takes less than telling a later turn's shared prefix from a new one would."""
+    return chain_hashes(token_ids, block_size, key.root, later=key.later)
 
 
 def _full_blocks(token_ids: Sequence[int], block_size: int) -> bytes:
@@ -74,77 +84,3 @@ def _full_blocks(token_ids: Sequence[int], block_size: int) -> bytes:
     data = array("I", token_ids)
     del data[len(data) // block_size * block_size :]
     return data.tobytes()
-
-
-def _chain_from(data: bytes, step: int, parent: int, start: int = 0, later: bytes | None = None) -> list[int]:
-    """The chained hashes of data's blocks of step bytes, from byte start on; later: extra keys mixed in
-    before every block but the first (PromptKey)."""
-    hashes: list[int] = []
-    append = hashes.append
-    if later is None:
-        for offset in range(start, len(data), step):  # the hot loop: positional seed, bytes slices, no index
-            parent = _xxh3(data[offset : offset + step], parent)
-            append(parent)
-        return hashes
-    for offset in range(start, len(data), step):
-        if offset:
-            parent = _xxh3(later, parent)
-        parent = _xxh3(data[offset : offset + step], parent)
-        append(parent)
-    return hashes
-
-
-class ChainCache:
-    """Reuses the block hashes of recent prompts: an agent's turn resends the previous turn verbatim.
-
-    Every `stride` blocks of a hashed prompt, a digest of its token bytes so far is remembered together with
-    its chain; a later prompt hashes only from the longest remembered boundary it shares. Bounded by the
-    number of chains kept, oldest first.
-    """
-
-    def __init__(self, block_size: int, stride: int = 64, max_chains: int = 256) -> None:
-        self.block_size, self.stride, self.max_chains = block_size, stride, max_chains
-        self._chains: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()  # id -> (chain, digests)
-        self._boundaries: dict[int, tuple[int, int]] = {}  # digest -> (chain id, blocks before it)
-        self._next_id = 0
-        self.reused_blocks = 0
-
-    def chain(self, token_ids: Sequence[int], key: PromptKey = PLAIN) -> list[int]:
-        size, stride = self.block_size, self.stride
-        data = _full_blocks(token_ids, size)  # converted once: the digests and the tail's hashes read it
-        if len(data) < stride * size * 4:
-            return _chain_from(data, size * 4, key.root, later=key.later)
-        view, span = memoryview(data), size * 4 * stride
-        # Seeded with the root, which differs for every salt and adapter: their chains are not shared.
-        streaming = xxhash.xxh3_64(seed=key.root)
-        digests = []
-        for end in range(span, len(data) + 1, span):
-            streaming.update(view[end - span : end])
-            digests.append(streaming.intdigest())
-        hashes: list[int] = []
-        for digest in reversed(digests):
-            found = self._boundaries.get(digest)
-            if found is not None:
-                chain_id, blocks = found
-                hashes = self._chains[chain_id][0][:blocks]
-                self._chains.move_to_end(chain_id)
-                break
-        self.reused_blocks += len(hashes)
-        parent = hashes[-1] if hashes else key.root
-        hashes += _chain_from(data, size * 4, parent, start=len(hashes) * size * 4, later=key.later)
-        self._remember(hashes, digests)
-        return hashes
-
-    def __len__(self) -> int:
-        return len(self._chains)
-
-    def _remember(self, hashes: list[int], digests: list[int]) -> None:
-        chain_id, self._next_id = self._next_id, self._next_id + 1
-        self._chains[chain_id] = (hashes, digests)
-        for number, digest in enumerate(digests, start=1):
-            self._boundaries[digest] = (chain_id, number * self.stride)
-        while len(self._chains) > self.max_chains:
-            old_id, (_, old_digests) = self._chains.popitem(last=False)
-            for digest in old_digests:
-                if self._boundaries.get(digest, (None, 0))[0] == old_id:
-                    del self._boundaries[digest]

@@ -95,11 +95,12 @@ def test_an_adapters_blocks_are_its_own_and_announced_as_vllm_announces_them(sal
     ]
     index = BlockIndex(BS)
     index.apply(("e", 0), events)
-    hashed = block_hashing.ChainCache(BS)
-    assert index.match(hashed.chain(list(range(64)), block_hashing.prompt_key(salt, "sql"))) == {
-        "e": TierMatch(4)
-    }
-    assert index.match(hashed.chain(list(range(64)), block_hashing.prompt_key(salt))) == {"e": TierMatch(4)}
+
+    def hashed(key: block_hashing.PromptKey) -> list[int]:
+        return block_hashing.prompt_chain(list(range(64)), BS, key)
+
+    assert index.match(hashed(block_hashing.prompt_key(salt, "sql"))) == {"e": TierMatch(4)}
+    assert index.match(hashed(block_hashing.prompt_key(salt))) == {"e": TierMatch(4)}
     assert index.match(block_hashing.chain(list(range(64)), BS, block_hashing.root_for("sql"))) == {}
 
 

@@ -221,7 +221,7 @@ def test_offloaded_copies_of_an_adapters_or_salted_blocks_count_for_that_prompt_
     index = BlockIndex(BS)
     index.apply(A, [with_keys(stored(0, 4, lora=lora), lora, salt), stored(0, 4, medium="CPU", lora=lora)])
     index.apply(A, [removed(0, 1, 2, 3)])  # the GPU copies go; the CPU ones stay
-    own = block_hashing.ChainCache(BS).chain(TOKENS, block_hashing.prompt_key(salt, lora))
+    own = block_hashing.prompt_chain(TOKENS, BS, block_hashing.prompt_key(salt, lora))
     assert index.match(own) == {"a": TierMatch(cpu=4)}
     assert index.match(prompt()) == {}  # the base model's plain prompt is not offloaded
     assert index.match(block_hashing.chain(TOKENS, BS, block_hashing.root_for(lora))) == {}
@@ -234,7 +234,7 @@ def test_offloads_without_extra_keys_whose_gpu_copies_are_unknown_are_not_guesse
     index.apply(A, [stored(0, 2, medium="CPU")])
     assert (index.match(prompt()), index.stats.orphaned) == ({}, 2)
     index.apply(A, [with_keys(stored(0, 2, medium="CPU", salt=1), None, "tenant-a")])
-    salted = block_hashing.ChainCache(BS).chain(TOKENS, block_hashing.prompt_key("tenant-a"))
+    salted = block_hashing.prompt_chain(TOKENS, BS, block_hashing.prompt_key("tenant-a"))
     assert index.match(salted) == {"a": TierMatch(cpu=2)}
     index.apply(A, [stored(0, 3, medium="CPU", tokens=TOKENS[:5])])  # a mismatch is counted, not indexed
     assert (index.stats.mismatched, index.entries) == (1, 2)
@@ -436,7 +436,7 @@ def test_pool_writes_of_an_adapters_or_salted_blocks_count_for_that_prompt_only(
     index = BlockIndex(BS)
     index.join_pool("b")
     index.apply(A, [gpu, pooled(0, 4)])
-    own = block_hashing.ChainCache(BS).chain(TOKENS, block_hashing.prompt_key(salt, lora))
+    own = block_hashing.prompt_chain(TOKENS, BS, block_hashing.prompt_key(salt, lora))
     assert index.match(own) == {"a": TierMatch(gpu=4), "b": TierMatch(pool=4)}
     assert index.match(prompt()) == {}  # the base model's plain prompt is not in the pool
 
@@ -618,28 +618,23 @@ def test_block_hashes_are_xxh3_of_uint32_ids_seeded_with_the_parent(length: int)
         parent = xxhash.xxh3_64_intdigest(struct.pack(f"<{BS}I", *tokens[start : start + BS]), parent)
         expected.append(parent)
     assert block_hashing.chain(tokens, BS, 77) == expected
-    assert block_hashing.ChainCache(BS, stride=2).chain(tokens, block_hashing.PromptKey(77)) == expected
+    assert block_hashing.prompt_chain(tokens, BS, block_hashing.PromptKey(77)) == expected
 
 
-def test_chain_cache_equals_plain_hashing_and_reuses_shared_prefixes() -> None:
-    r = random.Random(5)
-    cache = block_hashing.ChainCache(BS, stride=3, max_chains=4)
-    history: list[int] = []
-    for turn in range(12):
-        history += [r.randrange(500) for _ in range(r.randrange(1, 30))]
-        variant = [*history[:-5], 7, 7, 7] if turn % 4 == 3 else history  # an edited tail now and then
-        assert cache.chain(variant) == block_hashing.chain(variant, BS)
-        assert cache.chain(variant, block_hashing.PromptKey(9)) == block_hashing.chain(variant, BS, 9)
-    assert cache.reused_blocks > 0
-    assert len(cache) == 4  # chains kept, oldest dropped
+def test_a_prompts_chain_takes_its_token_ids_in_any_sequence_and_refuses_ids_out_of_uint32() -> None:
+    tokens = list(range(40))
+    assert block_hashing.prompt_chain(tuple(tokens), BS) == block_hashing.prompt_chain(tokens, BS)
+    assert block_hashing.prompt_chain(tokens[: BS - 1], BS) == []
+    for bad in (-1, 2**32):
+        with pytest.raises(OverflowError):
+            block_hashing.prompt_chain([*tokens[:-1], bad], BS)
 
 
 @pytest.mark.parametrize("salt", [None, "tenant-a"])
-def test_chain_cache_keys_an_adapters_prompts_as_the_engines_events_do(salt: str | None) -> None:
-    """A LoRA request's prompt, hashed through the cache (reusing chains of its own adapter only), equals
-    the hashes its events give: the adapter's root, its name before every block, the salt on the first."""
+def test_a_prompts_chain_keys_an_adapters_prompts_as_the_engines_events_do(salt: str | None) -> None:
+    """A LoRA request's prompt equals the hashes its events give: the adapter's root, its name before every
+    block, the salt on the first."""
     r = random.Random(6)
-    cache = block_hashing.ChainCache(BS, stride=3, max_chains=8)
     history: list[int] = []
     for _ in range(6):
         history += [r.randrange(500) for _ in range(r.randrange(1, 30))]
@@ -648,11 +643,10 @@ def test_chain_cache_keys_an_adapters_prompts_as_the_engines_events_do(salt: str
         if salt and count:
             extra[0] = ("sql", salt)
         events = block_hashing.chain(history, BS, block_hashing.root_for("sql"), extra)
-        assert cache.chain(history, block_hashing.prompt_key(salt, "sql")) == events
-        assert cache.chain(history, block_hashing.prompt_key(salt)) != events or not events
+        assert block_hashing.prompt_chain(history, BS, block_hashing.prompt_key(salt, "sql")) == events
+        assert block_hashing.prompt_chain(history, BS, block_hashing.prompt_key(salt)) != events or not events
         other = block_hashing.chain(history, BS, block_hashing.root_for("chat"), [("chat",)] * count)
-        assert cache.chain(history, block_hashing.prompt_key(None, "chat")) == other
-    assert cache.reused_blocks > 0
+        assert block_hashing.prompt_chain(history, BS, block_hashing.prompt_key(None, "chat")) == other
 
 
 def test_all_blocks_cleared_clears_where_the_gpus_blocks_are_kept_whatever_the_tier_map() -> None:
