@@ -193,16 +193,16 @@ class BlockIndex:
         return self._pools.name_of(instance)
 
     def footprint_bytes(self, sample: int = 256) -> int:
-        """Memory held by the index: exact dict tables, key and value objects sized from a sample of each."""
+        """Memory held by the index: its compiled tables exactly, its dicts' tables exactly and their key and
+        value objects sized from a sample of each."""
         holdings, pools = self._holdings, list(self._pools.states())
-        maps: list[Mapping[int, int | bytes]] = [
-            *holdings.holders,
+        tables = [*holdings.holders, *(b for s in [*holdings.owners.values(), *pools] for b in s.blocks)]
+        dicts: list[Mapping[int, int | bytes]] = [
             self._speculations.pending,
-            *(b for s in [*holdings.owners.values(), *pools] for b in s.blocks),
             *(pool.hashes for pool in pools),
         ]
-        total = 0
-        for mapping in maps:
+        total = sum(map(sys.getsizeof, tables))
+        for mapping in dicts:
             total += sys.getsizeof(mapping)
             if mapping:
                 items = list(itertools.islice(mapping.items(), sample))

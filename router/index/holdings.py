@@ -1,10 +1,12 @@
 """Who holds which block, in which tier: the block index's tables, their entry count and its bound.
 
 Layout, chosen for lookup speed and memory:
-- per tier, one dict from kvroute's block hash to a bitmask of the owners holding it, so matching a prompt
-  costs one dict probe per block for the whole fleet, however many instances it has;
-- per owner and tier, a dict from vLLM's block hash (low 64 bits) to kvroute's hash packed with a reference
+- per tier, one table from kvroute's block hash to a bitmask of the owners holding it, so matching a prompt
+  costs one probe per block for the whole fleet, however many instances it has;
+- per owner and tier, a table from vLLM's block hash (low 64 bits) to kvroute's hash packed with a reference
   count, so BlockRemoved resolves and a block stored twice survives one removal.
+The tables are U64Maps (router/index/_u64map.pyx, compiled): insertion-ordered dicts of 64-bit keys and
+integer values in C arrays, a third of a dict's memory.
 An owner is (instance, data parallel rank): ranks publish separately and are cleared separately.
 Entries are bounded: past max_entries, the least recently stored entries of the largest owner go first,
 but one a request was routed to reuse since gets a second chance (an approximation of vLLM's LRU, which
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import cast
 
+from router.index._u64map import U64Map
 from router.index.events import BlockHash
 
 log = logging.getLogger(__name__)
@@ -29,6 +32,7 @@ Owner = tuple[str, int]
 
 COUNT_BITS = 16  # an owner's entry: kvroute hash << COUNT_BITS | reference count
 COUNT_MASK = (1 << COUNT_BITS) - 1
+_KEY_MASK = (1 << 64) - 1
 
 
 class Tier(IntEnum):
@@ -48,17 +52,18 @@ DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
 
 
 def vllm_key(vllm_hash: BlockHash) -> int:
-    """vLLM's hash as a key: integers as they are (as stores key them), bytes by their low 64 bits."""
+    """vLLM's hash as a 64-bit key: integers by their two's complement's low 64 bits (vLLM's are unsigned
+    64-bit, kept as they are), bytes by their last 8."""
     if isinstance(vllm_hash, bytes):
         return int.from_bytes(vllm_hash[-8:], "big")
-    return vllm_hash
+    return vllm_hash & _KEY_MASK
 
 
 @dataclass
 class OwnerState:
     bit: int
     # per tier: vLLM key -> kvroute hash << 16 | refcount
-    blocks: tuple[dict[int, int], ...] = field(default_factory=lambda: tuple({} for _ in Tier))
+    blocks: tuple[U64Map, ...] = field(default_factory=lambda: tuple(U64Map() for _ in Tier))
     used: set[int] = field(default_factory=set)  # kvroute hashes routed here for reuse since the bound passed
 
     def size(self) -> int:
@@ -96,7 +101,7 @@ class Holdings:
     def __init__(self, max_entries: int, stats: IndexStats) -> None:
         self.max_entries = max_entries
         self.stats = stats
-        self.holders: tuple[dict[int, int], ...] = tuple({} for _ in Tier)  # kvroute hash -> owner mask
+        self.holders: tuple[U64Map, ...] = tuple(U64Map() for _ in Tier)  # kvroute hash -> owner mask
         self.owners: dict[Owner, OwnerState] = {}
         self.owner_by_bit: dict[int, Owner] = {}
         self.free_bits: list[int] = []  # of owners forgotten, for the next ones
@@ -147,7 +152,7 @@ class Holdings:
         # Blocks no one holds, under keys the owner does not use: the common case, bulk inserted in C, tail
         # first (see below). A key in use with other content (an inconsistent publisher, a 64-bit collision)
         # must take the per-block path: overwritten, it would be counted twice and its old hash kept.
-        if holders.keys().isdisjoint(own) and blocks.keys().isdisjoint(keys):
+        if holders.isdisjoint(own) and blocks.isdisjoint(keys):
             holders.update(zip(reversed(own), itertools.repeat(bit)))
             blocks.update(zip(reversed(keys), [(h << COUNT_BITS) + 1 for h in reversed(own)], strict=True))
             self.entries += len(own)
@@ -273,7 +278,7 @@ class Holdings:
             blocks = state.blocks[tier]
             batch = min(self.entries - target, max(1, state.size() // 16))
             used = state.used
-            for key in list(itertools.islice(blocks, batch)):
+            for key in blocks.oldest(batch):
                 own_hash = (packed := blocks.pop(key)) >> COUNT_BITS
                 if own_hash in used:  # reused since: a second chance, as the newest entry
                     used.discard(own_hash)

@@ -270,10 +270,7 @@ class Ingest:
         they cannot be indexed. counted=False keeps a block stored twice at one reference."""
         own = self._hashes(state, event, pool)
         if own:
-            hashes = event.block_hashes
-            # Integer hashes are vLLM's 64 bits already; only bytes hashes need converting.
-            keys = cast("list[int]", hashes) if type(hashes[0]) is int else [vllm_key(h) for h in hashes]
-            self._holdings.store(state, tier, keys, own, counted)
+            self._holdings.store(state, tier, list(map(vllm_key, event.block_hashes)), own, counted)
         return own
 
     def _store_in_steps(
@@ -308,13 +305,10 @@ class Ingest:
                 return []
             parent = own[-1]
             yield
-        hashes = event.block_hashes
-        integers = type(hashes[0]) is int  # for all parts, as _store decides it for all
+        keys = list(map(vllm_key, event.block_hashes))
         for end in range(len(own), 0, -step):
             start = max(0, end - step)
-            part = hashes[start:end]
-            keys = cast("list[int]", part) if integers else [vllm_key(h) for h in part]
-            self._holdings.store(state, tier, keys, own[start:end], counted)
+            self._holdings.store(state, tier, keys[start:end], own[start:end], counted)
             yield
         return own
 

@@ -13,6 +13,7 @@ import operator
 from collections.abc import Sequence
 from typing import TypeAlias
 
+from router.index._u64map import U64Map
 from router.index.holdings import Holdings, Tier
 from router.index.kv_groups import GroupConstraints
 from router.index.speculation import Speculations
@@ -106,15 +107,16 @@ class Matcher:
         return matches
 
 
-def holder_masks(chain: Sequence[int], *maps: dict[int, int]) -> list[int] | None:
-    """Each block's holder mask over maps; None when they are all empty."""
-    present = [mapping for mapping in maps if mapping]
-    if not present:
-        return None
-    zeros = itertools.repeat(0)
-    masks = list(map(present[0].get, chain, zeros))
-    for mapping in present[1:]:
-        masks = list(map(operator.or_, masks, map(mapping.get, chain, zeros)))
+def holder_masks(
+    chain: Sequence[int], table: U64Map, pending: dict[int, int] | None = None
+) -> list[int] | None:
+    """Each block's holder mask in a tier's table, or'ed with pending's (speculative entries); None when both
+    are empty."""
+    if not table:
+        return list(map(pending.get, chain, itertools.repeat(0))) if pending else None
+    masks = table.masks_of(chain)
+    if pending:
+        masks = list(map(operator.or_, masks, map(pending.get, chain, itertools.repeat(0))))
     return masks
 
 

@@ -1,0 +1,349 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The block index's tables (router/index/holdings.py): insertion-ordered maps from 64-bit keys to integers,
+held in C arrays instead of a Python object per key and value.
+
+A dict of ints costs about 100 bytes an entry (its slot, a key object, a value object); here an entry is 19
+bytes in arrays plus 4-byte slots in a table a third larger than the arrays: the index's RSS per block held
+was 198-211 bytes with dicts. Values below 2^80 are held inline (a block's kvroute hash packed with its
+16-bit reference count; an owner mask of a fleet of up to 80 owners); a wider one is kept in a dict beside.
+
+The layout is CPython's own for dicts: a hash table of slots holding positions in an entries array kept in
+insertion order, so iteration goes oldest first (the bound evicts from the front) and setting a key present
+keeps its place; removal leaves a hole, compacted away when the table grows or holes pile up.
+"""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
+from libc.string cimport memset
+
+cdef enum:
+    _EMPTY = -1
+    _REMOVED = -2
+
+cdef enum:
+    _LIVE = 0
+    _HOLE = 1
+    _WIDE = 2  # the value is in _wide
+
+cdef extern from *:
+    """
+    /* A key's home slot in a table of any size: its Fibonacci hash (sequential keys, as tests and benchmarks
+       use, spread too) scaled to the size by a 128-bit product, so the table need not be a power of 2. */
+    static inline Py_ssize_t u64map_home(uint64_t key, uint64_t size) {
+        return (Py_ssize_t)(((unsigned __int128)(key * 0x9E3779B97F4A7C15ULL) * size) >> 64);
+    }
+    """
+    Py_ssize_t u64map_home(uint64_t key, uint64_t size) nogil
+
+cdef object _ABSENT = object()
+cdef object _WORD = 1 << 64
+cdef object _INLINE = 1 << 80
+
+
+cdef inline uint64_t _key(object key) except? 0:
+    """key as a C integer: OverflowError outside [0, 2^64). Special methods take their key as an object, as
+    Cython would otherwise pass a typed one through the sequence protocol's ssize_t."""
+    return key
+
+
+cdef class U64Map:
+    """A dict from ints in [0, 2^64) to non-negative ints, in insertion order."""
+
+    cdef uint64_t *_keys
+    cdef uint64_t *_low
+    cdef uint16_t *_high
+    cdef uint8_t *_state
+    cdef int32_t *_slots
+    cdef Py_ssize_t _used  # entries in the arrays, holes included
+    cdef Py_ssize_t _capacity  # of the entries arrays
+    cdef Py_ssize_t _live
+    cdef Py_ssize_t _first  # no live entry before it: evicting from the front skips what it removed
+    cdef Py_ssize_t _size  # of the table
+    cdef Py_ssize_t _layout  # changes whenever entries move: an iteration in progress stops
+    cdef dict _wide
+
+    def __cinit__(self):
+        self._wide = {}
+        self._allocate(8)
+
+    def __dealloc__(self):
+        self._free()
+
+    cdef void _free(self):
+        PyMem_Free(self._keys)
+        PyMem_Free(self._low)
+        PyMem_Free(self._high)
+        PyMem_Free(self._state)
+        PyMem_Free(self._slots)
+        self._keys = self._low = self._high = NULL
+        self._state = NULL
+        self._slots = NULL
+
+    cdef int _allocate(self, Py_ssize_t capacity) except -1:
+        """Empty arrays for capacity entries and a table with a quarter of its slots always empty."""
+        cdef Py_ssize_t size = capacity + capacity // 3 + 1
+        self._keys = <uint64_t *>PyMem_Malloc(capacity * sizeof(uint64_t))
+        self._low = <uint64_t *>PyMem_Malloc(capacity * sizeof(uint64_t))
+        self._high = <uint16_t *>PyMem_Malloc(capacity * sizeof(uint16_t))
+        self._state = <uint8_t *>PyMem_Malloc(capacity * sizeof(uint8_t))
+        self._slots = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
+        if not (self._keys and self._low and self._high and self._state and self._slots):
+            self._free()
+            raise MemoryError()
+        memset(self._slots, 0xFF, size * sizeof(int32_t))  # every slot _EMPTY
+        self._capacity, self._used, self._live, self._first = capacity, 0, 0, 0
+        self._size = size
+        self._layout += 1
+        return 0
+
+    cdef inline Py_ssize_t _home(self, uint64_t key) nogil:
+        return u64map_home(key, self._size)
+
+    cdef inline Py_ssize_t _next(self, Py_ssize_t slot) nogil:
+        slot += 1
+        return 0 if slot == self._size else slot
+
+    cdef Py_ssize_t _find(self, uint64_t key):
+        """The entry of key, or -1."""
+        cdef Py_ssize_t slot = self._home(key)
+        cdef int32_t position
+        while True:
+            position = self._slots[slot]
+            if position == _EMPTY:
+                return -1
+            if position >= 0 and self._keys[position] == key:
+                return position
+            slot = self._next(slot)
+
+    cdef Py_ssize_t _slot_of(self, uint64_t key):
+        """The slot holding key's entry (which must be there)."""
+        cdef Py_ssize_t slot = self._home(key)
+        cdef int32_t position
+        while True:
+            position = self._slots[slot]
+            if position >= 0 and self._keys[position] == key:
+                return slot
+            slot = self._next(slot)
+
+    cdef int _rebuild(self, Py_ssize_t capacity) except -1:
+        """Entries in order into arrays of capacity, holes dropped."""
+        cdef uint64_t *keys = self._keys
+        cdef uint64_t *low = self._low
+        cdef uint16_t *high = self._high
+        cdef uint8_t *state = self._state
+        cdef int32_t *slots = self._slots
+        cdef Py_ssize_t used = self._used, position, slot, at
+        self._keys = self._low = self._high = NULL
+        self._state = NULL
+        self._slots = NULL
+        try:
+            self._allocate(capacity)
+        except MemoryError:
+            self._keys, self._low, self._high, self._state, self._slots = keys, low, high, state, slots
+            raise
+        for position in range(used):
+            if state[position] == _HOLE:
+                continue
+            at = self._used
+            self._keys[at], self._low[at], self._high[at] = keys[position], low[position], high[position]
+            self._state[at] = state[position]
+            slot = self._home(keys[position])
+            while self._slots[slot] != _EMPTY:
+                slot = self._next(slot)
+            self._slots[slot] = <int32_t>at
+            self._used += 1
+        self._live = self._used
+        PyMem_Free(keys)
+        PyMem_Free(low)
+        PyMem_Free(high)
+        PyMem_Free(state)
+        PyMem_Free(slots)
+        return 0
+
+    cdef int _make_room(self) except -1:
+        """Room for one more entry: holes compacted away when they are a third of the arrays, else the
+        arrays grow by a quarter (a copy of an entry costs less than the memory a larger step leaves empty)."""
+        if self._used < self._capacity:
+            return 0
+        if self._used - self._live >= self._capacity // 3:
+            return self._rebuild(self._capacity)
+        if self._capacity >= 0x7FFFFFFF:
+            raise MemoryError("U64Map: 2^31 entries")
+        return self._rebuild(self._capacity + self._capacity // 4 + 8)
+
+    cdef int _store(self, Py_ssize_t position, object value) except -1:
+        if 0 <= value < _INLINE:
+            if self._state[position] == _WIDE:
+                del self._wide[self._keys[position]]
+            self._low[position] = <uint64_t>(value & 0xFFFFFFFFFFFFFFFF)
+            self._high[position] = <uint16_t>(value >> 64)
+            self._state[position] = _LIVE
+        elif value < 0:
+            raise ValueError(f"U64Map holds non-negative ints, not {value}")
+        else:
+            self._wide[self._keys[position]] = value
+            self._state[position] = _WIDE
+        return 0
+
+    cdef object _value(self, Py_ssize_t position):
+        if self._state[position] == _WIDE:
+            return self._wide[self._keys[position]]
+        if self._high[position] == 0:
+            return self._low[position]
+        return (<object>self._high[position]) * _WORD + self._low[position]
+
+    cdef int _insert(self, uint64_t key, object value) except -1:
+        """key, absent, as the newest entry."""
+        cdef Py_ssize_t slot, position
+        self._make_room()
+        position = self._used
+        self._keys[position] = key
+        self._state[position] = _LIVE
+        self._store(position, value)
+        slot = self._home(key)
+        while self._slots[slot] >= 0:  # an empty or a removed slot takes it
+            slot = self._next(slot)
+        self._slots[slot] = <int32_t>position
+        self._used += 1
+        self._live += 1
+        return 0
+
+    cdef object _remove(self, uint64_t key, Py_ssize_t position):
+        value = self._value(position)
+        if self._state[position] == _WIDE:
+            del self._wide[key]
+        self._slots[self._slot_of(key)] = _REMOVED
+        self._state[position] = _HOLE
+        self._live -= 1
+        if self._live == 0:  # empty: start over, so the front is found at once
+            self._rebuild(8)
+        return value
+
+    # ---- the dict protocol, as the index uses it ------------------------------------------------------
+
+    def __len__(self):
+        return self._live
+
+    def __contains__(self, key):
+        return self._find(_key(key)) >= 0
+
+    def get(self, uint64_t key, default=None):
+        cdef Py_ssize_t position = self._find(key)
+        return default if position < 0 else self._value(position)
+
+    def __getitem__(self, key):
+        cdef Py_ssize_t position = self._find(_key(key))
+        if position < 0:
+            raise KeyError(key)
+        return self._value(position)
+
+    def __setitem__(self, key, value):
+        cdef uint64_t native = _key(key)
+        cdef Py_ssize_t position = self._find(native)
+        if position >= 0:
+            self._store(position, value)  # in place: a key present keeps its age, as in a dict
+        else:
+            self._insert(native, value)
+
+    def __delitem__(self, key):
+        cdef uint64_t native = _key(key)
+        cdef Py_ssize_t position = self._find(native)
+        if position < 0:
+            raise KeyError(key)
+        self._remove(native, position)
+
+    def pop(self, uint64_t key, default=_ABSENT):
+        cdef Py_ssize_t position = self._find(key)
+        if position < 0:
+            if default is _ABSENT:
+                raise KeyError(key)
+            return default
+        return self._remove(key, position)
+
+    def update(self, pairs):
+        """From an iterable of (key, value) pairs (a dict's update, for what the index passes)."""
+        for key, value in pairs:
+            self[key] = value
+
+    def isdisjoint(self, keys):
+        """True when none of keys is here (a dict's keys().isdisjoint)."""
+        cdef uint64_t key
+        for key in keys:
+            if self._find(key) >= 0:
+                return False
+        return True
+
+    def clear(self):
+        self._free()
+        self._wide.clear()
+        self._allocate(8)
+
+    def __iter__(self):
+        return self.keys()
+
+    def keys(self):
+        cdef Py_ssize_t layout = self._layout, position = self._first
+        while position < self._used:
+            if self._layout != layout:
+                raise RuntimeError("U64Map changed during iteration")
+            if self._state[position] != _HOLE:
+                yield self._keys[position]
+            position += 1
+
+    def values(self):
+        cdef Py_ssize_t layout = self._layout, position = self._first
+        while position < self._used:
+            if self._layout != layout:
+                raise RuntimeError("U64Map changed during iteration")
+            if self._state[position] != _HOLE:
+                yield self._value(position)
+            position += 1
+
+    def items(self):
+        cdef Py_ssize_t layout = self._layout, position = self._first
+        while position < self._used:
+            if self._layout != layout:
+                raise RuntimeError("U64Map changed during iteration")
+            if self._state[position] != _HOLE:
+                yield self._keys[position], self._value(position)
+            position += 1
+
+    def oldest(self, Py_ssize_t count):
+        """The keys of the count oldest entries (the bound's next victims), oldest first."""
+        cdef list found = []
+        cdef Py_ssize_t position = self._first
+        while position < self._used and len(found) < count:
+            if self._state[position] != _HOLE:
+                found.append(self._keys[position])
+            elif len(found) == 0:
+                self._first = position + 1  # holes at the front: never scanned again
+            position += 1
+        return found
+
+    def masks_of(self, chain, list into=None):
+        """Each key's value (0 when absent), or'ed into the list into when given: matching's probe."""
+        cdef Py_ssize_t index = 0, position
+        cdef uint64_t key
+        cdef list out = [0] * len(chain) if into is None else into
+        for key in chain:
+            position = self._find(key)
+            if position >= 0:
+                out[index] = self._value(position) if into is None else out[index] | self._value(position)
+            index += 1
+        return out
+
+    def __eq__(self, other):
+        if isinstance(other, U64Map):
+            return list(self.items()) == list(other.items())
+        if isinstance(other, dict):
+            return dict(self.items()) == other
+        return NotImplemented
+
+    def __repr__(self):
+        return f"U64Map({dict(self.items())!r})"
+
+    def __sizeof__(self):
+        """Its arrays, table and wide values: what sys.getsizeof reports of the index."""
+        wide = self._wide.__sizeof__() + sum(v.__sizeof__() for v in self._wide.values())
+        entry = 2 * sizeof(uint64_t) + sizeof(uint16_t) + sizeof(uint8_t)
+        return object.__sizeof__(self) + self._capacity * entry + self._size * sizeof(int32_t) + wide
