@@ -5,14 +5,17 @@ held in C arrays instead of a Python object per key and value.
 A dict of ints costs about 100 bytes an entry (its slot, a key object, a value object); here an entry is 19
 bytes in arrays plus 4-byte slots in a table two thirds larger than the arrays: the index's RSS per block held
 was 198-211 bytes with dicts. Values below 2^80 are held inline (a block's kvroute hash packed with its
-16-bit reference count; an owner mask of a fleet of up to 80 owners); a wider one is kept in a dict beside.
+16-bit reference count; an owner mask of a fleet of up to 80 owners); a wider one (an owner mask in a larger
+fleet) as a pointer to its int, in an array made when the first comes, the ints interned: most blocks have
+one holder or a few, so the same masks recur.
 
 The layout is CPython's own for dicts: a hash table of slots holding positions in an entries array kept in
 insertion order, so iteration goes oldest first (the bound evicts from the front) and setting a key present
 keeps its place; removal leaves a hole, compacted away when the table grows or holes pile up.
 """
 
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memset
 
@@ -23,7 +26,7 @@ cdef enum:
 cdef enum:
     _LIVE = 0
     _HOLE = 1
-    _WIDE = 2  # the value is in _wide
+    _WIDE = 2  # the value is an int in _objects
 
 cdef extern from *:
     """
@@ -38,6 +41,7 @@ cdef extern from *:
 cdef object _ABSENT = object()
 cdef object _WORD = 1 << 64
 cdef object _INLINE = 1 << 80
+cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; past it, interning starts over
 
 
 cdef inline uint64_t _key(object key) except? 0:
@@ -60,14 +64,45 @@ cdef class U64Map:
     cdef Py_ssize_t _first  # no live entry before it: evicting from the front skips what it removed
     cdef Py_ssize_t _size  # of the table
     cdef Py_ssize_t _layout  # changes whenever entries move: an iteration in progress stops
-    cdef dict _wide
+    cdef PyObject **_objects  # per entry, the wide value's int; NULL until a wide value comes
+    cdef dict _interned
 
     def __cinit__(self):
-        self._wide = {}
+        self._interned = {}
         self._allocate(8)
 
     def __dealloc__(self):
+        self._release_objects()
         self._free()
+
+    cdef void _release_objects(self):
+        """Drop the wide values (their references) and their array."""
+        cdef Py_ssize_t position
+        if self._objects == NULL:
+            return
+        for position in range(self._used):
+            if self._state[position] == _WIDE:
+                Py_XDECREF(self._objects[position])
+        PyMem_Free(self._objects)
+        self._objects = NULL
+
+    cdef int _make_objects(self) except -1:
+        cdef Py_ssize_t position
+        self._objects = <PyObject **>PyMem_Malloc(self._capacity * sizeof(PyObject *))
+        if self._objects == NULL:
+            raise MemoryError()
+        for position in range(self._capacity):
+            self._objects[position] = NULL
+        return 0
+
+    cdef object _interned_value(self, object value):
+        found = self._interned.get(value)
+        if found is not None:
+            return found
+        if len(self._interned) >= _INTERNED_MOST:
+            self._interned.clear()  # those in use stay alive where they are held
+        self._interned[value] = value
+        return value
 
     cdef void _free(self):
         PyMem_Free(self._keys)
@@ -133,14 +168,22 @@ cdef class U64Map:
         cdef uint16_t *high = self._high
         cdef uint8_t *state = self._state
         cdef int32_t *slots = self._slots
+        cdef PyObject **objects = self._objects
         cdef Py_ssize_t used = self._used, position, slot, at
+        cdef Py_ssize_t old_capacity = self._capacity, live = self._live, first = self._first, size = self._size
         self._keys = self._low = self._high = NULL
         self._state = NULL
         self._slots = NULL
+        self._objects = NULL
         try:
             self._allocate(capacity)
-        except MemoryError:
+            if objects != NULL:
+                self._make_objects()
+        except MemoryError:  # as it was
+            self._free()
             self._keys, self._low, self._high, self._state, self._slots = keys, low, high, state, slots
+            self._objects = objects
+            self._capacity, self._used, self._live, self._first, self._size = old_capacity, used, live, first, size
             raise
         for position in range(used):
             if state[position] == _HOLE:
@@ -148,6 +191,8 @@ cdef class U64Map:
             at = self._used
             self._keys[at], self._low[at], self._high[at] = keys[position], low[position], high[position]
             self._state[at] = state[position]
+            if state[position] == _WIDE:
+                self._objects[at] = objects[position]  # the reference moves with it
             slot = self._home(keys[position])
             while self._slots[slot] != _EMPTY:
                 slot = self._next(slot)
@@ -159,6 +204,7 @@ cdef class U64Map:
         PyMem_Free(high)
         PyMem_Free(state)
         PyMem_Free(slots)
+        PyMem_Free(objects)
         return 0
 
     cdef int _make_room(self) except -1:
@@ -173,22 +219,31 @@ cdef class U64Map:
         return self._rebuild(self._capacity + self._capacity // 4 + 8)
 
     cdef int _store(self, Py_ssize_t position, object value) except -1:
+        """value at position, whose state is _LIVE or _WIDE (the value there is replaced)."""
         if 0 <= value < _INLINE:
             if self._state[position] == _WIDE:
-                del self._wide[self._keys[position]]
+                Py_XDECREF(self._objects[position])
             self._low[position] = <uint64_t>(value & 0xFFFFFFFFFFFFFFFF)
             self._high[position] = <uint16_t>(value >> 64)
             self._state[position] = _LIVE
         elif value < 0:
             raise ValueError(f"U64Map holds non-negative ints, not {value}")
         else:
-            self._wide[self._keys[position]] = value
+            if type(value) is not int:
+                value = int(value)  # held as it is read back: a bool or an int subclass would not be
+            shared = self._interned_value(value)
+            if self._objects == NULL:
+                self._make_objects()
+            Py_INCREF(shared)
+            if self._state[position] == _WIDE:
+                Py_XDECREF(self._objects[position])
+            self._objects[position] = <PyObject *>shared
             self._state[position] = _WIDE
         return 0
 
     cdef object _value(self, Py_ssize_t position):
         if self._state[position] == _WIDE:
-            return self._wide[self._keys[position]]
+            return <object>self._objects[position]
         if self._high[position] == 0:
             return self._low[position]
         return (<object>self._high[position]) * _WORD + self._low[position]
@@ -212,7 +267,7 @@ cdef class U64Map:
     cdef object _remove(self, uint64_t key, Py_ssize_t position):
         value = self._value(position)
         if self._state[position] == _WIDE:
-            del self._wide[key]
+            Py_XDECREF(self._objects[position])
         self._slots[self._slot_of(key)] = _REMOVED
         self._state[position] = _HOLE
         self._live -= 1
@@ -279,8 +334,9 @@ cdef class U64Map:
         return True
 
     def clear(self):
+        self._release_objects()
         self._free()
-        self._wide.clear()
+        self._interned.clear()
         self._allocate(8)
 
     def __iter__(self):
@@ -348,7 +404,9 @@ cdef class U64Map:
         return f"U64Map({dict(self.items())!r})"
 
     def __sizeof__(self):
-        """Its arrays, table and wide values: what sys.getsizeof reports of the index."""
-        wide = self._wide.__sizeof__() + sum(v.__sizeof__() for v in self._wide.values())
+        """Its arrays, table and wide values (those interned now, a sample of the rest): what sys.getsizeof
+        reports of the index."""
+        wide = 0 if self._objects == NULL else self._capacity * sizeof(PyObject *)
+        wide += sum(v.__sizeof__() for v in self._interned.values())
         entry = 2 * sizeof(uint64_t) + sizeof(uint16_t) + sizeof(uint8_t)
         return object.__sizeof__(self) + self._capacity * entry + self._size * sizeof(int32_t) + wide

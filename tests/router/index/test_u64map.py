@@ -89,3 +89,20 @@ def test_an_entry_costs_a_fraction_of_a_dicts() -> None:
         table[key] = model[key] = key << 16 | 1
     dict_bytes = sys.getsizeof(model) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in model.items())
     assert sys.getsizeof(table) / len(table) < 48 < dict_bytes / len(model)
+
+
+def test_wide_values_are_shared_and_released() -> None:
+    """A mask wider than 80 owners is held by reference: equal ones share one int, and every reference taken
+    is given back when its entry is overwritten, removed, compacted away or the table goes."""
+    wide = 2**100 + 7
+    before = sys.getrefcount(wide)
+    table = U64Map()
+    table[1] = wide
+    table[2] = int(str(wide))  # equal, another object
+    assert table[1] is table[2] is wide
+    table.update((key, key) for key in range(3, 1000))  # the arrays grow: the references move
+    table[1] = 5
+    assert table.pop(2) == wide and table.get(1) == 5
+    table[3] = wide
+    del table
+    assert sys.getrefcount(wide) == before  # the interning dict went with the table too
