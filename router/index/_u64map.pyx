@@ -14,7 +14,6 @@ insertion order, so iteration goes oldest first (the bound evicts from the front
 keeps its place; removal leaves a hole, compacted away when the table grows or holes pile up.
 """
 
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memset
@@ -37,6 +36,42 @@ cdef extern from *:
     }
     """
     Py_ssize_t u64map_home(uint64_t key, uint64_t size) nogil
+
+cdef extern from *:
+    """
+    #include <sys/mman.h>
+    /* Arrays of a megabyte or more are mapped for themselves: released, their pages go back to the system at
+       once. From malloc, the arrays a table outgrew stayed resident in the heap (in glibc, freed blocks below
+       its mmap threshold, which rises to 32 MiB as large blocks are freed, are kept for reuse). */
+    #define U64MAP_MAPPED ((size_t)1 << 20)
+    static void *u64map_alloc(size_t bytes) {
+        if (bytes < U64MAP_MAPPED)
+            return PyMem_Malloc(bytes);
+        void *mapped = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return mapped == MAP_FAILED ? NULL : mapped;
+    }
+    static void u64map_release(void *memory, size_t bytes) {
+        if (memory == NULL)
+            return;
+        if (bytes < U64MAP_MAPPED)
+            PyMem_Free(memory);
+        else
+            munmap(memory, bytes);
+    }
+    """
+    void *u64map_alloc(size_t bytes)
+    void u64map_release(void *memory, size_t bytes)
+
+
+cdef void _release_arrays(
+    uint64_t *keys, uint64_t *low, uint16_t *high, uint8_t *state, int32_t *slots, Py_ssize_t capacity,
+    Py_ssize_t size,
+):
+    u64map_release(keys, capacity * sizeof(uint64_t))
+    u64map_release(low, capacity * sizeof(uint64_t))
+    u64map_release(high, capacity * sizeof(uint16_t))
+    u64map_release(state, capacity * sizeof(uint8_t))
+    u64map_release(slots, size * sizeof(int32_t))
 
 cdef object _ABSENT = object()
 cdef object _WORD = 1 << 64
@@ -73,7 +108,7 @@ cdef class U64Map:
 
     def __dealloc__(self):
         self._release_objects()
-        self._free()
+        _release_arrays(self._keys, self._low, self._high, self._state, self._slots, self._capacity, self._size)
 
     cdef void _release_objects(self):
         """Drop the wide values (their references) and their array."""
@@ -83,17 +118,15 @@ cdef class U64Map:
         for position in range(self._used):
             if self._state[position] == _WIDE:
                 Py_XDECREF(self._objects[position])
-        PyMem_Free(self._objects)
+        u64map_release(self._objects, self._capacity * sizeof(PyObject *))
         self._objects = NULL
 
-    cdef int _make_objects(self) except -1:
-        cdef Py_ssize_t position
-        self._objects = <PyObject **>PyMem_Malloc(self._capacity * sizeof(PyObject *))
-        if self._objects == NULL:
+    cdef PyObject **_new_objects(self, Py_ssize_t capacity) except NULL:
+        cdef PyObject **objects = <PyObject **>u64map_alloc(capacity * sizeof(PyObject *))
+        if objects == NULL:
             raise MemoryError()
-        for position in range(self._capacity):
-            self._objects[position] = NULL
-        return 0
+        memset(objects, 0, capacity * sizeof(PyObject *))
+        return objects
 
     cdef object _interned_value(self, object value):
         found = self._interned.get(value)
@@ -104,29 +137,22 @@ cdef class U64Map:
         self._interned[value] = value
         return value
 
-    cdef void _free(self):
-        PyMem_Free(self._keys)
-        PyMem_Free(self._low)
-        PyMem_Free(self._high)
-        PyMem_Free(self._state)
-        PyMem_Free(self._slots)
-        self._keys = self._low = self._high = NULL
-        self._state = NULL
-        self._slots = NULL
-
     cdef int _allocate(self, Py_ssize_t capacity) except -1:
-        """Empty arrays for capacity entries and a table with at least 40% of its slots empty: a probe for a
-        key not there (most of the index's) then looks at 3.6 slots on average, against 8.5 at 25%."""
+        """Empty arrays for capacity entries and a table with at least 40% of its slots empty (a probe for a
+        key not there, most of the index's, then looks at 3.6 slots on average, against 8.5 at 25%), in
+        place of the arrays held, which the caller has released or keeps. Nothing changes when they cannot
+        be had."""
         cdef Py_ssize_t size = capacity + capacity * 2 // 3 + 1
-        self._keys = <uint64_t *>PyMem_Malloc(capacity * sizeof(uint64_t))
-        self._low = <uint64_t *>PyMem_Malloc(capacity * sizeof(uint64_t))
-        self._high = <uint16_t *>PyMem_Malloc(capacity * sizeof(uint16_t))
-        self._state = <uint8_t *>PyMem_Malloc(capacity * sizeof(uint8_t))
-        self._slots = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
-        if not (self._keys and self._low and self._high and self._state and self._slots):
-            self._free()
+        cdef uint64_t *keys = <uint64_t *>u64map_alloc(capacity * sizeof(uint64_t))
+        cdef uint64_t *low = <uint64_t *>u64map_alloc(capacity * sizeof(uint64_t))
+        cdef uint16_t *high = <uint16_t *>u64map_alloc(capacity * sizeof(uint16_t))
+        cdef uint8_t *state = <uint8_t *>u64map_alloc(capacity * sizeof(uint8_t))
+        cdef int32_t *slots = <int32_t *>u64map_alloc(size * sizeof(int32_t))
+        if not (keys and low and high and state and slots):
+            _release_arrays(keys, low, high, state, slots, capacity, size)
             raise MemoryError()
-        memset(self._slots, 0xFF, size * sizeof(int32_t))  # every slot _EMPTY
+        memset(slots, 0xFF, size * sizeof(int32_t))  # every slot _EMPTY
+        self._keys, self._low, self._high, self._state, self._slots = keys, low, high, state, slots
         self._capacity, self._used, self._live, self._first = capacity, 0, 0, 0
         self._size = size
         self._layout += 1
@@ -162,29 +188,24 @@ cdef class U64Map:
             slot = self._next(slot)
 
     cdef int _rebuild(self, Py_ssize_t capacity) except -1:
-        """Entries in order into arrays of capacity, holes dropped."""
+        """Entries in order into arrays of capacity, holes dropped; as it was when they cannot be had."""
         cdef uint64_t *keys = self._keys
         cdef uint64_t *low = self._low
         cdef uint16_t *high = self._high
         cdef uint8_t *state = self._state
         cdef int32_t *slots = self._slots
         cdef PyObject **objects = self._objects
-        cdef Py_ssize_t used = self._used, position, slot, at
-        cdef Py_ssize_t old_capacity = self._capacity, live = self._live, first = self._first, size = self._size
-        self._keys = self._low = self._high = NULL
-        self._state = NULL
-        self._slots = NULL
-        self._objects = NULL
+        cdef PyObject **moved = NULL
+        cdef Py_ssize_t used = self._used, old_capacity = self._capacity, old_size = self._size
+        cdef Py_ssize_t position, slot, at
+        if objects != NULL:
+            moved = self._new_objects(capacity)
         try:
             self._allocate(capacity)
-            if objects != NULL:
-                self._make_objects()
-        except MemoryError:  # as it was
-            self._free()
-            self._keys, self._low, self._high, self._state, self._slots = keys, low, high, state, slots
-            self._objects = objects
-            self._capacity, self._used, self._live, self._first, self._size = old_capacity, used, live, first, size
+        except MemoryError:
+            u64map_release(moved, capacity * sizeof(PyObject *))
             raise
+        self._objects = moved
         for position in range(used):
             if state[position] == _HOLE:
                 continue
@@ -199,12 +220,8 @@ cdef class U64Map:
             self._slots[slot] = <int32_t>at
             self._used += 1
         self._live = self._used
-        PyMem_Free(keys)
-        PyMem_Free(low)
-        PyMem_Free(high)
-        PyMem_Free(state)
-        PyMem_Free(slots)
-        PyMem_Free(objects)
+        _release_arrays(keys, low, high, state, slots, old_capacity, old_size)
+        u64map_release(objects, old_capacity * sizeof(PyObject *))
         return 0
 
     cdef int _make_room(self) except -1:
@@ -233,7 +250,7 @@ cdef class U64Map:
                 value = int(value)  # held as it is read back: a bool or an int subclass would not be
             shared = self._interned_value(value)
             if self._objects == NULL:
-                self._make_objects()
+                self._objects = self._new_objects(self._capacity)
             Py_INCREF(shared)
             if self._state[position] == _WIDE:
                 Py_XDECREF(self._objects[position])
@@ -334,10 +351,16 @@ cdef class U64Map:
         return True
 
     def clear(self):
+        cdef uint64_t *keys = self._keys
+        cdef uint64_t *low = self._low
+        cdef uint16_t *high = self._high
+        cdef uint8_t *state = self._state
+        cdef int32_t *slots = self._slots
+        cdef Py_ssize_t capacity = self._capacity, size = self._size
         self._release_objects()
-        self._free()
         self._interned.clear()
         self._allocate(8)
+        _release_arrays(keys, low, high, state, slots, capacity, size)
 
     def __iter__(self):
         return self.keys()
