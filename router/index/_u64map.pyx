@@ -63,6 +63,17 @@ cdef extern from *:
     void u64map_release(void *memory, size_t bytes)
 
 
+cdef void _release_objects_of(PyObject **objects, uint8_t *state, Py_ssize_t used, Py_ssize_t capacity):
+    """Drop the wide values of the entries before used (their references) and their array."""
+    cdef Py_ssize_t position
+    if objects == NULL:
+        return
+    for position in range(used):
+        if state[position] == _WIDE:
+            Py_XDECREF(objects[position])
+    u64map_release(objects, capacity * sizeof(PyObject *))
+
+
 cdef void _release_arrays(
     uint64_t *keys, uint64_t *low, uint16_t *high, uint8_t *state, int32_t *slots, Py_ssize_t capacity,
     Py_ssize_t size,
@@ -76,6 +87,7 @@ cdef void _release_arrays(
 cdef object _ABSENT = object()
 cdef object _WORD = 1 << 64
 cdef object _INLINE = 1 << 80
+cdef Py_ssize_t _MOST_ENTRIES = 0x7FFFFFFF  # positions are int32 slots
 cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; past it, interning starts over
 
 
@@ -111,14 +123,7 @@ cdef class U64Map:
         _release_arrays(self._keys, self._low, self._high, self._state, self._slots, self._capacity, self._size)
 
     cdef void _release_objects(self):
-        """Drop the wide values (their references) and their array."""
-        cdef Py_ssize_t position
-        if self._objects == NULL:
-            return
-        for position in range(self._used):
-            if self._state[position] == _WIDE:
-                Py_XDECREF(self._objects[position])
-        u64map_release(self._objects, self._capacity * sizeof(PyObject *))
+        _release_objects_of(self._objects, self._state, self._used, self._capacity)
         self._objects = NULL
 
     cdef PyObject **_new_objects(self, Py_ssize_t capacity) except NULL:
@@ -226,14 +231,15 @@ cdef class U64Map:
 
     cdef int _make_room(self) except -1:
         """Room for one more entry: holes compacted away when they are a third of the arrays, else the
-        arrays grow by a quarter (a copy of an entry costs less than the memory a larger step leaves empty)."""
+        arrays grow by a quarter (a copy of an entry costs less than the memory a larger step leaves empty).
+        A table that peaked and emptied shrinks at its next compaction, as a dict does at its next resize."""
         if self._used < self._capacity:
             return 0
-        if self._used - self._live >= self._capacity // 3:
-            return self._rebuild(self._capacity)
-        if self._capacity >= 0x7FFFFFFF:
-            raise MemoryError("U64Map: 2^31 entries")
-        return self._rebuild(self._capacity + self._capacity // 4 + 8)
+        if self._used - self._live >= self._capacity // 3:  # to half again what is live: a table shrinks
+            return self._rebuild(self._live + self._live // 2 + 8)
+        if self._capacity >= _MOST_ENTRIES:
+            raise MemoryError("U64Map: 2^31 - 1 entries")
+        return self._rebuild(min(self._capacity + self._capacity // 4 + 8, _MOST_ENTRIES))
 
     cdef int _store(self, Py_ssize_t position, object value) except -1:
         """value at position, whose state is _LIVE or _WIDE (the value there is replaced)."""
@@ -356,38 +362,46 @@ cdef class U64Map:
         cdef uint16_t *high = self._high
         cdef uint8_t *state = self._state
         cdef int32_t *slots = self._slots
-        cdef Py_ssize_t capacity = self._capacity, size = self._size
-        self._release_objects()
-        self._interned.clear()
-        self._allocate(8)
+        cdef PyObject **objects = self._objects
+        cdef Py_ssize_t capacity = self._capacity, size = self._size, used = self._used
+        self._allocate(8)  # first: a table that cannot be had leaves this one as it was
+        self._objects = NULL
+        _release_objects_of(objects, state, used, capacity)
         _release_arrays(keys, low, high, state, slots, capacity, size)
+        self._interned.clear()
 
     def __iter__(self):
         return self.keys()
 
     def keys(self):
-        cdef Py_ssize_t layout = self._layout, position = self._first
-        while position < self._used:
-            if self._layout != layout:
+        cdef Py_ssize_t layout = self._layout, position = self._first, live = self._live
+        while True:
+            if self._layout != layout or self._live != live:
                 raise RuntimeError("U64Map changed during iteration")
+            if position >= self._used:
+                return
             if self._state[position] != _HOLE:
                 yield self._keys[position]
             position += 1
 
     def values(self):
-        cdef Py_ssize_t layout = self._layout, position = self._first
-        while position < self._used:
-            if self._layout != layout:
+        cdef Py_ssize_t layout = self._layout, position = self._first, live = self._live
+        while True:
+            if self._layout != layout or self._live != live:
                 raise RuntimeError("U64Map changed during iteration")
+            if position >= self._used:
+                return
             if self._state[position] != _HOLE:
                 yield self._value(position)
             position += 1
 
     def items(self):
-        cdef Py_ssize_t layout = self._layout, position = self._first
-        while position < self._used:
-            if self._layout != layout:
+        cdef Py_ssize_t layout = self._layout, position = self._first, live = self._live
+        while True:
+            if self._layout != layout or self._live != live:
                 raise RuntimeError("U64Map changed during iteration")
+            if position >= self._used:
+                return
             if self._state[position] != _HOLE:
                 yield self._keys[position], self._value(position)
             position += 1
@@ -404,15 +418,15 @@ cdef class U64Map:
             position += 1
         return found
 
-    def masks_of(self, chain, list into=None):
-        """Each key's value (0 when absent), or'ed into the list into when given: matching's probe."""
+    def masks_of(self, chain):
+        """Each key's value, 0 when absent: matching's probe of a prompt's blocks."""
         cdef Py_ssize_t index = 0, position
         cdef uint64_t key
-        cdef list out = [0] * len(chain) if into is None else into
+        cdef list out = [0] * len(chain)
         for key in chain:
             position = self._find(key)
             if position >= 0:
-                out[index] = self._value(position) if into is None else out[index] | self._value(position)
+                out[index] = self._value(position)
             index += 1
         return out
 

@@ -162,16 +162,20 @@ class KVEventSubscriber:
         reconnecting = asyncio.create_task(self._reconnect_when_dropped(sub))
         try:
             await self._warm_start()
+            unyielded = 0
             while True:
+                # A message waiting already is received without a loop turn: the turns are given here.
                 run = [await sub.recv_multipart()]
                 run += _queued(queued, _YIELD_EVERY - 1)
                 for frames in run:
                     numbered = self._parse(frames)
                     if numbered is not None:
                         await self._accept(*numbered, live=True)
-                if len(run) > 1:
+                unyielded += len(run)
+                if len(run) > 1 or unyielded >= _YIELD_EVERY:
                     # A flood must not keep the loop from everything else.
                     await asyncio.sleep(0)
+                    unyielded = 0
         finally:
             try:
                 reconnecting.cancel()

@@ -202,8 +202,9 @@ def _otlp_exporter(protocol: OtlpProtocol, endpoint: str | None) -> SpanExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
         return Http(endpoint=endpoint)
-    except ImportError as error:  # xds-protos, installed after it, overwrote opentelemetry-proto's files
+    except ImportError as error:
         raise RuntimeError(
-            f"tracing: the OTLP exporter does not import ({error}); xds-protos carries an older copy of "
-            "opentelemetry-proto's files: run scripts/own_otel_proto.sh with this Python"
+            f"tracing: the OTLP exporter does not import ({error}). When what is missing is in "
+            "opentelemetry.proto, xds-protos, installed after it, overwrote its files with an older copy: "
+            "run scripts/own_otel_proto.sh with this Python"
         ) from error

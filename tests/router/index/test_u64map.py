@@ -67,19 +67,54 @@ def test_it_refuses_keys_outside_64_bits_and_negative_values() -> None:
     assert len(table) == 0
 
 
-def test_an_iteration_stops_when_the_table_is_laid_out_again() -> None:
+@pytest.mark.parametrize("change", ["grow", "insert", "remove", "clear"])
+def test_an_iteration_raises_when_entries_come_or_go_meanwhile(change: str) -> None:
     table = U64Map()
     table.update((key, key) for key in range(5))
     with pytest.raises(RuntimeError, match="changed during iteration"):
-        for key in table:
-            table[key + 1000] = key  # growing the arrays moves the entries
+        for _ in table.items():
+            if change == "grow":
+                table.update((k, k) for k in range(1000, 1100))  # growing the arrays moves the entries
+            elif change == "insert":
+                table[1000] = 1
+            elif change == "remove":
+                del table[4]
+            else:
+                table.clear()
+    table = U64Map()
+    table.update((key, key) for key in range(5))
+    for key, value in table.items():
+        table[key] = value + 1  # a value changed in place, as a dict allows
+    assert list(table.values()) == [1, 2, 3, 4, 5]
 
 
-def test_the_holder_probe_gives_each_keys_value_or_zero_and_ors_into_a_list() -> None:
+def test_a_cleared_table_takes_entries_again() -> None:
+    table = U64Map()
+    table.update((key, 2**90 + key) for key in range(50_000))
+    table.clear()
+    assert len(table) == 0 and list(table) == []
+    table[7] = 2**90
+    assert list(table.items()) == [(7, 2**90)]
+
+
+def test_the_holder_probe_gives_each_keys_value_or_zero() -> None:
     table = U64Map()
     table.update([(1, 0b01), (3, 2**100)])
     assert table.masks_of([1, 2, 3]) == [0b01, 0, 2**100]
-    assert table.masks_of([1, 2, 3], [0b10, 0b10, 0]) == [0b11, 0b10, 2**100]
+
+
+def test_a_table_that_peaked_shrinks_as_its_entries_churn() -> None:
+    """Removing the oldest and adding new ones (the bound's eviction): the arrays compact to what is live."""
+    table = U64Map()
+    table.update((key, key) for key in range(200_000))
+    peak = sys.getsizeof(table)
+    for key in range(200_000, 260_000):
+        table[key] = key
+        if key >= 200_000 + 2_000:
+            for old in table.oldest(len(table) - 2_000):
+                del table[old]
+    assert len(table) == 2_000 and sys.getsizeof(table) < peak / 20
+    assert list(table) == list(range(258_000, 260_000))
 
 
 def test_an_entry_costs_a_fraction_of_a_dicts() -> None:
