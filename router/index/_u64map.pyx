@@ -22,6 +22,11 @@ cdef enum:
     _EMPTY = -1
     _REMOVED = -2
 
+cdef enum:  # what an iteration yields
+    _KEYS = 0
+    _VALUES = 1
+    _ITEMS = 2
+
 cdef enum:
     _LIVE = 0
     _HOLE = 1
@@ -63,32 +68,40 @@ cdef extern from *:
     void u64map_release(void *memory, size_t bytes)
 
 
-cdef void _release_objects_of(PyObject **objects, uint8_t *state, Py_ssize_t used, Py_ssize_t capacity):
-    """Drop the wide values of the entries before used (their references) and their array."""
-    cdef Py_ssize_t position
-    if objects == NULL:
-        return
-    for position in range(used):
-        if state[position] == _WIDE:
-            Py_XDECREF(objects[position])
-    u64map_release(objects, capacity * sizeof(PyObject *))
-
-
-cdef void _release_arrays(
-    uint64_t *keys, uint64_t *low, uint16_t *high, uint8_t *state, int32_t *slots, Py_ssize_t capacity,
-    Py_ssize_t size,
-):
-    u64map_release(keys, capacity * sizeof(uint64_t))
-    u64map_release(low, capacity * sizeof(uint64_t))
-    u64map_release(high, capacity * sizeof(uint16_t))
-    u64map_release(state, capacity * sizeof(uint8_t))
-    u64map_release(slots, size * sizeof(int32_t))
-
 cdef object _ABSENT = object()
 cdef object _WORD = 1 << 64
 cdef object _INLINE = 1 << 80
 cdef Py_ssize_t _MOST_ENTRIES = 0x7FFFFFFF  # positions are int32 slots
 cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; past it, interning starts over
+
+
+# A table's arrays, as held at one moment: to be released once others replace them.
+cdef struct _Arrays:
+    uint64_t *keys
+    uint64_t *low
+    uint16_t *high
+    uint8_t *state
+    int32_t *slots
+    PyObject **objects  # NULL until a wide value came
+    Py_ssize_t capacity  # of the entries arrays
+    Py_ssize_t size  # of the table
+    Py_ssize_t used  # entries in them, holes included
+
+
+cdef void _release(_Arrays held, bint references):
+    """Free held's arrays; references: drop the wide values' references too (False: they moved)."""
+    cdef Py_ssize_t position
+    if held.objects != NULL:
+        if references:
+            for position in range(held.used):
+                if held.state[position] == _WIDE:
+                    Py_XDECREF(held.objects[position])
+        u64map_release(held.objects, held.capacity * sizeof(PyObject *))
+    u64map_release(held.keys, held.capacity * sizeof(uint64_t))
+    u64map_release(held.low, held.capacity * sizeof(uint64_t))
+    u64map_release(held.high, held.capacity * sizeof(uint16_t))
+    u64map_release(held.state, held.capacity * sizeof(uint8_t))
+    u64map_release(held.slots, held.size * sizeof(int32_t))
 
 
 cdef inline uint64_t _key(object key) except? 0:
@@ -119,12 +132,14 @@ cdef class U64Map:
         self._allocate(8)
 
     def __dealloc__(self):
-        self._release_objects()
-        _release_arrays(self._keys, self._low, self._high, self._state, self._slots, self._capacity, self._size)
+        _release(self._held(), True)
 
-    cdef void _release_objects(self):
-        _release_objects_of(self._objects, self._state, self._used, self._capacity)
-        self._objects = NULL
+    cdef _Arrays _held(self):
+        cdef _Arrays held
+        held.keys, held.low, held.high, held.state = self._keys, self._low, self._high, self._state
+        held.slots, held.objects = self._slots, self._objects
+        held.capacity, held.size, held.used = self._capacity, self._size, self._used
+        return held
 
     cdef PyObject **_new_objects(self, Py_ssize_t capacity) except NULL:
         cdef PyObject **objects = <PyObject **>u64map_alloc(capacity * sizeof(PyObject *))
@@ -153,8 +168,11 @@ cdef class U64Map:
         cdef uint16_t *high = <uint16_t *>u64map_alloc(capacity * sizeof(uint16_t))
         cdef uint8_t *state = <uint8_t *>u64map_alloc(capacity * sizeof(uint8_t))
         cdef int32_t *slots = <int32_t *>u64map_alloc(size * sizeof(int32_t))
+        cdef _Arrays made
         if not (keys and low and high and state and slots):
-            _release_arrays(keys, low, high, state, slots, capacity, size)
+            made.keys, made.low, made.high, made.state, made.slots = keys, low, high, state, slots
+            made.objects, made.capacity, made.size, made.used = NULL, capacity, size, 0
+            _release(made, False)
             raise MemoryError()
         memset(slots, 0xFF, size * sizeof(int32_t))  # every slot _EMPTY
         self._keys, self._low, self._high, self._state, self._slots = keys, low, high, state, slots
@@ -194,16 +212,10 @@ cdef class U64Map:
 
     cdef int _rebuild(self, Py_ssize_t capacity) except -1:
         """Entries in order into arrays of capacity, holes dropped; as it was when they cannot be had."""
-        cdef uint64_t *keys = self._keys
-        cdef uint64_t *low = self._low
-        cdef uint16_t *high = self._high
-        cdef uint8_t *state = self._state
-        cdef int32_t *slots = self._slots
-        cdef PyObject **objects = self._objects
+        cdef _Arrays old = self._held()
         cdef PyObject **moved = NULL
-        cdef Py_ssize_t used = self._used, old_capacity = self._capacity, old_size = self._size
         cdef Py_ssize_t position, slot, at
-        if objects != NULL:
+        if old.objects != NULL:
             moved = self._new_objects(capacity)
         try:
             self._allocate(capacity)
@@ -211,22 +223,21 @@ cdef class U64Map:
             u64map_release(moved, capacity * sizeof(PyObject *))
             raise
         self._objects = moved
-        for position in range(used):
-            if state[position] == _HOLE:
+        for position in range(old.used):
+            if old.state[position] == _HOLE:
                 continue
             at = self._used
-            self._keys[at], self._low[at], self._high[at] = keys[position], low[position], high[position]
-            self._state[at] = state[position]
-            if state[position] == _WIDE:
-                self._objects[at] = objects[position]  # the reference moves with it
-            slot = self._home(keys[position])
+            self._keys[at], self._low[at] = old.keys[position], old.low[position]
+            self._high[at], self._state[at] = old.high[position], old.state[position]
+            if old.state[position] == _WIDE:
+                self._objects[at] = old.objects[position]  # the reference moves with it
+            slot = self._home(old.keys[position])
             while self._slots[slot] != _EMPTY:
                 slot = self._next(slot)
             self._slots[slot] = <int32_t>at
             self._used += 1
         self._live = self._used
-        _release_arrays(keys, low, high, state, slots, old_capacity, old_size)
-        u64map_release(objects, old_capacity * sizeof(PyObject *))
+        _release(old, False)
         return 0
 
     cdef int _make_room(self) except -1:
@@ -357,45 +368,26 @@ cdef class U64Map:
         return True
 
     def clear(self):
-        cdef uint64_t *keys = self._keys
-        cdef uint64_t *low = self._low
-        cdef uint16_t *high = self._high
-        cdef uint8_t *state = self._state
-        cdef int32_t *slots = self._slots
-        cdef PyObject **objects = self._objects
-        cdef Py_ssize_t capacity = self._capacity, size = self._size, used = self._used
+        cdef _Arrays old = self._held()
         self._allocate(8)  # first: a table that cannot be had leaves this one as it was
         self._objects = NULL
-        _release_objects_of(objects, state, used, capacity)
-        _release_arrays(keys, low, high, state, slots, capacity, size)
+        _release(old, True)
         self._interned.clear()
 
     def __iter__(self):
         return self.keys()
 
     def keys(self):
-        cdef Py_ssize_t layout = self._layout, position = self._first, live = self._live
-        while True:
-            if self._layout != layout or self._live != live:
-                raise RuntimeError("U64Map changed during iteration")
-            if position >= self._used:
-                return
-            if self._state[position] != _HOLE:
-                yield self._keys[position]
-            position += 1
+        return self._walk(_KEYS)
 
     def values(self):
-        cdef Py_ssize_t layout = self._layout, position = self._first, live = self._live
-        while True:
-            if self._layout != layout or self._live != live:
-                raise RuntimeError("U64Map changed during iteration")
-            if position >= self._used:
-                return
-            if self._state[position] != _HOLE:
-                yield self._value(position)
-            position += 1
+        return self._walk(_VALUES)
 
     def items(self):
+        return self._walk(_ITEMS)
+
+    def _walk(self, int what):
+        """The live entries' keys, values or items, oldest first."""
         cdef Py_ssize_t layout = self._layout, position = self._first, live = self._live
         while True:
             if self._layout != layout or self._live != live:
@@ -403,7 +395,12 @@ cdef class U64Map:
             if position >= self._used:
                 return
             if self._state[position] != _HOLE:
-                yield self._keys[position], self._value(position)
+                if what == _KEYS:
+                    yield self._keys[position]
+                elif what == _VALUES:
+                    yield self._value(position)
+                else:
+                    yield self._keys[position], self._value(position)
             position += 1
 
     def oldest(self, Py_ssize_t count):
