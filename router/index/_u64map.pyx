@@ -188,8 +188,8 @@ cdef class U64Map:
         slot += 1
         return 0 if slot == self._size else slot
 
-    cdef Py_ssize_t _find(self, uint64_t key):
-        """The entry of key, or -1."""
+    cdef Py_ssize_t _slot(self, uint64_t key):
+        """The slot holding key's entry, or -1."""
         cdef Py_ssize_t slot = self._home(key)
         cdef int32_t position
         while True:
@@ -197,18 +197,13 @@ cdef class U64Map:
             if position == _EMPTY:
                 return -1
             if position >= 0 and self._keys[position] == key:
-                return position
-            slot = self._next(slot)
-
-    cdef Py_ssize_t _slot_of(self, uint64_t key):
-        """The slot holding key's entry (which must be there)."""
-        cdef Py_ssize_t slot = self._home(key)
-        cdef int32_t position
-        while True:
-            position = self._slots[slot]
-            if position >= 0 and self._keys[position] == key:
                 return slot
             slot = self._next(slot)
+
+    cdef Py_ssize_t _find(self, uint64_t key):
+        """The entry of key, or -1."""
+        cdef Py_ssize_t slot = self._slot(key)
+        return -1 if slot < 0 else self._slots[slot]
 
     cdef int _rebuild(self, Py_ssize_t capacity) except -1:
         """Entries in order into arrays of capacity, holes dropped; as it was when they cannot be had."""
@@ -298,11 +293,13 @@ cdef class U64Map:
         self._live += 1
         return 0
 
-    cdef object _remove(self, uint64_t key, Py_ssize_t position):
+    cdef object _remove(self, Py_ssize_t slot):
+        """The entry in slot goes; its value."""
+        cdef Py_ssize_t position = self._slots[slot]
         value = self._value(position)
         if self._state[position] == _WIDE:
             Py_XDECREF(self._objects[position])
-        self._slots[self._slot_of(key)] = _REMOVED
+        self._slots[slot] = _REMOVED
         self._state[position] = _HOLE
         self._live -= 1
         if self._live == 0:  # empty: start over, so the front is found at once
@@ -331,19 +328,18 @@ cdef class U64Map:
         self._set(key, value)
 
     def __delitem__(self, key):
-        cdef uint64_t native = _key(key)
-        cdef Py_ssize_t position = self._find(native)
-        if position < 0:
+        cdef Py_ssize_t slot = self._slot(_key(key))
+        if slot < 0:
             raise KeyError(key)
-        self._remove(native, position)
+        self._remove(slot)
 
     def pop(self, uint64_t key, default=_ABSENT):
-        cdef Py_ssize_t position = self._find(key)
-        if position < 0:
+        cdef Py_ssize_t slot = self._slot(key)
+        if slot < 0:
             if default is _ABSENT:
                 raise KeyError(key)
             return default
-        return self._remove(key, position)
+        return self._remove(slot)
 
     cdef int _set(self, object key, object value) except -1:
         cdef uint64_t native = _key(key)
