@@ -14,6 +14,8 @@ insertion order, so iteration goes oldest first (the bound evicts from the front
 keeps its place; removal leaves a hole, compacted away when the table grows or holes pile up.
 """
 
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memset
@@ -279,18 +281,38 @@ cdef class U64Map:
 
     cdef int _insert(self, uint64_t key, object value) except -1:
         """key, absent, as the newest entry."""
-        cdef Py_ssize_t slot, position
+        cdef Py_ssize_t position
         self._make_room()
         position = self._used
         self._keys[position] = key
         self._state[position] = _LIVE
         self._store(position, value)
-        slot = self._home(key)
+        self._link(position)
+        return 0
+
+    cdef void _link(self, Py_ssize_t position):
+        """The entry at position, the newest, filled in: entered in the table."""
+        cdef Py_ssize_t slot = self._home(self._keys[position])
         while self._slots[slot] >= 0:  # an empty or a removed slot takes it
             slot = self._next(slot)
         self._slots[slot] = <int32_t>position
         self._used += 1
         self._live += 1
+
+    cdef int _set_inline(self, uint64_t key, uint64_t low, uint16_t high) except -1:
+        """_set of the value high * 2^64 + low, made of its parts: no int object is made for it."""
+        cdef Py_ssize_t position = self._find(key)
+        if position >= 0:
+            if self._state[position] == _WIDE:
+                Py_XDECREF(self._objects[position])
+        else:
+            self._make_room()
+            position = self._used
+            self._keys[position] = key
+            self._link(position)
+        self._low[position] = low
+        self._high[position] = high
+        self._state[position] = _LIVE
         return 0
 
     cdef object _remove(self, Py_ssize_t slot):
@@ -440,3 +462,62 @@ cdef class U64Map:
         wide += sum(v.__sizeof__() for v in self._interned.values())
         entry = 2 * sizeof(uint64_t) + sizeof(uint16_t) + sizeof(uint8_t)
         return object.__sizeof__(self) + self._capacity * entry + self._size * sizeof(int32_t) + wide
+
+
+# ---- the index's bulk operations ----------------------------------------------------------------------
+
+COUNT_BITS = 16  # an owner's entry: kvroute hash << COUNT_BITS | its reference count
+
+cdef uint64_t _hash_key(object block_hash) except? 0xFFFFFFFFFFFFFFFF:
+    cdef const unsigned char *data
+    cdef Py_ssize_t length, index
+    cdef uint64_t key = 0
+    if isinstance(block_hash, bytes):
+        data = <const unsigned char *>PyBytes_AS_STRING(block_hash)
+        length = PyBytes_GET_SIZE(block_hash)
+        for index in range(max(0, length - 8), length):
+            key = (key << 8) | data[index]
+        return key
+    return PyLong_AsUnsignedLongLongMask(block_hash)
+
+
+def u64_key(object block_hash):
+    """A block hash as a U64Map key: an int by its two's complement's low 64 bits, bytes by their last 8
+    (big-endian), as vLLM's 64-bit hashes and the low half of its full ones."""
+    return _hash_key(block_hash)
+
+
+def u64_keys(object block_hashes):
+    """u64_key of each of block_hashes, as a list."""
+    return [_hash_key(block_hash) for block_hash in block_hashes]
+
+
+def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
+    """An owner's store of blocks no one holds, under keys it does not use (router/index/holdings.py): in
+    holders each of own (kvroute hashes) -> bit, in blocks each of keys -> its own hash << COUNT_BITS | 1 (a
+    reference count of 1), both the last block first. False, with nothing entered, when any of own is held or any of keys
+    used: those take the per-block path."""
+    cdef Py_ssize_t count = len(own), index
+    cdef uint64_t own_hash
+    if len(keys) != count:
+        raise ValueError(f"{count} hashes for {len(keys)} keys")
+    if not 0 <= bit:
+        raise ValueError(f"U64Map holds non-negative ints, not {bit}")
+    for index in range(count):
+        if holders._find(own[index]) >= 0:
+            return False
+    for index in range(count):
+        if blocks._find(keys[index]) >= 0:
+            return False
+    cdef bint narrow = bit < _INLINE
+    cdef uint64_t bit_low = <uint64_t>(bit & 0xFFFFFFFFFFFFFFFF) if narrow else 0
+    cdef uint16_t bit_high = <uint16_t>(bit >> 64) if narrow else 0
+    for index in range(count - 1, -1, -1):
+        if narrow:
+            holders._set_inline(own[index], bit_low, bit_high)
+        else:
+            holders._set(own[index], bit)
+    for index in range(count - 1, -1, -1):
+        own_hash = own[index]
+        blocks._set_inline(keys[index], (own_hash << 16) | 1, <uint16_t>(own_hash >> 48))
+    return True

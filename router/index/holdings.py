@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import cast
 
-from router.index._u64map import U64Map
+from router.index._u64map import COUNT_BITS as COUNT_BITS  # re-exported: what the packed entries use
+from router.index._u64map import U64Map, enter_new, u64_key, u64_keys
 from router.index.events import BlockHash
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,7 @@ log = logging.getLogger(__name__)
 Owner = tuple[str, int]
 """(instance name, data parallel rank)"""
 
-COUNT_BITS = 16  # an owner's entry: kvroute hash << COUNT_BITS | reference count
 COUNT_MASK = (1 << COUNT_BITS) - 1
-_KEY_MASK = (1 << 64) - 1
 
 
 class Tier(IntEnum):
@@ -51,12 +50,9 @@ DEFAULT_MEDIUM_TIERS: Mapping[str | None, Tier] = {
 }
 
 
-def vllm_key(vllm_hash: BlockHash) -> int:
-    """vLLM's hash as a 64-bit key: integers by their two's complement's low 64 bits (vLLM's are unsigned
-    64-bit, kept as they are), bytes by their last 8."""
-    if isinstance(vllm_hash, bytes):
-        return int.from_bytes(vllm_hash[-8:], "big")
-    return vllm_hash & _KEY_MASK
+# vLLM's hash as a 64-bit key: integers by their two's complement's low 64 bits (vLLM's are unsigned 64-bit,
+# kept as they are), bytes by their last 8; vllm_keys: a list of them.
+vllm_key, vllm_keys = u64_key, u64_keys
 
 
 @dataclass
@@ -143,18 +139,14 @@ class Holdings:
                 return packed
         return None
 
-    def store(
-        self, state: OwnerState, tier: Tier, keys: Sequence[int], own: list[int], counted: bool
-    ) -> None:
+    def store(self, state: OwnerState, tier: Tier, keys: list[int], own: list[int], counted: bool) -> None:
         """Enter blocks for state by their vLLM keys (vllm_key), of kvroute hashes own, the last one first;
         counted=False keeps a block stored twice at one reference."""
         blocks, holders, bit = state.blocks[tier], self.holders[tier], state.bit
-        # Blocks no one holds, under keys the owner does not use: the common case, bulk inserted in C, tail
-        # first (see below). A key in use with other content (an inconsistent publisher, a 64-bit collision)
-        # must take the per-block path: overwritten, it would be counted twice and its old hash kept.
-        if holders.isdisjoint(own) and blocks.isdisjoint(keys):
-            holders.update(zip(reversed(own), itertools.repeat(bit)))
-            blocks.update(zip(reversed(keys), [(h << COUNT_BITS) + 1 for h in reversed(own)], strict=True))
+        # Blocks no one holds, under keys the owner does not use: the common case, entered in C, tail first
+        # (see below). A key in use with other content (an inconsistent publisher, a 64-bit collision) must
+        # take the per-block path: overwritten, it would be counted twice and its old hash kept.
+        if enter_new(holders, blocks, own, keys, bit):
             self.entries += len(own)
             self.stats.stored += len(own)
             return

@@ -18,7 +18,7 @@ from typing import cast
 from msgspec.structs import replace
 
 from router.index.events import EVENT_TYPES, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
-from router.index.holdings import COUNT_BITS, Holdings, OwnerState, PoolState, Tier, vllm_key
+from router.index.holdings import COUNT_BITS, Holdings, OwnerState, PoolState, Tier, vllm_key, vllm_keys
 from router.index.kv_groups import CONSTRAINING_KINDS, GroupConstraints
 from router.index.pool_tier import PoolTier
 from router.prompt import block_hashing
@@ -229,7 +229,7 @@ class Ingest:
         hash of the owner's full-attention block of the same vLLM hash; one it does not hold is an orphan."""
         gpu_blocks = [state.blocks[tier] for tier in self._gpu_tiers]
         for event in events:
-            keys = [vllm_key(h) for h in event.block_hashes]
+            keys = vllm_keys(event.block_hashes)
             if isinstance(event, BlockRemoved):
                 self._groups.remove(state.bit, event.group_idx, keys)
                 continue
@@ -270,7 +270,7 @@ class Ingest:
         they cannot be indexed. counted=False keeps a block stored twice at one reference."""
         own = self._hashes(state, event, pool)
         if own:
-            self._holdings.store(state, tier, list(map(vllm_key, event.block_hashes)), own, counted)
+            self._holdings.store(state, tier, vllm_keys(event.block_hashes), own, counted)
         return own
 
     def _store_in_steps(
@@ -287,11 +287,6 @@ class Ingest:
         size, tokens, extra = self.block_size, event.token_ids, event.extra_keys
         if not self._shaped(event):
             return []
-        for start in range(0, len(tokens), step * size):
-            if max(tokens[start : start + step * size]) >= 1 << 32:  # as _hashes checks them all
-                self.stats.mismatched += 1
-                return []
-            yield
         parent = self._parent(state, event, pool)
         if parent is None:
             return []
@@ -300,12 +295,12 @@ class Ingest:
             keys = None if extra is None else extra[start : start + step]
             try:
                 own += block_hashing.chain(tokens[start * size : (start + step) * size], size, parent, keys)
-            except OverflowError:  # a negative token id: no uint32
+            except OverflowError:  # as in _hashes
                 self.stats.mismatched += 1
                 return []
             parent = own[-1]
             yield
-        keys = list(map(vllm_key, event.block_hashes))
+        keys = vllm_keys(event.block_hashes)
         for end in range(len(own), 0, -step):
             start = max(0, end - step)
             self._holdings.store(state, tier, keys[start:end], own[start:end], counted)
@@ -317,15 +312,12 @@ class Ingest:
         in pool); [] when they cannot be computed, counted as mismatched or orphaned."""
         if not self._shaped(event):
             return []
-        if max(event.token_ids) >= 1 << 32:  # kvroute hashes token ids as uint32
-            self.stats.mismatched += 1
-            return []
         parent = self._parent(state, event, pool)
         if parent is None:
             return []
         try:
             return block_hashing.chain(event.token_ids, self.block_size, parent, event.extra_keys)
-        except OverflowError:  # a negative token id: no uint32
+        except OverflowError:  # kvroute hashes token ids as uint32: one is negative or 2^32 or more
             self.stats.mismatched += 1
             return []
 

@@ -129,6 +129,6 @@ def test_a_store_of_more_blocks_than_a_step_is_reachable_only_once_all_of_it_is_
     index.apply(("a", 0), [BlockStored([1000], None, tokens[:BS], BS, None, "GPU", None)])
     event = BlockStored(list(range(1, 40)), 1000, tokens[BS:], BS, None, "GPU", None)
     matched = [index.match(chain) for _ in index.apply_in_steps(("a", 0), [event], 7)]
-    assert len(matched) >= 3 * 6  # checked, hashed, entered: six steps each
+    assert len(matched) >= 2 * 6  # hashed, entered: six steps each
     assert set(map(str, matched[:-1])) == {str({"a": TierMatch(gpu=1)})}
     assert matched[-1] == index.match(chain) == {"a": TierMatch(gpu=40)}

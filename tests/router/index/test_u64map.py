@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index._u64map import U64Map
+from router.index._u64map import COUNT_BITS, U64Map, enter_new, u64_key, u64_keys
 
 KEYS = st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1))
 VALUES = st.one_of(st.integers(0, 300), st.integers(0, 2**80), st.integers(0, 2**200))
@@ -141,3 +141,51 @@ def test_wide_values_are_shared_and_released() -> None:
     table[3] = wide
     del table
     assert sys.getrefcount(wide) == before  # the interning dict went with the table too
+
+
+@given(st.one_of(st.integers(-(2**100), 2**100), st.binary(max_size=40)))
+def test_a_block_hash_keys_by_its_low_64_bits(block_hash: int | bytes) -> None:
+    expected = (
+        int.from_bytes(block_hash[-8:], "big") if isinstance(block_hash, bytes) else block_hash & (2**64 - 1)
+    )
+    assert u64_key(block_hash) == expected
+    assert u64_keys([block_hash, block_hash]) == [expected, expected]
+
+
+@pytest.mark.parametrize("block_hash", [1.5, "1", None])
+def test_a_block_hash_of_another_type_is_refused(block_hash: object) -> None:
+    with pytest.raises(TypeError):
+        u64_key(block_hash)  # type: ignore[arg-type]
+
+
+BULK = st.lists(st.integers(0, 30), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(BULK, BULK, st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), max_size=8), VALUES)
+def test_new_blocks_enter_both_tables_tail_first_or_none_of_them_do(
+    held: list[int], used: list[int], store: list[tuple[int, int]], bit: int
+) -> None:
+    holders, blocks = U64Map(), U64Map()
+    holders.update((key, 1) for key in held)
+    blocks.update((key, 1) for key in used)
+    before = (list(holders.items()), list(blocks.items()))
+    own, keys = [h * 2**40 for h, _ in store], [k for _, k in store]
+    entered = enter_new(holders, blocks, own, keys, bit)
+    assert entered == (not set(own) & set(held) and not set(keys) & set(used))
+    if not entered:
+        assert (list(holders.items()), list(blocks.items())) == before
+        return
+    expected_holders, expected_blocks = dict.fromkeys(held, 1), dict.fromkeys(used, 1)
+    for own_hash, key in zip(reversed(own), reversed(keys), strict=True):
+        expected_holders[own_hash] = bit
+        expected_blocks[key] = (own_hash << COUNT_BITS) + 1
+    assert list(holders.items()) == list(expected_holders.items())
+    assert list(blocks.items()) == list(expected_blocks.items())
+
+
+def test_new_blocks_with_mismatched_keys_or_a_negative_owner_are_refused() -> None:
+    with pytest.raises(ValueError):
+        enter_new(U64Map(), U64Map(), [1, 2], [1], 1)
+    with pytest.raises(ValueError):
+        enter_new(U64Map(), U64Map(), [1], [1], -1)
