@@ -72,8 +72,7 @@ class Matcher:
         length)."""
         if held is None:
             return {}
-        alive = list(itertools.accumulate(held, operator.and_))
-        ends = {bit: _match_length(alive, bit) for bit in _bits(alive[0])}
+        ends = match_lengths(list(itertools.accumulate(held, operator.and_)))
         if self._groups:
             groups, limit = self._groups, len(chain) if reusable is None else reusable
             pending = self._speculations.pending
@@ -93,9 +92,10 @@ class Matcher:
             cpu = list(map(operator.and_, cpu, map(operator.invert, gpu)))  # CPU copies not also on GPU
         matches: dict[str, TierMatch] = {}
         owner_by_bit = self._owner_by_bit
+        on_gpu_alone: dict[int, TierMatch] = {}  # by length: most owners of a large fleet share a few
         for bit, end in ends.items():
             if only_gpu:
-                found = TierMatch(gpu=end)
+                found = on_gpu_alone.get(end) or on_gpu_alone.setdefault(end, TierMatch(gpu=end))
             else:
                 on_gpu = _count_with(gpu, bit, end)
                 on_cpu = _count_with(cpu, bit, end)
@@ -127,9 +127,19 @@ def either(first: list[int] | None, second: list[int] | None) -> list[int] | Non
     return list(map(operator.or_, first, second))
 
 
-def _match_length(alive: list[int], bit: int) -> int:
-    """Blocks before bit leaves the running AND; the masks never gain bits, so this is a bisection."""
-    return bisect.bisect_left(alive, True, key=lambda mask: not mask & bit)
+def match_lengths(alive: list[int]) -> dict[int, int]:
+    """Each owner bit of the running AND of a prompt's holder masks: the blocks before it leaves, by bit.
+    The masks only lose bits, so they come in runs of one value: a bisection finds where a run ends, and the
+    bits it loses there all end there. One a run, not one an owner: in a large fleet most owners hold a shared
+    system prompt alone, and leave together."""
+    ends: dict[int, int] = {}
+    start, count = 0, len(alive)
+    while start < count and (mask := alive[start]):
+        end = bisect.bisect_left(alive, True, lo=start, key=mask.__ne__)
+        for bit in _bits(mask ^ alive[end] if end < count else mask):
+            ends[bit] = end
+        start = end
+    return dict(sorted(ends.items()))  # by bit, as the owners are credited
 
 
 def _count_with(masks: list[int] | None, bit: int, end: int) -> int:
