@@ -103,6 +103,14 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DATA_PARALLEL_RANK)] | None = None
 
 
+class _TypedBatch(msgspec.Struct, array_like=True, gc=False):
+    """_RawBatch whose events are all map-encoded and well formed, as vLLM sends them: decoded in one call."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DATA_PARALLEL_RANK)] | None = None
+
+
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: msgspec.Raw
@@ -137,6 +145,7 @@ class EventDecoder:
     """Decodes batch payloads of either encoding; a bad event is skipped and counted, not fatal."""
 
     def __init__(self) -> None:
+        self._typed = msgspec.msgpack.Decoder(_TypedBatch)
         self._batch = msgspec.msgpack.Decoder(_RawBatch)
         self._envelope = msgspec.msgpack.Decoder(_Envelope)
         self._items = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -144,6 +153,16 @@ class EventDecoder:
         self._array_event = msgspec.msgpack.Decoder(_ArrayEvent)
 
     def decode(self, payload: bytes) -> EventBatch:
+        try:
+            typed = self._typed.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return self._decode_items(payload)  # older vLLM's array encoding, a bad event, or no batch at all
+        if not math.isfinite(typed.ts):
+            raise MalformedBatch(f"batch timestamp {typed.ts} is not finite")
+        return EventBatch(typed.ts, typed.events, typed.data_parallel_rank, 0)
+
+    def _decode_items(self, payload: bytes) -> EventBatch:
+        """decode, an event at a time: one that is no event is skipped and counted."""
         try:
             raw = self._batch.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # too deeply nested

@@ -126,6 +126,10 @@ class KVEventSubscriber:
         self._positions: dict[int, _Position] = {}
         self._started_over: set[int] = set()  # ranks seen restarting since the load scraper last said so
         self._events = {kind: metrics.kv_events(instance, kind.__name__) for kind in EVENT_TYPES}
+        # Events applied and the newest batch's timestamp since the metrics were last told: an update of a
+        # metric costs more than a small batch's other bookkeeping, so they are told once a run of batches.
+        self._counted = dict.fromkeys(EVENT_TYPES, 0)
+        self._newest_ts: float | None = None
         self._malformed = metrics.kv_malformed(instance)
         self._replayer: ReplayClient | None = None
         if replay_endpoint is not None:
@@ -171,12 +175,14 @@ class KVEventSubscriber:
                     numbered = self._parse(frames)
                     if numbered is not None:
                         await self._accept(*numbered, live=True)
+                self._tell_metrics()
                 unyielded += len(run)
                 if len(run) > 1 or unyielded >= _YIELD_EVERY:
                     # A flood must not keep the loop from everything else.
                     await asyncio.sleep(0)
                     unyielded = 0
         finally:
+            self._tell_metrics()
             try:
                 reconnecting.cancel()
                 await asyncio.gather(reconnecting, return_exceptions=True)
@@ -213,6 +219,8 @@ class KVEventSubscriber:
         except ReplayFailed:
             self._replays_failed.inc()  # what came is applied: its next batch replays the rest, as a gap
             return
+        finally:
+            self._tell_metrics()
         self._replays_ok.inc()
         self._warm.set(1)
 
@@ -274,9 +282,9 @@ class KVEventSubscriber:
     def _apply(self, rank: int, seq: int, batch: EventBatch) -> _Position:
         """Apply batch seq of rank; the position it advanced."""
         position = self._advance(rank, seq, batch.ts)
-        expected_size = self._block_size
+        expected_size, counted = self._block_size, self._counted
         for event in batch.events:  # as _observe does: inline, as every live batch comes this way
-            self._events[type(event)].inc()
+            counted[type(event)] += 1
             if type(event) is BlockStored and expected_size is not None:
                 self._check_block_size(event)
         if batch.skipped_events:
@@ -305,7 +313,7 @@ class KVEventSubscriber:
         applied[seq] = ts
         if len(applied) > _REMEMBERED:
             applied.popitem(last=False)
-        self._last_event.set(ts)
+        self._newest_ts = ts
         return position
 
     async def _apply_in_steps(self, rank: int, position: _Position, batch: EncodedBatch) -> None:
@@ -335,13 +343,23 @@ class KVEventSubscriber:
 
     def _observe(self, events: Sequence[KVEvent], skipped: int) -> None:
         """Count events of a batch applied (and skipped ones), and learn the engine's block size from them."""
-        expected_size = self._block_size
+        expected_size, counted = self._block_size, self._counted
         for event in events:
-            self._events[type(event)].inc()
+            counted[type(event)] += 1
             if type(event) is BlockStored and expected_size is not None:
                 self._check_block_size(event)
         if skipped:
             self._skipped.inc(skipped)
+
+    def _tell_metrics(self) -> None:
+        """The events counted and the newest timestamp seen since the metrics were last told."""
+        for kind, count in self._counted.items():
+            if count:
+                self._events[kind].inc(count)
+                self._counted[kind] = 0
+        if self._newest_ts is not None:
+            self._last_event.set(self._newest_ts)
+            self._newest_ts = None
 
     def _check_block_size(self, event: BlockStored) -> None:
         """vLLM also stores blocks of other sizes in passing: partial blocks, an offloading connector's
