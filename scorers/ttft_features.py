@@ -13,6 +13,8 @@ def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:
     """The blocks instance name would reuse, by tier (its GPU copy first, then CPU, then the pool): whole
     blocks only, and never the last prompt token's, which the engine computes whatever it holds."""
     match = request.matches.get(name, NO_MATCH)
+    if match is NO_MATCH:  # most of a large fleet's instances: nothing to cap
+        return NO_MATCH
     reusable = max(request.prompt_tokens - 1, 0) // request.block_size
     gpu = min(match.gpu, reusable)
     cpu = min(match.cpu, reusable - gpu)

@@ -156,6 +156,7 @@ class TTFTModel:
         self._gram = np.zeros((len(self._terms), len(self._terms)))  # decayed sums of x x^T and of x y
         self._moment = np.zeros(len(self._terms))
         self._rates = self._prior.copy()
+        self._rate_values: list[float] = self._rates.tolist()  # as floats: predict's arithmetic, not numpy's
         self.observations = 0
         self.solved = 0  # the observations the rates were solved from
 
@@ -166,7 +167,8 @@ class TTFTModel:
     @property
     def queue_rate(self) -> float:
         """Seconds each uncached token prefilling there adds to the wait of the requests queued behind it."""
-        return float(self._current()[_QUEUE])
+        self._current()
+        return self._rate_values[_QUEUE]
 
     def _current(self) -> np.ndarray:
         """The rates, solved again when the fleet's have moved since (at most once per solve of theirs)."""
@@ -175,8 +177,11 @@ class TTFTModel:
         return self._rates
 
     def predict(self, features: TTFTFeatures) -> float:
-        rates = self._current()
-        return float(
+        # On floats: the same operations in the same order as on the array, a fifth of the time of its
+        # scalars' (a decision over 1,000 instances predicts 1,000 times).
+        self._current()
+        rates = self._rate_values
+        return (
             rates[0]
             + rates[1] * features.queued_tokens
             + rates[2] * features.uncached_tokens
@@ -255,6 +260,7 @@ class TTFTModel:
         if not np.isfinite(solved).all():
             return
         self._rates[self._terms] = np.maximum(solved, 0.0)  # a negative rate would reward work
+        self._rate_values = self._rates.tolist()
         self.solved = self.observations
 
 
