@@ -7,7 +7,8 @@
 - the full routing decision (tokenize + hash + lookup + score + pick) for turn 30 of an agent session with
   ~80K tokens of history, cold and with the tokenization cache warm from turns 1-29;
 - end to end (kvroute/bench/index_ingest.py): 8 publishers over ZMQ into the router's subscriber and index,
-  at 32 and at 1 block a message, and the process's memory per block held;
+  at 32 and at 1 block a message, and the process's memory per block held; then the subscriber alone, into a
+  sink that only counts blocks: the floor under the end-to-end figures;
 - decisions over fleets of 8, 100 and 1,000 instances (kvroute/bench/index_decisions.py): an 80K-token
   turn's chain hashed, matched and chosen by the default policy.
 """
@@ -195,8 +196,15 @@ def measure_decision(make_tokenizer: Callable[[], LocalTokenizer], repeats: int)
 
 def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer]) -> dict[str, Any]:
     console = Console(width=None if Console().is_terminal else 120)
-    report: dict[str, Any] = {"ingest": [], "lookup": {}, "decision": {}, "wire": [], "fleets": {}}
-    steps = len(options.sizes) + 3 + 1 + len(options.wire_blocks) + 1 + 1
+    report: dict[str, Any] = {
+        "ingest": [],
+        "lookup": {},
+        "decision": {},
+        "wire": [],
+        "subscriber_alone": [],
+        "fleets": {},
+    }
+    steps = len(options.sizes) + 3 + 1 + len(options.wire_blocks) + 1 + 2 + 1
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("index benchmark", total=steps)
         for size in options.sizes:
@@ -213,6 +221,12 @@ def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer
         for blocks, per_message in [*((b, 32) for b in options.wire_blocks), (options.wire_single_blocks, 1)]:
             progress.update(task, description=f"end to end, {blocks:,} blocks, {per_message} a message")
             report["wire"].append(measure_ingest_end_to_end(blocks, per_message).summary())
+            progress.advance(task)
+        # The subscriber alone, into a sink that counts: the first end-to-end run's blocks, and one a message.
+        for blocks, per_message in ((options.wire_blocks[0], 32), (options.wire_single_blocks, 1)):
+            progress.update(task, description=f"the subscriber alone, {per_message} a message")
+            alone = measure_ingest_end_to_end(blocks, per_message, indexed=False).summary()
+            report["subscriber_alone"].append(alone)
             progress.advance(task)
         progress.update(task, description="decisions over fleets of " + ", ".join(map(str, options.fleets)))
         report["fleets"] = measure_decisions(options.fleets)
@@ -246,6 +260,14 @@ def _table(report: dict[str, Any]) -> Table:
             f"{wire['blocks_per_cpu_s'] / 1e6:.3f} M blocks/CPU-s, {wire['messages_per_cpu_s'] / 1e3:.1f}K "
             f"msg/CPU-s; {wire['rss_bytes_per_block']:.0f} B RSS/block",
             ">= 1 M blocks/s; <= 64 B" if per_message > 1 else ">= 100K msg/s",
+        )
+    for alone in report["subscriber_alone"]:
+        per_message = int(alone["blocks_per_message"])
+        table.add_row(
+            f"the subscriber alone (receive, decode, bookkeeping), {per_message} a message",
+            f"{alone['blocks_per_cpu_s'] / 1e6:.3f} M blocks/CPU-s, {alone['messages_per_cpu_s'] / 1e3:.1f}K "
+            "msg/CPU-s",
+            "the floor under end to end",
         )
     for size, fleet in report["fleets"].items():
         table.add_row(

@@ -16,6 +16,7 @@ import multiprocessing
 import random
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -25,7 +26,8 @@ import zmq.asyncio
 from kvroute.bench.index_parts import BLOCK_SIZE, gpu_blocks
 from kvroute.processes import free_port_block
 from router.index.block_index import BlockIndex
-from router.index.events import EventEncoder, KVEvent, pack_seq
+from router.index.events import BlockStored, EventEncoder, KVEvent, pack_seq
+from router.index.holdings import IndexStats, Owner
 from router.index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
 
@@ -102,9 +104,27 @@ def _publish(port: int, messages: int, blocks_per_message: int, number: int, con
     context.term()
 
 
-async def _ingest(endpoints: list[str], blocks: int, go: list[Connection]) -> tuple[BlockIndex, float, float]:
-    """The router's side: a subscriber per publisher into one index, timed from the go to the last block."""
-    index = BlockIndex(BLOCK_SIZE, max_entries=blocks + 1)
+class _CountingSink:
+    """A sink that only counts the blocks it is given: what the subscriber costs without the index (its
+    receive, decoding and bookkeeping), the floor under the end-to-end figure."""
+
+    def __init__(self) -> None:
+        self.stats = IndexStats()
+        self.entries = 0
+
+    def apply(self, owner: Owner, events: Sequence[KVEvent]) -> None:
+        self.stats.stored += sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
+
+    def drop(self, owner: Owner) -> None:
+        pass
+
+
+async def _ingest(
+    endpoints: list[str], blocks: int, go: list[Connection], indexed: bool
+) -> tuple[BlockIndex | _CountingSink, float, float]:
+    """The router's side: a subscriber per publisher into one index (or a sink that counts, when not indexed),
+    timed from the go to the last block."""
+    index = BlockIndex(BLOCK_SIZE, max_entries=blocks + 1) if indexed else _CountingSink()
     metrics = RouterMetrics()
     context = zmq.asyncio.Context()
     subscribers = [
@@ -135,8 +155,11 @@ async def _ingest(endpoints: list[str], blocks: int, go: list[Connection]) -> tu
         context.term()
 
 
-def measure_ingest_end_to_end(blocks: int, blocks_per_message: int, publishers: int = 8) -> IngestResult:
-    """blocks arriving from publishers over ZMQ into a router's index, blocks_per_message to a message."""
+def measure_ingest_end_to_end(
+    blocks: int, blocks_per_message: int, publishers: int = 8, indexed: bool = True
+) -> IngestResult:
+    """blocks arriving from publishers over ZMQ into a router's index, blocks_per_message to a message; not
+    indexed: into a sink that only counts them."""
     messages = blocks // blocks_per_message // publishers
     total = messages * blocks_per_message * publishers
     port = free_port_block(publishers)
@@ -156,7 +179,7 @@ def measure_ingest_end_to_end(blocks: int, blocks_per_message: int, publishers: 
         gc.collect()
         rss_before = _rss_bytes()
         endpoints = [f"tcp://127.0.0.1:{port + i}" for i in range(publishers)]
-        index, wall, cpu = asyncio.run(_ingest(endpoints, total, controls))
+        index, wall, cpu = asyncio.run(_ingest(endpoints, total, controls, indexed))
         gc.collect()
         rss_growth = _rss_bytes() - rss_before
         return IngestResult(publishers, blocks_per_message, total, wall, cpu, rss_growth, index.entries)

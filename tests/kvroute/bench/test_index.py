@@ -15,6 +15,11 @@ def test_every_block_sent_over_zmq_reaches_the_index() -> None:
     assert single.summary()["messages_per_s"] > 0
 
 
+def test_the_subscriber_alone_counts_every_block_and_indexes_none() -> None:
+    alone = measure_ingest_end_to_end(blocks=2 * 20 * 32, blocks_per_message=32, publishers=2, indexed=False)
+    assert (alone.blocks, alone.messages, alone.index_entries) == (1_280, 40, 0)
+
+
 def test_every_instance_of_a_fleet_matches_the_shared_prompt() -> None:
     fleets = measure_decisions((4, 20), prompt_tokens=4_096, repeats=1)
     assert [fleets[size]["matched_instances"] for size in ("4", "20")] == [4, 20]
