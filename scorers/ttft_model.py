@@ -181,7 +181,7 @@ class TTFTModel:
         # scalars' (a decision over 1,000 instances predicts 1,000 times).
         self._current()
         rates = self._rate_values
-        return (
+        return float(
             rates[0]
             + rates[1] * features.queued_tokens
             + rates[2] * features.uncached_tokens

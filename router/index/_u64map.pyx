@@ -16,7 +16,9 @@ keeps its place; removal leaves a hole, compacted away when the table grows or h
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
+from libc.stdlib cimport qsort
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memset
 
@@ -466,7 +468,10 @@ cdef class U64Map:
 
 # ---- the index's bulk operations ----------------------------------------------------------------------
 
-COUNT_BITS = 16  # an owner's entry: kvroute hash << COUNT_BITS | its reference count
+cdef enum:
+    _COUNT_BITS = 16
+
+COUNT_BITS = _COUNT_BITS  # an owner's entry: kvroute hash << COUNT_BITS | its reference count
 
 cdef uint64_t _hash_key(object block_hash) except? 0xFFFFFFFFFFFFFFFF:
     cdef const unsigned char *data
@@ -482,8 +487,8 @@ cdef uint64_t _hash_key(object block_hash) except? 0xFFFFFFFFFFFFFFFF:
 
 
 def u64_key(object block_hash):
-    """A block hash as a U64Map key: an int by its two's complement's low 64 bits, bytes by their last 8
-    (big-endian), as vLLM's 64-bit hashes and the low half of its full ones."""
+    """A block hash as a U64Map key: an int by its two's complement's low 64 bits (vLLM's 64-bit hashes as
+    they are), bytes by their last 8, big-endian (the low 64 bits of vLLM's full hashes)."""
     return _hash_key(block_hash)
 
 
@@ -495,10 +500,11 @@ def u64_keys(object block_hashes):
 def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
     """An owner's store of blocks no one holds, under keys it does not use (router/index/holdings.py): in
     holders each of own (kvroute hashes) -> bit, in blocks each of keys -> its own hash << COUNT_BITS | 1 (a
-    reference count of 1), both the last block first. False, with nothing entered, when any of own is held or any of keys
-    used: those take the per-block path."""
+    reference count of 1), both the last block first. False, with nothing entered, when any of own is held
+    or any of keys used, or either names one twice: those take the per-block path."""
     cdef Py_ssize_t count = len(own), index
     cdef uint64_t own_hash
+    cdef uint16_t high
     if len(keys) != count:
         raise ValueError(f"{count} hashes for {len(keys)} keys")
     if not 0 <= bit:
@@ -509,6 +515,8 @@ def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
     for index in range(count):
         if blocks._find(keys[index]) >= 0:
             return False
+    if _repeats(own) or _repeats(keys):
+        return False
     cdef bint narrow = bit < _INLINE
     cdef uint64_t bit_low = <uint64_t>(bit & 0xFFFFFFFFFFFFFFFF) if narrow else 0
     cdef uint16_t bit_high = <uint16_t>(bit >> 64) if narrow else 0
@@ -519,5 +527,31 @@ def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
             holders._set(own[index], bit)
     for index in range(count - 1, -1, -1):
         own_hash = own[index]
-        blocks._set_inline(keys[index], (own_hash << 16) | 1, <uint16_t>(own_hash >> 48))
+        high = <uint16_t>(own_hash >> (64 - _COUNT_BITS))
+        blocks._set_inline(keys[index], (own_hash << _COUNT_BITS) | 1, high)
     return True
+
+
+cdef int _ascending(const void *first, const void *second) noexcept nogil:
+    cdef uint64_t a = (<const uint64_t *>first)[0], b = (<const uint64_t *>second)[0]
+    return (a > b) - (a < b)
+
+
+cdef bint _repeats(list values) except -1:
+    """Whether any of values (ints in [0, 2^64), checked by the caller) comes twice."""
+    cdef Py_ssize_t count = len(values), index
+    if count < 2:
+        return False
+    cdef uint64_t *sorted_values = <uint64_t *>PyMem_Malloc(count * sizeof(uint64_t))
+    if sorted_values == NULL:
+        raise MemoryError()
+    try:
+        for index in range(count):
+            sorted_values[index] = values[index]
+        qsort(sorted_values, count, sizeof(uint64_t), _ascending)
+        for index in range(1, count):
+            if sorted_values[index] == sorted_values[index - 1]:
+                return True
+        return False
+    finally:
+        PyMem_Free(sorted_values)

@@ -88,7 +88,7 @@ class Ingest:
 
         Run to its end, it has done what apply does (for a batch that names no block twice in one event). A
         lookup between two steps sees the batch up to some point and nothing after it: a store of more
-        blocks than a step is checked and hashed first, then entered from its end, so that none of it is
+        blocks than a step is hashed first, then entered from its end, so that none of it is
         reachable along a chain until all of it is; a removal of more may be seen in part, as if its blocks
         had come one an event, as vLLM sends them. The constraining groups' events come last, as in apply.
         """
@@ -282,8 +282,8 @@ class Ingest:
         step: int,
         counted: bool = True,
     ) -> Generator[None, None, list[int]]:
-        """_store in steps of step blocks: checked and hashed first (which changes nothing), then entered from
-        the end, as Holdings.store enters them, so that nothing of it is reachable before all of it is."""
+        """_store in steps of step blocks: hashed first (which changes nothing), then entered from the end, as
+        Holdings.store enters them, so that nothing of it is reachable before all of it is."""
         size, tokens, extra = self.block_size, event.token_ids, event.extra_keys
         if not self._shaped(event):
             return []

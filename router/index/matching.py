@@ -1,8 +1,8 @@
 """Matching a prompt's block chain against the block index: each instance's contiguous prefix, by best tier.
 
-All in C where it counts: one dict probe per block and tier gives each block's holders as an owner mask; the
-running AND of those masks (owners holding every block so far) never grows, so where an owner's bit leaves it
-is a bisection.
+All in C where it counts: one table probe per block and tier gives each block's holders as an owner mask; the
+running AND of those masks (owners holding every block so far) never grows, so it is runs of equal masks, and
+where each run ends is a bisection (match_lengths).
 """
 
 from __future__ import annotations

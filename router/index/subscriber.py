@@ -127,7 +127,8 @@ class KVEventSubscriber:
         self._started_over: set[int] = set()  # ranks seen restarting since the load scraper last said so
         self._events = {kind: metrics.kv_events(instance, kind.__name__) for kind in EVENT_TYPES}
         # Events applied and the newest batch's timestamp since the metrics were last told: an update of a
-        # metric costs more than a small batch's other bookkeeping, so they are told once a run of batches.
+        # metric costs more than a small batch's other bookkeeping, so they are told once a run of batches,
+        # and whenever the event loop is given up (a scrape then reads them told).
         self._counted = dict.fromkeys(EVENT_TYPES, 0)
         self._newest_ts: float | None = None
         self._malformed = metrics.kv_malformed(instance)
@@ -182,12 +183,12 @@ class KVEventSubscriber:
                     await asyncio.sleep(0)
                     unyielded = 0
         finally:
-            self._tell_metrics()
             try:
                 reconnecting.cancel()
                 await asyncio.gather(reconnecting, return_exceptions=True)
             finally:
                 sub.close(linger=0)
+                self._tell_metrics()
 
     async def _reconnect_when_dropped(self, sub: zmq.asyncio.Socket) -> None:
         """libzmq drops a connection that sends a message over MAXMSGSIZE and never reconnects it (a protocol
@@ -216,6 +217,7 @@ class KVEventSubscriber:
             async with contextlib.aclosing(self._replayer.batches(0)) as replayed:
                 async for seq, batch in replayed:
                     await self._accept(seq, batch, live=False)
+                    self._tell_metrics()  # the next batch is awaited
         except ReplayFailed:
             self._replays_failed.inc()  # what came is applied: its next batch replays the rest, as a gap
             return
@@ -274,7 +276,7 @@ class KVEventSubscriber:
         for number, seq in enumerate(range(first, end), start=1):
             position = await self._apply_encoded(rank, seq, mine[seq])
             if number % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)  # a gap of thousands of batches must not stall every other request
+                await self._pause()  # a gap of thousands of batches must not stall every other request
             if self._positions.get(rank) is not position:
                 return False
         return True
@@ -326,12 +328,12 @@ class KVEventSubscriber:
                 decoded, skipped = self._decoder.events(part)
                 self._observe(decoded, skipped)
                 events += decoded
-                await asyncio.sleep(0)
+                await self._pause()
                 if self._positions.get(rank) is not position:
                     return
             try:
                 for _ in self._steps((self.instance, rank), events, _STEP_BLOCKS):
-                    await asyncio.sleep(0)
+                    await self._pause()
                     if self._positions.get(rank) is not position:
                         return
             except Exception:
@@ -350,6 +352,11 @@ class KVEventSubscriber:
                 self._check_block_size(event)
         if skipped:
             self._skipped.inc(skipped)
+
+    async def _pause(self) -> None:
+        """A turn for the rest of the router, the metrics told first."""
+        self._tell_metrics()
+        await asyncio.sleep(0)
 
     def _tell_metrics(self) -> None:
         """The events counted and the newest timestamp seen since the metrics were last told."""
@@ -399,7 +406,10 @@ class KVEventSubscriber:
     async def _replay(self, start: int, rank: int, end: int) -> list[Replayed] | None:
         """rank's buffered batches numbered start to end - 1 (those still buffered); None when there is no
         replay endpoint or the replay fails."""
-        return None if self._replayer is None else await self._replayer.kept(start, rank, end)
+        if self._replayer is None:
+            return None
+        self._tell_metrics()
+        return await self._replayer.kept(start, rank, end)
 
     def _parse(self, frames: list[bytes]) -> _Numbered | None:
         """[topic, seq, payload] as (seq, batch); anything else is counted and yields None. A large payload's

@@ -117,11 +117,22 @@ def mutated(draw: st.DrawFn, wire: Any) -> Any:
 
 
 def check_decoded(payload: bytes, events_sent: int | None = None) -> EventBatch | None:
-    """decode gives a batch of well-typed events, every event sent either kept or counted, or MalformedBatch."""
+    """decode gives a batch of well-typed events, every event sent either kept or counted, or MalformedBatch;
+    the same as decoding it an event at a time."""
     try:
         batch = decoder.decode(payload)
     except MalformedBatch:
+        with pytest.raises(MalformedBatch):
+            decoder._decode_items(payload)
         return None
+    # The batch decoded in one call when it can be: as the per-event path would decode it
+    one_by_one = decoder._decode_items(payload)
+    assert (batch.ts, batch.data_parallel_rank, batch.skipped_events) == (
+        one_by_one.ts,
+        one_by_one.data_parallel_rank,
+        one_by_one.skipped_events,
+    )
+    assert list(map(encode, batch.events)) == list(map(encode, one_by_one.events))
     assert isinstance(batch.ts, float)
     assert batch.data_parallel_rank is None or isinstance(batch.data_parallel_rank, int)
     for event in batch.events:

@@ -30,7 +30,7 @@ def test_each_owner_matches_up_to_the_first_block_it_lacks(held: list[int]) -> N
     assert list(found) == sorted(found)  # owners credited in the order of their bits
 
 
-def test_owners_leaving_together_take_one_run() -> None:
+def test_owners_leaving_together_end_together() -> None:
     fleet = (1 << 1000) - 1
     alive = [fleet] * 128 + [0b1010] * 300 + [0b10] * 100
     assert match_lengths(alive) == {1 << b: 128 for b in range(1000) if b not in (1, 3)} | {

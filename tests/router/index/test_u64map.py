@@ -170,9 +170,10 @@ def test_new_blocks_enter_both_tables_tail_first_or_none_of_them_do(
     holders.update((key, 1) for key in held)
     blocks.update((key, 1) for key in used)
     before = (list(holders.items()), list(blocks.items()))
-    own, keys = [h * 2**40 for h, _ in store], [k for _, k in store]
+    own, keys = [h * 2**59 + h for h, _ in store], [k for _, k in store]  # own's top 16 bits too
     entered = enter_new(holders, blocks, own, keys, bit)
-    assert entered == (not set(own) & set(held) and not set(keys) & set(used))
+    repeated = len(set(own)) < len(own) or len(set(keys)) < len(keys)
+    assert entered == (not set(own) & set(held) and not set(keys) & set(used) and not repeated)
     if not entered:
         assert (list(holders.items()), list(blocks.items())) == before
         return
