@@ -301,20 +301,16 @@ cdef class U64Map:
         self._used += 1
         self._live += 1
 
-    cdef int _set_inline(self, uint64_t key, uint64_t low, uint16_t high) except -1:
-        """_set of the value high * 2^64 + low, made of its parts: no int object is made for it."""
-        cdef Py_ssize_t position = self._find(key)
-        if position >= 0:
-            if self._state[position] == _WIDE:
-                Py_XDECREF(self._objects[position])
-        else:
-            self._make_room()
-            position = self._used
-            self._keys[position] = key
-            self._link(position)
+    cdef int _insert_inline(self, uint64_t key, uint64_t low, uint16_t high) except -1:
+        """_insert of the value high * 2^64 + low, made of its parts: no int object is made for it."""
+        cdef Py_ssize_t position
+        self._make_room()
+        position = self._used
+        self._keys[position] = key
         self._low[position] = low
         self._high[position] = high
         self._state[position] = _LIVE
+        self._link(position)
         return 0
 
     cdef object _remove(self, Py_ssize_t slot):
@@ -520,15 +516,16 @@ def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
     cdef bint narrow = bit < _INLINE
     cdef uint64_t bit_low = <uint64_t>(bit & 0xFFFFFFFFFFFFFFFF) if narrow else 0
     cdef uint16_t bit_high = <uint16_t>(bit >> 64) if narrow else 0
+    # Each is known absent now: entered without a second probe for it.
     for index in range(count - 1, -1, -1):
         if narrow:
-            holders._set_inline(own[index], bit_low, bit_high)
+            holders._insert_inline(own[index], bit_low, bit_high)
         else:
-            holders._set(own[index], bit)
+            holders._insert(own[index], bit)
     for index in range(count - 1, -1, -1):
         own_hash = own[index]
         high = <uint16_t>(own_hash >> (64 - _COUNT_BITS))
-        blocks._set_inline(keys[index], (own_hash << _COUNT_BITS) | 1, high)
+        blocks._insert_inline(keys[index], (own_hash << _COUNT_BITS) | 1, high)
     return True
 
 
