@@ -59,11 +59,11 @@ class SpreadScorer:
 
 def _memory_used(candidate: Candidate) -> float | None:
     """The share of its KV memory in use; None while its capacity and usage are unknown."""
-    capacity = candidate.kv_capacity_tokens
-    reported = candidate.load.kv_usage if candidate.load is not None else None
+    capacity, load = candidate.kv_capacity_tokens, candidate.load
     held = candidate.active_tokens / capacity if capacity else None
-    known = [share for share in (held, reported) if share is not None]
-    return max(known) if known else None
+    if load is None:
+        return held
+    return load.kv_usage if held is None else max(held, load.kv_usage)
 
 
 REGISTRATION: Registration[Scorer] = Registration(SpreadParams, SpreadScorer, clocked=True)

@@ -16,6 +16,8 @@ def reused_blocks(request: RoutingRequest, name: str) -> TierMatch:
     if match is NO_MATCH:  # most of a large fleet's instances: nothing to cap
         return NO_MATCH
     reusable = max(request.prompt_tokens - 1, 0) // request.block_size
+    if match.gpu + match.cpu + match.pool <= reusable:  # within the cap: the match itself, no new one
+        return match
     gpu = min(match.gpu, reusable)
     cpu = min(match.cpu, reusable - gpu)
     return TierMatch(gpu, cpu, min(match.pool, reusable - gpu - cpu))

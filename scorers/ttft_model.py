@@ -34,7 +34,7 @@ absorbs while calibrating; predictions leave it out.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import Field
@@ -106,8 +106,10 @@ class TTFTPriors(Params):
         )
 
 
-@dataclass(frozen=True, slots=True)
-class TTFTFeatures:
+class TTFTFeatures(NamedTuple):
+    """What a request costs on an instance. A named tuple: a decision over 1,000 instances makes 1,000 of
+    them, and a frozen dataclass took 1.7 µs to make each, a third of a candidate's scoring."""
+
     queued_tokens: int
     uncached_tokens: int
     loaded_tokens: int

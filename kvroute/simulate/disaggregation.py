@@ -125,7 +125,7 @@ class KvroutePD(ConfiguredPolicy, PDPolicy):
         tried.add(decision.instance.name)
         leg = request.prefill = prefill_leg(request, view.by_name[decision.instance.name])
         leg.uncached_estimate = decision.uncached_tokens
-        leg.policy_state = replace(decision.features, decoded_tokens=1)  # a whole answer of one token
+        leg.policy_state = decision.features._replace(decoded_tokens=1)  # a whole answer of one token
         if decision.uncached_tokens:  # Outcome.start: a whole answer's prefill retires when predicted
             leg.retire_after_s = decision.predicted_ttft_s
         fetched = self._router.decode_leg(plan.whole)

@@ -228,8 +228,7 @@ class Decider:
         instance fetches what it does not hold from the prefill instance instead of computing it (vLLM's
         MultiConnector loads from its first connector that has the blocks: the transfer, before the pool)."""
         features = decision.features
-        fetched = replace(
-            features,
+        fetched = features._replace(
             uncached_tokens=0,
             loaded_tokens=0,
             attention_pairs=0.0,

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from router.dispatch.ab import ABStats
@@ -264,7 +264,7 @@ class Outcome:
             metrics.ttft_observed(name).observe(elapsed)
             metrics.ttft_error(name).observe(elapsed - decision.predicted_ttft_s)
         elif decoded_tokens is not None:
-            model.observe(replace(decision.features, decoded_tokens=decoded_tokens), elapsed)
+            model.observe(decision.features._replace(decoded_tokens=decoded_tokens), elapsed)
         else:
             return
         if model.solved == model.observations:  # the rates just changed

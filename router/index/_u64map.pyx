@@ -552,3 +552,29 @@ cdef bint _repeats(list values) except -1:
         return False
     finally:
         PyMem_Free(sorted_values)
+
+
+def and_runs(list masks):
+    """The running AND of masks (each block's holders: the owners holding every block so far) as its runs of
+    one value: [(end, value)], where the AND is value from the previous run's end to end, nonzero, ends
+    increasing. It only loses bits, so a run ends where it changes. A mask that is the same object as the
+    one before (the tables intern wide masks: a large fleet's recur block after block) cannot change it."""
+    cdef list runs = []
+    cdef Py_ssize_t index, count = len(masks)
+    cdef object alive, mask, anded, previous
+    if count == 0 or not masks[0]:
+        return runs
+    alive = previous = masks[0]
+    for index in range(1, count):
+        mask = masks[index]
+        if mask is previous:  # alive is within it already
+            continue
+        previous = mask
+        anded = alive & mask
+        if anded != alive:
+            runs.append((index, alive))
+            if not anded:
+                return runs
+            alive = anded
+    runs.append((count, alive))
+    return runs

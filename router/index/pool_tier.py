@@ -123,7 +123,7 @@ class PoolTier:
         members = 0
         for pool in self._pools.values():
             members |= pool.bit
-        return sorted({name for bit, (name, _) in self._holdings.owner_by_bit.items() if bit & members})
+        return sorted({name for at, (name, _) in self._holdings.owner_at.items() if members >> at & 1})
 
     def name_of(self, instance: str) -> str:
         """The pool name whose pool entries count for instance ("" when it was never given one)."""

@@ -670,7 +670,7 @@ def test_an_instance_that_left_gives_its_bit_to_the_next_and_leaves_it_nothing()
         index.forget_instance(name)
         assert name not in index.match(prompt())
     holdings = index._holdings
-    assert (holdings.owner_by_bit.keys(), holdings.free_bits) == ({1}, [2])  # every pod had bit 2 in turn
+    assert (holdings.owner_at.keys(), holdings.free_bits) == ({0}, [2])  # every pod had bit 2 in turn
     # The next one takes that bit, and none of what its last holder had: entries, pool credit, speculation.
     index.apply(("new", 0), [stored(0, 1)])
     assert index.match(prompt()) == {"keep": TierMatch(gpu=2), "new": TierMatch(gpu=1)}
