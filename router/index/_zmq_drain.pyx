@@ -4,14 +4,16 @@
 pyzmq's recv_multipart costs about 4 µs a message of three frames (a Python call and an option read per
 frame); following a fleet's events one block a message, that was a third of the subscriber's time. This calls
 libzmq's zmq_msg_recv directly, 0.3 µs a message, on the socket pyzmq made: the libzmq pyzmq loaded, found in
-the process (a second copy of libzmq could not use its sockets), its functions looked up by name. pyzmq links
-libzmq as a shared library, its own or the system's: either is found.
+the process (a second copy of libzmq could not use its sockets), its functions looked up by name: in the
+shared libzmq pyzmq links (its wheels' own, or the system's), else in pyzmq's extension itself (a build that
+links libzmq statically).
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport uintptr_t
 
 import zmq  # loads libzmq, which this module uses
+from zmq.backend.cython import _zmq as _pyzmq_extension
 
 cdef extern from *:
     """
@@ -39,11 +41,17 @@ cdef extern from *:
         return 0;
     }
 
-    /* Binds the functions above to the libzmq loaded in this process: 0, or -1 when there is none. */
-    static int zmq_drain_bind(void) {
-        const char *name = NULL;
-        dl_iterate_phdr(zmq_drain_named, &name);
-        void *library = name != NULL ? dlopen(name, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    /* Binds the functions above to the libzmq loaded in this process, a shared library of its own or else
+       within the already loaded `fallback`: 0, or -1 when neither has them. */
+    static int zmq_drain_bind(const char *fallback) {
+        const char *candidates[2] = {NULL, fallback};
+        void *library = NULL;
+        dl_iterate_phdr(zmq_drain_named, &candidates[0]);
+        for (int i = 0; i < 2 && library == NULL; i++) {
+            library = candidates[i] != NULL ? dlopen(candidates[i], RTLD_NOW | RTLD_NOLOAD) : NULL;
+            if (library != NULL && dlsym(library, "zmq_msg_recv") == NULL)
+                library = NULL;
+        }
         if (library == NULL)
             return -1;
         *(void **)&zmq_drain_msg_init = dlsym(library, "zmq_msg_init");
@@ -59,7 +67,7 @@ cdef extern from *:
     """
     ctypedef struct zmq_drain_msg:
         pass
-    int zmq_drain_bind()
+    int zmq_drain_bind(const char *fallback)
     int zmq_drain_msg_init(zmq_drain_msg *)
     int zmq_drain_msg_recv(zmq_drain_msg *, void *, int) nogil
     void *zmq_drain_msg_data(zmq_drain_msg *)
@@ -72,8 +80,8 @@ cdef extern from *:
 cdef enum:
     _DONTWAIT = 1  # ZMQ_DONTWAIT
 
-if zmq_drain_bind() != 0:
-    raise ImportError(f"the libzmq of pyzmq {zmq.__version__} is not a shared library in this process")
+if zmq_drain_bind(_pyzmq_extension.__file__.encode()) != 0:
+    raise ImportError(f"libzmq's functions are not found in this process (pyzmq {zmq.__version__})")
 
 
 cdef int _receive(void *socket, zmq_drain_msg *message, bint first) except -1:
