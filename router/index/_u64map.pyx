@@ -437,15 +437,21 @@ cdef class U64Map:
             position += 1
         return found
 
-    def masks_of(self, chain):
-        """Each key's value, 0 when absent: matching's probe of a prompt's blocks."""
+    def masks_of(self, chain, dict pending=None):
+        """Each key's value, 0 when absent, or'ed with its value in pending when there is one: matching's probe
+        of a prompt's blocks, the speculative entries' included (a second pass over an 80K-token prompt's 5,000
+        blocks in Python cost about as much as the probe)."""
         cdef Py_ssize_t index = 0, position
-        cdef uint64_t key
         cdef list out = [0] * len(chain)
+        cdef bint speculated = bool(pending)
         for key in chain:
-            position = self._find(key)
-            if position >= 0:
-                out[index] = self._value(position)
+            position = self._find(_key(key))
+            value = self._value(position) if position >= 0 else 0
+            if speculated:
+                extra = pending.get(key)
+                if extra is not None:
+                    value = value | extra
+            out[index] = value
             index += 1
         return out
 

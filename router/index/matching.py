@@ -114,10 +114,7 @@ def holder_masks(
     are empty."""
     if not table:
         return list(map(pending.get, chain, itertools.repeat(0))) if pending else None
-    masks = table.masks_of(chain)
-    if pending:
-        masks = list(map(operator.or_, masks, map(pending.get, chain, itertools.repeat(0))))
-    return masks
+    return table.masks_of(chain, pending)
 
 
 def either(first: list[int] | None, second: list[int] | None) -> list[int] | None:

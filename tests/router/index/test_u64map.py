@@ -103,6 +103,16 @@ def test_the_holder_probe_gives_each_keys_value_or_zero() -> None:
     assert table.masks_of([1, 2, 3]) == [0b01, 0, 2**100]
 
 
+def test_the_probe_ors_in_the_speculative_entries() -> None:
+    table = U64Map()
+    table.update([(1, 0b01), (3, 2**100)])
+    pending = {1: 0b10, 2: 0b100, 4: 2**90}  # speculated where held, where not, and not asked for
+    assert table.masks_of([1, 2, 3, 5], pending) == [0b11, 0b100, 2**100, 0]
+    assert table.masks_of([1, 2, 3], {}) == table.masks_of([1, 2, 3], None) == [0b01, 0, 2**100]
+    with pytest.raises(OverflowError):
+        table.masks_of([1, -1], pending)
+
+
 def test_a_table_that_peaked_shrinks_as_its_entries_churn() -> None:
     """Removing the oldest and adding new ones (the bound's eviction): the arrays compact to what is live."""
     table = U64Map()
