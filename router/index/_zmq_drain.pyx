@@ -3,10 +3,10 @@
 
 pyzmq's recv_multipart costs about 4 µs a message of three frames (a Python call and an option read per
 frame); following a fleet's events one block a message, that was a third of the subscriber's time. This calls
-libzmq's zmq_msg_recv directly, 0.3 µs a message, on the socket pyzmq made: the libzmq pyzmq loaded, found in
-the process (a second copy of libzmq could not use its sockets), its functions looked up by name: in the
-shared libzmq pyzmq links (its wheels' own, or the system's), else in pyzmq's extension itself (a build that
-links libzmq statically).
+libzmq's zmq_msg_recv directly, 0.3 µs a message, on the socket pyzmq made. The functions must be those of
+the libzmq pyzmq uses (another copy in the process could not use its sockets): they are looked up by name
+from pyzmq's extension, which finds them in the libzmq it links, shared (its wheels' own, or the system's) or
+static.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
@@ -19,10 +19,8 @@ cdef extern from *:
     """
     #include <dlfcn.h>
     #include <errno.h>
-    #include <link.h>
-    #include <string.h>
 
-    /* libzmq's zmq_msg_t: 64 opaque bytes, aligned as a pointer, in every libzmq 4 (its ABI). */
+    /* Room for libzmq's zmq_msg_t: opaque, 64 bytes aligned as a pointer since libzmq 4.1, less before. */
     typedef struct { void *aligned[8]; } zmq_drain_msg;
 
     static int (*zmq_drain_msg_init)(zmq_drain_msg *);
@@ -33,25 +31,10 @@ cdef extern from *:
     static int (*zmq_drain_msg_close)(zmq_drain_msg *);
     static int (*zmq_drain_errno)(void);
 
-    static int zmq_drain_named(struct dl_phdr_info *info, size_t size, void *found) {
-        if (info->dlpi_name != NULL && strstr(info->dlpi_name, "libzmq") != NULL) {
-            *(const char **)found = info->dlpi_name;
-            return 1;
-        }
-        return 0;
-    }
-
-    /* Binds the functions above to the libzmq loaded in this process, a shared library of its own or else
-       within the already loaded `fallback`: 0, or -1 when neither has them. */
-    static int zmq_drain_bind(const char *fallback) {
-        const char *candidates[2] = {NULL, fallback};
-        void *library = NULL;
-        dl_iterate_phdr(zmq_drain_named, &candidates[0]);
-        for (int i = 0; i < 2 && library == NULL; i++) {
-            library = candidates[i] != NULL ? dlopen(candidates[i], RTLD_NOW | RTLD_NOLOAD) : NULL;
-            if (library != NULL && dlsym(library, "zmq_msg_recv") == NULL)
-                library = NULL;
-        }
+    /* Binds the functions above to those `extension` (pyzmq's, loaded already) resolves: its own symbols,
+       then its dependencies', the libzmq it links among them. 0, or -1 when they are not found. */
+    static int zmq_drain_bind(const char *extension) {
+        void *library = dlopen(extension, RTLD_NOW | RTLD_NOLOAD);
         if (library == NULL)
             return -1;
         *(void **)&zmq_drain_msg_init = dlsym(library, "zmq_msg_init");
@@ -67,7 +50,7 @@ cdef extern from *:
     """
     ctypedef struct zmq_drain_msg:
         pass
-    int zmq_drain_bind(const char *fallback)
+    int zmq_drain_bind(const char *extension)
     int zmq_drain_msg_init(zmq_drain_msg *)
     int zmq_drain_msg_recv(zmq_drain_msg *, void *, int) nogil
     void *zmq_drain_msg_data(zmq_drain_msg *)
@@ -98,7 +81,16 @@ cdef int _receive(void *socket, zmq_drain_msg *message, bint first) except -1:
             continue
         if error == EAGAIN and first:
             return 1
-        raise zmq.ZMQError(error)
+        raise _error(error)
+
+
+cdef object _error(int error):
+    """The exception pyzmq raises for error."""
+    if error == EAGAIN:
+        return zmq.Again(error)
+    if error == zmq.ETERM:
+        return zmq.ContextTerminated(error)
+    return zmq.ZMQError(error)
 
 
 def drain(uintptr_t socket, Py_ssize_t most, Py_ssize_t most_bytes):

@@ -97,8 +97,9 @@ class Matcher:
             if only_gpu:
                 found = on_gpu_alone.get(end) or on_gpu_alone.setdefault(end, TierMatch(gpu=end))
             else:
-                on_gpu = _count_with(gpu, 1 << at, end)
-                on_cpu = _count_with(cpu, 1 << at, end)
+                bit = 1 << at
+                on_gpu = _count_with(gpu, bit, end)
+                on_cpu = _count_with(cpu, bit, end)
                 found = TierMatch(on_gpu, on_cpu, end - on_gpu - on_cpu)
             name = owner_at[at][0]
             known = matches.get(name)
