@@ -113,8 +113,8 @@ def holder_masks(
 ) -> list[int] | None:
     """Each block's holder mask in a tier's table, or'ed with pending's (speculative entries); None when both
     are empty."""
-    if not table:
-        return list(map(pending.get, chain, itertools.repeat(0))) if pending else None
+    if not table and not pending:
+        return None
     return table.masks_of(chain, pending)
 
 
