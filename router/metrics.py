@@ -353,6 +353,13 @@ class _RoutingFamilies:
         self.untokenized = _counter(
             r, "kvroute_untokenized_prompts", "Prompts routed without prefix knowledge, by reason", ["reason"]
         )
+        self.index_host_lookups = _counter(
+            r,
+            "kvroute_index_host_lookups",
+            "Under serve --workers: a worker's lookups in the index host's index, by outcome (answered; "
+            "late, unreachable: routed without prefix knowledge)",
+            ["outcome"],
+        )
         self.tokenization_audits = _counter(
             r,
             "kvroute_tokenization_audits",
@@ -556,6 +563,11 @@ class _ControlFamilies:
         """The router's own running: background tasks, reloads, peer routers, discovery, the pool's master."""
         self.task_failures = _counter(
             r, "kvroute_background_task_failures", "Failed iterations of background tasks", ["task"]
+        )
+        self.index_host_malformed = Counter(
+            "kvroute_index_host_malformed_messages",
+            "Under serve --workers: messages to the index host that it could not read, passed over",
+            registry=r,
         )
         self.config_reloads = _counter(
             r, "kvroute_config_reloads", "Configuration reloads by result (ok, invalid)", ["result"]

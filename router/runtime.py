@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +39,19 @@ from router.dispatch.routing import RoutingService
 from router.dispatch.routing_table import RoutingTable
 from router.dispatch.sending import RetryPolicy, SendContext, Sender
 from router.index.block_index import BlockIndex, Tier
+from router.index.figures import IndexFigures, figures_of
+from router.index.index_host import IndexHost
 from router.index.index_metrics import IndexCollector
-from router.index.pool import MasterLookup, PoolConfirmer, place_instances, pool_names
+from router.index.pool import (
+    IndexOnlyMatches,
+    MasterLookup,
+    PoolConfirmer,
+    PrefixMatches,
+    place_instances,
+    pool_names,
+)
+from router.index.remote_index import RemoteIndex, RemoteMatches
+from router.index.routing_index import RoutingIndex
 from router.index.subscriptions import Subscriptions
 from router.metrics import RouterMetrics
 from router.prompt.remote_tokenizer import RemoteTokenizer
@@ -72,27 +85,51 @@ TOKENIZER_SEARCH_S = 2.0  # how often a model left to its instances' /tokenize l
 _NOT_LOADED = "remote: the instances' /tokenize (the tokenizer found here did not load)"
 
 
+@dataclass(frozen=True)
+class SharedIndex:
+    """The one block index of `kvroute serve --workers N` (router/index/index_host.py): hosts, the process
+    that holds it and answers on endpoint; otherwise a worker that asks it there."""
+
+    endpoint: str
+    hosts: bool
+
+
 class Runtime:
-    def __init__(self, config: RouterConfig, peers: PeersConfig | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, peers: PeersConfig | None = None, shared_index: SharedIndex | None = None
+    ) -> None:
         """peers: the peers this router takes part with, instead of config's (a worker of several,
-        router/http/workers.py); a reload does not change them."""
+        router/http/workers.py); a reload does not change them. shared_index: where the index is when several
+        processes share it (None: this router's own)."""
         self._peer_config = config.peers if peers is None else peers
+        self._shared_index = shared_index
         self.config = config  # what runs: file_config's, with the discovered instances
         self.file_config = config
         self._discovered = Discovered()
         self.upstreams = Upstreams(config)
         self.metrics = RouterMetrics()
-        media = config.index.medium_tiers
-        tiers: dict[str | None, Tier] = {medium: Tier[tier.upper()] for medium, tier in media.items()}
-        self.index = BlockIndex(
-            config.block_size,
-            config.index.max_entries,
-            config.index.speculative_ttl_s,
-            medium_tiers={None: Tier.GPU, **tiers},  # events without a medium are vLLM's own GPU cache
-        )
-        place_in_pool(self.index, config)
+        self._context = zmq.asyncio.Context()  # its I/O threads start with its first socket
+        # The index held here (None in a worker that asks its host's), its subscriptions to the engines'
+        # KV events, and what the request path tells it.
+        self.index: BlockIndex | None = None
+        self.subscriptions: Subscriptions | None = None
+        self._remote_index: RemoteIndex | None = None
+        self.routing_index: RoutingIndex
+        if shared_index is None or shared_index.hosts:
+            media = config.index.medium_tiers
+            tiers: dict[str | None, Tier] = {medium: Tier[tier.upper()] for medium, tier in media.items()}
+            self.index = self.routing_index = BlockIndex(
+                config.block_size,
+                config.index.max_entries,
+                config.index.speculative_ttl_s,
+                medium_tiers={None: Tier.GPU, **tiers},  # events without a medium are vLLM's own GPU cache
+            )
+            place_in_pool(self.index, config)
+            self.subscriptions = Subscriptions(self.index, self.metrics, self._context)
+        else:
+            self._remote_index = self.routing_index = RemoteIndex(shared_index.endpoint, self.metrics)
         self.metrics.registry.register(
-            IndexCollector(self.index, lambda: {i.name for i in self.upstreams.instances})
+            IndexCollector(self.index_figures, lambda: {i.name for i in self.upstreams.instances})
         )
         self.tokenizers: dict[str, LocalTokenizer] = {}  # loaded at start, once the instances have answered
         self.tokenizer_watch = TokenizerWatch(self.metrics)
@@ -102,8 +139,6 @@ class Runtime:
         # Its queues outlive reloads, which change its settings.
         self.flow_gate = FlowGate(config.flow_control, self.upstreams, self.metrics)
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
-        self._context = zmq.asyncio.Context()  # its I/O threads start with its first socket
-        self.subscriptions = Subscriptions(self.index, self.metrics, self._context)
 
     async def __aenter__(self) -> Runtime:
         async with contextlib.AsyncExitStack() as stack:  # what started is stopped if the rest cannot start
@@ -145,8 +180,9 @@ class Runtime:
         stack.push_async_callback(asyncio.to_thread, tracing.close)
         self.routing = self._routing(session, tracing)
         self.relay = Relay(metrics, config.upstream.stream_idle_timeout_s, config.upstream.response_timeout_s)
-        stack.push_async_callback(self.subscriptions.stop)
-        self.subscriptions.subscribe(config.instances)
+        if self.subscriptions is not None:
+            stack.push_async_callback(self.subscriptions.stop)
+            self.subscriptions.subscribe(config.instances)
         load = config.load
         scraper = LoadScraper(
             self.upstreams,
@@ -154,7 +190,7 @@ class Runtime:
             load.scrape_interval_s,
             load.timeout_s,
             load.stale_after_s,
-            restarted=self.subscriptions.engine_restarted,
+            restarted=self._engine_restarted,
         )
         # Memory a peer's request freed may let requests held here go (admission.memory_hold_s). With no
         # peers configured it binds nothing and runs no loop.
@@ -181,6 +217,7 @@ class Runtime:
             asyncio.create_task(supervise(name, loop, every, failures, first_delay=delayed))
             for name, (loop, every, delayed) in loops.items()
         ]
+        tasks += self._index_tasks(context)
         tasks.append(
             asyncio.create_task(check_at_start(self.tokenizer_watch, self.tokenizers, self._remotes(control)))
         )
@@ -192,6 +229,34 @@ class Runtime:
                 )
             )
         stack.push_async_callback(_cancelled, tasks)
+
+    def _index_tasks(self, context: zmq.asyncio.Context) -> list[asyncio.Task[None]]:
+        """A shared index's side here: the host's answering, or a worker's asking."""
+        shared, failures = self._shared_index, self.metrics.task_failures
+        if shared is None:
+            return []
+        if self._remote_index is not None:
+            asking = self._remote_index.run
+            return [asyncio.create_task(supervise("index-remote", lambda: asking(context), 1.0, failures))]
+        assert self.index is not None
+        host = IndexHost(
+            self.index, self._confirmed, self._as_indexed, self.index_figures, self.metrics, time.monotonic
+        )
+        answering = lambda: host.serve(context, shared.endpoint)  # noqa: E731
+        return [asyncio.create_task(supervise("index-host", answering, 1.0, failures))]
+
+    def index_figures(self) -> IndexFigures:
+        """The index's figures: its own, or its host's as last fetched."""
+        if self._remote_index is not None:
+            return self._remote_index.figures
+        assert self.index is not None and self.subscriptions is not None
+        return figures_of(self.index, self.subscriptions.warnings())
+
+    def _engine_restarted(self, name: str) -> None:
+        """The load scraper saw a new engine process serve name: the index's subscriptions are told (a worker
+        asking a host has none; the host's own scraper tells its)."""
+        if self.subscriptions is not None:
+            self.subscriptions.engine_restarted(name)
 
     def _routing(self, session: aiohttp.ClientSession, tracing: Tracing) -> RoutingService:
         """The routing service both front doors call, over admission, the send loop and the decider."""
@@ -232,7 +297,9 @@ class Runtime:
         self.flow_gate.pump()
 
     def warnings(self) -> list[str]:
-        return self.subscriptions.warnings() + self.tokenizer_watch.alarms()
+        subscriptions = self.subscriptions
+        ingest = self.index_figures().warnings if subscriptions is None else subscriptions.warnings()
+        return ingest + self.tokenizer_watch.alarms()
 
     async def _adopt_found_tokenizers(self) -> None:
         """A model that names no tokenizer and had none found at start (its engines not up yet, or found
@@ -314,24 +381,29 @@ class Runtime:
             if spec.name in in_place and before[spec.name] == (spec.events, spec.replay)
         }
         left_pool = set(old.pool_members()) - set(new.pool_members())
+        index, subscriptions = self.index, self.subscriptions  # None in a worker asking a host, which reloads
         for name in removed:
-            if name not in same_events:
-                self.subscriptions.unsubscribe(name)
             if name not in in_place:  # gone: its entries, pool membership, owner bits and series go
-                self.index.forget_instance(name)
                 self.metrics.forget_instance(name)
                 self.tokenizer_watch.forget(name)
+            if index is None or subscriptions is None:
                 continue
             if name not in same_events:
-                self.index.drop_instance(name)
+                subscriptions.unsubscribe(name)
+            if name not in in_place:
+                index.forget_instance(name)
+                continue
+            if name not in same_events:
+                index.drop_instance(name)
             if name in left_pool:
-                self.index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool
+                index.leave_pool(name)  # as on a fresh start: back in when it writes to the pool
         # A name back in the file is exported again; moved to another URL in this same reload, the requests
         # the old engine is still serving count in its series too, as labels cannot tell the two apart.
         for instance in added:
             self.metrics.restore_instance(instance.name)
-        self.subscriptions.subscribe([spec for spec in added if spec.name not in same_events])
-        place_in_pool(self.index, new)
+        if index is not None and subscriptions is not None:
+            subscriptions.subscribe([spec for spec in added if spec.name not in same_events])
+            place_in_pool(index, new)
         self.table, started_afresh = self.table.reloaded(old, new)
         self.flow_gate.control.configure(new.flow_control)
         self.config = new
@@ -352,26 +424,33 @@ class Runtime:
                 return None
             return RemoteTokenizer(control, candidates[0].url, model, instance=candidates[0].name)
 
-        pool = None
-        if config.pool.master_url is not None:
-            lookup = MasterLookup(config.pool.master_url, control, config.pool.timeout_s)
-            names, ttl_s = pool_names(config.models), config.pool.confirm_ttl_s
-            pool = PoolConfirmer(self.index, lookup, names, self.metrics, ttl_s)
+        confirming = config.pool.master_url is not None
+        if self._remote_index is not None:
+            self._as_indexed: PrefixMatches = RemoteMatches(self._remote_index, confirm=False)
+            self._confirmed: PrefixMatches = RemoteMatches(self._remote_index, confirm=confirming)
+        else:
+            assert self.index is not None
+            self._as_indexed = self._confirmed = IndexOnlyMatches(self.index)
+            if config.pool.master_url is not None:
+                lookup = MasterLookup(config.pool.master_url, control, config.pool.timeout_s)
+                names, ttl_s = pool_names(config.models), config.pool.confirm_ttl_s
+                self._confirmed = PoolConfirmer(self.index, lookup, names, self.metrics, ttl_s)
         adapters = frozenset(name for name, base in self.bases.items() if base is not None)
         tools_out_when_none = frozenset(
             m.name for m in config.models if m.exclude_tools_when_tool_choice_none
         )
         return Decider(
-            self.index,
+            self.routing_index,
             self.tokenizers,
             config.block_size,
             self.metrics,
             remote_tokenizer,
-            pool,
+            self._confirmed,
             adapters,
             config.tokenization.audit_every,
             tools_out_when_none,
             self.tokenizer_watch,
+            self._as_indexed,
         )
 
 

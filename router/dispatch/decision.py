@@ -18,8 +18,9 @@ import msgspec
 import xxhash
 
 from router.dispatch.session_placements import SessionPlacements
-from router.index.block_index import BlockIndex, Speculation
+from router.index.block_index import BlockIndex
 from router.index.pool import IndexOnlyMatches, PrefixMatches
+from router.index.routing_index import RoutingIndex
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
 from router.prompt.anthropic_chat import TemplateProbes, template_probes
@@ -72,7 +73,7 @@ class Decision:
     features: TTFTFeatures
     predicted_ttft_s: float
     explained: Mapping[str, float] = field(default_factory=dict)  # the policy's figures (scorers/plugins.py)
-    speculated: Speculation | None = None  # blocks entered as pending at the instance
+    speculated: Any = None  # what RoutingIndex.routed entered as pending at the instance, for withdraw
     reused: TierMatch = NO_MATCH  # the blocks the instance would reuse, by tier
     chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
     session_key: str | None = None  # the router's digest of the client's session key
@@ -89,7 +90,7 @@ def uncached_at_best(request: RoutingRequest) -> int:
 class Decider:
     def __init__(
         self,
-        index: BlockIndex,
+        index: RoutingIndex,
         tokenizers: dict[str, LocalTokenizer],
         block_size: int,
         metrics: RouterMetrics,
@@ -99,6 +100,7 @@ class Decider:
         audit_every: int = 0,
         tools_out_when_none: frozenset[str] = frozenset(),
         watch: TokenizerWatch | None = None,
+        index_matches: PrefixMatches | None = None,
     ) -> None:
         """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
         pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
@@ -106,9 +108,14 @@ class Decider:
         audit_every: one chat in this many is checked (router/prompt/tokenization_audit.py);
         tools_out_when_none: the models whose engines leave a chat's tools out when its tool_choice is "none"
         (vLLM's --exclude-tools-when-tool-choice-none); watch: where the audit's mismatches are raised (by
-        default, one of its own)."""
+        default, one of its own); index_matches: the index's matches as they stand (by default, index's
+        own: it is a BlockIndex)."""
+        if index_matches is None:
+            if not isinstance(index, BlockIndex):
+                raise TypeError("a remote index's matches must be given")
+            index_matches = IndexOnlyMatches(index)
         self._audit = TokenizationAudit(audit_every, watch or TokenizerWatch(metrics), remote)
-        self._index_matches = IndexOnlyMatches(index)
+        self._index_matches = index_matches
         self._pool = self._index_matches if pool is None else pool
         self._adapters = adapters
         self._tools_out_when_none = tools_out_when_none
@@ -199,10 +206,7 @@ class Decider:
         self._metrics.wait_caused_weight(policy.name).set(pick.explained.get(WAIT_CAUSED_WEIGHT, 0.0))
         match = prepared.request.matches.get(instance.name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
-        self._index.reused(instance.name, prepared.chain, held)
-        speculated = None
-        if len(prepared.chain) > held:  # what the instance holds already needs no speculative entry
-            speculated = self._index.speculate(instance.name, prepared.chain, start=held)
+        speculated = self._index.routed(instance.name, prepared.chain, held)
         features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens

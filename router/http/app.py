@@ -40,7 +40,7 @@ from router.http.fast_path import OpenAIFastPath
 from router.http.proxy import BodyLimits, Proxy
 from router.http.request_limits import RequestLimits
 from router.reload import Reloader
-from router.runtime import Runtime
+from router.runtime import Runtime, SharedIndex
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,10 +65,15 @@ class RouterApp(NamedTuple):
     refused_http: Callable[[str], None]  # counts, by its code, what the server refused before the app saw it
 
 
-def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfig | None = None) -> RouterApp:
+def create_app(
+    config: RouterConfig,
+    path: Path | None = None,
+    peers: PeersConfig | None = None,
+    shared_index: SharedIndex | None = None,
+) -> RouterApp:
     """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload; peers: instead
-    of config's (router/runtime.py)."""
-    runtime = Runtime(config, peers)
+    of config's; shared_index: the index this router asks, when it holds none (router/runtime.py)."""
+    runtime = Runtime(config, peers, shared_index)
     metrics = runtime.metrics
     # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
     app = FastAPI(
@@ -95,8 +100,8 @@ def create_app(config: RouterConfig, path: Path | None = None, peers: PeersConfi
         return await reloader.reload()
 
     app.include_router(admin_routes(current_admin_token, runtime, reload))
-    app.include_router(dashboard_routes(runtime.upstreams, runtime.index, runtime, current_admin_token))
-    app.include_router(cache_reset_routes(runtime.upstreams, runtime.index, current_admin_token))
+    app.include_router(dashboard_routes(runtime.upstreams, runtime, current_admin_token))
+    app.include_router(cache_reset_routes(runtime.upstreams, runtime.routing_index, current_admin_token))
     _answer_errors(app, client_error)
     _serve_openai(app)
     _serve_operations(app, runtime)

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from router.errors import OpenAIError
 from router.http.admin import check_admin_token
-from router.index.block_index import BlockIndex
+from router.index.routing_index import RoutingIndex
 from router.upstreams.instances import Upstreams
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class _Answer:
 
 def cache_reset_routes(
     fleet: Upstreams,
-    index: BlockIndex,
+    index: RoutingIndex,
     token: Callable[[], str | None],
     timeout_s: float = RESET_TIMEOUT_S,
 ) -> APIRouter:
@@ -162,7 +162,7 @@ def _with_success(answer: _Answer) -> _Answer:
     return _Answer(answer.engine, failure=f'answered 200 with {repr(body)[:200]}, not {{"success": bool}}')
 
 
-def _forget_gpu_blocks(index: BlockIndex, names: tuple[str, ...]) -> None:
+def _forget_gpu_blocks(index: RoutingIndex, names: tuple[str, ...]) -> None:
     """What the engine's AllBlocksCleared will do when it comes, done now: every rank's GPU blocks go."""
     for name in names:
         index.cache_reset(name)

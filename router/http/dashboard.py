@@ -20,7 +20,8 @@ from starlette.responses import HTMLResponse, JSONResponse
 from router.config import ObjectiveConfig
 from router.dispatch.flow_gate import FlowGate
 from router.http.admin import check_admin_token
-from router.index.block_index import BlockIndex, Tier
+from router.index.figures import IndexFigures
+from router.index.holdings import Tier
 from router.metrics import RouterMetrics
 from router.runtime import Runtime
 from router.upstreams.instances import Instance, Upstreams
@@ -33,9 +34,7 @@ _HEADERS = {
 }
 
 
-def dashboard_routes(
-    fleet: Upstreams, index: BlockIndex, runtime: Runtime, token: Callable[[], str | None]
-) -> APIRouter:
+def dashboard_routes(fleet: Upstreams, runtime: Runtime, token: Callable[[], str | None]) -> APIRouter:
     """token: the current admin token, as for admin_routes."""
     page = resources.files("router").joinpath("static/dashboard.html").read_text(encoding="utf-8")
     routes = APIRouter(prefix="/dashboard")
@@ -51,7 +50,7 @@ def dashboard_routes(
 
     @routes.get("/state", dependencies=[Depends(authorized)])
     async def state() -> JSONResponse:
-        table = runtime.table
+        table, index = runtime.table, runtime.index_figures()
         body = {
             "alarms": runtime.warnings(),
             "tokenizers": runtime.tokenizer_watch.state(),
@@ -59,7 +58,7 @@ def dashboard_routes(
             "index": {
                 "entries": index.entries,
                 "max_entries": index.max_entries,
-                "bytes": index.footprint_bytes(),
+                "bytes": index.bytes,
                 "pool_entries": index.pool_entries,
             },
             "flow_control": flow_control_state(runtime.flow_gate, runtime.metrics),
@@ -70,10 +69,10 @@ def dashboard_routes(
     return routes
 
 
-def instances_state(fleet: Upstreams, index: BlockIndex) -> list[dict[str, Any]]:
+def instances_state(fleet: Upstreams, index: IndexFigures) -> list[dict[str, Any]]:
     """Each instance as the router sees it, with the blocks the index holds for it by tier (ranks added)."""
     blocks: dict[str, list[int]] = {i.name: [0] * len(Tier) for i in fleet.instances}
-    for (name, _), sizes in index.entries_by_owner().items():
+    for name, _, sizes in index.by_owner:
         totals = blocks.setdefault(name, [0] * len(Tier))
         for tier, size in zip(Tier, sizes, strict=True):
             totals[tier] += size

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from router.config import PeersConfig, RouterConfig
 from router.http.app import create_app
+from router.runtime import SharedIndex
 from router.upstreams.http_session import freeze_startup_objects, server_config
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class Worker:
     socket: socket.socket  # its pool's, listening on the port with the other workers' (SO_REUSEPORT)
     peers: PeersConfig  # its own publish endpoint, following the others' besides the configured peers
     ready: Path  # there while it accepts connections: created once it serves, removed when it stops
+    index: str  # where the pool's index host answers (router/index/index_host.py)
 
     def accepting(self, accepts: bool) -> None:
         if accepts:
@@ -81,7 +83,8 @@ class _GracefulServer(uvicorn.Server):
 def run_server(
     config: RouterConfig, host: str, port: int, path: Path | None = None, worker: Worker | None = None
 ) -> None:
-    app = create_app(config, path, None if worker is None else worker.peers)
+    shared = None if worker is None else SharedIndex(worker.index, hosts=False)
+    app = create_app(config, path, None if worker is None else worker.peers, shared)
     freeze_startup_objects()
     grace = math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S
     headers = [] if worker is None else [(WORKER_HEADER, str(os.getpid()))]

@@ -8,21 +8,29 @@ and gives a worker's to its successor: a worker that dies does not close it, so 
 its queue, not yet accepted, are its successor's to answer rather than reset (those it had accepted are lost
 with it). And the pool steers new connections to the sockets of the workers that serve (a BPF program on the
 port's SO_REUSEPORT group, _Steering): while one serves, none waits for a worker starting, restarting or
-draining. Each worker has its own KV-event subscriptions and so the full block index, its own health checks,
-admission limits and A/B results. The workers count each other's requests in flight as routers in front of
-one fleet do (router/upstreams/peer_sync.py): each publishes on an ipc:// endpoint in the pool's private
-directory and follows the others', besides the peers the configuration names. A configured `peers.publish`
-is bound by the pool, which forwards every worker's snapshots there, so routers on other hosts hear each
-worker as a peer of its own.
+draining. Each worker has its own health checks, admission limits and A/B results.
 
-The pool forwards SIGHUP to every worker (each reloads the file; each also watches it); a worker still
-starting ignores it, as it reads the file then. On SIGTERM or SIGINT the pool sends SIGTERM to each, which
-drains as a lone router does; a worker whose pool dies gets SIGTERM too. A worker that exits is restarted at
-once; one that keeps exiting soon after its start (a crash: a SIGKILL from the OOM killer is one) waits
-0.5 s, then twice as long each time. A death by a signal that asks a process to end (SIGHUP, SIGTERM, SIGINT)
-is no crash. A worker that exits MAX_STARTUP_FAILURES times in a row before serving ends the pool (exit 1)
-only when no other worker serves: a pool that still serves goes on, and tries again. Every answer of a
-worker carries `x-kvroute-worker: PID`.
+One more process of the pool, the index host (router/http/index_worker.py), holds the machine's one block
+index: it follows the engines' KV events and answers the workers' lookups over an ipc:// socket in the pool's
+private directory (router/index/index_host.py), so that the index's memory and ingest are paid once, not once
+per worker, and each worker's routed requests are speculative entries for all. It serves no HTTP. When it is
+down (restarting), the workers route without prefix knowledge until it is back; its restart rebuilds the index
+as a router's restart does (the engines' replay buffers).
+
+The workers count each other's requests in flight as routers in front of one fleet do
+(router/upstreams/peer_sync.py): each publishes on an ipc:// endpoint in the pool's private directory and
+follows the others', besides the peers the configuration names. A configured `peers.publish` is bound by the
+pool, which forwards every worker's snapshots there, so routers on other hosts hear each worker as a peer of
+its own.
+
+The pool forwards SIGHUP to every worker and the index host (each reloads the file; each also watches it);
+one still starting ignores it, as it reads the file then. On SIGTERM or SIGINT the pool sends SIGTERM to each,
+which drains as a lone router does; a worker whose pool dies gets SIGTERM too. A worker (or the index host)
+that exits is restarted at once; one that keeps exiting soon after its start (a crash: a SIGKILL from the OOM
+killer is one) waits 0.5 s, then twice as long each time. A death by a signal that asks a process to end
+(SIGHUP, SIGTERM, SIGINT) is no crash. A worker that exits MAX_STARTUP_FAILURES times in a row before serving
+ends the pool (exit 1) only when no other worker serves: a pool that still serves goes on, and tries again.
+Every answer of a worker carries `x-kvroute-worker: PID`.
 
 /metrics: router/metrics.py combines the workers' metrics through a directory the pool owns. The
 /admin routes reach the worker that answers: PUT /admin/traffic and POST /admin/ab/reset change that worker
@@ -55,6 +63,7 @@ import zmq
 from prometheus_client.multiprocess import mark_process_dead
 
 from router.config import ConfigError, PeersConfig, RouterConfig, load_config
+from router.http.index_worker import run_index_host
 from router.http.server import Worker, run_server
 
 log = logging.getLogger(__name__)
@@ -84,12 +93,16 @@ class _Spec(msgspec.Struct, frozen=True):
     ready_dir: str
     parent: int  # the pool's pid
     log_level: int
+    index: str  # where the index host answers
+    hosts_index: bool  # this one is the index host: it serves no HTTP, and has no listener
 
 
 @dataclass
 class _Slot:
     index: int
-    listener: socket.socket  # for the pool's whole life, whichever worker accepts on it
+    listener: (
+        socket.socket | None
+    )  # for the pool's whole life, whichever worker accepts on it; None: the host
     process: subprocess.Popen[bytes] | None = None
     exits: int | None = None  # a descriptor readable once the process exited (a pidfd)
     served: bool = False
@@ -119,7 +132,7 @@ def run_workers(config: RouterConfig, path: Path, host: str, port: int, workers:
                 except zmq.ZMQError as exc:
                     print(f"peers.publish {config.peers.publish} cannot be bound: {exc}", file=sys.stderr)
                     return 1
-            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints)
+            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints, f"ipc://{root}/index")
             return pool.run()
 
 
@@ -203,13 +216,17 @@ class WorkerPool:
         listeners: list[socket.socket],
         root: Path,
         endpoints: list[str],
+        index: str,
     ) -> None:
+        """endpoints: each worker's, which it publishes its load on; index: the index host's."""
         self._config, self._path, (self._host, self._port) = config, path, address
-        self._endpoints = endpoints
+        self._endpoints, self._index = endpoints, index
         self._metrics_dir, self._ready_dir = root / "metrics", root / "ready"
         self._metrics_dir.mkdir()
         self._ready_dir.mkdir()
-        self._slots = [_Slot(i, listener) for i, listener in enumerate(listeners)]
+        # The workers', then the index host's: a worker's slot index is its socket's place in the port's
+        # group.
+        self._slots = [_Slot(i, listener) for i, listener in enumerate([*listeners, None])]
         self._steering = _Steering(listeners[0])
         self._signals: list[int] = []
         self._announced = False
@@ -256,18 +273,21 @@ class WorkerPool:
         select.select(exits, [], [], _POLL_S)
 
     def _start(self, slot: _Slot) -> None:
+        hosts = slot.listener is None
         others = [e for i, e in enumerate(self._endpoints) if i != slot.index]
-        fd = slot.listener.fileno()
+        fd = -1 if slot.listener is None else slot.listener.fileno()
         spec = _Spec(
             str(self._path),
             self._host,
             self._port,
             fd,
-            self._endpoints[slot.index],
-            others,
+            "" if hosts else self._endpoints[slot.index],
+            [] if hosts else others,
             str(self._ready_dir),
             os.getpid(),
             logging.getLogger().getEffectiveLevel(),
+            self._index,
+            hosts,
         )
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self._metrics_dir)}
         argv = [sys.executable, "-m", "router.http.workers", msgspec.json.encode(spec).decode()]
@@ -276,13 +296,13 @@ class WorkerPool:
         # sent to the pool meanwhile reaches its handler through another thread, or waits.
         unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
         try:
-            slot.process = subprocess.Popen(argv, env=env, pass_fds=(fd,))
+            slot.process = subprocess.Popen(argv, env=env, pass_fds=() if hosts else (fd,))
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         with contextlib.suppress(OSError, AttributeError):  # without one, _pause sleeps its whole time
             slot.exits = os.pidfd_open(slot.process.pid)
         slot.started = time.monotonic()
-        log.info("worker %d started: pid %d", slot.index, slot.process.pid)
+        log.info("%s started: pid %d", _name(slot), slot.process.pid)
 
     def _exited(self, slot: _Slot, now: float) -> bool:
         """Schedule the worker's restart; False when it keeps failing to start and no other worker serves:
@@ -301,12 +321,12 @@ class WorkerPool:
         delay = _restart_delay(slot, code, served, now)
         failed = f" before serving ({slot.startup_failures} in a row)" if slot.startup_failures else ""
         if slot.startup_failures >= MAX_STARTUP_FAILURES and not serving:
-            log.error("worker %d exited with %s%s, and no worker serves: stopping", slot.index, code, failed)
+            log.error("%s exited with %s%s, and no worker serves: stopping", _name(slot), code, failed)
             return False
         slot.restart_at = now + delay
         log.warning(
-            "worker %d (pid %d) exited with %s%s; restarting it in %.1f s",
-            slot.index,
+            "%s (pid %d) exited with %s%s; restarting it in %.1f s",
+            _name(slot),
             pid,
             code,
             failed,
@@ -317,8 +337,9 @@ class WorkerPool:
     def _steer(self) -> list[int]:
         """New connections to the workers that serve, whose slots it returns; while none does, to every
         socket, where they wait."""
-        serving = [slot.index for slot in self._slots if self._serves(slot)]
-        self._steering.to(serving or [slot.index for slot in self._slots])
+        listening = [slot for slot in self._slots if slot.listener is not None]
+        serving = [slot.index for slot in listening if self._serves(slot)]
+        self._steering.to(serving or [slot.index for slot in listening])
         return serving
 
     def _serves(self, slot: _Slot) -> bool:
@@ -334,13 +355,14 @@ class WorkerPool:
             return
         if all(self._serves(slot) for slot in self._slots):
             self._announced = True
-            pids = [slot.process.pid for slot in self._slots if slot.process is not None]
+            *workers, host = [slot.process.pid if slot.process else 0 for slot in self._slots]
             log.info(
-                "%d workers serving on %s:%d, pids %s",
-                len(pids),
+                "%d workers serving on %s:%d, pids %s; the index host's pid %d",
+                len(workers),
                 self._host,
                 self._port,
-                " ".join(map(str, pids)),
+                " ".join(map(str, workers)),
+                host,
             )
 
     def _signal_all(self, signum: int) -> None:
@@ -358,7 +380,7 @@ class WorkerPool:
         running = [slot.process for slot in self._slots if slot.process is not None]
         while any(process.poll() is None for process in running) and time.monotonic() < deadline:
             for slot in self._slots:
-                if not self._serves(slot):
+                if slot.listener is not None and not self._serves(slot):
                     _stop_listening(slot.listener)
             if any(signum != signal.SIGHUP for signum in self._signals):
                 self._signals.clear()
@@ -399,9 +421,12 @@ def _restart_delay(slot: _Slot, code: int, served: bool, now: float) -> float:
     return delay
 
 
+def _name(slot: _Slot) -> str:
+    return "the index host" if slot.listener is None else f"worker {slot.index}"
+
+
 def _worker(spec: _Spec) -> int:
     _end_with(spec.parent)
-    listener = socket.socket(fileno=spec.listener)
     path = Path(spec.config)
     try:
         config = load_config(path)
@@ -409,10 +434,14 @@ def _worker(spec: _Spec) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    ready = Path(spec.ready_dir) / str(os.getpid())
+    if spec.hosts_index:
+        run_index_host(config, path, spec.index, ready)
+        return 0
     own = {"publish": spec.publish, "subscribe": [*spec.follow, *config.peers.subscribe]}
     peers = PeersConfig.model_validate(config.peers.model_dump() | own)
-    ready = Path(spec.ready_dir) / str(os.getpid())
-    run_server(config, spec.host, spec.port, path, Worker(listener, peers, ready))
+    listener = socket.socket(fileno=spec.listener)
+    run_server(config, spec.host, spec.port, path, Worker(listener, peers, ready, spec.index))
     return 0
 
 

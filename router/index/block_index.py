@@ -158,6 +158,12 @@ class BlockIndex:
         this costs nothing."""
         self._holdings.reused(instance, chain, end)
 
+    def routed(self, instance: str, chain: Sequence[int], held: int) -> Speculation | None:
+        """A request was routed to instance, which holds chain[:held]: those blocks are reused there, the
+        rest entered as speculative (None when there is no rest)."""
+        self.reused(instance, chain, held)
+        return self.speculate(instance, chain, start=held) if len(chain) > held else None
+
     def speculate(self, instance: str, chain: Sequence[int], start: int = 0) -> Speculation:
         """Enter a routed request's blocks (from chain[start]) for its instance until their events arrive;
         returns what was entered, for withdraw."""

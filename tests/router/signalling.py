@@ -71,6 +71,11 @@ def _worker_spec(pid: int) -> dict[str, object] | None:
     return spec
 
 
+def _serves_http(pid: int) -> bool:
+    spec = _worker_spec(pid)
+    return spec is not None and not spec["hosts_index"]
+
+
 def serving(pid: int) -> bool:
     """Whether worker pid accepts connections: its ready file is there."""
     spec = _worker_spec(pid)
@@ -78,9 +83,10 @@ def serving(pid: int) -> bool:
 
 
 def new_worker(pool: Child, known: set[int], timeout_s: float = 60.0) -> int:
-    """The pid of the pool's first worker not in known, once it runs the worker's code."""
+    """The pid of the pool's first worker not in known, once it runs the worker's code (its index host is no
+    worker)."""
     deadline = time.monotonic() + timeout_s
-    while not (found := {pid for pid in children(pool.process.pid) - known if _worker_spec(pid)}):
+    while not (found := {pid for pid in children(pool.process.pid) - known if _serves_http(pid)}):
         assert time.monotonic() < deadline, f"no new worker within {timeout_s:.0f} s:\n{pool.log_tail()}"
         time.sleep(0.01)
     assert len(found) == 1, found

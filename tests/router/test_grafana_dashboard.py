@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from router.index.block_index import BlockIndex
+from router.index.figures import figures_of
 from router.index.index_metrics import IndexCollector
 from router.metrics import Family, RouterMetrics
 
@@ -56,7 +57,7 @@ def _exported_series() -> dict[str, Series]:
     metrics = RouterMetrics()
     index = BlockIndex(block_size=16)
     index.apply(("fleet-0", 0), [])  # an instance the index knows, so its per-tier series exist
-    metrics.registry.register(IndexCollector(index))
+    metrics.registry.register(IndexCollector(lambda: figures_of(index, [])))
     for family in vars(metrics).values():
         if isinstance(family, Family):  # one child each, so the samples show every family's label names
             family(*["x"] * len(family.metric._labelnames))

@@ -1,11 +1,13 @@
 """`kvroute serve --workers 2` in front of the simulated fleet: both workers answer on one port, a session's
-turns stay with its prefix's instance whichever worker routes them, /metrics sums every worker's requests
-whichever answers it, a killed worker is replaced without a request lost, and SIGTERM ends every process."""
+turns stay with its prefix's instance whichever worker routes them (the index host's one index knows each
+worker's requests at once), /metrics sums every worker's requests whichever answers it and reports the one
+index, a killed worker or index host is replaced without a request lost, and SIGTERM ends every process."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,9 +36,13 @@ class Served:
     url: str
     sent: int = 0  # requests answered 200 through it, which kvroute_requests_total must count
 
+    def index_host(self) -> int:
+        """The pool's index host: the last one it started."""
+        return int(re.findall(r"the index host started: pid (\d+)", self.child.log_path.read_text())[-1])
+
     def workers(self) -> set[int]:
-        """The pool's children: its workers."""
-        return children(self.child.process.pid)
+        """The pool's children that serve HTTP: all but its index host."""
+        return children(self.child.process.pid) - {self.index_host()}
 
 
 def start_workers(fleet: FleetPorts, log_dir: Path, name: str, **extra: object) -> Served:
@@ -133,20 +139,26 @@ def test_both_workers_answer_and_sessions_keep_their_prefix_instance(served: Ser
     answered_by: set[int] = set()
     for session in range(4):
         messages = [{"role": "system", "content": f"Session {session}. {SYSTEM}"}]
-        placed = []
+        placed, routed_by = [], set()
         for turn in range(4):
             messages.append({"role": "user", "content": f"Turn {turn}: run tests/test_{turn}.py"})
             before = {at: _most(_blocks_everywhere(served, at)) for at in _instances(served)}
             headers = chat(served, messages, f"workers-{session}")
             placed.append(headers["x-kvroute-instance"])
-            answered_by.add(int(headers[WORKER]))
-            if turn:  # the prefix, as the routing worker's own index holds it from the engine's events
-                assert int(headers["x-kvroute-cached-blocks"]) > 0, headers
+            routed_by.add(int(headers[WORKER]))
+            # The prefix, whichever worker routed the turns before: the host's index holds their speculative
+            # entries from their routing on, before the engine's events come.
+            if turn:
+                assert int(headers["x-kvroute-cached-blocks"]) > 0, (
+                    headers,
+                    {k: v for k, v in scrape(served.url)[1].items() if "index" in k or "kv_" in k},
+                )
             messages.append({"role": "assistant", "content": "Running them now."})
-            # The next turn may go to the other worker, which knows this one from the engine's events only.
+            # Every worker reports the host's index, which the engine's events grow.
             grown = before.get(placed[-1], 0.0)
             _eventually(lambda at=placed[-1], n=grown: _same_index_everywhere(served, at, n))  # type: ignore[misc]
         assert len(set(placed)) == 1, placed
+        answered_by |= routed_by
     with ThreadPoolExecutor(16) as pool:  # concurrent connections reach both workers
         for headers in pool.map(lambda i: chat(served, [{"role": "user", "content": f"hi {i}"}]), range(64)):
             answered_by.add(int(headers[WORKER]))
@@ -192,7 +204,7 @@ def test_a_killed_worker_loses_no_later_request_and_is_replaced(served: Served) 
 def test_sigterm_drains_and_ends_every_process(fleet: FleetPorts, tmp_path: Path) -> None:
     running = start_workers(fleet, tmp_path, "terminated")
     try:
-        workers = running.workers()
+        processes = children(running.child.process.pid)  # the workers and the index host
         with ThreadPoolExecutor(1) as pool:
             body = {
                 "model": "tiny-llama",
@@ -213,7 +225,7 @@ def test_sigterm_drains_and_ends_every_process(fleet: FleetPorts, tmp_path: Path
         assert status == 200
         assert payload.rstrip().endswith(b"data: [DONE]")  # it finished within the grace period
         assert running.child.wait(30) == 0
-        assert not [pid for pid in workers if alive(pid)]
+        assert not [pid for pid in processes if alive(pid)]
         assert not group_alive(running.child.process.pid)
     finally:
         running.child.stop()
@@ -230,3 +242,31 @@ def test_a_bad_config_fails_fast_with_the_same_message(tmp_path: Path) -> None:
     alone, workers = serve(), serve("--workers", "2")
     assert workers.returncode == alone.returncode == 2
     assert workers.stderr == alone.stderr != ""
+
+
+def test_an_index_host_lost_costs_prefix_knowledge_only_until_its_successor_holds_the_index(
+    served: Served,
+) -> None:
+    messages = [{"role": "system", "content": f"Host. {SYSTEM}"}, {"role": "user", "content": "go"}]
+    home = chat(served, messages, "host-session")["x-kvroute-instance"]
+    victim = served.index_host()
+    os.kill(victim, signal.SIGSTOP)  # a host that answers nothing: each lookup waits its timeout, no longer
+    try:
+        for i in range(3):
+            unknown = [
+                {"role": "system", "content": f"Unknown {i}. {SYSTEM}"},
+                {"role": "user", "content": "go"},
+            ]
+            assert int(chat(served, unknown)["x-kvroute-cached-blocks"]) == 0
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    _eventually(lambda: served.index_host() != victim)
+    # Its successor subscribes afresh and replays the engines' buffers: the session's prefix is known again.
+    warm = f'kvroute_kv_warm{{"vllm_instance": "{home}"}}'
+    _eventually(lambda: scrape(served.url)[1].get(warm) == 1)
+    headers = chat(served, messages, "host-session")
+    _, samples = scrape(served.url)
+    lookups = {key: value for key, value in samples.items() if key.startswith("kvroute_index_host_lookups")}
+    assert headers["x-kvroute-instance"] == home, (headers, lookups)
+    assert int(headers["x-kvroute-cached-blocks"]) > 0, (headers, lookups)
+    assert lookups['kvroute_index_host_lookups_total{"outcome": "late"}'] == 3, lookups
