@@ -200,7 +200,14 @@ def _bench_index(args: argparse.Namespace) -> int:
     tokenizer = PromptTokenizer(resolve_tokenizer_path("builtin:tiny-llama"))
     out = Path(args.out) if args.out else None
     options = BenchOptions(
-        args.sizes, args.repeats, out, args.wire_blocks, args.wire_single_blocks, args.fleets
+        args.sizes,
+        args.repeats,
+        out,
+        args.wire_blocks,
+        args.wire_single_blocks,
+        args.fleets,
+        args.host_blocks,
+        args.host_workers,
     )
     run_bench(options, lambda: CachedChatTokenizer(tokenizer))
     return 0
@@ -544,6 +551,14 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument(
         "--fleets", type=positive_ints, default=(8, 100, 1_000), help="instances of the fleets decided over"
     )
+    index.add_argument(
+        "--host-blocks",
+        type=int,
+        default=2_000_000,
+        help="one index per host: blocks sent over ZMQ to a lone kvroute serve and to --host-workers "
+        "workers, whose memory growth is compared (0: not measured)",
+    )
+    index.add_argument("--host-workers", type=positive_int, default=4)
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)
     live = benches.add_parser("live", help="agent sessions or a trace through several routers, one fleet")

@@ -10,7 +10,9 @@
   at 32 and at 1 block a message, and the process's memory per block held; then the subscriber alone, into a
   sink that only counts blocks: the floor under the end-to-end figures;
 - decisions over fleets of 8, 100 and 1,000 instances (kvroute/bench/index_decisions.py): an 80K-token
-  turn's chain hashed, matched and chosen by the default policy.
+  turn's chain hashed, matched and chosen by the default policy;
+- one index per host (kvroute/bench/index_workers.py): what the same blocks over ZMQ add to the memory of a
+  lone `kvroute serve` and of a whole `kvroute serve --workers 4`, its index host included.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rich.table import Table
 
 from kvroute.bench.index_decisions import measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
+from kvroute.bench.index_workers import measure_router_memory
 from kvroute.bench.index_parts import BLOCK_SIZE, durations, gpu_blocks
 from router.dispatch.decision import Decider, LocalTokenizer
 from router.index.block_index import BlockIndex
@@ -58,6 +61,10 @@ class BenchOptions:
     wire_blocks: tuple[int, ...] = (2_000_000, 10_000_000)
     wire_single_blocks: int = 200_000
     fleets: tuple[int, ...] = (8, 100, 1_000)
+    # one index per host: blocks sent to a lone `kvroute serve` and to one with --workers host_workers (0: not
+    # measured)
+    host_blocks: int = 2_000_000
+    host_workers: int = 4
 
 
 def _events(blocks: int, seed: int) -> Iterator[tuple[tuple[str, int], BlockStored]]:
@@ -203,8 +210,9 @@ def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer
         "wire": [],
         "subscriber_alone": [],
         "fleets": {},
+        "host_memory": [],
     }
-    steps = len(options.sizes) + 3 + 1 + len(options.wire_blocks) + 1 + 2 + 1
+    steps = len(options.sizes) + 3 + 1 + len(options.wire_blocks) + 1 + 2 + 1 + 2
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("index benchmark", total=steps)
         for size in options.sizes:
@@ -231,6 +239,10 @@ def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer
         progress.update(task, description="decisions over fleets of " + ", ".join(map(str, options.fleets)))
         report["fleets"] = measure_decisions(options.fleets)
         progress.advance(task)
+        for workers in (1, options.host_workers) if options.host_blocks else ():
+            progress.update(task, description=f"memory of kvroute serve, {workers} worker(s)")
+            report["host_memory"].append(measure_router_memory(options.host_blocks, workers).summary())
+            progress.advance(task)
     console.print(_table(report))
     if options.out is not None:
         options.out.parent.mkdir(parents=True, exist_ok=True)
@@ -275,6 +287,15 @@ def _table(report: dict[str, Any]) -> Table:
             f"{fleet['decision_ms']:.2f} ms (hash {fleet['hash_ms']:.2f}, match {fleet['match_ms']:.2f}, "
             f"choose {fleet['choose_ms']:.2f})",
             "<= 1 ms" if size == "1000" else "",
+        )
+    for host in report["host_memory"]:
+        workers = int(host["workers"])
+        router = "kvroute serve" if workers <= 1 else f"kvroute serve --workers {workers}"
+        table.add_row(
+            f"{router}: RSS growth, {int(host['blocks']):,} blocks over ZMQ, all its {int(host['processes'])} "
+            "processes",
+            f"{host['rss_growth_bytes'] / 2**20:,.0f} MiB, {host['rss_bytes_per_block']:.0f} B/block",
+            "one copy: as kvroute serve's" if workers > 1 else "",
         )
     decision = report["decision"]
     for label in ("cold", "cached"):

@@ -11,12 +11,13 @@ first block to the last, and its resident memory before and after.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing
 import random
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -155,13 +156,20 @@ async def _ingest(
         context.term()
 
 
-def measure_ingest_end_to_end(
-    blocks: int, blocks_per_message: int, publishers: int = 8, indexed: bool = True
-) -> IngestResult:
-    """blocks arriving from publishers over ZMQ into a router's index, blocks_per_message to a message; not
-    indexed: into a sink that only counts them."""
+@dataclass(frozen=True)
+class Publishers:
+    """Publisher processes, bound and waiting: each says "subscribed" on its control once a subscriber is
+    there, then sends everything when told "go"."""
+
+    endpoints: list[str]
+    controls: list[Connection]
+    blocks: int  # what they send in all
+
+
+@contextlib.contextmanager
+def publishing(blocks: int, blocks_per_message: int, publishers: int = 8) -> Iterator[Publishers]:
+    """About blocks in messages of blocks_per_message, from publishers processes on 127.0.0.1."""
     messages = blocks // blocks_per_message // publishers
-    total = messages * blocks_per_message * publishers
     port = free_port_block(publishers)
     spawn = multiprocessing.get_context("spawn")
     links = [spawn.Pipe() for _ in range(publishers)]
@@ -174,15 +182,10 @@ def measure_ingest_end_to_end(
     controls = [parent for parent, _ in links]
     try:
         for control in controls:
-            if control.recv() != "bound":
+            if not control.poll(SUBSCRIBED_WITHIN_S) or control.recv() != "bound":
                 raise RuntimeError("a publisher did not start")
-        gc.collect()
-        rss_before = _rss_bytes()
         endpoints = [f"tcp://127.0.0.1:{port + i}" for i in range(publishers)]
-        index, wall, cpu = asyncio.run(_ingest(endpoints, total, controls, indexed))
-        gc.collect()
-        rss_growth = _rss_bytes() - rss_before
-        return IngestResult(publishers, blocks_per_message, total, wall, cpu, rss_growth, index.entries)
+        yield Publishers(endpoints, controls, messages * blocks_per_message * publishers)
     finally:
         for control in controls:
             control.send("stop")
@@ -190,6 +193,20 @@ def measure_ingest_end_to_end(
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+
+
+def measure_ingest_end_to_end(
+    blocks: int, blocks_per_message: int, publishers: int = 8, indexed: bool = True
+) -> IngestResult:
+    """blocks arriving from publishers over ZMQ into a router's index, blocks_per_message to a message; not
+    indexed: into a sink that only counts them."""
+    with publishing(blocks, blocks_per_message, publishers) as sent:
+        gc.collect()
+        rss_before = _rss_bytes()
+        index, wall, cpu = asyncio.run(_ingest(sent.endpoints, sent.blocks, sent.controls, indexed))
+        gc.collect()
+        rss_growth = _rss_bytes() - rss_before
+        return IngestResult(publishers, blocks_per_message, sent.blocks, wall, cpu, rss_growth, index.entries)
 
 
 def _rss_bytes() -> int:

@@ -1,10 +1,11 @@
-"""`kvroute bench index`'s end-to-end ingest and fleet decisions, at a small size: what they count is right
-(their timings are the benchmark's, not a test's)."""
+"""`kvroute bench index`'s end-to-end ingest, fleet decisions and routers' memory, at a small size: what they
+count is right (their timings and sizes are the benchmark's, not a test's)."""
 
 from __future__ import annotations
 
 from kvroute.bench.index_decisions import SESSION_HOLDERS, measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
+from kvroute.bench.index_workers import measure_router_memory
 
 
 def test_every_block_sent_over_zmq_reaches_the_index() -> None:
@@ -24,3 +25,12 @@ def test_every_instance_of_a_fleet_matches_the_shared_prompt() -> None:
     fleets = measure_decisions((4, 20), prompt_tokens=4_096, repeats=1)
     assert [fleets[size]["matched_instances"] for size in ("4", "20")] == [4, 20]
     assert SESSION_HOLDERS < 20
+
+
+def test_a_router_with_workers_holds_every_block_sent_once_in_its_index_host() -> None:
+    """The pool, two workers and the index host; a worker's /metrics reports every block (the host's index),
+    and the measure waits for it."""
+    shared = measure_router_memory(blocks=2 * 8 * 32, workers=2)
+    assert (shared.processes, shared.blocks) == (4, 512)
+    lone = measure_router_memory(blocks=2 * 8 * 32, workers=1)
+    assert (lone.processes, lone.blocks) == (1, 512)

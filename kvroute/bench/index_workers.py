@@ -1,0 +1,126 @@
+"""One index per host, measured for ``kvroute bench index``: the resident memory that blocks arriving over ZMQ
+add to a whole `kvroute serve --workers N` (the pool, its workers and its index host), beside a lone
+`kvroute serve` fed the same blocks in the same run. One copy of the index: the two grow alike; a copy per
+worker would make the first N times the second.
+
+The routers are real `kvroute serve` processes on 127.0.0.1, their instances the bench's publishers (their
+HTTP URLs answer nothing: no request is routed). Memory is read from /proc for every process of the router's
+process group, before the publishers start and once the router's /metrics reports every block held.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.bench.index_ingest import SUBSCRIBED_WITHIN_S, Publishers, publishing
+from kvroute.bench.index_parts import BLOCK_SIZE
+from kvroute.processes import Child, free_port_block, http_ok, start
+
+SERVING_WITHIN_S = 120.0
+HELD_WITHIN_S = 600.0
+
+
+@dataclass(frozen=True)
+class RouterMemory:
+    workers: int  # 0: a lone `kvroute serve`
+    processes: int
+    blocks: int
+    rss_growth_bytes: int
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "workers": self.workers,
+            "processes": self.processes,
+            "blocks": self.blocks,
+            "rss_growth_bytes": self.rss_growth_bytes,
+            "rss_bytes_per_block": self.rss_growth_bytes / max(1, self.blocks),
+        }
+
+
+def measure_router_memory(blocks: int, workers: int, blocks_per_message: int = 32) -> RouterMemory:
+    """blocks sent to a `kvroute serve` (with --workers, when more than 1), 8 publishers of
+    blocks_per_message a message: what its processes grow by once it holds them all."""
+    with publishing(blocks, blocks_per_message) as sent, tempfile.TemporaryDirectory() as scratch:
+        router, url = _serve(sent, Path(scratch), workers)
+        try:
+            for control in sent.controls:  # the router (its index host) subscribed to each
+                if not control.poll(SUBSCRIBED_WITHIN_S) or control.recv() != "subscribed":
+                    raise RuntimeError(f"the router did not subscribe:\n{router.log_tail()}")
+            before = _group_rss(router.process.pid)
+            for control in sent.controls:
+                control.send("go")
+            deadline = time.monotonic() + HELD_WITHIN_S
+            while _blocks_held(url) < sent.blocks:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the router held fewer than {sent.blocks} blocks in {HELD_WITHIN_S} s"
+                    )
+                time.sleep(0.2)
+            after = _group_rss(router.process.pid)
+            return RouterMemory(workers, len(after), sent.blocks, sum(after.values()) - sum(before.values()))
+        finally:
+            router.stop()
+
+
+def _serve(sent: Publishers, scratch: Path, workers: int) -> tuple[Child, str]:
+    dead = free_port_block(len(sent.endpoints))  # the instances' HTTP: nothing listens, nothing is routed
+    config = {
+        "models": [{"name": "m", "tokenizer": "builtin:tiny-llama"}],
+        "block_size": BLOCK_SIZE,
+        "index": {"max_entries": sent.blocks + 1},
+        "instances": [
+            {"name": f"p{i}", "url": f"http://127.0.0.1:{dead + i}", "events": endpoint}
+            for i, endpoint in enumerate(sent.endpoints)
+        ],
+    }
+    path = scratch / "router.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    port = free_port_block(1)
+    args = ["serve", "--config", str(path), "--port", str(port)]
+    router = start("router", [*args, "--workers", str(workers)] if workers > 1 else args, scratch)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVING_WITHIN_S
+    while not http_ok(url + "/metrics"):
+        if router.process.poll() is not None or time.monotonic() > deadline:
+            router.stop()
+            raise RuntimeError(f"the router did not serve:\n{router.log_tail()}")
+        time.sleep(0.1)
+    return router, url
+
+
+def _blocks_held(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvroute_index_blocks"
+        for sample in family.samples
+    )
+
+
+def _group_rss(group: int) -> dict[int, int]:
+    """Resident bytes of each process in the process group (its stat's pgrp field, /proc)."""
+    page = 4096
+    found: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[2]) == group:
+                found[int(stat.parent.name)] = int((stat.parent / "statm").read_text().split()[1]) * page
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return found
+
+
+if __name__ == "__main__":  # a quick look: python -m kvroute.bench.index_workers
+    for count in (1, 4):
+        print(json.dumps(measure_router_memory(2_000_000, count).summary()))
