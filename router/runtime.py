@@ -88,7 +88,7 @@ _NOT_LOADED = "remote: the instances' /tokenize (the tokenizer found here did no
 @dataclass(frozen=True)
 class SharedIndex:
     """The one block index of `kvroute serve --workers N` (router/index/index_host.py): hosts, the process
-    that holds it and answers on endpoint; otherwise a worker that asks it there."""
+    that holds it and answers on endpoint (a Unix socket's path); otherwise a worker that asks it there."""
 
     endpoint: str
     hosts: bool
@@ -217,7 +217,7 @@ class Runtime:
             asyncio.create_task(supervise(name, loop, every, failures, first_delay=delayed))
             for name, (loop, every, delayed) in loops.items()
         ]
-        tasks += self._index_tasks(context)
+        tasks += self._index_tasks()
         tasks.append(
             asyncio.create_task(check_at_start(self.tokenizer_watch, self.tokenizers, self._remotes(control)))
         )
@@ -230,19 +230,19 @@ class Runtime:
             )
         stack.push_async_callback(_cancelled, tasks)
 
-    def _index_tasks(self, context: zmq.asyncio.Context) -> list[asyncio.Task[None]]:
+    def _index_tasks(self) -> list[asyncio.Task[None]]:
         """A shared index's side here: the host's answering, or a worker's asking."""
         shared, failures = self._shared_index, self.metrics.task_failures
         if shared is None:
             return []
         if self._remote_index is not None:
             asking = self._remote_index.run
-            return [asyncio.create_task(supervise("index-remote", lambda: asking(context), 1.0, failures))]
+            return [asyncio.create_task(supervise("index-remote", asking, 1.0, failures))]
         assert self.index is not None
         host = IndexHost(
             self.index, self._confirmed, self._as_indexed, self.index_figures, self.metrics, time.monotonic
         )
-        answering = lambda: host.serve(context, shared.endpoint)  # noqa: E731
+        answering = lambda: host.serve(shared.endpoint)  # noqa: E731
         return [asyncio.create_task(supervise("index-host", answering, 1.0, failures))]
 
     def index_figures(self) -> IndexFigures:

@@ -35,7 +35,7 @@ class Worker:
     socket: socket.socket  # its pool's, listening on the port with the other workers' (SO_REUSEPORT)
     peers: PeersConfig  # its own publish endpoint, following the others' besides the configured peers
     ready: Path  # there while it accepts connections: created once it serves, removed when it stops
-    index: str  # where the pool's index host answers (router/index/index_host.py)
+    index: str  # the Unix socket the pool's index host answers on (router/index/index_host.py)
 
     def accepting(self, accepts: bool) -> None:
         if accepts:

@@ -11,7 +11,7 @@ port's SO_REUSEPORT group, _Steering): while one serves, none waits for a worker
 draining. Each worker has its own health checks, admission limits and A/B results.
 
 One more process of the pool, the index host (router/http/index_worker.py), holds the machine's one block
-index: it follows the engines' KV events and answers the workers' lookups over an ipc:// socket in the pool's
+index: it follows the engines' KV events and answers the workers' lookups over a Unix socket in the pool's
 private directory (router/index/index_host.py), so that the index's memory and ingest are paid once, not once
 per worker, and each worker's routed requests are speculative entries for all. It serves no HTTP. When it is
 down (restarting), the workers route without prefix knowledge until it is back; its restart rebuilds the index
@@ -93,7 +93,7 @@ class _Spec(msgspec.Struct, frozen=True):
     ready_dir: str
     parent: int  # the pool's pid
     log_level: int
-    index: str  # where the index host answers
+    index: str  # the Unix socket the index host answers on
     hosts_index: bool  # this one is the index host: it serves no HTTP, and has no listener
 
 
@@ -132,7 +132,7 @@ def run_workers(config: RouterConfig, path: Path, host: str, port: int, workers:
                 except zmq.ZMQError as exc:
                     print(f"peers.publish {config.peers.publish} cannot be bound: {exc}", file=sys.stderr)
                     return 1
-            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints, f"ipc://{root}/index")
+            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints, str(root / "index"))
             return pool.run()
 
 

@@ -1,10 +1,15 @@
 """What the workers of `kvroute serve --workers N` and their index host (router/index/index_host.py) say to
-each other: msgpack messages over a ZMQ ipc:// socket in the pool's private directory, a worker's DEALER to
-the host's ROUTER. Block chains travel as their 64-bit hashes in the host's byte order: both ends are one
-machine."""
+each other: msgpack messages over a Unix socket in the pool's private directory, each framed by its length
+(4 bytes, little-endian), each worker on a connection of its own. Block chains travel as their 64-bit hashes
+in the host's byte order: both ends are one machine.
+
+A Unix socket and asyncio's streams rather than ZMQ: pyzmq's asyncio sockets cost a worker 0.8 ms of CPU per
+request in futures and option reads (a lookup and what was routed), a fifth of its time."""
 
 from __future__ import annotations
 
+import asyncio
+import struct
 from array import array
 from collections.abc import Sequence
 
@@ -66,6 +71,27 @@ ToWorker = Matched | Figures
 encode = msgspec.msgpack.Encoder().encode
 decode_to_host = msgspec.msgpack.Decoder(ToHost).decode
 decode_to_worker = msgspec.msgpack.Decoder(ToWorker).decode
+
+
+_LENGTH = struct.Struct("<I")
+
+
+class Unframed(ValueError):
+    """A frame longer than MAX_MESSAGE_BYTES: the connection cannot be read further."""
+
+
+def framed(message: ToHost | ToWorker) -> bytes:
+    payload = encode(message)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next message's payload; IncompleteReadError at the end of the connection, Unframed for a frame
+    too long to take."""
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_MESSAGE_BYTES:
+        raise Unframed(f"a frame of {length} bytes")
+    return await reader.readexactly(length)
 
 
 def packed(chain: Sequence[int]) -> bytes:

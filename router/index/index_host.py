@@ -2,29 +2,31 @@
 
 The host is a router process of the pool (router/http/index_worker.py) that serves no HTTP: it subscribes to
 every engine's KV events, holds the index and asks the Mooncake master, and the workers, holding none, ask it
-(router/index/remote_index.py). So the index's memory and its ingest are paid once, not once per worker, and
-every worker's routed requests count as speculative entries for all of them.
+(router/index/remote_index.py) over a Unix socket, a connection each (router/index/host_wire.py). So the
+index's memory and its ingest are paid once, not once per worker, and every worker's routed requests are
+speculative entries for all of them.
 
-Messages (router/index/host_wire.py) are handled in the order each worker sent them: a lookup is answered
-from the index as it stands once the worker's earlier messages are applied (one that confirms pool credit
-with the master answers once the master has). A message that does not decode is counted and passed over.
+A worker's messages are handled in the order it sent them: a lookup is answered from the index as it stands
+once the worker's earlier messages are applied (one that confirms pool credit with the master answers once
+the master has). A message that does not decode is counted and passed over; a frame too long to take, or a
+worker that leaves its answers unread past MAX_UNREAD_BYTES, ends that worker's connection (it connects
+again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from router.index.block_index import BlockIndex, Speculation
 from router.index.figures import IndexFigures
 from router.index.host_wire import (
-    MAX_MESSAGE_BYTES,
     AskFigures,
     CacheReset,
     Figures,
@@ -32,9 +34,12 @@ from router.index.host_wire import (
     Matched,
     Routed,
     ToHost,
+    ToWorker,
+    Unframed,
     Withdraw,
     decode_to_host,
-    encode,
+    framed,
+    read_frame,
     unpacked,
 )
 from router.index.pool import PrefixMatches
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 # Workers' speculations held for their withdrawal: past this many, the oldest (expired long since, at any
 # realistic request rate) go first.
 MAX_HELD_SPECULATIONS = 1 << 20
+MAX_UNREAD_BYTES = 64 << 20  # answers a worker has not read yet
 
 
 class IndexHost:
@@ -62,40 +68,60 @@ class IndexHost:
         clock: the index's, which its speculations' deadlines are on."""
         self._index, self._confirmed, self._as_indexed = index, confirmed, as_indexed
         self._figures, self._metrics, self._clock = figures, metrics, clock
-        # (worker, its handle) -> what its routed request entered, and where: oldest first
-        self._speculations: OrderedDict[tuple[bytes, int], tuple[str, Speculation]] = OrderedDict()
-        self._confirming: set[asyncio.Task[None]] = set()
+        # (connection, its handle) -> what its routed request entered, and where: oldest first
+        self._speculations: OrderedDict[tuple[int, int], tuple[str, Speculation]] = OrderedDict()
+        self._connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()
 
-    async def serve(self, context: zmq.asyncio.Context, endpoint: str) -> None:
-        """Answer on endpoint until cancelled."""
-        sock = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.bind(endpoint)
+    async def serve(self, path: str) -> None:
+        """Answer on the Unix socket path until cancelled."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a predecessor's
+        server = await asyncio.start_unix_server(self._worker, path)
+        try:
+            async with server:
+                await server.serve_forever()
+        finally:
+            for writer in self._writers:  # the server's close leaves its connections open
+                writer.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    async def _worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._connections += 1
+        worker = self._connections
+        confirming: set[asyncio.Task[None]] = set()
+        self._writers.add(writer)
         try:
             while True:
-                frames = await sock.recv_multipart(copy=True)
-                if len(frames) != 2:
-                    self._metrics.index_host_malformed.inc()
-                    continue
+                payload = await read_frame(reader)
                 try:
-                    await self._handle(sock, frames[0], decode_to_host(frames[1]))
+                    message = decode_to_host(payload)
+                    await self._handle(writer, worker, message, confirming)
                 except (msgspec.DecodeError, ValueError):  # a payload of another shape, a chain of parts
                     self._metrics.index_host_malformed.inc()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the worker went
+        except Unframed as exc:
+            self._metrics.index_host_malformed.inc()
+            log.warning("a worker's connection to the index host ended: %s", exc)
         finally:
-            for task in self._confirming:
+            for task in confirming:
                 task.cancel()
-            sock.close()
+            self._writers.discard(writer)
+            writer.close()
 
-    async def _handle(self, sock: zmq.asyncio.Socket, worker: bytes, message: ToHost) -> None:
+    async def _handle(
+        self, writer: asyncio.StreamWriter, worker: int, message: ToHost, confirming: set[asyncio.Task[None]]
+    ) -> None:
         if isinstance(message, Lookup):
             chain = unpacked(message.chain)
             if message.confirm and self._confirmed is not self._as_indexed:
-                task = asyncio.create_task(self._answer(sock, worker, message, chain, self._confirmed))
-                self._confirming.add(task)
-                task.add_done_callback(self._confirming.discard)
+                task = asyncio.create_task(self._answer(writer, message, chain, self._confirmed))
+                confirming.add(task)
+                task.add_done_callback(confirming.discard)
             else:  # the index alone: answered before the next message is read
-                await self._answer(sock, worker, message, chain, self._as_indexed)
+                await self._answer(writer, message, chain, self._as_indexed)
         elif isinstance(message, Routed):
             entered = self._index.routed(message.instance, unpacked(message.chain), message.held)
             if entered is not None:
@@ -107,15 +133,15 @@ class IndexHost:
         elif isinstance(message, CacheReset):
             self._index.cache_reset(message.instance)
         elif isinstance(message, AskFigures):
-            _send(sock, worker, encode(Figures(message.id, self._figures())))
+            _send(writer, Figures(message.id, self._figures()))
 
     async def _answer(
-        self, sock: zmq.asyncio.Socket, worker: bytes, lookup: Lookup, chain: list[int], source: PrefixMatches
+        self, writer: asyncio.StreamWriter, lookup: Lookup, chain: list[int], source: PrefixMatches
     ) -> None:
         matches = await source.matches(lookup.model, chain, lookup.reusable)
-        _send(sock, worker, encode(Matched(lookup.id, _as_tuples(matches))))
+        _send(writer, Matched(lookup.id, _as_tuples(matches)))
 
-    def _hold(self, worker: bytes, handle: int, instance: str, entered: Speculation) -> None:
+    def _hold(self, worker: int, handle: int, instance: str, entered: Speculation) -> None:
         """Kept until withdrawn, or until it expired in the index anyway."""
         held, now = self._speculations, self._clock()
         while held and (len(held) >= MAX_HELD_SPECULATIONS or next(iter(held.values()))[1].until < now):
@@ -127,7 +153,12 @@ def _as_tuples(matches: Mapping[str, TierMatch]) -> dict[str, tuple[int, int, in
     return {name: (m.gpu, m.cpu, m.pool) for name, m in matches.items()}
 
 
-def _send(sock: zmq.asyncio.Socket, worker: bytes, payload: bytes) -> None:
-    """Never waits: a ROUTER drops what a gone or saturated worker cannot take, and that worker's lookup
-    times out there."""
-    sock.send_multipart([worker, payload], zmq.NOBLOCK)
+def _send(writer: asyncio.StreamWriter, answer: ToWorker) -> None:
+    """Never waits: a worker that leaves MAX_UNREAD_BYTES of answers unread is cut off (its lookups time out
+    there until it connects again)."""
+    if writer.is_closing():
+        return
+    if writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
+        writer.close()
+        return
+    writer.write(framed(answer))

@@ -1,10 +1,11 @@
 """A worker's view of its machine's one block index, held by the index host (router/index/index_host.py).
 
-The worker asks the host for each request's matches and tells it where requests went; it waits for an
-answer at most LOOKUP_TIMEOUT_S. A lookup the host does not answer in time, or that cannot be sent (the host
-is restarting, or its queue is full), routes without prefix knowledge, as a router with an empty index does,
-and kvroute_index_host_lookups_total{outcome} counts it. What the worker tells (routed requests, withdrawals,
-cache resets) is sent without waiting: lost with a host that is down, as the host's index is.
+The worker asks the host for each request's matches and tells it where requests went, over a Unix socket
+(router/index/host_wire.py); it waits for an answer at most LOOKUP_TIMEOUT_S. A lookup the host does not
+answer in time, or that cannot be sent (the host is restarting, or has not read what was sent before), routes
+without prefix knowledge, as a router with an empty index does, and kvroute_index_host_lookups_total{outcome}
+counts it. What the worker tells (routed requests, withdrawals, cache resets) is sent without waiting: lost
+with a host that is down, as the host's index is. The worker connects again while it runs.
 """
 
 from __future__ import annotations
@@ -13,25 +14,24 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import cast
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from router.index.figures import IndexFigures
 from router.index.host_wire import (
-    MAX_MESSAGE_BYTES,
     AskFigures,
     CacheReset,
     Figures,
     Lookup,
     Matched,
     Routed,
+    ToHost,
+    Unframed,
     Withdraw,
     decode_to_worker,
-    encode,
+    framed,
     packed,
+    read_frame,
 )
 from router.metrics import RouterMetrics
 from scorers.request import TierMatch
@@ -40,56 +40,67 @@ log = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 0.5
 FIGURES_EVERY_S = 1.0  # how often the host's figures are fetched for /metrics and the dashboard
+RECONNECT_S = 0.1  # between attempts to reach a host that is not there
+MAX_UNSENT_BYTES = 16 << 20  # what the host has not taken yet, past which nothing more is sent
 _NOTHING: Mapping[str, TierMatch] = {}
 
 
 class RemoteIndex:
     """The RoutingIndex of a worker of several (router/index/routing_index.py), and its lookups."""
 
-    def __init__(self, endpoint: str, metrics: RouterMetrics, timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
-        self._endpoint, self._metrics, self._timeout_s = endpoint, metrics, timeout_s
+    def __init__(self, path: str, metrics: RouterMetrics, timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
+        """path: the host's Unix socket."""
+        self._path, self._metrics, self._timeout_s = path, metrics, timeout_s
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Mapping[str, TierMatch]]] = {}
-        self._sock: zmq.asyncio.Socket | None = None
+        self._writer: asyncio.StreamWriter | None = None
         self.figures = IndexFigures()  # the host's, as last fetched (none while it does not answer)
         self._figures_answered = True
 
-    async def run(self, context: zmq.asyncio.Context) -> None:
-        """Connect to the host and take its answers until cancelled."""
-        sock = self._sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a host not connected: unreachable at once
-        sock.connect(self._endpoint)
+    async def run(self) -> None:
+        """Stay connected to the host and take its answers until cancelled."""
         fetching = asyncio.create_task(self._fetch_figures())
         try:
             while True:
-                payload = await sock.recv()
                 try:
-                    answer = decode_to_worker(payload)
-                except msgspec.DecodeError:
-                    log.warning("the index host sent an answer of another shape: passed over")
+                    reader, self._writer = await asyncio.open_unix_connection(self._path)
+                except OSError:  # not there yet, or restarting
+                    await asyncio.sleep(RECONNECT_S)
                     continue
-                if isinstance(answer, Figures):
-                    self.figures, self._figures_answered = answer.figures, True
-                    continue
-                waiting = self._waiting.get(answer.id)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(_matches(answer))
+                try:
+                    await self._answers(reader)
+                except (asyncio.IncompleteReadError, ConnectionError, Unframed) as exc:
+                    log.info("the index host's connection ended (%r); connecting again", exc)
+                finally:
+                    self._writer.close()
+                    self._writer = None
         finally:
             fetching.cancel()
-            self._sock = None
-            sock.close()
+
+    async def _answers(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            payload = await read_frame(reader)
+            try:
+                answer = decode_to_worker(payload)
+            except msgspec.DecodeError:
+                log.warning("the index host sent an answer of another shape: passed over")
+                continue
+            if isinstance(answer, Figures):
+                self.figures, self._figures_answered = answer.figures, True
+                continue
+            waiting = self._waiting.get(answer.id)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(_matches(answer))
 
     async def matches(
         self, model: str, chain: Sequence[int], reusable: int | None, confirm: bool
     ) -> Mapping[str, TierMatch]:
         lookups = self._metrics.index_host_lookups
         asked = next(self._ids)
-        answer: asyncio.Future[Mapping[str, TierMatch]] = asyncio.get_running_loop().create_future()
         if not self._send(Lookup(asked, model, packed(chain), reusable, confirm)):
             lookups("unreachable").inc()
             return _NOTHING
+        answer: asyncio.Future[Mapping[str, TierMatch]] = asyncio.get_running_loop().create_future()
         self._waiting[asked] = answer
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -113,14 +124,15 @@ class RemoteIndex:
     def cache_reset(self, instance: str) -> None:
         self._send(CacheReset(instance))
 
-    def _send(self, message: Lookup | Routed | Withdraw | CacheReset | AskFigures) -> bool:
-        """Sent now, or not at all: False while the host is unreachable or its queue is full."""
-        sock = self._sock
-        if sock is None:
+    def _send(self, message: ToHost) -> bool:
+        """Sent now, or not at all: False while the host is unreachable or has not taken MAX_UNSENT_BYTES."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
             return False
-        # zmq.asyncio's future, done at once (but behind a send still waiting)
-        sent = cast("asyncio.Future[None]", sock.send(encode(message), zmq.NOBLOCK))
-        return not sent.done() or sent.exception() is None
+        if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+            return False
+        writer.write(framed(message))
+        return True
 
     async def _fetch_figures(self) -> None:
         """Asked again each FIGURES_EVERY_S; a host that did not answer the last ask reports nothing rather

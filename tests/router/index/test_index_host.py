@@ -1,20 +1,18 @@
-"""The index host and its workers' RemoteIndex, over a real ZMQ ipc:// socket: lookups answer as the index
-itself does, a worker's routed requests are every worker's speculative entries until withdrawn, the host's
-figures reach the workers, and a host that is absent, silent or sent garbage costs prefix knowledge only."""
+"""The index host and its workers' RemoteIndex, over a real Unix socket: lookups answer as the index itself
+does, a worker's routed requests are every worker's speculative entries until withdrawn, the host's figures
+reach the workers, and a host that is absent, silent or sent garbage costs prefix knowledge only."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import zmq
-import zmq.asyncio
-
 from router.index.block_index import BlockIndex
 from router.index.figures import IndexFigures, figures_of
-from router.index.host_wire import Lookup, encode, packed
+from router.index.host_wire import MAX_MESSAGE_BYTES, Lookup, framed, packed
 from router.index.index_host import IndexHost
 from router.index.pool import IndexOnlyMatches
 from router.index.remote_index import RemoteIndex
@@ -31,14 +29,13 @@ def _count(metrics: RouterMetrics, outcome: str) -> float:
 async def _hosted(endpoint: str, index: BlockIndex, metrics: RouterMetrics) -> AsyncIterator[IndexHost]:
     indexed = IndexOnlyMatches(index)
     host = IndexHost(index, indexed, indexed, lambda: figures_of(index, ["a warning"]), metrics, index_clock)
-    context = zmq.asyncio.Context()
-    serving = asyncio.create_task(host.serve(context, endpoint))
+    serving = asyncio.create_task(host.serve(endpoint))
     try:
+        await _until(lambda: _exists(endpoint))
         yield host
     finally:
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
-        context.destroy(linger=0)
 
 
 @asynccontextmanager
@@ -46,18 +43,20 @@ async def _worker(
     endpoint: str, metrics: RouterMetrics, timeout_s: float = 2.0
 ) -> AsyncIterator[RemoteIndex]:
     remote = RemoteIndex(endpoint, metrics, timeout_s)
-    context = zmq.asyncio.Context()
-    running = asyncio.create_task(remote.run(context))
+    running = asyncio.create_task(remote.run())
     try:
         yield remote
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
-        context.destroy(linger=0)
 
 
 def index_clock() -> float:
     return asyncio.get_running_loop().time()
+
+
+async def _exists(path: str) -> bool:
+    return await asyncio.to_thread(os.path.exists, path)
 
 
 async def _until(condition: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
@@ -67,7 +66,7 @@ async def _until(condition: Callable[[], Awaitable[bool]], timeout_s: float = 5.
 
 
 def test_lookups_answer_as_the_index_does_and_routed_requests_count_for_every_worker(tmp_path: Path) -> None:
-    endpoint = f"ipc://{tmp_path}/index"
+    endpoint = str(tmp_path / "index")
     chain = prompt()
 
     async def main() -> None:
@@ -108,7 +107,7 @@ async def _lacks(remote: RemoteIndex, chain: list[int], instance: str) -> bool:
 
 
 def test_workers_report_the_hosts_figures_and_none_once_it_is_gone(tmp_path: Path) -> None:
-    endpoint = f"ipc://{tmp_path}/index"
+    endpoint = str(tmp_path / "index")
 
     async def main() -> None:
         index, metrics = BlockIndex(BS, clock=index_clock), RouterMetrics()
@@ -127,7 +126,7 @@ async def _figured(remote: RemoteIndex, check: Callable[[IndexFigures], bool]) -
 
 
 def test_without_a_host_lookups_come_back_empty_at_once_and_are_counted(tmp_path: Path) -> None:
-    endpoint = f"ipc://{tmp_path}/index"
+    endpoint = str(tmp_path / "index")
 
     async def main() -> None:
         metrics = RouterMetrics()
@@ -142,48 +141,50 @@ def test_without_a_host_lookups_come_back_empty_at_once_and_are_counted(tmp_path
 
 
 def test_a_silent_host_costs_a_lookup_its_timeout_only(tmp_path: Path) -> None:
-    endpoint = f"ipc://{tmp_path}/index"
+    endpoint = str(tmp_path / "index")
 
     async def main() -> None:
         metrics = RouterMetrics()
-        context = zmq.asyncio.Context()
-        silent = context.socket(zmq.ROUTER)  # takes messages, answers none
-        silent.bind(endpoint)
-        try:
-            async with _worker(endpoint, metrics, timeout_s=0.2) as remote:
-                await asyncio.sleep(0.2)  # connected
-                started = asyncio.get_running_loop().time()
-                assert await remote.matches("m", prompt(), None, False) == {}
-                assert 0.2 <= asyncio.get_running_loop().time() - started < 1.0
-        finally:
-            context.destroy(linger=0)
+
+        async def takes_and_answers_nothing(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        ) -> None:
+            while await reader.read(1 << 16):
+                pass
+            writer.close()
+
+        silent = await asyncio.start_unix_server(takes_and_answers_nothing, endpoint)
+        async with silent, _worker(endpoint, metrics, timeout_s=0.2) as remote:
+            await asyncio.sleep(0.3)  # connected
+            started = asyncio.get_running_loop().time()
+            assert await remote.matches("m", prompt(), None, False) == {}
+            assert 0.2 <= asyncio.get_running_loop().time() - started < 1.0
         assert _count(metrics, "late") == 1
 
     asyncio.run(main())
 
 
 def test_messages_the_host_cannot_read_are_counted_and_passed_over(tmp_path: Path) -> None:
-    endpoint = f"ipc://{tmp_path}/index"
+    endpoint = str(tmp_path / "index")
     chain = prompt()
 
     async def main() -> None:
         index, metrics = BlockIndex(BS, clock=index_clock), RouterMetrics()
         index.apply(("a", 0), [stored(0, 6)])
         async with _hosted(endpoint, index, metrics), _worker(endpoint, metrics) as remote:
-            context = zmq.asyncio.Context()
-            rogue = context.socket(zmq.DEALER)
-            rogue.connect(endpoint)
-            try:
-                await rogue.send(b"\xc1 not msgpack")
-                await rogue.send(encode(Lookup(1, "m", b"\x00" * 7, None, False)))  # no whole hash
-                await rogue.send_multipart([b"two", b"frames"])
-                await rogue.send(encode(Lookup(2, "m", packed(chain), None, False)))  # and one it reads
-                async with asyncio.timeout(5):
-                    answer = await rogue.recv()
-            finally:
-                context.destroy(linger=0)
+            reader, rogue = await asyncio.open_unix_connection(endpoint)
+            not_msgpack = b"\xc1 not msgpack"
+            rogue.write(len(not_msgpack).to_bytes(4, "little") + not_msgpack)
+            rogue.write(framed(Lookup(1, "m", b"\x00" * 7, None, False)))  # no whole hash
+            rogue.write(framed(Lookup(2, "m", packed(chain), None, False)))  # and one it reads
+            async with asyncio.timeout(5):
+                answer = await reader.read(1 << 16)
             assert b"a" in answer
-            assert await remote.matches("m", chain, None, False) == {"a": TierMatch(gpu=6)}
+            rogue.write((MAX_MESSAGE_BYTES + 1).to_bytes(4, "little"))  # a frame it cannot take: cut off
+            async with asyncio.timeout(5):
+                assert await reader.read() == b""
+            rogue.close()
+            assert await remote.matches("m", chain, None, False) == {"a": TierMatch(gpu=6)}  # others go on
         assert metrics.index_host_malformed._value.get() == 3
 
     asyncio.run(main())
