@@ -25,7 +25,10 @@ from router.config import ModelConfig
 from router.dispatch.decision import Decider
 from router.index import matching
 from router.index.block_index import BlockIndex
-from router.index.pool import MasterLookup, PoolConfirmer, key_start, pool_key
+from router.index.figures import figures_of
+from router.index.index_host import IndexHost
+from router.index.pool import IndexOnlyMatches, MasterLookup, PoolConfirmer, key_start, pool_key
+from router.index.remote_index import RemoteIndex
 from router.metrics import RouterMetrics
 from router.prompt.openai_body import CompletionRequest
 from scorers.request import TierMatch
@@ -330,3 +333,41 @@ def test_pool_credit_between_blocks_an_instance_holds_is_confirmed_too(master: M
     assert index.match(prompt()) == {"a": TierMatch(gpu=1, cpu=1, pool=1)}
     assert confirm(index, master.admin_url, metrics) == [{"a": TierMatch(gpu=1)}]
     assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 2  # blocks 1 and 2
+
+
+def test_a_worker_of_several_gets_the_pool_credit_its_index_host_confirmed(
+    master: Master, tmp_path: Path
+) -> None:
+    """Under serve --workers the index host asks the master: a worker's lookup that wants pool credit
+    confirmed gets it as a lone router would, one that does not gets the index's entries as they stand."""
+    index, metrics = indexed(), RouterMetrics()
+    path, chain = str(tmp_path / "index"), prompt()
+
+    async def run() -> tuple[Mapping[str, TierMatch], Mapping[str, TierMatch], Mapping[str, TierMatch]]:
+        async with aiohttp.ClientSession() as session:
+            lookup = MasterLookup(master.admin_url, session, timeout_s=2.0)
+            confirmer = PoolConfirmer(index, lookup, POOL_NAMES, metrics)
+            as_indexed = IndexOnlyMatches(index)
+            host = IndexHost(
+                index, confirmer, as_indexed, lambda: figures_of(index, []), metrics, time.monotonic
+            )
+            remote = RemoteIndex(path, metrics, timeout_s=5.0)
+            tasks = [asyncio.create_task(host.serve(path)), asyncio.create_task(remote.run())]
+            try:
+                async with asyncio.timeout(10):
+                    # until the worker is connected (the other side's doing)
+                    while not (before := await remote.matches("tiny-llama", chain, None, False)):  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                confirmed = await remote.matches("tiny-llama", chain, None, True)
+                after = await remote.matches("tiny-llama", chain, None, False)
+                return before, confirmed, after
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    with pool_holding(master, range(4)):
+        before, confirmed, after = asyncio.run(run())
+    assert before == {"a": TierMatch(gpu=2, pool=4), "b": TierMatch(pool=6)}
+    assert confirmed == after == {"a": TierMatch(gpu=2, pool=2), "b": TierMatch(pool=4)}
+    assert metric_value(metrics, "kvroute_pool_lookups_total", result="gone") == 2
