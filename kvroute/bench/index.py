@@ -292,8 +292,8 @@ def _table(report: dict[str, Any]) -> Table:
         workers = int(host["workers"])
         router = "kvroute serve" if workers <= 1 else f"kvroute serve --workers {workers}"
         table.add_row(
-            f"{router}: RSS growth, {int(host['blocks']):,} blocks over ZMQ, its "
-            f"{int(host['processes'])} processes",
+            f"{router} ({int(host['processes'])} processes in all): RSS growth, {int(host['blocks']):,} "
+            "blocks over ZMQ",
             f"{host['rss_growth_bytes'] / 2**20:,.0f} MiB, {host['rss_bytes_per_block']:.0f} B/block",
             "one copy: as kvroute serve's" if workers > 1 else "",
         )

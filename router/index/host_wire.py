@@ -94,6 +94,31 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length)
 
 
+class Batching:
+    """Writes a connection's frames of one event loop turn in one system call: under load, the lookups and
+    routed requests of many requests at once."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._frames: list[bytes] = []
+
+    def write(self, frame: bytes) -> None:
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._frames.append(frame)
+
+    def unsent_bytes(self) -> int:
+        return self._writer.transport.get_write_buffer_size()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def _flush(self) -> None:
+        frames, self._frames = self._frames, []
+        if not self._writer.is_closing():
+            self._writer.write(b"".join(frames))
+
+
 def packed(chain: Sequence[int]) -> bytes:
     return array("Q", chain).tobytes()
 

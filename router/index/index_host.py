@@ -28,6 +28,7 @@ from router.index.block_index import BlockIndex, Speculation
 from router.index.figures import IndexFigures
 from router.index.host_wire import (
     AskFigures,
+    Batching,
     CacheReset,
     Figures,
     Lookup,
@@ -92,12 +93,13 @@ class IndexHost:
         worker = self._connections
         confirming: set[asyncio.Task[None]] = set()
         self._writers.add(writer)
+        answers = Batching(writer)
         try:
             while True:
                 payload = await read_frame(reader)
                 try:
                     message = decode_to_host(payload)
-                    await self._handle(writer, worker, message, confirming)
+                    await self._handle(answers, worker, message, confirming)
                 except (msgspec.DecodeError, ValueError):  # a payload of another shape, a chain of parts
                     self._metrics.index_host_malformed.inc()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -112,16 +114,16 @@ class IndexHost:
             writer.close()
 
     async def _handle(
-        self, writer: asyncio.StreamWriter, worker: int, message: ToHost, confirming: set[asyncio.Task[None]]
+        self, answers: Batching, worker: int, message: ToHost, confirming: set[asyncio.Task[None]]
     ) -> None:
         if isinstance(message, Lookup):
             chain = unpacked(message.chain)
             if message.confirm and self._confirmed is not self._as_indexed:
-                task = asyncio.create_task(self._answer(writer, message, chain, self._confirmed))
+                task = asyncio.create_task(self._answer(answers, message, chain, self._confirmed))
                 confirming.add(task)
                 task.add_done_callback(confirming.discard)
             else:  # the index alone: answered before the next message is read
-                await self._answer(writer, message, chain, self._as_indexed)
+                await self._answer(answers, message, chain, self._as_indexed)
         elif isinstance(message, Routed):
             entered = self._index.routed(message.instance, unpacked(message.chain), message.held)
             if entered is not None:
@@ -133,13 +135,13 @@ class IndexHost:
         elif isinstance(message, CacheReset):
             self._index.cache_reset(message.instance)
         elif isinstance(message, AskFigures):
-            _send(writer, Figures(message.id, self._figures()))
+            _send(answers, Figures(message.id, self._figures()))
 
     async def _answer(
-        self, writer: asyncio.StreamWriter, lookup: Lookup, chain: list[int], source: PrefixMatches
+        self, answers: Batching, lookup: Lookup, chain: list[int], source: PrefixMatches
     ) -> None:
         matches = await source.matches(lookup.model, chain, lookup.reusable)
-        _send(writer, Matched(lookup.id, _as_tuples(matches)))
+        _send(answers, Matched(lookup.id, _as_tuples(matches)))
 
     def _hold(self, worker: int, handle: int, instance: str, entered: Speculation) -> None:
         """Kept until withdrawn, or until it expired in the index anyway."""
@@ -153,12 +155,10 @@ def _as_tuples(matches: Mapping[str, TierMatch]) -> dict[str, tuple[int, int, in
     return {name: (m.gpu, m.cpu, m.pool) for name, m in matches.items()}
 
 
-def _send(writer: asyncio.StreamWriter, answer: ToWorker) -> None:
+def _send(answers: Batching, answer: ToWorker) -> None:
     """Never waits: a worker that leaves MAX_UNREAD_BYTES of answers unread is cut off (its lookups time out
     there until it connects again)."""
-    if writer.is_closing():
+    if answers.unsent_bytes() > MAX_UNREAD_BYTES:
+        answers.close()
         return
-    if writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
-        writer.close()
-        return
-    writer.write(framed(answer))
+    answers.write(framed(answer))

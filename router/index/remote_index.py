@@ -20,6 +20,7 @@ import msgspec
 from router.index.figures import IndexFigures
 from router.index.host_wire import (
     AskFigures,
+    Batching,
     CacheReset,
     Figures,
     Lookup,
@@ -54,6 +55,7 @@ class RemoteIndex:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Mapping[str, TierMatch]]] = {}
         self._writer: asyncio.StreamWriter | None = None
+        self._batching: Batching | None = None
         self.figures = IndexFigures()  # the host's, as last fetched (none while it does not answer)
         self._figures_answered = True
 
@@ -67,13 +69,14 @@ class RemoteIndex:
                 except OSError:  # not there yet, or restarting
                     await asyncio.sleep(RECONNECT_S)
                     continue
+                self._batching = Batching(self._writer)
                 try:
                     await self._answers(reader)
                 except (asyncio.IncompleteReadError, ConnectionError, Unframed) as exc:
                     log.info("the index host's connection ended (%r); connecting again", exc)
                 finally:
                     self._writer.close()
-                    self._writer = None
+                    self._writer = self._batching = None
         finally:
             fetching.cancel()
 
@@ -126,12 +129,12 @@ class RemoteIndex:
 
     def _send(self, message: ToHost) -> bool:
         """Sent now, or not at all: False while the host is unreachable or has not taken MAX_UNSENT_BYTES."""
-        writer = self._writer
-        if writer is None or writer.is_closing():
+        writer, batching = self._writer, self._batching
+        if writer is None or batching is None or writer.is_closing():
             return False
-        if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+        if batching.unsent_bytes() > MAX_UNSENT_BYTES:
             return False
-        writer.write(framed(message))
+        batching.write(framed(message))
         return True
 
     async def _fetch_figures(self) -> None:
