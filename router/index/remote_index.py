@@ -77,6 +77,9 @@ class RemoteIndex:
                 finally:
                     self._writer.close()
                     self._writer = self._batching = None
+                    for waiting in self._waiting.values():  # their answers went with the connection
+                        if not waiting.done():
+                            waiting.set_exception(ConnectionResetError("the index host's connection ended"))
         finally:
             fetching.cancel()
 
@@ -110,6 +113,9 @@ class RemoteIndex:
                 matches = await answer
         except TimeoutError:
             lookups("late").inc()
+            return _NOTHING
+        except ConnectionResetError:
+            lookups("unreachable").inc()
             return _NOTHING
         finally:
             del self._waiting[asked]

@@ -188,3 +188,25 @@ def test_messages_the_host_cannot_read_are_counted_and_passed_over(tmp_path: Pat
         assert metrics.index_host_malformed._value.get() == 3
 
     asyncio.run(main())
+
+
+def test_a_lookup_whose_connection_ends_routes_without_the_index_at_once(tmp_path: Path) -> None:
+    endpoint = str(tmp_path / "index")
+
+    async def main() -> None:
+        metrics = RouterMetrics()
+
+        async def reads_one_frame_and_hangs_up(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        ) -> None:
+            await reader.read(1)
+            writer.close()
+
+        hanging_up = await asyncio.start_unix_server(reads_one_frame_and_hangs_up, endpoint)
+        async with hanging_up, _worker(endpoint, metrics, timeout_s=30) as remote:
+            await asyncio.sleep(0.3)  # connected
+            async with asyncio.timeout(5):  # not the lookup's 30 s
+                assert await remote.matches("m", prompt(), None, False) == {}
+        assert _count(metrics, "unreachable") == 1
+
+    asyncio.run(main())
