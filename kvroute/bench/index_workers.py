@@ -10,6 +10,7 @@ process group, before the publishers start and once the router's /metrics report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import time
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.bench.index_ingest import SUBSCRIBED_WITHIN_S, Publishers, publishing
 from kvroute.bench.index_parts import BLOCK_SIZE
+from kvroute.bench.overhead.targets import group_pids, resident_bytes
 from kvroute.processes import Child, free_port_block, http_ok, start
 
 SERVING_WITHIN_S = 120.0
@@ -108,16 +110,11 @@ def _blocks_held(url: str) -> float:
 
 
 def _group_rss(group: int) -> dict[int, int]:
-    """Resident bytes of each process in the process group (its stat's pgrp field, /proc)."""
-    page = 4096
+    """Resident bytes of each process in the process group."""
     found: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-            if int(fields[2]) == group:
-                found[int(stat.parent.name)] = int((stat.parent / "statm").read_text().split()[1]) * page
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
+    for pid in group_pids(group):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            found[pid] = resident_bytes(pid)
     return found
 
 

@@ -110,12 +110,15 @@ class Batching:
     def unsent_bytes(self) -> int:
         return self._writer.transport.get_write_buffer_size()
 
+    def closing(self) -> bool:
+        return self._writer.is_closing()
+
     def close(self) -> None:
         self._writer.close()
 
     def _flush(self) -> None:
         frames, self._frames = self._frames, []
-        if not self._writer.is_closing():
+        if not self.closing():
             self._writer.write(b"".join(frames))
 
 

@@ -54,8 +54,7 @@ class RemoteIndex:
         self._path, self._metrics, self._timeout_s = path, metrics, timeout_s
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Mapping[str, TierMatch]]] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._batching: Batching | None = None
+        self._batching: Batching | None = None  # the connection to the host, while there is one
         self.figures = IndexFigures()  # the host's, as last fetched (none while it does not answer)
         self._figures_answered = True
 
@@ -65,18 +64,18 @@ class RemoteIndex:
         try:
             while True:
                 try:
-                    reader, self._writer = await asyncio.open_unix_connection(self._path)
+                    reader, writer = await asyncio.open_unix_connection(self._path)
                 except OSError:  # not there yet, or restarting
                     await asyncio.sleep(RECONNECT_S)
                     continue
-                self._batching = Batching(self._writer)
+                self._batching = Batching(writer)
                 try:
                     await self._answers(reader)
                 except (asyncio.IncompleteReadError, ConnectionError, Unframed) as exc:
                     log.info("the index host's connection ended (%r); connecting again", exc)
                 finally:
-                    self._writer.close()
-                    self._writer = self._batching = None
+                    self._batching = None
+                    writer.close()
                     for waiting in self._waiting.values():  # their answers went with the connection
                         if not waiting.done():
                             waiting.set_exception(ConnectionResetError("the index host's connection ended"))
@@ -135,10 +134,8 @@ class RemoteIndex:
 
     def _send(self, message: ToHost) -> bool:
         """Sent now, or not at all: False while the host is unreachable or has not taken MAX_UNSENT_BYTES."""
-        writer, batching = self._writer, self._batching
-        if writer is None or batching is None or writer.is_closing():
-            return False
-        if batching.unsent_bytes() > MAX_UNSENT_BYTES:
+        batching = self._batching
+        if batching is None or batching.closing() or batching.unsent_bytes() > MAX_UNSENT_BYTES:
             return False
         batching.write(framed(message))
         return True

@@ -188,6 +188,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def resident_bytes(pid: int) -> int:
+    """pid's resident memory now (its statm)."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -195,7 +200,8 @@ def peak_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def _group_pids(pgid: int) -> list[int]:
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group pgid (/proc)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
@@ -207,7 +213,7 @@ def _group_pids(pgid: int) -> list[int]:
 def group_cpu_seconds(pgid: int) -> float:
     """cpu_seconds of every live process in group pgid (each target's processes have a group of their own)."""
     total = 0.0
-    for pid in _group_pids(pgid):
+    for pid in group_pids(pgid):
         with contextlib.suppress(OSError):
             total += cpu_seconds(pid)
     return total
@@ -215,7 +221,7 @@ def group_cpu_seconds(pgid: int) -> float:
 
 def group_peak_rss_mib(pgid: int) -> float:
     peaks = [0.0]
-    for pid in _group_pids(pgid):
+    for pid in group_pids(pgid):
         with contextlib.suppress(OSError):
             peaks.append(peak_rss_mib(pid))
     return max(peaks)
