@@ -115,7 +115,7 @@ class Kube:
             response.release()
             try:
                 message = _status.decode(body).message
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                 message = body[:200].decode(errors="replace")
             raise error(response.status, message, f"GET {path}")
         return response

@@ -68,7 +68,7 @@ def with_cached_tokens(payload: bytes, cached: int) -> bytes:
 def _rewritten(document: bytes, cached: int) -> bytes | None:
     try:
         answer: Any = msgspec.json.decode(document)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     usage = answer.get("usage") if isinstance(answer, dict) else None
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None

@@ -215,7 +215,7 @@ class PrefillLeg:
             return mooncake_params(instance, transfer_id)
         try:
             params = _decode_answer(answer).kv_transfer_params
-        except (msgspec.DecodeError, RecursionError):
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             params = None
         if params is None:
             log.warning("%s answered a prefill leg with no kv_transfer_params: no producer?", instance.name)

@@ -186,6 +186,6 @@ def _server_error_event(events: bytes) -> bool:
     end = events.find(b"\n", start)
     try:
         code = error_object(events[start : end if end >= 0 else None]).get("code")
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return True
     return not (isinstance(code, int) and 400 <= code < 500)

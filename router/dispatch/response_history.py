@@ -92,7 +92,7 @@ def _output(answer: bytes) -> list[Any] | None:
         return None
     try:
         decoded = msgspec.json.decode(document)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     response = decoded.get("response", decoded) if isinstance(decoded, dict) else None
     # A response cut at max_output_tokens is "incomplete", and stored as it is.

@@ -246,7 +246,7 @@ def _error_body(payload: bytes, status: int, anthropic: bool) -> bytes:
     try:
         error_object(payload)
         return payload
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         pass
     text = payload.decode("utf-8", "replace").strip()[:_MAX_ERROR_TEXT] or f"HTTP {status}"
     message = f"The instance answered {status}: {text}"

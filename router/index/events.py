@@ -10,11 +10,14 @@ gives other work turns between them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeAlias, get_args
 
 import msgspec
+
+from router.index._event_wire import BatchDecoder
 
 BlockHash: TypeAlias = int | bytes
 
@@ -33,7 +36,7 @@ MAX_EVENTS = 1 << 17
 class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    token_ids: Sequence[int]  # decoded: array("I") (router/index/_event_wire.pyx), or a list
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -144,28 +147,42 @@ class MalformedBatch(ValueError):
 class EventDecoder:
     """Decodes batch payloads of either encoding; a bad event is skipped and counted, not fatal."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool = True) -> None:
+        """compiled=False: msgspec alone, the reference the compiled decoder is tested against."""
         self._typed = msgspec.msgpack.Decoder(_TypedBatch)
         self._batch = msgspec.msgpack.Decoder(_RawBatch)
         self._envelope = msgspec.msgpack.Decoder(_Envelope)
         self._items = msgspec.msgpack.Decoder(list[msgspec.Raw])
         self._map_event = msgspec.msgpack.Decoder(KVEvent)
+        self._common = BatchDecoder(
+            BlockStored, BlockRemoved, AllBlocksCleared, MAX_DATA_PARALLEL_RANK, compiled
+        )
         self._array_event = msgspec.msgpack.Decoder(_ArrayEvent)
 
     def decode(self, payload: bytes) -> EventBatch:
-        try:
-            typed = self._typed.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            return self._decode_items(payload)  # older vLLM's array encoding, a bad event, or no batch at all
-        if not math.isfinite(typed.ts):
-            raise MalformedBatch(f"batch timestamp {typed.ts} is not finite")
-        return EventBatch(typed.ts, typed.events, typed.data_parallel_rank, 0)
+        common = self._common.decode(payload)  # in C, what every live batch of vLLM's is
+        if common is not None:
+            ts, events, rank = common
+        else:
+            try:
+                typed = self._typed.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+                return self._decode_items(payload)  # older vLLM's array encoding, a bad event, or no batch
+            ts, events, rank = typed.ts, typed.events, typed.data_parallel_rank
+        if not math.isfinite(ts):
+            raise MalformedBatch(f"batch timestamp {ts} is not finite")
+        return EventBatch(ts, events, rank, 0)
 
     def _decode_items(self, payload: bytes) -> EventBatch:
         """decode, an event at a time: one that is no event is skipped and counted."""
         try:
             raw = self._batch.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # too deeply nested
+        except (
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            UnicodeDecodeError,
+            RecursionError,
+        ) as exc:  # too deeply nested
             raise MalformedBatch(str(exc)) from exc
         if not math.isfinite(raw.ts):  # it tells a replayed batch's live copy from a new process's batch
             raise MalformedBatch(f"batch timestamp {raw.ts} is not finite")
@@ -174,7 +191,7 @@ class EventDecoder:
         for item in raw.events:  # as events() does: inline, as every live batch comes this way
             try:
                 events.append(self._decode_event(item))
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
                 skipped += 1
         return EventBatch(raw.ts, events, raw.data_parallel_rank, skipped)
 
@@ -183,7 +200,7 @@ class EventDecoder:
         MAX_EVENTS, and are left as they are."""
         try:
             raw = self._envelope.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
             raise MalformedBatch(str(exc)) from exc
         if not math.isfinite(raw.ts):
             raise MalformedBatch(f"batch timestamp {raw.ts} is not finite")
@@ -205,7 +222,7 @@ class EventDecoder:
         for item in items:
             try:
                 events.append(self._decode_event(item))
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
                 skipped += 1
         return events, skipped
 
@@ -220,7 +237,8 @@ class EventDecoder:
         if view.nbytes and (0x90 <= view[0] <= 0x9F or view[0] in (0xDC, 0xDD)):
             event = self._array_event.decode(item)
             return _FROM_ARRAY_FORM[type(event)](*msgspec.structs.astuple(event))  # type: ignore[no-any-return]
-        return self._map_event.decode(item)  # type: ignore[no-any-return]
+        common = self._common.event(item)
+        return self._map_event.decode(item) if common is None else common  # type: ignore[no-any-return]
 
 
 class EventEncoder:
@@ -230,7 +248,7 @@ class EventEncoder:
         if encoding not in ("map", "array"):
             raise ValueError(f"unknown event encoding {encoding!r}: use 'map' or 'array'")
         self._array = encoding == "array"
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encodable)
 
     def encode(self, ts: float, events: list[KVEvent], data_parallel_rank: int | None = None) -> bytes:
         wire_events: list[Any] = events
@@ -240,6 +258,13 @@ class EventEncoder:
         if data_parallel_rank is not None:
             batch.append(data_parallel_rank)
         return self._encoder.encode(batch)
+
+
+def _encodable(value: Any) -> Any:
+    """Decoded events' token ids (array("I")) as msgpack arrays, as they came."""
+    if isinstance(value, array):
+        return value.tolist()
+    raise NotImplementedError(f"{type(value).__name__} is not an event field's type")
 
 
 def _array_length(view: memoryview) -> int | None:

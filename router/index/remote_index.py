@@ -87,7 +87,7 @@ class RemoteIndex:
             payload = await read_frame(reader)
             try:
                 answer = decode_to_worker(payload)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, UnicodeDecodeError):
                 log.warning("the index host sent an answer of another shape: passed over")
                 continue
             if isinstance(answer, Figures):

@@ -114,7 +114,7 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
         found = _PARAM.search(text) or _MISSING.search(text)
         param = found.group(1) if found else None
         raise bad_request(f"Invalid request body: {text}", "invalid_field", param) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
     if isinstance(body, ChatRequest):
         if not body.messages:
@@ -130,7 +130,7 @@ def json_object(raw: bytes) -> dict[str, Any]:
     """A body read as a plain JSON object (the agents' APIs), with decode_body's errors."""
     try:
         fields = msgspec.json.decode(_content(raw))
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(fields, dict):
         raise bad_request("The request body must be a JSON object.", "invalid_json")
@@ -216,7 +216,7 @@ def _as_vllm_reads_it(raw: bytes, kind: type[Body]) -> bytes | None:
     the second decode then reports the real error. Only for decoding: the engine gets the body as sent."""
     try:
         fields = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(fields, dict):
         return None
@@ -255,7 +255,11 @@ def without_full_kv_report(raw: bytes, xargs: Any) -> bytes:
         return raw
     try:
         fields = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):  # what decode_body accepted but plain JSON cannot hold
+    except (
+        msgspec.DecodeError,
+        UnicodeDecodeError,
+        RecursionError,
+    ):  # what decode_body accepted but plain JSON cannot hold
         return raw
     xargs = fields.get("vllm_xargs") if isinstance(fields, dict) else None
     if not isinstance(xargs, dict) or xargs.pop(_REPORT_MODE, None) is None:

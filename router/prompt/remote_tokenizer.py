@@ -94,7 +94,7 @@ class RemoteTokenizer:
             raise TokenizeFailed(f"POST {self.url} answered {status}: {payload[:200]!r}")
         try:
             decoded = _decode_response(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise TokenizeFailed(f"POST {self.url} answered an unreadable body: {exc}") from exc
         if decoded.count != len(decoded.tokens):
             raise TokenizeFailed(

@@ -94,7 +94,13 @@ class HealthChecker:
                 )
                 return
             cards = msgspec.json.decode(body, type=_ModelList).data
-        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (
+            TimeoutError,
+            aiohttp.ClientError,
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            UnicodeDecodeError,
+        ) as exc:
             log.debug("no model cards from %s: %r", instance.name, exc)
             return
         instance.max_model_len = {c.id: c.max_model_len for c in cards if c.max_model_len is not None}

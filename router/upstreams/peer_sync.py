@@ -141,7 +141,7 @@ class PeerSync:
         counted and skipped."""
         try:
             snapshot = self._decoder.decode(message)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             self._metrics.peer_snapshots("malformed").inc()
             return
         if snapshot.router == self.router_id:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -41,13 +44,22 @@ STORED_BYTES = BlockStored(
 EVENTS = [STORED, STORED_BYTES, BlockRemoved(block_hashes=[BIG_INT], medium="GPU"), AllBlocksCleared()]
 
 
+def fields(event: Any) -> dict[str, Any]:
+    """An event's fields, its token ids as a list whichever sequence holds them."""
+    values = msgspec.structs.asdict(event)
+    if "token_ids" in values:
+        values["token_ids"] = list(values["token_ids"])
+    return values
+
+
 @pytest.mark.parametrize("encoding", ["map", "array"])
-def test_round_trip_in_both_encodings(encoding: str) -> None:
-    batch = EventDecoder().decode(EventEncoder(encoding).encode(12.5, EVENTS, data_parallel_rank=1))
+@pytest.mark.parametrize("compiled", [True, False])
+def test_round_trip_in_both_encodings(encoding: str, compiled: bool) -> None:
+    batch = EventDecoder(compiled).decode(EventEncoder(encoding).encode(12.5, EVENTS, data_parallel_rank=1))
     assert batch.ts == 12.5
     assert batch.data_parallel_rank == 1
     assert batch.skipped_events == 0
-    assert [msgspec.structs.asdict(e) for e in batch.events] == [msgspec.structs.asdict(e) for e in EVENTS]
+    assert [fields(e) for e in batch.events] == [fields(e) for e in EVENTS]
     assert isinstance(batch.events[0], BlockStored)
     assert isinstance(batch.events[2], BlockRemoved)
     assert isinstance(batch.events[3], AllBlocksCleared)
@@ -95,6 +107,57 @@ def test_short_arrays_unknown_keys_and_extra_items_are_accepted() -> None:
     assert [e.block_hashes for e in batch.events] == [[1], [1], [2]]  # type: ignore[union-attr]
 
 
+# What vLLM 0.32 sends for a plain prefill (reference/vllm-kv-events.md), with a field a later vLLM might add
+VLLM_STORED = {
+    "type": "BlockStored",
+    "block_hashes": [BIG_INT, 2**63],
+    "parent_block_hash": 5,
+    "token_ids": [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1] * 4,
+    "block_size": 16,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+    "extra_keys": [None, None],
+    "group_idx": 0,
+    "kv_cache_spec_kind": "full_attention",
+    "kv_cache_spec_sliding_window": None,
+    "locality": {"nested": [1, 2.5, b"x", None, True]},
+}
+
+
+def test_vllms_common_batch_decodes_in_c_as_msgspec_decodes_it() -> None:
+    removed = {"type": "BlockRemoved", "block_hashes": [b"\x01" * 32], "medium": "GPU", "group_idx": 0}
+    payload = msgspec.msgpack.encode([7.25, [VLLM_STORED, removed, {"type": "AllBlocksCleared"}], 3])
+    compiled, reference = EventDecoder().decode(payload), EventDecoder(compiled=False).decode(payload)
+    stored = compiled.events[0]
+    assert isinstance(stored, BlockStored)
+    assert type(stored.token_ids) is array and stored.token_ids.typecode == "I"  # no object per token
+    assert type(reference.events[0].token_ids) is list  # type: ignore[union-attr]
+    assert (compiled.ts, compiled.data_parallel_rank, compiled.skipped_events) == (7.25, 3, 0)
+    assert [fields(e) for e in compiled.events] == [fields(e) for e in reference.events]
+
+
+@pytest.mark.parametrize(
+    "unusual",
+    [
+        {"token_ids": [1, -1] * 16},  # no uint32: kept as a list, for the index to count as mismatched
+        {"token_ids": [1, 2**32] * 16},
+        {"extra_keys": [["adapter"], None]},  # a block's own keys
+        {"token_ids": [1.5] * 32},  # no event at all: skipped
+        {"block_size": None},
+        {"medium": b"GPU"},
+    ],
+)
+def test_what_the_compiled_decoder_does_not_read_decodes_as_before(unusual: dict[str, Any]) -> None:
+    payload = msgspec.msgpack.encode([1.0, [{**VLLM_STORED, **unusual}, {"type": "AllBlocksCleared"}]])
+    compiled, reference = EventDecoder().decode(payload), EventDecoder(compiled=False).decode(payload)
+    assert compiled.skipped_events == reference.skipped_events
+    assert [fields(e) for e in compiled.events] == [fields(e) for e in reference.events]
+    assert len(compiled.events) == (1 if isinstance(unusual.get("token_ids", [0])[0], float) else 2) - (
+        unusual.get("block_size", 0) is None or type(unusual.get("medium")) is bytes
+    )
+
+
 @pytest.mark.parametrize(
     "bad_event",
     [
@@ -113,6 +176,20 @@ def test_a_bad_event_is_skipped_and_counted_while_its_neighbours_survive(bad_eve
     batch = EventDecoder().decode(msgspec.msgpack.encode([1.0, [good, bad_event, good]]))
     assert batch.skipped_events == 1
     assert len(batch.events) == 2
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_string_that_is_no_utf8_costs_its_event_only(compiled: bool) -> None:
+    """msgspec raises UnicodeDecodeError, not DecodeError, for such a string: it used to escape the decoder
+    and end the subscriber's session (a rogue publisher could keep it reconnecting)."""
+    good = msgspec.msgpack.encode({"type": "AllBlocksCleared"})
+    bad_tag = b"\x81\xa4type\xa2\xc3\x28"  # {"type": <two bytes that are no UTF-8>}
+    bad_medium = b"\x83\xa4type\xacBlockRemoved\xacblock_hashes\x90\xa6medium\xa1\xff"
+    for bad in (bad_tag, bad_medium):
+        batch = EventDecoder(compiled).decode(
+            b"\x92\xcb" + msgspec.msgpack.encode(1.0)[1:] + b"\x93" + good + bad + good
+        )
+        assert (batch.skipped_events, len(batch.events)) == (1, 2)
 
 
 @pytest.mark.parametrize(
