@@ -13,7 +13,8 @@ BLOCK_SIZE = 16
 def gpu_blocks(
     hashes: Sequence[BlockHash], tokens: list[int], parent: BlockHash | None = None
 ) -> BlockStored:
-    """A BlockStored event of GPU blocks of BLOCK_SIZE tokens, no adapter, as vLLM announces a prefill."""
+    """A BlockStored event of GPU blocks of BLOCK_SIZE tokens, no adapter, as vLLM 0.32 announces a prefill:
+    no extra keys for any block, in the model's one full-attention group."""
     return BlockStored(
         block_hashes=list(hashes),
         parent_block_hash=parent,
@@ -22,6 +23,9 @@ def gpu_blocks(
         lora_id=None,
         medium="GPU",
         lora_name=None,
+        extra_keys=[None] * len(hashes),
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
     )
 
 

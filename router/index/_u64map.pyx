@@ -18,9 +18,9 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
-from libc.stdlib cimport qsort
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
-from libc.string cimport memset
+from libc.stdlib cimport qsort
+from libc.string cimport memcpy, memset
 
 cdef enum:
     _EMPTY = -1
@@ -58,7 +58,12 @@ cdef extern from *:
         if (bytes < U64MAP_MAPPED)
             return PyMem_Malloc(bytes);
         void *mapped = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        return mapped == MAP_FAILED ? NULL : mapped;
+        if (mapped == MAP_FAILED)
+            return NULL;
+        /* In 2 MiB pages where the kernel has them to give (transparent huge pages, "madvise" by default on
+           Debian): a probe into a table of millions then misses the cache, not the TLB as well. */
+        madvise(mapped, bytes, MADV_HUGEPAGE);
+        return mapped;
     }
     static void u64map_release(void *memory, size_t bytes) {
         if (memory == NULL)
@@ -77,6 +82,9 @@ cdef object _ABSENT = object()
 cdef object _WORD = 1 << 64
 cdef object _INLINE = 1 << 80
 cdef Py_ssize_t _MOST_ENTRIES = 0x7FFFFFFF  # positions are int32 slots
+cdef Py_ssize_t _INSERTION_SORTED = 64  # a store of at most this many blocks is checked for repeats by an insertion sort
+# Entries ahead whose home slots a rebuild starts loading: a table of millions misses the cache at each.
+cdef Py_ssize_t _REBUILD_AHEAD = 16
 cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; past it, interning starts over
 
 
@@ -229,6 +237,8 @@ cdef class U64Map:
             raise
         self._objects = moved
         for position in range(old.used):
+            if position + _REBUILD_AHEAD < old.used:  # the table's slots are missed ahead, together
+                self._prefetch(old.keys[position + _REBUILD_AHEAD])
             if old.state[position] == _HOLE:
                 continue
             at = self._used
@@ -511,37 +521,48 @@ def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
     reference count of 1), both the last block first. False, with nothing entered, when any of own is held
     or any of keys used, or either names one twice: those take the per-block path."""
     cdef Py_ssize_t count = len(own), index
-    cdef uint64_t own_hash
-    cdef uint16_t high
+    cdef uint64_t own_hash, bit_low
+    cdef uint16_t high, bit_high
+    cdef bint narrow
     if len(keys) != count:
         raise ValueError(f"{count} hashes for {len(keys)} keys")
     if not 0 <= bit:
         raise ValueError(f"U64Map holds non-negative ints, not {bit}")
-    for index in range(count):
-        holders._prefetch(own[index])
-        blocks._prefetch(keys[index])
-    for index in range(count):
-        if holders._find(own[index]) >= 0:
+    # Both as C integers once (OverflowError outside [0, 2^64)): each is probed, checked and entered.
+    cdef uint64_t *values = <uint64_t *>PyMem_Malloc(4 * count * sizeof(uint64_t) + 1)
+    if values == NULL:
+        raise MemoryError()
+    cdef uint64_t *own_c = values
+    cdef uint64_t *keys_c = values + count
+    try:
+        for index in range(count):
+            own_c[index], keys_c[index] = own[index], keys[index]
+            holders._prefetch(own_c[index])
+            blocks._prefetch(keys_c[index])
+        for index in range(count):
+            if holders._find(own_c[index]) >= 0:
+                return False
+        for index in range(count):
+            if blocks._find(keys_c[index]) >= 0:
+                return False
+        if _repeats(own_c, count, values + 2 * count) or _repeats(keys_c, count, values + 3 * count):
             return False
-    for index in range(count):
-        if blocks._find(keys[index]) >= 0:
-            return False
-    if _repeats(own) or _repeats(keys):
-        return False
-    cdef bint narrow = bit < _INLINE
-    cdef uint64_t bit_low = <uint64_t>(bit & 0xFFFFFFFFFFFFFFFF) if narrow else 0
-    cdef uint16_t bit_high = <uint16_t>(bit >> 64) if narrow else 0
-    # Each is known absent now: entered without a second probe for it.
-    for index in range(count - 1, -1, -1):
-        if narrow:
-            holders._insert_inline(own[index], bit_low, bit_high)
-        else:
-            holders._insert(own[index], bit)
-    for index in range(count - 1, -1, -1):
-        own_hash = own[index]
-        high = <uint16_t>(own_hash >> (64 - _COUNT_BITS))
-        blocks._insert_inline(keys[index], (own_hash << _COUNT_BITS) | 1, high)
-    return True
+        narrow = bit < _INLINE
+        bit_low = <uint64_t>(bit & 0xFFFFFFFFFFFFFFFF) if narrow else 0
+        bit_high = <uint16_t>(bit >> 64) if narrow else 0
+        # Each is known absent now: entered without a second probe for it.
+        for index in range(count - 1, -1, -1):
+            if narrow:
+                holders._insert_inline(own_c[index], bit_low, bit_high)
+            else:
+                holders._insert(own_c[index], bit)
+        for index in range(count - 1, -1, -1):
+            own_hash = own_c[index]
+            high = <uint16_t>(own_hash >> (64 - _COUNT_BITS))
+            blocks._insert_inline(keys_c[index], (own_hash << _COUNT_BITS) | 1, high)
+        return True
+    finally:
+        PyMem_Free(values)
 
 
 cdef int _ascending(const void *first, const void *second) noexcept nogil:
@@ -549,24 +570,27 @@ cdef int _ascending(const void *first, const void *second) noexcept nogil:
     return (a > b) - (a < b)
 
 
-cdef bint _repeats(list values) except -1:
-    """Whether any of values (ints in [0, 2^64), checked by the caller) comes twice."""
-    cdef Py_ssize_t count = len(values), index
-    if count < 2:
-        return False
-    cdef uint64_t *sorted_values = <uint64_t *>PyMem_Malloc(count * sizeof(uint64_t))
-    if sorted_values == NULL:
-        raise MemoryError()
-    try:
-        for index in range(count):
-            sorted_values[index] = values[index]
-        qsort(sorted_values, count, sizeof(uint64_t), _ascending)
+cdef bint _repeats(const uint64_t *values, Py_ssize_t count, uint64_t *scratch) noexcept nogil:
+    """Whether any of values comes twice; scratch: room for count values. A store is mostly of some tens of
+    blocks, sorted by insertion; a long prompt's thousands by qsort."""
+    cdef Py_ssize_t index, at
+    cdef uint64_t value
+    if count > _INSERTION_SORTED:
+        memcpy(scratch, values, count * sizeof(uint64_t))
+        qsort(scratch, count, sizeof(uint64_t), _ascending)
         for index in range(1, count):
-            if sorted_values[index] == sorted_values[index - 1]:
+            if scratch[index] == scratch[index - 1]:
                 return True
         return False
-    finally:
-        PyMem_Free(sorted_values)
+    for index in range(count):
+        value, at = values[index], index
+        while at > 0 and scratch[at - 1] > value:
+            scratch[at] = scratch[at - 1]
+            at -= 1
+        if at > 0 and scratch[at - 1] == value:
+            return True
+        scratch[at] = value
+    return False
 
 
 def and_runs(list masks):

@@ -60,7 +60,7 @@ def chain(
 
     extra_keys, when given, holds one entry per block (None for most) mixed into that block's hash.
     """
-    if extra_keys is None or all(key is None for key in extra_keys):
+    if extra_keys is None or extra_keys.count(None) == len(extra_keys):  # vLLM's event for most requests
         return chain_hashes(token_ids, block_size, parent)
     data = _full_blocks(token_ids, block_size)
     step = block_size * 4

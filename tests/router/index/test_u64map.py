@@ -200,3 +200,20 @@ def test_new_blocks_with_mismatched_keys_or_a_negative_owner_are_refused() -> No
         enter_new(U64Map(), U64Map(), [1, 2], [1], 1)
     with pytest.raises(ValueError):
         enter_new(U64Map(), U64Map(), [1], [1], -1)
+
+
+@pytest.mark.parametrize("count", [2, 64, 65, 500])  # checked by an insertion sort up to 64, by qsort past it
+def test_a_store_naming_a_block_twice_enters_nothing(count: int) -> None:
+    own, keys = list(range(1, count + 1)), list(range(1_000, 1_000 + count))
+    for repeated_own, repeated_keys in ((own[:-1] + own[:1], keys), (own, [*keys[:-1], keys[count // 3]])):
+        holders, blocks = U64Map(), U64Map()
+        assert not enter_new(holders, blocks, repeated_own, repeated_keys, 1)
+        assert len(holders) == len(blocks) == 0
+    holders, blocks = U64Map(), U64Map()
+    assert enter_new(holders, blocks, own, keys, 1)
+    assert len(holders) == len(blocks) == count
+
+
+def test_a_store_of_a_hash_past_64_bits_is_refused() -> None:
+    with pytest.raises(OverflowError):
+        enter_new(U64Map(), U64Map(), [1, 2**64], [1, 2], 1)
