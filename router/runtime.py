@@ -165,8 +165,12 @@ class Runtime:
         stack.callback(context.destroy, linger=0)
         self.health = HealthChecker(self.upstreams, control, config.health, metrics)
         await self.health.check_all()  # their /v1/models too: where a model's tokenizer may be found
-        choices = await asyncio.to_thread(choose_tokenizers, config.models, self.upstreams.instances)
-        self.tokenizers = await asyncio.to_thread(_local_tokenizers, config, choices)
+        # An index host routes nothing: it neither loads tokenizers nor checks them against the engines'.
+        tokenizes = self._shared_index is None or not self._shared_index.hosts
+        choices = {}
+        if tokenizes:
+            choices = await asyncio.to_thread(choose_tokenizers, config.models, self.upstreams.instances)
+            self.tokenizers = await asyncio.to_thread(_local_tokenizers, config, choices)
         self.tokenizer_watch.origins = {
             name: choice.origin if name in self.tokenizers or choice.path is None else _NOT_LOADED
             for name, choice in choices.items()
@@ -210,7 +214,7 @@ class Runtime:
             "health": (self.health.check_due, self.health.tick_s, True),
             "load": (scraper.scrape_all, scraper.interval_s, False),
             "flow_control": (self.flow_gate.tick, FLOW_TICK_S, True),
-            "tokenizers": (self._adopt_found_tokenizers, TOKENIZER_SEARCH_S, True),
+            **({"tokenizers": (self._adopt_found_tokenizers, TOKENIZER_SEARCH_S, True)} if tokenizes else {}),
             **{name: (loop, config.peers.interval_s, False) for name, loop in self.peers.loops().items()},
         }
         tasks = [
@@ -218,9 +222,9 @@ class Runtime:
             for name, (loop, every, delayed) in loops.items()
         ]
         tasks += self._index_tasks()
-        tasks.append(
-            asyncio.create_task(check_at_start(self.tokenizer_watch, self.tokenizers, self._remotes(control)))
-        )
+        if tokenizes:
+            checked = check_at_start(self.tokenizer_watch, self.tokenizers, self._remotes(control))
+            tasks.append(asyncio.create_task(checked))
         if discovery is not None:
             watch = Discovery(discovery, config.peers.publish, self.discovered, metrics).run
             tasks.append(

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from router.config import parse_config
+from router.config import PeersConfig, parse_config
 from router.prompt.openai_body import CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer, local_tokenizer_dir
-from router.runtime import Runtime
+from router.runtime import Runtime, SharedIndex
 from router.upstreams.instances import Instance
 from router.upstreams.model_tokenizers import choose_tokenizers
 
@@ -119,3 +119,17 @@ def test_a_hugging_face_id_is_found_in_the_local_cache_without_downloading(
         == f"acme/llama-9b (the model's name, in the Hugging Face cache at {snapshot})"
     )
     assert PromptTokenizer(snapshot).text_ids(PROMPT) == PromptTokenizer(model_dir).text_ids(PROMPT)
+
+
+def test_an_index_host_loads_no_tokenizer(local_model: Path, tmp_path: Path) -> None:
+    """`serve --workers N`'s index host routes nothing: the workers tokenize, it only holds the index."""
+    raw = {"models": [{"name": str(local_model)}], "instances": [DOWN]}
+
+    async def main() -> tuple[dict[str, Any], dict[str, str]]:
+        shared = SharedIndex(str(tmp_path / "index"), hosts=True)
+        async with Runtime(parse_config(raw), PeersConfig(), shared) as host:
+            return dict(host.tokenizers), dict(host.tokenizer_watch.origins)
+
+    assert asyncio.run(main()) == ({}, {})
+    lone, _ = started(raw, str(local_model))
+    assert set(lone.tokenizers) == {str(local_model)}  # what it would have loaded
