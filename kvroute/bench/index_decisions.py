@@ -19,7 +19,7 @@ from router.prompt import block_hashing
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 from scorers.policy_config import builtin_policies
-from scorers.request import RoutingRequest
+from scorers.request import RoutingRequest, TierMatch
 
 VOCAB = 150_000
 SYSTEM_PROMPT_BLOCKS = 128  # 2,048 tokens every instance holds
@@ -75,7 +75,24 @@ def _measure_fleet(size: int, tokens: list[int], repeats: int) -> dict[str, floa
         "hash_ms": hash_ms,
         "match_ms": match_ms,
         "choose_ms": choose_ms,
+        "inputs_ms": _median_ms(lambda: _read_inputs(candidates, matches), repeats),
         "decision_ms": hash_ms + match_ms + choose_ms,
         "matched_instances": len(matches),
         "index_entries": index.entries,
     }
+
+
+def _read_inputs(candidates: list[Instance], matches: dict[str, TierMatch]) -> None:
+    """What the default policy's scorers read of each candidate, read and nothing done with it: the floor
+    under choosing while the candidates' state lives in instance objects."""
+    for c in candidates:
+        (
+            matches.get(c.name),
+            c.in_flight,
+            c.active_tokens,
+            c.pending_prefill_tokens,
+            c.kv_capacity_tokens,
+            c.context_hold_s,
+            c.load,
+            c.ttft_model,
+        )

@@ -25,6 +25,7 @@ def test_every_instance_of_a_fleet_matches_the_shared_prompt() -> None:
     fleets = measure_decisions((4, 20), prompt_tokens=4_096, repeats=1)
     assert [fleets[size]["matched_instances"] for size in ("4", "20")] == [4, 20]
     assert SESSION_HOLDERS < 20
+    assert all(0 < fleet["inputs_ms"] for fleet in fleets.values())  # the floor under choosing, measured
 
 
 def test_a_router_with_workers_holds_every_block_sent_once_in_its_index_host() -> None:
