@@ -167,14 +167,8 @@ class Runtime:
         await self.health.check_all()  # their /v1/models too: where a model's tokenizer may be found
         # An index host routes nothing: it neither loads tokenizers nor checks them against the engines'.
         tokenizes = self._shared_index is None or not self._shared_index.hosts
-        choices = {}
         if tokenizes:
-            choices = await asyncio.to_thread(choose_tokenizers, config.models, self.upstreams.instances)
-            self.tokenizers = await asyncio.to_thread(_local_tokenizers, config, choices)
-        self.tokenizer_watch.origins = {
-            name: choice.origin if name in self.tokenizers or choice.path is None else _NOT_LOADED
-            for name, choice in choices.items()
-        }
+            await self._load_tokenizers(config)
         self._roots_searched = {m.name: self._roots(m) for m in config.models if m.tokenizer is None}
         self._control = control
         self.decider = self._decider(control)
@@ -233,6 +227,15 @@ class Runtime:
                 )
             )
         stack.push_async_callback(_cancelled, tasks)
+
+    async def _load_tokenizers(self, config: RouterConfig) -> None:
+        """Each model's tokenizer, where the configuration or the instances' answers say it is."""
+        choices = await asyncio.to_thread(choose_tokenizers, config.models, self.upstreams.instances)
+        self.tokenizers = await asyncio.to_thread(_local_tokenizers, config, choices)
+        self.tokenizer_watch.origins = {
+            name: choice.origin if name in self.tokenizers or choice.path is None else _NOT_LOADED
+            for name, choice in choices.items()
+        }
 
     def _index_tasks(self) -> list[asyncio.Task[None]]:
         """A shared index's side here: the host's answering, or a worker's asking."""

@@ -66,11 +66,7 @@ def answer_usage(payload: bytes) -> Usage | None:
     """A whole answer's (or one stream event's) usage, if it has one."""
     try:
         answer = _decode_answer(payload)
-    except (
-        msgspec.DecodeError,
-        UnicodeDecodeError,
-        RecursionError,
-    ):  # an engine's answer nested past the decoder's depth
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # nested past its depth, not UTF-8
         return None
     usage = answer.usage
     if usage is None and answer.response is not None:

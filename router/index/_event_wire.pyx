@@ -126,19 +126,21 @@ cdef inline Py_ssize_t _map(_Reader *r) noexcept nogil:
     return _container(r, 0x80, 0xDE, 0xDF)
 
 
-cdef Py_ssize_t _text(_Reader *r, const unsigned char **start) noexcept nogil:
-    """The length of the str at r and where its bytes start, read past it; -1 if it is none."""
+cdef Py_ssize_t _sized(_Reader *r, unsigned char first, const unsigned char **start) noexcept nogil:
+    """The str (first: 0xD9, str8) or bin (first: 0xC4, bin8) at r, of a length in 8, 16 or 32 bits (tags
+    first, first + 1, first + 2), or a fixstr for a str: its length and where its bytes start, read past it;
+    -1 if it is none, or is cut short."""
     if not _has(r, 1):
         return -1
     cdef unsigned char tag = r.data[r.at]
     cdef Py_ssize_t length, header
-    if tag & 0xE0 == 0xA0:
+    if first == 0xD9 and tag & 0xE0 == 0xA0:
         length, header = tag & 0x1F, 1
-    elif tag == 0xD9 and _has(r, 2):
+    elif tag == first and _has(r, 2):
         length, header = r.data[r.at + 1], 2
-    elif tag == 0xDA and _has(r, 3):
+    elif tag == first + 1 and _has(r, 3):
         length, header = _be16(r.data + r.at + 1), 3
-    elif tag == 0xDB and _has(r, 5):
+    elif tag == first + 2 and _has(r, 5):
         length, header = _be32(r.data + r.at + 1), 5
     else:
         return -1
@@ -149,6 +151,10 @@ cdef Py_ssize_t _text(_Reader *r, const unsigned char **start) noexcept nogil:
     return length
 
 
+cdef inline Py_ssize_t _text(_Reader *r, const unsigned char **start) noexcept nogil:
+    return _sized(r, 0xD9, start)
+
+
 cdef int _skip(_Reader *r, int depth) noexcept nogil:
     """Read past the value at r, whatever it is; -1 when it is malformed or nested past _DEEPEST."""
     if not _has(r, 1) or depth > _DEEPEST:
@@ -156,7 +162,7 @@ cdef int _skip(_Reader *r, int depth) noexcept nogil:
     cdef unsigned char tag = r.data[r.at]
     cdef Py_ssize_t count, index, length
     cdef const unsigned char *start
-    if tag <= 0x7F or tag >= 0xE0 or 0xC0 <= tag <= 0xC3:  # fixints, nil, (unused), false, true
+    if tag <= 0x7F or tag >= 0xE0 or tag == 0xC0 or tag == 0xC2 or tag == 0xC3:  # fixints, nil, false, true
         r.at += 1
         return 0
     if tag & 0xE0 == 0xA0 or 0xD9 <= tag <= 0xDB:
@@ -255,20 +261,13 @@ cdef object _hash(_Reader *r):
     """A block hash: an int, or bytes (vLLM's full hashes)."""
     if not _has(r, 1):
         return _UNUSUAL
-    cdef unsigned char tag = r.data[r.at]
-    cdef Py_ssize_t length, header
-    if tag == 0xC4 and _has(r, 2):
-        length, header = r.data[r.at + 1], 2
-    elif tag == 0xC5 and _has(r, 3):
-        length, header = _be16(r.data + r.at + 1), 3
-    elif tag == 0xC6 and _has(r, 5):
-        length, header = _be32(r.data + r.at + 1), 5
-    else:
+    if not 0xC4 <= r.data[r.at] <= 0xC6:  # no bin
         return _int(r)
-    if not _has(r, header + length):
+    cdef const unsigned char *start
+    cdef Py_ssize_t length = _sized(r, 0xC4, &start)
+    if length < 0:
         return _UNUSUAL
-    r.at += header + length
-    return PyBytes_FromStringAndSize(<const char *>r.data + r.at - length, length)
+    return PyBytes_FromStringAndSize(<const char *>start, length)
 
 
 cdef object _optional_hash(_Reader *r):
@@ -458,6 +457,8 @@ cdef class BatchDecoder:
             if length < 0:
                 return _UNUSUAL
             field = _field(name, length, field + 1)
+            if field < 0 and _is(name, length, b"type"):
+                return _UNUSUAL  # tagged twice
             if field < 0 or not allowed >> field & 1:  # a field this vLLM adds: skipped, as msgspec does
                 if _skip(r, 0) < 0:
                     return _UNUSUAL

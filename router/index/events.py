@@ -100,6 +100,11 @@ if set(EVENT_TYPES) != set(get_args(KVEvent)) or set(_FROM_ARRAY_FORM) != set(ge
     raise TypeError("EVENT_TYPES, KVEvent and _ArrayEvent must name the same event types")
 
 
+# What msgspec raises for a payload it cannot decode as asked: UnicodeDecodeError (not DecodeError) for a
+# string that is no UTF-8, RecursionError past its nesting depth.
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+
+
 class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[msgspec.Raw]
@@ -166,7 +171,7 @@ class EventDecoder:
         else:
             try:
                 typed = self._typed.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+            except _UNDECODABLE:
                 return self._decode_items(payload)  # older vLLM's array encoding, a bad event, or no batch
             ts, events, rank = typed.ts, typed.events, typed.data_parallel_rank
         if not math.isfinite(ts):
@@ -177,12 +182,7 @@ class EventDecoder:
         """decode, an event at a time: one that is no event is skipped and counted."""
         try:
             raw = self._batch.decode(payload)
-        except (
-            msgspec.DecodeError,
-            msgspec.ValidationError,
-            UnicodeDecodeError,
-            RecursionError,
-        ) as exc:  # too deeply nested
+        except _UNDECODABLE as exc:
             raise MalformedBatch(str(exc)) from exc
         if not math.isfinite(raw.ts):  # it tells a replayed batch's live copy from a new process's batch
             raise MalformedBatch(f"batch timestamp {raw.ts} is not finite")
@@ -191,7 +191,7 @@ class EventDecoder:
         for item in raw.events:  # as events() does: inline, as every live batch comes this way
             try:
                 events.append(self._decode_event(item))
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+            except _UNDECODABLE:
                 skipped += 1
         return EventBatch(raw.ts, events, raw.data_parallel_rank, skipped)
 
@@ -200,7 +200,7 @@ class EventDecoder:
         MAX_EVENTS, and are left as they are."""
         try:
             raw = self._envelope.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
+        except _UNDECODABLE as exc:
             raise MalformedBatch(str(exc)) from exc
         if not math.isfinite(raw.ts):
             raise MalformedBatch(f"batch timestamp {raw.ts} is not finite")
@@ -222,7 +222,7 @@ class EventDecoder:
         for item in items:
             try:
                 events.append(self._decode_event(item))
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+            except _UNDECODABLE:
                 skipped += 1
         return events, skipped
 

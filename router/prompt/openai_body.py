@@ -253,13 +253,9 @@ def without_full_kv_report(raw: bytes, xargs: Any) -> bytes:
     body's ``vllm_xargs`` as decoded (a key spelled with JSON escapes is found there, not in the bytes)."""
     if not isinstance(xargs, dict) or _REPORT_MODE not in xargs:  # the common case: nothing to decode
         return raw
-    try:
+    try:  # what fails here decode_body took, and plain JSON cannot hold
         fields = msgspec.json.decode(raw)
-    except (
-        msgspec.DecodeError,
-        UnicodeDecodeError,
-        RecursionError,
-    ):  # what decode_body accepted but plain JSON cannot hold
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return raw
     xargs = fields.get("vllm_xargs") if isinstance(fields, dict) else None
     if not isinstance(xargs, dict) or xargs.pop(_REPORT_MODE, None) is None:

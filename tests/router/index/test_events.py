@@ -158,6 +158,32 @@ def test_what_the_compiled_decoder_does_not_read_decodes_as_before(unusual: dict
     )
 
 
+_REMOVED_HEAD = b"\x84\xa4type\xacBlockRemoved\xacblock_hashes\x91\x01\xa6medium\xc0"  # then one more key
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        _REMOVED_HEAD + b"\xa1z\xc1",  # a value no msgpack has (0xc1) in a field skipped: no batch at all
+        _REMOVED_HEAD + b"\xa4type\xa1x",  # tagged twice, the tags differ: the event is skipped
+        _REMOVED_HEAD + b"\xa4type\xacBlockRemoved",  # tagged twice alike: kept
+    ],
+)
+def test_what_msgspec_refuses_in_an_event_the_compiled_decoder_refuses(event: bytes) -> None:
+    payload = (
+        b"\x92\xcb" + msgspec.msgpack.encode(1.0)[1:] + b"\x92" + msgspec.msgpack.encode(VLLM_STORED) + event
+    )
+    outcomes = []
+    for decoder in (EventDecoder(), EventDecoder(compiled=False)):
+        try:
+            batch = decoder.decode(payload)
+        except MalformedBatch:
+            outcomes.append(None)
+        else:
+            outcomes.append((len(batch.events), batch.skipped_events))
+    assert outcomes[0] == outcomes[1]
+
+
 @pytest.mark.parametrize(
     "bad_event",
     [

@@ -126,6 +126,15 @@ def mutated(draw: st.DrawFn, wire: Any) -> Any:
     return wire
 
 
+def assert_same(batch: EventBatch, other: EventBatch) -> None:
+    assert (batch.ts, batch.data_parallel_rank, batch.skipped_events) == (
+        other.ts,
+        other.data_parallel_rank,
+        other.skipped_events,
+    )
+    assert list(map(encode, batch.events)) == list(map(encode, other.events))
+
+
 def check_decoded(payload: bytes, events_sent: int | None = None) -> EventBatch | None:
     """decode gives a batch of well-typed events, every event sent either kept or counted, or MalformedBatch;
     the same as decoding it an event at a time, and as msgspec alone decodes it."""
@@ -137,21 +146,9 @@ def check_decoded(payload: bytes, events_sent: int | None = None) -> EventBatch 
         with pytest.raises(MalformedBatch):
             reference.decode(payload)
         return None
-    alone = reference.decode(payload)
-    assert (batch.ts, batch.data_parallel_rank, batch.skipped_events) == (
-        alone.ts,
-        alone.data_parallel_rank,
-        alone.skipped_events,
-    )
-    assert list(map(encode, batch.events)) == list(map(encode, alone.events))
+    assert_same(batch, reference.decode(payload))
     # The batch decoded in one call when it can be: as the per-event path would decode it
-    one_by_one = decoder._decode_items(payload)
-    assert (batch.ts, batch.data_parallel_rank, batch.skipped_events) == (
-        one_by_one.ts,
-        one_by_one.data_parallel_rank,
-        one_by_one.skipped_events,
-    )
-    assert list(map(encode, batch.events)) == list(map(encode, one_by_one.events))
+    assert_same(batch, decoder._decode_items(payload))
     assert isinstance(batch.ts, float)
     assert batch.data_parallel_rank is None or isinstance(batch.data_parallel_rank, int)
     for event in batch.events:
