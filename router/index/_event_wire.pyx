@@ -368,19 +368,13 @@ cdef class BatchDecoder:
     def decode(self, object payload):
         """(ts, events, data_parallel_rank) of the batch payload holds, or None when it is not of the common
         form (or not a batch at all)."""
-        cdef Py_buffer view
-        cdef _Reader r
-        if not self._enabled:
-            return None
-        PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
-        try:
-            r.data, r.size, r.at = <const unsigned char *>view.buf, view.len, 0
-            return self._batch(&r)
-        finally:
-            PyBuffer_Release(&view)
+        return self._read(payload, True)
 
     def event(self, object payload):
         """The event payload holds (an item of a batch's events), or None when it is not of the common form."""
+        return self._read(payload, False)
+
+    cdef object _read(self, object payload, bint batch):
         cdef Py_buffer view
         cdef _Reader r
         if not self._enabled:
@@ -388,6 +382,8 @@ cdef class BatchDecoder:
         PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
         try:
             r.data, r.size, r.at = <const unsigned char *>view.buf, view.len, 0
+            if batch:
+                return self._batch(&r)
             event = self._event(&r)
             return None if event is _UNUSUAL or r.at != r.size else event
         finally:

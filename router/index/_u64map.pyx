@@ -62,7 +62,9 @@ cdef extern from *:
             return NULL;
         /* In 2 MiB pages where the kernel has them to give (transparent huge pages, "madvise" by default on
            Debian): a probe into a table of millions then misses the cache, not the TLB as well. */
+#ifdef MADV_HUGEPAGE
         madvise(mapped, bytes, MADV_HUGEPAGE);
+#endif
         return mapped;
     }
     static void u64map_release(void *memory, size_t bytes) {
@@ -82,7 +84,7 @@ cdef object _ABSENT = object()
 cdef object _WORD = 1 << 64
 cdef object _INLINE = 1 << 80
 cdef Py_ssize_t _MOST_ENTRIES = 0x7FFFFFFF  # positions are int32 slots
-cdef Py_ssize_t _INSERTION_SORTED = 64  # a store of at most this many blocks is checked for repeats by an insertion sort
+cdef Py_ssize_t _INSERTION_SORTED = 64  # stores of at most this many blocks: repeats found by insertion sort
 # Entries ahead whose home slots a rebuild starts loading: a table of millions misses the cache at each.
 cdef Py_ssize_t _REBUILD_AHEAD = 16
 cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; past it, interning starts over
