@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import OpenAIError, too_large
+from router.errors import OpenAIError, bad_request, not_utf8, too_large
 
 _GUARDED_PREFIX = "/v1/"
 _JSON = "application/json"
@@ -38,10 +38,6 @@ def unsupported_media_type(content_type: str) -> OpenAIError:
         "invalid_request_error",
         "unsupported_media_type",
     )
-
-
-def _invalid(message: str, code: str) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", code)
 
 
 class RequestLimits:
@@ -83,7 +79,7 @@ class RequestLimits:
             # msgspec gives up on JSON nested past Python's recursion limit; no real request nests so deep.
             if started:
                 raise
-            error = _invalid("The request body nests too deeply.", "invalid_json")
+            error = bad_request("The request body nests too deeply.", "invalid_json")
             await self._answer(error, scope, receive, send)
 
     async def _answer(self, error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,7 +99,7 @@ def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:
     if length is None:
         return None
     if not length.isdigit():
-        return _invalid("The Content-Length header is not a number.", "invalid_content_length")
+        return bad_request("The Content-Length header is not a number.", "invalid_content_length")
     return too_large(limit) if int(length) > limit else None
 
 
@@ -127,5 +123,5 @@ class _LimitedBody:
         try:
             self._utf8.decode(chunk, final=not message.get("more_body", False))
         except UnicodeDecodeError:
-            raise _Rejected(_invalid("The request body is not valid UTF-8.", "invalid_encoding")) from None
+            raise _Rejected(not_utf8()) from None
         return message

@@ -11,7 +11,7 @@ from typing import Any, TypeVar, get_type_hints
 
 import msgspec
 
-from router.errors import bad_request
+from router.errors import bad_request, not_utf8
 
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"  # vLLM: the engine of a data parallel server to use
 
@@ -114,8 +114,10 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
         found = _PARAM.search(text) or _MISSING.search(text)
         param = found.group(1) if found else None
         raise bad_request(f"Invalid request body: {text}", "invalid_field", param) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+    except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    except UnicodeDecodeError:  # msgspec's error for a string that is no UTF-8
+        raise not_utf8() from None
     if isinstance(body, ChatRequest):
         if not body.messages:
             raise bad_request("`messages` must hold at least one message.", "invalid_field", "messages")
@@ -130,8 +132,10 @@ def json_object(raw: bytes) -> dict[str, Any]:
     """A body read as a plain JSON object (the agents' APIs), with decode_body's errors."""
     try:
         fields = msgspec.json.decode(_content(raw))
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    except UnicodeDecodeError:
+        raise not_utf8() from None
     if not isinstance(fields, dict):
         raise bad_request("The request body must be a JSON object.", "invalid_json")
     return fields

@@ -155,6 +155,7 @@ def post(gateway: Gateway, path: str, body: bytes) -> tuple[int, dict[str, objec
     [
         (b"{not json", 400, "invalid_json"),
         (b"", 400, "invalid_json"),
+        (b'{"model": "\x80", "messages": []}', 400, "invalid_encoding"),  # as `kvroute serve` answers it
         (b'{"model": "tiny-llama", "messages": []}', 400, "invalid_field"),
         (
             b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}',

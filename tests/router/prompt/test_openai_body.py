@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,6 +17,7 @@ from router.prompt.openai_body import (
     ChatRequest,
     CompletionRequest,
     decode_body,
+    json_object,
     nesting_depth,
     without_full_kv_report,
 )
@@ -164,3 +166,15 @@ def test_a_completion_needs_a_prompt_or_its_embeddings() -> None:
 def test_a_body_without_a_model_needs_one_when_several_are_served() -> None:
     with pytest.raises(OpenAIError, match="`model` is required: the router serves several"):
         decode_body(b'{"messages": [{"role": "user", "content": "hi"}]}', ChatRequest, None)
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [lambda raw: decode_body(raw, ChatRequest), json_object],  # chat and completions; the agents' APIs
+)
+def test_a_body_that_is_no_utf8_is_refused_as_serve_refuses_it(decode: Any) -> None:
+    """Behind a gateway the picker is handed the body with no UTF-8 check before it: msgspec's
+    UnicodeDecodeError is the same 400 as `kvroute serve` answers (router/http/request_limits.py)."""
+    with pytest.raises(OpenAIError) as raised:
+        decode(b'{"model": "\x80", "messages": [{"role": "user", "content": "hi"}]}')
+    assert (raised.value.status, raised.value.code) == (400, "invalid_encoding")
