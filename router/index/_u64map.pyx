@@ -16,25 +16,25 @@ keeps its place; removal leaves a hole, compacted away when the table grows or h
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memset
 
-cdef enum:
-    _EMPTY = -1
-    _REMOVED = -2
+cdef enum:  # a slot holds 0 (empty), -1 (removed) or an entry's position + 1: a fresh table is all zeros
+    _EMPTY = 0
+    _REMOVED = -1
 
 cdef enum:  # what an iteration yields
     _KEYS = 0
     _VALUES = 1
     _ITEMS = 2
 
-cdef enum:
-    _LIVE = 0
-    _HOLE = 1
-    _WIDE = 2  # the value is an int in _objects
+cdef enum:  # an entry's state: fresh arrays are all holes
+    _HOLE = 0
+    _LIVE = 1
+    _WIDE = 2  # the value is an int in objects
 
 cdef extern from *:
     """
@@ -50,13 +50,14 @@ cdef extern from *:
 cdef extern from *:
     """
     #include <sys/mman.h>
-    /* Arrays of a megabyte or more are mapped for themselves: released, their pages go back to the system at
-       once. From malloc, the arrays a table outgrew stayed resident in the heap (in glibc, freed blocks below
-       its mmap threshold, which rises to 32 MiB as large blocks are freed, are kept for reuse). */
+    /* Zeroed memory. Arrays of a megabyte or more are mapped for themselves: their pages are zeros until
+       touched (a new table of millions of slots costs nothing to clear), and released, they go back to the
+       system at once. From malloc, the arrays a table outgrew stayed resident in the heap (in glibc, freed
+       blocks below its mmap threshold, which rises to 32 MiB as large blocks are freed, are kept for reuse). */
     #define U64MAP_MAPPED ((size_t)1 << 20)
     static void *u64map_alloc(size_t bytes) {
         if (bytes < U64MAP_MAPPED)
-            return PyMem_Malloc(bytes);
+            return PyMem_Calloc(1, bytes);
         void *mapped = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (mapped == MAP_FAILED)
             return NULL;
@@ -83,14 +84,18 @@ cdef extern from *:
 cdef object _ABSENT = object()
 cdef object _WORD = 1 << 64
 cdef object _INLINE = 1 << 80
-cdef Py_ssize_t _MOST_ENTRIES = 0x7FFFFFFF  # positions are int32 slots
+cdef Py_ssize_t _MOST_ENTRIES = 0x7FFFFFFE  # slots hold position + 1 in an int32
 cdef Py_ssize_t _INSERTION_SORTED = 64  # stores of at most this many blocks: repeats found by insertion sort
-# Entries ahead whose home slots a rebuild starts loading: a table of millions misses the cache at each.
-cdef Py_ssize_t _REBUILD_AHEAD = 16
+# Entries ahead whose home slots a move starts loading: a table of millions misses the cache at each.
+cdef Py_ssize_t _MOVE_AHEAD = 16
 cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; past it, interning starts over
+# Entries moved to a table's new arrays per insert while it moves: a move of 10M entries at once held the event
+# loop for a second; in steps, an insert costs a few microseconds more for 1/64 of the inserts that follow.
+MOVE_STEP = 64
+cdef Py_ssize_t _HOLES_PER_MOVE = 16  # holes skipped in a step count this much less than entries moved
 
 
-# A table's arrays, as held at one moment: to be released once others replace them.
+# A table's arrays: its entries in insertion order, and the slots that find them by key.
 cdef struct _Arrays:
     uint64_t *keys
     uint64_t *low
@@ -99,69 +104,134 @@ cdef struct _Arrays:
     int32_t *slots
     PyObject **objects  # NULL until a wide value came
     Py_ssize_t capacity  # of the entries arrays
-    Py_ssize_t size  # of the table
+    Py_ssize_t size  # of the table of slots
     Py_ssize_t used  # entries in them, holes included
+    Py_ssize_t live
 
 
-cdef void _release(_Arrays held, bint references):
-    """Free held's arrays; references: drop the wide values' references too (False: they moved)."""
+cdef int _allocate(_Arrays *made, Py_ssize_t capacity) except -1:
+    """Zeroed arrays for capacity entries (all holes) and a table of empty slots, at least 40% of them staying
+    empty (a probe for a key not there, most of the index's, then looks at 3.6 slots on average, against 8.5
+    at 25%). MemoryError, with made untouched, when they cannot be had."""
+    cdef Py_ssize_t size = capacity + capacity * 2 // 3 + 1
+    cdef _Arrays arrays
+    memset(&arrays, 0, sizeof(_Arrays))
+    arrays.capacity, arrays.size = capacity, size
+    arrays.keys = <uint64_t *>u64map_alloc(capacity * sizeof(uint64_t))
+    arrays.low = <uint64_t *>u64map_alloc(capacity * sizeof(uint64_t))
+    arrays.high = <uint16_t *>u64map_alloc(capacity * sizeof(uint16_t))
+    arrays.state = <uint8_t *>u64map_alloc(capacity * sizeof(uint8_t))
+    arrays.slots = <int32_t *>u64map_alloc(size * sizeof(int32_t))
+    if not (arrays.keys and arrays.low and arrays.high and arrays.state and arrays.slots):
+        _release(&arrays)
+        raise MemoryError()
+    made[0] = arrays
+    return 0
+
+
+cdef int _add_objects(_Arrays *arrays) except -1:
+    """Room in arrays for wide values, made when the first comes."""
+    if arrays.objects == NULL:
+        arrays.objects = <PyObject **>u64map_alloc(arrays.capacity * sizeof(PyObject *))
+        if arrays.objects == NULL:
+            raise MemoryError()
+    return 0
+
+
+cdef void _release(_Arrays *arrays):
+    """Free arrays, and the references of the wide values still in them; arrays is empty after."""
     cdef Py_ssize_t position
-    if held.objects != NULL:
-        if references:
-            for position in range(held.used):
-                if held.state[position] == _WIDE:
-                    Py_XDECREF(held.objects[position])
-        u64map_release(held.objects, held.capacity * sizeof(PyObject *))
-    u64map_release(held.keys, held.capacity * sizeof(uint64_t))
-    u64map_release(held.low, held.capacity * sizeof(uint64_t))
-    u64map_release(held.high, held.capacity * sizeof(uint16_t))
-    u64map_release(held.state, held.capacity * sizeof(uint8_t))
-    u64map_release(held.slots, held.size * sizeof(int32_t))
+    if arrays.objects != NULL:
+        for position in range(arrays.used):
+            if arrays.state[position] == _WIDE:
+                Py_XDECREF(arrays.objects[position])
+        u64map_release(arrays.objects, arrays.capacity * sizeof(PyObject *))
+    u64map_release(arrays.keys, arrays.capacity * sizeof(uint64_t))
+    u64map_release(arrays.low, arrays.capacity * sizeof(uint64_t))
+    u64map_release(arrays.high, arrays.capacity * sizeof(uint16_t))
+    u64map_release(arrays.state, arrays.capacity * sizeof(uint8_t))
+    u64map_release(arrays.slots, arrays.size * sizeof(int32_t))
+    memset(arrays, 0, sizeof(_Arrays))
 
 
-cdef inline uint64_t _key(object key) except? 0:
-    """key as a C integer: OverflowError outside [0, 2^64). Special methods take their key as an object, as
-    Cython would otherwise pass a typed one through the sequence protocol's ssize_t."""
-    return key
+cdef inline Py_ssize_t _home(const _Arrays *arrays, uint64_t key) noexcept nogil:
+    return u64map_home(key, arrays.size)
+
+
+cdef Py_ssize_t _probe(const _Arrays *arrays, uint64_t key, Py_ssize_t since) noexcept nogil:
+    """The slot of key's entry in arrays, or -1; entries before position since count as gone (moved on)."""
+    cdef Py_ssize_t slot = _home(arrays, key)
+    cdef int32_t held
+    while True:
+        held = arrays.slots[slot]
+        if held == _EMPTY:
+            return -1
+        if held > 0 and arrays.keys[held - 1] == key and held - 1 >= since:
+            return slot
+        slot += 1
+        if slot == arrays.size:
+            slot = 0
+
+
+cdef void _link(_Arrays *arrays, Py_ssize_t position) noexcept nogil:
+    """The entry at position, filled in, entered in the slots: an empty or a removed slot takes it."""
+    cdef Py_ssize_t slot = _home(arrays, arrays.keys[position])
+    while arrays.slots[slot] > 0:
+        slot += 1
+        if slot == arrays.size:
+            slot = 0
+    arrays.slots[slot] = <int32_t>(position + 1)
+    arrays.live += 1
+
+
+cdef object _value(const _Arrays *arrays, Py_ssize_t position):
+    if arrays.state[position] == _WIDE:
+        return <object>arrays.objects[position]
+    if arrays.high[position] == 0:
+        return arrays.low[position]
+    return (<object>arrays.high[position]) * _WORD + arrays.low[position]
+
+
+cdef inline Py_ssize_t _entry(const _Arrays *arrays, Py_ssize_t slot) noexcept nogil:
+    return arrays.slots[slot] - 1
 
 
 cdef class U64Map:
-    """A dict from ints in [0, 2^64) to non-negative ints, in insertion order."""
+    """A dict from ints in [0, 2^64) to non-negative ints, in insertion order.
 
-    cdef uint64_t *_keys
-    cdef uint64_t *_low
-    cdef uint16_t *_high
-    cdef uint8_t *_state
-    cdef int32_t *_slots
-    cdef Py_ssize_t _used  # entries in the arrays, holes included
-    cdef Py_ssize_t _capacity  # of the entries arrays
-    cdef Py_ssize_t _live
-    cdef Py_ssize_t _first  # no live entry before it: evicting from the front skips what it removed
-    cdef Py_ssize_t _size  # of the table
+    Outgrowing its arrays (or holding a third of holes), it moves to new ones a step at a time, a few entries
+    per insert, while lookups see both: the oldest entries moved first (in the new arrays' front), then those
+    still to move (in the old arrays), then the ones inserted meanwhile (in the new arrays, after room kept for
+    the rest)."""
+
+    cdef _Arrays _now
+    cdef _Arrays _old  # a move's source, its entries from _old_at on still there; keys NULL when none
+    cdef Py_ssize_t _old_at
+    cdef Py_ssize_t _moved  # _now's entries before it came from _old
+    cdef Py_ssize_t _reserved  # _now's entries from it on came while moving
+    cdef Py_ssize_t _first  # no live entry in _now before it: evicting from the front skips what it removed
     cdef Py_ssize_t _layout  # changes whenever entries move: an iteration in progress stops
-    cdef PyObject **_objects  # per entry, the wide value's int; NULL until a wide value comes
+    cdef Py_ssize_t _move_step
     cdef dict _interned
 
-    def __cinit__(self):
+    def __cinit__(self, Py_ssize_t move_step=MOVE_STEP):
+        if move_step < 1:
+            raise ValueError(f"a move of at least one entry per insert, not {move_step}")
+        self._move_step = move_step
         self._interned = {}
-        self._allocate(8)
+        _allocate(&self._now, 8)
 
     def __dealloc__(self):
-        _release(self._held(), True)
+        _release(&self._now)
+        _release(&self._old)
 
-    cdef _Arrays _held(self):
-        cdef _Arrays held
-        held.keys, held.low, held.high, held.state = self._keys, self._low, self._high, self._state
-        held.slots, held.objects = self._slots, self._objects
-        held.capacity, held.size, held.used = self._capacity, self._size, self._used
-        return held
+    @property
+    def moving(self):
+        """Entries still to move to the new arrays (0: none are moving)."""
+        return self._old.live
 
-    cdef PyObject **_new_objects(self, Py_ssize_t capacity) except NULL:
-        cdef PyObject **objects = <PyObject **>u64map_alloc(capacity * sizeof(PyObject *))
-        if objects == NULL:
-            raise MemoryError()
-        memset(objects, 0, capacity * sizeof(PyObject *))
-        return objects
+    cdef inline bint _in_move(self) noexcept nogil:
+        return self._old.keys != NULL
 
     cdef object _interned_value(self, object value):
         found = self._interned.get(value)
@@ -172,221 +242,222 @@ cdef class U64Map:
         self._interned[value] = value
         return value
 
-    cdef int _allocate(self, Py_ssize_t capacity) except -1:
-        """Empty arrays for capacity entries and a table with at least 40% of its slots empty (a probe for a
-        key not there, most of the index's, then looks at 3.6 slots on average, against 8.5 at 25%), in
-        place of the arrays held, which the caller has released or keeps. Nothing changes when they cannot
-        be had."""
-        cdef Py_ssize_t size = capacity + capacity * 2 // 3 + 1
-        cdef uint64_t *keys = <uint64_t *>u64map_alloc(capacity * sizeof(uint64_t))
-        cdef uint64_t *low = <uint64_t *>u64map_alloc(capacity * sizeof(uint64_t))
-        cdef uint16_t *high = <uint16_t *>u64map_alloc(capacity * sizeof(uint16_t))
-        cdef uint8_t *state = <uint8_t *>u64map_alloc(capacity * sizeof(uint8_t))
-        cdef int32_t *slots = <int32_t *>u64map_alloc(size * sizeof(int32_t))
-        cdef _Arrays made
-        if not (keys and low and high and state and slots):
-            made.keys, made.low, made.high, made.state, made.slots = keys, low, high, state, slots
-            made.objects, made.capacity, made.size, made.used = NULL, capacity, size, 0
-            _release(made, False)
-            raise MemoryError()
-        memset(slots, 0xFF, size * sizeof(int32_t))  # every slot _EMPTY
-        self._keys, self._low, self._high, self._state, self._slots = keys, low, high, state, slots
-        self._capacity, self._used, self._live, self._first = capacity, 0, 0, 0
-        self._size = size
-        self._layout += 1
-        return 0
-
-    cdef inline Py_ssize_t _home(self, uint64_t key) nogil:
-        return u64map_home(key, self._size)
-
-    cdef inline Py_ssize_t _next(self, Py_ssize_t slot) nogil:
-        slot += 1
-        return 0 if slot == self._size else slot
-
     cdef inline void _prefetch(self, uint64_t key) noexcept nogil:
         """Start loading key's home slot: a batch's probes into a table of millions then miss the cache
         together, not one after another."""
-        __builtin_prefetch(&self._slots[self._home(key)])
+        __builtin_prefetch(&self._now.slots[_home(&self._now, key)])
 
-    cdef Py_ssize_t _slot(self, uint64_t key):
-        """The slot holding key's entry, or -1."""
-        cdef Py_ssize_t slot = self._home(key)
-        cdef int32_t position
-        while True:
-            position = self._slots[slot]
-            if position == _EMPTY:
-                return -1
-            if position >= 0 and self._keys[position] == key:
-                return slot
-            slot = self._next(slot)
+    cdef Py_ssize_t _slot(self, uint64_t key, _Arrays **arrays) noexcept:
+        """The slot of key's entry, and in arrays the arrays holding it; -1 when it is not here."""
+        cdef Py_ssize_t slot = _probe(&self._now, key, 0)
+        arrays[0] = &self._now
+        if slot < 0 and self._in_move():
+            arrays[0] = &self._old
+            slot = _probe(&self._old, key, self._old_at)
+        return slot
 
-    cdef Py_ssize_t _find(self, uint64_t key):
-        """The entry of key, or -1."""
-        cdef Py_ssize_t slot = self._slot(key)
-        return -1 if slot < 0 else self._slots[slot]
+    cdef bint _holds(self, uint64_t key) noexcept:
+        cdef _Arrays *arrays
+        return self._slot(key, &arrays) >= 0
 
-    cdef int _rebuild(self, Py_ssize_t capacity) except -1:
-        """Entries in order into arrays of capacity, holes dropped; as it was when they cannot be had."""
-        cdef _Arrays old = self._held()
-        cdef PyObject **moved = NULL
-        cdef Py_ssize_t position, slot, at
-        if old.objects != NULL:
-            moved = self._new_objects(capacity)
-        try:
-            self._allocate(capacity)
-        except MemoryError:
-            u64map_release(moved, capacity * sizeof(PyObject *))
-            raise
-        self._objects = moved
-        for position in range(old.used):
-            if position + _REBUILD_AHEAD < old.used:  # the table's slots are missed ahead, together
-                self._prefetch(old.keys[position + _REBUILD_AHEAD])
-            if old.state[position] == _HOLE:
-                continue
-            at = self._used
-            self._keys[at], self._low[at] = old.keys[position], old.low[position]
-            self._high[at], self._state[at] = old.high[position], old.state[position]
-            if old.state[position] == _WIDE:
-                self._objects[at] = old.objects[position]  # the reference moves with it
-            slot = self._home(old.keys[position])
-            while self._slots[slot] != _EMPTY:
-                slot = self._next(slot)
-            self._slots[slot] = <int32_t>at
-            self._used += 1
-        self._live = self._used
-        _release(old, False)
-        return 0
+    cdef object _get(self, uint64_t key, object default):
+        cdef _Arrays *arrays
+        cdef Py_ssize_t slot = self._slot(key, &arrays)
+        return default if slot < 0 else _value(arrays, _entry(arrays, slot))
 
-    cdef int _make_room(self) except -1:
-        """Room for one more entry: holes compacted away when they are a third of the arrays, else the
-        arrays grow by a quarter (a copy of an entry costs less than the memory a larger step leaves empty).
-        A table that peaked and emptied shrinks at its next compaction, as a dict does at its next resize."""
-        if self._used < self._capacity:
-            return 0
-        if self._used - self._live >= self._capacity // 3:  # to half again what is live: a table shrinks
-            return self._rebuild(self._live + self._live // 2 + 8)
-        if self._capacity >= _MOST_ENTRIES:
-            raise MemoryError("U64Map: 2^31 - 1 entries")
-        return self._rebuild(min(self._capacity + self._capacity // 4 + 8, _MOST_ENTRIES))
-
-    cdef int _store(self, Py_ssize_t position, object value) except -1:
+    cdef int _store(self, _Arrays *arrays, Py_ssize_t position, object value) except -1:
         """value at position, whose state is _LIVE or _WIDE (the value there is replaced)."""
         if 0 <= value < _INLINE:
-            if self._state[position] == _WIDE:
-                Py_XDECREF(self._objects[position])
-            self._low[position] = <uint64_t>(value & 0xFFFFFFFFFFFFFFFF)
-            self._high[position] = <uint16_t>(value >> 64)
-            self._state[position] = _LIVE
+            if arrays.state[position] == _WIDE:
+                Py_XDECREF(arrays.objects[position])
+            arrays.low[position] = <uint64_t>(value & 0xFFFFFFFFFFFFFFFF)
+            arrays.high[position] = <uint16_t>(value >> 64)
+            arrays.state[position] = _LIVE
         elif value < 0:
             raise ValueError(f"U64Map holds non-negative ints, not {value}")
         else:
             if type(value) is not int:
                 value = int(value)  # held as it is read back: a bool or an int subclass would not be
             shared = self._interned_value(value)
-            if self._objects == NULL:
-                self._objects = self._new_objects(self._capacity)
+            _add_objects(arrays)
             Py_INCREF(shared)
-            if self._state[position] == _WIDE:
-                Py_XDECREF(self._objects[position])
-            self._objects[position] = <PyObject *>shared
-            self._state[position] = _WIDE
+            if arrays.state[position] == _WIDE:
+                Py_XDECREF(arrays.objects[position])
+            arrays.objects[position] = <PyObject *>shared
+            arrays.state[position] = _WIDE
         return 0
 
-    cdef object _value(self, Py_ssize_t position):
-        if self._state[position] == _WIDE:
-            return <object>self._objects[position]
-        if self._high[position] == 0:
-            return self._low[position]
-        return (<object>self._high[position]) * _WORD + self._low[position]
+    # ---- room for entries, and moves ---------------------------------------------------------------------
+
+    cdef int _make_room(self) except -1:
+        """Room for one more entry, moving a step meanwhile. Full, a table moves to new arrays: holes
+        compacted away when they are a third of the arrays, else arrays a quarter larger (a copy of an entry
+        costs less than the memory a larger step leaves empty). A table that peaked and emptied shrinks at its
+        next compaction, as a dict does at its next resize."""
+        cdef Py_ssize_t capacity, live
+        if self._in_move():
+            self._move(self._move_step)
+        if self._now.used < self._now.capacity:
+            return 0
+        while self._in_move():  # full before the move ended (inserts outran it): the rest at once
+            self._move(self._old.used)
+        live = self._now.live
+        capacity = self._now.capacity
+        if self._now.used - live >= capacity // 3:  # to half again what is live: a table shrinks
+            capacity = live + live // 2 + 8
+        elif capacity >= _MOST_ENTRIES:
+            raise MemoryError("U64Map: 2^31 - 2 entries")
+        else:
+            capacity = min(capacity + capacity // 4 + 8, _MOST_ENTRIES)
+        self._start_move(capacity)
+        self._move(self._move_step)
+        return 0
+
+    cdef int _start_move(self, Py_ssize_t capacity) except -1:
+        """New arrays of capacity in place of those held, which are left to move, in order, from the front;
+        as it was when they cannot be had."""
+        cdef _Arrays made
+        _allocate(&made, capacity)
+        self._old, self._now = self._now, made
+        self._old_at = self._moved = self._first = 0
+        self._reserved = self._now.used = self._old.live  # what moves fits before what comes meanwhile
+        self._layout += 1
+        return 0
+
+    cdef int _move(self, Py_ssize_t budget) except -1:
+        """Up to budget of the old arrays' entries moved to the new ones (holes skipped, each costing a
+        fraction of a move); the old arrays released once the last has moved."""
+        cdef _Arrays *old = &self._old
+        cdef _Arrays *now = &self._now
+        cdef Py_ssize_t position, at, spent = 0
+        budget *= _HOLES_PER_MOVE
+        while self._old_at < old.used and spent < budget:
+            position = self._old_at
+            if position + _MOVE_AHEAD < old.used:  # the new slots are missed ahead, together
+                __builtin_prefetch(&now.slots[_home(now, old.keys[position + _MOVE_AHEAD])])
+            if old.state[position] == _HOLE:
+                self._old_at += 1
+                spent += 1
+                continue
+            if old.state[position] == _WIDE:
+                _add_objects(now)  # first: a MemoryError leaves the entry where it is
+            self._old_at += 1
+            spent += _HOLES_PER_MOVE
+            at = self._moved
+            self._moved += 1
+            now.keys[at], now.low[at], now.high[at] = old.keys[position], old.low[position], old.high[position]
+            now.state[at] = old.state[position]
+            if old.state[position] == _WIDE:
+                now.objects[at] = old.objects[position]  # the reference moves with it
+            old.state[position] = _HOLE
+            old.live -= 1
+            _link(now, at)
+        self._layout += 1
+        if self._old_at == old.used:
+            _release(old)  # holes alone are left: their references went with the entries
+        return 0
+
+    cdef int _start_over(self) except -1:
+        """Empty arrays, the smallest, in place of what is held (nothing live): the front is found at once."""
+        cdef _Arrays made
+        _allocate(&made, 8)
+        _release(&self._now)
+        _release(&self._old)
+        self._now = made
+        self._first = 0
+        self._layout += 1
+        return 0
+
+    # ---- entries in and out ------------------------------------------------------------------------------
+
+    cdef Py_ssize_t _new_entry(self, uint64_t key) except -1:
+        """The position of a new entry for key, absent, as the newest; its state and value for the caller."""
+        cdef Py_ssize_t position
+        self._make_room()
+        position = self._now.used
+        self._now.keys[position] = key
+        self._now.used += 1
+        return position
 
     cdef int _insert(self, uint64_t key, object value) except -1:
         """key, absent, as the newest entry."""
-        cdef Py_ssize_t position
-        self._make_room()
-        position = self._used
-        self._keys[position] = key
-        self._state[position] = _LIVE
-        self._store(position, value)
-        self._link(position)
+        cdef Py_ssize_t position = self._new_entry(key)
+        self._now.state[position] = _LIVE
+        try:
+            self._store(&self._now, position, value)
+        except BaseException:
+            self._now.state[position] = _HOLE  # refused (a negative value): a hole, never linked
+            raise
+        _link(&self._now, position)
         return 0
-
-    cdef void _link(self, Py_ssize_t position):
-        """The entry at position, the newest, filled in: entered in the table."""
-        cdef Py_ssize_t slot = self._home(self._keys[position])
-        while self._slots[slot] >= 0:  # an empty or a removed slot takes it
-            slot = self._next(slot)
-        self._slots[slot] = <int32_t>position
-        self._used += 1
-        self._live += 1
 
     cdef int _insert_inline(self, uint64_t key, uint64_t low, uint16_t high) except -1:
         """_insert of the value high * 2^64 + low, made of its parts: no int object is made for it."""
-        cdef Py_ssize_t position
-        self._make_room()
-        position = self._used
-        self._keys[position] = key
-        self._low[position] = low
-        self._high[position] = high
-        self._state[position] = _LIVE
-        self._link(position)
+        cdef Py_ssize_t position = self._new_entry(key)
+        self._now.low[position] = low
+        self._now.high[position] = high
+        self._now.state[position] = _LIVE
+        _link(&self._now, position)
         return 0
 
-    cdef object _remove(self, Py_ssize_t slot):
-        """The entry in slot goes; its value."""
-        cdef Py_ssize_t position = self._slots[slot]
-        value = self._value(position)
-        if self._state[position] == _WIDE:
-            Py_XDECREF(self._objects[position])
-        self._slots[slot] = _REMOVED
-        self._state[position] = _HOLE
-        self._live -= 1
-        if self._live == 0:  # empty: start over, so the front is found at once
-            self._rebuild(8)
+    cdef object _remove(self, _Arrays *arrays, Py_ssize_t slot):
+        """The entry in slot of arrays goes; its value."""
+        cdef Py_ssize_t position = _entry(arrays, slot)
+        value = _value(arrays, position)
+        if arrays.state[position] == _WIDE:
+            Py_XDECREF(arrays.objects[position])
+        arrays.slots[slot] = _REMOVED
+        arrays.state[position] = _HOLE
+        arrays.live -= 1
+        if self._now.live + self._old.live == 0:
+            self._start_over()
         return value
+
+    cdef int _set(self, object key, object value) except -1:
+        cdef uint64_t native = _key(key)
+        cdef _Arrays *arrays
+        cdef Py_ssize_t slot = self._slot(native, &arrays)
+        if slot >= 0:
+            self._store(arrays, _entry(arrays, slot), value)  # in place: a key present keeps its age
+        else:
+            self._insert(native, value)
+        return 0
 
     # ---- the dict protocol, as the index uses it ------------------------------------------------------
 
     def __len__(self):
-        return self._live
+        return self._now.live + self._old.live
 
     def __contains__(self, key):
-        return self._find(_key(key)) >= 0
+        return self._holds(_key(key))
 
     def get(self, uint64_t key, default=None):
-        cdef Py_ssize_t position = self._find(key)
-        return default if position < 0 else self._value(position)
+        return self._get(key, default)
 
     def __getitem__(self, key):
-        cdef Py_ssize_t position = self._find(_key(key))
-        if position < 0:
+        found = self._get(_key(key), _ABSENT)
+        if found is _ABSENT:
             raise KeyError(key)
-        return self._value(position)
+        return found
 
     def __setitem__(self, key, value):
         self._set(key, value)
 
     def __delitem__(self, key):
-        cdef Py_ssize_t slot = self._slot(_key(key))
+        cdef _Arrays *arrays
+        cdef Py_ssize_t slot = self._slot(_key(key), &arrays)
         if slot < 0:
             raise KeyError(key)
-        self._remove(slot)
+        self._remove(arrays, slot)
 
     def pop(self, uint64_t key, default=_ABSENT):
-        cdef Py_ssize_t slot = self._slot(key)
+        cdef _Arrays *arrays
+        cdef Py_ssize_t slot = self._slot(key, &arrays)
         if slot < 0:
             if default is _ABSENT:
                 raise KeyError(key)
             return default
-        return self._remove(slot)
-
-    cdef int _set(self, object key, object value) except -1:
-        cdef uint64_t native = _key(key)
-        cdef Py_ssize_t position = self._find(native)
-        if position >= 0:
-            self._store(position, value)  # in place: a key present keeps its age, as in a dict
-        else:
-            self._insert(native, value)
-        return 0
+        return self._remove(arrays, slot)
 
     def update(self, pairs):
         """From an iterable of (key, value) pairs (a dict's update, for what the index passes)."""
@@ -397,15 +468,12 @@ cdef class U64Map:
         """True when none of keys is here (a dict's keys().isdisjoint)."""
         cdef uint64_t key
         for key in keys:
-            if self._find(key) >= 0:
+            if self._holds(key):
                 return False
         return True
 
     def clear(self):
-        cdef _Arrays old = self._held()
-        self._allocate(8)  # first: a table that cannot be had leaves this one as it was
-        self._objects = NULL
-        _release(old, True)
+        self._start_over()
         self._interned.clear()
 
     def __iter__(self):
@@ -420,45 +488,62 @@ cdef class U64Map:
     def items(self):
         return self._walk(_ITEMS)
 
+    cdef _Arrays *_part(self, int part, Py_ssize_t *start, Py_ssize_t *end) noexcept:
+        """The entries in order are three parts, each a range of arrays: those moved, those still to move,
+        those inserted meanwhile; outside a move, the first alone (the others are empty)."""
+        if part == 0:
+            start[0], end[0] = self._first, (self._moved if self._in_move() else self._now.used)
+            return &self._now
+        if part == 1:
+            start[0], end[0] = self._old_at, self._old.used
+            return &self._old
+        start[0], end[0] = self._reserved, (self._now.used if self._in_move() else self._reserved)
+        return &self._now
+
     def _walk(self, int what):
         """The live entries' keys, values or items, oldest first."""
-        cdef Py_ssize_t layout = self._layout, position = self._first, live = self._live
-        while True:
-            if self._layout != layout or self._live != live:
-                raise RuntimeError("U64Map changed during iteration")
-            if position >= self._used:
-                return
-            if self._state[position] != _HOLE:
-                if what == _KEYS:
-                    yield self._keys[position]
-                elif what == _VALUES:
-                    yield self._value(position)
-                else:
-                    yield self._keys[position], self._value(position)
-            position += 1
+        cdef Py_ssize_t layout = self._layout, live = len(self), position, end
+        cdef _Arrays *arrays
+        cdef int part
+        for part in range(3):
+            arrays = self._part(part, &position, &end)
+            while position < end:
+                if arrays.state[position] != _HOLE:
+                    if what == _KEYS:
+                        yield arrays.keys[position]
+                    elif what == _VALUES:
+                        yield _value(arrays, position)
+                    else:
+                        yield arrays.keys[position], _value(arrays, position)
+                    if self._layout != layout or len(self) != live:
+                        raise RuntimeError("U64Map changed during iteration")
+                position += 1
 
     def oldest(self, Py_ssize_t count):
         """The keys of the count oldest entries (the bound's next victims), oldest first."""
         cdef list found = []
-        cdef Py_ssize_t position = self._first
-        while position < self._used and len(found) < count:
-            if self._state[position] != _HOLE:
-                found.append(self._keys[position])
-            elif len(found) == 0:
-                self._first = position + 1  # holes at the front: never scanned again
-            position += 1
+        cdef Py_ssize_t position, end
+        cdef _Arrays *arrays
+        cdef int part
+        for part in range(3):
+            arrays = self._part(part, &position, &end)
+            while position < end and len(found) < count:
+                if arrays.state[position] != _HOLE:
+                    found.append(arrays.keys[position])
+                elif part == 0 and len(found) == 0:
+                    self._first = position + 1  # holes at the front: never scanned again
+                position += 1
         return found
 
     def masks_of(self, chain, dict pending=None):
         """Each key's value, 0 when absent, or'ed with its value in pending when there is one: matching's probe
         of a prompt's blocks, the speculative entries' included (a second pass over an 80K-token prompt's 5,000
         blocks in Python cost about as much as the probe)."""
-        cdef Py_ssize_t index = 0, position
+        cdef Py_ssize_t index = 0
         cdef list out = [0] * len(chain)
         cdef bint speculated = bool(pending)
         for key in chain:
-            position = self._find(_key(key))
-            value = self._value(position) if position >= 0 else 0
+            value = self._get(_key(key), 0)
             if speculated:
                 extra = pending.get(key)
                 if extra is not None:
@@ -478,12 +563,25 @@ cdef class U64Map:
         return f"U64Map({dict(self.items())!r})"
 
     def __sizeof__(self):
-        """Its arrays, table and wide values (those interned now, a sample of the rest): what sys.getsizeof
-        reports of the index."""
-        wide = 0 if self._objects == NULL else self._capacity * sizeof(PyObject *)
-        wide += sum(v.__sizeof__() for v in self._interned.values())
-        entry = 2 * sizeof(uint64_t) + sizeof(uint16_t) + sizeof(uint8_t)
-        return object.__sizeof__(self) + self._capacity * entry + self._size * sizeof(int32_t) + wide
+        """Its arrays, tables and wide values (those interned now, a sample of the rest), a move's both: what
+        sys.getsizeof reports of the index."""
+        wide = sum(v.__sizeof__() for v in self._interned.values())
+        return object.__sizeof__(self) + _footprint(&self._now) + _footprint(&self._old) + wide
+
+
+cdef Py_ssize_t _footprint(const _Arrays *arrays) noexcept:
+    cdef Py_ssize_t entry = 2 * sizeof(uint64_t) + sizeof(uint16_t) + sizeof(uint8_t)
+    if arrays.keys == NULL:
+        return 0
+    if arrays.objects != NULL:
+        entry += sizeof(PyObject *)
+    return arrays.capacity * entry + arrays.size * sizeof(int32_t)
+
+
+cdef inline uint64_t _key(object key) except? 0:
+    """key as a C integer: OverflowError outside [0, 2^64). Special methods take their key as an object, as
+    Cython would otherwise pass a typed one through the sequence protocol's ssize_t."""
+    return key
 
 
 # ---- the index's bulk operations ----------------------------------------------------------------------
@@ -542,10 +640,10 @@ def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
             holders._prefetch(own_c[index])
             blocks._prefetch(keys_c[index])
         for index in range(count):
-            if holders._find(own_c[index]) >= 0:
+            if holders._holds(own_c[index]):
                 return False
         for index in range(count):
-            if blocks._find(keys_c[index]) >= 0:
+            if blocks._holds(keys_c[index]):
                 return False
         if _repeats(own_c, count, values + 2 * count) or _repeats(keys_c, count, values + 3 * count):
             return False

@@ -3,6 +3,7 @@ count is right (their timings and sizes are the benchmark's, not a test's)."""
 
 from __future__ import annotations
 
+from kvroute.bench.index import measure_ingest
 from kvroute.bench.index_decisions import SESSION_HOLDERS, measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
 from kvroute.bench.index_workers import measure_router_memory
@@ -35,3 +36,11 @@ def test_a_router_with_workers_holds_every_block_sent_once_in_its_index_host() -
     assert (shared.processes, shared.blocks) == (4, 512)
     lone = measure_router_memory(blocks=2 * 8 * 32, workers=1)
     assert (lone.processes, lone.blocks) == (1, 512)
+
+
+def test_the_in_process_ingest_enters_every_block_and_times_its_slowest_event() -> None:
+    result = measure_ingest(100 * 32)
+    assert result["blocks"] == 100 * 32
+    assert (
+        0 < result["slowest_event_ms"] / 1e3 <= result["blocks"] / result["blocks_per_s"]
+    )  # one of the whole

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index._u64map import COUNT_BITS, U64Map, enter_new, u64_key, u64_keys
+from router.index._u64map import COUNT_BITS, MOVE_STEP, U64Map, enter_new, u64_key, u64_keys
 
 KEYS = st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1))
 VALUES = st.one_of(st.integers(0, 300), st.integers(0, 2**80), st.integers(0, 2**200))
@@ -23,10 +23,13 @@ OPERATIONS = st.lists(
 )
 
 
+@pytest.mark.parametrize("move_step", [1, MOVE_STEP])  # 1: most operations come while the table moves
 @settings(max_examples=300, deadline=None)
-@given(OPERATIONS)
-def test_it_keeps_a_dicts_contents_and_order_through_any_operations(operations: list[tuple]) -> None:
-    table, model = U64Map(), {}
+@given(operations=OPERATIONS)
+def test_it_keeps_a_dicts_contents_and_order_through_any_operations(
+    move_step: int, operations: list[tuple]
+) -> None:
+    table, model = U64Map(move_step), {}
     for name, key, value in operations:
         if name == "set":
             table[key] = model[key] = value
@@ -43,6 +46,35 @@ def test_it_keeps_a_dicts_contents_and_order_through_any_operations(operations: 
     assert table.oldest(5) == list(model)[:5]
     assert all(table.get(key) == value and key in table for key, value in model.items())
     assert table == model
+
+
+def test_a_full_table_moves_to_larger_arrays_a_step_per_insert() -> None:
+    """Growing holds no insert for long: each moves at most a step of the entries, and lookups, removals and
+    the order see the table whole meanwhile (one move of 10M entries at once held the event loop a second)."""
+    table, model = U64Map(move_step=8), {}  # 4 or more: the move ends before the quarter's room fills
+    key = 0
+    for starting in (False, True):  # past a hundred entries and the small tables' moves, to the next move
+        while key < 100 or bool(table.moving) != starting:
+            table[key] = model[key] = key
+            key += 1
+    moving = table.moving
+    assert moving == len(table) - 1 - 8  # all it held but the first step; then the new key came
+    del table[0], model[0]  # moved already
+    del table[key - 2], model[key - 2]  # still to move
+    moving -= 1
+    while table.moving:
+        table[key] = model[key] = key * 5
+        assert moving - 8 <= table.moving < moving
+        moving = table.moving
+        assert list(table.items()) == list(model.items()) and table.oldest(2) == list(model)[:2]
+        assert all(table[k] == v for k, v in model.items()) and table.get(0) is None
+        key += 1
+    assert list(table.items()) == list(model.items())
+
+
+def test_a_move_step_is_at_least_one_entry() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        U64Map(move_step=0)
 
 
 def test_many_entries_removed_from_the_front_leave_the_rest_in_order() -> None:
@@ -136,12 +168,13 @@ def test_an_entry_costs_a_fraction_of_a_dicts() -> None:
     assert sys.getsizeof(table) / len(table) < 48 < dict_bytes / len(model)
 
 
-def test_wide_values_are_shared_and_released() -> None:
+@pytest.mark.parametrize("move_step", [1, MOVE_STEP])
+def test_wide_values_are_shared_and_released(move_step: int) -> None:
     """A mask wider than 80 owners is held by reference: equal ones share one int, and every reference taken
     is given back when its entry is overwritten, removed, compacted away or the table goes."""
     wide = 2**100 + 7
     before = sys.getrefcount(wide)
-    table = U64Map()
+    table = U64Map(move_step)
     table[1] = wide
     table[2] = int(str(wide))  # equal, another object
     assert table[1] is table[2] is wide
@@ -149,6 +182,7 @@ def test_wide_values_are_shared_and_released() -> None:
     table[1] = 5
     assert table.pop(2) == wide and table.get(1) == 5
     table[3] = wide
+    assert table.moving or move_step == MOVE_STEP  # a step at a time: released in the middle of a move
     del table
     assert sys.getrefcount(wide) == before  # the interning dict went with the table too
 
