@@ -263,9 +263,10 @@ def test_an_index_host_lost_costs_prefix_knowledge_only_until_its_successor_hold
     finally:
         os.kill(victim, signal.SIGKILL)
     _eventually(lambda: served.index_host() != victim)
-    # Its successor subscribes afresh and replays the engines' buffers: the session's prefix is known again.
+    # Its successor subscribes afresh and replays the engines' buffers: the session's prefix is known again,
+    # once every worker is connected to it again (each worker's figures of the index are the host's).
     warm = f'kvroute_kv_warm{{"vllm_instance": "{home}"}}'
-    _eventually(lambda: scrape(served.url)[1].get(warm) == 1)
+    _eventually(lambda: scrape(served.url)[1].get(warm) == 1 and _same_index_everywhere(served, home, 0))
     headers = chat(served, messages, "host-session")
     _, samples = scrape(served.url)
     lookups = {key: value for key, value in samples.items() if key.startswith("kvroute_index_host_lookups")}
