@@ -1,7 +1,7 @@
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
-from router.index.events import BlockHash
+from router.index.events import BlockHash, BlockStored
 
 class U64Map:
     """An insertion-ordered dict from ints in [0, 2^64) to non-negative ints, in C arrays."""
@@ -40,4 +40,14 @@ MOVE_STEP: int
 def u64_key(block_hash: BlockHash, /) -> int: ...
 def u64_keys(block_hashes: Iterable[BlockHash], /) -> list[int]: ...
 def enter_new(holders: U64Map, blocks: U64Map, own: list[int], keys: list[int], bit: int, /) -> bool: ...
+def store_along(
+    holders: U64Map,
+    blocks: U64Map,
+    tables: tuple[U64Map, ...],
+    pool_table: U64Map,
+    event: BlockStored,
+    block_size: int,
+    bit: int,
+    /,
+) -> int: ...
 def and_runs(masks: list[int], /) -> list[tuple[int, int]]: ...

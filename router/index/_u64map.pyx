@@ -22,6 +22,8 @@ from libc.stdint cimport int32_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memset
 
+from router.prompt._chain_kernel import chain_hashes
+
 cdef enum:  # a slot holds 0 (empty), -1 (removed) or an entry's position + 1: a fresh table is all zeros
     _EMPTY = 0
     _REMOVED = -1
@@ -615,54 +617,123 @@ def u64_keys(object block_hashes):
     return [_hash_key(block_hash) for block_hash in block_hashes]
 
 
+cdef enum:
+    _ON_STACK = 64  # stores of at most this many blocks keep their blocks' C copies on the stack
+
+
 def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
     """An owner's store of blocks no one holds, under keys it does not use (router/index/holdings.py): in
     holders each of own (kvroute hashes) -> bit, in blocks each of keys -> its own hash << COUNT_BITS | 1 (a
     reference count of 1), both the last block first. False, with nothing entered, when any of own is held
     or any of keys used, or either names one twice: those take the per-block path."""
     cdef Py_ssize_t count = len(own), index
+    if len(keys) != count:
+        raise ValueError(f"{count} hashes for {len(keys)} keys")
+    cdef uint64_t on_stack[4 * _ON_STACK]
+    cdef uint64_t *values = _values(on_stack, count)
+    try:
+        for index in range(count):  # as C integers once (OverflowError outside [0, 2^64))
+            values[index], values[count + index] = own[index], keys[index]
+        return _enter(holders, blocks, values, count, bit) == 1
+    finally:
+        if values != on_stack:
+            PyMem_Free(values)
+
+
+def store_along(
+    U64Map holders, U64Map blocks, tuple tables, U64Map pool_table, object event, Py_ssize_t block_size,
+    object bit
+):
+    """The store every engine step sends, in one call: a BlockStored event's blocks, one block_size's worth of
+    tokens each (no adapter, no extra keys but None), hashed along their parent's kvroute chain (the parent
+    looked for in tables, an owner's by tier, then in pool_table) and entered as enter_new enters them. How
+    many were entered; 0, with nothing changed, for any other store (a parent held nowhere, a block held or a
+    key used already, a token id past 32 bits), which the caller's general path takes and counts."""
+    hashes, tokens, extra = event.block_hashes, event.token_ids, event.extra_keys
+    cdef Py_ssize_t count = len(hashes), index
+    cdef uint64_t parent = 0, key  # parent 0: block_hashing.ROOT, the root of a chain under no adapter
+    if (
+        count == 0
+        or event.block_size != block_size
+        or len(tokens) != count * block_size
+        or event.lora_name is not None
+        or (extra is not None and (len(extra) != count or extra.count(None) != count))
+    ):
+        return 0
+    parent_hash = event.parent_block_hash
+    if parent_hash is not None:
+        key = _hash_key(parent_hash)
+        packed = None
+        for table in tables:
+            packed = (<U64Map?>table)._get(key, None)
+            if packed is not None:
+                break
+        else:
+            packed = pool_table._get(key, None)
+        if packed is None:
+            return 0
+        parent = packed >> _COUNT_BITS
+    try:
+        own = chain_hashes(tokens, block_size, parent)
+    except OverflowError:
+        return 0
+    cdef uint64_t on_stack[4 * _ON_STACK]
+    cdef uint64_t *values = _values(on_stack, count)
+    try:
+        for index in range(count):
+            values[index], values[count + index] = own[index], _hash_key(hashes[index])
+        return count if _enter(holders, blocks, values, count, bit) == 1 else 0
+    finally:
+        if values != on_stack:
+            PyMem_Free(values)
+
+
+cdef uint64_t *_values(uint64_t *on_stack, Py_ssize_t count) except NULL:
+    """Room for a store's blocks, 4 words each: on_stack (room for _ON_STACK of them) when it is enough."""
+    if count <= _ON_STACK:
+        return on_stack
+    cdef uint64_t *values = <uint64_t *>PyMem_Malloc(4 * count * sizeof(uint64_t))
+    if values == NULL:
+        raise MemoryError()
+    return values
+
+
+cdef int _enter(U64Map holders, U64Map blocks, uint64_t *values, Py_ssize_t count, object bit) except -1:
+    """enter_new of values: count kvroute hashes, then as many keys, then room for twice as many. 1 when
+    entered, 0 when not."""
+    cdef uint64_t *own = values
+    cdef uint64_t *keys = values + count
+    cdef Py_ssize_t index
     cdef uint64_t own_hash, bit_low
     cdef uint16_t high, bit_high
     cdef bint narrow
-    if len(keys) != count:
-        raise ValueError(f"{count} hashes for {len(keys)} keys")
     if not 0 <= bit:
         raise ValueError(f"U64Map holds non-negative ints, not {bit}")
-    # Both as C integers once (OverflowError outside [0, 2^64)): each is probed, checked and entered.
-    cdef uint64_t *values = <uint64_t *>PyMem_Malloc(4 * count * sizeof(uint64_t) + 1)
-    if values == NULL:
-        raise MemoryError()
-    cdef uint64_t *own_c = values
-    cdef uint64_t *keys_c = values + count
-    try:
-        for index in range(count):
-            own_c[index], keys_c[index] = own[index], keys[index]
-            holders._prefetch(own_c[index])
-            blocks._prefetch(keys_c[index])
-        for index in range(count):
-            if holders._holds(own_c[index]):
-                return False
-        for index in range(count):
-            if blocks._holds(keys_c[index]):
-                return False
-        if _repeats(own_c, count, values + 2 * count) or _repeats(keys_c, count, values + 3 * count):
-            return False
-        narrow = bit < _INLINE
-        bit_low = <uint64_t>(bit & 0xFFFFFFFFFFFFFFFF) if narrow else 0
-        bit_high = <uint16_t>(bit >> 64) if narrow else 0
-        # Each is known absent now: entered without a second probe for it.
-        for index in range(count - 1, -1, -1):
-            if narrow:
-                holders._insert_inline(own_c[index], bit_low, bit_high)
-            else:
-                holders._insert(own_c[index], bit)
-        for index in range(count - 1, -1, -1):
-            own_hash = own_c[index]
-            high = <uint16_t>(own_hash >> (64 - _COUNT_BITS))
-            blocks._insert_inline(keys_c[index], (own_hash << _COUNT_BITS) | 1, high)
-        return True
-    finally:
-        PyMem_Free(values)
+    for index in range(count):
+        holders._prefetch(own[index])
+        blocks._prefetch(keys[index])
+    for index in range(count):
+        if holders._holds(own[index]):
+            return 0
+    for index in range(count):
+        if blocks._holds(keys[index]):
+            return 0
+    if _repeats(own, count, values + 2 * count) or _repeats(keys, count, values + 3 * count):
+        return 0
+    narrow = bit < _INLINE
+    bit_low = <uint64_t>(bit & 0xFFFFFFFFFFFFFFFF) if narrow else 0
+    bit_high = <uint16_t>(bit >> 64) if narrow else 0
+    # Each is known absent now: entered without a second probe for it.
+    for index in range(count - 1, -1, -1):
+        if narrow:
+            holders._insert_inline(own[index], bit_low, bit_high)
+        else:
+            holders._insert(own[index], bit)
+    for index in range(count - 1, -1, -1):
+        own_hash = own[index]
+        high = <uint16_t>(own_hash >> (64 - _COUNT_BITS))
+        blocks._insert_inline(keys[index], (own_hash << _COUNT_BITS) | 1, high)
+    return 1
 
 
 cdef int _ascending(const void *first, const void *second) noexcept nogil:

@@ -23,8 +23,8 @@ from enum import IntEnum
 from typing import cast
 
 from router.index._u64map import COUNT_BITS as COUNT_BITS  # re-exported: what the packed entries use
-from router.index._u64map import U64Map, enter_new, u64_key, u64_keys
-from router.index.events import BlockHash
+from router.index._u64map import U64Map, enter_new, store_along, u64_key, u64_keys
+from router.index.events import BlockHash, BlockStored
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,25 @@ class Holdings:
                 blocks[key] = packed + bump if packed & COUNT_MASK != COUNT_MASK else packed
         self.entries += added
         self.stats.stored += len(own)
+
+    def store_along(
+        self, state: OwnerState, tier: Tier, event: BlockStored, pool: PoolState, size: int
+    ) -> bool:
+        """store of a store event's blocks of size tokens, hashed along their parent's chain (in state or in
+        pool), in one compiled call where they are what every engine step sends: all new, no adapter nor
+        extra keys. False, with nothing changed, for any other, which the caller's general path takes."""
+        entered = store_along(
+            self.holders[tier],
+            state.blocks[tier],
+            state.blocks,
+            pool.blocks[Tier.POOL],
+            event,
+            size,
+            state.bit,
+        )
+        self.entries += entered
+        self.stats.stored += entered
+        return entered > 0
 
     def store_known(
         self,

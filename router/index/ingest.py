@@ -184,7 +184,8 @@ class Ingest:
         elif event.token_ids and (event.medium in _GPU_MEDIA or event.extra_keys is not None):
             if parts:
                 return self._store_in_steps(state, tier, event, pool, parts)
-            self._store(state, tier, event, pool)
+            if not self._holdings.store_along(state, tier, event, pool, self.block_size):
+                self._store(state, tier, event, pool)
         elif not event.token_ids or self._shaped(event):
             # Without tokens: the OffloadingConnector's default announcement, a key alone. Or an offload
             # announced without its request's extra keys (vLLM 0.32's OffloadingConnector defers them): hashed

@@ -174,8 +174,15 @@ class KVEventSubscriber:
                 run += drain(sub.underlying, _YIELD_EVERY - 1, _DRAIN_BYTES)
                 for frames in run:
                     numbered = self._parse(frames)
-                    if numbered is not None:
-                        await self._accept(*numbered, live=True)
+                    if numbered is None:
+                        continue
+                    seq, batch = numbered
+                    rank = batch.data_parallel_rank or 0
+                    position = self._positions.get(rank)
+                    if position is not None and seq == position.next_seq and type(batch) is EventBatch:
+                        self._apply(rank, seq, batch)  # the next in order, as _accept would: no coroutine
+                    else:
+                        await self._accept(seq, batch, live=True)
                 self._tell_metrics()
                 unyielded += len(run)
                 if len(run) > 1 or unyielded >= _YIELD_EVERY:
@@ -284,10 +291,10 @@ class KVEventSubscriber:
     def _apply(self, rank: int, seq: int, batch: EventBatch) -> _Position:
         """Apply batch seq of rank; the position it advanced."""
         position = self._advance(rank, seq, batch.ts)
-        expected_size, counted = self._block_size, self._counted
+        checking, counted = self._checking_block_size(), self._counted
         for event in batch.events:  # as _observe does: inline, as every live batch comes this way
             counted[type(event)] += 1
-            if type(event) is BlockStored and expected_size is not None:
+            if checking and type(event) is BlockStored:
                 self._check_block_size(event)
         if batch.skipped_events:
             self._skipped.inc(batch.skipped_events)
@@ -345,10 +352,10 @@ class KVEventSubscriber:
 
     def _observe(self, events: Sequence[KVEvent], skipped: int) -> None:
         """Count events of a batch applied (and skipped ones), and learn the engine's block size from them."""
-        expected_size, counted = self._block_size, self._counted
+        checking, counted = self._checking_block_size(), self._counted
         for event in events:
             counted[type(event)] += 1
-            if type(event) is BlockStored and expected_size is not None:
+            if checking and type(event) is BlockStored:
                 self._check_block_size(event)
         if skipped:
             self._skipped.inc(skipped)
@@ -367,6 +374,11 @@ class KVEventSubscriber:
         if self._newest_ts is not None:
             self._last_event.set(self._newest_ts)
             self._newest_ts = None
+
+    def _checking_block_size(self) -> bool:
+        """Whether stores are still to be checked: once one of block_size came, the engine's is the index's
+        until it restarts."""
+        return self._block_size is not None and not self._sizes_seen[0]
 
     def _check_block_size(self, event: BlockStored) -> None:
         """vLLM also stores blocks of other sizes in passing: partial blocks, an offloading connector's

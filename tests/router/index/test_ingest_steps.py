@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from router.index.block_index import BlockIndex
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from router.index.holdings import Holdings
 from router.prompt import block_hashing
 from scorers.request import TierMatch
 from tests.router.index.test_fuzz_events import (
@@ -71,6 +72,20 @@ def test_any_batches_applied_in_steps_end_as_applied_whole(
     history: list[tuple[tuple[str, int], list[KVEvent]]], step: int
 ) -> None:
     assert tables(applied(history, step)) == tables(applied(history, None))
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(OWNERS), batches), min_size=1, max_size=6))
+def test_the_compiled_store_fills_the_index_as_the_general_path_does(
+    history: list[tuple[tuple[str, int], list[KVEvent]]],
+) -> None:
+    """Holdings.store_along, the common store in one compiled call, against the path every other store takes
+    (held blocks, orphans, mismatched shapes, adapters and extra keys included)."""
+    compiled = applied(history, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Holdings, "store_along", lambda *_: False)
+        general = applied(history, None)
+    assert tables(compiled) == tables(general)
 
 
 HYBRID = [
