@@ -52,6 +52,7 @@ cdef extern from *:
 cdef extern from *:
     """
     #include <sys/mman.h>
+    #include <unistd.h>
     /* Zeroed memory. Arrays of a megabyte or more are mapped for themselves: their pages are zeros until
        touched (a new table of millions of slots costs nothing to clear), and released, they go back to the
        system at once. From malloc, the arrays a table outgrew stayed resident in the heap (in glibc, freed
@@ -70,6 +71,17 @@ cdef extern from *:
 #endif
         return mapped;
     }
+    /* The pages wholly within bytes [start, end) of an array of bytes given back to the system, where it was
+       mapped for itself: they read as zeros after (entries of state 0, holes), at no memory. */
+    static void u64map_forget(void *memory, size_t bytes, size_t start, size_t end) {
+        if (memory == NULL || bytes < U64MAP_MAPPED)
+            return;
+        size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        start = (start + page - 1) / page * page;
+        end = end / page * page;
+        if (end > start)
+            madvise((char *)memory + start, end - start, MADV_DONTNEED);
+    }
     static void u64map_release(void *memory, size_t bytes) {
         if (memory == NULL)
             return;
@@ -80,6 +92,7 @@ cdef extern from *:
     }
     """
     void *u64map_alloc(size_t bytes)
+    void u64map_forget(void *memory, size_t bytes, size_t start, size_t end)
     void u64map_release(void *memory, size_t bytes)
 
 
@@ -94,6 +107,7 @@ cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; pa
 # Entries moved to a table's new arrays per insert while it moves: a move of 10M entries at once held the event
 # loop for a second; in steps, an insert costs a few microseconds more for 1/64 of the inserts that follow.
 MOVE_STEP = 64
+cdef Py_ssize_t _FORGOTTEN_AT_ONCE = 1 << 16  # entries moved between two givings back of their memory
 cdef Py_ssize_t _HOLES_PER_MOVE = 16  # holes skipped in a step count this much less than entries moved
 
 
@@ -156,6 +170,21 @@ cdef void _release(_Arrays *arrays):
     memset(arrays, 0, sizeof(_Arrays))
 
 
+cdef void _forget(_Arrays *arrays, Py_ssize_t start, Py_ssize_t end) noexcept:
+    """The memory of entries start to end (moved on: holes now) given back, where their arrays allow."""
+    _forget_part(arrays.keys, sizeof(uint64_t), arrays.capacity, start, end)
+    _forget_part(arrays.low, sizeof(uint64_t), arrays.capacity, start, end)
+    _forget_part(arrays.high, sizeof(uint16_t), arrays.capacity, start, end)
+    _forget_part(arrays.state, sizeof(uint8_t), arrays.capacity, start, end)
+    _forget_part(arrays.objects, sizeof(PyObject *), arrays.capacity, start, end)
+
+
+cdef inline void _forget_part(
+    void *memory, size_t width, Py_ssize_t capacity, Py_ssize_t start, Py_ssize_t end
+) noexcept:
+    u64map_forget(memory, capacity * width, start * width, end * width)
+
+
 cdef inline Py_ssize_t _home(const _Arrays *arrays, uint64_t key) noexcept nogil:
     return u64map_home(key, arrays.size)
 
@@ -168,7 +197,7 @@ cdef Py_ssize_t _probe(const _Arrays *arrays, uint64_t key, Py_ssize_t since) no
         held = arrays.slots[slot]
         if held == _EMPTY:
             return -1
-        if held > 0 and arrays.keys[held - 1] == key and held - 1 >= since:
+        if held > since and arrays.keys[held - 1] == key:  # a moved entry's memory may be given back
             return slot
         slot += 1
         if slot == arrays.size:
@@ -209,6 +238,7 @@ cdef class U64Map:
     cdef _Arrays _now
     cdef _Arrays _old  # a move's source, its entries from _old_at on still there; keys NULL when none
     cdef Py_ssize_t _old_at
+    cdef Py_ssize_t _old_kept  # the old arrays' entries from it on still have their memory
     cdef Py_ssize_t _moved  # _now's entries before it came from _old
     cdef Py_ssize_t _reserved  # _now's entries from it on came while moving
     cdef Py_ssize_t _first  # no live entry in _now before it: evicting from the front skips what it removed
@@ -321,7 +351,7 @@ cdef class U64Map:
         cdef _Arrays made
         _allocate(&made, capacity)
         self._old, self._now = self._now, made
-        self._old_at = self._moved = self._first = 0
+        self._old_at = self._old_kept = self._moved = self._first = 0
         self._reserved = self._now.used = self._old.live  # what moves fits before what comes meanwhile
         self._layout += 1
         return 0
@@ -357,6 +387,11 @@ cdef class U64Map:
         self._layout += 1
         if self._old_at == old.used:
             _release(old)  # holes alone are left: their references went with the entries
+        elif self._old_at - self._old_kept >= _FORGOTTEN_AT_ONCE:
+            # What moved gives its memory back as the move goes: a table moving holds its entries once (its
+            # old slots aside), as the bound and the memory figures assume.
+            _forget(old, self._old_kept, self._old_at)
+            self._old_kept = self._old_at
         return 0
 
     cdef int _start_over(self) except -1:

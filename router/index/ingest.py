@@ -122,6 +122,7 @@ class Ingest:
         batch.grouped for the batch's end. With step, an event of more blocks than step ends the run. How
         many events were taken, and that event's application in steps (None when it was no such event)."""
         past_gpu, grouped, hybrid = batch.past_gpu, batch.grouped, batch.hybrid  # locals, for the loop
+        holdings, size = self._holdings, self.block_size
         parts: Iterator[None] | None = None
         taken = 0
         for event in events:
@@ -142,6 +143,10 @@ class Ingest:
                         self._groups.declare(state.bit, event.group_idx, kind, window)
                         grouped.append(event)
                         continue
+                if event.medium in _GPU_MEDIA and (step is None or len(event.block_hashes) <= step):
+                    tier = self._medium_tiers.get(event.medium, Tier.CPU)
+                    if tier is not Tier.POOL and holdings.store_along(state, tier, event, pool, size):
+                        continue  # what every engine step sends, in one compiled call
                 parts = self._stored(state, pool, event, step)
                 if parts is not None:
                     break
@@ -184,8 +189,7 @@ class Ingest:
         elif event.token_ids and (event.medium in _GPU_MEDIA or event.extra_keys is not None):
             if parts:
                 return self._store_in_steps(state, tier, event, pool, parts)
-            if not self._holdings.store_along(state, tier, event, pool, self.block_size):
-                self._store(state, tier, event, pool)
+            self._store(state, tier, event, pool)
         elif not event.token_ids or self._shaped(event):
             # Without tokens: the OffloadingConnector's default announcement, a key alone. Or an offload
             # announced without its request's extra keys (vLLM 0.32's OffloadingConnector defers them): hashed

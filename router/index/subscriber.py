@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from router.index._zmq_drain import drain
 from router.index.events import (
+    END_OF_REPLAY,
     EVENT_TYPES,
     BlockStored,
     EncodedBatch,
@@ -37,7 +38,6 @@ from router.index.events import (
     EventDecoder,
     KVEvent,
     MalformedBatch,
-    unpack_seq,
 )
 from router.index.replay import ReplayClient, Replayed, ReplayFailed
 from router.metrics import RouterMetrics
@@ -426,8 +426,8 @@ class KVEventSubscriber:
     def _parse(self, frames: list[bytes]) -> _Numbered | None:
         """[topic, seq, payload] as (seq, batch); anything else is counted and yields None. A large payload's
         events are left encoded, to be decoded in steps."""
-        if len(frames) == 3 and len(frames[1]) == 8 and (seq := unpack_seq(frames[1])) >= 0:
-            payload = frames[2]
+        if len(frames) == 3 and len(frames[1]) == 8 and frames[1] != END_OF_REPLAY:
+            seq, payload = int.from_bytes(frames[1], "big"), frames[2]  # unpack_seq's, inline: every message
             try:
                 if len(payload) > _AT_ONCE_BYTES:
                     return seq, self._decoder.envelope(payload)
