@@ -33,6 +33,11 @@ cdef enum:  # what an iteration yields
     _VALUES = 1
     _ITEMS = 2
 
+cdef enum:  # what U64Map._own_hash found
+    _ABSENT_HERE = 0
+    _FOUND = 1
+    _WIDE_HERE = 2
+
 cdef enum:  # an entry's state: fresh arrays are all holes
     _HOLE = 0
     _LIVE = 1
@@ -291,6 +296,19 @@ cdef class U64Map:
     cdef bint _holds(self, uint64_t key) noexcept:
         cdef _Arrays *arrays
         return self._slot(key, &arrays) >= 0
+
+    cdef int _own_hash(self, uint64_t key, uint64_t *own) noexcept:
+        """In own, key's packed entry of a blocks table (router/index/holdings.py) shifted past its count: the
+        kvroute hash. _FOUND; _ABSENT_HERE; _WIDE_HERE when its value is wide (no packed entry is)."""
+        cdef _Arrays *arrays
+        cdef Py_ssize_t slot = self._slot(key, &arrays), position
+        if slot < 0:
+            return _ABSENT_HERE
+        position = _entry(arrays, slot)
+        if arrays.state[position] == _WIDE:
+            return _WIDE_HERE
+        own[0] = (<uint64_t>arrays.high[position] << (64 - _COUNT_BITS)) | (arrays.low[position] >> _COUNT_BITS)
+        return _FOUND
 
     cdef object _get(self, uint64_t key, object default):
         cdef _Arrays *arrays
@@ -695,19 +713,18 @@ def store_along(
         or (extra is not None and (len(extra) != count or extra.count(None) != count))
     ):
         return 0
+    cdef int found = _ABSENT_HERE
     parent_hash = event.parent_block_hash
     if parent_hash is not None:
         key = _hash_key(parent_hash)
-        packed = None
         for table in tables:
-            packed = (<U64Map?>table)._get(key, None)
-            if packed is not None:
+            found = (<U64Map?>table)._own_hash(key, &parent)
+            if found != _ABSENT_HERE:
                 break
         else:
-            packed = pool_table._get(key, None)
-        if packed is None:
+            found = pool_table._own_hash(key, &parent)
+        if found != _FOUND:
             return 0
-        parent = packed >> _COUNT_BITS
     try:
         own = chain_hashes(tokens, block_size, parent)
     except OverflowError:
