@@ -679,18 +679,9 @@ def enter_new(U64Map holders, U64Map blocks, list own, list keys, object bit):
     holders each of own (kvroute hashes) -> bit, in blocks each of keys -> its own hash << COUNT_BITS | 1 (a
     reference count of 1), both the last block first. False, with nothing entered, when any of own is held
     or any of keys used, or either names one twice: those take the per-block path."""
-    cdef Py_ssize_t count = len(own), index
-    if len(keys) != count:
-        raise ValueError(f"{count} hashes for {len(keys)} keys")
-    cdef uint64_t on_stack[4 * _ON_STACK]
-    cdef uint64_t *values = _values(on_stack, count)
-    try:
-        for index in range(count):  # as C integers once (OverflowError outside [0, 2^64))
-            values[index], values[count + index] = own[index], keys[index]
-        return _enter(holders, blocks, values, count, bit) == 1
-    finally:
-        if values != on_stack:
-            PyMem_Free(values)
+    if len(keys) != len(own):
+        raise ValueError(f"{len(own)} hashes for {len(keys)} keys")
+    return _enter_lists(holders, blocks, own, keys, False, bit) == 1
 
 
 def store_along(
@@ -703,7 +694,7 @@ def store_along(
     many were entered; 0, with nothing changed, for any other store (a parent held nowhere, a block held or a
     key used already, a token id past 32 bits), which the caller's general path takes and counts."""
     hashes, tokens, extra = event.block_hashes, event.token_ids, event.extra_keys
-    cdef Py_ssize_t count = len(hashes), index
+    cdef Py_ssize_t count = len(hashes)
     cdef uint64_t parent = 0, key  # parent 0: block_hashing.ROOT, the root of a chain under no adapter
     if (
         count == 0
@@ -729,25 +720,30 @@ def store_along(
         own = chain_hashes(tokens, block_size, parent)
     except OverflowError:
         return 0
+    return count if _enter_lists(holders, blocks, own, hashes, True, bit) == 1 else 0
+
+
+cdef int _enter_lists(
+    U64Map holders, U64Map blocks, object own, object keys, bint vllm_hashes, object bit
+) except -1:
+    """_enter of own (kvroute hashes) and keys, each made a C integer once: keys as they are (OverflowError
+    outside [0, 2^64), as own), or with vllm_hashes, vLLM's block hashes keyed as u64_key keys them. Their
+    copies are kept on the stack up to _ON_STACK blocks."""
+    cdef Py_ssize_t count = len(own), index
     cdef uint64_t on_stack[4 * _ON_STACK]
-    cdef uint64_t *values = _values(on_stack, count)
+    cdef uint64_t *values = on_stack
+    if count > _ON_STACK:
+        values = <uint64_t *>PyMem_Malloc(4 * count * sizeof(uint64_t))
+        if values == NULL:
+            raise MemoryError()
     try:
         for index in range(count):
-            values[index], values[count + index] = own[index], _hash_key(hashes[index])
-        return count if _enter(holders, blocks, values, count, bit) == 1 else 0
+            values[index] = own[index]
+            values[count + index] = _hash_key(keys[index]) if vllm_hashes else keys[index]
+        return _enter(holders, blocks, values, count, bit)
     finally:
         if values != on_stack:
             PyMem_Free(values)
-
-
-cdef uint64_t *_values(uint64_t *on_stack, Py_ssize_t count) except NULL:
-    """Room for a store's blocks, 4 words each: on_stack (room for _ON_STACK of them) when it is enough."""
-    if count <= _ON_STACK:
-        return on_stack
-    cdef uint64_t *values = <uint64_t *>PyMem_Malloc(4 * count * sizeof(uint64_t))
-    if values == NULL:
-        raise MemoryError()
-    return values
 
 
 cdef int _enter(U64Map holders, U64Map blocks, uint64_t *values, Py_ssize_t count, object bit) except -1:
