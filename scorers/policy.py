@@ -84,6 +84,6 @@ class Policy:
     def _totals(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         totals = [0.0] * len(candidates)
         for scorer, weight in self._scorers:
-            for index, score in enumerate(scorer.score(request, candidates)):
-                totals[index] += weight * score
+            scores = scorer.score(request, candidates)
+            totals = [total + weight * score for total, score in zip(totals, scores, strict=True)]
         return totals

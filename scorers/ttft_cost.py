@@ -32,13 +32,12 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
+from scorers import _ttft_kernel
 from scorers.candidate import Candidate
 from scorers.decaying_count import DecayingCount
 from scorers.params import Params, Registration
 from scorers.plugins import WAIT_CAUSED_S, WAIT_CAUSED_WEIGHT, Scorer
 from scorers.request import RoutingRequest
-from scorers.ttft_features import features_for, wait_caused_s
-from scorers.ttft_model import TTFTFeatures
 
 
 class TTFTCostParams(Params):
@@ -80,7 +79,7 @@ class TTFTCostScorer:
         self._weighed: _Weighed | None = None  # the last costs' charges, for explain to report
 
     def predict(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        return [c.ttft_model.predict(features_for(request, c)) for c in candidates]
+        return _ttft_kernel.costs(request, candidates, 0.0, 0.0)[0]
 
     def arrivals_per_s(self) -> float:
         """Requests a second, measured from the decisions (one counts half after arrivals_half_life_s)."""
@@ -94,38 +93,20 @@ class TTFTCostScorer:
         return self._wait_caused * self.arrivals_per_s() / instances
 
     def costs(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        """Each candidate's cost in seconds: its predicted TTFT, plus the wait it causes when counted."""
+        """Each candidate's cost in seconds: its predicted TTFT, plus the wait it causes when counted: the
+        requests behind it, queued behind its uncached tokens (its queue rate x those tokens) for as long as
+        it is predicted to take, at most wait_caused_cap x that prediction."""
         behind_per_s = self.behind_per_s(len(candidates))
-        if not behind_per_s:
-            return self.predict(request, candidates)
-        costs, charges = [], []
-        for c in candidates:
-            features = features_for(request, c)
-            predicted = c.ttft_model.predict(features)
-            charged = self.charged_s(c, features, predicted, behind_per_s)
-            charges.append(charged)
-            costs.append(predicted + charged)
-        self._weighed = _Weighed(request, candidates, charges, behind_per_s)
+        costs, charges = _ttft_kernel.costs(request, candidates, behind_per_s, self._wait_caused_cap)
+        if charges is not None:
+            self._weighed = _Weighed(request, candidates, charges, behind_per_s)
         return costs
 
-    def charged_s(
-        self, candidate: Candidate, features: TTFTFeatures, predicted_s: float, behind_per_s: float
-    ) -> float:
-        """What a request predicted to take predicted_s there is charged for the wait it causes: at most
-        wait_caused_cap x predicted_s."""
-        caused = wait_caused_s(candidate, features, predicted_s, behind_per_s)
-        return min(caused, self._wait_caused_cap * predicted_s)
-
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        costs = [seconds + self._resolution for seconds in self.costs(request, candidates)]
-        if not costs:
-            return []
+        factors = None
         if self._exponent:
-            costs = [
-                cost * (c.in_flight + 1) ** self._exponent for cost, c in zip(costs, candidates, strict=True)
-            ]
-        lowest = min(costs)
-        return [min(1.0, lowest / cost) if cost > 0 else 1.0 for cost in costs]
+            factors = [(c.in_flight + 1) ** self._exponent for c in candidates]
+        return _ttft_kernel.relative_speeds(self.costs(request, candidates), self._resolution, factors)
 
     def explain(self, request: RoutingRequest, candidates: int, chosen: Candidate) -> Mapping[str, float]:
         """The wait the chosen candidate was charged for causing, and its weight, as the choice weighed them
@@ -138,9 +119,9 @@ class TTFTCostScorer:
         behind_per_s = self.behind_per_s(candidates)
         if not behind_per_s:
             return {WAIT_CAUSED_S: 0.0, WAIT_CAUSED_WEIGHT: 0.0}
-        features = features_for(request, chosen)
-        charged = self.charged_s(chosen, features, chosen.ttft_model.predict(features), behind_per_s)
-        return {WAIT_CAUSED_S: charged, WAIT_CAUSED_WEIGHT: behind_per_s}
+        _, charges = _ttft_kernel.costs(request, (chosen,), behind_per_s, self._wait_caused_cap)
+        assert charges is not None
+        return {WAIT_CAUSED_S: charges[0], WAIT_CAUSED_WEIGHT: behind_per_s}
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
         self._arrivals.add(self._clock())

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 from pydantic import Field
 
+from scorers import _ttft_kernel
 from scorers.params import Params
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
@@ -169,8 +170,7 @@ class TTFTModel:
     @property
     def queue_rate(self) -> float:
         """Seconds each uncached token prefilling there adds to the wait of the requests queued behind it."""
-        self._current()
-        return self._rate_values[_QUEUE]
+        return self.current_rates()[_QUEUE]
 
     def _current(self) -> np.ndarray:
         """The rates, solved again when the fleet's have moved since (at most once per solve of theirs)."""
@@ -178,20 +178,13 @@ class TTFTModel:
             self._solve()
         return self._rates
 
-    def predict(self, features: TTFTFeatures) -> float:
-        # On floats: the same operations in the same order as on the array, a fifth of the time of its
-        # scalars' (a decision over 1,000 instances predicts 1,000 times).
+    def current_rates(self) -> list[float]:
+        """The rates in TERMS' order, as floats (what the prediction's arithmetic reads)."""
         self._current()
-        rates = self._rate_values
-        return float(
-            rates[0]
-            + rates[1] * features.queued_tokens
-            + rates[2] * features.uncached_tokens
-            + rates[3] * features.loaded_tokens
-            + rates[4] * features.memory_wait_s
-            + rates[_ATTENTION] * features.attention_pairs
-            + rates[_TRANSFER] * features.transferred_tokens
-        )
+        return self._rate_values
+
+    def predict(self, features: TTFTFeatures) -> float:
+        return _ttft_kernel.predict(self.current_rates(), features)
 
     def observe(self, features: TTFTFeatures, seconds: float) -> None:
         # A wait for memory depends on when other requests finish, which no linear term describes: such
@@ -291,4 +284,4 @@ def _scaled(slowdown: float) -> np.ndarray:
 def attention_pairs(start: int, tokens: int) -> float:
     """The (token, earlier or same token) pairs of computing `tokens` prompt tokens after `start` cached:
     each attends to every token before it and itself."""
-    return tokens * (start + (tokens + 1) / 2)
+    return _ttft_kernel.attention_pairs(start, tokens)

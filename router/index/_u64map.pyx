@@ -53,6 +53,7 @@ cdef extern from *:
     """
     Py_ssize_t u64map_home(uint64_t key, uint64_t size) nogil
     void __builtin_prefetch(const void *address) nogil
+    int __builtin_ctz(unsigned int value) nogil
 
 cdef extern from *:
     """
@@ -836,3 +837,42 @@ def and_runs(list masks):
             alive = anded
     runs.append((count, alive))
     return runs
+
+
+def match_lengths(list runs):
+    """Each owner in a prompt's runs (and_runs): the blocks before it leaves, by its bit's position, lowest
+    position first (the order owners are credited in). An owner leaves where its bit is in a run's value and
+    not in the next's; the set bits of 1,000-bit masks are found a byte at a time in C."""
+    cdef Py_ssize_t count = len(runs), index, position, at
+    cdef dict ends = {}
+    if count == 0:
+        return ends
+    cdef Py_ssize_t width = (<object>runs[0][1]).bit_length()  # every later run's value is within the first's
+    cdef long long* end_at = <long long*>PyMem_Malloc(max(width, 1) * sizeof(long long))
+    if end_at == NULL:
+        raise MemoryError()
+    cdef const uint8_t* data
+    cdef uint8_t byte
+    cdef bytes left_bytes
+    try:
+        for position in range(width):
+            end_at[position] = -1
+        for index in range(count):
+            end, value = runs[index]
+            following = runs[index + 1][1] if index + 1 < count else 0
+            left = value ^ following
+            left_bytes = left.to_bytes((left.bit_length() + 7) // 8, "little")
+            data = <const uint8_t*>PyBytes_AS_STRING(left_bytes)
+            for at in range(PyBytes_GET_SIZE(left_bytes)):
+                byte = data[at]
+                while byte:
+                    position = at * 8 + __builtin_ctz(byte)
+                    if position < width:
+                        end_at[position] = end
+                    byte &= byte - 1
+        for position in range(width):
+            if end_at[position] >= 0:
+                ends[position] = end_at[position]
+    finally:
+        PyMem_Free(end_at)
+    return ends

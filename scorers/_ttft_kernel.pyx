@@ -1,0 +1,215 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""A request's TTFT cost on each candidate, in C: the features (scorers/ttft_features.py), the prediction
+(scorers/ttft_model.py) and the wait it causes (scorers/ttft_cost.py), one implementation for one candidate
+and for a fleet of them.
+
+Python spent about 7 µs a candidate here, ten function calls and a named tuple each: over 1,000 instances
+most of a decision. What is left per candidate is reading its attributes. The arithmetic is Python's, operation
+for operation and in the same order (the build turns off fused multiply-adds), so the costs are the same
+floats to the last bit, and so is the routing.
+"""
+
+from scorers.request import NO_MATCH
+
+cdef struct Reused:
+    long long gpu
+    long long cpu
+    long long pool
+
+
+cdef struct Features:
+    long long uncached
+    long long loaded  # tokens loaded from the CPU tier or the pool
+    long long kept  # tokens reused, on the GPU or loaded
+    double memory_wait_s
+
+
+cdef inline long long _min(long long a, long long b):
+    return b if b < a else a
+
+
+cdef int _reused(object match, long long reusable, Reused* out) except -1:
+    """The blocks a match lets a request reuse: whole blocks only, never the last prompt token's."""
+    cdef long long gpu = match.gpu, cpu = match.cpu, pool = match.pool
+    if gpu + cpu + pool > reusable:
+        gpu = _min(gpu, reusable)
+        cpu = _min(cpu, reusable - gpu)
+        pool = _min(pool, reusable - gpu - cpu)
+    out.gpu, out.cpu, out.pool = gpu, cpu, pool
+    return 0
+
+
+cdef inline long long _reusable(long long prompt_tokens, long long block_size):
+    return (prompt_tokens - 1 if prompt_tokens > 1 else 0) // block_size
+
+
+def reused(object match, long long prompt_tokens, long long block_size):
+    """(gpu, cpu, pool) of match, capped to the prompt's reusable blocks."""
+    cdef Reused r
+    _reused(match, _reusable(prompt_tokens, block_size), &r)
+    return r.gpu, r.cpu, r.pool
+
+
+cpdef double memory_wait_s(object candidate, long long prompt_tokens, object chain) except? -1.0:
+    """How long a prompt would wait there for KV memory (scorers/ttft_features.py says how)."""
+    capacity = candidate.kv_capacity_tokens
+    if not capacity:
+        return 0.0
+    hold_s = candidate.context_hold_s
+    if hold_s is None:
+        return 0.0
+    cdef double held = candidate.active_tokens
+    cdef double capacity_tokens = capacity
+    load = candidate.load
+    cdef double used
+    if load is not None:
+        used = load.kv_usage
+        used = used * capacity_tokens
+        if used > held:
+            held = used
+    cdef double excess = held + <double>prompt_tokens - capacity_tokens
+    if excess > 0:
+        excess -= <double>candidate.shared_tokens(chain)
+    if excess <= 0 or held <= 0:
+        return 0.0
+    cdef double share = excess / held
+    if 1.0 < share:
+        share = 1.0
+    return <double>hold_s * share
+
+
+cdef struct Prompt:
+    long long tokens
+    long long block_size
+    long long reusable  # whole blocks, never the last token's
+
+
+cdef inline Prompt _prompt(object request):
+    cdef Prompt p
+    p.tokens, p.block_size = request.prompt_tokens, request.block_size
+    p.reusable = _reusable(p.tokens, p.block_size)
+    return p
+
+
+cdef int _features(
+    Prompt* prompt, object matches, object chain, object candidate, Features* out
+) except -1:
+    cdef Reused r
+    match = matches.get(candidate.name, NO_MATCH)
+    if match is NO_MATCH:  # most of a large fleet's instances
+        r.gpu = r.cpu = r.pool = 0
+    else:
+        _reused(match, prompt.reusable, &r)
+    out.loaded = (r.cpu + r.pool) * prompt.block_size
+    out.kept = (r.gpu + r.cpu + r.pool) * prompt.block_size
+    out.uncached = prompt.tokens - out.kept
+    out.memory_wait_s = memory_wait_s(candidate, prompt.tokens, chain)
+    return 0
+
+
+cdef inline double _attention_pairs(long long start, long long tokens):
+    return <double>tokens * (<double>start + <double>(tokens + 1) / 2.0)
+
+
+def attention_pairs(long long start, long long tokens):
+    """The (token, earlier or same token) pairs of computing `tokens` prompt tokens after `start` cached."""
+    return _attention_pairs(start, tokens)
+
+
+def features(object request, object candidate):
+    """The TTFT model's features of the request there, as TTFTFeatures' fields up to attention_pairs."""
+    cdef Features f
+    cdef Prompt prompt = _prompt(request)
+    _features(&prompt, request.matches, request.chain, candidate, &f)
+    return (
+        candidate.pending_prefill_tokens,
+        f.uncached,
+        f.loaded,
+        f.memory_wait_s,
+        0,
+        _attention_pairs(f.kept, f.uncached),
+    )
+
+
+cdef double _predict(
+    list rates, double queued, double uncached, double loaded, double memory_wait_s, double attention,
+    double transferred,
+) except? -1.0:
+    if len(rates) != 8:
+        raise ValueError("the TTFT model has 8 rates")
+    return (
+        <double>rates[0]
+        + <double>rates[1] * queued
+        + <double>rates[2] * uncached
+        + <double>rates[3] * loaded
+        + <double>rates[4] * memory_wait_s
+        + <double>rates[6] * attention
+        + <double>rates[7] * transferred
+    )
+
+
+def predict(list rates, object features):
+    """TTFT in seconds under rates (TTFTModel's, in TERMS' order) for TTFTFeatures; decoding left out."""
+    return _predict(
+        rates,
+        features.queued_tokens,
+        features.uncached_tokens,
+        features.loaded_tokens,
+        features.memory_wait_s,
+        features.attention_pairs,
+        features.transferred_tokens,
+    )
+
+
+def costs(object request, object candidates, double behind_per_s, double cap):
+    """Each candidate's predicted TTFT, plus the wait it causes the requests behind it when behind_per_s
+    is nonzero (at most cap x the prediction): (costs, those charges, or None when behind_per_s is 0)."""
+    cdef Features f
+    cdef double queued, predicted, caused, capped
+    cdef list rates
+    cdef list found = []
+    cdef list charges = [] if behind_per_s else None
+    cdef Prompt prompt = _prompt(request)
+    matches, chain = request.matches, request.chain
+    for candidate in candidates:
+        _features(&prompt, matches, chain, candidate, &f)
+        queued = candidate.pending_prefill_tokens
+        rates = candidate.ttft_model.current_rates()
+        predicted = _predict(
+            rates, queued, f.uncached, f.loaded, f.memory_wait_s, _attention_pairs(f.kept, f.uncached), 0.0
+        )
+        if charges is None:
+            found.append(predicted)
+            continue
+        caused = behind_per_s * predicted * <double>rates[1] * <double>f.uncached
+        capped = cap * predicted
+        if capped < caused:
+            caused = capped
+        charges.append(caused)
+        found.append(predicted + caused)
+    return found, charges
+
+
+def relative_speeds(list costs, double resolution, list factors):
+    """The TTFT cost scorer's scores of costs in seconds: (fastest + resolution) / (cost + resolution),
+    each cost plus resolution first multiplied by its factor when factors is not None."""
+    cdef Py_ssize_t n = len(costs), i
+    cdef list shifted = [None] * n
+    cdef double cost, lowest = 0.0, ratio
+    for i in range(n):
+        cost = <double>costs[i] + resolution
+        if factors is not None:
+            cost = cost * <double>factors[i]
+        shifted[i] = cost
+        if i == 0 or cost < lowest:
+            lowest = cost
+    cdef list scores = [None] * n
+    for i in range(n):
+        cost = shifted[i]
+        ratio = 1.0
+        if cost > 0:
+            ratio = lowest / cost
+            if not ratio < 1.0:
+                ratio = 1.0
+        scores[i] = ratio
+    return scores

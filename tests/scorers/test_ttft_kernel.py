@@ -1,0 +1,130 @@
+"""The compiled TTFT cost (scorers/_ttft_kernel.pyx) against its formula written out in Python: the same floats
+to the last bit, for one candidate and for a fleet, so compiling it changed no routing decision."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scorers.candidate import EngineLoad
+from scorers.request import NO_MATCH, RoutingRequest, TierMatch
+from scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
+from scorers.ttft_features import features_for
+from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors
+from tests.scorers.candidates import Fake
+
+tokens = st.integers(0, 400_000)
+some_seconds = st.floats(0, 60, allow_nan=False)
+
+
+@st.composite
+def candidates(draw: st.DrawFn, name: str) -> Fake:
+    model = TTFTModel(
+        TTFTPriors(
+            attention_s_per_pair=draw(st.sampled_from([0.0, 1e-9])),
+            memory_wait_factor=draw(st.floats(0, 4)),
+        )
+    )
+    for _ in range(draw(st.integers(0, 3))):  # calibrated rates: floats with every bit used
+        seen = TTFTFeatures(draw(tokens), draw(st.integers(1, 50_000)), draw(st.integers(0, 5_000)))
+        model.observe(seen, draw(st.floats(1e-4, 5)))
+    load = draw(st.none() | st.builds(EngineLoad, some_seconds, some_seconds, st.floats(0, 1)))
+    return Fake(
+        name,
+        in_flight=draw(st.integers(0, 64)),
+        pending_prefill_tokens=draw(tokens),
+        active_tokens=draw(tokens),
+        load=load,
+        kv_capacity_tokens=draw(st.none() | st.just(0) | st.integers(1, 400_000)),
+        context_hold_s=draw(st.none() | some_seconds),
+        ttft_model=model,
+        shared=draw(tokens),
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn, names: Sequence[str]) -> RoutingRequest:
+    block_size = draw(st.sampled_from([1, 16, 32]))
+    prompt = draw(st.sampled_from([0, 1, 16, 17]) | tokens)
+    blocks = st.integers(0, prompt // block_size + 2)
+    matches = {
+        name: TierMatch(draw(blocks), draw(blocks), draw(blocks)) for name in names if draw(st.booleans())
+    }
+    return RoutingRequest("m", "s", prompt, prompt // block_size, block_size, matches, range(prompt))
+
+
+def memory_wait(c: Fake, prompt_tokens: int) -> float:
+    if not c.kv_capacity_tokens or c.context_hold_s is None:
+        return 0.0
+    held = float(c.active_tokens)
+    if c.load is not None:
+        held = max(held, c.load.kv_usage * c.kv_capacity_tokens)
+    excess = held + prompt_tokens - c.kv_capacity_tokens
+    if excess > 0:
+        excess -= c.shared
+    if excess <= 0 or held <= 0:
+        return 0.0
+    return c.context_hold_s * min(excess / held, 1.0)
+
+
+def formula(request: RoutingRequest, c: Fake, behind_per_s: float, cap: float) -> tuple[float, float]:
+    """(predicted TTFT, wait charged) as the model's docstrings define them, in plain Python."""
+    match = request.matches.get(c.name, NO_MATCH)
+    reusable = max(request.prompt_tokens - 1, 0) // request.block_size
+    gpu = min(match.gpu, reusable)
+    cpu = min(match.cpu, reusable - gpu)
+    pool = min(match.pool, reusable - gpu - cpu)
+    kept = (gpu + cpu + pool) * request.block_size
+    uncached = request.prompt_tokens - kept
+    rates = c.ttft_model.current_rates()
+    predicted = (
+        rates[0]
+        + rates[1] * c.pending_prefill_tokens
+        + rates[2] * uncached
+        + rates[3] * ((cpu + pool) * request.block_size)
+        + rates[4] * memory_wait(c, request.prompt_tokens)
+        + rates[6] * (uncached * (kept + (uncached + 1) / 2))
+        + rates[7] * 0
+    )
+    return predicted, min(behind_per_s * predicted * rates[1] * uncached, cap * predicted)
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> tuple[RoutingRequest, list[Fake]]:
+    names = [f"i{n}" for n in range(draw(st.integers(1, 6)))]
+    return draw(requests(names)), [draw(candidates(name)) for name in names]
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.sampled_from([0.0, 0.5, 4.0]), st.floats(0, 2), st.sampled_from([0.0, 1.0, 2.5]))
+def test_the_compiled_costs_are_the_formulas_floats(
+    fleet: tuple[RoutingRequest, list[Fake]], wait_caused: float, cap: float, exponent: float
+) -> None:
+    request, fleet_candidates = fleet
+    now = [0.0]
+    scorer = TTFTCostScorer(
+        TTFTCostParams(wait_caused=wait_caused, wait_caused_cap=cap, in_flight_exponent=exponent),
+        clock=lambda: now[0],
+    )
+    for _ in range(3):  # arrivals, so that the wait caused counts when wait_caused is on
+        now[0] += 0.25
+        scorer.observe(request, fleet_candidates[0])
+    behind_per_s = scorer.behind_per_s(len(fleet_candidates))
+    expected = [formula(request, c, behind_per_s, cap) for c in fleet_candidates]
+
+    assert scorer.predict(request, fleet_candidates) == [predicted for predicted, _ in expected]
+    costs = [predicted + (charged if behind_per_s else 0.0) for predicted, charged in expected]
+    assert scorer.costs(request, fleet_candidates) == costs
+    shifted = [
+        (cost + 0.05) * (c.in_flight + 1) ** exponent if exponent else cost + 0.05
+        for cost, c in zip(costs, fleet_candidates, strict=True)
+    ]
+    assert scorer.score(request, fleet_candidates) == [
+        min(1.0, min(shifted) / cost) if cost > 0 else 1.0 for cost in shifted
+    ]
+    for c, (predicted, charged) in zip(fleet_candidates, expected, strict=True):
+        assert c.ttft_model.predict(features_for(request, c)) == predicted
+        explained = scorer.explain(request, len(fleet_candidates), c)  # alone: the last costs are spent
+        assert explained["wait_caused_s"] == (charged if behind_per_s else 0.0)
