@@ -12,7 +12,7 @@ import operator
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from router.index._u64map import U64Map, and_runs
+from router.index._u64map import U64Map, and_runs, match_lengths
 from router.index.holdings import Holdings, Tier
 from router.index.kv_groups import GroupConstraints
 from router.index.speculation import Speculations
@@ -125,31 +125,11 @@ def either(first: list[int] | None, second: list[int] | None) -> list[int] | Non
     return list(map(operator.or_, first, second))
 
 
-def match_lengths(runs: list[tuple[int, int]]) -> dict[int, int]:
-    """Each owner of the running AND of a prompt's holder masks, given as its runs (and_runs): the blocks
-    before it leaves, by its bit's position, lowest first (the order owners are credited in). The bits a run
-    loses at its end all end there: one step a run, not one an owner, since in a large fleet most owners hold
-    a shared system prompt alone and leave together."""
-    ends: dict[int, int] = {}
-    for index, (end, mask) in enumerate(runs):
-        following = runs[index + 1][1] if index + 1 < len(runs) else 0
-        ends.update(dict.fromkeys(_positions(mask ^ following), end))
-    return dict(sorted(ends.items()))
-
-
 def _count_with(masks: list[int] | None, bit: int, end: int) -> int:
     """How many of the first end masks have bit set, counted in C."""
     if masks is None:
         return 0
     return end - list(map(operator.and_, itertools.islice(masks, end), itertools.repeat(bit))).count(0)
-
-
-def _positions(mask: int) -> list[int]:
-    """The positions of mask's set bits, lowest first, found in C from its binary digits: the run of zeros
-    before each set bit. Peeling them off one at a time would take 1,000 operations on 1,000-bit ints for a
-    fleet of 1,000 owners leaving together."""
-    zeros_before = bin(mask)[:1:-1].split("1")[:-1]  # lowest bit first
-    return list(map(operator.add, itertools.accumulate(map(len, zeros_before)), itertools.count()))
 
 
 def _total(match: TierMatch) -> int:

@@ -8,8 +8,7 @@ import operator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index._u64map import and_runs
-from router.index.matching import match_lengths
+from router.index._u64map import and_runs, match_lengths
 
 
 def _by_owner(alive: list[int]) -> dict[int, int]:
