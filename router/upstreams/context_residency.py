@@ -20,6 +20,9 @@ class ContextResidency:
         self._token_seconds = 0.0  # integral of tokens over time up to the last release, decayed
         self._recent = 0.0  # the integral since the last release
         self._released = 0.0  # tokens released, decayed alike
+        # The mean time a context token stays; None until a request has finished. Kept, not computed when
+        # read: the TTFT cost reads it of every candidate of every decision.
+        self.seconds: float | None = None
 
     def _advance(self) -> None:
         now = self._clock()
@@ -36,14 +39,10 @@ class ContextResidency:
         self._token_seconds = self._token_seconds * self._decay + self._recent
         self._released = self._released * self._decay + tokens
         self._recent = 0.0
+        self.seconds = self._token_seconds / self._released if self._released > 0 else None
 
     def withdraw(self, tokens: int) -> None:
         """A request the engine refused or never got: it held no memory, so it does not count as a release
         (at a hold of ~0 s it would pull the estimate down whenever an instance sheds load)."""
         self._advance()
         self.tokens -= tokens
-
-    @property
-    def seconds(self) -> float | None:
-        """The mean time a context token stays; None until a request has finished."""
-        return self._token_seconds / self._released if self._released > 0 else None

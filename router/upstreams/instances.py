@@ -34,10 +34,6 @@ class Instance:
     models: frozenset[str]
     healthy: bool = True
     checked: bool = False  # a health check has answered (or failed) since the instance came in
-    own_in_flight: int = 0  # requests this router sent there and has not seen finish
-    own_pending_prefill_tokens: int = 0  # their uncached prompt tokens not answered yet
-    peers: PeerLoad = NO_PEER_LOAD  # the same of other routers in front of the fleet
-    # (router/upstreams/peer_load.py)
     load: EngineLoad | None = None
     kv_capacity_tokens: int | None = None  # from the engine's vllm:cache_config_info once scraped
     max_model_len: dict[str, int] = field(default_factory=dict)  # by model, from its /v1/models once healthy
@@ -55,25 +51,54 @@ class Instance:
     held: InflightBlocks = field(init=False)
     role: Role = "both"  # the legs of a disaggregated model's requests it takes
     transfer: TransferEndpoint | None = None  # where a decode leg fetches KV this instance prefilled
+    # What the scorers read of every candidate, this router's counts and its peers' (their setters below),
+    # kept summed as the parts change: computed when read, they were a Python call each, and over 1,000
+    # candidates reading them was most of a decision.
+    in_flight: int = field(default=0, init=False)  # requests in flight there
+    pending_prefill_tokens: int = field(default=0, init=False)
+    active_tokens: int = field(default=0, init=False)  # KV tokens they hold, a prefix they share once
+    _own_in_flight: int = field(default=0, init=False, repr=False)
+    _own_pending_prefill_tokens: int = field(default=0, init=False, repr=False)
+    _peers: PeerLoad = field(default=NO_PEER_LOAD, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.contexts = ContextResidency(self.clock)
         self.held = InflightBlocks(self.block_size)
 
     @property
-    def in_flight(self) -> int:
-        """Requests in flight there, this router's and its peers'."""
-        return self.own_in_flight + self.peers.in_flight
+    def own_in_flight(self) -> int:
+        """Requests this router sent there and has not seen finish."""
+        return self._own_in_flight
+
+    @own_in_flight.setter
+    def own_in_flight(self, requests: int) -> None:
+        self._own_in_flight = requests
+        self.in_flight = requests + self._peers.in_flight
 
     @property
-    def pending_prefill_tokens(self) -> int:
-        return self.own_pending_prefill_tokens + self.peers.pending_prefill_tokens
+    def own_pending_prefill_tokens(self) -> int:
+        """Their uncached prompt tokens not answered yet."""
+        return self._own_pending_prefill_tokens
+
+    @own_pending_prefill_tokens.setter
+    def own_pending_prefill_tokens(self, tokens: int) -> None:
+        self._own_pending_prefill_tokens = tokens
+        self.pending_prefill_tokens = tokens + self._peers.pending_prefill_tokens
 
     @property
-    def active_tokens(self) -> int:
-        """KV tokens the requests in flight there hold: this router's, a prefix they share once, and its
-        peers'."""
-        return self.held.tokens + self.peers.active_tokens
+    def peers(self) -> PeerLoad:
+        """The same of other routers in front of the fleet (router/upstreams/peer_load.py)."""
+        return self._peers
+
+    @peers.setter
+    def peers(self, load: PeerLoad) -> None:
+        self._peers = load
+        self.in_flight = self._own_in_flight + load.in_flight
+        self.pending_prefill_tokens = self._own_pending_prefill_tokens + load.pending_prefill_tokens
+        self._held_changed()
+
+    def _held_changed(self) -> None:
+        self.active_tokens = self.held.tokens + self._peers.active_tokens
 
     @property
     def own_active_tokens(self) -> int:
@@ -92,6 +117,7 @@ class Instance:
         self.own_in_flight += 1
         self.contexts.add(prompt_tokens)
         self.held.add(chain, prompt_tokens)
+        self._held_changed()
         self.own_pending_prefill_tokens += uncached_tokens
 
     def end(
@@ -105,6 +131,7 @@ class Instance:
         refused or never delivered."""
         self.own_in_flight -= 1
         self.held.remove(chain, prompt_tokens)
+        self._held_changed()
         if admitted:
             self.contexts.release(prompt_tokens)
         else:
