@@ -12,9 +12,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from scorers._scores import lower_is_better
 from scorers.candidate import Candidate
 from scorers.params import Params, Registration
-from scorers.plugins import Scorer, lower_is_better
+from scorers.plugins import Scorer
 from scorers.request import RoutingRequest
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
+from scorers._scores import tied_for_best
 from scorers.params import Params, Registration
 from scorers.plugins import Picker
 
@@ -28,9 +29,7 @@ class MaxScorePicker:
         self._rng = rng or random.Random()
 
     def pick(self, scores: Sequence[float]) -> int:
-        scores = ranked(scores)
-        best = max(scores)
-        tied = [i for i, s in enumerate(scores) if s >= best - 1e-12]
+        tied = tied_for_best(list(scores))
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
 

@@ -70,14 +70,3 @@ class ResponseObserver(Protocol):
     def responded(
         self, request: RoutingRequest, chosen: Candidate, ttft_s: float | None, status: int
     ) -> None: ...
-
-
-def lower_is_better(values: Sequence[float | None]) -> list[float]:
-    """llm-d's normalization: (max - v) / (max - min) over the known values; equal ones all score 1;
-    an unknown value (None) scores 0."""
-    known = [v for v in values if v is not None]
-    if not known:
-        return [0.0] * len(values)
-    low, high = min(known), max(known)
-    span = high - low
-    return [0.0 if v is None else 1.0 if span == 0 else (high - v) / span for v in values]

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from scorers._scores import add_weighted
 from scorers.candidate import Candidate
 from scorers.pickers import ranked
 from scorers.plugins import Explainer, Picker, PickObserver, ResponseObserver, Scorer
@@ -84,6 +85,5 @@ class Policy:
     def _totals(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         totals = [0.0] * len(candidates)
         for scorer, weight in self._scorers:
-            scores = scorer.score(request, candidates)
-            totals = [total + weight * score for total, score in zip(totals, scores, strict=True)]
+            add_weighted(totals, scorer.score(request, candidates), weight)
         return totals

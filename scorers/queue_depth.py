@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from scorers._scores import lower_is_better
 from scorers.candidate import Candidate
 from scorers.params import Params, Registration
-from scorers.plugins import Scorer, lower_is_better
+from scorers.plugins import Scorer
 from scorers.request import RoutingRequest
 
 

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
+from scorers._scores import lower_is_better
 from scorers.candidate import Candidate
 from scorers.decaying_count import DecayingCount
 from scorers.params import Params, Registration
-from scorers.plugins import Scorer, lower_is_better
+from scorers.plugins import Scorer
 from scorers.request import RoutingRequest
 
 _FORGOTTEN = 0.01  # placements decayed below this are dropped when the table grows (instances come and go)

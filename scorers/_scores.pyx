@@ -1,0 +1,67 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""What a policy does with its scorers' lists of scores, in C: normalizing, weighing and summing them, and
+finding the best. Each was a pass of Python over every candidate; over 1,000 candidates and four scorers
+they took a fifth of a decision. The arithmetic is Python's, operation for operation, so the scores are the
+same floats (integers below 2^53, token counts, convert exactly, as Python converts them).
+"""
+
+from libc.math cimport INFINITY, isfinite
+
+
+def add_weighted(list totals, list scores, double weight):
+    """totals[i] += weight * scores[i], in place; the lists are of one length."""
+    cdef Py_ssize_t n = len(totals), i
+    if len(scores) != n:
+        raise ValueError(f"{len(scores)} scores for {n} candidates")
+    for i in range(n):
+        totals[i] = <double>totals[i] + weight * <double>scores[i]
+
+
+def lower_is_better(list values):
+    """llm-d's normalization: (max - v) / (max - min) over the known values; equal ones all score 1; an
+    unknown value (None) scores 0."""
+    cdef Py_ssize_t n = len(values), i
+    cdef double low = 0.0, high = 0.0, value, span
+    cdef bint known = False
+    for i in range(n):
+        item = values[i]
+        if item is None:
+            continue
+        value = item
+        if not known:
+            low = high = value
+            known = True
+        elif value < low:
+            low = value
+        elif value > high:
+            high = value
+    cdef list scores = [0.0] * n
+    if not known:
+        return scores
+    span = high - low
+    for i in range(n):
+        item = values[i]
+        if item is None:
+            continue
+        scores[i] = 1.0 if span == 0 else (high - <double>item) / span
+    return scores
+
+
+def tied_for_best(list scores):
+    """The indexes of the highest scores, within 1e-12 of the best; a score that is not finite (a scorer's
+    overflow) counts as the lowest of all, as pickers.ranked makes it."""
+    cdef Py_ssize_t n = len(scores), i
+    cdef double best = -INFINITY, score
+    for i in range(n):
+        score = scores[i]
+        if isfinite(score) and score > best:
+            best = score
+    cdef double bar = best - 1e-12
+    cdef list tied = []
+    for i in range(n):
+        score = scores[i]
+        if not isfinite(score):
+            score = -INFINITY
+        if score >= bar:
+            tied.append(i)
+    return tied

@@ -1,0 +1,59 @@
+"""The compiled handling of score lists (scorers/_scores.pyx) against its definitions written out in Python:
+the same floats to the last bit, so compiling it changed no routing decision."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scorers._scores import add_weighted, lower_is_better, tied_for_best
+
+counts = st.integers(0, 2**40)
+loads = st.floats(0, 1e9, allow_nan=False)
+any_floats = st.floats(allow_nan=True, allow_infinity=True)
+
+
+def normalized(values: list[float | None]) -> list[float]:
+    """The definition: llm-d's (max - v) / (max - min) over the known values; all equal, 1; unknown, 0."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return [0.0] * len(values)
+    low, high = min(known), max(known)
+    span = high - low
+    return [0.0 if v is None else 1.0 if span == 0 else (high - v) / span for v in values]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.none() | counts) | st.lists(st.none() | loads) | st.lists(counts | loads))
+def test_normalizing_gives_the_definitions_floats(values: list[float | None]) -> None:
+    found = lower_is_better(values)
+    assert found == normalized(values)
+    assert [type(score) for score in found] == [float] * len(values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(any_floats, any_floats), max_size=20), st.floats(-4, 4))
+def test_weighing_adds_as_python_adds(pairs: list[tuple[float, float]], weight: float) -> None:
+    totals = [total for total, _ in pairs]
+    add_weighted(totals, [score for _, score in pairs], weight)
+    expected = [total + weight * score for total, score in pairs]
+    assert [repr(t) for t in totals] == [repr(e) for e in expected]  # NaN compares by its spelling
+
+
+def test_weighing_refuses_a_list_of_another_length() -> None:
+    try:
+        add_weighted([0.0, 0.0], [1.0], 1.0)
+    except ValueError as refused:
+        assert "1 scores for 2 candidates" in str(refused)
+    else:
+        raise AssertionError("scores of another length were added")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(any_floats | st.floats(0.999999999999, 1.0), min_size=1, max_size=20))
+def test_the_best_are_those_within_a_trillionth_of_the_highest_finite_score(scores: list[float]) -> None:
+    ranked = [s if math.isfinite(s) else -math.inf for s in scores]
+    best = max(ranked)
+    assert tied_for_best(scores) == [i for i, s in enumerate(ranked) if s >= best - 1e-12]
