@@ -4,7 +4,8 @@ hashed, matched against the index and scored by the default policy over 8, 100 a
 The fleet: every instance holds the session's shared system prompt (its first blocks), and ten of them hold
 a tenth, two tenths... up to all of the session's history, as a fleet some of whose instances served the
 session's earlier turns. Each instance also holds filler chains of its own, so the tables are of a fleet's
-size, not of one session's.
+size, not of one session's. Each is busy as a scraped fleet is: its KV capacity, load and context hold time
+known, an agent turn in flight, so that the scorers read all they read of a live instance.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvroute.bench.index_parts import BLOCK_SIZE, durations, gpu_blocks
 from router.index.block_index import BlockIndex
 from router.prompt import block_hashing
 from router.upstreams.instances import Instance
+from scorers.candidate import EngineLoad
 from scorers.policy import Policy
 from scorers.policy_config import builtin_policies
 from scorers.request import RoutingRequest, TierMatch
@@ -26,6 +28,8 @@ SYSTEM_PROMPT_BLOCKS = 128  # 2,048 tokens every instance holds
 SESSION_HOLDERS = 10
 FILLER_BLOCKS = 2_000  # of each instance's own, besides the session's
 MODEL = "m"
+KV_CAPACITY_TOKENS = 500_000
+IN_FLIGHT_TOKENS = 60_000
 
 
 def _fleet(instances: int, tokens: list[int], chain_blocks: int) -> BlockIndex:
@@ -44,6 +48,18 @@ def _fleet(instances: int, tokens: list[int], chain_blocks: int) -> BlockIndex:
     return index
 
 
+def _busy(n: int, chain: list[int]) -> Instance:
+    """Instance n of a live fleet: scraped (capacity, load), a context's hold time measured, a 60K-token turn
+    of the session in flight."""
+    instance = Instance(f"i{n}", f"http://127.0.0.1:{9000 + n}", frozenset({MODEL}))
+    instance.kv_capacity_tokens = KV_CAPACITY_TOKENS
+    instance.load = EngineLoad(waiting=1.0, running=4.0, kv_usage=0.2 + (n % 7) / 10)
+    instance.contexts.add(IN_FLIGHT_TOKENS)
+    instance.contexts.release(IN_FLIGHT_TOKENS)
+    instance.start(IN_FLIGHT_TOKENS, 1_000, chain[: IN_FLIGHT_TOKENS // BLOCK_SIZE])
+    return instance
+
+
 def _median_ms(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(durations(action, repeats)) * 1e3
 
@@ -60,7 +76,7 @@ def measure_decisions(
 def _measure_fleet(size: int, tokens: list[int], repeats: int) -> dict[str, float]:
     chain = block_hashing.chain(tokens, BLOCK_SIZE)
     index = _fleet(size, tokens, len(chain))
-    candidates = [Instance(f"i{n}", f"http://127.0.0.1:{9000 + n}", frozenset({MODEL})) for n in range(size)]
+    candidates = [_busy(n, chain) for n in range(size)]
     policy = Policy("kvroute", builtin_policies()["kvroute"])
     matches = index.match(chain)
 
