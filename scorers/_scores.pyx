@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """What a policy does with its scorers' lists of scores, in C: normalizing, weighing and summing them, and
-finding the best. Each was a pass of Python over every candidate; over 1,000 candidates and four scorers
+finding the best; and the one input a scorer reads of each candidate that is not a plain attribute, the
+share of its KV memory in use (spread). Each was a pass of Python over every candidate; over 1,000 candidates and four scorers
 they took a fifth of a decision. The arithmetic is Python's, operation for operation, so the scores are the
 same floats (integers below 2^53, token counts, convert exactly, as Python converts them).
 """
@@ -65,3 +66,35 @@ def tied_for_best(list scores):
         if score >= bar:
             tied.append(i)
     return tied
+
+
+def halfway(list first, list second):
+    """(first[i] + second[i]) / 2 of two lists of one length."""
+    cdef Py_ssize_t n = len(first), i
+    if len(second) != n:
+        raise ValueError(f"{len(second)} scores beside {n}")
+    cdef list means = [None] * n
+    for i in range(n):
+        means[i] = (<double>first[i] + <double>second[i]) / 2
+    return means
+
+
+def memory_shares(object candidates):
+    """Each candidate's share of its KV memory in use: the contexts in flight there over its capacity, or the
+    engine's reported usage when that is more; None while both are unknown."""
+    cdef list shares = []
+    cdef double held, usage
+    for candidate in candidates:
+        capacity, load = candidate.kv_capacity_tokens, candidate.load
+        if capacity:
+            held = <double>candidate.active_tokens / <double>capacity
+            if load is not None:
+                usage = load.kv_usage
+                if usage > held:
+                    held = usage
+            shares.append(held)
+        elif load is not None:
+            shares.append(load.kv_usage)
+        else:
+            shares.append(None)
+    return shares

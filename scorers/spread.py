@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
-from scorers._scores import lower_is_better
+from scorers._scores import halfway, lower_is_better, memory_shares
 from scorers.candidate import Candidate
 from scorers.decaying_count import DecayingCount
 from scorers.params import Params, Registration
@@ -43,10 +43,10 @@ class SpreadScorer:
         return 0.0 if count is None else count.at(self._clock() if now is None else now)
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        now = self._clock()
-        placed = lower_is_better([self.placements(c.name, now) for c in candidates])
-        used = lower_is_better([_memory_used(c) for c in candidates])
-        return [(p + u) / 2 for p, u in zip(placed, used, strict=True)]
+        now, placed = self._clock(), self._placed
+        counts = [placed.get(c.name) for c in candidates]  # most of a large fleet's: None, placed long ago
+        placements = lower_is_better([0.0 if count is None else count.at(now) for count in counts])
+        return halfway(placements, lower_is_better(memory_shares(candidates)))
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
         now = self._clock()
@@ -56,15 +56,6 @@ class SpreadScorer:
         count.add(now)
         if len(self._placed) > _PRUNE_AT:
             self._placed = {name: c for name, c in self._placed.items() if c.at(now) >= _FORGOTTEN}
-
-
-def _memory_used(candidate: Candidate) -> float | None:
-    """The share of its KV memory in use; None while its capacity and usage are unknown."""
-    capacity, load = candidate.kv_capacity_tokens, candidate.load
-    held = candidate.active_tokens / capacity if capacity else None
-    if load is None:
-        return held
-    return load.kv_usage if held is None else max(held, load.kv_usage)
 
 
 REGISTRATION: Registration[Scorer] = Registration(SpreadParams, SpreadScorer, clocked=True)

@@ -173,14 +173,17 @@ class TTFTModel:
         return self.current_rates()[_QUEUE]
 
     def _current(self) -> np.ndarray:
-        """The rates, solved again when the fleet's have moved since (at most once per solve of theirs)."""
-        if self._fleet is not None and self._fleet.solved != self._fleet_solved and self._fleet.observations:
-            self._solve()
+        """The rates as an array, current (current_rates)."""
+        self.current_rates()
         return self._rates
 
     def current_rates(self) -> list[float]:
-        """The rates in TERMS' order, as floats (what the prediction's arithmetic reads)."""
-        self._current()
+        """The rates in TERMS' order, as floats (what the prediction's arithmetic reads), solved again when
+        the fleet's have moved since (at most once per solve of theirs). Read of every candidate of every
+        decision: the check is here, not a call away."""
+        fleet = self._fleet
+        if fleet is not None and fleet.solved != self._fleet_solved and fleet.observations:
+            self._solve()
         return self._rate_values
 
     def predict(self, features: TTFTFeatures) -> float:

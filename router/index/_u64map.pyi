@@ -1,7 +1,8 @@
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import overload
 
 from router.index.events import BlockHash, BlockStored
+from scorers.request import TierMatch
 
 class U64Map:
     """An insertion-ordered dict from ints in [0, 2^64) to non-negative ints, in C arrays."""
@@ -52,3 +53,6 @@ def store_along(
 ) -> int: ...
 def and_runs(masks: list[int], /) -> list[tuple[int, int]]: ...
 def match_lengths(runs: list[tuple[int, int]], /) -> dict[int, int]: ...
+def matches_on_gpu(
+    ends: dict[int, int], owner_at: Mapping[int, tuple[str, int]], tier_match: type[TierMatch], /
+) -> dict[str, TierMatch]: ...

@@ -876,3 +876,20 @@ def match_lengths(list runs):
     finally:
         PyMem_Free(end_at)
     return ends
+
+
+def matches_on_gpu(dict ends, dict owner_at, object tier_match):
+    """Each owner's match (ends: its length by the owner's bit position, lowest first) credited as GPU blocks
+    to its instance (owner_at: the owner by position, its instance's name first), the longest of an
+    instance's owners kept: {name: tier_match(gpu=length)}, one match object per length, which most owners
+    of a large fleet share."""
+    cdef dict matches = {}, by_length = {}
+    for at, end in ends.items():
+        found = by_length.get(end)
+        if found is None:
+            found = by_length[end] = tier_match(gpu=end)
+        name = owner_at[at][0]
+        known = matches.get(name)
+        if known is None or end > known.gpu + known.cpu + known.pool:
+            matches[name] = found
+    return matches

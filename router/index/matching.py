@@ -12,7 +12,7 @@ import operator
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from router.index._u64map import U64Map, and_runs, match_lengths
+from router.index._u64map import U64Map, and_runs, match_lengths, matches_on_gpu
 from router.index.holdings import Holdings, Tier
 from router.index.kv_groups import GroupConstraints
 from router.index.speculation import Speculations
@@ -88,19 +88,17 @@ class Matcher:
     ) -> dict[str, TierMatch]:
         """Credit each matched block to the best tier its owner holds it in (GPU, then CPU, then pool); ends:
         each owner's match length by its bit's position."""
+        if only_gpu:  # the common case, in C
+            return matches_on_gpu(ends, self._owner_at, TierMatch)
         if cpu is not None and gpu is not None:
             cpu = list(map(operator.and_, cpu, map(operator.invert, gpu)))  # CPU copies not also on GPU
         matches: dict[str, TierMatch] = {}
         owner_at = self._owner_at
-        on_gpu_alone: dict[int, TierMatch] = {}  # by length: most owners of a large fleet share a few
         for at, end in ends.items():
-            if only_gpu:
-                found = on_gpu_alone.get(end) or on_gpu_alone.setdefault(end, TierMatch(gpu=end))
-            else:
-                bit = 1 << at
-                on_gpu = _count_with(gpu, bit, end)
-                on_cpu = _count_with(cpu, bit, end)
-                found = TierMatch(on_gpu, on_cpu, end - on_gpu - on_cpu)
+            bit = 1 << at
+            on_gpu = _count_with(gpu, bit, end)
+            on_cpu = _count_with(cpu, bit, end)
+            found = TierMatch(on_gpu, on_cpu, end - on_gpu - on_cpu)
             name = owner_at[at][0]
             known = matches.get(name)
             if known is None or _total(found) > _total(known):

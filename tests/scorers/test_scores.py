@@ -1,5 +1,5 @@
-"""The compiled handling of score lists (scorers/_scores.pyx) against its definitions written out in Python:
-the same floats to the last bit, so compiling it changed no routing decision."""
+"""The compiled handling of score lists and of the KV memory in use (scorers/_scores.pyx) against their
+definitions written out in Python: the same floats to the last bit, so compiling them changed no routing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scorers._scores import add_weighted, lower_is_better, tied_for_best
+from scorers._scores import add_weighted, halfway, lower_is_better, memory_shares, tied_for_best
+from scorers.candidate import EngineLoad
+from tests.scorers.candidates import Fake
 
 counts = st.integers(0, 2**40)
 loads = st.floats(0, 1e9, allow_nan=False)
@@ -57,3 +59,35 @@ def test_the_best_are_those_within_a_trillionth_of_the_highest_finite_score(scor
     ranked = [s if math.isfinite(s) else -math.inf for s in scores]
     best = max(ranked)
     assert tied_for_best(scores) == [i for i, s in enumerate(ranked) if s >= best - 1e-12]
+
+
+def share_in_use(c: Fake) -> float | None:
+    """The definition: contexts in flight over capacity, or the engine's usage when more; None if unknown."""
+    held = c.active_tokens / c.kv_capacity_tokens if c.kv_capacity_tokens else None
+    if c.load is None:
+        return held
+    return c.load.kv_usage if held is None else max(held, c.load.kv_usage)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.builds(
+            Fake,
+            st.just("i"),
+            active_tokens=counts,
+            kv_capacity_tokens=st.none() | st.just(0) | st.integers(1, 2**40),
+            load=st.none() | st.builds(EngineLoad, loads, loads, st.floats(0, 1)),
+        ),
+        max_size=12,
+    )
+)
+def test_the_memory_in_use_is_the_definitions_share(candidates: list[Fake]) -> None:
+    assert memory_shares(candidates) == [share_in_use(c) for c in candidates]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(any_floats, any_floats), max_size=20))
+def test_halfway_is_the_mean_python_takes(pairs: list[tuple[float, float]]) -> None:
+    found = halfway([a for a, _ in pairs], [b for _, b in pairs])
+    assert [repr(m) for m in found] == [repr((a + b) / 2) for a, b in pairs]

@@ -8,7 +8,8 @@ import operator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index._u64map import and_runs, match_lengths
+from router.index._u64map import and_runs, match_lengths, matches_on_gpu
+from scorers.request import TierMatch
 
 
 def _by_owner(alive: list[int]) -> dict[int, int]:
@@ -55,3 +56,15 @@ def test_owners_leaving_together_end_together() -> None:
         1: 528,
         3: 428,
     }
+
+
+def test_an_instances_longest_owner_is_its_match_on_gpu() -> None:
+    owner_at = {0: ("a", 0), 1: ("a", 1), 2: ("b", 0), 5: ("c", 0)}
+    matches = matches_on_gpu({0: 40, 1: 90, 2: 40, 5: 7}, owner_at, TierMatch)
+    assert matches == {"a": TierMatch(gpu=90), "b": TierMatch(gpu=40), "c": TierMatch(gpu=7)}
+    assert list(matches) == ["a", "b", "c"]  # in the order of their first owners
+    assert matches_on_gpu({1: 90, 0: 40}, owner_at, TierMatch) == {
+        "a": TierMatch(gpu=90)
+    }  # a later, shorter one loses
+    shared = matches_on_gpu({0: 40, 2: 40}, owner_at, TierMatch)
+    assert shared["a"] is shared["b"]  # one object per length: a large fleet's owners share a few
