@@ -39,7 +39,9 @@ cdef int _reused(object match, long long reusable, Reused* out) except -1:
     return 0
 
 
-cdef inline long long _reusable(long long prompt_tokens, long long block_size):
+cdef long long _reusable(long long prompt_tokens, long long block_size) except -1:
+    if block_size <= 0:  # C's division would not raise
+        raise ValueError(f"a block size of {block_size}")
     return (prompt_tokens - 1 if prompt_tokens > 1 else 0) // block_size
 
 
@@ -107,11 +109,11 @@ cdef int _features(
     return 0
 
 
-cdef inline double _attention_pairs(long long start, long long tokens):
-    return <double>tokens * (<double>start + <double>(tokens + 1) / 2.0)
+cdef inline double _attention_pairs(double start, double tokens):
+    return tokens * (start + (tokens + 1.0) / 2.0)  # Python's floats for token counts below 2^53
 
 
-def attention_pairs(long long start, long long tokens):
+def attention_pairs(double start, double tokens):
     """The (token, earlier or same token) pairs of computing `tokens` prompt tokens after `start` cached."""
     return _attention_pairs(start, tokens)
 

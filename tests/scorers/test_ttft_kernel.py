@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,7 @@ from scorers.candidate import EngineLoad
 from scorers.request import NO_MATCH, RoutingRequest, TierMatch
 from scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
 from scorers.ttft_features import features_for
-from scorers.ttft_model import TTFTFeatures, TTFTModel, TTFTPriors
+from scorers.ttft_model import TERMS, TTFTFeatures, TTFTModel, TTFTPriors, attention_pairs
 from tests.scorers.candidates import Fake
 
 tokens = st.integers(0, 400_000)
@@ -128,3 +129,18 @@ def test_the_compiled_costs_are_the_formulas_floats(
         assert c.ttft_model.predict(features_for(request, c)) == predicted
         explained = scorer.explain(request, len(fleet_candidates), c)  # alone: the last costs are spent
         assert explained["wait_caused_s"] == (charged if behind_per_s else 0.0)
+
+
+def test_the_kernel_reads_the_rates_in_the_models_order() -> None:
+    """The kernel reads rates by position: reordering TERMS must fail here, not mispredict."""
+    assert TERMS == ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
+
+
+def test_attention_pairs_take_counts_of_either_type() -> None:
+    assert attention_pairs(3, 4) == 4 * (3 + 5 / 2) == attention_pairs(3.0, 4.0)
+
+
+def test_a_block_size_of_zero_is_refused_not_divided_by() -> None:
+    request = RoutingRequest("m", prompt_tokens=100, block_size=0, matches={"a": TierMatch(gpu=2)})
+    with pytest.raises(ValueError, match="block size of 0"):
+        features_for(request, Fake("a"))
