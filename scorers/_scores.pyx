@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """What a policy does with its scorers' lists of scores, in C: normalizing, weighing and summing them, and
 finding the best; and the one input a scorer reads of each candidate that is not a plain attribute, the
-share of its KV memory in use (spread). Each was a pass of Python over every candidate; over 1,000 candidates and four scorers
-they took a fifth of a decision. The arithmetic is Python's, operation for operation, so the scores are the
+share of its KV memory in use (spread). Each was a pass of Python over every candidate; over 1,000
+candidates and four scorers they took a fifth of a decision. The arithmetic is Python's, operation for operation, so the scores are the
 same floats (integers below 2^53, token counts, convert exactly, as Python converts them).
 """
 

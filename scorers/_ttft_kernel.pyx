@@ -65,8 +65,7 @@ cpdef double memory_wait_s(object candidate, long long prompt_tokens, object cha
     load = candidate.load
     cdef double used
     if load is not None:
-        used = load.kv_usage
-        used = used * capacity_tokens
+        used = <double>load.kv_usage * capacity_tokens
         if used > held:
             held = used
     cdef double excess = held + <double>prompt_tokens - capacity_tokens

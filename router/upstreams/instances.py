@@ -73,7 +73,7 @@ class Instance:
     @own_in_flight.setter
     def own_in_flight(self, requests: int) -> None:
         self._own_in_flight = requests
-        self.in_flight = requests + self._peers.in_flight
+        self._sum()
 
     @property
     def own_pending_prefill_tokens(self) -> int:
@@ -83,7 +83,7 @@ class Instance:
     @own_pending_prefill_tokens.setter
     def own_pending_prefill_tokens(self, tokens: int) -> None:
         self._own_pending_prefill_tokens = tokens
-        self.pending_prefill_tokens = tokens + self._peers.pending_prefill_tokens
+        self._sum()
 
     @property
     def peers(self) -> PeerLoad:
@@ -93,12 +93,14 @@ class Instance:
     @peers.setter
     def peers(self, load: PeerLoad) -> None:
         self._peers = load
-        self.in_flight = self._own_in_flight + load.in_flight
-        self.pending_prefill_tokens = self._own_pending_prefill_tokens + load.pending_prefill_tokens
-        self._held_changed()
+        self._sum()
 
-    def _held_changed(self) -> None:
-        self.active_tokens = self.held.tokens + self._peers.active_tokens
+    def _sum(self) -> None:
+        """The scorers' figures again, from this router's parts and its peers': after any of them changes."""
+        peers = self._peers
+        self.in_flight = self._own_in_flight + peers.in_flight
+        self.pending_prefill_tokens = self._own_pending_prefill_tokens + peers.pending_prefill_tokens
+        self.active_tokens = self.held.tokens + peers.active_tokens
 
     @property
     def own_active_tokens(self) -> int:
@@ -117,7 +119,7 @@ class Instance:
         self.own_in_flight += 1
         self.contexts.add(prompt_tokens)
         self.held.add(chain, prompt_tokens)
-        self._held_changed()
+        self._sum()
         self.own_pending_prefill_tokens += uncached_tokens
 
     def end(
@@ -131,7 +133,7 @@ class Instance:
         refused or never delivered."""
         self.own_in_flight -= 1
         self.held.remove(chain, prompt_tokens)
-        self._held_changed()
+        self._sum()
         if admitted:
             self.contexts.release(prompt_tokens)
         else:
