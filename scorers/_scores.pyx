@@ -1,12 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """What a policy does with its scorers' lists of scores, in C: normalizing, weighing and summing them, and
-finding the best; and the one input a scorer reads of each candidate that is not a plain attribute, the
-share of its KV memory in use (spread). Each was a pass of Python over every candidate; over 1,000
-candidates and four scorers they took a fifth of a decision. The arithmetic is Python's, operation for operation, so the scores are the
+finding the best; and what the scorers read of every candidate, from its C fields
+(scorers/_candidate_state.pyx): its load, its name, its share of KV memory in use. Each was a pass of Python
+over every candidate; over 1,000 candidates and four scorers they took a fifth of a decision. The arithmetic is Python's, operation for operation, so the scores are the
 same floats (integers below 2^53, token counts, convert exactly, as Python converts them).
 """
 
 from libc.math cimport INFINITY, isfinite
+
+from scorers._candidate_state cimport CandidateState, state_of
 
 
 def add_weighted(list totals, list scores, double weight):
@@ -84,10 +86,12 @@ def memory_shares(object candidates):
     engine's reported usage when that is more; None while both are unknown."""
     cdef list shares = []
     cdef double held, usage
+    cdef CandidateState state
     for candidate in candidates:
-        capacity, load = candidate.kv_capacity_tokens, candidate.load
+        state = state_of(candidate)
+        capacity, load = state.kv_capacity_tokens, state.load
         if capacity:
-            held = <double>candidate.active_tokens / <double>capacity
+            held = <double>state.active_tokens / <double>capacity
             if load is not None:
                 usage = load.kv_usage
                 if usage > held:
@@ -98,3 +102,34 @@ def memory_shares(object candidates):
         else:
             shares.append(None)
     return shares
+
+
+def loads(object candidates, bint context_tokens):
+    """Each candidate's requests in flight, or with context_tokens the KV tokens they hold."""
+    cdef list found = []
+    cdef CandidateState state
+    for candidate in candidates:
+        state = state_of(candidate)
+        found.append(state.active_tokens if context_tokens else state.in_flight)
+    return found
+
+
+def named(object candidates, object name):
+    """1.0 for each candidate called name, 0.0 for the others."""
+    cdef list found = []
+    cdef CandidateState state
+    for candidate in candidates:
+        state = state_of(candidate)
+        found.append(1.0 if state.name == name else 0.0)
+    return found
+
+
+def counts_at(object candidates, dict counts, double now):
+    """Each candidate's DecayingCount in counts (by name) at now; 0.0 for one it has none of."""
+    cdef list found = []
+    cdef CandidateState state
+    for candidate in candidates:
+        state = state_of(candidate)
+        count = counts.get(state.name)
+        found.append(0.0 if count is None else count.at(now))
+    return found

@@ -4,11 +4,13 @@
 and for a fleet of them.
 
 Python spent about 7 µs a candidate here, ten function calls and a named tuple each: over 1,000 instances
-most of a decision. What is left per candidate is reading its attributes. The arithmetic is Python's, operation
+most of a decision. A candidate's figures are read from its C fields (scorers/_candidate_state.pyx), not
+through Python's attribute lookup. The arithmetic is Python's, operation
 for operation and in the same order (the build turns off fused multiply-adds), so the costs are the same
 floats to the last bit, and so is the routing.
 """
 
+from scorers._candidate_state cimport CandidateState, state_of
 from scorers.request import NO_MATCH
 
 cdef struct Reused:
@@ -52,17 +54,24 @@ def reused(object match, long long prompt_tokens, long long block_size):
     return r.gpu, r.cpu, r.pool
 
 
-cpdef double memory_wait_s(object candidate, long long prompt_tokens, object chain) except? -1.0:
+def memory_wait_s(object candidate, long long prompt_tokens, object chain):
     """How long a prompt would wait there for KV memory (scorers/ttft_features.py says how)."""
-    capacity = candidate.kv_capacity_tokens
+    return _memory_wait_s(state_of(candidate), candidate, prompt_tokens, chain)
+
+
+cdef double _memory_wait_s(
+    CandidateState state, object candidate, long long prompt_tokens, object chain
+) except? -1.0:
+    """memory_wait_s of candidate, whose figures are state."""
+    capacity = state.kv_capacity_tokens
     if not capacity:
         return 0.0
-    hold_s = candidate.context_hold_s
+    hold_s = state.context_hold_s
     if hold_s is None:
         return 0.0
-    cdef double held = candidate.active_tokens
+    cdef double held = state.active_tokens
     cdef double capacity_tokens = capacity
-    load = candidate.load
+    load = state.load
     cdef double used
     if load is not None:
         used = <double>load.kv_usage * capacity_tokens
@@ -93,10 +102,10 @@ cdef inline Prompt _prompt(object request):
 
 
 cdef int _features(
-    Prompt* prompt, object matches, object chain, object candidate, Features* out
+    Prompt* prompt, object matches, object chain, CandidateState state, object candidate, Features* out
 ) except -1:
     cdef Reused r
-    match = matches.get(candidate.name, NO_MATCH)
+    match = matches.get(state.name, NO_MATCH)
     if match is NO_MATCH:  # most of a large fleet's instances
         r.gpu = r.cpu = r.pool = 0
     else:
@@ -104,7 +113,7 @@ cdef int _features(
     out.loaded = (r.cpu + r.pool) * prompt.block_size
     out.kept = (r.gpu + r.cpu + r.pool) * prompt.block_size
     out.uncached = prompt.tokens - out.kept
-    out.memory_wait_s = memory_wait_s(candidate, prompt.tokens, chain)
+    out.memory_wait_s = _memory_wait_s(state, candidate, prompt.tokens, chain)
     return 0
 
 
@@ -121,9 +130,10 @@ def features(object request, object candidate):
     """The TTFT model's features of the request there, as TTFTFeatures' fields up to attention_pairs."""
     cdef Features f
     cdef Prompt prompt = _prompt(request)
-    _features(&prompt, request.matches, request.chain, candidate, &f)
+    cdef CandidateState state = state_of(candidate)
+    _features(&prompt, request.matches, request.chain, state, candidate, &f)
     return (
-        candidate.pending_prefill_tokens,
+        state.pending_prefill_tokens,
         f.uncached,
         f.loaded,
         f.memory_wait_s,
@@ -168,14 +178,16 @@ def costs(object request, object candidates, double behind_per_s, double cap):
     cdef Features f
     cdef double queued, predicted, caused, capped
     cdef list rates
+    cdef CandidateState state
     cdef list found = []
     cdef list charges = [] if behind_per_s else None
     cdef Prompt prompt = _prompt(request)
     matches, chain = request.matches, request.chain
     for candidate in candidates:
-        _features(&prompt, matches, chain, candidate, &f)
-        queued = candidate.pending_prefill_tokens
-        rates = candidate.ttft_model.current_rates()
+        state = state_of(candidate)
+        _features(&prompt, matches, chain, state, candidate, &f)
+        queued = state.pending_prefill_tokens
+        rates = state.ttft_model.current_rates()
         predicted = _predict(
             rates, queued, f.uncached, f.loaded, f.memory_wait_s, _attention_pairs(f.kept, f.uncached), 0.0
         )

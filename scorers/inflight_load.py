@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from scorers._scores import lower_is_better
+from scorers._scores import loads, lower_is_better
 from scorers.candidate import Candidate
 from scorers.params import Params, Registration
 from scorers.plugins import Scorer
@@ -30,7 +30,7 @@ class InflightLoadScorer:
         self._tokens = params.count == "context_tokens"
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        return lower_is_better([c.active_tokens if self._tokens else c.in_flight for c in candidates])
+        return lower_is_better(loads(candidates, self._tokens))
 
 
 REGISTRATION: Registration[Scorer] = Registration(InflightLoadParams, InflightLoadScorer)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
+from scorers._scores import named
 from scorers.candidate import Candidate
 from scorers.params import Params, Registration
 from scorers.plugins import Scorer
@@ -30,7 +31,7 @@ class SessionAffinityScorer:
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         instance = self.instance_of(request.session_key)
-        return [1.0 if c.name == instance else 0.0 for c in candidates]
+        return named(candidates, instance)
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
         key = request.session_key

@@ -21,7 +21,7 @@ from router.upstreams.instances import Instance
 from scorers.candidate import EngineLoad
 from scorers.policy import Policy
 from scorers.policy_config import builtin_policies
-from scorers.request import RoutingRequest, TierMatch
+from scorers.request import RoutingRequest
 
 VOCAB = 150_000
 SYSTEM_PROMPT_BLOCKS = 128  # 2,048 tokens every instance holds
@@ -54,8 +54,8 @@ def _busy(n: int, chain: list[int]) -> Instance:
     instance = Instance(f"i{n}", f"http://127.0.0.1:{9000 + n}", frozenset({MODEL}))
     instance.kv_capacity_tokens = KV_CAPACITY_TOKENS
     instance.load = EngineLoad(waiting=1.0, running=4.0, kv_usage=0.2 + (n % 7) / 10)
-    instance.contexts.add(IN_FLIGHT_TOKENS)
-    instance.contexts.release(IN_FLIGHT_TOKENS)
+    instance.start(IN_FLIGHT_TOKENS, 0)  # a turn answered: a hold time known
+    instance.end(IN_FLIGHT_TOKENS)
     instance.start(IN_FLIGHT_TOKENS, 1_000, chain[: IN_FLIGHT_TOKENS // BLOCK_SIZE])
     return instance
 
@@ -91,24 +91,7 @@ def _measure_fleet(size: int, tokens: list[int], repeats: int) -> dict[str, floa
         "hash_ms": hash_ms,
         "match_ms": match_ms,
         "choose_ms": choose_ms,
-        "inputs_ms": _median_ms(lambda: _read_inputs(candidates, matches), repeats),
         "decision_ms": hash_ms + match_ms + choose_ms,
         "matched_instances": len(matches),
         "index_entries": index.entries,
     }
-
-
-def _read_inputs(candidates: list[Instance], matches: dict[str, TierMatch]) -> None:
-    """What the default policy's scorers read of each candidate, read and nothing done with it: the floor
-    under choosing while the candidates' state lives in instance objects."""
-    for c in candidates:
-        (
-            matches.get(c.name),
-            c.in_flight,
-            c.active_tokens,
-            c.pending_prefill_tokens,
-            c.kv_capacity_tokens,
-            c.context_hold_s,
-            c.load,
-            c.ttft_model,
-        )

@@ -45,11 +45,15 @@ class InflightBlocks:
 
     def shared_tokens(self, chain: Sequence[int]) -> int:
         """Tokens of chain's leading grains already held, which a new request would not take again."""
-        refs, grains = self._refs, self._grains(chain)
-        low, high = 0, len(grains)
+        refs, stride = self._refs, self._stride
+        if not refs:
+            return 0
+        # Grain i ends at chain[(i + 1) * stride - 1]: read in place, not sliced out (this is asked of every
+        # candidate whose memory a prompt would overfill, of every decision).
+        low, high = 0, len(chain) // stride
         while low < high:  # held grains are whole prefixes: the held part of chain is a prefix of it
             middle = (low + high) // 2
-            if grains[middle] in refs:
+            if chain[(middle + 1) * stride - 1] in refs:
                 low = middle + 1
             else:
                 high = middle

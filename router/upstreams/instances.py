@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.config import CircuitBreakerConfig, InstanceConfig, Role, RouterConfig, api_key
@@ -14,6 +14,7 @@ from router.upstreams.context_residency import ContextResidency
 from router.upstreams.filters import HEALTHY, filtered
 from router.upstreams.inflight_blocks import InflightBlocks
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad
+from scorers._candidate_state import CandidateState
 from scorers.candidate import EngineLoad
 from scorers.request import RoutingRequest
 from scorers.ttft_model import FleetModels, TTFTModel, TTFTPriors
@@ -27,43 +28,83 @@ class TransferEndpoint:
     bootstrap_url: str | None
 
 
-@dataclass(eq=False, slots=True)
-class Instance:
-    name: str
-    url: str
-    models: frozenset[str]
-    healthy: bool = True
-    checked: bool = False  # a health check has answered (or failed) since the instance came in
-    load: EngineLoad | None = None
-    kv_capacity_tokens: int | None = None  # from the engine's vllm:cache_config_info once scraped
-    max_model_len: dict[str, int] = field(default_factory=dict)  # by model, from its /v1/models once healthy
-    roots: dict[str, str] = field(default_factory=dict)  # by base model, the same: its path (vLLM --model)
-    cards_read: bool = False  # /v1/models answered since it last came up
-    failed_checks: int = 0
-    ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    clock: Callable[[], float] = time.monotonic
-    contexts: ContextResidency = field(init=False)
-    # What every request to it carries: the key the instance requires, the data-parallel rank it is.
-    headers: dict[str, str] = field(default_factory=dict, repr=False)
-    data_parallel_rank: int | None = None  # one rank of an engine; its load is that rank's
-    block_size: int = 16  # the engine's, for the blocks in flight
-    held: InflightBlocks = field(init=False)
-    role: Role = "both"  # the legs of a disaggregated model's requests it takes
-    transfer: TransferEndpoint | None = None  # where a decode leg fetches KV this instance prefilled
-    # What the scorers read of every candidate, this router's counts and its peers' (their setters below),
-    # kept summed as the parts change: computed when read, they were a Python call each, and over 1,000
-    # candidates reading them was most of a decision.
-    in_flight: int = field(default=0, init=False)  # requests in flight there
-    pending_prefill_tokens: int = field(default=0, init=False)
-    active_tokens: int = field(default=0, init=False)  # KV tokens they hold, a prefix they share once
-    _own_in_flight: int = field(default=0, init=False, repr=False)
-    _own_pending_prefill_tokens: int = field(default=0, init=False, repr=False)
-    _peers: PeerLoad = field(default=NO_PEER_LOAD, init=False, repr=False)
+class Instance(CandidateState):
+    """An engine as the router sees it. What the scorers read of it (scorers/candidate.py: name, load,
+    kv_capacity_tokens, context_hold_s, ttft_model and the sums below) are C fields of its base
+    (scorers/_candidate_state.pyx), read by the compiled scoring without an attribute lookup each."""
 
-    def __post_init__(self) -> None:
-        self.contexts = ContextResidency(self.clock)
-        self.held = InflightBlocks(self.block_size)
+    __slots__ = (
+        "_own_in_flight",
+        "_own_pending_prefill_tokens",
+        "_peers",
+        "block_size",
+        "breaker",
+        "cards_read",
+        "checked",
+        "clock",
+        "contexts",
+        "data_parallel_rank",
+        "failed_checks",
+        "headers",
+        "healthy",
+        "held",
+        "max_model_len",
+        "models",
+        "role",
+        "roots",
+        "transfer",
+        "url",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        models: frozenset[str],
+        *,
+        healthy: bool = True,
+        load: EngineLoad | None = None,
+        kv_capacity_tokens: int | None = None,
+        roots: dict[str, str] | None = None,
+        ttft_model: TTFTModel | None = None,
+        breaker: CircuitBreaker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        headers: dict[str, str] | None = None,
+        data_parallel_rank: int | None = None,
+        block_size: int = 16,
+        role: Role = "both",
+        transfer: TransferEndpoint | None = None,
+    ) -> None:
+        super().__init__(name)
+        self.url, self.models = url, models
+        self.healthy = healthy
+        self.checked = False  # a health check has answered (or failed) since the instance came in
+        self.load = load
+        self.kv_capacity_tokens = kv_capacity_tokens  # from the engine's vllm:cache_config_info once scraped
+        self.max_model_len: dict[str, int] = {}  # by model, from its /v1/models once healthy
+        self.roots = {} if roots is None else roots  # by base model, the same: its path (vLLM --model)
+        self.cards_read = False  # /v1/models answered since it last came up
+        self.failed_checks = 0
+        self.ttft_model = TTFTModel(TTFTPriors()) if ttft_model is None else ttft_model
+        self.breaker = CircuitBreaker() if breaker is None else breaker
+        self.clock = clock
+        self.contexts = ContextResidency(clock)
+        self.context_hold_s = None  # the contexts' hold time, kept as each is released
+        # What every request to it carries: the key the instance requires, the data-parallel rank it is.
+        self.headers = {} if headers is None else headers
+        self.data_parallel_rank = data_parallel_rank  # one rank of an engine; its load is that rank's
+        self.block_size = block_size  # the engine's, for the blocks in flight
+        self.held = InflightBlocks(block_size)
+        self.role: Role = role  # the legs of a disaggregated model's requests it takes
+        self.transfer = transfer  # where a decode leg fetches KV this instance prefilled
+        # The scorers' in_flight, pending_prefill_tokens and active_tokens are this router's counts and its
+        # peers' (their setters below), kept summed as the parts change.
+        self._own_in_flight = 0
+        self._own_pending_prefill_tokens = 0
+        self._peers = NO_PEER_LOAD
+
+    def __repr__(self) -> str:
+        return f"Instance({self.name!r}, {self.url!r})"
 
     @property
     def own_in_flight(self) -> int:
@@ -109,10 +150,6 @@ class Instance:
     def shared_tokens(self, chain: Sequence[int]) -> int:
         return self.held.shared_tokens(chain)
 
-    @property
-    def context_hold_s(self) -> float | None:
-        return self.contexts.seconds
-
     def start(self, prompt_tokens: int, uncached_tokens: int, chain: Sequence[int] = ()) -> None:
         """A request was sent here: its context (its whole blocks hash to chain) is held and its uncached
         tokens queue for prefill."""
@@ -136,6 +173,7 @@ class Instance:
         self._sum()
         if admitted:
             self.contexts.release(prompt_tokens)
+            self.context_hold_s = self.contexts.seconds
         else:
             self.contexts.withdraw(prompt_tokens)
         self.own_pending_prefill_tokens -= still_prefilling_tokens

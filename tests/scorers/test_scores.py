@@ -8,12 +8,22 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scorers._scores import add_weighted, halfway, lower_is_better, memory_shares, tied_for_best
+from scorers._scores import (
+    add_weighted,
+    counts_at,
+    halfway,
+    loads,
+    lower_is_better,
+    memory_shares,
+    named,
+    tied_for_best,
+)
 from scorers.candidate import EngineLoad
-from tests.scorers.candidates import Fake
+from scorers.decaying_count import DecayingCount
+from tests.scorers.candidates import Fake, Kept
 
 counts = st.integers(0, 2**40)
-loads = st.floats(0, 1e9, allow_nan=False)
+usages = st.floats(0, 1e9, allow_nan=False)
 any_floats = st.floats(allow_nan=True, allow_infinity=True)
 
 
@@ -28,7 +38,7 @@ def normalized(values: list[float | None]) -> list[float]:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.none() | counts) | st.lists(st.none() | loads) | st.lists(counts | loads))
+@given(st.lists(st.none() | counts) | st.lists(st.none() | usages) | st.lists(counts | usages))
 def test_normalizing_gives_the_definitions_floats(values: list[float | None]) -> None:
     found = lower_is_better(values)
     assert found == normalized(values)
@@ -77,13 +87,36 @@ def share_in_use(c: Fake) -> float | None:
             st.just("i"),
             active_tokens=counts,
             kv_capacity_tokens=st.none() | st.just(0) | st.integers(1, 2**40),
-            load=st.none() | st.builds(EngineLoad, loads, loads, st.floats(0, 1)),
+            load=st.none() | st.builds(EngineLoad, usages, usages, st.floats(0, 1)),
         ),
         max_size=12,
     )
 )
 def test_the_memory_in_use_is_the_definitions_share(candidates: list[Fake]) -> None:
-    assert memory_shares(candidates) == [share_in_use(c) for c in candidates]
+    expected = [share_in_use(c) for c in candidates]
+    assert memory_shares(candidates) == expected == memory_shares([Kept(c) for c in candidates])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.builds(Fake, st.sampled_from(["a", "b", "c"]), in_flight=st.integers(0, 64), active_tokens=counts),
+        max_size=12,
+    ),
+    st.none() | st.sampled_from(["a", "b"]),
+)
+def test_what_the_scorers_read_of_each_candidate_is_its_own_figure(
+    candidates: list[Fake], name: str | None
+) -> None:
+    placed = DecayingCount(10.0, 0.0)
+    placed.add(0.0)
+    for kind in (candidates, [Kept(c) for c in candidates]):
+        assert loads(kind, False) == [c.in_flight for c in candidates]
+        assert loads(kind, True) == [c.active_tokens for c in candidates]
+        assert named(kind, name) == [1.0 if c.name == name else 0.0 for c in candidates]
+        assert counts_at(kind, {"a": placed}, 5.0) == [
+            placed.at(5.0) if c.name == "a" else 0.0 for c in candidates
+        ]
 
 
 @settings(max_examples=200, deadline=None)

@@ -9,12 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scorers import _ttft_kernel
+from scorers._candidate_state import read_state
 from scorers.candidate import EngineLoad
 from scorers.request import NO_MATCH, RoutingRequest, TierMatch
 from scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
 from scorers.ttft_features import features_for
 from scorers.ttft_model import TERMS, TTFTFeatures, TTFTModel, TTFTPriors, attention_pairs
-from tests.scorers.candidates import Fake
+from tests.scorers.candidates import Fake, Kept
 
 tokens = st.integers(0, 400_000)
 some_seconds = st.floats(0, 60, allow_nan=False)
@@ -129,6 +131,27 @@ def test_the_compiled_costs_are_the_formulas_floats(
         assert c.ttft_model.predict(features_for(request, c)) == predicted
         explained = scorer.explain(request, len(fleet_candidates), c)  # alone: the last costs are spent
         assert explained["wait_caused_s"] == (charged if behind_per_s else 0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.sampled_from([0.0, 0.5, 4.0]), st.floats(0, 2))
+def test_a_candidate_kept_in_c_fields_costs_what_one_of_attributes_does(
+    fleet: tuple[RoutingRequest, list[Fake]], behind_per_s: float, cap: float
+) -> None:
+    """The kernel reads a CandidateState's fields in C and any other candidate's attributes: the same
+    figures give the same floats either way, and the formula's."""
+    request, fakes = fleet
+    kept = [Kept(c) for c in fakes]
+    found = _ttft_kernel.costs(request, kept, behind_per_s, cap)
+    assert found == _ttft_kernel.costs(request, fakes, behind_per_s, cap)
+    expected = [formula(request, c, behind_per_s, cap) for c in fakes]
+    assert found[0] == [predicted + charged if behind_per_s else predicted for predicted, charged in expected]
+    for fake, state in zip(fakes, kept, strict=True):
+        assert read_state(state) is state  # read in place, not copied
+        copied = read_state(fake)
+        figures = ("name", "in_flight", "pending_prefill_tokens", "active_tokens", "kv_capacity_tokens")
+        more = ("context_hold_s", "load", "ttft_model")
+        assert [getattr(copied, f) for f in figures + more] == [getattr(fake, f) for f in figures + more]
 
 
 def test_the_kernel_reads_the_rates_in_the_models_order() -> None:

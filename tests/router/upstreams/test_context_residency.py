@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.upstreams.context_residency import ContextResidency
+from router.upstreams.instances import Instance
 from tests.conftest import ManualClock
 
 
@@ -64,3 +65,19 @@ def test_refused_requests_leave_the_estimate_alone() -> None:
         hold.release(1000)
     assert hold.tokens == 0
     assert hold.seconds == pytest.approx(4.0)
+
+
+def test_an_instance_keeps_the_hold_its_answered_requests_measure() -> None:
+    """What the scorers read as a C field (scorers/_candidate_state.pyx) follows the instance's contexts: set
+    as a request is answered, left as it is when one is refused."""
+    clock = ManualClock()
+    instance = Instance("a", "http://a", frozenset({"m"}), clock=clock)
+    instance.start(1000, 1000)
+    clock.now = 3.0
+    assert instance.context_hold_s is None
+    instance.end(1000)
+    assert instance.context_hold_s == instance.contexts.seconds == pytest.approx(3.0)
+    instance.start(5000, 5000)
+    clock.now = 10.0
+    instance.end(5000, admitted=False)
+    assert instance.context_hold_s == pytest.approx(3.0)

@@ -3,6 +3,9 @@ it."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from router.upstreams.inflight_blocks import InflightBlocks
 from router.upstreams.instances import Instance
 
@@ -45,6 +48,27 @@ def test_small_blocks_count_in_grains_of_512_tokens() -> None:
     assert held.tokens == 3 * 512 + (1_605 - 3 * 512) + 6 * 16
     assert held.shared_tokens([*prompt[:80], 999]) == 2 * 512  # the third grain ends at block 95
     assert held.shared_tokens(prompt) == 3 * 512
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 16, 64, 1024]), st.lists(st.integers(0, 80), max_size=4), st.integers(0, 80))
+def test_the_held_part_is_the_longest_prefix_of_whole_grains_held(
+    block_size: int, held_lengths: list[int], asked: int
+) -> None:
+    """A grain is known by its last block: the prompt's grains are every stride-th block of its chain."""
+    held = InflightBlocks(block_size)
+    chain = list(range(100))
+    for length in held_lengths:
+        held.add(chain[:length], length * block_size)
+    stride = max(1, 512 // block_size)
+    grains = chain[: asked // stride * stride][stride - 1 :: stride]
+    held_grains = {
+        g for length in held_lengths for g in chain[: length // stride * stride][stride - 1 :: stride]
+    }
+    expected = 0
+    while expected < len(grains) and grains[expected] in held_grains:
+        expected += 1
+    assert held.shared_tokens(chain[:asked]) == expected * stride * block_size
 
 
 def test_an_instance_counts_what_its_requests_hold_and_lets_go_when_they_end() -> None:

@@ -66,8 +66,8 @@ def test_the_wait_for_memory_counts_the_peers_contexts() -> None:
     fleet = Upstreams(config())
     a, _ = fleet.instances
     a.kv_capacity_tokens = 100_000
-    a.contexts.add(50_000)
-    a.contexts.release(50_000)  # a hold time is known
+    a.start(prompt_tokens=50_000, uncached_tokens=0)
+    a.end(prompt_tokens=50_000)  # a hold time is known
     a.start(prompt_tokens=40_000, uncached_tokens=40_000)
     assert memory_wait_s(a, 50_000) == 0.0  # 40K in flight + 50K fit in 100K
     loads = PeerLoads(stale_after_s=1.0)
