@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
+from router import allocator
 from router.config import ConfigError, ModelConfig, PeersConfig, RouterConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
@@ -209,6 +210,7 @@ class Runtime:
             "load": (scraper.scrape_all, scraper.interval_s, False),
             "flow_control": (self.flow_gate.tick, FLOW_TICK_S, True),
             **({"tokenizers": (self._adopt_found_tokenizers, TOKENIZER_SEARCH_S, True)} if tokenizes else {}),
+            **({"allocator": (_trim_allocator, allocator.TRIM_INTERVAL_S, True)} if allocator.trims else {}),
             **{name: (loop, config.peers.interval_s, False) for name, loop in self.peers.loops().items()},
         }
         tasks = [
@@ -466,6 +468,11 @@ def place_in_pool(index: BlockIndex, config: RouterConfig) -> None:
     names = pool_names(config.models)
     served = {i.name: [names[model] for model in config.models_of(i)] for i in config.instances}
     place_instances(index, served, set(config.pool_members()))
+
+
+async def _trim_allocator() -> None:
+    """The C allocator's free memory given back (router/allocator.py), off the event loop."""
+    await asyncio.to_thread(allocator.trim)
 
 
 async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:

@@ -34,6 +34,7 @@ ROUTER_LAYERS: list[set[str]] = [
     {
         "router.metrics",
         "router.errors",
+        "router.allocator",
         "router.bounded_read",
         "router.supervisor",
         "router.label_selector",

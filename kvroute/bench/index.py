@@ -299,7 +299,8 @@ def _table(report: dict[str, Any]) -> Table:
         table.add_row(
             f"{router} ({int(host['processes'])} processes in all): RSS growth, {int(host['blocks']):,} "
             "blocks over ZMQ",
-            f"{host['rss_growth_bytes'] / 2**20:,.0f} MiB, {host['rss_bytes_per_block']:.0f} B/block",
+            f"{host['rss_growth_bytes'] / 2**20:,.0f} MiB, {host['rss_bytes_per_block']:.0f} B/block "
+            f"({host['burst_rss_bytes_per_block']:.0f} at the burst's end)",
             "one copy: as kvroute serve's" if workers > 1 else "",
         )
     decision = report["decision"]

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from kvroute.bench.index_parts import BLOCK_SIZE, gpu_blocks
 from kvroute.processes import free_port_block
+from router.allocator import trim
 from router.index.block_index import BlockIndex
 from router.index.events import BlockStored, EventEncoder, KVEvent, pack_seq
 from router.index.holdings import IndexStats, Owner
@@ -202,9 +203,11 @@ def measure_ingest_end_to_end(
     indexed: into a sink that only counts them."""
     with publishing(blocks, blocks_per_message, publishers) as sent:
         gc.collect()
+        trim()
         rss_before = _rss_bytes()
         index, wall, cpu = asyncio.run(_ingest(sent.endpoints, sent.blocks, sent.controls, indexed))
         gc.collect()
+        trim()  # what a router gives back within a trim interval of the burst's end (router/allocator.py)
         rss_growth = _rss_bytes() - rss_before
         return IngestResult(publishers, blocks_per_message, sent.blocks, wall, cpu, rss_growth, index.entries)
 

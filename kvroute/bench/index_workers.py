@@ -5,7 +5,8 @@ worker would make the first N times the second.
 
 The routers are real `kvroute serve` processes on 127.0.0.1, their instances the bench's publishers (their
 HTTP URLs answer nothing: no request is routed). Memory is read from /proc for every process of the router's
-process group, before the publishers start and once the router's /metrics reports every block held.
+process group, before the publishers start, once the router's /metrics reports every block held (the burst's
+end), and again a trim interval later (router/allocator.py): what the router keeps while it holds them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from kvroute.bench.index_ingest import SUBSCRIBED_WITHIN_S, Publishers, publishi
 from kvroute.bench.index_parts import BLOCK_SIZE
 from kvroute.bench.overhead.targets import group_pids, resident_bytes
 from kvroute.processes import Child, free_port_block, http_ok, start
+from router.allocator import TRIM_INTERVAL_S
 
 SERVING_WITHIN_S = 120.0
 HELD_WITHIN_S = 600.0
+SETTLE_S = TRIM_INTERVAL_S + 1.0
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,8 @@ class RouterMemory:
     workers: int  # 0: a lone `kvroute serve`
     processes: int
     blocks: int
-    rss_growth_bytes: int
+    rss_growth_bytes: int  # settle_s after the burst's end
+    burst_rss_growth_bytes: int  # at the burst's end
 
     def summary(self) -> dict[str, float]:
         return {
@@ -44,12 +48,15 @@ class RouterMemory:
             "blocks": self.blocks,
             "rss_growth_bytes": self.rss_growth_bytes,
             "rss_bytes_per_block": self.rss_growth_bytes / max(1, self.blocks),
+            "burst_rss_bytes_per_block": self.burst_rss_growth_bytes / max(1, self.blocks),
         }
 
 
-def measure_router_memory(blocks: int, workers: int, blocks_per_message: int = 32) -> RouterMemory:
+def measure_router_memory(
+    blocks: int, workers: int, blocks_per_message: int = 32, settle_s: float = SETTLE_S
+) -> RouterMemory:
     """blocks sent to a `kvroute serve` (with --workers, when more than 1), 8 publishers of
-    blocks_per_message a message: what its processes grow by once it holds them all."""
+    blocks_per_message a message: what its processes grow by once it holds them all, and settle_s later."""
     with publishing(blocks, blocks_per_message) as sent, tempfile.TemporaryDirectory() as scratch:
         router, url = _serve(sent, Path(scratch), workers)
         try:
@@ -66,8 +73,11 @@ def measure_router_memory(blocks: int, workers: int, blocks_per_message: int = 3
                         f"the router held fewer than {sent.blocks} blocks in {HELD_WITHIN_S} s"
                     )
                 time.sleep(0.2)
+            at_end = _group_rss(router.process.pid)
+            time.sleep(settle_s)
             after = _group_rss(router.process.pid)
-            return RouterMemory(workers, len(after), sent.blocks, sum(after.values()) - sum(before.values()))
+            growth, at_end_growth = (sum(rss.values()) - sum(before.values()) for rss in (after, at_end))
+            return RouterMemory(workers, len(after), sent.blocks, growth, at_end_growth)
         finally:
             router.stop()
 

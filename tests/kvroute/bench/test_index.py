@@ -34,9 +34,9 @@ def test_every_instance_of_a_fleet_matches_the_shared_prompt() -> None:
 def test_a_router_with_workers_holds_every_block_sent_once_in_its_index_host() -> None:
     """The pool, two workers and the index host; a worker's /metrics reports every block (the host's index),
     and the measure waits for it."""
-    shared = measure_router_memory(blocks=2 * 8 * 32, workers=2)
+    shared = measure_router_memory(blocks=2 * 8 * 32, workers=2, settle_s=0.0)
     assert (shared.processes, shared.blocks) == (4, 512)
-    lone = measure_router_memory(blocks=2 * 8 * 32, workers=1)
+    lone = measure_router_memory(blocks=2 * 8 * 32, workers=1, settle_s=0.0)
     assert (lone.processes, lone.blocks) == (1, 512)
 
 
