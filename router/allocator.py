@@ -14,20 +14,18 @@ the C library has no malloc_trim (musl, macOS) there is nothing to trim.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 
 TRIM_INTERVAL_S = 10.0
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
+    """glibc's malloc_trim, among the symbols the process has loaded already; None where there is none."""
     try:
-        found = ctypes.CDLL(name).malloc_trim if name else None
+        found = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
-    if found is not None:
-        found.argtypes, found.restype = [ctypes.c_size_t], ctypes.c_int
+    found.argtypes, found.restype = [ctypes.c_size_t], ctypes.c_int
     return found
 
 

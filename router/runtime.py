@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
-from router import allocator
+from router import allocator, worker_threads
 from router.config import ConfigError, ModelConfig, PeersConfig, RouterConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
@@ -152,6 +152,8 @@ class Runtime:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         config, metrics = self.config, self.metrics
+        # What runs off the loop (asyncio.to_thread) runs where the signals the router handles are blocked.
+        asyncio.get_running_loop().set_default_executor(worker_threads.executor())
         # Idle upstream connections close before uvicorn's (vLLM's server) 5 s keep-alive would drop them
         # under a request.
         connector = aiohttp.TCPConnector(

@@ -35,6 +35,7 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.metrics",
         "router.errors",
         "router.allocator",
+        "router.worker_threads",
         "router.bounded_read",
         "router.supervisor",
         "router.label_selector",

@@ -10,13 +10,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import msgspec
 import xxhash
 
+from router import worker_threads
 from router.dispatch.session_placements import SessionPlacements
 from router.index.block_index import BlockIndex
 from router.index.pool import IndexOnlyMatches, PrefixMatches
@@ -125,7 +125,7 @@ class Decider:
         self._metrics = metrics
         self._remote = remote
         # One thread: long prompts take turns there, and the event loop keeps the other core's share.
-        self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+        self._tokenize_thread = worker_threads.executor(1, "kvroute-tokenize")
         self._placements = SessionPlacements()
 
     async def prepare(

@@ -1,0 +1,25 @@
+"""Threads of the router's own, which leave the signals it handles to the main thread.
+
+The kernel hands a signal sent to the process to any thread that does not block it. The main thread blocks
+SIGHUP for a moment while it turns its handler into "ignored" at shutdown (router/reload.py): a SIGHUP sent
+then went to a worker thread, where the default action, set for that moment, ended the process (one run of
+tests/router/test_signals.py in about fifty saw it). Blocked in every worker thread, each of these signals
+waits for the main thread, whose handlers and masks decide what it does.
+"""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+HANDLED = frozenset({signal.SIGHUP, signal.SIGTERM, signal.SIGINT})
+
+
+def leave_signals_to_the_main_thread() -> None:
+    """Blocks HANDLED in the calling thread, for good."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+
+
+def executor(max_workers: int | None = None, name: str = "kvroute") -> ThreadPoolExecutor:
+    """A thread pool whose threads block HANDLED."""
+    return ThreadPoolExecutor(max_workers, name, initializer=leave_signals_to_the_main_thread)
