@@ -2,8 +2,9 @@
 """What a policy does with its scorers' lists of scores, in C: normalizing, weighing and summing them, and
 finding the best; and what the scorers read of every candidate, from its C fields
 (scorers/_candidate_state.pyx): its load, its name, its share of KV memory in use. Each was a pass of Python
-over every candidate; over 1,000 candidates and four scorers they took a fifth of a decision. The arithmetic is Python's, operation for operation, so the scores are the
-same floats (integers below 2^53, token counts, convert exactly, as Python converts them).
+over every candidate; over 1,000 candidates and four scorers they took a fifth of a decision. The arithmetic
+is Python's, operation for operation, so the scores are the same floats (integers below 2^53, token counts,
+convert exactly, as Python converts them).
 """
 
 from libc.math cimport INFINITY, isfinite

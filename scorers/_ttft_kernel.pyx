@@ -5,9 +5,9 @@ and for a fleet of them.
 
 Python spent about 7 µs a candidate here, ten function calls and a named tuple each: over 1,000 instances
 most of a decision. A candidate's figures are read from its C fields (scorers/_candidate_state.pyx), not
-through Python's attribute lookup. The arithmetic is Python's, operation
-for operation and in the same order (the build turns off fused multiply-adds), so the costs are the same
-floats to the last bit, and so is the routing.
+through Python's attribute lookup. The arithmetic is Python's, operation for operation and in the same order
+(the build turns off fused multiply-adds), so the costs are the same floats to the last bit, and so is the
+routing.
 """
 
 from scorers._candidate_state cimport CandidateState, state_of
