@@ -452,7 +452,7 @@ class IndexConfig(_Strict):
     max_entries: int = Field(
         default=10_000_000,
         ge=1,
-        description="(instance, block) entries kept at most: about 60 bytes each once a burst of events is over",
+        description="(instance, block) entries kept at most: about 60 bytes each, a burst of events over",
     )
     speculative_ttl_s: float = Field(
         default=2.0, ge=0, description="how long a routed request's blocks count before their events arrive"
