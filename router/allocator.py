@@ -3,7 +3,7 @@
 A burst of KV events is queued by ZMQ's receive thread while the index catches up. glibc keeps what those
 messages took in that thread's arena once they are freed, and hands none of it back on its own: a `kvroute
 serve` that had just followed 2M blocks held about 190 bytes a block where its index takes about 60, and
-still did minutes later. malloc_trim(0) returns the free pages of every arena: the same router then held 58
+still did once idle. malloc_trim(0) returns the free pages of every arena: then it holds about 60
 (`kvroute bench index`, its host rows).
 
 The trim runs every TRIM_INTERVAL_S in a worker thread, where it holds no lock of Python's (ctypes lets the
