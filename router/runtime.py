@@ -142,6 +142,8 @@ class Runtime:
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
 
     async def __aenter__(self) -> Runtime:
+        # What runs off the loop (asyncio.to_thread) runs where the signals the router handles are blocked.
+        asyncio.get_running_loop().set_default_executor(worker_threads.executor())
         async with contextlib.AsyncExitStack() as stack:  # what started is stopped if the rest cannot start
             await self._start(stack)
             self._exit = stack.pop_all()
@@ -152,8 +154,6 @@ class Runtime:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         config, metrics = self.config, self.metrics
-        # What runs off the loop (asyncio.to_thread) runs where the signals the router handles are blocked.
-        asyncio.get_running_loop().set_default_executor(worker_threads.executor())
         # Idle upstream connections close before uvicorn's (vLLM's server) 5 s keep-alive would drop them
         # under a request.
         connector = aiohttp.TCPConnector(
