@@ -1,4 +1,5 @@
-"""The candidates the scorer tests use: every field a scorer reads, all defaulting to an idle instance; as\nattributes of a Python object, or in C fields as the router keeps them."""
+"""The candidates the scorer tests use: every field a scorer reads, all defaulting to an idle instance; as
+attributes of a Python object, or in C fields as the router keeps them."""
 
 from __future__ import annotations
 
