@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from scorers import _ttft_kernel
+from scorers._scores import loads
 from scorers.candidate import Candidate
 from scorers.decaying_count import DecayingCount
 from scorers.params import Params, Registration
@@ -105,7 +106,7 @@ class TTFTCostScorer:
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         factors = None
         if self._exponent:
-            factors = [(c.in_flight + 1) ** self._exponent for c in candidates]
+            factors = [(requests + 1) ** self._exponent for requests in loads(candidates, False)]
         return _ttft_kernel.relative_speeds(self.costs(request, candidates), self._resolution, factors)
 
     def explain(self, request: RoutingRequest, candidates: int, chosen: Candidate) -> Mapping[str, float]:
