@@ -1,5 +1,7 @@
 from collections.abc import Sequence
 
+import numpy as np
+
 from scorers.candidate import Candidate
 from scorers.request import RoutingRequest, TierMatch
 from scorers.ttft_model import TTFTFeatures
@@ -13,3 +15,6 @@ def costs(
     request: RoutingRequest, candidates: Sequence[Candidate], behind_per_s: float, cap: float, /
 ) -> tuple[list[float], list[float] | None]: ...
 def relative_speeds(costs: list[float], resolution: float, factors: list[float] | None, /) -> list[float]: ...
+def fold(
+    gram: np.ndarray, moment: np.ndarray, x: np.ndarray, decay: float, weight: float, target: float, /
+) -> None: ...

@@ -226,3 +226,18 @@ def relative_speeds(list costs, double resolution, list factors):
                 ratio = 1.0
         scores[i] = ratio
     return scores
+
+
+def fold(
+    double[:, ::1] gram, double[::1] moment, const double[::1] x, double decay, double weight, double target
+):
+    """One observation into a TTFT model's decayed sums, in place: gram = decay gram + weight x x^T and
+    moment = decay moment + weight x target, each element by numpy's operations in numpy's order (its
+    `decay * gram + weight * np.outer(x, x)` and `decay * moment + weight * x * target`): the same floats."""
+    cdef Py_ssize_t count = x.shape[0], i, j
+    if gram.shape[0] != count or gram.shape[1] != count or moment.shape[0] != count:
+        raise ValueError("the sums and the observation differ in size")
+    for i in range(count):
+        for j in range(count):
+            gram[i, j] = decay * gram[i, j] + weight * (x[i] * x[j])
+        moment[i] = decay * moment[i] + (weight * x[i]) * target

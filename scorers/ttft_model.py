@@ -150,6 +150,8 @@ class TTFTModel:
         self._terms = np.array(
             [i for i in range(len(TERMS)) if i != _ATTENTION or priors.attention_s_per_pair]
         )
+        if self._fleet is not None and not np.array_equal(self._fleet._terms, self._terms):
+            raise ValueError("an instance's TTFT model and its fleet's calibrate the same terms")
         self._decay = 1.0 - 1.0 / priors.memory
         self._prior_weight = priors.prior_weight
         # The TTFT of a typical request, tracked: one computed whole, nothing fetched from a prefill instance.
@@ -160,6 +162,7 @@ class TTFTModel:
         self._moment = np.zeros(len(self._terms))
         self._rates = self._prior.copy()
         self._rate_values: list[float] = self._rates.tolist()  # as floats: predict's arithmetic, not numpy's
+        self._term_rates = self._rates[self._terms]  # the calibrated terms' rates, which observe reads
         self.observations = 0
         self.solved = 0  # the observations the rates were solved from
 
@@ -194,24 +197,30 @@ class TTFTModel:
         # requests do not calibrate, and the memory term keeps its configured factor.
         if not self._calibrate or seconds <= 0 or features.memory_wait_s > 0:
             return
+        x = features.vector()[self._terms]
         if self._fleet is not None:
-            self._learn_speed(features, seconds)
-            self._fleet.observe(features, seconds)
+            self._learn_speed(x, seconds)
+            self._fleet._observe(x, seconds)
+        self._observe(x, seconds)
+
+    def _observe(self, x: np.ndarray, seconds: float) -> None:
+        """observe, x the features' vector on this model's terms (an instance's and its fleet's are the same
+        terms: they share their priors)."""
         # Robust: an observation far off the prediction counts as at most _MAX_SURPRISE times off, and past
         # _HUBER_DELTA of relative error with a weight falling as the error grows (Huber). On plain relative
         # error one 2 ms answer where 0.8 s was due (a prompt cached that the index did not know) outweighed
         # fifty sound ones and zeroed the prefill rate for hundreds of requests. Rates far off still converge.
-        x = features.vector()[self._terms]
         weight = 1.0
-        predicted = float(self._current()[self._terms] @ x)  # with the decoding a whole answer includes
+        self.current_rates()
+        predicted = float(self._term_rates @ x)  # with the decoding a whole answer includes
         if predicted > 0:
             seconds = min(max(seconds, predicted / _MAX_SURPRISE), predicted * _MAX_SURPRISE)
             error = abs(predicted - seconds) / seconds
             weight = min(1.0, _HUBER_DELTA / error) if error else 1.0
         y = max(seconds, _SHORTEST_S)
-        x = x / y  # relative error: divide the equation by y
-        self._gram = self._decay * self._gram + weight * np.outer(x, x)
-        self._moment = self._decay * self._moment + weight * x * (seconds / y)
+        # Relative error: the equation divided by y. The sums are updated in place, in C (a dozen numpy
+        # calls on 7-vectors, twice per answer, were most of the calibration's cost).
+        _ttft_kernel.fold(self._gram, self._moment, x / y, self._decay, weight, seconds / y)
         # A fleet that slows down threefold must not find the priors three times as convincing. An average
         # of what was observed, the prior counted as prior_weight observations, forgetting as the sums do:
         # from the first observations on, not after ~memory of them (the priors' typical TTFT can be 20x the
@@ -227,12 +236,12 @@ class TTFTModel:
         """How much slower than its fleet this instance answers (1: as fast; measured, in log space)."""
         return math.exp(self._log_speed)
 
-    def _learn_speed(self, features: TTFTFeatures, seconds: float) -> None:
+    def _learn_speed(self, x: np.ndarray, seconds: float) -> None:
         """Instances differ mostly by one factor (a slower GPU, less parallelism): track it, so that the
         fleet's rates scaled by it are what each rate is pulled towards."""
         fleet = self._fleet
         assert fleet is not None
-        expected = float(fleet._rates[self._terms] @ features.vector()[self._terms])
+        expected = float(fleet._term_rates @ x)
         if expected <= 0:
             return
         ratio = min(max(seconds / expected, 1 / _MAX_SURPRISE), _MAX_SURPRISE)
@@ -259,6 +268,7 @@ class TTFTModel:
             return
         self._rates[self._terms] = np.maximum(solved, 0.0)  # a negative rate would reward work
         self._rate_values = self._rates.tolist()
+        self._term_rates = self._rates[self._terms]
         self.solved = self.observations
 
 

@@ -2,7 +2,9 @@
 
 ``CachedChatTokenizer.chat_ids`` always equals ``PromptTokenizer.chat_ids``. It renders the chat (cheap), cuts
 the text right after occurrences of special tokens, reuses the ids of the longest prefix up to a cut it has
-seen, and encodes only the rest.
+seen, and encodes only the rest. The end of a text with a cut in it counts as a cut too, so a chat sent
+again (a retry, the same prompt to many sessions) is not encoded at all; a later text finds that entry only
+where it has a cut at the same place, which an earlier text that did not end with a cut token cannot give.
 
 Why such a cut is exact. HF tokenizers encode in this order: split the text on added tokens whose
 ``normalized`` flag is false (literal, leftmost-longest matches); then normalize, pre-tokenize and run the
@@ -271,6 +273,8 @@ class CachedChatTokenizer:
                 self.stats.requests += 1
                 self.stats.tokens_encoded += len(ids)
             return ids
+        if cuts[-1] != len(data):
+            cuts.append(len(data))  # the whole text is a key too: a prompt sent again is not encoded again
         keys = _prefix_keys(data, cuts)
         with self._lock:
             self.stats.requests += 1
@@ -282,13 +286,15 @@ class CachedChatTokenizer:
                 start, ids = cuts[hit], entry.block.ids[: entry.tokens]
                 self.stats.hits += 1
                 self.stats.tokens_reused += entry.tokens
+                if hit == len(keys) - 1:
+                    self._entries.move_to_end(keys[hit])
+                    return ids
             ends = [
                 self._known_tokens(key, nbytes)
                 for key, nbytes in zip(keys[: hit + 1], cuts[: hit + 1], strict=True)
             ]
         reused = len(ids)
-        bounds = [start, *cuts[hit + 1 :], len(data)]
-        segments = [data[a:b].decode() for a, b in pairwise(bounds)]
+        segments = [data[a:b].decode() for a, b in pairwise([start, *cuts[hit + 1 :]])]
         for part in self.tokenizer.texts_ids(segments, add_special_tokens=False):
             ids += part
             ends.append(len(ids))
@@ -313,7 +319,7 @@ class CachedChatTokenizer:
             return
         block = _Block(ids)
         self._cached_tokens += len(ids)
-        for key, nbytes, tokens in zip(keys, cuts, ends, strict=False):
+        for key, nbytes, tokens in zip(keys, cuts, ends, strict=True):
             if tokens is None:
                 continue
             old = self._entries.pop(key, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -167,3 +168,42 @@ def test_a_block_size_of_zero_is_refused_not_divided_by() -> None:
     request = RoutingRequest("m", prompt_tokens=100, block_size=0, matches={"a": TierMatch(gpu=2)})
     with pytest.raises(ValueError, match="block size of 0"):
         features_for(request, Fake("a"))
+
+
+finite = st.floats(-1e12, 1e12, allow_nan=False, allow_subnormal=False)
+
+
+@given(
+    st.integers(1, 8).flatmap(
+        lambda n: st.tuples(
+            st.lists(finite, min_size=n * n, max_size=n * n),
+            st.lists(finite, min_size=n, max_size=n),
+            st.lists(finite, min_size=n, max_size=n),
+        )
+    ),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    finite,
+)
+@settings(max_examples=300, deadline=None)
+def test_folding_an_observation_in_is_numpys_arithmetic_to_the_bit(
+    sums: tuple[list[float], list[float], list[float]], decay: float, weight: float, target: float
+) -> None:
+    """TTFTModel folds each observation into its sums in C; numpy's expression of it is the definition."""
+    gram_values, moment_values, x_values = sums
+    n = len(x_values)
+    gram, moment, x = np.array(gram_values).reshape(n, n), np.array(moment_values), np.array(x_values)
+    expected_gram = decay * gram + weight * np.outer(x, x)
+    expected_moment = decay * moment + weight * x * target
+    _ttft_kernel.fold(gram, moment, x, decay, weight, target)
+    assert gram.tobytes() == expected_gram.tobytes() and moment.tobytes() == expected_moment.tobytes()
+
+
+def test_folding_refuses_sums_of_another_size() -> None:
+    with pytest.raises(ValueError, match="differ in size"):
+        _ttft_kernel.fold(np.zeros((3, 3)), np.zeros(3), np.zeros(2), 0.9, 1.0, 1.0)
+
+
+def test_an_instance_and_its_fleet_calibrate_the_same_terms() -> None:
+    with pytest.raises(ValueError, match="same terms"):
+        TTFTModel(TTFTPriors(attention_s_per_pair=1e-9), TTFTModel(TTFTPriors()))

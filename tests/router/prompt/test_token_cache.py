@@ -170,6 +170,34 @@ def test_a_long_session_encodes_only_each_turns_tail(cached: CachedChatTokenizer
     assert cached.stats.requests == 30 and cached.stats.hits == 29
 
 
+def test_a_chat_sent_again_is_not_encoded_again(cached: CachedChatTokenizer) -> None:
+    messages = [{"role": "user", "content": "The same question. " * 30}]
+    first = cached.chat_ids(messages)
+    encoded = cached.stats.tokens_encoded
+    again = cached.chat_ids(messages)
+    assert again == first == cached.tokenizer.chat_ids(messages)
+    assert cached.stats.tokens_encoded == encoded and cached.stats.tokens_reused == len(first)
+    again.append(-1)  # the caller's own list
+    assert cached.chat_ids(messages) == first
+
+
+def test_a_chat_extending_one_that_ended_between_cuts_reuses_only_up_to_its_last_cut(
+    cached: CachedChatTokenizer,
+) -> None:
+    """The earlier chat's whole text is cached, but it ends in the middle of what the longer one encodes
+    (its end is no cut of the longer one): only what precedes its last cut token (<s>) is reused."""
+    tokenizer = cached.tokenizer
+    short = [{"role": "user", "content": "Look at main.py"}]
+    cached.chat_ids(short, add_generation_prompt=False, continue_final_message=True)
+    longer = [{"role": "user", "content": "Look at main.py and then at the tests"}]
+    before = cached.stats.tokens_reused
+    ids = cached.chat_ids(longer, add_generation_prompt=False, continue_final_message=True)
+    assert ids == tokenizer.chat_ids(longer, add_generation_prompt=False, continue_final_message=True)
+    text = tokenizer.render_chat(short, add_generation_prompt=False, continue_final_message=True)
+    assert text.startswith("<s>") and "<s>" not in text[1:] and "</s>" not in text
+    assert cached.stats.tokens_reused - before == len(tokenizer.text_ids("<s>", add_special_tokens=False))
+
+
 def test_sessions_sharing_a_system_prompt_reuse_only_that(cached: CachedChatTokenizer) -> None:
     system = {"role": "system", "content": "Shared instructions. " * 50}
     cached.chat_ids([system, {"role": "user", "content": "first session"}])
