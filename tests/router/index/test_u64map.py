@@ -51,7 +51,7 @@ def test_it_keeps_a_dicts_contents_and_order_through_any_operations(
 def test_a_full_table_moves_to_larger_arrays_a_step_per_insert() -> None:
     """Growing holds no insert for long: each moves at most a step of the entries, and lookups, removals and
     the order see the table whole meanwhile (one move of 10M entries at once held the event loop a second)."""
-    table, model = U64Map(move_step=8), {}  # 4 or more: the move ends before the quarter's room fills
+    table, model = U64Map(move_step=8), {}  # 2 or more: the move ends before the new half's room fills
     key = 0
     for starting in (False, True):  # past a hundred entries and the small tables' moves, to the next move
         while key < 100 or bool(table.moving) != starting:
@@ -146,17 +146,17 @@ def test_the_probe_ors_in_the_speculative_entries() -> None:
 
 
 def test_a_table_that_peaked_shrinks_as_its_entries_churn() -> None:
-    """Removing the oldest and adding new ones (the bound's eviction): the arrays compact to what is live."""
+    """Removing the oldest and adding new ones (the bound's eviction): the arrays compact to what is live once they fill."""
     table = U64Map()
     table.update((key, key) for key in range(200_000))
     peak = sys.getsizeof(table)
-    for key in range(200_000, 260_000):
+    for key in range(200_000, 400_000):
         table[key] = key
         if key >= 200_000 + 2_000:
             for old in table.oldest(len(table) - 2_000):
                 del table[old]
     assert len(table) == 2_000 and sys.getsizeof(table) < peak / 20
-    assert list(table) == list(range(258_000, 260_000))
+    assert list(table) == list(range(398_000, 400_000))
 
 
 def test_an_entry_costs_a_fraction_of_a_dicts() -> None:
