@@ -99,20 +99,21 @@ class Proxy:
             task.cancel()
 
     async def _forward(self, request: Request, path: str, api: Api, stored: str | None) -> Response:
-        trace = self._routing.trace(request.method, path, stored, request.headers)
+        headers = _first_values(request)
+        trace = self._routing.trace(request.method, path, stored, headers)
         try:
-            return await self._traced(request, path, api, stored, trace)
+            return await self._traced(request, headers, path, api, stored, trace)
         except BaseException as error:
             trace.failed(error)
             trace.end()
             raise
 
     async def _traced(
-        self, request: Request, path: str, api: Api, stored: str | None, trace: Trace
+        self, request: Request, headers: dict[str, str], path: str, api: Api, stored: str | None, trace: Trace
     ) -> Response:
         """The answer to the request whose root span is trace, which ends with it."""
         with trace.step("receive"):
-            raw, share = await self._read_body(request)
+            raw, share = await self._read_body(request, headers.get("content-length"))
         query = request.scope["query_string"].decode("latin-1")  # not request.url: built for each request
         if query:  # a retrieval's stream and starting_after, Claude Code's ?beta=true: the engine's too
             path = f"{path}?{query}"
@@ -127,7 +128,7 @@ class Proxy:
                     self._bodies.give_back(share)  # admitted, its body counts with the work in flight
                 received: Received | None = None
                 try:
-                    received = routing.receive(raw, api, request.headers, stored, query, trace)
+                    received = routing.receive(raw, api, headers, stored, query, trace)
                     prepared = await routing.wait_turn(received, await routing.prepare(received))
                     outcome = await routing.send(received, prepared, path)
                 except BaseException:
@@ -143,12 +144,12 @@ class Proxy:
             self._ended_here(outcome, trace)  # whatever failed in making the answer, its slot is freed
             raise
 
-    async def _read_body(self, request: Request) -> tuple[bytes, int]:
+    async def _read_body(self, request: Request, declared: str | None) -> tuple[bytes, int]:
         """The body and its share of the body budget (router/http/body_budget.py), read before a slot is
         taken and within a time limit: a client that trickles its body must not hold one of the slots that
-        bound the work in flight."""
+        bound the work in flight. declared: its content-length (a number: router/http/request_limits.py
+        checked)."""
         limit_s, bodies = self._limits.body_timeout_s, self._bodies
-        declared = request.headers.get("content-length")  # a number: router/http/request_limits.py checked
         share = int(declared) if declared is not None else self._limits.max_body_bytes()
         reading = False
         try:
@@ -215,6 +216,15 @@ class Proxy:
             self._limits.send_timeout_s,
         )
         self._metrics.client_errors("send_timeout").inc()
+
+
+def _first_values(request: Request) -> dict[str, str]:
+    """The request's headers, each name's first value, as starlette's Headers.get reads them: routing reads
+    a dozen, and each read of starlette's scans them all."""
+    found: dict[str, str] = {}
+    for name, value in request.scope["headers"]:
+        found.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return found
 
 
 def _answer_headers(outcome: Outcome, upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:

@@ -21,6 +21,8 @@ from kvroute.processes import Child, free_port_block, spawn, start, wait_healthy
 
 ENVOY_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "envoy-epp.yaml"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"  # the picker's routing filter in ENVOY_CONFIG
+FLOOR = "floor"  # envoy-epp:floor: a picker that decides nothing (kvroute/bench/overhead/null_picker.py)
+NULL_PICKER = "kvroute.bench.overhead.null_picker"
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,17 @@ def start_picker(target: Target, fleet: Fleet, log_dir: Path) -> Picker:
     if not ENVOY_CONFIG.exists():
         raise SkipTarget(f"no {ENVOY_CONFIG} (a source checkout has it)")
     name = f"epp-{target.policy}"
-    path = log_dir / f"{name}.yaml"
     log_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(kvroute_config(fleet, target.policy), sort_keys=False))
     port = free_port_block(2)
-    args = ["epp", "--config", str(path), "--port", str(port), "--metrics-port", str(port + 1)]
-    child = start(name, args, log_dir)
+    if target.policy == FLOOR:
+        first = urlsplit(fleet.config.instances[0].url)
+        argv = [sys.executable, "-m", NULL_PICKER, "--port", str(port), "--endpoint", f"{first.netloc}"]
+        child = spawn(name, argv, log_dir)
+    else:
+        path = log_dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(kvroute_config(fleet, target.policy), sort_keys=False))
+        args = ["epp", "--config", str(path), "--port", str(port), "--metrics-port", str(port + 1)]
+        child = start(name, args, log_dir)
     try:
         wait_healthy(child, [f"http://127.0.0.1:{port + 1}/health"], timeout_s=150)
     except BaseException:

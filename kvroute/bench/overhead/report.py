@@ -47,6 +47,7 @@ def grid_table(results: Sequence[CellResult]) -> Table:
         "x direct",
         "x vllm-rr",
         "CPU ms/1k req",
+        "of it, picker",
         "RSS MiB",
         "errors",
     )
@@ -66,6 +67,7 @@ def grid_table(results: Sequence[CellResult]) -> Table:
             _num(r.throughput_vs_direct),
             _num(r.throughput_vs_vllm_router),
             _num(r.cpu_ms_per_1k, ",.0f"),
+            _num(r.helpers_cpu_ms_per_1k, ",.0f"),
             _num(r.peak_rss_mib, ".0f"),
             r.failed[:40] if r.failed else str(r.errors),
         )

@@ -34,7 +34,8 @@ _OWN_KINDS = (DIRECT, PLAIN_PROXY)
 
 
 def parse_overhead_targets(specs: Sequence[str]) -> list[Target]:
-    """``direct`` (the backend itself), ``python-proxy``, ``envoy-epp[:POLICY]``, ``kvroute-workers:N``
+    """``direct`` (the backend itself), ``python-proxy``, ``envoy-epp[:POLICY]`` (``envoy-epp:floor``: a
+    picker that decides nothing, kvroute/bench/overhead/null_picker.py), ``kvroute-workers:N``
     (kvroute's default policy) or anything ``kvroute bench live`` takes."""
     targets, others = [], []
     for spec in (s.strip() for s in specs):
@@ -88,6 +89,12 @@ class Running:
         if self.child is None:
             return None
         return sum(group_cpu_seconds(c.process.pid) for c in (self.child, *self.helpers))
+
+    def helpers_cpu_seconds(self) -> float | None:
+        """Of cpu_seconds, its helpers' (Envoy's picker); None when it has none."""
+        if self.child is None or not self.helpers:
+            return None
+        return sum(group_cpu_seconds(c.process.pid) for c in self.helpers)
 
     def peak_rss_mib(self) -> float | None:
         """The largest VmHWM of its processes (one worker of several, the picker or Envoy)."""

@@ -1,0 +1,96 @@
+"""The floor under the endpoint picker, for ``kvroute bench overhead`` (target ``envoy-epp:floor``): an
+ext_proc server that decides nothing, every request to the first instance, with which Envoy, on the same
+configuration (configs/envoy-epp.yaml), holds the same three streams a request as with ``kvroute epp``, each
+message answered as ``kvroute epp`` answers it. Its CPU a request is what gRPC and Python cost a picker before
+any decision: the least a picker on Python's gRPC can spend.
+
+    python -m kvroute.bench.overhead.null_picker --port P --endpoint HOST:PORT   (gRPC on P, /health on P + 1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+from router.epp import messages
+
+
+class NullExtProc:
+    def __init__(self, endpoint: str) -> None:
+        self._endpoint = endpoint
+        self._keys = itertools.count(1)
+
+    async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        first = await anext(requests, None)
+        if first is None:
+            return
+        if first.observability_mode:  # read to the answer's last chunk, as kvroute epp reads a whole answer
+            message = first
+            while not (message.HasField("response_body") and message.response_body.end_of_stream):
+                if (message := await anext(requests, None)) is None:
+                    return
+            return
+        if first.HasField("response_headers"):  # the answering stream: held open to the request's end
+            yield messages.response_headers({}, [])
+            async for message in requests:
+                yield messages.passed(message.WhichOneof("request"))
+            return
+        async for answer in self._route(first, requests):
+            yield answer
+
+    async def _route(self, first: Any, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The routing stream: the headers, then the body (full duplex), given back with the route at its
+        end; the stream ends there (routing only)."""
+        body, message = bytearray(), first
+        key = f"floor-{next(self._keys)}"
+        while message is not None:
+            phase = message.WhichOneof("request")
+            if phase == "request_headers" and message.request_headers.end_of_stream:
+                for answer in messages.routed([self._endpoint], None, True, key):
+                    yield answer
+                return
+            if phase == "request_body":
+                body += message.request_body.body
+                if message.request_body.end_of_stream:
+                    for answer in messages.routed([self._endpoint], bytes(body), True, key):
+                        yield answer
+                    return
+            elif phase != "request_headers":
+                yield messages.passed(phase)
+            message = await anext(requests, None)
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _serve(port: int, endpoint: str) -> None:
+    server = grpc.aio.server()
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(NullExtProc(endpoint), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    app = web.Application()
+    app.router.add_get("/health", _health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port + 1).start()
+    await server.wait_for_termination()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--endpoint", required=True, help="HOST:PORT every request is sent to")
+    options = parser.parse_args(argv)
+    asyncio.run(_serve(options.port, options.endpoint))
+
+
+if __name__ == "__main__":
+    main()
