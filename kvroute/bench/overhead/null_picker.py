@@ -1,8 +1,8 @@
 """The floor under the endpoint picker, for ``kvroute bench overhead`` (target ``envoy-epp:floor``): an
 ext_proc server that decides nothing, every request to the first instance, with which Envoy, on the same
-configuration (configs/envoy-epp.yaml), holds the same three streams a request as with ``kvroute epp``, each
-message answered as ``kvroute epp`` answers it. Its CPU a request is what gRPC and Python cost a picker before
-any decision: the least a picker on Python's gRPC can spend.
+configuration (configs/envoy-epp.yaml, or its one-filter layout), holds the same streams a request as with
+``kvroute epp``, each message answered as ``kvroute epp`` answers it. Its CPU a request is what gRPC and
+Python cost a picker before any decision: the least a picker on Python's gRPC can spend.
 
     python -m kvroute.bench.overhead.null_picker --port P --endpoint HOST:PORT   (gRPC on P, /health on P + 1)
 """
@@ -42,27 +42,34 @@ class NullExtProc:
             async for message in requests:
                 yield messages.passed(message.WhichOneof("request"))
             return
-        async for answer in self._route(first, requests):
+        routing_only = messages.routing_only(context.invocation_metadata())
+        async for answer in self._route(first, requests, routing_only):
             yield answer
 
-    async def _route(self, first: Any, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def _route(
+        self, first: Any, requests: AsyncIterator[Any], routing_only: bool
+    ) -> AsyncIterator[Any]:
         """The routing stream: the headers, then the body (full duplex), given back with the route at its
-        end; the stream ends there (routing only)."""
+        end. A routing-only stream ends there; one from a gateway's only filter is held to the request's end,
+        every later message passed on unchanged."""
         body, message = bytearray(), first
         key = f"floor-{next(self._keys)}"
+        routed = False
         while message is not None:
             phase = message.WhichOneof("request")
-            if phase == "request_headers" and message.request_headers.end_of_stream:
-                for answer in messages.routed([self._endpoint], None, True, key):
-                    yield answer
-                return
+            end = (phase == "request_headers" and message.request_headers.end_of_stream) or (
+                phase == "request_body" and message.request_body.end_of_stream
+            )
             if phase == "request_body":
                 body += message.request_body.body
-                if message.request_body.end_of_stream:
-                    for answer in messages.routed([self._endpoint], bytes(body), True, key):
-                        yield answer
+            if end and not routed:
+                routed = True
+                with_body = bytes(body) if phase == "request_body" else None
+                for answer in messages.routed([self._endpoint], with_body, True, key):
+                    yield answer
+                if routing_only:
                     return
-            elif phase != "request_headers":
+            elif routed or phase not in ("request_headers", "request_body"):
                 yield messages.passed(phase)
             message = await anext(requests, None)
 

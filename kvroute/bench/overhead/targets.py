@@ -29,21 +29,23 @@ from router.config import parse_config
 DIRECT = "direct"
 PLAIN_PROXY = "python-proxy"  # kvroute/bench/overhead/plain_proxy.py: what kvroute's HTTP stack alone costs
 ENVOY_EPP = "envoy-epp"  # Envoy (configs/envoy-epp.yaml) asking `kvroute epp`
+ENVOY_ONE_FILTER = "envoy-epp-1"  # the same, the picker called from one filter (a GIE gateway's layout)
 SERVE_WORKERS = "kvroute-workers"  # `kvroute serve --workers N`
 _OWN_KINDS = (DIRECT, PLAIN_PROXY)
 
 
 def parse_overhead_targets(specs: Sequence[str]) -> list[Target]:
     """``direct`` (the backend itself), ``python-proxy``, ``envoy-epp[:POLICY]`` (``envoy-epp:floor``: a
-    picker that decides nothing, kvroute/bench/overhead/null_picker.py), ``kvroute-workers:N``
+    picker that decides nothing, kvroute/bench/overhead/null_picker.py), ``envoy-epp-1[:POLICY]`` (the picker
+    called from one filter), ``kvroute-workers:N``
     (kvroute's default policy) or anything ``kvroute bench live`` takes."""
     targets, others = [], []
     for spec in (s.strip() for s in specs):
         kind, _, arg = spec.partition(":")
         if spec in _OWN_KINDS:
             targets.append(Target(spec, spec))
-        elif kind == ENVOY_EPP:
-            targets.append(Target(f"{ENVOY_EPP}:{arg or 'kvroute'}", ENVOY_EPP, arg or "kvroute"))
+        elif kind in (ENVOY_EPP, ENVOY_ONE_FILTER):
+            targets.append(Target(f"{kind}:{arg or 'kvroute'}", kind, arg or "kvroute"))
         elif kind == SERVE_WORKERS:
             if not arg.isdigit() or int(arg) < 1:
                 raise ValueError(f"target {spec!r}: use {SERVE_WORKERS}:N, N the number of worker processes")
@@ -127,11 +129,12 @@ def running_targets(
                     run.child = _start_plain_proxy(fleet, port, log_dir)
                 elif target.kind == SERVE_WORKERS:
                     run.child = _start_kvroute(target, fleet, port, log_dir, serve_workers(target))
-                elif target.kind == ENVOY_EPP:
+                elif target.kind in (ENVOY_EPP, ENVOY_ONE_FILTER):
                     picker = start_picker(target, fleet, log_dir)
                     stack.callback(picker.child.stop, 15.0)
                     run.helpers.append(picker.child)
-                    run.child = start_envoy(fleet, picker.port, port, log_dir)
+                    one_filter = target.kind == ENVOY_ONE_FILTER
+                    run.child = start_envoy(fleet, picker.port, port, log_dir, one_filter)
                 else:
                     run.child = _start_vllm_router(target, fleet, port, log_dir, vllm_router)
             except SkipTarget as exc:

@@ -184,17 +184,18 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
 
 
 def test_the_picker_and_the_floor_under_it_are_measured_apart_from_envoy(tmp_path: Path) -> None:
-    """envoy-epp:floor: Envoy with a picker that decides nothing, on the same three streams a request."""
+    """envoy-epp:floor: Envoy with a picker that decides nothing, on the same three streams a request;
+    envoy-epp-1: the picker called from one filter, one stream a request."""
     if find_envoy() is None:
         pytest.skip("needs envoy: make bench-tools")
     out = tmp_path / "overhead.json"
     argv = [sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--duration", "1", "--concurrency", "1"]
-    argv += ["--sizes", "200", "--prompts", "hot", "--targets", "envoy-epp,envoy-epp:floor"]
+    argv += ["--sizes", "200", "--prompts", "hot", "--targets", "envoy-epp,envoy-epp:floor,envoy-epp-1:floor"]
     argv += ["--long-tokens", "", "--streams", "", "--plots", "", "--out", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     cells = {cell["target"]: cell for cell in json.loads(out.read_text())["cells"]}
-    assert set(cells) == {ENVOY_EPP, "envoy-epp:floor"}
+    assert set(cells) == {ENVOY_EPP, "envoy-epp:floor", "envoy-epp-1:floor"}
     for cell in cells.values():
         assert cell["failed"] == "" and cell["requests"] > 0 and cell["errors"] == 0, cell
         assert 0 < cell["helpers_cpu_ms_per_1k"] < cell["cpu_ms_per_1k"], cell

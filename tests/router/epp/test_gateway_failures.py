@@ -14,7 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute.bench.overhead.envoy import ROUTING_FILTER, connection_manager, routing_filter
+from kvroute.bench.overhead.envoy import connection_manager, routing_filter, with_one_filter
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from tests.conftest import metric, sample
 from tests.router.epp.conftest import (
@@ -224,14 +224,7 @@ def test_a_gateway_with_one_filter_is_followed_on_its_routing_stream(
     it the answer too and holds its stream to the request's end: the picker follows the answer there."""
     with running_picker(picker_config([fleet_only]), tmp_path) as picker:
         envoy, listen, admin = envoy_config(fleet_endpoints([fleet_only]), picker.port)
-        ext_proc = routing_filter(envoy)
-        del ext_proc["grpc_service"]["initial_metadata"]  # not routing only
-        ext_proc["processing_mode"].update(
-            response_header_mode="SEND", response_body_mode="STREAMED", response_trailer_mode="SEND"
-        )
-        filters = connection_manager(envoy)["http_filters"]
-        filters[:] = [f for f in filters if f["name"] in (ROUTING_FILTER, "envoy.filters.http.router")]
-        with running_envoy(envoy, listen, admin, tmp_path) as gateway:
+        with running_envoy(with_one_filter(envoy), listen, admin, tmp_path) as gateway:
             served, attempts = ask(client(gateway), "one-filter", "Hello, one filter.")
             stream = client(gateway).completions.create(model=MODEL, prompt="One", max_tokens=4, stream=True)
             assert "".join(c.choices[0].text for c in stream if c.choices)
