@@ -11,3 +11,15 @@ cdef class CandidateState:
 
 
 cdef CandidateState state_of(object candidate)
+
+
+# The fields of ModelRates (scorers/_candidate_state.pyx), which scorers/ttft_model.py's models are.
+cdef class ModelRates:
+    cdef public list rate_values
+    cdef public ModelRates fleet
+    cdef public long long fleet_solved
+    cdef public long long solved
+    cdef public long long observations
+
+
+cdef list current_rates(object model)

@@ -13,3 +13,13 @@ class CandidateState:
     def __init__(self, name: str, /) -> None: ...
 
 def read_state(candidate: Candidate, /) -> CandidateState: ...
+
+class ModelRates:
+    rate_values: list[float]
+    fleet: ModelRates | None
+    fleet_solved: int
+    solved: int
+    observations: int
+    def __init__(self) -> None: ...
+
+def read_rates(model: TTFTModel, /) -> list[float]: ...

@@ -3,7 +3,8 @@
 
 The compiled scoring reads every candidate of every decision: through Python's attribute lookup that was
 most of choosing over a large fleet, where a C field is read in a few nanoseconds. The router's instances
-are CandidateStates (router/upstreams/instances.py); any other candidate is read into one first.
+are CandidateStates (router/upstreams/instances.py); any other candidate is read into one first. So are a
+candidate's TTFT model's rates: the models are ModelRates (scorers/ttft_model.py).
 """
 
 
@@ -34,3 +35,31 @@ cdef CandidateState state_of(object candidate):
 def read_state(object candidate):
     """state_of, for Python (the tests): the figures the compiled scoring reads of candidate."""
     return state_of(candidate)
+
+
+cdef class ModelRates:
+    """A TTFT model's rates as the scoring reads them (scorers/ttft_model.py keeps them): rate_values, in
+    TERMS' order, solved from `solved` observations of `observations`; fleet, the model they are pulled
+    towards (None: none), whose `solved` they were last solved against is fleet_solved."""
+
+    def __init__(self):
+        self.rate_values = []
+
+
+cdef list current_rates(object model):
+    """model.current_rates(), without calling Python when the rates held are current (the fleet's have
+    not moved since, or the fleet has observed nothing): the check every candidate of every decision
+    takes, in C."""
+    cdef ModelRates rates
+    cdef ModelRates fleet
+    if isinstance(model, ModelRates):
+        rates = <ModelRates>model
+        fleet = rates.fleet
+        if fleet is None or fleet.solved == rates.fleet_solved or not fleet.observations:
+            return rates.rate_values
+    return model.current_rates()
+
+
+def read_rates(object model):
+    """current_rates, for Python (the tests)."""
+    return current_rates(model)

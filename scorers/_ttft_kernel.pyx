@@ -10,7 +10,7 @@ through Python's attribute lookup. The arithmetic is Python's, operation for ope
 routing.
 """
 
-from scorers._candidate_state cimport CandidateState, state_of
+from scorers._candidate_state cimport CandidateState, current_rates, state_of
 from scorers.request import NO_MATCH
 
 cdef struct Reused:
@@ -187,7 +187,7 @@ def costs(object request, object candidates, double behind_per_s, double cap):
         state = state_of(candidate)
         _features(&prompt, matches, chain, state, candidate, &f)
         queued = state.pending_prefill_tokens
-        rates = state.ttft_model.current_rates()
+        rates = current_rates(state.ttft_model)
         predicted = _predict(
             rates, queued, f.uncached, f.loaded, f.memory_wait_s, _attention_pairs(f.kept, f.uncached), 0.0
         )

@@ -40,6 +40,7 @@ import numpy as np
 from pydantic import Field
 
 from scorers import _ttft_kernel
+from scorers._candidate_state import ModelRates
 from scorers.params import Params
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
@@ -134,15 +135,20 @@ class TTFTFeatures(NamedTuple):
         )
 
 
-class TTFTModel:
+class TTFTModel(ModelRates):
+    """A model of an instance's TTFT (or of a fleet's, which its instances' are pulled towards). Its rates,
+    what they were solved from and its fleet are ModelRates' C fields, which the compiled scoring reads."""
+
+    fleet: TTFTModel | None
+
     def __init__(self, priors: TTFTPriors, fleet: TTFTModel | None = None) -> None:
         """fleet: the model of the instance's fleet, which its observations feed too and whose rates it is
         pulled towards (priors.fleet_weight 0 leaves it out)."""
         self._calibrate = priors.calibrate
         self._prior = priors.rates()
-        self._fleet = fleet if priors.fleet_weight > 0 else None
+        self.fleet = fleet if priors.fleet_weight > 0 else None
         self._fleet_weight = priors.fleet_weight
-        self._fleet_solved = -1  # the fleet's solve this instance's rates were last solved against
+        self.fleet_solved = -1  # the fleet's solve this instance's rates were last solved against
         # log(slowdown), and the observations it averages: at first the fleet_weight of a slowdown of 1
         self._log_speed, self._speed_weight = 0.0, priors.fleet_weight
         # The attention term is on when its prior is: where prefill does not slow with the context, its
@@ -150,7 +156,7 @@ class TTFTModel:
         self._terms = np.array(
             [i for i in range(len(TERMS)) if i != _ATTENTION or priors.attention_s_per_pair]
         )
-        if self._fleet is not None and not np.array_equal(self._fleet._terms, self._terms):
+        if self.fleet is not None and not np.array_equal(self.fleet._terms, self._terms):
             raise ValueError("an instance's TTFT model and its fleet's calibrate the same terms")
         self._decay = 1.0 - 1.0 / priors.memory
         self._prior_weight = priors.prior_weight
@@ -161,7 +167,7 @@ class TTFTModel:
         self._gram = np.zeros((len(self._terms), len(self._terms)))  # decayed sums of x x^T and of x y
         self._moment = np.zeros(len(self._terms))
         self._rates = self._prior.copy()
-        self._rate_values: list[float] = self._rates.tolist()  # as floats: predict's arithmetic, not numpy's
+        self.rate_values = self._rates.tolist()  # as floats: predict's arithmetic, not numpy's
         self._term_rates = self._rates[self._terms]  # the calibrated terms' rates, which observe reads
         self.observations = 0
         self.solved = 0  # the observations the rates were solved from
@@ -182,12 +188,12 @@ class TTFTModel:
 
     def current_rates(self) -> list[float]:
         """The rates in TERMS' order, as floats (what the prediction's arithmetic reads), solved again when
-        the fleet's have moved since (at most once per solve of theirs). Read of every candidate of every
-        decision: the check is here, not a call away."""
-        fleet = self._fleet
-        if fleet is not None and fleet.solved != self._fleet_solved and fleet.observations:
+        the fleet's have moved since (at most once per solve of theirs). The compiled scoring takes the same
+        check in C (scorers/_candidate_state.pyx's current_rates) and calls this only to solve."""
+        fleet = self.fleet
+        if fleet is not None and fleet.solved != self.fleet_solved and fleet.observations:
             self._solve()
-        return self._rate_values
+        return self.rate_values
 
     def predict(self, features: TTFTFeatures) -> float:
         return _ttft_kernel.predict(self.current_rates(), features)
@@ -198,9 +204,9 @@ class TTFTModel:
         if not self._calibrate or seconds <= 0 or features.memory_wait_s > 0:
             return
         x = features.vector()[self._terms]
-        if self._fleet is not None:
+        if self.fleet is not None:
             self._learn_speed(x, seconds)
-            self._fleet._observe(x, seconds)
+            self.fleet._observe(x, seconds)
         self._observe(x, seconds)
 
     def _observe(self, x: np.ndarray, seconds: float) -> None:
@@ -239,7 +245,7 @@ class TTFTModel:
     def _learn_speed(self, x: np.ndarray, seconds: float) -> None:
         """Instances differ mostly by one factor (a slower GPU, less parallelism): track it, so that the
         fleet's rates scaled by it are what each rate is pulled towards."""
-        fleet = self._fleet
+        fleet = self.fleet
         assert fleet is not None
         expected = float(fleet._term_rates @ x)
         if expected <= 0:
@@ -251,10 +257,10 @@ class TTFTModel:
     def _solve(self) -> None:
         # Towards the fleet's rates (times this instance's slowdown) once it has some, else the priors.
         target, weight = self._prior, self._prior_weight
-        if self._fleet is not None:
-            self._fleet_solved = self._fleet.solved
-            if self._fleet.observations:
-                target, weight = self._fleet._rates * _scaled(self.slowdown), self._fleet_weight
+        if self.fleet is not None:
+            self.fleet_solved = self.fleet.solved
+            if self.fleet.observations:
+                target, weight = self.fleet._rates * _scaled(self.slowdown), self._fleet_weight
         # Priors far out of scale (1e300 s a token) underflow the penalty to a singular or overflowing system:
         # the rates it had stay rather than failing every request.
         try:
@@ -267,7 +273,7 @@ class TTFTModel:
         if not np.isfinite(solved).all():
             return
         self._rates[self._terms] = np.maximum(solved, 0.0)  # a negative rate would reward work
-        self._rate_values = self._rates.tolist()
+        self.rate_values = self._rates.tolist()
         self._term_rates = self._rates[self._terms]
         self.solved = self.observations
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scorers import _ttft_kernel
-from scorers._candidate_state import read_state
+from scorers._candidate_state import read_rates, read_state
 from scorers.candidate import EngineLoad
 from scorers.request import NO_MATCH, RoutingRequest, TierMatch
 from scorers.ttft_cost import TTFTCostParams, TTFTCostScorer
@@ -207,3 +207,20 @@ def test_folding_refuses_sums_of_another_size() -> None:
 def test_an_instance_and_its_fleet_calibrate_the_same_terms() -> None:
     with pytest.raises(ValueError, match="same terms"):
         TTFTModel(TTFTPriors(attention_s_per_pair=1e-9), TTFTModel(TTFTPriors()))
+
+
+def test_the_compiled_rates_are_the_models_solving_only_when_its_fleet_moved() -> None:
+    """The scoring reads a model's rates in C, and asks Python to solve them only when its fleet's were
+    solved again since: what current_rates gives either way."""
+    fleet = TTFTModel(TTFTPriors())
+    model = TTFTModel(TTFTPriors(), fleet)
+    for tokens in range(1, 40):
+        model.observe(TTFTFeatures(100, 50 * tokens, 0), 0.01 + 0.002 * tokens)
+    current, solved = model.rate_values, model.solved
+    assert read_rates(model) is current and model.solved == solved  # nothing moved: no solve
+    for _ in range(16 - fleet.observations % 16):  # the fleet solves again at its next 16th observation
+        fleet.observe(TTFTFeatures(100, 4_000, 0), 0.5)
+    assert fleet.solved == fleet.observations != model.fleet_solved
+    rates = read_rates(model)
+    assert model.fleet_solved == fleet.solved and rates is model.rate_values and rates != current
+    assert rates == model.current_rates()
