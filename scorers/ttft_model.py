@@ -156,8 +156,13 @@ class TTFTModel(ModelRates):
         self._terms = np.array(
             [i for i in range(len(TERMS)) if i != _ATTENTION or priors.attention_s_per_pair]
         )
-        if self.fleet is not None and not np.array_equal(self.fleet._terms, self._terms):
-            raise ValueError("an instance's TTFT model and its fleet's calibrate the same terms")
+        fleet = self.fleet
+        if fleet is not None and (
+            fleet._calibrate != self._calibrate or not np.array_equal(fleet._terms, self._terms)
+        ):
+            raise ValueError(
+                "an instance's TTFT model and its fleet's calibrate the same terms, or neither does"
+            )
         self._decay = 1.0 - 1.0 / priors.memory
         self._prior_weight = priors.prior_weight
         # The TTFT of a typical request, tracked: one computed whole, nothing fetched from a prefill instance.

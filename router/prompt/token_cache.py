@@ -2,9 +2,10 @@
 
 ``CachedChatTokenizer.chat_ids`` always equals ``PromptTokenizer.chat_ids``. It renders the chat (cheap), cuts
 the text right after occurrences of special tokens, reuses the ids of the longest prefix up to a cut it has
-seen, and encodes only the rest. The end of a text with a cut in it counts as a cut too, so a chat sent
-again (a retry, the same prompt to many sessions) is not encoded at all; a later text finds that entry only
-where it has a cut at the same place, which an earlier text that did not end with a cut token cannot give.
+seen, and encodes only the rest. The end of a text of up to WHOLE_TEXT_MAX_BYTES with a cut in it counts as
+a cut too, so a chat sent again (a retry, one prompt sampled many times) is not encoded at all; a later
+text finds that entry only where it has a cut at the same place, which an earlier text that did not end with
+a cut token cannot give.
 
 Why such a cut is exact. HF tokenizers encode in this order: split the text on added tokens whose
 ``normalized`` flag is false (literal, leftmost-longest matches); then normalize, pre-tokenize and run the
@@ -159,6 +160,11 @@ def special_affixes(tokenizer: PromptTokenizer) -> tuple[list[int], list[int]] |
     return list(prefix), list(suffix)
 
 
+# A longer chat is an agent session's history, which grows every turn: its whole text is seldom sent again,
+# and its entry would keep the turn's ids alive after the next turn took over its prefixes (one block each).
+WHOLE_TEXT_MAX_BYTES = 32 * 1024
+
+
 @dataclass
 class TokenCacheStats:
     requests: int = 0
@@ -273,7 +279,7 @@ class CachedChatTokenizer:
                 self.stats.requests += 1
                 self.stats.tokens_encoded += len(ids)
             return ids
-        if cuts[-1] != len(data):
+        if cuts[-1] != len(data) and len(data) <= WHOLE_TEXT_MAX_BYTES:
             cuts.append(len(data))  # the whole text is a key too: a prompt sent again is not encoded again
         keys = _prefix_keys(data, cuts)
         with self._lock:
@@ -286,7 +292,7 @@ class CachedChatTokenizer:
                 start, ids = cuts[hit], entry.block.ids[: entry.tokens]
                 self.stats.hits += 1
                 self.stats.tokens_reused += entry.tokens
-                if hit == len(keys) - 1:
+                if start == len(data):  # the whole text
                     self._entries.move_to_end(keys[hit])
                     return ids
             ends = [
@@ -294,7 +300,10 @@ class CachedChatTokenizer:
                 for key, nbytes in zip(keys[: hit + 1], cuts[: hit + 1], strict=True)
             ]
         reused = len(ids)
-        segments = [data[a:b].decode() for a, b in pairwise([start, *cuts[hit + 1 :]])]
+        bounds = [start, *cuts[hit + 1 :]]
+        if bounds[-1] != len(data):  # past the last cut, a text too long for a key of its own
+            bounds.append(len(data))
+        segments = [data[a:b].decode() for a, b in pairwise(bounds)]
         for part in self.tokenizer.texts_ids(segments, add_special_tokens=False):
             ids += part
             ends.append(len(ids))
@@ -319,7 +328,7 @@ class CachedChatTokenizer:
             return
         block = _Block(ids)
         self._cached_tokens += len(ids)
-        for key, nbytes, tokens in zip(keys, cuts, ends, strict=True):
+        for key, nbytes, tokens in zip(keys, cuts, ends, strict=False):  # ends: one more past the last cut
             if tokens is None:
                 continue
             old = self._entries.pop(key, None)

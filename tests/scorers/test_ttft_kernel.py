@@ -205,8 +205,11 @@ def test_folding_refuses_sums_of_another_size() -> None:
 
 
 def test_an_instance_and_its_fleet_calibrate_the_same_terms() -> None:
+    """An observation is folded into both with the instance's features vector and checks."""
     with pytest.raises(ValueError, match="same terms"):
         TTFTModel(TTFTPriors(attention_s_per_pair=1e-9), TTFTModel(TTFTPriors()))
+    with pytest.raises(ValueError, match="same terms"):
+        TTFTModel(TTFTPriors(), TTFTModel(TTFTPriors(calibrate=False)))
 
 
 def test_the_compiled_rates_are_the_models_solving_only_when_its_fleet_moved() -> None:

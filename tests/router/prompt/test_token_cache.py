@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from router.prompt.chat_conversation import InvalidPrompt
-from router.prompt.token_cache import CachedChatTokenizer, cut_tokens, special_affixes
+from router.prompt.token_cache import WHOLE_TEXT_MAX_BYTES, CachedChatTokenizer, cut_tokens, special_affixes
 from router.prompt.tokenization import PromptTokenizer
 from tinymodel.builder import CHAT_TEMPLATE
 
@@ -179,6 +179,21 @@ def test_a_chat_sent_again_is_not_encoded_again(cached: CachedChatTokenizer) -> 
     assert cached.stats.tokens_encoded == encoded and cached.stats.tokens_reused == len(first)
     again.append(-1)  # the caller's own list
     assert cached.chat_ids(messages) == first
+
+
+def test_a_long_sessions_earlier_turns_are_freed_as_it_grows(cached: CachedChatTokenizer) -> None:
+    """Past WHOLE_TEXT_MAX_BYTES a chat's whole text is no key of its own: each turn takes over the earlier
+    turn's prefixes, whose ids are then freed, and the session holds one turn's ids at a time."""
+    messages: Messages = [{"role": "system", "content": "Long instructions. " * 2_000}]
+    assert len(cached.tokenizer.render_chat(messages).encode()) > WHOLE_TEXT_MAX_BYTES
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Turn {turn}: fix the next test."})
+        ids = cached.chat_ids(messages)
+        assert ids == cached.tokenizer.chat_ids(messages)
+        assert cached.cached_tokens == len(ids)
+        messages.append({"role": "assistant", "content": f"Fixed test {turn}."})
+    sent_again = cached.stats.tokens_encoded
+    assert cached.chat_ids(messages[:-1]) == ids and cached.stats.tokens_encoded > sent_again  # its tail
 
 
 def test_a_chat_extending_one_that_ended_between_cuts_reuses_only_up_to_its_last_cut(
