@@ -51,6 +51,8 @@ class InflightBlocks:
         # Grain i ends at chain[(i + 1) * stride - 1]: read in place, not sliced out (this is asked of every
         # candidate whose memory a prompt would overfill, of every decision).
         low, high = 0, len(chain) // stride
+        if not high or chain[stride - 1] not in refs:  # what most instances of a large fleet hold of it
+            return 0
         while low < high:  # held grains are whole prefixes: the held part of chain is a prefix of it
             middle = (low + high) // 2
             if chain[(middle + 1) * stride - 1] in refs:
