@@ -5,7 +5,8 @@ The fleet: every instance holds the session's shared system prompt (its first bl
 a tenth, two tenths... up to all of the session's history, as a fleet some of whose instances served the
 session's earlier turns. Each instance also holds filler chains of its own, so the tables are of a fleet's
 size, not of one session's. Each is busy as a scraped fleet is: its KV capacity, load and context hold time
-known, an agent turn in flight, so that the scorers read all they read of a live instance.
+known, an agent turn in flight, so that the scorers read all they read of a live instance. Choosing is also
+measured over the same fleet nearly full (FULL_CAPACITY_TOKENS), the session's turn in flight on two of it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from router.upstreams.instances import Instance
 from scorers.candidate import EngineLoad
 from scorers.policy import Policy
 from scorers.policy_config import builtin_policies
-from scorers.request import RoutingRequest
+from scorers.request import RoutingRequest, TierMatch
 
 VOCAB = 150_000
 SYSTEM_PROMPT_BLOCKS = 128  # 2,048 tokens every instance holds
@@ -30,6 +31,11 @@ FILLER_BLOCKS = 2_000  # of each instance's own, besides the session's
 MODEL = "m"
 KV_CAPACITY_TOKENS = 500_000
 IN_FLIGHT_TOKENS = 60_000
+# A nearly full fleet: an 80K-token prompt overfills an instance with a 60K-token turn in flight, so choosing
+# weighs what each holds of the prompt already (its memory wait). The session's own turn is in flight on two
+# instances, other sessions' on the rest.
+FULL_CAPACITY_TOKENS = 100_000
+SESSION_IN_FLIGHT = 2
 
 
 def _fleet(instances: int, tokens: list[int], chain_blocks: int) -> BlockIndex:
@@ -58,6 +64,24 @@ def _busy(n: int, chain: list[int]) -> Instance:
     instance.end(IN_FLIGHT_TOKENS)
     instance.start(IN_FLIGHT_TOKENS, 1_000, chain[: IN_FLIGHT_TOKENS // BLOCK_SIZE])
     return instance
+
+
+def _choosing_nearly_full(
+    size: int, tokens: list[int], chain: list[int], matches: dict[str, TierMatch]
+) -> Callable[[], None]:
+    """Choosing over the fleet when it is nearly full (FULL_CAPACITY_TOKENS)."""
+    rng = random.Random(size)
+    other = block_hashing.chain([rng.randrange(VOCAB) for _ in range(IN_FLIGHT_TOKENS)], BLOCK_SIZE)
+    candidates = [_busy(n, chain if n < SESSION_IN_FLIGHT else other) for n in range(size)]
+    for instance in candidates:
+        instance.kv_capacity_tokens = FULL_CAPACITY_TOKENS
+    policy = Policy("kvroute", builtin_policies()["kvroute"])
+
+    def choose() -> None:
+        request = RoutingRequest(MODEL, "session", len(tokens), len(chain), BLOCK_SIZE, matches, chain)
+        policy.choose(request, candidates)
+
+    return choose
 
 
 def _median_ms(action: Callable[[], object], repeats: int) -> float:
@@ -91,6 +115,7 @@ def _measure_fleet(size: int, tokens: list[int], repeats: int) -> dict[str, floa
         "hash_ms": hash_ms,
         "match_ms": match_ms,
         "choose_ms": choose_ms,
+        "full_choose_ms": _median_ms(_choosing_nearly_full(size, tokens, chain, matches), repeats),
         "decision_ms": hash_ms + match_ms + choose_ms,
         "matched_instances": len(matches),
         "index_entries": index.entries,
