@@ -179,17 +179,12 @@ class TTFTModel(ModelRates):
 
     @property
     def rates(self) -> dict[str, float]:
-        return dict(zip(TERMS, self._current().tolist(), strict=True))
+        return dict(zip(TERMS, self.current_rates(), strict=True))
 
     @property
     def queue_rate(self) -> float:
         """Seconds each uncached token prefilling there adds to the wait of the requests queued behind it."""
         return self.current_rates()[_QUEUE]
-
-    def _current(self) -> np.ndarray:
-        """The rates as an array, current (current_rates)."""
-        self.current_rates()
-        return self._rates
 
     def current_rates(self) -> list[float]:
         """The rates in TERMS' order, as floats (what the prediction's arithmetic reads), solved again when
