@@ -66,15 +66,21 @@ def _busy(n: int, chain: list[int]) -> Instance:
     return instance
 
 
-def _choosing_nearly_full(
-    size: int, tokens: list[int], chain: list[int], matches: dict[str, TierMatch]
-) -> Callable[[], None]:
-    """Choosing over the fleet when it is nearly full (FULL_CAPACITY_TOKENS)."""
+def _nearly_full(size: int, chain: list[int]) -> list[Instance]:
+    """The fleet's instances nearly full (FULL_CAPACITY_TOKENS), the session's turn in flight on
+    SESSION_IN_FLIGHT of them and another session's on the rest."""
     rng = random.Random(size)
     other = block_hashing.chain([rng.randrange(VOCAB) for _ in range(IN_FLIGHT_TOKENS)], BLOCK_SIZE)
     candidates = [_busy(n, chain if n < SESSION_IN_FLIGHT else other) for n in range(size)]
     for instance in candidates:
         instance.kv_capacity_tokens = FULL_CAPACITY_TOKENS
+    return candidates
+
+
+def _choosing(
+    candidates: list[Instance], tokens: list[int], chain: list[int], matches: dict[str, TierMatch]
+) -> Callable[[], None]:
+    """One choice of the default policy (a policy of its own) over candidates for the prompt."""
     policy = Policy("kvroute", builtin_policies()["kvroute"])
 
     def choose() -> None:
@@ -100,22 +106,17 @@ def measure_decisions(
 def _measure_fleet(size: int, tokens: list[int], repeats: int) -> dict[str, float]:
     chain = block_hashing.chain(tokens, BLOCK_SIZE)
     index = _fleet(size, tokens, len(chain))
-    candidates = [_busy(n, chain) for n in range(size)]
-    policy = Policy("kvroute", builtin_policies()["kvroute"])
     matches = index.match(chain)
-
-    def choose() -> None:
-        request = RoutingRequest(MODEL, "session", len(tokens), len(chain), BLOCK_SIZE, matches, chain)
-        policy.choose(request, candidates)
-
+    busy = [_busy(n, chain) for n in range(size)]
     hash_ms = _median_ms(lambda: block_hashing.chain(tokens, BLOCK_SIZE), repeats)
     match_ms = _median_ms(lambda: index.match(chain), repeats)
-    choose_ms = _median_ms(choose, repeats)
+    choose_ms = _median_ms(_choosing(busy, tokens, chain, matches), repeats)
+    full_choose_ms = _median_ms(_choosing(_nearly_full(size, chain), tokens, chain, matches), repeats)
     return {
         "hash_ms": hash_ms,
         "match_ms": match_ms,
         "choose_ms": choose_ms,
-        "full_choose_ms": _median_ms(_choosing_nearly_full(size, tokens, chain, matches), repeats),
+        "full_choose_ms": full_choose_ms,
         "decision_ms": hash_ms + match_ms + choose_ms,
         "matched_instances": len(matches),
         "index_entries": index.entries,
