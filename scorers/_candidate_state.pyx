@@ -40,26 +40,28 @@ def read_state(object candidate):
 cdef class ModelRates:
     """A TTFT model's rates as the scoring reads them (scorers/ttft_model.py keeps them): rate_values, in
     TERMS' order, solved from `solved` observations of `observations`; fleet, the model they are pulled
-    towards (None: none), whose `solved` they were last solved against is fleet_solved."""
+    towards (None: none), whose `solved` they were last solved against is fleet_solved. A subclass solves
+    them again in `_solve()`."""
 
     def __init__(self):
         self.rate_values = []
 
 
 cdef list current_rates(object model):
-    """model.current_rates(), without calling Python when the rates held are current (the fleet's have
-    not moved since, or the fleet has observed nothing): the check every candidate of every decision
-    takes, in C."""
+    """A model's rates, solved again first when its fleet's have moved since (at most once per solve of
+    theirs): the check every candidate of every decision takes, in C, calling Python only to solve. A model
+    that is no ModelRates is asked for its current_rates()."""
     cdef ModelRates rates
     cdef ModelRates fleet
-    if isinstance(model, ModelRates):
-        rates = <ModelRates>model
-        fleet = rates.fleet
-        if fleet is None or fleet.solved == rates.fleet_solved or not fleet.observations:
-            return rates.rate_values
-    return model.current_rates()
+    if not isinstance(model, ModelRates):
+        return model.current_rates()
+    rates = <ModelRates>model
+    fleet = rates.fleet
+    if fleet is not None and fleet.solved != rates.fleet_solved and fleet.observations:
+        model._solve()
+    return rates.rate_values
 
 
 def read_rates(object model):
-    """current_rates, for Python (the tests)."""
+    """current_rates, for Python: TTFTModel.current_rates, and the tests."""
     return current_rates(model)

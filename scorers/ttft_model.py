@@ -40,7 +40,7 @@ import numpy as np
 from pydantic import Field
 
 from scorers import _ttft_kernel
-from scorers._candidate_state import ModelRates
+from scorers._candidate_state import ModelRates, read_rates
 from scorers.params import Params
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
@@ -188,12 +188,9 @@ class TTFTModel(ModelRates):
 
     def current_rates(self) -> list[float]:
         """The rates in TERMS' order, as floats (what the prediction's arithmetic reads), solved again when
-        the fleet's have moved since (at most once per solve of theirs). The compiled scoring takes the same
-        check in C (scorers/_candidate_state.pyx's current_rates) and calls this only to solve."""
-        fleet = self.fleet
-        if fleet is not None and fleet.solved != self.fleet_solved and fleet.observations:
-            self._solve()
-        return self.rate_values
+        the fleet's have moved since: scorers/_candidate_state.pyx's current_rates, which the compiled
+        scoring calls too."""
+        return read_rates(self)
 
     def predict(self, features: TTFTFeatures) -> float:
         return _ttft_kernel.predict(self.current_rates(), features)
