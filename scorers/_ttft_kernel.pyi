@@ -14,6 +14,15 @@ def predict(rates: list[float], features: TTFTFeatures, /) -> float: ...
 def costs(
     request: RoutingRequest, candidates: Sequence[Candidate], behind_per_s: float, cap: float, /
 ) -> tuple[list[float], list[float] | None]: ...
+def speed_scores(
+    request: RoutingRequest,
+    candidates: Sequence[Candidate],
+    behind_per_s: float,
+    cap: float,
+    resolution: float,
+    factors: list[float] | None,
+    /,
+) -> tuple[list[float], list[float] | None]: ...
 def relative_speeds(costs: list[float], resolution: float, factors: list[float] | None, /) -> list[float]: ...
 def fold(
     gram: np.ndarray, moment: np.ndarray, x: np.ndarray, decay: float, weight: float, target: float, /

@@ -10,6 +10,8 @@ through Python's attribute lookup. The arithmetic is Python's, operation for ope
 routing.
 """
 
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+
 from scorers._candidate_state cimport CandidateState, current_rates, state_of
 from scorers.request import NO_MATCH
 
@@ -175,15 +177,52 @@ def predict(list rates, object features):
 def costs(object request, object candidates, double behind_per_s, double cap):
     """Each candidate's predicted TTFT, plus the wait it causes the requests behind it when behind_per_s
     is nonzero (at most cap x the prediction): (costs, those charges, or None when behind_per_s is 0)."""
+    cdef Py_ssize_t n = len(candidates), i
+    cdef list charges = [] if behind_per_s else None
+    cdef double *found = _doubles(n)
+    try:
+        _costs(request, candidates, behind_per_s, cap, found, charges)
+        return [found[i] for i in range(n)], charges
+    finally:
+        PyMem_Free(found)
+
+
+def speed_scores(
+    object request, object candidates, double behind_per_s, double cap, double resolution, list factors
+):
+    """relative_speeds of costs(request, candidates, behind_per_s, cap), the costs kept in C: (scores, the
+    charges or None). Over 1,000 candidates the lists between the two were a tenth of choosing."""
+    cdef Py_ssize_t n = len(candidates)
+    cdef list charges = [] if behind_per_s else None
+    cdef double *found = _doubles(n)
+    try:
+        _costs(request, candidates, behind_per_s, cap, found, charges)
+        return _relative_speeds(found, n, resolution, factors), charges
+    finally:
+        PyMem_Free(found)
+
+
+cdef double *_doubles(Py_ssize_t n) except NULL:
+    cdef double *room = <double *>PyMem_Malloc((n if n > 0 else 1) * sizeof(double))
+    if room == NULL:
+        raise MemoryError()
+    return room
+
+
+cdef int _costs(
+    object request, object candidates, double behind_per_s, double cap, double *found, list charges
+) except -1:
+    """costs into found (room for len(candidates)), the charges appended to charges unless it is None."""
     cdef Features f
     cdef double queued, predicted, caused, capped
     cdef list rates
     cdef CandidateState state
-    cdef list found = []
-    cdef list charges = [] if behind_per_s else None
     cdef Prompt prompt = _prompt(request)
+    cdef Py_ssize_t i = 0, n = len(candidates)
     matches, chain = request.matches, request.chain
     for candidate in candidates:
+        if i == n:  # found holds len(candidates)
+            raise ValueError("candidates gave more than their length")
         state = state_of(candidate)
         _features(&prompt, matches, chain, state, candidate, &f)
         queued = state.pending_prefill_tokens
@@ -191,34 +230,47 @@ def costs(object request, object candidates, double behind_per_s, double cap):
         predicted = _predict(
             rates, queued, f.uncached, f.loaded, f.memory_wait_s, _attention_pairs(f.kept, f.uncached), 0.0
         )
-        if charges is None:
-            found.append(predicted)
-            continue
-        caused = behind_per_s * predicted * <double>rates[1] * <double>f.uncached
-        capped = cap * predicted
-        if capped < caused:
-            caused = capped
-        charges.append(caused)
-        found.append(predicted + caused)
-    return found, charges
+        if charges is not None:
+            caused = behind_per_s * predicted * <double>rates[1] * <double>f.uncached
+            capped = cap * predicted
+            if capped < caused:
+                caused = capped
+            charges.append(caused)
+            predicted = predicted + caused
+        found[i] = predicted
+        i += 1
+    return 0
 
 
 def relative_speeds(list costs, double resolution, list factors):
     """The TTFT cost scorer's scores of costs in seconds: (fastest + resolution) / (cost + resolution),
     each cost plus resolution first multiplied by its factor when factors is not None."""
     cdef Py_ssize_t n = len(costs), i
-    cdef list shifted = [None] * n
+    cdef double *values = _doubles(n)
+    try:
+        for i in range(n):
+            values[i] = costs[i]
+        return _relative_speeds(values, n, resolution, factors)
+    finally:
+        PyMem_Free(values)
+
+
+cdef list _relative_speeds(double *costs, Py_ssize_t n, double resolution, list factors):
+    """relative_speeds, costs overwritten with the shifted costs."""
+    cdef Py_ssize_t i
     cdef double cost, lowest = 0.0, ratio
+    if factors is not None and len(factors) != n:
+        raise ValueError(f"{len(factors)} factors for {n} costs")
     for i in range(n):
-        cost = <double>costs[i] + resolution
+        cost = costs[i] + resolution
         if factors is not None:
             cost = cost * <double>factors[i]
-        shifted[i] = cost
+        costs[i] = cost
         if i == 0 or cost < lowest:
             lowest = cost
     cdef list scores = [None] * n
     for i in range(n):
-        cost = shifted[i]
+        cost = costs[i]
         ratio = 1.0
         if cost > 0:
             ratio = lowest / cost

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from scorers._scores import add_weighted
+from scorers._scores import weighted_sum
 from scorers.candidate import Candidate
 from scorers.pickers import ranked
 from scorers.plugins import Explainer, Picker, PickObserver, ResponseObserver, Scorer
@@ -41,6 +41,7 @@ class Policy:
         self._scorers: list[tuple[Scorer, float]] = [
             (SCORERS[spec.type].build(spec.params, clock), spec.weight) for spec in config.scorers
         ]
+        self._weights = [weight for _, weight in self._scorers]
         self._picker: Picker = PICKERS[config.picker.type].build(config.picker.params, rng=rng)
         plugins = [scorer for scorer, _ in self._scorers]
         self._observers = [plugin for plugin in plugins if isinstance(plugin, PickObserver)]
@@ -83,7 +84,6 @@ class Policy:
         return sorted(range(len(candidates)), key=totals.__getitem__, reverse=True)
 
     def _totals(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        totals = [0.0] * len(candidates)
-        for scorer, weight in self._scorers:
-            add_weighted(totals, scorer.score(request, candidates), weight)
-        return totals
+        if not self._scorers:
+            return [0.0] * len(candidates)
+        return weighted_sum([scorer.score(request, candidates) for scorer, _ in self._scorers], self._weights)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
-from scorers._scores import counts_at, halfway, lower_is_better, memory_shares
+from scorers._scores import spread_scores
 from scorers.candidate import Candidate
 from scorers.decaying_count import DecayingCount
 from scorers.params import Params, Registration
@@ -43,9 +43,7 @@ class SpreadScorer:
         return 0.0 if count is None else count.at(self._clock() if now is None else now)
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        now = self._clock()
-        placements = lower_is_better(counts_at(candidates, self._placed, now))
-        return halfway(placements, lower_is_better(memory_shares(candidates)))
+        return spread_scores(candidates, self._placed, self._clock())
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
         now = self._clock()

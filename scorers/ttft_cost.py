@@ -99,15 +99,30 @@ class TTFTCostScorer:
         it is predicted to take, at most wait_caused_cap x that prediction."""
         behind_per_s = self.behind_per_s(len(candidates))
         costs, charges = _ttft_kernel.costs(request, candidates, behind_per_s, self._wait_caused_cap)
-        if charges is not None:
-            self._weighed = _Weighed(request, candidates, charges, behind_per_s)
+        self._keep_charges(request, candidates, charges, behind_per_s)
         return costs
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """Relative speeds (the module's docstring) of costs(request, candidates)."""
         factors = None
         if self._exponent:
             factors = [(requests + 1) ** self._exponent for requests in loads(candidates, False)]
-        return _ttft_kernel.relative_speeds(self.costs(request, candidates), self._resolution, factors)
+        behind_per_s = self.behind_per_s(len(candidates))
+        scores, charges = _ttft_kernel.speed_scores(
+            request, candidates, behind_per_s, self._wait_caused_cap, self._resolution, factors
+        )
+        self._keep_charges(request, candidates, charges, behind_per_s)
+        return scores
+
+    def _keep_charges(
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        charges: list[float] | None,
+        behind_per_s: float,
+    ) -> None:
+        if charges is not None:
+            self._weighed = _Weighed(request, candidates, charges, behind_per_s)
 
     def explain(self, request: RoutingRequest, candidates: int, chosen: Candidate) -> Mapping[str, float]:
         """The wait the chosen candidate was charged for causing, and its weight, as the choice weighed them

@@ -290,7 +290,8 @@ def _table(report: dict[str, Any]) -> Table:
         table.add_row(
             f"80K-token decision over {int(size):,} instances",
             f"{fleet['decision_ms']:.2f} ms (hash {fleet['hash_ms']:.2f}, match {fleet['match_ms']:.2f}, "
-            f"choose {fleet['choose_ms']:.2f}; nearly full, choose {fleet['full_choose_ms']:.2f})",
+            f"choose {fleet['choose_ms']:.2f}; match from cold caches {fleet['cold_match_ms']:.2f}; "
+            f"nearly full, choose {fleet['full_choose_ms']:.2f})",
             "<= 1 ms" if size == "1000" else "",
         )
     for host in report["host_memory"]:

@@ -109,6 +109,7 @@ cdef Py_ssize_t _MOST_ENTRIES = 0x7FFFFFFE  # slots hold position + 1 in an int3
 cdef Py_ssize_t _INSERTION_SORTED = 64  # stores of at most this many blocks: repeats found by insertion sort
 # Entries ahead whose home slots a move starts loading: a table of millions misses the cache at each.
 cdef Py_ssize_t _MOVE_AHEAD = 16
+cdef Py_ssize_t _PROBE_AHEAD = 16  # masks_of's keys between a home slot's load and its probe
 cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; past it, interning starts over
 # Entries moved to a table's new arrays per insert while it moves: a move of 10M entries at once held the event
 # loop for a second; in steps, an insert costs a few microseconds more for 1/64 of the inserts that follow.
@@ -289,6 +290,15 @@ cdef class U64Map:
         """Start loading key's home slot: a batch's probes into a table of millions then miss the cache
         together, not one after another."""
         __builtin_prefetch(&self._now.slots[_home(&self._now, key)])
+
+    cdef inline void _prefetch_entry(self, uint64_t key) noexcept nogil:
+        """Start loading the entry key's home slot names (its key and value), once _prefetch loaded that slot:
+        most keys probed are at home or absent."""
+        cdef int32_t held = self._now.slots[_home(&self._now, key)]
+        if held > 0:
+            __builtin_prefetch(&self._now.keys[held - 1])
+            __builtin_prefetch(&self._now.low[held - 1])
+            __builtin_prefetch(&self._now.state[held - 1])
 
     cdef Py_ssize_t _slot(self, uint64_t key, _Arrays **arrays) noexcept:
         """The slot of key's entry, and in arrays the arrays holding it; -1 when it is not here."""
@@ -598,18 +608,35 @@ cdef class U64Map:
     def masks_of(self, chain, dict pending=None):
         """Each key's value, 0 when absent, or'ed with its value in pending when there is one: matching's probe
         of a prompt's blocks, the speculative entries' included (a second pass over an 80K-token prompt's 5,000
-        blocks in Python cost about as much as the probe)."""
-        cdef Py_ssize_t index = 0
-        cdef list out = [0] * len(chain)
+        blocks in Python cost about as much as the probe). The probes are pipelined: a key's home slot is
+        loaded _PROBE_AHEAD keys before its probe, and the entry that slot names half as many before, so a
+        table of millions misses the cache for many keys at once, not for one after another."""
+        cdef Py_ssize_t n = len(chain), index
+        cdef uint64_t *keys = <uint64_t *>PyMem_Malloc((n if n > 0 else 1) * sizeof(uint64_t))
+        cdef list out = [0] * n
         cdef bint speculated = bool(pending)
-        for key in chain:
-            value = self._get(_key(key), 0)
-            if speculated:
-                extra = pending.get(key)
-                if extra is not None:
-                    value = value | extra
-            out[index] = value
-            index += 1
+        if keys == NULL:
+            raise MemoryError()
+        try:
+            index = 0
+            for key in chain:
+                if index == n:
+                    raise ValueError("chain gave more keys than its length")
+                keys[index] = _key(key)
+                index += 1
+            for index in range(n):
+                if index + _PROBE_AHEAD < n:
+                    self._prefetch(keys[index + _PROBE_AHEAD])
+                if index + _PROBE_AHEAD // 2 < n:
+                    self._prefetch_entry(keys[index + _PROBE_AHEAD // 2])
+                value = self._get(keys[index], 0)
+                if speculated:
+                    extra = pending.get(chain[index])
+                    if extra is not None:
+                        value = value | extra
+                out[index] = value
+        finally:
+            PyMem_Free(keys)
         return out
 
     def __eq__(self, other):

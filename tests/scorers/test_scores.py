@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scorers._scores import (
-    add_weighted,
-    counts_at,
-    halfway,
-    loads,
-    lower_is_better,
-    memory_shares,
-    named,
-    tied_for_best,
-)
+from scorers._scores import loads, lower_is_better, named, spread_scores, tied_for_best, weighted_sum
 from scorers.candidate import EngineLoad
 from scorers.decaying_count import DecayingCount
 from tests.scorers.candidates import Fake, Kept
@@ -46,21 +38,27 @@ def test_normalizing_gives_the_definitions_floats(values: list[float | None]) ->
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(any_floats, any_floats), max_size=20), st.floats(-4, 4))
-def test_weighing_adds_as_python_adds(pairs: list[tuple[float, float]], weight: float) -> None:
-    totals = [total for total, _ in pairs]
-    add_weighted(totals, [score for _, score in pairs], weight)
-    expected = [total + weight * score for total, score in pairs]
+@given(
+    st.integers(0, 20).flatmap(
+        lambda n: st.lists(
+            st.tuples(st.floats(-4, 4), st.lists(any_floats, min_size=n, max_size=n)), max_size=5
+        )
+    )
+)
+def test_weighing_adds_as_python_adds(weighted: list[tuple[float, list[float]]]) -> None:
+    lists = [scores for _, scores in weighted]
+    totals = weighted_sum(lists, [weight for weight, _ in weighted])
+    expected = [0.0] * (len(lists[0]) if lists else 0)
+    for weight, scores in weighted:  # as a policy added its scorers' lists, one after another
+        expected = [total + weight * score for total, score in zip(expected, scores, strict=True)]
     assert [repr(t) for t in totals] == [repr(e) for e in expected]  # NaN compares by its spelling
 
 
-def test_weighing_refuses_a_list_of_another_length() -> None:
-    try:
-        add_weighted([0.0, 0.0], [1.0], 1.0)
-    except ValueError as refused:
-        assert "1 scores for 2 candidates" in str(refused)
-    else:
-        raise AssertionError("scores of another length were added")
+def test_weighing_refuses_lists_of_other_lengths() -> None:
+    with pytest.raises(ValueError, match="1 scores for 2 candidates"):
+        weighted_sum([[0.0, 0.0], [1.0]], [1.0, 1.0])
+    with pytest.raises(ValueError, match="1 weights for 2 lists"):
+        weighted_sum([[0.0], [1.0]], [1.0])
 
 
 @settings(max_examples=300, deadline=None)
@@ -84,17 +82,26 @@ def share_in_use(c: Fake) -> float | None:
     st.lists(
         st.builds(
             Fake,
-            st.just("i"),
+            st.sampled_from(["a", "b", "c"]),
             active_tokens=counts,
             kv_capacity_tokens=st.none() | st.just(0) | st.integers(1, 2**40),
             load=st.none() | st.builds(EngineLoad, usages, usages, st.floats(0, 1)),
         ),
         max_size=12,
-    )
+    ),
+    st.floats(0, 100),
 )
-def test_the_memory_in_use_is_the_definitions_share(candidates: list[Fake]) -> None:
-    expected = [share_in_use(c) for c in candidates]
-    assert memory_shares(candidates) == expected == memory_shares([Kept(c) for c in candidates])
+def test_spreading_scores_the_definitions_placements_and_memory_in_use(
+    candidates: list[Fake], now: float
+) -> None:
+    placed = {"a": DecayingCount(10.0, 0.0), "b": DecayingCount(3.0, 1.0)}
+    placed["a"].add(0.0)
+    placed["b"].add(2.0)
+    placements = normalized([placed[c.name].at(now) if c.name in placed else 0.0 for c in candidates])
+    shares = normalized([share_in_use(c) for c in candidates])
+    expected = [repr((p + m) / 2) for p, m in zip(placements, shares, strict=True)]
+    for kind in (candidates, [Kept(c) for c in candidates]):
+        assert [repr(score) for score in spread_scores(kind, placed, now)] == expected
 
 
 @settings(max_examples=200, deadline=None)
@@ -108,19 +115,7 @@ def test_the_memory_in_use_is_the_definitions_share(candidates: list[Fake]) -> N
 def test_what_the_scorers_read_of_each_candidate_is_its_own_figure(
     candidates: list[Fake], name: str | None
 ) -> None:
-    placed = DecayingCount(10.0, 0.0)
-    placed.add(0.0)
     for kind in (candidates, [Kept(c) for c in candidates]):
         assert loads(kind, False) == [c.in_flight for c in candidates]
         assert loads(kind, True) == [c.active_tokens for c in candidates]
         assert named(kind, name) == [1.0 if c.name == name else 0.0 for c in candidates]
-        assert counts_at(kind, {"a": placed}, 5.0) == [
-            placed.at(5.0) if c.name == "a" else 0.0 for c in candidates
-        ]
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(any_floats, any_floats), max_size=20))
-def test_halfway_is_the_mean_python_takes(pairs: list[tuple[float, float]]) -> None:
-    found = halfway([a for a, _ in pairs], [b for _, b in pairs])
-    assert [repr(m) for m in found] == [repr((a + b) / 2) for a, b in pairs]

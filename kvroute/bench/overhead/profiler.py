@@ -20,6 +20,48 @@ _LINE = re.compile(r":\d+\)")  # "f (file.py:12)" -> "f (file.py)": functions, n
 _IDLE_THREADS = ("Thread._bootstrap",)
 
 
+# Where a request's CPU goes, by the innermost frame in one of these (file path prefixes, in py-spy's
+# spelling; the first stage that names a frame's file has it); frames of no stage (asyncio, numpy, the
+# standard library, generated code) count for their caller's.
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "prompt: chat template and tokens",
+        ("router/prompt/", "transformers/", "jinja2/", "tokenizers/", "<template>"),
+    ),
+    ("flow control", ("router/dispatch/flow_",)),
+    (
+        "answer accounting: TTFT learning, metrics, A/B",
+        (
+            "scorers/ttft_model.py",  # its observations; what it predicts for a choice is compiled
+            "router/dispatch/outcome.py",
+            "router/dispatch/ab.py",
+            "router/dispatch/usage.py",
+            "router/metrics.py",
+            "prometheus_client/",
+            "router/tracing/",
+        ),
+    ),
+    ("index match and scoring", ("router/index/", "scorers/")),
+    (
+        "request handling: attempts, routing service, decision's glue",
+        ("router/dispatch/", "router/traffic_split.py"),
+    ),
+    ("upstream HTTP client (aiohttp)", ("aiohttp/", "yarl/", "multidict/", "router/upstreams/")),
+    (
+        "front HTTP server (uvicorn, starlette), the event loop and kvroute's HTTP layer",
+        ("uvicorn/", "starlette/", "router/http/"),
+    ),
+)
+OTHER_STAGE = "elsewhere (no stage's frame on the stack)"
+_FRAME_FILE = re.compile(r"\(([^:)]*)")
+
+
+@dataclass(frozen=True)
+class StageShare:
+    stage: str
+    share: float  # of the samples of threads that do work
+
+
 @dataclass(frozen=True)
 class Hotspot:
     function: str
@@ -84,6 +126,27 @@ def hotspots(raw: Path, top: int = 25) -> list[Hotspot]:
     ]
 
 
+def stage_shares(raw: Path) -> list[StageShare]:
+    """Each STAGES' share of the samples (OTHER_STAGE's too), largest first."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and not stack.startswith(_IDLE_THREADS):
+            counts[_stage_of(stack.split(";"))] += int(count)
+    total = sum(counts.values())
+    return [StageShare(stage, round(n / total, 4)) for stage, n in counts.most_common()] if total else []
+
+
+def _stage_of(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        found = _FRAME_FILE.search(frame)
+        path = found.group(1) if found else ""
+        for stage, prefixes in STAGES:
+            if path.startswith(prefixes):
+                return stage
+    return OTHER_STAGE
+
+
 @dataclass
 class CellProfile:
     target: str
@@ -93,6 +156,7 @@ class CellProfile:
     raw: str  # py-spy's raw (collapsed) stacks: flamegraph.pl or speedscope read them
     error: str = ""
     hotspots: list[Hotspot] = field(default_factory=list)
+    stages: list[StageShare] = field(default_factory=list)
 
 
 class Profiler:
@@ -117,6 +181,7 @@ class Profiler:
         profile = recording.profile
         if not profile.error:
             profile.hotspots = [h for h in hotspots(Path(profile.raw), 60) if h.inclusive < 0.99][:40]
+            profile.stages = stage_shares(Path(profile.raw))
         self.profiles.append(profile)
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from kvroute.bench.overhead.grid import CellResult
 from kvroute.bench.overhead.long import LongResult, LongSummary
+from kvroute.bench.overhead.profiler import CellProfile
 from kvroute.bench.overhead.streaming import StreamResult
 from kvroute.bench.overhead.targets import PLAIN_PROXY
 
@@ -124,6 +125,33 @@ def streaming_table(results: Sequence[StreamResult]) -> Table:
             f"{r.failed_streams} {r.errors[:30]}".strip(),
         )
     return table
+
+
+def stages_table(profiles: Sequence[CellProfile], results: Sequence[CellResult]) -> Table:
+    """Where each profiled cell's router CPU goes, by stage (profiler.STAGES): its share of the samples, and
+    that share of the CPU a request took in the cell's own (unprofiled) runs."""
+    table = Table(title="where a request's router CPU goes (py-spy samples, by stage)")
+    for column in ("cell", "stage", "share", "CPU ms a request"):
+        table.add_column(column, justify="left" if column in ("cell", "stage") else "right")
+    for profile in profiles:
+        key = (profile.target, profile.concurrency, profile.size_bytes, profile.prompt)
+        cpu_ms = next(
+            (r.cpu_ms_per_1k / 1000 for r in results if r.cpu_ms_per_1k is not None and _key(r) == key), None
+        )
+        cell = f"{profile.target} c={profile.concurrency} {_size(profile.size_bytes)} {profile.prompt}"
+        for stage in profile.stages:
+            table.add_row(
+                cell,
+                stage.stage,
+                f"{stage.share:.1%}",
+                _num(None if cpu_ms is None else stage.share * cpu_ms, ".3f"),
+            )
+            cell = ""
+    return table
+
+
+def _key(result: CellResult) -> tuple[str, int, int, str]:
+    return result.target, result.concurrency, result.size_bytes, result.prompt
 
 
 def _pair(a: float | None, b: float | None) -> str:

@@ -34,6 +34,7 @@ from kvroute.bench.overhead.report import (
     grid_table,
     long_table,
     plot,
+    stages_table,
     streaming_table,
     verdict_table,
     verdicts,
@@ -202,6 +203,8 @@ def run_overhead_bench(options: OverheadOptions, console: Console | None = None)
                 report.routers += _processes("streaming", runs)
         show()
     summaries = summarize(report.long_turns)
+    if any(profile.stages for profile in report.profiles):
+        console.print(stages_table(report.profiles, report.cells))
     console.print(verdict_table(verdicts(report.cells, summaries, report.streams)))
     for process in report.routers:
         if process.skipped:

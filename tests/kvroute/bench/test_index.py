@@ -29,6 +29,7 @@ def test_every_instance_of_a_fleet_matches_the_shared_prompt() -> None:
     for fleet in fleets.values():
         parts = (fleet["hash_ms"], fleet["match_ms"], fleet["choose_ms"])
         assert min(parts) > 0 and fleet["decision_ms"] == sum(parts) and fleet["full_choose_ms"] > 0
+        assert fleet["cold_match_ms"] > 0
 
 
 def test_a_router_with_workers_holds_every_block_sent_once_in_its_index_host() -> None:
