@@ -43,8 +43,16 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("index match and scoring", ("router/index/", "scorers/")),
     (
-        "request handling: attempts, routing service, decision's glue",
-        ("router/dispatch/", "router/traffic_split.py"),
+        "request handling: attempts, load and in-flight bookkeeping, decision's glue",
+        (
+            "router/dispatch/",
+            "router/traffic_split.py",
+            "router/upstreams/instances.py",
+            "router/upstreams/inflight_blocks.py",
+            "router/upstreams/circuit_breaker.py",
+            "router/upstreams/room.py",
+            "router/upstreams/context_residency.py",
+        ),
     ),
     ("upstream HTTP client (aiohttp)", ("aiohttp/", "yarl/", "multidict/", "router/upstreams/")),
     (
