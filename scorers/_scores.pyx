@@ -10,6 +10,7 @@ convert exactly, as Python converts them).
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.math cimport INFINITY, isfinite
 
+from scorers._buffers cimport doubles
 from scorers._candidate_state cimport CandidateState, state_of
 
 
@@ -21,7 +22,7 @@ def weighted_sum(list score_lists, list weights):
     cdef double weight
     if len(weights) != count:
         raise ValueError(f"{len(weights)} weights for {count} lists of scores")
-    cdef double *totals = _doubles(n)
+    cdef double *totals = doubles(n)
     try:
         for i in range(n):
             totals[i] = 0.0
@@ -40,7 +41,7 @@ def lower_is_better(list values):
     """llm-d's normalization: (max - v) / (max - min) over the known values; equal ones all score 1; an
     unknown value (None) scores 0."""
     cdef Py_ssize_t n = len(values), i
-    cdef double *room = _doubles(2 * n)
+    cdef double *room = doubles(2 * n)
     cdef char *known = <char *>PyMem_Malloc(n if n > 0 else 1)
     try:
         if known == NULL:
@@ -65,7 +66,7 @@ def spread_scores(object candidates, dict counts, double now):
     them were a tenth of choosing over 1,000 candidates."""
     cdef Py_ssize_t n = len(candidates), i = 0
     cdef CandidateState state
-    cdef double *room = _doubles(4 * n)
+    cdef double *room = doubles(4 * n)
     cdef double *placed = room
     cdef double *shares = room + n
     cdef char *known = <char *>PyMem_Malloc(2 * n if n > 0 else 1)
@@ -87,13 +88,6 @@ def spread_scores(object candidates, dict counts, double now):
     finally:
         PyMem_Free(room)
         PyMem_Free(known)
-
-
-cdef double *_doubles(Py_ssize_t n) except NULL:
-    cdef double *room = <double *>PyMem_Malloc((n if n > 0 else 1) * sizeof(double))
-    if room == NULL:
-        raise MemoryError()
-    return room
 
 
 cdef void _lower_is_better(const double *values, const char *known, Py_ssize_t n, double *out) noexcept:

@@ -12,6 +12,7 @@ routing.
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
+from scorers._buffers cimport doubles
 from scorers._candidate_state cimport CandidateState, current_rates, state_of
 from scorers.request import NO_MATCH
 
@@ -179,7 +180,7 @@ def costs(object request, object candidates, double behind_per_s, double cap):
     is nonzero (at most cap x the prediction): (costs, those charges, or None when behind_per_s is 0)."""
     cdef Py_ssize_t n = len(candidates), i
     cdef list charges = [] if behind_per_s else None
-    cdef double *found = _doubles(n)
+    cdef double *found = doubles(n)
     try:
         _costs(request, candidates, behind_per_s, cap, found, charges)
         return [found[i] for i in range(n)], charges
@@ -194,19 +195,12 @@ def speed_scores(
     charges or None). Over 1,000 candidates the lists between the two were a tenth of choosing."""
     cdef Py_ssize_t n = len(candidates)
     cdef list charges = [] if behind_per_s else None
-    cdef double *found = _doubles(n)
+    cdef double *found = doubles(n)
     try:
         _costs(request, candidates, behind_per_s, cap, found, charges)
         return _relative_speeds(found, n, resolution, factors), charges
     finally:
         PyMem_Free(found)
-
-
-cdef double *_doubles(Py_ssize_t n) except NULL:
-    cdef double *room = <double *>PyMem_Malloc((n if n > 0 else 1) * sizeof(double))
-    if room == NULL:
-        raise MemoryError()
-    return room
 
 
 cdef int _costs(
@@ -246,7 +240,7 @@ def relative_speeds(list costs, double resolution, list factors):
     """The TTFT cost scorer's scores of costs in seconds: (fastest + resolution) / (cost + resolution),
     each cost plus resolution first multiplied by its factor when factors is not None."""
     cdef Py_ssize_t n = len(costs), i
-    cdef double *values = _doubles(n)
+    cdef double *values = doubles(n)
     try:
         for i in range(n):
             values[i] = costs[i]
