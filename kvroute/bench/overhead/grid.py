@@ -39,6 +39,7 @@ class CellResult:
     mean_ms: float = 0.0
     router_cpu_s: float | None = None  # None: no router process (direct)
     cpu_ms_per_1k: float | None = None  # router CPU milliseconds per 1,000 requests
+    system_cpu_ms_per_1k: float | None = None  # of those, in the kernel (system calls)
     helpers_cpu_ms_per_1k: float | None = None  # of those, its helpers' (Envoy's picker); None: it has none
     peak_rss_mib: float | None = None  # the router's VmHWM after this cell
     added_p50_ms: float | None = None  # over direct in the same cell
@@ -103,6 +104,7 @@ def _run_cell(wrk: str, run: Running, cell: Cell, duration_s: float, script_dir:
     result = CellResult(run.target.label, cell.concurrency, cell.size_bytes, cell.prompt)
     prompt = Prompt(cell.size_bytes, cell.prompt == "cold", uuid.uuid4().hex[:12])
     cpu_before = run.cpu_seconds()  # every process of the target: `serve --workers` has several
+    system_before = run.system_cpu_seconds()
     helpers_before = run.helpers_cpu_seconds()
     try:
         measured = run_wrk(wrk, run.url, prompt, cell.concurrency, duration_s, script_dir)
@@ -119,6 +121,9 @@ def _run_cell(wrk: str, run: Running, cell: Cell, duration_s: float, script_dir:
         result.router_cpu_s = cpu_after - cpu_before
         if measured.requests:
             result.cpu_ms_per_1k = result.router_cpu_s * 1000 / measured.requests * 1000
+            system_after = run.system_cpu_seconds()
+            if system_before is not None and system_after is not None:
+                result.system_cpu_ms_per_1k = (system_after - system_before) * 1e6 / measured.requests
             helpers_after = run.helpers_cpu_seconds()
             if helpers_before is not None and helpers_after is not None:
                 result.helpers_cpu_ms_per_1k = (helpers_after - helpers_before) * 1e6 / measured.requests

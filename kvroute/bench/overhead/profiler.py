@@ -1,7 +1,10 @@
 """py-spy on a router while wrk loads it: raw stacks to a file, and the functions that hold most samples.
 
 Sampling pauses the process (py-spy's default, so stacks are consistent), which slows the router down: the
-cell's own numbers are not used when it is profiled, only its shares of time.
+cell's own numbers are not used when it is profiled, only its shares of time. py-spy counts a thread that
+is not idle, not a thread on a CPU: one preempted right after its socket write woke wrk or nginx counts
+there as busy. So the stacks are native too, and the samples in a system call (a socket's read or write,
+a poll) are left out of the shares; the kernel's part of a request is the system CPU time measured instead.
 """
 
 from __future__ import annotations
@@ -12,12 +15,18 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 _LINE = re.compile(r":\d+\)")  # "f (file.py:12)" -> "f (file.py)": functions, not lines
 # Threads that only wait (the tokenizer's pool, anyio's workers) would count as busy in blocking mode.
-_IDLE_THREADS = ("Thread._bootstrap",)
+_IDLE_THREAD = "Thread._bootstrap"
+# A native stack's top in one of these is in a system call (glibc's wrappers, by py-spy's names).
+_SYSTEM_CALLS = frozenset(
+    {"write", "writev", "send", "sendmsg", "sendto", "read", "readv", "recv", "recvmsg"}
+)
+_SYSTEM_CALL_PREFIXES = ("epoll", "__libc_", "__GI___libc_")
 
 
 # Where a request's CPU goes, by the innermost frame in one of these (file path prefixes, in py-spy's
@@ -62,12 +71,13 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 OTHER_STAGE = "elsewhere (no stage's frame on the stack)"
 _FRAME_FILE = re.compile(r"\(([^:)]*)")
+_FRAME_FILE_PY = re.compile(r"\((?:[^:)]*\.py|<[^>]*>):\d+\)$")  # a Python frame's "(path.py:12)"
 
 
 @dataclass(frozen=True)
 class StageShare:
     stage: str
-    share: float  # of the samples of threads that do work
+    share: float  # of the samples of threads at work, outside system calls
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ def start_recording(binary: str, pid: int, duration_s: float, out: Path) -> subp
         "250",
         "--format",
         "raw",
+        "--native",
         "--output",
         str(out),
     ]
@@ -113,16 +124,13 @@ def finish_recording(process: subprocess.Popen[bytes], timeout_s: float) -> str:
 
 
 def hotspots(raw: Path, top: int = 25) -> list[Hotspot]:
+    """The Python functions holding most samples, outside system calls."""
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or stack.startswith(_IDLE_THREADS):
-            continue
-        samples = int(count)
+    for frames, samples in working_stacks(raw):
         total += samples
-        frames = [_LINE.sub(")", frame) for frame in stack.split(";")]
+        frames = [_LINE.sub(")", frame) for frame in frames]
         for frame in set(frames):
             inclusive[frame] += samples
         own[frames[-1]] += samples
@@ -135,14 +143,27 @@ def hotspots(raw: Path, top: int = 25) -> list[Hotspot]:
 
 
 def stage_shares(raw: Path) -> list[StageShare]:
-    """Each STAGES' share of the samples (OTHER_STAGE's too), largest first."""
+    """Each STAGES' share of the samples outside system calls (OTHER_STAGE's too), largest first."""
     counts: collections.Counter[str] = collections.Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if stack and not stack.startswith(_IDLE_THREADS):
-            counts[_stage_of(stack.split(";"))] += int(count)
+    for frames, samples in working_stacks(raw):
+        counts[_stage_of(frames)] += samples
     total = sum(counts.values())
     return [StageShare(stage, round(n / total, 4)) for stage, n in counts.most_common()] if total else []
+
+
+def working_stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
+    """py-spy's samples of threads at work, outside system calls: their Python frames, and how many."""
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or _IDLE_THREAD in stack:
+            continue
+        frames = stack.split(";")
+        top = frames[-1].partition(" (")[0]
+        if top in _SYSTEM_CALLS or top.startswith(_SYSTEM_CALL_PREFIXES):
+            continue
+        python = [frame for frame in frames if _FRAME_FILE_PY.search(frame)]
+        if python:
+            yield python, int(count)
 
 
 def _stage_of(frames: list[str]) -> str:

@@ -128,25 +128,31 @@ def streaming_table(results: Sequence[StreamResult]) -> Table:
 
 
 def stages_table(profiles: Sequence[CellProfile], results: Sequence[CellResult]) -> Table:
-    """Where each profiled cell's router CPU goes, by stage (profiler.STAGES): its share of the samples, and
-    that share of the CPU a request took in the cell's own (unprofiled) runs."""
-    table = Table(title="where a request's router CPU goes (py-spy samples, by stage)")
-    for column in ("cell", "stage", "share", "CPU ms a request"):
+    """Where each profiled cell's router CPU goes: the user CPU a request took in the cell's own (unprofiled)
+    runs, by stage (profiler.STAGES, each its share of the samples outside system calls), and the system
+    CPU."""
+    table = Table(
+        title="where a request's router CPU goes (user CPU by py-spy's samples; system CPU measured)"
+    )
+    for column in ("cell", "stage", "CPU ms a request", "share"):
         table.add_column(column, justify="left" if column in ("cell", "stage") else "right")
     for profile in profiles:
         key = (profile.target, profile.concurrency, profile.size_bytes, profile.prompt)
-        cpu_ms = next(
-            (r.cpu_ms_per_1k / 1000 for r in results if r.cpu_ms_per_1k is not None and _key(r) == key), None
-        )
+        measured = next((r for r in results if _key(r) == key), None)
+        user_ms = system_ms = None
+        if measured is not None and measured.cpu_ms_per_1k and measured.system_cpu_ms_per_1k is not None:
+            system_ms = measured.system_cpu_ms_per_1k / 1000
+            user_ms = measured.cpu_ms_per_1k / 1000 - system_ms
         cell = f"{profile.target} c={profile.concurrency} {_size(profile.size_bytes)} {profile.prompt}"
         for stage in profile.stages:
-            table.add_row(
-                cell,
-                stage.stage,
-                f"{stage.share:.1%}",
-                _num(None if cpu_ms is None else stage.share * cpu_ms, ".3f"),
-            )
+            ms = None if user_ms is None else stage.share * user_ms
+            table.add_row(cell, stage.stage, _num(ms, ".3f"), f"{stage.share:.0%} of the user CPU")
             cell = ""
+        if user_ms is not None and system_ms is not None:
+            share = f"{system_ms / (user_ms + system_ms):.0%} of the whole"
+            table.add_row(
+                cell, "the kernel: system calls (sockets' reads and writes)", f"{system_ms:.3f}", share
+            )
     return table
 
 

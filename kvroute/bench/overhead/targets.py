@@ -92,6 +92,12 @@ class Running:
             return None
         return sum(group_cpu_seconds(c.process.pid) for c in (self.child, *self.helpers))
 
+    def system_cpu_seconds(self) -> float | None:
+        """Of cpu_seconds, the time in the kernel (system calls: the sockets' reads and writes above all)."""
+        if self.child is None:
+            return None
+        return sum(group_user_system_seconds(c.process.pid)[1] for c in (self.child, *self.helpers))
+
     def helpers_cpu_seconds(self) -> float | None:
         """Of cpu_seconds, its helpers' (Envoy's picker); None when it has none."""
         if self.child is None or not self.helpers:
@@ -194,8 +200,14 @@ def _start_vllm_router(target: Target, fleet: Fleet, port: int, log_dir: Path, e
 
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of every thread of pid so far."""
+    return sum(user_system_seconds(pid))
+
+
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """The user and the system CPU time of every thread of pid so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def resident_bytes(pid: int) -> int:
@@ -222,11 +234,17 @@ def group_pids(pgid: int) -> list[int]:
 
 def group_cpu_seconds(pgid: int) -> float:
     """cpu_seconds of every live process in group pgid (each target's processes have a group of their own)."""
-    total = 0.0
+    return sum(group_user_system_seconds(pgid))
+
+
+def group_user_system_seconds(pgid: int) -> tuple[float, float]:
+    """user_system_seconds of every live process in group pgid, summed."""
+    user = system = 0.0
     for pid in group_pids(pgid):
         with contextlib.suppress(OSError):
-            total += cpu_seconds(pid)
-    return total
+            more_user, more_system = user_system_seconds(pid)
+            user, system = user + more_user, system + more_system
+    return user, system
 
 
 def group_peak_rss_mib(pgid: int) -> float:
