@@ -82,6 +82,8 @@ def spread_scores(object candidates, dict counts, double now):
             known[i] = True
             known[n + i] = _memory_share(state, &shares[i])
             i += 1
+        if i != n:
+            raise ValueError("candidates gave fewer than their length")
         _lower_is_better(placed, known, n, room + 2 * n)
         _lower_is_better(shares, known + n, n, room + 3 * n)
         return [(room[2 * n + i] + room[3 * n + i]) / 2 for i in range(n)]

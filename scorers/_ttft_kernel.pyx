@@ -233,6 +233,8 @@ cdef int _costs(
             predicted = predicted + caused
         found[i] = predicted
         i += 1
+    if i != n:
+        raise ValueError("candidates gave fewer than their length")
     return 0
 
 

@@ -624,6 +624,8 @@ cdef class U64Map:
                     raise ValueError("chain gave more keys than its length")
                 keys[index] = _key(key)
                 index += 1
+            if index != n:
+                raise ValueError("chain gave fewer keys than its length")
             for index in range(n):
                 if index + _PROBE_AHEAD < n:
                     self._prefetch(keys[index + _PROBE_AHEAD])

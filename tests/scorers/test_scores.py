@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scorers import _ttft_kernel
 from scorers._scores import loads, lower_is_better, named, spread_scores, tied_for_best, weighted_sum
 from scorers.candidate import EngineLoad
 from scorers.decaying_count import DecayingCount
+from scorers.request import RoutingRequest
 from tests.scorers.candidates import Fake, Kept
 
 counts = st.integers(0, 2**40)
@@ -119,3 +121,18 @@ def test_what_the_scorers_read_of_each_candidate_is_its_own_figure(
         assert loads(kind, False) == [c.in_flight for c in candidates]
         assert loads(kind, True) == [c.active_tokens for c in candidates]
         assert named(kind, name) == [1.0 if c.name == name else 0.0 for c in candidates]
+
+
+class _LongerThanItIs(list[Fake]):
+    """Candidates whose length claims one more than they give."""
+
+    def __len__(self) -> int:
+        return super().__len__() + 1
+
+
+def test_candidates_that_lie_about_their_length_are_refused() -> None:
+    candidates = _LongerThanItIs([Fake("a"), Fake("b")])
+    with pytest.raises(ValueError, match="fewer than their length"):
+        spread_scores(candidates, {}, 0.0)
+    with pytest.raises(ValueError, match="fewer than their length"):
+        _ttft_kernel.speed_scores(RoutingRequest("m", prompt_tokens=64), candidates, 0.0, 0.0, 0.05, None)

@@ -145,6 +145,31 @@ def test_the_probe_ors_in_the_speculative_entries() -> None:
         table.masks_of([1, -1], pending)
 
 
+class _LongerThanItIs(list[int]):
+    """A chain whose length claims one key more than it gives."""
+
+    def __len__(self) -> int:
+        return super().__len__() + 1
+
+
+def test_a_long_probe_gives_what_a_dict_does_as_the_table_grows() -> None:
+    """Probes are pipelined, each key's home loaded ahead: over thousands of keys, in a table that moves to
+    larger arrays as it fills, each value is still the one held."""
+    table, held = U64Map(), {}
+    for key in range(1, 20_000, 3):
+        table[key] = held[key] = key * 7
+        if key % 2_000 == 1:
+            chain = list(range(0, key + 40))
+            assert table.masks_of(chain) == [held.get(k, 0) for k in chain]
+
+
+def test_a_chain_that_lies_about_its_length_is_refused() -> None:
+    table = U64Map()
+    table.update([(1, 1), (2, 2)])
+    with pytest.raises(ValueError, match="fewer keys than its length"):
+        table.masks_of(_LongerThanItIs([1, 2]))
+
+
 def test_a_table_that_peaked_shrinks_as_its_entries_churn() -> None:
     """Removing the oldest and adding new ones (the bound's eviction): the arrays compact to what is live once they fill."""
     table = U64Map()
