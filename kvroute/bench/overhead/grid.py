@@ -103,8 +103,7 @@ def _profile_cell(
 def _run_cell(wrk: str, run: Running, cell: Cell, duration_s: float, script_dir: Path) -> CellResult:
     result = CellResult(run.target.label, cell.concurrency, cell.size_bytes, cell.prompt)
     prompt = Prompt(cell.size_bytes, cell.prompt == "cold", uuid.uuid4().hex[:12])
-    cpu_before = run.cpu_seconds()  # every process of the target: `serve --workers` has several
-    system_before = run.system_cpu_seconds()
+    before = run.user_system_seconds()  # every process of the target: `serve --workers` has several
     helpers_before = run.helpers_cpu_seconds()
     try:
         measured = run_wrk(wrk, run.url, prompt, cell.concurrency, duration_s, script_dir)
@@ -116,14 +115,12 @@ def _run_cell(wrk: str, run: Running, cell: Cell, duration_s: float, script_dir:
     result.requests_per_s = measured.requests_per_s
     result.p50_ms, result.p99_ms = measured.p50_us / 1000, measured.p99_us / 1000
     result.mean_ms = measured.mean_us / 1000
-    cpu_after = run.cpu_seconds()
-    if cpu_before is not None and cpu_after is not None:
-        result.router_cpu_s = cpu_after - cpu_before
+    after = run.user_system_seconds()
+    if before is not None and after is not None:
+        result.router_cpu_s = sum(after) - sum(before)
         if measured.requests:
             result.cpu_ms_per_1k = result.router_cpu_s * 1000 / measured.requests * 1000
-            system_after = run.system_cpu_seconds()
-            if system_before is not None and system_after is not None:
-                result.system_cpu_ms_per_1k = (system_after - system_before) * 1e6 / measured.requests
+            result.system_cpu_ms_per_1k = (after[1] - before[1]) * 1e6 / measured.requests
             helpers_after = run.helpers_cpu_seconds()
             if helpers_before is not None and helpers_after is not None:
                 result.helpers_cpu_ms_per_1k = (helpers_after - helpers_before) * 1e6 / measured.requests

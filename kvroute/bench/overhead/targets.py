@@ -88,15 +88,18 @@ class Running:
 
     def cpu_seconds(self) -> float | None:
         """Every process the target started, its children included (`serve --workers`), so far."""
-        if self.child is None:
-            return None
-        return sum(group_cpu_seconds(c.process.pid) for c in (self.child, *self.helpers))
+        times = self.user_system_seconds()
+        return None if times is None else sum(times)
 
-    def system_cpu_seconds(self) -> float | None:
-        """Of cpu_seconds, the time in the kernel (system calls: the sockets' reads and writes above all)."""
+    def user_system_seconds(self) -> tuple[float, float] | None:
+        """cpu_seconds, its user and its system (kernel: the sockets' reads and writes above all) parts."""
         if self.child is None:
             return None
-        return sum(group_user_system_seconds(c.process.pid)[1] for c in (self.child, *self.helpers))
+        user = system = 0.0
+        for child in (self.child, *self.helpers):
+            more_user, more_system = group_user_system_seconds(child.process.pid)
+            user, system = user + more_user, system + more_system
+        return user, system
 
     def helpers_cpu_seconds(self) -> float | None:
         """Of cpu_seconds, its helpers' (Envoy's picker); None when it has none."""

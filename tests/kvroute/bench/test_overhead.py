@@ -145,6 +145,8 @@ def test_a_small_run_writes_every_field(tmp_path: Path) -> None:
         assert cell["failed"] == "" and cell["requests"] > 0 and cell["errors"] == 0, cell
         routed = cell["target"] != "direct"
         assert (cell["cpu_ms_per_1k"] is not None) == routed
+        if routed:  # the kernel's part, read in the same /proc reads as the whole
+            assert 0 <= cell["system_cpu_ms_per_1k"] <= cell["cpu_ms_per_1k"], cell
         assert cell["helpers_cpu_ms_per_1k"] is None  # none of these has a helper process
         assert (cell["peak_rss_mib"] is not None) == routed
         assert (cell["added_p50_ms"] is not None) == routed
