@@ -191,8 +191,9 @@ def costs(object request, object candidates, double behind_per_s, double cap):
 def speed_scores(
     object request, object candidates, double behind_per_s, double cap, double resolution, list factors
 ):
-    """relative_speeds of costs(request, candidates, behind_per_s, cap), the costs kept in C: (scores, the
-    charges or None). Over 1,000 candidates the lists between the two were a tenth of choosing."""
+    """The TTFT cost scorer's scores (_relative_speeds) of costs(request, candidates, behind_per_s, cap), the
+    costs kept in C: (scores, the charges or None). Over 1,000 candidates a list of the costs between the two
+    was a tenth of choosing."""
     cdef Py_ssize_t n = len(candidates)
     cdef list charges = [] if behind_per_s else None
     cdef double *found = doubles(n)
@@ -238,21 +239,10 @@ cdef int _costs(
     return 0
 
 
-def relative_speeds(list costs, double resolution, list factors):
-    """The TTFT cost scorer's scores of costs in seconds: (fastest + resolution) / (cost + resolution),
-    each cost plus resolution first multiplied by its factor when factors is not None."""
-    cdef Py_ssize_t n = len(costs), i
-    cdef double *values = doubles(n)
-    try:
-        for i in range(n):
-            values[i] = costs[i]
-        return _relative_speeds(values, n, resolution, factors)
-    finally:
-        PyMem_Free(values)
-
-
 cdef list _relative_speeds(double *costs, Py_ssize_t n, double resolution, list factors):
-    """relative_speeds, costs overwritten with the shifted costs."""
+    """The TTFT cost scorer's scores of n costs in seconds: (fastest + resolution) / (cost + resolution),
+    each cost plus resolution first multiplied by its factor when factors is not None; costs is overwritten
+    with those shifted costs."""
     cdef Py_ssize_t i
     cdef double cost, lowest = 0.0, ratio
     if factors is not None and len(factors) != n:
