@@ -41,9 +41,9 @@ _LAST_EVENT = {
 
 # Of a whole answer relayed as it arrives, the last bytes kept to read its usage from.
 _TAIL_BYTES = 64 * 2**10
-# Of a whole answer relayed as it arrives, the most passed on at once. Reading all that is buffered
-# (readany) joined up to 7 MiB into one part while a client read slower than the engine wrote, and the
-# server's transport held an encoded copy of it: a router relaying 512 MiB grew by 24-53 MiB, 12-29 in parts.
+# Of a whole answer relayed as it arrives, the most passed on at once: all that is buffered (readany) came
+# to 7 MiB in one part while a client read slower than the engine wrote, and the server's transport then
+# held an encoded copy of it too.
 _PART_BYTES = 256 * 2**10
 
 

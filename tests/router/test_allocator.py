@@ -40,8 +40,9 @@ def test_what_a_thread_freed_between_what_it_keeps_is_given_back() -> None:
 
 
 def test_a_router_keeps_no_more_than_its_index_once_a_burst_of_events_is_over() -> None:
-    """400K blocks from 8 publishers: the messages ZMQ queued while the index caught up took about 200
-    bytes a block at the burst's end (here); a trim interval later the router holds about the index's 60."""
+    """400K blocks from 8 publishers: the messages ZMQ queued while the index caught up took 206-234 bytes a
+    block at the burst's end (here); a trim interval later the router held 84-102, and 216-229 with the trim
+    made a no-op: the bound lies between."""
     memory = measure_router_memory(blocks=400_000, workers=1)
     assert memory.rss_growth_bytes <= memory.burst_rss_growth_bytes
-    assert memory.rss_growth_bytes / memory.blocks < 100
+    assert memory.rss_growth_bytes / memory.blocks < 150
