@@ -17,6 +17,7 @@ import msgspec
 
 from router.dispatch.cached_tokens import stream_cached_tokens, with_cached_tokens
 from router.dispatch.outcome import Outcome
+from router.dispatch.sending import READ_PART_BYTES
 from router.dispatch.sse import EventFramer
 from router.dispatch.usage import tail_usage
 from router.errors import anthropic_error_json, error_json, error_object
@@ -41,10 +42,6 @@ _LAST_EVENT = {
 
 # Of a whole answer relayed as it arrives, the last bytes kept to read its usage from.
 _TAIL_BYTES = 64 * 2**10
-# Of a whole answer relayed as it arrives, the most passed on at once: all that is buffered (readany) came
-# to 7 MiB in one part while a client read slower than the engine wrote, and the server's transport then
-# held an encoded copy of it too.
-_PART_BYTES = 256 * 2**10
 
 
 class RelayBroken(Exception):
@@ -118,7 +115,7 @@ class Relay:
             yield outcome.first
             while True:
                 async with asyncio.timeout_at(deadline):
-                    part = await content.read(_PART_BYTES)
+                    part = await content.read(READ_PART_BYTES)  # not readany: bounded parts
                 if not part:
                     if outcome.cut:
                         raise aiohttp.ClientConnectionError("ended by the router")

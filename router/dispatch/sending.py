@@ -30,6 +30,10 @@ _BACKOFF_S = 0.05  # before a retry, per instance tried, jittered
 # shape); past it, the rest is relayed as it arrives (router/dispatch/relay.py), so that a request holds no
 # more than this of its answer. vLLM's answers are kilobytes; logprobs of thousands of tokens, a megabyte.
 WHOLE_HELD_BYTES = 4 * 2**20
+# The most of an answer read at once. aiohttp's reader raises its buffer's high-water mark to twice the
+# largest read asked of it: one read of WHOLE_HELD_BYTES let it buffer 8 MiB of an engine's answer while the
+# client was slower. (readany joins all that is buffered: 7 MiB in one part.)
+READ_PART_BYTES = 256 * 2**10
 
 
 @dataclass(slots=True)
@@ -123,7 +127,7 @@ async def _held(content: aiohttp.StreamReader, limit: int) -> bytes:
     """An answer's first limit bytes; all of it when it is no longer, and content is then at its end."""
     parts: list[bytes] = []
     held = 0
-    while held < limit and (part := await content.read(limit - held)):
+    while held < limit and (part := await content.read(min(limit - held, READ_PART_BYTES))):
         parts.append(part)
         held += len(part)
     return b"".join(parts)
