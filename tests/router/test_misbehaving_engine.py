@@ -101,9 +101,9 @@ def _huge_answer(text_mib: int) -> Iterator[bytes]:
 
 def test_a_whole_answer_larger_than_what_is_held_is_relayed_as_it_arrives(tmp_path: Path) -> None:
     """A whole answer is not held in full: 512 MiB of it pass through a router whose peak memory grows by
-    far less, and the client gets every byte, the usage at its end included. The growth measured 10-29 MiB
-    (16-73 before the relay passed it on in parts of at most 256 KiB, at 256 and at 512 MiB alike), back to
-    idle after: an answer held whole would grow it by its size."""
+    far less, and the client gets every byte, the usage at its end included. The growth measured 4-6 MiB
+    (16-73, at 256 and at 512 MiB alike, before the answer was read 256 KiB at a time), back to idle after:
+    an answer held whole would grow it by its size."""
     text_mib = 512
     with misbehaving(Misbehaviour(JSON_HEAD, lambda: _huge_answer(text_mib))) as port:
         with running_router_process(only_instance("huge", port), tmp_path) as (url, router):
