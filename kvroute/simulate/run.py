@@ -162,15 +162,17 @@ class Run:
         if self.flow is not None and request.flow is not None:
             self.flow.ended(request.flow, request.objective)
 
-    def _room(self) -> bool:
+    def _room(self, extra_work: float, extra_tokens: int) -> bool:
         """Whether an instance may take a request now (router/dispatch/saturation.py); of a disaggregated
-        fleet, a prefill instance and a decode instance."""
+        fleet, a prefill instance and a decode instance. The simulator places each request it lets go at once,
+        so extra_work and extra_tokens (those let go, not yet placed) are 0 here."""
         assert self.flow is not None
         instances, saturation = self.view.instances, self.flow.saturation
         if self.fleet.pd is None:
-            return saturation.has_room(instances)
+            return saturation.has_room(instances, extra_work, extra_tokens)
         prefill = [i for i in instances if i.role == "prefill"]
-        return saturation.stages_have_room(prefill, [i for i in instances if i.role != "prefill"])
+        decode = [i for i in instances if i.role != "prefill"]
+        return saturation.stages_have_room(prefill, decode, extra_work, extra_tokens)
 
     def _let_go(self) -> None:
         """Room may have appeared: the requests waiting in the router's queue that may go now, placed."""
@@ -185,7 +187,7 @@ class Run:
             if traced is not None and len(waiting) > (entry.flow in waiting):  # another flow waits too
                 self.backlogged_dispatches[traced] = self.backlogged_dispatches.get(traced, 0) + 1
             self.dispatch(request)
-            flow.placed(entry.model)
+            flow.placed(entry)
 
     def _expire(self) -> None:
         assert self.flow is not None

@@ -5,7 +5,9 @@ The proxy and the simulator drive the same object: admit() on arrival says wheth
 waits (or is refused: a limit, with the seconds a client should wait); whenever room may have appeared (a
 first byte, an end, a peer's change) the caller takes next_ready() until it answers None, places each, and
 tells placed(); ended() when a placed request is over. A waiter that is let go counts as granted until
-placed, so the room it takes is not handed out twice. Ordering is router/dispatch/flow_queue.py's,
+placed: its predicted work and context are taken as already on whichever instance room is looked for next,
+so the room it takes is not handed out twice, and as many may go at once as the room holds (the proxy places
+each in its own task, a turn or more of the event loop later). Ordering is router/dispatch/flow_queue.py's,
 saturation router/dispatch/saturation.py's.
 """
 
@@ -22,7 +24,9 @@ from router.dispatch.flow_queue import FlowQueue, Queued
 from router.dispatch.saturation import Saturation
 
 T = TypeVar("T")
-Room = Callable[[], bool]
+# Whether some instance may take a request now, with (uncached tokens, context tokens) of requests let go and
+# not yet placed assumed on it as well.
+Room = Callable[[float, int], bool]
 DEFAULT_FLOW = "default"
 
 # Buckets and in-flight counts of flows that went quiet are forgotten past this many.
@@ -53,12 +57,35 @@ class _Bucket:
         return -self.level / self.rate if self.level < 0 else 0.0
 
 
+@dataclass(slots=True)
+class _Granted:
+    """A model's requests let go from the queue and not yet placed: how many, their predicted uncached tokens
+    and their context tokens."""
+
+    requests: int = 0
+    work: float = 0.0
+    tokens: int = 0
+
+    def add(self, work: float, tokens: int) -> None:
+        self.requests += 1
+        self.work += work
+        self.tokens += tokens
+
+    def placed(self, work: float, tokens: int) -> None:
+        if self.requests <= 1:  # the last: no sum of floats left over
+            self.requests, self.work, self.tokens = 0, 0.0, 0
+            return
+        self.requests -= 1
+        self.work = max(self.work - work, 0.0)
+        self.tokens = max(self.tokens - tokens, 0)
+
+
 class FlowControl(Generic[T]):
     def __init__(self, config: FlowControlConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._queues: dict[str, FlowQueue[T]] = {}  # by model
         self._rooms: dict[str, Room] = {}
-        self._granted: dict[str, int] = {}  # by model: let go, not placed yet
+        self._granted: dict[str, _Granted] = {}  # by model: let go, not placed yet
         self._in_flight_flow: dict[str, int] = {}
         self._in_flight_objective: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
@@ -99,7 +126,7 @@ class FlowControl(Generic[T]):
         buckets = self._within_rate(flow, name, settings)
         queue = self._queue(model)
         self._rooms[model] = room
-        if not len(queue) and not self._granted.get(model) and not self._at_limit(flow, name) and room():
+        if not len(queue) and not self._at_limit(flow, name) and self._has_room(model, room):
             _charge(buckets, tokens)
             self._count(flow, name, 1)
             return None
@@ -110,7 +137,8 @@ class FlowControl(Generic[T]):
             raise Refused("flow_queue_full", math.ceil(settings.max_queue_s))
         _charge(buckets, tokens)
         now = self._clock()
-        entry = Queued(item, flow, name, settings.priority, work, now, now + settings.max_queue_s, model)
+        deadline = now + settings.max_queue_s
+        entry = Queued(item, flow, name, settings.priority, work, now, deadline, model, tokens=tokens)
         queue.add(entry)
         return entry
 
@@ -118,21 +146,31 @@ class FlowControl(Generic[T]):
         """The next waiter that may go now, taken off its queue and counted in flight (the caller places it
         and calls placed()), or None."""
         for model, queue in self._queues.items():
-            if not len(queue) or self._granted.get(model) or not self._rooms[model]():
+            if not len(queue) or not self._has_room(model, self._rooms[model]):
                 continue
             for head in queue.heads(lambda flow: self._flow_at_limit(flow)):
                 if self._objective_at_limit(head.objective):
                     continue
                 queue.dispatched(head)
-                self._granted[model] = self._granted.get(model, 0) + 1
+                granted = self._granted.get(model)
+                if granted is None:
+                    granted = self._granted[model] = _Granted()
+                granted.add(head.work, head.tokens)
                 self._count(head.flow, head.objective, 1)
                 return head
         return None
 
-    def placed(self, model: str) -> None:
+    def placed(self, entry: Queued[T]) -> None:
         """A waiter let go has been counted at its instance (or gave up): the room it took is accounted."""
-        left = self._granted.get(model, 0) - 1
-        self._granted[model] = max(left, 0)
+        granted = self._granted.get(entry.model)
+        if granted is not None:
+            granted.placed(entry.work, entry.tokens)
+
+    def _has_room(self, model: str, room: Room) -> bool:
+        granted = self._granted.get(model)
+        if granted is None or not granted.requests:
+            return room(0.0, 0)
+        return room(granted.work, granted.tokens)
 
     def ended(self, flow: str, objective: str) -> None:
         """A request admitted or let go is over."""

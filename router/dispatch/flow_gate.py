@@ -2,10 +2,10 @@
 flow_control.py) driven by the event loop.
 
 A waiter is a future. pump(), called whenever room may have appeared (a first byte, an end, a peer router's
-change), resolves the futures of those that may go, one at a time: the one let go counts as granted until its
-attempt is counted at its instance. The caller says when it is about to start it (started(): no await
-between that and Outcome.start, which is synchronous, so placed() runs with call_soon after it), and leave()
-covers every way out before that.
+change), resolves the futures of those that may go: each one let go counts as granted (its work taken as
+already on the instances) until its attempt is counted at its instance. The caller says when it is about to
+start it (started(): no await between that and Outcome.start, which is synchronous, so placed() runs with
+call_soon after it), and leave() covers every way out before that.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import xxhash
 
 from router.config import FlowControlConfig
 from router.dispatch.flow_control import DEFAULT_FLOW, FlowControl, Refused
+from router.dispatch.flow_queue import Queued
 from router.errors import OpenAIError, too_many_requests
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Upstreams
@@ -38,6 +39,7 @@ class FlowTicket:
     model: str
     queued_s: float = 0.0
     granted: bool = False  # let go from the queue, not yet counted at an instance
+    entry: Queued[Waiter] | None = None  # its place in the queue, if it waited
     ended: bool = False
 
 
@@ -75,13 +77,14 @@ class FlowGate:
     def config(self) -> FlowControlConfig:
         return self.control.config
 
-    def room(self, model: str) -> bool:
-        """Whether some instance of model may take a request now (each stage of a disaggregated one)."""
+    def room(self, model: str, extra_work: float = 0.0, extra_tokens: int = 0) -> bool:
+        """Whether some instance of model may take a request now (each stage of a disaggregated one), with
+        extra_work and extra_tokens (of requests let go, not yet placed) on it as well."""
         upstreams, saturation = self._upstreams, self.control.saturation
         if upstreams.disaggregated(model):
             prefill = upstreams.candidates(model, leg="prefill")
-            return saturation.stages_have_room(prefill, upstreams.candidates(model))
-        return saturation.has_room(upstreams.candidates(model))
+            return saturation.stages_have_room(prefill, upstreams.candidates(model), extra_work, extra_tokens)
+        return saturation.has_room(upstreams.candidates(model), extra_work, extra_tokens)
 
     async def wait(
         self, model: str, flow: str, objective: str | None, work: float, tokens: int
@@ -94,10 +97,18 @@ class FlowGate:
         name = control.config.objective(objective)[0]
         waiter: Waiter = asyncio.get_running_loop().create_future()
         try:
-            entry = control.admit(waiter, model, flow, objective, work, tokens, lambda: self.room(model))
+            entry = control.admit(
+                waiter,
+                model,
+                flow,
+                objective,
+                work,
+                tokens,
+                lambda extra_work, extra_tokens: self.room(model, extra_work, extra_tokens),
+            )
         except Refused as refused:
             raise self._refused(refused.code, refused.retry_after_s, name) from None
-        ticket = FlowTicket(flow, name, model)
+        ticket = FlowTicket(flow, name, model, entry=entry)
         if entry is None:
             self._metrics.flow_dispatched(name, "at_once").inc()
             return ticket
@@ -131,23 +142,23 @@ class FlowGate:
     def started(self, ticket: FlowTicket | None) -> None:
         """The request let go is about to be counted at its instance, with no await before: the room it
         takes is accounted by the time the next waiter may be let go."""
-        if ticket is not None and ticket.granted:
+        if ticket is not None and ticket.granted and ticket.entry is not None:
             ticket.granted = False
-            asyncio.get_running_loop().call_soon(self._placed, ticket.model)
+            asyncio.get_running_loop().call_soon(self._placed, ticket.entry)
 
     def leave(self, ticket: FlowTicket | None) -> None:
         """A request admitted by flow control is over (once only, whichever end comes first)."""
         if ticket is None or ticket.ended:
             return
         ticket.ended = True
-        if ticket.granted:  # it never started
+        if ticket.granted and ticket.entry is not None:  # it never started
             ticket.granted = False
-            self.control.placed(ticket.model)
+            self.control.placed(ticket.entry)
         self.control.ended(ticket.flow, ticket.objective)
         self.pump()
 
-    def _placed(self, model: str) -> None:
-        self.control.placed(model)
+    def _placed(self, entry: Queued[Waiter]) -> None:
+        self.control.placed(entry)
         self.pump()
 
     async def tick(self) -> None:

@@ -53,6 +53,7 @@ class Queued(Generic[T]):
     seq: int = 0
     tag: float = 0.0
     live: bool = True
+    tokens: int = 0  # its prompt's, the context it will hold where it is placed
 
 
 @dataclass(eq=False, slots=True)

@@ -22,23 +22,35 @@ class Saturation:
     engine_queue_s: float
     kv_usage: float
 
-    def queue_full(self, instance: Instance) -> bool:
-        return instance.pending_prefill_tokens * instance.ttft_model.queue_rate > self.engine_queue_s
+    def queue_full(self, instance: Instance, extra_work: float = 0.0) -> bool:
+        """extra_work: uncached tokens assumed queued there besides its own (requests let go, not placed)."""
+        return (
+            instance.pending_prefill_tokens + extra_work
+        ) * instance.ttft_model.queue_rate > self.engine_queue_s
 
-    def memory_full(self, instance: Instance) -> bool:
+    def memory_full(self, instance: Instance, extra_tokens: int = 0) -> bool:
         capacity = instance.kv_capacity_tokens
-        return bool(capacity) and instance.active_tokens >= self.kv_usage * capacity  # type: ignore[operator]
+        return bool(capacity) and instance.active_tokens + extra_tokens >= self.kv_usage * capacity  # type: ignore[operator]
 
-    def open(self, instance: Instance) -> bool:
-        return not self.queue_full(instance) and not self.memory_full(instance)
+    def open(self, instance: Instance, extra_work: float = 0.0, extra_tokens: int = 0) -> bool:
+        return not self.queue_full(instance, extra_work) and not self.memory_full(instance, extra_tokens)
 
-    def has_room(self, candidates: Sequence[Instance]) -> bool:
-        """Some candidate may take a request now (an aggregated model's, where each does both stages); with
-        none at all, the request goes on to find that out (a 503), not to wait."""
-        return not candidates or any(self.open(i) for i in candidates)
+    def has_room(
+        self, candidates: Sequence[Instance], extra_work: float = 0.0, extra_tokens: int = 0
+    ) -> bool:
+        """Some candidate may take a request now (an aggregated model's, where each does both stages), with
+        extra_work and extra_tokens (requests let go from the queue and not yet placed: wherever they go)
+        assumed on it too; with none at all, the request goes on to find that out (a 503), not to wait."""
+        return not candidates or any(self.open(i, extra_work, extra_tokens) for i in candidates)
 
-    def stages_have_room(self, prefill: Sequence[Instance], decode: Sequence[Instance]) -> bool:
+    def stages_have_room(
+        self,
+        prefill: Sequence[Instance],
+        decode: Sequence[Instance],
+        extra_work: float = 0.0,
+        extra_tokens: int = 0,
+    ) -> bool:
         """A disaggregated model's: some prefill instance's queue and some decode instance's memory."""
-        prefill_open = not prefill or any(not self.queue_full(i) for i in prefill)
-        decode_open = not decode or any(not self.memory_full(i) for i in decode)
+        prefill_open = not prefill or any(not self.queue_full(i, extra_work) for i in prefill)
+        decode_open = not decode or any(not self.memory_full(i, extra_tokens) for i in decode)
         return prefill_open and decode_open

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from router.config import FlowControlConfig, ObjectiveConfig
@@ -13,13 +15,14 @@ from tests.conftest import ManualClock
 
 
 class Room:
-    """Whether the fleet has room, as a test sets it."""
+    """Whether the fleet has room, as a test sets it: while open, for as much work let go and not yet placed
+    as budget (predicted uncached tokens)."""
 
-    def __init__(self, open_: bool = False) -> None:
-        self.open = open_
+    def __init__(self, open_: bool = False, budget: float = math.inf) -> None:
+        self.open, self.budget = open_, budget
 
-    def __call__(self) -> bool:
-        return self.open
+    def __call__(self, extra_work: float, extra_tokens: int) -> bool:
+        return self.open and extra_work < self.budget
 
 
 def control(clock: ManualClock, **settings: object) -> FlowControl[str]:
@@ -31,7 +34,7 @@ def drain(flow: FlowControl[str], limit: int = 100) -> list[str]:
     out: list[str] = []
     while len(out) < limit and (entry := flow.next_ready()) is not None:
         out.append(entry.item)
-        flow.placed(entry.model)
+        flow.placed(entry)
     return out
 
 
@@ -167,18 +170,34 @@ def test_tokens_per_second_refuses_with_retry_after() -> None:
     assert flow.admit("b", "m", "f", None, 10, 10, room) is None
 
 
-def test_let_go_one_at_a_time_until_placed() -> None:
-    """A waiter let go counts as granted until placed, so the room it takes is not given twice."""
-    clock, room = ManualClock(), Room()
+def test_let_go_while_the_room_holds_those_not_yet_placed() -> None:
+    """Waiters let go count against the room until placed, so the room they take is not given twice; as many
+    go at once as it holds. (One at a time, a queue that formed once stayed: every arrival found it non-empty
+    and waited its turn while the instances had room.)"""
+    clock, room = ManualClock(), Room(budget=2.5)
     flow = control(clock)
-    for name in ("a", "b"):
+    for name in ("a", "b", "c", "d"):
         flow.admit(name, "m", name, None, 1, 1, room)
     room.open = True
-    first = flow.next_ready()
-    assert first is not None and flow.next_ready() is None
-    flow.placed(first.model)
-    second = flow.next_ready()
-    assert second is not None and second.item == "b"
+    let_go = [entry for _ in range(4) if (entry := flow.next_ready()) is not None]
+    assert [entry.item for entry in let_go] == ["a", "b", "c"]  # 0, 1 and 2 tokens let go: within 2.5
+    assert flow.admit("e", "m", "e", None, 1, 1, room) is not None  # nor does an arrival jump the queue
+    flow.placed(let_go[0])
+    last = flow.next_ready()
+    assert last is not None and last.item == "d" and flow.next_ready() is None
+    for entry in [*let_go[1:], last]:
+        flow.placed(entry)
+    assert drain(flow) == ["e"]
+    assert flow.admit("f", "m", "f", None, 1, 1, room) is None  # all placed, nobody waits: at once
+
+
+def test_a_queue_that_formed_empties_at_once_when_the_instances_have_room() -> None:
+    clock, room = ManualClock(), Room()
+    flow = control(clock)
+    for n in range(50):
+        flow.admit(f"r{n}", "m", "f", None, 6, 460, room)
+    room.open = True
+    assert len([entry for _ in range(60) if (entry := flow.next_ready()) is not None]) == 50
 
 
 def test_reload_keeps_the_queue_and_takes_new_limits() -> None:

@@ -82,7 +82,9 @@ def test_flow_control_state_lists_the_objectives_by_priority_with_their_queue_an
     # queue none.
     async def queue_then_refuse() -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        gate.control.admit(waiter, "tiny-llama", "tenant-a", "interactive", 100.0, 100, lambda: False)
+        gate.control.admit(
+            waiter, "tiny-llama", "tenant-a", "interactive", 100.0, 100, lambda _work, _tokens: False
+        )
         with pytest.raises(OpenAIError) as refused:
             await gate.wait("tiny-llama", "tenant-b", "batch", 100.0, 100)
         assert refused.value.code == "queue_full"
