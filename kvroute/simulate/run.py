@@ -164,8 +164,9 @@ class Run:
 
     def _room(self, extra_work: float, extra_tokens: int) -> bool:
         """Whether an instance may take a request now (router/dispatch/saturation.py); of a disaggregated
-        fleet, a prefill instance and a decode instance. The simulator places each request it lets go at once,
-        so extra_work and extra_tokens (those let go, not yet placed) are 0 here."""
+        fleet, a prefill instance and a decode instance. extra_work and extra_tokens: those let go and not yet
+        placed, which the simulator places at once; they are not 0 only while an engine's refusal inside
+        dispatch() admits or lets go others."""
         assert self.flow is not None
         instances, saturation = self.view.instances, self.flow.saturation
         if self.fleet.pd is None:

@@ -121,7 +121,8 @@ class FlowControl(Generic[T]):
         self, item: T, model: str, flow: str, objective: str | None, work: float, tokens: int, room: Room
     ) -> Queued[T] | None:
         """None: go now (counted in flight); else the entry it waits as, until next_ready() lets it go or
-        its deadline passes. Raises Refused past a limit. room: whether model's instances have room now."""
+        its deadline passes. Raises Refused past a limit. room: whether model's instances have room now, with
+        the work and context of those let go and not yet placed on them as well."""
         name, settings = self.config.objective(objective)
         buckets = self._within_rate(flow, name, settings)
         queue = self._queue(model)

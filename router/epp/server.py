@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import uvloop
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -105,8 +106,9 @@ class ExtProc:
 
 def run_epp(config: RouterConfig, listen: Listen, fallbacks: int, path: Path | None = None) -> None:
     """path: the file config came from, re-read on SIGHUP and when what it holds changes (router/reload.py);
-    None: config is kept as it is."""
-    asyncio.run(_serve(config, listen, fallbacks, path))
+    None: config is kept as it is. On uvloop, as `serve` is: grpc.aio runs on any asyncio loop, and its
+    callbacks for every message cost less there than on asyncio's own loop."""
+    uvloop.run(_serve(config, listen, fallbacks, path))
 
 
 async def _serve(config: RouterConfig, listen: Listen, fallbacks: int, path: Path | None) -> None:

@@ -10,12 +10,12 @@ Python cost a picker before any decision: the least a picker on Python's gRPC ca
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+import uvloop
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--endpoint", required=True, help="HOST:PORT every request is sent to")
     options = parser.parse_args(argv)
-    asyncio.run(_serve(options.port, options.endpoint))
+    uvloop.run(_serve(options.port, options.endpoint))  # the picker's loop (router/epp/server.py)
 
 
 if __name__ == "__main__":
