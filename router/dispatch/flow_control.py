@@ -5,9 +5,9 @@ The proxy and the simulator drive the same object: admit() on arrival says wheth
 waits (or is refused: a limit, with the seconds a client should wait); whenever room may have appeared (a
 first byte, an end, a peer's change) the caller takes next_ready() until it answers None, places each, and
 tells placed(); ended() when a placed request is over. A waiter that is let go counts as granted until
-placed: its predicted work and context are taken as already on whichever instance room is looked for next,
-so the room it takes is not handed out twice, and as many may go at once as the room holds (the proxy places
-each in its own task, a turn or more of the event loop later). Ordering is router/dispatch/flow_queue.py's,
+placed: its predicted work and context are counted on every instance while room is looked for, so the room
+it takes is not handed out twice, and several may go at once (the proxy places each in its own task, a turn
+or more of the event loop later). Ordering is router/dispatch/flow_queue.py's,
 saturation router/dispatch/saturation.py's.
 """
 
