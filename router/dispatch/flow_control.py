@@ -169,9 +169,7 @@ class FlowControl(Generic[T]):
 
     def _has_room(self, model: str, room: Room) -> bool:
         granted = self._granted.get(model)
-        if granted is None or not granted.requests:
-            return room(0.0, 0)
-        return room(granted.work, granted.tokens)
+        return room(0.0, 0) if granted is None else room(granted.work, granted.tokens)  # 0s once all placed
 
     def ended(self, flow: str, objective: str) -> None:
         """A request admitted or let go is over."""

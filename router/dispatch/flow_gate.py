@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import xxhash
 
@@ -97,15 +98,7 @@ class FlowGate:
         name = control.config.objective(objective)[0]
         waiter: Waiter = asyncio.get_running_loop().create_future()
         try:
-            entry = control.admit(
-                waiter,
-                model,
-                flow,
-                objective,
-                work,
-                tokens,
-                lambda extra_work, extra_tokens: self.room(model, extra_work, extra_tokens),
-            )
+            entry = control.admit(waiter, model, flow, objective, work, tokens, partial(self.room, model))
         except Refused as refused:
             raise self._refused(refused.code, refused.retry_after_s, name) from None
         ticket = FlowTicket(flow, name, model, entry=entry)
