@@ -1,7 +1,6 @@
 from collections.abc import Sequence
 
-import numpy as np
-
+from scorers._candidate_state import ModelRates
 from scorers.candidate import Candidate
 from scorers.request import RoutingRequest, TierMatch
 from scorers.ttft_model import TTFTFeatures
@@ -23,6 +22,17 @@ def speed_scores(
     factors: list[float] | None,
     /,
 ) -> tuple[list[float], list[float] | None]: ...
-def fold(
-    gram: np.ndarray, moment: np.ndarray, x: np.ndarray, decay: float, weight: float, target: float, /
-) -> None: ...
+
+class Calibration:
+    count: int
+    decay: float
+    typical_s: float
+    typical_weight: float
+    log_speed: float
+    speed_weight: float
+    def __init__(
+        self, terms: list[int], decay: float, typical_s: float, typical_weight: float, speed_weight: float
+    ) -> None: ...
+    def sums(self) -> tuple[list[list[float]], list[float]]: ...
+
+def observe(model: ModelRates, own: Calibration, features: TTFTFeatures, seconds: float, /) -> None: ...

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """A request's TTFT cost on each candidate, in C: the features (scorers/ttft_features.py), the prediction
 (scorers/ttft_model.py) and the wait it causes (scorers/ttft_cost.py), one implementation for one candidate
-and for a fleet of them.
+and for a fleet of them; and the TTFT models' calibration from each answer (Calibration, observe).
 
 Python spent about 7 µs a candidate here, ten function calls and a named tuple each: over 1,000 instances
 most of a decision. A candidate's figures are read from its C fields (scorers/_candidate_state.pyx), not
@@ -12,8 +12,10 @@ routing.
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
+from libc.math cimport fabs, fma, log
+
 from scorers._buffers cimport doubles
-from scorers._candidate_state cimport CandidateState, current_rates, state_of
+from scorers._candidate_state cimport CandidateState, ModelRates, current_rates, state_of
 from scorers.request import NO_MATCH
 
 cdef struct Reused:
@@ -266,16 +268,139 @@ cdef list _relative_speeds(double *costs, Py_ssize_t n, double resolution, list 
     return scores
 
 
-def fold(
-    double[:, ::1] gram, double[::1] moment, const double[::1] x, double decay, double weight, double target
-):
-    """One observation into a TTFT model's decayed sums, in place: gram = decay gram + weight x x^T and
-    moment = decay moment + weight x target, each element by numpy's operations in numpy's order (its
-    `decay * gram + weight * np.outer(x, x)` and `decay * moment + weight * x * target`): the same floats."""
-    cdef Py_ssize_t count = x.shape[0], i, j
-    if gram.shape[0] != count or gram.shape[1] != count or moment.shape[0] != count:
-        raise ValueError("the sums and the observation differ in size")
-    for i in range(count):
-        for j in range(count):
-            gram[i, j] = decay * gram[i, j] + weight * (x[i] * x[j])
-        moment[i] = decay * moment[i] + (weight * x[i]) * target
+# An observed TTFT counts as at most this many times off the prediction; relative errors beyond the Huber delta
+# weigh less and less; faster observations are weighed as if they took the shortest time (ttft_model.py says
+# why). The rates are solved from the sums on each of the first observations, then every _SOLVE_EVERY.
+cdef double _MAX_SURPRISE = 4.0
+cdef double _HUBER_DELTA = 0.5
+cdef double _SHORTEST_S = 1e-3
+cdef long long _SOLVE_EVERY = 16
+cdef long long _SOLVE_EACH_UNTIL = 32
+cdef Py_ssize_t _TERM_COUNT = 8  # TTFTModel's TERMS
+
+
+cdef class Calibration:
+    """What a TTFT model (scorers/ttft_model.py) learns its rates from, in C: the decayed sums of its
+    observations on its calibrated terms (x x^T and x y, each divided by the TTFT: relative error), the
+    typical TTFT lately (the priors' scale), and, an instance's, its slowdown against its fleet (log, and the
+    observations it averages). `observe` folds an answer in; the model solves its rates from `sums()`."""
+
+    cdef readonly Py_ssize_t count  # terms calibrated
+    cdef Py_ssize_t terms[8]  # their places in TERMS
+    cdef double gram[64]  # count x count, row by row
+    cdef double moment[8]
+    cdef public double decay, typical_s, typical_weight, log_speed, speed_weight
+
+    def __init__(
+        self, list terms, double decay, double typical_s, double typical_weight, double speed_weight
+    ):
+        if not 0 < len(terms) <= _TERM_COUNT or any(not 0 <= t < _TERM_COUNT for t in terms):
+            raise ValueError(f"terms must be up to {_TERM_COUNT} places in TERMS")
+        cdef Py_ssize_t i
+        self.count = len(terms)
+        for i in range(self.count):
+            self.terms[i] = terms[i]
+        for i in range(64):
+            self.gram[i] = 0.0
+        for i in range(8):
+            self.moment[i] = 0.0
+        self.decay, self.typical_s, self.typical_weight = decay, typical_s, typical_weight
+        self.log_speed, self.speed_weight = 0.0, speed_weight
+
+    def sums(self):
+        """(gram as a list of rows, moment): the sums the rates are solved from, as Python floats."""
+        cdef Py_ssize_t n = self.count
+        return [[self.gram[i * n + j] for j in range(n)] for i in range(n)], [self.moment[i] for i in range(n)]
+
+
+def observe(ModelRates model, Calibration own, object features, double seconds):
+    """One answer's TTFT (seconds, > 0) for TTFTFeatures features, learnt by model (a TTFTModel, own its
+    Calibration) and by its fleet's model: the instance's slowdown against the fleet, then the fleet's sums,
+    then its own, each solved again when due (model._solve()). What the Python before it did (numpy on
+    7-vectors, a dozen calls twice an answer) operation for operation: its dot products were OpenBLAS's, a
+    chain of fused multiply-adds under 16 terms on x86-64, and are that here (fma), so the rates are the same
+    floats to the bit where numpy's are those."""
+    cdef double full[8]
+    cdef double x[8]
+    cdef Py_ssize_t i
+    cdef Calibration of_fleet
+    full[0] = 1.0
+    full[1] = features.queued_tokens
+    full[2] = features.uncached_tokens
+    full[3] = features.loaded_tokens
+    full[4] = features.memory_wait_s
+    full[5] = features.decoded_tokens
+    full[6] = features.attention_pairs
+    full[7] = features.transferred_tokens
+    for i in range(own.count):
+        x[i] = full[own.terms[i]]
+    fleet = model.fleet
+    if fleet is not None:
+        of_fleet = fleet._calibration
+        _learn_speed(fleet, own, x, seconds)
+        _fold_in(fleet, of_fleet, x, seconds)
+    _fold_in(model, own, x, seconds)
+
+
+cdef double _dot(list rates, Calibration sums, const double *x) except? -1.0:
+    """The prediction on the calibrated terms: rates (in TERMS' order) at them, times x."""
+    cdef double total = 0.0
+    cdef Py_ssize_t i
+    if len(rates) != _TERM_COUNT:
+        raise ValueError("the TTFT model has 8 rates")
+    for i in range(sums.count):
+        total = fma(<double>rates[sums.terms[i]], x[i], total)
+    return total
+
+
+cdef inline double _clamped(double value, double low, double high):
+    """Python's min(max(value, low), high), ties included."""
+    if low > value:
+        value = low
+    if high < value:
+        value = high
+    return value
+
+
+cdef int _learn_speed(ModelRates fleet, Calibration own, const double *x, double seconds) except -1:
+    """Instances differ mostly by one factor (a slower GPU, less parallelism): its log, averaged as the sums
+    forget, which the instance's rates are pulled towards its fleet's by."""
+    cdef double expected = _dot(fleet.rate_values, own, x)
+    if expected <= 0:
+        return 0
+    cdef double ratio = _clamped(seconds / expected, 1 / _MAX_SURPRISE, _MAX_SURPRISE)
+    own.speed_weight = own.decay * own.speed_weight + 1.0
+    own.log_speed += (log(ratio) - own.log_speed) / own.speed_weight
+    return 0
+
+
+cdef int _fold_in(ModelRates model, Calibration sums, const double *x, double seconds) except -1:
+    """One observation into model's sums, robustly: one far off the prediction counts as at most
+    _MAX_SURPRISE times off, and past _HUBER_DELTA of relative error it weighs less as the error grows."""
+    cdef double weight = 1.0, error, y, target, decay = sums.decay
+    cdef double scaled[8]
+    cdef Py_ssize_t n = sums.count, i, j
+    cdef double predicted = _dot(current_rates(model), sums, x)  # with the decoding a whole answer includes
+    if predicted > 0:
+        seconds = _clamped(seconds, predicted / _MAX_SURPRISE, predicted * _MAX_SURPRISE)
+        error = fabs(predicted - seconds) / seconds
+        if error != 0.0:
+            weight = _HUBER_DELTA / error
+            if not weight < 1.0:
+                weight = 1.0
+    y = _SHORTEST_S if _SHORTEST_S > seconds else seconds
+    target = seconds / y
+    for i in range(n):
+        scaled[i] = x[i] / y
+    # numpy's `decay * gram + weight * np.outer(x, x)` and `decay * moment + weight * x * target`, element by
+    # element in its order
+    for i in range(n):
+        for j in range(n):
+            sums.gram[i * n + j] = decay * sums.gram[i * n + j] + weight * (scaled[i] * scaled[j])
+        sums.moment[i] = decay * sums.moment[i] + (weight * scaled[i]) * target
+    sums.typical_weight = decay * sums.typical_weight + 1.0
+    sums.typical_s += (seconds - sums.typical_s) / sums.typical_weight
+    model.observations += 1
+    if model.observations <= _SOLVE_EACH_UNTIL or model.observations % _SOLVE_EVERY == 0:
+        model._solve()
+    return 0

@@ -59,13 +59,9 @@ _SCALES = np.array([8.0, 2048.0, 2048.0, 2048.0, 0.25, 64.0, 2048.0 * 4096.0, 20
 # decoded 16 tokens in 8 ms) was taken out of the prefill and overhead rates as well, solving them below
 # zero (0 once clamped) from one cached turn: a 9,000-token prompt computed anew was predicted to cost 0 s.
 _STRENGTH = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.3, 1.0, 1.0])
-_SHORTEST_S = 1e-3  # relative errors of faster observations are weighed as if they took this long
-_MAX_SURPRISE = 4.0  # an observed TTFT counts as at most this many times off the prediction
-_HUBER_DELTA = 0.5  # relative errors beyond this weigh less and less
-# The sums take every observation, the rates are solved from them on the first ones and then every this many
-# (a 6x6 solve costs more than the rest of a routing decision; rates that many requests old predict as well).
-_SOLVE_EVERY = 16
-_SOLVE_EACH_UNTIL = 32
+# How an observation is folded in (robustly, on relative error) and when the rates are solved again (on the
+# first 32 observations, then every 16: a 6x6 solve costs more than the rest of a routing decision, and rates
+# that many requests old predict as well) are scorers/_ttft_kernel.pyx's Calibration and observe.
 
 
 class TTFTPriors(Params):
@@ -149,8 +145,6 @@ class TTFTModel(ModelRates):
         self.fleet = fleet if priors.fleet_weight > 0 else None
         self._fleet_weight = priors.fleet_weight
         self.fleet_solved = -1  # the fleet's solve this instance's rates were last solved against
-        # log(slowdown), and the observations it averages: at first the fleet_weight of a slowdown of 1
-        self._log_speed, self._speed_weight = 0.0, priors.fleet_weight
         # The attention term is on when its prior is: where prefill does not slow with the context, its
         # calibration only fits noise, which moved the simulated fleet's tail both ways.
         self._terms = np.array(
@@ -163,17 +157,20 @@ class TTFTModel(ModelRates):
             raise ValueError(
                 "an instance's TTFT model and its fleet's calibrate the same terms, or neither does"
             )
-        self._decay = 1.0 - 1.0 / priors.memory
         self._prior_weight = priors.prior_weight
         # The TTFT of a typical request, tracked: one computed whole, nothing fetched from a prefill instance.
+        # It starts as the priors' and averages the observations with the prior counted as prior_weight of
+        # them; the slowdown starts as the fleet_weight of a slowdown of 1.
         typical = np.arange(len(TERMS)) != _TRANSFER
-        self._typical_s = float(self._prior[typical] @ _SCALES[typical])
-        self._typical_weight = self._prior_weight  # the observations it averages, the prior's counted
-        self._gram = np.zeros((len(self._terms), len(self._terms)))  # decayed sums of x x^T and of x y
-        self._moment = np.zeros(len(self._terms))
+        self._calibration = _ttft_kernel.Calibration(
+            self._terms.tolist(),
+            decay=1.0 - 1.0 / priors.memory,
+            typical_s=float(self._prior[typical] @ _SCALES[typical]),
+            typical_weight=self._prior_weight,
+            speed_weight=priors.fleet_weight,
+        )
         self._rates = self._prior.copy()
         self.rate_values = self._rates.tolist()  # as floats: predict's arithmetic, not numpy's
-        self._term_rates = self._rates[self._terms]  # the calibrated terms' rates, which observe reads
         self.observations = 0
         self.solved = 0  # the observations the rates were solved from
 
@@ -196,60 +193,25 @@ class TTFTModel(ModelRates):
         return _ttft_kernel.predict(self.current_rates(), features)
 
     def observe(self, features: TTFTFeatures, seconds: float) -> None:
+        """An answer's TTFT, learnt by this model and its fleet's (scorers/_ttft_kernel.pyx's observe)."""
         # A wait for memory depends on when other requests finish, which no linear term describes: such
         # requests do not calibrate, and the memory term keeps its configured factor.
         if not self._calibrate or seconds <= 0 or features.memory_wait_s > 0:
             return
-        x = features.vector()[self._terms]
-        if self.fleet is not None:
-            self._learn_speed(x, seconds)
-            self.fleet._observe(x, seconds)
-        self._observe(x, seconds)
-
-    def _observe(self, x: np.ndarray, seconds: float) -> None:
-        """observe, x the features' vector on this model's terms (an instance's and its fleet's are the same
-        terms: they share their priors)."""
-        # Robust: an observation far off the prediction counts as at most _MAX_SURPRISE times off, and past
-        # _HUBER_DELTA of relative error with a weight falling as the error grows (Huber). On plain relative
-        # error one 2 ms answer where 0.8 s was due (a prompt cached that the index did not know) outweighed
-        # fifty sound ones and zeroed the prefill rate for hundreds of requests. Rates far off still converge.
-        weight = 1.0
-        self.current_rates()
-        predicted = float(self._term_rates @ x)  # with the decoding a whole answer includes
-        if predicted > 0:
-            seconds = min(max(seconds, predicted / _MAX_SURPRISE), predicted * _MAX_SURPRISE)
-            error = abs(predicted - seconds) / seconds
-            weight = min(1.0, _HUBER_DELTA / error) if error else 1.0
-        y = max(seconds, _SHORTEST_S)
-        # Relative error: the equation divided by y. The sums are updated in place, in C (a dozen numpy
-        # calls on 7-vectors, twice per answer, were most of the calibration's cost).
-        _ttft_kernel.fold(self._gram, self._moment, x / y, self._decay, weight, seconds / y)
-        # A fleet that slows down threefold must not find the priors three times as convincing. An average
-        # of what was observed, the prior counted as prior_weight observations, forgetting as the sums do:
-        # from the first observations on, not after ~memory of them (the priors' typical TTFT can be 20x the
-        # fleet's, which made them 400x too weak and let four answers zero a rate).
-        self._typical_weight = self._decay * self._typical_weight + 1.0
-        self._typical_s += (seconds - self._typical_s) / self._typical_weight
-        self.observations += 1
-        if self.observations <= _SOLVE_EACH_UNTIL or self.observations % _SOLVE_EVERY == 0:
-            self._solve()
+        # Robust: an observation far off the prediction counts as at most 4 times off, and past 0.5 of
+        # relative error with a weight falling as the error grows (Huber). On plain relative error one 2 ms
+        # answer where 0.8 s was due (a prompt cached that the index did not know) outweighed fifty sound ones
+        # and zeroed the prefill rate for hundreds of requests. Rates far off still converge.
+        # A fleet that slows down threefold must not find the priors three times as convincing: the typical
+        # TTFT they are scaled by is an average of what was observed, from the first observations on, not
+        # after ~memory of them (the priors' typical TTFT can be 20x the fleet's, which made them 400x too
+        # weak and let four answers zero a rate).
+        _ttft_kernel.observe(self, self._calibration, features, seconds)
 
     @property
     def slowdown(self) -> float:
         """How much slower than its fleet this instance answers (1: as fast; measured, in log space)."""
-        return math.exp(self._log_speed)
-
-    def _learn_speed(self, x: np.ndarray, seconds: float) -> None:
-        """Instances differ mostly by one factor (a slower GPU, less parallelism): track it, so that the
-        fleet's rates scaled by it are what each rate is pulled towards."""
-        fleet = self.fleet
-        assert fleet is not None
-        expected = float(fleet._term_rates @ x)
-        if expected <= 0:
-            return
-        ratio = min(max(seconds / expected, 1 / _MAX_SURPRISE), _MAX_SURPRISE)
-        self._speed_weight = self._decay * self._speed_weight + 1.0
-        self._log_speed += (math.log(ratio) - self._log_speed) / self._speed_weight
+        return math.exp(self._calibration.log_speed)
 
     def _solve(self) -> None:
         # Towards the fleet's rates (times this instance's slowdown) once it has some, else the priors.
@@ -260,18 +222,19 @@ class TTFTModel(ModelRates):
                 target, weight = self.fleet._rates * _scaled(self.slowdown), self._fleet_weight
         # Priors far out of scale (1e300 s a token) underflow the penalty to a singular or overflowing system:
         # the rates it had stay rather than failing every request.
+        gram, moment = self._calibration.sums()
         try:
             with np.errstate(all="ignore"):  # what overflows is not finite, and refused below
-                scales = _SCALES[self._terms] / self._typical_s
+                scales = _SCALES[self._terms] / self._calibration.typical_s
                 penalty = np.diag(weight * _STRENGTH[self._terms] * scales**2)
-                solved = np.linalg.solve(self._gram + penalty, self._moment + penalty @ target[self._terms])
+                system, right = np.array(gram) + penalty, np.array(moment) + penalty @ target[self._terms]
+                solved = np.linalg.solve(system, right)
         except np.linalg.LinAlgError:
             return
         if not np.isfinite(solved).all():
             return
         self._rates[self._terms] = np.maximum(solved, 0.0)  # a negative rate would reward work
         self.rate_values = self._rates.tolist()
-        self._term_rates = self._rates[self._terms]
         self.solved = self.observations
 
 

@@ -12,6 +12,7 @@ a routing filter whose stream may end with the decision (STREAM_METADATA).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,6 +41,7 @@ FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BODY_CHUNK_BYTES = 62_000
 
 
+@functools.lru_cache(maxsize=4096)  # asked of the chosen instance and its fallbacks, every request
 def endpoint(url: str) -> str:
     """An instance's `ip:port` (IPv6 in brackets), as the gateway connects to it, from its configured URL."""
     parts = urlsplit(url)
@@ -51,7 +53,7 @@ def endpoint(url: str) -> str:
 def header_map(headers: Any) -> dict[str, str]:
     """An ext_proc HeaderMap as a dict of lower-case names (Envoy sends raw_value, older ones value)."""
     return {
-        h.key.lower(): h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        h.key.lower(): raw.decode("utf-8", "replace") if (raw := h.raw_value) else h.value
         for h in headers.headers
     }
 

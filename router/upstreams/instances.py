@@ -153,11 +153,11 @@ class Instance(CandidateState):
     def start(self, prompt_tokens: int, uncached_tokens: int, chain: Sequence[int] = ()) -> None:
         """A request was sent here: its context (its whole blocks hash to chain) is held and its uncached
         tokens queue for prefill."""
-        self.own_in_flight += 1
+        self._own_in_flight += 1
+        self._own_pending_prefill_tokens += uncached_tokens
         self.contexts.add(prompt_tokens)
         self.held.add(chain, prompt_tokens)
-        self._sum()
-        self.own_pending_prefill_tokens += uncached_tokens
+        self._sum()  # once for all three parts
 
     def end(
         self,
@@ -168,15 +168,15 @@ class Instance(CandidateState):
     ) -> None:
         """A request sent here is over: answered or failed (admitted: the engine held its context), or
         refused or never delivered."""
-        self.own_in_flight -= 1
+        self._own_in_flight -= 1
+        self._own_pending_prefill_tokens -= still_prefilling_tokens
         self.held.remove(chain, prompt_tokens)
-        self._sum()
+        self._sum()  # once for all three parts
         if admitted:
             self.contexts.release(prompt_tokens)
             self.context_hold_s = self.contexts.seconds
         else:
             self.contexts.withdraw(prompt_tokens)
-        self.own_pending_prefill_tokens -= still_prefilling_tokens
 
     def prefill_done(self, tokens: int) -> None:
         """Tokens of a request in flight here that the engine is past prefilling (its first byte came, or the

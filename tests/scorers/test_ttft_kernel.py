@@ -3,6 +3,9 @@ to the last bit, for one candidate and for a fleet, so compiling it changed no r
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -170,38 +173,94 @@ def test_a_block_size_of_zero_is_refused_not_divided_by() -> None:
         features_for(request, Fake("a"))
 
 
-finite = st.floats(-1e12, 1e12, allow_nan=False, allow_subnormal=False)
+_libm = ctypes.CDLL(ctypes.util.find_library("m"))
+_libm.fma.restype, _libm.fma.argtypes = ctypes.c_double, [ctypes.c_double] * 3
 
 
-@given(
-    st.integers(1, 8).flatmap(
-        lambda n: st.tuples(
-            st.lists(finite, min_size=n * n, max_size=n * n),
-            st.lists(finite, min_size=n, max_size=n),
-            st.lists(finite, min_size=n, max_size=n),
-        )
-    ),
-    st.floats(0, 1),
-    st.floats(0, 1),
-    finite,
+def _dot(rates: Sequence[float], x: Sequence[float]) -> float:
+    """The kernel's dot product: a chain of fused multiply-adds, as OpenBLAS's under 16 terms (what numpy's
+    `@` ran before the calibration was compiled)."""
+    total = 0.0
+    for rate, value in zip(rates, x, strict=True):
+        total = _libm.fma(rate, value, total)
+    return float(total)
+
+
+def _expected_sums(model: TTFTModel, x: np.ndarray, seconds: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """What folding one observation into model's sums gives, written out with numpy (the definition)."""
+    calibration = model._calibration
+    terms = model._terms.tolist()
+    predicted = _dot([model.current_rates()[t] for t in terms], x.tolist())
+    weight = 1.0
+    if predicted > 0:
+        seconds = min(max(seconds, predicted / 4.0), predicted * 4.0)
+        error = abs(predicted - seconds) / seconds
+        weight = min(1.0, 0.5 / error) if error else 1.0
+    y = max(seconds, 1e-3)
+    scaled, target, decay = x / y, seconds / y, calibration.decay
+    gram, moment = (np.array(sums) for sums in calibration.sums())
+    typical_weight = decay * calibration.typical_weight + 1.0
+    typical_s = calibration.typical_s + (seconds - calibration.typical_s) / typical_weight
+    return (
+        decay * gram + weight * np.outer(scaled, scaled),
+        decay * moment + weight * scaled * target,
+        typical_s,
+    )
+
+
+observed = st.tuples(
+    st.integers(0, 200_000),
+    st.integers(0, 50_000),
+    st.integers(0, 5_000),
+    st.integers(0, 300),
+    st.floats(0, 1e9),
+    st.integers(0, 9_000),
+    st.floats(1e-6, 30),
 )
-@settings(max_examples=300, deadline=None)
-def test_folding_an_observation_in_is_numpys_arithmetic_to_the_bit(
-    sums: tuple[list[float], list[float], list[float]], decay: float, weight: float, target: float
+
+
+@given(st.sampled_from([0.0, 1e-9]), st.lists(observed, min_size=1, max_size=40))
+@settings(max_examples=150, deadline=None)
+def test_an_observation_is_folded_into_the_sums_as_numpy_writes_it_to_the_bit(
+    attention: float, answers: list[tuple[int, int, int, int, float, int, float]]
 ) -> None:
-    """TTFTModel folds each observation into its sums in C; numpy's expression of it is the definition."""
-    gram_values, moment_values, x_values = sums
-    n = len(x_values)
-    gram, moment, x = np.array(gram_values).reshape(n, n), np.array(moment_values), np.array(x_values)
-    expected_gram = decay * gram + weight * np.outer(x, x)
-    expected_moment = decay * moment + weight * x * target
-    _ttft_kernel.fold(gram, moment, x, decay, weight, target)
-    assert gram.tobytes() == expected_gram.tobytes() and moment.tobytes() == expected_moment.tobytes()
+    """The compiled calibration against its definition in numpy: the sums the rates are solved from, and
+    the typical TTFT that scales the priors, the same floats after every observation."""
+    model = TTFTModel(TTFTPriors(attention_s_per_pair=attention, fleet_weight=0))
+    for queued, uncached, loaded, decoded, pairs, transferred, seconds in answers:
+        features = TTFTFeatures(queued, uncached, loaded, 0.0, decoded, pairs, transferred)
+        x = np.array([1.0, queued, uncached, loaded, 0.0, decoded, pairs, transferred])[model._terms]
+        gram, moment, typical_s = _expected_sums(model, x, seconds)
+        model.observe(features, seconds)
+        found_gram, found_moment = (np.array(sums) for sums in model._calibration.sums())
+        assert found_gram.tobytes() == gram.tobytes() and found_moment.tobytes() == moment.tobytes()
+        assert model._calibration.typical_s == typical_s
 
 
-def test_folding_refuses_sums_of_another_size() -> None:
-    with pytest.raises(ValueError, match="differ in size"):
-        _ttft_kernel.fold(np.zeros((3, 3)), np.zeros(3), np.zeros(2), 0.9, 1.0, 1.0)
+@given(st.lists(observed, min_size=1, max_size=40))
+@settings(max_examples=100, deadline=None)
+def test_an_instances_slowdown_against_its_fleet_is_learnt_as_python_writes_it(
+    answers: list[tuple[int, int, int, int, float, int, float]],
+) -> None:
+    fleet = TTFTModel(TTFTPriors())
+    model = TTFTModel(TTFTPriors(), fleet)
+    for queued, uncached, loaded, decoded, pairs, transferred, seconds in answers:
+        x = [1.0, queued, uncached, loaded, 0.0, decoded, transferred]  # attention is off: not calibrated
+        expected = _dot([fleet.current_rates()[t] for t in model._terms.tolist()], x)
+        log_speed, weight = model._calibration.log_speed, model._calibration.speed_weight
+        if expected > 0:
+            ratio = min(max(seconds / expected, 1 / 4.0), 4.0)
+            weight = model._calibration.decay * weight + 1.0
+            log_speed += (math.log(ratio) - log_speed) / weight
+        model.observe(TTFTFeatures(queued, uncached, loaded, 0.0, decoded, pairs, transferred), seconds)
+        assert model._calibration.log_speed == log_speed and model.slowdown == math.exp(log_speed)
+
+
+def test_a_calibration_takes_places_in_the_terms_only() -> None:
+    with pytest.raises(ValueError, match="places in TERMS"):
+        _ttft_kernel.Calibration([0, 8], 0.98, 1.0, 1.0, 16.0)
+    with pytest.raises(ValueError, match="places in TERMS"):
+        _ttft_kernel.Calibration([], 0.98, 1.0, 1.0, 16.0)
 
 
 def test_an_instance_and_its_fleet_calibrate_the_same_terms() -> None:
