@@ -116,20 +116,6 @@ class TTFTFeatures(NamedTuple):
     attention_pairs: float = 0.0  # computed tokens x their positions: what their attention reads
     transferred_tokens: int = 0  # fetched from a prefill instance (a decode leg)
 
-    def vector(self) -> np.ndarray:
-        return np.array(
-            [
-                1.0,
-                self.queued_tokens,
-                self.uncached_tokens,
-                self.loaded_tokens,
-                self.memory_wait_s,
-                self.decoded_tokens,
-                self.attention_pairs,
-                self.transferred_tokens,
-            ]
-        )
-
 
 class TTFTModel(ModelRates):
     """A model of an instance's TTFT (or of a fleet's, which its instances' are pulled towards). Its rates,
