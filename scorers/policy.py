@@ -21,6 +21,7 @@ from scorers.request import RoutingRequest
 class Pick:
     index: int  # of the chosen candidate
     explained: Mapping[str, float]  # the explainers' figures about the choice (scorers/plugins.py)
+    totals: Sequence[float] = ()  # each candidate's total score it was chosen by (none: one candidate)
 
 
 _NOTHING_EXPLAINED: Mapping[str, float] = {}
@@ -60,7 +61,8 @@ class Policy:
 
     def pick(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Pick:
         """The chosen candidate and what the explainers say of the choice; the observers are told it."""
-        chosen = 0 if len(candidates) == 1 else self._picker.pick(self._totals(request, candidates))
+        totals = () if len(candidates) == 1 else self._totals(request, candidates)
+        chosen = self._picker.pick(totals) if totals else 0
         explained = _NOTHING_EXPLAINED
         if self._explainers:
             explained = {}
@@ -68,7 +70,7 @@ class Policy:
                 explained.update(explainer.explain(request, len(candidates), candidates[chosen]))
         for observer in self._observers:
             observer.observe(request, candidates[chosen])
-        return Pick(chosen, explained)
+        return Pick(chosen, explained, totals)
 
     def responded(
         self, request: RoutingRequest, chosen: Candidate, ttft_s: float | None, status: int
@@ -77,13 +79,15 @@ class Policy:
         for responder in self._responders:
             responder.responded(request, chosen, ttft_s, status)
 
-    def ranked(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[int]:
-        """The candidates' indexes, best total score first, the observers untold: the order of the fallbacks
-        a gateway tries when the chosen one fails (router/epp/)."""
-        totals = ranked(self._totals(request, candidates))
-        return sorted(range(len(candidates)), key=totals.__getitem__, reverse=True)
-
     def _totals(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         if not self._scorers:
             return [0.0] * len(candidates)
         return weighted_sum([scorer.score(request, candidates) for scorer, _ in self._scorers], self._weights)
+
+
+def best_first(totals: Sequence[float]) -> list[int]:
+    """The candidates' indexes by a pick's totals, best first (a non-finite total last): the order of the
+    fallbacks a gateway tries when the chosen one fails (router/epp/), ranked by the scores the choice was
+    made from rather than scored again."""
+    scores = ranked(totals)
+    return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)

@@ -78,6 +78,7 @@ class Decision:
     chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
     session_key: str | None = None  # the router's digest of the client's session key
     request: RoutingRequest | None = None  # what the policy chose it for (its after-response hook's)
+    scores: Sequence[float] = ()  # each candidate's total score the policy chose by (none: one candidate)
 
 
 def uncached_at_best(request: RoutingRequest) -> int:
@@ -225,6 +226,7 @@ class Decider:
             chain=prepared.chain,
             session_key=prepared.request.session_key,
             request=prepared.request,
+            scores=pick.totals,
         )
 
     def decode_leg(self, decision: Decision) -> Decision:

@@ -46,7 +46,7 @@ from router.errors import RETRY_AFTER_S, OpenAIError, model_not_found, too_many_
 from router.prompt.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
 from router.tracing.spans import NULL_TRACE, NULL_TRACING, Trace, Tracing
 from router.upstreams.instances import Instance, Upstreams
-from scorers.policy import Policy
+from scorers.policy import Policy, best_first
 
 # What a request for a stored response meets when the instance holding it has gone: vLLM's unknown id instead.
 _GONE = frozenset({"no_healthy_instance", "upstream_unreachable"})
@@ -257,7 +257,7 @@ class RoutingService:
         decision = self.decider.decide(prepared, policy, candidates, received.trace)
         others: tuple[Instance, ...] = ()
         if fallbacks and len(candidates) > 1:
-            order = policy.ranked(prepared.request, candidates)
+            order = best_first(decision.scores)
             others = tuple(candidates[i] for i in order if candidates[i] is not decision.instance)[:fallbacks]
         if target.body_for is not None:  # the body names the chosen instance: no other may serve it
             others = ()

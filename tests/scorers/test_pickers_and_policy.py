@@ -7,7 +7,7 @@ import random
 from collections import Counter
 
 from scorers.pickers import MaxScoreParams, MaxScorePicker, Picker, SoftmaxParams, SoftmaxPicker
-from scorers.policy import Policy
+from scorers.policy import Policy, best_first
 from scorers.policy_config import PickerSpec, PolicyConfig, ScorerSpec
 from scorers.request import RoutingRequest
 from tests.conftest import ManualClock
@@ -76,3 +76,19 @@ def test_session_affinity_in_a_policy_expires_on_the_policys_clock() -> None:
     assert policy.choose(session, [Fake("busy", 0), Fake("idle", 5)]) == 1  # stays while it is fresh
     clock.now = 61
     assert policy.choose(session, [Fake("busy", 0), Fake("idle", 5)]) == 0  # expired: load decides
+
+
+def test_a_pick_carries_the_totals_it_was_made_by_and_its_fallbacks_follow_them() -> None:
+    """A gateway's fallbacks are ranked by the scores the choice was made from: the candidates are scored
+    once a request, not again for the fallbacks (over 1,000 instances, the decision's cost twice)."""
+    config = PolicyConfig(scorers=[ScorerSpec(type="inflight-load")], picker=PickerSpec(type="max-score"))
+    policy = Policy("load", config)
+    candidates = [Fake("a", 5), Fake("b", 0), Fake("c", 9), Fake("d", 2)]
+    pick = policy.pick(RoutingRequest("m"), candidates)
+    assert pick.index == 1 and len(pick.totals) == 4
+    assert best_first(pick.totals) == [1, 3, 0, 2]  # the least loaded first
+    assert policy.pick(RoutingRequest("m"), candidates[:1]).totals == ()  # one candidate: nothing scored
+
+
+def test_fallbacks_rank_a_broken_total_last() -> None:
+    assert best_first([0.2, math.nan, 0.9, 0.5, -math.inf]) == [2, 3, 0, 1, 4]
