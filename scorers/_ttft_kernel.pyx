@@ -268,9 +268,9 @@ cdef list _relative_speeds(double *costs, Py_ssize_t n, double resolution, list 
     return scores
 
 
-# An observed TTFT counts as at most this many times off the prediction; relative errors beyond the Huber delta
-# weigh less and less; faster observations are weighed as if they took the shortest time (ttft_model.py says
-# why). The rates are solved from the sums on each of the first observations, then every _SOLVE_EVERY.
+# An observed TTFT counts as at most this many times off the prediction; relative errors beyond the Huber
+# delta weigh less and less; faster observations are weighed as if they took the shortest time (ttft_model.py
+# says why). The rates are solved from the sums on each of the first observations, then every _SOLVE_EVERY.
 cdef double _MAX_SURPRISE = 4.0
 cdef double _HUBER_DELTA = 0.5
 cdef double _SHORTEST_S = 1e-3
@@ -310,7 +310,8 @@ cdef class Calibration:
     def sums(self):
         """(gram as a list of rows, moment): the sums the rates are solved from, as Python floats."""
         cdef Py_ssize_t n = self.count
-        return [[self.gram[i * n + j] for j in range(n)] for i in range(n)], [self.moment[i] for i in range(n)]
+        rows = [[self.gram[i * n + j] for j in range(n)] for i in range(n)]
+        return rows, [self.moment[i] for i in range(n)]
 
 
 def observe(ModelRates model, Calibration own, object features, double seconds):
