@@ -78,7 +78,6 @@ class Decision:
     chain: Sequence[int] = ()  # the prompt's whole blocks, held there while it is in flight
     session_key: str | None = None  # the router's digest of the client's session key
     request: RoutingRequest | None = None  # what the policy chose it for (its after-response hook's)
-    scores: Sequence[float] = ()  # each candidate's total score the policy chose by (none: one candidate)
 
 
 def uncached_at_best(request: RoutingRequest) -> int:
@@ -195,12 +194,21 @@ class Decider:
         self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance], trace: Trace = NULL_TRACE
     ) -> Decision:
         """policy's choice among candidates; trace: the span it is made under, which gets a child for it."""
-        with trace.step("decide") as step:
-            decision = self._decide(prepared, policy, candidates)
-            step.decided(decision, policy.name)
-        return decision
+        return self.decide_scored(prepared, policy, candidates, trace)[0]
 
-    def _decide(self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]) -> Decision:
+    def decide_scored(
+        self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance], trace: Trace = NULL_TRACE
+    ) -> tuple[Decision, Sequence[float]]:
+        """decide, with each candidate's total score the choice was made by (none: one candidate), which
+        the Decision does not keep: over a large fleet they would stay with every request in flight."""
+        with trace.step("decide") as step:
+            decision, totals = self._decide(prepared, policy, candidates)
+            step.decided(decision, policy.name)
+        return decision, totals
+
+    def _decide(
+        self, prepared: Prepared, policy: Policy, candidates: Sequence[Instance]
+    ) -> tuple[Decision, Sequence[float]]:
         started = time.perf_counter()
         pick = policy.pick(prepared.request, candidates)
         instance = candidates[pick.index]
@@ -212,7 +220,7 @@ class Decider:
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens
         predicted_s = instance.ttft_model.predict(features)
-        return Decision(
+        decision = Decision(
             instance,
             tokens,
             prepared.request.prompt_blocks,
@@ -226,8 +234,8 @@ class Decider:
             chain=prepared.chain,
             session_key=prepared.request.session_key,
             request=prepared.request,
-            scores=pick.totals,
         )
+        return decision, pick.totals
 
     def decode_leg(self, decision: Decision) -> Decision:
         """decision (a whole request on a decode instance) as the decode leg after a prefill leg: the

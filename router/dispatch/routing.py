@@ -254,10 +254,10 @@ class RoutingService:
             self.observers.request_rejected(policy, code)
             message = f"No healthy instance serves `{received.model}` right now. Retry later."
             raise unavailable(message, code, RETRY_AFTER_S)
-        decision = self.decider.decide(prepared, policy, candidates, received.trace)
+        decision, scores = self.decider.decide_scored(prepared, policy, candidates, received.trace)
         others: tuple[Instance, ...] = ()
         if fallbacks and len(candidates) > 1:
-            order = best_first(decision.scores)
+            order = best_first(scores)
             others = tuple(candidates[i] for i in order if candidates[i] is not decision.instance)[:fallbacks]
         if target.body_for is not None:  # the body names the chosen instance: no other may serve it
             others = ()
