@@ -47,7 +47,12 @@ def server_config(
 
 
 def upstream_session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
-    """Bodies are relayed as they come, so nothing asks upstreams to compress."""
+    """Bodies are relayed as they come, so nothing asks upstreams to compress. No cookie jar: a cookie an
+    engine, or a gateway in front of it, sets for one request would go with every later one to that host,
+    whichever client sent it (a sticky-session cookie would pin the whole router's traffic)."""
     return aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent")
+        connector=connector,
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
