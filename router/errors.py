@@ -115,6 +115,15 @@ def upstream_unauthorized(instance: str, status: int) -> OpenAIError:
     return OpenAIError(502, message, "upstream_error", "upstream_unauthorized")
 
 
+def upstream_redirected(instance: str, status: int, location: str) -> OpenAIError:
+    """502: the instance answered a redirect, which the router does not follow; its URL is to be fixed."""
+    message = (
+        f"Instance {instance} answered {status}, a redirect to {location or '(no Location)'}: the router "
+        "does not follow redirects; give the instance the URL it leads to."
+    )
+    return OpenAIError(502, message, "upstream_error", "upstream_redirected")
+
+
 def too_many_requests(message: str, code: str, retry_after_s: int) -> OpenAIError:
     """429: the router is at capacity; Retry-After says when to try again."""
     return OpenAIError(429, message, "rate_limit_error", code, headers={"Retry-After": str(retry_after_s)})

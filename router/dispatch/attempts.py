@@ -32,6 +32,7 @@ from router.errors import (
     too_many_requests,
     unavailable,
     upstream_failed,
+    upstream_redirected,
     upstream_timeout,
     upstream_unauthorized,
 )
@@ -68,6 +69,7 @@ class _Tries:
     tried: set[str] = field(default_factory=set)
     dropped: tuple[str, Exception] | None = None  # the last instance that broke off unanswered
     refused: tuple[str, int] | None = None  # the last instance that refused the router's key
+    redirected: tuple[str, int, str] | None = None  # the last instance that answered a redirect, and where
     first_sent: float | None = None  # the client's wait includes the attempts that failed
     transfer: Transfer | None = None  # a prefill leg's KV that the next decode leg may still fetch
     body: dict[str, Any] | None = None  # the client's, decoded once a disaggregated leg needs it
@@ -246,6 +248,15 @@ class Attempts:
             metrics.upstream_errors(instance.name, "unauthorized").inc()
             tries.refused = instance.name, upstream.status
             return False
+        if 300 <= upstream.status < 400:
+            # Not followed: what the instance's URL leads to is no instance the index and the load accounting
+            # know (an ingress redirecting to https, a moved host), and aiohttp would send a 301's or 302's
+            # POST on as a GET. Nothing ran; another instance may take it. Counted against its breaker.
+            outcome.abandon(upstream, admitted=False, withdraw=True)
+            tries.tried.add(instance.name)
+            metrics.upstream_errors(instance.name, "redirect").inc()
+            tries.redirected = instance.name, upstream.status, upstream.headers.get("Location", "")
+            return False
         if upstream.status == BUSY and self._may_retry(outcome.model, attempt, tries.tried | {instance.name}):
             # vLLM's admission control (--max-num-queued-reqs, --max-num-queued-tokens) and a fleet being
             # scaled refuse with 503 before anything runs, asking for "a different instance". The last
@@ -270,6 +281,9 @@ class Attempts:
         if tries.refused is not None:
             self._observers.request_failed(policy)
             return _tried(upstream_unauthorized(*tries.refused), tries.tried)
+        if tries.redirected is not None:
+            self._observers.request_failed(policy)
+            return _tried(upstream_redirected(*tries.redirected), tries.tried)
         if tries.tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:

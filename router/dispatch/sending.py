@@ -95,6 +95,7 @@ class Sender:
                     data=payload if method == "POST" else None,
                     headers=sent,
                     timeout=self._timeout,
+                    allow_redirects=False,  # where it leads is no instance the index knows (attempts.py)
                 )
                 first = await _first_bytes(upstream, stream)
         except NOT_CONNECTED as exc:

@@ -17,7 +17,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from router.dispatch.retry_budget import RetryBudget
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import answering, healthy, only_instance, serving
+from tests.router.fake_upstreams import answering, healthy, only_instance, serving, serving_app
 from tests.router.test_proxy import post
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -313,6 +313,39 @@ def test_when_every_instance_is_busy_the_last_503_reaches_the_client(tmp_path: P
                 assert "different instance" in json.loads(payload)["error"]["message"]
             assert sample(url, "kvroute_circuit_opens_total", vllm_instance="i0") in (None, 0)
             assert sample(url, "kvroute_circuit_opens_total", vllm_instance="i1") in (None, 0)
+
+
+def test_an_instance_that_answers_a_redirect_is_not_followed(tmp_path: Path) -> None:
+    """A redirect leads to no instance the router knows (and a 302 would turn the POST into a GET): the
+    request goes to another instance; with none left, a 502 that names where the redirect led."""
+    followed: list[str] = []
+
+    async def moved(request: web.Request) -> web.Response:
+        await request.read()
+        raise web.HTTPTemporaryRedirect("/elsewhere")
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        followed.append(request.method)
+        return web.json_response({"choices": [{"text": "from elsewhere"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", healthy)
+    app.router.add_post("/v1/completions", moved)
+    app.router.add_route("*", "/elsewhere", elsewhere)
+    with serving_app(app) as redirecting, serving(healthy, answering) as plain:
+        with running_router(_two_instances(redirecting, plain), tmp_path) as url:
+            for _ in range(4):  # round robin: every other request tries the redirecting one first
+                status, headers, payload = post(
+                    url + "/v1/completions", BODY, {"x-kvroute-policy": "round-robin"}
+                )
+                assert (status, headers["x-kvroute-instance"]) == (200, "i1"), payload
+            assert metric(url, "kvroute_upstream_errors_total", vllm_instance="i0", kind="redirect") >= 2
+        with running_router(only_instance("i0", redirecting), tmp_path) as url:
+            status, headers, payload = post(url + "/v1/completions", BODY)
+    assert followed == []
+    assert status == 502
+    error = json.loads(payload)["error"]
+    assert error["code"] == "upstream_redirected" and "/elsewhere" in error["message"]
 
 
 def test_a_client_that_leaves_before_its_answer_frees_the_instance_at_once(tmp_path: Path) -> None:
