@@ -650,6 +650,12 @@ class LimitsConfig(_Strict):
         description="a connection must send a request's head within this long of opening, or of its previous "
         "answer's end, or it is closed (408 if the head was begun; nginx's client_header_timeout)",
     )
+    max_header_bytes: int = Field(
+        default=64 * 2**10,
+        ge=1024,
+        description="a request's head (request line and headers) larger than this is answered 431 and its "
+        "connection closed (Envoy's max_request_headers_kb is 60 KiB)",
+    )
 
 
 class RouterConfig(_Strict):

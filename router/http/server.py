@@ -88,9 +88,16 @@ def run_server(
     freeze_startup_objects()
     grace = math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S
     headers = [] if worker is None else [(WORKER_HEADER, str(os.getpid()))]
-    head_limit = config.limits.header_timeout_s
+    limits = config.limits
     serving = server_config(
-        app.asgi, host, port, app.refused_http, head_limit, timeout_graceful_shutdown=grace, headers=headers
+        app.asgi,
+        host,
+        port,
+        app.refused_http,
+        limits.header_timeout_s,
+        limits.max_header_bytes,
+        timeout_graceful_shutdown=grace,
+        headers=headers,
     )
     if worker is None:
         _GracefulServer(serving, app.api, config.shutdown_grace_s).run()

@@ -1,6 +1,7 @@
 """The router's side of a client's HTTP/1 connection: uvicorn's httptools protocol, with what it lacks in
 front of clients it does not control. What the parser refuses is answered in OpenAI's error shape; a
-request's head must arrive in time; an HTTP/1.0 client's stream is delimited by the connection's end."""
+request's head must arrive in time, and within a size; an HTTP/1.0 client's stream is delimited by the
+connection's end."""
 
 from __future__ import annotations
 
@@ -13,30 +14,51 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from router.errors import MALFORMED_HTTP, error_json
 
 HEADER_TIMEOUT = "header_timeout"  # the code of the 408 for a head begun and not ended in time
+HEADERS_TOO_LARGE = "headers_too_large"  # the code of the 431 for a head past its size
 _MALFORMED_MESSAGE = "The request is not valid HTTP/1.1: its request line, headers or framing are malformed."
 _EARLY_S = 0.01  # a deadline this close is reached: uvloop's clock counts milliseconds
 
 
-def connection_protocol(header_timeout_s: float, refused: Callable[[str], None]) -> type[HttpToolsProtocol]:
+def connection_protocol(
+    header_timeout_s: float, refused: Callable[[str], None], max_head_bytes: int = 64 * 2**10
+) -> type[HttpToolsProtocol]:
     """refused: told the code of each answer it gives before any app sees the request (a 400 for malformed
-    HTTP, a 408 for a head too slow). A connection must complete a request's head within
-    header_timeout_s of opening or of its previous answer's end (nginx's client_header_timeout), else it is
-    closed: silently if it sent nothing, with a 408 if it began a head. uvicorn's keep-alive timeout still
-    closes an idle connection sooner after an answer; any data unsets it, and this deadline does not move."""
+    HTTP, a 408 for a head too slow, a 431 for one too large). A connection must complete a request's head
+    within header_timeout_s of opening or of its previous answer's end (nginx's client_header_timeout), else
+    it is closed: silently if it sent nothing, with a 408 if it began a head. uvicorn's keep-alive timeout
+    still closes an idle connection sooner after an answer; any data unsets it, and this deadline does not
+    move. A head (request line and headers) of more than max_head_bytes is answered 431 and its connection
+    closed: uvicorn's httptools protocol keeps every header it is sent, and a client sent 45 MiB of them in
+    a twentieth of a second, all held in the router's memory until the header timeout."""
 
     class RouterProtocol(HttpToolsProtocol):
         # One timer a connection, not one a request: it looks at the deadline when it fires and sets itself
         # again for what is left; a connection answering when it fires gets it back with its next wait.
         # In slots: uvicorn's instances hold 28 attributes already, and two more in their __dict__ cost
         # ~2,500 instructions a request (callgrind), every attribute read being slower.
-        __slots__ = ("_head_timer", "_waiting_since")
+        __slots__ = ("_head_bytes", "_head_timer", "_waiting_since")
         _head_timer: asyncio.TimerHandle | None
         _waiting_since: float  # for a request's head: since the connection opened, or its last answer ended
+        _head_bytes: int  # received of the head being parsed; -1 between a head's end and the next's start
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._waiting_since = self.loop.time()
+            self._head_bytes = 0
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
+
+        def data_received(self, data: bytes) -> None:
+            _data_received(self, data)
+            # What a head is sent in counts once parsed: the data that ends one, which may carry a body, does
+            # not; the data a head begins in counts whole. A head goes past the limit by one read at most.
+            if self._head_bytes >= 0:
+                self._head_bytes += len(data)
+                if self._head_bytes > max_head_bytes and not self.transport.is_closing():
+                    self._head_too_large()
+
+        def on_message_begin(self) -> None:
+            _message_begin(self)
+            self._head_bytes = 0
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
@@ -45,6 +67,7 @@ def connection_protocol(header_timeout_s: float, refused: Callable[[str], None])
 
         # The two below run for every request: they call uvicorn's directly, as super() builds an object.
         def on_headers_complete(self) -> None:
+            self._head_bytes = -1
             _headers_complete(self)
             if self.scope["http_version"] == "1.0":
                 self._close_delimited()
@@ -80,6 +103,18 @@ def connection_protocol(header_timeout_s: float, refused: Callable[[str], None])
                 )
             self.transport.close()
 
+        def _head_too_large(self) -> None:
+            refused(HEADERS_TOO_LARGE)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:  # a pipelined head: no answer can go now
+                self.transport.close()
+                return
+            message = f"The request's head (request line and headers) is larger than {max_head_bytes} bytes."
+            body = error_json(message, "invalid_request_error", HEADERS_TOO_LARGE)
+            status = b"431 Request Header Fields Too Large"
+            self.transport.write(_error_answer(status, body, self.server_state.default_headers))
+            self.transport.close()
+
         def send_400_response(self, msg: str) -> None:
             refused(MALFORMED_HTTP)
             body = error_json(_MALFORMED_MESSAGE, "invalid_request_error", MALFORMED_HTTP)
@@ -90,6 +125,8 @@ def connection_protocol(header_timeout_s: float, refused: Callable[[str], None])
 
 
 _headers_complete = HttpToolsProtocol.on_headers_complete
+_data_received = HttpToolsProtocol.data_received
+_message_begin = HttpToolsProtocol.on_message_begin
 _response_complete = HttpToolsProtocol.on_response_complete
 
 

@@ -30,6 +30,7 @@ def server_config(
     port: int,
     refused_http: Callable[[str], None] = lambda code: None,
     header_timeout_s: float = LimitsConfig().header_timeout_s,
+    max_header_bytes: int = LimitsConfig().max_header_bytes,
     **options: Any,
 ) -> uvicorn.Config:
     return uvicorn.Config(
@@ -37,7 +38,7 @@ def server_config(
         host=host,
         port=port,
         loop="uvloop",
-        http=connection_protocol(header_timeout_s, refused_http),
+        http=connection_protocol(header_timeout_s, refused_http, max_header_bytes),
         access_log=False,
         log_level="warning",
         proxy_headers=False,  # nothing reads the client address; X-Forwarded-* is not trusted

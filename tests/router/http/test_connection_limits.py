@@ -151,6 +151,36 @@ def test_a_keep_alive_connection_outlives_the_header_timeout_while_it_asks(port:
     assert since_asked >= HEADER_TIMEOUT_S - 0.1 and since_answered <= HEADER_TIMEOUT_S + MARGIN_S
 
 
+def test_a_head_larger_than_max_header_bytes_is_answered_431_and_closed(port: int) -> None:
+    """Two halves of 40 KiB of headers, each under the default 64 KiB, the head never ended: the second read
+    takes it past the limit."""
+    url = f"http://127.0.0.1:{port}"
+    counted = sample(url, "kvroute_client_errors_total", code="headers_too_large") or 0
+    half = b"".join(b"X-Filler-%d: %s\r\n" % (n, b"a" * 1000) for n in range(40))
+    with _connect(port) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + half)
+        time.sleep(0.3)
+        sock.sendall(half)
+        received = _until_closed(sock)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ")
+    assert b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
+    assert sample(url, "kvroute_client_errors_total", code="headers_too_large") == counted + 1
+
+
+def test_a_head_under_the_limit_sent_with_a_large_body_is_served(port: int) -> None:
+    """60 KiB of headers and a 400 KB body in one write: the reads that end a head, and may carry much of a
+    body, do not count against the head."""
+    filler = [f"X-Filler-{n}: {'a' * 1000}" for n in range(60)]
+    request = _request("p" * 400_000, False, "1.1", *filler)
+    with _connect(port) as sock:
+        sock.sendall(request)
+        head, body = _read_answer(sock)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert json.loads(body)["choices"] == [{"text": "ok"}]
+
+
 @pytest.mark.parametrize(
     ("version", "headers", "chunked"),
     [
