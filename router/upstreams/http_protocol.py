@@ -17,6 +17,9 @@ HEADER_TIMEOUT = "header_timeout"  # the code of the 408 for a head begun and no
 HEADERS_TOO_LARGE = "headers_too_large"  # the code of the 431 for a head past its size
 _MALFORMED_MESSAGE = "The request is not valid HTTP/1.1: its request line, headers or framing are malformed."
 _EARLY_S = 0.01  # a deadline this close is reached: uvloop's clock counts milliseconds
+# A chunk's size line and the line end after its data ("ffffffff\r\n", "\r\n"), with room to spare: a body
+# sent in one-byte chunks is framing five times over, and is no flood of trailers.
+_CHUNK_FRAMING_BYTES = 32
 
 
 def connection_protocol(
@@ -29,17 +32,21 @@ def connection_protocol(
     still closes an idle connection sooner after an answer; any data unsets it, and this deadline does not
     move. A head (request line and headers) of more than max_head_bytes is answered 431 and its connection
     closed: uvicorn's httptools protocol keeps every header it is sent, and a client sent 45 MiB of them in
-    a twentieth of a second, all held in the router's memory until the header timeout."""
+    a twentieth of a second, all held in the router's memory until the header timeout. A chunked body's
+    trailers, kept the same way, get as much, and the connection is closed past it."""
 
     class RouterProtocol(HttpToolsProtocol):
         # One timer a connection, not one a request: it looks at the deadline when it fires and sets itself
         # again for what is left; a connection answering when it fires gets it back with its next wait.
         # In slots: uvicorn's instances hold 28 attributes already, and two more in their __dict__ cost
         # ~2,500 instructions a request (callgrind), every attribute read being slower.
-        __slots__ = ("_head_bytes", "_head_timer", "_waiting_since")
+        __slots__ = ("_head_bytes", "_head_timer", "_unbodied", "_waiting_since")
         _head_timer: asyncio.TimerHandle | None
         _waiting_since: float  # for a request's head: since the connection opened, or its last answer ended
         _head_bytes: int  # received of the head being parsed; -1 between a head's end and the next's start
+        # Received after a head that was not body: a chunked body's framing (each chunk allowed some) and its
+        # trailers, which uvicorn keeps as it keeps headers.
+        _unbodied: int
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -48,6 +55,7 @@ def connection_protocol(
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
 
         def data_received(self, data: bytes) -> None:
+            after_head = self._head_bytes < 0
             _data_received(self, data)
             # What a head is sent in counts once parsed: the data that ends one, which may carry a body, does
             # not; the data a head begins in counts whole. A head goes past the limit by one read at most.
@@ -55,10 +63,21 @@ def connection_protocol(
                 self._head_bytes += len(data)
                 if self._head_bytes > max_head_bytes and not self.transport.is_closing():
                     self._head_too_large()
+            elif after_head:
+                self._unbodied += len(data)
+                if self._unbodied > max_head_bytes and not self.transport.is_closing():
+                    self._head_too_large()
 
         def on_message_begin(self) -> None:
             _message_begin(self)
             self._head_bytes = 0
+
+        def on_body(self, body: bytes) -> None:
+            self._unbodied -= len(body)
+            _on_body(self, body)
+
+        def on_chunk_header(self) -> None:
+            self._unbodied -= _CHUNK_FRAMING_BYTES
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
@@ -67,7 +86,7 @@ def connection_protocol(
 
         # The two below run for every request: they call uvicorn's directly, as super() builds an object.
         def on_headers_complete(self) -> None:
-            self._head_bytes = -1
+            self._head_bytes, self._unbodied = -1, 0
             _headers_complete(self)
             if self.scope["http_version"] == "1.0":
                 self._close_delimited()
@@ -106,8 +125,8 @@ def connection_protocol(
         def _head_too_large(self) -> None:
             refused(HEADERS_TOO_LARGE)
             cycle = self.cycle
-            if cycle is not None and not cycle.response_complete:  # a pipelined head: no answer can go now
-                self.transport.close()
+            if cycle is not None and not cycle.response_complete:  # trailers, or a pipelined head: no answer
+                self.transport.close()  # can go now; the request in flight sees its client leave
                 return
             message = f"The request's head (request line and headers) is larger than {max_head_bytes} bytes."
             body = error_json(message, "invalid_request_error", HEADERS_TOO_LARGE)
@@ -127,6 +146,7 @@ def connection_protocol(
 _headers_complete = HttpToolsProtocol.on_headers_complete
 _data_received = HttpToolsProtocol.data_received
 _message_begin = HttpToolsProtocol.on_message_begin
+_on_body = HttpToolsProtocol.on_body
 _response_complete = HttpToolsProtocol.on_response_complete
 
 

@@ -181,6 +181,41 @@ def test_a_head_under_the_limit_sent_with_a_large_body_is_served(port: int) -> N
     assert json.loads(body)["choices"] == [{"text": "ok"}]
 
 
+def _chunked(chunks: list[bytes], trailers: bytes = b"") -> bytes:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks)
+    return head + b"Transfer-Encoding: chunked\r\n\r\n" + framed + b"0\r\n" + trailers + b"\r\n"
+
+
+def test_a_body_in_one_byte_chunks_with_a_trailer_is_served(port: int) -> None:
+    """20,000 one-byte chunks: 100 KB of framing for 20 KB of body, which is no flood of trailers."""
+    body = json.dumps({"model": "tiny-llama", "prompt": "p" * 20_000, "max_tokens": 1}).encode()
+    with _connect(port) as sock:
+        sock.sendall(_chunked([body[i : i + 1] for i in range(len(body))], b"X-Checksum: 1\r\n"))
+        head, answer = _read_answer(sock)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert json.loads(answer)["choices"] == [{"text": "ok"}]
+
+
+def test_a_flood_of_trailers_closes_the_connection(port: int) -> None:
+    """uvicorn keeps a chunked body's trailers as it keeps headers: past max_header_bytes of them (and of
+    framing beyond a chunk's due), the connection is closed. Counted from the read after the head's end, so
+    three parts of 40 KiB, the first sent with the head."""
+    url = f"http://127.0.0.1:{port}"
+    counted = sample(url, "kvroute_client_errors_total", code="headers_too_large") or 0
+    body = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}).encode()
+    flood = b"".join(b"X-Trailer-%d: %s\r\n" % (n, b"a" * 1000) for n in range(40))
+    with _connect(port) as sock:
+        sock.sendall(_chunked([body])[: -len(b"\r\n")] + flood)  # trailers begun and never ended
+        for _ in range(2):
+            time.sleep(0.3)
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.sendall(flood)
+        received = _until_closed(sock)
+    assert not received.startswith(b"HTTP/1.1 200 ")
+    assert sample(url, "kvroute_client_errors_total", code="headers_too_large") == counted + 1
+
+
 @pytest.mark.parametrize(
     ("version", "headers", "chunked"),
     [
