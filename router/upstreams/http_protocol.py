@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import ClassVar
 
 from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -25,122 +26,129 @@ _CHUNK_FRAMING_BYTES = 32
 def connection_protocol(
     header_timeout_s: float, refused: Callable[[str], None], max_head_bytes: int = 64 * 2**10
 ) -> type[HttpToolsProtocol]:
-    """refused: told the code of each answer it gives before any app sees the request (a 400 for malformed
-    HTTP, a 408 for a head too slow, a 431 for one too large). A connection must complete a request's head
-    within header_timeout_s of opening or of its previous answer's end (nginx's client_header_timeout), else
-    it is closed: silently if it sent nothing, with a 408 if it began a head. uvicorn's keep-alive timeout
-    still closes an idle connection sooner after an answer; any data unsets it, and this deadline does not
-    move. A head (request line and headers) of more than max_head_bytes is answered 431 and its connection
-    closed: uvicorn's httptools protocol keeps every header it is sent, and a client sent 45 MiB of them in
-    a twentieth of a second, all held in the router's memory until the header timeout. A chunked body's
-    trailers, kept the same way, get as much, and the connection is closed past it."""
+    """RouterProtocol with these limits. refused: told the code of each answer it gives before any app sees
+    the request (a 400 for malformed HTTP, a 408 for a head too slow, a 431 for one too large)."""
+    settings = {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes}
+    return type(
+        "RouterProtocol", (RouterProtocol,), {**settings, "refused": staticmethod(refused), "__slots__": ()}
+    )
 
-    class RouterProtocol(HttpToolsProtocol):
-        # One timer a connection, not one a request: it looks at the deadline when it fires and sets itself
-        # again for what is left; a connection answering when it fires gets it back with its next wait.
-        # In slots: uvicorn's instances hold 28 attributes already, and two more in their __dict__ cost
-        # ~2,500 instructions a request (callgrind), every attribute read being slower.
-        __slots__ = ("_head_bytes", "_head_timer", "_unbodied", "_waiting_since")
-        _head_timer: asyncio.TimerHandle | None
-        _waiting_since: float  # for a request's head: since the connection opened, or its last answer ended
-        _head_bytes: int  # received of the head being parsed; -1 between a head's end and the next's start
-        # Received after a head that was not body: a chunked body's framing (each chunk allowed some) and its
-        # trailers, which uvicorn keeps as it keeps headers.
-        _unbodied: int
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+class RouterProtocol(HttpToolsProtocol):
+    """A connection must complete a request's head within header_timeout_s of opening or of its previous
+    answer's end (nginx's client_header_timeout), else it is closed: silently if it sent nothing, with a 408
+    if it began a head. uvicorn's keep-alive timeout still closes an idle connection sooner after an answer;
+    any data unsets it, and this deadline does not move. A head (request line and headers) of more than
+    max_head_bytes is answered 431 and its connection closed: uvicorn's httptools protocol keeps every header
+    it is sent, and a client sent 45 MiB of them in a twentieth of a second, all held in the router's memory
+    until the header timeout. A chunked body's trailers, kept the same way, get as much, and the connection
+    is closed past it. Its settings are class attributes, set by connection_protocol."""
+
+    header_timeout_s: ClassVar[float]
+    max_head_bytes: ClassVar[int]
+    refused: ClassVar[staticmethod[[str], None]]
+    # One timer a connection, not one a request: it looks at the deadline when it fires and sets itself
+    # again for what is left; a connection answering when it fires gets it back with its next wait.
+    # In slots: uvicorn's instances hold 28 attributes already, and two more in their __dict__ cost
+    # ~2,500 instructions a request (callgrind), every attribute read being slower.
+    __slots__ = ("_head_bytes", "_head_timer", "_unbodied", "_waiting_since")
+    _head_timer: asyncio.TimerHandle | None
+    _waiting_since: float  # for a request's head: since the connection opened, or its last answer ended
+    _head_bytes: int  # received of the head being parsed; -1 between a head's end and the next's start
+    # Received after a head that was not body: a chunked body's framing (each chunk allowed some) and its
+    # trailers, which uvicorn keeps as it keeps headers.
+    _unbodied: int
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._waiting_since = self.loop.time()
+        self._head_bytes = 0
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_deadline)
+
+    def data_received(self, data: bytes) -> None:
+        after_head = self._head_bytes < 0
+        _data_received(self, data)
+        # What a head is sent in counts once parsed: the data that ends one, which may carry a body, does
+        # not; the data a head begins in counts whole. A head goes past the limit by one read at most.
+        if self._head_bytes >= 0:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+                self._head_too_large()
+        elif after_head:
+            self._unbodied += len(data)
+            if self._unbodied > self.max_head_bytes and not self.transport.is_closing():
+                self._head_too_large()
+
+    def on_message_begin(self) -> None:
+        _message_begin(self)
+        self._head_bytes = 0
+
+    def on_body(self, body: bytes) -> None:
+        self._unbodied -= len(body)
+        _on_body(self, body)
+
+    def on_chunk_header(self) -> None:
+        self._unbodied -= _CHUNK_FRAMING_BYTES
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+
+    # The two below run for every request: they call uvicorn's directly, as super() builds an object.
+    def on_headers_complete(self) -> None:
+        self._head_bytes, self._unbodied = -1, 0
+        _headers_complete(self)
+        if self.scope["http_version"] == "1.0":
+            self._close_delimited()
+
+    def on_response_complete(self) -> None:
+        _response_complete(self)
+        if self.timeout_keep_alive_task is not None:  # armed: open, and no pipelined request started
             self._waiting_since = self.loop.time()
-            self._head_bytes = 0
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_deadline)
 
-        def data_received(self, data: bytes) -> None:
-            after_head = self._head_bytes < 0
-            _data_received(self, data)
-            # What a head is sent in counts once parsed: the data that ends one, which may carry a body, does
-            # not; the data a head begins in counts whole. A head goes past the limit by one read at most.
-            if self._head_bytes >= 0:
-                self._head_bytes += len(data)
-                if self._head_bytes > max_head_bytes and not self.transport.is_closing():
-                    self._head_too_large()
-            elif after_head:
-                self._unbodied += len(data)
-                if self._unbodied > max_head_bytes and not self.transport.is_closing():
-                    self._head_too_large()
+    def _close_delimited(self) -> None:
+        if self.cycle is not None and self.cycle.scope is self.scope:  # not an upgrade, which has none
+            # uvicorn builds the cycle inline; its task has not begun, so it sends as this class does.
+            self.cycle.__class__ = CloseDelimitedCycle
 
-        def on_message_begin(self) -> None:
-            _message_begin(self)
-            self._head_bytes = 0
+    def _head_deadline(self) -> None:
+        self._head_timer = None
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or self.transport.is_closing():
+            return  # answering: on_response_complete sets it again
+        left = self._waiting_since + self.header_timeout_s - self.loop.time()
+        if left > _EARLY_S:
+            self._head_timer = self.loop.call_later(left, self._head_deadline)
+            return
+        # on_message_begin makes a new scope at a head's first byte; the cycle takes it once it is whole.
+        if self.scope is not None and (cycle is None or cycle.scope is not self.scope):
+            message = f"The request's head did not arrive within {self.header_timeout_s:g} s."
+            self._refuse(b"408 Request Timeout", message, HEADER_TIMEOUT)
+        self.transport.close()
 
-        def on_body(self, body: bytes) -> None:
-            self._unbodied -= len(body)
-            _on_body(self, body)
+    def _head_too_large(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # trailers, or a pipelined head: no answer
+            self.refused(HEADERS_TOO_LARGE)  # can go now; the request in flight sees its client leave
+        else:
+            message = (
+                f"The request's head (request line and headers) is larger than {self.max_head_bytes} bytes."
+            )
+            self._refuse(b"431 Request Header Fields Too Large", message, HEADERS_TOO_LARGE)
+        self.transport.close()
 
-        def on_chunk_header(self) -> None:
-            self._unbodied -= _CHUNK_FRAMING_BYTES
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(b"400 Bad Request", _MALFORMED_MESSAGE, MALFORMED_HTTP)
+        self.transport.close()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            super().connection_lost(exc)
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-
-        # The two below run for every request: they call uvicorn's directly, as super() builds an object.
-        def on_headers_complete(self) -> None:
-            self._head_bytes, self._unbodied = -1, 0
-            _headers_complete(self)
-            if self.scope["http_version"] == "1.0":
-                self._close_delimited()
-
-        def on_response_complete(self) -> None:
-            _response_complete(self)
-            if self.timeout_keep_alive_task is not None:  # armed: open, and no pipelined request started
-                self._waiting_since = self.loop.time()
-                if self._head_timer is None:
-                    self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
-
-        def _close_delimited(self) -> None:
-            if self.cycle is not None and self.cycle.scope is self.scope:  # not an upgrade, which has none
-                # uvicorn builds the cycle inline; its task has not begun, so it sends as this class does.
-                self.cycle.__class__ = CloseDelimitedCycle
-
-        def _head_deadline(self) -> None:
-            self._head_timer = None
-            cycle = self.cycle
-            if (cycle is not None and not cycle.response_complete) or self.transport.is_closing():
-                return  # answering: on_response_complete sets it again
-            left = self._waiting_since + header_timeout_s - self.loop.time()
-            if left > _EARLY_S:
-                self._head_timer = self.loop.call_later(left, self._head_deadline)
-                return
-            # on_message_begin makes a new scope at a head's first byte; the cycle takes it once it is whole.
-            if self.scope is not None and (cycle is None or cycle.scope is not self.scope):
-                message = f"The request's head did not arrive within {header_timeout_s:g} s."
-                body = error_json(message, "invalid_request_error", HEADER_TIMEOUT)
-                refused(HEADER_TIMEOUT)
-                self.transport.write(
-                    _error_answer(b"408 Request Timeout", body, self.server_state.default_headers)
-                )
-            self.transport.close()
-
-        def _head_too_large(self) -> None:
-            refused(HEADERS_TOO_LARGE)
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete:  # trailers, or a pipelined head: no answer
-                self.transport.close()  # can go now; the request in flight sees its client leave
-                return
-            message = f"The request's head (request line and headers) is larger than {max_head_bytes} bytes."
-            body = error_json(message, "invalid_request_error", HEADERS_TOO_LARGE)
-            status = b"431 Request Header Fields Too Large"
-            self.transport.write(_error_answer(status, body, self.server_state.default_headers))
-            self.transport.close()
-
-        def send_400_response(self, msg: str) -> None:
-            refused(MALFORMED_HTTP)
-            body = error_json(_MALFORMED_MESSAGE, "invalid_request_error", MALFORMED_HTTP)
-            self.transport.write(_error_answer(b"400 Bad Request", body, self.server_state.default_headers))
-            self.transport.close()
-
-    return RouterProtocol
+    def _refuse(self, status: bytes, message: str, code: str) -> None:
+        """An answer in OpenAI's error shape, before any app saw the request, counted by its code."""
+        self.refused(code)
+        body = error_json(message, "invalid_request_error", code)
+        self.transport.write(_error_answer(status, body, self.server_state.default_headers))
 
 
 _headers_complete = HttpToolsProtocol.on_headers_complete
