@@ -627,7 +627,7 @@ class CircuitBreakerConfig(_Strict):
 
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(
-        default=32 * 2**20, ge=1, description="POST /v1/* bodies larger than this are answered 413"
+        default=32 * 2**20, ge=1, description="/v1/* request bodies larger than this are answered 413"
     )
     max_buffered_body_bytes: int = Field(
         default=256 * 2**20,

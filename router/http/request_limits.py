@@ -1,4 +1,5 @@
-"""Rejects bad input to the OpenAI endpoints before it reaches routing: too large, not JSON, not UTF-8.
+"""Rejects bad input to the OpenAI endpoints before it reaches routing: too large, not JSON, not UTF-8. A body
+sent with any other method (a GET's, which the router reads and never sends on) is held to the same size.
 
 A pure ASGI middleware: only `receive` is wrapped, so streamed responses pass through untouched.
 """
@@ -53,12 +54,12 @@ class RequestLimits:
         self._rejected = rejected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["method"] == "POST"
-        if not guarded or not scope["path"].startswith(_GUARDED_PREFIX):
+        if scope["type"] != "http" or not scope["path"].startswith(_GUARDED_PREFIX):
             await self.app(scope, receive, send)
             return
         limit = self.max_body_bytes()
-        error = _check_headers(scope, limit)
+        posted = scope["method"] == "POST"
+        error = _check_headers(scope, limit) if posted else _check_length(dict(scope["headers"]), limit)
         if error is not None:
             await self._answer(error, scope, receive, send)
             return
@@ -70,7 +71,7 @@ class RequestLimits:
             await send(message)
 
         try:
-            await self.app(scope, _LimitedBody(receive, limit), send_tracked)
+            await self.app(scope, _LimitedBody(receive, limit, posted), send_tracked)
         except _Rejected as rejected:
             if started:
                 raise
@@ -95,6 +96,10 @@ def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:
     encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
     if encoding not in ("identity", ""):  # neither the router nor vLLM inflates a compressed body
         return unsupported_encoding(encoding)
+    return _check_length(headers, limit)
+
+
+def _check_length(headers: dict[bytes, bytes], limit: int) -> OpenAIError | None:
     length = headers.get(b"content-length")
     if length is None:
         return None
@@ -104,11 +109,13 @@ def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:
 
 
 class _LimitedBody:
-    """receive, counting the body's bytes against the limit and checking they decode as UTF-8."""
+    """receive, counting the body's bytes against the limit and, for a JSON body, checking they decode as
+    UTF-8."""
 
-    def __init__(self, receive: Receive, limit: int) -> None:
+    def __init__(self, receive: Receive, limit: int, json: bool = True) -> None:
         self._receive, self._limit, self._received = receive, limit, 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")()
+        self._json = json
 
     async def __call__(self) -> Message:
         message = await self._receive()
@@ -118,7 +125,7 @@ class _LimitedBody:
         self._received += len(chunk)
         if self._received > self._limit:
             raise _Rejected(too_large(self._limit))
-        if chunk.isascii() and not self._utf8.getstate()[0]:
+        if not self._json or (chunk.isascii() and not self._utf8.getstate()[0]):
             return message  # the common case, checked without copying the chunk
         try:
             self._utf8.decode(chunk, final=not message.get("more_body", False))

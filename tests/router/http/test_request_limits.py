@@ -35,9 +35,11 @@ def assert_openai_error(status: int, body: bytes, expected: int | None = None) -
     return error  # type: ignore[no-any-return]
 
 
-def exchange(url: str, head: dict[str, str], chunks: Iterable[bytes]) -> tuple[int, bytes]:
-    """POST with head's headers, sending chunks from a thread while the answer is read: a server that answers
-    before the body ends may close the connection under a client still sending."""
+def exchange(
+    url: str, head: dict[str, str], chunks: Iterable[bytes], method: str = "POST"
+) -> tuple[int, bytes]:
+    """A request with head's headers, sending chunks from a thread while the answer is read: a server that
+    answers before the body ends may close the connection under a client still sending."""
     address = urlsplit(url)
     sock = socket.create_connection((address.hostname, address.port), timeout=30)
 
@@ -49,7 +51,7 @@ def exchange(url: str, head: dict[str, str], chunks: Iterable[bytes]) -> tuple[i
             pass  # the server answered and closed: what the test checks
 
     with sock:
-        lines = [f"POST {address.path} HTTP/1.1", f"Host: {address.netloc}", "Connection: close"]
+        lines = [f"{method} {address.path} HTTP/1.1", f"Host: {address.netloc}", "Connection: close"]
         sock.sendall(("\r\n".join(lines + [f"{k}: {v}" for k, v in head.items()]) + "\r\n\r\n").encode())
         sender = threading.Thread(target=send_body, daemon=True)
         sender.start()
@@ -88,6 +90,21 @@ def test_chunked_body_over_the_limit_is_413(router_url: str) -> None:
         router_url + CHAT, {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}, chunks
     )
     assert_openai_error(status, body, 413)
+
+
+def test_a_gets_body_is_held_to_the_limit_too(router_url: str) -> None:
+    """A stored response's retrieval goes to the engine without a body, but the router reads what came: a
+    chunked body of 200 MiB was held whole."""
+    retrieval = router_url + "/v1/responses/resp_0123"
+    status, body = exchange(retrieval, {"Content-Length": str(2 * LIMIT)}, [], "GET")
+    assert_openai_error(status, body, 413)
+    mib = b"\xff" * 2**20  # not UTF-8 either, which is no concern of a body nothing reads
+    chunk = f"{len(mib):x}\r\n".encode() + mib + b"\r\n"
+    chunks = [chunk] * (LIMIT // len(mib) + 2) + [b"0\r\n\r\n"]
+    status, body = exchange(retrieval, {"Transfer-Encoding": "chunked"}, chunks, "GET")
+    assert_openai_error(status, body, 413)
+    status, body = exchange(retrieval, {"Transfer-Encoding": "chunked"}, [chunk, b"0\r\n\r\n"], "GET")
+    assert status != 413 and json.loads(body)["error"]["code"] != "invalid_encoding", body
 
 
 def test_chunked_body_under_the_limit_is_routed(router_url: str) -> None:
