@@ -5,7 +5,9 @@ the text right after occurrences of special tokens, reuses the ids of the longes
 seen, and encodes only the rest. The end of a text of up to WHOLE_TEXT_MAX_BYTES with a cut in it counts as
 a cut too, so a chat sent again (a retry, one prompt sampled many times) is not encoded at all; a later
 text finds that entry only where it has a cut at the same place, which an earlier text that did not end with
-a cut token cannot give.
+a cut token cannot give. Such a chat is keyed by what it renders from too (its messages, tools, template
+kwargs and flags), so the same chat sent again is not rendered again either, unless its template can render
+it otherwise the next time (it reads the date or draws random text).
 
 Why such a cut is exact. HF tokenizers encode in this order: split the text on added tokens whose
 ``normalized`` flag is false (literal, leftmost-longest matches); then normalize, pre-tokenize and run the
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, NamedTuple
 
+import msgspec
 import xxhash
 
 from router.prompt.tokenization import PromptTokenizer
@@ -164,6 +167,12 @@ def special_affixes(tokenizer: PromptTokenizer) -> tuple[list[int], list[int]] |
 # and its entry would keep the turn's ids alive after the next turn took over its prefixes (one block each).
 WHOLE_TEXT_MAX_BYTES = 32 * 1024
 
+# Template names whose output can change from one render of the same chat to the next: the day's date
+# (transformers' strftime_now), jinja's random filter and lorem ipsum generator.
+_UNSTABLE_TEMPLATE = re.compile(r"strftime_now|random|lipsum")
+_INPUTS_ENCODER = msgspec.json.Encoder()
+_INPUTS_SEED = 1  # keys of a chat's inputs, apart from those of its text
+
 
 @dataclass
 class TokenCacheStats:
@@ -172,6 +181,7 @@ class TokenCacheStats:
     tokens_reused: int = 0
     tokens_encoded: int = 0
     evictions: int = 0
+    renders_skipped: int = 0  # requests whose chat was known by its inputs: not rendered
 
 
 @dataclass
@@ -185,7 +195,7 @@ class _Block:
 class _Entry(NamedTuple):
     block: _Block
     tokens: int  # the prefix's ids are block.ids[:tokens]
-    nbytes: int  # the prefix's UTF-8 length: a cheap second check beside its 64-bit hash
+    nbytes: int  # the prefix's UTF-8 length, a cheap second check beside its 64-bit hash; -1 - n for inputs
 
 
 class CachedChatTokenizer:
@@ -207,6 +217,7 @@ class CachedChatTokenizer:
         self._affixes = special_affixes(tokenizer)
         alternatives = sorted((re.escape(token.encode()) for token in self.cut_tokens), key=len, reverse=True)
         self._cut_pattern = re.compile(b"|".join(alternatives)) if alternatives else None
+        self._stable_renders = not any(_UNSTABLE_TEMPLATE.search(t) for t in tokenizer.chat_templates())
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._cached_tokens = 0
         self._lock = threading.Lock()  # over _entries, _cached_tokens and stats
@@ -262,6 +273,24 @@ class CachedChatTokenizer:
                 calls_as_given,
             )
             return [*prefix, *plain, *suffix]
+        inputs = self._inputs_key(
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            add_special_tokens,
+            tools,
+            template_kwargs,
+            calls_as_given,
+        )
+        if inputs is not None:
+            with self._lock:
+                known = self._known_inputs(*inputs)
+                if known is not None:
+                    self.stats.requests += 1
+                    self.stats.hits += 1
+                    self.stats.renders_skipped += 1
+                    self.stats.tokens_reused += len(known)
+                    return known
         text = self.tokenizer.render_chat(
             messages,
             add_generation_prompt,
@@ -294,6 +323,8 @@ class CachedChatTokenizer:
                 self.stats.tokens_reused += entry.tokens
                 if start == len(data):  # the whole text
                     self._entries.move_to_end(keys[hit])
+                    if inputs is not None:
+                        self._attach(inputs, entry.block, entry.tokens)
                     return ids
             ends = [
                 self._known_tokens(key, nbytes)
@@ -309,8 +340,57 @@ class CachedChatTokenizer:
             ends.append(len(ids))
         with self._lock:
             self.stats.tokens_encoded += len(ids) - reused
-            self._remember(keys, cuts, ends, ids)
+            block = self._remember(keys, cuts, ends, ids)
+            if block is not None and inputs is not None and cuts[-1] == len(data):
+                self._attach(inputs, block, len(ids))
         return ids.copy()
+
+    def _inputs_key(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        add_special_tokens: bool,
+        tools: Sequence[Any] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        calls_as_given: bool,
+    ) -> tuple[int, int] | None:
+        """The key of a chat by what it renders from, and its entry's length marker; None where its text
+        would not be cached whole (no cut, a long chat) or its template may render it otherwise next time."""
+        if not self._stable_renders or self._cut_pattern is None or add_special_tokens:
+            return None
+        inputs = (
+            messages,
+            tools,
+            template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+            calls_as_given,
+        )
+        try:
+            data = _INPUTS_ENCODER.encode(inputs)
+        except (TypeError, ValueError, OverflowError):  # not plain data: rendered every time
+            return None
+        if len(data) > WHOLE_TEXT_MAX_BYTES:
+            return None
+        return xxhash.xxh3_64_intdigest(data, seed=_INPUTS_SEED), -1 - len(data)
+
+    def _known_inputs(self, key: int, marker: int) -> list[int] | None:
+        entry = self._entries.get(key)
+        if entry is None or entry.nbytes != marker:
+            return None
+        self._entries.move_to_end(key)
+        return entry.block.ids[: entry.tokens]
+
+    def _attach(self, inputs: tuple[int, int], block: _Block, tokens: int) -> None:
+        """Key a chat's whole ids by its inputs too, sharing its text's block."""
+        key, marker = inputs
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._release(old.block)
+        block.refs += 1
+        self._entries[key] = _Entry(block, tokens, marker)
+        self._evict()
 
     def _longest_cached(self, keys: list[int], cuts: list[int]) -> int:
         for index in range(len(keys) - 1, -1, -1):
@@ -322,10 +402,12 @@ class CachedChatTokenizer:
         entry = self._entries.get(key)
         return entry.tokens if entry is not None and entry.nbytes == nbytes else None
 
-    def _remember(self, keys: list[int], cuts: list[int], ends: list[int | None], ids: list[int]) -> None:
+    def _remember(
+        self, keys: list[int], cuts: list[int], ends: list[int | None], ids: list[int]
+    ) -> _Block | None:
         """Point every prefix of this chat at one block, so older blocks of the same session are freed."""
         if len(ids) > self.max_tokens:
-            return
+            return None
         block = _Block(ids)
         self._cached_tokens += len(ids)
         for key, nbytes, tokens in zip(keys, cuts, ends, strict=False):  # ends: one more past the last cut
@@ -336,6 +418,10 @@ class CachedChatTokenizer:
                 self._release(old.block)
             block.refs += 1
             self._entries[key] = _Entry(block, tokens, nbytes)
+        self._evict()
+        return block
+
+    def _evict(self) -> None:
         while len(self._entries) > self.max_entries or self._cached_tokens > self.max_tokens:
             self._release(self._entries.popitem(last=False)[1].block)
             self.stats.evictions += 1

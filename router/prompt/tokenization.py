@@ -171,6 +171,13 @@ class PromptTokenizer:
         except ValueError:  # no template, or named ones without a default
             return None
 
+    def chat_templates(self) -> list[str]:
+        """Every template a chat may render with: the one, or each of a dict of named ones."""
+        templates = self._tokenizer.chat_template
+        if templates is None:
+            return []
+        return [str(templates)] if isinstance(templates, str) else [str(t) for t in dict(templates).values()]
+
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 

@@ -181,6 +181,57 @@ def test_a_chat_sent_again_is_not_encoded_again(cached: CachedChatTokenizer) -> 
     assert cached.chat_ids(messages) == first
 
 
+def test_a_chat_sent_again_is_not_rendered_again(cached: CachedChatTokenizer) -> None:
+    """Keyed by its messages, tools, kwargs and flags too: each differing input is rendered, the same ones
+    once; a list of messages edited in place after a request is a new chat."""
+    tools = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object"}}}]
+    messages: Messages = [{"role": "user", "content": "Run the tests, then fix them. " * 20}]
+    variants: list[dict[str, Any]] = [
+        {},
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"tools": tools},
+        {"template_kwargs": {"enable_thinking": True}},
+        {"calls_as_given": True},
+    ]
+    for flags in variants:
+        first = cached.chat_ids(messages, **flags)
+        assert first == cached.tokenizer.chat_ids(messages, **flags), flags
+    assert cached.stats.renders_skipped == 0
+    for flags in variants:
+        assert cached.chat_ids(messages, **flags) == cached.tokenizer.chat_ids(messages, **flags), flags
+    assert cached.stats.renders_skipped == len(variants)
+    messages[0]["content"] = "Now only the failing one."
+    assert cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages)
+    assert cached.stats.renders_skipped == len(variants)
+
+
+@pytest.mark.parametrize("call", ["strftime_now('%d %b %Y')", "[1, 2, 3] | random", "lipsum(1)"])
+def test_a_template_that_may_render_a_chat_otherwise_renders_it_every_time(
+    model_dir: Path, tmp_path: Path, call: str
+) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{{ " + call + " }}</s>{% for m in messages %}{{ m.content }}</s>{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    cached = CachedChatTokenizer(PromptTokenizer(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    cached.chat_ids(messages)
+    cached.chat_ids(messages)
+    assert cached.stats.renders_skipped == 0 and cached.stats.requests == 2
+
+
+def test_a_chat_of_other_than_plain_data_is_rendered_every_time(cached: CachedChatTokenizer) -> None:
+    class Text:
+        def __str__(self) -> str:
+            return "an object the template prints"
+
+    messages = [{"role": "user", "content": "hi", "name": Text()}]
+    assert cached.chat_ids(messages) == cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages)
+    assert cached.stats.renders_skipped == 0
+
+
 def test_a_long_sessions_earlier_turns_are_freed_as_it_grows(cached: CachedChatTokenizer) -> None:
     """Past WHOLE_TEXT_MAX_BYTES a chat's whole text is no key of its own: each turn takes over the earlier
     turn's prefixes, whose ids are then freed, and the session holds one turn's ids at a time."""
