@@ -20,6 +20,12 @@ from router.prompt.chat_conversation import (
     engine_tools,
 )
 
+# A batch of texts is encoded on this thread, not handed to the tokenizers library's thread pool: the router
+# encodes one request's few new pieces at a time, and the pool's handover and its threads' spinning cost a
+# new 2 KiB chat 46 context switches and a tenth of a millisecond of system CPU (docs/notes/
+# overhead-investigations.md). Set here, on import, before any thread encodes; an operator's setting stays.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TOKENIZERS = ("tiny-llama",)  # tinymodel/builder.py builds it (its MODEL_NAME)
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +81,39 @@ def test_named_templates_without_a_default_have_none(model_dir: Path, tmp_path: 
     tokenizer = PromptTokenizer(copy)
     assert tokenizer.template_text(None) is None
     assert tokenizer.template_text([]) == "T"
+
+
+_THREADS_AROUND_A_BATCH = """
+import os, sys
+from pathlib import Path
+from router.prompt.tokenization import PromptTokenizer
+tokenizer = PromptTokenizer(Path(sys.argv[1]))
+before = len(os.listdir("/proc/self/task"))
+ids = tokenizer.texts_ids(["def f(x):\\n    return x\\n" * 200] * 8, add_special_tokens=False)
+print(before, len(os.listdir("/proc/self/task")), len(ids))
+"""
+
+
+@pytest.mark.parametrize("setting", [None, "true"])
+def test_a_batch_is_encoded_on_the_calling_thread_unless_the_operator_says_otherwise(
+    model_dir: Path, setting: str | None
+) -> None:
+    """The tokenizers library's thread pool (started on a batch's first parallel encode) costs the router a
+    handover and spinning threads per request; an operator's TOKENIZERS_PARALLELISM is kept."""
+    env = {key: value for key, value in os.environ.items() if key != "TOKENIZERS_PARALLELISM"}
+    if setting is not None:
+        env["TOKENIZERS_PARALLELISM"] = setting
+    run = subprocess.run(
+        [sys.executable, "-c", _THREADS_AROUND_A_BATCH, str(model_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    before, after, encoded = map(int, run.stdout.split())
+    assert encoded == 8
+    if setting is None:
+        assert after == before
+    else:  # the pool's threads: the check above can fail
+        assert after > before
