@@ -359,6 +359,8 @@ class CachedChatTokenizer:
         would not be cached whole (no cut, a long chat) or its template may render it otherwise next time."""
         if not self._stable_renders or self._cut_pattern is None or add_special_tokens:
             return None
+        if _text_beyond(messages, WHOLE_TEXT_MAX_BYTES):  # spares encoding a long history to find it out
+            return None
         inputs = (
             messages,
             tools,
@@ -430,6 +432,19 @@ class CachedChatTokenizer:
         block.refs -= 1
         if block.refs == 0:
             self._cached_tokens -= len(block.ids)
+
+
+def _text_beyond(messages: Sequence[Any], limit: int) -> bool:
+    """Whether the messages' plain string contents alone are longer than limit characters (so their UTF-8
+    too); a look at the first ones is enough for a long history."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+            if total > limit:
+                return True
+    return False
 
 
 def _prefix_keys(data: bytes, cuts: list[int]) -> list[int]:

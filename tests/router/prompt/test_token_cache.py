@@ -204,6 +204,9 @@ def test_a_chat_sent_again_is_not_rendered_again(cached: CachedChatTokenizer) ->
     messages[0]["content"] = "Now only the failing one."
     assert cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages)
     assert cached.stats.renders_skipped == len(variants)
+    long = [{"role": "user", "content": "An agent's long history. " * 2_000}]  # past WHOLE_TEXT_MAX_BYTES
+    assert cached.chat_ids(long) == cached.chat_ids(long) == cached.tokenizer.chat_ids(long)
+    assert cached.stats.renders_skipped == len(variants)
 
 
 @pytest.mark.parametrize("call", ["strftime_now('%d %b %Y')", "[1, 2, 3] | random", "lipsum(1)"])
