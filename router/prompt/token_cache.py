@@ -259,38 +259,16 @@ class CachedChatTokenizer:
         template_kwargs: Mapping[str, Any] | None = None,
         calls_as_given: bool = False,
     ) -> list[int]:
-        if (
-            add_special_tokens and self._affixes is not None
-        ):  # a Responses prompt: the chat's ids, a BOS before
+        if add_special_tokens and self._affixes is not None:  # a Responses prompt: a BOS, the chat's ids
             prefix, suffix = self._affixes
-            plain = self.chat_ids(
-                messages,
-                add_generation_prompt,
-                continue_final_message,
-                False,
-                tools,
-                template_kwargs,
-                calls_as_given,
-            )
+            flags = (add_generation_prompt, continue_final_message, False)
+            plain = self.chat_ids(messages, *flags, tools, template_kwargs, calls_as_given)
             return [*prefix, *plain, *suffix]
-        inputs = self._inputs_key(
-            messages,
-            add_generation_prompt,
-            continue_final_message,
-            add_special_tokens,
-            tools,
-            template_kwargs,
-            calls_as_given,
-        )
-        if inputs is not None:
-            with self._lock:
-                known = self._known_inputs(*inputs)
-                if known is not None:
-                    self.stats.requests += 1
-                    self.stats.hits += 1
-                    self.stats.renders_skipped += 1
-                    self.stats.tokens_reused += len(known)
-                    return known
+        rendered_from = (messages, tools, template_kwargs, add_generation_prompt, continue_final_message)
+        inputs = None if add_special_tokens else self._inputs_key((*rendered_from, calls_as_given))
+        known = None if inputs is None else self._rendered_before(*inputs)
+        if known is not None:
+            return known
         text = self.tokenizer.render_chat(
             messages,
             add_generation_prompt,
@@ -345,44 +323,33 @@ class CachedChatTokenizer:
                 self._attach(inputs, block, len(ids))
         return ids.copy()
 
-    def _inputs_key(
-        self,
-        messages: Sequence[Any],
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        add_special_tokens: bool,
-        tools: Sequence[Any] | None,
-        template_kwargs: Mapping[str, Any] | None,
-        calls_as_given: bool,
-    ) -> tuple[int, int] | None:
+    def _inputs_key(self, rendered_from: tuple[Any, ...]) -> tuple[int, int] | None:
         """The key of a chat by what it renders from, and its entry's length marker; None where its text
         would not be cached whole (no cut, a long chat) or its template may render it otherwise next time."""
-        if not self._stable_renders or self._cut_pattern is None or add_special_tokens:
+        if not self._stable_renders or self._cut_pattern is None:
             return None
-        if _text_beyond(messages, WHOLE_TEXT_MAX_BYTES):  # spares encoding a long history to find it out
+        if _text_beyond(rendered_from[0], WHOLE_TEXT_MAX_BYTES):  # spares encoding a long history to see it
             return None
-        inputs = (
-            messages,
-            tools,
-            template_kwargs,
-            add_generation_prompt,
-            continue_final_message,
-            calls_as_given,
-        )
         try:
-            data = _INPUTS_ENCODER.encode(inputs)
+            data = _INPUTS_ENCODER.encode(rendered_from)
         except (TypeError, ValueError, OverflowError):  # not plain data: rendered every time
             return None
         if len(data) > WHOLE_TEXT_MAX_BYTES:
             return None
         return xxhash.xxh3_64_intdigest(data, seed=_INPUTS_SEED), -1 - len(data)
 
-    def _known_inputs(self, key: int, marker: int) -> list[int] | None:
-        entry = self._entries.get(key)
-        if entry is None or entry.nbytes != marker:
-            return None
-        self._entries.move_to_end(key)
-        return entry.block.ids[: entry.tokens]
+    def _rendered_before(self, key: int, marker: int) -> list[int] | None:
+        """The ids of a chat known by its inputs, counted as a request that rendered nothing."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.nbytes != marker:
+                return None
+            self._entries.move_to_end(key)
+            self.stats.requests += 1
+            self.stats.hits += 1
+            self.stats.renders_skipped += 1
+            self.stats.tokens_reused += entry.tokens
+            return entry.block.ids[: entry.tokens]
 
     def _attach(self, inputs: tuple[int, int], block: _Block, tokens: int) -> None:
         """Key a chat's whole ids by its inputs too, sharing its text's block."""
