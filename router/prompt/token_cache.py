@@ -354,12 +354,16 @@ class CachedChatTokenizer:
     def _attach(self, inputs: tuple[int, int], block: _Block, tokens: int) -> None:
         """Key a chat's whole ids by its inputs too, sharing its text's block."""
         key, marker = inputs
+        self._point(key, _Entry(block, tokens, marker))
+        self._evict()
+
+    def _point(self, key: int, entry: _Entry) -> None:
+        """key to entry, the block it pointed to released."""
         old = self._entries.pop(key, None)
         if old is not None:
             self._release(old.block)
-        block.refs += 1
-        self._entries[key] = _Entry(block, tokens, marker)
-        self._evict()
+        entry.block.refs += 1
+        self._entries[key] = entry
 
     def _longest_cached(self, keys: list[int], cuts: list[int]) -> int:
         for index in range(len(keys) - 1, -1, -1):
@@ -380,13 +384,8 @@ class CachedChatTokenizer:
         block = _Block(ids)
         self._cached_tokens += len(ids)
         for key, nbytes, tokens in zip(keys, cuts, ends, strict=False):  # ends: one more past the last cut
-            if tokens is None:
-                continue
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._release(old.block)
-            block.refs += 1
-            self._entries[key] = _Entry(block, tokens, nbytes)
+            if tokens is not None:
+                self._point(key, _Entry(block, tokens, nbytes))
         self._evict()
         return block
 
