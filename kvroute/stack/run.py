@@ -39,7 +39,7 @@ from kvroute.processes import (
 )
 from kvroute.stack.config import SIDE_CHANNEL_ENV, StackConfig
 from router.config import ConfigError, Role, parse_config
-from router.prompt.tokenization import resolve_tokenizer_path
+from router.prompt.tokenization import environment_as_given, resolve_tokenizer_path
 
 log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
@@ -192,7 +192,8 @@ class StackPlan:
         return multi
 
     def vllm_env(self, index: int) -> dict[str, str]:
-        env = {**os.environ, **self.config.vllm.env, **self.config.vllm.instance(index).env}
+        given = environment_as_given(os.environ)  # the engines' tokenizers as vLLM sets them up
+        env = {**given, **self.config.vllm.env, **self.config.vllm.instance(index).env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.python_path_dir), env.get("PYTHONPATH")]))
         if self.config.pool is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.mooncake_json)

@@ -332,7 +332,7 @@ class CachedChatTokenizer:
             return None
         try:
             data = _INPUTS_ENCODER.encode(rendered_from)
-        except (TypeError, ValueError, OverflowError):  # not plain data: rendered every time
+        except (TypeError, ValueError, OverflowError, RecursionError):  # not plain data: rendered every time
             return None
         if len(data) > WHOLE_TEXT_MAX_BYTES:
             return None
@@ -401,15 +401,18 @@ class CachedChatTokenizer:
 
 
 def _text_beyond(messages: Sequence[Any], limit: int) -> bool:
-    """Whether the messages' plain string contents alone are longer than limit characters (so their UTF-8
-    too); a look at the first ones is enough for a long history."""
+    """Whether the messages' string contents and text parts alone are longer than limit characters (so their
+    UTF-8 too); a look at the first ones is enough for a long history."""
     total = 0
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
             total += len(content)
-            if total > limit:
-                return True
+        elif isinstance(content, list):
+            texts = (part.get("text") for part in content if isinstance(part, dict))
+            total += sum(len(text) for text in texts if isinstance(text, str))
+        if total > limit:
+            return True
     return False
 
 

@@ -23,8 +23,17 @@ from router.prompt.chat_conversation import (
 # A batch of texts is encoded on this thread, not handed to the tokenizers library's thread pool: the router
 # encodes one request's few new pieces at a time, and the pool's handover and its threads' spinning cost a
 # new 2 KiB chat 46 context switches and a tenth of a millisecond of system CPU (docs/notes/
-# overhead-investigations.md). Set here, on import, before any thread encodes; an operator's setting stays.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# overhead-investigations.md). Set here, on import, before any thread encodes; an operator's setting stays,
+# and processes started from here that are not kvroute's (the stack's engines) get the environment as it was.
+PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
+_PARALLELISM_SET_HERE = PARALLELISM_ENV not in os.environ
+os.environ.setdefault(PARALLELISM_ENV, "false")
+
+
+def environment_as_given(env: Mapping[str, str]) -> dict[str, str]:
+    """env without what this module set in the process's environment."""
+    return {k: v for k, v in env.items() if not (_PARALLELISM_SET_HERE and k == PARALLELISM_ENV)}
+
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TOKENIZERS = ("tiny-llama",)  # tinymodel/builder.py builds it (its MODEL_NAME)

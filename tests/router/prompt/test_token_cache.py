@@ -235,6 +235,16 @@ def test_a_chat_of_other_than_plain_data_is_rendered_every_time(cached: CachedCh
     assert cached.stats.renders_skipped == 0
 
 
+def test_a_chat_too_deep_to_key_is_rendered_every_time(cached: CachedChatTokenizer) -> None:
+    """A field the template never reads may nest deeper than the key's encoding goes: the chat is rendered."""
+    deep: Any = []
+    for _ in range(995):
+        deep = [deep]
+    messages = [{"role": "user", "content": "hi", "metadata": deep}]
+    assert cached.chat_ids(messages) == cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages)
+    assert cached.stats.renders_skipped == 0
+
+
 def test_a_long_sessions_earlier_turns_are_freed_as_it_grows(cached: CachedChatTokenizer) -> None:
     """Past WHOLE_TEXT_MAX_BYTES a chat's whole text is no key of its own: each turn takes over the earlier
     turn's prefixes, whose ids are then freed, and the session holds one turn's ids at a time."""
