@@ -243,35 +243,41 @@ class Attempts:
         if upstream.status in REFUSED_CREDENTIALS:
             # The router's key (clients' never reach engines), which vLLM checks before anything else: nothing
             # ran, and another instance may take it. Counted against this one's breaker.
-            outcome.abandon(upstream, admitted=False, withdraw=True)
-            tries.tried.add(instance.name)
-            metrics.upstream_errors(instance.name, "unauthorized").inc()
             tries.refused = instance.name, upstream.status
-            return False
+            return self._passed_on(upstream, outcome, tries, "unauthorized")
         if 300 <= upstream.status < 400:
             # Not followed: what the instance's URL leads to is no instance the index and the load accounting
             # know (an ingress redirecting to https, a moved host), and aiohttp would send a 301's or 302's
             # POST on as a GET. Nothing ran; another instance may take it. Counted against its breaker.
-            outcome.abandon(upstream, admitted=False, withdraw=True)
-            tries.tried.add(instance.name)
-            metrics.upstream_errors(instance.name, "redirect").inc()
             tries.redirected = instance.name, upstream.status, upstream.headers.get("Location", "")
-            return False
+            return self._passed_on(upstream, outcome, tries, "redirect")
         if upstream.status == BUSY and self._may_retry(outcome.model, attempt, tries.tried | {instance.name}):
             # vLLM's admission control (--max-num-queued-reqs, --max-num-queued-tokens) and a fleet being
             # scaled refuse with 503 before anything runs, asking for "a different instance". The last
             # instance's 503 reaches the client, with its Retry-After.
-            outcome.abandon(upstream, failed=False, admitted=False, withdraw=True)
-            tries.tried.add(instance.name)
-            metrics.upstream_errors(instance.name, "busy").inc()
             metrics.retries(instance.name).inc()
-            return False
+            return self._passed_on(upstream, outcome, tries, "busy", failed=False)
         try:
             outcome.answered(upstream, first, attempts=len(tries.tried) + 1)
         except BaseException:
             outcome.abandon(upstream, failed=False)
             raise
         return True
+
+    def _passed_on(
+        self,
+        upstream: aiohttp.ClientResponse,
+        outcome: Outcome,
+        tries: _Tries,
+        kind: str,
+        failed: bool = True,
+    ) -> bool:
+        """The instance answered that nothing ran: the request goes to another (False: not the client's);
+        kind: the upstream error counted; failed: counted against its breaker too."""
+        outcome.abandon(upstream, failed=failed, admitted=False, withdraw=True)
+        tries.tried.add(outcome.instance.name)
+        self._metrics.upstream_errors(outcome.instance.name, kind).inc()
+        return False
 
     def _none_answered(self, model: str, policy: Policy, tries: _Tries) -> OpenAIError:
         """Why no instance answered, once none is left to try."""

@@ -24,7 +24,7 @@ _CHUNK_FRAMING_BYTES = 32
 
 
 def connection_protocol(
-    header_timeout_s: float, refused: Callable[[str], None], max_head_bytes: int = 64 * 2**10
+    header_timeout_s: float, refused: Callable[[str], None], max_head_bytes: int
 ) -> type[HttpToolsProtocol]:
     """RouterProtocol with these limits. refused: told the code of each answer it gives before any app sees
     the request (a 400 for malformed HTTP, a 408 for a head too slow, a 431 for one too large)."""

@@ -101,6 +101,16 @@ def play_session(cached: CachedChatTokenizer, rng: random.Random, turns: int, sy
     return messages
 
 
+def with_template(model_dir: Path, directory: Path, template: str) -> PromptTokenizer:
+    """The tiny model's tokenizer, copied into directory with another chat template."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((model_dir / name).read_bytes())
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    settings["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return PromptTokenizer(directory)
+
+
 @pytest.fixture
 def cached(tokenizer: PromptTokenizer) -> CachedChatTokenizer:
     return CachedChatTokenizer(tokenizer)
@@ -213,12 +223,8 @@ def test_a_chat_sent_again_is_not_rendered_again(cached: CachedChatTokenizer) ->
 def test_a_template_that_may_render_a_chat_otherwise_renders_it_every_time(
     model_dir: Path, tmp_path: Path, call: str
 ) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
-    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    settings["chat_template"] = "{{ " + call + " }}</s>{% for m in messages %}{{ m.content }}</s>{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
-    cached = CachedChatTokenizer(PromptTokenizer(tmp_path))
+    template = "{{ " + call + " }}</s>{% for m in messages %}{{ m.content }}</s>{% endfor %}"
+    cached = CachedChatTokenizer(with_template(model_dir, tmp_path, template))
     messages = [{"role": "user", "content": "hi"}]
     cached.chat_ids(messages)
     cached.chat_ids(messages)
@@ -324,15 +330,11 @@ def test_callers_may_change_the_ids_they_get(cached: CachedChatTokenizer) -> Non
 
 
 def test_a_template_that_rejects_the_start_up_render_still_serves(model_dir: Path, tmp_path: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
-    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    settings["chat_template"] = (
+    template = (
         "{% if messages[0].role != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
         "{% for m in messages %}{{ m.content }}</s>{% endfor %}"
     )
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
-    cached = CachedChatTokenizer(PromptTokenizer(tmp_path))
+    cached = CachedChatTokenizer(with_template(model_dir, tmp_path, template))
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert cached.chat_ids(messages) == cached.tokenizer.chat_ids(messages)
 
