@@ -9,19 +9,17 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import uvloop
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.config import RouterConfig
 from router.epp import messages
+from router.epp.grpc_service import Readiness, start_server
 from router.epp.picking import Picker
 from router.epp.session import Exchanges
 from router.reload import Reloader
@@ -30,10 +28,8 @@ from router.supervisor import supervise
 
 log = logging.getLogger(__name__)
 
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-_ALWAYS_SERVING = ("", "liveness")  # the process answers
-_SERVING_WHEN_READY = ("readiness", EXT_PROC_SERVICE)  # and some instance can take a request
 _READINESS_EVERY_S = 1.0
+_MESSAGE_OVERHEAD_BYTES = 64 << 10  # an ext_proc message's fields beside its body: headers, metadata
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -55,7 +51,7 @@ class ExtProc:
     def __init__(self, picker: Picker, max_body_bytes: int) -> None:
         self._exchanges = Exchanges(picker, max_body_bytes)
 
-    async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncGenerator[Any, None]:
         first = await anext(requests, None)
         if first is None:
             return
@@ -106,8 +102,8 @@ class ExtProc:
 
 def run_epp(config: RouterConfig, listen: Listen, fallbacks: int, path: Path | None = None) -> None:
     """path: the file config came from, re-read on SIGHUP and when what it holds changes (router/reload.py);
-    None: config is kept as it is. On uvloop, as `serve` is: grpc.aio runs on any asyncio loop, and its
-    callbacks for every message cost less there than on asyncio's own loop."""
+    None: config is kept as it is. On uvloop, as `serve` is: gRPC (router/epp/grpc_service.py) runs on the
+    same loop."""
     uvloop.run(_serve(config, listen, fallbacks, path))
 
 
@@ -118,9 +114,12 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int, path: Pat
         loop.add_signal_handler(sig, stop.set)
     async with Runtime(config) as runtime, contextlib.AsyncExitStack() as stack:
         picker = Picker(runtime.routing, runtime.health, runtime.metrics, fallbacks)
-        server, checks = await _grpc_server(ExtProc(picker, config.limits.max_body_bytes), listen)
-        await _background(stack, runtime, checks, Reloader(runtime, path))
-        await server.start()
+        readiness = Readiness()
+        await _background(stack, runtime, readiness, Reloader(runtime, path))
+        # A body comes whole in one message (buffered) or in chunks: none is longer than a body taken.
+        max_message_bytes = config.limits.max_body_bytes + _MESSAGE_OVERHEAD_BYTES
+        ext_proc = ExtProc(picker, config.limits.max_body_bytes)
+        server, service = await start_server(ext_proc, readiness, listen.host, listen.port, max_message_bytes)
         # Up last: a process manager (or a test) that sees /metrics answer finds the gRPC port open too.
         stack.push_async_callback((await _metrics_site(runtime, listen)).cleanup)
         log.info(
@@ -136,35 +135,20 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int, path: Pat
             await stop.wait()
         finally:
             log.info("shutting down: streams in flight get %g s to finish", config.shutdown_grace_s)
-            await checks.enter_graceful_shutdown()
-            await server.stop(config.shutdown_grace_s)
-
-
-async def _grpc_server(ext_proc: ExtProc, listen: Listen) -> tuple[grpc.aio.Server, Any]:
-    """ext_proc and gRPC health, bound but not started; _background sets the health service's readiness."""
-    server = grpc.aio.server()
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(ext_proc, server)
-    checks = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    host = f"[{listen.host}]" if ":" in listen.host else listen.host
-    server.add_insecure_port(f"{host}:{listen.port}")  # raises when the port cannot be bound
-    for service in _ALWAYS_SERVING:
-        await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return server, checks
+            readiness.shut_down()
+            await service.drain(config.shutdown_grace_s)
+            server.close()
+            await server.wait_closed()
 
 
 async def _background(
-    stack: contextlib.AsyncExitStack, runtime: Runtime, checks: Any, reloader: Reloader
+    stack: contextlib.AsyncExitStack, runtime: Runtime, health: Readiness, reloader: Reloader
 ) -> None:
     """Readiness set, then followed (some instance healthy), and the configuration file watched, until stack
     closes."""
 
     async def readiness() -> None:
-        ready = any(i.healthy for i in runtime.upstreams.instances)
-        serving = health_pb2.HealthCheckResponse
-        status = serving.SERVING if ready else serving.NOT_SERVING
-        for service in _SERVING_WHEN_READY:
-            await checks.set(service, status)
+        health.set(any(i.healthy for i in runtime.upstreams.instances))
 
     await readiness()
     failures = runtime.metrics.task_failures

@@ -2,7 +2,8 @@
 ext_proc server that decides nothing, every request to the first instance, with which Envoy, on the same
 configuration (configs/envoy-epp.yaml, or its one-filter layout), holds the same streams a request as with
 ``kvroute epp``, each message answered as ``kvroute epp`` answers it. Its CPU a request is what gRPC and
-Python cost a picker before any decision: the least a picker on Python's gRPC can spend.
+Python cost a picker before any decision: the least a picker on kvroute's gRPC server
+(router/epp/grpc_service.py) can spend.
 
     python -m kvroute.bench.overhead.null_picker --port P --endpoint HOST:PORT   (gRPC on P, /health on P + 1)
 """
@@ -11,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-import grpc
 import uvloop
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
+from router.config import LimitsConfig
 from router.epp import messages
+from router.epp.grpc_service import start_server
 
 
 class NullExtProc:
@@ -27,7 +28,7 @@ class NullExtProc:
         self._endpoint = endpoint
         self._keys = itertools.count(1)
 
-    async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncGenerator[Any, None]:
         first = await anext(requests, None)
         if first is None:
             return
@@ -79,16 +80,15 @@ async def _health(_: web.Request) -> web.Response:
 
 
 async def _serve(port: int, endpoint: str) -> None:
-    server = grpc.aio.server()
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(NullExtProc(endpoint), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    server, _ = await start_server(
+        NullExtProc(endpoint), None, "127.0.0.1", port, LimitsConfig().max_body_bytes
+    )
     app = web.Application()
     app.router.add_get("/health", _health)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port + 1).start()
-    await server.wait_for_termination()
+    await server.wait_closed()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
