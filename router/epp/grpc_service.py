@@ -25,6 +25,9 @@ from grpclib.exceptions import GRPCError
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _PROCESS = f"/{EXT_PROC_SERVICE}/Process"
 _PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
+# An ext_proc message's fields beside the body it carries (headers, metadata). A body comes whole in one
+# message (buffered) or in chunks: no message is longer than a body taken and these.
+MESSAGE_OVERHEAD_BYTES = 64 << 10
 
 
 class Servicer(Protocol):
@@ -178,10 +181,11 @@ class Readiness:
 
 
 async def start_server(
-    servicer: Servicer, readiness: Readiness | None, host: str, port: int, max_message_bytes: int
+    servicer: Servicer, readiness: Readiness | None, host: str, port: int, max_body_bytes: int
 ) -> tuple[grpclib.server.Server, ExtProcService]:
-    """ext_proc (and health, with readiness) listening on host:port; raises OSError when it cannot bind."""
-    ext_proc = ExtProcService(servicer, max_message_bytes)
+    """ext_proc (and health, with readiness) listening on host:port, taking messages that carry up to
+    max_body_bytes of a body; raises OSError when it cannot bind."""
+    ext_proc = ExtProcService(servicer, max_body_bytes + MESSAGE_OVERHEAD_BYTES)
     services: list[Any] = [ext_proc] if readiness is None else [ext_proc, readiness]
     server = grpclib.server.Server(services)
     await server.start(host, port)

@@ -29,7 +29,6 @@ from router.supervisor import supervise
 log = logging.getLogger(__name__)
 
 _READINESS_EVERY_S = 1.0
-_MESSAGE_OVERHEAD_BYTES = 64 << 10  # an ext_proc message's fields beside its body: headers, metadata
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -116,10 +115,9 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int, path: Pat
         picker = Picker(runtime.routing, runtime.health, runtime.metrics, fallbacks)
         readiness = Readiness()
         await _background(stack, runtime, readiness, Reloader(runtime, path))
-        # A body comes whole in one message (buffered) or in chunks: none is longer than a body taken.
-        max_message_bytes = config.limits.max_body_bytes + _MESSAGE_OVERHEAD_BYTES
-        ext_proc = ExtProc(picker, config.limits.max_body_bytes)
-        server, service = await start_server(ext_proc, readiness, listen.host, listen.port, max_message_bytes)
+        max_body_bytes = config.limits.max_body_bytes
+        ext_proc = ExtProc(picker, max_body_bytes)
+        server, service = await start_server(ext_proc, readiness, listen.host, listen.port, max_body_bytes)
         # Up last: a process manager (or a test) that sees /metrics answer finds the gRPC port open too.
         stack.push_async_callback((await _metrics_site(runtime, listen)).cleanup)
         log.info(

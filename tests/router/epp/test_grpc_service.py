@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.processes import free_port_block
-from router.epp.grpc_service import EXT_PROC_SERVICE, Readiness, start_server
+from router.epp.grpc_service import EXT_PROC_SERVICE, MESSAGE_OVERHEAD_BYTES, Readiness, start_server
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -36,15 +36,13 @@ def body(size: int) -> ext_proc.ProcessingRequest:
     return ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=b"x" * size))
 
 
-def served(
-    test: Callable[[Any, Any, Readiness, int], Awaitable[None]], max_message_bytes: int = 1024
-) -> None:
+def served(test: Callable[[Any, Any, Readiness, int], Awaitable[None]], max_body_bytes: int = 1024) -> None:
     """test(servicer, service, readiness, port) against a server started for it, closed after."""
 
     async def run() -> None:
         port = free_port_block(1)
         servicer, readiness = Echo(), Readiness()
-        server, service = await start_server(servicer, readiness, "127.0.0.1", port, max_message_bytes)
+        server, service = await start_server(servicer, readiness, "127.0.0.1", port, max_body_bytes)
         try:
             await test(servicer, service, readiness, port)
         finally:
@@ -61,7 +59,10 @@ def test_a_message_past_the_bound_ends_its_stream_before_it_is_read() -> None:
             answers = [answer async for answer in stub.Process(iter([body(100), body(900)]))]
             assert len(answers) == 2
             with pytest.raises(grpc.aio.AioRpcError) as raised:
-                _ = [answer async for answer in stub.Process(iter([body(100), body(4096)]))]
+                _ = [
+                    answer
+                    async for answer in stub.Process(iter([body(100), body(1024 + MESSAGE_OVERHEAD_BYTES)]))
+                ]
             assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert servicer.read == [100, 900, 100]  # the long one never reached it
 
