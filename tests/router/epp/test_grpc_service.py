@@ -5,6 +5,7 @@ and refuses new ones, and gRPC health's Check and Watch."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -89,6 +90,26 @@ def test_a_drain_lets_open_streams_finish_and_refuses_new_ones() -> None:
         assert servicer.read == [1, 2]
 
     served(test)
+
+
+def test_a_stream_its_peer_resets_ends_without_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Envoy resets the picker's held answering stream at every request's end: grpclib would log each at
+    INFO, a line a request."""
+    caplog.set_level(logging.INFO)
+
+    async def test(servicer: Echo, service: Any, readiness: Readiness, port: int) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)
+            for _ in range(3):
+                held = stub.Process()
+                await held.write(body(1))
+                await held.read()
+                held.cancel()  # RST_STREAM
+            await asyncio.wait_for(service.drain(5.0), 5.0)  # returns once the server ended all three
+        assert servicer.read == [1, 1, 1]
+
+    served(test)
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("grpclib")] == []
 
 
 def test_health_follows_readiness_and_shutdown() -> None:
