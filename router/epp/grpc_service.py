@@ -23,6 +23,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2
 from grpc_health.v1 import health_pb2
 from grpclib.exceptions import GRPCError
 
+from router.epp.quiet_http2 import skip_debug_only_work
+
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _PROCESS = f"/{EXT_PROC_SERVICE}/Process"
 _PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
@@ -192,6 +194,7 @@ async def start_server(
     stream_log = logging.getLogger("grpclib.server")
     if not stream_log.isEnabledFor(logging.DEBUG):
         stream_log.setLevel(logging.WARNING)
+    skip_debug_only_work()
     services: list[Any] = [ext_proc] if readiness is None else [ext_proc, readiness]
     server = grpclib.server.Server(services)
     await server.start(host, port)
