@@ -25,6 +25,7 @@ from router.epp.session import Exchanges
 from router.reload import Reloader
 from router.runtime import Runtime
 from router.supervisor import supervise
+from router.upstreams.http_session import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int, path: Pat
             len(runtime.upstreams.instances),
             fallbacks,
         )
+        freeze_startup_objects()  # as `serve` does: start-up's objects are out of the collector's walks
         try:
             await stop.wait()
         finally:

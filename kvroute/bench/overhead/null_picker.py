@@ -21,6 +21,7 @@ from aiohttp import web
 from router.config import LimitsConfig
 from router.epp import messages
 from router.epp.grpc_service import start_server
+from router.upstreams.http_session import freeze_startup_objects
 
 
 class NullExtProc:
@@ -88,6 +89,7 @@ async def _serve(port: int, endpoint: str) -> None:
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port + 1).start()
+    freeze_startup_objects()  # as the picker does
     await server.wait_closed()
 
 
