@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2
 from grpc_health.v1 import health_pb2
 from grpclib.exceptions import GRPCError
 
-from router.epp.quiet_http2 import skip_debug_only_work
+from router.epp.lean_http2 import trim_library_costs
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _PROCESS = f"/{EXT_PROC_SERVICE}/Process"
@@ -194,7 +194,7 @@ async def start_server(
     stream_log = logging.getLogger("grpclib.server")
     if not stream_log.isEnabledFor(logging.DEBUG):
         stream_log.setLevel(logging.WARNING)
-    skip_debug_only_work()
+    trim_library_costs()
     services: list[Any] = [ext_proc] if readiness is None else [ext_proc, readiness]
     server = grpclib.server.Server(services)
     await server.start(host, port)

@@ -1,5 +1,5 @@
-"""router/epp/quiet_http2.py: the picker's HTTP/2 libraries skip the work done only for debug output, and
-keep it when their logger is on for DEBUG."""
+"""router/epp/lean_http2.py: the picker's HTTP/2 libraries skip the work done only for debug output (and keep
+it when their logger is on for DEBUG), and decode a Huffman-coded literal once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import hpack.table
 import pytest
 from hyperframe.frame import DataFrame
 
-from router.epp.quiet_http2 import skip_debug_only_work
+from router.epp.lean_http2 import _decoded, trim_library_costs
 
 HEADERS = [
     (":method", "POST"),
@@ -40,7 +40,7 @@ def real_loggers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_frame_is_shown_by_its_type_and_stream_not_its_body() -> None:
-    skip_debug_only_work()
+    trim_library_costs()
     assert repr(DataFrame(7, data=b"a body not rendered")) == "DataFrame(stream_id=7)"
 
 
@@ -49,7 +49,7 @@ def test_hpack_makes_no_debug_call_when_its_logger_is_off(
 ) -> None:
     real_loggers(monkeypatch)
     caplog.set_level(logging.INFO, logger="hpack")
-    skip_debug_only_work()
+    trim_library_costs()
     calls = debug_calls(monkeypatch)
     assert list(hpack.Decoder().decode(hpack.Encoder().encode(HEADERS))) == HEADERS  # type: ignore[comparison-overlap]
     assert calls == []
@@ -60,7 +60,18 @@ def test_hpack_logs_as_before_when_its_logger_is_on_for_debug(
 ) -> None:
     real_loggers(monkeypatch)
     caplog.set_level(logging.DEBUG, logger="hpack")
-    skip_debug_only_work()
+    trim_library_costs()
     calls = debug_calls(monkeypatch)
     hpack.Decoder().decode(hpack.Encoder().encode(HEADERS))
     assert calls and set(calls) <= {"hpack.hpack", "hpack.table"}
+
+
+def test_a_huffman_coded_literal_is_decoded_once() -> None:
+    trim_library_costs()
+    trim_library_costs()  # idempotent
+    _decoded.cache_clear()
+    encoded = hpack.Encoder().encode(HEADERS, huffman=True)
+    for _ in range(3):
+        assert list(hpack.Decoder().decode(encoded)) == HEADERS  # type: ignore[comparison-overlap]
+    info = _decoded.cache_info()
+    assert info.misses >= 1 and info.hits == 2 * info.misses
