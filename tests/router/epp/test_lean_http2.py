@@ -44,26 +44,19 @@ def test_a_frame_is_shown_by_its_type_and_stream_not_its_body() -> None:
     assert repr(DataFrame(7, data=b"a body not rendered")) == "DataFrame(stream_id=7)"
 
 
-def test_hpack_makes_no_debug_call_when_its_logger_is_off(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG])
+def test_hpack_calls_debug_only_when_its_logger_is_on_for_it(
+    level: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     real_loggers(monkeypatch)
-    caplog.set_level(logging.INFO, logger="hpack")
+    caplog.set_level(level, logger="hpack")
     trim_library_costs()
     calls = debug_calls(monkeypatch)
     assert list(hpack.Decoder().decode(hpack.Encoder().encode(HEADERS))) == HEADERS  # type: ignore[comparison-overlap]
-    assert calls == []
-
-
-def test_hpack_logs_as_before_when_its_logger_is_on_for_debug(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    real_loggers(monkeypatch)
-    caplog.set_level(logging.DEBUG, logger="hpack")
-    trim_library_costs()
-    calls = debug_calls(monkeypatch)
-    hpack.Decoder().decode(hpack.Encoder().encode(HEADERS))
-    assert calls and set(calls) <= {"hpack.hpack", "hpack.table"}
+    if level == logging.DEBUG:
+        assert calls and set(calls) <= {"hpack.hpack", "hpack.table"}
+    else:
+        assert calls == []
 
 
 def test_a_huffman_coded_literal_is_decoded_once() -> None:
