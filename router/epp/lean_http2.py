@@ -7,7 +7,7 @@ streams:
 - hpack decodes the same Huffman-coded `:path` on every stream: Envoy's encoder never indexes a pseudo-header
   but `:authority`, and hpack decodes Huffman a bit at a time in Python (7 us for that path).
 The first two cost the picker about 0.1 ms of CPU a request at one connection, the third 0.03-0.09
-(docs/notes, "The picker's gRPC server").
+(docs/notes/overhead-investigations.md, "What the picker paid for that was not its work").
 """
 
 from __future__ import annotations
