@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any, Protocol
@@ -189,11 +188,6 @@ async def start_server(
     """ext_proc (and health, with readiness) listening on host:port, taking messages that carry up to
     max_body_bytes of a body; raises OSError when it cannot bind."""
     ext_proc = ExtProcService(servicer, max_body_bytes + MESSAGE_OVERHEAD_BYTES)
-    # grpclib logs each stream its peer resets at INFO, and Envoy resets a held stream at every request's
-    # end (configs/envoy-epp.yaml's answering filter): a line and a file write a request. Kept for debug.
-    stream_log = logging.getLogger("grpclib.server")
-    if not stream_log.isEnabledFor(logging.DEBUG):
-        stream_log.setLevel(logging.WARNING)
     trim_library_costs()
     services: list[Any] = [ext_proc] if readiness is None else [ext_proc, readiness]
     server = grpclib.server.Server(services)

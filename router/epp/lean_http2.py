@@ -1,13 +1,15 @@
-"""Work the picker's HTTP/2 libraries repeat for nothing, skipped.
+"""Work the picker's gRPC and HTTP/2 libraries repeat for nothing, skipped.
 
 grpclib runs on h2, hpack and hyperframe, pure Python. Per request through configs/envoy-epp.yaml's three
 streams:
+- grpclib logs at INFO each stream its peer resets, and Envoy resets the held answering stream at every
+  request's end: a line and a file write a request;
 - h2 builds `repr(frame)` of every frame it receives (about 12) for a trace logger grpclib never gives it;
 - hpack calls `log.debug` for each header it encodes or decodes (about 80 calls);
 - hpack decodes the same Huffman-coded `:path` on every stream: Envoy's encoder never indexes a pseudo-header
   but `:authority`, and hpack decodes Huffman a bit at a time in Python (7 us for that path).
-The first two cost the picker about 0.1 ms of CPU a request at one connection, the third 0.03-0.09
-(docs/notes/overhead-investigations.md, "What the picker paid for that was not its work").
+At one connection the first cost the picker about 0.1 ms of CPU a request, the next two together as much,
+the last 0.03-0.09 (docs/notes/overhead-investigations.md, "What the picker paid for that was not its work").
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ def _short_repr(frame: hyperframe.frame.Frame) -> str:
 
 
 def trim_library_costs() -> None:
-    """Frames' reprs shortened to their type and stream, Huffman-coded literals decoded once, and hpack's
-    debug calls made no-ops unless its logger is on for DEBUG. Idempotent."""
+    """Frames' reprs shortened to their type and stream, Huffman-coded literals decoded once; unless their
+    loggers are on for DEBUG, grpclib's INFO lines dropped and hpack's debug calls made no-ops. Idempotent."""
     hyperframe.frame.Frame.__repr__ = _short_repr  # type: ignore[method-assign]
     hpack.hpack.decode_huffman = _decode_huffman_once  # type: ignore[attr-defined]
-    if logging.getLogger("hpack").isEnabledFor(logging.DEBUG):
-        return
-    for module in _HPACK_MODULES:
-        module.log = _Silent()  # type: ignore[attr-defined]
+    stream_log = logging.getLogger("grpclib.server")
+    if not stream_log.isEnabledFor(logging.DEBUG):
+        stream_log.setLevel(logging.WARNING)
+    if not logging.getLogger("hpack").isEnabledFor(logging.DEBUG):
+        for module in _HPACK_MODULES:
+            module.log = _Silent()  # type: ignore[attr-defined]
