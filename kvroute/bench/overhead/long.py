@@ -8,7 +8,7 @@ Each target replays its own session (its own text, so no cache sees another's), 
 targets: turn 1 is the whole prompt, later turns append a tool output of about 300 tokens. Before the first,
 each target answers one conversation of its own that is not measured, so that turn 1 is a new conversation
 on a running router, not the router's first long prompt (which pays once for what it sets up on first use:
-kvroute's tokenizer thread pool, a template compiled).
+kvroute's first render compiles the chat template, about 10 ms with the tokenizer's first call).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _WORDS = (
     "the a of to and in is for on with as by at from that this it be are was were will can must not"
 ).split()
 _TURN_WORDS = 250
-_WARM_UP_WORDS = 2000  # long enough to be encoded in pieces, as every measured prompt is
+_WARM_UP_WORDS = 2000  # a conversation of a few thousand tokens, shorter than any measured one
 _TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
