@@ -130,7 +130,9 @@ async def _serve(config: RouterConfig, listen: Listen, fallbacks: int, path: Pat
             len(runtime.upstreams.instances),
             fallbacks,
         )
-        freeze_startup_objects()  # as `serve` does: start-up's objects are out of the collector's walks
+        # As `serve` does, start-up's objects are out of the collector's walks; the young generation is
+        # collected as often as Python's default, which keeps the HTTP/2 libraries' garbage to short walks.
+        freeze_startup_objects(fewer_young_collections=False)
         try:
             await stop.wait()
         finally:

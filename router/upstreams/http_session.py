@@ -15,13 +15,20 @@ from router.config import LimitsConfig
 from router.upstreams.http_protocol import connection_protocol
 
 
-def freeze_startup_objects() -> None:
+def freeze_startup_objects(fewer_young_collections: bool = True) -> None:
     """What start-up built (tokenizers, transformers, pydantic, FastAPI) lives as long as the process, yet
     every full collection walks it, stalling every request in flight for ~150 ms: keep it out of the
-    collector's sight, and collect the young generations less often than per 700 allocations."""
+    collector's sight.
+
+    fewer_young_collections: collect the young generations every 20,000 allocations instead of Python's 700,
+    which spares `serve` CPU at 64 connections (0.27-0.28 ms a request against 0.31). Not for the endpoint
+    picker: its HTTP/2 libraries leave cyclic garbage every request, which a collection that rare walks all at
+    once, holding 3-5% of requests for 2-13 ms (p99 11-13 ms at one connection, against 1.7-1.9 with
+    Python's thresholds, and no less CPU; docs/notes/overhead-investigations.md)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
+    if fewer_young_collections:
+        gc.set_threshold(20_000, 20, 20)
 
 
 def server_config(

@@ -89,7 +89,7 @@ async def _serve(port: int, endpoint: str) -> None:
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port + 1).start()
-    freeze_startup_objects()  # as the picker does
+    freeze_startup_objects(fewer_young_collections=False)  # as the picker does
     await server.wait_closed()
 
 
