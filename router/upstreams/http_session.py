@@ -23,8 +23,8 @@ def freeze_startup_objects(fewer_young_collections: bool = True) -> None:
     fewer_young_collections: collect the young generations every 20,000 allocations instead of Python's 700,
     which spares `serve` CPU at 64 connections (0.27-0.28 ms a request against 0.31). Not for the endpoint
     picker: its HTTP/2 libraries leave cyclic garbage every request, which a collection that rare walks all at
-    once, holding 3-5% of requests for 2-13 ms (p99 11-13 ms at one connection, against 1.7-1.9 with
-    Python's thresholds, and no less CPU; docs/notes/overhead-investigations.md)."""
+    once, holding 3-5% of requests for 2-13 ms (p99 at one connection 11-13 ms, against 1.7-1.9 with
+    Python's thresholds), while saving it no CPU (docs/notes/overhead-investigations.md)."""
     gc.collect()
     gc.freeze()
     if fewer_young_collections:
