@@ -24,8 +24,10 @@ def restored_collector() -> Iterator[None]:
 
 def test_what_start_up_built_is_out_of_the_collectors_walks(restored_collector: None) -> None:
     start_up = [[index] for index in range(1_000)]  # containers the collector tracks
+    assert any(tracked is start_up for tracked in gc.get_objects())
     freeze_startup_objects()
     assert gc.get_freeze_count() >= len(start_up)
+    assert not any(tracked is start_up for tracked in gc.get_objects())  # in no generation a collection walks
 
 
 @pytest.mark.parametrize(
