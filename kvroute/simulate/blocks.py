@@ -5,6 +5,11 @@ block_tokens / block_size engine blocks with synthetic token ids that depend onl
 so two prompts share exactly the blocks their hash ids share, and the chain hash the index computes from
 a BlockStored event's tokens equals the one computed here from the prompt (router/prompt/block_hashing.py).
 A partial last block is not hashed, as in vLLM.
+
+An answer's tokens fill blocks too, which the engine caches as vLLM does. Where the session's next turn
+extends this prompt (the agentic traces), the answer's tokens are that turn's at the same positions, so its
+cached blocks are the next turn's prefix; elsewhere (the Mooncake trace, which names no sessions) they are
+tokens no other prompt has.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from kvroute.traces import Trace, TraceRequest
 from router.prompt import block_hashing
 
 _LOW = 0xFFFFFFFF
+# Trace hash ids of answers no later prompt repeats: far above any trace's own.
+_FRESH_IDS = 1 << 48
+_FRESH_PER_REQUEST = 1 << 16
 
 
 def block_tokens(
@@ -53,6 +61,8 @@ class TraceBlocks:
                 if request.session is not None:
                     previous[request.session] = (request, chain)
         self.chains = chains
+        self._next_turn = _next_turns(trace)
+        self._answers: dict[int, tuple[tuple[int, ...], array[int]]] = {}
 
     def with_trace(self, trace: Trace) -> TraceBlocks:
         """The same prompts at other times (with_rate): the chains are reused, not hashed again."""
@@ -86,6 +96,40 @@ class TraceBlocks:
     def tokens(self, request: TraceRequest, start: int, end: int) -> list[int]:
         return block_tokens(request.block_ids, self.sub_blocks, self.block_size, start, end)
 
+    def sequence(self, number: int) -> array[int]:
+        """Request number's prompt and answer as engine block hashes: its chain, then the blocks its answer
+        fills (the partial last prompt block first)."""
+        return self._answer(number)[1]
+
+    def sequence_tokens(self, number: int, start: int, end: int) -> list[int]:
+        """Token ids of blocks [start, end) of request number's prompt and answer."""
+        ids = self._answer(number)[0]
+        return block_tokens(ids, self.sub_blocks, self.block_size, start, end)
+
+    def _answer(self, number: int) -> tuple[tuple[int, ...], array[int]]:
+        known = self._answers.get(number)
+        if known is not None:
+            return known
+        request, chain = self.trace.requests[number], self.chains[number]
+        total = request.input_tokens + request.output_tokens
+        ids = request.block_ids
+        following = self._next_turn.get(number)
+        if following is not None:
+            later = self.trace.requests[following].block_ids
+            if later[: len(ids)] == ids:
+                ids = later
+        needed = -(-total // self.trace.block_tokens)
+        fresh = _FRESH_IDS + number * _FRESH_PER_REQUEST
+        ids = ids + tuple(range(fresh, fresh + max(needed - len(ids), 0)))
+        start, end = len(chain), total // self.block_size
+        sequence = array("Q", chain)
+        if end > start:
+            tokens = block_tokens(ids, self.sub_blocks, self.block_size, start, end)
+            parent = chain[-1] if chain else block_hashing.ROOT
+            sequence.extend(block_hashing.chain(tokens, self.block_size, parent))
+        self._answers[number] = ids, sequence
+        return ids, sequence
+
     def ideal_hit_rate(self) -> float:
         """The share of prompt tokens a single infinite shared prefix cache would serve."""
         total = sum(r.input_tokens for r in self.trace.requests)
@@ -103,15 +147,33 @@ class TraceBlocks:
         seen: dict[int, int] = {}
         size, per = self.block_size, self.sub_blocks
         served = []
-        for request, chain in zip(self.trace.requests, self.chains, strict=True):
-            hits, counting = 0, True
+        for number, (request, chain) in enumerate(zip(self.trace.requests, self.chains, strict=True)):
+            hits = 0
             for first in range(0, len(chain), per):
                 full = min(per, len(chain) - first)
                 known = seen.get(chain[first], 0)
-                if counting:
-                    hits += min(known, full)
-                    counting = known >= full
-                if full > known:
-                    seen[chain[first]] = full
+                hits += min(known, full)
+                if known < full:
+                    break
             served.append(min(hits, (request.input_tokens - 1) // size) * size)
+            # What it computed, its answer's blocks included (those a next turn can reuse).
+            sequence = self.sequence(number) if request.session is not None else chain
+            for first in range(0, len(sequence), per):
+                full = min(per, len(sequence) - first)
+                if full > seen.get(sequence[first], 0):
+                    seen[sequence[first]] = full
         return served
+
+
+def _next_turns(trace: Trace) -> dict[int, int]:
+    """Each request's session's next turn, by position in the trace."""
+    following: dict[int, int] = {}
+    last: dict[str, int] = {}
+    for number, request in enumerate(trace.requests):
+        if request.session is None:
+            continue
+        previous = last.get(request.session)
+        if previous is not None:
+            following[previous] = number
+        last[request.session] = number
+    return following

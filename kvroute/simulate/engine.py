@@ -1,13 +1,16 @@
-"""One simulated vLLM instance: a waiting queue, continuous batching, chunked prefill, a paged prefix
-cache that announces KV events, and, with a pool, loads of the prefix it finds there.
+"""One simulated vLLM instance, scheduled as vLLM V1's scheduler does (vllm/v1/core/sched/scheduler.py), with
+a paged prefix cache that announces KV events and, with a pool, loads of the prefix it finds there.
 
-Each engine step decodes one token for every running request and spends up to max_batched_tokens on prefill,
-first come first served; it lasts the longer of its prefill (tokens / prefill rate, plus, with attention
-costs, what each token's attention to the context before it takes) and its decode step (which grows with the
-batch and, with attention costs, with the contexts it reads). Steps with no prefill run back to back until the
-next request finishes or new work arrives, computed in one event. A request is admitted when its whole prompt
-and answer fit in free blocks (vLLM allocates as it goes and preempts instead; reserving keeps every request's
-hits exact).
+Each engine step has a budget of max_batched_tokens. The running requests go first, in the order they were
+admitted: a decoding one takes one token, a prefilling one the next chunk of its prompt. Blocks are allocated
+as the step's tokens need them; when none are free, the request admitted last is preempted (its blocks freed,
+its cached ones left in the cache, its progress lost) and waits at the head of the queue to be computed again,
+its answer so far included. With budget left and no preemption in the step, waiting requests are admitted in
+order while their first chunk's blocks are free. A step lasts the sum of a fixed cost, each decoding request's
+share, and its prefill tokens at the prefill rate (plus, with attention costs, what each token's attention to
+its context takes). Every full block is cached and announced, those an answer fills included. Steps that only
+decode and need no preemption run back to back until the next request finishes or new work arrives, computed
+in one event.
 
 In a disaggregated fleet a prefill instance computes a request's prompt as a one-token request (its prefill
 leg) and keeps its KV until the decode leg has fetched it; the decode instance admits the decode leg as any
@@ -48,11 +51,12 @@ class SimRequest:
     uncached_estimate: int = 0  # the router's, for its own bookkeeping
     held: list[int] = field(default_factory=list)  # cached blocks it references
     uncached: int = 0  # blocks it holds that are not cached
-    cached_blocks: int = 0  # prompt blocks computed, hit or loaded, and cached
-    local_hit_blocks: int = 0
+    cached_blocks: int = 0  # blocks computed, hit or loaded, and cached
+    computed: int = 0  # tokens whose KV its instance holds: computed, hit or loaded
+    generated: int = 0  # answer tokens given so far
+    preempted: int = 0  # how often its instance took its blocks back
+    local_hit_blocks: int = 0  # at its first admission
     pool_hit_blocks: int = 0
-    prefill_left: int = 0
-    decode_left: int = 0
     first_token_s: float = -1.0
     finish_s: float = -1.0
     policy_state: object = None
@@ -85,6 +89,7 @@ class Engine:
         self.spec = spec
         self.kv = KVCache(spec.kv_blocks, spec.block_size)
         self.busy_s = 0.0
+        self.preemptions = 0  # vllm:num_preemptions
         self.on_first_token: Callable[[SimRequest], None] = lambda request: None
         self.on_finish: Callable[[SimRequest], None] = lambda request: None
         self.on_events: Callable[[list[KVEvent]], None] = lambda events: None
@@ -95,33 +100,33 @@ class Engine:
         self._blocks, self._loop, self._pool, self._load_s = blocks, loop, pool, load_s_per_token
         self._transfer_s = transfer_s_per_token
         self._waiting: deque[SimRequest] = deque()
-        self._running = 0
-        self._prefilling: list[SimRequest] = []
-        self._decoding: list[SimRequest] = []
+        self._admitted = 0  # running, loading its KV, or a prefill leg holding it: what /metrics says runs
+        self._running: list[SimRequest] = []  # scheduled each step, in the order they were admitted
         self._pool_events: list[KVEvent] = []
         self._nic_free_s = 0.0
         self._version = 0
         self._stepping = False
         self._run: tuple[float, float, int] = (0.0, 0.0, 0)  # the step under way: start, step, steps
-        self._chunks: list[tuple[SimRequest, int]] = []  # its prefill chunks
+        self._scheduled: list[tuple[SimRequest, int]] = []  # its requests and the tokens each computes
 
     def load(self) -> EngineLoad:
         """What its /metrics would say now."""
-        return EngineLoad(waiting=len(self._waiting), running=self._running, kv_usage=self.kv.usage)
+        return EngineLoad(waiting=len(self._waiting), running=self._admitted, kv_usage=self.kv.usage)
 
     def fits(self, request: TraceRequest) -> bool:
-        return self._blocks_of(request) <= self.kv.num_blocks
+        return self._blocks_of(request.input_tokens + request.output_tokens) <= self.kv.num_blocks
 
     def enqueue(self, request: SimRequest) -> bool:
-        """False: refused, its waiting queue is full."""
-        if len(self._waiting) >= self.spec.max_waiting:
+        """False: refused, its waiting queue is full (only with EngineSpec.max_waiting; vLLM has no limit)."""
+        limit = self.spec.max_waiting
+        if limit is not None and len(self._waiting) >= limit:
             return False
         self._waiting.append(request)
         self._wake()
         return True
 
-    def _blocks_of(self, request: TraceRequest) -> int:
-        return -(-(request.input_tokens + request.output_tokens) // self.spec.block_size)
+    def _blocks_of(self, tokens: int) -> int:
+        return -(-tokens // self.spec.block_size)
 
     def _wake(self) -> None:
         if not self._stepping:
@@ -140,147 +145,233 @@ class Engine:
         self._loop.at(start + step * steps, lambda: self._end_step(version))
 
     def _step(self) -> None:
-        self._admit()
-        now, spec = self._loop.now, self.spec
-        budget, prefill_tokens, attention_s = spec.max_batched_tokens, 0, 0.0
-        self._chunks = []
-        for request in self._prefilling:
-            if budget <= 0:
+        budget, preempted = self.spec.max_batched_tokens, False
+        self._scheduled = scheduled = []
+        running, index = self._running, 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            tokens = min(_tokens(request) - request.computed, budget)
+            room, preempted_some = self._make_room(request, request.computed + tokens)
+            preempted = preempted or preempted_some
+            if not room:
                 break
-            chunk = min(request.prefill_left, budget)
-            self._chunks.append((request, chunk))
-            budget -= chunk
-            prefill_tokens += chunk
-            attention_s += spec.attention_s(request.trace.input_tokens - request.prefill_left, chunk)
-        decoding = len(self._decoding)
-        if not prefill_tokens and not decoding:
+            scheduled.append((request, tokens))
+            budget -= tokens
+            index += 1
+        if not preempted:
+            budget = self._admit(budget)
+        if not scheduled:
             self._stepping = False
+            if preempted and self._waiting:  # the next step admits again, as vLLM's does
+                self._loop.at(self._loop.now, self._wake)
             return
         self._stepping = True
-        decode_s = spec.decode_step_s + spec.decode_step_s_per_seq * decoding if decoding else 0.0
-        if decoding and spec.decode_s_per_context_token:
-            # Priced at the contexts' lengths as the run starts; the token each step adds is left out (a few
-            # percent of contexts this long).
-            decode_s += spec.decode_s_per_context_token * sum(
-                r.trace.input_tokens + r.trace.output_tokens - r.decode_left for r in self._decoding
+        step = self._step_s()
+        steps = 1 if preempted or len(scheduled) < len(self._running) else self._decode_run()
+        self._schedule_end(self._loop.now, step, steps)
+
+    def _make_room(self, request: SimRequest, tokens: int) -> tuple[bool, bool]:
+        """Blocks for request's first `tokens` tokens, preempting from the last admitted while there are too
+        few: whether it got them, and whether any request was preempted."""
+        needed = self._blocks_of(tokens) - len(request.held) - request.uncached
+        preempted = False
+        while needed > self.kv.num_free:
+            victim = self._running.pop()
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                return False, True
+        if needed > 0:
+            self.kv.allocate(needed)
+            request.uncached += needed
+        return True, preempted
+
+    def _preempt(self, request: SimRequest) -> None:
+        """vLLM's preemption by recompute: its blocks are freed, the cached ones stay in the cache."""
+        self._free(request)
+        request.computed = request.cached_blocks = 0
+        request.preempted += 1
+        self.preemptions += 1
+        self._admitted -= 1
+        self._waiting.appendleft(request)
+
+    def _decode_run(self) -> int:
+        """How many decode steps can run back to back: until the first request finishes, and while the
+        blocks their answers fill are free (else the next step preempts)."""
+        scheduled = self._scheduled
+        if not all(_decoding(r, tokens) for r, tokens in scheduled):
+            return 1
+        steps = min(r.trace.output_tokens - r.generated for r, _ in scheduled)
+        free = self.kv.num_free
+
+        def blocks_for(count: int) -> int:
+            return sum(
+                max(self._blocks_of(r.computed + count) - len(r.held) - r.uncached, 0) for r, _ in scheduled
             )
-        if prefill_tokens:
-            self._schedule_end(
-                now, max(prefill_tokens / spec.prefill_tokens_per_s + attention_s, decode_s), 1
-            )
-        else:
-            self._schedule_end(now, decode_s, min(r.decode_left for r in self._decoding))
+
+        if blocks_for(steps) > free:
+            low, high = 1, steps  # blocks_for(low) fits: this step's were allocated
+            while low < high:
+                middle = (low + high + 1) // 2
+                if blocks_for(middle) <= free:
+                    low = middle
+                else:
+                    high = middle - 1
+            steps = low
+        for request, _ in scheduled:
+            self._make_room(request, request.computed + steps)
+        return steps
+
+    def _step_s(self) -> float:
+        spec = self.spec
+        prefill_tokens, decoding, attention_s, context = 0, 0, 0.0, 0
+        for request, tokens in self._scheduled:
+            if _decoding(request, tokens):
+                decoding += 1
+                context += request.computed + 1
+            else:
+                prefill_tokens += tokens
+                attention_s += spec.attention_s(request.computed, tokens)
+        # Priced at the contexts' lengths as a decode run starts; the token each step adds is left out (a
+        # few percent of contexts this long).
+        return (
+            spec.decode_step_s
+            + spec.decode_step_s_per_seq * decoding
+            + spec.decode_s_per_context_token * context
+            + prefill_tokens / spec.prefill_tokens_per_s
+            + attention_s
+        )
 
     def _end_step(self, version: int) -> None:
         if version != self._version:
             return
         _, step, steps = self._run
         self.busy_s += step * steps
-        if self._decoding:
+        decoding = sum(1 for r, tokens in self._scheduled if _decoding(r, tokens))
+        if decoding:
             self.itl_s.append(step)
-            self.itl_tokens.append(len(self._decoding) * steps)
+            self.itl_tokens.append(decoding * steps)
         finished = []
-        for request in self._decoding:
-            request.decode_left -= steps
-            if request.decode_left <= 0:
-                finished.append(request)
-        started = []
-        for request, chunk in self._chunks:
-            request.prefill_left -= chunk
+        for request, tokens in self._scheduled:
+            request.computed += tokens if steps == 1 else steps
             self._cache_computed(request)
-            if request.prefill_left == 0:
-                started.append(request)
-        if started:
-            self._prefilling = [r for r in self._prefilling if r.prefill_left > 0]
-        for request in finished:
-            self._finish(request)
+            if request.computed < _tokens(request):
+                continue
+            request.generated += 1 if steps == 1 else steps
+            if request.first_token_s < 0:
+                request.first_token_s = self._loop.now
+                self.on_first_token(request)
+            if request.generated >= request.trace.output_tokens:
+                finished.append(request)
         if finished:
-            self._decoding = [r for r in self._decoding if r.decode_left > 0]
-        for request in started:
-            request.first_token_s = self._loop.now
-            request.decode_left = request.trace.output_tokens - 1
-            self.on_first_token(request)
-            if request.decode_left > 0:
-                self._decoding.append(request)
-            else:
+            done = set(map(id, finished))
+            self._running = [r for r in self._running if id(r) not in done]
+            for request in finished:
                 self._finish(request)
         self._flush()
         self._step()
 
-    def _admit(self) -> None:
+    def _admit(self, budget: int) -> int:
+        """Admit waiting requests in order while budget is left and their first chunk's blocks are free;
+        returns the budget left."""
         kv, size, spec = self.kv, self.spec.block_size, self.spec
-        while self._waiting and self._running < spec.max_num_seqs:
+        while self._waiting and budget > 0 and self._admitted < spec.max_num_seqs:
             request = self._waiting[0]
-            chain = request.chain
-            reusable = min((request.trace.input_tokens - 1) // size, len(chain))
-            hits = kv.cached_prefix(chain, 0, reusable)
-            new_blocks = self._blocks_of(request.trace) - hits
-            held = chain[:hits].tolist()
+            first = request.admitted_s < 0
+            total = _tokens(request)
+            sequence = self._sequence(request, total)
+            reusable = min((total - 1) // size, len(sequence))
+            hits = kv.cached_prefix(sequence, 0, reusable)
+            held = sequence[:hits].tolist()
+            fetch = first and request.prefill is not None  # a decode leg: its prompt comes over the link
+            pooled = 0
+            if not fetch and self._pool is not None:
+                pooled = self._pool.prefix(request.chain, hits, min(reusable, len(request.chain)))
+            if fetch:
+                loaded_to = request.trace.input_tokens
+            elif pooled:
+                loaded_to = (hits + pooled) * size
+            else:
+                loaded_to = hits * size + min(total - hits * size, budget)
+            new_blocks = self._blocks_of(loaded_to) - hits
             if not kv.can_take(held, new_blocks):
                 break
             self._waiting.popleft()
-            request.admitted_s = self._loop.now
-            self._running += 1
+            if first:
+                request.admitted_s = self._loop.now
+                request.local_hit_blocks, request.pool_hit_blocks = hits, pooled
+            self._admitted += 1
             kv.touch(held)
             kv.allocate(new_blocks)
             request.held, request.uncached = held, new_blocks
-            request.cached_blocks = request.local_hit_blocks = hits
-            if request.prefill is not None:  # the decode leg: the rest comes from the prefill instance
+            request.cached_blocks, request.computed = hits, hits * size
+            if fetch:  # the whole prompt comes in; the engine computes its last token
                 request.transferred_tokens = request.trace.input_tokens - hits * size
-                self._transfer(request, request.transferred_tokens * self._transfer_s)
-                continue
-            pooled = self._pool.prefix(chain, hits, reusable) if self._pool is not None else 0
-            request.pool_hit_blocks = pooled
-            if pooled:  # the connector loads it before the prefill starts, one transfer at a time
-                self._transfer(request, pooled * size * self._load_s)
+                self._transfer(request, request.transferred_tokens * self._transfer_s, loaded_to - 1, True)
+            elif pooled:  # the connector loads it before the prefill starts, one transfer at a time
+                self._transfer(request, pooled * size * self._load_s, loaded_to, False)
             else:
-                request.prefill_left = request.trace.input_tokens - hits * size
-                self._prefilling.append(request)
+                self._running.append(request)
+                self._scheduled.append((request, loaded_to - request.computed))
+                budget -= loaded_to - request.computed
+        return budget
 
-    def _transfer(self, request: SimRequest, seconds: float) -> None:
-        """Load into its blocks, after the transfers before it: from the pool, or a decode leg's KV."""
+    def _sequence(self, request: SimRequest, tokens: int) -> array[int]:
+        """The block hashes of request's first `tokens` tokens (and perhaps more): its prompt's chain, or
+        with its answer's blocks past the prompt."""
+        if tokens < (len(request.chain) + 1) * self.spec.block_size:
+            return request.chain
+        return self._blocks.sequence(request.number)
+
+    def _transfer(self, request: SimRequest, seconds: float, computed: int, fetched: bool) -> None:
+        """Load its first `computed` tokens' KV into its blocks, after the transfers before it: from the
+        pool, or (fetched) a decode leg's from its prefill instance."""
         done = max(self._loop.now, self._nic_free_s) + seconds
         self._nic_free_s = done
-        self._loop.at(done, lambda: self._loaded(request))
+        self._loop.at(done, lambda: self._loaded(request, computed, fetched))
 
-    def _loaded(self, request: SimRequest) -> None:
-        size = self.spec.block_size
-        if request.prefill is None:
-            done = request.local_hit_blocks + request.pool_hit_blocks
-            request.prefill_left = request.trace.input_tokens - done * size
-        else:  # the whole prompt is in; the engine computes its last token
-            done = min((request.trace.input_tokens - 1) // size, len(request.chain))
-            request.prefill_left = 1
-        self._cache_blocks(request, done, write_pool=False)
-        self._prefilling.append(request)
+    def _loaded(self, request: SimRequest, computed: int, fetched: bool) -> None:
+        request.computed = computed
+        loaded_blocks = min(computed // self.spec.block_size, len(request.chain))
+        self._cache_blocks(request, loaded_blocks, write_pool=False)
+        self._running.append(request)
         self._flush()
         self._wake()
-        if request.prefill is not None:
+        if fetched:
             self.on_fetched(request)
 
     def _cache_computed(self, request: SimRequest) -> None:
-        computed = request.trace.input_tokens - request.prefill_left
-        full = min(computed // self.spec.block_size, len(request.chain))
+        full = request.computed // self.spec.block_size
         if full > request.cached_blocks:
             self._cache_blocks(request, full, write_pool=True)
 
     def _cache_blocks(self, request: SimRequest, end: int, write_pool: bool) -> None:
-        start, chain = request.cached_blocks, request.chain
+        start = request.cached_blocks
+        size = self.spec.block_size
+        chain = self._sequence(request, end * size)
+        end = min(end, len(chain))
+        if end <= start:
+            return
         hashes = chain[start:end].tolist()
-        tokens = self._blocks.tokens(request.trace, start, end)
+        if end <= len(request.chain):
+            tokens = self._blocks.tokens(request.trace, start, end)
+        else:
+            tokens = self._blocks.sequence_tokens(request.number, start, end)
         taken = self.kv.cache(hashes, chain[start - 1] if start else None, tokens)
         request.held += taken
         request.uncached -= len(taken)
         request.cached_blocks = end
-        if write_pool and self._pool is not None:
-            written = self._pool.write(hashes)
+        # The connector stores what a prompt computed, not an answer's blocks.
+        prompt = hashes[: max(len(request.chain) - start, 0)]
+        if write_pool and self._pool is not None and prompt:
+            written = self._pool.write(prompt)
             if written:
                 self._pool_events.append(
                     BlockStored(
                         block_hashes=[pool_hash(h) for h in written],
                         parent_block_hash=None,
                         token_ids=[],
-                        block_size=self.spec.block_size,
+                        block_size=size,
                         lora_id=None,
                         medium=POOL_MEDIUM,
                         lora_name=None,
@@ -291,7 +382,7 @@ class Engine:
         request.finish_s = self._loop.now
         if request.prefills is None:  # a prefill leg's KV waits for its decode leg (release)
             self._free(request)
-        self._running -= 1
+        self._admitted -= 1
         self.on_finish(request)
 
     def release(self, request: SimRequest) -> None:
@@ -310,3 +401,13 @@ class Engine:
             self._pool_events = []
         if events:
             self.on_events(events)
+
+
+def _tokens(request: SimRequest) -> int:
+    """Its prompt and the answer given so far: what a recompute after preemption computes again."""
+    return request.trace.input_tokens + request.generated
+
+
+def _decoding(request: SimRequest, tokens: int) -> bool:
+    """Whether its share of a step is one decode token (the last one given, whose KV is computed)."""
+    return tokens == 1 and request.generated > 0

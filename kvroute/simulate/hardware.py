@@ -31,23 +31,28 @@ DECODE_S_PER_CONTEXT_TOKEN = 4.4e-8
 @dataclass(frozen=True)
 class EngineSpec:
     prefill_tokens_per_s: float = 20_000.0
-    decode_step_s: float = 0.012  # one decode step of a small batch
-    decode_step_s_per_seq: float = 5e-5  # grows with the batch
+    decode_step_s: float = 0.012  # any step's fixed cost: one decode step of a small batch
+    decode_step_s_per_seq: float = 5e-5  # each decoding request's share of a step
     decode_s_per_context_token: float = 0.0  # and with the contexts it reads (0: the flat reference)
     attention_s_per_pair: float = 0.0  # prefill: per (token, itself or an earlier token) pair (0: flat)
     kv_blocks: int = 25_000  # 400K tokens
     block_size: int = 16
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192  # chunked prefill: prompt tokens an engine step takes at most
-    max_waiting: int = 64  # a request arriving at a longer waiting queue is refused (HTTP 503), not queued
+    # With a limit, a request arriving at a longer waiting queue is refused (HTTP 503); vLLM has none.
+    max_waiting: int | None = None
 
     @property
     def kv_tokens(self) -> int:
         return self.kv_blocks * self.block_size
 
     def prefill_s(self, start: int, tokens: int) -> float:
-        """Computing `tokens` prompt tokens after `start` already in the cache."""
-        return tokens / self.prefill_tokens_per_s + self.attention_s(start, tokens)
+        """Computing `tokens` prompt tokens after `start` already in the cache, alone on the instance: its
+        chunks' steps, each with a step's fixed cost."""
+        steps = max(-(-tokens // self.max_batched_tokens), 1)
+        return (
+            steps * self.decode_step_s + tokens / self.prefill_tokens_per_s + self.attention_s(start, tokens)
+        )
 
     def attention_s(self, start: int, tokens: int) -> float:
         """Their attention beyond the flat rate: each attends to itself and every token before it."""

@@ -24,7 +24,7 @@ def table(title: str, results: Sequence[RunResult]) -> Table:
         "hit local/pool",
         "ideal",
         "imbalance",
-        "rejected/failed/retried",
+        "rejected/failed/retried/preempted",
         *(["disaggregated/skipped/fallback", "fetched"] if disaggregated else []),
         "slowest 1%: admit/queue/own",
         "wall",
@@ -41,7 +41,7 @@ def table(title: str, results: Sequence[RunResult]) -> Table:
             f"{r.local_hit_rate:.1%}/{r.pool_hit_rate:.1%}",
             f"{r.ideal_hit_rate:.1%}",
             f"{r.load_imbalance:.2f}",
-            f"{r.rejected}/{r.failed}/{r.retried}",
+            f"{r.rejected}/{r.failed}/{r.retried}/{r.preemptions}",
             *(
                 [
                     "/".join(str(paths.get(p, 0)) for p in ("disaggregated", "skipped", "fallback")),

@@ -24,6 +24,7 @@ RESULT_FIELDS = (
     "rejected",
     "failed",
     "retried",
+    "preemptions",
 )
 
 
@@ -42,6 +43,7 @@ class RunResult:
     rejected: int
     retried: int  # refused by one instance, then served or refused by another (counted in rejected then)
     failed: int = 0  # answered with an error (a peer's failed prefill leg: HTTP 500)
+    preemptions: int = 0  # the engines' (vllm:num_preemptions): running requests sent back to recompute
     itl_p50_s: float = 0.0  # inter-token latency: every generated token after a request's first
     itl_p99_s: float = 0.0
     tpot_p50_s: float = 0.0  # time per output token after the first, per request
@@ -116,6 +118,7 @@ def result_of(
         load_imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
         rejected=rejected,
         retried=retried,
+        preemptions=sum(e.preemptions for e in engines),
         failed=failed,
         itl_p50_s=itl[0],
         itl_p99_s=itl[1],

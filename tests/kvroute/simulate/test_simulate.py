@@ -125,8 +125,9 @@ def test_ideal_hit_rate_is_exact() -> None:
     # r2: 4 blocks of r1; r3: block 1's 2 (block 4 is partial); r4: all 4, but never its last token: 3
     assert blocks.ideal_hit_rate() == pytest.approx((0 + 64 + 32 + 48) / (64 + 80 + 40 + 64))
     assert blocks.ideal_hits == [0, 64, 32, 48]
-    floor = ttft_floor(blocks, FleetSpec(engine=EngineSpec(prefill_tokens_per_s=1000.0)))  # no decode step
-    assert floor["p99_s"] == pytest.approx(np.percentile([0.064, 0.016, 0.008, 0.016], 99))
+    floor = ttft_floor(blocks, FleetSpec(engine=EngineSpec(prefill_tokens_per_s=1000.0)))
+    step = EngineSpec().decode_step_s  # one step's fixed cost
+    assert floor["p99_s"] == pytest.approx(np.percentile([0.064, 0.016, 0.008, 0.016], 99) + step)
     seen: set[int] = set()
     hits = 0
     for request, chain in zip(trace.requests, blocks.chains, strict=True):
@@ -225,7 +226,7 @@ def test_the_slowest_ttfts_are_split_into_admission_queue_and_own_prefill() -> N
     blocks = TraceBlocks(_trace(*((0.0, 6000, ids) for ids in prompts)), 16)
     result = simulate(blocks, _fleet(1, pool=False), _Fixed(0, 0, 0), ideal_hit_rate=0.0)
     tail = result.tail
-    own = 6000 / EngineSpec().prefill_tokens_per_s
+    own = EngineSpec().prefill_s(0, 6000)
     assert tail["requests"] == 1
     assert tail["own_prefill_s"] == pytest.approx(own)
     assert tail["admission_wait_s"] > 2 * own  # both others' prefill and answers
@@ -502,8 +503,10 @@ def test_attention_costs_grow_prefill_with_position_and_decode_with_context() ->
     for name, engine in (("flat", flat), ("costly", costly)):
         runs[name] = simulate(blocks, FleetSpec(1, engine, None, event_delay_s=0.01), _Fixed(0), 0.0)
     pairs = prompt * (prompt + 1) / 2  # the chunks' positions add up to the whole prompt's
-    assert runs["flat"].ttft_p50_s == pytest.approx(prompt / flat.prefill_tokens_per_s)
-    assert runs["costly"].ttft_p50_s == pytest.approx(prompt / flat.prefill_tokens_per_s + 1e-9 * pairs)
+    assert runs["flat"].ttft_p50_s == pytest.approx(
+        prompt / flat.prefill_tokens_per_s + 3 * flat.decode_step_s
+    )
+    assert runs["costly"].ttft_p50_s == pytest.approx(runs["flat"].ttft_p50_s + 1e-9 * pairs)
     step = flat.decode_step_s + flat.decode_step_s_per_seq
     decode = {name: run.e2e_p50_s - run.ttft_p50_s for name, run in runs.items()}
     assert decode["flat"] == pytest.approx((answer - 1) * step)
@@ -602,11 +605,14 @@ def test_a_run_with_one_tie_seed_repeats_exactly() -> None:
     fleet = _fleet(4, pool=False)
 
     def spread(tie_seed: int) -> list[int]:
+        """Each request's instance."""
         policy = Replicas("two", lambda: POLICIES["kvroute"](fleet), 2, by_session=False)
-        return simulate(blocks, fleet, policy, ideal_hit_rate=0.0, tie_seed=tie_seed).requests_per_instance
+        run = Run(blocks, fleet, policy, tie_seed=tie_seed)
+        run.run(ideal_hit_rate=0.0)
+        return [r.instance for r in sorted(run.done, key=lambda r: r.number)]
 
     first = spread(0)
-    assert sum(first) == 40
+    assert len(first) == 40
     assert spread(0) == first
     assert any(spread(seed) != first for seed in (1, 2, 3))  # the seed does decide the ties
 
@@ -651,13 +657,15 @@ def test_a_decode_leg_fetches_the_prompt_the_prefill_leg_computed_and_holds_it_f
     assert result.completed == 2 and result.pd_paths == {"disaggregated": 1, "skipped": 1}
     first, second = sorted(run.done, key=lambda r: r.number)
     assert fleet.pd is not None
-    prefill_s, transfer_s = 4000 / 20_000, 4000 * fleet.pd.transfer_s_per_token
+    prefill_s, transfer_s = fleet.engine.prefill_s(0, 4000), 4000 * fleet.pd.transfer_s_per_token
     assert first.prefill is not None and first.prefill.finish_s == pytest.approx(prefill_s)
-    assert first.first_token_s == pytest.approx(prefill_s + transfer_s + 1 / 20_000)  # the last token's step
+    last_token_s = fleet.engine.prefill_s(3999, 1)
+    assert first.first_token_s == pytest.approx(prefill_s + transfer_s + last_token_s)
     assert first.transferred_tokens == 4000
-    assert free_at_fetch == [fleet.engine.kv_blocks - 251]  # the prefill instance held the prompt till then
+    assert free_at_fetch == [fleet.engine.kv_blocks - 250]  # the prefill instance held the prompt till then
     assert prefill_engine.kv.num_free == fleet.engine.kv_blocks  # and let it go once fetched
-    assert second.prefill is None and second.local_hit_blocks == 250  # the decode instance's own copy
+    # The decode instance's own copy, and the block the answer filled after the prompt's 250.
+    assert second.prefill is None and second.local_hit_blocks == 251
     assert run.view.index.match(blocks.chains[0].tolist())["sim-1"].gpu == 250  # it announced the fetch
     assert result.itl_p50_s == pytest.approx(fleet.engine.decode_step_s + fleet.engine.decode_step_s_per_seq)
 
@@ -682,7 +690,7 @@ def test_kvroute_skips_the_prefill_leg_where_the_decode_instance_holds_the_promp
     assert first.prefill is not None and fleet.role(first.prefill.instance) == "prefill"
     assert fleet.role(first.instance) == "decode"
     assert second.path == "skipped" and second.prefill is None
-    assert second.instance == first.instance and second.local_hit_blocks == 250
+    assert second.instance == first.instance and second.local_hit_blocks == 251  # the answer's block too
     assert cold.transferred_tokens == 3000
     # Each instance's TTFT model learnt from its own legs: two prefill legs, two decode legs and a whole one.
     observed = {i.name: i.ttft_model.observations for i in run.view.instances}
