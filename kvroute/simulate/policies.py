@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
@@ -57,6 +57,11 @@ class SimPolicy:
     flow_control: FlowControlConfig | None = (
         None  # the router queues requests (router/dispatch/flow_control.py)
     )
+    priors: TTFTPriors | None = None  # its instances' TTFT models start from these; None: kvroute's defaults
+    # With flow_control, a request's flow: its tenant (the trace's flow), else its session; or its tenant
+    # alone (a fairness header); or one flow for all.
+    queue_flows: Literal["tenant-or-session", "tenant", "one"] = "tenant-or-session"
+    queue_reads_metrics = False  # has_room reads the engines' scraped metrics
 
     def bind(self, view: RouterView) -> None:
         self.view = view
@@ -69,6 +74,11 @@ class SimPolicy:
     def work(self, request: SimRequest) -> float:
         """The uncached tokens request would compute at best, for the router's queue to order by."""
         return float(request.trace.input_tokens)
+
+    def has_room(self, extra_work: float) -> bool | None:
+        """With flow_control, whether its queue lets a request go now by its own rule (a peer's); None: by
+        kvroute's (router/dispatch/saturation.py)."""
+        return None
 
     def sheds(self, request: SimRequest) -> bool:
         """Whether the router refuses request on arrival (429) for the fleet's load."""
@@ -92,9 +102,9 @@ class SimPolicy:
 
 
 def priors_for(fleet: FleetSpec) -> TTFTPriors:
-    """The TTFT priors an operator would configure for this hardware (kvroute's defaults are for the
-    simulated CPU fleet): the engine's prefill rate and attention cost, the pool's load rate, a decode step as
-    the overhead; of a disaggregated fleet, its link's transfer rate."""
+    """The TTFT priors of an operator who measured this hardware (the `+hw-priors` variants; kvroute's own
+    start from its defaults and learn): the engine's prefill rate and attention cost, the pool's load rate, a
+    decode step as the overhead; of a disaggregated fleet, its link's transfer rate."""
     engine = fleet.engine
     per_token = 1.0 / engine.prefill_tokens_per_s
     priors = TTFTPriors(
@@ -111,8 +121,8 @@ def priors_for(fleet: FleetSpec) -> TTFTPriors:
 
 
 def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterConfig:
-    """The configuration an operator would write for the simulated fleet; priors: its hardware's unless
-    given."""
+    """The configuration an operator would write for the simulated fleet; its TTFT priors kvroute's defaults
+    unless given."""
     raw: dict[str, Any] = {
         "models": [{"name": fleet.model}],
         "block_size": fleet.engine.block_size,
@@ -120,8 +130,8 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
             {"name": instance_name(n), "url": f"http://{instance_name(n)}", "role": fleet.role(n)}
             for n in range(fleet.instances)
         ],
-        "ttft": (priors or priors_for(fleet)).model_dump(),
-        # The operator knows where the engines refuse (EngineSpec.max_waiting, a 503)
+        "ttft": (priors or TTFTPriors()).model_dump(),
+        # The operator knows where the engines refuse, if they do (EngineSpec.max_waiting, a 503)
         "admission": {"max_waiting_per_instance": fleet.engine.max_waiting},
         # and the objectives its clients name (kvroute/simulate/workloads.py tenants_trace)
         "flow_control": {"objectives": SIM_OBJECTIVES},
@@ -159,6 +169,7 @@ class ConfiguredPolicy(SimPolicy):
         self._decide, self._include_pool, self._calibrate = decide, include_pool, calibrate
         self._lookup = lookup
         self._limit = config.admission.max_in_flight_per_instance
+        self.priors = config.ttft
         self._max_waiting = config.admission.max_waiting_per_instance if decide else None
         if decide:  # the proxy's own admission; peers built from scorers (llm-d) have none
             self.memory_hold_s = config.admission.memory_hold_s

@@ -3,32 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 from kvroute.simulate.disaggregation import KvroutePD
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pd_peers import DynamoPD, LlmdPD, VllmRouterPD
+from kvroute.simulate.peer_queues import DynamoQueued, LlmdQueued
 from kvroute.simulate.peers import ConsistentHash, DynamoCost, PowerOfTwo, SGLangCacheAware, VllmRouterKvAware
 from kvroute.simulate.policies import ConfiguredPolicy, Replicas, SimPolicy, priors_for, router_config
+from router.config import RouterConfig
 from scorers.policy_config import PolicyConfig, ScorerSpec
+from scorers.ttft_model import TTFTPriors
 
 LLMD_SCRAPE_S = 0.05  # llm-d scrapes the engines' /metrics every 50 ms
 
 
 def _configured(
-    name: str, policy: str, calibrate: bool = True, **options: object
+    name: str, policy: str, calibrate: bool = True, hardware_priors: bool = False, **options: object
 ) -> Callable[[FleetSpec], SimPolicy]:
+    """policy from the configuration; its TTFT priors kvroute's defaults, or with hardware_priors those of an
+    operator who measured the simulated hardware (priors_for)."""
+
     def make(fleet: FleetSpec) -> SimPolicy:
-        priors = priors_for(fleet).model_copy(update={"calibrate": calibrate})
-        config = router_config(fleet, priors)
+        priors = priors_for(fleet) if hardware_priors else TTFTPriors()
+        config = router_config(fleet, priors.model_copy(update={"calibrate": calibrate}))
         return ConfiguredPolicy(name, config, policy, calibrate=calibrate, **options)  # type: ignore[arg-type]
 
     return make
 
 
-def _llmd(fleet: FleetSpec) -> SimPolicy:
-    """llm-d's precise prefix-cache profile: precise-prefix 2, kv-cache-utilization 1, queue 1, max score.
-    Its index has no pool tier, so GPU blocks only; it reads the engines' metrics scraped every 50 ms, and its
-    admission (flow control off, its default) sheds negative-priority requests while they read saturated."""
+def _llmd_config(fleet: FleetSpec) -> RouterConfig:
+    """llm-d's precise prefix-cache profile: precise-prefix 2, kv-cache-utilization 1, queue 1, max score."""
     config = router_config(fleet)
     config.policies["llm-d"] = PolicyConfig(
         scorers=[
@@ -37,6 +42,14 @@ def _llmd(fleet: FleetSpec) -> SimPolicy:
             ScorerSpec(type="queue-depth", weight=1.0),
         ]
     )
+    return config
+
+
+def _llmd(fleet: FleetSpec) -> SimPolicy:
+    """llm-d's precise prefix-cache profile. Its index has no pool tier, so GPU blocks only; it reads the
+    engines' metrics scraped every 50 ms, and its admission (flow control off, its default) sheds
+    negative-priority requests while they read saturated."""
+    config = _llmd_config(fleet)
     return ConfiguredPolicy(
         "llm-d",
         config,
@@ -49,16 +62,46 @@ def _llmd(fleet: FleetSpec) -> SimPolicy:
     )
 
 
+def _with_flow_control(name: str, **settings: object) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default with flow control's settings changed (enabled=False: sent on arrival)."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        config = router_config(fleet)
+        flow_control = config.flow_control.model_copy(update=settings)
+        return ConfiguredPolicy(name, config.model_copy(update={"flow_control": flow_control}), "kvroute")
+
+    return make
+
+
+def _dynamo_queued(name: str, policy: Literal["fcfs", "wspt"]) -> Callable[[FleetSpec], SimPolicy]:
+    return lambda fleet: DynamoQueued(name, policy, fleet.engine.max_batched_tokens)
+
+
 POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "round-robin": _configured("round-robin", "round-robin", calibrate=False, decide=False, lookup=False),
     "consistent-hash": lambda fleet: ConsistentHash(),
     "power-of-two": lambda fleet: PowerOfTwo(),
     "sglang-cache-aware": lambda fleet: SGLangCacheAware(),
     "llm-d": _llmd,
+    "llm-d+flow-control": lambda fleet: LlmdQueued(
+        "llm-d+flow-control", _llmd_config(fleet), "llm-d", LLMD_SCRAPE_S
+    ),
     "dynamo": lambda fleet: DynamoCost(),
+    "dynamo+queue-fcfs": _dynamo_queued("dynamo+queue-fcfs", "fcfs"),
+    "dynamo+queue-wspt": _dynamo_queued("dynamo+queue-wspt", "wspt"),
     "vllm-router-kv-aware": lambda fleet: VllmRouterKvAware(),
+    "kvroute-no-queue": _with_flow_control("kvroute-no-queue", enabled=False),
     "kvroute": _configured("kvroute", "kvroute"),
 }
+# A peer's shipped variants: its row in a comparison is the best of them.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "llm-d": ("llm-d", "llm-d+flow-control"),
+    "dynamo": ("dynamo", "dynamo+queue-fcfs", "dynamo+queue-wspt"),
+}
+
+
+def family_of(name: str) -> str:
+    return next((family for family, members in FAMILIES.items() if name in members), name)
 
 
 def _with_kv_usage(fleet: FleetSpec) -> SimPolicy:
@@ -77,17 +120,6 @@ def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
     admission = config.admission.model_copy(update={"memory_hold_s": 5.0})
     config = config.model_copy(update={"admission": admission})
     return ConfiguredPolicy("kvroute+memory-hold", config, "kvroute")
-
-
-def _with_flow_control(name: str, **settings: object) -> Callable[[FleetSpec], SimPolicy]:
-    """kvroute's default with flow control's settings changed (enabled=False: sent on arrival)."""
-
-    def make(fleet: FleetSpec) -> SimPolicy:
-        config = router_config(fleet)
-        flow_control = config.flow_control.model_copy(update=settings)
-        return ConfiguredPolicy(name, config.model_copy(update={"flow_control": flow_control}), "kvroute")
-
-    return make
 
 
 def _with_context_load(
@@ -138,11 +170,11 @@ def _replicas(
 
 # Variants of kvroute's own configuration, run only when named: what an operator could change.
 EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
-    "kvroute-priors": _configured("kvroute-priors", "kvroute", calibrate=False),
-    "token-cost": _configured("token-cost", "token-cost", calibrate=False),
+    "kvroute+hw-priors": _configured("kvroute+hw-priors", "kvroute", hardware_priors=True),
+    "kvroute-priors": _configured("kvroute-priors", "kvroute", calibrate=False, hardware_priors=True),
+    "token-cost": _configured("token-cost", "token-cost", calibrate=False, hardware_priors=True),
     "kvroute+kv-usage": _with_kv_usage,
     "kvroute+memory-hold": _with_memory_hold,
-    "kvroute-no-queue": _with_flow_control("kvroute-no-queue", enabled=False),
     "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),
     "kvroute-queue-edf": _with_flow_control("kvroute-queue-edf", ordering="edf"),
     "kvroute-in-flight-x": _in_flight_multiplied,

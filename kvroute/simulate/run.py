@@ -11,7 +11,7 @@ from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.disaggregation import PDPolicy
 from kvroute.simulate.engine import Engine, SimRequest
 from kvroute.simulate.hardware import FleetSpec
-from kvroute.simulate.policies import SimPolicy, priors_for
+from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.pool import PoolStore
 from kvroute.simulate.results import RunResult, result_of
 from kvroute.simulate.view import RouterView
@@ -23,11 +23,9 @@ from scorers.ttft_model import TTFTPriors
 
 
 def session_of(request: TraceRequest) -> str | None:
-    """The session a client would name: the trace's, or for traces without one (Mooncake's), the
-    conversation, named by its first block after the shared first one."""
-    if request.session is not None:
-        return request.session
-    return f"conversation-{request.block_ids[1] if len(request.block_ids) > 1 else request.block_ids[0]}"
+    """The session its client names (a header, `previous_response_id`): the trace's. A trace that names none
+    (Mooncake's) gives none, to every router: its hash ids are not something a client sends."""
+    return request.session
 
 
 def simulate(
@@ -70,7 +68,7 @@ class Run:
         self.engines = [
             Engine(n, fleet.engine, blocks, loop, pool, load_s, transfer_s) for n in range(fleet.instances)
         ]
-        priors = priors or priors_for(fleet)
+        priors = priors or policy.priors or TTFTPriors()
         self.view = RouterView(fleet, loop, self.engines, pool, priors, tie_seed=tie_seed)
         policy.bind(self.view)
         self.trace = blocks.trace.requests
@@ -98,7 +96,7 @@ class Run:
         if trace:
             loop.at(trace[0].arrival_s, lambda: self._arrive(0))
             if policy.scrape_interval_s is not None:
-                self._every(policy.scrape_interval_s, self.view.scrape)
+                self._every(policy.scrape_interval_s, self._scrape)
             if policy.sync_interval_s is not None:
                 self._every(policy.sync_interval_s, policy.sync)
         loop.run()
@@ -168,6 +166,9 @@ class Run:
         placed, which the simulator places at once; they are not 0 only while an engine's refusal inside
         dispatch() admits or lets go others."""
         assert self.flow is not None
+        own_rule = self.policy.has_room(extra_work)
+        if own_rule is not None:
+            return own_rule
         instances, saturation = self.view.instances, self.flow.saturation
         if self.fleet.pd is None:
             return saturation.has_room(instances, extra_work, extra_tokens)
@@ -258,7 +259,9 @@ class Run:
         flow = self.flow
         assert flow is not None
         traced = request.trace
-        request.flow = traced.flow or request.session or DEFAULT_FLOW
+        flows = self.policy.queue_flows
+        named = None if flows == "one" else traced.flow or (request.session if flows != "tenant" else None)
+        request.flow = named or DEFAULT_FLOW
         request.objective = flow.config.objective(traced.objective)[0]
         work = self.policy.work(request)
         try:
@@ -296,6 +299,11 @@ class Run:
                 self.retried += 1
             else:
                 self.refused(request)
+
+    def _scrape(self) -> None:
+        self.view.scrape()
+        if self.policy.queue_reads_metrics:  # its queue lets requests go as the metrics it reads change
+            self._let_go()
 
     def _every(self, interval: float, action: Callable[[], None]) -> None:
         """Do action from the first arrival on, every interval, while requests are to come or in flight."""

@@ -24,8 +24,12 @@ SHORT = {
     "power-of-two": "p2c",
     "sglang-cache-aware": "sgl",
     "llm-d": "llmd",
+    "llm-d+flow-control": "llmd+fc",
     "dynamo": "dyn",
+    "dynamo+queue-fcfs": "dyn+qf",
+    "dynamo+queue-wspt": "dyn+qw",
     "vllm-router-kv-aware": "kva",
+    "kvroute-no-queue": "kvr-nq",
     "kvroute": "kvr",
 }
 
@@ -60,8 +64,11 @@ class Verdict:
 
 
 def peers_of(name: str, results: Sequence[RunResult]) -> list[RunResult]:
-    """The published routers among results, name itself left out (kvroute's variants are no peers)."""
-    return [r for r in results if r.policy in POLICIES and r.policy not in (name, SUBJECT)]
+    """The published routers among results, each shipped variant of one a peer of its own (a peer's best
+    is the best of its variants), name itself left out (kvroute's variants are no peers)."""
+    return [
+        r for r in results if r.policy in POLICIES and r.policy != name and not r.policy.startswith(SUBJECT)
+    ]
 
 
 def verdict(result: RunResult, peers: Sequence[RunResult]) -> Verdict | None:

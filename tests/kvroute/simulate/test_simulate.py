@@ -29,7 +29,7 @@ from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import EXTRA_POLICIES, PD_POLICIES, POLICIES
 from kvroute.simulate.results import RESULT_FIELDS
-from kvroute.simulate.run import RETRY_BACKOFF_S, DisaggregatedRun, Run, session_of, simulate
+from kvroute.simulate.run import RETRY_BACKOFF_S, DisaggregatedRun, Run, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
 from router.config import DisaggregationConfig
@@ -578,8 +578,8 @@ def test_routers_without_sticky_sessions_take_requests_in_turn() -> None:
 
 def test_routers_sharing_load_see_each_others_requests_in_flight() -> None:
     turns = (
-        TraceRequest(0.0, 320, 50, tuple(range(1, 11))),  # the first router's: decodes for ~0.6 s
-        TraceRequest(0.2, 320, 2, tuple(range(20, 30))),  # the second's, 0.2 s later
+        TraceRequest(0.0, 320, 50, tuple(range(1, 11)), "a"),  # the first router's: decodes for ~0.6 s
+        TraceRequest(0.2, 320, 2, tuple(range(20, 30)), "b"),  # the second's, 0.2 s later
     )
     blocks = TraceBlocks(Trace("sharing", 32, turns), 16)
     policy = Replicas("two", _Counting, 2, by_session=False, share_s=0.05)
@@ -587,7 +587,7 @@ def test_routers_sharing_load_see_each_others_requests_in_flight() -> None:
     first, second = (router for router in policy.routers if isinstance(router, _Counting))
     assert len(first.seen) == len(second.seen) == 1  # one request each
     # The later one's router heard of the earlier one within 0.05 s; sharing nothing, it would count 0.
-    assert dict(first.seen + second.seen) == {session_of(turns[0]): 0, session_of(turns[1]): 1}
+    assert dict(first.seen + second.seen) == {"a": 0, "b": 1}
 
 
 def test_several_routers_are_not_simulated_with_a_memory_hold() -> None:
