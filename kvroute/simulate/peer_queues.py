@@ -5,8 +5,10 @@ priority bands: router/dispatch/flow_control.py), each with its own rule for whe
 
 - Dynamo's router queue (`--router-queue-threshold`, `--router-queue-policy fcfs|wspt`; off since v1.4): a
   worker is busy while its active prefill tokens (the router's own count) pass threshold x its
-  max_num_batched_tokens; requests wait while every worker is busy, first come first served or by weighted
-  shortest processing time (the fewest uncached tokens first), in one class (no fairness between sessions).
+  max_num_batched_tokens; requests wait while every worker is busy (or others wait), and leave as prefills
+  complete and requests end, first come first served or by weighted shortest processing time (the fewest
+  uncached tokens where they match most, taken as they arrive), in one class (no fairness between sessions).
+  Its priority is a head start in the order; here a priority band, as kvroute's queue has them.
 - llm-d's flow control (a feature gate, off by default): the pool is saturated while every endpoint's scraped
   metrics pass its saturation detector's thresholds (5 requests waiting, or 80% of its KV cache in use);
   requests wait while it is, first come first served, fair between flows named by a fairness header.
@@ -22,7 +24,8 @@ from kvroute.simulate.policies import SIM_OBJECTIVES, ConfiguredPolicy
 from router.config import FlowControlConfig, RouterConfig
 
 NO_AGING_TOKENS_PER_S = 1e12  # WSPT orders by work alone: waiting never outweighs a shorter prompt
-DYNAMO_QUEUE_THRESHOLD = 2.0
+# The flag's default where it had one (1.1, 1.2; 16 in 1.3; off from 1.4, its value the user's).
+DYNAMO_QUEUE_THRESHOLD = 4.0
 LLMD_QUEUE_DEPTH = 5
 LLMD_KV_USAGE = 0.8
 

@@ -19,7 +19,7 @@ def _run(policy: str, spec: EngineSpec, *requests: TraceRequest) -> Run:
 
 
 def test_dynamos_queue_holds_a_request_while_every_worker_has_more_prefill_than_its_threshold() -> None:
-    """Busy past 2 x 64 active prefill tokens: the second prompt waits in the router for the first's first
+    """Busy past 4 x 64 active prefill tokens: the second prompt waits in the router for the first's first
     token; Dynamo without its queue sends it on at once."""
     spec = EngineSpec(max_batched_tokens=64)
     requests = (TraceRequest(0.0, 320, 4, tuple(range(1, 11))), TraceRequest(0.001, 64, 4, (20, 21)))
