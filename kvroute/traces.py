@@ -120,6 +120,9 @@ def agentic_trace(
     input_output_ratio: float = 131.0,
     median_think_s: float = 8.0,
     max_think_s: float = 80.0,
+    min_think_s: float = 1.0,
+    think_sigma: float = 1.0,
+    name: str = "agentic",
 ) -> Trace:
     """Agent sessions that resend a growing context every turn.
 
@@ -127,7 +130,8 @@ def agentic_trace(
     each turn appends a few hundred to a few thousand tokens (tool output, the previous answer), so a turn's
     hash ids extend the previous turn's. Turns per session are log-normal around `median_turns`; contexts
     end near 80K tokens, none past `max_context_tokens`. Sessions start uniformly over `span_s`; the next
-    turn arrives a think time (seconds, at most `max_think_s`) after the previous one. Output lengths are
+    turn arrives a think time (log-normal around `median_think_s` with `think_sigma`, within `min_think_s` ..
+    `max_think_s` seconds) after the previous one. Output lengths are
     scaled so that prompt tokens : output tokens is `input_output_ratio` over the trace.
     """
     rng = random.Random(seed)
@@ -148,7 +152,8 @@ def agentic_trace(
                 ids.append(next_id)
                 next_id += 1
             drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), tuple(ids), name))
-            arrival += min(max_think_s, max(1.0, median_think_s * math.exp(rng.gauss(0.0, 1.0))))
+            think = median_think_s * math.exp(rng.gauss(0.0, think_sigma))
+            arrival += min(max_think_s, max(min_think_s, think))
     input_total = sum(d[1] for d in drafts)
     weight_total = sum(d[2] for d in drafts)
     scale = input_total / input_output_ratio / weight_total if weight_total else 0.0
@@ -159,7 +164,7 @@ def agentic_trace(
         ),
         key=lambda r: r.arrival_s,
     )
-    return Trace(f"agentic-{seed}", block_tokens, tuple(requests))
+    return Trace(f"{name}-{seed}", block_tokens, tuple(requests))
 
 
 def mooncake_trace() -> Trace:

@@ -146,7 +146,7 @@ class KvroutePD(ConfiguredPolicy, PDPolicy):
         features = request.policy_state
         if not self._calibrate or not isinstance(features, TTFTFeatures):
             return
-        started = request.prefill.finish_s if request.prefill is not None else request.sent_s
+        started = request.prefill.finish_s if request.prefill is not None else request.dispatched_s
         self.view.instances[request.instance].ttft_model.observe(features, request.first_token_s - started)
 
     def finished(self, request: SimRequest) -> None:

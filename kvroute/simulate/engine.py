@@ -45,6 +45,7 @@ class SimRequest:
     chain: array[int]
     session: str | None
     sent_s: float = 0.0  # when the client sent it: its trace arrival, or its session's previous answer
+    dispatched_s: float = 0.0  # when its router sent it to its instance: its last attempt's start
     admitted_s: float = -1.0  # when the engine took it from its waiting queue
     instance: int = -1
     tried: frozenset[int] = frozenset()  # instances that refused it: its retry goes elsewhere

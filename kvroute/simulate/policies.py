@@ -254,10 +254,12 @@ class ConfiguredPolicy(SimPolicy):
         return view.by_name[instance.name]
 
     def first_token(self, request: SimRequest) -> None:
-        """The proxy calibrates the chosen instance's TTFT model with every first chunk it sees."""
+        """The proxy calibrates the chosen instance's TTFT model with every first chunk it sees, timed from
+        the attempt's start as router/dispatch/outcome.py times it: its wait in the router's queue is no part
+        of what the features describe."""
         features = request.policy_state
         if self._calibrate and isinstance(features, TTFTFeatures):
-            ttft = request.first_token_s - request.sent_s
+            ttft = request.first_token_s - request.dispatched_s
             self.view.instances[request.instance].ttft_model.observe(features, ttft)
 
 

@@ -286,6 +286,7 @@ class Run:
 
     def dispatch(self, request: SimRequest) -> None:
         request.uncached_estimate = request.trace.input_tokens
+        request.dispatched_s = self.loop.now
         request.instance = self.policy.route(request)
         self.started(request)
         if not self.engines[request.instance].enqueue(request):
@@ -340,6 +341,7 @@ class DisaggregatedRun(Run):
 
     def dispatch(self, request: SimRequest) -> None:
         request.uncached_estimate = request.trace.input_tokens
+        request.dispatched_s = self.loop.now
         decode = self.pd.plan(request)
         if decode is not None:
             request.instance = decode
@@ -353,7 +355,7 @@ class DisaggregatedRun(Run):
     def _send_prefill(self, request: SimRequest) -> None:
         leg = request.prefill
         assert leg is not None
-        leg.sent_s = self.loop.now
+        leg.sent_s = leg.dispatched_s = self.loop.now
         self.started(leg)
         if leg.retire_after_s is not None:
             self.loop.at(self.loop.now + leg.retire_after_s, lambda: self.retire(leg))

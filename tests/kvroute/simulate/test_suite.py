@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -67,6 +68,18 @@ def test_bad_cells_are_named(spec: str) -> None:
 def test_every_workload_of_the_full_grid_builds() -> None:
     for name in FULL_GRID["workload"]:
         assert len(workload_trace(name, 20).requests) == 20, name
+
+
+def test_the_held_out_workloads_are_new_traffic() -> None:
+    """Agent sessions whose turns mostly follow within a second, and later windows of the Mooncake trace."""
+    trace = workload_trace("agent-tools-100", 2000)
+    turns: dict[str | None, list[float]] = {}
+    for request in trace.requests:
+        turns.setdefault(request.session, []).append(request.arrival_s)
+    gaps = [b - a for times in turns.values() for a, b in itertools.pairwise(times)]
+    assert sum(g < 1.0 for g in gaps) / len(gaps) > 0.8
+    first, second = workload_trace("mooncake", 200), workload_trace("mooncake-window-1", 200)
+    assert len(second.requests) == 200 and second.requests[0].block_ids != first.requests[0].block_ids
 
 
 def _result(policy: str, p50: float, p99: float, rejected: int, hits: float) -> RunResult:
