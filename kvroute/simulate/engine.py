@@ -95,6 +95,9 @@ class Engine:
         self.on_finish: Callable[[SimRequest], None] = lambda request: None
         self.on_events: Callable[[list[KVEvent]], None] = lambda events: None
         self.on_fetched: Callable[[SimRequest], None] = lambda request: None  # a decode leg has its KV
+        self.on_preempted: Callable[[SimRequest], None] = lambda request: None
+        # Each step's requests and the tokens each computed (a decode run: each of its steps), as they end.
+        self.on_step: Callable[[list[tuple[SimRequest, int]]], None] = lambda scheduled: None
         # Inter-token latencies: each decode step's length, and the tokens it gave (one per request).
         self.itl_s: array[float] = array("d")
         self.itl_tokens: array[int] = array("q")
@@ -195,6 +198,7 @@ class Engine:
         self.preemptions += 1
         self._admitted -= 1
         self._waiting.appendleft(request)
+        self.on_preempted(request)
 
     def _decode_run(self) -> int:
         """How many decode steps can run back to back: until the first request finishes, and while the
@@ -248,6 +252,8 @@ class Engine:
             return
         _, step, steps = self._run
         self.busy_s += step * steps
+        for _ in range(steps):
+            self.on_step(self._scheduled)
         decoding = sum(1 for r, tokens in self._scheduled if _decoding(r, tokens))
         if decoding:
             self.itl_s.append(step)
