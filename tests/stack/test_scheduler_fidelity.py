@@ -31,7 +31,7 @@ SCENARIOS = {
     "preemption": {"kv_blocks": 30, "max_num_seqs": 8, "max_batched_tokens": 64, "requests": [[80, 150]] * 3},
     # Long and short prompts in a small budget, a batch limit of 3, answers crossing blocks, memory tight.
     "mixed": {
-        "kv_blocks": 40,
+        "kv_blocks": 24,
         "max_num_seqs": 3,
         "max_batched_tokens": 48,
         "requests": [[200, 20], [40, 60], [120, 30], [60, 80], [17, 40], [100, 5]],
