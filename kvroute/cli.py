@@ -303,6 +303,7 @@ class _DefaultsShown(argparse.HelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from kvroute.bench.calibrate.command import add_calibrate_parser
     from kvroute.bench.overhead.command import add_overhead_parser
     from kvroute.simulate.command import add_simulate_parser
 
@@ -617,6 +618,7 @@ def _parser() -> argparse.ArgumentParser:
     live.set_defaults(run=_bench_live)
     add_simulate_parser(benches)
     add_overhead_parser(benches)
+    add_calibrate_parser(benches)
 
     build = commands.add_parser("build-model", help="build the tiny local model and print its directory")
     build.set_defaults(run=_build_model)

@@ -139,7 +139,7 @@ def agentic_trace(
     next_id = shared_blocks
     drafts: list[tuple[float, int, float, tuple[int, ...], str]] = []
     for number in range(sessions):
-        name = f"s{seed}-{number}"
+        session = f"s{seed}-{number}"
         turns = max(2, min(150, round(median_turns * math.exp(rng.gauss(0.0, 0.45)))))
         arrival = rng.uniform(0.0, span_s)
         context = system_tokens
@@ -151,7 +151,7 @@ def agentic_trace(
             while len(ids) * block_tokens < context:
                 ids.append(next_id)
                 next_id += 1
-            drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), tuple(ids), name))
+            drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), tuple(ids), session))
             think = median_think_s * math.exp(rng.gauss(0.0, think_sigma))
             arrival += min(max_think_s, max(min_think_s, think))
     input_total = sum(d[1] for d in drafts)
@@ -159,8 +159,8 @@ def agentic_trace(
     scale = input_total / input_output_ratio / weight_total if weight_total else 0.0
     requests = sorted(
         (
-            TraceRequest(a, context, max(1, round(w * scale)), ids, name)
-            for a, context, w, ids, name in drafts
+            TraceRequest(a, context, max(1, round(w * scale)), ids, session)
+            for a, context, w, ids, session in drafts
         ),
         key=lambda r: r.arrival_s,
     )

@@ -44,7 +44,15 @@ def block_tokens(
 class TraceBlocks:
     """Every request's chain of engine block hashes, computed once per trace and shared by all runs."""
 
-    def __init__(self, trace: Trace, block_size: int = 16, chains: list[array[int]] | None = None) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        block_size: int = 16,
+        chains: list[array[int]] | None = None,
+        answers_in_next_turn: bool = True,
+    ) -> None:
+        """answers_in_next_turn: a session's next turn resends the answer's tokens (False: a replay to a real
+        engine, whose answers the trace does not know)."""
         if trace.block_tokens % block_size:
             raise ValueError(f"trace blocks of {trace.block_tokens} tokens are no multiple of {block_size}")
         self.trace = trace
@@ -61,7 +69,7 @@ class TraceBlocks:
                 if request.session is not None:
                     previous[request.session] = (request, chain)
         self.chains = chains
-        self._next_turn = _next_turns(trace)
+        self._next_turn = _next_turns(trace) if answers_in_next_turn else {}
         self._answers: dict[int, tuple[tuple[int, ...], array[int]]] = {}
 
     def with_trace(self, trace: Trace) -> TraceBlocks:

@@ -19,6 +19,7 @@ from kvroute.simulate.hardware import (
     PDSpec,
     PoolSpec,
 )
+from kvroute.simulate.profile import load_profile
 from kvroute.traces import Trace, agentic_trace, load_trace, mooncake_trace
 
 SWEEP_LOADS = (0.3, 0.45, 0.6, 0.75, 0.9)
@@ -87,6 +88,11 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
         help="start after the trace's first N requests (another window of it; caches start empty)",
     )
     simulate.add_argument("--sessions", type=positive_int, default=40, help="sessions of the agentic trace")
+    simulate.add_argument(
+        "--profile",
+        help="an engine profile (JSON, `kvroute bench calibrate`'s): the engines' timing and memory instead "
+        "of the reference H100 setup",
+    )
     simulate.add_argument("--seed", type=int, default=0, help="seed of the agentic trace")
     simulate.add_argument(
         "--tie-seed",
@@ -153,13 +159,18 @@ def _fleet(args: argparse.Namespace) -> FleetSpec | str:
             return "--sweep instances varies an aggregated fleet: not with --pd"
         pd, instances = PDSpec(prefill, decode, LINK_PRESETS[args.pd_link]), prefill + decode
     pool = PoolSpec(load_s_per_token=POOL_PRESETS[args.pool_link]) if args.pool == "on" else None
-    engine = (
-        EngineSpec(
-            attention_s_per_pair=ATTENTION_S_PER_PAIR, decode_s_per_context_token=DECODE_S_PER_CONTEXT_TOKEN
+    engine = EngineSpec()
+    if args.profile is not None:
+        try:
+            engine = load_profile(Path(args.profile)).engine
+        except ValueError as exc:
+            return str(exc)
+    if args.attention_cost == "on":
+        engine = replace(
+            engine,
+            attention_s_per_pair=ATTENTION_S_PER_PAIR,
+            decode_s_per_context_token=DECODE_S_PER_CONTEXT_TOKEN,
         )
-        if args.attention_cost == "on"
-        else EngineSpec()
-    )
     return FleetSpec(instances=instances, engine=engine, pool=pool, event_delay_s=args.event_delay, pd=pd)
 
 

@@ -125,9 +125,15 @@ class Engine:
         limit = self.spec.max_waiting
         if limit is not None and len(self._waiting) >= limit:
             return False
+        if self.spec.frontend_s:
+            self._loop.at(self._loop.now + self.spec.frontend_s, lambda: self._queue(request))
+        else:
+            self._queue(request)
+        return True
+
+    def _queue(self, request: SimRequest) -> None:
         self._waiting.append(request)
         self._wake()
-        return True
 
     def _blocks_of(self, tokens: int) -> int:
         return -(-tokens // self.spec.block_size)

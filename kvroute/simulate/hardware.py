@@ -41,17 +41,21 @@ class EngineSpec:
     max_batched_tokens: int = 8192  # chunked prefill: prompt tokens an engine step takes at most
     # With a limit, a request arriving at a longer waiting queue is refused (HTTP 503); vLLM has none.
     max_waiting: int | None = None
+    frontend_s: float = 0.0  # from a request's send to the engine's queue: HTTP, parsing, the API server
 
     @property
     def kv_tokens(self) -> int:
         return self.kv_blocks * self.block_size
 
     def prefill_s(self, start: int, tokens: int) -> float:
-        """Computing `tokens` prompt tokens after `start` already in the cache, alone on the instance: its
-        chunks' steps, each with a step's fixed cost."""
+        """Computing `tokens` prompt tokens after `start` already in the cache, alone on the instance, from
+        its send: the frontend's time, then its chunks' steps, each with a step's fixed cost."""
         steps = max(-(-tokens // self.max_batched_tokens), 1)
         return (
-            steps * self.decode_step_s + tokens / self.prefill_tokens_per_s + self.attention_s(start, tokens)
+            self.frontend_s
+            + steps * self.decode_step_s
+            + tokens / self.prefill_tokens_per_s
+            + self.attention_s(start, tokens)
         )
 
     def attention_s(self, start: int, tokens: int) -> float:

@@ -1,0 +1,83 @@
+"""The engine profile: fitted to what was measured, written and loaded, and what `bench simulate --profile`
+runs the fleet with."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from kvroute.bench.calibrate.check import check_trace, compare, simulated_run
+from kvroute.bench.calibrate.fit import Measured, fit
+from kvroute.cli import main
+from kvroute.simulate.hardware import EngineSpec
+from kvroute.simulate.profile import Profile, load_profile
+
+TRUE = replace(
+    EngineSpec(),
+    prefill_tokens_per_s=40_000.0,
+    decode_step_s=0.004,
+    decode_step_s_per_seq=0.0005,
+    frontend_s=0.01,
+    kv_blocks=5_000,
+    block_size=32,
+    max_num_seqs=128,
+    max_batched_tokens=2048,
+)
+
+
+def _measured(engine: EngineSpec) -> Measured:
+    """What an engine that behaves exactly as the model says would show the probes."""
+    return Measured(
+        prefill_ttft_s={n: engine.prefill_s(0, n) for n in (32, 512, 1024, 2048, 3072, 4000)},
+        decode_step_s={b: engine.decode_step_s + b * engine.decode_step_s_per_seq for b in (1, 4, 8)},
+        kv_blocks=engine.kv_blocks,
+        block_size=engine.block_size,
+        max_num_seqs=engine.max_num_seqs,
+        max_batched_tokens=engine.max_batched_tokens,
+    )
+
+
+def test_the_fit_recovers_the_engine_the_measurements_came_from() -> None:
+    fitted = fit(_measured(TRUE))
+    for name in ("prefill_tokens_per_s", "decode_step_s", "decode_step_s_per_seq", "frontend_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    assert (fitted.kv_blocks, fitted.block_size, fitted.max_batched_tokens) == (5_000, 32, 2048)
+
+
+def test_a_profile_is_loaded_as_written_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    Profile(TRUE, "by hand", asdict(_measured(TRUE)), {"requests": 1}).write(path)
+    loaded = load_profile(path)
+    assert loaded.engine == TRUE and loaded.source == "by hand" and loaded.check == {"requests": 1}
+    document = json.loads(path.read_text())
+    document["engine"]["warp_drive"] = 1
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="warp_drive"):
+        load_profile(path)
+
+
+def test_the_simulator_runs_a_fleet_of_the_profiles_engines(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    Profile(TRUE, "by hand").write(path)
+    out = tmp_path / "out"
+    arguments = ["bench", "simulate", "--profile", str(path), "--requests", "30", "--policies", "kvroute"]
+    assert main([*arguments, "--out", str(out)]) == 0
+    setup = json.loads((out / "results.json").read_text())["setup"]
+    assert setup["engine"]["prefill_tokens_per_s"] == 40_000.0 and setup["engine"]["frontend_s"] == 0.01
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["bench", "simulate", "--profile", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
+
+
+def test_the_check_simulates_the_fixed_trace_and_measures_each_requests_error() -> None:
+    trace = check_trace()
+    assert all(r.input_tokens + r.output_tokens <= 4096 for r in trace.requests)
+    run = simulated_run(TRUE, trace)
+    simulated = [r.first_token_s - r.sent_s for r in sorted(run.done, key=lambda r: r.number)]
+    assert len(simulated) == len(trace.requests) and all(t > 0 for t in simulated)
+    checked = compare([2 * t for t in simulated], simulated)
+    assert checked["ttft_median_error"] == pytest.approx(0.5)
+    assert not math.isnan(checked["ttft_p90_error"])
