@@ -45,9 +45,12 @@ from scorers.params import Params
 
 TERMS = ("overhead", "queue", "prefill", "load", "memory", "decode", "attention", "transfer")
 _QUEUE = TERMS.index("queue")
+_PREFILL = TERMS.index("prefill")
+_LOAD = TERMS.index("load")
 _ATTENTION = TERMS.index("attention")
 _MEMORY = TERMS.index("memory")
 _TRANSFER = TERMS.index("transfer")
+_PER_TOKEN = [_QUEUE, _LOAD, _TRANSFER]  # rates of work a token that follow the fleet's speed when unobserved
 # Typical size of each feature: the priors count as prior_weight observations of this size, of the TTFT
 # typical lately. The overhead's is larger than its feature's (1): on its own it would soak up the noise of
 # the first few observations. Attention's: ~2K tokens computed after ~3K reused.
@@ -194,6 +197,19 @@ class TTFTModel(ModelRates):
         # weak and let four answers zero a rate).
         _ttft_kernel.observe(self, self._calibration, features, seconds)
 
+    def _priors_at_fleet_speed(self) -> np.ndarray:
+        """The priors, with the other per-token rates (queue, pool load, transfer) scaled down as far as the
+        prefill rate has proved faster than its prior. A term the router never observes keeps its prior:
+        one too pessimistic (a pool load priced as a TCP link's on an RDMA pool) keeps the router off that
+        path for good, so nothing ever corrects it; one too optimistic sends requests down it, whose
+        observations then correct it. Never scaled up: a slower fleet leaves them as configured."""
+        prior_prefill = self._prior[_PREFILL]
+        if not self._calibrate or prior_prefill <= 0 or self._rates[_PREFILL] >= prior_prefill:
+            return self._prior
+        target = self._prior.copy()
+        target[_PER_TOKEN] *= self._rates[_PREFILL] / prior_prefill
+        return target
+
     @property
     def slowdown(self) -> float:
         """How much slower than its fleet this instance answers (1: as fast; measured, in log space)."""
@@ -201,7 +217,7 @@ class TTFTModel(ModelRates):
 
     def _solve(self) -> None:
         # Towards the fleet's rates (times this instance's slowdown) once it has some, else the priors.
-        target, weight = self._prior, self._prior_weight
+        target, weight = self._priors_at_fleet_speed(), self._prior_weight
         if self.fleet is not None:
             self.fleet_solved = self.fleet.solved
             if self.fleet.observations:

@@ -70,6 +70,22 @@ def test_a_term_the_traffic_never_exercises_keeps_its_prior() -> None:
     assert model.rates["prefill"] == pytest.approx(TRUE_RATES["prefill"], rel=0.05)
 
 
+def test_a_term_the_traffic_never_exercises_follows_a_fleet_faster_than_the_priors() -> None:
+    """Prompts prefill 4x faster than the prior says, and no request loads from the pool: the load rate goes
+    down with the prefill rate (one too high would keep every request off the pool, so never be corrected);
+    the decode rate, no work a prompt token, stays."""
+    rng = random.Random(2)
+    priors = TTFTPriors(prefill_s_per_token=1e-3, queue_s_per_token=1e-3, load_s_per_token=4e-4)
+    model = TTFTModel(priors)
+    for _ in range(200):
+        features = random_features(rng, load=False, whole_answers=False)
+        model.observe(features, true_seconds(features))
+    speed = model.rates["prefill"] / priors.prefill_s_per_token
+    assert speed < 0.3  # about the truth's 0.25
+    assert model.rates["load"] == pytest.approx(priors.load_s_per_token * speed, rel=0.05)
+    assert model.rates["decode"] == pytest.approx(priors.decode_s_per_token, rel=0.01)
+
+
 def test_calibration_follows_an_instance_that_slows_down() -> None:
     rng = random.Random(3)
     model = TTFTModel(TTFTPriors(memory=30))
