@@ -125,8 +125,10 @@ class Engine:
         limit = self.spec.max_waiting
         if limit is not None and len(self._waiting) >= limit:
             return False
-        if self.spec.frontend_s:
-            self._loop.at(self._loop.now + self.spec.frontend_s, lambda: self._queue(request))
+        spec = self.spec
+        frontend_s = spec.frontend_s + spec.frontend_s_per_token * request.trace.input_tokens
+        if frontend_s:
+            self._loop.at(self._loop.now + frontend_s, lambda: self._queue(request))
         else:
             self._queue(request)
         return True

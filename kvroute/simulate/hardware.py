@@ -41,7 +41,9 @@ class EngineSpec:
     max_batched_tokens: int = 8192  # chunked prefill: prompt tokens an engine step takes at most
     # With a limit, a request arriving at a longer waiting queue is refused (HTTP 503); vLLM has none.
     max_waiting: int | None = None
-    frontend_s: float = 0.0  # from a request's send to the engine's queue: HTTP, parsing, the API server
+    # From a request's send to the engine's queue: HTTP, parsing, the API server; and for each prompt token.
+    frontend_s: float = 0.0
+    frontend_s_per_token: float = 0.0
 
     @property
     def kv_tokens(self) -> int:
@@ -53,6 +55,7 @@ class EngineSpec:
         steps = max(-(-tokens // self.max_batched_tokens), 1)
         return (
             self.frontend_s
+            + self.frontend_s_per_token * (start + tokens)
             + steps * self.decode_step_s
             + tokens / self.prefill_tokens_per_s
             + self.attention_s(start, tokens)

@@ -41,7 +41,7 @@ def add_calibrate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPa
     )
     calibrate.add_argument("--max-batched-tokens", type=int, default=CPU_MAX_BATCHED_TOKENS)
     calibrate.add_argument("--max-num-seqs", type=int, default=CPU_MAX_NUM_SEQS)
-    calibrate.add_argument("--repeats", type=int, default=3, help="probes of each prompt length")
+    calibrate.add_argument("--repeats", type=int, default=5, help="probes of each prompt length and batch")
     calibrate.add_argument("--out", default="bench-results/engine-profile.json")
     calibrate.set_defaults(run=run_calibrate)
 
@@ -61,7 +61,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(
         f"prefill {engine.prefill_tokens_per_s:,.0f} tokens/s, step {engine.decode_step_s * 1000:.2f} ms "
         f"+ {engine.decode_step_s_per_seq * 1000:.3f} ms a decoding request, frontend "
-        f"{engine.frontend_s * 1000:.1f} ms, {engine.kv_blocks} blocks of {engine.block_size}"
+        f"{engine.frontend_s * 1000:.1f} ms + {engine.frontend_s_per_token * 1e6:.2f} us a prompt token, "
+        f"{engine.kv_blocks} blocks of {engine.block_size}"
     )
     print(
         f"check ({checked['requests']} requests of {checked['trace']}): TTFT median error "
@@ -79,9 +80,10 @@ async def _calibrate(url: str, model: str, args: argparse.Namespace) -> Profile:
     async with aiohttp.ClientSession(timeout=timeout) as http:
         engine = Engine(http, url, model)
         blocks, block_size = await engine.cache()
-        prefill = await prefill_times(engine, PREFILL_LENGTHS, args.repeats)
+        cold, warm = await prefill_times(engine, PREFILL_LENGTHS, args.repeats)
         decode = await decode_steps(engine, DECODE_BATCHES, DECODE_TOKENS, args.repeats)
-        measured = Measured(prefill, decode, blocks, block_size, args.max_num_seqs, args.max_batched_tokens)
+        limits = (args.max_num_seqs, args.max_batched_tokens)
+        measured = Measured(cold, warm, decode, blocks, block_size, *limits)
         spec = fit(measured)
         checked = await check(engine, spec, check_trace())
     when = datetime.now(UTC).strftime("%Y-%m-%d")

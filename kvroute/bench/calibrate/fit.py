@@ -2,8 +2,10 @@
 
 A step of the simulated engine lasts its fixed cost, plus each decoding request's share, plus its prefill
 tokens at the prefill rate (kvroute/simulate/engine.py), and a request reaches the engine's queue the
-frontend's time after it was sent. So a fresh prompt of L tokens alone takes frontend + ceil(L / budget)
-fixed costs + L / rate to its first token, and a decode step with b requests fixed + b x share.
+frontend's time after it was sent: a fixed part and a part a prompt token (the server parses, checks and
+hashes every token, cached or not). So a prompt of L tokens alone, all but its last cached, takes frontend(L)
++ one fixed cost to its first token; fresh, frontend(L) + ceil(L / budget) fixed costs + L / rate; and a
+decode step with b requests fixed + b x share.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvroute.simulate.hardware import EngineSpec
 @dataclass(frozen=True)
 class Measured:
     prefill_ttft_s: dict[int, float]  # median time to first token by fresh prompt length
+    cached_ttft_s: dict[int, float]  # the same prompts sent again, all but their last token cached
     decode_step_s: dict[int, float]  # median gap between tokens by requests decoding together
     kv_blocks: int
     block_size: int
@@ -34,15 +37,20 @@ def fit(measured: Measured) -> EngineSpec:
     fixed = max(steps[0] - share * batches[0], 0.0)
     lengths = sorted(measured.prefill_ttft_s)
     budget = measured.max_batched_tokens
-    # What is left of each lone prompt's TTFT after its steps' fixed costs: frontend + L / rate.
-    rest = [measured.prefill_ttft_s[n] - math.ceil(n / budget) * fixed for n in lengths]
-    slope, intercept = np.polyfit(lengths, rest, 1)
+    cached = [measured.cached_ttft_s[n] - fixed for n in lengths]
+    per_token, frontend = (max(float(x), 0.0) for x in np.polyfit(lengths, cached, 1))
+    # What is left of each fresh prompt's TTFT after the frontend's and its steps' fixed costs: L / rate.
+    rest = [
+        measured.prefill_ttft_s[n] - frontend - per_token * n - math.ceil(n / budget) * fixed for n in lengths
+    ]
+    slope = max(float(np.polyfit(lengths, rest, 1)[0]), 1e-12)
     return replace(
         EngineSpec(),
-        prefill_tokens_per_s=1.0 / max(float(slope), 1e-12),
+        prefill_tokens_per_s=1.0 / slope,
         decode_step_s=fixed,
         decode_step_s_per_seq=share,
-        frontend_s=max(float(intercept), 0.0),
+        frontend_s=max(frontend - slope, 0.0),  # a cached prompt's last token is computed
+        frontend_s_per_token=per_token,
         kv_blocks=measured.kv_blocks,
         block_size=measured.block_size,
         max_num_seqs=measured.max_num_seqs,

@@ -89,14 +89,21 @@ class Engine:
         return int(float(found.group(1))) if found else 0
 
 
-async def prefill_times(engine: Engine, lengths: Sequence[int], repeats: int) -> dict[int, float]:
-    """The median time to first token of a fresh prompt of each length, one request at a time."""
+async def prefill_times(
+    engine: Engine, lengths: Sequence[int], repeats: int
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The median time to first token of a prompt of each length, one request at a time: fresh (computed
+    whole), and sent again at once (all but its last token cached: what the server's side costs)."""
     await engine.stream(engine.fresh_prompt(64), 2)  # the first request pays for warming up
-    medians = {}
+    cold, warm = {}, {}
     for length in lengths:
-        times = [(await engine.stream(engine.fresh_prompt(length), 1)).ttft_s for _ in range(repeats)]
-        medians[length] = statistics.median(times)
-    return medians
+        fresh, again = [], []
+        for _ in range(repeats):
+            prompt = engine.fresh_prompt(length)
+            fresh.append((await engine.stream(prompt, 1)).ttft_s)
+            again.append((await engine.stream(prompt, 1)).ttft_s)
+        cold[length], warm[length] = statistics.median(fresh), statistics.median(again)
+    return cold, warm
 
 
 async def decode_steps(engine: Engine, batches: Sequence[int], tokens: int, repeats: int) -> dict[int, float]:

@@ -22,6 +22,7 @@ TRUE = replace(
     decode_step_s=0.004,
     decode_step_s_per_seq=0.0005,
     frontend_s=0.01,
+    frontend_s_per_token=2e-6,
     kv_blocks=5_000,
     block_size=32,
     max_num_seqs=128,
@@ -29,10 +30,14 @@ TRUE = replace(
 )
 
 
+LENGTHS = (32, 512, 1024, 2048, 3072, 4000)
+
+
 def _measured(engine: EngineSpec) -> Measured:
     """What an engine that behaves exactly as the model says would show the probes."""
     return Measured(
-        prefill_ttft_s={n: engine.prefill_s(0, n) for n in (32, 512, 1024, 2048, 3072, 4000)},
+        prefill_ttft_s={n: engine.prefill_s(0, n) for n in LENGTHS},
+        cached_ttft_s={n: engine.prefill_s(n - 1, 1) for n in LENGTHS},
         decode_step_s={b: engine.decode_step_s + b * engine.decode_step_s_per_seq for b in (1, 4, 8)},
         kv_blocks=engine.kv_blocks,
         block_size=engine.block_size,
@@ -43,7 +48,14 @@ def _measured(engine: EngineSpec) -> Measured:
 
 def test_the_fit_recovers_the_engine_the_measurements_came_from() -> None:
     fitted = fit(_measured(TRUE))
-    for name in ("prefill_tokens_per_s", "decode_step_s", "decode_step_s_per_seq", "frontend_s"):
+    fields = (
+        "prefill_tokens_per_s",
+        "decode_step_s",
+        "decode_step_s_per_seq",
+        "frontend_s",
+        "frontend_s_per_token",
+    )
+    for name in fields:
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
     assert (fitted.kv_blocks, fitted.block_size, fitted.max_batched_tokens) == (5_000, 32, 2048)
 
