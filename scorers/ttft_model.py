@@ -217,11 +217,13 @@ class TTFTModel(ModelRates):
 
     def _solve(self) -> None:
         # Towards the fleet's rates (times this instance's slowdown) once it has some, else the priors.
-        target, weight = self._priors_at_fleet_speed(), self._prior_weight
-        if self.fleet is not None:
-            self.fleet_solved = self.fleet.solved
-            if self.fleet.observations:
-                target, weight = self.fleet._rates * _scaled(self.slowdown), self._fleet_weight
+        fleet = self.fleet
+        if fleet is not None:
+            self.fleet_solved = fleet.solved
+        if fleet is not None and fleet.observations:
+            target, weight = fleet._rates * _scaled(self.slowdown), self._fleet_weight
+        else:
+            target, weight = self._priors_at_fleet_speed(), self._prior_weight
         # Priors far out of scale (1e300 s a token) underflow the penalty to a singular or overflowing system:
         # the rates it had stay rather than failing every request.
         gram, moment = self._calibration.sums()

@@ -73,8 +73,12 @@ class TraceBlocks:
         self._answers: dict[int, tuple[tuple[int, ...], array[int]]] = {}
 
     def with_trace(self, trace: Trace) -> TraceBlocks:
-        """The same prompts at other times (with_rate): the chains are reused, not hashed again."""
-        return TraceBlocks(trace, self.block_size, self.chains[: len(trace.requests)])
+        """The same prompts at other times (with_rate): the chains are reused, not hashed again; so are the
+        answers' blocks, where the requests (so the sessions' turns) are the same."""
+        blocks = TraceBlocks(trace, self.block_size, self.chains[: len(trace.requests)])
+        if len(trace.requests) == len(self.trace.requests):
+            blocks._next_turn, blocks._answers = self._next_turn, self._answers
+        return blocks
 
     def _chain(
         self,

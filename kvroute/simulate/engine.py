@@ -267,12 +267,12 @@ class Engine:
             self.itl_s.append(step)
             self.itl_tokens.append(decoding * steps)
         finished = []
-        for request, tokens in self._scheduled:
-            request.computed += tokens if steps == 1 else steps
+        for request, tokens in self._scheduled:  # a decode run's: one token a step each
+            request.computed += tokens * steps
             self._cache_computed(request)
             if request.computed < _tokens(request):
                 continue
-            request.generated += 1 if steps == 1 else steps
+            request.generated += steps
             if request.first_token_s < 0:
                 request.first_token_s = self._loop.now
                 self.on_first_token(request)

@@ -93,15 +93,6 @@ POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-no-queue": _with_flow_control("kvroute-no-queue", enabled=False),
     "kvroute": _configured("kvroute", "kvroute"),
 }
-# A peer's shipped variants: its row in a comparison is the best of them.
-FAMILIES: dict[str, tuple[str, ...]] = {
-    "llm-d": ("llm-d", "llm-d+flow-control"),
-    "dynamo": ("dynamo", "dynamo+queue-fcfs", "dynamo+queue-wspt"),
-}
-
-
-def family_of(name: str) -> str:
-    return next((family for family, members in FAMILIES.items() if name in members), name)
 
 
 def _with_kv_usage(fleet: FleetSpec) -> SimPolicy:

@@ -1,7 +1,8 @@
 """Requests that measure one running vLLM instance: a prompt's time to first token by its length, a decode
 step's length by the batch, its KV cache and its preemptions (its /metrics).
 
-Every probe's prompt is fresh token ids, so no prefix is cached; the instance serves nothing else meanwhile.
+Every probe's prompt is fresh token ids, so no prefix is cached, unless it is sent again on purpose; the
+instance serves nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ class ProbeFailed(RuntimeError):
 class Streamed:
     ttft_s: float
     last_token_s: float  # from the send to the last token
-    tokens: int
 
 
 class Engine:
@@ -69,7 +69,7 @@ class Engine:
         if isinstance(outcome, TurnOutcome) or not arrivals:
             error = outcome.error if isinstance(outcome, TurnOutcome) else "no token"
             raise ProbeFailed(f"{self._url}: {error}")
-        return Streamed(arrivals[0] - started, arrivals[-1] - started, max_tokens)
+        return Streamed(arrivals[0] - started, arrivals[-1] - started)
 
     async def metrics(self) -> str:
         async with self._http.get(f"{self._url}/metrics") as response:

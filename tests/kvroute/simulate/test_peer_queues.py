@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.hardware import EngineSpec, FleetSpec
-from kvroute.simulate.registry import POLICIES, family_of
+from kvroute.simulate.registry import POLICIES
 from kvroute.simulate.run import Run
 from kvroute.traces import Trace, TraceRequest
 
@@ -39,9 +39,3 @@ def test_llmds_flow_control_holds_requests_while_the_scraped_kv_usage_is_past_it
     assert second.queued_s > 0 and second.admitted_s >= first.finish_s
     first, second = sorted(_run("llm-d", spec, *requests).done, key=lambda r: r.number)
     assert second.queued_s == 0
-
-
-def test_a_peers_variants_are_one_family() -> None:
-    assert {family_of(n) for n in ("dynamo", "dynamo+queue-fcfs", "dynamo+queue-wspt")} == {"dynamo"}
-    assert family_of("llm-d+flow-control") == "llm-d"
-    assert family_of("kvroute") == "kvroute"
