@@ -244,6 +244,7 @@ def _bench_live(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         seed=args.seed,
         vllm_router=args.vllm_router,
+        smg=args.smg,
         reset_caches=not args.no_reset,
         out=Path(args.out) if args.out else None,
         log_dir=Path(args.log_dir) if args.log_dir else None,
@@ -582,8 +583,9 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument(
         "--targets",
         help="comma-separated: kvroute[:POLICY], vllm-router:POLICY (or :PREFILL/DECODE on a P/D fleet), "
-        "NAME=URL (a running router); default: kvroute:round-robin,kvroute,vllm-router:round_robin,"
-        "vllm-router:cache_aware,vllm-router:kv_aware, and vllm-router:power_of_two on a P/D fleet",
+        "smg:POLICY (SGLang's model gateway), NAME=URL (a running router); default: kvroute:round-robin,"
+        "kvroute,vllm-router:round_robin,vllm-router:cache_aware,vllm-router:kv_aware,smg:cache_aware; on a "
+        "P/D fleet vllm-router:power_of_two instead of smg",
     )
     live.add_argument(
         "--trace", help="replay agentic, mooncake, tenants, flows or a JSONL file (open loop), not sessions"
@@ -612,6 +614,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     live.add_argument("--seed", type=int, default=1, help="target i replays sessions of seed + i")
     live.add_argument("--vllm-router", help="vllm-router binary; default: beside this Python or on PATH")
+    live.add_argument("--smg", help="SGLang's model gateway (smg); default: beside this Python or on PATH")
     live.add_argument("--no-reset", action="store_true", help="do not reset prefix caches between targets")
     live.add_argument("--out", default="bench-results/live.json", help="JSON results ('' for none)")
     live.add_argument("--log-dir", help="keep the routers' logs here (default: a temporary directory)")

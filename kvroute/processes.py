@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -110,12 +111,33 @@ def start(name: str, args: Sequence[str], log_dir: Path) -> Child:
     return spawn(name, [sys.executable, "-m", "kvroute.cli", *args], log_dir)
 
 
-def wait_healthy(child: Child, urls: Sequence[str], timeout_s: float = 60.0) -> None:
-    wait_all_healthy([(child, url) for url in urls], timeout_s)
+def find_executable(name: str, explicit: str | None = None) -> str | None:
+    """explicit (a path, or a name on PATH); else name beside this Python (its venv's), else on PATH."""
+    if explicit:
+        return explicit if Path(explicit).exists() else shutil.which(explicit)
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
 
 
-def wait_all_healthy(checks: Sequence[tuple[Child, str]], timeout_s: float = 60.0) -> None:
-    """Wait until every URL answers 200; fail as soon as its child exits, or at the deadline, with its log."""
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_healthy(
+    child: Child, urls: Sequence[str], timeout_s: float = 60.0, ok: Callable[[str], bool] = http_ok
+) -> None:
+    wait_all_healthy([(child, url) for url in urls], timeout_s, ok)
+
+
+def wait_all_healthy(
+    checks: Sequence[tuple[Child, str]], timeout_s: float = 60.0, ok: Callable[[str], bool] = http_ok
+) -> None:
+    """Wait until ok(url) holds for every URL (by default: it answers 200); fail as soon as its child exits,
+    or at the deadline, with its log."""
     deadline = time.monotonic() + timeout_s
     pending = list(checks)
     while pending:
@@ -129,18 +151,10 @@ def wait_all_healthy(checks: Sequence[tuple[Child, str]], timeout_s: float = 60.
                     f"{child.name} not healthy after {timeout_s:.0f}s at {url} (log {child.log_path}):\n"
                     f"{child.log_tail()}"
                 )
-            if http_ok(url):
+            if ok(url):
                 pending.remove((child, url))
         if pending:
             time.sleep(0.1)
-
-
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:

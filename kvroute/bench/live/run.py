@@ -5,9 +5,10 @@ The workload is generated agent sessions or a request trace replayed open loop
 of its own seed (its own system prompt too), so none is served from a cache another warmed; prefix caches are
 also reset between targets where the instances allow it. Hit rates come from the engines' own counters
 (``vllm:prefix_cache_*``), summed over instances, before and after each target. The benchmark starts every
-router it measures on 127.0.0.1, in its own process group, and stops exactly those. On a prefill/decode
-disaggregated fleet (kvroute/bench/live/pd.py) vllm-router runs in its P/D mode, and each target's prompt
-tokens are told apart by where they were computed. A trace of several flows (tenants) is also reported per
+router it measures on 127.0.0.1, in its own process group, and stops exactly those: kvroute, the real
+vllm-router binary, SGLang's model gateway (kvroute/bench/live/smg.py). On a prefill/decode disaggregated
+fleet (kvroute/bench/live/pd.py) vllm-router runs in its P/D mode, and each target's prompt tokens are told
+apart by where they were computed. A trace of several flows (tenants) is also reported per
 flow, and kvroute's routers get the objectives the simulator configures, so a flow's priority means the same
 live as simulated.
 """
@@ -19,8 +20,6 @@ import contextlib
 import copy
 import dataclasses
 import json
-import shutil
-import sys
 import tempfile
 import time
 import urllib.error
@@ -54,11 +53,13 @@ from kvroute.bench.live.pd import (
     vllm_router_pd_args,
 )
 from kvroute.bench.live.plots import write_plots
+from kvroute.bench.live.smg import find_smg, running_smg
 from kvroute.bench.live.view import bench_view
 from kvroute.bench.live.workloads import LiveWorkload, SessionWorkload, TraceWorkload
 from kvroute.processes import (
     FleetPorts,
     StartupError,
+    find_executable,
     free_port_block,
     running_fleet,
     running_router,
@@ -77,6 +78,7 @@ DEFAULT_TARGETS = (
     "vllm-router:round_robin",
     "vllm-router:cache_aware",
     "vllm-router:kv_aware",
+    "smg:cache_aware",
 )
 ROUND_ROBIN = {"scorers": [{"type": "round-robin"}]}
 # A GPU's prefill rate on the trace's own token counts. Replayed with fewer tokens per hash id, the simulated
@@ -94,6 +96,7 @@ _ROUTER_METRICS = (
     "vllm_router_prefix_routing_decisions_total",
     "vllm_router_pd_prefill_requests_total",
     "kvroute_pd_requests_total",
+    "smg_cache_aware_policy_branch_total",
 )
 
 
@@ -104,13 +107,14 @@ class SkipTarget(Exception):
 @dataclass(frozen=True)
 class Target:
     label: str
-    kind: str  # kvroute, vllm-router or url
+    kind: str  # kvroute, vllm-router, smg or url
     policy: str = ""
     url: str = ""
 
 
 def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
-    """``kvroute``, ``kvroute:POLICY``, ``vllm-router:POLICY`` or ``NAME=URL`` (a router already running)."""
+    """``kvroute``, ``kvroute:POLICY``, ``vllm-router:POLICY``, ``smg:POLICY`` or ``NAME=URL`` (a router
+    already running)."""
     targets = []
     for spec in (s.strip() for s in specs):
         if not spec:
@@ -122,9 +126,10 @@ def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
         kind, _, policy = spec.partition(":")
         if kind == "kvroute":
             policy = policy or default_policy
-        elif kind != "vllm-router" or not policy:
+        elif kind not in ("vllm-router", "smg") or not policy:
             raise ValueError(
-                f"target {spec!r}: use kvroute[:POLICY], vllm-router:POLICY (e.g. round_robin) or NAME=URL"
+                f"target {spec!r}: use kvroute[:POLICY], vllm-router:POLICY (e.g. round_robin), smg:POLICY "
+                "(e.g. cache_aware) or NAME=URL"
             )
         targets.append(Target(f"{kind}:{policy}", kind, policy))
     return targets
@@ -154,6 +159,7 @@ class LiveOptions:
     max_prompt_tokens: int | None = None  # trace prompts longer than this are not sent
     seed: int = 1
     vllm_router: str | None = None  # the binary; default: found next to this Python or on PATH
+    smg: str | None = None  # SGLang's model gateway, found the same way
     reset_caches: bool = True
     out: Path | None = None
     log_dir: Path | None = None
@@ -441,6 +447,16 @@ def _endpoint(
         config = kvroute_config(fleet, target.policy)
         with running_router(config, log_dir, name=f"kvroute-{target.policy}") as url:
             yield url, url
+    elif target.kind == "smg":
+        if is_disaggregated(fleet.config):
+            raise SkipTarget("smg targets need an aggregated fleet (its P/D mode is not set up here)")
+        if options.trace is not None:
+            raise SkipTarget("smg 1.13 refuses a completion whose prompt is token ids, as a trace's are")
+        binary = find_smg(options.smg)
+        if binary is None:
+            raise SkipTarget("smg is not installed (pip install 'kvroute[bench]')")
+        with running_smg(binary, target.policy, fleet.config, log_dir) as urls:
+            yield urls
     else:
         binary = find_vllm_router(options.vllm_router)
         if binary is None:
@@ -467,10 +483,7 @@ def kvroute_config(fleet: Fleet, policy: str) -> dict[str, Any]:
 
 
 def find_vllm_router(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit if Path(explicit).exists() else shutil.which(explicit)
-    beside = Path(sys.executable).parent / "vllm-router"
-    return str(beside) if beside.exists() else shutil.which("vllm-router")
+    return find_executable("vllm-router", explicit)
 
 
 def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_port: int) -> list[str]:

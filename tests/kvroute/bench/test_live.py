@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from kvroute.bench.live.run import (
     parse_targets,
     run_live_bench,
 )
+from kvroute.bench.live.smg import every_worker_healthy, find_smg, smg_args
 from kvroute.cli import main
 from kvroute.processes import FleetPorts, start
 from router.config import parse_config
@@ -31,7 +35,11 @@ SESSIONS, TURNS = 4, 3  # 4 sessions over 3 instances: round robin moves every s
 
 
 def _options(
-    fleet: FleetPorts, tmp_path: Path, targets: tuple[str, ...], vllm_router: str | None = None
+    fleet: FleetPorts,
+    tmp_path: Path,
+    targets: tuple[str, ...],
+    vllm_router: str | None = None,
+    smg: str | None = None,
 ) -> LiveOptions:
     config = tmp_path / "router.yaml"
     config.write_text(yaml.safe_dump(fleet.router_config()))
@@ -46,6 +54,7 @@ def _options(
         max_tokens=4,
         system_prompt_words=200,
         vllm_router=vllm_router,
+        smg=smg,
         out=tmp_path / "live.json",
         log_dir=tmp_path / "logs",
     )
@@ -68,17 +77,31 @@ def _check_counts(report: LiveReport) -> None:
         assert result.caches_reset
 
 
-def test_kvroute_targets_a_running_router_and_a_missing_binary(
+def test_kvroute_targets_a_running_router_and_missing_binaries(
     fleet: FleetPorts, router_url: str, tmp_path: Path
 ) -> None:
-    targets = ("kvroute:round-robin", "kvroute", f"given={router_url}", "vllm-router:round_robin")
-    report = run_live_bench(_options(fleet, tmp_path, targets, vllm_router=str(tmp_path / "missing")))
+    targets = (
+        "kvroute:round-robin",
+        "kvroute",
+        f"given={router_url}",
+        "vllm-router:round_robin",
+        "smg:random",
+    )
+    missing = str(tmp_path / "missing")
+    report = run_live_bench(_options(fleet, tmp_path, targets, vllm_router=missing, smg=missing))
 
     by_target = {r.target: r for r in report.results}
-    assert list(by_target) == ["kvroute:round-robin", "kvroute:kvroute", "given", "vllm-router:round_robin"]
-    assert "not installed" in by_target["vllm-router:round_robin"].skipped
+    assert list(by_target) == [
+        "kvroute:round-robin",
+        "kvroute:kvroute",
+        "given",
+        "vllm-router:round_robin",
+        "smg:random",
+    ]
+    assert "vllm-router is not installed" in by_target["vllm-router:round_robin"].skipped
+    assert "smg is not installed" in by_target["smg:random"].skipped
     assert not any(r.skipped for r in report.results[:3]), [r.skipped for r in report.results]
-    assert [r.seed for r in report.results] == [1, 2, 3, 4]  # fresh content for every target
+    assert [r.seed for r in report.results] == [1, 2, 3, 4, 5]  # fresh content for every target
     _check_counts(report)
     round_robin, kvroute = by_target["kvroute:round-robin"], by_target["kvroute:kvroute"]
     assert set(round_robin.requests_per_instance.values()) == {SESSIONS * TURNS // 3}
@@ -108,12 +131,101 @@ def test_vllm_router_round_robin_and_kv_aware(fleet: FleetPorts, tmp_path: Path)
     assert sum(v for k, v in lookups.items() if "result=hit" in k) > 0, lookups
 
 
+@pytest.mark.skipif(find_smg(None) is None, reason="smg not installed (pip install '.[bench]')")
+def test_smg_round_robin_and_cache_aware(fleet: FleetPorts, tmp_path: Path) -> None:
+    report = run_live_bench(_options(fleet, tmp_path, ("smg:round_robin", "smg:cache_aware")))
+
+    round_robin, cache_aware = report.results
+    assert not round_robin.skipped and not cache_aware.skipped, (round_robin.skipped, cache_aware.skipped)
+    _check_counts(report)
+    assert set(round_robin.requests_per_instance.values()) == {SESSIONS * TURNS // 3}
+    assert not round_robin.router_metrics  # its counters of cache_aware's decisions did not move
+    branches = {k: v for k, v in cache_aware.router_metrics.items() if "cache_aware_policy_branch" in k}
+    assert sum(branches.values()) == cache_aware.sent, branches  # cache_aware chose every request...
+    # ...and found the earlier turns of a session in its tree: a later turn's text extends the last one's
+    assert branches.get("smg_cache_aware_policy_branch_total{branch=tree_match}", 0) > 0, branches
+    assert cache_aware.local_hit_rate > round_robin.local_hit_rate  # type: ignore[operator]
+
+
+def test_smg_args() -> None:
+    config = parse_config(FleetPorts(8101, 5601, 5701, 3).router_config())
+    args = smg_args("/venv/bin/smg", "cache_aware", config, 30000, 30001)
+
+    assert args[:2] == ["/venv/bin/smg", "launch"]
+    flags = _flags(args[2:])
+    assert flags["--worker-urls"] == [
+        "http://127.0.0.1:8101",
+        "http://127.0.0.1:8102",
+        "http://127.0.0.1:8103",
+    ]
+    assert flags["--policy"] == ["cache_aware"]
+    assert flags["--host"] == flags["--prometheus-host"] == ["127.0.0.1"]
+    assert (flags["--port"], flags["--prometheus-port"]) == (["30000"], ["30001"])
+    # its defaults, which are SGLang's cache_aware: none is overridden
+    assert not {"--cache-threshold", "--balance-abs-threshold", "--balance-rel-threshold"} & set(flags)
+
+
+def _flags(args: list[str]) -> dict[str, list[str]]:
+    flags: dict[str, list[str]] = {}
+    for arg in args:
+        if arg.startswith("--"):
+            flags[arg] = []
+            current = flags[arg]
+        else:
+            current.append(arg)
+    return flags
+
+
+@pytest.fixture
+def readiness() -> Iterator[tuple[str, list[tuple[int, bytes]]]]:
+    """A server whose every answer is the last (status, body) put in the list it yields with its URL."""
+    answers: list[tuple[int, bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = answers[-1]
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/readiness", answers
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "ready"),
+    [
+        (200, b'{"status":"ready","healthy_workers":3,"total_workers":3}', True),
+        (200, b'{"status":"ready","healthy_workers":2,"total_workers":2}', False),  # one left out at startup
+        (200, b'{"status":"ready","healthy_workers":2,"total_workers":3}', False),
+        (503, b'{"status":"not ready","reason":"draining"}', False),
+        (200, b"OK", False),
+    ],
+)
+def test_every_worker_healthy(
+    readiness: tuple[str, list[tuple[int, bytes]]], status: int, body: bytes, ready: bool
+) -> None:
+    url, answers = readiness
+    answers.append((status, body))
+    assert every_worker_healthy(3)(url) is ready
+
+
 @pytest.mark.parametrize("api", ["responses", "messages"])
 def test_sessions_over_the_agents_apis(api: Api, fleet: FleetPorts, tmp_path: Path) -> None:
-    """Every target answers every turn in the API (vllm-router 0.1.17 forwards both paths), and each turn's
-    prompt tokens, read from the API's own usage, are what the engines counted."""
-    has_binary = find_vllm_router(None) is not None
-    targets = ("kvroute:round-robin", "kvroute", *(("vllm-router:round_robin",) if has_binary else ()))
+    """Every target answers every turn in the API (vllm-router 0.1.17 and smg 1.13 forward both paths), and
+    each turn's prompt tokens, read from the API's own usage, are what the engines counted."""
+    peers = (("vllm-router:round_robin", find_vllm_router(None)), ("smg:round_robin", find_smg(None)))
+    targets = ("kvroute:round-robin", "kvroute", *(target for target, binary in peers if binary))
     report = run_live_bench(dataclasses.replace(_options(fleet, tmp_path, targets), api=api))
 
     assert [r.target for r in report.results] == [t if ":" in t else f"{t}:kvroute" for t in targets]
@@ -234,6 +346,8 @@ def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
         assert set(target) == fields, target["target"]
         if not target["skipped"]:
             assert target["sent"] == 16 and len(target["ttft_ms"]) == target["ok"], target
+    skipped = {target["target"]: target["skipped"] for target in written["targets"]}
+    assert "prompt is token ids" in skipped["smg:cache_aware"]  # smg 1.13 would answer every one with a 400
     for plot in ("live-ttft.png", "live-hits.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG"), plot
 
@@ -244,6 +358,7 @@ def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
         ("kvroute", Target("kvroute:kvroute", "kvroute", "kvroute")),
         ("kvroute:round-robin", Target("kvroute:round-robin", "kvroute", "round-robin")),
         ("vllm-router:kv_aware", Target("vllm-router:kv_aware", "vllm-router", "kv_aware")),
+        ("smg:cache_aware", Target("smg:cache_aware", "smg", "cache_aware")),
         ("stack=http://127.0.0.1:8000/", Target("stack", "url", url="http://127.0.0.1:8000")),
     ],
 )
@@ -251,7 +366,7 @@ def test_parse_targets(spec: str, expected: Target) -> None:
     assert parse_targets([spec], default_policy="kvroute") == [expected]
 
 
-@pytest.mark.parametrize("spec", ["vllm-router", "sglang:cache_aware"])
+@pytest.mark.parametrize("spec", ["vllm-router", "smg", "smg:", "sglang:cache_aware"])
 def test_parse_targets_rejects(spec: str) -> None:
     with pytest.raises(ValueError, match="use kvroute"):
         parse_targets([spec], default_policy="kvroute")
@@ -293,11 +408,13 @@ def test_disaggregated_fleet_through_kvroute_and_vllm_router_pd(tmp_path: Path) 
     assert "--roles" in written["workload"]["fleet_args"]
 
 
-def test_mooncake_fleet_without_bootstrap_server_skips_vllm_router(tmp_path: Path) -> None:
+def test_mooncake_fleet_skips_vllm_router_and_smg(tmp_path: Path) -> None:
+    """vllm-router's MooncakeConnector mode asks the prefill instances' bootstrap servers, which the simulated
+    fleet has not; smg runs on an aggregated fleet only."""
     options = LiveOptions(
         pd=(1, 1),
         kv_connector="mooncake",
-        targets=("kvroute", "vllm-router:round_robin"),
+        targets=("kvroute", "vllm-router:round_robin", "smg:cache_aware"),
         sessions=2,
         turns=2,
         max_tokens=4,
@@ -305,10 +422,11 @@ def test_mooncake_fleet_without_bootstrap_server_skips_vllm_router(tmp_path: Pat
         out=None,
         log_dir=tmp_path / "logs",
     )
-    kvroute, vllm_router = run_live_bench(options).results
+    kvroute, vllm_router, smg = run_live_bench(options).results
 
     assert kvroute.ok == kvroute.sent == 4 and kvroute.pd_paths, kvroute
     assert "/query does not answer" in vllm_router.skipped
+    assert "need an aggregated fleet" in smg.skipped
 
 
 def _pd_config(connector: str = "nixl", block_size: int = 16) -> dict[str, object]:
