@@ -53,6 +53,7 @@ class SimRequest:
     held: list[int] = field(default_factory=list)  # cached blocks it references
     uncached: int = 0  # blocks it holds that are not cached
     cached_blocks: int = 0  # blocks computed, hit or loaded, and cached
+    pool_saved: int = 0  # its prompt's blocks its connector has saved to the pool since admission
     computed: int = 0  # tokens whose KV its instance holds: computed, hit or loaded
     generated: int = 0  # answer tokens given so far
     preempted: int = 0  # how often its instance took its blocks back
@@ -108,6 +109,9 @@ class Engine:
         self._running: list[SimRequest] = []  # scheduled each step, in the order they were admitted
         self._pool_events: list[KVEvent] = []
         self._nic_free_s = 0.0
+        # What its Mooncake store connector reports of its loads (vllm:mooncake_store_operation_*, load_get)
+        self.pool_load_s = 0.0
+        self.pool_load_keys = 0
         self._version = 0
         self._stepping = False
         self._run: tuple[float, float, int] = (0.0, 0.0, 0)  # the step under way: start, step, steps
@@ -320,10 +324,13 @@ class Engine:
             kv.allocate(new_blocks)
             request.held, request.uncached = held, new_blocks
             request.cached_blocks, request.computed = hits, hits * size
+            request.pool_saved = 0
             if fetch:  # the whole prompt comes in; the engine computes its last token
                 request.transferred_tokens = request.trace.input_tokens - hits * size
                 self._transfer(request, request.transferred_tokens * self._transfer_s, loaded_to - 1, True)
             elif pooled:  # the connector loads it before the prefill starts, one transfer at a time
+                self.pool_load_s += pooled * size * self._load_s
+                self.pool_load_keys += pooled
                 self._transfer(request, pooled * size * self._load_s, loaded_to, False)
             else:
                 self._running.append(request)
@@ -348,7 +355,7 @@ class Engine:
     def _loaded(self, request: SimRequest, computed: int, fetched: bool) -> None:
         request.computed = computed
         loaded_blocks = min(computed // self.spec.block_size, len(request.chain))
-        self._cache_blocks(request, loaded_blocks, write_pool=False)
+        self._cache_blocks(request, loaded_blocks)
         self._running.append(request)
         self._flush()
         self._wake()
@@ -358,9 +365,11 @@ class Engine:
     def _cache_computed(self, request: SimRequest) -> None:
         full = request.computed // self.spec.block_size
         if full > request.cached_blocks:
-            self._cache_blocks(request, full, write_pool=True)
+            self._cache_blocks(request, full)
+        if self._pool is not None:
+            self._save_to_pool(request, min(full, len(request.chain)))
 
-    def _cache_blocks(self, request: SimRequest, end: int, write_pool: bool) -> None:
+    def _cache_blocks(self, request: SimRequest, end: int) -> None:
         start = request.cached_blocks
         size = self.spec.block_size
         chain = self._sequence(request, end * size)
@@ -376,9 +385,19 @@ class Engine:
         request.held += taken
         request.uncached -= len(taken)
         request.cached_blocks = end
-        # The connector stores what a prompt computed, not an answer's blocks.
-        prompt = hashes[: max(len(request.chain) - start, 0)]
-        if write_pool and self._pool is not None and prompt:
+
+    def _save_to_pool(self, request: SimRequest, end: int) -> None:
+        """The Mooncake store connector saves a prompt's blocks from its first, those hit in the instance's
+        cache included, and skips those the store holds (vLLM 0.32's mooncake/store: a new request's tracker
+        starts at 0 saved tokens; the worker drops the keys `batch_is_exist` finds). An answer's blocks are
+        not saved (save_decode_cache is off by default)."""
+        assert self._pool is not None
+        if end <= request.pool_saved:
+            return
+        prompt = request.chain[request.pool_saved : end].tolist()
+        request.pool_saved = end
+        if prompt:
+            size = self.spec.block_size
             written = self._pool.write(prompt)
             if written:
                 self._pool_events.append(

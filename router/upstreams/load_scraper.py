@@ -1,4 +1,5 @@
-"""Engine load from each instance's vLLM /metrics: queue depth, running requests and KV-cache usage.
+"""Engine load from each instance's vLLM /metrics: queue depth, running requests and KV-cache usage; and
+the pool's load rate as its engine measured it, which the instance's TTFT model takes for its load term.
 
 A load that has not been refreshed within stale_after_s is cleared to None, so scorers never route on it.
 The same scrape tells when an instance restarted (a later process start time after it stopped answering):
@@ -27,6 +28,10 @@ RUNNING = b"vllm:num_requests_running"
 KV_USAGE = b"vllm:kv_cache_usage_perc"
 START_TIME = b"process_start_time_seconds"
 CACHE_CONFIG = b"\nvllm:cache_config_info{"
+POOL_LOAD_SECONDS = b"vllm:mooncake_store_operation_time_seconds_sum"
+POOL_LOAD_KEYS = b"vllm:mooncake_store_operation_keys_total"
+POOL_LOADS_OK = (b'operation="load_get"', b'status="ok"')
+MIN_POOL_LOAD_KEYS = 64
 _NUM_GPU_BLOCKS = re.compile(rb'[{,]num_gpu_blocks="(\d+)"')
 _BLOCK_SIZE = re.compile(rb'[{,]block_size="(\d+)"')
 
@@ -49,9 +54,11 @@ def _engine_label(engine: int | None) -> tuple[bytes, bytes] | None:
     return None if engine is None else (b'{engine="%d"' % engine, b',engine="%d"' % engine)
 
 
-def _samples(text: bytes, name: bytes, engine: int | None = None) -> list[float] | None:
-    """Every value of the family name, one per labelled sample (of one engine, if given); None if absent or
-    any value is unusable."""
+def _samples(
+    text: bytes, name: bytes, engine: int | None = None, labels: tuple[bytes, ...] = ()
+) -> list[float] | None:
+    """Every value of the family name, one per labelled sample (of one engine, if given, and with every one of
+    labels, as `key="value"`); None if absent or any value is unusable."""
     values: list[float] = []
     head = b"\n" + name
     label = _engine_label(engine)
@@ -64,8 +71,9 @@ def _samples(text: bytes, name: bytes, engine: int | None = None) -> list[float]
             labels_end = rest.rfind(b"}") + 1  # label values may hold spaces; the value never holds "}"
             if label is not None:
                 kept = label[0] in rest[:labels_end] or label[1] in rest[:labels_end]
+            kept = kept and all(wanted in rest[:labels_end] for wanted in labels)
             rest = rest[labels_end:]
-        elif label is not None:
+        elif label is not None or labels:
             kept = False
         # Else another engine's, or another name with this prefix, as vllm:num_requests_waiting_by_reason.
         if rest[:1] == b" " and kept:
@@ -107,10 +115,10 @@ def parse_engine_load(text: bytes, engine: int | None = None) -> EngineLoad | No
     return EngineLoad(waiting=sum(waiting), running=sum(running), kv_usage=sum(usage) / len(usage))
 
 
-def parse_kv_capacity(text: bytes, engine: int | None = None) -> int | None:
-    """Tokens the KV cache of one data-parallel engine holds, or of all summed: vLLM publishes its cache
-    configuration as the labels of vllm:cache_config_info (num_gpu_blocks x block_size); None if absent."""
-    total = 0
+def _cache_configs(text: bytes, engine: int | None) -> list[tuple[int, int]] | None:
+    """(num_gpu_blocks, block_size) of each engine (or the one given), from the labels of
+    vllm:cache_config_info; None if any is not known yet (vLLM fills num_gpu_blocks after profiling)."""
+    configs = []
     label = _engine_label(engine)
     at = text.find(CACHE_CONFIG)
     while at != -1:
@@ -121,9 +129,38 @@ def parse_kv_capacity(text: bytes, engine: int | None = None) -> int | None:
             continue
         blocks, size = _NUM_GPU_BLOCKS.search(labels), _BLOCK_SIZE.search(labels)
         if blocks is None or size is None:
-            return None  # not yet known (vLLM fills num_gpu_blocks after profiling), or not vLLM's
-        total += int(blocks.group(1)) * int(size.group(1))
-    return total or None
+            return None
+        configs.append((int(blocks.group(1)), int(size.group(1))))
+    return configs
+
+
+def parse_kv_capacity(text: bytes, engine: int | None = None) -> int | None:
+    """Tokens the KV cache of one data-parallel engine holds, or of all summed: vLLM publishes its cache
+    configuration as the labels of vllm:cache_config_info (num_gpu_blocks x block_size); None if absent."""
+    configs = _cache_configs(text, engine)
+    if not configs:
+        return None
+    return sum(blocks * size for blocks, size in configs) or None
+
+
+def pool_load_rate(seconds: float, keys: float, block_size: int) -> float | None:
+    """Seconds a prompt token takes to load from the pool, from an engine's loads so far (a key is a block);
+    None until they number MIN_POOL_LOAD_KEYS, below which one slow get would set it."""
+    if keys < MIN_POOL_LOAD_KEYS or block_size <= 0 or not math.isfinite(seconds):
+        return None
+    return seconds / keys / block_size
+
+
+def parse_pool_load_rate(text: bytes, engine: int | None = None) -> float | None:
+    """The pool's load rate an engine measured, seconds a token: vLLM's Mooncake store connector times each
+    batch of keys it gets from the store and counts them (vllm:mooncake_store_operation_*, the successful
+    operation="load_get"); None without a connector, or before it loaded enough."""
+    seconds = _samples(text, POOL_LOAD_SECONDS, engine, POOL_LOADS_OK)
+    keys = _samples(text, POOL_LOAD_KEYS, engine, POOL_LOADS_OK)
+    configs = _cache_configs(text, engine)
+    if seconds is None or keys is None or not configs:
+        return None
+    return pool_load_rate(sum(seconds), sum(keys), configs[0][1])
 
 
 def parse_start_time(text: bytes) -> float | None:
@@ -180,6 +217,9 @@ class LoadScraper:
             rank = instance.data_parallel_rank
             load, started = parse_engine_load(body, rank), parse_start_time(body)
             instance.kv_capacity_tokens = parse_kv_capacity(body, rank) or instance.kv_capacity_tokens
+            load_rate = parse_pool_load_rate(body, rank)
+            if load_rate is not None:
+                instance.ttft_model.measured_load_rate(load_rate)
         self._check_restart(instance.name, answered=load is not None, started=started)
         now = self._clock()
         if load is not None:

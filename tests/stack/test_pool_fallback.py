@@ -9,11 +9,13 @@ cores and a tiny model the two take about the same time and their order flips wi
 from __future__ import annotations
 
 import random
+import urllib.request
 from dataclasses import dataclass
 
 import pytest
 
 from kvroute.stack.run import InstanceInfo, Stack
+from router.upstreams.load_scraper import parse_pool_load_rate
 from tests.stack.client import (
     BLOCK,
     INSTANCE_HEADER,
@@ -29,6 +31,7 @@ from tests.stack.client import (
 pytestmark = pytest.mark.stack
 
 PROMPT_TOKENS = 3000
+LOADED_KEYS = "vllm:mooncake_store_operation_keys_total"
 TRIALS = 3
 ROUND_ROBIN = {POLICY_HEADER: "round-robin"}
 
@@ -40,6 +43,7 @@ class PoolHit:
     reply: Reply
     external_hit_tokens: float
     failed_pool_keys: float
+    loaded_pool_keys: float
 
 
 def instance(stack: Stack, name: str) -> InstanceInfo:
@@ -67,15 +71,20 @@ def compute_then_load(stack: Stack, prompt: list[int]) -> PoolHit:
     def failed_loads(url: str) -> float:
         return metric(url, "vllm:mooncake_store_operation_failed_keys_total", operation="load_get")
 
+    def loaded_keys(url: str) -> float:
+        return metric(url, LOADED_KEYS, operation="load_get", status="ok")
+
     hits_before = {i.name: external_hits(i.url) for i in stack.instances}
     failed_before = {i.name: failed_loads(i.url) for i in stack.instances}
+    keys_before = {i.name: loaded_keys(i.url) for i in stack.instances}
     for _ in range(len(stack.instances)):
         reply = complete(stack.router_url, prompt, ROUND_ROBIN, stream=True)
         loaded_on = instance(stack, reply.headers[INSTANCE_HEADER])
         if loaded_on != computed_on:
             hits = external_hits(loaded_on.url) - hits_before[loaded_on.name]
             failed = failed_loads(loaded_on.url) - failed_before[loaded_on.name]
-            return PoolHit(computed_on, loaded_on, reply, hits, failed)
+            keys = loaded_keys(loaded_on.url) - keys_before[loaded_on.name]
+            return PoolHit(computed_on, loaded_on, reply, hits, failed, keys)
     raise AssertionError(f"round robin kept sending the prompt to {computed_on.name}")
 
 
@@ -95,5 +104,22 @@ def test_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(st
             assert hit.external_hit_tokens % loadable == 0 and hit.external_hit_tokens >= loadable, seen
         else:
             assert hit.external_hit_tokens == loadable, seen
+            # One key a block: what the router's pool load rate (seconds a token) divides by.
+            assert hit.loaded_pool_keys * BLOCK == loadable, seen
         # The router knew: its pool tier (confirmed by the master) credited exactly the blocks loaded.
         assert int(hit.reply.headers["x-kvroute-cached-blocks"]) * BLOCK == loadable
+
+
+def test_the_pool_load_rate_reads_from_the_engines_metrics(stack: Stack) -> None:
+    """Each engine times its pool loads (vllm:mooncake_store_operation_*): the scraper's reading of the real
+    body, which the router's TTFT model takes for its load term, is their seconds a key over a block's tokens."""
+    rng = random.Random(41)
+    for _ in range(TRIALS):  # past MIN_POOL_LOAD_KEYS
+        hit = compute_then_load(stack, random_tokens(rng, PROMPT_TOKENS))
+    url = hit.loaded_on.url
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        measured = parse_pool_load_rate(response.read())
+    seconds = metric(url, "vllm:mooncake_store_operation_time_seconds_sum", operation="load_get", status="ok")
+    keys = metric(url, LOADED_KEYS, operation="load_get", status="ok")
+    assert measured is not None and measured > 0
+    assert measured == pytest.approx(seconds / keys / BLOCK, rel=0.05)

@@ -18,7 +18,13 @@ from router.config import parse_config
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 from router.upstreams.instances import Upstreams
-from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity, parse_start_time
+from router.upstreams.load_scraper import (
+    LoadScraper,
+    parse_engine_load,
+    parse_kv_capacity,
+    parse_pool_load_rate,
+    parse_start_time,
+)
 from scorers.candidate import EngineLoad
 from tests.conftest import ManualClock
 
@@ -267,6 +273,50 @@ def cache_config_line(engine: int, blocks: str, block_size: str = "16") -> str:
 )
 def test_parse_kv_capacity(body: bytes, expected: int | None) -> None:
     assert parse_kv_capacity(body) == expected
+
+
+def pool_loads(seconds: float, keys: float, status: str = "ok", engine: int = 0) -> str:
+    """vLLM's Mooncake store connector's load_get samples, labelled as it labels them."""
+    labels = f'model_name="tiny-llama",engine="{engine}",operation="load_get",status="{status}"'
+    return (
+        f"vllm:mooncake_store_operation_time_seconds_sum{{{labels}}} {seconds}\n"
+        f"vllm:mooncake_store_operation_time_seconds_count{{{labels}}} 3.0\n"
+        f"vllm:mooncake_store_operation_keys_total{{{labels}}} {keys}\n"
+    )
+
+
+def pool_body(*samples: str) -> bytes:
+    put = 'vllm:mooncake_store_operation_keys_total{model_name="tiny-llama",engine="0",operation="put",status="ok"}'
+    return ("# HELP x\n" + cache_config_line(0, "100") + f"\n{put} 999.0\n" + "".join(samples)).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (pool_body(pool_loads(0.32, 100.0)), 0.32 / 100 / 16),
+        (pool_body(pool_loads(0.32, 100.0), pool_loads(5.0, 50.0, "partial_failure")), 0.32 / 100 / 16),
+        (pool_body(pool_loads(0.1, 63.0)), None),  # too few keys to tell
+        (pool_body(pool_loads(float("nan"), 100.0)), None),
+        (pool_body(), None),  # no loads yet, or no connector
+        (captured_metrics(), None),
+        (pool_loads(0.32, 100.0).encode(), None),  # no block size
+    ],
+)
+def test_parse_pool_load_rate(body: bytes, expected: float | None) -> None:
+    rate = parse_pool_load_rate(body)
+    assert rate == (None if expected is None else pytest.approx(expected))
+
+
+def test_the_scraper_gives_the_measured_pool_load_rate_to_the_instances_ttft_model() -> None:
+    async def main() -> float:
+        engine = FakeEngine()
+        engine.body = exposition() + pool_body(pool_loads(0.32, 100.0))
+        async with engine.serving() as url, aiohttp.ClientSession() as session:
+            fleet = one_instance_fleet(url)
+            await LoadScraper(fleet, session).scrape_all()
+            return fleet.instances[0].ttft_model.rates["load"]
+
+    assert asyncio.run(main()) == pytest.approx(0.32 / 100 / 16)
 
 
 def test_a_request_in_flight_shows_as_running_on_its_instance(two_instances: FleetPorts) -> None:
