@@ -291,22 +291,34 @@ class VllmRouterKvAware(SimPolicy):
         self._active_prefill = [0] * len(view.instances)
 
     def route(self, request: SimRequest) -> int:
+        new_tokens = self.new_prefill_tokens(request)
+        costs = [
+            math.inf  # a retry goes elsewhere
+            if number in request.tried
+            else (new + self._active_prefill[number]) * (instance.in_flight + 1)
+            for number, (new, instance) in enumerate(zip(new_tokens, self.view.instances, strict=True))
+        ]
+        chosen = costs.index(min(costs))
+        return self.place(request, chosen, new_tokens[chosen])
+
+    def new_prefill_tokens(self, request: SimRequest) -> list[int]:
+        """Each worker's new prefill tokens for request: its length less the prefix credited there."""
         view, size = self.view, self.view.block_size
         length = request.trace.input_tokens
         reusable = max(length - 1, 0)  # the last prompt token is always computed
         matches = view.matches(request.chain.tolist(), include_pool=False)
-        new_tokens, costs = [], []
-        for number, instance in enumerate(view.instances):
+        new_tokens = []
+        for instance in view.instances:
             match = matches.get(instance.name, NO_MATCH)
             device = min(match.gpu, reusable // size)
             credit = min((device + self.host_credit * match.cpu) * size, reusable)
-            new = math.ceil(length - credit)
-            new_tokens.append(new)
-            cost = (new + self._active_prefill[number]) * (instance.in_flight + 1)
-            costs.append(math.inf if number in request.tried else cost)  # a retry goes elsewhere
-        chosen = costs.index(min(costs))
-        request.uncached_estimate = new_tokens[chosen]
-        self._active_prefill[chosen] += new_tokens[chosen]
+            new_tokens.append(math.ceil(length - credit))
+        return new_tokens
+
+    def place(self, request: SimRequest, chosen: int, new_tokens: int) -> int:
+        """Reserve request's new prefill tokens on chosen, as its slot does until the first output."""
+        request.uncached_estimate = new_tokens
+        self._active_prefill[chosen] += new_tokens
         return chosen
 
     def first_token(self, request: SimRequest) -> None:

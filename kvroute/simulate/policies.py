@@ -71,6 +71,11 @@ class SimPolicy:
         request.uncached_estimate."""
         raise NotImplementedError
 
+    def admit(self, request: SimRequest, send: Callable[[SimRequest], None]) -> bool:
+        """Whether request goes to route() now, on arrival; False: the policy holds it and calls
+        send(request) when it may go (a router's own admission by its own rule)."""
+        return True
+
     def work(self, request: SimRequest) -> float:
         """The uncached tokens request would compute at best, for the router's queue to order by."""
         return float(request.trace.input_tokens)

@@ -9,6 +9,11 @@ from kvroute.simulate.disaggregation import KvroutePD
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pd_peers import DynamoPD, LlmdPD, VllmRouterPD
 from kvroute.simulate.peer_queues import DynamoQueued, LlmdQueued
+from kvroute.simulate.peer_vllm_router import (
+    VllmRouterKvAwareAffinity,
+    VllmRouterKvAwarePrograms,
+    VllmRouterSticky,
+)
 from kvroute.simulate.peers import ConsistentHash, DynamoCost, PowerOfTwo, SGLangCacheAware, VllmRouterKvAware
 from kvroute.simulate.policies import ConfiguredPolicy, Replicas, SimPolicy, priors_for, router_config
 from router.config import RouterConfig
@@ -90,6 +95,9 @@ POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "dynamo+queue-fcfs": _dynamo_queued("dynamo+queue-fcfs", "fcfs"),
     "dynamo+queue-wspt": _dynamo_queued("dynamo+queue-wspt", "wspt"),
     "vllm-router-kv-aware": lambda fleet: VllmRouterKvAware(),
+    "vllm-router-kv-aware+affinity": lambda fleet: VllmRouterKvAwareAffinity(),
+    "vllm-router-kv-aware+programs": lambda fleet: VllmRouterKvAwarePrograms(),
+    "vllm-router-sticky": lambda fleet: VllmRouterSticky(),
     "kvroute-no-queue": _with_flow_control("kvroute-no-queue", enabled=False),
     "kvroute": _configured("kvroute", "kvroute"),
 }

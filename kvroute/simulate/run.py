@@ -252,7 +252,8 @@ class Run:
         if self.hold.must_wait(traced.input_tokens, view.instances, request.chain):
             self.hold.hold(request, traced.input_tokens, lambda: view.instances, request.chain)
             return
-        self.dispatch(request)
+        if self.policy.admit(request, self.dispatch):
+            self.dispatch(request)
 
     def _queue(self, request: SimRequest) -> bool:
         """Whether request goes now; else it waits in the router's queue, or was refused."""

@@ -29,6 +29,9 @@ SHORT = {
     "dynamo+queue-fcfs": "dyn+qf",
     "dynamo+queue-wspt": "dyn+qw",
     "vllm-router-kv-aware": "kva",
+    "vllm-router-kv-aware+affinity": "kva+aff",
+    "vllm-router-kv-aware+programs": "kva+prog",
+    "vllm-router-sticky": "sticky",
     "kvroute-no-queue": "kvr-nq",
     "kvroute": "kvr",
 }
