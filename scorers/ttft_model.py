@@ -71,7 +71,12 @@ class TTFTPriors(Params):
     overhead_s: float = Field(default=0.005, ge=0, description="fixed cost of a request: HTTP, scheduling")
     queue_s_per_token: float = Field(default=1e-4, ge=0, description="per token prefilling ahead of it")
     prefill_s_per_token: float = Field(default=1e-4, ge=0, description="per prompt token computed")
-    load_s_per_token: float = Field(default=4e-5, ge=0, description="per prompt token loaded from the pool")
+    load_s_per_token: float = Field(
+        default=4e-5,
+        ge=0,
+        description="per prompt token loaded from the pool, until the engine's Mooncake connector has timed "
+        "its own loads (its /metrics)",
+    )
     memory_wait_factor: float = Field(
         default=1.0, ge=0, description="x the wait for KV memory estimated from contexts in flight (fixed)"
     )
