@@ -97,7 +97,19 @@ _ROUTER_METRICS = (
     "vllm_router_pd_prefill_requests_total",
     "kvroute_pd_requests_total",
     "smg_cache_aware_policy_branch_total",
+    "vllm_router_agent_aware_transitions_total",
 )
+# vllm-router:kv_aware+VARIANT: kv_aware with one of vllm-router's agent options on. Both key on a request's
+# session, which the sessions (and a trace with sessions) send in x-session-id, a header vllm-router reads.
+VLLM_ROUTER_VARIANTS: dict[str, tuple[str, ...]] = {
+    "affinity": ("--kv-aware-session-affinity-ttl-secs", "300"),
+    # "auto": a session header makes a request part of a program, not only vllm_xargs.agentic_context
+    "programs": (
+        "--enable-program-scheduling",
+        "--program-scheduling-config-json",
+        json.dumps({"program_scheduling_enable_key": "auto"}),
+    ),
+}
 
 
 class SkipTarget(Exception):
@@ -113,8 +125,8 @@ class Target:
 
 
 def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
-    """``kvroute``, ``kvroute:POLICY``, ``vllm-router:POLICY``, ``smg:POLICY`` or ``NAME=URL`` (a router
-    already running)."""
+    """``kvroute``, ``kvroute:POLICY``, ``vllm-router:POLICY`` (``vllm-router:kv_aware+VARIANT``, a
+    VLLM_ROUTER_VARIANTS key), ``smg:POLICY`` or ``NAME=URL`` (a router already running)."""
     targets = []
     for spec in (s.strip() for s in specs):
         if not spec:
@@ -131,6 +143,11 @@ def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
                 f"target {spec!r}: use kvroute[:POLICY], vllm-router:POLICY (e.g. round_robin), smg:POLICY "
                 "(e.g. cache_aware) or NAME=URL"
             )
+        if kind == "vllm-router" and "+" in policy:
+            base, _, variant = policy.partition("+")
+            if base != "kv_aware" or variant not in VLLM_ROUTER_VARIANTS:
+                variants = ", ".join(f"kv_aware+{name}" for name in VLLM_ROUTER_VARIANTS)
+                raise ValueError(f"target {spec!r}: vllm-router's variants are {variants}")
         targets.append(Target(f"{kind}:{policy}", kind, policy))
     return targets
 
@@ -487,8 +504,10 @@ def find_vllm_router(explicit: str | None) -> str | None:
 
 
 def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_port: int) -> list[str]:
-    """vllm-router (0.1.17) in front of the fleet; kv_aware also subscribes to every instance's events. On a
-    disaggregated fleet, its P/D mode (kvroute/bench/live/pd.py)."""
+    """vllm-router (0.1.17) in front of the fleet; kv_aware also subscribes to every instance's events, and
+    ``kv_aware+VARIANT`` adds the variant's options. On a disaggregated fleet, its P/D mode
+    (kvroute/bench/live/pd.py)."""
+    policy, _, variant = policy.partition("+")
     args = [
         binary,
         "--host",
@@ -505,6 +524,8 @@ def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_
         "1",
     ]
     if is_disaggregated(fleet.config):
+        if variant:
+            raise SkipTarget(f"{policy}+{variant} is set up for an aggregated fleet only")
         return args + vllm_router_pd_args(fleet.config, policy)
     if "/" in policy:
         raise SkipTarget(f"{policy}: a policy per stage (PREFILL/DECODE) needs a disaggregated fleet")
@@ -519,7 +540,7 @@ def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_
             if instance.replay:
                 args += ["--kv-event-replay-source", f"{instance.url}={instance.replay}"]
         args += ["--kv-event-block-size", str(fleet.config.block_size), "--kv-event-model", fleet.model]
-    return args
+    return [*args, *VLLM_ROUTER_VARIANTS[variant]] if variant else args
 
 
 @contextlib.contextmanager

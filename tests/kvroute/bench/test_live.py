@@ -18,13 +18,16 @@ from kvroute.bench.live.pd import SOURCES, NoPDMode, vllm_router_pd_args
 from kvroute.bench.live.run import (
     DEFAULT_TARGETS,
     VLLM_ROUTER_HASHING,
+    Fleet,
     LiveOptions,
     LiveReport,
+    SkipTarget,
     Target,
     TargetResult,
     find_vllm_router,
     parse_targets,
     run_live_bench,
+    vllm_router_args,
 )
 from kvroute.bench.live.smg import every_worker_healthy, find_smg, smg_args
 from kvroute.cli import main
@@ -131,6 +134,27 @@ def test_vllm_router_round_robin_and_kv_aware(fleet: FleetPorts, tmp_path: Path)
     assert sum(v for k, v in lookups.items() if "result=hit" in k) > 0, lookups
 
 
+@pytest.mark.skipif(
+    find_vllm_router(None) is None, reason="vllm-router not installed (pip install '.[bench]')"
+)
+def test_vllm_router_kv_aware_variants(fleet: FleetPorts, tmp_path: Path) -> None:
+    """Both variants answer every turn and key on the sessions' x-session-id: affinity keeps every later turn
+    where the session's first went, and program scheduling admits every session as a program."""
+    targets = ("vllm-router:kv_aware+affinity", "vllm-router:kv_aware+programs")
+    report = run_live_bench(_options(fleet, tmp_path, targets))
+
+    affinity, programs = report.results
+    assert not affinity.skipped and not programs.skipped, (affinity.skipped, programs.skipped)
+    _check_counts(report)
+    decisions = {k: v for k, v in affinity.router_metrics.items() if "prefix_routing_decisions" in k}
+    sticky = sum(v for k, v in decisions.items() if "outcome=sticky_hit" in k)
+    assert sticky == affinity.sent - SESSIONS, decisions
+    transitions = {k: v for k, v in programs.router_metrics.items() if "agent_aware_transitions" in k}
+    admits = ("reason=program_admit", "reason=batch_gain_admit")
+    admitted = sum(v for k, v in transitions.items() if any(a in k for a in admits))
+    assert admitted >= SESSIONS, transitions  # a session's first turn always is one
+
+
 @pytest.mark.skipif(find_smg(None) is None, reason="smg not installed (pip install '.[bench]')")
 def test_smg_round_robin_and_cache_aware(fleet: FleetPorts, tmp_path: Path) -> None:
     report = run_live_bench(_options(fleet, tmp_path, ("smg:round_robin", "smg:cache_aware")))
@@ -163,6 +187,35 @@ def test_smg_args() -> None:
     assert (flags["--port"], flags["--prometheus-port"]) == (["30000"], ["30001"])
     # its defaults, which are SGLang's cache_aware: none is overridden
     assert not {"--cache-threshold", "--balance-abs-threshold", "--balance-rel-threshold"} & set(flags)
+
+
+PROGRAMS_JSON = '{"program_scheduling_enable_key": "auto"}'
+
+
+@pytest.mark.parametrize(
+    ("policy", "tail"),
+    [
+        ("kv_aware", []),
+        ("kv_aware+affinity", ["--kv-aware-session-affinity-ttl-secs", "300"]),
+        (
+            "kv_aware+programs",
+            ["--enable-program-scheduling", "--program-scheduling-config-json", PROGRAMS_JSON],
+        ),
+    ],
+)
+def test_vllm_router_args(policy: str, tail: list[str]) -> None:
+    raw = FleetPorts(8101, 5601, 5701, 3).router_config()
+    args = vllm_router_args("/venv/bin/vllm-router", policy, Fleet(parse_config(raw), raw), 30000, 30001)
+
+    assert _flags(args[1:])["--policy"] == ["kv_aware"]
+    assert args.count("--kv-event-source") == 3
+    assert args[args.index("--kv-event-model") + 2 :] == tail
+
+
+def test_vllm_router_variants_need_an_aggregated_fleet() -> None:
+    raw = _pd_config()
+    with pytest.raises(SkipTarget, match="aggregated fleet only"):
+        vllm_router_args("/venv/bin/vllm-router", "kv_aware+affinity", Fleet(parse_config(raw), raw), 1, 2)
 
 
 def _flags(args: list[str]) -> dict[str, list[str]]:
@@ -358,6 +411,10 @@ def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
         ("kvroute", Target("kvroute:kvroute", "kvroute", "kvroute")),
         ("kvroute:round-robin", Target("kvroute:round-robin", "kvroute", "round-robin")),
         ("vllm-router:kv_aware", Target("vllm-router:kv_aware", "vllm-router", "kv_aware")),
+        (
+            "vllm-router:kv_aware+programs",
+            Target("vllm-router:kv_aware+programs", "vllm-router", "kv_aware+programs"),
+        ),
         ("smg:cache_aware", Target("smg:cache_aware", "smg", "cache_aware")),
         ("stack=http://127.0.0.1:8000/", Target("stack", "url", url="http://127.0.0.1:8000")),
     ],
@@ -369,6 +426,14 @@ def test_parse_targets(spec: str, expected: Target) -> None:
 @pytest.mark.parametrize("spec", ["vllm-router", "smg", "smg:", "sglang:cache_aware"])
 def test_parse_targets_rejects(spec: str) -> None:
     with pytest.raises(ValueError, match="use kvroute"):
+        parse_targets([spec], default_policy="kvroute")
+
+
+@pytest.mark.parametrize(
+    "spec", ["vllm-router:round_robin+affinity", "vllm-router:kv_aware+", "vllm-router:kv_aware+sticky"]
+)
+def test_parse_targets_rejects_variants(spec: str) -> None:
+    with pytest.raises(ValueError, match="kv_aware\\+affinity, kv_aware\\+programs"):
         parse_targets([spec], default_policy="kvroute")
 
 
