@@ -71,12 +71,7 @@ class TTFTPriors(Params):
     overhead_s: float = Field(default=0.005, ge=0, description="fixed cost of a request: HTTP, scheduling")
     queue_s_per_token: float = Field(default=1e-4, ge=0, description="per token prefilling ahead of it")
     prefill_s_per_token: float = Field(default=1e-4, ge=0, description="per prompt token computed")
-    load_s_per_token: float = Field(
-        default=4e-5,
-        ge=0,
-        description="per prompt token loaded from the pool, until the engine's Mooncake connector has timed "
-        "its own loads (its /metrics)",
-    )
+    load_s_per_token: float = Field(default=4e-5, ge=0, description="per prompt token loaded from the pool")
     memory_wait_factor: float = Field(
         default=1.0, ge=0, description="x the wait for KV memory estimated from contexts in flight (fixed)"
     )
@@ -163,7 +158,6 @@ class TTFTModel(ModelRates):
             typical_weight=self._prior_weight,
             speed_weight=priors.fleet_weight,
         )
-        self._load_measured = False  # the load term's prior is the engine's measurement (measured_load_rate)
         self._rates = self._prior.copy()
         self.rate_values = self._rates.tolist()  # as floats: predict's arithmetic, not numpy's
         self.observations = 0
@@ -203,34 +197,17 @@ class TTFTModel(ModelRates):
         # weak and let four answers zero a rate).
         _ttft_kernel.observe(self, self._calibration, features, seconds)
 
-    def measured_load_rate(self, seconds_per_token: float) -> None:
-        """The pool's load rate as the instance's engine measured it (router/upstreams/load_scraper.py): the
-        load term's prior from now on, here and in the fleet's model. Priced as a TCP link's on an RDMA
-        pool, the path stays unused and no TTFT corrects its rate, while sessions wait for memory where
-        their prefix is (docs/notes/simulate-investigations.md). A change under 5% is not solved again for."""
-        if not self._calibrate or not math.isfinite(seconds_per_token) or seconds_per_token < 0:
-            return
-        fleet = self.fleet
-        for model in (self,) if fleet is None else (fleet, self):
-            known = model._prior[_LOAD]
-            if model._load_measured and abs(seconds_per_token - known) <= 0.05 * known:
-                continue
-            model._prior[_LOAD], model._load_measured = seconds_per_token, True
-            model._solve()
-
     def _priors_at_fleet_speed(self) -> np.ndarray:
         """The priors, with the other per-token rates (queue, pool load, transfer) scaled down as far as the
         prefill rate has proved faster than its prior. A term the router never observes keeps its prior:
         one too pessimistic (a pool load priced as a TCP link's on an RDMA pool) keeps the router off that
         path for good, so nothing ever corrects it; one too optimistic sends requests down it, whose
-        observations then correct it. Never scaled up: a slower fleet leaves them as configured. A load rate
-        the engine measured stays as measured."""
+        observations then correct it. Never scaled up: a slower fleet leaves them as configured."""
         prior_prefill = self._prior[_PREFILL]
         if not self._calibrate or prior_prefill <= 0 or self._rates[_PREFILL] >= prior_prefill:
             return self._prior
         target = self._prior.copy()
-        scaled = [term for term in _PER_TOKEN if term != _LOAD or not self._load_measured]
-        target[scaled] *= self._rates[_PREFILL] / prior_prefill
+        target[_PER_TOKEN] *= self._rates[_PREFILL] / prior_prefill
         return target
 
     @property

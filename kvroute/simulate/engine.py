@@ -109,9 +109,6 @@ class Engine:
         self._running: list[SimRequest] = []  # scheduled each step, in the order they were admitted
         self._pool_events: list[KVEvent] = []
         self._nic_free_s = 0.0
-        # What its Mooncake store connector reports of its loads (vllm:mooncake_store_operation_*, load_get)
-        self.pool_load_s = 0.0
-        self.pool_load_keys = 0
         self._version = 0
         self._stepping = False
         self._run: tuple[float, float, int] = (0.0, 0.0, 0)  # the step under way: start, step, steps
@@ -329,8 +326,6 @@ class Engine:
                 request.transferred_tokens = request.trace.input_tokens - hits * size
                 self._transfer(request, request.transferred_tokens * self._transfer_s, loaded_to - 1, True)
             elif pooled:  # the connector loads it before the prefill starts, one transfer at a time
-                self.pool_load_s += pooled * size * self._load_s
-                self.pool_load_keys += pooled
                 self._transfer(request, pooled * size * self._load_s, loaded_to, False)
             else:
                 self._running.append(request)

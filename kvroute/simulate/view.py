@@ -19,7 +19,6 @@ from kvroute.simulate.pool import PoolStore
 from router.index.block_index import BlockIndex
 from router.index.events import KVEvent
 from router.upstreams.instances import Instance
-from router.upstreams.load_scraper import pool_load_rate
 from scorers.request import TierMatch
 from scorers.ttft_model import FleetModels, TTFTModel, TTFTPriors
 
@@ -99,9 +98,6 @@ class RouterView:
         """What the router reads of each engine's /metrics (router/upstreams/load_scraper.py)."""
         for engine, instance in zip(self._engines, self.instances, strict=True):
             instance.load = engine.load()
-            load_rate = pool_load_rate(engine.pool_load_s, engine.pool_load_keys, engine.spec.block_size)
-            if load_rate is not None:
-                instance.ttft_model.measured_load_rate(load_rate)
         for replica in self._replicas:
             replica.scrape()
 

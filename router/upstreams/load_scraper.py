@@ -1,5 +1,5 @@
 """Engine load from each instance's vLLM /metrics: queue depth, running requests and KV-cache usage; and
-the pool's load rate as its engine measured it, which the instance's TTFT model takes for its load term.
+the pool's load rate as its engine measured it (kvroute bench calibrate reads it).
 
 A load that has not been refreshed within stale_after_s is cleared to None, so scorers never route on it.
 The same scrape tells when an instance restarted (a later process start time after it stopped answering):
@@ -217,9 +217,6 @@ class LoadScraper:
             rank = instance.data_parallel_rank
             load, started = parse_engine_load(body, rank), parse_start_time(body)
             instance.kv_capacity_tokens = parse_kv_capacity(body, rank) or instance.kv_capacity_tokens
-            load_rate = parse_pool_load_rate(body, rank)
-            if load_rate is not None:
-                instance.ttft_model.measured_load_rate(load_rate)
         self._check_restart(instance.name, answered=load is not None, started=started)
         now = self._clock()
         if load is not None:

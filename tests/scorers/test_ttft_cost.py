@@ -86,34 +86,6 @@ def test_a_term_the_traffic_never_exercises_follows_a_fleet_faster_than_the_prio
     assert model.rates["decode"] == pytest.approx(priors.decode_s_per_token, rel=0.01)
 
 
-def test_a_load_rate_the_engine_measured_replaces_the_prior_unscaled() -> None:
-    """The same fleet 4x faster than its prefill prior, no request loading from the pool: the load rate its
-    engine measured is the one taken, not the prior scaled down; a change under 5% is not taken."""
-    rng = random.Random(2)
-    priors = TTFTPriors(prefill_s_per_token=1e-3, queue_s_per_token=1e-3, load_s_per_token=4e-4)
-    fleet = TTFTModel(priors)
-    model = TTFTModel(priors, fleet)
-    model.measured_load_rate(5e-6)
-    assert model.rates["load"] == pytest.approx(5e-6, rel=0.01)
-    for _ in range(200):
-        features = random_features(rng, load=False, whole_answers=False)
-        model.observe(features, true_seconds(features))
-    assert model.rates["prefill"] < 0.3 * priors.prefill_s_per_token
-    assert model.rates["load"] == pytest.approx(5e-6, rel=0.05)
-    assert fleet.rates["load"] == pytest.approx(5e-6, rel=0.05)  # a newcomer starts from it
-    model.measured_load_rate(5.1e-6)
-    assert model.rates["load"] == pytest.approx(5e-6, rel=0.05)
-    model.measured_load_rate(1e-5)
-    assert model.rates["load"] == pytest.approx(1e-5, rel=0.05)
-
-
-def test_a_measured_load_rate_leaves_fixed_priors_alone() -> None:
-    model = TTFTModel(TTFTPriors(calibrate=False))
-    for rate in (5e-6, float("nan"), -1.0):
-        model.measured_load_rate(rate)
-    assert model.rates["load"] == TTFTPriors().load_s_per_token
-
-
 def test_calibration_follows_an_instance_that_slows_down() -> None:
     rng = random.Random(3)
     model = TTFTModel(TTFTPriors(memory=30))

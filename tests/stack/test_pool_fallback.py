@@ -111,8 +111,9 @@ def test_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(st
 
 
 def test_the_pool_load_rate_reads_from_the_engines_metrics(stack: Stack) -> None:
-    """Each engine times its pool loads (vllm:mooncake_store_operation_*): the scraper's reading of the real
-    body, which the router's TTFT model takes for its load term, is their seconds a key over a block's tokens."""
+    """Each engine times its pool loads (vllm:mooncake_store_operation_*): parse_pool_load_rate's reading of
+    the real body (what `kvroute bench calibrate --pool` simulates the pool with) is their seconds a key over
+    a block's tokens."""
     rng = random.Random(41)
     for _ in range(TRIALS):  # past MIN_POOL_LOAD_KEYS
         hit = compute_then_load(stack, random_tokens(rng, PROMPT_TOKENS))

@@ -37,7 +37,7 @@ from router.dispatch.decision import Decision
 from router.dispatch.prefill_leg import PrefillLeg
 from router.index.events import BlockRemoved, BlockStored, KVEvent
 from router.upstreams.instances import Instance
-from scorers.ttft_model import TTFTFeatures, TTFTPriors
+from scorers.ttft_model import TTFTFeatures
 
 SIZE = 4
 
@@ -192,27 +192,6 @@ def test_the_pool_gets_a_prompts_blocks_its_instance_hit_as_well() -> None:
     # turn 1's 20 prompt blocks and 3 of its 64-token answer (the last token is sampled, never computed)
     assert second.local_hit_blocks == 23
     assert third.local_hit_blocks == 0 and third.pool_hit_blocks == 30
-
-
-class _FixedScraping(_Fixed):
-    scrape_interval_s = 0.2
-
-
-def test_the_router_takes_the_pool_load_rate_the_engines_report() -> None:
-    """The router's TTFT models price pool loads at the rate the engines' connectors measured (their
-    /metrics, scraped), not at the configured prior, 8x the RDMA pool's here."""
-    prompts = [(float(n), 320, tuple(range(100 * n, 100 * n + 10))) for n in range(8)]
-    again = [(30.0 + n, 320, ids) for n, (_, _, ids) in enumerate(prompts)]
-    blocks = TraceBlocks(_trace(*prompts, *again), 16)
-    fleet = _fleet(2, pool=True)
-    policy = _FixedScraping(*[0] * 8, *[1] * 8)
-    run = Run(blocks, fleet, policy)
-    run.run(ideal_hit_rate=0.0)
-    assert fleet.pool is not None
-    assert run.engines[1].pool_load_keys == 8 * 19  # all blocks but the one with the last prompt token
-    assert policy.view.instances[0].ttft_model.rates["load"] == TTFTPriors().load_s_per_token
-    assert TTFTPriors().load_s_per_token == pytest.approx(8 * fleet.pool.load_s_per_token)
-    assert policy.view.instances[1].ttft_model.rates["load"] == pytest.approx(fleet.pool.load_s_per_token)
 
 
 def test_a_full_queue_refuses() -> None:

@@ -307,18 +307,6 @@ def test_parse_pool_load_rate(body: bytes, expected: float | None) -> None:
     assert rate == (None if expected is None else pytest.approx(expected))
 
 
-def test_the_scraper_gives_the_measured_pool_load_rate_to_the_instances_ttft_model() -> None:
-    async def main() -> float:
-        engine = FakeEngine()
-        engine.body = exposition() + pool_body(pool_loads(0.32, 100.0))
-        async with engine.serving() as url, aiohttp.ClientSession() as session:
-            fleet = one_instance_fleet(url)
-            await LoadScraper(fleet, session).scrape_all()
-            return fleet.instances[0].ttft_model.rates["load"]
-
-    assert asyncio.run(main()) == pytest.approx(0.32 / 100 / 16)
-
-
 def test_a_request_in_flight_shows_as_running_on_its_instance(two_instances: FleetPorts) -> None:
     async def main() -> tuple[EngineLoad | None, EngineLoad | None]:
         fleet = Upstreams(parse_config(two_instances.router_config()))
