@@ -12,14 +12,16 @@ import asyncio
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvroute.bench.calibrate.probes import Engine
 from kvroute.simulate.blocks import TraceBlocks
+from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import EngineSpec, FleetSpec
-from kvroute.simulate.registry import POLICIES
+from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.run import Run
 from kvroute.trace_replay import PromptSynth
 from kvroute.traces import Trace, agentic_trace
@@ -46,8 +48,10 @@ def check_trace(seed: int = 7) -> Trace:
     )
 
 
-async def replayed_ttfts(engine: Engine, trace: Trace, seed: int = 0) -> list[float]:
-    """Each request's TTFT on the engine, in trace order."""
+async def replayed_ttfts(
+    engines: Sequence[Engine], trace: Trace, route: Sequence[int], seed: int = 0
+) -> list[float]:
+    """Each request's TTFT on the engine route names for it (an index into engines), in trace order."""
     synth = PromptSynth(seed, CHECK_BLOCK_TOKENS, trace.block_tokens)
     ttfts = [0.0] * len(trace.requests)
     sessions: dict[str | None, list[int]] = defaultdict(list)
@@ -59,19 +63,35 @@ async def replayed_ttfts(engine: Engine, trace: Trace, seed: int = 0) -> list[fl
         for number in numbers:
             request = trace.requests[number]
             await asyncio.sleep(max(0.0, origin + request.arrival_s - time.perf_counter()))
-            streamed = await engine.stream(synth.prompt(request), request.output_tokens)
+            streamed = await engines[route[number]].stream(synth.prompt(request), request.output_tokens)
             ttfts[number] = streamed.ttft_s
 
     await asyncio.gather(*(session(numbers) for numbers in sessions.values()))
     return ttfts
 
 
-def simulated_run(engine: EngineSpec, trace: Trace) -> Run:
-    blocks = TraceBlocks(trace, engine.block_size, answers_in_next_turn=False)
-    fleet = FleetSpec(instances=1, engine=engine, pool=None)
-    run = Run(blocks, fleet, POLICIES["round-robin"](fleet))
+class Following(SimPolicy):
+    """Sends each request to the instance route names for it by its trace number: where the replay sent it."""
+
+    name = "following"
+
+    def __init__(self, route: Sequence[int]) -> None:
+        self._route = route
+
+    def route(self, request: SimRequest) -> int:
+        return self._route[request.number]
+
+
+def simulated_run(fleet: FleetSpec, trace: Trace, route: Sequence[int]) -> Run:
+    blocks = TraceBlocks(trace, fleet.engine.block_size, answers_in_next_turn=False)
+    run = Run(blocks, fleet, Following(route))
     run.run(ideal_hit_rate=blocks.ideal_hit_rate())
     return run
+
+
+def simulated_ttfts(run: Run) -> list[float]:
+    """Each request's simulated TTFT, in trace order."""
+    return [r.first_token_s - r.sent_s for r in sorted(run.done, key=lambda r: r.number)]
 
 
 def compare(real: list[float], simulated: list[float]) -> dict[str, Any]:
@@ -88,14 +108,13 @@ def compare(real: list[float], simulated: list[float]) -> dict[str, Any]:
 
 
 async def check(engine: Engine, spec: EngineSpec, trace: Trace) -> dict[str, Any]:
+    route = [0] * len(trace.requests)
     preempted = await engine.preemptions()
-    real = await replayed_ttfts(engine, trace)
+    real = await replayed_ttfts([engine], trace, route)
     preempted = await engine.preemptions() - preempted
-    run = simulated_run(spec, trace)
-    done = sorted(run.done, key=lambda r: r.number)
-    simulated = [r.first_token_s - r.sent_s for r in done]
+    run = simulated_run(FleetSpec(instances=1, engine=spec, pool=None), trace, route)
     return {
-        **compare(real, simulated),
+        **compare(real, simulated_ttfts(run)),
         "engine_preemptions": preempted,
         "simulated_preemptions": sum(e.preemptions for e in run.engines),
         "trace": trace.name,

@@ -1,6 +1,7 @@
 """`kvroute bench calibrate`: measure one real vLLM instance (the real stack's, started here, or a running
 one) and write the engine profile the simulator loads (`kvroute bench simulate --profile PATH`), with the
-simulator's per-request TTFT error on a fixed trace against the same engine."""
+simulator's per-request TTFT error on a fixed trace against the same engine; with --pool, also against two
+engines sharing the Mooncake pool."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def add_calibrate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPa
     calibrate.add_argument("--max-batched-tokens", type=int, default=CPU_MAX_BATCHED_TOKENS)
     calibrate.add_argument("--max-num-seqs", type=int, default=CPU_MAX_NUM_SEQS)
     calibrate.add_argument("--repeats", type=int, default=5, help="probes of each prompt length and batch")
+    calibrate.add_argument(
+        "--pool",
+        action="store_true",
+        help="also check the simulator on two instances sharing the stack's Mooncake pool (started here), a "
+        "session's turns alternating between them; written as the profile's check.pool",
+    )
+    calibrate.add_argument(
+        "--profile", help="with --pool: check this profile's engine instead of fitting one on instance 0"
+    )
     calibrate.add_argument("--out", default="bench-results/engine-profile.json")
     calibrate.set_defaults(run=_run)
 

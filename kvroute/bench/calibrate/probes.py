@@ -20,10 +20,11 @@ import aiohttp
 
 from kvroute.agent_sessions import TurnOutcome, post_stream
 from kvroute.trace_replay import VOCABULARY
+from router.upstreams.load_scraper import parse_pool_load_rate
 
 _BLOCKS = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.MULTILINE)
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
-_PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})? ([0-9.e+]+)", re.MULTILINE)
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? ([0-9.e+]+)", re.MULTILINE)
 
 
 class ProbeFailed(RuntimeError):
@@ -85,8 +86,20 @@ class Engine:
         return int(blocks.group(1)), int(size.group(1))
 
     async def preemptions(self) -> int:
-        found = _PREEMPTIONS.search(await self.metrics())
-        return int(float(found.group(1))) if found else 0
+        return int(counter(await self.metrics(), "vllm:num_preemptions_total"))
+
+    async def pool_load_rate(self) -> float | None:
+        """Seconds a token its pool loads took, as the router reads it (None: too few loads to tell)."""
+        return parse_pool_load_rate((await self.metrics()).encode())
+
+
+def counter(metrics: str, name: str, *labels: str) -> float:
+    """The sum of the samples called name in a /metrics body that have every one of labels (`key="value"`)."""
+    return sum(
+        float(value)
+        for found, given, value in _SAMPLE.findall(metrics)
+        if found == name and all(label in given for label in labels)
+    )
 
 
 async def prefill_times(
