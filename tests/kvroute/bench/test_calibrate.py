@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.bench.calibrate.check import check_trace, compare, simulated_run
+from kvroute.bench.calibrate.check import check_trace, compare, simulated_run, simulated_ttfts
 from kvroute.bench.calibrate.fit import Measured, fit
 from kvroute.cli import main
-from kvroute.simulate.hardware import EngineSpec
+from kvroute.simulate.hardware import EngineSpec, FleetSpec
 from kvroute.simulate.profile import Profile, load_profile
 
 TRUE = replace(
@@ -87,8 +87,8 @@ def test_the_simulator_runs_a_fleet_of_the_profiles_engines(tmp_path: Path) -> N
 def test_the_check_simulates_the_fixed_trace_and_measures_each_requests_error() -> None:
     trace = check_trace()
     assert all(r.input_tokens + r.output_tokens <= 4096 for r in trace.requests)
-    run = simulated_run(TRUE, trace)
-    simulated = [r.first_token_s - r.sent_s for r in sorted(run.done, key=lambda r: r.number)]
+    run = simulated_run(FleetSpec(instances=1, engine=TRUE, pool=None), trace, [0] * len(trace.requests))
+    simulated = simulated_ttfts(run)
     assert len(simulated) == len(trace.requests) and all(t > 0 for t in simulated)
     checked = compare([2 * t for t in simulated], simulated)
     assert checked["ttft_median_error"] == pytest.approx(0.5)
