@@ -256,6 +256,26 @@ def running_fleet(ports: FleetPorts, log_dir: Path, extra_args: Sequence[str] = 
 
 
 @contextlib.contextmanager
+def running_peer_router(
+    name: str,
+    args: Callable[[int, int], list[str]],
+    log_dir: Path,
+    health_path: str,
+    ok: Callable[[str], bool] = http_ok,
+) -> Iterator[tuple[str, str]]:
+    """Another project's router binary on 127.0.0.1, in its own process group: args(port, metrics_port) is its
+    command line. Yields its URL and its metrics URL once ok(URL + health_path) holds."""
+    port = free_port_block(2)
+    child = spawn(name, args(port, port + 1), log_dir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(child, [url + health_path], timeout_s=150, ok=ok)
+        yield url, f"http://127.0.0.1:{port + 1}"
+    finally:
+        child.stop(timeout_s=15)
+
+
+@contextlib.contextmanager
 def running_router(config: dict[str, object], log_dir: Path, name: str = "router") -> Iterator[str]:
     """Yields the router's base URL."""
     with running_router_process(config, log_dir, name) as (url, _):

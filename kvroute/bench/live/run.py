@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import tempfile
 import time
@@ -62,9 +63,8 @@ from kvroute.processes import (
     find_executable,
     free_port_block,
     running_fleet,
+    running_peer_router,
     running_router,
-    spawn,
-    wait_healthy,
 )
 from kvroute.simulate.policies import SIM_OBJECTIVES
 from kvroute.trace_replay import ReplayPlan, ReplayRun, resolve_trace
@@ -547,15 +547,11 @@ def vllm_router_args(binary: str, policy: str, fleet: Fleet, port: int, metrics_
 def running_vllm_router(
     binary: str, policy: str, fleet: Fleet, options: LiveOptions, log_dir: Path
 ) -> Iterator[tuple[str, str]]:
-    port = free_port_block(2)
-    args = vllm_router_args(binary, policy, fleet, port, port + 1)
-    child = spawn(f"vllm-router-{policy.replace('/', '-')}", args, log_dir)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(child, [url + "/health"], timeout_s=150)  # it answers once every worker is healthy
-        yield url, f"http://127.0.0.1:{port + 1}"
-    finally:
-        child.stop(timeout_s=15)
+    name = f"vllm-router-{policy.replace('/', '-')}"
+    args = functools.partial(vllm_router_args, binary, policy, fleet)
+    # /health answers once every worker is healthy
+    with running_peer_router(name, args, log_dir, "/health") as urls:
+        yield urls
 
 
 def reset_prefix_caches(config: RouterConfig) -> bool:

@@ -11,13 +11,14 @@ cannot reach, so it is ready once ``/readiness`` counts every instance healthy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvroute.processes import find_executable, free_port_block, spawn, wait_healthy
+from kvroute.processes import find_executable, running_peer_router
 from router.config import RouterConfig
 
 
@@ -67,12 +68,7 @@ def every_worker_healthy(count: int) -> Callable[[str], bool]:
 @contextlib.contextmanager
 def running_smg(binary: str, policy: str, config: RouterConfig, log_dir: Path) -> Iterator[tuple[str, str]]:
     """smg in front of the fleet, in its own process group; yields its URL and its metrics URL."""
-    port = free_port_block(2)
-    child = spawn(f"smg-{policy}", smg_args(binary, policy, config, port, port + 1), log_dir)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        ready = every_worker_healthy(len(config.instances))
-        wait_healthy(child, [url + "/readiness"], timeout_s=150, ok=ready)
-        yield url, f"http://127.0.0.1:{port + 1}"
-    finally:
-        child.stop(timeout_s=15)
+    args = functools.partial(smg_args, binary, policy, config)
+    ready = every_worker_healthy(len(config.instances))
+    with running_peer_router(f"smg-{policy}", args, log_dir, "/readiness", ready) as urls:
+        yield urls
