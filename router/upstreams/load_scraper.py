@@ -54,7 +54,7 @@ def _engine_label(engine: int | None) -> tuple[bytes, bytes] | None:
     return None if engine is None else (b'{engine="%d"' % engine, b',engine="%d"' % engine)
 
 
-def _samples(
+def metric_samples(
     text: bytes, name: bytes, engine: int | None = None, labels: tuple[bytes, ...] = ()
 ) -> list[float] | None:
     """Every value of the family name, one per labelled sample (of one engine, if given, and with every one of
@@ -104,8 +104,8 @@ def parse_engine_load(text: bytes, engine: int | None = None) -> EngineLoad | No
     ~10 us here against ~13 ms for text_string_to_metric_families, that is 0.005% of a core per instance at
     5 scrapes a second against 6.5%.
     """
-    waiting, running = _samples(text, WAITING, engine), _samples(text, RUNNING, engine)
-    usage = _samples(text, KV_USAGE, engine)
+    waiting, running = metric_samples(text, WAITING, engine), metric_samples(text, RUNNING, engine)
+    usage = metric_samples(text, KV_USAGE, engine)
     if waiting is None or running is None or usage is None:
         return None
     if max(usage) > 1:  # a fraction; a percentage (or garbage) would make every prompt wait for memory
@@ -115,7 +115,7 @@ def parse_engine_load(text: bytes, engine: int | None = None) -> EngineLoad | No
     return EngineLoad(waiting=sum(waiting), running=sum(running), kv_usage=sum(usage) / len(usage))
 
 
-def _cache_configs(text: bytes, engine: int | None) -> list[tuple[int, int]] | None:
+def cache_configs(text: bytes, engine: int | None) -> list[tuple[int, int]] | None:
     """(num_gpu_blocks, block_size) of each engine (or the one given), from the labels of
     vllm:cache_config_info; None if any is not known yet (vLLM fills num_gpu_blocks after profiling)."""
     configs = []
@@ -137,7 +137,7 @@ def _cache_configs(text: bytes, engine: int | None) -> list[tuple[int, int]] | N
 def parse_kv_capacity(text: bytes, engine: int | None = None) -> int | None:
     """Tokens the KV cache of one data-parallel engine holds, or of all summed: vLLM publishes its cache
     configuration as the labels of vllm:cache_config_info (num_gpu_blocks x block_size); None if absent."""
-    configs = _cache_configs(text, engine)
+    configs = cache_configs(text, engine)
     if not configs:
         return None
     return sum(blocks * size for blocks, size in configs) or None
@@ -155,9 +155,9 @@ def parse_pool_load_rate(text: bytes, engine: int | None = None) -> float | None
     """The pool's load rate an engine measured, seconds a token: vLLM's Mooncake store connector times each
     batch of keys it gets from the store and counts them (vllm:mooncake_store_operation_*, the successful
     operation="load_get"); None without a connector, or before it loaded enough."""
-    seconds = _samples(text, POOL_LOAD_SECONDS, engine, POOL_LOADS_OK)
-    keys = _samples(text, POOL_LOAD_KEYS, engine, POOL_LOADS_OK)
-    configs = _cache_configs(text, engine)
+    seconds = metric_samples(text, POOL_LOAD_SECONDS, engine, POOL_LOADS_OK)
+    keys = metric_samples(text, POOL_LOAD_KEYS, engine, POOL_LOADS_OK)
+    configs = cache_configs(text, engine)
     if seconds is None or keys is None or not configs:
         return None
     return pool_load_rate(sum(seconds), sum(keys), configs[0][1])
@@ -165,7 +165,7 @@ def parse_pool_load_rate(text: bytes, engine: int | None = None) -> float | None
 
 def parse_start_time(text: bytes) -> float | None:
     """The serving process's start time (prometheus_client's process collector), if the body has one."""
-    values = _samples(text, START_TIME)
+    values = metric_samples(text, START_TIME)
     return max(values) if values else None
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -20,11 +19,7 @@ import aiohttp
 
 from kvroute.agent_sessions import TurnOutcome, post_stream
 from kvroute.trace_replay import VOCABULARY
-from router.upstreams.load_scraper import parse_pool_load_rate
-
-_BLOCKS = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.MULTILINE)
-_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? ([0-9.e+]+)", re.MULTILINE)
+from router.upstreams.load_scraper import cache_configs, metric_samples, parse_pool_load_rate
 
 
 class ProbeFailed(RuntimeError):
@@ -79,11 +74,10 @@ class Engine:
 
     async def cache(self) -> tuple[int, int]:
         """Its KV cache: blocks and tokens a block."""
-        text = await self.metrics()
-        blocks, size = _BLOCKS.search(text), _BLOCK_SIZE.search(text)
-        if blocks is None or size is None:
+        configs = cache_configs((await self.metrics()).encode(), None)
+        if not configs:
             raise ProbeFailed(f"{self._url}/metrics has no vllm:cache_config_info with its blocks")
-        return int(blocks.group(1)), int(size.group(1))
+        return configs[0]
 
     async def preemptions(self) -> int:
         return int(counter(await self.metrics(), "vllm:num_preemptions_total"))
@@ -95,11 +89,7 @@ class Engine:
 
 def counter(metrics: str, name: str, *labels: str) -> float:
     """The sum of the samples called name in a /metrics body that have every one of labels (`key="value"`)."""
-    return sum(
-        float(value)
-        for found, given, value in _SAMPLE.findall(metrics)
-        if found == name and all(label in given for label in labels)
-    )
+    return sum(metric_samples(metrics.encode(), name.encode(), None, tuple(x.encode() for x in labels)) or ())
 
 
 async def prefill_times(
