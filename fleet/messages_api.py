@@ -72,7 +72,7 @@ def _chat(instance: SimInstance, body: dict[str, Any]) -> tuple[dict[str, Any], 
 async def _count_tokens(request: web.Request) -> web.StreamResponse:
     instance: SimInstance = request.app["instance"]
     body = await read_json_body(request, ("model", "messages"))
-    _, ids = _chat(instance, body)
+    _, ids = await instance.off_loop(_chat, instance, body)
     return json_response(
         {"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}}
     )
@@ -89,7 +89,7 @@ async def _messages(request: web.Request) -> web.StreamResponse:
             "msg": "Value error, max_tokens must be positive",
         }
         raise BodyValidationError([str({**error, "input": max_tokens})], "body.max_tokens")
-    chat, ids = _chat(instance, body)
+    chat, ids = await instance.off_loop(_chat, instance, body)
     generation = Generation(request, instance, chat, ids, chat=True, from_text=True)
     if body.get("stream"):
         return await _stream(request, generation)

@@ -39,7 +39,7 @@ def add_render_routes(app: web.Application) -> None:
 
 
 async def _render_chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.Response:
-    ids = validated_chat(instance, body)
+    ids = await instance.off_loop(validated_chat, instance, body)
     request_id = "chatcmpl-" + _base_id(request, body)
     return json_response(_generate_request(instance, body, ids, request_id, chat=True, from_text=True))
 
@@ -47,7 +47,7 @@ async def _render_chat(instance: SimInstance, request: web.Request, body: dict[s
 async def _render_completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.Response:
-    ids, from_text = validated_completion(instance, body)
+    ids, from_text = await instance.off_loop(validated_completion, instance, body)
     request_id = "cmpl-" + _base_id(request, body)
     rendered = _generate_request(instance, body, ids, request_id, chat=False, from_text=from_text)
     return json_response([rendered])

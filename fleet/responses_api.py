@@ -125,7 +125,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
             "background",
         )
     kept = store.enabled and body.get("store", True) is not False  # otherwise silently not stored
-    run = _run(request, instance, body, kept)
+    run = await _run(request, instance, body, kept)
     if body.get("background"):
         return await _in_background(request, run, store, bool(body.get("stream")))
     if body.get("stream"):
@@ -157,7 +157,7 @@ def _check_fields(body: dict[str, Any]) -> None:
         raise ClientError(400, message, "BadRequestError", "tool_choice")
 
 
-def _run(request: web.Request, instance: SimInstance, body: dict[str, Any], kept: bool) -> _Run:
+async def _run(request: web.Request, instance: SimInstance, body: dict[str, Any], kept: bool) -> _Run:
     """The response's prompt rendered and checked, its engine request made; its messages kept when stored."""
     store = instance.responses
     previous_messages: list[dict[str, Any]] = []
@@ -172,10 +172,10 @@ def _run(request: web.Request, instance: SimInstance, body: dict[str, Any], kept
     elif body["input"] == [] and not body.get("instructions"):
         message = "Cannot apply chat template to an empty conversation. Provide at least one message."
         raise ClientError(400, message, "BadRequestError")
-    chat = responses_chat(
-        body, previous_messages, previous_output, instance.exclude_tools_when_tool_choice_none
+    chat = await instance.off_loop(
+        responses_chat, body, previous_messages, previous_output, instance.exclude_tools_when_tool_choice_none
     )
-    ids = chat.token_ids(instance.tokenizer)
+    ids = await instance.off_loop(chat.token_ids, instance.tokenizer)
     generation = _generation(request, instance, body, ids)
     response_id = str(body.get("request_id") or new_id("resp_"))
     echo = ResponseEcho(response_id, int(time.time()), body["model"], body, generation.max_tokens)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -33,6 +35,7 @@ from router.prompt.openai_body import (
 from router.prompt.tokenization import PromptTokenizer
 
 _json = msgspec.json.Encoder()
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -63,6 +66,15 @@ class SimInstance:
     # Its KV connector's end of prefill-to-decode transfer (fleet/kv_transfer.py); None: it runs no connector
     transfer: TransferSide | None = None
     transfers: KVTransfers | None = None  # the fleet's, shared by its instances
+    # vLLM's API server renders and tokenizes on a thread of its own: a long prompt does not hold up the
+    # requests of its instance, nor, here, those of the other instances sharing this process's event loop.
+    tokenize_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, "fleet-tokenize")
+    )
+
+    async def off_loop(self, work: Callable[..., _T], *args: Any) -> _T:
+        """work(*args) on the instance's tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_thread, work, *args)
 
     def adapter(self, model: object) -> Adapter | None:
         return next((a for a in self.adapters if a.name == model), None)
@@ -393,23 +405,23 @@ def validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[l
 
 
 async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    ids = validated_chat(instance, body)
+    ids = await instance.off_loop(validated_chat, instance, body)
     return await _complete(request, Generation(request, instance, body, ids, chat=True, from_text=True))
 
 
 async def _completion(
     instance: SimInstance, request: web.Request, body: dict[str, Any]
 ) -> web.StreamResponse:
-    ids, from_text = validated_completion(instance, body)
+    ids, from_text = await instance.off_loop(validated_completion, instance, body)
     generation = Generation(request, instance, body, ids, chat=False, from_text=from_text)
     return await _complete(request, generation)
 
 
 async def _tokenize(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     if "messages" in body:
-        ids = _chat_ids(instance, body)
+        ids = await instance.off_loop(_chat_ids, instance, body)
     elif isinstance(body.get("prompt"), str):  # vLLM's /tokenize takes a completion prompt as text only
-        ids = _completion_ids(instance, body)
+        ids = await instance.off_loop(_completion_ids, instance, body)
     else:
         raise ClientError(400, "either messages or prompt (a string) is required", "BadRequestError")
     return json_response(

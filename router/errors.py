@@ -36,6 +36,13 @@ class OpenAIError(Exception):
         return Response(body, self.status, headers=self.headers, media_type="application/json")
 
 
+ANTHROPIC_ROUTES = "/v1/messages"  # and /v1/messages/count_tokens: their errors in Anthropic's shape
+
+
+def anthropic_route(path: str) -> bool:
+    return path.startswith(ANTHROPIC_ROUTES)
+
+
 # Anthropic's error types by status, for the router's own errors on its routes
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",

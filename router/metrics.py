@@ -76,6 +76,12 @@ class Family(Generic[M]):
                 self.metric.remove(*values)
         return child
 
+    def drop(self, *values: str) -> None:
+        """Drop the series of these label values until the next update makes it again. Under --workers
+        the worker's file keeps it, at the value last set (ONLY_WHILE_NONZERO leaves such zeros out)."""
+        if self._children.pop(values, None) is not None:
+            self.metric.remove(*values)
+
     def forget(self, label: str, value: str) -> None:
         """Drop the series whose label is value and keep later updates out of /metrics: an instance a
         reload removed must not linger there."""
@@ -133,6 +139,8 @@ SAME_IN_EVERY_WORKER = frozenset(
         "kvroute_discovery_watch_restarts",
     }
 )
+# Gauges whose series live only while they count something: a worker's file keeps a series it dropped, at 0.
+ONLY_WHILE_NONZERO = frozenset({"kvroute_flow_control_flow_queued"})
 _PUSH_EVERY_S = 1.0
 
 
@@ -173,6 +181,8 @@ class _AllWorkers(Collector):
     def collect(self) -> Iterator[Metric]:
         files = glob.glob(os.path.join(self._path, "*.db"))
         for family in _merged(files):
+            if family.name in ONLY_WHILE_NONZERO:
+                family.samples = [found for found in family.samples if found.value]
             if family.name not in SAME_IN_EVERY_WORKER:
                 yield family
         yield from _largest(
@@ -297,8 +307,8 @@ class _RequestFamilies:
 class _FlowFamilies:
     def _add_flow_families(self, r: CollectorRegistry) -> None:
         """Flow control (router/dispatch/flow_control.py): what waits in the router's queue, for how long,
-        and what it let go or refused. By flow: the first 100 a fairness header names or API keys (not
-        sessions: a series each would be without bound)."""
+        and what it let go or refused. By flow: those with requests queued now, at most 100 at once (the rest
+        under flow="other")."""
         self.flow_queue_length = _gauge(
             r,
             "kvroute_flow_control_queued",
@@ -309,7 +319,8 @@ class _FlowFamilies:
         self.flow_queue_length_by_flow = _gauge(
             r,
             "kvroute_flow_control_flow_queued",
-            "Requests waiting in the router's queue, by flow",
+            "Requests waiting in the router's queue, by flow: a series for each of at most 100 flows with "
+            'requests queued now (a label of at most 64 characters), the rest under flow="other"',
             ["flow"],
             "livesum",
         )

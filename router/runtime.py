@@ -299,6 +299,7 @@ class Runtime:
             config.tokenization,
             self.flow_gate,
             tracing,
+            keyed_clients=config.auth.api_keys_env is not None,
         )
 
     def room_freed(self) -> None:

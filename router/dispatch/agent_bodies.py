@@ -18,6 +18,7 @@ import msgspec
 
 from router.dispatch.response_history import ResponseHistory
 from router.dispatch.response_ids import ResponseIds
+from router.dispatch.response_owners import UNSCOPED
 from router.errors import OpenAIError, bad_request
 from router.prompt.anthropic_chat import TemplateProbes, anthropic_chat_body
 from router.prompt.chat_conversation import InvalidPrompt
@@ -73,17 +74,20 @@ class AgentRead:
 
 
 class StoredResponses:
-    """The Responses API's requests: ids naming their instance, the conversations behind them."""
+    """The Responses API's requests: ids naming their instance and owner, the conversations behind them.
+
+    owner, in each call: the tag of the client's key (router/dispatch/response_owners.py), or None where
+    no client keys are configured and every stored response is anyone's."""
 
     def __init__(self, ids: ResponseIds, history: ResponseHistory) -> None:
         self.ids, self.history = ids, history
 
-    def read(self, raw: bytes, only_model: str | None) -> AgentRead:
+    def read(self, raw: bytes, only_model: str | None, owner: str | None) -> AgentRead:
         fields = json_object(raw)
         head = _convert(fields, _ResponsesHead)
         model = served_model(head.model, only_model)
         previous = head.previous_response_id
-        pinned = None if previous is None else self.stored(previous)
+        pinned = None if previous is None else self.stored(previous, owner)
         session = head.prompt_cache_key or head.user
         body, messages = self._chat(fields, head, model)
         key = head.request_id or ResponseIds.nonce()
@@ -91,22 +95,27 @@ class StoredResponses:
         if head.store and messages is not None:  # kept, as the instance keeps it, for a follow-up's prompt
             self.history.started(key, messages, len(raw))
             watch = partial(self.history.completed, key)
-        stamped = self._stamped(raw, key, head.request_id)
+        stamped = self._stamped(raw, key, head.request_id, UNSCOPED if owner is None else owner)
         return AgentRead(body, session, messages is not None, pinned, previous, stamped, watch)
 
-    def read_stored(self, response_id: str, query: str, only_model: str | None) -> AgentRead:
+    def read_stored(
+        self, response_id: str, query: str, only_model: str | None, owner: str | None
+    ) -> AgentRead:
         """A retrieval or cancellation of a stored response (query: a retrieval's), for its instance."""
-        holder = self.stored(response_id)
+        holder = self.stored(response_id, owner)
         streamed = "stream=true" in query.lower()
         model = min(holder.models, default=only_model or "")
         body = CompletionRequest(model=model, stream=streamed)
         return AgentRead(body, tokenize=False, pinned=holder, pinned_by=response_id)
 
-    def stored(self, response_id: str) -> Instance:
+    def stored(self, response_id: str, owner: str | None) -> Instance:
         """The instance holding a stored response, or vLLM's answer for an id no instance holds: one the
-        fleet no longer has, or one down (its connection failing is told the same way, routing.send)."""
+        fleet no longer has, one down (its connection failing is told the same way, routing.send), or one
+        another client key created."""
         holder = self.ids.holder(response_id)
         if holder is None or not holder.healthy:
+            raise response_not_found(response_id)
+        if owner is not None and self.ids.owner(response_id) != owner:
             raise response_not_found(response_id)
         return holder
 
@@ -139,14 +148,14 @@ class StoredResponses:
         )
         return body, chat.messages
 
-    def _stamped(self, raw: bytes, key: str, chosen: str | None) -> Callable[[Instance], bytes]:
+    def _stamped(self, raw: bytes, key: str, chosen: str | None, owner: str) -> Callable[[Instance], bytes]:
         ids = self.ids
 
         def body_for(instance: Instance) -> bytes:
-            if chosen is not None:  # the client's id: remembered here with its instance
-                ids.chosen(chosen, instance)
+            if chosen is not None:  # the client's id: remembered here with its instance and owner
+                ids.chosen(chosen, instance, owner)
                 return raw
-            return with_request_id(raw, ResponseIds.made(instance, key))
+            return with_request_id(raw, ResponseIds.made(instance, owner, key))
 
         return body_for
 
@@ -157,6 +166,8 @@ def read_messages(
     """An Anthropic Messages request, as the chat vLLM serves it; probes: the model's template's."""
     fields = json_object(raw)
     head = _convert(fields, _MessagesHead)
+    if (missing := _textless_block(fields)) is not None:
+        raise bad_request(f"{missing}: Field required", "invalid_field", missing)
     model = served_model(head.model, only_model)
     session = head.metadata.user_id if head.metadata is not None else None
     try:
@@ -165,6 +176,22 @@ def read_messages(
         return AgentRead(ChatRequest(messages=[], model=model, stream=head.stream), session, tokenize=False)
     chat.model = model
     return AgentRead(chat, session)
+
+
+def _textless_block(fields: dict[str, Any]) -> str | None:
+    """Where a text block has no text (messages.0.content.1.text, system.0.text), which Anthropic's API
+    refuses and vLLM's conversion would drop, leaving a prompt with nothing of the client's."""
+    places: list[tuple[str, Any]] = [("system", fields.get("system"))]
+    messages = fields.get("messages")
+    if isinstance(messages, list):
+        places += [
+            (f"messages.{i}.content", m.get("content")) for i, m in enumerate(messages) if isinstance(m, dict)
+        ]
+    for where, blocks in places:
+        for at, block in enumerate(blocks if isinstance(blocks, list) else ()):
+            if isinstance(block, dict) and block.get("type") == "text" and block.get("text") is None:
+                return f"{where}.{at}.text"
+    return None
 
 
 def read_model_only(raw: bytes, only_model: str | None) -> AgentRead:

@@ -28,7 +28,12 @@ from router.upstreams.instances import Upstreams
 Waiter = asyncio.Future[None]
 
 _API_KEY_HEADERS = ("authorization", "x-api-key")
-FLOW_SERIES = 100  # flows with a queue-length series of their own, the first seen
+# Flows with a queue-length series of their own at once: those with requests queued now, the first to queue
+# while fewer than this many have one; the others' are counted under OTHER_FLOWS. A label is at most
+# FLOW_LABEL_CHARS long (a longer flow's is cut, with a digest of it).
+FLOW_SERIES = 100
+FLOW_LABEL_CHARS = 64
+OTHER_FLOWS = "other"
 
 
 @dataclass(eq=False, slots=True)
@@ -60,6 +65,14 @@ def flow_of(config: FlowControlConfig, headers: Mapping[str, str], session: str 
     return DEFAULT_FLOW
 
 
+def flow_label(flow: str) -> str:
+    """flow as a label value: itself, or, when longer than FLOW_LABEL_CHARS, its start and a digest."""
+    if len(flow) <= FLOW_LABEL_CHARS:
+        return flow
+    digest = xxhash.xxh3_64_hexdigest(flow.encode())
+    return f"{flow[: FLOW_LABEL_CHARS - len(digest) - 1]}~{digest}"
+
+
 def objective_of(config: FlowControlConfig, headers: Mapping[str, str]) -> str | None:
     for header in config.objective_headers:
         named = headers.get(header)
@@ -72,7 +85,7 @@ class FlowGate:
     def __init__(self, config: FlowControlConfig, upstreams: Upstreams, metrics: RouterMetrics) -> None:
         self.control: FlowControl[Waiter] = FlowControl(config)
         self._upstreams, self._metrics = upstreams, metrics
-        self._labelled: set[str] = set()  # the flows with a series of their own
+        self._labelled: dict[str, str] = {}  # the flows with a series of their own now: their labels
 
     @property
     def config(self) -> FlowControlConfig:
@@ -170,14 +183,18 @@ class FlowGate:
         """The queue-length gauges of objective and flow, after one of theirs came or went."""
         control, metrics = self.control, self._metrics
         metrics.flow_queue_length(objective).set(control.queued_by_objective(objective))
-        # A series per session, or per value a client makes up, would be without bound.
-        if flow.startswith("session:"):
-            return
-        if flow not in self._labelled:
-            if len(self._labelled) >= FLOW_SERIES:
-                return
-            self._labelled.add(flow)
-        metrics.flow_queue_length_by_flow(flow).set(control.queued_by_flow(flow))
+        by_flow, labelled = metrics.flow_queue_length_by_flow, self._labelled
+        queued = control.queued_by_flow(flow)
+        label = labelled.get(flow)
+        if label is None and queued and len(labelled) < FLOW_SERIES:
+            label = labelled[flow] = flow_label(flow)
+        if label is not None:
+            by_flow(label).set(queued)
+            if not queued:  # a series per flow ever seen would be without bound
+                del labelled[flow]
+                by_flow.drop(label)
+        others = control.queued() - sum(control.queued_by_flow(f) for f in labelled)
+        by_flow(OTHER_FLOWS).set(others)
 
     def _refused(self, code: str, retry_after_s: int, objective: str) -> OpenAIError:
         self._metrics.rejected(code).inc()

@@ -60,7 +60,7 @@ class Picker:
         try:
             await routing.admit()
             try:
-                received = routing.receive(raw, api, headers, stored, query, trace)
+                received = await routing.receive(raw, api, headers, stored, query, trace)
                 prepared = await routing.wait_turn(received, await routing.prepare(received))
                 outside = None if subset is None else self._outside(received.model, subset)
                 picked = routing.pick(received, prepared, outside, self._fallbacks)

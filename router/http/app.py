@@ -30,7 +30,7 @@ from router.dispatch.routing_headers import (
     PROMPT_BLOCKS_HEADER,
     WAIT_CAUSED_HEADER,
 )
-from router.errors import OpenAIError
+from router.errors import OpenAIError, anthropic_route
 from router.http.admin import admin_routes, admin_token
 from router.http.body_budget import BodyBudget
 from router.http.cache_reset import cache_reset_routes
@@ -157,12 +157,12 @@ def _lifespan(
 
 
 def _answer_errors(app: FastAPI, client_error: Callable[[OpenAIError], None]) -> None:
-    """Every error the app answers, in OpenAI's shape."""
+    """Every error the app answers, in OpenAI's shape (Anthropic's on its routes)."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
         client_error(exc)
-        return exc.response()
+        return exc.response(anthropic_route(request.url.path))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -176,7 +176,7 @@ def _answer_errors(app: FastAPI, client_error: Callable[[OpenAIError], None]) ->
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         error = OpenAIError(400, str(exc), "invalid_request_error", "invalid_request")
         client_error(error)
-        return error.response()
+        return error.response(anthropic_route(request.url.path))
 
 
 def _serve_openai(app: FastAPI) -> None:
@@ -184,7 +184,13 @@ def _serve_openai(app: FastAPI) -> None:
     for path, api in ROUTED_PATHS.items():
         app.add_api_route(path, _forwarded(api), methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", _forwarded(RETRIEVE_RESPONSE), methods=["GET"])
+    # No id: an unknown route's 404, not a redirect to POST /v1/responses (FastAPI's for a trailing slash).
+    app.add_api_route("/v1/responses/", _no_such_route, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v1/responses/{response_id}/cancel", _forwarded(CANCEL_RESPONSE), methods=["POST"])
+
+
+async def _no_such_route(request: Request) -> Response:
+    raise HTTPException(404, "Not Found")
 
 
 def _forwarded(api: Api) -> Callable[[Request], Awaitable[Response]]:

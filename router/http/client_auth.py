@@ -10,10 +10,10 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.config import ClientAuthConfig, client_api_keys
-from router.errors import invalid_api_key
+from router.dispatch.response_owners import presented_key
+from router.errors import anthropic_route, invalid_api_key
 
 _GUARDED_PREFIX = "/v1/"
-_ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def client_key_digests(auth: ClientAuthConfig) -> frozenset[bytes]:
@@ -31,15 +31,11 @@ class ClientAuth:
         if self._digests and scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIX):
             if not self._allowed(scope):
                 self._rejected()
-                anthropic = scope["path"].startswith(_ANTHROPIC_PREFIX)
-                await invalid_api_key().response(anthropic)(scope, receive, send)
+                await invalid_api_key().response(anthropic_route(scope["path"]))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
-        headers = dict(scope["headers"])
-        scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer":
-            key = headers.get(b"x-api-key", b"").decode("latin-1")
+        key = presented_key({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
         # Digests of equal length are looked up in a set: no timing difference tells a prefix of a key.
         return bool(key) and hashlib.sha256(key.encode()).digest() in self._digests

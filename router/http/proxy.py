@@ -128,7 +128,7 @@ class Proxy:
                     self._bodies.give_back(share)  # admitted, its body counts with the work in flight
                 received: Received | None = None
                 try:
-                    received = routing.receive(raw, api, headers, stored, query, trace)
+                    received = await routing.receive(raw, api, headers, stored, query, trace)
                     prepared = await routing.wait_turn(received, await routing.prepare(received))
                     outcome = await routing.send(received, prepared, path)
                 except BaseException:

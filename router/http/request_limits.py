@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import OpenAIError, bad_request, not_utf8, too_large
+from router.errors import OpenAIError, anthropic_route, bad_request, not_utf8, too_large
 
 _GUARDED_PREFIX = "/v1/"
 _JSON = "application/json"
@@ -85,7 +85,7 @@ class RequestLimits:
 
     async def _answer(self, error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
         self._rejected(error)
-        await error.response()(scope, receive, send)
+        await error.response(anthropic_route(scope["path"]))(scope, receive, send)
 
 
 def _check_headers(scope: Scope, limit: int) -> OpenAIError | None:

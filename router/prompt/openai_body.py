@@ -11,7 +11,7 @@ from typing import Any, TypeVar, get_type_hints
 
 import msgspec
 
-from router.errors import bad_request, not_utf8
+from router.errors import OpenAIError, bad_request, not_utf8
 
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"  # vLLM: the engine of a data parallel server to use
 
@@ -115,7 +115,7 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
         param = found.group(1) if found else None
         raise bad_request(f"Invalid request body: {text}", "invalid_field", param) from None
     except msgspec.DecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+        raise not_json(raw, exc) from None
     except UnicodeDecodeError:  # msgspec's error for a string that is no UTF-8
         raise not_utf8() from None
     if isinstance(body, ChatRequest):
@@ -132,13 +132,28 @@ def json_object(raw: bytes) -> dict[str, Any]:
     """A body read as a plain JSON object (the agents' APIs), with decode_body's errors."""
     try:
         fields = msgspec.json.decode(_content(raw))
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except msgspec.DecodeError as exc:
+        raise not_json(raw, exc) from None
+    except RecursionError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", "invalid_json") from None
     except UnicodeDecodeError:
         raise not_utf8() from None
     if not isinstance(fields, dict):
         raise bad_request("The request body must be a JSON object.", "invalid_json")
     return fields
+
+
+# A high surrogate's escape that no low one's follows: msgspec calls it "Input data was truncated".
+_LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
+
+
+def not_json(raw: bytes, error: msgspec.DecodeError) -> OpenAIError:
+    """The 400 for a body msgspec could not decode, saying what is wrong with it."""
+    reason = str(error)
+    if reason == "Input data was truncated" and (lone := _LONE_HIGH_SURROGATE.search(raw)) is not None:
+        escape = lone.group().decode()
+        reason = f"JSON is malformed: a lone utf-16 surrogate {escape} (byte {lone.start()}) is no character"
+    return bad_request(f"The request body is not valid JSON: {reason}", "invalid_json")
 
 
 def served_model(named: str | None, only_model: str | None) -> str:

@@ -6,6 +6,7 @@ parented explicitly, never through the ambient context, so concurrent requests o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from types import TracebackType
@@ -23,6 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from router.errors import OpenAIError
 from router.tracing.config import OtlpProtocol, TracingConfig
 from router.tracing.spans import NULL_TRACE, Attribute, Decision, NullTrace, Outcome
+from router.worker_threads import leave_signals_to_the_main_thread
 
 if TYPE_CHECKING:
     from router.upstreams.instances import Instance
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 _ERROR = Status(StatusCode.ERROR)
+CLOSE_WITHIN_S = 2.0
 
 
 class OtelTracing:
@@ -40,7 +43,8 @@ class OtelTracing:
             exporter = _otlp_exporter(protocol, config.exporter_endpoint(protocol))
         resource = Resource.create({SERVICE_NAME: config.resolved_service_name()})
         sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
-        self._provider = TracerProvider(sampler=sampler, resource=resource)
+        # Shut down by close() alone: the SDK's own at exit would wait for the exporter again, unbounded.
+        self._provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
         # The batch's delay and size: the SDK's defaults, or OTEL_BSP_* from the environment.
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("kvroute")
@@ -53,6 +57,15 @@ class OtelTracing:
         return _Span(self._tracer, span)
 
     def close(self) -> None:
+        """Export the spans still held, for at most CLOSE_WITHIN_S: an exporter retrying a collector that is
+        gone (with backoff, up to its own 10 s timeout) must not hold the router's exit. What it has not
+        exported by then is lost with the process, whose exit does not wait for the daemon thread."""
+        closing = threading.Thread(target=self._shut_down, name="kvroute-tracing-close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_WITHIN_S)
+
+    def _shut_down(self) -> None:
+        leave_signals_to_the_main_thread()
         self._provider.shutdown()
 
 

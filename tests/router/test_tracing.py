@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from kvroute.processes import running_router
+from kvroute.processes import free_port_block, running_router, running_router_process
+from router.tracing.otel import CLOSE_WITHIN_S
 from tests.router.fake_upstreams import healthy, serving
 from tests.router.test_proxy import post
 
@@ -301,3 +303,18 @@ def test_a_prefill_leg_is_a_span_with_its_decision_and_attempt_beneath(
     # Each engine's spans join the trace under the attempt that reached it.
     assert _parent_id(prefill.headers[0]["traceparent"]) == (CLIENT_TRACE, beneath["attempt"].span_id)
     assert _parent_id(decode.headers[0]["traceparent"]) == (CLIENT_TRACE, decode_attempt.span_id)
+
+
+def test_a_collector_that_is_gone_does_not_hold_the_routers_exit(model_dir: Path, tmp_path: Path) -> None:
+    """The exporter retries a refused collector with backoff for up to its 10 s timeout; SIGTERM waited for
+    it (8.5 s here), where the router exits within CLOSE_WITHIN_S of its last answer without it."""
+    gone = f"http://127.0.0.1:{free_port_block(1)}"  # nothing listens there
+    engine = Engine()
+    with serving(healthy, engine.answer, path=CHAT) as port:
+        with running_router_process(_config(gone, model_dir, ("only", port)), tmp_path) as (router, child):
+            assert post(router + CHAT, _chat(), CLIENT_HEADERS)[0] == 200
+            answered = time.monotonic()
+            child.process.send_signal(signal.SIGTERM)
+            child.process.wait(timeout=30)
+            took_s = time.monotonic() - answered
+    assert took_s < CLOSE_WITHIN_S + 2.0, took_s

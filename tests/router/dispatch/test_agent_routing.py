@@ -18,7 +18,9 @@ from router.dispatch.apis import (
 )
 from router.dispatch.response_history import ResponseHistory
 from router.dispatch.response_ids import ResponseIds
+from router.dispatch.response_owners import UNSCOPED, owner_tag, presented_key
 from router.dispatch.usage import answer_usage
+from router.errors import OpenAIError
 from router.upstreams.instances import Upstreams
 
 
@@ -53,7 +55,7 @@ def test_an_id_names_its_instance_for_any_router_that_knows_the_fleet() -> None:
     urls = [f"http://10.0.0.{n}:8000" for n in range(50)]
     made = ResponseIds(_fleet(*urls))
     for instance in made._upstreams.instances:
-        response_id = made.made(instance, ResponseIds.nonce())
+        response_id = made.made(instance, UNSCOPED, ResponseIds.nonce())
         reader = ResponseIds(_fleet(*reversed(urls)))  # another replica, instances in another order
         holder = reader.holder(response_id)
         assert holder is not None and holder.url == instance.url
@@ -62,7 +64,7 @@ def test_an_id_names_its_instance_for_any_router_that_knows_the_fleet() -> None:
 
 def test_ids_of_instances_gone_or_unknown_name_none() -> None:
     ids = ResponseIds(_fleet("http://a:1", "http://b:1"))
-    gone = ids.made(_fleet("http://c:1").instances[0], "x")
+    gone = ids.made(_fleet("http://c:1").instances[0], UNSCOPED, "x")
     assert ids.holder(gone) is None
     assert ids.holder("resp_0123456789abcdef") is None
     assert ids.holder("not-even-a-response") is None
@@ -71,7 +73,7 @@ def test_ids_of_instances_gone_or_unknown_name_none() -> None:
 def test_an_id_a_client_chose_is_remembered_with_its_instance() -> None:
     fleet = _fleet("http://a:1", "http://b:1")
     ids = ResponseIds(fleet)
-    ids.chosen("my-own-id", fleet.instances[1])
+    ids.chosen("my-own-id", fleet.instances[1], UNSCOPED)
     holder = ids.holder("my-own-id")
     assert holder is fleet.instances[1]
 
@@ -145,7 +147,7 @@ def test_a_follow_up_of_a_response_routed_here_knows_its_conversation(chosen: st
     fleet = _fleet("http://a:1", "http://b:1")
     responses = StoredResponses(ResponseIds(fleet), ResponseHistory())
     body = {"model": "m", "input": "first", **({"request_id": chosen} if chosen else {})}
-    first = responses.read(json.dumps(body).encode(), None)
+    first = responses.read(json.dumps(body).encode(), None, None)
     assert first.body_for is not None and first.watch is not None
     sent = json.loads(first.body_for(fleet.instances[1]))
     response_id = sent["request_id"]
@@ -153,6 +155,41 @@ def test_a_follow_up_of_a_response_routed_here_knows_its_conversation(chosen: st
     output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}]
     first.watch(json.dumps({"id": response_id, "status": "completed", "output": output}).encode())
     follow_up = {"model": "m", "input": "second", "previous_response_id": response_id}
-    read = responses.read(json.dumps(follow_up).encode(), None)
+    read = responses.read(json.dumps(follow_up).encode(), None, None)
     assert read.pinned is fleet.instances[1] and read.tokenize
     assert [m["content"] for m in read.body.messages] == ["first", "ok", "second"]
+
+
+@pytest.mark.parametrize("chosen", [None, "resp_chosen_by_the_client"])
+def test_a_stored_response_is_its_creating_keys_alone(chosen: str | None) -> None:
+    """With client keys, another key's follow-up, retrieval and cancellation are told what an unknown id
+    is told; the creating key's, and any key's where none are configured, reach the instance."""
+    fleet = _fleet("http://a:1", "http://b:1")
+    responses = StoredResponses(ResponseIds(fleet), ResponseHistory())
+    alice, bob = owner_tag("key-a"), owner_tag("key-b")
+    body = {"model": "m", "input": "first", **({"request_id": chosen} if chosen else {})}
+    first = responses.read(json.dumps(body).encode(), None, alice)
+    assert first.body_for is not None
+    response_id = json.loads(first.body_for(fleet.instances[1]))["request_id"]
+    follow_up = json.dumps({"model": "m", "input": "second", "previous_response_id": response_id}).encode()
+    for read in (
+        lambda owner: responses.read(follow_up, None, owner),
+        lambda owner: responses.read_stored(response_id, "", None, owner),
+    ):
+        with pytest.raises(OpenAIError) as refused:
+            read(bob)
+        assert refused.value.status == 404
+        assert refused.value.message == f"Response with id '{response_id}' not found."
+        assert read(alice).pinned is fleet.instances[1]
+    unscoped = StoredResponses(ResponseIds(fleet), ResponseHistory())
+    made = json.loads(unscoped.read(json.dumps(body).encode(), None, None).body_for(fleet.instances[0]))
+    assert unscoped.read_stored(made["request_id"], "", None, None).pinned is fleet.instances[0]
+
+
+def test_the_key_is_read_as_either_api_sends_it() -> None:
+    assert presented_key({"authorization": "Bearer sk-1"}) == "sk-1"
+    assert presented_key({"authorization": "bearer sk-1", "x-api-key": "other"}) == "sk-1"
+    assert presented_key({"x-api-key": "sk-ant"}) == "sk-ant"
+    assert presented_key({"authorization": "Basic abc", "x-api-key": "sk-ant"}) == "sk-ant"
+    assert presented_key({}) == ""
+    assert owner_tag("sk-1") != owner_tag("sk-2") and len(owner_tag("sk-1")) == len(UNSCOPED)
