@@ -53,7 +53,12 @@ def post(url: str, body: bytes) -> tuple[int, bytes]:
 def large_bodies() -> list[tuple[str, str, bytes]]:
     """(name, path, body) of each large request."""
     tools = [
-        {"type": "function", "name": f"tool_{n}", "description": "one of many", "parameters": {"type": "object"}}
+        {
+            "type": "function",
+            "name": f"tool_{n}",
+            "description": "one of many",
+            "parameters": {"type": "object"},
+        }
         for n in range(TOOLS)
     ]
     responses = {"model": "tiny-llama", "input": "hi", "tools": tools, "store": False}
@@ -92,12 +97,15 @@ def main() -> int:
     parser.add_argument("--fleet-processes", type=int, choices=(1, 0), default=0, help="1: one; 0: one each")
     parser.add_argument("--rounds", type=int, default=2, help="times each large request is sent")
     args = parser.parse_args()
-    small = json.dumps({"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    small = json.dumps(
+        {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    )
     bodies = large_bodies()
     print(", ".join(f"{name}: {len(body) / 1e6:.2f} MB" for name, _, body in bodies))
     ports = FleetPorts.allocate(args.instances)
-    with tempfile.TemporaryDirectory(prefix="kvroute-stall-") as run_dir, fleet(
-        ports, args.fleet_processes, Path(run_dir)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvroute-stall-") as run_dir,
+        fleet(ports, args.fleet_processes, Path(run_dir)),
     ):
         with running_router_process(ports.router_config(), Path(run_dir)) as (url, child):
             for _ in range(5):
@@ -133,7 +141,8 @@ def main() -> int:
     waits.sort()
     p99 = waits[max(0, round(len(waits) * 0.99) - 1)]
     print(
-        f"1-token chats: {len(waits)}, p50 {statistics.median(waits) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
+        f"1-token chats: {len(waits)}, p50 {statistics.median(waits) * 1000:.1f} ms, "
+        f"p99 {p99 * 1000:.1f} ms, "
         f"longest {waits[-1] * 1000:.1f} ms; router RSS {before} MB before, {after} MB after, {trimmed} MB "
         "11 s later"
     )
