@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,8 +15,17 @@ from anthropic import Anthropic
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import APITimeoutError, NotFoundError, OpenAI
 
+from kvroute.processes import FleetPorts
 from tests.conftest import metric, sample
-from tests.router.epp.conftest import Gateway, Picker
+from tests.router.epp.conftest import (
+    Gateway,
+    Picker,
+    envoy_config,
+    fleet_endpoints,
+    picker_config,
+    running_envoy,
+    running_picker,
+)
 
 MODEL = "tiny-llama"
 INSTANCE = "x-kvroute-instance"
@@ -239,3 +249,30 @@ def test_responses_and_messages_stream_through_the_gateway(gateway: Gateway, pic
     counted = messages.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "count me"}])
     assert counted.input_tokens > 0
     wait_none_in_flight(picker)
+
+
+def test_a_stored_response_is_its_creating_keys_alone_through_the_gateway(
+    epp_fleet: FleetPorts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With client keys in the picker's configuration, another key's retrieval, cancellation and follow-up
+    of a stored response are answered 404, as an unknown id is, by the picker itself."""
+    monkeypatch.setenv("KVROUTE_TEST_TENANT_KEYS", "alice-key-0123,bob-key-0123")
+    config = picker_config([epp_fleet], auth={"api_keys_env": "KVROUTE_TEST_TENANT_KEYS"})
+    with running_picker(config, tmp_path / "epp") as keyed:
+        envoy, listen, admin = envoy_config(fleet_endpoints([epp_fleet]), keyed.port)
+        with running_envoy(envoy, listen, admin, tmp_path / "envoy") as gateway:
+            alice, bob = (
+                OpenAI(base_url=gateway.url, api_key=key, max_retries=0, timeout=30)
+                for key in ("alice-key-0123", "bob-key-0123")
+            )
+            created = alice.responses.create(model=MODEL, input="hello", max_output_tokens=2, store=True)
+            for asked in (
+                lambda: bob.responses.retrieve(created.id),
+                lambda: bob.responses.cancel(created.id),
+                lambda: bob.responses.create(
+                    model=MODEL, input="and?", previous_response_id=created.id, max_output_tokens=2
+                ),
+            ):
+                with pytest.raises(NotFoundError, match=f"Response with id '{created.id}' not found"):
+                    asked()
+            assert alice.responses.retrieve(created.id).id == created.id
