@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import zmq.asyncio
 
 from router import allocator, worker_threads
 from router.config import ConfigError, ModelConfig, PeersConfig, RouterConfig
@@ -53,7 +52,7 @@ from router.index.pool import (
 )
 from router.index.remote_index import RemoteIndex, RemoteMatches
 from router.index.routing_index import RoutingIndex
-from router.index.subscriptions import Subscriptions
+from router.index.subscriptions import Subscriptions, events_context
 from router.metrics import RouterMetrics
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
@@ -109,7 +108,7 @@ class Runtime:
         self._discovered = Discovered()
         self.upstreams = Upstreams(config)
         self.metrics = RouterMetrics()
-        self._context = zmq.asyncio.Context()  # its I/O threads start with its first socket
+        self._context = events_context()  # its I/O threads start with its first socket
         # The index held here (None in a worker that asks its host's), its subscriptions to the engines'
         # KV events, and what the request path tells it.
         self.index: BlockIndex | None = None

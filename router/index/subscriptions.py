@@ -1,8 +1,16 @@
-"""The index's side of the engines: one KV-event subscription per instance that publishes events."""
+"""The index's side of the engines: one KV-event subscription per instance that publishes events.
+
+Following an instance takes a few ZMQ sockets (its SUB, the pair of sockets its disconnect monitor takes, a
+replay's DEALER while it warms up) and a file for each, plus its TCP connections. libzmq's default of 1,023
+sockets a context once left half of a 1,000-instance fleet unsubscribed; the context here may open as many
+as libzmq allows (a slot costs a few bytes until used), and the process as many files as its hard limit.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
 
 import zmq.asyncio
 
@@ -11,6 +19,29 @@ from router.index.block_index import BlockIndex
 from router.index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
 
+log = logging.getLogger(__name__)
+
+FILES_PER_INSTANCE = 6  # its sockets' mailboxes and connections, a replay's included
+
+
+def events_context() -> zmq.asyncio.Context:
+    """A context for the KV-event subscriptions, sized for fleets of thousands."""
+    context = zmq.asyncio.Context()
+    context.set(zmq.MAX_SOCKETS, context.get(zmq.SOCKET_LIMIT))
+    return context
+
+
+def open_files_limit() -> int:
+    """The open files this process may have, its soft limit raised to its hard one first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # a hard limit of "unlimited" that the kernel caps lower
+            pass
+    return soft
+
 
 class Subscriptions:
     def __init__(self, index: BlockIndex, metrics: RouterMetrics, context: zmq.asyncio.Context) -> None:
@@ -18,6 +49,17 @@ class Subscriptions:
         self._running: dict[str, tuple[KVEventSubscriber, asyncio.Task[None]]] = {}
 
     def subscribe(self, instances: list[InstanceConfig]) -> None:
+        following = len(self._running) + sum(instance.events is not None for instance in instances)
+        limit = open_files_limit()
+        if following * FILES_PER_INSTANCE > limit:
+            log.warning(
+                "following %d instances' KV events takes up to %d open files; this process may open %d "
+                "(its hard limit: raise it, as ulimit -Hn or the container's nofile, or some instances go "
+                "unfollowed and are routed without prefix knowledge)",
+                following,
+                following * FILES_PER_INSTANCE,
+                limit,
+            )
         for instance in instances:
             if instance.events is None:
                 continue
