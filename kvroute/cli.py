@@ -208,6 +208,8 @@ def _bench_index(args: argparse.Namespace) -> int:
         args.fleets,
         args.host_blocks,
         args.host_workers,
+        args.serve_blocks,
+        args.serve_single_blocks,
     )
     run_bench(options, lambda: CachedChatTokenizer(tokenizer))
     return 0
@@ -561,6 +563,16 @@ def _parser() -> argparse.ArgumentParser:
         "workers, whose memory growth is compared (0: not measured)",
     )
     index.add_argument("--host-workers", type=positive_int, default=4)
+    index.add_argument(
+        "--serve-blocks",
+        type=int,
+        default=2_000_000,
+        help="a lone kvroute serve measured from outside (CPU and RSS from /proc): blocks sent at 32 a "
+        "message, of 16 and of 32 tokens (0: not measured)",
+    )
+    index.add_argument(
+        "--serve-single-blocks", type=int, default=100_000, help="the same, blocks sent one a message"
+    )
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)
     live = benches.add_parser("live", help="agent sessions or a trace through several routers, one fleet")

@@ -35,7 +35,7 @@ from rich.table import Table
 from kvroute.bench.index_decisions import measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
 from kvroute.bench.index_parts import BLOCK_SIZE, durations, gpu_blocks
-from kvroute.bench.index_workers import measure_router_memory
+from kvroute.bench.index_workers import measure_router_memory, measure_serve_ingest
 from router.dispatch.decision import Decider, LocalTokenizer
 from router.index.block_index import BlockIndex
 from router.index.events import BlockHash, BlockStored
@@ -65,6 +65,10 @@ class BenchOptions:
     # measured)
     host_blocks: int = 2_000_000
     host_workers: int = 4
+    # a lone `kvroute serve`, measured from outside: blocks sent at 32 a message (16- and 32-token blocks),
+    # and blocks sent one a message (0: not measured)
+    serve_blocks: int = 2_000_000
+    serve_single_blocks: int = 100_000
 
 
 def _events(blocks: int, seed: int) -> Iterator[tuple[tuple[str, int], BlockStored]]:
@@ -215,8 +219,11 @@ def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer
         "subscriber_alone": [],
         "fleets": {},
         "host_memory": [],
+        "serve_ingest": [],
     }
-    steps = len(options.sizes) + 3 + 1 + len(options.wire_blocks) + 1 + 2 + 1 + 2
+    serve_runs = [(options.serve_blocks, 32, size) for size in (16, 32)] if options.serve_blocks else []
+    serve_runs += [(options.serve_single_blocks, 1, 16)] if options.serve_single_blocks else []
+    steps = len(options.sizes) + 3 + 1 + len(options.wire_blocks) + 1 + 2 + 1 + 2 + len(serve_runs)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("index benchmark", total=steps)
         for size in options.sizes:
@@ -246,6 +253,12 @@ def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer
         for workers in (1, options.host_workers) if options.host_blocks else ():
             progress.update(task, description=f"memory of kvroute serve, {workers} worker(s)")
             report["host_memory"].append(measure_router_memory(options.host_blocks, workers).summary())
+            progress.advance(task)
+        for blocks, per_message, block_size in serve_runs:
+            progress.update(
+                task, description=f"kvroute serve ingest, {per_message} a message of {block_size}"
+            )
+            report["serve_ingest"].append(measure_serve_ingest(blocks, per_message, block_size).summary())
             progress.advance(task)
     console.print(_table(report))
     if options.out is not None:
@@ -303,6 +316,17 @@ def _table(report: dict[str, Any]) -> Table:
             f"{host['rss_growth_bytes'] / 2**20:,.0f} MiB, {host['rss_bytes_per_block']:.0f} B/block "
             f"({host['burst_rss_bytes_per_block']:.0f} at the burst's end)",
             "one copy: as kvroute serve's" if workers > 1 else "",
+        )
+    for serve in report["serve_ingest"]:
+        per_message, block_size = int(serve["blocks_per_message"]), int(serve["block_size"])
+        target = f">= {1 if block_size <= 16 else 0.6} M blocks; <= 96 B at the end, <= 64 B"
+        table.add_row(
+            f"kvroute serve from outside, {int(serve['blocks']):,} blocks of {block_size} tokens, "
+            f"{per_message} a message, 8 publishers",
+            f"{serve['blocks_per_cpu_s'] / 1e6:.3f} M blocks/CPU-s, {serve['messages_per_cpu_s'] / 1e3:.1f}K "
+            f"msg/CPU-s; {serve['burst_rss_bytes_per_block']:.0f} B RSS/block at the burst's end, "
+            f"{serve['rss_bytes_per_block']:.0f} B settled",
+            target if per_message > 1 else ">= 100K msg/CPU-s",
         )
     decision = report["decision"]
     for label in ("cold", "cached"):

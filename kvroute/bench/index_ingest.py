@@ -67,11 +67,11 @@ class IngestResult:
         }
 
 
-def _payloads(publisher: int, messages: int, blocks_per_message: int) -> list[list[bytes]]:
+def _payloads(publisher: int, messages: int, blocks_per_message: int, block_size: int) -> list[list[bytes]]:
     """A publisher's messages, ready to send: one chain of BlockStored events, each message continuing it."""
     rng = random.Random(publisher)
     tokens = [
-        [rng.randrange(VOCAB) for _ in range(BLOCK_SIZE * blocks_per_message)] for _ in range(_TOKEN_LISTS)
+        [rng.randrange(VOCAB) for _ in range(block_size * blocks_per_message)] for _ in range(_TOKEN_LISTS)
     ]
     encoder = EventEncoder()
     parent: int | None = None
@@ -79,17 +79,19 @@ def _payloads(publisher: int, messages: int, blocks_per_message: int) -> list[li
     frames = []
     for seq in range(messages):
         hashes = list(range(next_hash, next_hash + blocks_per_message))
-        event: KVEvent = gpu_blocks(hashes, tokens[seq % _TOKEN_LISTS], parent)
+        event: KVEvent = gpu_blocks(hashes, tokens[seq % _TOKEN_LISTS], parent, block_size)
         frames.append([b"", pack_seq(seq), encoder.encode(time.time(), [event])])
         parent, next_hash = hashes[-1], next_hash + blocks_per_message
     return frames
 
 
-def _publish(port: int, messages: int, blocks_per_message: int, number: int, control: Connection) -> None:
+def _publish(
+    port: int, messages: int, blocks_per_message: int, block_size: int, number: int, control: Connection
+) -> None:
     """A publisher process: encode, bind, say when subscribed to, send everything at the go, then wait to be
     stopped. An XPUB socket, which is PUB on the wire, tells when the subscription arrived: a PUB drops what
     it sends before."""
-    frames = _payloads(number, messages, blocks_per_message)
+    frames = _payloads(number, messages, blocks_per_message, block_size)
     context = zmq.Context()
     pub = context.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)  # unbounded: a slow subscriber delays messages, none is dropped
@@ -168,14 +170,19 @@ class Publishers:
 
 
 @contextlib.contextmanager
-def publishing(blocks: int, blocks_per_message: int, publishers: int = 8) -> Iterator[Publishers]:
-    """About blocks in messages of blocks_per_message, from publishers processes on 127.0.0.1."""
+def publishing(
+    blocks: int, blocks_per_message: int, publishers: int = 8, block_size: int = BLOCK_SIZE
+) -> Iterator[Publishers]:
+    """About blocks of block_size tokens in messages of blocks_per_message, from publishers processes on
+    127.0.0.1."""
     messages = blocks // blocks_per_message // publishers
     port = free_port_block(publishers)
     spawn = multiprocessing.get_context("spawn")
     links = [spawn.Pipe() for _ in range(publishers)]
     processes = [
-        spawn.Process(target=_publish, args=(port + i, messages, blocks_per_message, i, child), daemon=True)
+        spawn.Process(
+            target=_publish, args=(port + i, messages, blocks_per_message, block_size, i, child), daemon=True
+        )
         for i, (_, child) in enumerate(links)
     ]
     for process in processes:

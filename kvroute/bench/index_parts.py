@@ -11,15 +11,18 @@ BLOCK_SIZE = 16
 
 
 def gpu_blocks(
-    hashes: Sequence[BlockHash], tokens: list[int], parent: BlockHash | None = None
+    hashes: Sequence[BlockHash],
+    tokens: list[int],
+    parent: BlockHash | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> BlockStored:
-    """A BlockStored event of GPU blocks of BLOCK_SIZE tokens, no adapter, as vLLM 0.32 announces a prefill:
+    """A BlockStored event of GPU blocks of block_size tokens, no adapter, as vLLM 0.32 announces a prefill:
     no extra keys for any block, in the model's one full-attention group."""
     return BlockStored(
         block_hashes=list(hashes),
         parent_block_hash=parent,
         token_ids=tokens,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         lora_id=None,
         medium="GPU",
         lora_name=None,

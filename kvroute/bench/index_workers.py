@@ -1,7 +1,12 @@
-"""One index per host, measured for ``kvroute bench index``: the resident memory that blocks arriving over ZMQ
-add to a whole `kvroute serve --workers N` (the pool, its workers and its index host), beside a lone
-`kvroute serve` fed the same blocks in the same run. One copy of the index: the two grow alike; a copy per
-worker would make the first N times the second.
+"""Whole `kvroute serve` processes, measured from outside for ``kvroute bench index``.
+
+- One index per host: the resident memory that blocks arriving over ZMQ add to a whole `kvroute serve
+  --workers N` (the pool, its workers and its index host), beside a lone `kvroute serve` fed the same blocks
+  in the same run. One copy of the index: the two grow alike; a copy per worker would make the first N times
+  the second.
+- Ingest: a lone `kvroute serve` fed a burst from 8 publisher processes, its CPU time (utime + stime from
+  /proc) from the first message sent to the last block held, and its memory a block at that moment and a
+  trim interval later: the figures of the in-process ingest rows, for the process a user runs.
 
 The routers are real `kvroute serve` processes on 127.0.0.1, their instances the bench's publishers (their
 HTTP URLs answer nothing: no request is routed). Memory is read from /proc for every process of the router's
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 import time
 import urllib.request
@@ -24,13 +30,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.bench.index_ingest import SUBSCRIBED_WITHIN_S, Publishers, publishing
 from kvroute.bench.index_parts import BLOCK_SIZE
-from kvroute.bench.overhead.targets import group_pids, resident_bytes
+from kvroute.bench.overhead.targets import cpu_seconds, group_pids, resident_bytes
 from kvroute.processes import Child, free_port_block, http_ok, start
 from router.allocator import TRIM_INTERVAL_S
 
 SERVING_WITHIN_S = 120.0
 HELD_WITHIN_S = 600.0
 SETTLE_S = TRIM_INTERVAL_S + 1.0
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -60,19 +67,11 @@ def measure_router_memory(
     with publishing(blocks, blocks_per_message) as sent, tempfile.TemporaryDirectory() as scratch:
         router, url = _serve(sent, Path(scratch), workers)
         try:
-            for control in sent.controls:  # the router (its index host) subscribed to each
-                if not control.poll(SUBSCRIBED_WITHIN_S) or control.recv() != "subscribed":
-                    raise RuntimeError(f"the router did not subscribe:\n{router.log_tail()}")
+            _wait_subscribed(sent, router)
             before = _group_rss(router.process.pid)
             for control in sent.controls:
                 control.send("go")
-            deadline = time.monotonic() + HELD_WITHIN_S
-            while _blocks_held(url) < sent.blocks:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the router held fewer than {sent.blocks} blocks in {HELD_WITHIN_S} s"
-                    )
-                time.sleep(0.2)
+            _wait_held(url, sent.blocks)
             at_end = _group_rss(router.process.pid)
             time.sleep(settle_s)
             after = _group_rss(router.process.pid)
@@ -82,11 +81,76 @@ def measure_router_memory(
             router.stop()
 
 
-def _serve(sent: Publishers, scratch: Path, workers: int) -> tuple[Child, str]:
+@dataclass(frozen=True)
+class ServeIngest:
+    blocks: int
+    blocks_per_message: int
+    block_size: int
+    cpu_s: float  # the router's, from the burst's first message to its last block held
+    wall_s: float
+    burst_rss_growth_bytes: int  # at the last block held
+    rss_growth_bytes: int  # settle_s later
+
+    def summary(self) -> dict[str, float]:
+        cpu_s = max(self.cpu_s, _TICK_S)  # /proc counts in clock ticks: a tiny burst may take none
+        return {
+            "blocks": self.blocks,
+            "blocks_per_message": self.blocks_per_message,
+            "block_size": self.block_size,
+            "cpu_s": self.cpu_s,
+            "wall_s": self.wall_s,
+            "blocks_per_cpu_s": self.blocks / cpu_s,
+            "messages_per_cpu_s": self.blocks / self.blocks_per_message / cpu_s,
+            "burst_rss_bytes_per_block": self.burst_rss_growth_bytes / max(1, self.blocks),
+            "rss_bytes_per_block": self.rss_growth_bytes / max(1, self.blocks),
+        }
+
+
+def measure_serve_ingest(
+    blocks: int, blocks_per_message: int, block_size: int = BLOCK_SIZE, settle_s: float = SETTLE_S
+) -> ServeIngest:
+    """blocks of block_size tokens sent to a lone `kvroute serve` by 8 publishers, blocks_per_message a
+    message, as fast as ZMQ takes them: the router's CPU and memory, read from /proc."""
+    with (
+        publishing(blocks, blocks_per_message, block_size=block_size) as sent,
+        tempfile.TemporaryDirectory() as scratch,
+    ):
+        router, url = _serve(sent, Path(scratch), 1, block_size)
+        try:
+            _wait_subscribed(sent, router)
+            pid = router.process.pid
+            rss_before, cpu_before, started = resident_bytes(pid), cpu_seconds(pid), time.monotonic()
+            for control in sent.controls:
+                control.send("go")
+            _wait_held(url, sent.blocks)
+            cpu_s, wall_s = cpu_seconds(pid) - cpu_before, time.monotonic() - started
+            at_end = resident_bytes(pid) - rss_before
+            time.sleep(settle_s)
+            settled = resident_bytes(pid) - rss_before
+            return ServeIngest(sent.blocks, blocks_per_message, block_size, cpu_s, wall_s, at_end, settled)
+        finally:
+            router.stop()
+
+
+def _wait_subscribed(sent: Publishers, router: Child) -> None:
+    for control in sent.controls:  # the router (its index host) subscribed to each
+        if not control.poll(SUBSCRIBED_WITHIN_S) or control.recv() != "subscribed":
+            raise RuntimeError(f"the router did not subscribe:\n{router.log_tail()}")
+
+
+def _wait_held(url: str, blocks: int) -> None:
+    deadline = time.monotonic() + HELD_WITHIN_S
+    while _blocks_held(url) < blocks:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router held fewer than {blocks} blocks in {HELD_WITHIN_S} s")
+        time.sleep(0.05)
+
+
+def _serve(sent: Publishers, scratch: Path, workers: int, block_size: int = BLOCK_SIZE) -> tuple[Child, str]:
     dead = free_port_block(len(sent.endpoints))  # the instances' HTTP: nothing listens, nothing is routed
     config = {
         "models": [{"name": "m", "tokenizer": "builtin:tiny-llama"}],
-        "block_size": BLOCK_SIZE,
+        "block_size": block_size,
         "index": {"max_entries": sent.blocks + 1},
         "instances": [
             {"name": f"p{i}", "url": f"http://127.0.0.1:{dead + i}", "events": endpoint}

@@ -53,6 +53,12 @@ _DRAIN_BYTES = 1 << 20  # queued messages taken at once stop here (each may be u
 # (its largest default, doubled) make 0.32 MB a KV cache group, 131,072 (no chunked prefill, a 128k context)
 # 1.26 MB (tests/router/index/test_rogue_publisher.py measures these).
 MAX_MESSAGE_BYTES = 8 * 2**20
+# Messages libzmq queues here ahead of the subscriber (its RCVHWM). Past them TCP pushes back and the engine
+# queues them itself, up to its own send queue of 100,000 (vLLM's hwm; a gap past it, replayed): a burst
+# then costs the router about this many messages an instance (a batch of 32 blocks is ~4 KB) rather than the
+# whole burst, whose memory the C allocator keeps once freed (`kvroute bench index`, a lone serve: 237 B of
+# RSS a block at a 2M-block burst's end with 100,000, 103 B with 1,000, 73 B with 256; no slower).
+RECEIVE_QUEUE_MESSAGES = 256
 # A payload of at most this many bytes is decoded and applied in one go: batches of 1-32 blocks are 0.3-5 KB,
 # and this much of the costliest content (one-byte events, each skipped) takes ~20 ms. A larger one goes in
 # steps, with turns for the rest of the router between them.
@@ -441,7 +447,7 @@ class KVEventSubscriber:
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-        sock.setsockopt(zmq.RCVHWM, 100_000)  # as vLLM's send side: a busy router replays less
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         if endpoint.startswith("tcp://["):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvroute.bench.index import measure_ingest
 from kvroute.bench.index_decisions import SESSION_HOLDERS, measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
-from kvroute.bench.index_workers import measure_router_memory
+from kvroute.bench.index_workers import measure_router_memory, measure_serve_ingest
 
 
 def test_every_block_sent_over_zmq_reaches_the_index() -> None:
@@ -47,3 +47,18 @@ def test_the_in_process_ingest_enters_every_block_and_times_its_slowest_event() 
     assert (
         0 < result["slowest_event_ms"] / 1e3 <= result["blocks"] / result["blocks_per_s"]
     )  # one of the whole
+
+
+def test_a_lone_serve_is_measured_from_outside_with_blocks_of_either_size() -> None:
+    """The whole-process ingest rows: every block sent is held (of 32 tokens too, the router configured for
+    them), and the router's CPU time is read from /proc, not its own clock."""
+    for block_size in (16, 32):
+        run = measure_serve_ingest(
+            blocks=4 * 8 * 32, blocks_per_message=32, block_size=block_size, settle_s=0.0
+        )
+        summary = run.summary()
+        assert (run.blocks, run.block_size) == (4 * 8 * 32, block_size)
+        assert (
+            summary["blocks_per_cpu_s"] > 0
+            and summary["messages_per_cpu_s"] * 32 == summary["blocks_per_cpu_s"]
+        )
