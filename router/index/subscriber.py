@@ -16,9 +16,11 @@ other work between them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,12 +41,14 @@ from router.index.events import (
     KVEvent,
     MalformedBatch,
 )
+from router.index.ingest_turns import IngestTurns
 from router.index.replay import ReplayClient, Replayed, ReplayFailed
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 
 log = logging.getLogger(__name__)
-_YIELD_EVERY = 256  # batches handled between turns given to the event loop
+_YIELD_EVERY = 256  # batches of a replay applied between turns given to the event loop
+_RUN_BATCHES = 256  # queued batches taken at most into one run, which ends when the slice of its turn does
 _DRAIN_BYTES = 1 << 20  # queued messages taken at once stop here (each may be up to max_message_bytes)
 # The largest message taken (ZMQ's MAXMSGSIZE: libzmq drops the connection that carries a larger one). One
 # event is decoded in one go, which nothing else on the event loop can interleave (msgspec holds the GIL: in a
@@ -116,9 +120,12 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         block_size: int | None = None,
+        turns: IngestTurns | None = None,
     ) -> None:
         """block_size: the index's; an engine whose blocks are all of another size cannot be indexed, which
-        is said once."""
+        is said once; turns: the event loop's time for ingest, shared by a router's subscribers (by default,
+        this one's own)."""
+        self._turns = IngestTurns() if turns is None else turns
         self.instance = instance
         self._block_size = block_size
         self.foreign_block_size: int | None = None  # the engine's, once known to differ from block_size
@@ -171,15 +178,19 @@ class KVEventSubscriber:
         reconnecting = asyncio.create_task(self._reconnect_when_dropped(sub))
         try:
             await self._warm_start()
-            unyielded = 0
+            run: collections.deque[list[bytes]] = collections.deque()
+            turns = self._turns
             while True:
-                # A message waiting already is received without a loop turn: the turns are given here.
-                run = [await sub.recv_multipart()]
+                if not run:
+                    run.append(await sub.recv_multipart())
+                await turns.take()  # the turns are given here (a message waiting already takes none)
+                started = time.perf_counter()
+                ends = started + turns.slice_s
                 # What is queued behind it, taken at once in C (router/index/_zmq_drain.pyx): without a future
                 # and a loop turn each, and without pyzmq's 4 µs a message.
-                run += drain(sub.underlying, _YIELD_EVERY - 1, _DRAIN_BYTES)
-                for frames in run:
-                    numbered = self._parse(frames)
+                run.extend(drain(sub.underlying, _RUN_BATCHES - len(run), _DRAIN_BYTES))
+                while run and time.perf_counter() < ends:  # the rest waits for a later turn
+                    numbered = self._parse(run.popleft())
                     if numbered is None:
                         continue
                     seq, batch = numbered
@@ -190,11 +201,7 @@ class KVEventSubscriber:
                     else:
                         await self._accept(seq, batch, live=True)
                 self._tell_metrics()
-                unyielded += len(run)
-                if len(run) > 1 or unyielded >= _YIELD_EVERY:
-                    # A flood must not keep the loop from everything else.
-                    await asyncio.sleep(0)
-                    unyielded = 0
+                turns.spent(started)
         finally:
             try:
                 reconnecting.cancel()

@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from router.config import InstanceConfig
 from router.index.block_index import BlockIndex
+from router.index.ingest_turns import IngestTurns
 from router.index.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
 
@@ -47,6 +48,7 @@ class Subscriptions:
     def __init__(self, index: BlockIndex, metrics: RouterMetrics, context: zmq.asyncio.Context) -> None:
         self._index, self._metrics, self._context = index, metrics, context
         self._running: dict[str, tuple[KVEventSubscriber, asyncio.Task[None]]] = {}
+        self._turns = IngestTurns()  # the event loop's time for ingest, shared by every instance's events
 
     def subscribe(self, instances: list[InstanceConfig]) -> None:
         following = len(self._running) + sum(instance.events is not None for instance in instances)
@@ -71,6 +73,7 @@ class Subscriptions:
                 self._metrics,
                 self._context,
                 block_size=self._index.block_size,
+                turns=self._turns,
             )
             self._running[instance.name] = subscriber, asyncio.create_task(subscriber.run())
 

@@ -1,0 +1,144 @@
+"""How long 1-token chats through a lone `kvroute serve` take while it ingests a burst of KV events.
+
+The router follows 8 publisher processes (kvroute bench index's, 32 blocks of 16 tokens a message) and routes
+to one fake engine that answers at once; a client sends chats one after another, first for 3 s while nothing
+is published, then while the publishers send BLOCKS as fast as ZMQ takes them. Prints the chats' p50, p99
+and longest, idle and during the burst (those sent between its first message and its last block held).
+
+    .venv/bin/python scripts/measure_requests_during_burst.py --blocks 2000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+from aiohttp import web
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvroute.bench.index_ingest import Publishers, publishing  # noqa: E402
+from kvroute.bench.index_workers import _wait_held, _wait_subscribed  # noqa: E402
+from kvroute.processes import free_port_block, http_ok, start  # noqa: E402
+from tests.router.fake_upstreams import healthy, serving_app  # noqa: E402
+
+CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+ANSWER = {
+    "id": "c",
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+async def answer(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response(ANSWER)
+
+
+def chats_for(url: str, seconds: float, timed: list[tuple[float, float]]) -> None:
+    """(sent at, seconds taken) of each chat sent one after another for seconds."""
+    ends = time.monotonic() + seconds
+    while True:
+        sent = time.monotonic()
+        request = urllib.request.Request(
+            url + "/v1/chat/completions", CHAT, {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            reply.read()
+        timed.append((sent, time.monotonic() - sent))
+        if time.monotonic() >= ends:
+            return
+        time.sleep(0.002)
+
+
+def wait_answering(url: str, within_s: float = 30.0) -> None:
+    """Until the router has found the engine up and routes a chat to it."""
+    ends = time.monotonic() + within_s
+    while True:
+        try:
+            chats_for(url, 0.0, [])
+            return
+        except urllib.error.HTTPError:
+            if time.monotonic() > ends:
+                raise
+            time.sleep(0.2)
+
+
+def summary(taken: list[float]) -> str:
+    taken = sorted(taken)
+    p99 = taken[max(0, round(len(taken) * 0.99) - 1)]
+    return (
+        f"{len(taken)} chats, p50 {statistics.median(taken) * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, "
+        f"longest {taken[-1] * 1000:.2f} ms"
+    )
+
+
+def router_config(sent: Publishers, engine_port: int) -> dict[str, object]:
+    dead = free_port_block(len(sent.endpoints))  # the publishers' HTTP side: nothing is routed there
+    followed = [
+        {"name": f"p{n}", "url": f"http://127.0.0.1:{dead + n}", "events": endpoint}
+        for n, endpoint in enumerate(sent.endpoints)
+    ]
+    return {
+        "models": [{"name": "m", "tokenizer": "builtin:tiny-llama"}],
+        "block_size": 16,
+        "index": {"max_entries": sent.blocks + 1},
+        "instances": [*followed, {"name": "engine", "url": f"http://127.0.0.1:{engine_port}"}],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=2_000_000)
+    args = parser.parse_args()
+    app = web.Application()
+    app.router.add_get("/health", healthy)
+    app.router.add_post("/v1/chat/completions", answer)
+    with (
+        serving_app(app) as engine_port,
+        publishing(args.blocks, 32) as sent,
+        tempfile.TemporaryDirectory(prefix="kvroute-burst-") as scratch,
+    ):
+        path = Path(scratch) / "router.yaml"
+        path.write_text(yaml.safe_dump(router_config(sent, engine_port)))
+        port = free_port_block(1)
+        router = start("router", ["serve", "--config", str(path), "--port", str(port)], Path(scratch))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            while not http_ok(url + "/metrics"):
+                time.sleep(0.1)
+            _wait_subscribed(sent, router)
+            wait_answering(url)
+            idle: list[tuple[float, float]] = []
+            chats_for(url, 3.0, idle)
+            during: list[tuple[float, float]] = []
+            client = threading.Thread(target=chats_for, args=(url, 5.0, during))
+            client.start()
+            time.sleep(0.3)
+            began = time.monotonic()
+            for control in sent.controls:
+                control.send("go")
+            _wait_held(url, sent.blocks)
+            ended = time.monotonic()
+            client.join()
+        finally:
+            router.stop()
+    print(f"idle: {summary([taken for _, taken in idle])}")
+    in_burst = [taken for sent_at, taken in during if began <= sent_at <= ended]
+    print(f"during the burst of {sent.blocks:,} blocks ({ended - began:.2f} s): {summary(in_burst)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

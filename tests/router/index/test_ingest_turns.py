@@ -1,0 +1,51 @@
+"""The subscribers' shared turns (router/index/ingest_turns.py): while several instances' events wait, one
+run of ingest goes a turn of the event loop, so a request's every await waits for one run, not one each."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.index.ingest_turns import IngestTurns
+
+
+def test_waiting_subscribers_take_one_run_a_turn_and_a_request_goes_between() -> None:
+    turns = IngestTurns(slice_s=0.001)
+    order: list[str] = []
+
+    async def subscriber(name: str) -> None:
+        for _ in range(4):
+            await turns.take()
+            started = time.perf_counter()
+            while time.perf_counter() - started < 0.002:  # a run past its slice
+                pass
+            order.append(name)
+            turns.spent(started)
+
+    async def request() -> None:
+        for _ in range(16):
+            order.append("request")
+            await asyncio.sleep(0)  # one turn of the loop
+
+    async def main() -> None:
+        await asyncio.gather(subscriber("a"), subscriber("b"), subscriber("c"), request())
+
+    asyncio.run(main())
+    runs_between = [len(part.split()) for part in " ".join(order).split("request")[1:-1]]
+    assert sorted(order.count(name) for name in "abc") == [4, 4, 4]
+    assert max(runs_between) == 1, order  # each subscriber's run a turn of its own: without turns, three
+
+
+def test_a_lone_subscriber_goes_on_while_its_turn_has_time() -> None:
+    turns = IngestTurns(slice_s=1.0)
+
+    async def main() -> int:
+        runs = 0
+        for _ in range(100):
+            await turns.take()
+            started = time.perf_counter()
+            runs += 1
+            turns.spent(started)
+        return runs
+
+    assert asyncio.run(asyncio.wait_for(main(), 1.0)) == 100
