@@ -210,6 +210,7 @@ def _bench_index(args: argparse.Namespace) -> int:
         args.host_workers,
         args.serve_blocks,
         args.serve_single_blocks,
+        args.serve_instances,
     )
     run_bench(options, lambda: CachedChatTokenizer(tokenizer))
     return 0
@@ -572,6 +573,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     index.add_argument(
         "--serve-single-blocks", type=int, default=100_000, help="the same, blocks sent one a message"
+    )
+    index.add_argument(
+        "--serve-instances",
+        type=positive_int,
+        default=8,
+        help="the instances publishing to it, from 8 processes (a multiple of 8)",
     )
     index.add_argument("--out", default="bench-results/index.json", help="JSON results ('' for none)")
     index.set_defaults(run=_bench_index)

@@ -132,6 +132,9 @@ def main() -> int:
             _wait_held(url, sent.blocks)
             ended = time.monotonic()
             client.join()
+        except urllib.error.HTTPError as error:
+            print(f"the router answered {error.code} {error.read()!r}:\n{router.log_tail()}", file=sys.stderr)
+            return 1
         finally:
             router.stop()
     print(f"idle: {summary([taken for _, taken in idle])}")

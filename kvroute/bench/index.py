@@ -69,6 +69,7 @@ class BenchOptions:
     # and blocks sent one a message (0: not measured)
     serve_blocks: int = 2_000_000
     serve_single_blocks: int = 100_000
+    serve_instances: int = 8  # the engines publishing to it (from 8 processes: a multiple of 8)
 
 
 def _events(blocks: int, seed: int) -> Iterator[tuple[tuple[str, int], BlockStored]]:
@@ -258,7 +259,8 @@ def run_bench(options: BenchOptions, make_tokenizer: Callable[[], LocalTokenizer
             progress.update(
                 task, description=f"kvroute serve ingest, {per_message} a message of {block_size}"
             )
-            report["serve_ingest"].append(measure_serve_ingest(blocks, per_message, block_size).summary())
+            run = measure_serve_ingest(blocks, per_message, block_size, instances=options.serve_instances)
+            report["serve_ingest"].append({**run.summary(), "instances": options.serve_instances})
             progress.advance(task)
     console.print(_table(report))
     if options.out is not None:
@@ -322,7 +324,7 @@ def _table(report: dict[str, Any]) -> Table:
         target = f">= {1 if block_size <= 16 else 0.6} M blocks; <= 96 B at the end, <= 64 B"
         table.add_row(
             f"kvroute serve from outside, {int(serve['blocks']):,} blocks of {block_size} tokens, "
-            f"{per_message} a message, 8 publishers",
+            f"{per_message} a message, {int(serve['instances']):,} instances publishing",
             f"{serve['blocks_per_cpu_s'] / 1e6:.3f} M blocks/CPU-s, {serve['messages_per_cpu_s'] / 1e3:.1f}K "
             f"msg/CPU-s; {serve['burst_rss_bytes_per_block']:.0f} B RSS/block at the burst's end, "
             f"{serve['rss_bytes_per_block']:.0f} B settled",

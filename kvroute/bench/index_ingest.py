@@ -85,26 +85,43 @@ def _payloads(publisher: int, messages: int, blocks_per_message: int, block_size
     return frames
 
 
-def _publish(
-    port: int, messages: int, blocks_per_message: int, block_size: int, number: int, control: Connection
-) -> None:
-    """A publisher process: encode, bind, say when subscribed to, send everything at the go, then wait to be
-    stopped. An XPUB socket, which is PUB on the wire, tells when the subscription arrived: a PUB drops what
-    it sends before."""
-    frames = _payloads(number, messages, blocks_per_message, block_size)
+@dataclass(frozen=True)
+class _Engines:
+    """What one publisher process sends: engines instances' events, each on its own port from first_port."""
+
+    first_port: int
+    engines: int
+    first_engine: int  # the number of its first engine among all: each engine's blocks are its own
+    messages: int  # an engine's
+    blocks_per_message: int
+    block_size: int
+
+
+def _publish(sent: _Engines, control: Connection) -> None:
+    """A publisher process: encode, bind, say when every engine is subscribed to, send everything at the go
+    (the engines' messages in turn), then wait to be stopped. An XPUB socket, which is PUB on the wire, tells
+    when the subscription arrived: a PUB drops what it sends before."""
+    engines = range(sent.first_engine, sent.first_engine + sent.engines)
+    frames = [_payloads(n, sent.messages, sent.blocks_per_message, sent.block_size) for n in engines]
     context = zmq.Context()
-    pub = context.socket(zmq.XPUB)
-    pub.setsockopt(zmq.SNDHWM, 0)  # unbounded: a slow subscriber delays messages, none is dropped
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pubs = []
+    for offset in range(sent.engines):
+        pub = context.socket(zmq.XPUB)
+        pub.setsockopt(zmq.SNDHWM, 0)  # unbounded: a slow subscriber delays messages, none is dropped
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"tcp://127.0.0.1:{sent.first_port + offset}")
+        pubs.append(pub)
     control.send("bound")
-    pub.recv()  # the subscription
+    for pub in pubs:
+        pub.recv()  # the subscription
     control.send("subscribed")
     if control.recv() == "go":
-        for message in frames:
-            pub.send_multipart(message, copy=False)
+        for messages in zip(*frames, strict=True):
+            for pub, message in zip(pubs, messages, strict=True):
+                pub.send_multipart(message, copy=False)
         control.recv()
-    pub.close()
+    for pub in pubs:
+        pub.close()
     context.term()
 
 
@@ -171,17 +188,34 @@ class Publishers:
 
 @contextlib.contextmanager
 def publishing(
-    blocks: int, blocks_per_message: int, publishers: int = 8, block_size: int = BLOCK_SIZE
+    blocks: int,
+    blocks_per_message: int,
+    publishers: int = 8,
+    block_size: int = BLOCK_SIZE,
+    engines_each: int = 1,
 ) -> Iterator[Publishers]:
     """About blocks of block_size tokens in messages of blocks_per_message, from publishers processes on
-    127.0.0.1."""
-    messages = blocks // blocks_per_message // publishers
-    port = free_port_block(publishers)
+    127.0.0.1, each sending the events of engines_each instances, on a port each."""
+    engines = publishers * engines_each
+    messages = blocks // blocks_per_message // engines
+    port = free_port_block(engines)
     spawn = multiprocessing.get_context("spawn")
     links = [spawn.Pipe() for _ in range(publishers)]
     processes = [
         spawn.Process(
-            target=_publish, args=(port + i, messages, blocks_per_message, block_size, i, child), daemon=True
+            target=_publish,
+            args=(
+                _Engines(
+                    port + i * engines_each,
+                    engines_each,
+                    i * engines_each,
+                    messages,
+                    blocks_per_message,
+                    block_size,
+                ),
+                child,
+            ),
+            daemon=True,
         )
         for i, (_, child) in enumerate(links)
     ]
@@ -192,8 +226,8 @@ def publishing(
         for control in controls:
             if not control.poll(SUBSCRIBED_WITHIN_S) or control.recv() != "bound":
                 raise RuntimeError("a publisher did not start")
-        endpoints = [f"tcp://127.0.0.1:{port + i}" for i in range(publishers)]
-        yield Publishers(endpoints, controls, messages * blocks_per_message * publishers)
+        endpoints = [f"tcp://127.0.0.1:{port + i}" for i in range(engines)]
+        yield Publishers(endpoints, controls, messages * blocks_per_message * engines)
     finally:
         for control in controls:
             control.send("stop")
