@@ -86,15 +86,22 @@ def summary(taken: list[float]) -> str:
 
 def router_config(sent: Publishers, engine_port: int) -> dict[str, object]:
     dead = free_port_block(len(sent.endpoints))  # the publishers' HTTP side: nothing is routed there
+    # Another model's instances, so that no chat is sent to them: only their events are followed.
     followed = [
-        {"name": f"p{n}", "url": f"http://127.0.0.1:{dead + n}", "events": endpoint}
+        {"name": f"p{n}", "url": f"http://127.0.0.1:{dead + n}", "events": endpoint, "models": ["followed"]}
         for n, endpoint in enumerate(sent.endpoints)
     ]
     return {
-        "models": [{"name": "m", "tokenizer": "builtin:tiny-llama"}],
+        "models": [
+            {"name": "m", "tokenizer": "builtin:tiny-llama"},
+            {"name": "followed", "tokenizer": "builtin:tiny-llama"},
+        ],
         "block_size": 16,
         "index": {"max_entries": sent.blocks + 1},
-        "instances": [*followed, {"name": "engine", "url": f"http://127.0.0.1:{engine_port}"}],
+        "instances": [
+            *followed,
+            {"name": "engine", "url": f"http://127.0.0.1:{engine_port}", "models": ["m"]},
+        ],
     }
 
 
