@@ -28,7 +28,7 @@ from fleet.responses_objects import ResponseEcho, TextEvents, new_id, output_mes
 from fleet.server import ClientError, Generation, SimInstance, check_model, error_response, json_response
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.openai_body import lax_bool
-from router.prompt.responses_chat import responses_chat
+from router.prompt.responses_chat import ResponsesChat, responses_chat
 
 _json = msgspec.json.Encoder()
 _BOOLEANS = ("stream", "background", "store")
@@ -172,10 +172,14 @@ async def _run(request: web.Request, instance: SimInstance, body: dict[str, Any]
     elif body["input"] == [] and not body.get("instructions"):
         message = "Cannot apply chat template to an empty conversation. Provide at least one message."
         raise ClientError(400, message, "BadRequestError")
-    chat = await instance.off_loop(
-        responses_chat, body, previous_messages, previous_output, instance.exclude_tools_when_tool_choice_none
-    )
-    ids = await instance.off_loop(chat.token_ids, instance.tokenizer)
+
+    def rendered() -> tuple[ResponsesChat, list[int]]:
+        chat = responses_chat(
+            body, previous_messages, previous_output, instance.exclude_tools_when_tool_choice_none
+        )
+        return chat, chat.token_ids(instance.tokenizer)
+
+    chat, ids = await instance.off_loop(rendered)
     generation = _generation(request, instance, body, ids)
     response_id = str(body.get("request_id") or new_id("resp_"))
     echo = ResponseEcho(response_id, int(time.time()), body["model"], body, generation.max_tokens)

@@ -197,6 +197,12 @@ def _bench_index(args: argparse.Namespace) -> int:
     from router.prompt.token_cache import CachedChatTokenizer
     from router.prompt.tokenization import PromptTokenizer, resolve_tokenizer_path
 
+    if args.serve_instances % 8:
+        print(
+            "bench index: --serve-instances: 8 publisher processes send them, a multiple of 8",
+            file=sys.stderr,
+        )
+        return 2
     tokenizer = PromptTokenizer(resolve_tokenizer_path("builtin:tiny-llama"))
     out = Path(args.out) if args.out else None
     options = BenchOptions(

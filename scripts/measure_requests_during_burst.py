@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvroute.bench.index_ingest import Publishers, publishing  # noqa: E402
-from kvroute.bench.index_workers import _wait_held, _wait_subscribed  # noqa: E402
+from kvroute.bench.index_workers import wait_held, wait_subscribed  # noqa: E402
 from kvroute.processes import free_port_block, http_ok, start  # noqa: E402
 from tests.router.fake_upstreams import healthy, serving_app  # noqa: E402
 
@@ -125,7 +125,7 @@ def main() -> int:
         try:
             while not http_ok(url + "/metrics"):
                 time.sleep(0.1)
-            _wait_subscribed(sent, router)
+            wait_subscribed(sent, router)
             wait_answering(url)
             idle: list[tuple[float, float]] = []
             chats_for(url, 3.0, idle)
@@ -136,7 +136,7 @@ def main() -> int:
             began = time.monotonic()
             for control in sent.controls:
                 control.send("go")
-            _wait_held(url, sent.blocks)
+            wait_held(url, sent.blocks)
             ended = time.monotonic()
             client.join()
         except urllib.error.HTTPError as error:

@@ -67,11 +67,11 @@ def measure_router_memory(
     with publishing(blocks, blocks_per_message) as sent, tempfile.TemporaryDirectory() as scratch:
         router, url = _serve(sent, Path(scratch), workers)
         try:
-            _wait_subscribed(sent, router)
+            wait_subscribed(sent, router)
             before = _group_rss(router.process.pid)
             for control in sent.controls:
                 control.send("go")
-            _wait_held(url, sent.blocks)
+            wait_held(url, sent.blocks)
             at_end = _group_rss(router.process.pid)
             time.sleep(settle_s)
             after = _group_rss(router.process.pid)
@@ -124,12 +124,12 @@ def measure_serve_ingest(
     ):
         router, url = _serve(sent, Path(scratch), 1, block_size)
         try:
-            _wait_subscribed(sent, router)
+            wait_subscribed(sent, router)
             pid = router.process.pid
             rss_before, cpu_before, started = resident_bytes(pid), cpu_seconds(pid), time.monotonic()
             for control in sent.controls:
                 control.send("go")
-            _wait_held(url, sent.blocks, every_s=0.05 if instances <= 100 else 1.0)
+            wait_held(url, sent.blocks, every_s=0.05 if instances <= 100 else 1.0)
             cpu_s, wall_s = cpu_seconds(pid) - cpu_before, time.monotonic() - started
             at_end = resident_bytes(pid) - rss_before
             time.sleep(settle_s)
@@ -139,13 +139,13 @@ def measure_serve_ingest(
             router.stop()
 
 
-def _wait_subscribed(sent: Publishers, router: Child) -> None:
+def wait_subscribed(sent: Publishers, router: Child) -> None:
     for control in sent.controls:  # the router (its index host) subscribed to each
         if not control.poll(SUBSCRIBED_WITHIN_S) or control.recv() != "subscribed":
             raise RuntimeError(f"the router did not subscribe:\n{router.log_tail()}")
 
 
-def _wait_held(url: str, blocks: int, every_s: float = 0.05) -> None:
+def wait_held(url: str, blocks: int, every_s: float = 0.05) -> None:
     """Until the router's /metrics reports blocks held, read every every_s (a scrape of a large fleet's
     series costs the router tens of milliseconds: counted in its CPU time, so not read too often)."""
     deadline = time.monotonic() + HELD_WITHIN_S

@@ -21,13 +21,13 @@ import xxhash
 from router.config import FlowControlConfig
 from router.dispatch.flow_control import DEFAULT_FLOW, FlowControl, Refused
 from router.dispatch.flow_queue import Queued
+from router.dispatch.response_owners import KEY_HEADERS
 from router.errors import OpenAIError, too_many_requests
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Upstreams
 
 Waiter = asyncio.Future[None]
 
-_API_KEY_HEADERS = ("authorization", "x-api-key")
 # Flows with a queue-length series of their own at once: those with requests queued now, the first to queue
 # while fewer than this many have one; the others' are counted under OTHER_FLOWS. A label is at most
 # FLOW_LABEL_CHARS long (a longer flow's is cut, with a digest of it).
@@ -58,7 +58,7 @@ def flow_of(config: FlowControlConfig, headers: Mapping[str, str], session: str 
             return named
     if session is not None:
         return f"session:{session}"
-    for header in _API_KEY_HEADERS:
+    for header in KEY_HEADERS:
         key = headers.get(header)
         if key:
             return f"key:{xxhash.xxh3_64_hexdigest(key.encode())}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+KEY_HEADERS = ("authorization", "x-api-key")  # where OpenAI's clients and Anthropic's send their key
 OWNER_CHARS = 12
 UNSCOPED = "0" * OWNER_CHARS  # without client keys, every response's
 _DOMAIN = b"kvroute stored response owner\x00"  # so the tag is no digest of the key used elsewhere

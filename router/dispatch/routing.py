@@ -162,8 +162,7 @@ class RoutingService:
     def _received(
         self, raw: bytes, api: Api, headers: Mapping[str, str], stored: str | None, query: str, trace: Trace
     ) -> Received:
-        owner = owner_tag(presented_key(headers)) if self._keyed_clients else None
-        read = self._read(raw, api, stored, query, owner)
+        read = self._read(raw, api, stored, query, headers)
         body = read.body
         if not self.upstreams.serves(body.model):
             raise model_not_found(body.model)
@@ -183,7 +182,9 @@ class RoutingService:
             body, policy, session, raw, headers, tokenize, off_loop, target, flow, objective, trace=trace
         )
 
-    def _read(self, raw: bytes, api: Api, stored: str | None, query: str, owner: str | None) -> AgentRead:
+    def _read(
+        self, raw: bytes, api: Api, stored: str | None, query: str, headers: Mapping[str, str]
+    ) -> AgentRead:
         only = self.upstreams.only_model()
         kind = api.body
         if kind == "chat":
@@ -193,12 +194,16 @@ class RoutingService:
             completion = decode_body(raw, CompletionRequest, only)
             return AgentRead(completion, completion.user)
         if kind == "responses":
-            return self.responses.read(raw, only, owner)
+            return self.responses.read(raw, only, self._owner(headers))
         if kind == "messages":
             return read_messages(raw, only, self.decider.anthropic_probes)
         if stored is not None:
-            return self.responses.read_stored(stored, query, only, owner)
+            return self.responses.read_stored(stored, query, only, self._owner(headers))
         return read_model_only(raw, only)
+
+    def _owner(self, headers: Mapping[str, str]) -> str | None:
+        """The tag of the client's key that stored responses are scoped to; None without client keys."""
+        return owner_tag(presented_key(headers)) if self._keyed_clients else None
 
     async def prepare(self, received: Received) -> Prepared:
         """The prompt's token ids, blocks and matches in the index."""

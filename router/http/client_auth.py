@@ -10,7 +10,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.config import ClientAuthConfig, client_api_keys
-from router.dispatch.response_owners import presented_key
+from router.dispatch.response_owners import KEY_HEADERS, presented_key
 from router.errors import anthropic_route, invalid_api_key
 
 _GUARDED_PREFIX = "/v1/"
@@ -36,6 +36,7 @@ class ClientAuth:
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
-        key = presented_key({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
+        headers = dict(scope["headers"])
+        key = presented_key({name: headers.get(name.encode(), b"").decode("latin-1") for name in KEY_HEADERS})
         # Digests of equal length are looked up in a set: no timing difference tells a prefix of a key.
         return bool(key) and hashlib.sha256(key.encode()).digest() in self._digests
