@@ -32,6 +32,7 @@ from router.prompt.openai_body import (
     chat_endpoint_template_kwargs,
     lax_bool,
 )
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 
 _json = msgspec.json.Encoder()
@@ -357,8 +358,9 @@ def _chat_ids(
         add_generation_prompt=body.get("add_generation_prompt", True),
         continue_final_message=body.get("continue_final_message", False),
         add_special_tokens=body.get("add_special_tokens", False),
-        tools=tools,
-        template_kwargs=chat_endpoint_template_kwargs(body.get("chat_template_kwargs"), reasoning_effort),
+        inputs=TemplateInputs(
+            tools, chat_endpoint_template_kwargs(body.get("chat_template_kwargs"), reasoning_effort)
+        ),
     )
 
 

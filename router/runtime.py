@@ -31,13 +31,15 @@ from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
 from router.dispatch.admission import Admission
 from router.dispatch.attempts import Attempts
-from router.dispatch.decision import Decider, LocalTokenizer
+from router.dispatch.decision import Decider, DeciderOptions, LocalTokenizer
+from router.dispatch.events import Event
 from router.dispatch.flow_gate import FlowGate
 from router.dispatch.outcome import Observers
 from router.dispatch.relay import Relay
-from router.dispatch.routing import RoutingService
+from router.dispatch.routing import RoutingService, Stages
 from router.dispatch.routing_table import RoutingTable
 from router.dispatch.sending import RetryPolicy, SendContext, Sender
+from router.dispatch.waiting import Waiting
 from router.index.block_index import BlockIndex, Tier
 from router.index.figures import IndexFigures, figures_of
 from router.index.index_host import IndexHost
@@ -138,6 +140,8 @@ class Runtime:
         self.table = RoutingTable.from_config(config)
         # Its queues outlive reloads, which change its settings.
         self.flow_gate = FlowGate(config.flow_control, self.upstreams, self.metrics)
+        # A request's prefill or the request ended, here or at a peer router: those waiting may go.
+        self.room_freed = Event()
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
 
     async def __aenter__(self) -> Runtime:
@@ -183,26 +187,13 @@ class Runtime:
         if self.subscriptions is not None:
             stack.push_async_callback(self.subscriptions.stop)
             self.subscriptions.subscribe(config.instances)
-        load = config.load
-        scraper = LoadScraper(
-            self.upstreams,
-            control,
-            load.scrape_interval_s,
-            load.timeout_s,
-            load.stale_after_s,
-            restarted=self._engine_restarted,
-        )
+        scraper = LoadScraper(self.upstreams, control, config.load, restarted=self._engine_restarted)
         # Memory a peer's request freed may let requests held here go (admission.memory_hold_s). With no
         # peers configured it binds nothing and runs no loop.
         discovery = config.discovery
-        self.peers = PeerSync(
-            self._peer_config,
-            self.upstreams,
-            metrics,
-            context,
-            self.room_freed,
-            discovered=discovery is not None and discovery.peers_selector is not None,
-        )
+        self.peers = PeerSync(self._peer_config, self.upstreams, metrics, context, self.room_freed.fire)
+        if discovery is not None and discovery.peers_selector is not None:
+            self.peers.expect_discovered()
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
         failures = metrics.task_failures
@@ -276,6 +267,9 @@ class Runtime:
         metrics.admission_waiting.set_function(lambda: self.admission.waiting)
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
         observers = Observers(metrics, self.decider, ab_for, self.room_freed)
+        waiting = Waiting(
+            self.flow_gate, admission.memory_hold_s, self.upstreams, self.decider, metrics, self.room_freed
+        )
         # One connection per request in flight: a request never waits for a pooled one.
         per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)
         sending = SendContext(
@@ -287,25 +281,15 @@ class Runtime:
             RetryPolicy(config.upstream.attempts),
             HasRoom(per_instance, admission.max_waiting_per_instance),
         )
-        self.attempts = Attempts(sending, admission.memory_hold_s, config.disaggregation)
+        attempts = Attempts(sending, config.disaggregation)
+        stages = Stages(self.upstreams, self.admission, waiting, self.decider, attempts, observers)
         return RoutingService(
-            self.upstreams,
+            stages,
             lambda: self.table,
-            self.decider,
-            self.attempts,
-            self.admission,
-            observers,
             config.tokenization,
-            self.flow_gate,
             tracing,
             keyed_clients=config.auth.api_keys_env is not None,
         )
-
-    def room_freed(self) -> None:
-        """A request's prefill or the request ended, here or at a peer router: the requests waiting in the
-        router that may go now go."""
-        self.attempts.memory_freed()
-        self.flow_gate.pump()
 
     def warnings(self) -> list[str]:
         subscriptions = self.subscriptions
@@ -450,18 +434,16 @@ class Runtime:
         tools_out_when_none = frozenset(
             m.name for m in config.models if m.exclude_tools_when_tool_choice_none
         )
-        return Decider(
-            self.routing_index,
-            self.tokenizers,
-            config.block_size,
-            self.metrics,
-            remote_tokenizer,
+        options = DeciderOptions(
             self._confirmed,
+            self._as_indexed,
             adapters,
             config.tokenization.audit_every,
             tools_out_when_none,
             self.tokenizer_watch,
-            self._as_indexed,
+        )
+        return Decider(
+            self.routing_index, self.tokenizers, config.block_size, self.metrics, remote_tokenizer, options
         )
 
 

@@ -30,7 +30,7 @@ from router.allocator import trim
 from router.index.block_index import BlockIndex
 from router.index.events import BlockStored, EventEncoder, KVEvent, pack_seq
 from router.index.holdings import IndexStats, Owner
-from router.index.subscriber import KVEventSubscriber
+from router.index.subscriber import KVEventSubscriber, Source, SubscriberOptions
 from router.metrics import RouterMetrics
 
 VOCAB = 150_000
@@ -149,7 +149,9 @@ async def _ingest(
     metrics = RouterMetrics()
     context = zmq.asyncio.Context()
     subscribers = [
-        KVEventSubscriber(f"p{i}", endpoint, None, index, metrics, context, block_size=BLOCK_SIZE)
+        KVEventSubscriber(
+            Source(f"p{i}", endpoint), index, metrics, context, SubscriberOptions(block_size=BLOCK_SIZE)
+        )
         for i, endpoint in enumerate(endpoints)
     ]
     tasks = [asyncio.create_task(subscriber.run()) for subscriber in subscribers]

@@ -17,8 +17,9 @@ from kvroute.simulate.results import RunResult, result_of
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
 from router.config import UpstreamConfig
-from router.dispatch.flow_control import DEFAULT_FLOW, FlowControl, Refused
+from router.dispatch.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
 from router.dispatch.memory_gate import MemoryGate
+from router.dispatch.sending import RETRY_BACKOFF_S
 from scorers.ttft_model import TTFTPriors
 
 
@@ -42,9 +43,8 @@ def simulate(
 
 
 # A refused request is retried, for every policy, as kvroute's proxy retries a 503 before the first byte: on
-# an instance not tried yet, within its default attempts, after a backoff (router/dispatch/attempts.py).
+# an instance not tried yet, within its default attempts, after its backoff (router/dispatch/attempts.py).
 ATTEMPTS = UpstreamConfig().attempts
-RETRY_BACKOFF_S = 0.05
 
 
 class Run:
@@ -268,11 +268,7 @@ class Run:
         try:
             entry = flow.admit(
                 request,
-                self.view.model,
-                request.flow,
-                traced.objective,
-                work,
-                traced.input_tokens,
+                Demand(self.view.model, request.flow, traced.objective, work, traced.input_tokens),
                 self._room,
             )
         except Refused as refused:

@@ -18,7 +18,7 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import PoolStore
 from router.index.block_index import BlockIndex
 from router.index.events import KVEvent
-from router.upstreams.instances import Instance
+from router.upstreams.instances import Instance, InstanceSetup
 from scorers.request import TierMatch
 from scorers.ttft_model import FleetModels, TTFTModel, TTFTPriors
 
@@ -54,11 +54,13 @@ class RouterView:
                 name=instance_name(e.number),
                 url=f"http://{instance_name(e.number)}",
                 models=frozenset({fleet.model}),
-                ttft_model=TTFTModel(priors, fleet_models.of(fleet.role(e.number))),
-                kv_capacity_tokens=fleet.engine.kv_tokens,
-                clock=loop.clock,
-                block_size=fleet.engine.block_size,
-                role=fleet.role(e.number),
+                setup=InstanceSetup(
+                    ttft_model=TTFTModel(priors, fleet_models.of(fleet.role(e.number))),
+                    kv_capacity_tokens=fleet.engine.kv_tokens,
+                    clock=loop.clock,
+                    block_size=fleet.engine.block_size,
+                    role=fleet.role(e.number),
+                ),
             )
             for e in engines
         ]

@@ -15,7 +15,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -127,14 +127,14 @@ class Discovery:
 
     async def _follow(self, kube: Kube, kind: Kind, selector: LabelSelector) -> None:
         path = f"/api/v1/namespaces/{self._namespace}/pods"
-        await _mirror(kube, path, selector, _pods_listed, _pod.decode, self._pods[kind], self._publish)
+        await _mirror(kube, path, selector, _PODS, self._pods[kind], self._publish)
 
     async def _follow_slices(self, kube: Kube) -> None:
         """The EndpointSlices of the Service (or those the selector picks)."""
         config = self._config
         selector = LabelSelector.parse(config.selector or f"{SERVICE_NAME}={config.service}")
         path = f"/apis/discovery.k8s.io/v1/namespaces/{self._namespace}/endpointslices"
-        await _mirror(kube, path, selector, _slices_listed, _slice.decode, self._slices, self._publish)
+        await _mirror(kube, path, selector, _SLICES, self._slices, self._publish)
 
     async def _follow_pool(self, kube: Kube) -> None:
         """The pods of the InferencePool; when its selector or target port changes, those of the new."""
@@ -254,29 +254,37 @@ def _slices_listed(body: bytes) -> tuple[Sequence[EndpointSlice], str | None]:
     return listing.items, listing.metadata.resource_version if listing.metadata else None
 
 
-Listed = Callable[[bytes], tuple[Sequence[Watched], str | None]]
+@dataclass(frozen=True)
+class _Decoders(Generic[Watched]):
+    """How a kind's list and its watch's objects are read."""
+
+    listed: Callable[[bytes], tuple[Sequence[Watched], str | None]]
+    decode: Callable[[bytes], Watched]
+
+
+_PODS = _Decoders(_pods_listed, _pod.decode)
+_SLICES = _Decoders(_slices_listed, _slice.decode)
 
 
 async def _mirror(
     kube: Kube,
     path: str,
     selector: LabelSelector,
-    listed: Listed[Watched],
-    decode: Callable[[bytes], Watched],
+    decoders: _Decoders[Watched],
     found: dict[str, Watched],
     changed: Callable[[], None],
 ) -> None:
     """Keep found (by name) as the objects at path that selector picks: list, then watch; changed() after
     each change. Returns only by raising, when the watch breaks."""
     query = {"labelSelector": str(selector)}
-    items, version = listed(await kube.get(path, query))
+    items, version = decoders.listed(await kube.get(path, query))
     # The server filters by the selector too; matching here keeps what it sends in check.
     found.clear()
     found.update((item.metadata.name, item) for item in items if selector.matches(item.labels))
     changed()
     while True:
         async for event in _watched(kube, path, query, version):
-            item = decode(event.object)
+            item = decoders.decode(event.object)
             version = item.metadata.resource_version or version
             if event.type == "BOOKMARK":
                 continue

@@ -84,6 +84,19 @@ class _PolicyStats:
         return values, sessions, count
 
 
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A request that ended, as the A/B results count it."""
+
+    instance: str
+    status: int
+    seconds: float | None  # the end-to-end time of an answer; None for an error, whose time says nothing
+    prompt_tokens: int
+    predicted_cached: int  # of those, what the instance was predicted to reuse
+    prefill_instance: str | None = None  # a disaggregated model's request's prefill leg
+    pd_path: str | None = None  # and how it was served
+
+
 class ABStats:
     def __init__(self, max_samples: int = 20_000, seed: int = 0) -> None:
         """max_samples: the most recent latencies kept per policy, for quantiles and comparisons."""
@@ -105,31 +118,19 @@ class ABStats:
         stats.ttft.append(seconds)
         stats.ttft_sessions.append(session)
 
-    def finished(
-        self,
-        policy: str,
-        instance: str,
-        status: int,
-        seconds: float | None,
-        prompt_tokens: int,
-        predicted_cached: int,
-        prefill_instance: str | None = None,
-        pd_path: str | None = None,
-    ) -> None:
-        """seconds: the end-to-end time of an answer; None for an error, whose time says nothing;
-        prefill_instance and pd_path: a disaggregated model's request's prefill leg and path."""
+    def finished(self, policy: str, ended: Ended) -> None:
         stats = self._of(policy)
         stats.requests += 1
-        stats.errors += status >= 500
-        stats.by_instance[instance] += 1
-        if prefill_instance is not None:
-            stats.by_prefill_instance[prefill_instance] += 1
-        if pd_path is not None:
-            stats.pd_paths[pd_path] += 1
-        if seconds is not None:
-            stats.e2e.append(seconds)
-        stats.prompt_tokens += prompt_tokens
-        stats.predicted_cached_tokens += predicted_cached
+        stats.errors += ended.status >= 500
+        stats.by_instance[ended.instance] += 1
+        if ended.prefill_instance is not None:
+            stats.by_prefill_instance[ended.prefill_instance] += 1
+        if ended.pd_path is not None:
+            stats.pd_paths[ended.pd_path] += 1
+        if ended.seconds is not None:
+            stats.e2e.append(ended.seconds)
+        stats.prompt_tokens += ended.prompt_tokens
+        stats.predicted_cached_tokens += ended.predicted_cached
 
     def observed_cache(self, policy: str, prompt_tokens: int, cached_tokens: int) -> None:
         stats = self._of(policy)

@@ -8,10 +8,7 @@ router/dispatch/outcome.py.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +16,13 @@ import aiohttp
 import msgspec
 
 from router.config import DisaggregationConfig
+from router.dispatch.context import Received
 from router.dispatch.decision import Decision, Prepared
 from router.dispatch.failures import REFUSED_CREDENTIALS
-from router.dispatch.memory_gate import MemoryGate
-from router.dispatch.outcome import BUSY, Leg, Outcome, PdPath
+from router.dispatch.outcome import BUSY, WHOLE, Asked, Outcome, Part
 from router.dispatch.prefill_leg import NoPrefill, PrefillLeg, Transfer, decode_leg_body
 from router.dispatch.routing_headers import ATTEMPTS_HEADER
-from router.dispatch.sending import SendContext, Sent
+from router.dispatch.sending import Outgoing, SendContext, Sent
 from router.errors import (
     RETRY_AFTER_S,
     OpenAIError,
@@ -36,30 +33,10 @@ from router.errors import (
     upstream_timeout,
     upstream_unauthorized,
 )
-from router.tracing.spans import NULL_TRACE, Trace
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where a request may go, and what its attempts send: the client's body, or one made for the instance
-    (a Responses request's id names its instance, router/dispatch/response_ids.py)."""
-
-    api: str = "chat"  # the metrics' label
-    pinned: Instance | None = None  # the one instance that may serve it (it holds the stored response)
-    pinned_by: str | None = None  # that stored response's id
-    body_for: Callable[[Instance], bytes] | None = None
-    watch: Callable[[bytes], None] | None = None  # shown the answer, as router/dispatch/outcome.py says
-    get: bool = False  # sent as a GET (retrieving a stored response), without a body
-
-    @property
-    def splits(self) -> bool:
-        """Whether a disaggregated model's prefill leg can serve it: the chat and completions APIs only
-        (the router's prefill leg is one of those; the agents' APIs are routed whole)."""
-        return self.api in ("chat", "completions")
 
 
 @dataclass(eq=False, slots=True)
@@ -76,14 +53,8 @@ class _Tries:
 
 
 class Attempts:
-    def __init__(
-        self,
-        context: SendContext,
-        memory_hold_s: float = 0.0,
-        disaggregation: DisaggregationConfig | None = None,
-    ) -> None:
-        """memory_hold_s: see router/dispatch/memory_gate.py; disaggregation: how disaggregated models'
-        prefill legs go (router/dispatch/prefill_leg.py)."""
+    def __init__(self, context: SendContext, disaggregation: DisaggregationConfig | None = None) -> None:
+        """disaggregation: how disaggregated models' prefill legs go (router/dispatch/prefill_leg.py)."""
         self._context = context
         self._upstreams, self._decider, self._observers = (
             context.upstreams,
@@ -91,47 +62,26 @@ class Attempts:
             context.observers,
         )
         self._metrics, self._retry = context.observers.metrics, context.retry
-        self._memory_gate: MemoryGate[asyncio.Future[None]] = MemoryGate(memory_hold_s)
         disaggregation = disaggregation or DisaggregationConfig()
         self._prefill = PrefillLeg(context, disaggregation.connector, disaggregation.local_prefill_max_tokens)
 
-    async def send(
-        self,
-        prepared: Prepared,
-        policy: Policy,
-        path: str,
-        raw: bytes,
-        headers: dict[str, str],
-        stream: bool,
-        target: Target = Target(),
-        trace: Trace = NULL_TRACE,
-    ) -> Outcome:
+    async def send(self, received: Received, prepared: Prepared, path: str) -> Outcome:
         """Send to the best instance and wait for the first bytes of its answer: the outcome that serves the
-        client, or an OpenAIError saying why none could. trace: the request's, which gets a span for each
-        attempt (the one that answers ends with the answer, router/tracing/)."""
-        model = prepared.request.model
+        client, or an OpenAIError saying why none could. The request's trace gets a span for each attempt
+        (the one that answers ends with the answer, router/tracing/)."""
+        model, target, trace, stream = received.model, received.target, received.trace, received.streamed
         tries = _Tries()
         self._retry.earn()
-        prompt_tokens = prepared.request.prompt_tokens
-        if self._memory_gate.must_wait(prompt_tokens, self._upstreams.candidates(model), prepared.chain):
-            await self._hold_for_memory(model, prompt_tokens, prepared.chain)
         for attempt in range(self._retry.attempts):
-            candidates = self.candidates(prepared, policy, frozenset(tries.tried), target.pinned)
+            candidates = self.candidates(prepared, received.policy, frozenset(tries.tried), target.pinned)
             if not candidates:
                 break
-            outcome, payload = await self._start(
-                prepared, policy, path, raw, headers, stream, candidates, tries, target, trace
-            )
+            outcome, payload = await self._start(received, prepared, path, candidates, tries)
             span = trace.attempt(outcome.instance, attempt, outcome.leg)
             try:
-                sent = await self._context.sender.attempt(
-                    outcome.instance,
-                    path,
-                    payload,
-                    span.headers(headers),
-                    stream,
-                    "GET" if target.get else "POST",
-                )
+                method = "GET" if target.get else "POST"
+                outgoing = Outgoing(outcome.instance, path, payload, span.headers(received.headers), method)
+                sent = await self._context.sender.attempt(outgoing, stream)
             except BaseException:
                 outcome.abandon(None, failed=False)
                 raise
@@ -139,47 +89,35 @@ class Attempts:
             if await self._answered(sent, outcome, attempt, tries, stream):
                 return outcome
             span.end()
-        raise self._none_answered(model, policy, tries)
+        raise self._none_answered(model, received.policy, tries)
 
     async def _start(
-        self,
-        prepared: Prepared,
-        policy: Policy,
-        path: str,
-        raw: bytes,
-        headers: dict[str, str],
-        stream: bool,
-        candidates: list[Instance],
-        tries: _Tries,
-        target: Target,
-        trace: Trace,
+        self, received: Received, prepared: Prepared, path: str, candidates: list[Instance], tries: _Tries
     ) -> tuple[Outcome, bytes]:
         """The attempt at the best candidate, started, and what it sends: the client's body, or a decode
         leg's once its prefill leg computed the prompt elsewhere."""
-        decision = self._decider.decide(prepared, policy, candidates, trace)
+        policy, target, raw = received.policy, received.target, received.raw
+        decision = self._decider.decide(prepared, policy, candidates, received.trace)
         model = prepared.request.model
-        leg, pd_path = self._leg(model, decision, tries.transfer, target.splits)
-        sent_decision = self._decider.decode_leg(decision) if leg == "decode" else decision
+        part = self._part(model, decision, tries.transfer, target.splits)
+        sent_decision = self._decider.decode_leg(decision) if part.leg == "decode" else decision
         observers = self._observers
-        outcome = Outcome.start(
-            observers, sent_decision, policy, model, stream, tries.first_sent, leg, pd_path, api=target.api
-        )
+        asked = Asked(policy, model, received.streamed, target.api)
+        outcome = Outcome.start(observers, sent_decision, asked, tries.first_sent, part)
         outcome.watch = target.watch
         tries.first_sent = outcome.first_sent
-        if leg != "decode":
+        if part.leg != "decode":
             return outcome, raw if target.body_for is None else target.body_for(decision.instance)
         body = tries.body = msgspec.json.decode(raw) if tries.body is None else tries.body
         try:
             transfer = tries.transfer or await self._prefill.run(
-                prepared, policy, path, body, headers, decision.instance.name, trace
+                received, prepared, path, body, decision.instance.name
             )
         except NoPrefill as exc:
             # The decode instance computes the prompt itself: a whole request, as aggregated.
             log.debug("no prefill leg: %s", exc)
             outcome.abandon(None, failed=False, admitted=False)
-            whole = Outcome.start(
-                observers, decision, policy, model, stream, tries.first_sent, pd_path="fallback"
-            )
+            whole = Outcome.start(observers, decision, asked, tries.first_sent, Part(pd_path="fallback"))
             return whole, raw
         except BaseException:  # the client left, or the prefill leg timed out
             outcome.abandon(None, failed=False, admitted=False, withdraw=True)
@@ -322,50 +260,21 @@ class Attempts:
             )
         return candidates
 
-    def _leg(
-        self, model: str, decision: Decision, transfer: Transfer | None, splits: bool
-    ) -> tuple[Leg, PdPath | None]:
+    def _part(self, model: str, decision: Decision, transfer: Transfer | None, splits: bool) -> Part:
         """What the attempt at decision's instance is: a whole request (and, of a disaggregated model, why)
         or the decode leg after a prefill leg (done already when transfer is one still to fetch)."""
         if not self._upstreams.disaggregated(model):
-            return "whole", None
+            return WHOLE
         if not splits:
-            return "whole", "unsplit"
+            return Part(pd_path="unsplit")
         if transfer is not None or self._prefill.worth_it(decision):
-            return "decode", None
-        return "whole", "skipped"
-
-    def memory_freed(self) -> None:
-        """A request ended here or at a peer router: the held requests that now fit go."""
-        if len(self._memory_gate):
-            for released in self._memory_gate.release():
-                released.set_result(None)
+            return Part("decode")
+        return Part(pd_path="skipped")
 
     def _may_retry(self, model: str, attempt: int, tried: set[str]) -> bool:
         limit = self._context.room.per_instance_limit
         others = self._upstreams.candidates(model, exclude=frozenset(tried))
         return self._retry.may_retry(attempt, any(other.own_in_flight < limit for other in others))
-
-    async def _hold_for_memory(self, model: str, prompt_tokens: int, chain: Sequence[int]) -> None:
-        """Wait until some instance has KV memory for the prompt, or the hold's bound passes."""
-        gate, held = self._memory_gate, time.perf_counter()
-        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        gate.hold(released, prompt_tokens, lambda: self._upstreams.candidates(model), chain)
-        try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for returns a result that came in the same turn as a
-            # cancellation, and the request would go upstream for a client that has gone.
-            async with asyncio.timeout(gate.max_hold_s):
-                await asyncio.shield(released)
-        except TimeoutError:
-            pass
-        finally:
-            # No await from here to the decision: a released prompt goes from granted to in flight at once.
-            if released.done():
-                gate.started(prompt_tokens)
-            else:
-                released.cancel()
-                gate.drop(released)
-            self._metrics.memory_hold(model).observe(time.perf_counter() - held)
 
 
 def _tried(error: OpenAIError, tried: set[str]) -> OpenAIError:

@@ -28,6 +28,7 @@ from router.prompt.chat_conversation import InvalidPrompt, engine_messages
 from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.responses_chat import ChatTokenizer
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
 from router.prompt.tokenizer_check import TokenizerWatch
@@ -87,6 +88,23 @@ def uncached_at_best(request: RoutingRequest) -> int:
     return request.prompt_tokens - min(best, reusable) * request.block_size
 
 
+@dataclass(frozen=True)
+class DeciderOptions:
+    """What a decider may be given beyond its index and tokenizers."""
+
+    # The Mooncake master to confirm pool credit with (None: pool entries are taken as they are).
+    pool: PrefixMatches | None = None
+    # The index's matches as they stand (None: the index's own, when it is a BlockIndex).
+    index_matches: PrefixMatches | None = None
+    # The models that are LoRA adapters, whose blocks the engine keys by the adapter's name.
+    adapters: frozenset[str] = frozenset()
+    audit_every: int = 0  # one chat in this many is checked (router/prompt/tokenization_audit.py)
+    # The models whose engines leave a chat's tools out when its tool_choice is "none" (vLLM's
+    # --exclude-tools-when-tool-choice-none).
+    tools_out_when_none: frozenset[str] = frozenset()
+    watch: TokenizerWatch | None = None  # where the audit's mismatches are raised (None: one of its own)
+
+
 class Decider:
     def __init__(
         self,
@@ -95,30 +113,19 @@ class Decider:
         block_size: int,
         metrics: RouterMetrics,
         remote: Callable[[str], RemoteTokenizer | None] = lambda model: None,
-        pool: PrefixMatches | None = None,
-        adapters: frozenset[str] = frozenset(),
-        audit_every: int = 0,
-        tools_out_when_none: frozenset[str] = frozenset(),
-        watch: TokenizerWatch | None = None,
-        index_matches: PrefixMatches | None = None,
+        options: DeciderOptions = DeciderOptions(),
     ) -> None:
-        """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up;
-        pool: the Mooncake master to confirm pool credit with (None: pool entries are taken as they are);
-        adapters: the models that are LoRA adapters, whose blocks the engine keys by the adapter's name;
-        audit_every: one chat in this many is checked (router/prompt/tokenization_audit.py);
-        tools_out_when_none: the models whose engines leave a chat's tools out when its tool_choice is "none"
-        (vLLM's --exclude-tools-when-tool-choice-none); watch: where the audit's mismatches are raised (by
-        default, one of its own); index_matches: the index's matches as they stand (by default, index's
-        own: it is a BlockIndex)."""
+        """remote: for models without a local tokenizer, an instance's /tokenize to ask, if one is up."""
+        pool, index_matches, watch = options.pool, options.index_matches, options.watch
         if index_matches is None:
             if not isinstance(index, BlockIndex):
                 raise TypeError("a remote index's matches must be given")
             index_matches = IndexOnlyMatches(index)
-        self._audit = TokenizationAudit(audit_every, watch or TokenizerWatch(metrics), remote)
+        self._audit = TokenizationAudit(options.audit_every, watch or TokenizerWatch(metrics), remote)
         self._index_matches = index_matches
         self._pool = self._index_matches if pool is None else pool
-        self._adapters = adapters
-        self._tools_out_when_none = tools_out_when_none
+        self._adapters = options.adapters
+        self._tools_out_when_none = options.tools_out_when_none
         self._index = index
         self._tokenizers = tokenizers
         self._block_size = block_size
@@ -311,9 +318,7 @@ class Decider:
                     body.add_generation_prompt,
                     body.continue_final_message,
                     body.add_special_tokens,
-                    body.tools,
-                    template_inputs.get("chat_template_kwargs"),
-                    responses,
+                    TemplateInputs(body.tools, template_inputs.get("chat_template_kwargs"), responses),
                 )
             except InvalidPrompt:
                 if not with_inputs:  # with tools or kwargs, a shape beyond what is built here: ask the engine

@@ -80,6 +80,17 @@ class _Granted:
         self.tokens = max(self.tokens - tokens, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request asks of flow control: a model's instances, on behalf of a flow and an objective."""
+
+    model: str
+    flow: str
+    objective: str | None  # as the request names it (None or an unknown one: the default)
+    work: float  # what it adds to its instance's queue (its uncached prompt tokens at best)
+    tokens: int  # its prompt's tokens (the rate limits' and the context's count)
+
+
 class FlowControl(Generic[T]):
     def __init__(self, config: FlowControlConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -117,13 +128,12 @@ class FlowControl(Generic[T]):
     def queued_by_flow(self, flow: str) -> int:
         return sum(q.by_flow.get(flow, 0) for q in self._queues.values())
 
-    def admit(
-        self, item: T, model: str, flow: str, objective: str | None, work: float, tokens: int, room: Room
-    ) -> Queued[T] | None:
+    def admit(self, item: T, demand: Demand, room: Room) -> Queued[T] | None:
         """None: go now (counted in flight); else the entry it waits as, until next_ready() lets it go or
-        its deadline passes. Raises Refused past a limit. room: whether model's instances have room now, with
-        the work and context of those let go and not yet placed on them as well."""
-        name, settings = self.config.objective(objective)
+        its deadline passes. Raises Refused past a limit. room: whether the model's instances have room now,
+        with the work and context of those let go and not yet placed on them as well."""
+        model, flow, work, tokens = demand.model, demand.flow, demand.work, demand.tokens
+        name, settings = self.config.objective(demand.objective)
         buckets = self._within_rate(flow, name, settings)
         queue = self._queue(model)
         self._rooms[model] = room

@@ -19,7 +19,7 @@ from functools import partial
 import xxhash
 
 from router.config import FlowControlConfig
-from router.dispatch.flow_control import DEFAULT_FLOW, FlowControl, Refused
+from router.dispatch.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
 from router.dispatch.flow_queue import Queued
 from router.dispatch.response_owners import KEY_HEADERS
 from router.errors import OpenAIError, too_many_requests
@@ -100,18 +100,17 @@ class FlowGate:
             return saturation.stages_have_room(prefill, upstreams.candidates(model), extra_work, extra_tokens)
         return saturation.has_room(upstreams.candidates(model), extra_work, extra_tokens)
 
-    async def wait(
-        self, model: str, flow: str, objective: str | None, work: float, tokens: int
-    ) -> FlowTicket | None:
+    async def wait(self, demand: Demand) -> FlowTicket | None:
         """Wait for the request's turn: its ticket (ended by leave()), or None when flow control is off;
         a 429 in the route's shape past a limit or its objective's queue time."""
         control = self.control
         if not control.enabled:
             return None
+        model, flow, objective = demand.model, demand.flow, demand.objective
         name = control.config.objective(objective)[0]
         waiter: Waiter = asyncio.get_running_loop().create_future()
         try:
-            entry = control.admit(waiter, model, flow, objective, work, tokens, partial(self.room, model))
+            entry = control.admit(waiter, demand, partial(self.room, model))
         except Refused as refused:
             raise self._refused(refused.code, refused.retry_after_s, name) from None
         ticket = FlowTicket(flow, name, model, entry=entry)

@@ -14,10 +14,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
-from router.dispatch.ab import ABStats
+from router.dispatch.ab import ABStats, Ended
 from router.dispatch.decision import Decider, Decision
+from router.dispatch.events import Event
 from router.dispatch.flow_gate import FlowTicket
 from router.dispatch.usage import Usage, answer_usage
 from router.metrics import RouterMetrics
@@ -55,7 +56,7 @@ class Observers:
     metrics: RouterMetrics
     decider: Decider
     ab_for: Callable[[Policy], ABStats]
-    room_freed: Callable[[], None]  # a first byte or an end: requests waiting in the router may go
+    room_freed: Event  # a first byte or an end: requests waiting in the router may go
 
     def request_failed(self, policy: Policy) -> None:
         """No instance answered the request: it failed (the A/B counts it against its policy)."""
@@ -65,6 +66,26 @@ class Observers:
         """The router turned the request away before any instance had it: code says why."""
         self.metrics.rejected(code).inc()
         self.ab_for(policy).rejected(policy.name)
+
+
+class Asked(NamedTuple):
+    """What the client asked, as every attempt at it counts it: the policy routing it, the model as the
+    client named it (a configured model: the metrics' label values stay few), whether streamed, its API."""
+
+    policy: Policy
+    model: str
+    streamed: bool
+    api: str = "chat"  # the metrics' label
+
+
+class Part(NamedTuple):
+    """What an attempt is of its request, and, of a disaggregated model's, how the request was served."""
+
+    leg: Leg = "whole"
+    pd_path: PdPath | None = None
+
+
+WHOLE = Part()
 
 
 @dataclass(eq=False)
@@ -92,9 +113,7 @@ class Prefill:
 class Outcome:
     observers: Observers
     decision: Decision
-    policy: Policy
-    model: str  # as the client named it (a configured model: the metrics' label values stay few)
-    streamed: bool
+    asked: Asked
     started: float  # this attempt: what the instance's TTFT model learns from
     first_sent: float  # the first attempt: what the client waited, for the policy's metrics
     prefill: Prefill
@@ -116,7 +135,6 @@ class Outcome:
     _first_byte_s: float | None = None  # a stream's time to its first byte (a whole answer's comes last)
     prefill_instance: str | None = None  # a decode leg's: where its prompt's KV was computed
     prefill_cached_tokens: int | None = None  # what the prefill leg's answer reports it found cached
-    api: str = "chat"  # the metrics' label
     # Shown a successful answer: whole, or each run of whole stream events (a stored response's output)
     watch: Callable[[bytes], None] | None = None
 
@@ -125,16 +143,13 @@ class Outcome:
         cls,
         observers: Observers,
         decision: Decision,
-        policy: Policy,
-        model: str,
-        streamed: bool,
+        asked: Asked,
         first_sent: float | None,
-        leg: Leg = "whole",
-        pd_path: PdPath | None = None,
+        part: Part = WHOLE,
         attempts: int = 1,
-        api: str = "chat",
     ) -> Outcome:
-        """Count the attempt against its instance, as it is sent."""
+        """Count the attempt against its instance, as it is sent. first_sent: when the request's first
+        attempt was (None: this is it); attempts: this one's number."""
         instance = decision.instance
         probe = instance.breaker.sent()
         instance.start(decision.prompt_tokens, decision.uncached_tokens, decision.chain)
@@ -142,18 +157,17 @@ class Outcome:
         metrics.in_flight(instance.name).set(instance.own_in_flight)
         metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
         started = time.perf_counter()
-        prefill = Prefill(instance, decision.uncached_tokens, observers.room_freed)
-        if not streamed and prefill.tokens:
+        prefill = Prefill(instance, decision.uncached_tokens, observers.room_freed.fire)
+        if not asked.streamed and prefill.tokens:
             # A whole answer's first byte comes with its last: its prefill retires when the instance's TTFT
             # model expects the first token instead (an engine answers whole only at the end).
             asyncio.get_running_loop().call_later(decision.predicted_ttft_s, prefill.retire)
         first = started if first_sent is None else first_sent
+        leg, pd_path = part
         return cls(
             observers,
             decision,
-            policy,
-            model,
-            streamed,
+            asked,
             started,
             first,
             prefill,
@@ -161,8 +175,23 @@ class Outcome:
             attempts=attempts,
             leg=leg,
             pd_path=pd_path,
-            api=api,
         )
+
+    @property
+    def policy(self) -> Policy:
+        return self.asked.policy
+
+    @property
+    def model(self) -> str:
+        return self.asked.model
+
+    @property
+    def streamed(self) -> bool:
+        return self.asked.streamed
+
+    @property
+    def api(self) -> str:
+        return self.asked.api
 
     @property
     def instance(self) -> Instance:
@@ -330,24 +359,24 @@ class Outcome:
         answered = status == 200 and not failed
         if answered:
             metrics.e2e(policy, self.model).observe(elapsed)
-        self.observers.ab_for(self.policy).finished(
-            policy,
+        ended = Ended(
             self.instance.name,
             502 if failed else status,
             elapsed if answered else None,
-            # what the answering instance reused: a decode leg's fetched tokens are not
             decision.prompt_tokens,
+            # what the answering instance reused: a decode leg's fetched tokens are not
             decision.prompt_tokens - decision.uncached_tokens - decision.features.transferred_tokens,
             self.prefill_instance,
             self.pd_path,
         )
+        self.observers.ab_for(self.policy).finished(policy, ended)
         return True
 
     def _end(self, admitted: bool) -> None:
         instance, decision = self.instance, self.decision
         instance.end(decision.prompt_tokens, self.prefill.take(), admitted, decision.chain)
         self.observers.metrics.in_flight(instance.name).set(instance.own_in_flight)
-        self.observers.room_freed()
+        self.observers.room_freed.fire()
 
     def _breaker_failed(self) -> None:
         instance = self.instance

@@ -21,14 +21,14 @@ import msgspec
 
 from router.config import KVConnector
 from router.dispatch.cached_tokens import reported_cached_tokens
+from router.dispatch.context import Received
 from router.dispatch.decision import Decision, Prepared
 from router.dispatch.failures import NOT_THE_REQUESTS_FAULT
-from router.dispatch.outcome import BUSY, Outcome
-from router.dispatch.sending import SendContext, Sent
+from router.dispatch.outcome import BUSY, Asked, Outcome, Part
+from router.dispatch.sending import Outgoing, SendContext, Sent
 from router.errors import upstream_timeout
-from router.tracing.spans import NULL_TRACE, Trace
+from router.tracing.spans import Trace
 from router.upstreams.instances import Instance
-from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,18 @@ def prefill_leg_worth_it(decision: Decision, local_prefill_max_tokens: int) -> b
     return decision.prompt_tokens == 0 or decision.uncached_tokens > local_prefill_max_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class _Leg:
+    """One request's prefill leg: what it computes, for which decode instance, under which span."""
+
+    received: Received
+    prepared: Prepared
+    path: str
+    body: dict[str, Any]
+    decode_instance: str
+    span: Trace
+
+
 class PrefillLeg:
     def __init__(self, context: SendContext, connector: KVConnector, local_prefill_max_tokens: int) -> None:
         self._context, self._connector, self._local_max = context, connector, local_prefill_max_tokens
@@ -110,34 +122,24 @@ class PrefillLeg:
         return prefill_leg_worth_it(decision, self._local_max)
 
     async def run(
-        self,
-        prepared: Prepared,
-        policy: Policy,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        decode_instance: str,
-        trace: Trace = NULL_TRACE,
+        self, received: Received, prepared: Prepared, path: str, body: dict[str, Any], decode_instance: str
     ) -> Transfer:
         """Compute the prompt's KV on the best prefill instance (not the decode one), trying another when one
-        cannot be reached, drops the request or fails it, within the attempts and the retry budget. trace:
-        the request's, which gets a span for the leg (its decisions and attempts beneath)."""
-        with trace.step("prefill") as leg:
-            transfer = await self._run(prepared, policy, path, body, headers, decode_instance, leg)
+        cannot be reached, drops the request or fails it, within the attempts and the retry budget. The
+        request's trace gets a span for the leg (its decisions and attempts beneath)."""
+        with received.trace.step("prefill") as leg:
+            transfer = await self._run(_Leg(received, prepared, path, body, decode_instance, leg))
             leg.set("kvroute.prefill_instance", transfer.instance.name)
             return transfer
 
-    async def _run(
-        self,
-        prepared: Prepared,
-        policy: Policy,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        decode_instance: str,
-        leg: Trace,
-    ) -> Transfer:
-        context = self._context
+    async def _run(self, run: _Leg) -> Transfer:
+        context, prepared, policy, headers = (
+            self._context,
+            run.prepared,
+            run.received.policy,
+            run.received.headers,
+        )
+        path, body, decode_instance, leg = run.path, run.body, run.decode_instance, run.span
         model = prepared.request.model
         tried = {decode_instance}
         for attempt in range(context.retry.attempts):
@@ -151,11 +153,14 @@ class PrefillLeg:
             instance = decision.instance
             tried.add(instance.name)
             transfer_id = uuid.uuid4().hex
-            outcome = Outcome.start(context.observers, decision, policy, model, False, None, leg="prefill")
+            asked = Asked(policy, model, streamed=False)
+            outcome = Outcome.start(context.observers, decision, asked, None, Part("prefill"))
             payload = prefill_body(body, self._connector, transfer_id)
             with leg.attempt(instance, attempt, "prefill") as span:
                 try:
-                    sent = await context.sender.prefill(instance, path, payload, span.headers(headers))
+                    sent = await context.sender.prefill(
+                        Outgoing(instance, path, payload, span.headers(headers))
+                    )
                 except BaseException:  # the client left: the engine aborts the leg
                     outcome.abandon(None, failed=False)
                     raise

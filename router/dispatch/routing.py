@@ -1,29 +1,31 @@
-"""The routing service: the one way a request is routed, whichever front door it came in by.
+"""The conductor: the one way a request is routed, whichever front door it came in by.
 
 `kvroute serve` (router/http/) relays the answer itself; `kvroute epp` (router/epp/) tells a gateway where
-to send the request and follows the answer it relays. They differ only in how bytes move. Both call, in order:
+to send the request and follows the answer it relays. A door says only how bytes arrive (an Arrival,
+router/dispatch/context.py) and how the request is placed; conduct() runs the stages, each once, in order:
 
-    admit()            an admission slot, or a 429 when the router is at capacity
-    receive(...)       the body decoded as its API's (router/dispatch/apis.py; an agent's as the chat vLLM
-                       renders, router/dispatch/agent_bodies.py), its model checked, the instance a stored
-                       response pins it to, its policy taken from the routing table in force, its flow
-                       and objective
-    prepare(...)       its prompt tokenized, hashed and looked up in the index
-    wait_turn(...)     flow control: it waits in the router, holding no instance, while every instance
-                       that could serve it is saturated, then is looked up again
-                       (router/dispatch/flow_gate.py)
-    send(...)          serve: an instance chosen, the request sent, retried elsewhere up to its first bytes
-    pick(...)          epp: an instance chosen, and the fallbacks, best first; the gateway sends it
-    leave(ticket)      the slot is free again, when the request's Outcome has ended
+    admit      an admission slot, or a 429 when the router is at capacity (router/dispatch/admission.py)
+    receive    the body decoded as its API's (router/dispatch/apis.py; an agent's as the chat vLLM renders,
+               router/dispatch/agent_bodies.py), its model checked, the instance a stored response pins it
+               to, its policy taken from the routing table in force, its flow and objective
+    prepare    its prompt tokenized, hashed and looked up in the index (router/dispatch/decision.py)
+    wait       it waits in the router, holding no instance, for its turn in flow control and for KV memory
+               on some instance, then is looked up again (router/dispatch/waiting.py)
+    place      the door's: serve sends it (send(): an instance chosen, the request sent, retried elsewhere
+               up to its first bytes, router/dispatch/attempts.py); the endpoint picker picks (pick(): an
+               instance chosen and the fallbacks, best first; the gateway sends it)
+    observe    what became of it is told by its Outcome (router/dispatch/outcome.py), whose end frees the
+               slot (leave) and fires room freed, which the waiting stage hears
 
-What became of the request is told by its Outcome (router/dispatch/outcome.py).
+Any stage that fails leaves the slot and flow control's place at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from router.config import TokenizationConfig
 from router.dispatch.admission import Admission, Overloaded
@@ -35,49 +37,26 @@ from router.dispatch.agent_bodies import (
     response_not_found,
 )
 from router.dispatch.apis import Api
-from router.dispatch.attempts import Attempts, Target
-from router.dispatch.decision import Decider, Prepared, uncached_at_best
-from router.dispatch.flow_gate import FlowGate, FlowTicket, flow_of, objective_of
-from router.dispatch.outcome import Observers, Outcome
+from router.dispatch.attempts import Attempts
+from router.dispatch.context import Arrival, Received, Target
+from router.dispatch.decision import Decider, Prepared
+from router.dispatch.flow_gate import FlowTicket, flow_of, objective_of
+from router.dispatch.outcome import Asked, Observers, Outcome, Part
 from router.dispatch.response_history import ResponseHistory
 from router.dispatch.response_ids import ResponseIds
 from router.dispatch.response_owners import owner_tag, presented_key
 from router.dispatch.routing_headers import forwarded_headers
 from router.dispatch.routing_table import RoutingTable
+from router.dispatch.waiting import Waiting
 from router.errors import RETRY_AFTER_S, OpenAIError, model_not_found, too_many_requests, unavailable
 from router.prompt.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
-from router.tracing.spans import NULL_TRACE, NULL_TRACING, Trace, Tracing
+from router.tracing.spans import NULL_TRACING, Trace, Tracing
 from router.upstreams.instances import Instance, Upstreams
-from scorers.policy import Policy, best_first
+from scorers.policy import best_first
 
 # What a request for a stored response meets when the instance holding it has gone: vLLM's unknown id instead.
 _GONE = frozenset({"no_healthy_instance", "upstream_unreachable"})
-
-
-@dataclass(slots=True)  # not frozen: one is made per request, and a frozen one's __init__ costs 4x
-class Received:
-    """A request as the router routes it: its body decoded, its policy, what reaches the engine."""
-
-    body: ChatRequest | CompletionRequest
-    policy: Policy
-    session: str | None
-    raw: bytes  # the body the engine gets
-    headers: dict[str, str]  # the request headers the engine gets
-    tokenize: bool  # small enough to tokenize (else routed without prefix knowledge)
-    off_loop: bool  # long enough to tokenize on the worker thread
-    target: Target  # where it may go and what each attempt sends
-    flow: str  # whom it is fair to (router/dispatch/flow_gate.py flow_of)
-    objective: str | None  # the objective it names
-    ticket: FlowTicket | None = None  # its place in flow control, once admitted there
-    trace: Trace = NULL_TRACE  # its root span (router/tracing/)
-
-    @property
-    def model(self) -> str:
-        return self.body.model
-
-    @property
-    def streamed(self) -> bool:
-        return bool(self.body.stream)
+Placed = TypeVar("Placed")
 
 
 @dataclass(slots=True)
@@ -88,17 +67,25 @@ class Picked:
     fallbacks: tuple[Instance, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """What carries out the stages: admission, the waiting stage, the decider (prepare, and the decision
+    of place), the attempts (serve's place), and the observers an outcome tells."""
+
+    upstreams: Upstreams
+    admission: Admission
+    waiting: Waiting
+    decider: Decider
+    attempts: Attempts
+    observers: Observers
+
+
 class RoutingService:
     def __init__(
         self,
-        upstreams: Upstreams,
+        stages: Stages,
         table: Callable[[], RoutingTable],
-        decider: Decider,
-        attempts: Attempts,
-        admission: Admission,
-        observers: Observers,
         tokenization: TokenizationConfig,
-        flow_gate: FlowGate,
         tracing: Tracing = NULL_TRACING,
         *,
         keyed_clients: bool = False,
@@ -106,16 +93,38 @@ class RoutingService:
         """table: the routing table in force (a reload or PUT /admin/traffic replaces it whole); tracing:
         what starts each request's trace, which both front doors call (router/tracing/); keyed_clients:
         client keys are configured, and a stored response is its creating key's alone."""
-        self.upstreams, self.decider, self.observers = upstreams, decider, observers
+        self.upstreams, self.decider, self.observers = stages.upstreams, stages.decider, stages.observers
         self.tracing = tracing
-        self._table, self._attempts, self._admission = table, attempts, admission
-        self._flow_gate = flow_gate
+        self._table, self._attempts, self._admission = table, stages.attempts, stages.admission
+        self._waiting = stages.waiting
+        self._flow_gate = stages.waiting.flow_gate
         self._tokenized_max, self._thread_above = (
             tokenization.max_tokenized_bytes,
             tokenization.thread_above_bytes,
         )
-        self.responses = StoredResponses(ResponseIds(upstreams), ResponseHistory())
+        self.responses = StoredResponses(ResponseIds(stages.upstreams), ResponseHistory())
         self._keyed_clients = keyed_clients
+
+    async def conduct(
+        self, arrival: Arrival, place: Callable[[Received, Prepared], Awaitable[Placed]]
+    ) -> Placed:
+        """The request through every stage, in order, placed by its door (send or pick): what place gives.
+        Whatever fails on the way (an OpenAIError, the client leaving) frees the slot and flow control's
+        place; once placed, the request holds its slot until its outcome ends (leave)."""
+        try:
+            await self.admit()
+        finally:
+            if arrival.admitted is not None:
+                arrival.admitted()
+        received: Received | None = None
+        try:
+            received = await self.receive(arrival)
+            prepared = await self.prepare(received)
+            prepared = await self._waiting.wait(received, prepared)
+            return await place(received, prepared)
+        except BaseException:
+            self.leave(None if received is None else received.ticket)
+            raise
 
     async def admit(self) -> None:
         """Take an admission slot (waiting for one within admission's bounds), or raise a 429."""
@@ -137,32 +146,23 @@ class RoutingService:
         route = path if stored is None else path.replace(stored, "{response_id}", 1)
         return self.tracing.request(f"{action} {route}", headers)
 
-    async def receive(
-        self,
-        raw: bytes,
-        api: Api,
-        headers: Mapping[str, str],
-        stored: str | None = None,
-        query: str = "",
-        trace: Trace = NULL_TRACE,
-    ) -> Received:
+    async def receive(self, arrival: Arrival) -> Received:
         """The body decoded (a 400 in the route's shape when it is not what the route takes), its model
-        served (else a 404), its policy chosen by the force header or the traffic split. stored: the stored
-        response the path names (a retrieval or cancellation), with the query string of a retrieval; trace:
-        the request's root span. A large body is decoded on a worker thread: an agent's megabytes of tools
-        take a tenth of a second to translate, which the event loop spends on everyone else."""
+        served (else a 404), its policy chosen by the force header or the traffic split. A large body is
+        decoded on a worker thread: an agent's megabytes of tools take a tenth of a second to translate,
+        which the event loop spends on everyone else."""
+        trace = arrival.trace
         with trace.step("parse"):
-            if len(raw) > self._thread_above:
-                received = await asyncio.to_thread(self._received, raw, api, headers, stored, query, trace)
+            if len(arrival.raw) > self._thread_above:
+                received = await asyncio.to_thread(self._received, arrival)
             else:
-                received = self._received(raw, api, headers, stored, query, trace)
+                received = self._received(arrival)
         trace.parsed(received.model, received.policy.name, received.streamed)
         return received
 
-    def _received(
-        self, raw: bytes, api: Api, headers: Mapping[str, str], stored: str | None, query: str, trace: Trace
-    ) -> Received:
-        read = self._read(raw, api, stored, query, headers)
+    def _received(self, arrival: Arrival) -> Received:
+        raw, api, headers = arrival.raw, arrival.api, arrival.headers
+        read = self._read(raw, api, arrival.stored, arrival.query, headers)
         body = read.body
         if not self.upstreams.serves(body.model):
             raise model_not_found(body.model)
@@ -179,7 +179,17 @@ class RoutingService:
         objective = objective_of(flow_control, headers)
         headers = forwarded_headers(headers)
         return Received(
-            body, policy, session, raw, headers, tokenize, off_loop, target, flow, objective, trace=trace
+            body,
+            policy,
+            session,
+            raw,
+            headers,
+            tokenize,
+            off_loop,
+            target,
+            flow,
+            objective,
+            trace=arrival.trace,
         )
 
     def _read(
@@ -211,43 +221,13 @@ class RoutingService:
             received.body, received.session, received.tokenize, received.off_loop, received.trace
         )
 
-    async def wait_turn(self, received: Received, prepared: Prepared) -> Prepared:
-        """Flow control: wait while every instance that could serve it is saturated (a 429 past a limit),
-        then what the index and the pool hold now. A request a stored response pins to one instance does
-        not wait for the fleet."""
-        if received.target.pinned is not None:
-            return prepared
-        request = prepared.request
-        # Untokenized (too large, or no tokenizer): about 4 bytes a token.
-        tokens = request.prompt_tokens or len(received.raw) // 4
-        work = uncached_at_best(request) if request.chain else tokens
-        received.ticket = ticket = await self._flow_gate.wait(
-            received.model, received.flow, received.objective, work, tokens
-        )
-        if ticket is None or not ticket.granted:
-            return prepared
-        received.trace.queued(ticket.queued_s, ticket.objective)
-        try:
-            return await self.decider.refresh(prepared)
-        finally:
-            self._flow_gate.started(ticket)
-
     async def send(self, received: Received, prepared: Prepared, path: str) -> Outcome:
         """Sent to the best instance with room, retried elsewhere while the client has had nothing: the
         outcome whose first bytes came (router/dispatch/attempts.py). A request for a stored response whose
         instance is gone gets vLLM's answer for an id it does not hold."""
         target = received.target
         try:
-            outcome = await self._attempts.send(
-                prepared,
-                received.policy,
-                path,
-                received.raw,
-                received.headers,
-                received.streamed,
-                target,
-                received.trace,
-            )
+            outcome = await self._attempts.send(received, prepared, path)
             outcome.ticket = received.ticket
             return outcome
         except OpenAIError as error:
@@ -277,9 +257,8 @@ class RoutingService:
             others = tuple(candidates[i] for i in order if candidates[i] is not decision.instance)[:fallbacks]
         if target.body_for is not None:  # the body names the chosen instance: no other may serve it
             others = ()
-        outcome = Outcome.start(
-            self.observers, decision, policy, received.model, received.streamed, None, api=target.api
-        )
+        asked = Asked(policy, received.model, received.streamed, target.api)
+        outcome = Outcome.start(self.observers, decision, asked, None)
         outcome.watch = target.watch
         outcome.ticket = received.ticket
         return Picked(outcome, others)
@@ -289,15 +268,7 @@ class RoutingService:
         after skipped others: the first attempt failed, and the one at served is the request's."""
         outcome.abandon(None, failed=True, admitted=False, withdraw=True)
         decision = self.decider.decide(prepared, outcome.policy, [served])
-        moved = Outcome.start(
-            self.observers,
-            decision,
-            outcome.policy,
-            outcome.model,
-            outcome.streamed,
-            outcome.first_sent,
-            attempts=outcome.attempts + 1 + skipped,
-            api=outcome.api,
-        )
+        attempts = outcome.attempts + 1 + skipped
+        moved = Outcome.start(self.observers, decision, outcome.asked, outcome.first_sent, Part(), attempts)
         moved.ticket = outcome.ticket
         return moved

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import aiohttp
 
@@ -25,7 +25,7 @@ from router.upstreams.instances import Instance, Upstreams
 from router.upstreams.room import HasRoom
 
 SentKind = Literal["answered", "not_connected", "dropped", "timed_out", "bad_answer"]
-_BACKOFF_S = 0.05  # before a retry, per instance tried, jittered
+RETRY_BACKOFF_S = 0.05  # before a retry, per instance tried, jittered
 # Of a whole answer, this much is held before the client gets it (its usage read, an error put in OpenAI's
 # shape); past it, the rest is relayed as it arrives (router/dispatch/relay.py), so that a request holds no
 # more than this of its answer. vLLM's answers are kilobytes; logprobs of thousands of tokens, a megabyte.
@@ -34,6 +34,16 @@ WHOLE_HELD_BYTES = 4 * 2**20
 # largest read asked of it: one read of WHOLE_HELD_BYTES let it buffer 8 MiB of an engine's answer while the
 # client was slower. (readany joins all that is buffered: 7 MiB in one part.)
 READ_PART_BYTES = 256 * 2**10
+
+
+class Outgoing(NamedTuple):
+    """One attempt's request to an instance."""
+
+    instance: Instance
+    path: str
+    payload: bytes
+    headers: dict[str, str]
+    method: str = "POST"  # or GET, retrieving a stored response (without a body)
 
 
 @dataclass(slots=True)
@@ -57,34 +67,18 @@ class Sender:
             total=None, sock_connect=config.connect_timeout_s, sock_read=None
         )
 
-    async def attempt(
-        self,
-        instance: Instance,
-        path: str,
-        payload: bytes,
-        headers: dict[str, str],
-        stream: bool,
-        method: str = "POST",
-    ) -> Sent:
+    async def attempt(self, outgoing: Outgoing, stream: bool) -> Sent:
         """A request the client waits for: a stream's first byte comes after prefill (first_byte_timeout_s),
         a whole answer only after the last token (response_timeout_s, from sending it)."""
         limit = self._first_byte_s if stream else self._response_s
-        return await self._send(instance, path, payload, headers, stream, limit, method)
+        return await self._send(outgoing, stream, limit)
 
-    async def prefill(self, instance: Instance, path: str, payload: bytes, headers: dict[str, str]) -> Sent:
+    async def prefill(self, outgoing: Outgoing) -> Sent:
         """A prefill leg: one token, whole, within the client's first-byte limit."""
-        return await self._send(instance, path, payload, headers, False, self._first_byte_s)
+        return await self._send(outgoing, False, self._first_byte_s)
 
-    async def _send(
-        self,
-        instance: Instance,
-        path: str,
-        payload: bytes,
-        headers: dict[str, str],
-        stream: bool,
-        limit_s: float,
-        method: str = "POST",
-    ) -> Sent:
+    async def _send(self, outgoing: Outgoing, stream: bool, limit_s: float) -> Sent:
+        instance, path, payload, headers, method = outgoing
         upstream: aiohttp.ClientResponse | None = None
         try:
             sent = {**headers, **instance.headers} if instance.headers else headers
@@ -158,7 +152,7 @@ class RetryPolicy:
         return attempt + 1 < self.attempts and another_has_room and self._budget.spend()
 
     async def back_off(self, tried: int) -> None:
-        await asyncio.sleep(_BACKOFF_S * tried * random.uniform(0.5, 1.5))
+        await asyncio.sleep(RETRY_BACKOFF_S * tried * random.uniform(0.5, 1.5))
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.dispatch.apis import routed_api
+from router.dispatch.context import Arrival, Received
 from router.dispatch.decision import Prepared
 from router.dispatch.flow_gate import FlowTicket
 from router.dispatch.outcome import Outcome
-from router.dispatch.routing import Received, RoutingService
+from router.dispatch.routing import Picked, RoutingService
 from router.epp.messages import endpoint
 from router.errors import RETRY_AFTER_S, unavailable
 from router.metrics import RouterMetrics
@@ -49,30 +50,33 @@ class Picker:
         """Where the request goes, or an OpenAIError for the gateway to answer (429, 503, 4xx). An inference
         request's Routed holds an admission slot until its outcome ends (leave)."""
         path, _, query = path.partition("?")
-        routed = routed_api(method, path)
-        if routed is None:
+        found = routed_api(method, path)
+        if found is None:
             return self._anywhere(subset, raw)
-        api, stored = routed
+        api, stored = found
         routing = self.routing
         # A span for the decision alone: the gateway sends the request, and the engine's spans are its.
         trace = routing.trace(f"pick {method}", path, stored, headers)
-        received: Received | None = None
+
+        async def pick(received: Received, prepared: Prepared) -> Routed:
+            outside = None if subset is None else self._outside(received.model, subset)
+            return self._routed(
+                received, prepared, routing.pick(received, prepared, outside, self._fallbacks)
+            )
+
         try:
-            await routing.admit()
-            try:
-                received = await routing.receive(raw, api, headers, stored, query, trace)
-                prepared = await routing.wait_turn(received, await routing.prepare(received))
-                outside = None if subset is None else self._outside(received.model, subset)
-                picked = routing.pick(received, prepared, outside, self._fallbacks)
-            except BaseException:
-                routing.leave(None if received is None else received.ticket)
-                raise
+            routed = await routing.conduct(Arrival(raw, api, headers, stored, query, trace), pick)
         except BaseException as error:
             trace.failed(error)
             trace.end()
             raise
-        trace.set("kvroute.fallbacks", len(picked.fallbacks))
+        trace.set("kvroute.fallbacks", len(routed.fallbacks))
         trace.end()
+        return routed
+
+    @staticmethod
+    def _routed(received: Received, prepared: Prepared, picked: Picked) -> Routed:
+        """The endpoints in the order the gateway tries them, and the body it sends the chosen one."""
         chosen = picked.outcome.instance
         endpoints = [endpoint(i.url) for i in (chosen, *picked.fallbacks)]
         body_for = received.target.body_for

@@ -18,9 +18,11 @@ from starlette.responses import Response
 
 from router.dispatch.apis import Api
 from router.dispatch.cached_tokens import with_cached_tokens
+from router.dispatch.context import Arrival, Received
+from router.dispatch.decision import Prepared
 from router.dispatch.outcome import Outcome
 from router.dispatch.relay import Relay
-from router.dispatch.routing import Received, RoutingService
+from router.dispatch.routing import RoutingService
 from router.dispatch.routing_headers import routing_headers
 from router.dispatch.sending import streams_events
 from router.errors import (
@@ -36,7 +38,7 @@ from router.errors import (
 )
 from router.http.body_budget import BodyBudget
 from router.http.client_watch import ClientWatch
-from router.http.relay_response import RelayResponse
+from router.http.relay_response import Head, RelayResponse
 from router.metrics import RouterMetrics
 from router.tracing.spans import Trace
 
@@ -120,20 +122,15 @@ class Proxy:
         # From here until the answer begins, a client that leaves cancels the work: waiting for a slot (an
         # overloaded router's clients time out), routing, or waiting for the engine.
         routing = self._routing
+
+        async def send(received: Received, prepared: Prepared) -> Outcome:
+            return await routing.send(received, prepared, path)
+
+        # Once admitted (or refused), its body counts with the work in flight, not against the bodies' budget.
+        arrival = Arrival(raw, api, headers, stored, query, trace, lambda: self._bodies.give_back(share))
         with ClientWatch(request.receive) as watch:
             try:
-                try:
-                    await routing.admit()
-                finally:
-                    self._bodies.give_back(share)  # admitted, its body counts with the work in flight
-                received: Received | None = None
-                try:
-                    received = await routing.receive(raw, api, headers, stored, query, trace)
-                    prepared = await routing.wait_turn(received, await routing.prepare(received))
-                    outcome = await routing.send(received, prepared, path)
-                except BaseException:
-                    routing.leave(None if received is None else received.ticket)
-                    raise
+                outcome = await routing.conduct(arrival, send)
             except asyncio.CancelledError:
                 if not watch.client_left():
                     raise
@@ -186,9 +183,7 @@ class Proxy:
             return RelayResponse(
                 relay(outcome, lambda ended: self._ended_here(ended, trace)),
                 lambda: self._ended_here(outcome, trace),
-                status,
-                headers,
-                content_type,
+                Head(status, headers, content_type),
                 self._limits.send_timeout_s,
                 lambda: self._stalled(outcome),
             )

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable
+from typing import NamedTuple
 
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from router.dispatch.relay import RelayBroken
+
+
+class Head(NamedTuple):
+    """What an answer starts with."""
+
+    status: int
+    raw_headers: list[tuple[bytes, bytes]]
+    media_type: str
 
 
 class RelayResponse(StreamingResponse):
@@ -22,14 +31,12 @@ class RelayResponse(StreamingResponse):
         self,
         relay: AsyncGenerator[bytes, None],
         finish: Callable[[], None],
-        status: int,
-        raw_headers: list[tuple[bytes, bytes]],
-        media_type: str,
+        head: Head,
         send_timeout_s: float,
         stalled: Callable[[], None],
     ) -> None:
-        super().__init__(relay, status, media_type=media_type)
-        self.raw_headers.extend(raw_headers)  # bytes as the engine sent them, not text re-encoded
+        super().__init__(relay, head.status, media_type=head.media_type)
+        self.raw_headers.extend(head.raw_headers)  # bytes as the engine sent them, not text re-encoded
         self._relay, self._finish = relay, finish
         self._send_timeout_s, self._stalled = send_timeout_s, stalled
 

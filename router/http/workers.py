@@ -132,7 +132,7 @@ def run_workers(config: RouterConfig, path: Path, host: str, port: int, workers:
                 except zmq.ZMQError as exc:
                     print(f"peers.publish {config.peers.publish} cannot be bound: {exc}", file=sys.stderr)
                     return 1
-            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints, str(root / "index"))
+            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints)
             return pool.run()
 
 
@@ -216,11 +216,11 @@ class WorkerPool:
         listeners: list[socket.socket],
         root: Path,
         endpoints: list[str],
-        index: str,
     ) -> None:
-        """endpoints: each worker's, which it publishes its load on; index: the index host's."""
+        """root: where the workers' metrics, readiness and the index host's socket are; endpoints: each
+        worker's, which it publishes its load on."""
         self._config, self._path, (self._host, self._port) = config, path, address
-        self._endpoints, self._index = endpoints, index
+        self._endpoints, self._index = endpoints, str(root / "index")
         self._metrics_dir, self._ready_dir = root / "metrics", root / "ready"
         self._metrics_dir.mkdir()
         self._ready_dir.mkdir()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 from msgspec.structs import replace
@@ -196,7 +197,8 @@ class Ingest:
             # from its tokens, a salted prompt's or an adapter's block would be another prompt's. Its vLLM
             # hashes are its GPU copies', announced with the keys first.
             if parts:
-                return self._store_known_in_steps(state, state, tier, event.block_hashes, pool, parts)
+                store = partial(self._holdings.store_known, state, state, tier, pool=pool)
+                return _known_in_steps(store, event.block_hashes, parts)
             self._holdings.store_known(state, state, tier, event.block_hashes, pool)
         return None
 
@@ -380,25 +382,19 @@ class Ingest:
             own = yield from self._store_in_steps(pool, Tier.POOL, event, pool, step, False)
             pool.hashes.update(zip(own, cast(list[bytes], hashes), strict=False))  # all of the blocks or none
         else:
-            known = yield from self._store_known_in_steps(
-                publisher, pool, Tier.POOL, hashes, pool, step, False
-            )
+            store = partial(self._holdings.store_known, publisher, pool, Tier.POOL, pool=pool, counted=False)
+            known = yield from _known_in_steps(store, hashes, step)
             pool.hashes.update(cast(list[tuple[int, bytes]], known))
 
-    def _store_known_in_steps(
-        self,
-        publisher: OwnerState,
-        state: OwnerState,
-        tier: Tier,
-        hashes: Sequence[BlockHash],
-        pool: PoolState,
-        step: int,
-        counted: bool = True,
-    ) -> Generator[None, None, list[tuple[int, BlockHash]]]:
-        """Holdings.store_known in steps of step blocks, from the end as it goes."""
-        known: list[tuple[int, BlockHash]] = []
-        for end in range(len(hashes), 0, -step):
-            part = hashes[max(0, end - step) : end]
-            known += self._holdings.store_known(publisher, state, tier, part, pool, counted)
-            yield
-        return known
+
+def _known_in_steps(
+    store: Callable[[Sequence[BlockHash]], list[tuple[int, BlockHash]]],
+    hashes: Sequence[BlockHash],
+    step: int,
+) -> Generator[None, None, list[tuple[int, BlockHash]]]:
+    """Holdings.store_known (store, all but its hashes given) in steps of step blocks, from the end."""
+    known: list[tuple[int, BlockHash]] = []
+    for end in range(len(hashes), 0, -step):
+        known += store(hashes[max(0, end - step) : end])
+        yield
+    return known

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 import zmq
@@ -100,34 +100,48 @@ class _Position:
     applied: OrderedDict[int, float] = field(default_factory=OrderedDict)  # seq -> ts, the latest ones
 
 
+class Source(NamedTuple):
+    """An engine's KV events: the instance's name, its publisher's endpoint, and its replay endpoint (None:
+    it has none)."""
+
+    instance: str
+    endpoint: str
+    replay: str | None = None
+
+
+@dataclass(frozen=True)
+class SubscriberOptions:
+    replay_timeout_s: float = 2.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    # The index's: an engine whose blocks are all of another size cannot be indexed, which is said once.
+    block_size: int | None = None
+    # The event loop's time for ingest, shared by a router's subscribers (None: this one's own).
+    turns: IngestTurns | None = None
+
+
 class KVEventSubscriber:
     """Keeps `sink` in step with one instance's events, recovering missed ones through `replay_endpoint`.
 
     ```
-    subscriber = KVEventSubscriber("a", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5567", index, metrics, context)
+    source = Source("a", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5567")
+    subscriber = KVEventSubscriber(source, index, metrics, context)
     task = asyncio.create_task(subscriber.run())
     ```
     """
 
     def __init__(
         self,
-        instance: str,
-        endpoint: str,
-        replay_endpoint: str | None,
+        source: Source,
         sink: EventSink,
         metrics: RouterMetrics,
         context: zmq.asyncio.Context,
-        replay_timeout_s: float = 2.0,
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
-        block_size: int | None = None,
-        turns: IngestTurns | None = None,
+        options: SubscriberOptions = SubscriberOptions(),
     ) -> None:
-        """block_size: the index's; an engine whose blocks are all of another size cannot be indexed, which
-        is said once; turns: the event loop's time for ingest, shared by a router's subscribers (by default,
-        this one's own)."""
-        self._turns = IngestTurns() if turns is None else turns
+        instance, endpoint, replay_endpoint = source
+        replay_timeout_s, max_message_bytes = options.replay_timeout_s, options.max_message_bytes
+        self._turns = IngestTurns() if options.turns is None else options.turns
         self.instance = instance
-        self._block_size = block_size
+        self._block_size = options.block_size
         self.foreign_block_size: int | None = None  # the engine's, once known to differ from block_size
         self._sizes_seen = [0, 0]  # BlockStored events of block_size and of others, since the engine began
         self._endpoint = endpoint

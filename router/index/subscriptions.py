@@ -17,7 +17,7 @@ import zmq.asyncio
 from router.config import InstanceConfig
 from router.index.block_index import BlockIndex
 from router.index.ingest_turns import IngestTurns
-from router.index.subscriber import KVEventSubscriber
+from router.index.subscriber import KVEventSubscriber, Source, SubscriberOptions
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -65,16 +65,9 @@ class Subscriptions:
         for instance in instances:
             if instance.events is None:
                 continue
-            subscriber = KVEventSubscriber(
-                instance.name,
-                instance.events,
-                instance.replay,
-                self._index,
-                self._metrics,
-                self._context,
-                block_size=self._index.block_size,
-                turns=self._turns,
-            )
+            source = Source(instance.name, instance.events, instance.replay)
+            options = SubscriberOptions(block_size=self._index.block_size, turns=self._turns)
+            subscriber = KVEventSubscriber(source, self._index, self._metrics, self._context, options)
             self._running[instance.name] = subscriber, asyncio.create_task(subscriber.run())
 
     def unsubscribe(self, name: str) -> None:

@@ -37,6 +37,7 @@ import jinja2.sandbox
 
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.openai_body import chat_endpoint_template_kwargs, lax_bool
+from router.prompt.template_inputs import TemplateInputs
 
 if TYPE_CHECKING:
     from router.prompt.tokenization import PromptTokenizer
@@ -407,7 +408,9 @@ def _disabled_thinking_effort(tokenizer: PromptTokenizer) -> str:
     def rendered(effort: str) -> str | None:
         kwargs = chat_endpoint_template_kwargs(None, effort)
         try:
-            return tokenizer.render_chat([{"role": "user", "content": "Hi"}], template_kwargs=kwargs)
+            return tokenizer.render_chat(
+                [{"role": "user", "content": "Hi"}], inputs=TemplateInputs(template_kwargs=kwargs)
+            )
         except Exception:  # vLLM takes any failure as "none" not being understood
             return None
 

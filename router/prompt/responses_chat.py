@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.template_inputs import NO_INPUTS, TemplateInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +53,7 @@ class ResponsesChat:
             self.add_generation_prompt,
             self.continue_final_message,
             add_special_tokens=True,
-            tools=self.tools,
-            template_kwargs=self.template_kwargs,
-            calls_as_given=True,
+            inputs=TemplateInputs(self.tools, self.template_kwargs, calls_as_given=True),
         )
 
 
@@ -65,9 +64,7 @@ class ChatTokenizer(Protocol):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        calls_as_given: bool = False,
+        inputs: TemplateInputs = NO_INPUTS,
     ) -> list[int]: ...
 
 

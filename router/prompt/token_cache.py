@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import msgspec
 import xxhash
 
+from router.prompt.template_inputs import NO_INPUTS, TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -255,28 +256,20 @@ class CachedChatTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        calls_as_given: bool = False,
+        inputs: TemplateInputs = NO_INPUTS,
     ) -> list[int]:
         if add_special_tokens and self._affixes is not None:  # a Responses prompt: a BOS, the chat's ids
             prefix, suffix = self._affixes
             flags = (add_generation_prompt, continue_final_message, False)
-            plain = self.chat_ids(messages, *flags, tools, template_kwargs, calls_as_given)
+            plain = self.chat_ids(messages, *flags, inputs)
             return [*prefix, *plain, *suffix]
+        tools, template_kwargs, calls_as_given = inputs.tools, inputs.template_kwargs, inputs.calls_as_given
         rendered_from = (messages, tools, template_kwargs, add_generation_prompt, continue_final_message)
-        inputs = None if add_special_tokens else self._inputs_key((*rendered_from, calls_as_given))
-        known = None if inputs is None else self._rendered_before(*inputs)
+        inputs_key = None if add_special_tokens else self._inputs_key((*rendered_from, calls_as_given))
+        known = None if inputs_key is None else self._rendered_before(*inputs_key)
         if known is not None:
             return known
-        text = self.tokenizer.render_chat(
-            messages,
-            add_generation_prompt,
-            continue_final_message,
-            tools,
-            template_kwargs,
-            calls_as_given=calls_as_given,
-        )
+        text = self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, inputs)
         data = text.encode()
         pattern = None if add_special_tokens else self._cut_pattern
         cuts = [match.end() for match in pattern.finditer(data)] if pattern is not None else []
@@ -301,8 +294,8 @@ class CachedChatTokenizer:
                 self.stats.tokens_reused += entry.tokens
                 if start == len(data):  # the whole text
                     self._entries.move_to_end(keys[hit])
-                    if inputs is not None:
-                        self._attach(inputs, entry.block, entry.tokens)
+                    if inputs_key is not None:
+                        self._attach(inputs_key, entry.block, entry.tokens)
                     return ids
             ends = [
                 self._known_tokens(key, nbytes)
@@ -319,8 +312,8 @@ class CachedChatTokenizer:
         with self._lock:
             self.stats.tokens_encoded += len(ids) - reused
             block = self._remember(keys, cuts, ends, ids)
-            if block is not None and inputs is not None and cuts[-1] == len(data):
-                self._attach(inputs, block, len(ids))
+            if block is not None and inputs_key is not None and cuts[-1] == len(data):
+                self._attach(inputs_key, block, len(ids))
         return ids.copy()
 
     def _inputs_key(self, rendered_from: tuple[Any, ...]) -> tuple[int, int] | None:

@@ -19,6 +19,7 @@ from router.prompt.chat_conversation import (
     engine_template_kwargs,
     engine_tools,
 )
+from router.prompt.template_inputs import NO_INPUTS, TemplateInputs
 
 # A batch of texts is encoded on this thread, not handed to the tokenizers library's thread pool: the router
 # encodes one request's few new pieces at a time, and the pool's handover and its threads' spinning cost a
@@ -141,13 +142,9 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        calls_as_given: bool = False,
+        inputs: TemplateInputs = NO_INPUTS,
     ) -> list[int]:
-        text = self.render_chat(
-            messages, add_generation_prompt, continue_final_message, tools, template_kwargs, calls_as_given
-        )
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, inputs)
         return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def render_chat(
@@ -155,12 +152,9 @@ class PromptTokenizer:
         messages: Sequence[Any],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        calls_as_given: bool = False,
+        inputs: TemplateInputs = NO_INPUTS,
     ) -> str:
-        """template_kwargs: the request's ``chat_template_kwargs``; calls_as_given: tool calls laid out as on
-        vLLM's Responses path (see ``engine_conversation``)."""
+        tools, template_kwargs = inputs.tools, inputs.template_kwargs
         if add_generation_prompt and continue_final_message:
             raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
         tool_dicts: list[dict[Any, Any] | Callable[..., Any]] | None = None
@@ -169,7 +163,7 @@ class PromptTokenizer:
         template = self.template_text(tool_dicts)
         kwargs = engine_template_kwargs(template_kwargs, template) if template_kwargs else {}
         rendered = self._tokenizer.apply_chat_template(
-            engine_conversation(messages, template, calls_as_given),
+            engine_conversation(messages, template, inputs.calls_as_given),
             tools=tool_dicts,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,

@@ -28,6 +28,27 @@ class TransferEndpoint:
     bootstrap_url: str | None
 
 
+@dataclass(frozen=True)
+class InstanceSetup:
+    """An instance's state and parts at its start, beyond its name, URL and models."""
+
+    healthy: bool = True
+    load: EngineLoad | None = None
+    kv_capacity_tokens: int | None = None
+    roots: dict[str, str] | None = None
+    ttft_model: TTFTModel | None = None  # None: one of its own, with the default priors
+    breaker: CircuitBreaker | None = None  # None: one with the default limits
+    clock: Callable[[], float] = time.monotonic
+    headers: dict[str, str] | None = None
+    data_parallel_rank: int | None = None
+    block_size: int = 16
+    role: Role = "both"
+    transfer: TransferEndpoint | None = None
+
+
+_DEFAULT_SETUP = InstanceSetup()
+
+
 class Instance(CandidateState):
     """An engine as the router sees it. What the scorers read of it (scorers/candidate.py: name, load,
     kv_capacity_tokens, context_hold_s, ttft_model and the sums below) are C fields of its base
@@ -57,46 +78,34 @@ class Instance(CandidateState):
     )
 
     def __init__(
-        self,
-        name: str,
-        url: str,
-        models: frozenset[str],
-        *,
-        healthy: bool = True,
-        load: EngineLoad | None = None,
-        kv_capacity_tokens: int | None = None,
-        roots: dict[str, str] | None = None,
-        ttft_model: TTFTModel | None = None,
-        breaker: CircuitBreaker | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        headers: dict[str, str] | None = None,
-        data_parallel_rank: int | None = None,
-        block_size: int = 16,
-        role: Role = "both",
-        transfer: TransferEndpoint | None = None,
+        self, name: str, url: str, models: frozenset[str], setup: InstanceSetup | None = None
     ) -> None:
+        setup = _DEFAULT_SETUP if setup is None else setup
+        clock, block_size = setup.clock, setup.block_size
         super().__init__(name)
         self.url, self.models = url, models
-        self.healthy = healthy
+        self.healthy = setup.healthy
         self.checked = False  # a health check has answered (or failed) since the instance came in
-        self.load = load
-        self.kv_capacity_tokens = kv_capacity_tokens  # from the engine's vllm:cache_config_info once scraped
+        self.load = setup.load
+        # From the engine's vllm:cache_config_info once scraped.
+        self.kv_capacity_tokens = setup.kv_capacity_tokens
         self.max_model_len: dict[str, int] = {}  # by model, from its /v1/models once healthy
-        self.roots = {} if roots is None else roots  # by base model, the same: its path (vLLM --model)
+        # By base model, the same (from its /v1/models once healthy): its path (vLLM --model).
+        self.roots = {} if setup.roots is None else setup.roots
         self.cards_read = False  # /v1/models answered since it last came up
         self.failed_checks = 0
-        self.ttft_model = TTFTModel(TTFTPriors()) if ttft_model is None else ttft_model
-        self.breaker = CircuitBreaker() if breaker is None else breaker
+        self.ttft_model = TTFTModel(TTFTPriors()) if setup.ttft_model is None else setup.ttft_model
+        self.breaker = CircuitBreaker() if setup.breaker is None else setup.breaker
         self.clock = clock
         self.contexts = ContextResidency(clock)
         self.context_hold_s = None  # the contexts' hold time, kept as each is released
         # What every request to it carries: the key the instance requires, the data-parallel rank it is.
-        self.headers = {} if headers is None else headers
-        self.data_parallel_rank = data_parallel_rank  # one rank of an engine; its load is that rank's
+        self.headers = {} if setup.headers is None else setup.headers
+        self.data_parallel_rank = setup.data_parallel_rank  # one rank of an engine; its load is that rank's
         self.block_size = block_size  # the engine's, for the blocks in flight
         self.held = InflightBlocks(block_size)
-        self.role: Role = role  # the legs of a disaggregated model's requests it takes
-        self.transfer = transfer  # where a decode leg fetches KV this instance prefilled
+        self.role: Role = setup.role  # the legs of a disaggregated model's requests it takes
+        self.transfer = setup.transfer  # where a decode leg fetches KV this instance prefilled
         # The scorers' in_flight, pending_prefill_tokens and active_tokens are this router's counts and its
         # peers' (their setters below), kept summed as the parts change.
         self._own_in_flight = 0
@@ -193,13 +202,15 @@ class Instance(CandidateState):
             name=config.name,
             url=config.url,
             models=frozenset(router.models_of(config)),
-            ttft_model=TTFTModel(router.ttft, fleet_model),
-            breaker=CircuitBreaker(breaker.failures, breaker.open_s),
-            headers=request_headers(config, router),
-            data_parallel_rank=config.data_parallel_rank,
-            block_size=router.block_size,
-            role=config.role,
-            transfer=TransferEndpoint(config.kv_engine_id, config.kv_bootstrap_url),
+            setup=InstanceSetup(
+                ttft_model=TTFTModel(router.ttft, fleet_model),
+                breaker=CircuitBreaker(breaker.failures, breaker.open_s),
+                headers=request_headers(config, router),
+                data_parallel_rank=config.data_parallel_rank,
+                block_size=router.block_size,
+                role=config.role,
+                transfer=TransferEndpoint(config.kv_engine_id, config.kv_bootstrap_url),
+            ),
         )
 
 

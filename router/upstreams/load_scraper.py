@@ -18,6 +18,7 @@ from collections.abc import Callable
 import aiohttp
 
 from router.bounded_read import read_at_most
+from router.config import LoadConfig
 from router.upstreams.instances import Instance, Upstreams
 from scorers.candidate import EngineLoad
 
@@ -174,9 +175,7 @@ class LoadScraper:
         self,
         fleet: Upstreams,
         session: aiohttp.ClientSession,
-        interval_s: float = 0.2,
-        timeout_s: float = 1.0,
-        stale_after_s: float = 1.0,
+        config: LoadConfig,
         clock: Callable[[], float] = time.monotonic,
         restarted: Callable[[str], None] = lambda name: None,
     ) -> None:
@@ -185,9 +184,9 @@ class LoadScraper:
         self._restarted = restarted
         self._started: dict[str, float] = {}  # instance -> latest process start time seen
         self._unanswered: set[str] = set()  # instances whose /metrics failed since they last answered
-        self.interval_s = interval_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._stale_after_s = stale_after_s
+        self.interval_s = config.scrape_interval_s
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._stale_after_s = config.stale_after_s
         self._last_ok: dict[str, float] = {}
 
     async def scrape_all(self) -> None:

@@ -71,10 +71,8 @@ class PeerSync:
         context: zmq.asyncio.Context,
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
-        discovered: bool = False,
     ) -> None:
-        """on_change: called after peers' loads changed (a request of theirs may have freed memory);
-        discovered: more peers come from discovery (follow_discovered), besides those configured."""
+        """on_change: called after peers' loads changed (a request of theirs may have freed memory)."""
         self.router_id = uuid.uuid4().hex[:16]
         self.loads = PeerLoads(config.stale_after_s, clock)
         self._config, self._fleet, self._metrics, self._context = config, fleet, metrics, context
@@ -83,7 +81,11 @@ class PeerSync:
         self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
         self._publisher: zmq.asyncio.Socket | None = None
         self._subscriber: zmq.asyncio.Socket | None = None
-        self._discovered: set[str] | None = set() if discovered else None  # their endpoints, connected
+        self._discovered: set[str] | None = None  # their endpoints, connected (None: none expected)
+
+    def expect_discovered(self) -> None:
+        """More peers come from discovery (follow_discovered), besides those configured: before start()."""
+        self._discovered = set()
 
     def start(self) -> None:
         if self._config.publish is not None:

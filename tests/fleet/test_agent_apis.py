@@ -20,6 +20,7 @@ from fleet.sampling import printable_token_ids
 from fleet.server import SimInstance, serve
 from kvroute.processes import free_port_block
 from router.prompt.responses_chat import responses_chat
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 
 MODEL = "tiny-llama"
@@ -133,7 +134,9 @@ def test_a_follow_up_renders_the_stored_turn_and_finds_its_blocks_cached(tokeniz
         chat = responses_chat(follow, messages, turn1["output"])
         assert chat.messages[0] == {"role": "system", "content": "Be terse."}
         assert chat.messages[2] == {"role": "assistant", "content": turn1["output"][0]["content"][0]["text"]}
-        ids = tokenizer.chat_ids(chat.messages, add_special_tokens=True, calls_as_given=True)
+        ids = tokenizer.chat_ids(
+            chat.messages, add_special_tokens=True, inputs=TemplateInputs(calls_as_given=True)
+        )
         assert turn2["usage"]["input_tokens"] == len(ids)
         # a third turn without instructions holds turn 2's prompt less its system message: no shared prefix
         # but the BOS tokens; turn 2 without them would have found turn 1's full blocks cached

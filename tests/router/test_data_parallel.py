@@ -15,7 +15,7 @@ import pytest
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.workload import AgentWorkload
-from router.config import ConfigError, parse_config
+from router.config import ConfigError, LoadConfig, parse_config
 from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity
@@ -111,7 +111,7 @@ def test_the_ranks_of_one_engine_share_one_scrape_of_its_metrics_and_each_takes_
                 "instances": [{"name": "big", "url": url, "data_parallel_size": 2}],
             }
             fleet = Upstreams(parse_config(raw))
-            await LoadScraper(fleet, session, timeout_s=1.0).scrape_all()
+            await LoadScraper(fleet, session, LoadConfig(timeout_s=1.0)).scrape_all()
             return [i.load for i in fleet.instances], len(engine.headers)
 
     assert asyncio.run(main()) == ([EngineLoad(1.0, 3.0, 0.2), EngineLoad(2.0, 4.0, 0.6)], 1)

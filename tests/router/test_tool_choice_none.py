@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 from tests.router.test_proxy import post
 
@@ -54,7 +55,9 @@ def _prompt_blocks(router_url: str, tool_choice: str) -> tuple[int, int]:
 def test_the_router_counts_the_engines_prompt_when_told_of_the_option(
     fleet: FleetPorts, tokenizer: PromptTokenizer, tmp_path: Path, told: bool
 ) -> None:
-    with_tools, without = (len(tokenizer.chat_ids(MESSAGES, tools=t)) // BLOCK for t in (TOOLS, None))
+    with_tools, without = (
+        len(tokenizer.chat_ids(MESSAGES, inputs=TemplateInputs(tools=t))) // BLOCK for t in (TOOLS, None)
+    )
     assert with_tools > without  # the tools take blocks of their own
     config = fleet.router_config(block_size=BLOCK)
     config["models"] = [{"name": "tiny-llama", "exclude_tools_when_tool_choice_none": told}]

@@ -8,6 +8,7 @@ import pytest
 
 from kvroute.stack.run import Stack
 from router.prompt.openai_body import ChatRequest
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 from tests.stack.client import (
     BLOCK,
@@ -169,8 +170,8 @@ def test_chats_with_tools_equal_vllm(
 ) -> None:
     """What the router renders itself equals both what /tokenize answers and the prompt the chat endpoint
     runs (return_token_ids), on each instance."""
-    ids = tokenizer.chat_ids(messages, tools=tools)
-    assert "<|tools|>" in tokenizer.render_chat(messages, tools=tools)
+    ids = tokenizer.chat_ids(messages, inputs=TemplateInputs(tools=tools))
+    assert "<|tools|>" in tokenizer.render_chat(messages, inputs=TemplateInputs(tools=tools))
     for instance in stack.instances:
         body = {"model": MODEL, "messages": messages, "tools": tools}
         assert post(instance.url + "/tokenize", body).body["tokens"] == ids, instance.name
@@ -187,8 +188,10 @@ def test_deprecated_reasoning_content_renders_as_the_chat_endpoint_does(
         {"role": "assistant", "content": "ok", "reasoning_content": "think"},
         {"role": "user", "content": "more"},
     ]
-    ids = tokenizer.chat_ids(messages, tools=TOOLS)
-    assert ids != tokenizer.chat_ids([{**m, "reasoning_content": None} for m in messages], tools=TOOLS)
+    ids = tokenizer.chat_ids(messages, inputs=TemplateInputs(tools=TOOLS))
+    assert ids != tokenizer.chat_ids(
+        [{**m, "reasoning_content": None} for m in messages], inputs=TemplateInputs(tools=TOOLS)
+    )
     body = {"model": MODEL, "messages": messages, "tools": TOOLS, **ONE_TOKEN}
     assert post(stack.instances[0].url + "/v1/chat/completions", body).body["prompt_token_ids"] == ids
 
@@ -201,7 +204,7 @@ def test_chat_template_kwargs_equal_vllm(
     stack: Stack, tokenizer: PromptTokenizer, template_kwargs: dict[str, Any]
 ) -> None:
     messages = [SYSTEM, {"role": "user", "content": "Plan first."}]
-    ids = tokenizer.chat_ids(messages, template_kwargs=template_kwargs)
+    ids = tokenizer.chat_ids(messages, inputs=TemplateInputs(template_kwargs=template_kwargs))
     body = {"model": MODEL, "messages": messages, "chat_template_kwargs": template_kwargs}
     for instance in stack.instances:
         assert post(instance.url + "/tokenize", body).body["tokens"] == ids, instance.name
@@ -216,7 +219,9 @@ def test_reasoning_effort_renders_as_the_chat_endpoint_does(
     kwargs = ChatRequest(model=MODEL, messages=messages, reasoning_effort=effort).template_kwargs()
     body = {"model": MODEL, "messages": messages, "reasoning_effort": effort, **ONE_TOKEN}
     reply = post(stack.instances[0].url + "/v1/chat/completions", body)
-    assert reply.body["prompt_token_ids"] == tokenizer.chat_ids(messages, template_kwargs=kwargs)
+    assert reply.body["prompt_token_ids"] == tokenizer.chat_ids(
+        messages, inputs=TemplateInputs(template_kwargs=kwargs)
+    )
 
 
 def test_router_routes_chats_with_tools_by_their_prefix_and_its_audit_agrees(stack: Stack) -> None:

@@ -36,7 +36,7 @@ from router.config import DisaggregationConfig
 from router.dispatch.decision import Decision
 from router.dispatch.prefill_leg import PrefillLeg
 from router.index.events import BlockRemoved, BlockStored, KVEvent
-from router.upstreams.instances import Instance
+from router.upstreams.instances import Instance, InstanceSetup
 from scorers.ttft_model import TTFTFeatures
 
 SIZE = 4
@@ -721,7 +721,7 @@ def test_kvroutes_prefill_rule_is_the_proxys() -> None:
     policy = PD_POLICIES["kvroute"](fleet)
     assert isinstance(policy, KvroutePD)
     proxy = PrefillLeg(None, "nixl", DisaggregationConfig().local_prefill_max_tokens)
-    target = Instance("sim-1", "http://sim-1", frozenset({fleet.model}), role="decode")
+    target = Instance("sim-1", "http://sim-1", frozenset({fleet.model}), setup=InstanceSetup(role="decode"))
     for prompt, uncached in ((0, 0), (1000, 0), (1000, 256), (1000, 257), (5000, 5000)):
         decision = Decision(target, prompt, prompt // 16, 0, uncached, TTFTFeatures(0, uncached, 0), 0.1)
         assert policy.worth_it(decision) == proxy.worth_it(decision), (prompt, uncached)

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import running_router
-from router.dispatch.ab import ABStats
+from router.dispatch.ab import ABStats, Ended
 from tests.conftest import metric, sample
 from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.router.test_proxy import post
@@ -46,8 +46,8 @@ def test_error_answers_are_no_latency_samples_and_streams_count_once(tmp_path: P
 
 def test_an_error_adds_no_end_to_end_sample() -> None:
     stats = ABStats()
-    stats.finished("p", "a", 200, 0.5, 100, 50)
-    stats.finished("p", "a", 400, None, 100, 0)
+    stats.finished("p", Ended("a", 200, 0.5, 100, 50))
+    stats.finished("p", Ended("a", 400, None, 100, 0))
     summary = stats.report({"p": 1})["policies"]["p"]
     assert summary["requests"] == 2
     assert summary["e2e_ms"]["p50"] == 500.0

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from router.config import parse_config
-from router.dispatch.decision import Decider, Prepared
+from router.dispatch.decision import Decider, DeciderOptions, Prepared
 from router.index.block_index import BlockIndex
 from router.index.events import BlockStored
 from router.metrics import RouterMetrics
 from router.prompt.openai_body import ChatRequest, CompletionRequest
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.upstreams.instances import Upstreams
@@ -63,7 +64,10 @@ class AgreeingRemote(RecordingRemote):
         self.asked.append(template_inputs)
         inputs = template_inputs or {}
         return self.tokenizer.chat_ids(
-            messages, tools=inputs.get("tools"), template_kwargs=inputs.get("chat_template_kwargs")
+            messages,
+            inputs=TemplateInputs(
+                tools=inputs.get("tools"), template_kwargs=inputs.get("chat_template_kwargs")
+            ),
         )
 
 
@@ -178,7 +182,7 @@ def prepare_chats(
         32,
         metrics,
         lambda model: remote,  # type: ignore[arg-type,return-value]
-        audit_every=audit_every,
+        options=DeciderOptions(audit_every=audit_every),
     )
 
     async def run() -> list[int]:
@@ -204,7 +208,7 @@ def test_chats_with_tools_are_rendered_here_and_the_first_and_every_nth_is_check
     chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(5)]
     remote = AgreeingRemote(tokenizer)
     counts, metrics = prepare_chats(tokenizer, remote, chats, audit_every=2)
-    assert counts == [len(tokenizer.chat_ids(chat, tools=TOOLS)) for chat in chats]
+    assert counts == [len(tokenizer.chat_ids(chat, inputs=TemplateInputs(tools=TOOLS))) for chat in chats]
     assert counts[0] > len(tokenizer.chat_ids(chats[0]))  # the tools were rendered too
     assert remote.asked == [{"tools": TOOLS}] * 3  # chats 0, 2 and 4
     assert (audits(metrics, "match"), audits(metrics, "mismatch")) == (3, 0)
@@ -214,7 +218,7 @@ def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine_and_raises
     tokenizer: PromptTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
     chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(3)]
-    first = len(tokenizer.chat_ids(chats[0], tools=TOOLS))
+    first = len(tokenizer.chat_ids(chats[0], inputs=TemplateInputs(tools=TOOLS)))
     remote = RecordingRemote()
     counts, metrics = prepare_chats(tokenizer, remote, chats, audit_every=100)
     assert counts == [first, 100, 100]
@@ -256,12 +260,20 @@ def test_tools_are_left_out_as_the_engines_option_leaves_them_out(
     tools: so must the router, or the prompt's blocks are not the engine's (stated per model in the config)."""
     models = frozenset({"tiny-llama"} if engines_leave_tools_out else ())
     router = Decider(
-        BlockIndex(32), {"tiny-llama": tokenizer}, 32, RouterMetrics(), tools_out_when_none=models
+        BlockIndex(32),
+        {"tiny-llama": tokenizer},
+        32,
+        RouterMetrics(),
+        options=DeciderOptions(tools_out_when_none=models),
     )  # type: ignore[dict-item]
     body = ChatRequest(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
     prompt_tokens = asyncio.run(router.prepare(body, None)).request.prompt_tokens
-    assert prompt_tokens == len(tokenizer.chat_ids(MESSAGES, tools=TOOLS if rendered_with_tools else None))
-    assert len(tokenizer.chat_ids(MESSAGES, tools=TOOLS)) > len(tokenizer.chat_ids(MESSAGES))
+    assert prompt_tokens == len(
+        tokenizer.chat_ids(MESSAGES, inputs=TemplateInputs(tools=TOOLS if rendered_with_tools else None))
+    )
+    assert len(tokenizer.chat_ids(MESSAGES, inputs=TemplateInputs(tools=TOOLS))) > len(
+        tokenizer.chat_ids(MESSAGES)
+    )
 
 
 def test_documents_which_no_tokenizer_endpoint_takes_route_without_prefix(tokenizer: PromptTokenizer) -> None:
@@ -275,11 +287,15 @@ def test_reasoning_effort_reaches_the_template_as_vllms_chat_endpoint_passes_it(
     tokenizer: PromptTokenizer, effort: str, thinking: bool
 ) -> None:
     remote = RecordingRemote()
-    expected = tokenizer.chat_ids(MESSAGES, template_kwargs={"enable_thinking": thinking})
+    expected = tokenizer.chat_ids(
+        MESSAGES, inputs=TemplateInputs(template_kwargs={"enable_thinking": thinking})
+    )
     assert prepare(tokenizer, remote, reasoning_effort=effort) == len(expected)
     # kwargs the request sets itself win
     on = prepare(tokenizer, remote, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
-    assert on == len(tokenizer.chat_ids(MESSAGES, template_kwargs={"enable_thinking": True}))
+    assert on == len(
+        tokenizer.chat_ids(MESSAGES, inputs=TemplateInputs(template_kwargs={"enable_thinking": True}))
+    )
     assert remote.asked == []
 
 
@@ -351,7 +367,7 @@ def test_an_adapters_prompt_matches_only_blocks_cached_under_that_adapter(
     index.apply(("chat", 0), [stored("chat-lora", 0, blocks, 3)])
     local = {name: tokenizer for name in ("tiny-llama", "sql-lora", "chat-lora")}
     adapters = frozenset({"sql-lora", "chat-lora"})
-    router = Decider(index, local, 32, RouterMetrics(), adapters=adapters)  # type: ignore[arg-type]
+    router = Decider(index, local, 32, RouterMetrics(), options=DeciderOptions(adapters=adapters))  # type: ignore[arg-type]
 
     def matched(model: str) -> dict[str, int]:
         body = ChatRequest(model=model, messages=MESSAGES, cache_salt=salt)

@@ -8,6 +8,7 @@ import asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import parse_config
+from router.dispatch.flow_control import Demand
 from router.dispatch.flow_gate import FLOW_LABEL_CHARS, FLOW_SERIES, OTHER_FLOWS, FlowTicket
 from router.runtime import Runtime
 
@@ -25,7 +26,9 @@ def test_the_waiters_room_appears_for_are_let_go_together() -> None:
 
     async def main() -> None:
         instance.own_pending_prefill_tokens = SATURATING_TOKENS
-        waiting = [asyncio.create_task(gate.wait(MODEL, f"flow-{n}", None, 10.0, 100)) for n in range(8)]
+        waiting = [
+            asyncio.create_task(gate.wait(Demand(MODEL, f"flow-{n}", None, 10.0, 100))) for n in range(8)
+        ]
         await asyncio.sleep(0)
         assert gate.control.queued() == 8
         instance.own_pending_prefill_tokens = 0
@@ -37,7 +40,7 @@ def test_the_waiters_room_appears_for_are_let_go_together() -> None:
         for ticket in tickets:
             gate.started(ticket)
         await asyncio.sleep(0)  # started() places each with call_soon
-        arrival = await gate.wait(MODEL, "late", None, 10.0, 100)
+        arrival = await gate.wait(Demand(MODEL, "late", None, 10.0, 100))
         assert arrival is not None and not arrival.granted and arrival.entry is None
         for ticket in [*tickets, arrival]:
             gate.leave(ticket)
@@ -62,7 +65,7 @@ def test_the_per_flow_gauge_shows_the_flows_queued_now_and_counts_the_rest_toget
 
     async def queue_and_drain(flows: list[str]) -> dict[str, float]:
         instance.own_pending_prefill_tokens = SATURATING_TOKENS
-        waiting = [asyncio.create_task(gate.wait(MODEL, flow, None, 10.0, 100)) for flow in flows]
+        waiting = [asyncio.create_task(gate.wait(Demand(MODEL, flow, None, 10.0, 100))) for flow in flows]
         await asyncio.sleep(0)
         seen = _queued_by_flow(runtime)
         instance.own_pending_prefill_tokens = 0

@@ -10,13 +10,18 @@ from pathlib import Path
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.dispatch.memory_gate import MemoryGate
-from router.upstreams.instances import Instance
+from router.upstreams.instances import Instance, InstanceSetup
 from tests.conftest import ManualClock, metric, sample
 from tests.router.test_proxy import get_json, post
 
 
 def instance(name: str, capacity: int | None, in_flight_tokens: int = 0) -> Instance:
-    made = Instance(name=name, url=f"http://{name}", models=frozenset({"m"}), kv_capacity_tokens=capacity)
+    made = Instance(
+        name=name,
+        url=f"http://{name}",
+        models=frozenset({"m"}),
+        setup=InstanceSetup(kv_capacity_tokens=capacity),
+    )
     if in_flight_tokens:
         made.start(in_flight_tokens, 0)
     return made

@@ -24,6 +24,7 @@ import pytest
 
 from kvroute.processes import FleetPorts, running_router
 from router.config import parse_config
+from router.dispatch.flow_control import Demand
 from router.errors import OpenAIError
 from router.http.dashboard import flow_control_state
 from router.runtime import Runtime
@@ -83,10 +84,10 @@ def test_flow_control_state_lists_the_objectives_by_priority_with_their_queue_an
     async def queue_then_refuse() -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         gate.control.admit(
-            waiter, "tiny-llama", "tenant-a", "interactive", 100.0, 100, lambda _work, _tokens: False
+            waiter, Demand("tiny-llama", "tenant-a", "interactive", 100.0, 100), lambda _work, _tokens: False
         )
         with pytest.raises(OpenAIError) as refused:
-            await gate.wait("tiny-llama", "tenant-b", "batch", 100.0, 100)
+            await gate.wait(Demand("tiny-llama", "tenant-b", "batch", 100.0, 100))
         assert refused.value.code == "queue_full"
 
     asyncio.run(queue_then_refuse())

@@ -27,7 +27,7 @@ from router.index.events import (
     MalformedBatch,
     pack_seq,
 )
-from router.index.subscriber import KVEventSubscriber
+from router.index.subscriber import KVEventSubscriber, Source
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
 from scorers.request import TierMatch
@@ -587,7 +587,7 @@ class NullSink:
 @pytest.fixture(scope="module")
 def subscriber() -> Iterator[KVEventSubscriber]:
     context = zmq.asyncio.Context()
-    yield KVEventSubscriber("a", "tcp://127.0.0.1:1", None, NullSink(), RouterMetrics(), context)
+    yield KVEventSubscriber(Source("a", "tcp://127.0.0.1:1"), NullSink(), RouterMetrics(), context)
     context.term()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.dispatch.decision import Decider
+from router.dispatch.decision import Decider, DeciderOptions
 from router.index.block_index import BlockIndex
 from router.index.events import EventDecoder
 from router.metrics import RouterMetrics
@@ -53,7 +53,7 @@ def matched_blocks(index: BlockIndex, name: str, tokenizer: PromptTokenizer) -> 
         dict.fromkeys(models, cached),
         BLOCK,
         RouterMetrics(),
-        adapters=frozenset({CAPTURE["lora_name"]}),
+        options=DeciderOptions(adapters=frozenset({CAPTURE["lora_name"]})),
     )
     body = CompletionRequest(
         model=entry["model"], prompt=entry["prompt_token_ids"], cache_salt=entry["cache_salt"]

@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 
 from kvroute.processes import free_port_block
 from router.config import ModelConfig
-from router.dispatch.decision import Decider
+from router.dispatch.decision import Decider, DeciderOptions
 from router.index import matching
 from router.index.block_index import BlockIndex
 from router.index.figures import figures_of
@@ -261,7 +261,9 @@ def test_a_decision_with_pool_credit_probes_the_index_once(monkeypatch: pytest.M
     async def run() -> dict[str, TierMatch]:
         async with in_process_master(True) as url, aiohttp.ClientSession() as session:
             pool = PoolConfirmer(index, MasterLookup(url, session, timeout_s=2.0), POOL_NAMES, metrics)
-            router = Decider(index, {"tiny-llama": PromptTokens()}, BS, metrics, pool=pool)  # type: ignore[dict-item]
+            router = Decider(
+                index, {"tiny-llama": PromptTokens()}, BS, metrics, options=DeciderOptions(pool=pool)
+            )  # type: ignore[dict-item]
             body = CompletionRequest(prompt="the prompt", model="tiny-llama")
             return (await router.prepare(body, None)).request.matches
 

@@ -27,7 +27,7 @@ from router.index import replay
 from router.index import subscriber as kv_subscriber
 from router.index.block_index import BlockIndex
 from router.index.events import BlockRemoved, BlockStored, EventEncoder, KVEvent
-from router.index.subscriber import KVEventSubscriber
+from router.index.subscriber import KVEventSubscriber, Source, SubscriberOptions
 from router.metrics import RouterMetrics
 from tests.router.index.rogue_publisher import Plan, RogueProcess, rogue
 from tests.router.index.test_subscriber import RecordingSink
@@ -87,14 +87,11 @@ class Follower:
         self.context = zmq.asyncio.Context()
         replay_endpoint = peer.replay_endpoint if replay else None
         self.subscriber = KVEventSubscriber(
-            "a",
-            peer.endpoint,
-            replay_endpoint,
+            Source("a", peer.endpoint, replay_endpoint),
             self.sink,
             self.metrics,
             self.context,
-            block_size=BS,
-            **options,
+            SubscriberOptions(block_size=BS, **options),
         )
 
     def count(self, name: str, **labels: str) -> float:

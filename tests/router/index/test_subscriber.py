@@ -32,7 +32,7 @@ from router.index.events import (
     KVEvent,
     pack_seq,
 )
-from router.index.subscriber import KVEventSubscriber, Owner
+from router.index.subscriber import KVEventSubscriber, Owner, Source, SubscriberOptions
 from router.metrics import RouterMetrics
 from router.runtime import Runtime
 from scorers.request import TierMatch
@@ -182,15 +182,11 @@ class Harness:
         self.sink = sink or RecordingSink()
         self.metrics = RouterMetrics()
         self.subscriber = KVEventSubscriber(
-            "a",
-            self.endpoint,
-            self.replay_endpoint,
+            Source("a", self.endpoint, self.replay_endpoint),
             self.sink,
             self.metrics,
             self.context,
-            replay_timeout_s=replay_timeout_s,
-            max_message_bytes=max_message_bytes,
-            block_size=block_size,
+            SubscriberOptions(replay_timeout_s, max_message_bytes, block_size),
         )
 
     def engine(self) -> FakeEngine:
@@ -787,14 +783,8 @@ def test_a_simulated_fleet_instance_produces_stored_blocks(model_dir: Path, tmp_
     async def main() -> None:
         context = zmq.asyncio.Context()
         sink = RecordingSink()
-        subscriber = KVEventSubscriber(
-            "fleet-0",
-            f"tcp://127.0.0.1:{ports.events}",
-            f"tcp://127.0.0.1:{ports.replay}",
-            sink,
-            RouterMetrics(),
-            context,
-        )
+        source = Source("fleet-0", f"tcp://127.0.0.1:{ports.events}", f"tcp://127.0.0.1:{ports.replay}")
+        subscriber = KVEventSubscriber(source, sink, RouterMetrics(), context)
         task = asyncio.create_task(subscriber.run())
         try:
             async with asyncio.timeout(TIMEOUT_S * 3):

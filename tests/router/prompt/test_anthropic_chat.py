@@ -19,6 +19,7 @@ import pytest
 from router.prompt.anthropic_chat import TemplateProbes, anthropic_chat_body, template_probes
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.openai_body import ChatRequest
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 
 CAPTURE = json.loads(
@@ -50,8 +51,7 @@ def router_ids(tokenizer: PromptTokenizer, body: dict[str, Any], probes: Templat
         chat.add_generation_prompt,
         chat.continue_final_message,
         chat.add_special_tokens,
-        chat.tools,
-        chat.template_kwargs(),
+        TemplateInputs(chat.tools, chat.template_kwargs()),
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.token_cache import WHOLE_TEXT_MAX_BYTES, CachedChatTokenizer, cut_tokens, special_affixes
 from router.prompt.tokenization import PromptTokenizer
 from tinymodel.builder import CHAT_TEMPLATE
@@ -200,9 +201,9 @@ def test_a_chat_sent_again_is_not_rendered_again(cached: CachedChatTokenizer) ->
         {},
         {"add_generation_prompt": False},
         {"add_generation_prompt": False, "continue_final_message": True},
-        {"tools": tools},
-        {"template_kwargs": {"enable_thinking": True}},
-        {"calls_as_given": True},
+        {"inputs": TemplateInputs(tools=tools)},
+        {"inputs": TemplateInputs(template_kwargs={"enable_thinking": True})},
+        {"inputs": TemplateInputs(calls_as_given=True)},
     ]
     for flags in variants:
         first = cached.chat_ids(messages, **flags)

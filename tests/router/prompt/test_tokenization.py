@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 
 TEXTS = [
@@ -66,9 +67,17 @@ def test_a_dict_of_named_templates_renders_with_the_one_transformers_picks(
     tool = {"type": "function", "function": {"name": "f"}}
 
     # The default template loops over parts (not "a\nb") and reads the kwarg; tools pick tool_use.
-    assert tokenizer.render_chat(parts, template_kwargs={"enable_thinking": False}) == "DabFalse"
-    assert tokenizer.render_chat(parts, tools=[tool], template_kwargs={"enable_thinking": True}) == "T1True"
-    assert tokenizer.render_chat(parts, tools=[]) == "T0"
+    assert (
+        tokenizer.render_chat(parts, inputs=TemplateInputs(template_kwargs={"enable_thinking": False}))
+        == "DabFalse"
+    )
+    assert (
+        tokenizer.render_chat(
+            parts, inputs=TemplateInputs(tools=[tool], template_kwargs={"enable_thinking": True})
+        )
+        == "T1True"
+    )
+    assert tokenizer.render_chat(parts, inputs=TemplateInputs(tools=[])) == "T0"
 
 
 def test_named_templates_without_a_default_have_none(model_dir: Path, tmp_path: Path) -> None:

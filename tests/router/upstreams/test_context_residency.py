@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.upstreams.context_residency import ContextResidency
-from router.upstreams.instances import Instance
+from router.upstreams.instances import Instance, InstanceSetup
 from tests.conftest import ManualClock
 
 
@@ -71,7 +71,7 @@ def test_an_instance_keeps_the_hold_its_answered_requests_measure() -> None:
     """What the scorers read as a C field (scorers/_candidate_state.pyx) follows the instance's contexts: set
     as a request is answered, left as it is when one is refused."""
     clock = ManualClock()
-    instance = Instance("a", "http://a", frozenset({"m"}), clock=clock)
+    instance = Instance("a", "http://a", frozenset({"m"}), setup=InstanceSetup(clock=clock))
     instance.start(1000, 1000)
     clock.now = 3.0
     assert instance.context_hold_s is None

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.upstreams.inflight_blocks import InflightBlocks
-from router.upstreams.instances import Instance
+from router.upstreams.instances import Instance, InstanceSetup
 
 BLOCK = 512  # one block a grain: every block counts on its own
 SYSTEM = [1, 2, 3]  # chained hashes: a later block's hash stands for its whole prefix
@@ -72,7 +72,7 @@ def test_the_held_part_is_the_longest_prefix_of_whole_grains_held(
 
 
 def test_an_instance_counts_what_its_requests_hold_and_lets_go_when_they_end() -> None:
-    instance = Instance("a", "http://a", frozenset({"m"}), block_size=BLOCK)
+    instance = Instance("a", "http://a", frozenset({"m"}), setup=InstanceSetup(block_size=BLOCK))
     instance.start(5 * BLOCK, 2 * BLOCK, TURN_1)
     instance.start(6 * BLOCK, BLOCK, TURN_2)
     assert (instance.active_tokens, instance.shared_tokens(TURN_2)) == (6 * BLOCK, 6 * BLOCK)

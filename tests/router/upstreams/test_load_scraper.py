@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet
-from router.config import parse_config
+from router.config import LoadConfig, parse_config
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 from router.upstreams.instances import Upstreams
@@ -151,7 +151,7 @@ def test_an_unusable_answer_keeps_the_last_load_until_it_is_stale(
         engine, clock = FakeEngine(), ManualClock(1000.0)
         async with engine.serving() as url, aiohttp.ClientSession() as session:
             fleet = one_instance_fleet(url)
-            scraper = LoadScraper(fleet, session, timeout_s=0.2, stale_after_s=1.0, clock=clock)
+            scraper = LoadScraper(fleet, session, LoadConfig(timeout_s=0.2, stale_after_s=1.0), clock=clock)
             seen = []
             await scraper.scrape_all()
             seen.append(fleet.instances[0].load)
@@ -182,7 +182,9 @@ def test_a_restart_is_a_later_start_time_after_a_silence() -> None:
     async def main() -> list[str]:
         engine, restarts = FakeEngine(), []
         async with engine.serving() as url, aiohttp.ClientSession() as session:
-            scraper = LoadScraper(one_instance_fleet(url), session, timeout_s=0.5, restarted=restarts.append)
+            scraper = LoadScraper(
+                one_instance_fleet(url), session, LoadConfig(timeout_s=0.5), restarted=restarts.append
+            )
             # Two API server processes answer in turn: different start times, no silence, no restart.
             for seconds in (1000.0, 1005.0, 1000.0, 1005.0):
                 engine.body = started_at(seconds)
@@ -206,7 +208,7 @@ def test_an_instance_never_scraped_has_no_load() -> None:
     async def main() -> EngineLoad | None:
         async with aiohttp.ClientSession() as session:
             fleet = one_instance_fleet(f"http://127.0.0.1:{free_port_block(1)}")
-            await LoadScraper(fleet, session, timeout_s=0.5).scrape_all()
+            await LoadScraper(fleet, session, LoadConfig(timeout_s=0.5)).scrape_all()
             return fleet.instances[0].load
 
     assert asyncio.run(main()) is None
@@ -245,7 +247,7 @@ def test_load_and_kv_capacity_of_every_instance_are_scraped(two_instances: Fleet
     async def main() -> list[tuple[EngineLoad | None, int | None]]:
         fleet = Upstreams(parse_config(two_instances.router_config()))
         async with aiohttp.ClientSession() as session:
-            await LoadScraper(fleet, session).scrape_all()
+            await LoadScraper(fleet, session, LoadConfig(timeout_s=1.0)).scrape_all()
         return [(i.load, i.kv_capacity_tokens) for i in fleet.instances]
 
     # the fleet's defaults: 2,048 blocks of 32 tokens
@@ -313,7 +315,7 @@ def test_a_request_in_flight_shows_as_running_on_its_instance(two_instances: Fle
         busy, idle = fleet.instances[1], fleet.instances[0]
         body = {"model": "tiny-llama", "prompt": "hello " * 40, "max_tokens": 200, "stream": True}
         async with aiohttp.ClientSession() as session:
-            scraper = LoadScraper(fleet, session, interval_s=0.05)
+            scraper = LoadScraper(fleet, session, LoadConfig(scrape_interval_s=0.05, timeout_s=1.0))
             async with scraping(scraper), session.post(busy.url + "/v1/completions", json=body) as stream:
                 assert stream.status == 200
                 await stream.content.readline()  # the first token is out: the request runs for ~10 s
@@ -332,7 +334,9 @@ def test_the_load_of_a_stopped_instance_goes_stale(tmp_path: Path) -> None:
         fleet = Upstreams(parse_config(ports.router_config()))
         instance = fleet.instances[0]
         async with aiohttp.ClientSession() as session:
-            scraper = LoadScraper(fleet, session, interval_s=0.05, timeout_s=0.2, stale_after_s=0.5)
+            scraper = LoadScraper(
+                fleet, session, LoadConfig(scrape_interval_s=0.05, timeout_s=0.2, stale_after_s=0.5)
+            )
             async with scraping(scraper):
                 await wait_until(lambda: instance.load is not None)
                 stopping = time.monotonic()  # the last good scrape was at most an interval before this

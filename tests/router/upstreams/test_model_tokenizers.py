@@ -16,7 +16,7 @@ from router.prompt.openai_body import CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer, local_tokenizer_dir
 from router.runtime import Runtime, SharedIndex
-from router.upstreams.instances import Instance
+from router.upstreams.instances import Instance, InstanceSetup
 from router.upstreams.model_tokenizers import choose_tokenizers
 
 PROMPT = "Run the tests in tests/test_models.py and tell me which fail. " * 4
@@ -81,8 +81,12 @@ def test_the_root_its_instances_report_names_a_models_tokenizer(local_model: Pat
     config = parse_config(
         {"models": [{"name": "served"}, {"name": "sql", "lora_of": "served"}], "instances": [DOWN]}
     )
-    elsewhere = Instance("a", "http://a", frozenset({"served"}), roots={"served": "/not/on/this/machine"})
-    here = Instance("b", "http://b", frozenset({"served"}), roots={"served": str(local_model)})
+    elsewhere = Instance(
+        "a", "http://a", frozenset({"served"}), setup=InstanceSetup(roots={"served": "/not/on/this/machine"})
+    )
+    here = Instance(
+        "b", "http://b", frozenset({"served"}), setup=InstanceSetup(roots={"served": str(local_model)})
+    )
     choices = choose_tokenizers(config.models, [elsewhere, here])
     assert choices["served"].path == choices["sql"].path == local_model
     assert choices["served"].origin == f"{local_model} (the model's root on its instances)"

@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from router.upstreams.instances import Instance
+from router.upstreams.instances import Instance, InstanceSetup
 from router.upstreams.room import waiting, with_room
 from scorers.candidate import EngineLoad
 
 
 def _instance(name: str, own_in_flight: int = 0, load: EngineLoad | None = None) -> Instance:
-    instance = Instance(name, f"http://{name}", frozenset({"m"}), load=load)
+    instance = Instance(name, f"http://{name}", frozenset({"m"}), setup=InstanceSetup(load=load))
     instance.own_in_flight = own_in_flight
     return instance
 
