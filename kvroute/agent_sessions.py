@@ -22,7 +22,7 @@ import msgspec
 
 from kvroute.agent_apis import LAST_EVENT, PATHS, READERS, Api, History, StreamReading, request_body
 from kvroute.workload import AgentWorkload
-from router.dispatch.routing_headers import INSTANCE_HEADER, SESSION_HEADER
+from router.dispatch.observe.routing_headers import INSTANCE_HEADER, SESSION_HEADER
 
 Status = Literal["ok", "failed", "rejected"]
 

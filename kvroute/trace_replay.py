@@ -26,7 +26,7 @@ import aiohttp
 from kvroute.agent_sessions import SessionRun, TurnOutcome, post_stream
 from kvroute.simulate.workloads import skewed_flows_trace, tenants_trace
 from kvroute.traces import Trace, TraceRequest, agentic_trace, load_trace, mooncake_trace
-from router.dispatch.routing_headers import SESSION_HEADER
+from router.dispatch.observe.routing_headers import SESSION_HEADER
 from tinymodel.builder import VOCAB_SIZE
 
 # Token ids of the tiny model's vocabulary with the special tokens (0-2) left out.

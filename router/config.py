@@ -272,7 +272,7 @@ class AdmissionConfig(_Strict):
         default=0.0,
         ge=0,
         description="a request no instance has KV memory for waits in the router up to this long, then goes "
-        "where memory frees first (router/dispatch/memory_gate.py); 0: off",
+        "where memory frees first (router/dispatch/wait/memory_gate.py); 0: off",
     )
 
 
@@ -319,7 +319,7 @@ class FlowControlConfig(_Strict):
     enabled: bool = Field(
         default=True,
         description="requests wait in the router while every instance that could serve them is saturated, "
-        "and leave in order (router/dispatch/flow_control.py); false: each is sent on arrival",
+        "and leave in order (router/dispatch/wait/flow_control.py); false: each is sent on arrival",
     )
     ordering: Literal["spt", "fcfs", "edf"] = Field(
         default="spt",
@@ -427,7 +427,7 @@ TierName = Literal["gpu", "cpu", "pool"]
 
 
 class DisaggregationConfig(_Strict):
-    """Models served in a prefill leg and a decode leg (router/dispatch/prefill_leg.py)."""
+    """Models served in a prefill leg and a decode leg (router/dispatch/place/prefill_leg.py)."""
 
     connector: KVConnector = Field(
         default="nixl",

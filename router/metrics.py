@@ -306,9 +306,9 @@ class _RequestFamilies:
 
 class _FlowFamilies:
     def _add_flow_families(self, r: CollectorRegistry) -> None:
-        """Flow control (router/dispatch/flow_control.py): what waits in the router's queue, for how long,
-        and what it let go or refused. By flow: those with requests queued now, at most 100 at once (the rest
-        under flow="other")."""
+        """Flow control (router/dispatch/wait/flow_control.py): what waits in the router's queue, for how
+        long, and what it let go or refused. By flow: those with requests queued now, at most 100 at once (the
+        rest under flow="other")."""
         self.flow_queue_length = _gauge(
             r,
             "kvroute_flow_control_queued",

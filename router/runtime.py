@@ -3,7 +3,7 @@
 ```
 runtime = Runtime(config)          # the parts that need no event loop: instances, index, table
 async with runtime:                # sessions, health checks, tokenizers, KV events, load scrapes, peers
-    ...                            # route with runtime.routing (router/dispatch/routing.py)...
+    ...                            # route with runtime.routing (router/dispatch/conductor.py)...
 ```
 
 A reload builds nothing anew that a restart would have to: it applies a new configuration's instances and
@@ -29,17 +29,17 @@ from router import allocator, worker_threads
 from router.config import ConfigError, ModelConfig, PeersConfig, RouterConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
-from router.dispatch.admission import Admission
-from router.dispatch.attempts import Attempts
-from router.dispatch.decision import Decider, DeciderOptions, LocalTokenizer
-from router.dispatch.events import Event
-from router.dispatch.flow_gate import FlowGate
-from router.dispatch.outcome import Observers
-from router.dispatch.relay import Relay
-from router.dispatch.routing import RoutingService, Stages
-from router.dispatch.routing_table import RoutingTable
-from router.dispatch.sending import RetryPolicy, SendContext, Sender
-from router.dispatch.waiting import Waiting
+from router.dispatch.answer.relay import Relay
+from router.dispatch.conductor import Conductor, Stages
+from router.dispatch.decide.decision import Decider, DeciderOptions, LocalTokenizer
+from router.dispatch.intake.admission import Admission
+from router.dispatch.intake.routing_table import RoutingTable
+from router.dispatch.observe.events import Event
+from router.dispatch.observe.outcome import Observers
+from router.dispatch.place.attempts import Attempts
+from router.dispatch.place.sending import RetryPolicy, SendContext, Sender
+from router.dispatch.wait.flow_gate import FlowGate
+from router.dispatch.wait.waiting import Waiting
 from router.index.block_index import BlockIndex, Tier
 from router.index.figures import IndexFigures, figures_of
 from router.index.index_host import IndexHost
@@ -259,7 +259,7 @@ class Runtime:
         if self.subscriptions is not None:
             self.subscriptions.engine_restarted(name)
 
-    def _routing(self, session: aiohttp.ClientSession, tracing: Tracing) -> RoutingService:
+    def _routing(self, session: aiohttp.ClientSession, tracing: Tracing) -> Conductor:
         """The routing service both front doors call, over admission, the send loop and the decider."""
         config, metrics = self.config, self.metrics
         admission = config.admission
@@ -283,7 +283,7 @@ class Runtime:
         )
         attempts = Attempts(sending, config.disaggregation)
         stages = Stages(self.upstreams, self.admission, waiting, self.decider, attempts, observers)
-        return RoutingService(
+        return Conductor(
             stages,
             lambda: self.table,
             config.tokenization,

@@ -1,6 +1,6 @@
 """Sessions' last placements, the least recently put forgotten first: the one map behind session affinity
 (scorers/session_affinity.py) and behind the router's count of the turns that moved
-(router/dispatch/session_placements.py)."""
+(router/dispatch/decide/session_placements.py)."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ sends them, straight to the instances.
 Starts one prefill (kv_producer) and one decode (kv_consumer) vLLM from configs/stack-pd-cpu.yaml with the
 stack's own code (kvroute.stack.run.StackPlan: flags, kv_transfer_config, PYTHONPATH with kvconnectors/), less
 the pool and the router, on free ports, each in its own process group. For a chat and a completion, whole and
-streamed, it sends the prefill leg (router.dispatch.prefill_leg.prefill_body) to the prefiller and the decode
-leg to the decoder, recording bodies, statuses, answers (the streamed decode leg's SSE events) and how each
-instance's prompt-token counters moved. Then a decode leg naming a transfer nobody prefilled, twice: once
+streamed, it sends the prefill leg (router.dispatch.place.prefill_leg.prefill_body) to the prefiller and the
+decode leg to the decoder, recording bodies, statuses, answers (the streamed decode leg's SSE events) and how
+each instance's prompt-token counters moved. Then a decode leg naming a transfer nobody prefilled, twice: once
 bounded by --unknown-timeout (vLLM's own wait is the prefiller's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT), once
 waited out past the prefiller's --abort-timeout. Stops exactly the processes it started and writes:
 
@@ -42,7 +42,7 @@ from kvroute.processes import Child, free_port_block, spawn, wait_all_healthy  #
 from kvroute.stack.config import SIDE_CHANNEL_ENV, StackConfig, parse_stack_config  # noqa: E402
 from kvroute.stack.run import StackPlan  # noqa: E402
 from router.config import read_yaml  # noqa: E402
-from router.dispatch.prefill_leg import prefill_body  # noqa: E402
+from router.dispatch.place.prefill_leg import prefill_body  # noqa: E402
 
 CONFIG = REPO / "configs" / "stack-pd-cpu.yaml"
 MODEL = "tiny-llama"
@@ -182,7 +182,7 @@ class Capture:
         return record
 
     def decode_params(self, transfer_id: str) -> dict[str, Any]:
-        """router.dispatch.prefill_leg.mooncake_params for the prefill instance."""
+        """router.dispatch.place.prefill_leg.mooncake_params for the prefill instance."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "scorers", "fleet", "kvroute", "tinymodel", "kvconnectors")
 
 # Within router, a layer may import its own and those listed after it, never one before it. The request's way
-# is http or epp -> dispatch -> upstreams -> index -> prompt; metrics and errors are the floor. Any of them may
+# is http or epp -> dispatch (the conductor, then its stages) -> upstreams -> index -> prompt; metrics and
+# errors are the floor. Any of them may
 # use scorers/, which uses nothing of the router's.
 ROUTER_LAYERS: list[set[str]] = [
     {"router.http", "router.epp"},
@@ -24,6 +25,15 @@ ROUTER_LAYERS: list[set[str]] = [
     {"router.runtime"},
     # Discovery hands what it finds to the runtime through a callback (FleetSink), which starts it.
     {"router.discovery"},
+    # The conductor, then its stages in the order a request meets them, each importing only those after it;
+    # the request context and the routed APIs are their floor.
+    {"router.dispatch.conductor"},
+    {"router.dispatch.intake"},
+    {"router.dispatch.wait"},
+    {"router.dispatch.answer"},
+    {"router.dispatch.place"},
+    {"router.dispatch.observe"},
+    {"router.dispatch.decide"},
     {"router.dispatch"},
     # A request's spans: dispatch opens them; what they read of a decision is described, not imported.
     {"router.tracing"},
@@ -177,3 +187,37 @@ def test_no_import_cycles() -> None:
         if module not in index:
             visit(module)
     assert not cycles
+
+
+STAGES = ("admit", "receive", "prepare", "wait", "place")  # as Conductor.conduct calls them
+DOORS = (ROOT / "router/http/proxy.py", ROOT / "router/epp/picking.py")
+
+
+def _called(function: ast.AST) -> list[str]:
+    """The names of what function calls, in the order they appear."""
+    calls = [node for node in ast.walk(function) if isinstance(node, ast.Call)]
+    calls.sort(key=lambda call: (call.lineno, call.col_offset))
+    names = []
+    for call in calls:
+        if isinstance(call.func, ast.Attribute):
+            names.append(call.func.attr)
+        elif isinstance(call.func, ast.Name):
+            names.append(call.func.id)
+    return names
+
+
+def test_the_conductor_runs_every_stage_once_in_order() -> None:
+    tree = ast.parse((ROOT / "router/dispatch/conductor.py").read_text())
+    conduct = next(
+        node for node in ast.walk(tree) if isinstance(node, ast.AsyncFunctionDef) and node.name == "conduct"
+    )
+    assert [name for name in _called(conduct) if name in STAGES] == list(STAGES)
+
+
+@pytest.mark.parametrize("door", DOORS, ids=lambda path: path.parent.name)
+def test_a_door_runs_no_stage_itself(door: Path) -> None:
+    """A door hands the conductor its request and says how it is placed: the stages before placing are
+    the conductor's alone, so no door can run them out of order or forget to free a slot."""
+    called = _called(ast.parse(door.read_text()))
+    assert "conduct" in called
+    assert not {"admit", "receive", "prepare", "wait", "wait_turn"} & set(called)

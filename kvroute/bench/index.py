@@ -36,7 +36,7 @@ from kvroute.bench.index_decisions import measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
 from kvroute.bench.index_parts import BLOCK_SIZE, durations, gpu_blocks
 from kvroute.bench.index_workers import measure_router_memory, measure_serve_ingest
-from router.dispatch.decision import Decider, LocalTokenizer
+from router.dispatch.decide.decision import Decider, LocalTokenizer
 from router.index.block_index import BlockIndex
 from router.index.events import BlockHash, BlockStored
 from router.metrics import RouterMetrics

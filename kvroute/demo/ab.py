@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kvroute.agent_sessions import session_key
 from kvroute.workload import AgentWorkload
-from router.dispatch.ab import MIN_SAMPLES, MIN_SESSIONS
+from router.dispatch.observe.ab import MIN_SAMPLES, MIN_SESSIONS
 from router.traffic_split import TrafficSplit
 
 SPLIT = {"round-robin": 50, "kvroute": 50}  # the baseline first: /admin/ab compares the others with it

@@ -24,7 +24,7 @@ from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
 from kvroute.demo import ab as demo_ab
 from kvroute.processes import FleetPorts, StartupError, running_fleet, running_router
 from kvroute.workload import AgentWorkload
-from router.dispatch.routing_headers import POLICY_HEADER
+from router.dispatch.observe.routing_headers import POLICY_HEADER
 from router.traffic_split import TrafficSplit
 
 MODEL = "tiny-llama"

@@ -6,7 +6,7 @@ A request on a prefill/decode fleet takes one of two paths (kvroute/simulate/run
 - skipped: a decode instance computes the whole request itself, as an aggregated instance would (its
   prefill leg was not worth it), or, fallback, because no prefill instance took the prefill leg.
 
-kvroute's choices are the proxy's (router/dispatch/attempts.py, prefill_leg.py): the decode instance by
+kvroute's choices are the proxy's (router/dispatch/place/attempts.py, prefill_leg.py): the decode instance by
 Decider.decide among the decode instances, its prefill leg only when PrefillLeg.worth_it, the prefill instance
 by Decider.decide with the policy's prefill_leg among the prefill instances, the decode leg's TTFT features by
 Decider.decode_leg; each instance's TTFT model observes its own leg.
@@ -20,9 +20,9 @@ from typing import Any, Literal
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.policies import ConfiguredPolicy, SimPolicy
 from router.config import RouterConfig
-from router.dispatch.decision import Decision, Prepared
-from router.dispatch.prefill_leg import prefill_leg_worth_it
-from router.dispatch.retry_budget import RetryBudget
+from router.dispatch.decide.decision import Decision, Prepared
+from router.dispatch.place.prefill_leg import prefill_leg_worth_it
+from router.dispatch.place.retry_budget import RetryBudget
 from router.upstreams.instances import Instance
 from scorers.ttft_model import TTFTFeatures
 

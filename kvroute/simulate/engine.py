@@ -31,7 +31,7 @@ from kvroute.simulate.hardware import EngineSpec
 from kvroute.simulate.kv_cache import KVCache
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.traces import TraceRequest
-from router.dispatch.outcome import PdPath
+from router.dispatch.observe.outcome import PdPath
 from router.index.events import BlockStored, KVEvent
 from scorers.candidate import EngineLoad
 

@@ -1,7 +1,7 @@
 """The queues the peers ship, off by default, as variants: each peer is compared at its best.
 
 Both wait in the simulated router through the same machinery as kvroute's queue (for the order and the
-priority bands: router/dispatch/flow_control.py), each with its own rule for when a request may leave:
+priority bands: router/dispatch/wait/flow_control.py), each with its own rule for when a request may leave:
 
 - Dynamo's router queue (`--router-queue-threshold`, `--router-queue-policy fcfs|wspt`; off since v1.4): a
   worker is busy while its active prefill tokens (the router's own count) pass threshold x its

@@ -2,8 +2,8 @@
 
 kvroute's default policy is the configuration's builtin `kvroute` policy, made by
 scorers.policy.Policy from a RouterConfig parsed like an operator's YAML, and decided by
-router.dispatch.decision.Decider.decide (which also enters speculative blocks), so the simulation runs the
-product's code, not a copy of it.
+router.dispatch.decide.decision.Decider.decide (which also enters speculative blocks), so the simulation runs
+the product's code, not a copy of it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
 from router.config import FlowControlConfig, PeersConfig, RouterConfig, parse_config
-from router.dispatch.decision import Decider, Prepared, uncached_at_best
+from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance
@@ -52,10 +52,10 @@ class SimPolicy:
     name = "policy"
     scrape_interval_s: float | None = None  # engine /metrics it reads, scraped this often
     memory_hold_s = 0.0  # the router holds requests no instance has memory for
-    # (router/dispatch/memory_gate.py)
+    # (router/dispatch/wait/memory_gate.py)
     sync_interval_s: float | None = None  # sync() runs this often
     flow_control: FlowControlConfig | None = (
-        None  # the router queues requests (router/dispatch/flow_control.py)
+        None  # the router queues requests (router/dispatch/wait/flow_control.py)
     )
     priors: TTFTPriors | None = None  # its instances' TTFT models start from these; None: kvroute's defaults
     # With flow_control, a request's flow: its tenant (the trace's flow), else its session; or its tenant
@@ -82,7 +82,7 @@ class SimPolicy:
 
     def has_room(self, extra_work: float) -> bool | None:
         """With flow_control, whether its queue lets a request go now by its own rule (a peer's); None: by
-        kvroute's (router/dispatch/saturation.py)."""
+        kvroute's (router/dispatch/wait/saturation.py)."""
         return None
 
     def sheds(self, request: SimRequest) -> bool:
@@ -145,7 +145,8 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
 
 
 class ConfiguredPolicy(SimPolicy):
-    """A policy from a RouterConfig, routed through router.dispatch.decision.Decider as the proxy routes it.
+    """A policy from a RouterConfig, routed through router.dispatch.decide.decision.Decider as the proxy
+    routes it.
 
     decide=False asks the policy directly, for peers whose algorithm kvroute's scorers express but which
     neither speculate nor know the pool (llm-d); lookup=False skips the index for policies that never read
@@ -260,8 +261,8 @@ class ConfiguredPolicy(SimPolicy):
 
     def first_token(self, request: SimRequest) -> None:
         """The proxy calibrates the chosen instance's TTFT model with every first chunk it sees, timed from
-        the attempt's start as router/dispatch/outcome.py times it: its wait in the router's queue is no part
-        of what the features describe."""
+        the attempt's start as router/dispatch/observe/outcome.py times it: its wait in the router's queue is
+        no part of what the features describe."""
         features = request.policy_state
         if self._calibrate and isinstance(features, TTFTFeatures):
             ttft = request.first_token_s - request.dispatched_s

@@ -17,9 +17,9 @@ from kvroute.simulate.results import RunResult, result_of
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
 from router.config import UpstreamConfig
-from router.dispatch.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
-from router.dispatch.memory_gate import MemoryGate
-from router.dispatch.sending import RETRY_BACKOFF_S
+from router.dispatch.place.sending import RETRY_BACKOFF_S
+from router.dispatch.wait.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
+from router.dispatch.wait.memory_gate import MemoryGate
 from scorers.ttft_model import TTFTPriors
 
 
@@ -43,7 +43,8 @@ def simulate(
 
 
 # A refused request is retried, for every policy, as kvroute's proxy retries a 503 before the first byte: on
-# an instance not tried yet, within its default attempts, after its backoff (router/dispatch/attempts.py).
+# an instance not tried yet, within its default attempts, after its backoff
+# (router/dispatch/place/attempts.py).
 ATTEMPTS = UpstreamConfig().attempts
 
 
@@ -161,7 +162,7 @@ class Run:
             self.flow.ended(request.flow, request.objective)
 
     def _room(self, extra_work: float, extra_tokens: int) -> bool:
-        """Whether an instance may take a request now (router/dispatch/saturation.py); of a disaggregated
+        """Whether an instance may take a request now (router/dispatch/wait/saturation.py); of a disaggregated
         fleet, a prefill instance and a decode instance. extra_work and extra_tokens: those let go and not yet
         placed, which the simulator places at once; they are not 0 only while an engine's refusal inside
         dispatch() admits or lets go others."""
@@ -205,7 +206,7 @@ class Run:
 
     def _release_held(self) -> None:
         """Memory freed up: the requests held in the router that now fit go
-        (router/dispatch/memory_gate.py)."""
+        (router/dispatch/wait/memory_gate.py)."""
         if len(self.hold):
             for held in self.hold.release():
                 self.hold.started(held.trace.input_tokens)

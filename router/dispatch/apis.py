@@ -9,11 +9,14 @@ a stored response's retrieval and cancellation go to the instance that holds it.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+KEY_HEADERS = ("authorization", "x-api-key")  # where OpenAI's clients and Anthropic's send their key
+
 # How the router reads a body: as a chat or a completion (router/prompt/openai_body.py), as an agent API it
-# renders as vLLM does (router/dispatch/agent_bodies.py), or for its model alone.
+# renders as vLLM does (router/dispatch/intake/agent_bodies.py), or for its model alone.
 BodyKind = Literal["chat", "completion", "responses", "messages", "model_only", "none"]
 
 
@@ -74,3 +77,9 @@ def routed_api(method: str, path: str) -> tuple[Api, str | None] | None:
     if found.group(2) is None:
         return (RETRIEVE_RESPONSE, found.group(1)) if method == "GET" else None
     return (CANCEL_RESPONSE, found.group(1)) if method == "POST" else None
+
+
+def presented_key(headers: Mapping[str, str]) -> str:
+    """The client key a request presents: `Authorization: Bearer <key>`, else Anthropic's `x-api-key`."""
+    scheme, _, key = headers.get("authorization", "").partition(" ")
+    return key if scheme.lower() == "bearer" else headers.get("x-api-key", "")

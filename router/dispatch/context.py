@@ -5,16 +5,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from router.dispatch.apis import Api
-from router.dispatch.flow_gate import FlowTicket
 from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.tracing.spans import NULL_TRACE, Trace
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
+class FlowTicket:
+    """A request's place in flow control's counts while it is in flight."""
+
+    flow: str
+    objective: str
+    model: str
+    queued_s: float = 0.0
+    granted: bool = False  # let go from the queue, not yet counted at an instance
+    # Its place in the queue, if it waited: router/dispatch/wait/flow_queue.py Queued, which the waiting stage
+    # alone reads (typed loosely here: the context sits below the stages).
+    entry: Any = None
+    ended: bool = False
+
+
+@dataclass(slots=True)  # not frozen: one is made per request, and a frozen one's __init__ costs 3x
 class Arrival:
     """A request as a front door received it: its body's bytes, its route and headers."""
 
@@ -31,13 +46,15 @@ class Arrival:
 @dataclass(frozen=True, slots=True)
 class Target:
     """Where a request may go, and what its attempts send: the client's body, or one made for the instance
-    (a Responses request's id names its instance, router/dispatch/response_ids.py)."""
+    (a Responses request's id names its instance, router/dispatch/intake/response_ids.py)."""
 
     api: str = "chat"  # the metrics' label
     pinned: Instance | None = None  # the one instance that may serve it (it holds the stored response)
     pinned_by: str | None = None  # that stored response's id
     body_for: Callable[[Instance], bytes] | None = None
-    watch: Callable[[bytes], None] | None = None  # shown the answer, as router/dispatch/outcome.py says
+    watch: Callable[[bytes], None] | None = (
+        None  # shown the answer, as router/dispatch/observe/outcome.py says
+    )
     get: bool = False  # sent as a GET (retrieving a stored response), without a body
 
     @property
@@ -59,7 +76,7 @@ class Received:
     tokenize: bool  # small enough to tokenize (else routed without prefix knowledge)
     off_loop: bool  # long enough to tokenize on the worker thread
     target: Target  # where it may go and what each attempt sends
-    flow: str  # whom it is fair to (router/dispatch/flow_gate.py flow_of)
+    flow: str  # whom it is fair to (router/dispatch/wait/flow_gate.py flow_of)
     objective: str | None  # the objective it names
     ticket: FlowTicket | None = None  # its place in flow control, once admitted there
     trace: Trace = NULL_TRACE  # its root span (router/tracing/)

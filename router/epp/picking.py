@@ -1,5 +1,5 @@
 """Pick: the endpoints a gateway sends one request to, decided as `kvroute serve` decides, by the same
-routing service (router/dispatch/routing.py).
+routing service (router/dispatch/conductor.py).
 
 The gateway proxies the request itself: the attempt is an Outcome started here and ended by the response's
 events (router/epp/session.py). The other candidates, best score first, are the fallbacks the gateway tries
@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.dispatch.apis import routed_api
-from router.dispatch.context import Arrival, Received
-from router.dispatch.decision import Prepared
-from router.dispatch.flow_gate import FlowTicket
-from router.dispatch.outcome import Outcome
-from router.dispatch.routing import Picked, RoutingService
+from router.dispatch.conductor import Conductor, Picked
+from router.dispatch.context import Arrival, FlowTicket, Received
+from router.dispatch.decide.decision import Prepared
+from router.dispatch.observe.outcome import Outcome
 from router.epp.messages import endpoint
 from router.errors import RETRY_AFTER_S, unavailable
 from router.metrics import RouterMetrics
@@ -37,7 +36,7 @@ class Routed:
 
 class Picker:
     def __init__(
-        self, routing: RoutingService, health: HealthChecker, metrics: RouterMetrics, fallbacks: int
+        self, routing: Conductor, health: HealthChecker, metrics: RouterMetrics, fallbacks: int
     ) -> None:
         """routing: a started runtime's; fallbacks: how many endpoints after the chosen one the gateway may
         try (0 for a gateway that reads one only, as ORIGINAL_DST does)."""

@@ -23,9 +23,9 @@ import itertools
 import secrets
 from typing import Any
 
-from router.dispatch.flow_gate import FlowTicket
-from router.dispatch.outcome import Outcome
-from router.dispatch.routing_headers import routing_headers
+from router.dispatch.context import FlowTicket
+from router.dispatch.observe.outcome import Outcome
+from router.dispatch.observe.routing_headers import routing_headers
 from router.epp import messages
 from router.epp.picking import Picker, Routed
 from router.errors import OpenAIError, too_large

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp
 
 from router.config import PeersConfig, RouterConfig
 from router.dispatch.apis import CANCEL_RESPONSE, RETRIEVE_RESPONSE, ROUTED_PATHS, Api
-from router.dispatch.routing_headers import (
+from router.dispatch.observe.routing_headers import (
     ATTEMPTS_HEADER,
     CACHED_BLOCKS_HEADER,
     INSTANCE_HEADER,

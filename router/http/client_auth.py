@@ -10,7 +10,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.config import ClientAuthConfig, client_api_keys
-from router.dispatch.response_owners import KEY_HEADERS, presented_key
+from router.dispatch.apis import KEY_HEADERS, presented_key
 from router.errors import anthropic_route, invalid_api_key
 
 _GUARDED_PREFIX = "/v1/"

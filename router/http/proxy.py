@@ -1,7 +1,7 @@
 """kvroute serve's front door: a request's body read within its limits, routed by the routing service
-(router/dispatch/routing.py), and the answer made for the client: a stream relayed event by event
-(router/dispatch/relay.py), a whole answer in one piece. What became of it is told by its outcome
-(router/dispatch/outcome.py).
+(router/dispatch/conductor.py), and the answer made for the client: a stream relayed event by event
+(router/dispatch/answer/relay.py), a whole answer in one piece. What became of it is told by its outcome
+(router/dispatch/observe/outcome.py).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from router.dispatch.answer.relay import Relay
 from router.dispatch.apis import Api
-from router.dispatch.cached_tokens import with_cached_tokens
+from router.dispatch.conductor import Conductor
 from router.dispatch.context import Arrival, Received
-from router.dispatch.decision import Prepared
-from router.dispatch.outcome import Outcome
-from router.dispatch.relay import Relay
-from router.dispatch.routing import RoutingService
-from router.dispatch.routing_headers import routing_headers
-from router.dispatch.sending import streams_events
+from router.dispatch.decide.decision import Prepared
+from router.dispatch.observe.cached_tokens import with_cached_tokens
+from router.dispatch.observe.outcome import Outcome
+from router.dispatch.observe.routing_headers import routing_headers
+from router.dispatch.place.sending import streams_events
 from router.errors import (
     RETRY_AFTER_S,
     OpenAIError,
@@ -61,7 +61,7 @@ class BodyLimits:
 class Proxy:
     def __init__(
         self,
-        routing: RoutingService,
+        routing: Conductor,
         relay: Relay,
         metrics: RouterMetrics,
         limits: BodyLimits,

@@ -11,7 +11,7 @@ from typing import NamedTuple
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from router.dispatch.relay import RelayBroken
+from router.dispatch.answer.relay import RelayBroken
 
 
 class Head(NamedTuple):

@@ -47,7 +47,8 @@ class ResponsesChat:
 
     def token_ids(self, tokenizer: ChatTokenizer) -> list[int]:
         """The prompt's ids as vLLM's Responses code tokenizes it: with the tokenizer's special tokens, tool
-        calls as it builds them (router/dispatch/decision.py does the same for a ResponsesChatRequest)."""
+        calls as it builds them (router/dispatch/decide/decision.py does the same for a
+        ResponsesChatRequest)."""
         return tokenizer.chat_ids(
             self.messages,
             self.add_generation_prompt,

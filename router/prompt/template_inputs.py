@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per chat tokenized
 class TemplateInputs:
     tools: Sequence[Any] | None = None  # the request's tools (None: it has none, or they are left out)
     template_kwargs: Mapping[str, Any] | None = None  # the request's chat_template_kwargs

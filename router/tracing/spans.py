@@ -32,7 +32,8 @@ Attribute = str | bool | int | float
 
 
 class Decision(Protocol):
-    """What a span reads of a routing decision (router/dispatch/decision.py's, which imports this module)."""
+    """What a span reads of a routing decision (router/dispatch/decide/decision.py's, which imports this
+    module)."""
 
     @property
     def instance(self) -> Instance: ...
@@ -51,7 +52,7 @@ class Decision(Protocol):
 
 
 class Outcome(Protocol):
-    """What a span reads of how an answer ended (router/dispatch/outcome.py's)."""
+    """What a span reads of how an answer ended (router/dispatch/observe/outcome.py's)."""
 
     @property
     def instance(self) -> Instance: ...

@@ -4,7 +4,7 @@ Healthy ones serving the request's leg, those whose circuit breaker lets a reque
 healthy one's breaker is open the breakers step aside, as Envoy's panic mode, so that a client whose requests
 make every engine fail cannot black out the model for everyone), and those with room for one more request of
 this router (router/upstreams/room.py HasRoom). Memory is not a filter: a request the fleet has no KV
-memory for waits for it (router/dispatch/memory_gate.py).
+memory for waits for it (router/dispatch/wait/memory_gate.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from kvroute.agent_apis import (
 )
 from kvroute.agent_sessions import Reply, SessionPlan, TurnOutcome, http_error_detail, stream_turn
 from kvroute.workload import AgentWorkload
-from router.dispatch.relay import stream_error
+from router.dispatch.answer.relay import stream_error
 
 CAPTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "agent_api_capture.json"
 

@@ -10,7 +10,7 @@ import pytest
 from kvroute.agent_apis import Api
 from kvroute.agent_sessions import SessionPlan, TurnOutcome, run_sessions
 from kvroute.workload import AgentWorkload
-from router.dispatch.routing_headers import POLICY_HEADER
+from router.dispatch.observe.routing_headers import POLICY_HEADER
 
 SESSIONS, TURNS = 2, 3
 

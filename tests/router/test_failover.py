@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
-from router.dispatch.retry_budget import RetryBudget
+from router.dispatch.place.retry_budget import RetryBudget
 from tests.conftest import metric, sample
 from tests.router.fake_upstreams import answering, healthy, only_instance, serving, serving_app
 from tests.router.test_proxy import post

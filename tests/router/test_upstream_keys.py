@@ -15,7 +15,7 @@ from kvroute.cli import main
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.config import ConfigError, parse_config
 from tests.conftest import sample
-from tests.router.dispatch.test_admission import chat
+from tests.router.dispatch.intake.test_admission import chat
 from tests.router.test_proxy import post
 
 ENGINE_KEY = "engine-key-0123456789"

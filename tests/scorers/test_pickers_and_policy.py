@@ -79,7 +79,7 @@ def test_session_affinity_in_a_policy_expires_on_the_policys_clock() -> None:
 
 
 def test_a_pick_carries_the_totals_it_was_made_by_and_its_fallbacks_follow_them() -> None:
-    """A pick hands back the totals it chose by, which RoutingService.pick ranks a gateway's fallbacks from
+    """A pick hands back the totals it chose by, which Conductor.pick ranks a gateway's fallbacks from
     instead of scoring the candidates again (over 1,000 instances, the decision's cost twice)."""
     config = PolicyConfig(scorers=[ScorerSpec(type="inflight-load")], picker=PickerSpec(type="max-score"))
     policy = Policy("load", config)

@@ -37,14 +37,14 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "prompt: chat template and tokens",
         ("router/prompt/", "transformers/", "jinja2/", "tokenizers/", "<template>"),
     ),
-    ("flow control", ("router/dispatch/flow_",)),
+    ("flow control", ("router/dispatch/wait/",)),
     (
         "answer accounting: TTFT learning, metrics, A/B",
         (
             "scorers/ttft_model.py",  # its observations; what it predicts for a choice is compiled
-            "router/dispatch/outcome.py",
-            "router/dispatch/ab.py",
-            "router/dispatch/usage.py",
+            "router/dispatch/observe/outcome.py",
+            "router/dispatch/observe/ab.py",
+            "router/dispatch/observe/usage.py",
             "router/metrics.py",
             "prometheus_client/",
             "router/tracing/",

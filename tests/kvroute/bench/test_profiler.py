@@ -10,9 +10,9 @@ from kvroute.bench.overhead.profiler import OTHER_STAGE, StageShare, hotspots, s
 _SERVER = "0x7f01 (libc.so.6);run (uvicorn/server.py:86);_PyEval (libpython3.11.so);__call__ (router/http/proxy.py:40)"
 _SAMPLES = [
     # scoring called from the HTTP layer, through asyncio, generated code and the interpreter: scoring's
-    f"{_SERVER};send (router/dispatch/routing.py:9);pick (scorers/policy.py:3);f (<string>:1);add (libpython.so) 6",
+    f"{_SERVER};send (router/dispatch/conductor.py:9);pick (scorers/policy.py:3);f (<string>:1);add (libpython.so) 6",
     # the flow gate's timeout, in asyncio: flow control's
-    f"{_SERVER};wait (router/dispatch/flow_gate.py:70);timeout (asyncio/timeouts.py:5) 2",
+    f"{_SERVER};wait (router/dispatch/wait/flow_gate.py:70);timeout (asyncio/timeouts.py:5) 2",
     f"{_SERVER} 1",
     "main (<frozen runpy>:1) 1",
     # in the kernel: the system CPU time counts it, not the samples

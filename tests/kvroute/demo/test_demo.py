@@ -11,7 +11,7 @@ import pytest
 
 from kvroute.demo import ab as demo_ab
 from kvroute.processes import start
-from router.dispatch.ab import MIN_SESSIONS
+from router.dispatch.observe.ab import MIN_SESSIONS
 from router.traffic_split import TrafficSplit
 
 

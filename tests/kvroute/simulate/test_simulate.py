@@ -33,8 +33,8 @@ from kvroute.simulate.run import RETRY_BACKOFF_S, DisaggregatedRun, Run, simulat
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
 from router.config import DisaggregationConfig
-from router.dispatch.decision import Decision
-from router.dispatch.prefill_leg import PrefillLeg
+from router.dispatch.decide.decision import Decision
+from router.dispatch.place.prefill_leg import PrefillLeg
 from router.index.events import BlockRemoved, BlockStored, KVEvent
 from router.upstreams.instances import Instance, InstanceSetup
 from scorers.ttft_model import TTFTFeatures

@@ -20,7 +20,7 @@ import yaml
 
 from kvroute.processes import FleetPorts, running_router
 from router.config import AdminConfig, parse_config
-from router.dispatch.routing_table import RoutingTable
+from router.dispatch.intake.routing_table import RoutingTable
 from router.http.admin import admin_token
 from router.reload import Reloader
 from router.runtime import Runtime

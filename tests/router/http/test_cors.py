@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.processes import FleetPorts, running_router
-from tests.router.dispatch.test_admission import KEYS_ENV
+from tests.router.dispatch.intake.test_admission import KEYS_ENV
 from tests.router.test_proxy import post
 
 ORIGIN = "https://ui.example"

@@ -24,7 +24,7 @@ import pytest
 
 from kvroute.processes import FleetPorts, running_router
 from router.config import parse_config
-from router.dispatch.flow_control import Demand
+from router.dispatch.wait.flow_control import Demand
 from router.errors import OpenAIError
 from router.http.dashboard import flow_control_state
 from router.runtime import Runtime

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.dispatch.decision import Decider, DeciderOptions
+from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index.block_index import BlockIndex
 from router.index.events import EventDecoder
 from router.metrics import RouterMetrics

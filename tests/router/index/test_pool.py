@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 
 from kvroute.processes import free_port_block
 from router.config import ModelConfig
-from router.dispatch.decision import Decider, DeciderOptions
+from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index import matching
 from router.index.block_index import BlockIndex
 from router.index.figures import figures_of

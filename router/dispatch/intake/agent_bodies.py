@@ -1,0 +1,221 @@
+"""The bodies routed beside chat and completions, read as the router routes them.
+
+The agents' APIs become the chat vLLM renders for them (router/prompt/responses_chat.py,
+router/prompt/anthropic_chat.py): the router routes that chat by its cached prefix, while the engine gets
+the client's body (a Responses one with the id the router gives it, router/dispatch/intake/response_ids.py).
+What the router cannot render as vLLM does is routed by load, and the engine answers it. The other routes are
+read for their model only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import msgspec
+
+from router.dispatch.intake.response_history import ResponseHistory
+from router.dispatch.intake.response_ids import ResponseIds
+from router.dispatch.intake.response_owners import UNSCOPED
+from router.errors import OpenAIError, bad_request
+from router.prompt.anthropic_chat import TemplateProbes, anthropic_chat_body
+from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.openai_body import (
+    BOM,
+    ChatRequest,
+    CompletionRequest,
+    ResponsesChatRequest,
+    json_object,
+    served_model,
+)
+from router.prompt.responses_chat import responses_chat
+from router.upstreams.instances import Instance
+
+
+class _ResponsesHead(msgspec.Struct):
+    model: str | None = None
+    stream: bool | None = None
+    user: str | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    request_id: str | None = None  # vLLM's: the response's id, a client's own choice
+    prompt_cache_key: str | None = None  # Codex sends its session's id
+    cache_salt: str | None = None
+    tool_choice: Any = None
+
+
+class _MessagesMetadata(msgspec.Struct):
+    user_id: str | None = None
+
+
+class _MessagesHead(msgspec.Struct):
+    model: str | None = None
+    stream: bool | None = None
+    metadata: _MessagesMetadata | None = None
+
+
+class _ModelOnly(msgspec.Struct):
+    model: str | None = None
+
+
+@dataclass(slots=True)
+class AgentRead:
+    """What routing takes of such a body."""
+
+    body: ChatRequest | CompletionRequest  # the prompt routed on (an empty one: routed by load)
+    session: str | None = None
+    tokenize: bool = True
+    pinned: Instance | None = None  # the instance that must serve it
+    pinned_by: str | None = None  # the stored response that pins it there
+    body_for: Callable[[Instance], bytes] | None = None  # the body each attempt sends, by its instance
+    watch: Callable[[bytes], None] | None = None  # shown the answer (a whole one, or each run of events)
+
+
+class StoredResponses:
+    """The Responses API's requests: ids naming their instance and owner, the conversations behind them.
+
+    owner, in each call: the tag of the client's key (router/dispatch/intake/response_owners.py), or None
+    where no client keys are configured and every stored response is anyone's."""
+
+    def __init__(self, ids: ResponseIds, history: ResponseHistory) -> None:
+        self.ids, self.history = ids, history
+
+    def read(self, raw: bytes, only_model: str | None, owner: str | None) -> AgentRead:
+        fields = json_object(raw)
+        head = _convert(fields, _ResponsesHead)
+        model = served_model(head.model, only_model)
+        previous = head.previous_response_id
+        pinned = None if previous is None else self.stored(previous, owner)
+        session = head.prompt_cache_key or head.user
+        body, messages = self._chat(fields, head, model)
+        key = head.request_id or ResponseIds.nonce()
+        watch: Callable[[bytes], None] | None = None
+        if head.store and messages is not None:  # kept, as the instance keeps it, for a follow-up's prompt
+            self.history.started(key, messages, len(raw))
+            watch = partial(self.history.completed, key)
+        stamped = self._stamped(raw, key, head.request_id, UNSCOPED if owner is None else owner)
+        return AgentRead(body, session, messages is not None, pinned, previous, stamped, watch)
+
+    def read_stored(
+        self, response_id: str, query: str, only_model: str | None, owner: str | None
+    ) -> AgentRead:
+        """A retrieval or cancellation of a stored response (query: a retrieval's), for its instance."""
+        holder = self.stored(response_id, owner)
+        streamed = "stream=true" in query.lower()
+        model = min(holder.models, default=only_model or "")
+        body = CompletionRequest(model=model, stream=streamed)
+        return AgentRead(body, tokenize=False, pinned=holder, pinned_by=response_id)
+
+    def stored(self, response_id: str, owner: str | None) -> Instance:
+        """The instance holding a stored response, or vLLM's answer for an id no instance holds: one the
+        fleet no longer has, one down (its connection failing is told the same way, routing.send), or one
+        another client key created."""
+        holder = self.ids.holder(response_id)
+        if holder is None or not holder.healthy:
+            raise response_not_found(response_id)
+        if owner is not None and self.ids.owner(response_id) != owner:
+            raise response_not_found(response_id)
+        return holder
+
+    def _chat(
+        self, fields: dict[str, Any], head: _ResponsesHead, model: str
+    ) -> tuple[ChatRequest, list[Any] | None]:
+        """The chat the request renders as, and its messages (None: not rendered here, routed by load)."""
+        previous_messages: Any = ()
+        previous_output: Any = ()
+        try:
+            if head.previous_response_id is not None:
+                known = self.history.conversation(self.ids.history_key(head.previous_response_id))
+                if known is None:
+                    raise InvalidPrompt("the previous response's conversation is not known here")
+                previous_messages, previous_output = known.messages, known.output
+            chat = responses_chat(fields, previous_messages, previous_output)
+        except InvalidPrompt:
+            return ResponsesChatRequest(messages=[], model=model, stream=head.stream), None
+        body = ResponsesChatRequest(
+            messages=chat.messages,
+            model=model,
+            stream=head.stream,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
+            add_special_tokens=True,  # vLLM's Responses code leaves the tokenizer's default on
+            cache_salt=head.cache_salt,
+            tools=chat.tools,
+            tool_choice=head.tool_choice,
+            chat_template_kwargs=chat.template_kwargs,
+        )
+        return body, chat.messages
+
+    def _stamped(self, raw: bytes, key: str, chosen: str | None, owner: str) -> Callable[[Instance], bytes]:
+        ids = self.ids
+
+        def body_for(instance: Instance) -> bytes:
+            if chosen is not None:  # the client's id: remembered here with its instance and owner
+                ids.chosen(chosen, instance, owner)
+                return raw
+            return with_request_id(raw, ResponseIds.made(instance, owner, key))
+
+        return body_for
+
+
+def read_messages(
+    raw: bytes, only_model: str | None, probes: Callable[[str], TemplateProbes | None]
+) -> AgentRead:
+    """An Anthropic Messages request, as the chat vLLM serves it; probes: the model's template's."""
+    fields = json_object(raw)
+    head = _convert(fields, _MessagesHead)
+    if (missing := _textless_block(fields)) is not None:
+        raise bad_request(f"{missing}: Field required", "invalid_field", missing)
+    model = served_model(head.model, only_model)
+    session = head.metadata.user_id if head.metadata is not None else None
+    try:
+        chat = msgspec.convert(anthropic_chat_body(fields, probes(model)), ChatRequest, strict=False)
+    except (InvalidPrompt, msgspec.ValidationError):
+        return AgentRead(ChatRequest(messages=[], model=model, stream=head.stream), session, tokenize=False)
+    chat.model = model
+    return AgentRead(chat, session)
+
+
+def _textless_block(fields: dict[str, Any]) -> str | None:
+    """Where a text block has no text (messages.0.content.1.text, system.0.text), which Anthropic's API
+    refuses and vLLM's conversion would drop, leaving a prompt with nothing of the client's."""
+    places: list[tuple[str, Any]] = [("system", fields.get("system"))]
+    messages = fields.get("messages")
+    if isinstance(messages, list):
+        places += [
+            (f"messages.{i}.content", m.get("content")) for i, m in enumerate(messages) if isinstance(m, dict)
+        ]
+    for where, blocks in places:
+        for at, block in enumerate(blocks if isinstance(blocks, list) else ()):
+            if isinstance(block, dict) and block.get("type") == "text" and block.get("text") is None:
+                return f"{where}.{at}.text"
+    return None
+
+
+def read_model_only(raw: bytes, only_model: str | None) -> AgentRead:
+    """A request routed by load and model alone (count_tokens, tokenizer and pooling routes)."""
+    head = _convert(json_object(raw), _ModelOnly)
+    return AgentRead(CompletionRequest(model=served_model(head.model, only_model)), tokenize=False)
+
+
+def response_not_found(response_id: str) -> OpenAIError:
+    """vLLM's answer for a stored response it does not hold."""
+    return OpenAIError(
+        404, f"Response with id '{response_id}' not found.", "invalid_request_error", 404, "response_id"
+    )
+
+
+def with_request_id(raw: bytes, response_id: str) -> bytes:
+    """The body (a JSON object without a request_id) with vLLM's request_id field set first."""
+    rest = raw.removeprefix(BOM).lstrip()[1:]
+    field = b'{"request_id":' + msgspec.json.encode(response_id)
+    return field + (b"," + rest if rest.lstrip()[:1] != b"}" else rest)
+
+
+def _convert(fields: dict[str, Any], kind: type[Any]) -> Any:
+    try:
+        return msgspec.convert(fields, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"Invalid request body: {exc}", "invalid_field") from None
