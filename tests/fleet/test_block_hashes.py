@@ -17,7 +17,7 @@ import zmq
 from fleet.block_pool import BlockHasher, BlockPool
 from kvroute.processes import FleetPorts, running_fleet
 from router.index.events import BlockStored, EventDecoder
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvroute.processes import FleetPorts, running_fleet
 from tests.router.responsiveness import probed_while
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 WORDS = "alpha beta gamma delta run tests fix the bug".split()
 

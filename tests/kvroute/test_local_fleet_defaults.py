@@ -9,7 +9,7 @@ import pytest
 
 from kvroute.processes import free_port_block, port_free, start, wait_healthy
 from router.config import load_config
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-fleet.yaml"
 

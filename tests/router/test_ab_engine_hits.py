@@ -12,7 +12,7 @@ import pytest
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.workload import AgentWorkload
 from tests.router.http.test_admin import AUTH, call, config_of
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 WORKLOAD = AgentWorkload(system_prompt_words=300, min_turn_words=40, max_turn_words=80, max_tokens=4)
 POLICIES = ("round-robin", "kvroute")

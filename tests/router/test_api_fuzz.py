@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 MODEL = "tiny-llama"
 FUZZ = settings(

@@ -20,7 +20,7 @@ import pytest
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.workload import AgentWorkload
 from tests.conftest import instance_url, metric
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 BLOCK = 32
 WORKLOAD = AgentWorkload(system_prompt_words=600, min_turn_words=80, max_turn_words=160, max_tokens=24)

@@ -21,8 +21,8 @@ from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity
 from scorers.candidate import EngineLoad
 from tests.conftest import instance_url, metric
-from tests.router.test_proxy import post
 from tests.router.upstreams.test_load_scraper import FakeEngine, exposition
+from tests.support.http import post
 
 BLOCK = 32
 RANKS = 2

@@ -17,7 +17,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from tests.conftest import metric, sample
 from tests.router.fake_upstreams import healthy, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 ROLES = ("prefill", "prefill", "decode", "decode")
 PREFILL, DECODE = {"fleet-0", "fleet-1"}, {"fleet-2", "fleet-3"}

@@ -14,7 +14,7 @@ import pytest
 
 from kvroute.processes import Child, FleetPorts, running_router, start, wait_healthy
 from tests.conftest import metric
-from tests.router.test_proxy import get_json, post
+from tests.support.http import get_json, post
 
 SESSION = " ".join(f"context{i}" for i in range(300))
 

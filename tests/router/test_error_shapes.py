@@ -12,7 +12,7 @@ import pytest
 
 from kvroute.processes import running_router
 from tests.router.fake_upstreams import answering, healthy, only_instance, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from kvroute.processes import FleetPorts, free_port_block, running_fleet, runnin
 from router.dispatch.place.retry_budget import RetryBudget
 from tests.conftest import metric, sample
 from tests.router.fake_upstreams import answering, healthy, only_instance, serving, serving_app
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

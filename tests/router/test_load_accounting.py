@@ -12,7 +12,7 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from tests.router.fake_upstreams import healthy, only_instance, serving
-from tests.router.test_proxy import get_json, post
+from tests.support.http import get_json, post
 
 
 def test_a_whole_answer_leaves_the_prefill_queue_when_its_ttft_is_due_not_at_its_end(tmp_path: Path) -> None:

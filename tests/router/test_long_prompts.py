@@ -11,7 +11,7 @@ from aiohttp import web
 from kvroute.processes import running_router
 from tests.router.fake_upstreams import healthy, only_instance, serving, serving_app
 from tests.router.responsiveness import probed_while
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 WORDS = "alpha beta gamma delta run tests fix the bug in module parse json value error trace".split()
 

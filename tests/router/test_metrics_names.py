@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import metric, sample
 from tests.router.test_grafana_dashboard import CHARTS, EXPORTED, metric_names
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 MODEL = "tiny-llama"
 SESSION = "metrics-names"

@@ -13,7 +13,7 @@ from kvroute.processes import running_router, running_router_process
 from tests.conftest import metric
 from tests.router.fake_upstreams import only_instance
 from tests.router.misbehaving_engine import JSON_HEAD, SSE_HEAD, Misbehaviour, misbehaving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 STREAM = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
 WHOLE = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3}).encode()

@@ -19,6 +19,7 @@ from kvroute.processes import FleetPorts, running_router
 from scorers.ttft_model import TERMS, TTFTPriors
 from tests.conftest import instance_url, ipv6_loopback, metric
 from tests.router.fake_upstreams import answering, healthy, serving
+from tests.support.http import get_json, post
 
 MODEL = "tiny-llama"
 MESSAGES = [
@@ -31,22 +32,6 @@ FLEET_NAMES = {"fleet-0", "fleet-1", "fleet-2"}
 @pytest.fixture(scope="module")
 def client(router_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0)
-
-
-def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(
-        url, data=body, headers={"content-type": "application/json", **(headers or {})}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.load(response)
 
 
 def test_chat_non_streaming_carries_usage_and_debug_headers(client: openai.OpenAI) -> None:

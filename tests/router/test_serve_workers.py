@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import Child, FleetPorts, free_port_block, group_alive, start, wait_healthy
 from tests.router.signalling import alive, children
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 WORKER = "x-kvroute-worker"
 SYSTEM = "You are a careful coding agent working through a failing test suite, one file at a time. " * 8

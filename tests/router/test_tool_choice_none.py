@@ -13,7 +13,7 @@ import pytest
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 BLOCK = 16
 MESSAGES = [{"role": "user", "content": "Summarise the failing tests in two lines. " * 6}]

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from tests.router.fake_upstreams import healthy, only_instance, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 BODY = b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}'
 

@@ -16,7 +16,7 @@ from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.config import ConfigError, parse_config
 from tests.conftest import sample
 from tests.router.dispatch.intake.test_admission import chat
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 ENGINE_KEY = "engine-key-0123456789"
 ENGINE_KEY_ENV = "KVROUTE_TEST_ENGINE_KEY"

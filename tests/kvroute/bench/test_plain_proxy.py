@@ -12,7 +12,7 @@ from aiohttp import web
 
 from kvroute.processes import free_port_block, spawn, wait_healthy
 from tests.router.fake_upstreams import healthy, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 
 async def echo(request: web.Request) -> web.Response:

@@ -25,7 +25,7 @@ from router.http.admin import admin_token
 from router.reload import Reloader
 from router.runtime import Runtime
 from tests.conftest import metric, sample
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -27,7 +27,7 @@ from router.http.app import create_app
 from router.http.cache_reset import RESET_TIMEOUT_S, cache_reset_routes
 from router.upstreams.http_session import server_config
 from tests.conftest import instance_url, sample
-from tests.router.test_proxy import get_json, post
+from tests.support.http import get_json, post
 
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -9,7 +9,7 @@ import pytest
 
 from kvroute.processes import FleetPorts, running_router
 from tests.router.dispatch.intake.test_admission import KEYS_ENV
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 ORIGIN = "https://ui.example"
 

@@ -30,7 +30,7 @@ from router.http.dashboard import flow_control_state
 from router.runtime import Runtime
 from tests.conftest import sample
 from tests.router.http.test_admin import AUTH, TOKEN, call
-from tests.router.test_proxy import get_json, post
+from tests.support.http import get_json, post
 
 CHROMIUM = Path("/usr/bin/chromium")
 FLEET_NAMES = {"fleet-0", "fleet-1", "fleet-2"}

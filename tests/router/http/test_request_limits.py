@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.conftest import sample
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 MODEL = "tiny-llama"
 LIMIT = 32 * 2**20  # limits.max_body_bytes's default, which the session router uses

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from kvroute.processes import free_port_block, running_router
 from tests.router.fake_upstreams import healthy, only_instance, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 MARKER = "zebra-quartz-7731"  # a word no log line would contain by chance
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

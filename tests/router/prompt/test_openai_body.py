@@ -22,7 +22,7 @@ from router.prompt.openai_body import (
     without_full_kv_report,
 )
 from tests.router.fake_upstreams import healthy, only_instance, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
 from router.prompt.remote_tokenizer import RemoteTokenizer, TokenizeFailed
 from router.prompt.tokenization import PromptTokenizer
-from tests.router.test_proxy import post
+from tests.support.http import post
 from tinymodel.builder import MODEL_NAME
 
 

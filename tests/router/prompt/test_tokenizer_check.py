@@ -20,7 +20,7 @@ from kvroute.processes import running_router_process
 from router.prompt.tokenization import PromptTokenizer
 from tests.conftest import sample
 from tests.router.fake_upstreams import serving_app
-from tests.router.test_proxy import get_json, post
+from tests.support.http import get_json, post
 
 MODEL = "served-llama"
 BLOCK_SIZE = 16

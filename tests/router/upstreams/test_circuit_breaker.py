@@ -13,7 +13,7 @@ from kvroute.processes import FleetPorts, running_router
 from router.upstreams.circuit_breaker import CircuitBreaker
 from tests.conftest import ManualClock, metric, sample
 from tests.router.fake_upstreams import first_in_config, healthy, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
 ROUND_ROBIN = {"x-kvroute-policy": "round-robin"}

@@ -15,7 +15,7 @@ import pytest
 
 from kvroute.processes import FleetPorts, running_router
 from router.dispatch.intake.admission import Admission, Overloaded
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 KEYS_ENV = "KVROUTE_TEST_API_KEYS"
 

@@ -15,7 +15,7 @@ from kvroute.processes import running_router
 from router.dispatch.observe.ab import ABStats, Ended
 from tests.conftest import metric, sample
 from tests.router.fake_upstreams import healthy, only_instance, serving
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 
 def test_error_answers_are_no_latency_samples_and_streams_count_once(tmp_path: Path) -> None:

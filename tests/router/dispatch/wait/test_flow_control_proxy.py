@@ -13,7 +13,7 @@ from typing import Any
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from tests.conftest import metric, sample
-from tests.router.test_proxy import post
+from tests.support.http import post
 
 OBJECTIVE = "x-gateway-inference-objective"
 

@@ -12,7 +12,7 @@ from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.dispatch.wait.memory_gate import MemoryGate
 from router.upstreams.instances import Instance, InstanceSetup
 from tests.conftest import ManualClock, metric, sample
-from tests.router.test_proxy import get_json, post
+from tests.support.http import get_json, post
 
 
 def instance(name: str, capacity: int | None, in_flight_tokens: int = 0) -> Instance:

@@ -1,0 +1,1 @@
+"""What many tests share: helpers only, no tests (the fleet and router processes are kvroute/processes.py's)."""
