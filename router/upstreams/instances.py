@@ -78,9 +78,8 @@ class Instance(CandidateState):
     )
 
     def __init__(
-        self, name: str, url: str, models: frozenset[str], setup: InstanceSetup | None = None
+        self, name: str, url: str, models: frozenset[str], setup: InstanceSetup = _DEFAULT_SETUP
     ) -> None:
-        setup = _DEFAULT_SETUP if setup is None else setup
         clock, block_size = setup.clock, setup.block_size
         super().__init__(name)
         self.url, self.models = url, models

@@ -113,7 +113,10 @@ class Prefill:
 class Outcome:
     observers: Observers
     decision: Decision
-    asked: Asked
+    policy: Policy
+    model: str  # as the client named it (a configured model: the metrics' label values stay few)
+    streamed: bool
+    api: str  # the metrics' label
     started: float  # this attempt: what the instance's TTFT model learns from
     first_sent: float  # the first attempt: what the client waited, for the policy's metrics
     prefill: Prefill
@@ -167,7 +170,7 @@ class Outcome:
         return cls(
             observers,
             decision,
-            asked,
+            *asked,
             started,
             first,
             prefill,
@@ -178,20 +181,9 @@ class Outcome:
         )
 
     @property
-    def policy(self) -> Policy:
-        return self.asked.policy
-
-    @property
-    def model(self) -> str:
-        return self.asked.model
-
-    @property
-    def streamed(self) -> bool:
-        return self.asked.streamed
-
-    @property
-    def api(self) -> str:
-        return self.asked.api
+    def asked(self) -> Asked:
+        """What the client asked, for another attempt at it."""
+        return Asked(self.policy, self.model, self.streamed, self.api)
 
     @property
     def instance(self) -> Instance:

@@ -102,18 +102,6 @@ def prefill_leg_worth_it(decision: Decision, local_prefill_max_tokens: int) -> b
     return decision.prompt_tokens == 0 or decision.uncached_tokens > local_prefill_max_tokens
 
 
-@dataclass(frozen=True, slots=True)
-class _Leg:
-    """One request's prefill leg: what it computes, for which decode instance, under which span."""
-
-    received: Received
-    prepared: Prepared
-    path: str
-    body: dict[str, Any]
-    decode_instance: str
-    span: Trace
-
-
 class PrefillLeg:
     def __init__(self, context: SendContext, connector: KVConnector, local_prefill_max_tokens: int) -> None:
         self._context, self._connector, self._local_max = context, connector, local_prefill_max_tokens
@@ -128,19 +116,22 @@ class PrefillLeg:
         cannot be reached, drops the request or fails it, within the attempts and the retry budget. The
         request's trace gets a span for the leg (its decisions and attempts beneath)."""
         with received.trace.step("prefill") as leg:
-            transfer = await self._run(_Leg(received, prepared, path, body, decode_instance, leg))
+            transfer = await self._run(received, prepared, path, body, decode_instance, leg)
             leg.set("kvroute.prefill_instance", transfer.instance.name)
             return transfer
 
-    async def _run(self, run: _Leg) -> Transfer:
-        context, prepared, policy, headers = (
-            self._context,
-            run.prepared,
-            run.received.policy,
-            run.received.headers,
-        )
-        path, body, decode_instance, leg = run.path, run.body, run.decode_instance, run.span
+    async def _run(
+        self,
+        received: Received,
+        prepared: Prepared,
+        path: str,
+        body: dict[str, Any],
+        decode_instance: str,
+        leg: Trace,
+    ) -> Transfer:
+        context, policy, headers = self._context, received.policy, received.headers
         model = prepared.request.model
+        asked = Asked(policy, model, streamed=False)
         tried = {decode_instance}
         for attempt in range(context.retry.attempts):
             prefill_capable = context.upstreams.candidates(model, exclude=frozenset(tried), leg="prefill")
@@ -153,7 +144,6 @@ class PrefillLeg:
             instance = decision.instance
             tried.add(instance.name)
             transfer_id = uuid.uuid4().hex
-            asked = Asked(policy, model, streamed=False)
             outcome = Outcome.start(context.observers, decision, asked, None, Part("prefill"))
             payload = prefill_body(body, self._connector, transfer_id)
             with leg.attempt(instance, attempt, "prefill") as span:

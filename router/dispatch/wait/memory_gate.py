@@ -43,12 +43,16 @@ class MemoryGate(Generic[T]):
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def enabled(self) -> bool:
+        return self.max_hold_s > 0
+
     def must_wait(
         self, prompt_tokens: int, candidates: Sequence[Instance], chain: Sequence[int] = ()
     ) -> bool:
         """The hold is on, no candidate has room for this prompt (its whole blocks hash to chain) now, and
         one would when empty (a prompt larger than every instance's memory would only wait out the bound)."""
-        if self.max_hold_s <= 0 or self._fits(prompt_tokens, chain, candidates):
+        if not self.enabled or self._fits(prompt_tokens, chain, candidates):
             return False
         largest = max((i.kv_capacity_tokens or 0 for i in candidates), default=0)
         return prompt_tokens <= largest

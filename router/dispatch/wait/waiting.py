@@ -40,9 +40,11 @@ class Waiting:
         stored response pins to one instance does not wait for the fleet's turn."""
         if received.target.pinned is None:
             prepared = await self._turn(received, prepared)
-        request = prepared.request
+        request, memory = prepared.request, self._memory
+        if not memory.enabled:  # spares looking the candidates up for every request
+            return prepared
         candidates = self._upstreams.candidates(request.model)
-        if self._memory.must_wait(request.prompt_tokens, candidates, prepared.chain):
+        if memory.must_wait(request.prompt_tokens, candidates, prepared.chain):
             await self._hold_for_memory(request.model, request.prompt_tokens, prepared.chain)
         return prepared
 
