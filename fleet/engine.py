@@ -3,7 +3,9 @@
 Each step decodes one token for every running sequence and spends the rest of a token budget on prefill
 (chunked, first come first served). A step lasts prefill_tokens / prefill rate + one decode time, so a prompt
 costs time in proportion to its uncached tokens. KV blocks are allocated as sequences grow; when none is free
-the newest running request is preempted and recomputed later, as vLLM does.
+the newest running request (by priority: the lowest-ranked) is preempted and recomputed later, as vLLM does.
+The waiting queue is in arrival order, or with the priority policy by each request's `priority`
+(fleet/request_queue.py).
 
 A decode leg's prompt KV comes from a prefill instance: admitted, it holds its blocks and waits (counted as
 waiting) until the load ends, then runs with its whole prompt in place, or computes what the load did not
@@ -13,11 +15,11 @@ bring (kv_load_failure_policy recompute). The prefix-cache counters move as vLLM
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fleet.block_pool import Adapter, Block, BlockHasher, BlockPool, NoFreeBlocks
+from fleet.request_queue import Rank, SchedulingPolicy, preemption_victim, request_queue
 from router.index.events import KVEvent
 
 
@@ -28,6 +30,7 @@ class EngineTiming:
     max_num_seqs: int = 16
     max_batched_tokens: int = 2048
     transfer_tokens_per_s: float = 100_000.0  # KV fetched from a prefill instance (fleet/kv_transfer.py)
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy
 
 
 @dataclass(slots=True)
@@ -83,6 +86,8 @@ class _Sequence:
     loading: asyncio.Task[None] | None = None
     cache: PromptCache = field(default_factory=PromptCache)
     preempted: bool = False
+    priority: int = 0  # vLLM's: by the priority policy, the lowest value first
+    arrival_s: float = 0.0
 
     @property
     def prefilling(self) -> bool:
@@ -102,7 +107,7 @@ class Engine:
         self.timing = timing
         self.stats = EngineStats()
         self.hasher = hasher
-        self._waiting: deque[_Sequence] = deque()
+        self._waiting = request_queue(timing.scheduling_policy, _rank)
         self._running: list[_Sequence] = []
         self._loading: set[_Sequence] = set()  # vLLM's WAITING_FOR_REMOTE_KVS: blocks held, counted waiting
         self._wake = asyncio.Event()
@@ -131,13 +136,15 @@ class Engine:
         load: KVLoad | None = None,
         cache: PromptCache | None = None,
         finish_reason: str = "length",
+        priority: int = 0,
     ) -> AsyncIterator[int]:
         """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
         cache_salt: vLLM's, which makes the prompt's cache entries its own; lora: the adapter it runs with,
         whose cache entries are its own too; connector: the instance runs a KV connector; load: brings the
         prompt's KV beyond the local cache from a prefill instance (a decode leg), run once the request is
         admitted; the transfer then takes transfer_tokens_per_s; cache: filled in by the first token;
-        finish_reason: what it finishes as once it has max_tokens (stop: the model sampled its EOS)."""
+        finish_reason: what it finishes as once it has max_tokens (stop: the model sampled its EOS);
+        priority: the body's, which orders the queue under the priority policy."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
@@ -150,8 +157,10 @@ class Engine:
             load=load,
             cache=cache or PromptCache(),
             finish_reason=finish_reason,
+            priority=priority,
+            arrival_s=asyncio.get_running_loop().time(),
         )
-        self._waiting.append(seq)
+        self._waiting.add(seq)
         self._wake.set()
         finished = False
         try:
@@ -185,21 +194,28 @@ class Engine:
         budget = self.timing.max_batched_tokens
         scheduled: dict[_Sequence, int] = {}
         prefill_tokens = 0
+        prefilling: set[_Sequence] = set()
         for seq in list(self._running):
-            if seq not in self._running:  # preempted while making room for an earlier one
+            if seq not in self._running:  # preempted while making room for another
                 continue
             wanted = min(len(seq.token_ids) - seq.num_computed, budget)
             if wanted <= 0 or not self._reserve(seq, seq.num_computed + wanted):
                 continue
+            # By priority, whom it preempted may have been scheduled already this step.
+            for preempted in [s for s in scheduled if s not in self._running]:
+                tokens = scheduled.pop(preempted)
+                budget += tokens
+                prefill_tokens -= tokens if preempted in prefilling else 0
             scheduled[seq] = wanted
             budget -= wanted
             if seq.prefilling:
+                prefilling.add(seq)
                 prefill_tokens += wanted
         while self._waiting and budget > 0 and len(self._running) < self.timing.max_num_seqs:
-            seq = self._waiting[0]
+            seq = self._waiting.peek()
             if not seq.blocks and self._admit(seq) is None:  # a loaded one holds its blocks already
                 break
-            self._waiting.popleft()
+            self._waiting.pop()
             if seq.load is not None:
                 self._loading.add(seq)
                 seq.loading = asyncio.create_task(self._load(seq, seq.load))
@@ -255,7 +271,7 @@ class Engine:
         else:
             self.pool.free(seq.blocks)
             seq.blocks = []
-        self._waiting.appendleft(seq)
+        self._waiting.prepend(seq)
         self._wake.set()
 
     def _count_sources(self, local_cache_hit: int, external_kv_transfer: int, local_compute: int) -> None:
@@ -268,14 +284,14 @@ class Engine:
         sources["local_compute"] += local_compute
 
     def _reserve(self, seq: _Sequence, num_tokens: int) -> bool:
-        """Grow seq's blocks to hold num_tokens, preempting the newest other sequences if needed."""
+        """Grow seq's blocks to hold num_tokens, preempting others (or itself) if needed."""
         needed = -(-num_tokens // self.pool.block_size) - len(seq.blocks)
         while needed > 0:
             try:
                 seq.blocks += self.pool.allocate(needed)
                 return True
             except NoFreeBlocks:
-                victim = self._running[-1]
+                victim = preemption_victim(self._running, self.timing.scheduling_policy, _rank)
                 self._preempt(victim)
                 if victim is seq:
                     return False
@@ -286,7 +302,7 @@ class Engine:
         self.pool.free(seq.blocks)
         seq.blocks, seq.num_computed, seq.num_cached_blocks = [], 0, 0
         seq.preempted = True
-        self._waiting.appendleft(seq)
+        self._waiting.prepend(seq)
         self.stats.preemptions += 1
 
     def _advance(self, scheduled: dict[_Sequence, int]) -> None:
@@ -359,3 +375,7 @@ class Engine:
         events = self.pool.take_events()
         if events:
             self._publish(events)
+
+
+def _rank(seq: _Sequence) -> Rank:
+    return seq.priority, seq.arrival_s

@@ -228,6 +228,9 @@ class Generation:
         seed = request_seed(body.get("seed"), body.get("temperature", 1.0), prompt_ids)
         self.sample = sampler(instance.vocabulary, seed)
         self.salt = salt if isinstance(salt := body.get("cache_salt"), str) else None
+        self.priority = body.get("priority", 0)
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ClientError(400, "priority must be an integer", "BadRequestError", "priority")
         params = body.get("kv_transfer_params")
         if params is not None and not isinstance(params, dict):
             raise ClientError(400, "kv_transfer_params must be an object", "BadRequestError")
@@ -251,6 +254,7 @@ class Generation:
             load,
             self.cache,
             self.finish_reason,
+            self.priority,
         ):
             yield token
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleet.request_queue import SCHEDULING_POLICIES
 from kvroute.arguments import MAX_PORT, parse_pd, port, positive_float, positive_int, positive_ints
 from kvroute.extras import requires_extra
 
@@ -164,6 +165,7 @@ def _fleet(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_batched_tokens=args.max_batched_tokens,
             transfer_tokens_per_s=args.transfer_tps,
+            scheduling_policy=args.scheduling_policy,
         ),
         roles=args.roles,
         kv_connector=args.kv_connector,
@@ -421,6 +423,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument(
         "--max-batched-tokens", type=positive_int, default=2048, help="token budget of one engine step"
+    )
+    fleet.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="as vLLM's: fcfs, or priority (the waiting queue by each request's `priority`, lowest first, "
+        "and the lowest-ranked request preempted)",
     )
     fleet.add_argument(
         "--event-encoding", choices=["map", "array"], default="map", help="KV events' msgpack form"

@@ -368,6 +368,14 @@ class FlowControlConfig(_Strict):
         description="objectives by name; `default` (priority 0 unless given here) is every other request's",
     )
     per_flow: FlowLimitsConfig = Field(default_factory=FlowLimitsConfig, description="limits on each flow")
+    engine_priority: bool = Field(
+        default=True,
+        description="chat, completions and Responses requests carry their objective's priority to the "
+        "engine as vLLM's `priority` (negated: vLLM runs the lowest first), so an engine run with "
+        "`--scheduling-policy priority` serves its own queue in the objectives' order (vLLM's default fcfs "
+        "ignores it); a client's own `priority` is replaced. Set whether or not flow control is enabled. "
+        "false: bodies go as sent",
+    )
 
     def objective(self, name: str | None) -> tuple[str, ObjectiveConfig]:
         """The objective a request names, as configured (an unknown name: `default`)."""

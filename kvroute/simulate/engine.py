@@ -21,10 +21,10 @@ caches it (announcing it as vLLM does once a transfer is in), computes the last 
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fleet.request_queue import Rank, preemption_victim, request_queue
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.hardware import EngineSpec
@@ -74,6 +74,8 @@ class SimRequest:
     flow: str | None = None  # the flow and objective the router's queue counted it under
     objective: str = "default"
     queued_s: float = 0.0  # how long it waited in the router's queue
+    priority: int = 0  # vLLM's: with the priority scheduling policy, the lowest value runs first
+    arrival_s: float = 0.0  # when its instance's queue took it
 
 
 class Engine:
@@ -104,7 +106,7 @@ class Engine:
         self.itl_tokens: array[int] = array("q")
         self._blocks, self._loop, self._pool, self._load_s = blocks, loop, pool, load_s_per_token
         self._transfer_s = transfer_s_per_token
-        self._waiting: deque[SimRequest] = deque()
+        self._waiting = request_queue(spec.scheduling_policy, _rank)
         self._admitted = 0  # running, loading its KV, or a prefill leg holding it: what /metrics says runs
         self._running: list[SimRequest] = []  # scheduled each step, in the order they were admitted
         self._pool_events: list[KVEvent] = []
@@ -135,7 +137,8 @@ class Engine:
         return True
 
     def _queue(self, request: SimRequest) -> None:
-        self._waiting.append(request)
+        request.arrival_s = self._loop.now
+        self._waiting.add(request)
         self._wake()
 
     def _blocks_of(self, tokens: int) -> int:
@@ -159,7 +162,8 @@ class Engine:
 
     def _step(self) -> None:
         budget, preempted = self.spec.max_batched_tokens, False
-        self._scheduled = scheduled = []
+        scheduled: list[tuple[SimRequest, int]] = []
+        self._scheduled = scheduled
         running, index = self._running, 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -168,6 +172,9 @@ class Engine:
             preempted = preempted or preempted_some
             if not room:
                 break
+            if preempted_some:  # by priority, whom it preempted may have been scheduled before it
+                budget = self.spec.max_batched_tokens - sum(taken for _, taken in scheduled)
+                index = running.index(request)
             scheduled.append((request, tokens))
             budget -= tokens
             index += 1
@@ -184,12 +191,15 @@ class Engine:
         self._schedule_end(self._loop.now, step, steps)
 
     def _make_room(self, request: SimRequest, tokens: int) -> tuple[bool, bool]:
-        """Blocks for request's first `tokens` tokens, preempting from the last admitted while there are too
-        few: whether it got them, and whether any request was preempted."""
+        """Blocks for request's first `tokens` tokens, preempting while there are too few (the last admitted,
+        or by priority the lowest-ranked, fleet/request_queue.py): whether it got them, and whether any
+        request was preempted (one this step had scheduled already loses its place in it)."""
         needed = self._blocks_of(tokens) - len(request.held) - request.uncached
         preempted = False
         while needed > self.kv.num_free:
-            victim = self._running.pop()
+            victim = preemption_victim(self._running, self.spec.scheduling_policy, _rank)
+            self._running.remove(victim)
+            self._scheduled[:] = [entry for entry in self._scheduled if entry[0] is not victim]
             self._preempt(victim)
             preempted = True
             if victim is request:
@@ -206,7 +216,7 @@ class Engine:
         request.preempted += 1
         self.preemptions += 1
         self._admitted -= 1
-        self._waiting.appendleft(request)
+        self._waiting.prepend(request)
         self.on_preempted(request)
 
     def _decode_run(self) -> int:
@@ -292,7 +302,7 @@ class Engine:
         returns the budget left."""
         kv, size, spec = self.kv, self.spec.block_size, self.spec
         while self._waiting and budget > 0 and self._admitted < spec.max_num_seqs:
-            request = self._waiting[0]
+            request = self._waiting.peek()
             first = request.admitted_s < 0
             total = _tokens(request)
             sequence = self._sequence(request, total)
@@ -312,7 +322,7 @@ class Engine:
             new_blocks = self._blocks_of(loaded_to) - hits
             if not kv.can_take(held, new_blocks):
                 break
-            self._waiting.popleft()
+            self._waiting.pop()
             if first:
                 request.admitted_s = self._loop.now
                 request.local_hit_blocks, request.pool_hit_blocks = hits, pooled
@@ -440,3 +450,8 @@ def _tokens(request: SimRequest) -> int:
 def _decoding(request: SimRequest, tokens: int) -> bool:
     """Whether its share of a step is one decode token (the last one given, whose KV is computed)."""
     return tokens == 1 and request.generated > 0
+
+
+def _rank(request: SimRequest) -> Rank:
+    """Its place in a queue by priority: vLLM's (priority, arrival_time)."""
+    return request.priority, request.arrival_s

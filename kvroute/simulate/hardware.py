@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleet.request_queue import SchedulingPolicy
 from router.config import Role
 from scorers.ttft_model import attention_pairs
 
@@ -41,6 +42,8 @@ class EngineSpec:
     max_batched_tokens: int = 8192  # chunked prefill: prompt tokens an engine step takes at most
     # With a limit, a request arriving at a longer waiting queue is refused (HTTP 503); vLLM has none.
     max_waiting: int | None = None
+    # vLLM's --scheduling-policy: its waiting queue's order and whom it preempts (fleet/request_queue.py)
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # From a request's send to the engine's queue: HTTP, parsing, the API server; and for each prompt token.
     frontend_s: float = 0.0
     frontend_s_per_token: float = 0.0

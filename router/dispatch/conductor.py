@@ -40,6 +40,7 @@ from router.dispatch.intake.agent_bodies import (
     read_model_only,
     response_not_found,
 )
+from router.dispatch.intake.engine_priority import engine_priority, prioritized, with_engine_priority
 from router.dispatch.intake.response_history import ResponseHistory
 from router.dispatch.intake.response_ids import ResponseIds
 from router.dispatch.intake.response_owners import owner_tag
@@ -57,6 +58,8 @@ from scorers.policy import best_first
 
 # What a request for a stored response meets when the instance holding it has gone: vLLM's unknown id instead.
 _GONE = frozenset({"no_healthy_instance", "upstream_unreachable"})
+# The bodies whose vLLM API takes a `priority` (intake/engine_priority.py)
+_ENGINE_PRIORITY = frozenset({"chat", "completion", "responses"})
 Placed = TypeVar("Placed")
 
 
@@ -173,11 +176,18 @@ class Conductor:
         tokenize = read.tokenize and len(raw) <= self._tokenized_max
         if api.body in ("chat", "completion"):
             raw = without_full_kv_report(raw, body.vllm_xargs)
-        off_loop = len(raw) > self._thread_above
-        target = Target(api.name, read.pinned, read.pinned_by, read.body_for, read.watch, api.get)
         flow_control = self._flow_gate.config
         flow = flow_of(flow_control, headers, session)
         objective = objective_of(flow_control, headers)
+        body_for = read.body_for
+        if flow_control.engine_priority and api.body in _ENGINE_PRIORITY:
+            priority = engine_priority(flow_control.objective(objective)[1].priority)
+            if body_for is None:
+                raw = with_engine_priority(raw, priority)
+            else:
+                body_for = prioritized(body_for, priority)
+        off_loop = len(raw) > self._thread_above
+        target = Target(api.name, read.pinned, read.pinned_by, body_for, read.watch, api.get)
         headers = forwarded_headers(headers)
         return Received(
             body,

@@ -47,6 +47,15 @@ async def collect(engine: Engine, prompt: list[int], max_tokens: int) -> list[in
     return [t async for t in engine.generate(prompt, max_tokens, lambda position: 1000 + position)]
 
 
+async def finish(
+    engine: Engine, finished: list[str], name: str, prompt: list[int], max_tokens: int, priority: int = 0
+) -> None:
+    """Generate to the end, then add name to finished."""
+    async for _ in engine.generate(prompt, max_tokens, lambda position: 1000 + position, priority=priority):
+        pass
+    finished.append(name)
+
+
 def test_outputs_come_from_the_sampler_in_order() -> None:
     async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> list[int]:
         return await collect(engine, list(range(20)), 5)
@@ -151,6 +160,46 @@ def test_a_full_cache_preempts_and_every_request_still_finishes() -> None:
     lengths, preemptions = run(scenario, blocks=11, timing=timing)
     assert lengths == [40, 40, 40]
     assert preemptions >= 1
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"), [("fcfs", ["first", "low", "high"]), ("priority", ["first", "high", "low"])]
+)
+def test_the_priority_policy_runs_the_lowest_priority_value_first(policy: str, order: list[str]) -> None:
+    """One sequence at a time: the request running goes on; of those waiting, by the priority policy the
+    later one of priority -5 runs before the earlier one of 5, as vLLM's --scheduling-policy priority."""
+    timing = EngineTiming(max_num_seqs=1, scheduling_policy=policy)  # type: ignore[arg-type]
+
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> list[str]:
+        finished: list[str] = []
+        first = asyncio.create_task(finish(engine, finished, "first", [1] * 20, 5))
+        await asyncio.sleep(0)
+        await asyncio.gather(
+            first,
+            finish(engine, finished, "low", [2] * 20, 5, priority=5),
+            finish(engine, finished, "high", [3] * 20, 5, priority=-5),
+        )
+        return finished
+
+    assert run(scenario, timing=timing) == order
+
+
+def test_the_priority_policy_preempts_the_lowest_ranked_request_not_the_newest() -> None:
+    timing = EngineTiming(max_num_seqs=4, scheduling_policy="priority")
+
+    async def scenario(engine: Engine, slept: list[float], events: list[KVEvent]) -> tuple[list[str], int]:
+        finished: list[str] = []
+        # 3 blocks each at the start, 5 at the end; 11 in the pool: one is preempted, and finishes last.
+        await asyncio.gather(
+            finish(engine, finished, "worst", [1] * 40, 40, priority=9),
+            finish(engine, finished, "best", [2] * 40, 40, priority=-9),
+            finish(engine, finished, "middle", [3] * 40, 40),
+        )
+        return finished, engine.stats.preemptions
+
+    finished, preemptions = run(scenario, blocks=11, timing=timing)
+    assert preemptions >= 1
+    assert finished[-1] == "worst"
 
 
 def test_an_abandoned_request_is_aborted_and_frees_its_blocks() -> None:

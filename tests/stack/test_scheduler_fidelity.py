@@ -28,13 +28,30 @@ TRACE_BLOCK = 32
 
 SCENARIOS = {
     # Three answers outgrow 30 blocks: the request admitted last is preempted and computed again.
-    "preemption": {"kv_blocks": 30, "max_num_seqs": 8, "max_batched_tokens": 64, "requests": [[80, 150]] * 3},
+    "preemption": {
+        "kv_blocks": 30,
+        "max_num_seqs": 8,
+        "max_batched_tokens": 64,
+        "policy": "fcfs",
+        "requests": [[80, 150, 0]] * 3,
+    },
     # Long and short prompts in a small budget, a batch limit of 3, answers crossing blocks, memory tight.
     "mixed": {
         "kv_blocks": 24,
         "max_num_seqs": 3,
         "max_batched_tokens": 48,
-        "requests": [[200, 20], [40, 60], [120, 30], [60, 80], [17, 40], [100, 5]],
+        "policy": "fcfs",
+        "requests": [[200, 20, 0], [40, 60, 0], [120, 30, 0], [60, 80, 0], [17, 40, 0], [100, 5, 0]],
+    },
+    # --scheduling-policy priority: the waiting queue by (priority, arrival), so later arrivals of a better
+    # priority are admitted first, and the lowest-ranked running request preempted, not the last admitted
+    # (first come, first served, these requests would finish 1, 0, 2, 4, 3, 5 with two preemptions).
+    "priority": {
+        "kv_blocks": 26,
+        "max_num_seqs": 3,
+        "max_batched_tokens": 48,
+        "policy": "priority",
+        "requests": [[80, 150, -3], [60, 120, 1], [90, 100, 3], [40, 60, -2], [30, 40, 0], [70, 90, -1]],
     },
 }
 
@@ -58,7 +75,7 @@ def vllm_run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def simulated_run(spec: dict[str, Any]) -> dict[str, Any]:
     requests, first_id = [], 0
-    for prompt, answer in spec["requests"]:
+    for prompt, answer, _ in spec["requests"]:
         ids = tuple(range(first_id, first_id + -(-prompt // TRACE_BLOCK)))  # no two share a block
         first_id += len(ids)
         requests.append(TraceRequest(0.0, prompt, answer, ids))
@@ -68,6 +85,7 @@ def simulated_run(spec: dict[str, Any]) -> dict[str, Any]:
         kv_blocks=spec["kv_blocks"],
         max_num_seqs=spec["max_num_seqs"],
         max_batched_tokens=spec["max_batched_tokens"],
+        scheduling_policy=spec["policy"],
     )
     engine = Engine(0, engine_spec, blocks, loop)
     steps: list[dict[int, int]] = []
@@ -82,8 +100,9 @@ def simulated_run(spec: dict[str, Any]) -> dict[str, Any]:
     engine.on_preempted = lambda request: preempted.append(request.number)
     engine.on_finish = lambda request: finished.append(request.number)
     engine.on_events = announced
-    for number, traced in enumerate(requests):
-        assert engine.enqueue(SimRequest(number, traced, blocks.chains[number], None))
+    for number, (traced, (_, _, priority)) in enumerate(zip(requests, spec["requests"], strict=True)):
+        request = SimRequest(number, traced, blocks.chains[number], None, priority=priority)
+        assert engine.enqueue(request)
     loop.run()
     return {"steps": steps, "preempted": preempted, "finished": finished, "stored_blocks": stored[0]}
 

@@ -1,8 +1,9 @@
 """Run by the stack's Python (tests/stack/test_scheduler_fidelity.py): the installed vLLM's V1 scheduler
 serves a few requests, with no model (each request that completes its tokens samples one), and prints what
 it scheduled. stdin: {"model": a local model directory (only its config is read), "kv_blocks",
-"block_size", "max_num_seqs", "max_batched_tokens", "requests": [[prompt tokens, answer tokens], ...]}, all
-sent before the first step. stdout, one JSON line: {"steps": [{request number: tokens scheduled}, ...],
+"block_size", "max_num_seqs", "max_batched_tokens", "policy" (fcfs or priority, vLLM's --scheduling-policy),
+"requests": [[prompt tokens, answer tokens, priority], ...]}, all sent before the first step, request n arriving
+at time n. stdout, one JSON line: {"steps": [{request number: tokens scheduled}, ...],
 "preempted": [request numbers, in the order vLLM preempted them], "finished": [request numbers, in order],
 "stored_blocks": the blocks its KV events announced}.
 """
@@ -32,6 +33,7 @@ config = VllmConfig(
         max_model_len=4096,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
+        policy=spec["policy"],
     ),
     cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
     kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
@@ -62,11 +64,13 @@ class Published:
 published = Published()
 scheduler.kv_event_publisher = published
 hasher = get_request_block_hasher(BS, sha256)
-for number, (prompt, answer) in enumerate(spec["requests"]):
+for number, (prompt, answer, priority) in enumerate(spec["requests"]):
     tokens = [1000 * (number + 1) + position for position in range(prompt)]  # no two share a block
     params = SamplingParams(max_tokens=answer, ignore_eos=True)
     scheduler.add_request(
-        Request(str(number), tokens, params, None, arrival_time=number, block_hasher=hasher)
+        Request(
+            str(number), tokens, params, None, arrival_time=number, priority=priority, block_hasher=hasher
+        )
     )
 
 steps: list[dict[int, int]] = []
