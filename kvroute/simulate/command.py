@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from fleet.request_queue import SCHEDULING_POLICIES
 from kvroute.arguments import non_negative_int, parse_pd, positive_float, positive_int
 from kvroute.extras import requires_extra
 from kvroute.simulate.hardware import (
@@ -62,6 +63,13 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     )
     simulate.add_argument("--policies", default=None, help="comma-separated; default: all")
     simulate.add_argument("--pool", choices=["on", "off"], default="on")
+    simulate.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=None,
+        help="the engines' (vLLM's --scheduling-policy; default: the profile's, else fcfs): priority orders "
+        "their queues by the priority the routers that send one (kvroute, Dynamo) give each request",
+    )
     simulate.add_argument("--pool-link", choices=sorted(POOL_PRESETS), default="rdma")
     simulate.add_argument(
         "--event-delay", type=float, default=0.05, help="seconds until KV events reach the index"
@@ -171,6 +179,8 @@ def _fleet(args: argparse.Namespace) -> FleetSpec | str:
             attention_s_per_pair=ATTENTION_S_PER_PAIR,
             decode_s_per_context_token=DECODE_S_PER_CONTEXT_TOKEN,
         )
+    if args.scheduling_policy is not None:
+        engine = replace(engine, scheduling_policy=args.scheduling_policy)
     return FleetSpec(instances=instances, engine=engine, pool=pool, event_delay_s=args.event_delay, pd=pd)
 
 

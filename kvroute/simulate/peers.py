@@ -13,8 +13,9 @@ import zlib
 from collections.abc import Sequence
 
 from kvroute.simulate.engine import SimRequest
-from kvroute.simulate.policies import SimPolicy
+from kvroute.simulate.policies import SIM_OBJECTIVES, SimPolicy
 from kvroute.simulate.view import RouterView
+from router.dispatch.intake.engine_priority import engine_priority
 from scorers.request import NO_MATCH
 
 
@@ -253,6 +254,10 @@ class DynamoCost(SimPolicy):
         active.prefill_tokens[chosen] += request.uncached_estimate
         active.add(chosen, chain, prompt_blocks)
         return chosen
+
+    def engine_priority(self, request: SimRequest) -> int:
+        """Dynamo passes a request's priority to vLLM, lowest first (reference/peers.md)."""
+        return engine_priority(SIM_OBJECTIVES.get(request.trace.objective or "", {}).get("priority", 0))
 
     def first_token(self, request: SimRequest) -> None:
         self._active.prefill_tokens[request.instance] -= request.uncached_estimate

@@ -18,6 +18,7 @@ from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
 from router.config import FlowControlConfig, PeersConfig, RouterConfig, parse_config
 from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
+from router.dispatch.intake.engine_priority import engine_priority
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance
@@ -79,6 +80,11 @@ class SimPolicy:
     def work(self, request: SimRequest) -> float:
         """The uncached tokens request would compute at best, for the router's queue to order by."""
         return float(request.trace.input_tokens)
+
+    def engine_priority(self, request: SimRequest) -> int:
+        """vLLM's `priority` the router sends request with (router/dispatch/intake/engine_priority.py): 0 for
+        a router that sends none."""
+        return 0
 
     def has_room(self, extra_work: float) -> bool | None:
         """With flow_control, whether its queue lets a request go now by its own rule (a peer's); None: by
@@ -225,6 +231,14 @@ class ConfiguredPolicy(SimPolicy):
     def work(self, request: SimRequest) -> float:
         return float(uncached_at_best(self.routing(request)))
 
+    def engine_priority(self, request: SimRequest) -> int:
+        """kvroute's: its objective's priority, negated, unless flow_control.engine_priority is off; peers
+        built from its scorers (decide=False) send none."""
+        flow_control = self._config.flow_control
+        if not self._decide or not flow_control.engine_priority:
+            return 0
+        return engine_priority(flow_control.objective(request.trace.objective)[1].priority)
+
     def sheds(self, request: SimRequest) -> bool:
         """llm-d's legacy admission (flow control off, its default): a request whose objective has a negative
         priority is refused while its utilization detector reads the pool saturated: the mean over the
@@ -319,6 +333,9 @@ class Replicas(SimPolicy):
 
     def instances_for(self, request: SimRequest) -> list[Instance]:
         return self.routers[request.router].view.instances
+
+    def engine_priority(self, request: SimRequest) -> int:
+        return self.routers[request.router].engine_priority(request)
 
     def first_token(self, request: SimRequest) -> None:
         self.routers[request.router].first_token(request)

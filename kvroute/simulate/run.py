@@ -286,6 +286,7 @@ class Run:
         request.uncached_estimate = request.trace.input_tokens
         request.dispatched_s = self.loop.now
         request.instance = self.policy.route(request)
+        request.priority = self.policy.engine_priority(request)
         self.started(request)
         if not self.engines[request.instance].enqueue(request):
             self.ended(request, admitted=False)
