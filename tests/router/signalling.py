@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -18,13 +17,6 @@ from typing import Self
 from kvroute.processes import Child
 
 WORKER = "x-kvroute-worker"
-
-
-def eventually(condition: Callable[[], object], timeout_s: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-        time.sleep(0.02)
 
 
 def sighup_taken(pid: int) -> int | None:

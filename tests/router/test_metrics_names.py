@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -15,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import metric, sample
 from tests.router.test_grafana_dashboard import CHARTS, EXPORTED, metric_names
 from tests.support.http import post
+from tests.support.waiting import eventually
 
 MODEL = "tiny-llama"
 SESSION = "metrics-names"
@@ -46,20 +45,13 @@ def traffic(router_url: str) -> list[Served]:
         messages.append({"role": "assistant", "content": "Running them now."})
     # KV events and the end of a relayed stream are recorded after the client has its answer.
     for instance in {s.instance for s in served}:
-        _eventually(
+        eventually(
             lambda i=instance: sample(
                 router_url, "kvroute_kv_events_total", vllm_instance=i, type="BlockStored"
             )
         )
-        _eventually(lambda i=instance: sample(router_url, "kvroute_instance_in_flight", vllm_instance=i) == 0)
+        eventually(lambda i=instance: sample(router_url, "kvroute_instance_in_flight", vllm_instance=i) == 0)
     return served
-
-
-def _eventually(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the router's metrics did not catch up"
-        time.sleep(0.05)
 
 
 def _label_names(url: str) -> dict[str, set[frozenset[str]]]:

@@ -6,20 +6,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 from kvroute.processes import FleetPorts, free_port_block, running_router
 from tests.conftest import sample
-
-
-def _eventually(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time limit"
-        time.sleep(0.05)
+from tests.support.waiting import eventually
 
 
 def _in_flight(url: str) -> int:
@@ -68,11 +60,11 @@ def test_routers_count_each_others_requests_and_forget_one_that_stops(
             "first",
         ) as first_url:
             for url in (first_url, second_url):
-                _eventually(lambda url=url: sample(url, "kvroute_peer_routers") == 1)  # type: ignore[misc]
+                eventually(lambda url=url: sample(url, "kvroute_peer_routers") == 1)  # type: ignore[misc]
             streams = [_stream(first_url) for _ in range(3)]  # one on each instance, through the first
             try:
                 assert [response.status for _, response in streams] == [200, 200, 200]
-                _eventually(lambda: _in_flight(second_url) == 3)  # the second hears of all three
+                eventually(lambda: _in_flight(second_url) == 3)  # the second hears of all three
                 # Its limit counts its own requests: the instances are full for the first router only.
                 refused, answer = _stream(first_url)
                 assert answer.status == 429
@@ -86,5 +78,5 @@ def test_routers_count_each_others_requests_and_forget_one_that_stops(
                     connection.close()
             assert all(body.rstrip().endswith(b"data: [DONE]") for body in bodies)
             assert sample(second_url, "kvroute_peer_snapshots_total", result="malformed") in (None, 0.0)
-            _eventually(lambda: _in_flight(second_url) == 0)
-        _eventually(lambda: sample(second_url, "kvroute_peer_routers") == 0)
+            eventually(lambda: _in_flight(second_url) == 0)
+        eventually(lambda: sample(second_url, "kvroute_peer_routers") == 0)

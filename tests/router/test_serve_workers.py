@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.processes import Child, FleetPorts, free_port_block, group_alive, start, wait_healthy
 from tests.router.signalling import alive, children
 from tests.support.http import post
+from tests.support.waiting import eventually
 
 WORKER = "x-kvroute-worker"
 SYSTEM = "You are a careful coding agent working through a failing test suite, one file at a time. " * 8
@@ -54,7 +55,7 @@ def start_workers(fleet: FleetPorts, log_dir: Path, name: str, **extra: object) 
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(child, [url + "/health"])
-        _eventually(lambda: "2 workers serving on" in child.log_path.read_text())  # each one accepting
+        eventually(lambda: "2 workers serving on" in child.log_path.read_text())  # each one accepting
     except BaseException:
         child.stop()
         raise
@@ -68,13 +69,6 @@ def served(fleet: FleetPorts, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield running
     finally:
         running.child.stop()
-
-
-def _eventually(condition: Callable[[], object], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time limit"
-        time.sleep(0.05)
 
 
 def chat(served: Served, messages: list[dict[str, str]], session: str | None = None) -> dict[str, str]:
@@ -156,7 +150,7 @@ def test_both_workers_answer_and_sessions_keep_their_prefix_instance(served: Ser
             messages.append({"role": "assistant", "content": "Running them now."})
             # Every worker reports the host's index, which the engine's events grow.
             grown = before.get(placed[-1], 0.0)
-            _eventually(lambda at=placed[-1], n=grown: _same_index_everywhere(served, at, n))  # type: ignore[misc]
+            eventually(lambda at=placed[-1], n=grown: _same_index_everywhere(served, at, n))  # type: ignore[misc]
         assert len(set(placed)) == 1, placed
         answered_by |= routed_by
     with ThreadPoolExecutor(16) as pool:  # concurrent connections reach both workers
@@ -182,15 +176,15 @@ def test_a_killed_worker_loses_no_later_request_and_is_replaced(served: Served) 
     before = served.workers()
     victim = min(before)
     os.kill(victim, signal.SIGKILL)
-    _eventually(lambda: not alive(victim))
+    eventually(lambda: not alive(victim))
     # Once its pool has reaped it and steered new connections away (tests/router/test_worker_faults.py checks
     # the connections that come in meanwhile: they wait for the successor).
-    _eventually(lambda: "exited with -9" in served.child.log_path.read_text())
+    eventually(lambda: "exited with -9" in served.child.log_path.read_text())
     for i in range(20):  # the other worker takes every connection meanwhile
         assert int(chat(served, [{"role": "user", "content": f"after {i}"}])[WORKER]) != victim
-    _eventually(lambda: len(served.workers()) == 2 and victim not in served.workers())
+    eventually(lambda: len(served.workers()) == 2 and victim not in served.workers())
     replacement = (served.workers() - before).pop()
-    _eventually(
+    eventually(
         lambda: (
             replacement
             in {int(chat(served, [{"role": "user", "content": "new"}])[WORKER]) for _ in range(16)}
@@ -213,7 +207,7 @@ def test_sigterm_drains_and_ends_every_process(fleet: FleetPorts, tmp_path: Path
                 "messages": [{"role": "user", "content": "a long answer"}],
             }
             streamed = pool.submit(post, running.url + "/v1/chat/completions", json.dumps(body).encode())
-            _eventually(
+            eventually(
                 lambda: any(
                     value
                     for key, value in scrape(running.url)[1].items()
@@ -262,11 +256,11 @@ def test_an_index_host_lost_costs_prefix_knowledge_only_until_its_successor_hold
             assert int(chat(served, unknown)["x-kvroute-cached-blocks"]) == 0
     finally:
         os.kill(victim, signal.SIGKILL)
-    _eventually(lambda: served.index_host() != victim)
+    eventually(lambda: served.index_host() != victim)
     # Its successor subscribes afresh and replays the engines' buffers: the session's prefix is known again,
     # once every worker is connected to it again (each worker's figures of the index are the host's).
     warm = f'kvroute_kv_warm{{"vllm_instance": "{home}"}}'
-    _eventually(lambda: scrape(served.url)[1].get(warm) == 1 and _same_index_everywhere(served, home, 0))
+    eventually(lambda: scrape(served.url)[1].get(warm) == 1 and _same_index_everywhere(served, home, 0))
     headers = chat(served, messages, "host-session")
     _, samples = scrape(served.url)
     lookups = {key: value for key, value in samples.items() if key.startswith("kvroute_index_host_lookups")}

@@ -20,9 +20,10 @@ import yaml
 
 from kvroute.processes import Child, FleetPorts, free_port_block, http_ok, start
 from router.http.workers import MAX_STARTUP_FAILURES
-from tests.router.signalling import Hangups, Pinger, alive, eventually, new_worker, serving, sighup_taken
+from tests.router.signalling import Hangups, Pinger, alive, new_worker, serving, sighup_taken
 from tests.router.test_serve_workers import start_workers
 from tests.router.test_shutdown import EXITED_ON_SIGTERM
+from tests.support.waiting import eventually
 
 
 @dataclass(frozen=True)

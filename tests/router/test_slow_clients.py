@@ -8,7 +8,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -16,6 +15,7 @@ from aiohttp import web
 from kvroute.processes import running_router
 from tests.conftest import metric, sample
 from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.support.waiting import eventually
 
 EVENT = b"data: " + json.dumps({"choices": [{"text": "x" * 65_000}]}).encode() + b"\n\n"
 FLOOD_EVENTS = 2_000  # ~130 MB: far more than the sockets' buffers hold
@@ -84,11 +84,11 @@ def test_a_client_that_leaves_while_queued_is_never_sent_upstream(tmp_path: Path
         config = only_instance("held", upstream) | {"admission": {"max_in_flight": 1, "queue_timeout_s": 20}}
         with running_router(config, tmp_path) as url:
             holder = _request(_port(url), "first", stream=False)
-            _wait_for(lambda: received == ["first"])
+            eventually(lambda: received == ["first"])
             queued = _request(_port(url), "queued", stream=False)
-            _wait_for(lambda: metric(url, "kvroute_admission_waiting") == 1)
+            eventually(lambda: metric(url, "kvroute_admission_waiting") == 1)
             queued.close()  # gone while waiting for the slot
-            _wait_for(lambda: (sample(url, "kvroute_client_errors_total", code="client_closed") or 0) == 1)
+            eventually(lambda: (sample(url, "kvroute_client_errors_total", code="client_closed") or 0) == 1)
             release.set()
             assert holder.recv(4096).startswith(b"HTTP/1.1 200")
             holder.close()
@@ -97,10 +97,3 @@ def test_a_client_that_leaves_while_queued_is_never_sent_upstream(tmp_path: Path
             assert after.recv(4096).startswith(b"HTTP/1.1 200")
             after.close()
             assert received == ["first", "after"]
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time allowed"
-        time.sleep(0.05)

@@ -9,9 +9,8 @@ import contextlib
 import json
 import random
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import yaml
 
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet, start, wait_all_healthy
 from tests.conftest import sample
+from tests.support.waiting import eventually
 
 REPLICAS, INSTANCES, SESSIONS = 3, 4, 6
 BLOCK_SIZE = 32
@@ -216,10 +216,3 @@ def kept_busy(
 
 def prose(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(words))
-
-
-def eventually(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time limit"
-        time.sleep(0.05)

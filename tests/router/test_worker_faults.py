@@ -13,8 +13,9 @@ import signal
 from pathlib import Path
 
 from kvroute.processes import FleetPorts
-from tests.router.signalling import Requests, accept_queue, alive, eventually, new_worker, serving
+from tests.router.signalling import Requests, accept_queue, alive, new_worker, serving
 from tests.router.test_serve_workers import start_workers
+from tests.support.waiting import eventually
 
 
 def test_a_killed_workers_queued_connections_are_answered_and_new_ones_go_to_the_other(

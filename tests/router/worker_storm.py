@@ -24,7 +24,8 @@ from pathlib import Path
 import yaml
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, start, wait_healthy
-from tests.router.signalling import WORKER, children, eventually
+from tests.router.signalling import WORKER, children
+from tests.support.waiting import eventually
 
 
 @dataclass(frozen=True)

@@ -72,14 +72,6 @@ def metric(base: str, name: str, **labels: str) -> float:
     )
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
-        time.sleep(0.1)
-
-
 def wait_steady(read: Callable[[], float], quiet_s: float = 1.0, timeout_s: float = 30.0) -> float:
     """read() once it has not changed for quiet_s (events and counters land shortly after a response)."""
     deadline = time.monotonic() + timeout_s

@@ -32,8 +32,8 @@ from tests.stack.client import (
     metric,
     post,
     wait_steady,
-    wait_until,
 )
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.stack
 
@@ -157,9 +157,9 @@ def test_a_prompt_prefilled_on_one_prefill_instance_is_loaded_from_the_pool_by_t
     keys = metric(master, "master_key_count")
     first = disaggregated(pd_stack, messages).prefill
     full_blocks = tokens // BLOCK
-    wait_until(
+    eventually(
         lambda: metric(master, "master_key_count") >= keys + full_blocks,
-        f"the prefill leg's {full_blocks} blocks in the pool",
+        what=f"the prefill leg's {full_blocks} blocks in the pool",
     )
     other = next(i for i in pd_stack.instances if i.role == "prefill" and i != first)
     before = settled_sources(other)

@@ -25,8 +25,8 @@ from tests.stack.client import (
     metric,
     random_tokens,
     wait_steady,
-    wait_until,
 )
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.stack
 
@@ -61,8 +61,8 @@ def compute_then_load(stack: Stack, prompt: list[int]) -> PoolHit:
     first = complete(stack.router_url, prompt, ROUND_ROBIN)
     computed_on = instance(stack, first.headers[INSTANCE_HEADER])
     full_blocks = len(prompt) // BLOCK
-    wait_until(
-        lambda: pool_keys(stack) >= keys + full_blocks, f"{full_blocks} blocks of the prompt in the pool"
+    eventually(
+        lambda: pool_keys(stack) >= keys + full_blocks, what=f"{full_blocks} blocks of the prompt in the pool"
     )
 
     def external_hits(url: str) -> float:

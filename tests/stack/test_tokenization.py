@@ -10,16 +10,8 @@ from kvroute.stack.run import Stack
 from router.prompt.openai_body import ChatRequest
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
-from tests.stack.client import (
-    BLOCK,
-    CACHED_HEADER,
-    INSTANCE_HEADER,
-    MODEL,
-    metric,
-    post,
-    wait_steady,
-    wait_until,
-)
+from tests.stack.client import BLOCK, CACHED_HEADER, INSTANCE_HEADER, MODEL, metric, post, wait_steady
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.stack
 
@@ -246,5 +238,5 @@ def test_router_routes_chats_with_tools_by_their_prefix_and_its_audit_agrees(sta
 
     assert int(second.headers[CACHED_HEADER]) >= len(first.body["prompt_token_ids"]) // BLOCK > 0
     audits = "kvroute_tokenization_audits_total"
-    wait_until(lambda: metric(router, audits, kind="with_inputs", result="match") >= 1, "an audit")
+    eventually(lambda: metric(router, audits, kind="with_inputs", result="match") >= 1, what="an audit")
     assert metric(router, audits, result="mismatch") == 0

@@ -15,6 +15,7 @@ from typing import Any
 from kvroute.processes import running_router
 from tests.conftest import sample
 from tests.router.discovery.kube_api import KubeAPI
+from tests.support.waiting import eventually
 
 ROUTED = "x-kvroute-instance"
 
@@ -58,13 +59,11 @@ def routed(url: str, count: int = 6) -> set[str]:
     return {chat(url) for _ in range(count)}
 
 
-def eventually(condition: Callable[[], object], timeout_s: float = 15.0) -> float:
+def seconds_until(condition: Callable[[], object], timeout_s: float = 15.0) -> float:
     """Seconds until condition held (a 503 meanwhile, no instance healthy yet, counts as not); fails the
     test past timeout_s."""
     start = time.monotonic()
-    while not _holds(condition):
-        assert time.monotonic() - start < timeout_s, "not within the time limit"
-        time.sleep(0.05)
+    eventually(lambda: _holds(condition), timeout_s)
     return time.monotonic() - start
 
 
@@ -125,12 +124,12 @@ def outage_survived(
 
     kube.expire_watches(1)  # the next watch is answered 410 Gone: listed again, counted
     kube.stop_listening()  # the server goes away: every watch breaks
-    eventually(lambda: restarts() >= 1)
+    seconds_until(lambda: restarts() >= 1)
     time.sleep(1.0)
     assert routed(url) == {"vllm-0"}, "the last known set stops serving without the API server"
     kube.start()  # back, on the same port; an engine came while it was away
     add_second()
-    eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=20)
+    seconds_until(lambda: "vllm-1" in routed(url, 2), timeout_s=20)
     assert restarts() >= 2  # the 410 and the connection refused while it was away
     remove_first()
-    eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
+    seconds_until(lambda: routed(url) == {"vllm-1"}, timeout_s=5)

@@ -11,12 +11,12 @@ from kvroute.processes import FleetPorts
 from tests.conftest import sample
 from tests.router.discovery.kube_api import SLICES, KubeAPI, endpoint, endpoint_slice
 from tests.router.discovery.live import (
-    eventually,
     healthy,
     outage_survived,
     removed_mid_stream,
     routed,
     router,
+    seconds_until,
 )
 
 
@@ -39,11 +39,11 @@ def test_ready_endpoints_come_and_go(fleet: FleetPorts, kube: KubeAPI, tmp_path:
     kube.create(SLICES, engine_slice(fleet, 2, ready=False, serving=False))  # not ready: never a candidate
     kube.create(SLICES, engine_slice(fleet, 1, service="other"))  # another Service's
     with router(kube, tmp_path, {"source": "endpointslices", "service": "vllm"}) as url:
-        eventually(lambda: healthy(url) == ["vllm-0"])
+        seconds_until(lambda: healthy(url) == ["vllm-0"])
         assert routed(url) == {"vllm-0"}
 
         kube.create(SLICES, engine_slice(fleet, 1))
-        took = eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=5)
+        took = seconds_until(lambda: "vllm-1" in routed(url, 2), timeout_s=5)
         assert took < 5, f"a new ready endpoint took {took:.2f} s to take traffic"
         assert routed(url) == {"vllm-0", "vllm-1"}
 
@@ -53,7 +53,7 @@ def test_ready_endpoints_come_and_go(fleet: FleetPorts, kube: KubeAPI, tmp_path:
         # Terminating (still serving, as while it drains): out at once; ready again: in.
         set_conditions(kube, 0, ready=False, serving=True, terminating=True)
         set_conditions(kube, 2, ready=True, serving=True)
-        eventually(lambda: healthy(url) == ["vllm-2"], timeout_s=5)
+        seconds_until(lambda: healthy(url) == ["vllm-2"], timeout_s=5)
         assert routed(url) == {"vllm-2"}
         assert sample(url, "kvroute_discovered_instances", source="endpointslices") == 1
 
@@ -62,7 +62,7 @@ def test_a_broken_slice_watch_resumes(fleet: FleetPorts, kube: KubeAPI, tmp_path
     kube.create(SLICES, engine_slice(fleet, 0))
     discovery = {"source": "endpointslices", "selector": "kubernetes.io/service-name=vllm"}
     with router(kube, tmp_path, discovery) as url:
-        eventually(lambda: healthy(url) == ["vllm-0"])
+        seconds_until(lambda: healthy(url) == ["vllm-0"])
         outage_survived(
             url,
             kube,

@@ -13,12 +13,12 @@ from kvroute.processes import FleetPorts, free_port_block
 from tests.conftest import sample
 from tests.router.discovery.kube_api import PODS, POOLS, KubeAPI, pod
 from tests.router.discovery.live import (
-    eventually,
     healthy,
     outage_survived,
     removed_mid_stream,
     routed,
     router,
+    seconds_until,
 )
 
 LABELS = {"app": "vllm"}
@@ -41,11 +41,11 @@ def test_pods_come_and_go_ready_ones_only(fleet: FleetPorts, kube: KubeAPI, tmp_
     kube.create(PODS, vllm_pod(fleet, 2, ready=False))  # not Ready: never a candidate
     kube.create(PODS, pod("other", {"app": "web"}, annotations={"kvroute.io/http-port": str(fleet.http + 2)}))
     with router(kube, tmp_path, {"selector": "app=vllm"}) as url:
-        eventually(lambda: healthy(url) == ["vllm-0"])
+        seconds_until(lambda: healthy(url) == ["vllm-0"])
         assert routed(url) == {"vllm-0"}
 
         kube.create(PODS, vllm_pod(fleet, 1))
-        took = eventually(lambda: "vllm-1" in routed(url, 2), timeout_s=5)
+        took = seconds_until(lambda: "vllm-1" in routed(url, 2), timeout_s=5)
         assert took < 5, f"a new Ready pod took {took:.2f} s to take traffic"
         assert routed(url) == {"vllm-0", "vllm-1"}
 
@@ -55,7 +55,7 @@ def test_pods_come_and_go_ready_ones_only(fleet: FleetPorts, kube: KubeAPI, tmp_
         # Terminating (deletionTimestamp set, still Ready): out at once; Ready again after a restart: in.
         kube.patch(PODS, "default", "vllm-0", {"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}})
         kube.create(PODS, vllm_pod(fleet, 1))
-        eventually(lambda: healthy(url) == ["vllm-1"], timeout_s=5)
+        seconds_until(lambda: healthy(url) == ["vllm-1"], timeout_s=5)
         assert routed(url) == {"vllm-1"}
         assert sample(url, "kvroute_discovered_instances", source="kubernetes") == 1
 
@@ -65,7 +65,7 @@ def test_a_broken_watch_keeps_the_last_set_and_is_counted(
 ) -> None:
     kube.create(PODS, vllm_pod(fleet, 0))
     with router(kube, tmp_path, {"selector": "app=vllm"}) as url:
-        eventually(lambda: healthy(url) == ["vllm-0"])
+        seconds_until(lambda: healthy(url) == ["vllm-0"])
         outage_survived(
             url,
             kube,
@@ -90,10 +90,10 @@ def test_an_inferencepool_selects_the_pods_and_its_target_port(
     }
     kube.create(POOLS, pool)
     with router(kube, tmp_path, {"source": "inferencepool", "inferencepool": "tiny"}) as url:
-        eventually(lambda: healthy(url) == ["engine-a"])  # at the pool's target port: it has no annotation
+        seconds_until(lambda: healthy(url) == ["engine-a"])  # at the pool's target port: it has no annotation
         assert routed(url) == {"engine-a"}
         kube.patch(POOLS, "default", "tiny", {"spec": {"selector": {"matchLabels": {"pool": "b"}}}})
-        eventually(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
+        seconds_until(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
         assert sample(url, "kvroute_discovered_instances", source="inferencepool") == 1
 
 
@@ -123,8 +123,8 @@ def test_replicas_found_by_peers_selector_are_followed(
                 publisher.send(snapshot)
                 return sample(url, "kvroute_peer_routers") == 1
 
-            eventually(heard)
+            seconds_until(heard)
             kube.delete(PODS, "default", "router-b")  # gone: no longer followed, so it goes silent and stale
-            eventually(lambda: not heard(), timeout_s=5)
+            seconds_until(lambda: not heard(), timeout_s=5)
     finally:
         publisher.close(linger=0)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ import yaml
 from kvroute.processes import FleetPorts, running_fleet
 from tests.conftest import sample
 from tests.router.epp.conftest import FAST_FLEET, Picker, picker_config, running_picker
-
-DEADLINE_S = 20.0
+from tests.support.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +38,6 @@ def blocks(picker: Picker, instance: str) -> float:
     return sample(picker.metrics_url, "kvroute_index_blocks", vllm_instance=instance, tier="gpu") or 0
 
 
-def wait_for(what: str, done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not done():
-        assert time.monotonic() < deadline, f"not {what} after {DEADLINE_S:.0f} s"
-        time.sleep(0.1)
-
-
 def cache_a_prompt(fleet: FleetPorts, instance: int) -> None:
     """A request straight to one engine, which caches its prompt and tells the picker's index so."""
     body = {"model": "tiny-llama", "prompt": "A long shared system prompt. " * 40, "max_tokens": 1}
@@ -59,27 +50,27 @@ def cache_a_prompt(fleet: FleetPorts, instance: int) -> None:
 def test_an_edited_file_is_followed_and_the_index_stays(two: FleetPorts, tmp_path: Path) -> None:
     config = picker_config([two])
     with running_picker(config, tmp_path) as picker:
-        wait_for("both healthy", lambda: healthy(picker) == {"fleet-0", "fleet-1"})
+        eventually(lambda: healthy(picker) == {"fleet-0", "fleet-1"}, what="both healthy")
         cache_a_prompt(two, 0)
-        wait_for("indexed", lambda: blocks(picker, "fleet-0") > 0)
+        eventually(lambda: blocks(picker, "fleet-0") > 0, what="indexed")
         learnt = blocks(picker, "fleet-0")
 
         instances = config["instances"]
         assert isinstance(instances, list)
         picker.config_path.write_text(yaml.safe_dump({**config, "instances": instances[:1]}, sort_keys=False))
-        wait_for("reloaded without fleet-1", lambda: healthy(picker) == {"fleet-0"})
+        eventually(lambda: healthy(picker) == {"fleet-0"}, what="reloaded without fleet-1")
         assert blocks(picker, "fleet-0") == learnt  # kept, as a reload keeps it in `kvroute serve`
 
 
 def test_sighup_reads_the_file_again_and_ends_nothing(two: FleetPorts, tmp_path: Path) -> None:
     with running_picker(picker_config([two]), tmp_path) as picker:  # up: SIGHUP is the reloader's
         cache_a_prompt(two, 1)
-        wait_for("indexed", lambda: blocks(picker, "fleet-1") > 0)
+        eventually(lambda: blocks(picker, "fleet-1") > 0, what="indexed")
         learnt = blocks(picker, "fleet-1")
         hang_up(picker)
-        wait_for("reloaded", lambda: reloads(picker) == 1)
+        eventually(lambda: reloads(picker) == 1, what="reloaded")
         hang_up(picker)
-        wait_for("reloaded again", lambda: reloads(picker) == 2)
+        eventually(lambda: reloads(picker) == 2, what="reloaded again")
         assert picker.child.process.poll() is None
         assert blocks(picker, "fleet-1") == learnt
 

@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from router.reload import Reloader
 from router.runtime import Runtime
 from tests.conftest import metric, sample
 from tests.support.http import post
+from tests.support.waiting import eventually
 
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -75,13 +76,6 @@ def chat(
     )
     assert status == 200, payload
     return {k.lower(): v for k, v in response_headers.items()}
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_admin_routes_need_the_token(admin_router: tuple[str, Path]) -> None:
@@ -186,7 +180,9 @@ def test_a_good_file_is_taken_over_on_request_and_on_change(
     assert chat(url, "g1")["x-kvroute-policy"] == "fast"
     config["traffic"] = {"split": {"round-robin": 1}}
     path.write_text(yaml.safe_dump(config))  # no request: the router watches its file
-    wait_for(lambda: chat(url, "g2")["x-kvroute-policy"] == "round-robin", "the edited file to take effect")
+    eventually(
+        lambda: chat(url, "g2")["x-kvroute-policy"] == "round-robin", what="the edited file to take effect"
+    )
     assert metric(url, "kvroute_config_reloads_total", result="ok") >= 2
 
 
@@ -224,8 +220,9 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
     assert {
         chat(url, f"r{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(12)
     } == {"fleet-0", "fleet-1"}
-    wait_for(
-        lambda: metric(url, "kvroute_index_blocks", vllm_instance="fleet-0", tier="gpu") > 0, "index kept"
+    eventually(
+        lambda: metric(url, "kvroute_index_blocks", vllm_instance="fleet-0", tier="gpu") > 0,
+        what="index kept",
     )
     assert sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") is None  # its series went with it
     # and the streams it served to their end after the reload did not bring any of them back
@@ -234,7 +231,9 @@ def test_removed_instances_finish_what_they_have_and_get_nothing_new(
     path.write_text(yaml.safe_dump(config_of(fleet)))  # added back: exported again
     assert call("POST", url + "/admin/reload", headers=AUTH)[0] == 200
     # A candidate again once its first health check passes (the checker's next tick).
-    wait_for(lambda: sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") == 1, "fleet-2 checked")
+    eventually(
+        lambda: sample(url, "kvroute_instance_healthy", vllm_instance="fleet-2") == 1, what="fleet-2 checked"
+    )
     served = {chat(url, f"b{i}", {"x-kvroute-policy": "round-robin"})["x-kvroute-instance"] for i in range(6)}
     assert "fleet-2" in served
     assert (

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -28,6 +28,7 @@ from router.http.cache_reset import RESET_TIMEOUT_S, cache_reset_routes
 from router.upstreams.http_session import server_config
 from tests.conftest import instance_url, sample
 from tests.support.http import get_json, post
+from tests.support.waiting import eventually
 
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -59,19 +60,12 @@ def serving(
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: server.started, "the router to start")
+        eventually(lambda: server.started, what="the router to start")
         yield url
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "the router did not stop"
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def call(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -109,9 +103,9 @@ def engine_blocks(fleet: FleetPorts) -> dict[str, int]:
 
 def in_step(url: str, fleet: FleetPorts, instance: str, headers: dict[str, str] | None = None) -> None:
     """Waits until the index holds what instance's engine holds, some blocks (its events are in)."""
-    wait_for(
+    eventually(
         lambda: indexed(url, headers)[instance] == engine_blocks(fleet)[instance] > 0,
-        f"{instance}'s blocks in the index",
+        what=f"{instance}'s blocks in the index",
     )
 
 
@@ -158,10 +152,10 @@ def test_an_engine_holding_blocks_refuses_and_keeps_them(
     """As vLLM: 200 with success false (callers may retry); the others reset."""
     with serving(fleet.router_config(), monkeypatch) as url, ThreadPoolExecutor(1) as pool:
         running = pool.submit(chat, url, 5000)  # 5 s of decoding
-        wait_for(lambda: busy(fleet) is not None, "the request to run")
+        eventually(lambda: busy(fleet) is not None, what="the request to run")
         holder = busy(fleet)
         assert holder is not None
-        wait_for(lambda: indexed(url)[holder] > 0, "the running request's blocks in the index")
+        eventually(lambda: indexed(url)[holder] > 0, what="the running request's blocks in the index")
 
         status, body = call(url + "/reset_prefix_cache")
         assert status == 200

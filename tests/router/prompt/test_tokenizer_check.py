@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from router.prompt.tokenization import PromptTokenizer
 from tests.conftest import sample
 from tests.router.fake_upstreams import serving_app
 from tests.support.http import get_json, post
+from tests.support.waiting import eventually
 
 MODEL = "served-llama"
 BLOCK_SIZE = 16
@@ -67,14 +67,6 @@ def engine(
     app.router.add_post("/v1/completions", completions)
     with serving_app(app) as port:
         yield port
-
-
-def eventually(condition: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, "the router did not get there"
-        time.sleep(0.05)
-    return value
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pytest
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from tests.conftest import sample
 from tests.support.http import post
+from tests.support.waiting import eventually
 
 OBJECTIVE = "x-gateway-inference-objective"
 BATCH = 3  # queued at the engine behind the one running
@@ -54,10 +55,7 @@ def test_an_interactive_request_jumps_the_engines_queue_of_batch_requests(
         ) -> threading.Thread:
             thread = threading.Thread(target=send, args=(name, first_token, max_tokens, objective))
             thread.start()
-            deadline = time.monotonic() + 20
-            while sample(url, "kvroute_instance_in_flight") != in_flight:
-                assert time.monotonic() < deadline, f"{name} was not sent"
-                time.sleep(0.01)
+            eventually(lambda: sample(url, "kvroute_instance_in_flight") == in_flight, what=f"{name} sent")
             time.sleep(0.05)  # and reached the engine's queue
             return thread
 

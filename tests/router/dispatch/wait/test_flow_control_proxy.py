@@ -9,24 +9,17 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from tests.conftest import metric, sample
 from tests.support.http import post
+from tests.support.waiting import eventually
 
 OBJECTIVE = "x-gateway-inference-objective"
 
 
 def completion(prompt: list[int], stream: bool = False) -> bytes:
     return json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "stream": stream}).encode()
-
-
-def wait_until(check: Any, what: str, limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_requests_wait_while_the_instance_prefills_and_leave_by_priority(tmp_path: Path) -> None:
@@ -56,10 +49,12 @@ def test_requests_wait_while_the_instance_prefills_and_leave_by_priority(tmp_pat
 
             long = threading.Thread(target=send, args=("long", completion([5] * 2000, stream=True), {}))
             long.start()  # about 4 s of prefill
-            wait_until(lambda: sample(url, "kvroute_instance_in_flight") == 1, "the long prompt was sent")
+            eventually(
+                lambda: sample(url, "kvroute_instance_in_flight") == 1, what="the long prompt was sent"
+            )
             batch = threading.Thread(target=send, args=("batch", completion([6] * 100), {OBJECTIVE: "batch"}))
             batch.start()
-            wait_until(lambda: queued("batch") == 1, "the batch request queued")
+            eventually(lambda: queued("batch") == 1, what="the batch request queued")
             interactive = threading.Thread(
                 target=send, args=("interactive", completion([7] * 100), {OBJECTIVE: "interactive"})
             )
@@ -72,8 +67,8 @@ def test_requests_wait_while_the_instance_prefills_and_leave_by_priority(tmp_pat
                     + f"content-length: {len(body)}\r\n\r\n".encode()
                     + body
                 )
-                wait_until(lambda: queued("default") == 1, "the leaver queued")
-            wait_until(lambda: queued("default") == 0, "the leaver left the queue")
+                eventually(lambda: queued("default") == 1, what="the leaver queued")
+            eventually(lambda: queued("default") == 0, what="the leaver left the queue")
             assert long.is_alive() and batch.is_alive() and interactive.is_alive()  # still prefilling
             for thread in (long, batch, interactive):
                 thread.join(30)
@@ -106,7 +101,9 @@ def test_a_request_past_its_queue_time_is_refused_in_the_route_shape(tmp_path: P
             body = completion([5] * 3000, stream=True)
             long = threading.Thread(target=post, args=(url + "/v1/completions", body))
             long.start()  # about 3 s of prefill
-            wait_until(lambda: sample(url, "kvroute_instance_in_flight") == 1, "the long prompt was sent")
+            eventually(
+                lambda: sample(url, "kvroute_instance_in_flight") == 1, what="the long prompt was sent"
+            )
             messages = {
                 "model": "tiny-llama",
                 "max_tokens": 1,
