@@ -182,10 +182,11 @@ class Conductor:
         body_for = read.body_for
         if flow_control.engine_priority and api.body in _ENGINE_PRIORITY:
             priority = engine_priority(flow_control.objective(objective)[1].priority)
+            named = body.priority is not None
             if body_for is None:
-                raw = with_engine_priority(raw, priority)
+                raw = with_engine_priority(raw, priority, named)
             else:
-                body_for = prioritized(body_for, priority)
+                body_for = prioritized(body_for, priority, named)
         off_loop = len(raw) > self._thread_above
         target = Target(api.name, read.pinned, read.pinned_by, body_for, read.watch, api.get)
         headers = forwarded_headers(headers)

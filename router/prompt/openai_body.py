@@ -37,6 +37,7 @@ class ChatRequest(msgspec.Struct):
     documents: Any = None
     truncate_prompt_tokens: Any = None  # the engine cuts the prompt: routed without prefix knowledge
     vllm_xargs: Any = None  # see without_full_kv_report
+    priority: Any = None  # vLLM's; the router sets it (router/dispatch/intake/engine_priority.py)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         return chat_endpoint_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
@@ -87,6 +88,7 @@ class CompletionRequest(msgspec.Struct):
     cache_salt: str | None = None
     truncate_prompt_tokens: Any = None
     vllm_xargs: Any = None
+    priority: Any = None
 
 
 Body = TypeVar("Body", ChatRequest, CompletionRequest)

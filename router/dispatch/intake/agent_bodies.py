@@ -44,6 +44,7 @@ class _ResponsesHead(msgspec.Struct):
     prompt_cache_key: str | None = None  # Codex sends its session's id
     cache_salt: str | None = None
     tool_choice: Any = None
+    priority: Any = None
 
 
 class _MessagesMetadata(msgspec.Struct):
@@ -133,7 +134,9 @@ class StoredResponses:
                 previous_messages, previous_output = known.messages, known.output
             chat = responses_chat(fields, previous_messages, previous_output)
         except InvalidPrompt:
-            return ResponsesChatRequest(messages=[], model=model, stream=head.stream), None
+            return ResponsesChatRequest(
+                messages=[], model=model, stream=head.stream, priority=head.priority
+            ), None
         body = ResponsesChatRequest(
             messages=chat.messages,
             model=model,
@@ -145,6 +148,7 @@ class StoredResponses:
             tools=chat.tools,
             tool_choice=head.tool_choice,
             chat_template_kwargs=chat.template_kwargs,
+            priority=head.priority,  # the client's, for the router to replace
         )
         return body, chat.messages
 

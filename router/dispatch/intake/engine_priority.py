@@ -20,7 +20,8 @@ import msgspec
 
 from router.upstreams.instances import Instance
 
-_FIELD = b'"priority"'
+_BLANK = b" \t\r\n"
+_OPEN = ord("{")
 
 
 def engine_priority(objective_priority: int) -> int:
@@ -28,34 +29,41 @@ def engine_priority(objective_priority: int) -> int:
     return -objective_priority
 
 
-def with_engine_priority(raw: bytes, priority: int) -> bytes:
-    """The body (a JSON object, decoded already) with `priority` set to priority. A body that does not name
-    the field gets it appended without decoding it (none is needed at 0, the engine's default); one that
-    may name it (the word in quotes anywhere) is decoded and encoded again."""
-    if _FIELD not in raw:
+def with_engine_priority(raw: bytes, priority: int, named: bool) -> bytes:
+    """The body (a JSON object, decoded already) with `priority` set to priority. named: the body names the
+    field (as decoded, so a key spelled with escapes counts). One that does not gets it after its last
+    member, in one copy and without decoding it (an agent's body is hundreds of kilobytes), or nothing at 0,
+    the engine's default; one that does is decoded and encoded again."""
+    if not named:
         if priority == 0:
             return raw
-        body = raw.rstrip()
-        head = body[:-1].rstrip()  # all but the closing brace
-        separator = b"" if head.endswith(b"{") else b","
-        return b'%s%s"priority":%d}' % (head, separator, priority)
+        end = raw.rfind(b"}")
+        last = end - 1
+        while last >= 0 and raw[last] in _BLANK:
+            last -= 1
+        separator = b"" if raw[last] == _OPEN else b","
+        return b"".join((memoryview(raw)[:end], separator, b'"priority":%d}' % priority))
     try:
         fields = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # decode_body took it: cannot happen
         return raw
     if not isinstance(fields, dict):
         return raw
-    named = fields.get("priority", 0)
-    if type(named) is int and named == priority:  # as it should be already (True == 1, 1.0 == 1: not)
+    named_value = fields.get("priority", 0)
+    if type(named_value) is int and named_value == priority:  # as it should be already (True, 1.0: not)
         return raw
     fields["priority"] = priority
     return msgspec.json.encode(fields)
 
 
-def prioritized(body_for: Callable[[Instance], bytes], priority: int) -> Callable[[Instance], bytes]:
+def prioritized(
+    body_for: Callable[[Instance], bytes], priority: int, named: bool
+) -> Callable[[Instance], bytes]:
     """A body made for each attempt's instance (a Responses request's), with `priority` set."""
-    return partial(_prioritized, body_for, priority)
+    return partial(_prioritized, body_for, priority, named)
 
 
-def _prioritized(body_for: Callable[[Instance], bytes], priority: int, instance: Instance) -> bytes:
-    return with_engine_priority(body_for(instance), priority)
+def _prioritized(
+    body_for: Callable[[Instance], bytes], priority: int, named: bool, instance: Instance
+) -> bytes:
+    return with_engine_priority(body_for(instance), priority, named)

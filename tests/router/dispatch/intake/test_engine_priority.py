@@ -7,6 +7,7 @@ import json
 import pytest
 
 from router.dispatch.intake.engine_priority import engine_priority, with_engine_priority
+from router.prompt.openai_body import ChatRequest, decode_body
 
 
 def test_vllm_runs_the_lowest_value_first_so_the_objectives_priority_is_negated() -> None:
@@ -16,29 +17,38 @@ def test_vllm_runs_the_lowest_value_first_so_the_objectives_priority_is_negated(
 
 def test_a_body_without_the_field_keeps_its_bytes_at_priority_0() -> None:
     raw = b'{"model": "m", "messages": []}'
-    assert with_engine_priority(raw, 0) is raw
+    assert with_engine_priority(raw, 0, named=False) is raw
 
 
 @pytest.mark.parametrize(
     "raw",
     [
         b'{"model":"m","messages":[]}',
-        b'{"model": "m", "messages": []}\n  ',
+        b'{"model": "m", "messages": []\n}\n  ',
         b'{"messages":[{"content":"}"}]}',
+        b"{}",
     ],
 )
 def test_a_body_without_the_field_gets_it_appended(raw: bytes) -> None:
-    sent = with_engine_priority(raw, -10)
+    sent = with_engine_priority(raw, -10, named=False)
     assert json.loads(sent) == {**json.loads(raw), "priority": -10}
 
 
-def test_a_clients_own_priority_is_replaced() -> None:
-    raw = b'{"model":"m","priority":-1000,"messages":[]}'
-    assert json.loads(with_engine_priority(raw, 10)) == {"model": "m", "priority": 10, "messages": []}
-    assert json.loads(with_engine_priority(raw, 0))["priority"] == 0
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","priority":-1000,"messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"m","\\u0070riority":-1000,"messages":[{"role":"user","content":"hi"}]}',
+    ],
+)
+def test_a_clients_own_priority_is_replaced_however_it_is_spelled(raw: bytes) -> None:
+    named = decode_body(raw, ChatRequest, None).priority is not None
+    assert named
+    sent = json.loads(with_engine_priority(raw, 10, named))
+    assert sent == {**json.loads(raw), "priority": 10}
+    assert json.loads(with_engine_priority(raw, 0, named))["priority"] == 0
 
 
-def test_the_word_in_a_message_is_no_field_and_the_body_is_otherwise_unchanged() -> None:
-    raw = b'{"model":"m","messages":[{"role":"user","content":"priority"}]}'
-    assert json.loads(with_engine_priority(raw, 5)) == {**json.loads(raw), "priority": 5}
-    assert with_engine_priority(raw, 0) is raw
+def test_a_body_already_at_the_engines_priority_keeps_its_bytes() -> None:
+    raw = b'{"model":"m","priority":5,"messages":[]}'
+    assert with_engine_priority(raw, 5, named=True) is raw

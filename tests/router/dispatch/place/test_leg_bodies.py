@@ -11,7 +11,7 @@ from router.upstreams.instances import Instance
 
 
 def test_both_legs_carry_the_engine_priority_set_at_receive() -> None:
-    raw = with_engine_priority(b'{"model": "m", "messages": [], "max_tokens": 9, "stream": true}', -10)
+    raw = with_engine_priority(b'{"model": "m", "messages": [], "max_tokens": 9, "stream": true}', -10, False)
     body = msgspec.json.decode(raw)
     prefill = msgspec.json.decode(prefill_body(body, "mooncake", "t-1"))
     assert prefill["priority"] == -10 and prefill["max_tokens"] == 1 and prefill["stream"] is False
