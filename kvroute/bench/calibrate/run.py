@@ -97,7 +97,10 @@ def _ttfts(checked: dict[str, Any]) -> str:
 
 async def _calibrate(urls: list[str], model: str, args: argparse.Namespace, given: Profile | None) -> Profile:
     timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # Idle connections closed before vLLM's server closes them (uvicorn's keep-alive, 5 s): one reused just as
+    # the server closed it broke off unanswered (ServerDisconnectedError), failing the run.
+    connector = aiohttp.TCPConnector(keepalive_timeout=4)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         engines = [Engine(http, url, model) for url in urls]
         profile = given or await _fitted(engines[0], urls[0], model, args)
         if args.pool:
