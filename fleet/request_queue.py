@@ -21,7 +21,7 @@ Item = TypeVar("Item")
 Rank = tuple[int, float]  # (priority, arrival): lower first
 
 
-class RequestQueue(Generic[Item]):
+class FcfsQueue(Generic[Item]):
     """First come, first served."""
 
     def __init__(self) -> None:
@@ -53,11 +53,10 @@ class RequestQueue(Generic[Item]):
         return iter(self._items)
 
 
-class PriorityQueue(RequestQueue[Item]):
+class PriorityQueue(Generic[Item]):
     """By rank (priority, then arrival), ties in the order they were added."""
 
     def __init__(self, rank: Callable[[Item], Rank]) -> None:
-        super().__init__()
         self._rank = rank
         self._heap: list[tuple[Rank, int, Item]] = []
         self._order = itertools.count()
@@ -88,9 +87,12 @@ class PriorityQueue(RequestQueue[Item]):
         return (entry[2] for entry in sorted(self._heap))
 
 
+RequestQueue = FcfsQueue[Item] | PriorityQueue[Item]
+
+
 def request_queue(policy: SchedulingPolicy, rank: Callable[[Item], Rank]) -> RequestQueue[Item]:
     """The waiting queue of an engine scheduling by policy; rank: a request's (priority, arrival)."""
-    return PriorityQueue(rank) if policy == "priority" else RequestQueue()
+    return PriorityQueue(rank) if policy == "priority" else FcfsQueue()
 
 
 def preemption_victim(running: list[Item], policy: SchedulingPolicy, rank: Callable[[Item], Rank]) -> Item:
