@@ -43,6 +43,10 @@ class RecordingRemote:
         template_inputs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         self.asked.append(template_inputs)
+        return self.ids(messages, template_inputs or {})
+
+    def ids(self, messages: Sequence[Any], inputs: Mapping[str, Any]) -> list[int]:
+        """What it answers with, for messages rendered with inputs (tools, template kwargs)."""
         return list(range(100))
 
 
@@ -53,16 +57,7 @@ class AgreeingRemote(RecordingRemote):
         super().__init__()
         self.tokenizer = tokenizer
 
-    async def chat_ids(
-        self,
-        messages: Sequence[Any],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        add_special_tokens: bool = False,
-        template_inputs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        self.asked.append(template_inputs)
-        inputs = template_inputs or {}
+    def ids(self, messages: Sequence[Any], inputs: Mapping[str, Any]) -> list[int]:
         return self.tokenizer.chat_ids(
             messages,
             inputs=TemplateInputs(
