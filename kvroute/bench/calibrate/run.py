@@ -97,9 +97,9 @@ def _ttfts(checked: dict[str, Any]) -> str:
 
 async def _calibrate(urls: list[str], model: str, args: argparse.Namespace, given: Profile | None) -> Profile:
     timeout = aiohttp.ClientTimeout(total=300)
-    # A connection a request: one reused just as vLLM's server closed it (uvicorn's keep-alive, 5 s) broke off
-    # unanswered and failed the run, even with idle ones closed after 4 s, since the simulation run between two
-    # probes holds the loop past the server's timer. A local connect costs ~0.1 ms of a TTFT in milliseconds.
+    # A connection a request: one reused just as vLLM's server closed it (uvicorn's keep-alive, 5 s) broke
+    # off unanswered and failed the run, even with idle ones closed after 4 s, since the simulation run
+    # between two probes holds the loop past the server's timer. A local connect costs ~0.1 ms of a TTFT.
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         engines = [Engine(http, url, model) for url in urls]
