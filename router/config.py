@@ -24,6 +24,7 @@ from pydantic import (
 
 from router import strict_yaml
 from router.label_selector import LABEL_KEY, LabelSelector
+from router.programs.settings import ProgramsConfig
 from router.tracing.config import TracingConfig
 from router.traffic_split import TrafficSplit
 from scorers.config_keys import suggested
@@ -685,6 +686,7 @@ class RouterConfig(_Strict):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
+    programs: ProgramsConfig = Field(default_factory=ProgramsConfig)
     auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)

@@ -53,6 +53,8 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series d
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ERROR_BUCKETS = (-1, -0.25, -0.1, -0.05, -0.025, -0.01, 0, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+# An agent's tool calls: mostly under a second, some a minute or more (a build, a test run).
+_TOOL_CALL_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -428,6 +430,50 @@ class _RoutingFamilies:
         )
 
 
+class _ProgramFamilies:
+    def _add_program_families(self, r: CollectorRegistry) -> None:
+        """Agent programs (router/programs/): their KV working sets, their tool calls, and whether a next
+        turn found the KV its last turn left."""
+        self.programs = _gauge(
+            r,
+            "kvroute_programs",
+            "Agent programs whose KV working set is at the instance, by state: running (a turn in flight), "
+            "tool_call (answered, within the tool calls' time-to-live)",
+            ["vllm_instance", "state"],
+            "livesum",
+        )
+        self.program_working_set_tokens = _gauge(
+            r,
+            "kvroute_program_working_set_tokens",
+            "The prompt tokens of the programs running or in a tool call at the instance: their KV "
+            "working set, against its KV cache's tokens (the dashboard's kv_capacity_tokens)",
+            ["vllm_instance"],
+            "livesum",
+        )
+        self.program_turns = _counter(
+            r,
+            "kvroute_program_turns",
+            "Turns of agent programs by what they found of the KV their program's last turn left (first: a "
+            "program new or forgotten; kept: at that turn's instance; elsewhere: only another instance or "
+            "the pool held it; lost; unknown: routed without prefix knowledge) and by their tool call's "
+            "length against the time-to-live (within_ttl, past_ttl; none for a first turn)",
+            ["kv", "tool_call"],
+        )
+        self.program_tool_call_seconds = Histogram(
+            "kvroute_program_tool_call_seconds",
+            "Tool calls of agent programs: a turn's answer to the program's next turn",
+            buckets=_TOOL_CALL_BUCKETS,
+            registry=r,
+        )
+        self.program_ttl_seconds = Gauge(
+            "kvroute_program_ttl_seconds",
+            "The time-to-live a program's KV working set is counted for after its turn (learned from the "
+            "tool calls, programs.ttl_quantile)",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+
+
 class _TtftModelFamilies:
     def _add_ttft_model_families(self, r: CollectorRegistry) -> None:
         """The TTFT model: its predictions against what came, its calibrated terms, the weight it lends."""
@@ -626,6 +672,7 @@ class RouterMetrics(
     _RequestFamilies,
     _FlowFamilies,
     _RoutingFamilies,
+    _ProgramFamilies,
     _TtftModelFamilies,
     _UpstreamFamilies,
     _KvEventFamilies,
@@ -650,6 +697,7 @@ class RouterMetrics(
         self._add_request_families(r, shared=bool(self.shared_dir))
         self._add_flow_families(r)
         self._add_routing_families(r)
+        self._add_program_families(r)
         self._add_ttft_model_families(r)
         self._add_upstream_families(r)
         self._add_kv_event_families(r)

@@ -56,6 +56,7 @@ from router.index.remote_index import RemoteIndex, RemoteMatches
 from router.index.routing_index import RoutingIndex
 from router.index.subscriptions import Subscriptions, events_context
 from router.metrics import RouterMetrics
+from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
@@ -142,6 +143,9 @@ class Runtime:
         self.flow_gate = FlowGate(config.flow_control, self.upstreams, self.metrics)
         # A request's prefill or the request ended, here or at a peer router: those waiting may go.
         self.room_freed = Event()
+        self.programs: Programs | NoPrograms = (
+            Programs(config.programs, self.metrics) if config.programs.enabled else NO_PROGRAMS
+        )
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
 
     async def __aenter__(self) -> Runtime:
@@ -266,7 +270,7 @@ class Runtime:
         self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
         metrics.admission_waiting.set_function(lambda: self.admission.waiting)
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
-        observers = Observers(metrics, self.decider, ab_for, self.room_freed)
+        observers = Observers(metrics, self.decider, ab_for, self.room_freed, self.programs)
         waiting = Waiting(
             self.flow_gate, admission.memory_hold_s, self.upstreams, self.decider, metrics, self.room_freed
         )

@@ -35,11 +35,13 @@ ROUTER_LAYERS: list[set[str]] = [
     {"router.dispatch.observe"},
     {"router.dispatch.decide"},
     {"router.dispatch"},
+    # Agent programs: what the observe stage tells them, and what waiting reads of them.
+    {"router.programs"},
     # A request's spans: dispatch opens them; what they read of a decision is described, not imported.
     {"router.tracing"},
     {"router.upstreams"},
     {"router.index"},
-    {"router.config", "router.strict_yaml", "router.tracing.config"},
+    {"router.config", "router.strict_yaml", "router.tracing.config", "router.programs.settings"},
     {"router.prompt"},
     {
         "router.metrics",

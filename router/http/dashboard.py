@@ -10,7 +10,7 @@ instance's) head the page.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -23,6 +23,7 @@ from router.http.admin import check_admin_token
 from router.index.figures import IndexFigures
 from router.index.holdings import Tier
 from router.metrics import RouterMetrics
+from router.programs.table import WorkingSets
 from router.runtime import Runtime
 from router.upstreams.instances import Instance, Upstreams
 
@@ -54,7 +55,7 @@ def dashboard_routes(fleet: Upstreams, runtime: Runtime, token: Callable[[], str
         body = {
             "alarms": runtime.warnings(),
             "tokenizers": runtime.tokenizer_watch.state(),
-            "instances": instances_state(fleet, index),
+            "instances": instances_state(fleet, index, runtime.programs.working_sets()),
             "index": {
                 "entries": index.entries,
                 "max_entries": index.max_entries,
@@ -69,14 +70,21 @@ def dashboard_routes(fleet: Upstreams, runtime: Runtime, token: Callable[[], str
     return routes
 
 
-def instances_state(fleet: Upstreams, index: IndexFigures) -> list[dict[str, Any]]:
-    """Each instance as the router sees it, with the blocks the index holds for it by tier (ranks added)."""
+_NO_PROGRAMS = WorkingSets()
+
+
+def instances_state(
+    fleet: Upstreams, index: IndexFigures, programs: Mapping[str, WorkingSets] | None = None
+) -> list[dict[str, Any]]:
+    """Each instance as the router sees it, with the blocks the index holds for it by tier (ranks added)
+    and the agent programs whose KV working set is there."""
     blocks: dict[str, list[int]] = {i.name: [0] * len(Tier) for i in fleet.instances}
     for name, _, sizes in index.by_owner:
         totals = blocks.setdefault(name, [0] * len(Tier))
         for tier, size in zip(Tier, sizes, strict=True):
             totals[tier] += size
-    return [_instance(i, blocks[i.name]) for i in fleet.instances]
+    sets = programs or {}
+    return [_instance(i, blocks[i.name], sets.get(i.name, _NO_PROGRAMS)) for i in fleet.instances]
 
 
 def flow_control_state(gate: FlowGate, metrics: RouterMetrics) -> dict[str, Any]:
@@ -126,7 +134,7 @@ def flow_control_state(gate: FlowGate, metrics: RouterMetrics) -> dict[str, Any]
     }
 
 
-def _instance(instance: Instance, blocks: list[int]) -> dict[str, Any]:
+def _instance(instance: Instance, blocks: list[int], programs: WorkingSets) -> dict[str, Any]:
     load = instance.load
     return {
         "name": instance.name,
@@ -139,6 +147,11 @@ def _instance(instance: Instance, blocks: list[int]) -> dict[str, Any]:
         if load is None
         else {"waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage},
         "blocks": {tier.name.lower(): blocks[tier] for tier in Tier},
+        "programs": {
+            "running": programs.running,
+            "tool_call": programs.tool_call,
+            "working_set_tokens": programs.tokens,
+        },
         "ttft_rates": instance.ttft_model.rates,
         "ttft_slowdown": instance.ttft_model.slowdown,
     }

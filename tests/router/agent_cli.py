@@ -48,6 +48,9 @@ class Run(NamedTuple):
     instance: str
     prompt_tokens: float  # as the router counted them
     predicted_cached_tokens: float
+    # What it was as a turn of an agent program: first (a new program), or what it found of the KV its
+    # program's last turn left (kept, elsewhere, lost: router/programs/table.py); None: no program
+    program: str | None
 
 
 def one_request(stack: Stack, api: str, run: Callable[[], tuple[int, str]]) -> Run:
@@ -55,6 +58,7 @@ def one_request(stack: Stack, api: str, run: Callable[[], tuple[int, str]]) -> R
     (no side call, no retry of a broken stream), which failed nowhere."""
     before = requests_served(stack.url)
     counted = {name: total(stack.url, name) for name in (*_PER_RUN, *_FAILURES)}
+    turns = program_turns(stack.url)
     rc, output = run()
     assert rc == 0, output
     after = requests_served(stack.url)
@@ -64,7 +68,18 @@ def one_request(stack: Stack, api: str, run: Callable[[], tuple[int, str]]) -> R
     grown = {name: total(stack.url, name) - counted[name] for name in counted}
     assert {name: grown[name] for name in _FAILURES} == dict.fromkeys(_FAILURES, 0)
     assert router_errors(stack.router) == []
-    return Run(output, status, instance, *(grown[name] for name in _PER_RUN))
+    grown_turns = [kv for kv, n in program_turns(stack.url).items() if n != turns.get(kv, 0)]
+    assert len(grown_turns) <= 1, grown_turns
+    program = grown_turns[0] if grown_turns else None
+    return Run(output, status, instance, *(grown[name] for name in _PER_RUN), program)
+
+
+def program_turns(url: str) -> dict[str, float]:
+    """kvroute_program_turns_total by what the turns found of their program's KV (first for a new one)."""
+    found: dict[str, float] = {}
+    for counted in _samples(url, "kvroute_program_turns_total"):
+        found[counted.labels["kv"]] = found.get(counted.labels["kv"], 0.0) + counted.value
+    return found
 
 
 def requests_served(url: str) -> dict[tuple[str, str, str], float]:

@@ -105,6 +105,7 @@ def test_another_session_goes_where_claude_codes_prompt_is_cached(stack: Stack, 
     hits = engine_hits(stack.fleet, NAMES.index(first.instance))
     second = claude_run(stack, home, project, "-p", "say bye", "--output-format", "json")
     assert second.instance == first.instance
+    assert (first.program, second.program) == ("first", "first")  # two programs
     assert second.predicted_cached_tokens > 0.9 * second.prompt_tokens
     assert engine_hits(stack.fleet, NAMES.index(first.instance)) - hits == second.predicted_cached_tokens
     usage = result(second)["usage"]
@@ -123,5 +124,7 @@ def test_a_continued_session_goes_on_where_its_history_is_cached(stack: Stack, t
     assert second.instance == first.instance
     assert second.prompt_tokens > first.prompt_tokens
     assert result(second)["session_id"] == result(first)["session_id"]  # one conversation, continued
+    # One agent program (Claude Code's session id, in the body's metadata.user_id), whose KV was kept
+    assert (first.program, second.program) == ("first", "kept")
     assert second.predicted_cached_tokens > 0.9 * first.prompt_tokens
     assert engine_hits(stack.fleet, NAMES.index(first.instance)) - hits == second.predicted_cached_tokens

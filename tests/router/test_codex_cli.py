@@ -96,6 +96,7 @@ def test_another_session_goes_where_codexs_instructions_are_cached(stack: Stack,
     hits = engine_hits(stack.fleet, NAMES.index(first.instance))
     second = codex_turn(stack, codex_home(tmp_path / "second", stack.url), tmp_path, "say bye")
     assert second.status == "200" and second.instance == first.instance
+    assert (first.program, second.program) == ("first", "first")  # two programs
     assert second.predicted_cached_tokens > 0.8 * second.prompt_tokens
     assert engine_hits(stack.fleet, NAMES.index(first.instance)) - hits == second.predicted_cached_tokens
 
@@ -109,5 +110,7 @@ def test_a_resumed_session_goes_on_where_its_history_is_cached(stack: Stack, tmp
     second = codex_turn(stack, home, tmp_path, "resume", "--last", "and now say bye")
     assert second.status == "200" and second.instance == first.instance
     assert second.prompt_tokens > first.prompt_tokens
+    # One agent program (Codex's session id, its prompt_cache_key), whose KV was kept
+    assert (first.program, second.program) == ("first", "kept")
     assert second.predicted_cached_tokens > 0.9 * first.prompt_tokens
     assert engine_hits(stack.fleet, NAMES.index(first.instance)) - hits == second.predicted_cached_tokens

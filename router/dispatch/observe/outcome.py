@@ -22,6 +22,7 @@ from router.dispatch.observe.ab import ABStats, Ended
 from router.dispatch.observe.events import Event
 from router.dispatch.observe.usage import Usage, answer_usage
 from router.metrics import RouterMetrics
+from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
@@ -51,12 +52,14 @@ class Answer(Protocol):
 @dataclass(frozen=True)
 class Observers:
     """The parts an outcome tells: metrics, the decider (speculative blocks, served turns), the A/B results
-    of the routing table in force, and the requests waiting in the router (flow control, the memory gate)."""
+    of the routing table in force, the requests waiting in the router (flow control, the memory gate), and
+    the agent programs whose turns these are."""
 
     metrics: RouterMetrics
     decider: Decider
     ab_for: Callable[[Policy], ABStats]
     room_freed: Event  # a first byte or an end: requests waiting in the router may go
+    programs: Programs | NoPrograms = NO_PROGRAMS
 
     def request_failed(self, policy: Policy) -> None:
         """No instance answered the request: it failed (the A/B counts it against its policy)."""
@@ -251,7 +254,10 @@ class Outcome:
         stream's first byte is here."""
         self.upstream, self.first, self.attempts = upstream, first, attempts
         if self.for_client:
-            self.observers.decider.served(self.decision, self.policy)
+            observers, decision = self.observers, self.decision
+            observers.decider.served(decision, self.policy)
+            if decision.request is not None:
+                observers.programs.turn_started(decision.request, decision.instance.name, self.first_sent)
             if self.pd_path is not None:
                 self.observers.metrics.pd_requests(self.model, self.pd_path).inc()
         if self.streamed:
@@ -341,6 +347,7 @@ class Outcome:
         if not self.for_client:
             return True
         decision = self.decision
+        self.observers.programs.turn_ended(decision.session_key)
         if decision.request is not None:
             self.policy.responded(decision.request, self.instance, self._first_byte_s, status)
         if left:

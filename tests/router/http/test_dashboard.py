@@ -238,6 +238,9 @@ def test_dashboard_renders_the_fleet_and_the_ab_numbers(router_url: str, tmp_pat
         assert fields[(name, "health")][0] == ("up" if instance["healthy"] else "down")
         assert fields[(name, "in-flight")][1] == instance["in_flight"]
         assert fields[(name, "blocks-gpu")][1] == instance["blocks"]["gpu"]
+        # Its agent programs (their tool calls' time-to-live may pass while the page renders)
+        assert all(isinstance(fields[(name, f"programs-{f}")][1], int) for f in ("running", "tool-call"))
+        assert isinstance(fields[(name, "programs-working-set")][1], int)
     flow = after["flow_control"]
     assert fields[(None, "flow-enabled")] == ("on", True)
     assert fields[(None, "flow-ordering")][1] == flow["ordering"]

@@ -1,0 +1,48 @@
+"""The `programs` section: how the router follows agent programs (router/programs/)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ProgramsConfig(BaseModel):
+    """Agent programs: the turns of one session (its key: the session header, or what the agents' bodies
+    carry) and the tool calls between them. The router keeps each program's KV working set at the instance
+    of its last turn (its prompt's tokens) while a turn runs and, for a time-to-live learned from the tool
+    calls it observes, while the program runs a tool; and it counts, at each next turn, whether that KV was
+    still there. Read at start: a reload that changes it is refused (a restart applies it)."""
+
+    # As router/config.py's sections (which import this one, so not its base class): strict and frozen.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    enabled: bool = Field(default=True, description="follow programs (their metrics, on the dashboard)")
+    max_programs: int = Field(
+        default=65_536, ge=1, description="programs followed at once; the least recently heard from go first"
+    )
+    idle_end_s: float = Field(
+        default=1800.0, gt=0, description="a program not heard from for this long has ended and is forgotten"
+    )
+    ttl_prior_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a tool call's time-to-live until enough are observed (vllm-router's program "
+        "scheduling caps its own at 10 s; in its published coding-agent trace 95% of next turns came within)",
+    )
+    ttl_quantile: float = Field(
+        default=0.9,
+        gt=0,
+        lt=1,
+        description="the time-to-live learned: this quantile of the last 1,024 tool calls' lengths "
+        "(a turn's answer to the program's next turn)",
+    )
+    ttl_samples: int = Field(
+        default=100, ge=1, description="tool calls observed before the time-to-live is learned"
+    )
+    ttl_min_s: float = Field(default=1.0, ge=0, description="the learned time-to-live's floor")
+    ttl_max_s: float = Field(default=120.0, gt=0, description="the learned time-to-live's ceiling")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ProgramsConfig:
+        if self.ttl_min_s > self.ttl_max_s:
+            raise ValueError(f"ttl_min_s ({self.ttl_min_s}) is above ttl_max_s ({self.ttl_max_s})")
+        return self

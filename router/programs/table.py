@@ -1,0 +1,229 @@
+"""Agent programs as the router follows them.
+
+A program is the turns of one session (its key: the router's digest of the client's session key). While one
+of its turns runs, and for the learned time-to-live once it is answered (the program runs a tool, and will
+send its next turn with the context grown), the program's KV working set is its last turn's prompt at that
+turn's instance. At its next turn the router tells whether that KV was still there, by the index's matches
+for the new prompt: kept at the instance, elsewhere (another instance or the pool holds it), or lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from router.metrics import RouterMetrics
+from router.programs.settings import ProgramsConfig
+from router.programs.tool_calls import ToolCalls
+from scorers.request import RoutingRequest
+
+# What a turn found of its program's KV: first (a program new, or forgotten), kept (the instance of its last
+# turn still held that turn's prompt, but for one block), elsewhere (only another instance or the pool held
+# it), lost (nothing did), unknown (a prompt routed without prefix knowledge). A turn sent while another of
+# its program's runs (a side request, a subagent) is concurrent, and not a next turn.
+Found = Literal["first", "kept", "elsewhere", "lost", "unknown", "concurrent"]
+Counted = Literal["running", "tool_call"]
+
+
+@dataclass(slots=True)
+class Program:
+    instance: str  # where its working set is: the instance of its last main turn
+    tokens: int  # that turn's prompt
+    last_seen: float
+    running: int = 0  # its turns in flight
+    ended_at: float | None = None  # its last answer's end, once none of its turns runs
+    counted: Counted | None = None  # how its working set is counted now
+
+
+@dataclass(slots=True)
+class WorkingSets:
+    """An instance's programs: those with a turn running, those in a tool call within the time-to-live,
+    and their prompts' tokens."""
+
+    running: int = 0
+    tool_call: int = 0
+    tokens: int = 0
+
+
+class Programs:
+    def __init__(
+        self, settings: ProgramsConfig, metrics: RouterMetrics, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self._settings, self._metrics, self._clock = settings, metrics, clock
+        self._programs: OrderedDict[str, Program] = OrderedDict()  # the least recently heard from first
+        # Those counted in a tool call, by when it began, the earliest first: they leave it in this order.
+        self._in_tool_calls: OrderedDict[str, float] = OrderedDict()
+        self._sets: dict[str, WorkingSets] = {}
+        self._changed: set[str] = set()
+        self.tool_calls = ToolCalls(settings)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def working_sets(self) -> dict[str, WorkingSets]:
+        """Each instance's programs as they stand now (the time-to-live applied)."""
+        self.expire()
+        return {name: WorkingSets(s.running, s.tool_call, s.tokens) for name, s in self._sets.items()}
+
+    def turn_started(self, request: RoutingRequest, instance: str, sent_at: float) -> Found | None:
+        """A turn of request's program (None: it has no session key) is answered by instance; sent_at: when
+        the router first sent it (the clock's time)."""
+        key = request.session_key
+        if key is None:
+            return None
+        self._expire(sent_at)
+        program = self._programs.get(key)
+        found: Found = "concurrent"
+        if program is None:
+            program = self._programs[key] = Program(instance, request.prompt_tokens, sent_at)
+            found = "first"
+            self._metrics.program_turns("first", "none").inc()
+        else:
+            self._programs.move_to_end(key)
+            program.last_seen = sent_at
+            if not program.running and program.ended_at is not None:
+                found = self._next_turn(program, request, sent_at)
+        self._uncount(key, program)
+        program.running += 1
+        if request.prompt_tokens >= program.tokens // 2:  # a side request's short prompt moves nothing
+            program.instance, program.tokens = instance, request.prompt_tokens
+        self._count(key, program, sent_at)
+        self._forget_idle(sent_at)
+        self._publish()
+        return found
+
+    def turn_ended(self, session_key: str | None) -> None:
+        """A turn of the program whose key this is was answered (or failed, or was left)."""
+        program = None if session_key is None else self._programs.get(session_key)
+        if program is None or not program.running:
+            return
+        assert session_key is not None
+        now = self._clock()
+        self._expire(now)
+        self._uncount(session_key, program)
+        program.running -= 1
+        program.last_seen = now
+        if not program.running:
+            program.ended_at = now
+        self._count(session_key, program, now)
+        self._publish()
+
+    def expire(self) -> None:
+        """The tool calls past the time-to-live no longer counted, programs idle past their end forgotten,
+        and the metrics told."""
+        now = self._clock()
+        self._expire(now)
+        self._forget_idle(now)
+        self._publish()
+
+    def _next_turn(self, program: Program, request: RoutingRequest, sent_at: float) -> Found:
+        assert program.ended_at is not None
+        length = sent_at - program.ended_at
+        within = "within_ttl" if length <= self.tool_calls.ttl_s else "past_ttl"
+        self.tool_calls.observe(length)
+        self._metrics.program_tool_call_seconds.observe(length)
+        self._metrics.program_ttl_seconds.set(self.tool_calls.ttl_s)
+        found = _kv_found(program, request)
+        self._metrics.program_turns(found, within).inc()
+        return found
+
+    def _count(self, key: str, program: Program, now: float) -> None:
+        if program.running:
+            counted: Counted = "running"
+        elif program.ended_at is not None and now - program.ended_at <= self.tool_calls.ttl_s:
+            counted = "tool_call"
+            self._in_tool_calls[key] = program.ended_at
+        else:
+            return
+        sets = self._sets.get(program.instance)
+        if sets is None:
+            sets = self._sets[program.instance] = WorkingSets()
+        if counted == "running":
+            sets.running += 1
+        else:
+            sets.tool_call += 1
+        sets.tokens += program.tokens
+        program.counted = counted
+        self._changed.add(program.instance)
+
+    def _uncount(self, key: str, program: Program) -> None:
+        if program.counted is None:
+            return
+        sets = self._sets[program.instance]
+        if program.counted == "running":
+            sets.running -= 1
+        else:
+            sets.tool_call -= 1
+            del self._in_tool_calls[key]
+        sets.tokens -= program.tokens
+        program.counted = None
+        self._changed.add(program.instance)
+
+    def _expire(self, now: float) -> None:
+        ttl = self.tool_calls.ttl_s
+        while self._in_tool_calls:
+            key, began = next(iter(self._in_tool_calls.items()))
+            if now - began <= ttl:
+                break
+            self._uncount(key, self._programs[key])
+
+    def _forget_idle(self, now: float) -> None:
+        settings = self._settings
+        while self._programs:
+            key, program = next(iter(self._programs.items()))
+            if (
+                now - program.last_seen <= settings.idle_end_s
+                and len(self._programs) <= settings.max_programs
+            ):
+                break
+            self._uncount(key, program)
+            del self._programs[key]
+
+    def _publish(self) -> None:
+        metrics = self._metrics
+        for name in self._changed:
+            sets = self._sets[name]
+            metrics.programs(name, "running").set(sets.running)
+            metrics.programs(name, "tool_call").set(sets.tool_call)
+            metrics.program_working_set_tokens(name).set(sets.tokens)
+        self._changed.clear()
+
+
+def _kv_found(program: Program, request: RoutingRequest) -> Found:
+    """What the next turn (request) found of the KV its program's last turn left: by the index's matches for
+    its prompt, up to the blocks the two prompts share at most."""
+    block_size = request.block_size
+    expected = min(program.tokens // block_size, max(request.prompt_tokens - 1, 0) // block_size)
+    if expected == 0:
+        return "unknown"
+    enough = max(
+        expected - 1, 1
+    )  # the last block of the turn's prompt may end where the chat's rendering differs
+    match = request.matches.get(program.instance)
+    if match is not None and match.gpu + match.cpu >= enough:
+        return "kept"
+    if any(m.gpu + m.cpu + m.pool >= enough for m in request.matches.values()):
+        return "elsewhere"
+    return "lost"
+
+
+class NoPrograms:
+    """Programs not followed (programs.enabled: false)."""
+
+    def turn_started(self, request: RoutingRequest, instance: str, sent_at: float) -> Found | None:
+        return None
+
+    def turn_ended(self, session_key: str | None) -> None:
+        pass
+
+    def expire(self) -> None:
+        pass
+
+    def working_sets(self) -> dict[str, WorkingSets]:
+        return {}
+
+
+NO_PROGRAMS = NoPrograms()

@@ -1,0 +1,131 @@
+"""Agent programs as the router follows them: working sets counted while a turn runs and through a tool call
+within the time-to-live, and what each next turn found of the KV its program's last turn left."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from router.metrics import RouterMetrics
+from router.programs.settings import ProgramsConfig
+from router.programs.table import Programs, WorkingSets
+from scorers.request import RoutingRequest, TierMatch
+from tests.conftest import ManualClock
+
+BLOCK = 16
+
+
+def turn(key: str | None, tokens: int, matches: Mapping[str, TierMatch] | None = None) -> RoutingRequest:
+    return RoutingRequest("m", key, tokens, tokens // BLOCK, BLOCK, matches or {})
+
+
+def programs(**settings: float) -> tuple[Programs, ManualClock, RouterMetrics]:
+    clock, metrics = ManualClock(100.0), RouterMetrics()
+    return Programs(ProgramsConfig(**settings), metrics, clock), clock, metrics  # type: ignore[arg-type]
+
+
+def turns(metrics: RouterMetrics, kv: str, tool_call: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "kvroute_program_turns_total", {"kv": kv, "tool_call": tool_call}
+    )
+    return value or 0.0
+
+
+def test_a_program_is_counted_running_then_in_its_tool_call_until_the_time_to_live() -> None:
+    table, clock, metrics = programs(ttl_prior_s=10)
+    assert table.turn_started(turn("s", 1000), "a", clock.now) == "first"
+    assert table.working_sets() == {"a": WorkingSets(running=1, tool_call=0, tokens=1000)}
+    clock.now += 2
+    table.turn_ended("s")
+    assert table.working_sets() == {"a": WorkingSets(running=0, tool_call=1, tokens=1000)}
+    labels = {"vllm_instance": "a", "state": "tool_call"}
+    assert metrics.registry.get_sample_value("kvroute_programs", labels) == 1
+    clock.now += 10.5  # past the time-to-live: its KV is no longer counted, though the program is known
+    table.expire()
+    assert table.working_sets() == {"a": WorkingSets()}
+    assert metrics.registry.get_sample_value("kvroute_programs", labels) == 0
+    assert (
+        metrics.registry.get_sample_value("kvroute_program_working_set_tokens", {"vllm_instance": "a"}) == 0
+    )
+    assert len(table) == 1
+
+
+def test_a_next_turn_that_finds_its_kv_at_its_instance_is_kept_within_the_time_to_live() -> None:
+    table, clock, metrics = programs(ttl_prior_s=10)
+    table.turn_started(turn("s", 1000), "a", clock.now)
+    table.turn_ended("s")
+    clock.now += 3
+    held = {"a": TierMatch(gpu=1000 // BLOCK), "b": TierMatch(gpu=2)}
+    assert table.turn_started(turn("s", 1300, held), "a", clock.now) == "kept"
+    assert turns(metrics, "kept", "within_ttl") == 1 and turns(metrics, "first", "none") == 1
+    assert metrics.registry.get_sample_value("kvroute_program_tool_call_seconds_count") == 1
+    # The next turn's prompt is its working set from now on.
+    assert table.working_sets() == {"a": WorkingSets(running=1, tool_call=0, tokens=1300)}
+
+
+@pytest.mark.parametrize(
+    ("matches", "found"),
+    [
+        ({"a": TierMatch(gpu=61)}, "kept"),  # all but the last block of the last prompt's 62
+        ({"a": TierMatch(gpu=30, cpu=31)}, "kept"),  # offloaded to the instance's CPU: still there
+        ({"a": TierMatch(gpu=30), "b": TierMatch(gpu=62)}, "elsewhere"),  # another instance holds it
+        ({"a": TierMatch(gpu=30, pool=32)}, "elsewhere"),  # the pool holds the rest
+        ({"a": TierMatch(gpu=30)}, "lost"),
+        ({}, "lost"),
+    ],
+)
+def test_what_a_next_turn_found_of_its_programs_kv(matches: dict[str, TierMatch], found: str) -> None:
+    table, clock, metrics = programs(ttl_prior_s=10)
+    table.turn_started(turn("s", 1000), "a", clock.now)  # 62 whole blocks
+    table.turn_ended("s")
+    clock.now += 20  # past the time-to-live
+    assert table.turn_started(turn("s", 1500, matches), "b", clock.now) == found
+    assert turns(metrics, found, "past_ttl") == 1
+
+
+def test_a_prompt_routed_without_prefix_knowledge_found_what_nobody_can_tell() -> None:
+    table, clock, _ = programs()
+    table.turn_started(turn("s", 1000), "a", clock.now)
+    table.turn_ended("s")
+    assert table.turn_started(turn("s", 0), "a", clock.now) == "unknown"
+
+
+def test_a_side_request_runs_beside_its_turn_and_moves_nothing() -> None:
+    """A subagent or a title request of the same session, sent while its turn runs: no tool call ended, and
+    its short prompt leaves the working set where the long one is."""
+    table, clock, metrics = programs()
+    table.turn_started(turn("s", 8000), "a", clock.now)
+    assert table.turn_started(turn("s", 300), "b", clock.now) == "concurrent"
+    table.turn_ended("s")
+    assert table.working_sets() == {"a": WorkingSets(running=1, tool_call=0, tokens=8000)}
+    table.turn_ended("s")
+    assert table.working_sets() == {"a": WorkingSets(running=0, tool_call=1, tokens=8000)}
+    assert metrics.registry.get_sample_value("kvroute_program_tool_call_seconds_count") in (None, 0)
+
+
+def test_a_turn_without_a_session_is_no_program() -> None:
+    table, clock, _ = programs()
+    assert table.turn_started(turn(None, 1000), "a", clock.now) is None
+    table.turn_ended(None)
+    assert len(table) == 0 and table.working_sets() == {}
+
+
+def test_programs_idle_past_their_end_or_beyond_the_most_followed_are_forgotten() -> None:
+    table, clock, _ = programs(idle_end_s=60, max_programs=2)
+    for key in ("s1", "s2", "s3"):
+        table.turn_started(turn(key, 100), "a", clock.now)
+        table.turn_ended(key)
+    assert len(table) == 2  # s1 went: the least recently heard from
+    assert table.turn_started(turn("s1", 100), "a", clock.now) == "first"
+    clock.now += 61
+    table.expire()
+    assert len(table) == 0 and table.working_sets() == {"a": WorkingSets()}
+
+
+def test_a_turn_ended_for_a_program_forgotten_meanwhile_counts_nothing() -> None:
+    table, clock, _ = programs(max_programs=1)
+    table.turn_started(turn("s1", 100), "a", clock.now)
+    table.turn_started(turn("s2", 100), "a", clock.now)  # s1 forgotten while its turn runs
+    table.turn_ended("s1")
+    assert table.working_sets() == {"a": WorkingSets(running=1, tool_call=0, tokens=100)}
