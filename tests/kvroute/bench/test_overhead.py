@@ -278,7 +278,8 @@ def test_a_small_streaming_run_measures_every_target(tmp_path: Path) -> None:
         assert result["tokens_per_s"] > 0 and result["ok"] > 0 and result["failed_streams"] == 0, result
         assert result["ttfb_p99_ms"] >= result["ttfb_p50_ms"] > 0
         assert result["itl_p99_ms"] >= result["itl_p50_ms"] > 0
-        assert result["client_cores"] > 0 and result["engine_cores"] > 0
+        # The engine's CPU is read from /proc in clock ticks (10 ms): this short a run may take less.
+        assert result["client_cores"] > 0 and result["engine_cores"] >= 0
         routed = result["target"] != "direct"
         for name in ("added_ttfb_p50_ms", "added_ttfb_p99_ms", "added_itl_p50_ms", "added_itl_p99_ms"):
             assert (result[name] is not None) == routed, (name, result)
