@@ -6,6 +6,8 @@ share a prefix exactly as far as their leading hash ids agree. Times are seconds
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import lzma
 import math
@@ -26,6 +28,9 @@ class TraceRequest:
     session: str | None = None
     flow: str | None = None  # the tenant it comes from (a fairness header); None: its session's
     objective: str | None = None  # the objective it names (router/config.py FlowControlConfig)
+    # The tool call before this turn: it is sent no sooner than this long after its session's previous
+    # answer (None: as soon as that answer came, if its arrival has passed)
+    tool_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,7 @@ def agentic_trace(
     max_think_s: float = 80.0,
     min_think_s: float = 1.0,
     think_sigma: float = 1.0,
+    tool_calls: bool = False,
     name: str = "agentic",
 ) -> Trace:
     """Agent sessions that resend a growing context every turn.
@@ -133,25 +139,33 @@ def agentic_trace(
     turn arrives a think time (log-normal around `median_think_s` with `think_sigma`, within `min_think_s` ..
     `max_think_s` seconds) after the previous one. Output lengths are
     scaled so that prompt tokens : output tokens is `input_output_ratio` over the trace.
+
+    With `tool_calls`, every turn after a session's first also runs a tool first (TraceRequest.tool_s): it
+    comes no sooner than that after the previous answer, however early its think time had it. The tools'
+    lengths follow the coding-agent trace published with vllm-router's program scheduling (86.5% of next
+    requests within 1 s of the answer, 95.1% within 10 s): log-uniform over 0.05-1 s, 1-10 s and 10-300 s
+    with those shares. They are drawn apart from the rest, so the sessions are the same as without.
     """
     rng = random.Random(seed)
+    tools = random.Random(f"tool-calls-{seed}")
     shared_blocks = system_tokens // block_tokens
     next_id = shared_blocks
-    drafts: list[tuple[float, int, float, tuple[int, ...], str]] = []
+    drafts: list[tuple[float, int, float, tuple[int, ...], str, float | None]] = []
     for number in range(sessions):
         session = f"s{seed}-{number}"
         turns = max(2, min(150, round(median_turns * math.exp(rng.gauss(0.0, 0.45)))))
         arrival = rng.uniform(0.0, span_s)
         context = system_tokens
         ids: list[int] = list(range(shared_blocks))
-        for _ in range(turns):
+        for turn in range(turns):
             context += max(100, min(12_000, round(median_new_tokens * math.exp(rng.gauss(0.0, 0.7)))))
             if context > max_context_tokens:
                 break
             while len(ids) * block_tokens < context:
                 ids.append(next_id)
                 next_id += 1
-            drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), tuple(ids), session))
+            tool_s = _tool_call_s(tools) if tool_calls and turn else None
+            drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), tuple(ids), session, tool_s))
             think = median_think_s * math.exp(rng.gauss(0.0, think_sigma))
             arrival += min(max_think_s, max(min_think_s, think))
     input_total = sum(d[1] for d in drafts)
@@ -159,12 +173,25 @@ def agentic_trace(
     scale = input_total / input_output_ratio / weight_total if weight_total else 0.0
     requests = sorted(
         (
-            TraceRequest(a, context, max(1, round(w * scale)), ids, session)
-            for a, context, w, ids, session in drafts
+            TraceRequest(a, context, max(1, round(w * scale)), ids, session, tool_s=tool_s)
+            for a, context, w, ids, session, tool_s in drafts
         ),
         key=lambda r: r.arrival_s,
     )
     return Trace(f"{name}-{seed}", block_tokens, tuple(requests))
+
+
+# An agent's tool calls as published with vllm-router's program scheduling: (share, shortest, longest)
+_TOOL_CALLS = ((0.865, 0.05, 1.0), (0.086, 1.0, 10.0), (0.049, 10.0, 300.0))
+
+
+_TOOL_CALL_SHARES = list(itertools.accumulate(share for share, _, _ in _TOOL_CALLS))
+
+
+def _tool_call_s(rng: random.Random) -> float:
+    bucket = min(bisect.bisect(_TOOL_CALL_SHARES, rng.random()), len(_TOOL_CALLS) - 1)
+    _, shortest, longest = _TOOL_CALLS[bucket]
+    return float(shortest * (longest / shortest) ** rng.random())
 
 
 def mooncake_trace() -> Trace:

@@ -34,8 +34,9 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.add_argument(
         "--trace",
         default=None,
-        help="a JSONL trace (plain or .xz), `mooncake` or `agentic`; default: "
-        "the Mooncake conversation trace",
+        help="a JSONL trace (plain or .xz), `mooncake`, `agentic` or `programs` (the agentic sessions, "
+        "each next turn no sooner than its tool call after the answer); default: the Mooncake "
+        "conversation trace",
     )
     simulate.add_argument("--instances", type=positive_int, default=None, help="default: 8, or --pd's")
     simulate.add_argument(
@@ -95,7 +96,9 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
         default=0,
         help="start after the trace's first N requests (another window of it; caches start empty)",
     )
-    simulate.add_argument("--sessions", type=positive_int, default=40, help="sessions of the agentic trace")
+    simulate.add_argument(
+        "--sessions", type=positive_int, default=40, help="sessions of the agentic and programs traces"
+    )
     simulate.add_argument(
         "--profile",
         help="an engine profile (JSON, `kvroute bench calibrate`'s): the engines' timing and memory instead "
@@ -150,6 +153,8 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
 def _trace(args: argparse.Namespace) -> Trace:
     if args.trace == "agentic":
         return agentic_trace(seed=args.seed, sessions=args.sessions)
+    if args.trace == "programs":  # the agentic sessions, each next turn after its tool call
+        return agentic_trace(seed=args.seed, sessions=args.sessions, tool_calls=True, name="programs")
     if args.trace in (None, "mooncake"):
         return mooncake_trace()
     return load_trace(Path(args.trace))

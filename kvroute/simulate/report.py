@@ -15,6 +15,7 @@ from kvroute.simulate.results import RunResult
 def table(title: str, results: Sequence[RunResult]) -> Table:
     view = Table(title=title)
     disaggregated = any(r.pd_paths for r in results)
+    programs = any(r.programs for r in results)
     for column in (
         "policy",
         "TTFT p50/p99",
@@ -26,6 +27,7 @@ def table(title: str, results: Sequence[RunResult]) -> Table:
         "imbalance",
         "rejected/failed/retried/preempted",
         *(["disaggregated/skipped/fallback", "fetched"] if disaggregated else []),
+        *(["sessions done, /h", "recomputed after a tool call"] if programs else []),
         "slowest 1%: admit/queue/own",
         "wall",
     ):
@@ -50,10 +52,18 @@ def table(title: str, results: Sequence[RunResult]) -> Table:
                 if disaggregated
                 else []
             ),
+            *(_program_cells(r.programs) if programs else []),
             _tail_cell(r.tail),
             f"{r.wall_s:.0f} s",
         )
     return view
+
+
+def _program_cells(programs: dict[str, float]) -> list[str]:
+    if not programs:
+        return ["-", "-"]
+    done = f"{programs['sessions_completed']:.0f}, {programs['sessions_per_hour']:.0f}"
+    return [done, f"{programs['tool_call_recompute']:.1%}"]
 
 
 def _tail_cell(tail: dict[str, float]) -> str:
@@ -76,6 +86,7 @@ def as_json(result: RunResult) -> dict[str, Any]:
         "longest_session_s": result.longest_session_s,
         "tail": result.tail,
         "flows": result.flows,
+        "programs": result.programs,
         "wall_s": result.wall_s,
     }
 

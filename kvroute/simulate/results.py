@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +61,9 @@ class RunResult:
     # By the trace's flow (tenant), when it names them: TTFT percentiles, and the share of the dispatches from
     # the router's queue made while two flows or more had requests waiting (flows_of).
     flows: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Of a trace with sessions, as agent programs (programs_of): sessions completed and their rate, and the
+    # share of what a previous turn left cached that its next turn computed again
+    programs: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, float | int]:
@@ -76,6 +81,7 @@ def result_of(
     failed: int = 0,
     retried: int = 0,
     backlogged_dispatches: dict[str, int] | None = None,
+    session_turns: Mapping[str, int] | None = None,
 ) -> RunResult:
     """Hits are the computing instance's: the prefill instance's for a disaggregated request."""
     size = fleet.engine.block_size
@@ -133,8 +139,42 @@ def result_of(
         longest_session_s=longest_session_active(done),
         tail=tail_of(done, fleet),
         flows=flows_of(done, backlogged_dispatches or {}),
+        programs=programs_of(done, size, span, session_turns or {}),
         wall_s=wall_s,
     )
+
+
+def programs_of(
+    done: list[SimRequest], block_size: int, span_s: float, session_turns: Mapping[str, int]
+) -> dict[str, float]:
+    """The sessions as agent programs: those whose every turn was answered (none refused; session_turns:
+    each session's turns in the trace) and their rate an hour over the run; and, over each turn after an
+    answered one of its session, the share of the previous turn's
+    prompt (its whole blocks, which its instance held when the tool call began) that the turn computed
+    again, having found it neither on its instance nor in the pool. Empty for a trace without sessions."""
+    by_session: dict[str, list[SimRequest]] = {}
+    for request in done:
+        if request.session is not None:
+            by_session.setdefault(request.session, []).append(request)
+    if not by_session:
+        return {}
+    left = recomputed = next_turns = 0
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.number)
+        for previous, turn in itertools.pairwise(turns):
+            computing = turn.prefill or turn
+            shared = min(previous.trace.input_tokens, turn.trace.input_tokens - 1) // block_size
+            found = computing.local_hit_blocks + computing.pool_hit_blocks
+            left += shared
+            recomputed += max(shared - found, 0)
+            next_turns += 1
+    completed = sum(len(turns) == session_turns.get(session) for session, turns in by_session.items())
+    return {
+        "sessions_completed": completed,
+        "sessions_per_hour": completed / span_s * 3600,
+        "next_turns": next_turns,
+        "tool_call_recompute": recomputed / left if left else 0.0,
+    }
 
 
 def flows_of(done: list[SimRequest], backlogged_dispatches: dict[str, int]) -> dict[str, dict[str, float]]:

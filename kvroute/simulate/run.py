@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from kvroute.simulate.blocks import TraceBlocks
@@ -88,6 +88,9 @@ class Run:
         # for that, however early the trace has it (traces without sessions are open loop).
         self._busy_sessions: set[str] = set()
         self._held_back: dict[str, deque[int]] = {}
+        # And a turn that runs a tool first (TraceRequest.tool_s) comes no sooner than that after the answer.
+        self._answered_s: dict[str, float] = {}  # sessions answered whose next turn has not arrived yet
+        self._in_tool_calls = 0  # turns whose tool call runs
         for engine in self.engines:
             engine.on_first_token, engine.on_finish = self.first_token, self.finish
 
@@ -112,6 +115,7 @@ class Run:
             self.failed,
             self.retried,
             self.backlogged_dispatches,
+            Counter(r.session for r in self.trace if r.session is not None),
         )
 
     # The router's own counts of what it sent to each instance (router/upstreams/instances.py).
@@ -221,9 +225,14 @@ class Run:
             number = waiting.popleft()
             if not waiting:
                 del self._held_back[session]
-            self._submit(number)
+            tool_s = self.trace[number].tool_s
+            if tool_s is None:
+                self._submit(number)
+            else:
+                self._after_tool_call(number, self.loop.now + tool_s)
         else:
             self._busy_sessions.discard(session)
+            self._answered_s[session] = self.loop.now
 
     def _arrive(self, number: int) -> None:
         trace = self.trace
@@ -237,7 +246,21 @@ class Run:
                 self._held_back.setdefault(session, deque()).append(number)
                 return
             self._busy_sessions.add(session)
+            answered_s, tool_s = self._answered_s.pop(session, None), trace[number].tool_s
+            if answered_s is not None and tool_s is not None and answered_s + tool_s > self.loop.now:
+                self._after_tool_call(number, answered_s + tool_s)
+                return
         self._submit(number)
+
+    def _after_tool_call(self, number: int, done_s: float) -> None:
+        """Turn number is sent once its tool call is done, at done_s."""
+        self._in_tool_calls += 1
+
+        def send() -> None:
+            self._in_tool_calls -= 1
+            self._submit(number)
+
+        self.loop.at(done_s, send)
 
     def _submit(self, number: int) -> None:
         traced = self.trace[number]
@@ -311,7 +334,7 @@ class Run:
 
         def tick() -> None:
             action()
-            if self.outstanding or self._held_back or loop.now < trace[-1].arrival_s:
+            if self.outstanding or self._held_back or self._in_tool_calls or loop.now < trace[-1].arrival_s:
                 loop.at(loop.now + interval, tick)
 
         loop.at(trace[0].arrival_s, tick)
