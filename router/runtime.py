@@ -143,9 +143,10 @@ class Runtime:
         self.flow_gate = FlowGate(config.flow_control, self.upstreams, self.metrics)
         # A request's prefill or the request ended, here or at a peer router: those waiting may go.
         self.room_freed = Event()
-        self.programs: Programs | NoPrograms = (
-            Programs(config.programs, self.metrics) if config.programs.enabled else NO_PROGRAMS
-        )
+        self.programs: Programs | NoPrograms = NO_PROGRAMS
+        if config.programs.enabled:
+            self.programs = programs = Programs(config.programs, self.metrics)
+            programs.on_working_set = self.upstreams.program_working_set
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
 
     async def __aenter__(self) -> Runtime:
@@ -445,6 +446,7 @@ class Runtime:
             config.tokenization.audit_every,
             tools_out_when_none,
             self.tokenizer_watch,
+            self.programs,
         )
         return Decider(
             self.routing_index, self.tokenizers, config.block_size, self.metrics, remote_tokenizer, options

@@ -62,6 +62,12 @@ class Candidate(Protocol):
         ...
 
     @property
+    def program_tokens(self) -> int:
+        """The KV working sets of the agent programs there: the prompts of those running and of those in a
+        tool call (router/programs/); 0 when programs are not followed."""
+        ...
+
+    @property
     def ttft_model(self) -> TTFTModel:
         """Its time-to-first-token model, calibrated from what the router observes."""
         ...

@@ -11,6 +11,7 @@ from scorers import (
     kv_usage,
     pickers,
     precise_prefix,
+    program_room,
     queue_depth,
     round_robin,
     session_affinity,
@@ -32,6 +33,7 @@ SCORERS: dict[str, Registration[Scorer]] = {
     "token-cost": token_cost.REGISTRATION,
     "ttft-cost": ttft_cost.REGISTRATION,
     "spread": spread.REGISTRATION,
+    "program-room": program_room.REGISTRATION,
 }
 
 PICKERS: dict[str, Registration[Picker]] = {

@@ -27,3 +27,4 @@ class RoutingRequest:
     block_size: int = 16
     matches: Mapping[str, TierMatch] = field(default_factory=dict)  # by instance name; absent: no match
     chain: Sequence[int] = ()  # the hashes of the prompt's whole blocks (empty: unknown)
+    new_program: bool = False  # it starts an agent program, or one whose working set lapsed (router/programs)

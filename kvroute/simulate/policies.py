@@ -21,6 +21,7 @@ from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
 from router.dispatch.intake.engine_priority import engine_priority
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
+from router.programs.table import Programs
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
 from router.upstreams.room import with_room
@@ -192,6 +193,11 @@ class ConfiguredPolicy(SimPolicy):
         super().bind(view)
         metrics = RouterMetrics()
         self._router = Decider(view.index, {}, view.block_size, metrics)
+        # The agent programs the router follows (router/programs/), on the trace's clock: what starts one, and
+        # the working sets the program-room scorer reads at each instance.
+        self._programs = programs = Programs(self._config.programs, metrics, view.loop.clock)
+        programs.on_working_set = lambda name, tokens: _set_program_tokens(view, name, tokens)
+        self._turns: dict[int, tuple[RoutingRequest, str]] = {}  # by request number: sent, not yet answered
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
         self._policy = Policy(
             self._policy_name, self._config.policies[self._policy_name], view.loop.clock, view.tie_rng
@@ -226,6 +232,7 @@ class ConfiguredPolicy(SimPolicy):
             block_size=view.block_size,
             matches=matches,
             chain=chain,
+            new_program=request.session is not None and not self._programs.alive(request.session),
         )
 
     def work(self, request: SimRequest) -> float:
@@ -271,6 +278,8 @@ class ConfiguredPolicy(SimPolicy):
         else:
             instance = candidates[self._policy.choose(routing, candidates)]
             request.uncached_estimate = features_for(routing, instance).uncached_tokens
+        if request.session is not None and self._config.programs.enabled:
+            self._turns[request.number] = routing, instance.name
         return view.by_name[instance.name]
 
     def first_token(self, request: SimRequest) -> None:
@@ -281,6 +290,16 @@ class ConfiguredPolicy(SimPolicy):
         if self._calibrate and isinstance(features, TTFTFeatures):
             ttft = request.first_token_s - request.dispatched_s
             self.view.instances[request.instance].ttft_model.observe(features, ttft)
+        turn = self._turns.pop(request.number, None)
+        if turn is not None:  # the proxy tells its programs at the answer's first byte
+            self._programs.turn_started(*turn, request.dispatched_s)
+
+    def finished(self, request: SimRequest) -> None:
+        if request.session is not None:
+            self._programs.turn_ended(request.session)
+
+    def refused(self, request: SimRequest) -> None:
+        self._turns.pop(request.number, None)
 
 
 class Replicas(SimPolicy):
@@ -345,3 +364,7 @@ class Replicas(SimPolicy):
 
     def refused(self, request: SimRequest) -> None:
         self.routers[request.router].refused(request)
+
+
+def _set_program_tokens(view: RouterView, name: str, tokens: int) -> None:
+    view.instances[view.by_name[name]].program_tokens = tokens

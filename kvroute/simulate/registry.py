@@ -103,14 +103,17 @@ POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
 }
 
 
-def _with_kv_usage(fleet: FleetSpec) -> SimPolicy:
-    """kvroute's default plus llm-d's kv-cache-utilization scorer at weight 0.5: the engines' KV occupancy,
-    which the TTFT model does not see, breaks its ties."""
-    config = router_config(fleet)
-    config.policies["kvroute+kv-usage"] = PolicyConfig(
-        scorers=[*config.policies["kvroute"].scorers, ScorerSpec(type="kv-usage", weight=0.5)]
-    )
-    return ConfiguredPolicy("kvroute+kv-usage", config, "kvroute+kv-usage")
+def _with_scorer(name: str, scorer: str, weight: float) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default plus one scorer at weight."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        config = router_config(fleet)
+        config.policies[name] = PolicyConfig(
+            scorers=[*config.policies["kvroute"].scorers, ScorerSpec(type=scorer, weight=weight)]
+        )
+        return ConfiguredPolicy(name, config, name)
+
+    return make
 
 
 def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
@@ -172,7 +175,12 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute+hw-priors": _configured("kvroute+hw-priors", "kvroute", hardware_priors=True),
     "kvroute-priors": _configured("kvroute-priors", "kvroute", calibrate=False, hardware_priors=True),
     "token-cost": _configured("token-cost", "token-cost", calibrate=False, hardware_priors=True),
-    "kvroute+kv-usage": _with_kv_usage,
+    # llm-d's kv-cache-utilization scorer: the engines' KV occupancy, which the TTFT model does not see
+    "kvroute+kv-usage": _with_scorer("kvroute+kv-usage", "kv-usage", 0.5),
+    # a new agent program where the working sets leave the most KV room (scorers/program_room.py)
+    "kvroute+program-room": _with_scorer("kvroute+program-room", "program-room", 0.3),
+    "kvroute+program-room-1": _with_scorer("kvroute+program-room-1", "program-room", 1.0),
+    "kvroute+program-room-2": _with_scorer("kvroute+program-room-2", "program-room", 2.0),
     "kvroute+memory-hold": _with_memory_hold,
     "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),
     "kvroute-queue-edf": _with_flow_control("kvroute-queue-edf", ordering="edf"),

@@ -59,6 +59,18 @@ class Programs:
         self._sets: dict[str, WorkingSets] = {}
         self._changed: set[str] = set()
         self.tool_calls = ToolCalls(settings)
+        # Told each instance's working set tokens as they change: the scorers read them there.
+        self.on_working_set: Callable[[str, int], None] = _ignored
+
+    def alive(self, session_key: str) -> bool:
+        """Whether the program with this key has a turn running, or is in a tool call within the time-to-live:
+        its working set is counted. A request of a program not alive (new, or back after its working set
+        lapsed) starts it anew, wherever there is room for it (scorers/program_room.py)."""
+        program = self._programs.get(session_key)
+        if program is None:
+            return False
+        self._expire(self._clock())
+        return program.counted is not None
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -189,6 +201,7 @@ class Programs:
             metrics.programs(name, "running").set(sets.running)
             metrics.programs(name, "tool_call").set(sets.tool_call)
             metrics.program_working_set_tokens(name).set(sets.tokens)
+            self.on_working_set(name, sets.tokens)
         self._changed.clear()
 
 
@@ -210,8 +223,15 @@ def _kv_found(program: Program, request: RoutingRequest) -> Found:
     return "lost"
 
 
+def _ignored(name: str, tokens: int) -> None:
+    pass
+
+
 class NoPrograms:
-    """Programs not followed (programs.enabled: false)."""
+    """Programs not followed (programs.enabled: false): none ever starts."""
+
+    def alive(self, session_key: str) -> bool:
+        return True
 
     def turn_started(self, request: RoutingRequest, instance: str, sent_at: float) -> Found | None:
         return None

@@ -71,6 +71,7 @@ class Instance(CandidateState):
         "held",
         "max_model_len",
         "models",
+        "program_tokens",
         "role",
         "roots",
         "transfer",
@@ -110,6 +111,7 @@ class Instance(CandidateState):
         self._own_in_flight = 0
         self._own_pending_prefill_tokens = 0
         self._peers = NO_PEER_LOAD
+        self.program_tokens = 0  # set by the agent programs followed (router/programs/)
 
     def __repr__(self) -> str:
         return f"Instance({self.name!r}, {self.url!r})"
@@ -241,6 +243,7 @@ class Upstreams:
 
     def _index(self) -> None:
         self._by_model = {model: [i for i in self.instances if model in i.models] for model in self.models}
+        self._by_name = {i.name: i for i in self.instances}
         self._any_request = {model: RoutingRequest(model) for model in self.models}  # what filters are shown
         self._disaggregated = frozenset(
             model for model, instances in self._by_model.items() if any(i.role != "both" for i in instances)
@@ -281,6 +284,12 @@ class Upstreams:
         self._configs = {i.name: i for i in config.instances}
         self._index()
         return FleetChanges(added, removed, frozenset(in_place))
+
+    def program_working_set(self, name: str, tokens: int) -> None:
+        """The agent programs' KV working sets at instance name are tokens now (router/programs/)."""
+        instance = self._by_name.get(name)
+        if instance is not None:
+            instance.program_tokens = tokens
 
     def serves(self, model: str) -> bool:
         return bool(self._by_model.get(model))

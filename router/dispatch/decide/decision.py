@@ -22,6 +22,7 @@ from router.index.block_index import BlockIndex
 from router.index.pool import IndexOnlyMatches, PrefixMatches
 from router.index.routing_index import RoutingIndex
 from router.metrics import RouterMetrics
+from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
 from router.prompt import block_hashing
 from router.prompt.anthropic_chat import TemplateProbes, template_probes
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
@@ -103,6 +104,8 @@ class DeciderOptions:
     # --exclude-tools-when-tool-choice-none).
     tools_out_when_none: frozenset[str] = frozenset()
     watch: TokenizerWatch | None = None  # where the audit's mismatches are raised (None: one of its own)
+    # The agent programs followed: a request of none alive starts one (scorers/program_room.py)
+    programs: Programs | NoPrograms = NO_PROGRAMS
 
 
 class Decider:
@@ -134,6 +137,7 @@ class Decider:
         # One thread: long prompts take turns there, and the event loop keeps the other core's share.
         self._tokenize_thread = worker_threads.executor(1, "kvroute-tokenize")
         self._placements = SessionPlacements()
+        self._programs = options.programs
 
     async def prepare(
         self,
@@ -175,6 +179,7 @@ class Decider:
             block_size=self._block_size,
             matches=matches,
             chain=chain,
+            new_program=session_key is not None and not self._programs.alive(session_key),
         )
         self._metrics.decision("prepare").observe(time.perf_counter() - started)
         return Prepared(request)

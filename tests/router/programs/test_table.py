@@ -129,3 +129,15 @@ def test_a_turn_ended_for_a_program_forgotten_meanwhile_counts_nothing() -> None
     table.turn_started(turn("s2", 100), "a", clock.now)  # s1 forgotten while its turn runs
     table.turn_ended("s1")
     assert table.working_sets() == {"a": WorkingSets(running=1, tool_call=0, tokens=100)}
+
+
+def test_a_program_is_alive_while_its_turn_runs_and_through_its_tool_call_within_the_time_to_live() -> None:
+    table, clock, _ = programs(ttl_prior_s=10)
+    assert not table.alive("s")  # its first request starts it
+    table.turn_started(turn("s", 1000), "a", clock.now)
+    assert table.alive("s")
+    table.turn_ended("s")
+    clock.now += 9
+    assert table.alive("s")
+    clock.now += 2  # its tool call outlasted the time-to-live: its next turn starts it anew
+    assert not table.alive("s") and len(table) == 1

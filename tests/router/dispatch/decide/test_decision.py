@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,8 @@ from router.dispatch.decide.decision import Decider, DeciderOptions, Prepared
 from router.index.block_index import BlockIndex
 from router.index.events import BlockStored
 from router.metrics import RouterMetrics
+from router.programs.settings import ProgramsConfig
+from router.programs.table import Programs
 from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.token_cache import CachedChatTokenizer
@@ -516,3 +519,22 @@ def test_a_decision_says_the_wait_it_was_charged_for_causing_and_the_policy_its_
         now[0] += 0.25
         decision = router.decide(Prepared(request), capped, instances)
     assert decision.explained[WAIT_CAUSED_S] == pytest.approx(0.01 * decision.predicted_ttft_s)
+
+
+def test_a_request_of_no_program_alive_starts_one(tokenizer: PromptTokenizer) -> None:
+    """What the program-room scorer reads: whether the request's session is a program whose working set
+    is counted (router/programs/)."""
+    programs = Programs(ProgramsConfig(), RouterMetrics())
+    router = Decider(
+        BlockIndex(32),
+        {"tiny-llama": tokenizer},
+        32,
+        RouterMetrics(),
+        options=DeciderOptions(programs=programs),
+    )
+    body = ChatRequest(model="tiny-llama", messages=MESSAGES)
+    first = asyncio.run(router.prepare(body, "agent-1")).request
+    assert first.new_program and first.session_key is not None
+    programs.turn_started(first, "i0", time.perf_counter())
+    assert not asyncio.run(router.prepare(body, "agent-1")).request.new_program
+    assert not asyncio.run(router.prepare(body, None)).request.new_program  # no session: no program
