@@ -116,6 +116,20 @@ def _with_scorer(name: str, scorer: str, weight: float) -> Callable[[FleetSpec],
     return make
 
 
+def _with_program_room(name: str, weight: float) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default with the program-room scorer at weight (0: none)."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        config = router_config(fleet)
+        scorers = [spec for spec in config.policies["kvroute"].scorers if spec.type != "program-room"]
+        if weight:
+            scorers.append(ScorerSpec(type="program-room", weight=weight))
+        config.policies[name] = PolicyConfig(scorers=scorers)
+        return ConfiguredPolicy(name, config, name)
+
+    return make
+
+
 def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
     """kvroute's default with requests held in the router, up to 5 s, while no instance has memory."""
     config = router_config(fleet)
@@ -177,10 +191,10 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "token-cost": _configured("token-cost", "token-cost", calibrate=False, hardware_priors=True),
     # llm-d's kv-cache-utilization scorer: the engines' KV occupancy, which the TTFT model does not see
     "kvroute+kv-usage": _with_scorer("kvroute+kv-usage", "kv-usage", 0.5),
-    # a new agent program where the working sets leave the most KV room (scorers/program_room.py)
-    "kvroute+program-room": _with_scorer("kvroute+program-room", "program-room", 0.3),
-    "kvroute+program-room-1": _with_scorer("kvroute+program-room-1", "program-room", 1.0),
-    "kvroute+program-room-2": _with_scorer("kvroute+program-room-2", "program-room", 2.0),
+    # a new agent program placed where it fits, other than the default's 2 (0: as before it was the default)
+    "kvroute-program-room-0": _with_program_room("kvroute-program-room-0", 0.0),
+    "kvroute-program-room-1": _with_program_room("kvroute-program-room-1", 1.0),
+    "kvroute-program-room-4": _with_program_room("kvroute-program-room-4", 4.0),
     "kvroute+memory-hold": _with_memory_hold,
     "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),
     "kvroute-queue-edf": _with_flow_control("kvroute-queue-edf", ordering="edf"),
