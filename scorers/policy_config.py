@@ -79,10 +79,10 @@ def builtin_policies() -> dict[str, PolicyConfig]:
         # what still ties goes where the fewest requests went lately and the most KV memory is free. Each cost
         # also counts half the wait the request would cause those arriving behind it, from the arrival rate
         # measured (at most half its own TTFT): nothing on an idle fleet, and under load a prefix computed
-        # again elsewhere costs its queue (docs/notes/simulate-investigations.md, "The suite"). A request that
-        # starts an agent program (or comes back after its working set lapsed) goes where the programs' working
-        # sets leave the most KV room, so that it evicts no context a program in a tool call comes back for
-        # (docs/benchmarks.md, "Agent programs"; weights 0.3, 1 and 4 measured worse than 2)
+        # again elsewhere costs its queue (docs/notes/simulate-investigations.md, "The suite"). A request
+        # that starts an agent program (or comes back after its working set lapsed) goes where the programs'
+        # working sets leave the most KV room, so that it evicts no context a program in a tool call comes
+        # back for (docs/benchmarks.md, "Agent programs"; weights 0.3, 1 and 4 measured worse than 2)
         "kvroute": PolicyConfig(
             scorers=[
                 ScorerSpec(type="ttft-cost", weight=1.0, params={"wait_caused": 0.5}),
