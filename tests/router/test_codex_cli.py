@@ -31,6 +31,9 @@ pytestmark = pytest.mark.skipif(
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Codex names no output budget: the engines give it 16 tokens, as vLLM's generation config can
     args = ["--prefill-tps", "1000000", "--decode-tps", "100000", "--max-model-len", "40000"]
+    # Room for several ~25k-token sessions' working sets: a new session goes where the instructions are
+    # cached while that instance has room for it (scorers/program_room.py), not to one it would crowd out
+    args += ["--kv-blocks", "8192"]
     with running_stack(tmp_path_factory.mktemp("codex"), [*args, "--max-new-tokens", "16"]) as running:
         yield running
 
