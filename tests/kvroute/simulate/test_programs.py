@@ -11,20 +11,10 @@ import pytest
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import EngineSpec, FleetSpec
-from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.results import RunResult
 from kvroute.simulate.run import Run
 from kvroute.traces import Trace, TraceRequest, agentic_trace
-
-
-class Fixed(SimPolicy):
-    name = "fixed"
-
-    def __init__(self, *targets: int) -> None:
-        self._targets = list(targets)
-
-    def route(self, request: object) -> int:
-        return self._targets.pop(0)
+from tests.kvroute.simulate.fixed_routes import Fixed
 
 
 def run(

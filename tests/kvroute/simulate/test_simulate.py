@@ -38,6 +38,7 @@ from router.dispatch.place.prefill_leg import PrefillLeg
 from router.index.events import BlockRemoved, BlockStored, KVEvent
 from router.upstreams.instances import Instance, InstanceSetup
 from scorers.ttft_model import TTFTFeatures
+from tests.kvroute.simulate.fixed_routes import Fixed
 
 SIZE = 4
 
@@ -138,16 +139,6 @@ def test_ideal_hit_rate_is_exact() -> None:
     assert blocks.chains[0][:2] == blocks.chains[2] and blocks.chains[1][:4] == blocks.chains[0]
 
 
-class _Fixed(SimPolicy):
-    name = "fixed"
-
-    def __init__(self, *targets: int) -> None:
-        self._targets = list(targets)
-
-    def route(self, request: object) -> int:
-        return self._targets.pop(0)
-
-
 def _fleet(instances: int, pool: bool) -> FleetSpec:
     engine = EngineSpec(kv_blocks=400, max_waiting=8)
     return FleetSpec(
@@ -159,7 +150,7 @@ def test_instances_feed_the_index_and_hit_their_own_cache() -> None:
     blocks = TraceBlocks(
         _trace((0, 320, (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (30, 330, tuple(range(1, 12)))), 16
     )
-    policy = _Fixed(0, 0)
+    policy = Fixed(0, 0)
     result = simulate(blocks, _fleet(2, pool=False), policy, ideal_hit_rate=0.0)
     assert result.completed == 2 and result.rejected == 0
     assert result.local_hit_rate == pytest.approx(320 / 650)  # the second reuses all 20 blocks of the first
@@ -170,7 +161,7 @@ def test_instances_feed_the_index_and_hit_their_own_cache() -> None:
 
 def test_another_instance_loads_the_prefix_from_the_pool() -> None:
     blocks = TraceBlocks(_trace((0, 320, tuple(range(1, 11))), (30, 330, tuple(range(1, 12)))), 16)
-    result = simulate(blocks, _fleet(2, pool=True), _Fixed(0, 1), ideal_hit_rate=0.0)
+    result = simulate(blocks, _fleet(2, pool=True), Fixed(0, 1), ideal_hit_rate=0.0)
     assert result.local_hit_rate == 0.0
     assert result.pool_hit_rate == pytest.approx(320 / 650)
 
@@ -186,7 +177,7 @@ def test_the_pool_gets_a_prompts_blocks_its_instance_hit_as_well() -> None:
             for arrival, tokens in ((0.0, 320), (30.0, 480), (60.0, 512))
         ),
     )
-    run = Run(TraceBlocks(session, 16), _fleet(2, pool=True), _Fixed(0, 0, 1))
+    run = Run(TraceBlocks(session, 16), _fleet(2, pool=True), Fixed(0, 0, 1))
     run.run(ideal_hit_rate=0.0)
     _, second, third = sorted(run.done, key=lambda r: r.number)
     # turn 1's 20 prompt blocks and 3 of its 64-token answer (the last token is sampled, never computed)
@@ -196,7 +187,7 @@ def test_the_pool_gets_a_prompts_blocks_its_instance_hit_as_well() -> None:
 
 def test_a_full_queue_refuses() -> None:
     blocks = TraceBlocks(_trace(*((0.0, 320, (i,) * 10) for i in range(12))), 16)
-    result = simulate(blocks, _fleet(1, pool=False), _Fixed(*[0] * 12), ideal_hit_rate=0.0)
+    result = simulate(blocks, _fleet(1, pool=False), Fixed(*[0] * 12), ideal_hit_rate=0.0)
     assert result.rejected > 0
     assert result.completed + result.rejected == 12
 
@@ -243,7 +234,7 @@ def test_the_slowest_ttfts_are_split_into_admission_queue_and_own_prefill() -> N
     others to end before it is admitted, then prefills alone."""
     prompts = [tuple(range(start, start + 188)) for start in (0, 1000, 2000)]
     blocks = TraceBlocks(_trace(*((0.0, 6000, ids) for ids in prompts)), 16)
-    result = simulate(blocks, _fleet(1, pool=False), _Fixed(0, 0, 0), ideal_hit_rate=0.0)
+    result = simulate(blocks, _fleet(1, pool=False), Fixed(0, 0, 0), ideal_hit_rate=0.0)
     tail = result.tail
     own = EngineSpec().prefill_s(0, 6000)
     assert tail["requests"] == 1
@@ -254,7 +245,7 @@ def test_the_slowest_ttfts_are_split_into_admission_queue_and_own_prefill() -> N
     assert tail["admission_over_0_5_s_share"] == pytest.approx(1 / 3)
 
 
-class _Holding(_Fixed):
+class _Holding(Fixed):
     """Routes as told, with the router's memory hold on; records when each request is routed."""
 
     memory_hold_s = 30.0
@@ -396,7 +387,7 @@ def test_a_sessions_next_turn_waits_for_the_previous_answer() -> None:
         TraceRequest(0.1, 330, 2, tuple(range(1, 12)), "s"),
     )
     blocks = TraceBlocks(Trace("session", 32, turns), 16)
-    policy = _Fixed(0, 0)
+    policy = Fixed(0, 0)
     result = simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
     assert result.completed == 2
     assert result.local_hit_rate == pytest.approx(320 / 650)  # sent after the first finished: all cached
@@ -412,7 +403,7 @@ def test_the_longest_session_counts_only_time_with_a_turn_in_flight() -> None:
         TraceRequest(100.0, 330, 50, tuple(range(1, 12)), "long"),
     )
     result = simulate(
-        TraceBlocks(Trace("s", 32, turns), 16), _fleet(2, pool=False), _Fixed(0, 1, 0), ideal_hit_rate=0.0
+        TraceBlocks(Trace("s", 32, turns), 16), _fleet(2, pool=False), Fixed(0, 1, 0), ideal_hit_rate=0.0
     )
     busy = result.busy_per_instance_s
     assert busy[0] > busy[1] > 0
@@ -520,7 +511,7 @@ def test_attention_costs_grow_prefill_with_position_and_decode_with_context() ->
     costly = replace(flat, attention_s_per_pair=1e-9, decode_s_per_context_token=4e-8)
     runs = {}
     for name, engine in (("flat", flat), ("costly", costly)):
-        runs[name] = simulate(blocks, FleetSpec(1, engine, None, event_delay_s=0.01), _Fixed(0), 0.0)
+        runs[name] = simulate(blocks, FleetSpec(1, engine, None, event_delay_s=0.01), Fixed(0), 0.0)
     pairs = prompt * (prompt + 1) / 2  # the chunks' positions add up to the whole prompt's
     assert runs["flat"].ttft_p50_s == pytest.approx(
         prompt / flat.prefill_tokens_per_s + 3 * flat.decode_step_s
