@@ -56,7 +56,7 @@ from router.index.remote_index import RemoteIndex, RemoteMatches
 from router.index.routing_index import RoutingIndex
 from router.index.subscriptions import Subscriptions, events_context
 from router.metrics import RouterMetrics
-from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
+from router.programs.table import followed
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
@@ -143,10 +143,7 @@ class Runtime:
         self.flow_gate = FlowGate(config.flow_control, self.upstreams, self.metrics)
         # A request's prefill or the request ended, here or at a peer router: those waiting may go.
         self.room_freed = Event()
-        self.programs: Programs | NoPrograms = NO_PROGRAMS
-        if config.programs.enabled:
-            self.programs = programs = Programs(config.programs, self.metrics)
-            programs.on_working_set = self.upstreams.program_working_set
+        self.programs = followed(config.programs, self.metrics, self.upstreams.program_working_set)
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
 
     async def __aenter__(self) -> Runtime:

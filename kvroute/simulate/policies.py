@@ -21,7 +21,7 @@ from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
 from router.dispatch.intake.engine_priority import engine_priority
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
-from router.programs.table import Programs
+from router.programs.table import followed
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
 from router.upstreams.room import with_room
@@ -195,8 +195,12 @@ class ConfiguredPolicy(SimPolicy):
         self._router = Decider(view.index, {}, view.block_size, metrics)
         # The agent programs the router follows (router/programs/), on the trace's clock: what starts one, and
         # the working sets the program-room scorer reads at each instance.
-        self._programs = programs = Programs(self._config.programs, metrics, view.loop.clock)
-        programs.on_working_set = lambda name, tokens: _set_program_tokens(view, name, tokens)
+        self._programs = followed(
+            self._config.programs,
+            metrics,
+            lambda name, tokens: _set_program_tokens(view, name, tokens),
+            view.loop.clock,
+        )
         self._turns: dict[int, tuple[RoutingRequest, str]] = {}  # by request number: sent, not yet answered
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
         self._policy = Policy(
@@ -278,7 +282,7 @@ class ConfiguredPolicy(SimPolicy):
         else:
             instance = candidates[self._policy.choose(routing, candidates)]
             request.uncached_estimate = features_for(routing, instance).uncached_tokens
-        if request.session is not None and self._config.programs.enabled:
+        if request.session is not None:
             self._turns[request.number] = routing, instance.name
         return view.by_name[instance.name]
 

@@ -247,3 +247,18 @@ class NoPrograms:
 
 
 NO_PROGRAMS = NoPrograms()
+
+
+def followed(
+    settings: ProgramsConfig,
+    metrics: RouterMetrics,
+    on_working_set: Callable[[str, int], None],
+    clock: Callable[[], float] = time.perf_counter,
+) -> Programs | NoPrograms:
+    """The programs a router follows as settings say (none when programs.enabled is false), telling
+    on_working_set each instance's working set tokens as they change: the proxy's and the simulator's."""
+    if not settings.enabled:
+        return NO_PROGRAMS
+    programs = Programs(settings, metrics, clock)
+    programs.on_working_set = on_working_set
+    return programs
