@@ -438,9 +438,32 @@ class _ProgramFamilies:
             r,
             "kvroute_programs",
             "Agent programs whose KV working set is at the instance, by state: running (a turn in flight), "
-            "tool_call (answered, within the tool calls' time-to-live)",
+            "tool_call (answered, within the tool calls' time-to-live), paused (in a tool call, its working "
+            "set given up while the instance's working sets passed programs.pause_above)",
             ["vllm_instance", "state"],
             "livesum",
+        )
+        self.programs_waiting = _gauge(
+            r,
+            "kvroute_programs_waiting",
+            "Agent programs waiting in the router for KV room (programs.start_below), by kind: back (after "
+            "their working set lapsed or was paused, first in line), new",
+            ["kind"],
+            "livesum",
+        )
+        self.program_wait_seconds = _histogram(
+            r,
+            "kvroute_program_wait_seconds",
+            "How long a program's turn waited in the router for KV room, by kind (back, new)",
+            ["kind"],
+            _LATENCY_BUCKETS,
+        )
+        self.program_pauses = _counter(
+            r,
+            "kvroute_program_pauses",
+            "Programs paused at the instance: in a tool call, their working set given up while the "
+            "instance's working sets passed programs.pause_above",
+            ["vllm_instance"],
         )
         self.program_working_set_tokens = _gauge(
             r,

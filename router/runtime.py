@@ -143,7 +143,10 @@ class Runtime:
         self.flow_gate = FlowGate(config.flow_control, self.upstreams, self.metrics)
         # A request's prefill or the request ended, here or at a peer router: those waiting may go.
         self.room_freed = Event()
-        self.programs = followed(config.programs, self.metrics, self.upstreams.program_working_set)
+        upstreams = self.upstreams
+        self.programs = followed(
+            config.programs, self.metrics, upstreams.program_working_set, upstreams.kv_capacity
+        )
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
 
     async def __aenter__(self) -> Runtime:
@@ -270,7 +273,13 @@ class Runtime:
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
         observers = Observers(metrics, self.decider, ab_for, self.room_freed, self.programs)
         waiting = Waiting(
-            self.flow_gate, admission.memory_hold_s, self.upstreams, self.decider, metrics, self.room_freed
+            self.flow_gate,
+            admission.memory_hold_s,
+            self.upstreams,
+            self.decider,
+            metrics,
+            self.room_freed,
+            self.programs,
         )
         # One connection per request in flight: a request never waits for a pooled one.
         per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)

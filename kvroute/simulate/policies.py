@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
@@ -19,6 +19,7 @@ from kvroute.simulate.view import RouterView, instance_name
 from router.config import FlowControlConfig, PeersConfig, RouterConfig, parse_config
 from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
 from router.dispatch.intake.engine_priority import engine_priority
+from router.dispatch.wait.waiting import PROGRAM_TICK_S
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
 from router.programs.table import followed
@@ -64,6 +65,9 @@ class SimPolicy:
     # alone (a fairness header); or one flow for all.
     queue_flows: Literal["tenant-or-session", "tenant", "one"] = "tenant-or-session"
     queue_reads_metrics = False  # has_room reads the engines' scraped metrics
+    # The request numbers that end their sessions (their last turns): what a client that tells its router a
+    # session is over (Dynamo's session_final) marks.
+    last_turns: frozenset[int] = frozenset()
 
     def bind(self, view: RouterView) -> None:
         self.view = view
@@ -199,8 +203,11 @@ class ConfiguredPolicy(SimPolicy):
             self._config.programs,
             metrics,
             lambda name, tokens: _set_program_tokens(view, name, tokens),
+            lambda name: view.instances[view.by_name[name]].kv_capacity_tokens,
             view.loop.clock,
         )
+        self._send: Callable[[SimRequest], None] = lambda request: None
+        self._program_ticking = False
         self._turns: dict[int, tuple[RoutingRequest, str]] = {}  # by request number: sent, not yet answered
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
         self._policy = Policy(
@@ -241,6 +248,44 @@ class ConfiguredPolicy(SimPolicy):
 
     def work(self, request: SimRequest) -> float:
         return float(uncached_at_best(self.routing(request)))
+
+    def admit(self, request: SimRequest, send: Callable[[SimRequest], None]) -> bool:
+        """A new program waits while the programs alive fill every instance's KV cache, as the proxy's
+        waiting stage holds it (router/programs/admission.py); it is sent as room frees."""
+        programs, session = self._programs, request.session
+        gate = programs.gate
+        if session is None or not gate.enabled or programs.alive(session):
+            return True
+        self._send = send
+        programs.expire()
+        view = self.view
+        if not gate.must_wait(request.trace.input_tokens, view.instances):
+            return True
+        gate.hold(
+            request, session, request.trace.input_tokens, lambda: view.instances, programs.known(session)
+        )
+        self._tick_programs()
+        return False
+
+    def _tick_programs(self) -> None:
+        """While programs wait, room is looked for every PROGRAM_TICK_S as well, as the proxy looks
+        (router/dispatch/wait/waiting.py): a tool call's time-to-live lapses on no event."""
+        if not self._program_ticking and len(self._programs.gate):
+            self._program_ticking = True
+            loop = self.view.loop
+            loop.at(loop.now + PROGRAM_TICK_S, self._program_ticked)
+
+    def _program_ticked(self) -> None:
+        self._program_ticking = False
+        self._room_freed()
+        self._tick_programs()
+
+    def _room_freed(self) -> None:
+        gate = self._programs.gate
+        if len(gate):
+            self._programs.expire()
+            for request in gate.release():
+                self._send(cast(SimRequest, request))
 
     def engine_priority(self, request: SimRequest) -> int:
         """kvroute's: its objective's priority, negated, unless flow_control.engine_priority is off; peers
@@ -297,10 +342,12 @@ class ConfiguredPolicy(SimPolicy):
         turn = self._turns.pop(request.number, None)
         if turn is not None:  # the proxy tells its programs at the answer's first byte
             self._programs.turn_started(*turn, request.dispatched_s)
+        self._room_freed()
 
     def finished(self, request: SimRequest) -> None:
         if request.session is not None:
             self._programs.turn_ended(request.session)
+        self._room_freed()
 
     def refused(self, request: SimRequest) -> None:
         self._turns.pop(request.number, None)

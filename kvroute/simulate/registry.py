@@ -9,6 +9,7 @@ from kvroute.simulate.disaggregation import KvroutePD
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pd_peers import DynamoPD, LlmdPD, VllmRouterPD
 from kvroute.simulate.peer_queues import DynamoQueued, LlmdQueued
+from kvroute.simulate.peer_thunderagent import DynamoThunderAgent
 from kvroute.simulate.peer_vllm_router import (
     VllmRouterKvAwareAffinity,
     VllmRouterKvAwarePrograms,
@@ -97,6 +98,7 @@ POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "vllm-router-kv-aware": lambda fleet: VllmRouterKvAware(),
     "vllm-router-kv-aware+affinity": lambda fleet: VllmRouterKvAwareAffinity(),
     "vllm-router-kv-aware+programs": lambda fleet: VllmRouterKvAwarePrograms(),
+    "dynamo+thunderagent": lambda fleet: DynamoThunderAgent(),
     "vllm-router-sticky": lambda fleet: VllmRouterSticky(),
     "kvroute-no-queue": _with_flow_control("kvroute-no-queue", enabled=False),
     "kvroute": _configured("kvroute", "kvroute"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
@@ -27,6 +27,15 @@ def session_of(request: TraceRequest) -> str | None:
     """The session its client names (a header, `previous_response_id`): the trace's. A trace that names none
     (Mooncake's) gives none, to every router: its hash ids are not something a client sends."""
     return request.session
+
+
+def last_turns(trace: Sequence[TraceRequest]) -> frozenset[int]:
+    """The numbers of the requests that are their sessions' last turns."""
+    last: dict[str, int] = {}
+    for number, request in enumerate(trace):
+        if request.session is not None:
+            last[request.session] = number
+    return frozenset(last.values())
 
 
 def simulate(
@@ -71,8 +80,9 @@ class Run:
         ]
         priors = priors or policy.priors or TTFTPriors()
         self.view = RouterView(fleet, loop, self.engines, pool, priors, tie_seed=tie_seed)
-        policy.bind(self.view)
         self.trace = blocks.trace.requests
+        policy.last_turns = last_turns(self.trace)
+        policy.bind(self.view)
         self.done: list[SimRequest] = []
         self.rejected = 0
         self.failed = 0

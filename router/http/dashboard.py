@@ -63,6 +63,7 @@ def dashboard_routes(fleet: Upstreams, runtime: Runtime, token: Callable[[], str
                 "pool_entries": index.pool_entries,
             },
             "flow_control": flow_control_state(runtime.flow_gate, runtime.metrics),
+            "programs_waiting": dict(zip(("back", "new"), runtime.programs.gate.waiting(), strict=True)),
             "ab": await table.ab.report_off_loop(table.split.weights),
         }
         return JSONResponse(body, headers={"cache-control": "no-store"})
@@ -150,6 +151,7 @@ def _instance(instance: Instance, blocks: list[int], programs: WorkingSets) -> d
         "programs": {
             "running": programs.running,
             "tool_call": programs.tool_call,
+            "paused": programs.paused,
             "working_set_tokens": programs.tokens,
         },
         "ttft_rates": instance.ttft_model.rates,

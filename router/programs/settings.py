@@ -40,9 +40,38 @@ class ProgramsConfig(BaseModel):
     )
     ttl_min_s: float = Field(default=1.0, ge=0, description="the learned time-to-live's floor")
     ttl_max_s: float = Field(default=120.0, gt=0, description="the learned time-to-live's ceiling")
+    start_below: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="a new program (or one whose working set lapsed or was paused) waits in the router "
+        "while, at every instance, the working sets alive and its prompt would pass this share of the KV "
+        "cache; null: it starts at once (router/programs/admission.py). 1.0, with pause_above, for a fleet "
+        "of agents whose contexts outgrow its KV",
+    )
+    max_wait_s: float = Field(
+        default=30.0, gt=0, description="the longest a program waits for room; then it goes as if at once"
+    )
+    pause_above: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="an instance's working sets past this share of its KV cache pause the programs in a tool "
+        "call there, the longest in it first, until they are back under pause_to: their working sets are "
+        "given up, and their next turns start as programs back (Dynamo's ThunderAgent pauses at 0.95); "
+        "null: none is paused",
+    )
+    pause_to: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="where pausing brings an instance's working sets back to (ThunderAgent's: 0.8)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ProgramsConfig:
         if self.ttl_min_s > self.ttl_max_s:
             raise ValueError(f"ttl_min_s ({self.ttl_min_s}) is above ttl_max_s ({self.ttl_max_s})")
+        if self.pause_above is not None and self.pause_to > self.pause_above:
+            raise ValueError(f"pause_to ({self.pause_to}) is above pause_above ({self.pause_above})")
         return self

@@ -5,6 +5,10 @@ of its turns runs, and for the learned time-to-live once it is answered (the pro
 send its next turn with the context grown), the program's KV working set is its last turn's prompt at that
 turn's instance. At its next turn the router tells whether that KV was still there, by the index's matches
 for the new prompt: kept at the instance, elsewhere (another instance or the pool holds it), or lost.
+
+Under KV pressure (programs.pause_above) the programs in a tool call at an instance whose working sets fill
+its cache are paused, the longest in it first: their working sets are given up, so that those running keep
+theirs, and their next turns wait for room as programs back (router/programs/admission.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.metrics import RouterMetrics
+from router.programs.admission import ProgramGate
 from router.programs.settings import ProgramsConfig
 from router.programs.tool_calls import ToolCalls
 from scorers.request import RoutingRequest
@@ -36,6 +41,7 @@ class Program:
     running: int = 0  # its turns in flight
     ended_at: float | None = None  # its last answer's end, once none of its turns runs
     counted: Counted | None = None  # how its working set is counted now
+    paused: bool = False  # its working set given up under KV pressure, until its next turn
 
 
 @dataclass(slots=True)
@@ -46,6 +52,7 @@ class WorkingSets:
     running: int = 0
     tool_call: int = 0
     tokens: int = 0
+    paused: int = 0
 
 
 class Programs:
@@ -61,6 +68,12 @@ class Programs:
         self.tool_calls = ToolCalls(settings)
         # Told each instance's working set tokens as they change: the scorers read them there.
         self.on_working_set: Callable[[str, int], None] = _ignored
+        self.capacity: Callable[[str], int | None] = _unknown  # an instance's KV cache tokens, if known
+        self.gate: ProgramGate[object] = ProgramGate(settings.start_below, settings.max_wait_s, clock)
+
+    def known(self, session_key: str) -> bool:
+        """Whether the program with this key is followed (alive, or its working set lapsed or paused)."""
+        return session_key in self._programs
 
     def alive(self, session_key: str) -> bool:
         """Whether the program with this key has a turn running, or is in a tool call within the time-to-live:
@@ -78,7 +91,9 @@ class Programs:
     def working_sets(self) -> dict[str, WorkingSets]:
         """Each instance's programs as they stand now (the time-to-live applied)."""
         self.expire()
-        return {name: WorkingSets(s.running, s.tool_call, s.tokens) for name, s in self._sets.items()}
+        return {
+            name: WorkingSets(s.running, s.tool_call, s.tokens, s.paused) for name, s in self._sets.items()
+        }
 
     def turn_started(self, request: RoutingRequest, instance: str, sent_at: float) -> Found | None:
         """A turn of request's program (None: it has no session key) is answered by instance; sent_at: when
@@ -98,6 +113,9 @@ class Programs:
             program.last_seen = sent_at
             if not program.running and program.ended_at is not None:
                 found = self._next_turn(program, request, sent_at)
+            if program.paused:
+                self._resumed(program)
+        self.gate.counted(key)
         self._uncount(key, program)
         program.running += 1
         if request.prompt_tokens >= program.tokens // 2:  # a side request's short prompt moves nothing
@@ -109,6 +127,7 @@ class Programs:
 
     def turn_ended(self, session_key: str | None) -> None:
         """A turn of the program whose key this is was answered (or failed, or was left)."""
+        self.gate.counted(session_key)
         program = None if session_key is None else self._programs.get(session_key)
         if program is None or not program.running:
             return
@@ -192,14 +211,43 @@ class Programs:
             ):
                 break
             self._uncount(key, program)
+            if program.paused:
+                self._resumed(program)
             del self._programs[key]
+
+    def _resumed(self, program: Program) -> None:
+        program.paused = False
+        self._sets[program.instance].paused -= 1
+        self._changed.add(program.instance)
+
+    def _pause(self, name: str, sets: WorkingSets) -> None:
+        """Past pause_above of the instance's KV cache, its programs in a tool call give up their working
+        sets, the longest in it first, until the rest are under pause_to."""
+        above = self._settings.pause_above
+        if above is None or not sets.tool_call:
+            return
+        capacity = self.capacity(name)
+        if not capacity or sets.tokens <= above * capacity:
+            return
+        target = self._settings.pause_to * capacity
+        for key in [k for k in self._in_tool_calls if self._programs[k].instance == name]:
+            program = self._programs[key]
+            self._uncount(key, program)
+            program.paused = True
+            sets.paused += 1
+            self._metrics.program_pauses(name).inc()
+            if sets.tokens <= target:
+                break
 
     def _publish(self) -> None:
         metrics = self._metrics
+        for name in list(self._changed):
+            self._pause(name, self._sets[name])
         for name in self._changed:
             sets = self._sets[name]
             metrics.programs(name, "running").set(sets.running)
             metrics.programs(name, "tool_call").set(sets.tool_call)
+            metrics.programs(name, "paused").set(sets.paused)
             metrics.program_working_set_tokens(name).set(sets.tokens)
             self.on_working_set(name, sets.tokens)
         self._changed.clear()
@@ -227,10 +275,19 @@ def _ignored(name: str, tokens: int) -> None:
     pass
 
 
+def _unknown(name: str) -> int | None:
+    return None
+
+
 class NoPrograms:
     """Programs not followed (programs.enabled: false): none ever starts."""
 
+    gate: ProgramGate[object] = ProgramGate(None, 0.0)
+
     def alive(self, session_key: str) -> bool:
+        return True
+
+    def known(self, session_key: str) -> bool:
         return True
 
     def turn_started(self, request: RoutingRequest, instance: str, sent_at: float) -> Found | None:
@@ -253,12 +310,14 @@ def followed(
     settings: ProgramsConfig,
     metrics: RouterMetrics,
     on_working_set: Callable[[str, int], None],
+    capacity: Callable[[str], int | None],
     clock: Callable[[], float] = time.perf_counter,
 ) -> Programs | NoPrograms:
     """The programs a router follows as settings say (none when programs.enabled is false), telling
-    on_working_set each instance's working set tokens as they change: the proxy's and the simulator's."""
+    on_working_set each instance's working set tokens as they change, and pausing by capacity's KV cache
+    tokens of an instance: the proxy's and the simulator's."""
     if not settings.enabled:
         return NO_PROGRAMS
     programs = Programs(settings, metrics, clock)
-    programs.on_working_set = on_working_set
+    programs.on_working_set, programs.capacity = on_working_set, capacity
     return programs

@@ -291,6 +291,11 @@ class Upstreams:
         if instance is not None:
             instance.program_tokens = tokens
 
+    def kv_capacity(self, name: str) -> int | None:
+        """Instance name's KV cache tokens, once known."""
+        instance = self._by_name.get(name)
+        return None if instance is None else instance.kv_capacity_tokens
+
     def serves(self, model: str) -> bool:
         return bool(self._by_model.get(model))
 

@@ -1,6 +1,7 @@
 """The waiting stage: a request waits in the router, holding no instance, while none that could serve it
-may take it: first its turn in flow control (router/dispatch/wait/flow_gate.py), then KV memory on some
-instance (router/dispatch/wait/memory_gate.py). Both doors wait here, and both gates are woken by one event,
+may take it: first its turn in flow control (router/dispatch/wait/flow_gate.py), then, when it starts an
+agent program, room beside the programs alive (router/programs/admission.py), then KV memory on some
+instance (router/dispatch/wait/memory_gate.py). Both doors wait here, and the gates are woken by one event,
 room freed (a first byte, an end, a peer router's change)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from router.dispatch.context import Received
 from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
@@ -16,7 +18,11 @@ from router.dispatch.wait.flow_control import Demand
 from router.dispatch.wait.flow_gate import FlowGate
 from router.dispatch.wait.memory_gate import MemoryGate
 from router.metrics import RouterMetrics
+from router.programs.table import NoPrograms, Programs
 from router.upstreams.instances import Upstreams
+
+# How often waiting programs look for room when nothing else wakes them.
+PROGRAM_TICK_S = 0.25
 
 
 class Waiting:
@@ -28,10 +34,13 @@ class Waiting:
         decider: Decider,
         metrics: RouterMetrics,
         room_freed: Event,
+        programs: Programs | NoPrograms,
     ) -> None:
-        """memory_hold_s: the memory gate's bound (0: off); room_freed: what wakes both gates."""
+        """memory_hold_s: the memory gate's bound (0: off); room_freed: what wakes the gates."""
         self.flow_gate, self._upstreams, self._decider, self._metrics = flow_gate, upstreams, decider, metrics
         self._memory: MemoryGate[asyncio.Future[None]] = MemoryGate(memory_hold_s)
+        self._programs = programs
+        self._program_tick: asyncio.TimerHandle | None = None
         room_freed.subscribe(self._room_freed)
 
     async def wait(self, received: Received, prepared: Prepared) -> Prepared:
@@ -40,6 +49,8 @@ class Waiting:
         stored response pins to one instance does not wait for the fleet's turn."""
         if received.target.pinned is None:
             prepared = await self._turn(received, prepared)
+            if prepared.request.new_program and self._programs.gate.enabled:
+                prepared = await self._program_room(prepared)
         request, memory = prepared.request, self._memory
         if not memory.enabled:  # spares looking the candidates up for every request
             return prepared
@@ -63,6 +74,60 @@ class Waiting:
             return await self._decider.refresh(prepared)
         finally:
             gate.started(ticket)
+
+    async def _program_room(self, prepared: Prepared) -> Prepared:
+        """A new program waits while the programs alive fill every instance's KV cache (or the gate's
+        bound passes); what the index holds is looked up again if it waited."""
+        request, programs = prepared.request, self._programs
+        gate, key = programs.gate, request.session_key
+        assert key is not None  # a program's request has one
+        programs.expire()  # the working sets as they stand now
+        candidates = self._upstreams.candidates(request.model)
+        if not gate.must_wait(request.prompt_tokens, candidates):
+            return prepared
+        kind = "back" if programs.known(key) else "new"
+        held = time.perf_counter()
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        candidates_now = lambda: self._upstreams.candidates(request.model)  # noqa: E731
+        gate.hold(released, key, request.prompt_tokens, candidates_now, kind == "back")
+        self._count_waiting()
+        self._tick_programs()
+        try:
+            async with asyncio.timeout(gate.max_wait_s):  # not wait_for: see _hold_for_memory
+                await asyncio.shield(released)
+        except TimeoutError:
+            pass
+        finally:
+            if not released.done():
+                released.cancel()
+                gate.drop(released)
+            self._count_waiting()
+            self._metrics.program_wait_seconds(kind).observe(time.perf_counter() - held)
+        return await self._decider.refresh(prepared)
+
+    def _tick_programs(self) -> None:
+        """While programs wait, look again every PROGRAM_TICK_S: a tool call's time-to-live lapses on no
+        event, and its working set's room with it."""
+        if self._program_tick is None and len(self._programs.gate):
+            self._program_tick = asyncio.get_running_loop().call_later(PROGRAM_TICK_S, self._ticked)
+
+    def _ticked(self) -> None:
+        self._program_tick = None
+        self._release_programs()
+        self._tick_programs()
+
+    def _release_programs(self) -> None:
+        gate = self._programs.gate
+        if len(gate):
+            self._programs.expire()
+            for going in gate.release():
+                cast("asyncio.Future[None]", going).set_result(None)
+            self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        back, new = self._programs.gate.waiting()
+        self._metrics.programs_waiting("back").set(back)
+        self._metrics.programs_waiting("new").set(new)
 
     async def _hold_for_memory(self, model: str, prompt_tokens: int, chain: Sequence[int]) -> None:
         """Wait until some instance has KV memory for the prompt, or the hold's bound passes."""
@@ -91,4 +156,5 @@ class Waiting:
         if len(memory):
             for released in memory.release():
                 released.set_result(None)
+        self._release_programs()
         self.flow_gate.pump()

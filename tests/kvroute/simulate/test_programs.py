@@ -11,6 +11,8 @@ import pytest
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import EngineSpec, FleetSpec
+from kvroute.simulate.policies import ConfiguredPolicy
+from kvroute.simulate.registry import router_config
 from kvroute.simulate.results import RunResult
 from kvroute.simulate.run import Run
 from kvroute.traces import Trace, TraceRequest, agentic_trace
@@ -78,3 +80,31 @@ def test_the_programs_trace_is_the_agentic_one_with_tool_calls_as_published() ->
     # program scheduling (about 1,000 draws here)
     assert sum(t < 1 for t in tools) / len(tools) == pytest.approx(0.865, abs=0.04)  # type: ignore[operator]
     assert sum(t < 10 for t in tools) / len(tools) == pytest.approx(0.951, abs=0.03)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("start_below", [None, 1.0])
+def test_with_admission_a_new_program_waits_for_the_room_a_program_in_its_tool_call_holds(
+    start_below: float | None,
+) -> None:
+    """One instance of 6,400 tokens: agent a's 4,000-token context is counted through its tool call, so
+    agent b's 3,000-token first turn waits in the router, and a's next turn does not wait behind it."""
+    turns = (
+        TraceRequest(0.0, 4_000, 20, tuple(range(1, 126)), "a"),
+        TraceRequest(0.1, 4_100, 2, tuple(range(1, 129)), "a", tool_s=2.0),
+        TraceRequest(0.5, 3_000, 2, tuple(range(1_000, 1_094)), "b"),
+    )
+    fleet = FleetSpec(1, EngineSpec(kv_blocks=400), None, event_delay_s=0.01)
+    config = router_config(fleet)
+    config = config.model_copy(
+        update={"programs": config.programs.model_copy(update={"start_below": start_below})}
+    )
+    simulation = Run(
+        TraceBlocks(Trace("programs", 32, turns), 16), fleet, ConfiguredPolicy("k", config, "kvroute")
+    )
+    simulation.run(0.0)
+    first, later, other = sorted(simulation.done, key=lambda r: r.number)
+    assert later.dispatched_s == pytest.approx(first.finish_s + 2.0, abs=0.01)  # never held
+    if start_below is None:
+        assert other.dispatched_s == pytest.approx(0.5)
+    else:  # until a's working set lapses, the time-to-live after its next answer
+        assert other.dispatched_s >= later.finish_s + 10.0

@@ -239,12 +239,14 @@ def test_dashboard_renders_the_fleet_and_the_ab_numbers(router_url: str, tmp_pat
         assert fields[(name, "in-flight")][1] == instance["in_flight"]
         assert fields[(name, "blocks-gpu")][1] == instance["blocks"]["gpu"]
         # Its agent programs (their tool calls' time-to-live may pass while the page renders)
-        assert all(isinstance(fields[(name, f"programs-{f}")][1], int) for f in ("running", "tool-call"))
+        states = ("running", "tool-call", "paused")
+        assert all(isinstance(fields[(name, f"programs-{f}")][1], int) for f in states)
         assert isinstance(fields[(name, "programs-working-set")][1], int)
     flow = after["flow_control"]
     assert fields[(None, "flow-enabled")] == ("on", True)
     assert fields[(None, "flow-ordering")][1] == flow["ordering"]
     assert fields[(None, "flow-queued")][1] == flow["queued"]
+    assert fields[(None, "programs-waiting")] == ("0 / 0", {"back": 0, "new": 0})
     assert {row for row, field in fields if field == "max-queued"} == {o["name"] for o in flow["objectives"]}
     for objective in flow["objectives"]:
         name = objective["name"]

@@ -141,3 +141,24 @@ def test_a_program_is_alive_while_its_turn_runs_and_through_its_tool_call_within
     assert table.alive("s")
     clock.now += 2  # its tool call outlasted the time-to-live: its next turn starts it anew
     assert not table.alive("s") and len(table) == 1
+
+
+def test_under_kv_pressure_programs_in_a_tool_call_are_paused_the_longest_in_it_first() -> None:
+    table, clock, metrics = programs(ttl_prior_s=60, pause_above=0.95, pause_to=0.8)
+    table.capacity = lambda name: 10_000
+    for key, tokens in (("old", 3_000), ("mid", 3_000), ("new", 3_000)):
+        table.turn_started(turn(key, tokens), "a", clock.now)
+        clock.now += 1
+        table.turn_ended(key)
+    assert table.working_sets()["a"] == WorkingSets(tool_call=3, tokens=9_000)  # under 0.95: none paused
+    table.turn_started(turn("s", 1_000), "a", clock.now)  # 10,000 passes 0.95 of the cache
+    # The longest in its tool call gives its working set up: 7,000 is under 0.8.
+    assert table.working_sets()["a"] == WorkingSets(running=1, tool_call=2, tokens=7_000, paused=1)
+    assert not table.alive("old") and table.alive("mid") and table.alive("new")
+    assert table.known("old")  # its next turn starts as a program back
+    labels = {"vllm_instance": "a", "state": "paused"}
+    assert metrics.registry.get_sample_value("kvroute_programs", labels) == 1
+    table.turn_started(turn("old", 3_200), "a", clock.now)  # back, and 10,200 pauses "mid" in its place
+    assert table.working_sets()["a"] == WorkingSets(running=2, tool_call=1, tokens=7_200, paused=1)
+    assert not table.alive("mid") and table.alive("old")
+    assert metrics.registry.get_sample_value("kvroute_program_pauses_total", {"vllm_instance": "a"}) == 2
