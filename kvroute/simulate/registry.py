@@ -132,6 +132,17 @@ def _with_program_room(name: str, weight: float) -> Callable[[FleetSpec], SimPol
     return make
 
 
+def _with_programs(name: str, **settings: object) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default with the programs section's settings changed."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        config = router_config(fleet)
+        programs = config.programs.model_copy(update=settings)
+        return ConfiguredPolicy(name, config.model_copy(update={"programs": programs}), "kvroute")
+
+    return make
+
+
 def _with_memory_hold(fleet: FleetSpec) -> SimPolicy:
     """kvroute's default with requests held in the router, up to 5 s, while no instance has memory."""
     config = router_config(fleet)
@@ -197,6 +208,10 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-program-room-0": _with_program_room("kvroute-program-room-0", 0.0),
     "kvroute-program-room-1": _with_program_room("kvroute-program-room-1", 1.0),
     "kvroute-program-room-4": _with_program_room("kvroute-program-room-4", 4.0),
+    # agent programs admitted and paused by their KV working sets (router/programs/admission.py)
+    "kvroute+program-admission": _with_programs(
+        "kvroute+program-admission", start_below=1.0, pause_above=0.95, pause_to=0.9
+    ),
     "kvroute+memory-hold": _with_memory_hold,
     "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),
     "kvroute-queue-edf": _with_flow_control("kvroute-queue-edf", ordering="edf"),
