@@ -278,9 +278,9 @@ class Runtime:
             self.upstreams,
             self.decider,
             metrics,
-            self.room_freed,
             self.programs,
         )
+        self.room_freed.subscribe(waiting.wake)
         # One connection per request in flight: a request never waits for a pooled one.
         per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)
         sending = SendContext(

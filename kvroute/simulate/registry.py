@@ -68,15 +68,21 @@ def _llmd(fleet: FleetSpec) -> SimPolicy:
     )
 
 
-def _with_flow_control(name: str, **settings: object) -> Callable[[FleetSpec], SimPolicy]:
-    """kvroute's default with flow control's settings changed (enabled=False: sent on arrival)."""
+def _with_section(
+    name: str, section: Literal["flow_control", "programs"], **settings: object
+) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default with one section's settings changed (flow_control enabled=False: sent on arrival)."""
 
     def make(fleet: FleetSpec) -> SimPolicy:
         config = router_config(fleet)
-        flow_control = config.flow_control.model_copy(update=settings)
-        return ConfiguredPolicy(name, config.model_copy(update={"flow_control": flow_control}), "kvroute")
+        changed = getattr(config, section).model_copy(update=settings)
+        return ConfiguredPolicy(name, config.model_copy(update={section: changed}), "kvroute")
 
     return make
+
+
+def _with_flow_control(name: str, **settings: object) -> Callable[[FleetSpec], SimPolicy]:
+    return _with_section(name, "flow_control", **settings)
 
 
 def _dynamo_queued(name: str, policy: Literal["fcfs", "wspt"]) -> Callable[[FleetSpec], SimPolicy]:
@@ -128,17 +134,6 @@ def _with_program_room(name: str, weight: float) -> Callable[[FleetSpec], SimPol
             scorers.append(ScorerSpec(type="program-room", weight=weight))
         config.policies[name] = PolicyConfig(scorers=scorers)
         return ConfiguredPolicy(name, config, name)
-
-    return make
-
-
-def _with_programs(name: str, **settings: object) -> Callable[[FleetSpec], SimPolicy]:
-    """kvroute's default with the programs section's settings changed."""
-
-    def make(fleet: FleetSpec) -> SimPolicy:
-        config = router_config(fleet)
-        programs = config.programs.model_copy(update=settings)
-        return ConfiguredPolicy(name, config.model_copy(update={"programs": programs}), "kvroute")
 
     return make
 
@@ -209,8 +204,8 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-program-room-1": _with_program_room("kvroute-program-room-1", 1.0),
     "kvroute-program-room-4": _with_program_room("kvroute-program-room-4", 4.0),
     # agent programs admitted and paused by their KV working sets (router/programs/admission.py)
-    "kvroute+program-admission": _with_programs(
-        "kvroute+program-admission", start_below=1.0, pause_above=0.95, pause_to=0.9
+    "kvroute+program-admission": _with_section(
+        "kvroute+program-admission", "programs", start_below=1.0, pause_above=0.95, pause_to=0.9
     ),
     "kvroute+memory-hold": _with_memory_hold,
     "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),

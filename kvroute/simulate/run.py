@@ -203,7 +203,7 @@ class Run:
             waiting = flow.queues()[entry.model].by_flow
             if traced is not None and len(waiting) > (entry.flow in waiting):  # another flow waits too
                 self.backlogged_dispatches[traced] = self.backlogged_dispatches.get(traced, 0) + 1
-            self.dispatch(request)
+            self._admit(request)
             flow.placed(entry)
 
     def _expire(self) -> None:
@@ -280,14 +280,22 @@ class Run:
             self._release(request)
             return
         self.outstanding += 1
-        view = self.view
         if self.flow is not None and not self._queue(request):
             return
-        if self.hold.must_wait(traced.input_tokens, view.instances, request.chain):
-            self.hold.hold(request, traced.input_tokens, lambda: view.instances, request.chain)
+        self._admit(request)
+
+    def _admit(self, request: SimRequest) -> None:
+        """Past the router's queue, as the proxy's waiting stage goes on (router/dispatch/wait/waiting.py):
+        the policy's own admission (kvroute's by program), then the hold for memory, then the decision."""
+        if self.policy.admit(request, self._hold_or_dispatch):
+            self._hold_or_dispatch(request)
+
+    def _hold_or_dispatch(self, request: SimRequest) -> None:
+        view, tokens = self.view, request.trace.input_tokens
+        if self.hold.must_wait(tokens, view.instances, request.chain):
+            self.hold.hold(request, tokens, lambda: view.instances, request.chain)
             return
-        if self.policy.admit(request, self.dispatch):
-            self.dispatch(request)
+        self.dispatch(request)
 
     def _queue(self, request: SimRequest) -> bool:
         """Whether request goes now; else it waits in the router's queue, or was refused."""

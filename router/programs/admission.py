@@ -3,17 +3,18 @@ instance's KV cache, so that it does not evict the context a program in a tool c
 
 An instance's KV cache is taken as full for a new program when its working sets (router/programs/table.py;
 or its contexts in flight, when more) and the program's prompt pass `start_below` of its capacity. A
-program's later turns never wait here: only a request that starts a program (RoutingRequest.new_program),
-which is a program new, or one back after its working set lapsed or was paused. Those back go first, and
+program's later turns never wait here: only a request whose program is not alive when it comes to the gate,
+a program new, or one back after its working set lapsed or was paused. Those back go first, and
 among each kind the first come; one that fits passes those that do not, and none waits longer than
-`max_wait_s`, after which it goes as if there were no gate (the proxy times each wait; the simulation, which
-has no timers, lets an expired one go at the next answer or end). A released program's prompt counts at the
-instance with the most room until its turn is counted in the working sets (counted()), so the room one
-takes is not handed out twice; one not counted within `max_wait_s` (its client left, or no instance took
-it) holds none after.
+`max_wait_s`, after which it goes as if there were no gate (the proxy times each wait; the simulation lets an
+expired one go at its next look for room). A program let go, at once or from the queue, has its prompt
+counted at the instance with the most room until its turn is counted in the working sets (counted()), so the
+room one takes is not handed out twice; one not counted within `max_wait_s` (its client left, or no instance
+took it) holds none after.
 
-The proxy and the simulator drive the same object: must_wait() and hold() on arrival, release() whenever
-room may have appeared, counted() once the program's turn started or gave up.
+The proxy and the simulator drive the same object: goes_now() and, if not, hold() on arrival; release()
+whenever room may have appeared (and every PROGRAM_TICK_S while programs wait: a tool call's time-to-live
+lapses on no event); counted() once the program's turn started or gave up.
 """
 
 from __future__ import annotations
@@ -62,17 +63,21 @@ class ProgramGate(Generic[T]):
         """(programs back, new programs) waiting now."""
         return len(self._back), len(self._new)
 
-    def must_wait(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
-        """A new program's first turn (prompt_tokens) waits: the gate is on, others wait already (it takes
-        its turn after them), or no candidate has room for it now and one would with no program alive."""
+    def goes_now(self, key: str, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
+        """Whether the program's first turn (prompt_tokens) goes now, its room counted: the gate is off, or
+        none waits before it and some candidate has room for it (or none ever would: a prompt larger than
+        every instance's share would only wait out the bound). Else it waits (hold())."""
         if not self.enabled:
-            return False
-        self._forget_stale_grants(self._clock())
-        if len(self):
             return True
-        return self._roomiest(prompt_tokens, candidates) is None and self._could_fit(
-            prompt_tokens, candidates
-        )
+        now = self._clock()
+        self._forget_stale_grants(now)
+        if len(self):
+            return False  # it takes its turn after those waiting
+        roomiest = self._roomiest(prompt_tokens, candidates)
+        if roomiest is not None:
+            self._grant(key, roomiest.name, prompt_tokens, now)
+            return True
+        return not self._could_fit(prompt_tokens, candidates)
 
     def hold(self, item: T, key: str, prompt_tokens: int, candidates: Candidates, back: bool) -> None:
         """back: the program was followed before (its working set lapsed or was paused)."""
@@ -100,11 +105,11 @@ class ProgramGate(Generic[T]):
         if granted is None:
             return
         name, tokens, _ = granted
-        left = self._granted_at[name] - tokens
+        left = self._granted_at.get(name, 0) - tokens
         if left > 0:
             self._granted_at[name] = left
         else:
-            del self._granted_at[name]
+            self._granted_at.pop(name, None)
 
     def _released(self, queue: list[_Waiting[T]], now: float, going: list[T]) -> list[_Waiting[T]]:
         kept: list[_Waiting[T]] = []

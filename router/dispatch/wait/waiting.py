@@ -13,7 +13,6 @@ from typing import cast
 
 from router.dispatch.context import Received
 from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
-from router.dispatch.observe.events import Event
 from router.dispatch.wait.flow_control import Demand
 from router.dispatch.wait.flow_gate import FlowGate
 from router.dispatch.wait.memory_gate import MemoryGate
@@ -33,15 +32,13 @@ class Waiting:
         upstreams: Upstreams,
         decider: Decider,
         metrics: RouterMetrics,
-        room_freed: Event,
         programs: Programs | NoPrograms,
     ) -> None:
-        """memory_hold_s: the memory gate's bound (0: off); room_freed: what wakes the gates."""
+        """memory_hold_s: the memory gate's bound (0: off). Room freed wakes the gates (wake())."""
         self.flow_gate, self._upstreams, self._decider, self._metrics = flow_gate, upstreams, decider, metrics
         self._memory: MemoryGate[asyncio.Future[None]] = MemoryGate(memory_hold_s)
         self._programs = programs
         self._program_tick: asyncio.TimerHandle | None = None
-        room_freed.subscribe(self._room_freed)
 
     async def wait(self, received: Received, prepared: Prepared) -> Prepared:
         """What the index and the pool hold once the request may go: after its turn in flow control (a 429
@@ -49,7 +46,7 @@ class Waiting:
         stored response pins to one instance does not wait for the fleet's turn."""
         if received.target.pinned is None:
             prepared = await self._turn(received, prepared)
-            if prepared.request.new_program and self._programs.gate.enabled:
+            if self._starts_program(prepared):
                 prepared = await self._program_room(prepared)
         request, memory = prepared.request, self._memory
         if not memory.enabled:  # spares looking the candidates up for every request
@@ -75,6 +72,18 @@ class Waiting:
         finally:
             gate.started(ticket)
 
+    def _starts_program(self, prepared: Prepared) -> bool:
+        """Whether the request starts its program as it comes to the program gate (its tool call may have
+        outlasted the time-to-live while it waited its turn); one the router could not tokenize passes."""
+        request, programs = prepared.request, self._programs
+        key = request.session_key
+        return (
+            programs.gate.enabled
+            and key is not None
+            and request.prompt_tokens > 0
+            and not programs.alive(key)
+        )
+
     async def _program_room(self, prepared: Prepared) -> Prepared:
         """A new program waits while the programs alive fill every instance's KV cache (or the gate's
         bound passes); what the index holds is looked up again if it waited."""
@@ -82,8 +91,7 @@ class Waiting:
         gate, key = programs.gate, request.session_key
         assert key is not None  # a program's request has one
         programs.expire()  # the working sets as they stand now
-        candidates = self._upstreams.candidates(request.model)
-        if not gate.must_wait(request.prompt_tokens, candidates):
+        if gate.goes_now(key, request.prompt_tokens, self._upstreams.candidates(request.model)):
             return prepared
         kind = "back" if programs.known(key) else "new"
         held = time.perf_counter()
@@ -150,7 +158,7 @@ class Waiting:
                 gate.drop(released)
             self._metrics.memory_hold(model).observe(time.perf_counter() - held)
 
-    def _room_freed(self) -> None:
+    def wake(self) -> None:
         """The held requests that now fit go, and those flow control lets go."""
         memory = self._memory
         if len(memory):

@@ -23,6 +23,7 @@ from kvroute.simulate.run import Run
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest
 from scorers.candidate import EngineLoad
+from tests.kvroute.simulate.event_loops import run_until
 
 PROMPT_A = tuple(range(1, 11))  # 320 tokens in blocks of 32
 PROMPT_B = tuple(range(50, 60))
@@ -198,31 +199,16 @@ def _programs(prompt_tokens: int = 50_000) -> tuple[VllmRouterKvAwarePrograms, T
     return policy, blocks, view, home
 
 
-class _Stop(Exception):
-    pass
-
-
-def _run_until(loop: EventLoop, time_s: float) -> None:
-    """Run the loop's events until time_s (a waiting program's ticks never end by themselves)."""
-
-    def stop() -> None:
-        raise _Stop
-
-    loop.at(time_s, stop)
-    with pytest.raises(_Stop):
-        loop.run()
-
-
 def test_programs_hold_a_new_program_while_its_home_reports_a_waiting_request() -> None:
     policy, blocks, view, home = _programs()
     sent: list[SimRequest] = []
     view.instances[home].load = EngineLoad(waiting=1, running=1, kv_usage=0.5)
     first = _request(blocks, 0, "a")
     assert not policy.admit(first, sent.append)
-    _run_until(view.loop, 5.0)  # it ticks every second; the scraped queue stays
+    run_until(view.loop, 5.0)  # it ticks every second; the scraped queue stays
     assert sent == []
     view.instances[home].load = EngineLoad(waiting=0, running=1, kv_usage=0.5)
-    _run_until(view.loop, 6.5)
+    run_until(view.loop, 6.5)
     assert sent == [first]
     assert first.queued_s == pytest.approx(5.0)  # the first tick after the scrape
     assert policy.route(first) == home
@@ -250,15 +236,15 @@ def test_programs_pause_after_each_answer_until_the_ttl_is_learned_then_keep_the
     first = _request(blocks, 0, "a")
     assert not policy.admit(first, sent.append) and sent[-1] is first
     view.instances[home].load = EngineLoad(waiting=3, running=1, kv_usage=0.5)
-    _run_until(view.loop, 1.0)
+    run_until(view.loop, 1.0)
     policy.finished(first)
     assert policy.acting_ttl_s(home, 50_000) == pytest.approx(10.0)
-    _run_until(view.loop, 10.9)
+    run_until(view.loop, 10.9)
     second = _request(blocks, 1, "a")
     assert policy.admit(second, sent.append)  # within 10 s of its answer: at once
-    _run_until(view.loop, 30.0)
+    run_until(view.loop, 30.0)
     policy.finished(second)
-    _run_until(view.loop, 41.5)  # a tick at 41 s found its TTL run out
+    run_until(view.loop, 41.5)  # a tick at 41 s found its TTL run out
     assert not policy.admit(_request(blocks, 2, "a"), sent.append)
     assert sent[-1] is first
 

@@ -16,6 +16,7 @@ from kvroute.simulate.registry import POLICIES
 from kvroute.simulate.run import Run
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest
+from tests.kvroute.simulate.event_loops import run_until
 
 # One instance of 400 blocks of 16: a retention budget of 6,400 tokens, pausing above 6,080 down to 5,120,
 # resuming below 5,440.
@@ -36,21 +37,6 @@ def _bound(policy: DynamoCost, blocks: TraceBlocks, fleet: FleetSpec) -> EventLo
     engines = [Engine(n, fleet.engine, blocks, loop, None, 0.0) for n in range(fleet.instances)]
     policy.bind(RouterView(fleet, loop, engines, None, priors_for(fleet)))
     return loop
-
-
-class _Stop(Exception):
-    pass
-
-
-def _run_until(loop: EventLoop, time_s: float) -> None:
-    """Run the loop's events until time_s."""
-
-    def stop() -> None:
-        raise _Stop
-
-    loop.at(time_s, stop)
-    with pytest.raises(_Stop):
-        loop.run()
 
 
 def test_the_registry_runs_it_beside_dynamo() -> None:
@@ -74,19 +60,19 @@ def test_under_pressure_a_program_in_a_tool_call_is_paused_and_its_next_turn_hel
         assert policy.admit(turn, sent.append)
         turn.instance = policy.route(turn)
         policy.first_token(turn)
-    _run_until(loop, 1.0)
+    run_until(loop, 1.0)
     for session in "ab":
         turns[session].generated = 100
         policy.finished(turns[session])
-    _run_until(loop, 6.0)  # the tick at 5 s
+    run_until(loop, 6.0)  # the tick at 5 s
     assert policy.paused_sessions() == ["a"] and policy.replica_of("b") == 0
     next_turn = SimRequest(3, blocks.trace.requests[3], blocks.chains[3], "a", sent_s=6.0)
     assert not policy.admit(next_turn, sent.append)
     turns["c"].generated = 100
     policy.finished(turns["c"])
-    _run_until(loop, 1.0 + PROGRAM_IDLE_TTL_S)
+    run_until(loop, 1.0 + PROGRAM_IDLE_TTL_S)
     assert sent == [] and policy.paused_sessions() == ["a"]
-    _run_until(loop, 10.0 + PROGRAM_IDLE_TTL_S)  # b released at the tick at 605 s: a resumes there
+    run_until(loop, 10.0 + PROGRAM_IDLE_TTL_S)  # b released at the tick at 605 s: a resumes there
     assert sent == [next_turn] and policy.paused_sessions() == []
     assert next_turn.queued_s == pytest.approx(PROGRAM_IDLE_TTL_S - 1.0)
     assert policy.route(next_turn) == 0
