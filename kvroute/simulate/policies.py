@@ -259,7 +259,7 @@ class ConfiguredPolicy(SimPolicy):
         self._send = send
         programs.expire()
         view = self.view
-        if gate.goes_now(session, request.trace.input_tokens, view.instances):
+        if gate.goes_now(request.trace.input_tokens, view.instances):
             return True
         gate.hold(
             request, session, request.trace.input_tokens, lambda: view.instances, programs.known(session)

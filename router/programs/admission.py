@@ -7,10 +7,12 @@ program's later turns never wait here: only a request whose program is not alive
 a program new, or one back after its working set lapsed or was paused. Those back go first, and
 among each kind the first come; one that fits passes those that do not, and none waits longer than
 `max_wait_s`, after which it goes as if there were no gate (the proxy times each wait; the simulation lets an
-expired one go at its next look for room). A program let go, at once or from the queue, has its prompt
-counted at the instance with the most room until its turn is counted in the working sets (counted()), so the
-room one takes is not handed out twice; one not counted within `max_wait_s` (its client left, or no instance
-took it) holds none after.
+expired one go at its next look for room). A program let go from the queue has its prompt counted at the
+instance with the most room until its turn is counted in the working sets (counted()), so the room one takes
+is not handed out twice to those let go with it; one not counted within `max_wait_s` (its client left, or no
+instance took it) holds none after. One that goes at once is counted as a context in flight where it goes,
+and not as well: reserving its room too held more programs back for longer (16 instances at load 0.9, the
+simulated programs trace: TTFT p99 4.99 s, against 4.52 s).
 
 The proxy and the simulator drive the same object: goes_now() and, if not, hold() on arrival; release()
 whenever room may have appeared (and every PROGRAM_TICK_S while programs wait: a tool call's time-to-live
@@ -63,19 +65,16 @@ class ProgramGate(Generic[T]):
         """(programs back, new programs) waiting now."""
         return len(self._back), len(self._new)
 
-    def goes_now(self, key: str, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
-        """Whether the program's first turn (prompt_tokens) goes now, its room counted: the gate is off, or
-        none waits before it and some candidate has room for it (or none ever would: a prompt larger than
-        every instance's share would only wait out the bound). Else it waits (hold())."""
+    def goes_now(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
+        """Whether the program's first turn (prompt_tokens) goes now: the gate is off, or none waits before
+        it and some candidate has room for it (or none ever would: a prompt larger than every instance's
+        share would only wait out the bound). Else it waits (hold())."""
         if not self.enabled:
             return True
-        now = self._clock()
-        self._forget_stale_grants(now)
+        self._forget_stale_grants(self._clock())
         if len(self):
             return False  # it takes its turn after those waiting
-        roomiest = self._roomiest(prompt_tokens, candidates)
-        if roomiest is not None:
-            self._grant(key, roomiest.name, prompt_tokens, now)
+        if self._roomiest(prompt_tokens, candidates) is not None:
             return True
         return not self._could_fit(prompt_tokens, candidates)
 

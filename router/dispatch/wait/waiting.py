@@ -91,7 +91,7 @@ class Waiting:
         gate, key = programs.gate, request.session_key
         assert key is not None  # a program's request has one
         programs.expire()  # the working sets as they stand now
-        if gate.goes_now(key, request.prompt_tokens, self._upstreams.candidates(request.model)):
+        if gate.goes_now(request.prompt_tokens, self._upstreams.candidates(request.model)):
             return prepared
         kind = "back" if programs.known(key) else "new"
         held = time.perf_counter()

@@ -26,23 +26,11 @@ def gate(clock: ManualClock, start_below: float | None = 0.9, max_wait_s: float 
 def test_a_new_program_waits_only_while_every_instance_is_full() -> None:
     clock = ManualClock()
     full, roomy = instance("a", 10_000, 8_500), instance("b", 10_000, 4_000)
-    assert gate(clock, start_below=None).goes_now("p", 1_000, [full])  # off
-    assert not gate(clock).goes_now("p", 1_000, [full])  # 8,500 + 1,000 passes 0.9 of 10,000
-    assert gate(clock).goes_now("p", 1_000, [full, roomy])
-    assert gate(clock).goes_now("p", 1_000, [full, instance("c", None)])  # capacity not known yet
-    assert gate(clock).goes_now("p", 9_500, [full])  # larger than 0.9 of any cache: it would only wait
-
-
-def test_programs_that_go_at_once_count_their_room_until_their_turns_are_counted() -> None:
-    fleet = [instance("a", 10_000, 4_000)]
-    arriving = gate(ManualClock())
-    assert arriving.goes_now("p1", 3_000, fleet)
-    assert not arriving.goes_now("p2", 3_000, fleet)  # p1's 3,000 are not in the working sets yet
-    arriving.counted("p1")  # p1's turn started: its 3,000 are
-    fleet[0].program_tokens = 7_000
-    assert not arriving.goes_now("p2", 3_000, fleet)
-    fleet[0].program_tokens = 5_000  # a program's working set lapsed
-    assert arriving.goes_now("p2", 3_000, fleet)
+    assert gate(clock, start_below=None).goes_now(1_000, [full])  # off
+    assert not gate(clock).goes_now(1_000, [full])  # 8,500 + 1,000 passes 0.9 of 10,000
+    assert gate(clock).goes_now(1_000, [full, roomy])
+    assert gate(clock).goes_now(1_000, [full, instance("c", None)])  # capacity not known yet
+    assert gate(clock).goes_now(9_500, [full])  # larger than 0.9 of any cache: it would only wait
 
 
 def test_programs_back_go_before_new_ones_and_a_smaller_one_passes() -> None:
@@ -52,7 +40,7 @@ def test_programs_back_go_before_new_ones_and_a_smaller_one_passes() -> None:
     waiting.hold("new-big", "p1", 5_000, lambda: fleet, back=False)
     waiting.hold("new-small", "p2", 1_000, lambda: fleet, back=False)
     waiting.hold("back", "p3", 2_000, lambda: fleet, back=True)
-    assert not waiting.goes_now("p4", 100, fleet)  # others wait: a newcomer takes its turn after them
+    assert not waiting.goes_now(100, fleet)  # others wait: a newcomer takes its turn after them
     assert waiting.release() == [] and waiting.waiting() == (1, 2)
     fleet[0].program_tokens = 5_000  # a program's working set lapsed: 4,000 free under 0.9
     assert waiting.release() == ["back", "new-small"]  # 2,000 then 1,000 of the 4,000; 5,000 waits
@@ -79,10 +67,9 @@ def test_no_program_waits_past_the_bound_and_stale_grants_lapse() -> None:
     waiting = gate(clock, max_wait_s=5.0)
     waiting.hold("x", "p1", 3_000, lambda: fleet, back=False)
     assert waiting.release() == ["x"]  # its client goes away: it is never counted
-    assert not waiting.goes_now("p3", 3_000, fleet)
+    assert not waiting.goes_now(3_000, fleet)
     clock.now += 5.0
-    assert waiting.goes_now("p3", 3_000, fleet)  # x's grant lapsed with the bound
-    waiting.counted("p3")
+    assert waiting.goes_now(3_000, fleet)  # x's grant lapsed with the bound
     fleet[0].program_tokens = 9_000
     waiting.hold("y", "p2", 3_000, lambda: fleet, back=False)
     clock.now += 4.9
