@@ -30,7 +30,7 @@ def test_a_new_program_waits_for_the_kv_a_program_in_its_tool_call_holds(tmp_pat
     prompt stay under 0.9 of that (460): two programs of 300 tokens do not fit together."""
     ports = FleetPorts.allocate(1)
     with running_fleet(ports, tmp_path, ["--kv-blocks", "16"]):
-        config = ports.router_config(programs={"start_below": 0.9, "ttl_prior_s": 3.0, "max_wait_s": 30.0})
+        config = ports.router_config(programs={"start_below": 0.9, "ttl_prior_s": 5.0, "max_wait_s": 30.0})
         with running_router(config, tmp_path) as url:
             eventually(
                 lambda: get_json(url + "/dashboard/state")["instances"][0]["kv_capacity_tokens"] == 512
