@@ -257,9 +257,8 @@ class ConfiguredPolicy(SimPolicy):
         if session is None or not gate.enabled or programs.alive(session):
             return True
         self._send = send
-        programs.expire()
         view = self.view
-        if gate.goes_now(request.trace.input_tokens, view.instances):
+        if programs.starts_now(request.trace.input_tokens, view.instances):
             return True
         gate.hold(
             request, session, request.trace.input_tokens, lambda: view.instances, programs.known(session)
@@ -281,11 +280,8 @@ class ConfiguredPolicy(SimPolicy):
         self._tick_programs()
 
     def _room_freed(self) -> None:
-        gate = self._programs.gate
-        if len(gate):
-            self._programs.expire()
-            for request in gate.release():
-                self._send(cast(SimRequest, request))
+        for request in self._programs.let_go():
+            self._send(cast(SimRequest, request))
 
     def engine_priority(self, request: SimRequest) -> int:
         """kvroute's: its objective's priority, negated, unless flow_control.engine_priority is off; peers

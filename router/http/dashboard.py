@@ -63,7 +63,7 @@ def dashboard_routes(fleet: Upstreams, runtime: Runtime, token: Callable[[], str
                 "pool_entries": index.pool_entries,
             },
             "flow_control": flow_control_state(runtime.flow_gate, runtime.metrics),
-            "programs_waiting": dict(zip(("back", "new"), runtime.programs.gate.waiting(), strict=True)),
+            "programs_waiting": runtime.programs.gate.waiting(),
             "ab": await table.ab.report_off_loop(table.split.weights),
         }
         return JSONResponse(body, headers={"cache-control": "no-store"})

@@ -61,9 +61,9 @@ class ProgramGate(Generic[T]):
     def enabled(self) -> bool:
         return self.start_below is not None and self.max_wait_s > 0
 
-    def waiting(self) -> tuple[int, int]:
-        """(programs back, new programs) waiting now."""
-        return len(self._back), len(self._new)
+    def waiting(self) -> dict[str, int]:
+        """The programs waiting now, by kind: back, new."""
+        return {"back": len(self._back), "new": len(self._new)}
 
     def goes_now(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
         """Whether the program's first turn (prompt_tokens) goes now: the gate is off, or none waits before

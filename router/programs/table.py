@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +23,7 @@ from router.metrics import RouterMetrics
 from router.programs.admission import ProgramGate
 from router.programs.settings import ProgramsConfig
 from router.programs.tool_calls import ToolCalls
+from router.upstreams.instances import Instance
 from scorers.request import RoutingRequest
 
 # What a turn found of its program's KV: first (a program new, or forgotten), kept (the instance of its last
@@ -74,6 +75,19 @@ class Programs:
     def known(self, session_key: str) -> bool:
         """Whether the program with this key is followed (alive, or its working set lapsed or paused)."""
         return session_key in self._programs
+
+    def starts_now(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
+        """Whether a program's first turn (prompt_tokens) goes past the gate now, by the working sets as
+        they stand; if not, it waits there (gate.hold())."""
+        self.expire()
+        return self.gate.goes_now(prompt_tokens, candidates)
+
+    def let_go(self) -> list[object]:
+        """The programs waiting at the gate that may go now, by the working sets as they stand."""
+        if not len(self.gate):
+            return []
+        self.expire()
+        return self.gate.release()
 
     def alive(self, session_key: str) -> bool:
         """Whether the program with this key has a turn running, or is in a tool call within the time-to-live:
@@ -289,6 +303,12 @@ class NoPrograms:
 
     def known(self, session_key: str) -> bool:
         return True
+
+    def starts_now(self, prompt_tokens: int, candidates: Sequence[Instance]) -> bool:
+        return True
+
+    def let_go(self) -> list[object]:
+        return []
 
     def turn_started(self, request: RoutingRequest, instance: str, sent_at: float) -> Found | None:
         return None

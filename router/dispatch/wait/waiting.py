@@ -18,7 +18,7 @@ from router.dispatch.wait.flow_gate import FlowGate
 from router.dispatch.wait.memory_gate import MemoryGate
 from router.metrics import RouterMetrics
 from router.programs.table import NoPrograms, Programs
-from router.upstreams.instances import Upstreams
+from router.upstreams.instances import Instance, Upstreams
 
 # How often waiting programs look for room when nothing else wakes them.
 PROGRAM_TICK_S = 0.25
@@ -90,14 +90,16 @@ class Waiting:
         request, programs = prepared.request, self._programs
         gate, key = programs.gate, request.session_key
         assert key is not None  # a program's request has one
-        programs.expire()  # the working sets as they stand now
-        if gate.goes_now(request.prompt_tokens, self._upstreams.candidates(request.model)):
+
+        def candidates() -> list[Instance]:
+            return self._upstreams.candidates(request.model)
+
+        if programs.starts_now(request.prompt_tokens, candidates()):
             return prepared
         kind = "back" if programs.known(key) else "new"
         held = time.perf_counter()
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        candidates_now = lambda: self._upstreams.candidates(request.model)  # noqa: E731
-        gate.hold(released, key, request.prompt_tokens, candidates_now, kind == "back")
+        gate.hold(released, key, request.prompt_tokens, candidates, kind == "back")
         self._count_waiting()
         self._tick_programs()
         try:
@@ -125,17 +127,15 @@ class Waiting:
         self._tick_programs()
 
     def _release_programs(self) -> None:
-        gate = self._programs.gate
-        if len(gate):
-            self._programs.expire()
-            for going in gate.release():
-                cast("asyncio.Future[None]", going).set_result(None)
+        going = self._programs.let_go()
+        for released in going:
+            cast("asyncio.Future[None]", released).set_result(None)
+        if going:
             self._count_waiting()
 
     def _count_waiting(self) -> None:
-        back, new = self._programs.gate.waiting()
-        self._metrics.programs_waiting("back").set(back)
-        self._metrics.programs_waiting("new").set(new)
+        for kind, count in self._programs.gate.waiting().items():
+            self._metrics.programs_waiting(kind).set(count)
 
     async def _hold_for_memory(self, model: str, prompt_tokens: int, chain: Sequence[int]) -> None:
         """Wait until some instance has KV memory for the prompt, or the hold's bound passes."""

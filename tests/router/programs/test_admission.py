@@ -41,10 +41,10 @@ def test_programs_back_go_before_new_ones_and_a_smaller_one_passes() -> None:
     waiting.hold("new-small", "p2", 1_000, lambda: fleet, back=False)
     waiting.hold("back", "p3", 2_000, lambda: fleet, back=True)
     assert not waiting.goes_now(100, fleet)  # others wait: a newcomer takes its turn after them
-    assert waiting.release() == [] and waiting.waiting() == (1, 2)
+    assert waiting.release() == [] and waiting.waiting() == {"back": 1, "new": 2}
     fleet[0].program_tokens = 5_000  # a program's working set lapsed: 4,000 free under 0.9
     assert waiting.release() == ["back", "new-small"]  # 2,000 then 1,000 of the 4,000; 5,000 waits
-    assert waiting.waiting() == (0, 1)
+    assert waiting.waiting() == {"back": 0, "new": 1}
 
 
 def test_room_let_go_counts_until_the_turn_is_counted() -> None:
