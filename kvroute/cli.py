@@ -623,7 +623,9 @@ def _parser() -> argparse.ArgumentParser:
         "P/D fleet vllm-router:power_of_two instead of smg",
     )
     live.add_argument(
-        "--trace", help="replay agentic, mooncake, tenants, flows or a JSONL file (open loop), not sessions"
+        "--trace",
+        help="replay agentic, programs (each turn after its session's answer and tool call), mooncake, "
+        "tenants, flows or a JSONL file (open loop), not sessions",
     )
     live.add_argument("--rate", type=float, default=5.0, help="trace: multiplies its arrival rate")
     live.add_argument("--requests", type=int, default=400, help="trace: its first N requests (0: all)")

@@ -4,7 +4,10 @@ Prompts are token ids synthesized per hash id, deterministic per (seed, hash id)
 leading hash ids share exactly those tokens, and a router or engine sees the trace's prefix structure.
 Each hash id stands for ``block_tokens`` real tokens instead of the trace's 512, and outputs are capped,
 so a trace written for large GPUs fits a small fleet (the real stack here has a 4,096-token context).
-Latencies count from the scheduled arrival, so a client or router that falls behind pays for it.
+Latencies count from the scheduled arrival, so a client or router that falls behind pays for it. A turn
+that runs a tool first (the programs trace, TraceRequest.tool_s) is sent once its session's previous turn
+was answered and the tool ran, as an agent sends it, and no sooner than its arrival; its latencies count
+from then.
 A request of a flow (a tenant) names it and its objective in the headers a gateway would set; each outcome
 keeps its flow, for results per flow.
 """
@@ -48,6 +51,8 @@ def resolve_trace(spec: str, requests: int | None = None, rate: float = 1.0) -> 
     from a longer trace, whose first requests would be nearly all of one flow."""
     if spec == "agentic":
         trace = agentic_trace()
+    elif spec == "programs":  # the agentic sessions, each next turn after its tool call
+        trace = agentic_trace(tool_calls=True, name="programs")
     elif spec == "mooncake":
         trace = mooncake_trace()
     elif spec == "tenants":
@@ -57,7 +62,9 @@ def resolve_trace(spec: str, requests: int | None = None, rate: float = 1.0) -> 
     else:
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(f"--trace {spec!r}: not agentic, mooncake or a trace file, nor tenants or flows")
+            raise ValueError(
+                f"--trace {spec!r}: not agentic, programs, mooncake or a trace file, nor tenants or flows"
+            )
         trace = load_trace(path)
     if requests is not None:
         trace = trace.head(requests)
@@ -110,6 +117,7 @@ class ReplayPlan:
 @dataclass
 class ReplayRun(SessionRun):
     not_sent: int = 0  # prompts over max_prompt_tokens
+    past_limit: int = 0  # turns whose tool call ended past the time limit, not sent
     late_s: float = 0.0  # how far behind schedule the slowest send was (client saturation)
 
 
@@ -148,6 +156,19 @@ async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
     requests = plan.trace.requests
     origin = requests[0].arrival_s if requests else 0.0
 
+    async def after_tool_call(
+        http: aiohttp.ClientSession, request: TraceRequest, due: float, previous: asyncio.Task[None]
+    ) -> None:
+        await asyncio.shield(previous)  # a turn cancelled is its own; the one before it goes on
+        assert request.tool_s is not None
+        due = max(due, time.perf_counter() + request.tool_s)
+        if due - started > plan.time_limit_s:  # its tool call ends past the replay's time
+            run.past_limit += 1
+            plan.on_request()
+            return
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        await send(http, request, due)
+
     async def send(http: aiohttp.ClientSession, request: TraceRequest, due: float) -> None:
         headers = dict(plan.headers)
         if request.session is not None:
@@ -170,6 +191,7 @@ async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
     started = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         tasks: list[asyncio.Task[None]] = []
+        last_turns: dict[str, asyncio.Task[None]] = {}  # by session: its turn sent last
         for request in requests:
             offset = request.arrival_s - origin
             if offset > plan.time_limit_s:
@@ -181,7 +203,14 @@ async def replay_trace(base_url: str, plan: ReplayPlan) -> ReplayRun:
             due = started + offset
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             run.late_s = max(run.late_s, time.perf_counter() - due)
-            tasks.append(asyncio.create_task(send(http, request, due)))
+            previous = last_turns.get(request.session) if request.session is not None else None
+            if previous is not None and request.tool_s is not None:
+                task = asyncio.create_task(after_tool_call(http, request, due, previous))
+            else:
+                task = asyncio.create_task(send(http, request, due))
+            if request.session is not None:
+                last_turns[request.session] = task
+            tasks.append(task)
         await asyncio.gather(*tasks)
     run.duration_s = time.perf_counter() - started
     return run

@@ -465,6 +465,21 @@ class _ProgramFamilies:
             "instance's working sets passed programs.pause_above",
             ["vllm_instance"],
         )
+        self.program_warm_ups = _counter(
+            r,
+            "kvroute_program_warm_ups",
+            "Warm-ups sent to the instance (programs.warm_up): a program's last prompt prefilled there while "
+            "its tool ran, because its next turn was predicted to move (moves) or its KV to be evicted where "
+            "it was (evicted)",
+            ["vllm_instance", "reason"],
+        )
+        self.program_warm_ups_found = _counter(
+            r,
+            "kvroute_program_warm_ups_found",
+            "Next turns of programs warmed up, by what they found at the instance warmed: kept (the warm-up "
+            "paid), elsewhere, lost",
+            ["kv"],
+        )
         self.program_working_set_tokens = _gauge(
             r,
             "kvroute_program_working_set_tokens",

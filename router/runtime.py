@@ -292,7 +292,7 @@ class Runtime:
             RetryPolicy(config.upstream.attempts),
             HasRoom(per_instance, admission.max_waiting_per_instance),
         )
-        attempts = Attempts(sending, config.disaggregation)
+        attempts = Attempts(sending, config.disaggregation, config.programs.warm_up)
         stages = Stages(self.upstreams, self.admission, waiting, self.decider, attempts, observers)
         return Conductor(
             stages,

@@ -72,6 +72,13 @@ class Policy:
             observer.observe(request, candidates[chosen])
         return Pick(chosen, explained, totals)
 
+    def predict(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> int:
+        """The index of the candidate the policy would choose for request now, by its scores alone: no
+        picker's draw and no observer told, since nothing is chosen (a program's next turn, foreseen)."""
+        if len(candidates) == 1:
+            return 0
+        return best_first(self._totals(request, candidates))[0]
+
     def responded(
         self, request: RoutingRequest, chosen: Candidate, ttft_s: float | None, status: int
     ) -> None:

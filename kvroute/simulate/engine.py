@@ -76,6 +76,7 @@ class SimRequest:
     queued_s: float = 0.0  # how long it waited in the router's queue
     priority: int = 0  # vLLM's: with the priority scheduling policy, the lowest value runs first
     arrival_s: float = 0.0  # when its instance's queue took it
+    warm_up: bool = False  # the router's, not a client's: a program's prompt prefilled while its tool runs
 
 
 class Engine:

@@ -23,6 +23,7 @@ from router.dispatch.wait.waiting import PROGRAM_TICK_S
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
 from router.programs.table import followed
+from router.programs.warm_ups import WarmUps
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
 from router.upstreams.room import with_room
@@ -116,6 +117,11 @@ class SimPolicy:
     def refused(self, request: SimRequest) -> None:
         """The instance refused the request (its queue was full): it never started."""
 
+    def warm_up(self, request: SimRequest) -> int | None:
+        """Where the router prefills request's prompt while its program runs a tool, request just answered
+        (router/programs/warm_ups.py); None: nowhere."""
+        return None
+
 
 def priors_for(fleet: FleetSpec) -> TTFTPriors:
     """The TTFT priors of an operator who measured this hardware (the `+hw-priors` variants; kvroute's own
@@ -206,6 +212,7 @@ class ConfiguredPolicy(SimPolicy):
             lambda name: view.instances[view.by_name[name]].kv_capacity_tokens,
             view.loop.clock,
         )
+        self._warm_ups = WarmUps(self._config.programs.warm_up, self._programs, metrics)
         self._send: Callable[[SimRequest], None] = lambda request: None
         self._program_ticking = False
         self._turns: dict[int, tuple[RoutingRequest, str]] = {}  # by request number: sent, not yet answered
@@ -347,6 +354,22 @@ class ConfiguredPolicy(SimPolicy):
 
     def refused(self, request: SimRequest) -> None:
         self._turns.pop(request.number, None)
+
+    def warm_up(self, request: SimRequest) -> int | None:
+        """As the proxy warms a program's next turn (router/dispatch/place/warm_up.py): where its policy
+        foresees that turn going, by the index as it stands once the turn is answered."""
+        warm_ups = self._warm_ups
+        if not warm_ups.enabled or request.session is None:
+            return None
+        view = self.view
+        prompt = self.routing(request)
+        candidates = self.candidates(view.instances)
+        foreseen = candidates[self._policy.predict(prompt, candidates)]
+        warm = warm_ups.where(prompt, instance_name(request.instance), foreseen, candidates)
+        if warm is None:
+            return None
+        warm_ups.sent(request.session, warm)
+        return view.by_name[warm.instance.name]
 
 
 class Replicas(SimPolicy):

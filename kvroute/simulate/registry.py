@@ -207,6 +207,16 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute+program-admission": _with_section(
         "kvroute+program-admission", "programs", start_below=1.0, pause_above=0.95, pause_to=0.9
     ),
+    # a program's next turn prefilled while its tool runs, where it is foreseen to go without its KV
+    "kvroute+warm-up": _with_section("kvroute+warm-up", "programs", warm_up=True),
+    "kvroute+program-admission+warm-up": _with_section(
+        "kvroute+program-admission+warm-up",
+        "programs",
+        start_below=1.0,
+        pause_above=0.95,
+        pause_to=0.9,
+        warm_up=True,
+    ),
     "kvroute+memory-hold": _with_memory_hold,
     "kvroute-queue-fcfs": _with_flow_control("kvroute-queue-fcfs", ordering="fcfs"),
     "kvroute-queue-edf": _with_flow_control("kvroute-queue-edf", ordering="edf"),

@@ -63,7 +63,10 @@ def _program_cells(programs: dict[str, float]) -> list[str]:
     if not programs:
         return ["-", "-"]
     done = f"{programs['sessions_completed']:.0f}, {programs['sessions_per_hour']:.0f}"
-    return [done, f"{programs['tool_call_recompute']:.1%}"]
+    recomputed = f"{programs['tool_call_recompute']:.1%}"
+    if programs.get("warm_ups"):
+        recomputed += f", {programs['warm_ups']:.0f} warm-ups"
+    return [done, recomputed]
 
 
 def _tail_cell(tail: dict[str, float]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
@@ -87,6 +88,7 @@ class Run:
         self.rejected = 0
         self.failed = 0
         self.retried = 0  # refused by an instance, then sent to another
+        self.warm_ups = 0  # the router's prefills of programs' next turns (programs.warm_up)
         self.outstanding = 0  # sent and not finished, held in the router included
         self.hold: MemoryGate[SimRequest] = MemoryGate(policy.memory_hold_s, loop.clock)
         self.flow: FlowControl[SimRequest] | None = None
@@ -114,7 +116,7 @@ class Run:
             if policy.sync_interval_s is not None:
                 self._every(policy.sync_interval_s, policy.sync)
         loop.run()
-        return result_of(
+        result = result_of(
             policy.name,
             self.done,
             self.rejected,
@@ -127,6 +129,9 @@ class Run:
             self.backlogged_dispatches,
             Counter(r.session for r in self.trace if r.session is not None),
         )
+        if self.warm_ups:
+            result.programs["warm_ups"] = float(self.warm_ups)
+        return result
 
     # The router's own counts of what it sent to each instance (router/upstreams/instances.py).
     def started(self, request: SimRequest) -> None:
@@ -146,18 +151,39 @@ class Run:
 
     def first_token(self, request: SimRequest) -> None:
         self.retire(request)
+        if request.warm_up:
+            return
         self.policy.first_token(request)
         self._let_go()
 
     def finish(self, request: SimRequest) -> None:
         self.ended(request)
+        if request.warm_up:  # no client's: room freed, and nothing else
+            self.policy.finished(request)
+            self._release_held()
+            self._let_go()
+            return
         self.policy.finished(request)
+        warm_at = self.policy.warm_up(request)
+        if warm_at is not None:
+            self._warm(request, warm_at)
         self.done.append(request)
         self.outstanding -= 1
         self._flow_ended(request)
         self._release(request)
         self._release_held()
         self._let_go()
+
+    def _warm(self, request: SimRequest, instance: int) -> None:
+        """request's prompt prefilled at instance, one token, as the router sends a warm-up."""
+        traced = replace(request.trace, output_tokens=1, session=None)
+        warm = SimRequest(request.number, traced, request.chain, None, self.loop.now, warm_up=True)
+        warm.instance, warm.dispatched_s = instance, self.loop.now
+        warm.uncached_estimate = traced.input_tokens
+        self.warm_ups += 1
+        self.started(warm)
+        if not self.engines[instance].enqueue(warm):
+            self.ended(warm, admitted=False)
 
     def refused(self, request: SimRequest, failed: bool = False) -> None:
         """The request never reached an engine that would serve it: the client had a 503 (or a 500)."""

@@ -152,6 +152,7 @@ def _instance(instance: Instance, blocks: list[int], programs: WorkingSets) -> d
             "running": programs.running,
             "tool_call": programs.tool_call,
             "paused": programs.paused,
+            "warmed": programs.warmed,
             "working_set_tokens": programs.tokens,
         },
         "ttft_rates": instance.ttft_model.rates,

@@ -67,6 +67,13 @@ class ProgramsConfig(BaseModel):
         le=1,
         description="where pausing brings an instance's working sets back to (ThunderAgent's: 0.8)",
     )
+    warm_up: bool = Field(
+        default=False,
+        description="when a program's turn is answered and its next turn is predicted to go where its "
+        "prompt's KV is not (it must move, or the working sets at its instance pass its KV cache), prefill "
+        "that prompt there (one token, from the pool where it holds it) while the tool runs, if the instance "
+        "is idle and the working set fits (router/programs/warm_ups.py)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ProgramsConfig:

@@ -43,6 +43,7 @@ class Program:
     ended_at: float | None = None  # its last answer's end, once none of its turns runs
     counted: Counted | None = None  # how its working set is counted now
     paused: bool = False  # its working set given up under KV pressure, until its next turn
+    warmed: bool = False  # its last prompt was prefilled at its instance while its tool ran (warm_ups.py)
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class WorkingSets:
     tool_call: int = 0
     tokens: int = 0
     paused: int = 0
+    warmed: int = 0  # of those in a tool call, the programs whose working set a warm-up brought here
 
 
 class Programs:
@@ -106,7 +108,8 @@ class Programs:
         """Each instance's programs as they stand now (the time-to-live applied)."""
         self.expire()
         return {
-            name: WorkingSets(s.running, s.tool_call, s.tokens, s.paused) for name, s in self._sets.items()
+            name: WorkingSets(s.running, s.tool_call, s.tokens, s.paused, s.warmed)
+            for name, s in self._sets.items()
         }
 
     def turn_started(self, request: RoutingRequest, instance: str, sent_at: float) -> Found | None:
@@ -131,6 +134,7 @@ class Programs:
                 self._resumed(program)
         self.gate.counted(key)
         self._uncount(key, program)
+        program.warmed = False
         program.running += 1
         if request.prompt_tokens >= program.tokens // 2:  # a side request's short prompt moves nothing
             program.instance, program.tokens = instance, request.prompt_tokens
@@ -164,6 +168,26 @@ class Programs:
         self._forget_idle(now)
         self._publish()
 
+    def moved(self, session_key: str, instance: str) -> bool:
+        """The program in its tool call had its last prompt warmed up at instance: its working set is
+        counted there from now on. False: it is no longer in a tool call (its next turn came, or its
+        time-to-live lapsed, or it was paused)."""
+        program = self._programs.get(session_key)
+        self._expire(self._clock())
+        if program is None or program.counted != "tool_call":
+            return False
+        # Counted again, it is the last of those in a tool call: it lapses once those before it have, moments
+        # after its own time-to-live (a warm-up is sent as its turn ends).
+        self._uncount(session_key, program)
+        program.instance, program.warmed = instance, True
+        self._count(session_key, program, self._clock())
+        self._publish()
+        return True
+
+    def at(self, instance: str) -> WorkingSets | None:
+        """The instance's programs as counted now (the time-to-live as of the last look)."""
+        return self._sets.get(instance)
+
     def _next_turn(self, program: Program, request: RoutingRequest, sent_at: float) -> Found:
         assert program.ended_at is not None
         length = sent_at - program.ended_at
@@ -173,6 +197,8 @@ class Programs:
         self._metrics.program_ttl_seconds.set(self.tool_calls.ttl_s)
         found = _kv_found(program, request)
         self._metrics.program_turns(found, within).inc()
+        if program.warmed:
+            self._metrics.program_warm_ups_found(found).inc()
         return found
 
     def _count(self, key: str, program: Program, now: float) -> None:
@@ -191,6 +217,7 @@ class Programs:
         else:
             sets.tool_call += 1
         sets.tokens += program.tokens
+        sets.warmed += program.warmed
         program.counted = counted
         self._changed.add(program.instance)
 
@@ -204,6 +231,7 @@ class Programs:
             sets.tool_call -= 1
             del self._in_tool_calls[key]
         sets.tokens -= program.tokens
+        sets.warmed -= program.warmed
         program.counted = None
         self._changed.add(program.instance)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def test_resolve_trace_takes_the_head_and_scales_the_rate(tmp_path: Path) -> Non
     trace = resolve_trace(str(path), requests=3, rate=2.0)
 
     assert [r.arrival_s for r in trace.requests] == [0.0, 0.5, 1.0]
-    with pytest.raises(ValueError, match="not agentic, mooncake or a trace file"):
+    with pytest.raises(ValueError, match="not agentic, programs, mooncake or a trace file"):
         resolve_trace(str(tmp_path / "missing.jsonl"))
 
 
@@ -126,3 +127,22 @@ def test_requests_go_out_on_schedule_whatever_the_answers_take() -> None:
     assert {b["max_tokens"] for b in bodies} == {8} and all(b["stream"] for b in bodies)
     sessions = [headers.get("x-session") for _, headers, _ in recorder.received]
     assert sessions[0] == sessions[1] == "trace-3-a" and sessions[2] is None
+
+
+def test_a_turn_after_a_tool_call_goes_once_its_sessions_answer_came_and_the_tool_ran() -> None:
+    requests = (
+        _request(10.0, (1, 2), 1024, "a"),
+        replace(_request(10.1, (1, 2, 3), 1500, "a"), tool_s=0.3),  # waits for the answer, then the tool
+        replace(_request(10.2, (1, 2, 3, 4), 2000, "a"), tool_s=9.0),  # its tool ends past the time limit
+        _request(10.2, (7, 8), 1024, "b"),
+    )
+    plan = ReplayPlan(Trace("t", 512, requests), "m", block_tokens=32, max_tokens=8, time_limit_s=3)
+    recorder = _Recorder(delay_s=0.5)
+
+    started, run = asyncio.run(_replay(recorder, plan))
+
+    sent_at = [at - started for at, _, _ in recorder.received]
+    assert sent_at == pytest.approx([0.0, 0.2, 0.8], abs=0.1)  # b at its arrival; a's second after 0.5 + 0.3
+    assert run.past_limit == 1 and len(run.outcomes) == 3
+    second = max(run.outcomes, key=lambda o: o.ttft_s)
+    assert second.ttft_s == pytest.approx(0.5, abs=0.1)  # from when it was sent, not from its arrival

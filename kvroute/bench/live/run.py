@@ -169,7 +169,7 @@ class LiveOptions:
     system_prompt_words: int = 400
     api: Api = "chat"  # the sessions' API: chat completions, OpenAI Responses or Anthropic Messages
     responses_chain: bool = False  # responses: each turn after the last by previous_response_id (stored)
-    trace: str | None = None  # agentic, mooncake, tenants, flows or a JSONL path: replayed, not sessions
+    trace: str | None = None  # agentic, programs, mooncake, tenants, flows or a JSONL path: replayed
     rate: float = 5.0  # multiplies the trace's arrival rate
     requests: int | None = 400  # the trace's first N requests (None: all)
     block_tokens: int = 32  # real tokens per trace hash id
@@ -253,6 +253,7 @@ class TargetResult:
     ttft_p99_ms: float | None = None
     e2e_p50_ms: float | None = None
     not_sent: int = 0  # trace prompts over max_prompt_tokens
+    past_limit: int = 0  # trace turns whose tool call ended past the time limit, not sent
     late_s: float = 0.0  # how far the client fell behind the trace's schedule
     duration_s: float = 0.0
     requests_per_s: float = 0.0
@@ -624,7 +625,7 @@ def _fill(result: TargetResult, run: SessionRun, before: EngineCounters, after: 
     result.rejected = sum(o.status == "rejected" for o in outcomes)
     result.errors = dict(Counter(o.error for o in outcomes if o.error).most_common(5))
     if isinstance(run, ReplayRun):
-        result.not_sent, result.late_s = run.not_sent, run.late_s
+        result.not_sent, result.late_s, result.past_limit = run.not_sent, run.late_s, run.past_limit
     result.ttft_ms = [round(o.ttft_s * 1000, 2) for o in ok]
     result.flows = flow_results(outcomes)
     if ok:
@@ -671,6 +672,8 @@ def _summary(result: TargetResult) -> str:
         return f"[yellow]skipped: {escape(result.skipped.splitlines()[0])}"
     errors = f", errors: {result.errors}" if result.errors else ""
     not_sent = f", {result.not_sent} too long, not sent" if result.not_sent else ""
+    if result.past_limit:
+        not_sent += f", {result.past_limit} after a tool call past the time limit, not sent"
     return f"{result.ok}/{result.sent} ok in {result.duration_s:.1f} s{not_sent}{errors}"
 
 

@@ -143,6 +143,8 @@ class Outcome:
     prefill_cached_tokens: int | None = None  # what the prefill leg's answer reports it found cached
     # Shown a successful answer: whole, or each run of whole stream events (a stored response's output)
     watch: Callable[[bytes], None] | None = None
+    # Told the instance that answered once a program's turn was answered (router/dispatch/place/warm_up.py)
+    turn_answered: Callable[[Instance], None] | None = None
 
     @classmethod
     def start(
@@ -348,6 +350,8 @@ class Outcome:
             return True
         decision = self.decision
         self.observers.programs.turn_ended(decision.session_key)
+        if self.turn_answered is not None and status == 200 and self.completed and not failed:
+            self.turn_answered(self.instance)
         if decision.request is not None:
             self.policy.responded(decision.request, self.instance, self._first_byte_s, status)
         if left:

@@ -23,6 +23,7 @@ from router.dispatch.observe.routing_headers import ATTEMPTS_HEADER
 from router.dispatch.place.failures import REFUSED_CREDENTIALS
 from router.dispatch.place.prefill_leg import NoPrefill, PrefillLeg, Transfer, decode_leg_body
 from router.dispatch.place.sending import Outgoing, SendContext, Sent
+from router.dispatch.place.warm_up import WarmUpSender
 from router.errors import (
     RETRY_AFTER_S,
     OpenAIError,
@@ -53,9 +54,14 @@ class _Tries:
 
 
 class Attempts:
-    def __init__(self, context: SendContext, disaggregation: DisaggregationConfig | None = None) -> None:
-        """disaggregation: how disaggregated models' prefill legs go
-        (router/dispatch/place/prefill_leg.py)."""
+    def __init__(
+        self,
+        context: SendContext,
+        disaggregation: DisaggregationConfig | None = None,
+        warm_up: bool = False,
+    ) -> None:
+        """disaggregation: how disaggregated models' prefill legs go (router/dispatch/place/prefill_leg.py);
+        warm_up: programs' next turns are warmed up (router/dispatch/place/warm_up.py)."""
         self._context = context
         self._upstreams, self._decider, self._observers = (
             context.upstreams,
@@ -65,6 +71,7 @@ class Attempts:
         self._metrics, self._retry = context.observers.metrics, context.retry
         disaggregation = disaggregation or DisaggregationConfig()
         self._prefill = PrefillLeg(context, disaggregation.connector, disaggregation.local_prefill_max_tokens)
+        self._warm_up = WarmUpSender(context, warm_up)
 
     async def send(self, received: Received, prepared: Prepared, path: str) -> Outcome:
         """Send to the best instance and wait for the first bytes of its answer: the outcome that serves the
@@ -88,6 +95,7 @@ class Attempts:
                 raise
             span.sent(sent.kind, 0 if sent.upstream is None else sent.upstream.status)
             if await self._answered(sent, outcome, attempt, tries, stream):
+                outcome.turn_answered = self._warm_up.follow(received, prepared, path)
                 return outcome
             span.end()
         raise self._none_answered(model, received.policy, tries)

@@ -108,3 +108,45 @@ def test_with_admission_a_new_program_waits_for_the_room_a_program_in_its_tool_c
         assert other.dispatched_s == pytest.approx(0.5)
     else:  # until a's working set lapses, the time-to-live after its next answer
         assert other.dispatched_s >= later.finish_s + 10.0
+
+
+class WarmingAt(Fixed):
+    """Fixed routes, and the first request's prompt warmed up at one instance once answered."""
+
+    def __init__(self, warm_at: int | None, *targets: int) -> None:
+        super().__init__(*targets)
+        self._warm_at = warm_at
+
+    def warm_up(self, request: SimRequest) -> int | None:
+        return self._warm_at if request.number == 0 else None
+
+
+@pytest.mark.parametrize("warm_at", [None, 1])
+def test_a_warm_up_computes_the_prompt_where_the_next_turn_goes_unseen_by_clients(
+    warm_at: int | None,
+) -> None:
+    turns = (
+        TraceRequest(0.0, 320, 50, tuple(range(1, 11)), "s"),
+        TraceRequest(0.1, 330, 2, tuple(range(1, 12)), "s", tool_s=3.0),
+    )
+    fleet = FleetSpec(2, EngineSpec(kv_blocks=400), None, event_delay_s=0.01)
+    simulation = Run(TraceBlocks(Trace("programs", 32, turns), 16), fleet, WarmingAt(warm_at, 0, 1))
+    result = simulation.run(0.0)
+    second = max(simulation.done, key=lambda r: r.number)
+    assert result.completed == 2 and second.instance == 1
+    # the first prompt's 20 blocks found at 1 (the warm-up computed them all: its one token came after), or
+    # computed there
+    assert second.local_hit_blocks == (20 if warm_at == 1 else 0)
+    assert result.programs.get("warm_ups", 0.0) == (1.0 if warm_at == 1 else 0.0)
+    assert simulation.view.instances[1].own_in_flight == 0  # the warm-up counted in flight, then not
+
+
+def test_kvroute_warms_up_programs_foreseen_without_their_kv_and_serves_every_turn() -> None:
+    trace = agentic_trace(sessions=16, tool_calls=True, name="programs").with_rate(54.0)
+    fleet = FleetSpec(4, EngineSpec())  # with the pool: a warm-up loads the prompt from it
+    config = router_config(fleet)
+    config = config.model_copy(update={"programs": config.programs.model_copy(update={"warm_up": True})})
+    simulation = Run(TraceBlocks(trace, 16), fleet, ConfiguredPolicy("k", config, "kvroute"))
+    result = simulation.run(0.0)
+    assert result.completed == len(trace.requests) and result.rejected == 0
+    assert result.programs["warm_ups"] >= 1
