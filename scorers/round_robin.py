@@ -22,8 +22,11 @@ class RoundRobinScorer:
         scores = [0.0] * len(candidates)
         if candidates:
             scores[self._turn % len(candidates)] = 1.0
-            self._turn += 1
         return scores
+
+    def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
+        """A pick was made: the turn passes (scoring alone, a prediction, moves nothing)."""
+        self._turn += 1
 
 
 REGISTRATION: Registration[Scorer] = Registration(RoundRobinParams, RoundRobinScorer)

@@ -69,10 +69,10 @@ class ProgramsConfig(BaseModel):
     )
     warm_up: bool = Field(
         default=False,
-        description="when a program's turn is answered and its next turn is predicted to go where its "
-        "prompt's KV is not (it must move, or the working sets at its instance pass its KV cache), prefill "
-        "that prompt there (one token, from the pool where it holds it) while the tool runs, if the instance "
-        "is idle and the working set fits (router/programs/warm_ups.py)",
+        description="when a program's turn is answered and its next turn is foreseen to go where its "
+        "prompt's KV is not (it must move, or the working sets at its instance pass its KV cache), that "
+        "instance loads the prompt from the Mooncake pool (one token's request) while the tool runs, if the "
+        "pool holds it, the instance is idle and the working set fits (router/programs/warm_ups.py)",
     )
 
     @model_validator(mode="after")

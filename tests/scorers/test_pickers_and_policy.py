@@ -92,3 +92,21 @@ def test_a_pick_carries_the_totals_it_was_made_by_and_its_fallbacks_follow_them(
 
 def test_fallbacks_rank_a_broken_total_last() -> None:
     assert best_first([0.2, math.nan, 0.9, 0.5, -math.inf]) == [2, 3, 0, 1, 4]
+
+
+def test_a_prediction_is_the_choice_the_scores_would_make_and_changes_nothing() -> None:
+    """Policy.predict (a program's next turn foreseen, router/programs/warm_ups.py) tells no observer and
+    takes no turn: session affinity still follows the last pick, round robin's turn stays."""
+    config = PolicyConfig(
+        scorers=[ScorerSpec(type="session-affinity", weight=2.0), ScorerSpec(type="round-robin")],
+        picker=PickerSpec(type="max-score"),
+    )
+    policy = Policy("sticky", config)
+    candidates = [Fake("a", 0), Fake("b", 0)]
+    session = RoutingRequest("m", session_key="s1")
+    assert policy.choose(session, candidates) == 0
+    other = RoutingRequest("m", session_key="s2")
+    assert [policy.predict(other, candidates) for _ in range(3)] == [1, 1, 1]  # round robin's turn: b
+    assert policy.predict(session, candidates) == 0  # its affinity to a outweighs the turn
+    assert policy.choose(other, candidates) == 1 and policy.choose(other, candidates) == 1  # b by affinity
+    assert policy.predict(other, candidates[:1]) == 0

@@ -46,9 +46,15 @@ def test_inflight_load_counting_context_tokens_prefers_less_context_over_fewer_r
     assert InflightLoadScorer(InflightLoadParams()).score(REQUEST, [long_turns, short_chats]) == [1.0, 0.0]
 
 
-def test_round_robin_gives_each_candidate_its_turn() -> None:
+def test_round_robin_gives_each_candidate_its_turn_as_picks_are_made() -> None:
     scorer = RoundRobinScorer(RoundRobinParams())
-    winners = [scorer.score(REQUEST, fleet(0, 0, 0)).index(1.0) for _ in range(7)]
+    candidates = fleet(0, 0, 0)
+    winners = []
+    for _ in range(7):
+        winner = scorer.score(REQUEST, candidates).index(1.0)
+        assert scorer.score(REQUEST, candidates).index(1.0) == winner  # a prediction takes no turn
+        scorer.observe(REQUEST, candidates[winner])
+        winners.append(winner)
     assert winners == [0, 1, 2, 0, 1, 2, 0]
     assert scorer.score(REQUEST, []) == []
 
