@@ -570,9 +570,32 @@ def reset_prefix_caches(config: RouterConfig) -> bool:
 def _scrape(url: str) -> Iterator[tuple[str, dict[str, str], float]]:
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
+    yield from samples_of(text)
+
+
+def samples_of(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of a /metrics page; of one with a malformed sample (vllm-router 0.1.17's program
+    scheduling repeats a label), all the others."""
+    try:
+        return list(_samples(text))
+    except ValueError:
+        return [sample for line in text.splitlines() for sample in _line_samples(line)]
+
+
+def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             yield sample.name, sample.labels, float(sample.value)
+
+
+def _line_samples(line: str) -> list[tuple[str, dict[str, str], float]]:
+    """The sample on one exposition line; none for a comment or a line the parser refuses."""
+    if not line or line.startswith("#"):
+        return []
+    try:
+        return list(_samples(line + "\n"))
+    except ValueError:
+        return []
 
 
 def read_engine_counters(config: RouterConfig) -> EngineCounters:

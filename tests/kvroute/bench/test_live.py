@@ -27,6 +27,7 @@ from kvroute.bench.live.run import (
     find_vllm_router,
     parse_targets,
     run_live_bench,
+    samples_of,
     vllm_router_args,
 )
 from kvroute.bench.live.smg import every_worker_healthy, find_smg, smg_args
@@ -561,3 +562,11 @@ def test_vllm_router_pd_args(policy: str, tail: list[str]) -> None:
 def test_vllm_router_pd_args_refuses(config: dict[str, object], policy: str, reason: str) -> None:
     with pytest.raises(NoPDMode, match=reason):
         vllm_router_pd_args(parse_config(config), policy)
+
+
+def test_a_metrics_page_with_a_malformed_sample_gives_all_the_others() -> None:
+    """vllm-router 0.1.17 with program scheduling exports a sample whose label repeats, which the
+    Prometheus parser refuses for the whole page."""
+    page = '# TYPE a counter\na_total{x="1"} 3\nb{target="t",quantile="p95",quantile="0"} 2\nc 4\n'
+    assert samples_of(page) == [("a_total", {"x": "1"}, 3.0), ("c", {}, 4.0)]
+    assert samples_of('# TYPE a counter\na_total{x="1"} 3\n') == [("a_total", {"x": "1"}, 3.0)]
