@@ -4,19 +4,8 @@ programs back go first, and room let go is not handed out twice."""
 from __future__ import annotations
 
 from router.programs.admission import ProgramGate
-from router.upstreams.instances import Instance, InstanceSetup
 from tests.conftest import ManualClock
-
-
-def instance(name: str, capacity: int | None, program_tokens: int = 0) -> Instance:
-    made = Instance(
-        name=name,
-        url=f"http://{name}",
-        models=frozenset({"m"}),
-        setup=InstanceSetup(kv_capacity_tokens=capacity),
-    )
-    made.program_tokens = program_tokens
-    return made
+from tests.router.programs.instances import instance
 
 
 def gate(clock: ManualClock, start_below: float | None = 0.9, max_wait_s: float = 30.0) -> ProgramGate[str]:

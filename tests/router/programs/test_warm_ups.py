@@ -11,24 +11,13 @@ from router.metrics import RouterMetrics
 from router.programs.settings import ProgramsConfig
 from router.programs.table import NO_PROGRAMS, Programs
 from router.programs.warm_ups import WarmUp, WarmUps
-from router.upstreams.instances import Instance, InstanceSetup
 from scorers.candidate import EngineLoad
 from scorers.request import RoutingRequest, TierMatch
 from tests.conftest import ManualClock
+from tests.router.programs.instances import instance
 
 BLOCK = 16
 PROMPT = 1_600  # 100 blocks
-
-
-def instance(name: str, capacity: int | None = 10_000, program_tokens: int = 0) -> Instance:
-    made = Instance(
-        name=name,
-        url=f"http://{name}",
-        models=frozenset({"m"}),
-        setup=InstanceSetup(kv_capacity_tokens=capacity),
-    )
-    made.program_tokens = program_tokens
-    return made
 
 
 def prompt(matches: Mapping[str, TierMatch], key: str = "agent", tokens: int = PROMPT) -> RoutingRequest:
