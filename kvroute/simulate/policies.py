@@ -117,9 +117,9 @@ class SimPolicy:
     def refused(self, request: SimRequest) -> None:
         """The instance refused the request (its queue was full): it never started."""
 
-    def warm_up(self, request: SimRequest) -> int | None:
+    def warm_up(self, request: SimRequest) -> tuple[int, int] | None:
         """Where the router prefills request's prompt while its program runs a tool, request just answered
-        (router/programs/warm_ups.py); None: nowhere."""
+        (router/programs/warm_ups.py), and the prompt tokens it counts as uncached there; None: nowhere."""
         return None
 
 
@@ -355,7 +355,7 @@ class ConfiguredPolicy(SimPolicy):
     def refused(self, request: SimRequest) -> None:
         self._turns.pop(request.number, None)
 
-    def warm_up(self, request: SimRequest) -> int | None:
+    def warm_up(self, request: SimRequest) -> tuple[int, int] | None:
         """As the proxy warms a program's next turn (router/dispatch/place/warm_up.py): where its policy
         foresees that turn going, by the index as it stands once the turn is answered."""
         warm_ups = self._warm_ups
@@ -369,7 +369,10 @@ class ConfiguredPolicy(SimPolicy):
         if warm is None:
             return None
         warm_ups.sent(request.session, warm)
-        return view.by_name[warm.instance.name]
+        match = prompt.matches.get(warm.instance.name)
+        held = 0 if match is None else match.gpu + match.cpu + match.pool
+        tokens = request.trace.input_tokens
+        return view.by_name[warm.instance.name], tokens - min(held * view.block_size, tokens)
 
 
 class Replicas(SimPolicy):

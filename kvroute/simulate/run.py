@@ -166,7 +166,7 @@ class Run:
         self.policy.finished(request)
         warm_at = self.policy.warm_up(request)
         if warm_at is not None:
-            self._warm(request, warm_at)
+            self._warm(request, *warm_at)
         self.done.append(request)
         self.outstanding -= 1
         self._flow_ended(request)
@@ -174,12 +174,13 @@ class Run:
         self._release_held()
         self._let_go()
 
-    def _warm(self, request: SimRequest, instance: int) -> None:
-        """request's prompt prefilled at instance, one token, as the router sends a warm-up."""
+    def _warm(self, request: SimRequest, instance: int, uncached_tokens: int) -> None:
+        """request's prompt prefilled at instance, one token, as the router sends a warm-up; uncached_tokens:
+        those it counts as queued there."""
         traced = replace(request.trace, output_tokens=1, session=None)
         warm = SimRequest(request.number, traced, request.chain, None, self.loop.now, warm_up=True)
         warm.instance, warm.dispatched_s = instance, self.loop.now
-        warm.uncached_estimate = traced.input_tokens
+        warm.uncached_estimate = uncached_tokens
         self.warm_ups += 1
         self.started(warm)
         if not self.engines[instance].enqueue(warm):

@@ -111,7 +111,10 @@ class WarmUpSender:
             answered = sent is not None and sent.upstream is not None and sent.upstream.status == 200
             instance.end(tokens, uncached, admitted=answered, chain=chain)
             if sent is not None and sent.upstream is not None:
-                sent.upstream.release()
+                if answered:
+                    sent.upstream.release()
+                else:  # not back to the pool: the engine sees the connection go
+                    sent.upstream.close()
             self._context.observers.room_freed.fire()
         if not answered:
             log.debug("warm-up at %s: %s", instance.name, sent.kind if sent is not None else "not sent")

@@ -117,8 +117,10 @@ class WarmingAt(Fixed):
         super().__init__(*targets)
         self._warm_at = warm_at
 
-    def warm_up(self, request: SimRequest) -> int | None:
-        return self._warm_at if request.number == 0 else None
+    def warm_up(self, request: SimRequest) -> tuple[int, int] | None:
+        if self._warm_at is None or request.number:
+            return None
+        return self._warm_at, request.trace.input_tokens
 
 
 @pytest.mark.parametrize("warm_at", [None, 1])
