@@ -17,16 +17,22 @@ class RoundRobinParams(Params):
 class RoundRobinScorer:
     def __init__(self, params: RoundRobinParams) -> None:
         self._turn = 0
+        self._scored: RoutingRequest | None = None  # the request scored last, until its pick is observed
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         scores = [0.0] * len(candidates)
         if candidates:
             scores[self._turn % len(candidates)] = 1.0
+        self._scored = request
         return scores
 
     def observe(self, request: RoutingRequest, chosen: Candidate) -> None:
-        """A pick was made: the turn passes (scoring alone, a prediction, moves nothing)."""
-        self._turn += 1
+        """A pick among the candidates it scored was made: the turn passes. A prediction (scored, never
+        picked) moves nothing, nor does a pick of the only candidate, which is not scored (a retry's last
+        instance): the next request then starts where the turn stood."""
+        if self._scored is request:
+            self._turn += 1
+        self._scored = None
 
 
 REGISTRATION: Registration[Scorer] = Registration(RoundRobinParams, RoundRobinScorer)
