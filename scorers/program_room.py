@@ -48,8 +48,14 @@ class ProgramRoomScorer:
         capacity = candidate.kv_capacity_tokens
         if not capacity:
             return 0.0
-        free = capacity - max(candidate.program_tokens, candidate.active_tokens)
+        free = capacity - kv_in_use(candidate)
         return min(max(free / (self._room * capacity), 0.0), 1.0)
+
+
+def kv_in_use(candidate: Candidate) -> int:
+    """The KV tokens taken at candidate: the programs' working sets there, or the contexts in flight when
+    more (requests of no program)."""
+    return max(candidate.program_tokens, candidate.active_tokens)
 
 
 REGISTRATION: Registration[Scorer] = Registration(ProgramRoomParams, ProgramRoomScorer)

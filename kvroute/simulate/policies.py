@@ -369,10 +369,7 @@ class ConfiguredPolicy(SimPolicy):
         if warm is None:
             return None
         warm_ups.sent(request.session, warm)
-        match = prompt.matches.get(warm.instance.name)
-        held = 0 if match is None else match.gpu + match.cpu + match.pool
-        tokens = request.trace.input_tokens
-        return view.by_name[warm.instance.name], tokens - min(held * view.block_size, tokens)
+        return view.by_name[warm.instance.name], warm.uncached_tokens
 
 
 class Replicas(SimPolicy):

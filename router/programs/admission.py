@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from router.upstreams.instances import Instance
+from scorers.program_room import kv_in_use
 
 T = TypeVar("T")
 Candidates = Callable[[], Sequence[Instance]]
@@ -144,8 +145,7 @@ class ProgramGate(Generic[T]):
             capacity = instance.kv_capacity_tokens
             if not capacity:
                 return instance
-            used = max(instance.program_tokens, instance.active_tokens)
-            room = self.start_below * capacity - used - self._granted_at.get(instance.name, 0)
+            room = self.start_below * capacity - kv_in_use(instance) - self._granted_at.get(instance.name, 0)
             if room >= prompt_tokens and (best is None or room > best_room):
                 best, best_room = instance, room
         return best

@@ -22,6 +22,7 @@ from typing import Literal, NamedTuple
 from router.metrics import RouterMetrics
 from router.programs.table import NoPrograms, Programs
 from scorers.candidate import Candidate
+from scorers.program_room import kv_in_use
 from scorers.request import RoutingRequest
 
 Reason = Literal["moves", "evicted"]
@@ -30,6 +31,7 @@ Reason = Literal["moves", "evicted"]
 class WarmUp(NamedTuple):
     instance: Candidate
     reason: Reason
+    uncached_tokens: int  # of the prompt, those neither the instance nor the pool holds: counted queued there
 
 
 class WarmUps:
@@ -71,9 +73,11 @@ class WarmUps:
         enough = _enough(prompt)
         if _held(prompt, target.name) >= enough:
             return None  # it holds the prefix already
-        if _loadable(prompt, target.name) < enough:
+        loadable = _loadable(prompt, target.name)
+        if loadable < enough:
             return None  # computing it again would take the instance's time the turns running there need
-        return WarmUp(target, reason)
+        tokens = prompt.prompt_tokens
+        return WarmUp(target, reason, tokens - min(loadable * prompt.block_size, tokens))
 
     def sent(self, session_key: str, warm_up: WarmUp) -> None:
         """The warm-up went: the program's working set is counted where it went."""
@@ -99,8 +103,7 @@ def _enough(prompt: RoutingRequest) -> int:
 
 
 def _room(candidate: Candidate) -> int:
-    capacity = candidate.kv_capacity_tokens or 0
-    return capacity - max(candidate.program_tokens, candidate.active_tokens)
+    return (candidate.kv_capacity_tokens or 0) - kv_in_use(candidate)
 
 
 def _idle(candidate: Candidate) -> bool:
@@ -110,4 +113,4 @@ def _idle(candidate: Candidate) -> bool:
 
 def _fits(candidate: Candidate, tokens: int) -> bool:
     capacity = candidate.kv_capacity_tokens
-    return capacity is None or max(candidate.program_tokens, candidate.active_tokens) + tokens <= capacity
+    return capacity is None or kv_in_use(candidate) + tokens <= capacity

@@ -93,15 +93,14 @@ class WarmUpSender:
         instance = next(i for i in candidates if i.name == warm_up.instance.name)
         self._warming.add(instance.name)
         try:
-            await self._send(received, path, fresh, instance)
+            await self._send(received, path, fresh, instance, warm_up.uncached_tokens)
         finally:
             self._warming.discard(instance.name)
 
-    async def _send(self, received: Received, path: str, prepared: Prepared, instance: Instance) -> None:
+    async def _send(
+        self, received: Received, path: str, prepared: Prepared, instance: Instance, uncached: int
+    ) -> None:
         tokens, chain = prepared.request.prompt_tokens, prepared.chain
-        match = prepared.request.matches.get(instance.name)
-        held = 0 if match is None else match.gpu + match.cpu + match.pool
-        uncached = tokens - min(held * prepared.request.block_size, tokens)
         instance.start(tokens, uncached, chain)
         outgoing = Outgoing(instance, path, warm_up_body(received.raw), received.headers)
         sent = None

@@ -44,10 +44,12 @@ HELD_AT_A = {name: TierMatch(gpu=100) if name == "a" else TierMatch(pool=100) fo
 def test_a_program_foreseen_to_move_is_warmed_where_it_goes() -> None:
     warm_ups, _, _, _ = answered()
     a, b = instance("a"), instance("b")
-    assert warm_ups.where(prompt(HELD_AT_A), "a", b, [a, b]) == WarmUp(b, "moves")
+    assert warm_ups.where(prompt(HELD_AT_A), "a", b, [a, b]) == WarmUp(b, "moves", 0)
     assert warm_ups.where(prompt(HELD_AT_A), "a", a, [a, b]) is None  # it stays, and a has room for it
     held_at_b = {"a": TierMatch(gpu=100), "b": TierMatch(gpu=99)}
     assert warm_ups.where(prompt(held_at_b), "a", b, [a, b]) is None  # b holds it already (but the last)
+    pooled_but_the_last = {"a": TierMatch(gpu=100), "b": TierMatch(pool=99)}
+    assert warm_ups.where(prompt(pooled_but_the_last), "a", b, [a, b]) == WarmUp(b, "moves", BLOCK)
     not_pooled = {"a": TierMatch(gpu=100)}
     assert warm_ups.where(prompt(not_pooled), "a", b, [a, b]) is None  # b would compute it all again
 
@@ -56,7 +58,7 @@ def test_a_program_whose_kv_its_instance_cannot_keep_is_warmed_at_the_roomiest_o
     warm_ups, _, _, _ = answered(tokens=PROMPT)
     a = instance("a", capacity=1_000)  # the working sets there (1,600) pass its KV cache
     b, c = instance("b", program_tokens=6_000), instance("c", program_tokens=2_000)
-    assert warm_ups.where(prompt(HELD_AT_A), "a", a, [a, b, c]) == WarmUp(c, "evicted")
+    assert warm_ups.where(prompt(HELD_AT_A), "a", a, [a, b, c]) == WarmUp(c, "evicted", 0)
     assert warm_ups.where(prompt(HELD_AT_A), "a", a, [a]) is None  # nowhere else to go
 
 
@@ -87,7 +89,7 @@ def test_no_warm_up_when_off_or_for_a_program_not_in_its_tool_call() -> None:
 def test_the_working_set_follows_the_warm_up_and_the_next_turn_tells_whether_it_paid() -> None:
     warm_ups, programs, clock, metrics = answered()
     b = instance("b")
-    warm_ups.sent("agent", WarmUp(b, "moves"))
+    warm_ups.sent("agent", WarmUp(b, "moves", 0))
     sets = programs.working_sets()
     assert sets["a"].tokens == 0 and sets["b"].tool_call == 1 and sets["b"].tokens == PROMPT
     assert (
