@@ -5,10 +5,12 @@ exactness rests on reproducing vLLM's message handling for this model's template
 (router/prompt/chat_conversation.py), and on the engine running the template the router reads
 (``--chat-template`` or ``--default-chat-template-kwargs`` change what an engine renders). So the first chat
 of each model and kind, and one in ``every`` after it, is also sent to an instance's ``/tokenize`` in the
-background (the request does not wait). The kinds: "plain" chats, and chats "with_inputs" (``tools`` or
-``chat_template_kwargs``). One mismatch and that model's chats of that kind go to the engine's renderer from
-then on, all its chats after a plain one: routing on wrong ids would credit blocks no instance holds. Each
-mismatch is also an alarm (router/prompt/tokenizer_check.py): an error log, a metric, the dashboard.
+background (the request does not wait). A check that could not be made (no instance, or no answer from its
+``/tokenize``) is owed: the next chat of that kind is checked instead. The kinds: "plain" chats, and chats
+"with_inputs" (``tools`` or ``chat_template_kwargs``). One mismatch and that model's chats of that kind go
+to the engine's renderer from then on, all its chats after a plain one: routing on wrong ids would credit
+blocks no instance holds. Each mismatch is also an alarm (router/prompt/tokenizer_check.py): an error log, a
+metric, the dashboard.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class TokenizationAudit:
         self._every, self._watch, self._remote = every, watch, remote
         self._seen: Counter[tuple[str, str]] = Counter()
         self._distrusted: set[tuple[str, str]] = set()
+        self._owed: set[tuple[str, str]] = set()  # a check was due but not made: the next chat's is
         self._checks: set[asyncio.Task[None]] = set()
 
     def trusts(self, model: str, with_inputs: bool) -> bool:
@@ -59,11 +62,14 @@ class TokenizationAudit:
         key = (model, _kind(bool(template_inputs)))
         seen = self._seen[key]
         self._seen[key] += 1
-        if self._every == 0 or seen % self._every or key in self._distrusted:
+        due = seen % self._every == 0 or key in self._owed if self._every else False
+        if not due or key in self._distrusted:
             return
         remote = self._remote(model)
         if remote is None:
+            self._owed.add(key)
             return
+        self._owed.discard(key)
         check = asyncio.create_task(
             self._check(remote, key, engine_messages(messages), flags, dict(template_inputs), ids)
         )
@@ -84,6 +90,7 @@ class TokenizationAudit:
             engine_ids = await remote.chat_ids(messages, **flags, template_inputs=template_inputs)
         except TokenizeFailed as exc:
             self._watch.failed(model, remote.instance, kind, exc)
+            self._owed.add(key)
             return
         if self._watch.compared(model, remote.instance, kind, ids, engine_ids) or key in self._distrusted:
             return

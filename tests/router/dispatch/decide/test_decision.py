@@ -18,6 +18,7 @@ from router.metrics import RouterMetrics
 from router.programs.settings import ProgramsConfig
 from router.programs.table import Programs
 from router.prompt.openai_body import ChatRequest, CompletionRequest
+from router.prompt.remote_tokenizer import TokenizeFailed
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
@@ -210,6 +211,23 @@ def test_chats_with_tools_are_rendered_here_and_the_first_and_every_nth_is_check
     assert counts[0] > len(tokenizer.chat_ids(chats[0]))  # the tools were rendered too
     assert remote.asked == [{"tools": TOOLS}] * 3  # chats 0, 2 and 4
     assert (audits(metrics, "match"), audits(metrics, "mismatch")) == (3, 0)
+
+
+class SilentOnceRemote(AgreeingRemote):
+    """An engine whose first /tokenize gives no answer (busy past the timeout, or restarting)."""
+
+    def ids(self, messages: Sequence[Any], inputs: Mapping[str, Any]) -> list[int]:
+        if len(self.asked) == 1:
+            raise TokenizeFailed("timed out")
+        return super().ids(messages, inputs)
+
+
+def test_a_check_the_engine_did_not_answer_is_made_on_the_next_chat(tokenizer: PromptTokenizer) -> None:
+    chats = [[{"role": "user", "content": f"turn {turn} " * 20}] for turn in range(4)]
+    remote = SilentOnceRemote(tokenizer)
+    _, metrics = prepare_chats(tokenizer, remote, chats, audit_every=100)
+    assert len(remote.asked) == 2  # chat 0's check failed, chat 1's was made; chats 2 and 3 are not due
+    assert (audits(metrics, "failed"), audits(metrics, "match"), audits(metrics, "mismatch")) == (1, 1, 0)
 
 
 def test_one_mismatch_sends_the_models_chats_with_tools_to_the_engine_and_raises_the_alarm(
