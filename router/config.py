@@ -25,6 +25,7 @@ from pydantic import (
 from router import strict_yaml
 from router.label_selector import LABEL_KEY, LabelSelector
 from router.programs.settings import ProgramsConfig
+from router.shared.settings import SharedConfig
 from router.tracing.config import TracingConfig
 from router.traffic_split import TrafficSplit
 from scorers.config_keys import suggested
@@ -699,6 +700,7 @@ class RouterConfig(_Strict):
     tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     peers: PeersConfig = Field(default_factory=PeersConfig)
+    shared: SharedConfig = Field(default_factory=SharedConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     shutdown_grace_s: float = Field(

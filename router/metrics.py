@@ -674,6 +674,20 @@ class _ControlFamilies:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.shared_store_up = Gauge(
+            "kvroute_shared_store_up",
+            "1 while the replicas' shared store (shared.url) answers, 0 while it does not (each replica then "
+            "carries on with what it knows); 0 too where none is configured",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.shared_store_errors = _counter(
+            r,
+            "kvroute_shared_store_errors",
+            "Operations on the shared store that failed (it was unreachable or too slow), by operation "
+            "(publish, follow, check, conversation_read, conversation_write)",
+            ["operation"],
+        )
         self.peer_snapshots = _counter(
             r,
             "kvroute_peer_snapshots",

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,8 @@ from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
+from router.shared.snapshots import SnapshotChannel
+from router.shared.store import SharedStore
 from router.supervisor import supervise
 from router.tracing import start_tracing
 from router.tracing.spans import Tracing
@@ -104,7 +106,11 @@ class Runtime:
         """peers: the peers this router takes part with, instead of config's (a worker of several,
         router/http/workers.py); a reload does not change them. shared_index: where the index is when several
         processes share it (None: this router's own)."""
-        self._peer_config = config.peers if peers is None else peers
+        peer_config = config.peers if peers is None else peers
+        if config.shared.enabled:  # peers heard over the store are timed by its settings
+            timing = {"interval_s": config.shared.interval_s, "stale_after_s": config.shared.stale_after_s}
+            peer_config = peer_config.model_copy(update=timing)
+        self._peer_config = peer_config
         self._shared_index = shared_index
         self.config = config  # what runs: file_config's, with the discovered instances
         self.file_config = config
@@ -148,6 +154,7 @@ class Runtime:
             config.programs, self.metrics, upstreams.program_working_set, upstreams.kv_capacity
         )
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
+        self.shared_store: SharedStore | None = None  # replicas' (router/shared/), once started
 
     async def __aenter__(self) -> Runtime:
         # What runs off the loop (asyncio.to_thread) runs where the signals the router handles are blocked.
@@ -197,8 +204,10 @@ class Runtime:
         # peers configured it binds nothing and runs no loop.
         discovery = config.discovery
         self.peers = PeerSync(self._peer_config, self.upstreams, metrics, context, self.room_freed.fire)
+        self.peers.share_flows(self.flow_gate.control)
         if discovery is not None and discovery.peers_selector is not None:
             self.peers.expect_discovered()
+        shared_loops = await self._shared(stack)
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
         failures = metrics.task_failures
@@ -208,7 +217,10 @@ class Runtime:
             "flow_control": (self.flow_gate.tick, FLOW_TICK_S, True),
             **({"tokenizers": (self._adopt_found_tokenizers, TOKENIZER_SEARCH_S, True)} if tokenizes else {}),
             **({"allocator": (_trim_allocator, allocator.TRIM_INTERVAL_S, True)} if allocator.trims else {}),
-            **{name: (loop, config.peers.interval_s, False) for name, loop in self.peers.loops().items()},
+            **{
+                name: (loop, self._peer_config.interval_s, False) for name, loop in self.peers.loops().items()
+            },
+            **shared_loops,
         }
         tasks = [
             asyncio.create_task(supervise(name, loop, every, failures, first_delay=delayed))
@@ -226,6 +238,25 @@ class Runtime:
                 )
             )
         stack.push_async_callback(_cancelled, tasks)
+
+    async def _shared(
+        self, stack: contextlib.AsyncExitStack
+    ) -> dict[str, tuple[Callable[[], Awaitable[None]], float, bool]]:
+        """With a shared store: its client, and the loops that publish and follow the replicas' snapshots
+        (router/shared/snapshots.py). An index host shares nothing: its workers do."""
+        config = self.config.shared
+        hosts = self._shared_index is not None and self._shared_index.hosts
+        if not config.enabled or hosts:
+            return {}
+        self.shared_store = store = SharedStore(config, self.metrics)
+        stack.push_async_callback(store.close)
+        peers = self.peers
+        peers.expect_shared()
+        channel = SnapshotChannel(store, peers.snapshot, peers.receive, peers.skipped)
+        return {
+            "shared-publish": (channel.publish, config.interval_s, False),
+            "shared-follow": (channel.follow, config.interval_s, False),
+        }
 
     async def _load_tokenizers(self, config: RouterConfig) -> None:
         """Each model's tokenizer, where the configuration or the instances' answers say it is."""
@@ -305,7 +336,8 @@ class Runtime:
     def warnings(self) -> list[str]:
         subscriptions = self.subscriptions
         ingest = self.index_figures().warnings if subscriptions is None else subscriptions.warnings()
-        return ingest + self.tokenizer_watch.alarms()
+        shared = [] if self.shared_store is None else self.shared_store.warnings()
+        return ingest + self.tokenizer_watch.alarms() + shared
 
     async def _adopt_found_tokenizers(self) -> None:
         """A model that names no tokenizer and had none found at start (its engines not up yet, or found

@@ -39,9 +39,17 @@ ROUTER_LAYERS: list[set[str]] = [
     {"router.programs"},
     # A request's spans: dispatch opens them; what they read of a decision is described, not imported.
     {"router.tracing"},
+    # What replicas share through their store: over the upstreams' load and flow control's counts.
+    {"router.shared"},
     {"router.upstreams"},
     {"router.index"},
-    {"router.config", "router.strict_yaml", "router.tracing.config", "router.programs.settings"},
+    {
+        "router.config",
+        "router.strict_yaml",
+        "router.tracing.config",
+        "router.programs.settings",
+        "router.shared.settings",
+    },
     {"router.prompt"},
     {
         "router.metrics",

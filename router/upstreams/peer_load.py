@@ -64,13 +64,13 @@ class PeerLoads:
     def update(self, peer: str, loads: Mapping[str, PeerLoad]) -> None:
         self._latest[peer] = (self._clock(), loads)
 
-    def expire(self) -> bool:
-        """Forget peers not heard from lately; True if any was."""
+    def expire(self) -> list[str]:
+        """Forget peers not heard from lately: those forgotten."""
         oldest = self._clock() - self._stale_after_s
         stale = [peer for peer, (heard, _) in self._latest.items() if heard < oldest]
         for peer in stale:
             del self._latest[peer]
-        return bool(stale)
+        return stale
 
     def apply(self, instances: Iterable[CountedInstance]) -> None:
         """Set each instance's peers' share to the sum of the latest snapshots; instances a peer does not

@@ -5,10 +5,16 @@ has in flight on each instance; it subscribes to every other router's (`peers.su
 with its own (router/upstreams/peer_load.py). A snapshot stands alone: a lost one is replaced by the next, a
 router that restarts starts from nothing, and one that stops publishing drops out after `peers.stale_after_s`.
 
+Replicas with a shared store (router/shared/) send the same snapshots over its channel instead, and find each
+other there.
+
 Wire format: one frame, msgpack of `{"router": ID, "instances": {NAME: {"in_flight": N, "active_tokens": N,
-"pending_prefill_tokens": N}}}`, ID a random id a router draws at start. Per-instance loads are maps, so a
-later version may add fields that this one ignores (a rolling upgrade keeps its peers). Snapshots that do not
-decode are counted and skipped; instances this router does not route to are left out.
+"pending_prefill_tokens": N}}, "flows": {KEY: {"in_flight": N, "tokens": N}}}`, ID a random id a router draws
+at start. "flows" are flow control's limited flows and objectives (KEY "flow:NAME" or "objective:NAME"): their
+requests in flight here and the prompt tokens sent since the last snapshot, so that each router counts its
+peers' against one limit (router/dispatch/wait/flows_elsewhere.py). Loads are maps, so a later version may add
+fields that this one ignores (a rolling upgrade keeps its peers). Snapshots that do not decode are counted and
+skipped; instances this router does not route to are left out.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import msgspec
 import zmq
@@ -46,9 +52,27 @@ class InstanceLoad(msgspec.Struct):
     pending_prefill_tokens: _Count = 0
 
 
+class FlowShare(msgspec.Struct):
+    in_flight: _Count = 0
+    tokens: _Count = 0  # prompt tokens sent since the last snapshot
+
+
 class PeerSnapshot(msgspec.Struct):
     router: str
     instances: dict[str, InstanceLoad]
+    flows: dict[str, FlowShare] = {}
+
+
+class SharedFlows(Protocol):
+    """Flow control's side of the snapshots (router/dispatch/wait/flows_elsewhere.py)."""
+
+    def shared(self) -> dict[str, tuple[int, int]]:
+        """This router's limited flows: KEY -> (in flight, tokens sent since the last call)."""
+        ...
+
+    def heard(self, peer: str, flows: dict[str, tuple[int, int]]) -> None: ...
+
+    def forget(self, peer: str) -> None: ...
 
 
 class PeerSync:
@@ -77,6 +101,8 @@ class PeerSync:
         self.loads = PeerLoads(config.stale_after_s, clock)
         self._config, self._fleet, self._metrics, self._context = config, fleet, metrics, context
         self._on_change = on_change
+        self._flows: SharedFlows | None = None
+        self._shared = False  # the snapshots travel over the shared store (router/shared/snapshots.py)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
         self._publisher: zmq.asyncio.Socket | None = None
@@ -86,6 +112,15 @@ class PeerSync:
     def expect_discovered(self) -> None:
         """More peers come from discovery (follow_discovered), besides those configured: before start()."""
         self._discovered = set()
+
+    def share_flows(self, flows: SharedFlows) -> None:
+        """Tell peers flow control's counts, and hand it theirs."""
+        self._flows = flows
+
+    def expect_shared(self) -> None:
+        """Peers come from the shared store's channel, which runs its own publish and follow loops: before
+        start()."""
+        self._shared = True
 
     def start(self) -> None:
         if self._config.publish is not None:
@@ -108,7 +143,8 @@ class PeerSync:
     def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
         """The background loops start() set up, by name, each to run in a task of its own (supervised); none
         without peers configured, where the sync is a null object."""
-        if self._config.publish is None and not self._config.subscribe and self._discovered is None:
+        configured = self._config.publish is not None or self._config.subscribe
+        if not configured and self._discovered is None and not self._shared:
             return {}
         loops: dict[str, Callable[[], Awaitable[None]]] = {"peers-expire": self.expire_stale}
         if self._publisher is not None:
@@ -136,7 +172,9 @@ class PeerSync:
 
     def snapshot(self) -> bytes:
         loads = {name: InstanceLoad(*load) for name, load in own_loads(self._fleet.instances).items()}
-        return self._encoder.encode(PeerSnapshot(self.router_id, loads))
+        own = {} if self._flows is None else self._flows.shared()
+        flows = {key: FlowShare(max(n, 0), max(tokens, 0)) for key, (n, tokens) in own.items()}
+        return self._encoder.encode(PeerSnapshot(self.router_id, loads, flows))
 
     def receive(self, message: bytes) -> None:
         """Take one peer's snapshot; malformed ones, this router's own, and new peers past MAX_PEERS are
@@ -160,10 +198,21 @@ class PeerSync:
             if name in names
         }
         self.loads.update(snapshot.router, loads)
+        if self._flows is not None:
+            flows = {key: (share.in_flight, share.tokens) for key, share in snapshot.flows.items()}
+            self._flows.heard(snapshot.router, flows)
         self._apply()
 
+    def skipped(self) -> None:
+        """A message that is no snapshot (too large to be one) was not read."""
+        self._metrics.peer_snapshots("malformed").inc()
+
     def expire(self) -> None:
-        if self.loads.expire():
+        stale = self.loads.expire()
+        if self._flows is not None:
+            for peer in stale:
+                self._flows.forget(peer)
+        if stale:
             self._apply()
 
     def _apply(self) -> None:

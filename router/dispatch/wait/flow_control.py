@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from router.config import FlowControlConfig, ObjectiveConfig
 from router.dispatch.wait.flow_queue import FlowQueue, Queued
+from router.dispatch.wait.flows_elsewhere import FlowsElsewhere, flow_key, objective_key
 from router.dispatch.wait.saturation import Saturation
 
 T = TypeVar("T")
@@ -100,6 +101,10 @@ class FlowControl(Generic[T]):
         self._in_flight_flow: dict[str, int] = {}
         self._in_flight_objective: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
+        # Peer routers' counts (router/dispatch/wait/flows_elsewhere.py), and the tokens charged here since
+        # they were last told (kept only once they are: shared()).
+        self.elsewhere = FlowsElsewhere()
+        self._sent_tokens: dict[str, int] | None = None
         self.configure(config)
 
     def configure(self, config: FlowControlConfig) -> None:
@@ -138,7 +143,7 @@ class FlowControl(Generic[T]):
         queue = self._queue(model)
         self._rooms[model] = room
         if not len(queue) and not self._at_limit(flow, name) and self._has_room(model, room):
-            _charge(buckets, tokens)
+            self._charge(buckets, tokens)
             self._count(flow, name, 1)
             return None
         if queue.by_objective.get(name, 0) >= settings.max_queued:
@@ -146,7 +151,7 @@ class FlowControl(Generic[T]):
         per_flow = self.config.per_flow.max_queued
         if per_flow is not None and queue.by_flow.get(flow, 0) >= per_flow:
             raise Refused("flow_queue_full", math.ceil(settings.max_queue_s))
-        _charge(buckets, tokens)
+        self._charge(buckets, tokens)
         now = self._clock()
         deadline = now + settings.max_queue_s
         entry = Queued(item, flow, name, settings.priority, work, now, deadline, model, tokens=tokens)
@@ -207,19 +212,62 @@ class FlowControl(Generic[T]):
             )
         return queue
 
-    def _within_rate(self, flow: str, objective: str, settings: ObjectiveConfig) -> list[_Bucket]:
+    def _within_rate(self, flow: str, objective: str, settings: ObjectiveConfig) -> list[tuple[str, _Bucket]]:
         """The objective's and the flow's buckets, to charge once the request is admitted; Refused when one
         is overdrawn (nothing is charged for a request refused)."""
         now = self._clock()
         limits = (
-            (f"objective:{objective}", settings.tokens_per_s),
-            (f"flow:{flow}", self.config.per_flow.tokens_per_s),
+            (objective_key(objective), settings.tokens_per_s),
+            (flow_key(flow), self.config.per_flow.tokens_per_s),
         )
-        buckets = [self._bucket(key, rate, now) for key, rate in limits if rate is not None]
-        wait_s = max((bucket.wait_s(now) for bucket in buckets), default=0.0)
+        buckets = [(key, self._bucket(key, rate, now)) for key, rate in limits if rate is not None]
+        wait_s = max((bucket.wait_s(now) for _, bucket in buckets), default=0.0)
         if wait_s:
             raise Refused("rate_limited", max(1, math.ceil(wait_s)))
         return buckets
+
+    def _charge(self, buckets: list[tuple[str, _Bucket]], tokens: int) -> None:
+        sent = self._sent_tokens
+        for key, bucket in buckets:
+            bucket.level -= tokens
+            if sent is not None:
+                sent[key] = sent.get(key, 0) + tokens
+
+    def shared(self) -> dict[str, tuple[int, int]]:
+        """What peer routers are told (router/upstreams/peer_sync.py): each limited flow's and objective's
+        requests in flight here and the prompt tokens charged since the last call."""
+        sent, self._sent_tokens = self._sent_tokens or {}, {}
+        told: dict[str, tuple[int, int]] = {}
+        if self.config.per_flow.max_in_flight is not None:
+            told.update((flow_key(flow), (n, 0)) for flow, n in self._in_flight_flow.items())
+        objectives = self.config.objectives
+        for objective, n in self._in_flight_objective.items():
+            if self.config.objective(objective)[1].max_in_flight is not None and objective in objectives:
+                told[objective_key(objective)] = (n, 0)
+        for key, tokens in sent.items():
+            told[key] = (told.get(key, (0, 0))[0], tokens)
+        return told
+
+    def heard(self, peer: str, flows: dict[str, tuple[int, int]]) -> None:
+        """A peer's counts: its requests in flight count against the limits here, and the tokens it sent
+        are taken from the buckets here."""
+        self.elsewhere.heard(peer, {key: n for key, (n, _) in flows.items()})
+        now = self._clock()
+        for key, (_, tokens) in flows.items():
+            rate = self._rate_of(key)
+            if tokens and rate is not None:
+                self._bucket(key, rate, now).level -= tokens
+
+    def forget(self, peer: str) -> None:
+        self.elsewhere.forget(peer)
+
+    def _rate_of(self, key: str) -> float | None:
+        kind, _, name = key.partition(":")
+        if kind == "flow":
+            return self.config.per_flow.tokens_per_s
+        if kind == "objective" and name in self.config.objectives:
+            return self.config.objectives[name].tokens_per_s
+        return None
 
     def _bucket(self, key: str, rate: float, now: float) -> _Bucket:
         bucket = self._buckets.get(key)
@@ -237,11 +285,16 @@ class FlowControl(Generic[T]):
 
     def _flow_at_limit(self, flow: str) -> bool:
         limit = self.config.per_flow.max_in_flight
-        return limit is not None and self._in_flight_flow.get(flow, 0) >= limit
+        if limit is None:
+            return False
+        return self._in_flight_flow.get(flow, 0) + self.elsewhere.in_flight(flow_key(flow)) >= limit
 
     def _objective_at_limit(self, objective: str) -> bool:
         limit = self.config.objective(objective)[1].max_in_flight
-        return limit is not None and self._in_flight_objective.get(objective, 0) >= limit
+        if limit is None:
+            return False
+        in_flight = self._in_flight_objective.get(objective, 0)
+        return in_flight + self.elsewhere.in_flight(objective_key(objective)) >= limit
 
     def _count(self, flow: str, objective: str, change: int) -> None:
         for counts, key in ((self._in_flight_flow, flow), (self._in_flight_objective, objective)):
@@ -250,8 +303,3 @@ class FlowControl(Generic[T]):
                 counts[key] = left
             else:
                 counts.pop(key, None)
-
-
-def _charge(buckets: list[_Bucket], tokens: int) -> None:
-    for bucket in buckets:
-        bucket.level -= tokens

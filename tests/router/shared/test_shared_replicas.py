@@ -1,0 +1,130 @@
+"""Router replicas sharing state through a real redis-server (router/shared/): they find each other on the
+store with nothing naming the others, one tenant's limit on requests in flight holds across them as one
+limit, and losing the store loses no request: each replica warns, carries on alone, and shares again once
+the store is back."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvroute.processes import FleetPorts, running_router_process
+from kvroute.store_servers import StoreServer, running_redis, start_redis
+from tests.conftest import metric, sample
+from tests.support.http import get_json, post
+from tests.support.waiting import eventually
+
+TENANT_LIMIT = 2
+FAIRNESS = "x-gateway-inference-fairness-id"
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def replica_config(fleet: FleetPorts, url: str, namespace: str) -> dict[str, object]:
+    shared = {"url": url, "namespace": namespace, "interval_s": 0.05, "stale_after_s": 0.5}
+    flow_control = {"per_flow": {"max_in_flight": TENANT_LIMIT}}
+    return fleet.router_config(shared=shared, flow_control=flow_control, health={"interval_s": 0.2})
+
+
+@pytest.fixture
+def two_replicas(fleet: FleetPorts, redis_server: StoreServer, tmp_path: Path) -> Iterator[list[str]]:
+    namespace = f"test-{uuid.uuid4().hex[:8]}"  # replicas of this test only
+    config = replica_config(fleet, redis_server.url, namespace)
+    with (
+        running_router_process(config, tmp_path, "replica-a") as (first, _),
+        running_router_process(config, tmp_path, "replica-b") as (second, _),
+    ):
+        yield [first, second]
+
+
+def heard_each_other(replicas: list[str]) -> None:
+    for url in replicas:
+        eventually(lambda url=url: metric(url, "kvroute_peer_routers") == len(replicas) - 1, what="a peer")
+        assert metric(url, "kvroute_shared_store_up") == 1
+
+
+def chat(url: str, tenant: str, max_tokens: int = 1) -> int:
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": f"{tenant} asks again"}],
+        "max_tokens": max_tokens,
+    }
+    status, _, _ = post(url + "/v1/chat/completions", json.dumps(body).encode(), {FAIRNESS: tenant})
+    return status
+
+
+def engine_requests(fleet: FleetPorts) -> int:
+    """Requests running or waiting at every instance of the fleet."""
+    return sum(
+        int(sample(f"http://127.0.0.1:{fleet.http + n}", name) or 0)
+        for n in range(fleet.count)
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    )
+
+
+def test_replicas_find_each_other_on_the_store_and_share_a_tenants_limit(
+    fleet: FleetPorts, two_replicas: list[str]
+) -> None:
+    heard_each_other(two_replicas)
+    statuses: list[int] = []
+    # Each request decodes for about a second: 6 of one tenant, alternately through each replica, 0.1 s apart.
+    senders = [
+        threading.Thread(target=lambda n=n: statuses.append(chat(two_replicas[n % 2], "tenant-a", 1000)))
+        for n in range(6)
+    ]
+    most = 0
+    for sender in senders:
+        sender.start()
+        time.sleep(0.1)
+    while any(sender.is_alive() for sender in senders):
+        most = max(most, engine_requests(fleet))
+        time.sleep(0.02)
+    assert statuses == [200] * 6
+    # Alone, each replica lets 2 go at once: 4 together. Sharing, the tenant has 2 in flight in all.
+    assert 0 < most <= TENANT_LIMIT
+
+
+def test_losing_the_store_loses_no_request_and_its_return_shares_again(
+    fleet: FleetPorts, tmp_path: Path
+) -> None:
+    server = start_redis(tmp_path / "redis")
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    config = replica_config(fleet, server.url, namespace)
+    try:
+        with (
+            running_router_process(config, tmp_path, "replica-a") as (first, _),
+            running_router_process(config, tmp_path, "replica-b") as (second, _),
+        ):
+            replicas = [first, second]
+            heard_each_other(replicas)
+            server.child.stop()
+            for url in replicas:
+                eventually(lambda url=url: metric(url, "kvroute_shared_store_up") == 0, what="the store lost")
+                health = get_json(url + "/health")
+                assert health["status"] == "degraded"
+                assert any("shared store" in warning for warning in health["warnings"]), health
+            assert [chat(url, f"tenant-{n}") for n in range(4) for url in replicas] == [200] * 8
+            for url in replicas:  # alone: its peer's snapshots stopped
+                eventually(
+                    lambda url=url: metric(url, "kvroute_peer_routers") == 0, what="the peer forgotten"
+                )
+
+            server = start_redis(tmp_path / "redis", port=server.port)
+            back = time.monotonic()
+            heard_each_other(replicas)
+            assert time.monotonic() - back < 10
+            for url in replicas:
+                assert not any("shared store" in w for w in get_json(url + "/health")["warnings"])
+            assert [chat(url, "tenant-a") for url in replicas] == [200, 200]
+    finally:
+        server.child.stop()
