@@ -61,6 +61,7 @@ from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
+from router.shared.conversations import SharedConversations
 from router.shared.snapshots import SnapshotChannel
 from router.shared.store import SharedStore
 from router.supervisor import supervise
@@ -242,14 +243,16 @@ class Runtime:
     async def _shared(
         self, stack: contextlib.AsyncExitStack
     ) -> dict[str, tuple[Callable[[], Awaitable[None]], float, bool]]:
-        """With a shared store: its client, and the loops that publish and follow the replicas' snapshots
-        (router/shared/snapshots.py). An index host shares nothing: its workers do."""
+        """With a shared store: its client, the stored responses' conversations kept there, and the loops
+        that publish and follow the replicas' snapshots (router/shared/snapshots.py). An index host shares
+        nothing: its workers do."""
         config = self.config.shared
         hosts = self._shared_index is not None and self._shared_index.hosts
         if not config.enabled or hosts:
             return {}
         self.shared_store = store = SharedStore(config, self.metrics)
         stack.push_async_callback(store.close)
+        self.routing.responses.share(SharedConversations(store))
         peers = self.peers
         peers.expect_shared()
         channel = SnapshotChannel(store, peers.snapshot, peers.receive, peers.skipped)

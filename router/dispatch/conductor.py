@@ -156,6 +156,8 @@ class Conductor:
         decoded on a worker thread: an agent's megabytes of tools take a tenth of a second to translate,
         which the event loop spends on everyone else."""
         trace = arrival.trace
+        if self.responses.shared is not None and (arrival.api.body == "responses" or arrival.stored):
+            await self.responses.recall(arrival.raw, arrival.stored)
         with trace.step("parse"):
             if len(arrival.raw) > self._thread_above:
                 received = await asyncio.to_thread(self._received, arrival)

@@ -59,6 +59,10 @@ class SharedStore:
         self.up, self._told = True, False
         self._metrics.shared_store_up.set(1)
 
+    def dropped(self, operation: str) -> None:
+        """An operation not made (too many waiting): counted, the store not marked down."""
+        self._metrics.shared_store_errors(operation).inc()
+
     def failed(self, operation: str, error: BaseException) -> None:
         self._metrics.shared_store_errors(operation).inc()
         if self.up:

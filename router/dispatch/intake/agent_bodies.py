@@ -31,6 +31,7 @@ from router.prompt.openai_body import (
     served_model,
 )
 from router.prompt.responses_chat import responses_chat
+from router.shared.conversations import SharedConversations
 from router.upstreams.instances import Instance
 
 
@@ -45,6 +46,10 @@ class _ResponsesHead(msgspec.Struct):
     cache_salt: str | None = None
     tool_choice: Any = None
     priority: Any = None
+
+
+class _PreviousOnly(msgspec.Struct):
+    previous_response_id: str | None = None
 
 
 class _MessagesMetadata(msgspec.Struct):
@@ -82,6 +87,38 @@ class StoredResponses:
 
     def __init__(self, ids: ResponseIds, history: ResponseHistory) -> None:
         self.ids, self.history = ids, history
+        self.shared: SharedConversations | None = None
+
+    def share(self, shared: SharedConversations) -> None:
+        """Replicas share their stored responses' conversations and chosen ids through the store."""
+        self.shared = shared
+        self.history.on_kept = shared.kept
+        self.ids.on_chosen = shared.chosen
+
+    async def recall(self, raw: bytes, stored: str | None) -> None:
+        """Before a follow-up (raw naming previous_response_id) or a stored response's retrieval (stored: its
+        id) is read: what this replica does not know of that response, read from the shared store."""
+        shared = self.shared
+        if shared is None:
+            return
+        response_id = stored
+        if response_id is None:
+            try:
+                response_id = msgspec.json.decode(raw, type=_PreviousOnly).previous_response_id
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                return  # its read says what is wrong with it
+        if response_id is None:
+            return
+        ids, history = self.ids, self.history
+        key = ids.history_key(response_id)
+        if ids.knows(response_id) and (stored is not None or history.conversation(key) is not None):
+            return
+        chosen, conversation = await shared.recall(response_id, key)
+        if chosen is not None and not ids.knows(response_id):
+            ids.adopt(response_id, chosen.url, chosen.owner)
+            key = ids.history_key(response_id)
+        if conversation is not None and history.conversation(key) is None:
+            history.adopt(key, conversation.messages, conversation.output, len(raw))
 
     def read(self, raw: bytes, only_model: str | None, owner: str | None) -> AgentRead:
         fields = json_object(raw)

@@ -10,7 +10,7 @@ still goes to the instance that holds it, routed without prefix knowledge.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,8 @@ class ResponseHistory:
         self._entries: OrderedDict[str, Conversation] = OrderedDict()
         self._max_entries, self._max_bytes = max_entries, max_bytes
         self._bytes = 0
+        # Told each conversation completed here (replicas' shared store: router/shared/conversations.py).
+        self.on_kept: Callable[[str, Sequence[Mapping[str, Any]], list[Any]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,6 +56,12 @@ class ResponseHistory:
         entry.output, entry.charged = output, entry.size + len(answer)
         self._bytes += entry.charged
         self._evict()
+        if self.on_kept is not None:
+            self.on_kept(key, entry.messages, output)
+
+    def adopt(self, key: str, messages: Sequence[Mapping[str, Any]], output: list[Any], size: int) -> None:
+        """A conversation completed elsewhere (another replica's, read from the shared store)."""
+        self._put(key, Conversation(messages, size, output))
 
     def conversation(self, key: str) -> Conversation | None:
         """The previous response's messages and output; None unless both are known."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import lru_cache
 
 import xxhash
@@ -34,6 +35,8 @@ class ResponseIds:
     def __init__(self, upstreams: Upstreams) -> None:
         self._upstreams = upstreams
         self._chosen: OrderedDict[str, tuple[str, str]] = OrderedDict()  # a client's id -> URL, owner
+        # Told each id a client chose (replicas' shared store: router/shared/conversations.py).
+        self.on_chosen: Callable[[str, str, str], None] | None = None
 
     @staticmethod
     def nonce() -> str:
@@ -46,10 +49,20 @@ class ResponseIds:
 
     def chosen(self, response_id: str, instance: Instance, owner: str) -> None:
         """A client set the id itself: the instance that made it and its owner are remembered here."""
-        self._chosen[response_id] = (instance.url, owner)
+        self.adopt(response_id, instance.url, owner)
+        if self.on_chosen is not None:
+            self.on_chosen(response_id, instance.url, owner)
+
+    def adopt(self, response_id: str, url: str, owner: str) -> None:
+        """A client's id and its instance's URL and owner, chosen here or at another replica."""
+        self._chosen[response_id] = (url, owner)
         self._chosen.move_to_end(response_id)
         if len(self._chosen) > _REMEMBERED:
             self._chosen.popitem(last=False)
+
+    def knows(self, response_id: str) -> bool:
+        """Whether the id names its instance by itself, or was chosen and is remembered here."""
+        return response_id.startswith(_PREFIX) or response_id in self._chosen
 
     def holder(self, response_id: str) -> Instance | None:
         """The instance the id names, if it is one of the fleet's now."""

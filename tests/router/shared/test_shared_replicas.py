@@ -11,16 +11,19 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvroute.processes import FleetPorts, running_router_process
 from kvroute.store_servers import StoreServer, running_redis, start_redis
+from router.dispatch.observe.routing_headers import CACHED_BLOCKS_HEADER, INSTANCE_HEADER
 from tests.conftest import metric, sample
 from tests.support.http import get_json, post
 from tests.support.waiting import eventually
 
 TENANT_LIMIT = 2
+BLOCK = 32  # FleetPorts.router_config's block size
 FAIRNESS = "x-gateway-inference-fairness-id"
 
 
@@ -128,3 +131,32 @@ def test_losing_the_store_loses_no_request_and_its_return_shares_again(
             assert [chat(url, "tenant-a") for url in replicas] == [200, 200]
     finally:
         server.child.stop()
+
+
+def respond(url: str, text: str, previous: str | None) -> tuple[dict[str, str], dict[str, Any]]:
+    body: dict[str, object] = {"model": "tiny-llama", "input": text, "max_output_tokens": 8}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    status, headers, answer = post(url + "/v1/responses", json.dumps(body).encode())
+    assert status == 200, answer
+    return headers, json.loads(answer)
+
+
+def test_a_follow_up_through_another_replica_is_routed_with_its_prefix_known(
+    fleet: FleetPorts, two_replicas: list[str]
+) -> None:
+    """A Responses chain whose every turn goes through the other replica: each turn's prompt is known where it
+    is routed (the conversation behind the previous response was read from the store), so its predicted
+    cached blocks are the engine's hits."""
+    heard_each_other(two_replicas)
+    previous = None
+    turns = []
+    for turn in range(4):
+        text = f"turn {turn}: read the failing test, then patch the parser and run it again. " * 6
+        headers, answer = respond(two_replicas[turn % 2], text, previous)
+        cached = answer["usage"]["input_tokens_details"]["cached_tokens"]
+        turns.append((headers[INSTANCE_HEADER], int(headers[CACHED_BLOCKS_HEADER]), cached))
+        previous = answer["id"]
+    assert len({instance for instance, _, _ in turns}) == 1, turns
+    for _, predicted, cached in turns[1:]:
+        assert predicted == cached // BLOCK > 0, turns
