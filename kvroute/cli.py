@@ -624,7 +624,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     live.add_argument(
         "--targets",
-        help="comma-separated: kvroute[:POLICY], vllm-router:POLICY (or :PREFILL/DECODE on a P/D fleet; "
+        help="comma-separated: kvroute[:POLICY], kvroute-replicas:N[+shared] (N replicas behind nginx's "
+        "round robin, sharing a Redis store or not), vllm-router:POLICY (or :PREFILL/DECODE on a P/D fleet; "
         "kv_aware+affinity and kv_aware+programs turn on its session affinity or program scheduling), "
         "smg:POLICY (SGLang's model gateway), NAME=URL (a running router); default: kvroute:round-robin,"
         "kvroute,vllm-router:round_robin,vllm-router:cache_aware,vllm-router:kv_aware,smg:cache_aware; on a "

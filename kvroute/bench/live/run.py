@@ -54,6 +54,7 @@ from kvroute.bench.live.pd import (
     vllm_router_pd_args,
 )
 from kvroute.bench.live.plots import write_plots
+from kvroute.bench.live.replicas import parse_replicas, running_replicas
 from kvroute.bench.live.smg import find_smg, running_smg
 from kvroute.bench.live.view import bench_view
 from kvroute.bench.live.workloads import LiveWorkload, SessionWorkload, TraceWorkload
@@ -125,8 +126,9 @@ class Target:
 
 
 def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
-    """``kvroute``, ``kvroute:POLICY``, ``vllm-router:POLICY`` (``vllm-router:kv_aware+VARIANT``, a
-    VLLM_ROUTER_VARIANTS key), ``smg:POLICY`` or ``NAME=URL`` (a router already running)."""
+    """``kvroute``, ``kvroute:POLICY``, ``kvroute-replicas:N[+shared]``, ``vllm-router:POLICY``
+    (``vllm-router:kv_aware+VARIANT``, a VLLM_ROUTER_VARIANTS key), ``smg:POLICY`` or ``NAME=URL`` (a router
+    already running)."""
     targets = []
     for spec in (s.strip() for s in specs):
         if not spec:
@@ -138,6 +140,8 @@ def parse_targets(specs: Sequence[str], default_policy: str) -> list[Target]:
         kind, _, policy = spec.partition(":")
         if kind == "kvroute":
             policy = policy or default_policy
+        elif kind == "kvroute-replicas":
+            parse_replicas(policy)
         elif kind not in ("vllm-router", "smg") or not policy:
             raise ValueError(
                 f"target {spec!r}: use kvroute[:POLICY], vllm-router:POLICY (e.g. round_robin), smg:POLICY "
@@ -465,6 +469,10 @@ def _endpoint(
         config = kvroute_config(fleet, target.policy)
         with running_router(config, log_dir, name=f"kvroute-{target.policy}") as url:
             yield url, url
+    elif target.kind == "kvroute-replicas":
+        config = kvroute_config(fleet, fleet.config.default_policy)
+        with running_replicas(config, target.policy, log_dir) as urls:
+            yield urls
     elif target.kind == "smg":
         if is_disaggregated(fleet.config):
             raise SkipTarget("smg targets need an aggregated fleet (its P/D mode is not set up here)")
