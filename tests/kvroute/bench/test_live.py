@@ -417,6 +417,11 @@ def test_trace_replay_through_every_default_target(tmp_path: Path) -> None:
             Target("vllm-router:kv_aware+programs", "vllm-router", "kv_aware+programs"),
         ),
         ("smg:cache_aware", Target("smg:cache_aware", "smg", "cache_aware")),
+        ("kvroute-replicas:3", Target("kvroute-replicas:3", "kvroute-replicas", "3")),
+        (
+            "kvroute-replicas:3+shared",
+            Target("kvroute-replicas:3+shared", "kvroute-replicas", "3+shared"),
+        ),
         ("stack=http://127.0.0.1:8000/", Target("stack", "url", url="http://127.0.0.1:8000")),
     ],
 )
@@ -435,6 +440,12 @@ def test_parse_targets_rejects(spec: str) -> None:
 )
 def test_parse_targets_rejects_variants(spec: str) -> None:
     with pytest.raises(ValueError, match="kv_aware\\+affinity, kv_aware\\+programs"):
+        parse_targets([spec], default_policy="kvroute")
+
+
+@pytest.mark.parametrize("spec", ["kvroute-replicas", "kvroute-replicas:0", "kvroute-replicas:3+gossip"])
+def test_parse_targets_rejects_replicas(spec: str) -> None:
+    with pytest.raises(ValueError, match="kvroute-replicas:N or kvroute-replicas:N\\+shared"):
         parse_targets([spec], default_policy="kvroute")
 
 
