@@ -48,6 +48,7 @@ events {{ worker_connections 4096; }}
 http {{
   access_log off;
   client_max_body_size 64m;
+  client_body_buffer_size 64m;  # a long prompt stays in memory, never in a temp file
 {temp_paths}
   upstream replicas {{
 {servers}
@@ -93,7 +94,8 @@ def running_replicas(config: dict[str, Any], policy: str, log_dir: Path) -> Iter
             [(child, f"http://127.0.0.1:{port}/metrics") for child, port in zip(children, ports, strict=True)]
         )
         work = log_dir / "balancer"
-        work.mkdir(parents=True, exist_ok=True)
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (work / kind).mkdir(parents=True, exist_ok=True)
         conf = work / "nginx.conf"
         conf.write_text(balancer_conf(work, base, ports))
         argv = [nginx, "-p", str(work), "-e", str(work / "nginx-error.log"), "-c", str(conf)]
