@@ -100,8 +100,21 @@ def render(case: Case) -> list[Manifest]:
     return manifests
 
 
+STORE_NAME = "kvroute-store"  # the app.kubernetes.io/name of the replicas' store
+
+
+def is_store(doc: Manifest) -> bool:
+    return bool(doc["metadata"].get("labels", {}).get("app.kubernetes.io/name") == STORE_NAME)
+
+
 def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
-    return [doc for doc in manifests if doc["kind"] == kind]
+    """The router's manifests of a kind (the store's: store_of)."""
+    return [doc for doc in manifests if doc["kind"] == kind and not is_store(doc)]
+
+
+def store_of(manifests: list[Manifest]) -> dict[str, Manifest]:
+    """The replicas' store, by kind."""
+    return {doc["kind"]: doc for doc in manifests if is_store(doc)}
 
 
 def one(manifests: list[Manifest], kind: str) -> Manifest:
@@ -119,12 +132,6 @@ def container(manifests: list[Manifest]) -> dict[str, Any]:
     containers: list[dict[str, Any]] = one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert len(containers) == 1
     return containers[0]
-
-
-def selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    """Whether an equality-based label selector (k=v,k=v) selects labels."""
-    terms = [term.split("=", 1) for term in selector.split(",")]
-    return all(labels.get(key) == value for key, value in terms)
 
 
 def service_monitor_errors(monitors: list[Manifest]) -> list[list[str]]:

@@ -1,6 +1,6 @@
 """The Helm chart: every combination of mode, fleet, replicas and ServiceMonitor renders, lints, meets the
 Kubernetes (and Prometheus Operator) schemas, and carries a router configuration that `kvroute check-config`
-accepts; the pieces are wired to each other (ports, probes, labels, RBAC, peers)."""
+accepts; the pieces are wired to each other (ports, probes, labels, RBAC, the replicas' store)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from tests.deploy.chart import (
     render,
     render_values,
     router_config,
-    selector_matches,
     service_monitor_errors,
+    store_of,
 )
 
 CASE_IDS = [case.id for case in CASES]
@@ -44,7 +44,6 @@ DISCOVERY_KEYS = {
     "models",
     "role_label",
     "data_parallel_size",
-    "peers_selector",
 }
 ROUTER_HAS_DISCOVERY = "discovery" in RouterConfig.model_fields
 WATCH = ["get", "list", "watch"]
@@ -70,6 +69,7 @@ def test_manifests_meet_the_kubernetes_schemas(case: Case, version: str) -> None
     expected = {"ServiceAccount", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
     expected |= {"Role", "RoleBinding"} if case.fleet == "discovery" else set()
     expected |= {"ServiceMonitor"} if case.service_monitor else set()
+    expected |= {"StatefulSet"} if case.replicas > 1 else set()
     assert {doc["kind"] for doc in manifests} == expected
     for doc in manifests:
         if doc["kind"] != "ServiceMonitor":  # a CRD: test_service_monitor_meets_its_crd
@@ -126,11 +126,9 @@ def test_config_passes_check_config(values: dict[str, Any], tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_fleet_and_peers_in_the_config(case: Case) -> None:
+def test_fleet_and_store_in_the_config(case: Case) -> None:
     manifests = render(case)
     config = router_config(manifests)
-    pod_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    ports = {port["name"]: port["containerPort"] for port in container(manifests)["ports"]}
     if case.fleet == "static":
         assert config["instances"] == STATIC_FLEET
         assert "discovery" not in config
@@ -140,16 +138,29 @@ def test_fleet_and_peers_in_the_config(case: Case) -> None:
         assert config["discovery"]["source"] == "kubernetes"
         assert config["discovery"]["selector"] == "app=vllm"
         assert config["discovery"]["ports"] == {"http": 8000, "events": 5557, "replay": None}
-    if case.fleet == "discovery" and case.replicas > 1:
-        assert config["peers"] == {"publish": "tcp://0.0.0.0:5600"}
-        selector = config["discovery"]["peers_selector"]
-        assert selector_matches(selector, pod_labels)
-        assert not selector_matches(selector, {**pod_labels, "app.kubernetes.io/instance": "another-release"})
-        assert ports["peers"] == 5600
-    else:
-        assert "peers" not in config
-        assert config.get("discovery", {}).get("peers_selector") is None
-        assert "peers" not in ports
+    store = store_of(manifests)
+    if case.replicas == 1:
+        assert "shared" not in config and store == {}
+        return
+    # The replicas share this release's Redis: its Service, in front of its one pod, is the config's URL.
+    service, pods = store["Service"], store["StatefulSet"]
+    assert config["shared"] == {"url": f"redis://{service['metadata']['name']}:6379/0"}
+    assert pods["spec"]["replicas"] == 1
+    labels = pods["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert pods["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (redis,) = pods["spec"]["template"]["spec"]["containers"]
+    assert [port["containerPort"] for port in redis["ports"]] == [6379]
+    # and none of the router's selectors picks a store pod
+    router = one(manifests, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert not router.items() <= labels.items()
+    assert not one(manifests, "Service")["spec"]["selector"].items() <= labels.items()
+
+
+def test_replicas_may_share_a_store_of_their_own() -> None:
+    manifests = render_values({"replicaCount": 2, "store": {"url": "rediss://valkey.cache:6380/2"}})
+    assert router_config(manifests)["shared"] == {"url": "rediss://valkey.cache:6380/2"}
+    assert store_of(manifests) == {}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -217,11 +228,11 @@ def test_rbac_lets_discovery_watch_pods(case: Case) -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
 
 
-def test_discovery_elsewhere_gets_a_role_there_and_one_here_for_peers() -> None:
+def test_discovery_elsewhere_gets_a_role_there_only() -> None:
     manifests = render_values(ELSEWHERE)
     roles = {doc["metadata"]["namespace"] for doc in of_kind(manifests, "Role")}
     bindings = {doc["metadata"]["namespace"] for doc in of_kind(manifests, "RoleBinding")}
-    assert roles == bindings == {"vllm", NAMESPACE}
+    assert roles == bindings == {"vllm"}
     assert router_config(manifests)["discovery"]["namespace"] == "vllm"
 
 
@@ -242,8 +253,7 @@ def test_an_endpointslices_fleet_reads_the_service_s_slices(version: str) -> Non
         "vllm",
         None,
     )
-    # pods only for the replicas' peers, in the release's namespace
-    assert one(manifests, "Role")["rules"] == [PODS_RULE, SLICES_RULE]
+    assert one(manifests, "Role")["rules"] == [SLICES_RULE]
     for doc in manifests:
         kubernetes_validate.validate(doc, version, strict=True)
     elsewhere = render_values({"discovery": {**ENDPOINTSLICES["discovery"], "namespace": "vllm"}})
@@ -258,12 +268,12 @@ def test_the_config_values_pass_through() -> None:
     config: dict[str, Any] = {
         "models": [{"name": "llama", "tokenizer": "remote"}],
         "traffic": {"split": {"kvroute": 90, "round-robin": 10}},
-        "peers": {"interval_s": 0.1},
+        "shared": {"interval_s": 0.1},
     }
     manifests = render_values({"config": config, "replicaCount": 2})
     rendered = router_config(manifests)
     assert rendered["models"] == config["models"] and rendered["traffic"] == config["traffic"]
-    assert rendered["peers"] == {"interval_s": 0.1, "publish": "tcp://0.0.0.0:5600"}  # merged, not replaced
+    assert rendered["shared"] == {"interval_s": 0.1, "url": "redis://kvr-kvroute-store:6379/0"}  # merged
 
 
 @pytest.mark.parametrize(
@@ -284,6 +294,7 @@ def test_the_config_values_pass_through() -> None:
         ({"discovery": {"source": "inferencepool"}}, "at '/discovery/inferencepool': got null, want string"),
         ({"config": {"models": [{"name": "m"}], "instances": STATIC_FLEET}}, "at '/config': 'not' failed"),
         ({"epp": {"port": 70000}}, "at '/epp/port': maximum"),
+        ({"store": {"url": "valkey:6379"}}, "at '/store/url'"),
     ],
 )
 def test_bad_values_are_refused(values: dict[str, Any], error: str) -> None:

@@ -1,4 +1,4 @@
-"""Three router replicas in front of one fleet, peers of each other, as behind a Service: an agentic
+"""Three router replicas in front of one fleet, sharing a redis-server, as behind a Service: an agentic
 workload whose every turn goes through another replica keeps each session on one instance, every replica
 predicts the prefix the engine then reports cached, and a replica restarted on its port rebuilds its index
 from the engines' replay buffers (no index loss) while the other two serve every request."""
@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet, start, wait_all_healthy
+from kvroute.store_servers import running_redis
 from tests.conftest import sample
 from tests.support.waiting import eventually
 
@@ -72,26 +73,21 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture
 def replicas(fleet: FleetPorts, tmp_path: Path) -> Iterator[list[Replica]]:
-    http, publish = free_port_block(REPLICAS), free_port_block(REPLICAS)
-    endpoints = [f"tcp://127.0.0.1:{publish + n}" for n in range(REPLICAS)]
+    http = free_port_block(REPLICAS)
     started = []
-    for n in range(REPLICAS):
-        peers = {
-            "publish": endpoints[n],
-            "subscribe": [e for e in endpoints if e != endpoints[n]],
-            "interval_s": 0.05,
-            "stale_after_s": 0.5,
-        }
-        config = fleet.router_config(BLOCK_SIZE, peers=peers, health={"interval_s": 0.2})
-        path = tmp_path / f"replica-{n}.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        started.append(Replica(f"replica-{n}", http + n, path, tmp_path))
-    try:
-        wait_all_healthy([(replica.start(), replica.url + "/metrics") for replica in started])
-        yield started
-    finally:
-        for replica in started:
-            replica.stop()
+    with running_redis(tmp_path / "redis") as store:
+        shared = {"url": store.url, "interval_s": 0.05, "stale_after_s": 0.5}
+        for n in range(REPLICAS):
+            config = fleet.router_config(BLOCK_SIZE, shared=shared, health={"interval_s": 0.2})
+            path = tmp_path / f"replica-{n}.yaml"
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+            started.append(Replica(f"replica-{n}", http + n, path, tmp_path))
+        try:
+            wait_all_healthy([(replica.start(), replica.url + "/metrics") for replica in started])
+            yield started
+        finally:
+            for replica in started:
+                replica.stop()
 
 
 def test_sessions_stay_together_across_replicas_and_a_restart_loses_no_index(replicas: list[Replica]) -> None:

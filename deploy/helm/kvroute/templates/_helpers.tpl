@@ -28,16 +28,6 @@ app.kubernetes.io/component: {{ .Values.mode }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
-{{/* The pod labels as a label selector: how the replicas find each other (discovery.peers_selector). */}}
-{{- define "kvroute.peersSelector" -}}
-{{- $labels := include "kvroute.selectorLabels" . | fromYaml }}
-{{- $terms := list }}
-{{- range $key := keys $labels | sortAlpha }}
-{{- $terms = append $terms (printf "%s=%s" $key (get $labels $key)) }}
-{{- end }}
-{{- join "," $terms }}
-{{- end }}
-
 {{- define "kvroute.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kvroute.fullname" .) .Values.serviceAccount.name }}
@@ -46,11 +36,26 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{- define "kvroute.peered" -}}
-{{- if and .Values.discovery.enabled (gt (int .Values.replicaCount) 1) }}true{{ end }}
+{{/* Whether the replicas share a store, and whether it is this release's. */}}
+{{- define "kvroute.shared" -}}
+{{- if gt (int .Values.replicaCount) 1 }}true{{ end }}
 {{- end }}
 
-{{/* The router's configuration file: .Values.config with the fleet (instances or discovery) and peers. */}}
+{{- define "kvroute.ownStore" -}}
+{{- if and (include "kvroute.shared" .) (not .Values.store.url) }}true{{ end }}
+{{- end }}
+
+{{- define "kvroute.storeUrl" -}}
+{{- .Values.store.url | default (printf "redis://%s-store:6379/0" (include "kvroute.fullname" .)) }}
+{{- end }}
+
+{{/* Its own name: the router's Service, PodDisruptionBudget and pod labels select none of its pods. */}}
+{{- define "kvroute.storeSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvroute.name" . }}-store
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* The router's configuration file: .Values.config with the fleet (instances or discovery) and the store. */}}
 {{- define "kvroute.config" -}}
 {{- $config := deepCopy .Values.config }}
 {{- if and (not .Values.discovery.enabled) (empty .Values.instances) }}
@@ -63,26 +68,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- /* the pool's own spec.selector, or the Service's name, picks: the default selector is for pods */}}
 {{- $_ := set $discovery "selector" nil }}
 {{- end }}
-{{- if include "kvroute.peered" . }}
-{{- $_ := set $discovery "peers_selector" (include "kvroute.peersSelector" .) }}
-{{- $peers := get $config "peers" | default dict }}
-{{- $_ := set $peers "publish" (printf "tcp://0.0.0.0:%d" (int .Values.peers.port)) }}
-{{- $_ := set $config "peers" $peers }}
-{{- end }}
 {{- $_ := set $config "discovery" $discovery }}
+{{- end }}
+{{- if include "kvroute.shared" . }}
+{{- $shared := get $config "shared" | default dict }}
+{{- $_ := set $shared "url" (include "kvroute.storeUrl" .) }}
+{{- $_ := set $config "shared" $shared }}
 {{- end }}
 {{- toYaml $config }}
 {{- end }}
 
-{{/* The namespaces the router reads pods (InferencePools, EndpointSlices) in: discovery's, and its own for
-peers. */}}
+{{/* The namespaces the router reads pods (InferencePools, EndpointSlices) in: discovery's. */}}
 {{- define "kvroute.watchedNamespaces" -}}
 {{- $namespaces := list }}
 {{- if .Values.discovery.enabled }}
 {{- $namespaces = append $namespaces (.Values.discovery.namespace | default .Release.Namespace) }}
-{{- if include "kvroute.peered" . }}
-{{- $namespaces = append $namespaces .Release.Namespace }}
 {{- end }}
-{{- end }}
-{{- $namespaces | uniq | toJson }}
+{{- $namespaces | toJson }}
 {{- end }}
