@@ -489,36 +489,6 @@ class PoolConfig(_Strict):
         return None if url is None else _checked_http_url(url)
 
 
-class PeersConfig(_Strict):
-    """Other kvroute routers in front of the same fleet (router/upstreams/peer_sync.py): each publishes what
-    it has in flight on each instance, and counts the others' with its own."""
-
-    publish: str | None = Field(default=None, description="where this router publishes its load (ZMQ bind)")
-    subscribe: list[str] = Field(default_factory=list, description="the other routers' publish endpoints")
-    interval_s: float = Field(default=0.05, gt=0, description="published this often")
-    stale_after_s: float = Field(default=1.0, gt=0, description="a peer silent this long counts no more")
-
-    @field_validator("publish")
-    @classmethod
-    def _publish_endpoint(cls, endpoint: str | None) -> str | None:
-        return None if endpoint is None else _checked_zmq_endpoint(endpoint)
-
-    @field_validator("subscribe")
-    @classmethod
-    def _subscribe_endpoints(cls, endpoints: list[str]) -> list[str]:
-        return [_checked_zmq_endpoint(endpoint) for endpoint in endpoints]
-
-    @model_validator(mode="after")
-    def _heard_before_stale(self) -> PeersConfig:
-        if self.stale_after_s < 2 * self.interval_s:
-            raise ValueError(
-                "stale_after_s must be at least twice interval_s: one lost snapshot must not drop a peer"
-            )
-        if self.publish is not None and self.publish in self.subscribe:
-            raise ValueError(f"subscribe lists this router's own publish endpoint {self.publish}")
-        return self
-
-
 class DiscoveryPorts(_Strict):
     http: int = Field(default=8000, ge=1, le=65535, description="the engines' OpenAI API (vllm serve --port)")
     events: int | None = Field(
@@ -579,12 +549,8 @@ class DiscoveryConfig(_Strict):
         ge=1,
         description="each pod's or endpoint's vllm serve --data-parallel-size (a pod's annotation wins)",
     )
-    peers_selector: str | None = Field(
-        default=None,
-        description="the router's own replicas: their peers.publish port joins the peers subscribed to",
-    )
 
-    @field_validator("selector", "peers_selector")
+    @field_validator("selector")
     @classmethod
     def _label_selector(cls, selector: str | None) -> str | None:
         if selector is not None:
@@ -699,7 +665,6 @@ class RouterConfig(_Strict):
     ttft: TTFTPriors = Field(default_factory=TTFTPriors)
     tokenization: TokenizationConfig = Field(default_factory=TokenizationConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
-    peers: PeersConfig = Field(default_factory=PeersConfig)
     shared: SharedConfig = Field(default_factory=SharedConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
@@ -808,10 +773,6 @@ class RouterConfig(_Strict):
         for model in self.discovery.models or []:
             if model not in model_names:
                 raise ValueError(f"discovery.models: {model!r} is not one of models ({model_names})")
-        if self.discovery.peers_selector is not None and self.peers.publish is None:
-            raise ValueError(
-                "discovery.peers_selector: peers.publish must be set; its port is where the replicas publish"
-            )
 
     def traffic_weights(self) -> dict[str, float]:
         return dict(self.traffic.split) if self.traffic.split else {self.default_policy: 1.0}

@@ -669,8 +669,8 @@ class _ControlFamilies:
         )
         self.peer_routers = Gauge(
             "kvroute_peer_routers",
-            "Other routers whose load this router heard within peers.stale_after_s (with --workers: its "
-            "sibling workers too)",
+            "Other routers whose load this router heard within shared.stale_after_s (replicas on the shared "
+            "store; with --workers, its sibling workers too)",
             registry=r,
             multiprocess_mode="livemax",
         )

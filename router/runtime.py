@@ -19,14 +19,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from router import allocator, worker_threads
-from router.config import ConfigError, ModelConfig, PeersConfig, RouterConfig
+from router.config import ConfigError, ModelConfig, RouterConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
 from router.dispatch.answer.relay import Relay
@@ -77,7 +77,7 @@ from router.upstreams.model_tokenizers import (
     find_model_tokenizer,
     model_roots,
 )
-from router.upstreams.peer_sync import PeerSync
+from router.upstreams.peer_sync import PeerEndpoints, PeerSync
 from router.upstreams.room import HasRoom
 
 log = logging.getLogger(__name__)
@@ -102,15 +102,19 @@ class SharedIndex:
 
 class Runtime:
     def __init__(
-        self, config: RouterConfig, peers: PeersConfig | None = None, shared_index: SharedIndex | None = None
+        self,
+        config: RouterConfig,
+        peers: PeerEndpoints | None = None,
+        shared_index: SharedIndex | None = None,
     ) -> None:
-        """peers: the peers this router takes part with, instead of config's (a worker of several,
-        router/http/workers.py); a reload does not change them. shared_index: where the index is when several
-        processes share it (None: this router's own)."""
-        peer_config = config.peers if peers is None else peers
+        """peers: its sibling workers' endpoints (a worker of several, router/http/workers.py). shared_index:
+        where the index is when several processes share it (None: this router's own)."""
+        peer_config = PeerEndpoints() if peers is None else peers
         if config.shared.enabled:  # peers heard over the store are timed by its settings
-            timing = {"interval_s": config.shared.interval_s, "stale_after_s": config.shared.stale_after_s}
-            peer_config = peer_config.model_copy(update=timing)
+            shared = config.shared
+            peer_config = replace(
+                peer_config, interval_s=shared.interval_s, stale_after_s=shared.stale_after_s
+            )
         self._peer_config = peer_config
         self._shared_index = shared_index
         self.config = config  # what runs: file_config's, with the discovered instances
@@ -202,12 +206,10 @@ class Runtime:
             self.subscriptions.subscribe(config.instances)
         scraper = LoadScraper(self.upstreams, control, config.load, restarted=self._engine_restarted)
         # Memory a peer's request freed may let requests held here go (admission.memory_hold_s). With no
-        # peers configured it binds nothing and runs no loop.
+        # sibling workers and no shared store it binds nothing and runs no loop.
         discovery = config.discovery
         self.peers = PeerSync(self._peer_config, self.upstreams, metrics, context, self.room_freed.fire)
         self.peers.share_flows(self.flow_gate.control)
-        if discovery is not None and discovery.peers_selector is not None:
-            self.peers.expect_discovered()
         shared_loops = await self._shared(stack)
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
@@ -232,7 +234,7 @@ class Runtime:
             checked = check_at_start(self.tokenizer_watch, self.tokenizers, self._remotes(control))
             tasks.append(asyncio.create_task(checked))
         if discovery is not None:
-            watch = Discovery(discovery, config.peers.publish, self.discovered, metrics).run
+            watch = Discovery(discovery, self.discovered, metrics).run
             tasks.append(
                 asyncio.create_task(
                     supervise("discovery", watch, 1.0, failures, max_backoff_s=DISCOVERY_MAX_BACKOFF_S)
@@ -401,7 +403,6 @@ class Runtime:
         """Take what discovery finds now beside the file's instances; ConfigError when it does not fit."""
         summary = self._take(with_discovered(self.file_config, fleet.instances), "discovery")
         self._discovered = fleet
-        self.peers.follow_discovered(fleet.peers)
         if summary["added"] or summary["removed"]:
             log.info("discovery: added %s, removed %s", summary["added"], summary["removed"])
 

@@ -16,7 +16,7 @@ from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
-from router.config import FlowControlConfig, PeersConfig, RouterConfig, parse_config
+from router.config import FlowControlConfig, RouterConfig, parse_config
 from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
 from router.dispatch.intake.engine_priority import engine_priority
 from router.dispatch.wait.waiting import PROGRAM_TICK_S
@@ -24,6 +24,7 @@ from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
 from router.programs.table import followed
 from router.programs.warm_ups import WarmUps
+from router.shared.settings import SharedConfig
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
 from router.upstreams.room import with_room
@@ -34,7 +35,7 @@ from scorers.ttft_model import TTFTFeatures, TTFTPriors
 
 T = TypeVar("T")
 
-PEERS_STALE_AFTER_S: float = PeersConfig.model_fields["stale_after_s"].default
+PEERS_STALE_AFTER_S: float = SharedConfig().stale_after_s
 # The objectives the simulated clients name, by priority: the same for every router that reads them.
 SIM_OBJECTIVES: dict[str, dict[str, Any]] = {"interactive": {"priority": 10}, "batch": {"priority": -10}}
 

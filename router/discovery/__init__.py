@@ -3,7 +3,7 @@ endpoints of a Service's EndpointSlices, watched and applied to the running rout
 configuration's static instances (router/runtime.py).
 
 ```
-discovery = Discovery(config.discovery, config.peers.publish, runtime.discovered, metrics)
+discovery = Discovery(config.discovery, runtime.discovered, metrics)
 await supervise("discovery", discovery.run, 1.0, metrics.task_failures)  # a broken watch starts over
 ```
 """

@@ -1,5 +1,5 @@
 """What a discovered pod is to the router: an instance (its ports and role from the configuration, or from
-its own annotations), or a peer router's publish endpoint."""
+its own annotations)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ HTTP_PORT, EVENTS_PORT, REPLAY_PORT = (
     "kvroute.io/replay-port",
 )
 DATA_PARALLEL_SIZE, ROLE = "kvroute.io/data-parallel-size", "kvroute.io/role"
-PEERS_PORT = "kvroute.io/peers-port"  # a replica publishing on another port than this router's peers.publish
 _NAME_LENGTH = 63  # of an instance name (router/config.py's pattern)
 _NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -47,13 +46,6 @@ def instance_of(pod: Pod, config: DiscoveryConfig, http_port: int) -> InstanceCo
         )
     except ValueError as exc:  # pydantic's, naming what the annotations made invalid
         raise PodError(str(exc)) from None
-
-
-def peer_endpoint(pod: Pod, publish: str) -> str:
-    """Where a replica of this router publishes its load: its address, and the port of this router's own
-    peers.publish (the replicas share a configuration) unless it says another."""
-    port = _port(pod.annotations, PEERS_PORT, int(publish.rpartition(":")[2]))
-    return f"tcp://{_host(pod)}:{port}"
 
 
 def instance_name(pod_name: str) -> str:

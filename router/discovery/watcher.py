@@ -1,5 +1,5 @@
 """The watch: list the pods (or EndpointSlices) a selector picks, then follow their changes, and hand the
-Ready ones to the router as instances (and its replicas as peers) each time the set changes.
+Ready ones to the router as instances each time the set changes.
 
 A session lists and watches until the watch breaks; it then raises, and its supervisor starts a new one
 with backoff (router/supervisor.py), which lists again: a pod deleted while no watch ran is not missed.
@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
 from router.config import ConfigError, DiscoveryConfig, InstanceConfig, data_parallel_ranks
 from router.discovery.kube import Kube, KubeError, error, own_namespace
-from router.discovery.pods import PodError, instance_of, peer_endpoint
+from router.discovery.pods import PodError, instance_of
 from router.discovery.slices import EndpointError, instance_of_endpoint
 from router.discovery.wire import (
     EndpointSlice,
@@ -41,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # The InferencePool's API versions, the newest first: GA, then the x-k8s.io alpha llm-d still ships.
 POOL_APIS = ("inference.networking.k8s.io/v1", "inference.networking.x-k8s.io/v1alpha2")
-Kind = Literal["instances", "peers"]
 _pod_list, _pool_list = msgspec.json.Decoder(PodList), msgspec.json.Decoder(PoolList)
 _event, _pod, _pool = (
     msgspec.json.Decoder(WatchEvent),
@@ -67,7 +64,6 @@ Watched = TypeVar("Watched", bound=_Labelled)
 @dataclass(frozen=True)
 class Discovered:
     instances: tuple[InstanceConfig, ...] = ()
-    peers: tuple[str, ...] = ()  # other replicas' publish endpoints
 
 
 class FleetSink(Protocol):
@@ -76,23 +72,12 @@ class FleetSink(Protocol):
 
 
 class Discovery:
-    def __init__(
-        self,
-        config: DiscoveryConfig,
-        peers_publish: str | None,
-        sink: FleetSink,
-        metrics: RouterMetrics,
-        own_pod: str | None = None,
-    ) -> None:
-        """peers_publish: this router's peers.publish, whose port its replicas publish on too; own_pod: the
-        router's pod name, left out of its peers (default: $POD_NAME, else the host name, which is the pod's
-        name in Kubernetes)."""
-        self._config, self._sink, self._publish_endpoint = config, sink, peers_publish
+    def __init__(self, config: DiscoveryConfig, sink: FleetSink, metrics: RouterMetrics) -> None:
+        self._config, self._sink = config, sink
         self._namespace = config.namespace or own_namespace()
-        self._own_pod = own_pod or os.environ.get("POD_NAME") or socket.gethostname()
         self._restarts = metrics.discovery_watch_restarts(config.source)
         self._found = metrics.discovered_instances(config.source)
-        self._pods: dict[Kind, dict[str, Pod]] = {"instances": {}, "peers": {}}
+        self._pods: dict[str, Pod] = {}
         self._slices: dict[str, EndpointSlice] = {}
         self._http_port = config.ports.http  # an InferencePool's target port replaces it
         self._published: Discovered | None = None
@@ -102,15 +87,10 @@ class Discovery:
         """One session, until its watch breaks: then it raises, counted."""
         try:
             async with await Kube.connect(self._config.kubeconfig) as kube, asyncio.TaskGroup() as tasks:
-                if self._config.peers_selector is not None:
-                    peers = LabelSelector.parse(self._config.peers_selector)
-                    tasks.create_task(self._follow(kube, "peers", peers))
                 if self._config.source == "endpointslices":
                     tasks.create_task(self._follow_slices(kube))
                 elif self._config.selector is not None:
-                    tasks.create_task(
-                        self._follow(kube, "instances", LabelSelector.parse(self._config.selector))
-                    )
+                    tasks.create_task(self._follow(kube, LabelSelector.parse(self._config.selector)))
                 else:
                     tasks.create_task(self._follow_pool(kube))
         except Exception as exc:
@@ -125,9 +105,9 @@ class Discovery:
             )
             raise failure from None
 
-    async def _follow(self, kube: Kube, kind: Kind, selector: LabelSelector) -> None:
+    async def _follow(self, kube: Kube, selector: LabelSelector) -> None:
         path = f"/api/v1/namespaces/{self._namespace}/pods"
-        await _mirror(kube, path, selector, _PODS, self._pods[kind], self._publish)
+        await _mirror(kube, path, selector, _PODS, self._pods, self._publish)
 
     async def _follow_slices(self, kube: Kube) -> None:
         """The EndpointSlices of the Service (or those the selector picks)."""
@@ -143,7 +123,7 @@ class Discovery:
             selector, self._http_port = self._target(pool)
             log.info("InferencePool %s selects %s, port %d", pool.metadata.name, selector, self._http_port)
             async with asyncio.TaskGroup() as tasks:
-                pods = tasks.create_task(self._follow(kube, "instances", selector))
+                pods = tasks.create_task(self._follow(kube, selector))
                 pool, version = await self._pool_changed(kube, path, pool, version)
                 pods.cancel()
 
@@ -196,22 +176,14 @@ class Discovery:
 
     def _publish(self) -> None:
         instances = self._endpoint_instances() if self._config.source == "endpointslices" else []
-        for pod in self._pods["instances"].values():
+        for pod in self._pods.values():
             if not pod.serving():
                 continue
             try:
                 instances.append(instance_of(pod, self._config, self._http_port))
             except PodError as exc:
                 self._tell(f"pod {pod.metadata.name}", str(exc))
-        peers: set[str] = set()
-        if self._publish_endpoint is not None:
-            for pod in self._pods["peers"].values():
-                if pod.serving() and pod.metadata.name != self._own_pod:
-                    try:
-                        peers.add(peer_endpoint(pod, self._publish_endpoint))
-                    except PodError as exc:
-                        self._tell(f"pod {pod.metadata.name}", str(exc))
-        fleet = Discovered(tuple(sorted(instances, key=lambda i: i.name)), tuple(sorted(peers)))
+        fleet = Discovered(tuple(sorted(instances, key=lambda i: i.name)))
         if fleet == self._published:
             return
         try:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from router.config import PeersConfig, RouterConfig
+from router.config import RouterConfig
 from router.dispatch.apis import CANCEL_RESPONSE, RETRIEVE_RESPONSE, ROUTED_PATHS, Api
 from router.dispatch.observe.routing_headers import (
     ATTEMPTS_HEADER,
@@ -41,6 +41,7 @@ from router.http.proxy import BodyLimits, Proxy
 from router.http.request_limits import RequestLimits
 from router.reload import Reloader
 from router.runtime import Runtime, SharedIndex
+from router.upstreams.peer_sync import PeerEndpoints
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -68,7 +69,7 @@ class RouterApp(NamedTuple):
 def create_app(
     config: RouterConfig,
     path: Path | None = None,
-    peers: PeersConfig | None = None,
+    peers: PeerEndpoints | None = None,
     shared_index: SharedIndex | None = None,
 ) -> RouterApp:
     """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload; peers: instead

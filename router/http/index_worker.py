@@ -15,9 +15,10 @@ from pathlib import Path
 
 import uvloop
 
-from router.config import PeersConfig, RouterConfig
+from router.config import RouterConfig
 from router.reload import Reloader
 from router.runtime import Runtime, SharedIndex
+from router.upstreams.peer_sync import PeerEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ async def _host(config: RouterConfig, path: Path, endpoint: str, ready: Path) ->
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, ended.set)
     # It hears no peers' load and publishes none: it routes no request.
-    async with Runtime(config, PeersConfig(), SharedIndex(endpoint, hosts=True)) as runtime:
+    async with Runtime(config, PeerEndpoints(), SharedIndex(endpoint, hosts=True)) as runtime:
         watch = asyncio.create_task(Reloader(runtime, path).watch())
         await asyncio.to_thread(ready.touch)
         log.info("holding the block index for the workers, on %s", endpoint)

@@ -15,10 +15,11 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from router.config import PeersConfig, RouterConfig
+from router.config import RouterConfig
 from router.http.app import create_app
 from router.runtime import SharedIndex
 from router.upstreams.http_session import freeze_startup_objects, server_config
+from router.upstreams.peer_sync import PeerEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class Worker:
     """One of several routers serving one port (router/http/workers.py)."""
 
     socket: socket.socket  # its pool's, listening on the port with the other workers' (SO_REUSEPORT)
-    peers: PeersConfig  # its own publish endpoint, following the others' besides the configured peers
+    peers: PeerEndpoints  # its own publish endpoint, following its siblings'
     ready: Path  # there while it accepts connections: created once it serves, removed when it stops
     index: str  # the Unix socket the pool's index host answers on (router/index/index_host.py)
 

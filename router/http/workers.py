@@ -17,11 +17,10 @@ per worker, and each worker's routed requests are speculative entries for all. I
 down (restarting), the workers route without prefix knowledge until it is back; its restart rebuilds the index
 as a router's restart does (the engines' replay buffers).
 
-The workers count each other's requests in flight as routers in front of one fleet do
-(router/upstreams/peer_sync.py): each publishes on an ipc:// endpoint in the pool's private directory and
-follows the others', besides the peers the configuration names. A configured `peers.publish` is bound by the
-pool, which forwards every worker's snapshots there, so routers on other hosts hear each worker as a peer of
-its own.
+The workers count each other's requests in flight, and their flows' against flow control's limits, as
+replicas do (router/upstreams/peer_sync.py): each publishes on an ipc:// endpoint in the pool's private
+directory and follows the others'. With a shared store (the `shared` section) each worker also takes part
+with the replicas on other hosts, as a peer of its own.
 
 The pool forwards SIGHUP to every worker and the index host (each reloads the file; each also watches it);
 one still starting ignores it, as it reads the file then. On SIGTERM or SIGINT the pool sends SIGTERM to each,
@@ -51,7 +50,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,12 +57,12 @@ from pathlib import Path
 from types import FrameType
 
 import msgspec
-import zmq
 from prometheus_client.multiprocess import mark_process_dead
 
-from router.config import ConfigError, PeersConfig, RouterConfig, load_config
+from router.config import ConfigError, RouterConfig, load_config
 from router.http.index_worker import run_index_host
 from router.http.server import Worker, run_server
+from router.upstreams.peer_sync import PeerEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +122,9 @@ def run_workers(config: RouterConfig, path: Path, host: str, port: int, workers:
         except OSError as exc:
             print(f"kvroute serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
             return 1
-        with zmq.Context() as context:
-            endpoints = [f"ipc://{root}/peers-{i}" for i in range(workers)]
-            if config.peers.publish is not None:
-                try:
-                    _forward(context, endpoints, config.peers.publish)
-                except zmq.ZMQError as exc:
-                    print(f"peers.publish {config.peers.publish} cannot be bound: {exc}", file=sys.stderr)
-                    return 1
-            pool = WorkerPool(config, path, (host, port), listeners, root, endpoints)
-            return pool.run()
+        endpoints = [f"ipc://{root}/peers-{i}" for i in range(workers)]
+        pool = WorkerPool(config, path, (host, port), listeners, root, endpoints)
+        return pool.run()
 
 
 def _bound(host: str, port: int) -> socket.socket:
@@ -147,25 +138,6 @@ def _bound(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _forward(context: zmq.Context[zmq.Socket[bytes]], endpoints: list[str], publish: str) -> None:
-    """Republish every worker's load snapshots on publish, for the routers on other hosts."""
-    front, back = context.socket(zmq.SUB), context.socket(zmq.PUB)
-    for sock in (front, back):
-        sock.setsockopt(zmq.LINGER, 0)
-    back.bind(publish)
-    front.setsockopt(zmq.SUBSCRIBE, b"")
-    for endpoint in endpoints:
-        front.connect(endpoint)
-
-    def relay() -> None:
-        with contextlib.suppress(zmq.ContextTerminated, zmq.ZMQError):
-            zmq.proxy(front, back)
-        front.close()
-        back.close()
-
-    threading.Thread(target=relay, name="peers-forward", daemon=True).start()
 
 
 class _Steering:
@@ -438,8 +410,7 @@ def _worker(spec: _Spec) -> int:
     if spec.hosts_index:
         run_index_host(config, path, spec.index, ready)
         return 0
-    own = {"publish": spec.publish, "subscribe": [*spec.follow, *config.peers.subscribe]}
-    peers = PeersConfig.model_validate(config.peers.model_dump() | own)
+    peers = PeerEndpoints(spec.publish, tuple(spec.follow))
     listener = socket.socket(fileno=spec.listener)
     run_server(config, spec.host, spec.port, path, Worker(listener, peers, ready, spec.index))
     return 0

@@ -1,12 +1,11 @@
-"""Routers in front of the same fleet tell each other their load, over ZMQ.
+"""Routers in front of the same fleet tell each other their load: the snapshots, and their ZMQ transport.
 
-Each router binds a PUB socket (`peers.publish`) and every `peers.interval_s` publishes a snapshot of what it
-has in flight on each instance; it subscribes to every other router's (`peers.subscribe`) and counts theirs
-with its own (router/upstreams/peer_load.py). A snapshot stands alone: a lost one is replaced by the next, a
-router that restarts starts from nothing, and one that stops publishing drops out after `peers.stale_after_s`.
-
-Replicas with a shared store (router/shared/) send the same snapshots over its channel instead, and find each
-other there.
+Every interval_s each router publishes a snapshot of what it has in flight on each instance, and counts its
+peers' latest with its own (router/upstreams/peer_load.py). A snapshot stands alone: a lost one is replaced by
+the next, a router that restarts starts from nothing, and one that stops publishing drops out after
+stale_after_s. Replicas send their snapshots over the shared store's channel and find each other there
+(router/shared/snapshots.py); the workers of `serve --workers` send theirs over ZMQ, each binding a PUB socket
+on an ipc:// endpoint of its own and subscribing to its siblings' (PeerEndpoints).
 
 Wire format: one frame, msgpack of `{"router": ID, "instances": {NAME: {"in_flight": N, "active_tokens": N,
 "pending_prefill_tokens": N}}, "flows": {KEY: {"in_flight": N, "tokens": N}}}`, ID a random id a router draws
@@ -23,14 +22,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from router.config import PeersConfig
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Upstreams
 from router.upstreams.peer_load import PeerLoad, PeerLoads, own_loads
@@ -40,6 +39,18 @@ log = logging.getLogger(__name__)
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**40)]  # more is no load, and would repel traffic for good
 MAX_PEERS = 64  # routers followed at once; snapshots from more are skipped
 _MAX_MESSAGE_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class PeerEndpoints:
+    """Where this router publishes its snapshots over ZMQ and where its peers do: the sibling workers of
+    `kvroute serve --workers` (router/http/workers.py), over ipc:// endpoints of their own. Replicas on other
+    hosts share through the store (router/shared/) instead."""
+
+    publish: str | None = None
+    subscribe: tuple[str, ...] = ()
+    interval_s: float = 0.05  # published this often
+    stale_after_s: float = 1.0  # a peer silent this long counts no more
 
 
 class PeerSyncError(Exception):
@@ -79,7 +90,7 @@ class PeerSync:
     """Publishes this router's load and follows its peers'.
 
     ```
-    sync = PeerSync(config.peers, fleet, metrics, context, on_change=proxy.room_freed)
+    sync = PeerSync(PeerEndpoints(publish, follow), fleet, metrics, context, on_change=room_freed.fire)
     sync.start()  # binds and connects: a bad endpoint fails here
     tasks = [asyncio.create_task(loop()) for loop in sync.loops().values()]
     ...
@@ -89,7 +100,7 @@ class PeerSync:
 
     def __init__(
         self,
-        config: PeersConfig,
+        config: PeerEndpoints,
         fleet: Upstreams,
         metrics: RouterMetrics,
         context: zmq.asyncio.Context,
@@ -107,11 +118,6 @@ class PeerSync:
         self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
         self._publisher: zmq.asyncio.Socket | None = None
         self._subscriber: zmq.asyncio.Socket | None = None
-        self._discovered: set[str] | None = None  # their endpoints, connected (None: none expected)
-
-    def expect_discovered(self) -> None:
-        """More peers come from discovery (follow_discovered), besides those configured: before start()."""
-        self._discovered = set()
 
     def share_flows(self, flows: SharedFlows) -> None:
         """Tell peers flow control's counts, and hand it theirs."""
@@ -130,8 +136,10 @@ class PeerSync:
             try:
                 self._publisher.bind(self._config.publish)
             except zmq.ZMQError as exc:
-                raise PeerSyncError(f"peers.publish {self._config.publish} cannot be bound: {exc}") from None
-        if self._config.subscribe or self._discovered is not None:
+                raise PeerSyncError(
+                    f"the peers' publish endpoint {self._config.publish} cannot be bound: {exc}"
+                ) from None
+        if self._config.subscribe:
             self._subscriber = self._context.socket(zmq.SUB)
             self._subscriber.setsockopt(zmq.LINGER, 0)
             self._subscriber.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
@@ -144,7 +152,7 @@ class PeerSync:
         """The background loops start() set up, by name, each to run in a task of its own (supervised); none
         without peers configured, where the sync is a null object."""
         configured = self._config.publish is not None or self._config.subscribe
-        if not configured and self._discovered is None and not self._shared:
+        if not configured and not self._shared:
             return {}
         loops: dict[str, Callable[[], Awaitable[None]]] = {"peers-expire": self.expire_stale}
         if self._publisher is not None:
@@ -152,18 +160,6 @@ class PeerSync:
         if self._subscriber is not None:
             loops["peers-follow"] = self.follow
         return loops
-
-    def follow_discovered(self, endpoints: Iterable[str]) -> None:
-        """Follow the peers at endpoints (found by discovery) besides the configured ones; stop following
-        those found before and gone now (their load expires as a silent peer's does)."""
-        if self._subscriber is None or self._discovered is None:
-            return
-        wanted = set(endpoints) - set(self._config.subscribe) - {self._config.publish}
-        for endpoint in wanted - self._discovered:
-            self._subscriber.connect(endpoint)
-        for endpoint in self._discovered - wanted:
-            self._subscriber.disconnect(endpoint)
-        self._discovered = wanted
 
     def close(self) -> None:
         for socket in (self._publisher, self._subscriber):

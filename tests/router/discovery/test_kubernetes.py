@@ -6,10 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import zmq
-
-from kvroute.processes import FleetPorts, free_port_block
+from kvroute.processes import FleetPorts
 from tests.conftest import sample
 from tests.router.discovery.kube_api import PODS, POOLS, KubeAPI, pod
 from tests.router.discovery.live import (
@@ -95,36 +92,3 @@ def test_an_inferencepool_selects_the_pods_and_its_target_port(
         kube.patch(POOLS, "default", "tiny", {"spec": {"selector": {"matchLabels": {"pool": "b"}}}})
         seconds_until(lambda: routed(url) == {"vllm-1"}, timeout_s=5)
         assert sample(url, "kvroute_discovered_instances", source="inferencepool") == 1
-
-
-class _Snapshot(msgspec.Struct):
-    router: str
-    instances: dict[str, dict[str, int]]
-
-
-def test_replicas_found_by_peers_selector_are_followed(
-    fleet: FleetPorts, kube: KubeAPI, tmp_path: Path
-) -> None:
-    own, replica = free_port_block(1), free_port_block(1)
-    kube.create(PODS, vllm_pod(fleet, 0))
-    kube.create(
-        PODS, pod("router-b", {"app": "kvroute"}, annotations={"kvroute.io/peers-port": str(replica)})
-    )
-    publisher = zmq.Context.instance().socket(zmq.PUB)
-    publisher.setsockopt(zmq.LINGER, 0)
-    publisher.bind(f"tcp://127.0.0.1:{replica}")  # the replica router-b, as far as its peers can tell
-    try:
-        peers = {"publish": f"tcp://127.0.0.1:{own}", "interval_s": 0.05, "stale_after_s": 0.5}
-        discovery = {"selector": "app=vllm", "peers_selector": "app=kvroute"}
-        with router(kube, tmp_path, discovery, peers=peers) as url:
-            snapshot = msgspec.msgpack.encode(_Snapshot("router-b", {"vllm-0": {"in_flight": 1}}))
-
-            def heard() -> bool:
-                publisher.send(snapshot)
-                return sample(url, "kvroute_peer_routers") == 1
-
-            seconds_until(heard)
-            kube.delete(PODS, "default", "router-b")  # gone: no longer followed, so it goes silent and stale
-            seconds_until(lambda: not heard(), timeout_s=5)
-    finally:
-        publisher.close(linger=0)

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from router.config import DiscoveryConfig
-from router.discovery.pods import PodError, instance_name, instance_of, peer_endpoint
+from router.discovery.pods import PodError, instance_name, instance_of
 from router.discovery.wire import Pod
 from tests.router.discovery.kube_api import pod
 
@@ -74,8 +74,3 @@ def test_names_fit_the_instance_pattern_and_stay_apart() -> None:
     long = "a" * 80
     assert len(instance_name(long)) == 63 and instance_name(long) != instance_name(long + "b")
     assert instance_name("vllm-0") == "vllm-0"
-
-
-def test_peer_endpoint_takes_the_routers_own_publish_port_unless_annotated() -> None:
-    assert peer_endpoint(_pod(), "tcp://*:5570") == "tcp://10.0.0.7:5570"
-    assert peer_endpoint(_pod(peers_port="6000"), "tcp://*:5570") == "tcp://10.0.0.7:6000"

@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from router.config import PeersConfig, parse_config
+from router.config import parse_config
 from router.prompt.openai_body import CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer, local_tokenizer_dir
 from router.runtime import Runtime, SharedIndex
 from router.upstreams.instances import Instance, InstanceSetup
 from router.upstreams.model_tokenizers import choose_tokenizers
+from router.upstreams.peer_sync import PeerEndpoints
 
 PROMPT = "Run the tests in tests/test_models.py and tell me which fail. " * 4
 DOWN = {"name": "down", "url": "http://127.0.0.1:9"}  # nothing listens: no root reported
@@ -131,7 +132,7 @@ def test_an_index_host_loads_no_tokenizer(local_model: Path, tmp_path: Path) -> 
 
     async def main() -> tuple[dict[str, Any], dict[str, str]]:
         shared = SharedIndex(str(tmp_path / "index"), hosts=True)
-        async with Runtime(parse_config(raw), PeersConfig(), shared) as host:
+        async with Runtime(parse_config(raw), PeerEndpoints(), shared) as host:
             return dict(host.tokenizers), dict(host.tokenizer_watch.origins)
 
     assert asyncio.run(main()) == ({}, {})

@@ -10,19 +10,19 @@ import pytest
 import zmq.asyncio
 
 from kvroute.processes import free_port_block
-from router.config import ConfigError, RouterConfig, parse_config
+from router.config import RouterConfig, parse_config
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Upstreams
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
-from router.upstreams.peer_sync import MAX_PEERS, PeerSync, PeerSyncError
+from router.upstreams.peer_sync import MAX_PEERS, PeerEndpoints, PeerSync, PeerSyncError
 from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
 from scorers.ttft_features import memory_wait_s
 from tests.conftest import ManualClock
 
 
-def config(**peers: object) -> RouterConfig:
+def config() -> RouterConfig:
     instances = [{"name": "a", "url": "http://127.0.0.1:9001"}, {"name": "b", "url": "http://127.0.0.1:9002"}]
-    return parse_config({"models": [{"name": "m"}], "instances": instances, "peers": peers})
+    return parse_config({"models": [{"name": "m"}], "instances": instances})
 
 
 def test_peers_loads_add_to_what_scorers_read_and_never_to_what_is_published() -> None:
@@ -76,40 +76,24 @@ def test_the_wait_for_memory_counts_the_peers_contexts() -> None:
     assert memory_wait_s(a, 50_000) > 0.0  # 80K in flight: 30K have to leave first
 
 
-@pytest.mark.parametrize(
-    ("peers", "message"),
-    [
-        ({"publish": "http://127.0.0.1:5800"}, "is not a ZMQ endpoint"),
-        ({"subscribe": ["tcp://127.0.0.1"]}, "is not a ZMQ endpoint"),
-        ({"interval_s": 1.0, "stale_after_s": 0.5}, "stale_after_s must be at least twice interval_s"),
-        ({"publish": "tcp://127.0.0.1:5800", "subscribe": ["tcp://127.0.0.1:5800"]}, "own publish endpoint"),
-    ],
-)
-def test_bad_peer_settings_are_named(peers: dict[str, object], message: str) -> None:
-    with pytest.raises(ConfigError, match=message) as raised:
-        config(**peers)
-    assert "peers" in str(raised.value)
-
-
 def test_two_routers_hear_each_others_load_over_zmq_and_forget_a_silent_one() -> None:
     first_port = free_port_block(2)
     second_port = first_port + 1
     first_endpoint, second_endpoint = f"tcp://127.0.0.1:{first_port}", f"tcp://127.0.0.1:{second_port}"
-    first_fleet = Upstreams(config(publish=first_endpoint, subscribe=[second_endpoint]))
-    second_fleet = Upstreams(config(publish=second_endpoint, subscribe=[first_endpoint]))
-    settings = {"interval_s": 0.02, "stale_after_s": 0.3}
+    first_fleet, second_fleet = Upstreams(config()), Upstreams(config())
+    timing = {"interval_s": 0.02, "stale_after_s": 0.3}
 
     async def main() -> None:
         context = zmq.asyncio.Context()
         first_metrics, second_metrics = RouterMetrics(), RouterMetrics()
         first = PeerSync(
-            config(publish=first_endpoint, subscribe=[second_endpoint], **settings).peers,
+            PeerEndpoints(first_endpoint, (second_endpoint,), **timing),
             first_fleet,
             first_metrics,
             context,
         )
         second = PeerSync(
-            config(publish=second_endpoint, subscribe=[first_endpoint], **settings).peers,
+            PeerEndpoints(second_endpoint, (first_endpoint,), **timing),
             second_fleet,
             second_metrics,
             context,
@@ -172,7 +156,7 @@ def test_a_follower_keeps_what_it_routes_to_forgets_in_time_and_bounds_its_peers
     fleet = Upstreams(config())
     metrics = RouterMetrics()
     changes: list[int] = []
-    settings = config(subscribe=["tcp://127.0.0.1:5999"], interval_s=0.01, stale_after_s=1.0).peers
+    settings = PeerEndpoints(subscribe=("tcp://127.0.0.1:5999",), interval_s=0.01, stale_after_s=1.0)
     sync = PeerSync(
         settings, fleet, metrics, zmq.asyncio.Context.instance(), lambda: changes.append(1), clock
     )
@@ -212,9 +196,9 @@ def test_a_publish_endpoint_taken_already_is_named_at_start() -> None:
     context = zmq.asyncio.Context()
     squatter = context.socket(zmq.PUB)
     squatter.bind(endpoint)
-    sync = PeerSync(config(publish=endpoint).peers, Upstreams(config()), RouterMetrics(), context)
+    sync = PeerSync(PeerEndpoints(publish=endpoint), Upstreams(config()), RouterMetrics(), context)
     try:
-        with pytest.raises(PeerSyncError, match=f"peers.publish {endpoint} cannot be bound"):
+        with pytest.raises(PeerSyncError, match=f"{endpoint} cannot be bound"):
             sync.start()
     finally:
         sync.close()
