@@ -8,6 +8,10 @@ does not hold reads it from there first (one read, within shared.timeout_s): the
 prefix knowledge through any replica. An id a client chose itself is written with its instance and owner in
 the same way. Writes go in the background, at most MAX_WRITING at once (more are dropped and counted); a read
 that fails or comes late leaves the follow-up routed without prefix knowledge, as before the store.
+
+A follow-up can reach another replica before the conversation's write does (its client sends it the moment
+the answer ends). So a response is also marked pending on the store when it is sent, long before it ends,
+and a follow-up whose conversation is pending waits for it, within the same shared.timeout_s.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import msgspec
 from router.shared.store import SharedStore, StoreError
 
 MAX_WRITING = 256
+PENDING_TTL_S = 600  # a response still pending this long is not waited for
+_PENDING_POLL_S = 0.005
 
 
 class SharedConversation(msgspec.Struct, array_like=True):
@@ -41,6 +47,10 @@ class SharedConversations:
         self._conversation = msgspec.msgpack.Decoder(SharedConversation)
         self._chosen = msgspec.msgpack.Decoder(ChosenId)
 
+    def pending(self, key: str) -> None:
+        """A stored response was sent: its conversation is to come, under its history key."""
+        self._write(self._store.key("pending", key), b"1", PENDING_TTL_S)
+
     def kept(self, key: str, messages: Sequence[Mapping[str, Any]], output: list[Any]) -> None:
         """A stored response completed: its conversation, under its history key."""
         value = self._encoder.encode(SharedConversation(list(messages), output))
@@ -55,10 +65,14 @@ class SharedConversations:
     ) -> tuple[ChosenId | None, SharedConversation | None]:
         """What the store holds of a response: its chosen id's instance and owner, and its conversation."""
         store = self._store
-        keys = [store.key("chosen", response_id), store.key("conversation", history_key)]
+        conversation_key = store.key("conversation", history_key)
+        keys = [store.key("chosen", response_id), conversation_key, store.key("pending", history_key)]
         try:
             async with asyncio.timeout(store.config.timeout_s):
-                chosen, conversation = await store.client.mget(keys)
+                chosen, conversation, pending = await store.client.mget(keys)
+                while conversation is None and pending is not None:  # its write is on its way
+                    await asyncio.sleep(_PENDING_POLL_S)
+                    conversation = await store.client.get(conversation_key)
             store.answered()
         except StoreError as exc:
             store.failed("conversation_read", exc)
@@ -71,18 +85,18 @@ class SharedConversations:
         except msgspec.DecodeError:  # written by another version, or not by a replica
             return None, None
 
-    def _write(self, key: str, value: bytes) -> None:
+    def _write(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
         if len(self._writing) >= MAX_WRITING:
             self._store.dropped("conversation_write")
             return
-        task = asyncio.get_running_loop().create_task(self._set(key, value))
+        task = asyncio.get_running_loop().create_task(self._set(key, value, ttl_s))
         self._writing.add(task)
         task.add_done_callback(self._writing.discard)
 
-    async def _set(self, key: str, value: bytes) -> None:
+    async def _set(self, key: str, value: bytes, ttl_s: float | None) -> None:
         store = self._store
         try:
-            await store.client.set(key, value, ex=round(store.config.conversation_ttl_s))
+            await store.client.set(key, value, ex=round(ttl_s or store.config.conversation_ttl_s))
             store.answered()
         except StoreError as exc:
             store.failed("conversation_write", exc)

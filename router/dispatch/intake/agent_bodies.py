@@ -92,7 +92,7 @@ class StoredResponses:
     def share(self, shared: SharedConversations) -> None:
         """Replicas share their stored responses' conversations and chosen ids through the store."""
         self.shared = shared
-        self.history.on_kept = shared.kept
+        self.history.on_started, self.history.on_kept = shared.pending, shared.kept
         self.ids.on_chosen = shared.chosen
 
     async def recall(self, raw: bytes, stored: str | None) -> None:

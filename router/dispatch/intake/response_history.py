@@ -34,7 +34,9 @@ class ResponseHistory:
         self._entries: OrderedDict[str, Conversation] = OrderedDict()
         self._max_entries, self._max_bytes = max_entries, max_bytes
         self._bytes = 0
-        # Told each conversation completed here (replicas' shared store: router/shared/conversations.py).
+        # Told each conversation started and completed here (replicas' shared store:
+        # router/shared/conversations.py).
+        self.on_started: Callable[[str], None] | None = None
         self.on_kept: Callable[[str, Sequence[Mapping[str, Any]], list[Any]], None] | None = None
 
     def __len__(self) -> int:
@@ -43,6 +45,8 @@ class ResponseHistory:
     def started(self, key: str, messages: Sequence[Mapping[str, Any]], size: int) -> None:
         """A response that will be stored was sent: what it is rendered from, size its request's bytes."""
         self._put(key, Conversation(messages, size))
+        if self.on_started is not None:
+            self.on_started(key)
 
     def completed(self, key: str, answer: bytes) -> None:
         """A stored response's answer: a whole response, or stream events holding its response.completed."""

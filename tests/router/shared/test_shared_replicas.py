@@ -5,6 +5,7 @@ the store is back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -97,16 +98,39 @@ def test_replicas_find_each_other_on_the_store_and_share_a_tenants_limit(
     assert 0 < most <= TENANT_LIMIT
 
 
+@contextlib.contextmanager
+def kept_busy(replicas: list[str], statuses: list[int]) -> Iterator[None]:
+    """Chats through the replicas in turn, one after another in a thread, until the block ends."""
+    done = threading.Event()
+
+    def busy() -> None:
+        turn = 0
+        while not done.is_set():
+            statuses.append(chat(replicas[turn % len(replicas)], f"tenant-{turn % 3}", 16))
+            turn += 1
+
+    thread = threading.Thread(target=busy, name="kept-busy", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(60)
+
+
 def test_losing_the_store_loses_no_request_and_its_return_shares_again(
     fleet: FleetPorts, tmp_path: Path
 ) -> None:
+    """The store killed and started again while requests flow through both replicas."""
     server = start_redis(tmp_path / "redis")
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     config = replica_config(fleet, server.url, namespace)
+    statuses: list[int] = []
     try:
         with (
             running_router_process(config, tmp_path, "replica-a") as (first, _),
             running_router_process(config, tmp_path, "replica-b") as (second, _),
+            kept_busy([first, second], statuses),
         ):
             replicas = [first, second]
             heard_each_other(replicas)
@@ -131,6 +155,7 @@ def test_losing_the_store_loses_no_request_and_its_return_shares_again(
             assert [chat(url, "tenant-a") for url in replicas] == [200, 200]
     finally:
         server.child.stop()
+    assert len(statuses) > 20 and set(statuses) == {200}, statuses
 
 
 def respond(url: str, text: str, previous: str | None) -> tuple[dict[str, str], dict[str, Any]]:
@@ -160,3 +185,44 @@ def test_a_follow_up_through_another_replica_is_routed_with_its_prefix_known(
     assert len({instance for instance, _, _ in turns}) == 1, turns
     for _, predicted, cached in turns[1:]:
         assert predicted == cached // BLOCK > 0, turns
+
+
+def test_a_tenants_tokens_a_second_hold_across_three_replicas(
+    fleet: FleetPorts, redis_server: StoreServer, tmp_path: Path
+) -> None:
+    """One tenant sends as fast as it is let, through three replicas in turn, for a few seconds: what the
+    engines get of its prompts stays within one limit (a second's burst at each replica on top), not three."""
+    rate, seconds = 2000.0, 4.0
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    config = replica_config(fleet, redis_server.url, namespace)
+    config["flow_control"] = {"per_flow": {"tokens_per_s": rate}}
+    with contextlib.ExitStack() as stack:
+        replicas = [
+            stack.enter_context(running_router_process(config, tmp_path, f"replica-{n}"))[0] for n in range(3)
+        ]
+        for url in replicas:
+            eventually(lambda url=url: metric(url, "kvroute_peer_routers") == 2, what="both peers")
+        admitted: list[int] = []
+        deadline = time.monotonic() + seconds
+
+        def send(first: int) -> None:
+            turn = first
+            while time.monotonic() < deadline:
+                body = {"model": "tiny-llama", "prompt": "tenant a asks " * 40, "max_tokens": 1}
+                headers = {FAIRNESS: "tenant-a"}
+                url = replicas[turn % 3] + "/v1/completions"
+                status, _, answer = post(url, json.dumps(body).encode(), headers)
+                if status == 200:
+                    admitted.append(json.loads(answer)["usage"]["prompt_tokens"])
+                else:
+                    assert status == 429, answer
+                    time.sleep(0.05)
+                turn += 1
+
+        senders = [threading.Thread(target=send, args=(n,)) for n in range(6)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+    # Three replicas alone would let 3 x rate x seconds through; shared, rate x seconds and their bursts.
+    assert 0 < sum(admitted) <= 1.05 * rate * seconds + 3 * rate, (sum(admitted), len(admitted))
