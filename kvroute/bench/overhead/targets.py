@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -24,6 +25,7 @@ from kvroute.bench.live.run import (
 )
 from kvroute.bench.overhead.envoy import start_envoy, start_picker
 from kvroute.processes import Child, free_port_block, spawn, start, wait_all_healthy
+from kvroute.store_servers import running_redis
 from router.config import parse_config
 
 DIRECT = "direct"
@@ -31,14 +33,17 @@ PLAIN_PROXY = "python-proxy"  # kvroute/bench/overhead/plain_proxy.py: what kvro
 ENVOY_EPP = "envoy-epp"  # Envoy (configs/envoy-epp.yaml) asking `kvroute epp`
 ENVOY_ONE_FILTER = "envoy-epp-1"  # the same, the picker called from one filter (a GIE gateway's layout)
 SERVE_WORKERS = "kvroute-workers"  # `kvroute serve --workers N`
-_OWN_KINDS = (DIRECT, PLAIN_PROXY)
+SHARED = "kvroute-shared"  # kvroute with a shared store (a redis-server of its own) and per-flow limits set
+_OWN_KINDS = (DIRECT, PLAIN_PROXY, SHARED)
+# Limits no request reaches: their bookkeeping, shared through the store, is what the target measures.
+_UNREACHED_LIMITS = {"per_flow": {"max_in_flight": 1_000_000, "tokens_per_s": 1e12}}
 
 
 def parse_overhead_targets(specs: Sequence[str]) -> list[Target]:
     """``direct`` (the backend itself), ``python-proxy``, ``envoy-epp[:POLICY]`` (``envoy-epp:floor``: a
     picker that decides nothing, kvroute/bench/overhead/null_picker.py), ``envoy-epp-1[:POLICY]`` (the picker
-    called from one filter), ``kvroute-workers:N``
-    (kvroute's default policy) or anything ``kvroute bench live`` takes."""
+    called from one filter), ``kvroute-workers:N`` (kvroute's default policy), ``kvroute-shared`` (kvroute
+    sharing a Redis, its flows' limits on) or anything ``kvroute bench live`` takes."""
     targets, others = [], []
     for spec in (s.strip() for s in specs):
         kind, _, arg = spec.partition(":")
@@ -136,6 +141,10 @@ def running_targets(
                     run.child = _start_kvroute(target, fleet, port, log_dir)
                 elif target.kind == PLAIN_PROXY:
                     run.child = _start_plain_proxy(fleet, port, log_dir)
+                elif target.kind == SHARED:
+                    store = stack.enter_context(running_redis(log_dir))
+                    shared = {"shared": {"url": store.url}, "flow_control": _UNREACHED_LIMITS}
+                    run.child = _start_kvroute(target, fleet, port, log_dir, extra=shared)
                 elif target.kind == SERVE_WORKERS:
                     run.child = _start_kvroute(target, fleet, port, log_dir, serve_workers(target))
                 elif target.kind in (ENVOY_EPP, ENVOY_ONE_FILTER):
@@ -166,9 +175,19 @@ def rotated(active: Sequence[Running], index: int) -> list[Running]:
     return [*active[rotation:], *active[:rotation]]
 
 
-def _start_kvroute(target: Target, fleet: Fleet, port: int, log_dir: Path, workers: int = 1) -> Child:
-    name = f"kvroute-{target.policy}" + (f"-workers-{workers}" if workers > 1 else "")
-    args = ["serve", "--config", str(write_config(fleet, target.policy, log_dir / f"{name}.yaml"))]
+def _start_kvroute(
+    target: Target,
+    fleet: Fleet,
+    port: int,
+    log_dir: Path,
+    workers: int = 1,
+    extra: dict[str, Any] | None = None,
+) -> Child:
+    """extra: sections set over the fleet's configuration."""
+    policy = target.policy or "kvroute"
+    name = target.label.replace(":", "-") if extra else f"kvroute-{policy}"
+    name += f"-workers-{workers}" if workers > 1 else ""
+    args = ["serve", "--config", str(write_config(fleet, policy, log_dir / f"{name}.yaml", extra))]
     if workers > 1:
         if "--workers" not in serve_help():
             raise SkipTarget("`kvroute serve` has no --workers option in this build")
@@ -176,9 +195,10 @@ def _start_kvroute(target: Target, fleet: Fleet, port: int, log_dir: Path, worke
     return start(name, [*args, "--port", str(port)], log_dir)
 
 
-def write_config(fleet: Fleet, policy: str, path: Path) -> Path:
+def write_config(fleet: Fleet, policy: str, path: Path, extra: dict[str, Any] | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(kvroute_config(fleet, policy), sort_keys=False))
+    config = kvroute_config(fleet, policy) | (extra or {})
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
