@@ -685,7 +685,7 @@ class _ControlFamilies:
             r,
             "kvroute_shared_store_errors",
             "Operations on the shared store that failed (it was unreachable or too slow), by operation "
-            "(publish, follow, check, conversation_read, conversation_write)",
+            "(publish, follow, conversation_read, conversation_write)",
             ["operation"],
         )
         self.peer_snapshots = _counter(
