@@ -36,6 +36,9 @@ from scorers.ttft_model import TTFTFeatures, TTFTPriors
 T = TypeVar("T")
 
 PEERS_STALE_AFTER_S: float = SharedConfig().stale_after_s
+# A Redis round trip between replicas on one network, as `kvroute bench store` measured one on a host's
+# loopback (0.14 ms for a snapshot's fan-out): the time between a snapshot's publishing and its hearing.
+STORE_ROUND_TRIP_S = 0.0002
 # The objectives the simulated clients name, by priority: the same for every router that reads them.
 SIM_OBJECTIVES: dict[str, dict[str, Any]] = {"interactive": {"priority": 10}, "batch": {"priority": -10}}
 
@@ -67,6 +70,8 @@ class SimPolicy:
     # alone (a fairness header); or one flow for all.
     queue_flows: Literal["tenant-or-session", "tenant", "one"] = "tenant-or-session"
     queue_reads_metrics = False  # has_room reads the engines' scraped metrics
+    routers = 1  # the routers in front of the fleet, each with its own queue (Replicas: several)
+    share_latency_s = 0.0  # between routers' snapshots and their peers hearing them (a store's round trip)
     # The request numbers that end their sessions (their last turns): what a client that tells its router a
     # session is over (Dynamo's session_final) marks.
     last_turns: frozenset[int] = frozenset()
@@ -104,6 +109,14 @@ class SimPolicy:
 
     def instances_for(self, request: SimRequest) -> list[Instance]:
         """The bookkeeping of the router that sent request: what it counts in flight on each instance."""
+        return self.view.instances
+
+    def router_of(self, request: SimRequest) -> int:
+        """Which router request reaches (the load balancer's choice), before its queue."""
+        return 0
+
+    def counts_of(self, router: int) -> list[Instance]:
+        """What router counts in flight on each instance: what its queue judges room by."""
         return self.view.instances
 
     def sync(self) -> None:
@@ -374,11 +387,13 @@ class ConfiguredPolicy(SimPolicy):
 
 
 class Replicas(SimPolicy):
-    """Several routers in front of one fleet, as an operator runs them for availability, sharing nothing: each
-    has its own index (fed the same events), its own counts of what it sent, its own TTFT models and session
-    affinity. The load balancer in front of them sends each session to one router (by a hash of its key),
-    or, with by_session=False, each request to the next router in turn. With share_s, each router tells the
-    others what it has in flight on each instance every share_s seconds (router/upstreams/peer_load.py)."""
+    """Several routers in front of one fleet, as an operator runs them for availability: each has its own
+    index (fed the same events), its own counts of what it sent, its own TTFT models, session affinity and
+    queue (flow control, as the routers it is made of have it). The load balancer in front of them sends each
+    session to one router (by a hash of its key), or, with by_session=False, each request to the next router
+    in turn. With share_s, each router tells the others through the shared store every share_s seconds what it
+    has in flight on each instance and its flows' counts (router/shared/), heard share_latency_s later;
+    without, they share nothing."""
 
     def __init__(
         self,
@@ -390,51 +405,64 @@ class Replicas(SimPolicy):
     ) -> None:
         self.name, self._make, self._count, self._by_session = name, make, count, by_session
         self.sync_interval_s = share_s
+        self.routers = count
+        self.share_latency_s = STORE_ROUND_TRIP_S
         self._next = 0
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)
-        self.routers = [self._make() for _ in range(self._count)]
-        for number, router in enumerate(self.routers):
+        self.members = [self._make() for _ in range(self._count)]
+        for number, router in enumerate(self.members):
             router.bind(view if number == 0 else view.replica())
-        self.scrape_interval_s = self.routers[0].scrape_interval_s
-        if any(router.memory_hold_s for router in self.routers):
+        first = self.members[0]
+        self.scrape_interval_s, self.flow_control = first.scrape_interval_s, first.flow_control
+        self.queue_flows = first.queue_flows
+        if any(router.memory_hold_s for router in self.members):
             # run.py holds requests in one queue judged on the first router's counts
             raise ValueError("several routers are simulated without holding requests for memory")
-        self._peer_loads = [PeerLoads(PEERS_STALE_AFTER_S, view.loop.clock) for _ in self.routers]
+        self._peer_loads = [PeerLoads(PEERS_STALE_AFTER_S, view.loop.clock) for _ in self.members]
 
     def sync(self) -> None:
-        snapshots = [own_loads(router.view.instances) for router in self.routers]
-        for number, (router, loads) in enumerate(zip(self.routers, self._peer_loads, strict=True)):
-            for peer, snapshot in enumerate(snapshots):
-                if peer != number:
-                    loads.update(str(peer), snapshot)
-            loads.apply(router.view.instances)
+        snapshots = [own_loads(router.view.instances) for router in self.members]
 
-    def _router_for(self, request: SimRequest) -> int:
+        def deliver() -> None:
+            for number, (router, loads) in enumerate(zip(self.members, self._peer_loads, strict=True)):
+                for peer, snapshot in enumerate(snapshots):
+                    if peer != number:
+                        loads.update(str(peer), snapshot)
+                loads.apply(router.view.instances)
+
+        self.view.loop.at(self.view.loop.now + self.share_latency_s, deliver)
+
+    def router_of(self, request: SimRequest) -> int:
         if self._by_session and request.session is not None:
             return zlib.crc32(request.session.encode()) % self._count
         self._next = (self._next + 1) % self._count
         return self._next
 
+    def counts_of(self, router: int) -> list[Instance]:
+        return self.members[router].view.instances
+
     def route(self, request: SimRequest) -> int:
-        request.router = self._router_for(request)
-        return self.routers[request.router].route(request)
+        return self.members[request.router].route(request)
+
+    def work(self, request: SimRequest) -> float:
+        return self.members[request.router].work(request)
 
     def instances_for(self, request: SimRequest) -> list[Instance]:
-        return self.routers[request.router].view.instances
+        return self.members[request.router].view.instances
 
     def engine_priority(self, request: SimRequest) -> int:
-        return self.routers[request.router].engine_priority(request)
+        return self.members[request.router].engine_priority(request)
 
     def first_token(self, request: SimRequest) -> None:
-        self.routers[request.router].first_token(request)
+        self.members[request.router].first_token(request)
 
     def finished(self, request: SimRequest) -> None:
-        self.routers[request.router].finished(request)
+        self.members[request.router].finished(request)
 
     def refused(self, request: SimRequest) -> None:
-        self.routers[request.router].refused(request)
+        self.members[request.router].refused(request)
 
 
 def _set_program_tokens(view: RouterView, name: str, tokens: int) -> None:

@@ -232,6 +232,11 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
         "kvroute-2-routers-per-request-sharing", 2, by_session=False, share_s=0.05
     ),
     "kvroute-4-routers-sharing": _replicas("kvroute-4-routers-sharing", 4, by_session=True, share_s=0.05),
+    # three replicas behind a round-robin balancer, as `kvroute bench live` runs kvroute-replicas:3[+shared]
+    "kvroute-3-routers-per-request": _replicas("kvroute-3-routers-per-request", 3, by_session=False),
+    "kvroute-3-routers-per-request-sharing": _replicas(
+        "kvroute-3-routers-per-request-sharing", 3, by_session=False, share_s=0.05
+    ),
 }
 
 

@@ -6,6 +6,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
@@ -91,9 +92,10 @@ class Run:
         self.warm_ups = 0  # the router's prefills of programs' next turns (programs.warm_up)
         self.outstanding = 0  # sent and not finished, held in the router included
         self.hold: MemoryGate[SimRequest] = MemoryGate(policy.memory_hold_s, loop.clock)
-        self.flow: FlowControl[SimRequest] | None = None
+        # Each router's queue (replicas each have their own, sharing their flows' counts: _share_flows).
+        self.flows: list[FlowControl[SimRequest]] = []
         if policy.flow_control is not None:
-            self.flow = FlowControl(policy.flow_control, loop.clock)
+            self.flows = [FlowControl(policy.flow_control, loop.clock) for _ in range(policy.routers)]
         self.refused_by_router: dict[str, int] = {}  # flow control's refusals, by reason
         self.backlogged_dispatches: dict[str, int] = {}  # by trace flow, let go while 2+ flows waited
         # An agent sends its next turn only once it has the answer to the previous one: a session's turn waits
@@ -115,6 +117,8 @@ class Run:
                 self._every(policy.scrape_interval_s, self._scrape)
             if policy.sync_interval_s is not None:
                 self._every(policy.sync_interval_s, policy.sync)
+                if len(self.flows) > 1:
+                    self._every(policy.sync_interval_s, self._share_flows)
         loop.run()
         result = result_of(
             policy.name,
@@ -199,19 +203,33 @@ class Run:
         self._let_go()
 
     def _flow_ended(self, request: SimRequest) -> None:
-        if self.flow is not None and request.flow is not None:
-            self.flow.ended(request.flow, request.objective)
+        if self.flows and request.flow is not None:
+            self.flows[request.router].ended(request.flow, request.objective)
 
-    def _room(self, extra_work: float, extra_tokens: int) -> bool:
-        """Whether an instance may take a request now (router/dispatch/wait/saturation.py); of a disaggregated
-        fleet, a prefill instance and a decode instance. extra_work and extra_tokens: those let go and not yet
-        placed, which the simulator places at once; they are not 0 only while an engine's refusal inside
-        dispatch() admits or lets go others."""
-        assert self.flow is not None
+    def _share_flows(self) -> None:
+        """Replicas tell each other their flows' counts, as their snapshots carry them
+        (router/upstreams/peer_sync.py), each heard after the store's latency."""
+        told = [flow.shared() for flow in self.flows]
+        latency = self.policy.share_latency_s
+
+        def deliver() -> None:
+            for number, flow in enumerate(self.flows):
+                for peer, counts in enumerate(told):
+                    if peer != number:
+                        flow.heard(str(peer), counts)
+            self._let_go()
+
+        self.loop.at(self.loop.now + latency, deliver)
+
+    def _room(self, router: int, extra_work: float, extra_tokens: int) -> bool:
+        """Whether an instance may take a request now (router/dispatch/wait/saturation.py), by router's
+        counts; of a disaggregated fleet, a prefill instance and a decode instance. extra_work and
+        extra_tokens: those let go and not yet placed, which the simulator places at once; they are not 0 only
+        while an engine's refusal inside dispatch() admits or lets go others."""
         own_rule = self.policy.has_room(extra_work)
         if own_rule is not None:
             return own_rule
-        instances, saturation = self.view.instances, self.flow.saturation
+        instances, saturation = self.policy.counts_of(router), self.flows[router].saturation
         if self.fleet.pd is None:
             return saturation.has_room(instances, extra_work, extra_tokens)
         prefill = [i for i in instances if i.role == "prefill"]
@@ -219,24 +237,22 @@ class Run:
         return saturation.stages_have_room(prefill, decode, extra_work, extra_tokens)
 
     def _let_go(self) -> None:
-        """Room may have appeared: the requests waiting in the router's queue that may go now, placed."""
-        flow = self.flow
-        if flow is None:
-            return
-        while (entry := flow.next_ready()) is not None:
-            request = entry.item
-            request.queued_s = self.loop.now - entry.since
-            traced = request.trace.flow
-            waiting = flow.queues()[entry.model].by_flow
-            if traced is not None and len(waiting) > (entry.flow in waiting):  # another flow waits too
-                self.backlogged_dispatches[traced] = self.backlogged_dispatches.get(traced, 0) + 1
-            self._admit(request)
-            flow.placed(entry)
+        """Room may have appeared: the requests waiting in the routers' queues that may go now, placed."""
+        for flow in self.flows:
+            while (entry := flow.next_ready()) is not None:
+                request = entry.item
+                request.queued_s = self.loop.now - entry.since
+                traced = request.trace.flow
+                waiting = flow.queues()[entry.model].by_flow
+                if traced is not None and len(waiting) > (entry.flow in waiting):  # another flow waits too
+                    self.backlogged_dispatches[traced] = self.backlogged_dispatches.get(traced, 0) + 1
+                self._admit(request)
+                flow.placed(entry)
 
     def _expire(self) -> None:
-        assert self.flow is not None
-        for entry in self.flow.expired():
-            self._refuse_in_router(entry.item, "queue_timeout")
+        for flow in self.flows:
+            for entry in flow.expired():
+                self._refuse_in_router(entry.item, "queue_timeout")
 
     def _refuse_in_router(self, request: SimRequest, reason: str) -> None:
         """Flow control refused request with a 429: it never reached an engine."""
@@ -307,7 +323,8 @@ class Run:
             self._release(request)
             return
         self.outstanding += 1
-        if self.flow is not None and not self._queue(request):
+        request.router = self.policy.router_of(request)
+        if self.flows and not self._queue(request):
             return
         self._admit(request)
 
@@ -325,9 +342,8 @@ class Run:
         self.dispatch(request)
 
     def _queue(self, request: SimRequest) -> bool:
-        """Whether request goes now; else it waits in the router's queue, or was refused."""
-        flow = self.flow
-        assert flow is not None
+        """Whether request goes now; else it waits in its router's queue, or was refused."""
+        flow = self.flows[request.router]
         traced = request.trace
         flows = self.policy.queue_flows
         named = None if flows == "one" else traced.flow or (request.session if flows != "tenant" else None)
@@ -338,7 +354,7 @@ class Run:
             entry = flow.admit(
                 request,
                 Demand(self.view.model, request.flow, traced.objective, work, traced.input_tokens),
-                self._room,
+                partial(self._room, request.router),
             )
         except Refused as refused:
             request.flow = None

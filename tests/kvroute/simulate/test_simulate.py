@@ -32,7 +32,7 @@ from kvroute.simulate.results import RESULT_FIELDS
 from kvroute.simulate.run import RETRY_BACKOFF_S, DisaggregatedRun, Run, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
-from router.config import DisaggregationConfig
+from router.config import DisaggregationConfig, FlowControlConfig, FlowLimitsConfig
 from router.dispatch.decide.decision import Decision
 from router.dispatch.place.prefill_leg import PrefillLeg
 from router.index.events import BlockRemoved, BlockStored, KVEvent
@@ -568,7 +568,7 @@ def test_routers_in_front_of_one_fleet_share_events_but_not_their_counts() -> No
     policy = Replicas("two", _Counting, 2)
     result = simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
     assert result.completed == 3
-    counting = [router for router in policy.routers if isinstance(router, _Counting)]
+    counting = [router for router in policy.members if isinstance(router, _Counting)]
     by_router = {router_of(first): [(first, 0), (first, 0)], router_of(other): [(other, 0)]}
     # The other session's router decided while the first's turn was in flight, and did not see it.
     assert [counting[0].seen, counting[1].seen] == [by_router[0], by_router[1]]
@@ -583,7 +583,7 @@ def test_routers_without_sticky_sessions_take_requests_in_turn() -> None:
     turns = tuple(TraceRequest(float(n), 320, 2, tuple(range(10 * n + 1, 10 * n + 11))) for n in range(4))
     policy = Replicas("two", _Counting, 2, by_session=False)
     simulate(TraceBlocks(Trace("turns", 32, turns), 16), _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
-    assert [len(router.seen) for router in policy.routers if isinstance(router, _Counting)] == [2, 2]
+    assert [len(router.seen) for router in policy.members if isinstance(router, _Counting)] == [2, 2]
 
 
 def test_routers_sharing_load_see_each_others_requests_in_flight() -> None:
@@ -594,10 +594,37 @@ def test_routers_sharing_load_see_each_others_requests_in_flight() -> None:
     blocks = TraceBlocks(Trace("sharing", 32, turns), 16)
     policy = Replicas("two", _Counting, 2, by_session=False, share_s=0.05)
     simulate(blocks, _fleet(1, pool=False), policy, ideal_hit_rate=0.0)
-    first, second = (router for router in policy.routers if isinstance(router, _Counting))
+    first, second = (router for router in policy.members if isinstance(router, _Counting))
     assert len(first.seen) == len(second.seen) == 1  # one request each
     # The later one's router heard of the earlier one within 0.05 s; sharing nothing, it would count 0.
     assert dict(first.seen + second.seen) == {"a": 0, "b": 1}
+
+
+class _Limited(_Counting):
+    """_Counting with a queue: one request of a flow in flight at a time."""
+
+    queue_flows = "tenant"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow_control = FlowControlConfig(per_flow=FlowLimitsConfig(max_in_flight=1))
+
+
+@pytest.mark.parametrize(("share_s", "most"), [(None, 2), (0.05, 1)])
+def test_replicas_each_queue_and_sharing_hold_a_tenants_limit_as_one(
+    share_s: float | None, most: int
+) -> None:
+    """Two routers, each its own queue (max_in_flight 1 for the tenant), requests in turn: sharing nothing,
+    the tenant has 2 in flight; sharing, 1."""
+    turns = tuple(
+        TraceRequest(0.01 * n, 320, 30, tuple(range(10 * n + 1, 10 * n + 11)), flow="t") for n in range(6)
+    )
+    policy = Replicas("two", _Limited, 2, by_session=False, share_s=share_s)
+    run = Run(TraceBlocks(Trace("limited", 32, turns), 16), _fleet(2, pool=False), policy)
+    run.run(0.0)
+    assert len(run.done) == 6 and len(run.flows) == 2
+    spans = [(r.dispatched_s, r.finish_s) for r in run.done]
+    assert max(sum(start <= at < end for start, end in spans) for at, _ in spans) == most
 
 
 def test_several_routers_are_not_simulated_with_a_memory_hold() -> None:
