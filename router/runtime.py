@@ -91,6 +91,21 @@ TOKENIZER_SEARCH_S = 2.0  # how often a model left to its instances' /tokenize l
 _NOT_LOADED = "remote: the instances' /tokenize (the tokenizer found here did not load)"
 
 
+class _SessionsShared:
+    """Where this router placed sessions' turns, told its peers; theirs, told its policies
+    (router/upstreams/peer_sync.py's SharedSessions)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def placed(self) -> dict[str, str]:
+        return self._runtime.decider.sessions_placed()
+
+    def heard(self, placements: dict[str, str]) -> None:
+        runtime = self._runtime
+        runtime.decider.sessions_placed_elsewhere(placements, runtime.table.policies.values())
+
+
 @dataclass(frozen=True)
 class SharedIndex:
     """The one block index of `kvroute serve --workers N` (router/index/index_host.py): hosts, the process
@@ -210,6 +225,7 @@ class Runtime:
         discovery = config.discovery
         self.peers = PeerSync(self._peer_config, self.upstreams, metrics, context, self.room_freed.fire)
         self.peers.share_flows(self.flow_gate.control)
+        self.peers.share_sessions(_SessionsShared(self))
         shared_loops = await self._shared(stack)
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here

@@ -55,6 +55,13 @@ class PickObserver(Protocol):
 
 
 @runtime_checkable
+class PlacementListener(Protocol):
+    """A plugin that learns where another router (a replica sharing the store) placed a session's turn."""
+
+    def placed_elsewhere(self, session_key: str, instance: str) -> None: ...
+
+
+@runtime_checkable
 class Explainer(Protocol):
     """After a pick, before the observers learn of it: figures of the plugin's own about the choice, by name
     (WAIT_CAUSED_S...), that the router shows on the answer and in its metrics."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from scorers._scores import weighted_sum
 from scorers.candidate import Candidate
 from scorers.pickers import ranked
-from scorers.plugins import Explainer, Picker, PickObserver, ResponseObserver, Scorer
+from scorers.plugins import Explainer, Picker, PickObserver, PlacementListener, ResponseObserver, Scorer
 from scorers.policy_config import PolicyConfig
 from scorers.registry import PICKERS, SCORERS
 from scorers.request import RoutingRequest
@@ -48,6 +48,7 @@ class Policy:
         self._observers = [plugin for plugin in plugins if isinstance(plugin, PickObserver)]
         self._explainers = [plugin for plugin in plugins if isinstance(plugin, Explainer)]
         self._responders = [plugin for plugin in plugins if isinstance(plugin, ResponseObserver)]
+        self._listeners = [plugin for plugin in plugins if isinstance(plugin, PlacementListener)]
 
     @functools.cached_property
     def prefill_leg(self) -> Policy:
@@ -78,6 +79,11 @@ class Policy:
         if len(candidates) == 1:
             return 0
         return best_first(self._totals(request, candidates))[0]
+
+    def placed_elsewhere(self, session_key: str, instance: str) -> None:
+        """Another replica placed a turn of the session at instance (router/shared/)."""
+        for listener in self._listeners:
+            listener.placed_elsewhere(session_key, instance)
 
     def responded(
         self, request: RoutingRequest, chosen: Candidate, ttft_s: float | None, status: int

@@ -39,6 +39,10 @@ class SessionAffinityScorer:
             return
         self._sessions.put(key, (chosen.name, self._clock()))
 
+    def placed_elsewhere(self, session_key: str, instance: str) -> None:
+        """Another replica sent the session's turn to instance: its next one here follows it."""
+        self._sessions.put(session_key, (instance, self._clock()))
+
     def instance_of(self, session_key: str | None) -> str | None:
         """The instance this session was last sent to, unless that has expired."""
         if session_key is None:

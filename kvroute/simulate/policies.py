@@ -119,6 +119,13 @@ class SimPolicy:
         """What router counts in flight on each instance: what its queue judges room by."""
         return self.view.instances
 
+    def placed_here(self) -> dict[str, str]:
+        """Where it sent sessions' turns since the last call (session key -> instance), for its peers."""
+        return {}
+
+    def placed_elsewhere(self, placements: dict[str, str]) -> None:
+        """Where a peer sent sessions' turns."""
+
     def sync(self) -> None:
         """What runs every sync_interval_s (routers telling each other their load)."""
 
@@ -230,6 +237,7 @@ class ConfiguredPolicy(SimPolicy):
         self._send: Callable[[SimRequest], None] = lambda request: None
         self._program_ticking = False
         self._turns: dict[int, tuple[RoutingRequest, str]] = {}  # by request number: sent, not yet answered
+        self._placed: dict[str, str] = {}  # sessions' turns placed since peers were last told
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
         self._policy = Policy(
             self._policy_name, self._config.policies[self._policy_name], view.loop.clock, view.tie_rng
@@ -346,7 +354,17 @@ class ConfiguredPolicy(SimPolicy):
             request.uncached_estimate = features_for(routing, instance).uncached_tokens
         if request.session is not None:
             self._turns[request.number] = routing, instance.name
+        if routing.session_key is not None:
+            self._placed[routing.session_key] = instance.name
         return view.by_name[instance.name]
+
+    def placed_here(self) -> dict[str, str]:
+        placed, self._placed = self._placed, {}
+        return placed
+
+    def placed_elsewhere(self, placements: dict[str, str]) -> None:
+        for session_key, instance in placements.items():
+            self._policy.placed_elsewhere(session_key, instance)
 
     def first_token(self, request: SimRequest) -> None:
         """The proxy calibrates the chosen instance's TTFT model with every first chunk it sees, timed from
@@ -392,8 +410,8 @@ class Replicas(SimPolicy):
     queue (flow control, as the routers it is made of have it). The load balancer in front of them sends each
     session to one router (by a hash of its key), or, with by_session=False, each request to the next router
     in turn. With share_s, each router tells the others through the shared store every share_s seconds what it
-    has in flight on each instance and its flows' counts (router/shared/), heard share_latency_s later;
-    without, they share nothing."""
+    has in flight on each instance, its flows' counts and where it placed sessions' turns (router/shared/),
+    heard share_latency_s later; without, they share nothing."""
 
     def __init__(
         self,
@@ -424,12 +442,14 @@ class Replicas(SimPolicy):
 
     def sync(self) -> None:
         snapshots = [own_loads(router.view.instances) for router in self.members]
+        placed = [router.placed_here() for router in self.members]
 
         def deliver() -> None:
             for number, (router, loads) in enumerate(zip(self.members, self._peer_loads, strict=True)):
                 for peer, snapshot in enumerate(snapshots):
                     if peer != number:
                         loads.update(str(peer), snapshot)
+                        router.placed_elsewhere(placed[peer])
                 loads.apply(router.view.instances)
 
         self.view.loop.at(self.view.loop.now + self.share_latency_s, deliver)

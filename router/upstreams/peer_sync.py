@@ -8,12 +8,14 @@ stale_after_s. Replicas send their snapshots over the shared store's channel and
 on an ipc:// endpoint of its own and subscribing to its siblings' (PeerEndpoints).
 
 Wire format: one frame, msgpack of `{"router": ID, "instances": {NAME: {"in_flight": N, "active_tokens": N,
-"pending_prefill_tokens": N}}, "flows": {KEY: {"in_flight": N, "tokens": N}}}`, ID a random id a router draws
-at start. "flows" are flow control's limited flows and objectives (KEY "flow:NAME" or "objective:NAME"): their
-requests in flight here and the prompt tokens sent since the last snapshot, so that each router counts its
-peers' against one limit (router/dispatch/wait/flows_elsewhere.py). Loads are maps, so a later version may add
-fields that this one ignores (a rolling upgrade keeps its peers). Snapshots that do not decode are counted and
-skipped; instances this router does not route to are left out.
+"pending_prefill_tokens": N}}, "flows": {KEY: {"in_flight": N, "tokens": N}}, "sessions": {SESSION: NAME}}`,
+ID a random id a router draws at start. "sessions" are the turns it placed since its last snapshot (the
+router's digest of a session's key, and the instance), which its peers' session affinity follows. "flows"
+are flow control's limited flows and objectives (KEY "flow:NAME" or "objective:NAME"): their requests in
+flight here and the prompt tokens sent since the last snapshot, so that each router counts its peers'
+against one limit (router/dispatch/wait/flows_elsewhere.py). Loads are maps, so a later version may add
+fields that this one ignores (a rolling upgrade keeps its peers). Snapshots that do not decode are counted
+and skipped; instances this router does not route to are left out.
 """
 
 from __future__ import annotations
@@ -72,6 +74,17 @@ class PeerSnapshot(msgspec.Struct):
     router: str
     instances: dict[str, InstanceLoad]
     flows: dict[str, FlowShare] = {}
+    sessions: dict[str, str] = {}
+
+
+class SharedSessions(Protocol):
+    """Where sessions' turns were placed (router/dispatch/decide/session_placements.py)."""
+
+    def placed(self) -> dict[str, str]:
+        """This router's placements since the last call: session key -> instance."""
+        ...
+
+    def heard(self, placements: dict[str, str]) -> None: ...
 
 
 class SharedFlows(Protocol):
@@ -113,6 +126,7 @@ class PeerSync:
         self._config, self._fleet, self._metrics, self._context = config, fleet, metrics, context
         self._on_change = on_change
         self._flows: SharedFlows | None = None
+        self._sessions: SharedSessions | None = None
         self._shared = False  # the snapshots travel over the shared store (router/shared/snapshots.py)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
@@ -122,6 +136,10 @@ class PeerSync:
     def share_flows(self, flows: SharedFlows) -> None:
         """Tell peers flow control's counts, and hand it theirs."""
         self._flows = flows
+
+    def share_sessions(self, sessions: SharedSessions) -> None:
+        """Tell peers where this router placed sessions' turns, and hand it theirs."""
+        self._sessions = sessions
 
     def expect_shared(self) -> None:
         """Peers come from the shared store's channel, which runs its own publish and follow loops: before
@@ -170,7 +188,8 @@ class PeerSync:
         loads = {name: InstanceLoad(*load) for name, load in own_loads(self._fleet.instances).items()}
         own = {} if self._flows is None else self._flows.shared()
         flows = {key: FlowShare(max(n, 0), max(tokens, 0)) for key, (n, tokens) in own.items()}
-        return self._encoder.encode(PeerSnapshot(self.router_id, loads, flows))
+        sessions = {} if self._sessions is None else self._sessions.placed()
+        return self._encoder.encode(PeerSnapshot(self.router_id, loads, flows, sessions))
 
     def receive(self, message: bytes) -> None:
         """Take one peer's snapshot; malformed ones, this router's own, and new peers past MAX_PEERS are
@@ -197,6 +216,9 @@ class PeerSync:
         if self._flows is not None:
             flows = {key: (share.in_flight, share.tokens) for key, share in snapshot.flows.items()}
             self._flows.heard(snapshot.router, flows)
+        if self._sessions is not None and snapshot.sessions:
+            placed = snapshot.sessions.items()
+            self._sessions.heard({key: name for key, name in placed if name in names})
         self._apply()
 
     def skipped(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -277,6 +277,19 @@ class Decider:
         for tier, blocks in zip(("gpu", "cpu", "pool"), (reused.gpu, reused.cpu, reused.pool), strict=True):
             if blocks:
                 self._metrics.predicted_cached(policy.name, tier).inc(blocks * self._block_size)
+
+    def sessions_placed(self) -> dict[str, str]:
+        """Where this router sent sessions' turns since the last call (session key -> instance), for its
+        peers."""
+        return self._placements.placed_here()
+
+    def sessions_placed_elsewhere(self, placements: Mapping[str, str], policies: Iterable[Policy]) -> None:
+        """Where a peer sent sessions' turns: each policy's session affinity follows them."""
+        listening = list(policies)
+        for session_key, instance in placements.items():
+            self._placements.placed_elsewhere(session_key, instance)
+            for policy in listening:
+                policy.placed_elsewhere(session_key, instance)
 
     def withdraw(self, decision: Decision) -> None:
         """The request never ran where it was routed: take back the blocks decide() entered for it there."""

@@ -226,3 +226,28 @@ def test_a_tenants_tokens_a_second_hold_across_three_replicas(
             sender.join()
     # Three replicas alone would let 3 x rate x seconds through; shared, rate x seconds and their bursts.
     assert 0 < sum(admitted) <= 1.05 * rate * seconds + 3 * rate, (sum(admitted), len(admitted))
+
+
+def test_a_sessions_next_turn_through_another_replica_follows_its_last(
+    fleet: FleetPorts, two_replicas: list[str]
+) -> None:
+    """The second replica heard where the first sent the session's turn: the turn it routes is the session's
+    next (same instance), not the first of a session it never saw."""
+    heard_each_other(two_replicas)
+    first, second = two_replicas
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "plan the refactor " * 30}]}
+    headers = {"x-session-id": f"agent-{uuid.uuid4().hex[:8]}"}
+    status, answered, _ = post(
+        first + "/v1/chat/completions", json.dumps({**body, "max_tokens": 4}).encode(), headers
+    )
+    assert status == 200
+    instance = answered[INSTANCE_HEADER]
+    placements = ("first", "same", "moved")
+    before = {p: sample(second, "kvroute_session_turns_total", placement=p) or 0 for p in placements}
+    time.sleep(0.3)  # a few snapshots
+    status, answered, _ = post(
+        second + "/v1/chat/completions", json.dumps({**body, "max_tokens": 4}).encode(), headers
+    )
+    assert status == 200 and answered[INSTANCE_HEADER] == instance
+    after = {p: sample(second, "kvroute_session_turns_total", placement=p) or 0 for p in placements}
+    assert {p: after[p] - before[p] for p in after} == {"first": 0, "same": 1, "moved": 0}

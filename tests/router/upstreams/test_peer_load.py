@@ -204,3 +204,31 @@ def test_a_publish_endpoint_taken_already_is_named_at_start() -> None:
         sync.close()
         squatter.close(linger=0)
         context.destroy(linger=0)
+
+
+class _Placements:
+    """Stands in for the decider's session placements (router/runtime.py's _SessionsShared)."""
+
+    def __init__(self, own: dict[str, str]) -> None:
+        self.own = own
+        self.told: list[dict[str, str]] = []
+
+    def placed(self) -> dict[str, str]:
+        placed, self.own = self.own, {}
+        return placed
+
+    def heard(self, placements: dict[str, str]) -> None:
+        self.told.append(placements)
+
+
+def test_snapshots_carry_the_sessions_placed_since_the_last_one_and_hand_peers_theirs() -> None:
+    sender, receiver = (
+        PeerSync(PeerEndpoints(), Upstreams(config()), RouterMetrics(), zmq.asyncio.Context.instance())
+        for _ in range(2)
+    )
+    placed, heard = _Placements({"s1": "a", "s2": "gone"}), _Placements({})
+    sender.share_sessions(placed)
+    receiver.share_sessions(heard)
+    receiver.receive(sender.snapshot())
+    receiver.receive(sender.snapshot())  # told once: the next snapshot has none
+    assert heard.told == [{"s1": "a"}]  # an instance the receiver does not route to is left out
