@@ -1,4 +1,4 @@
-"""Two router processes in front of one fleet, told about each other: each counts the other's requests in
+"""Two router processes in front of one fleet, sharing a redis-server: each counts the other's requests in
 flight, its own limits stay its own, and a router that stops drops out of the other's count."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import json
 import urllib.request
 from pathlib import Path
 
-from kvroute.processes import FleetPorts, free_port_block, running_router
+from kvroute.processes import FleetPorts, running_router
+from kvroute.store_servers import running_redis
 from tests.conftest import sample
 from tests.support.waiting import eventually
 
@@ -39,26 +40,16 @@ def _stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPRespo
 def test_routers_count_each_others_requests_and_forget_one_that_stops(
     fleet: FleetPorts, tmp_path: Path
 ) -> None:
-    port = free_port_block(2)
-    first, second = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
     settings = {
         "admission": {"max_in_flight_per_instance": 1},  # each router's own requests
         "health": {"interval_s": 0.2},
     }
-    timing = {"interval_s": 0.05, "stale_after_s": 0.5}
     with contextlib.ExitStack() as routers:
-        second_url = routers.enter_context(
-            running_router(
-                fleet.router_config(peers={"publish": second, "subscribe": [first], **timing}, **settings),
-                tmp_path,
-                "second",
-            )
-        )
-        with running_router(
-            fleet.router_config(peers={"publish": first, "subscribe": [second], **timing}, **settings),
-            tmp_path,
-            "first",
-        ) as first_url:
+        store = routers.enter_context(running_redis(tmp_path / "redis"))
+        shared = {"url": store.url, "interval_s": 0.05, "stale_after_s": 0.5}
+        config = fleet.router_config(shared=shared, **settings)
+        second_url = routers.enter_context(running_router(config, tmp_path, "second"))
+        with running_router(config, tmp_path, "first") as first_url:
             for url in (first_url, second_url):
                 eventually(lambda url=url: sample(url, "kvroute_peer_routers") == 1)  # type: ignore[misc]
             streams = [_stream(first_url) for _ in range(3)]  # one on each instance, through the first
