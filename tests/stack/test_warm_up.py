@@ -17,13 +17,15 @@ import pytest
 
 from kvroute.processes import running_router
 from kvroute.stack.run import Stack
+from tests.conftest import sample
 from tests.stack.client import INSTANCE_HEADER, MODEL, POLICY_HEADER, metric, post, random_tokens, wait_steady
 from tests.support.http import get_json
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, within
 
 pytestmark = pytest.mark.stack
 
 PROMPT_TOKENS = 1_000
+MOVED_TURNS = 3  # given the chance of a warm-up
 # Long enough an answer that the prompt's blocks are in the pool, and announced, by its end
 ANSWER_TOKENS = 48
 
@@ -53,15 +55,21 @@ def test_a_turn_answered_where_the_next_is_not_foreseen_is_warmed_up_from_the_po
         eventually(lambda: all(i["healthy"] for i in get_json(url + "/dashboard/state")["instances"]))
         rng = random.Random(11)
         hits_before = wait_steady(lambda: metric(foreseen.url, "vllm:external_prefix_cache_hits_total"))
-        for number in range(4):  # round robin: one of two turns is answered by the other instance
-            if turn(url, f"agent-{number}", random_tokens(rng, PROMPT_TOKENS)) != foreseen.name:
-                break
-        else:
-            pytest.fail("round robin sent no turn to the second instance")
-        warm_ups = lambda: metric(  # noqa: E731
+        warm_ups = lambda: sample(  # noqa: E731
             url, "kvroute_program_warm_ups_total", vllm_instance=foreseen.name, reason="moves"
         )
-        eventually(lambda: warm_ups() == 1, what="a warm-up at the instance foreseen")
+        moved = 0
+        # Round robin: one of two turns is answered by the other instance. A warm-up goes only once the pool
+        # holds the prompt when its turn is answered: on two busy cores, the connector's saves can come later,
+        # so a few turns that moved are given the chance.
+        for number in range(12):
+            if turn(url, f"agent-{number}", random_tokens(rng, PROMPT_TOKENS)) == foreseen.name:
+                continue
+            moved += 1
+            if within(warm_ups, timeout_s=10) or moved == MOVED_TURNS:
+                break
+        assert moved, "round robin sent no turn to the second instance"
+        assert warm_ups(), f"no warm-up at the instance foreseen after {moved} turns that moved"
         # It loaded the prompt's blocks from the pool (a computed prompt would be no external hit)
         eventually(
             lambda: metric(foreseen.url, "vllm:external_prefix_cache_hits_total") > hits_before,

@@ -17,3 +17,13 @@ def eventually(condition: Callable[[], T], timeout_s: float = 30.0, what: str = 
         assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what or 'the condition'}"
         time.sleep(0.02)
     return value
+
+
+def within(condition: Callable[[], T], timeout_s: float) -> T | None:
+    """condition's first truthy value within timeout_s, asked every 20 ms; None past it (no failure)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+    return value
