@@ -42,7 +42,7 @@ browser: $(BROWSER_STAMP)
 
 # Debian's nginx and wrk, for `kvroute bench overhead` and its test.
 BENCH_TOOLS_STAMP := $(VENV)/.bench-tools
-$(BENCH_TOOLS_STAMP): scripts/install_bench_tools.sh
+$(BENCH_TOOLS_STAMP): scripts/install_bench_tools.sh scripts/apt_install.sh
 	scripts/install_bench_tools.sh
 	mkdir -p $(VENV) && touch $(BENCH_TOOLS_STAMP)
 
@@ -50,7 +50,7 @@ bench-tools: $(BENCH_TOOLS_STAMP)
 
 # Debian's redis-server (replicas' shared state, in tests) and nats-server (`kvroute bench store`).
 STORES_STAMP := $(VENV)/.stores
-$(STORES_STAMP): scripts/install_shared_stores.sh
+$(STORES_STAMP): scripts/install_shared_stores.sh scripts/apt_install.sh
 	scripts/install_shared_stores.sh
 	mkdir -p $(VENV) && touch $(STORES_STAMP)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kvroute.bench.overhead.backend import find_nginx
+from kvroute.bench.overhead.backend import find_nginx, nginx_conf_around
 from kvroute.processes import (
     Child,
     StartupError,
@@ -35,21 +35,12 @@ def parse_replicas(policy: str) -> tuple[int, bool]:
 
 
 def balancer_conf(work: Path, port: int, replicas: list[int]) -> str:
-    """Round robin over the replicas, keep-alive upstream connections, answers (streams too) unbuffered."""
+    """Round robin over the replicas, keep-alive upstream connections, answers (streams too) unbuffered, a
+    long prompt kept in memory rather than in a temp file."""
     servers = "\n".join(f"    server 127.0.0.1:{replica};" for replica in replicas)
-    temp_paths = "\n".join(
-        f"  {kind}_temp_path {work / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    return f"""worker_processes 1;
-daemon off;
-pid {work / "nginx.pid"};
-error_log {work / "nginx-error.log"};
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_max_body_size 64m;
-  client_body_buffer_size 64m;  # a long prompt stays in memory, never in a temp file
-{temp_paths}
+    return nginx_conf_around(
+        work,
+        f"""  client_body_buffer_size 64m;
   upstream replicas {{
 {servers}
     keepalive 64;
@@ -63,9 +54,8 @@ http {{
       proxy_buffering off;
       proxy_read_timeout 300s;
     }}
-  }}
-}}
-"""
+  }}""",
+    )
 
 
 @contextlib.contextmanager
@@ -94,8 +84,6 @@ def running_replicas(config: dict[str, Any], policy: str, log_dir: Path) -> Iter
             [(child, f"http://127.0.0.1:{port}/metrics") for child, port in zip(children, ports, strict=True)]
         )
         work = log_dir / "balancer"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (work / kind).mkdir(parents=True, exist_ok=True)
         conf = work / "nginx.conf"
         conf.write_text(balancer_conf(work, base, ports))
         argv = [nginx, "-p", str(work), "-e", str(work / "nginx-error.log"), "-c", str(conf)]

@@ -35,12 +35,16 @@ def find_nginx() -> str | None:
     )
 
 
-def nginx_conf(work: Path, ports: Sequence[int]) -> str:
-    """One worker (its cost stays small and fixed), no access log, every temp path inside work."""
-    listens = "\n".join(f"    listen 127.0.0.1:{port};" for port in ports)
-    temp_paths = "\n".join(
-        f"  {kind}_temp_path {work / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
+NGINX_TEMP_KINDS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+
+
+def nginx_conf_around(work: Path, http: str) -> str:
+    """A whole nginx configuration around the http block's own lines: one worker (its cost stays small and
+    fixed), in the foreground, no access log, every file and temp path inside work (the temp directories
+    made)."""
+    for kind in NGINX_TEMP_KINDS:
+        (work / kind).mkdir(parents=True, exist_ok=True)
+    temp_paths = "\n".join(f"  {kind}_temp_path {work / kind};" for kind in NGINX_TEMP_KINDS)
     return f"""worker_processes 1;
 daemon off;
 pid {work / "nginx.pid"};
@@ -50,7 +54,17 @@ http {{
   access_log off;
   client_max_body_size 64m;
 {temp_paths}
-  server {{
+{http}
+}}
+"""
+
+
+def nginx_conf(work: Path, ports: Sequence[int]) -> str:
+    """The canned backend: every port answers a completion at once."""
+    listens = "\n".join(f"    listen 127.0.0.1:{port};" for port in ports)
+    return nginx_conf_around(
+        work,
+        f"""  server {{
 {listens}
     location = /health {{ return 200; }}
     location = /metrics {{ default_type text/plain; return 200 ''; }}
@@ -58,9 +72,8 @@ http {{
       default_type application/json;
       return 200 '{CANNED_COMPLETION}';
     }}
-  }}
-}}
-"""
+  }}""",
+    )
 
 
 def start_nginx(binary: str, ports: Sequence[int], log_dir: Path) -> Child:
