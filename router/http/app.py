@@ -72,8 +72,9 @@ def create_app(
     peers: PeerEndpoints | None = None,
     shared_index: SharedIndex | None = None,
 ) -> RouterApp:
-    """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload; peers: instead
-    of config's; shared_index: the index this router asks, when it holds none (router/runtime.py)."""
+    """path: the file config came from, watched and re-read on SIGHUP or POST /admin/reload; peers: its
+    sibling workers' endpoints (serve --workers); shared_index: the index this router asks, when it holds none
+    (router/runtime.py)."""
     runtime = Runtime(config, peers, shared_index)
     metrics = runtime.metrics
     # kvroute exports its own Prometheus metrics; FastAPI's OpenTelemetry hooks cost time on every request.
