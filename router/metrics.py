@@ -692,7 +692,7 @@ class _ControlFamilies:
             r,
             "kvroute_peer_snapshots",
             "Load snapshots received from other routers, by result (applied, malformed: not "
-            "decodable, own: this router's own, subscribed by mistake, too_many_peers)",
+            "decodable, own: this router's own, too_many_peers, repeated: heard already, over another way)",
             ["result"],
         )
         self.discovery_watch_restarts = _counter(

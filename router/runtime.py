@@ -261,9 +261,9 @@ class Runtime:
     async def _shared(
         self, stack: contextlib.AsyncExitStack
     ) -> dict[str, tuple[Callable[[], Awaitable[None]], float, bool]]:
-        """With a shared store: its client, the stored responses' conversations kept there, and the loops
-        that publish and follow the replicas' snapshots (router/shared/snapshots.py). An index host shares
-        nothing: its workers do."""
+        """With a shared store: its client, the stored responses' conversations kept there, this router's
+        snapshots published on its channel and the loop that follows the replicas' there
+        (router/shared/snapshots.py). An index host shares nothing: its workers do."""
         config = self.config.shared
         hosts = self._shared_index is not None and self._shared_index.hosts
         if not config.enabled or hosts:
@@ -271,13 +271,9 @@ class Runtime:
         self.shared_store = store = SharedStore(config, self.metrics)
         stack.push_async_callback(store.close)
         self.routing.responses.share(SharedConversations(store))
-        peers = self.peers
-        peers.expect_shared()
-        channel = SnapshotChannel(store, peers.snapshot, peers.receive, peers.skipped)
-        return {
-            "shared-publish": (channel.publish, config.interval_s, False),
-            "shared-follow": (channel.follow, config.interval_s, False),
-        }
+        channel = SnapshotChannel(store, self.peers.receive, self.peers.skipped)
+        self.peers.send_also(channel.send)
+        return {"shared-follow": (channel.follow, config.interval_s, False)}
 
     async def _load_tokenizers(self, config: RouterConfig) -> None:
         """Each model's tokenizer, where the configuration or the instances' answers say it is."""

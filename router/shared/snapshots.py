@@ -1,7 +1,8 @@
 """Replicas' load snapshots over the shared store's publish/subscribe channel.
 
-Each replica publishes its snapshot (router/upstreams/peer_sync.py: its load in flight per instance and its
-flows' counts) on the namespace's ``load`` channel every shared.interval_s, and follows the channel: every
+Each replica publishes its snapshot (router/upstreams/peer_sync.py: its load in flight per instance, its
+flows' counts and sessions' placements) on the namespace's ``load`` channel every shared.interval_s, from
+PeerSync's publish loop (send()), and follows the channel: every
 replica that publishes there is a peer, with no list of addresses anywhere; one silent for
 shared.stale_after_s counts no more. A snapshot stands alone, so one lost while the store is down is replaced
 by the next once it is back: the shared state is whole again one interval after the store returns.
@@ -20,26 +21,21 @@ _FOLLOW_POLL_S = 1.0  # a wait for the next message, between which the subscript
 
 class SnapshotChannel:
     def __init__(
-        self,
-        store: SharedStore,
-        snapshot: Callable[[], bytes],
-        receive: Callable[[bytes], None],
-        skipped: Callable[[], None],
+        self, store: SharedStore, receive: Callable[[bytes], None], skipped: Callable[[], None]
     ) -> None:
-        """snapshot: this replica's, encoded; receive: a peer's (or this one's own, which it skips);
-        skipped: a message too large to be a snapshot."""
-        self._store, self._snapshot, self._receive, self._skipped = store, snapshot, receive, skipped
+        """receive: a peer's snapshot (or this one's own, which it skips); skipped: a message too large to be
+        a snapshot."""
+        self._store, self._receive, self._skipped = store, receive, skipped
         self.channel = store.key("load")
 
-    async def publish(self) -> None:
+    async def send(self, snapshot: bytes) -> None:
+        """This replica's snapshot, published; given up (and counted) when the store does not take it."""
         store = self._store
-        while True:
-            try:
-                await store.client.publish(self.channel, self._snapshot())
-                store.answered()
-            except StoreError as exc:
-                store.failed("publish", exc)
-            await asyncio.sleep(store.config.interval_s)
+        try:
+            await store.client.publish(self.channel, snapshot)
+            store.answered()
+        except StoreError as exc:
+            store.failed("publish", exc)
 
     async def follow(self) -> None:
         """Follow the channel; a lost subscription is made again once the store answers."""

@@ -75,6 +75,7 @@ class PeerSnapshot(msgspec.Struct):
     instances: dict[str, InstanceLoad]
     flows: dict[str, FlowShare] = {}
     sessions: dict[str, str] = {}
+    seq: int = 0  # its router's count of snapshots: one heard twice (over ZMQ and the store) is applied once
 
 
 class SharedSessions(Protocol):
@@ -127,7 +128,10 @@ class PeerSync:
         self._on_change = on_change
         self._flows: SharedFlows | None = None
         self._sessions: SharedSessions | None = None
-        self._shared = False  # the snapshots travel over the shared store (router/shared/snapshots.py)
+        # Where each snapshot goes besides the ZMQ socket: the shared store's channel (router/shared/).
+        self._also_sent: list[Callable[[bytes], Awaitable[None]]] = []
+        self._sequence = 0
+        self._heard_seq: dict[str, int] = {}  # peer -> the last of its snapshots applied
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(PeerSnapshot)
         self._publisher: zmq.asyncio.Socket | None = None
@@ -141,10 +145,11 @@ class PeerSync:
         """Tell peers where this router placed sessions' turns, and hand it theirs."""
         self._sessions = sessions
 
-    def expect_shared(self) -> None:
-        """Peers come from the shared store's channel, which runs its own publish and follow loops: before
-        start()."""
-        self._shared = True
+    def send_also(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """Each snapshot is sent with send too (the shared store's channel, whose follower hands peers'
+        snapshots to receive()): one snapshot an interval, whatever carries it, since it tells the tokens and
+        placements since the last one. Before start()."""
+        self._also_sent.append(send)
 
     def start(self) -> None:
         if self._config.publish is not None:
@@ -170,10 +175,10 @@ class PeerSync:
         """The background loops start() set up, by name, each to run in a task of its own (supervised); none
         without peers configured, where the sync is a null object."""
         configured = self._config.publish is not None or self._config.subscribe
-        if not configured and not self._shared:
+        if not configured and not self._also_sent:
             return {}
         loops: dict[str, Callable[[], Awaitable[None]]] = {"peers-expire": self.expire_stale}
-        if self._publisher is not None:
+        if self._publisher is not None or self._also_sent:
             loops["peers-publish"] = self.publish
         if self._subscriber is not None:
             loops["peers-follow"] = self.follow
@@ -189,11 +194,12 @@ class PeerSync:
         own = {} if self._flows is None else self._flows.shared()
         flows = {key: FlowShare(max(n, 0), max(tokens, 0)) for key, (n, tokens) in own.items()}
         sessions = {} if self._sessions is None else self._sessions.placed()
-        return self._encoder.encode(PeerSnapshot(self.router_id, loads, flows, sessions))
+        self._sequence += 1
+        return self._encoder.encode(PeerSnapshot(self.router_id, loads, flows, sessions, self._sequence))
 
     def receive(self, message: bytes) -> None:
-        """Take one peer's snapshot; malformed ones, this router's own, and new peers past MAX_PEERS are
-        counted and skipped."""
+        """Take one peer's snapshot; malformed ones, this router's own, new peers past MAX_PEERS and one
+        heard already (or older than one heard) are counted and skipped."""
         try:
             snapshot = self._decoder.decode(message)
         except (msgspec.DecodeError, UnicodeDecodeError):
@@ -205,6 +211,10 @@ class PeerSync:
         if not self.loads.knows(snapshot.router) and self.loads.peers >= MAX_PEERS:
             self._metrics.peer_snapshots("too_many_peers").inc()
             return
+        if snapshot.seq and snapshot.seq <= self._heard_seq.get(snapshot.router, 0):
+            self._metrics.peer_snapshots("repeated").inc()
+            return
+        self._heard_seq[snapshot.router] = snapshot.seq
         self._metrics.peer_snapshots("applied").inc()
         names = {instance.name for instance in self._fleet.instances}
         loads = {
@@ -227,8 +237,9 @@ class PeerSync:
 
     def expire(self) -> None:
         stale = self.loads.expire()
-        if self._flows is not None:
-            for peer in stale:
+        for peer in stale:
+            self._heard_seq.pop(peer, None)
+            if self._flows is not None:
                 self._flows.forget(peer)
         if stale:
             self._apply()
@@ -239,9 +250,12 @@ class PeerSync:
         self._on_change()
 
     async def publish(self) -> None:
-        assert self._publisher is not None
         while True:
-            await self._publisher.send(self.snapshot())
+            message = self.snapshot()
+            if self._publisher is not None:
+                await self._publisher.send(message)
+            for send in self._also_sent:
+                await send(message)
             await asyncio.sleep(self._config.interval_s)
 
     async def follow(self) -> None:

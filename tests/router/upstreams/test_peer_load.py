@@ -222,13 +222,16 @@ class _Placements:
 
 
 def test_snapshots_carry_the_sessions_placed_since_the_last_one_and_hand_peers_theirs() -> None:
-    sender, receiver = (
-        PeerSync(PeerEndpoints(), Upstreams(config()), RouterMetrics(), zmq.asyncio.Context.instance())
-        for _ in range(2)
-    )
+    metrics, context = RouterMetrics(), zmq.asyncio.Context.instance()
+    sender = PeerSync(PeerEndpoints(), Upstreams(config()), RouterMetrics(), context)
+    receiver = PeerSync(PeerEndpoints(), Upstreams(config()), metrics, context)
     placed, heard = _Placements({"s1": "a", "s2": "gone"}), _Placements({})
     sender.share_sessions(placed)
     receiver.share_sessions(heard)
-    receiver.receive(sender.snapshot())
+    first = sender.snapshot()
+    receiver.receive(first)
+    receiver.receive(first)  # heard again, over the other way a worker's snapshots come: applied once
     receiver.receive(sender.snapshot())  # told once: the next snapshot has none
     assert heard.told == [{"s1": "a"}]  # an instance the receiver does not route to is left out
+    repeated = {"result": "repeated"}
+    assert metrics.registry.get_sample_value("kvroute_peer_snapshots_total", repeated) == 1
