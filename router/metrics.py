@@ -439,9 +439,10 @@ class _ProgramFamilies:
             "kvroute_programs",
             "Agent programs whose KV working set is at the instance, by state: running (a turn in flight), "
             "tool_call (answered, within the tool calls' time-to-live), paused (in a tool call, its working "
-            "set given up while the instance's working sets passed programs.pause_above)",
+            "set given up while the instance's working sets passed programs.pause_above). Every router of a "
+            "fleet that shares its state follows every program: alike at each",
             ["vllm_instance", "state"],
-            "livesum",
+            "livemax",
         )
         self.programs_waiting = _gauge(
             r,
@@ -484,9 +485,10 @@ class _ProgramFamilies:
             r,
             "kvroute_program_working_set_tokens",
             "The prompt tokens of the programs running or in a tool call at the instance: their KV "
-            "working set, against its KV cache's tokens (the dashboard's kv_capacity_tokens)",
+            "working set, against its KV cache's tokens (the dashboard's kv_capacity_tokens); alike at every "
+            "router of a fleet that shares its state",
             ["vllm_instance"],
-            "livesum",
+            "livemax",
         )
         self.program_turns = _counter(
             r,

@@ -56,7 +56,8 @@ from router.index.remote_index import RemoteIndex, RemoteMatches
 from router.index.routing_index import RoutingIndex
 from router.index.subscriptions import Subscriptions, events_context
 from router.metrics import RouterMetrics
-from router.programs.table import followed
+from router.programs.shared import ProgramTurnsShared
+from router.programs.table import Programs, followed
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
@@ -226,6 +227,8 @@ class Runtime:
         self.peers = PeerSync(self._peer_config, self.upstreams, metrics, context, self.room_freed.fire)
         self.peers.share_flows(self.flow_gate.control)
         self.peers.share_sessions(_SessionsShared(self))
+        if isinstance(self.programs, Programs):
+            self.peers.share_programs(ProgramTurnsShared(self.programs))
         shared_loops = await self._shared(stack)
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here

@@ -22,11 +22,13 @@ from router.dispatch.intake.engine_priority import engine_priority
 from router.dispatch.wait.waiting import PROGRAM_TICK_S
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
-from router.programs.table import followed
+from router.programs.shared import ProgramTurnsShared
+from router.programs.table import Programs, followed
 from router.programs.warm_ups import WarmUps
 from router.shared.settings import SharedConfig
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
+from router.upstreams.peer_sync import ProgramTurn
 from router.upstreams.room import with_room
 from scorers.policy import Policy
 from scorers.request import RoutingRequest
@@ -125,6 +127,16 @@ class SimPolicy:
 
     def placed_elsewhere(self, placements: dict[str, str]) -> None:
         """Where a peer sent sessions' turns."""
+
+    def share_programs(self) -> None:
+        """From now on, tell peers the agent programs' turns it starts and ends (programs_here)."""
+
+    def programs_here(self) -> list[ProgramTurn]:
+        """The programs' turns it started and ended since the last call, for its peers."""
+        return []
+
+    def programs_elsewhere(self, peer: str, turns: list[ProgramTurn]) -> None:
+        """The programs' turns a peer started and ended."""
 
     def sync(self) -> None:
         """What runs every sync_interval_s (routers telling each other their load)."""
@@ -234,6 +246,7 @@ class ConfiguredPolicy(SimPolicy):
             view.loop.clock,
         )
         self._warm_ups = WarmUps(self._config.programs.warm_up, self._programs, metrics)
+        self._program_turns: ProgramTurnsShared | None = None  # with replicas sharing (Replicas)
         self._send: Callable[[SimRequest], None] = lambda request: None
         self._program_ticking = False
         self._turns: dict[int, tuple[RoutingRequest, str]] = {}  # by request number: sent, not yet answered
@@ -366,6 +379,17 @@ class ConfiguredPolicy(SimPolicy):
         for session_key, instance in placements.items():
             self._policy.placed_elsewhere(session_key, instance)
 
+    def share_programs(self) -> None:
+        if isinstance(self._programs, Programs):
+            self._program_turns = ProgramTurnsShared(self._programs)
+
+    def programs_here(self) -> list[ProgramTurn]:
+        return [] if self._program_turns is None else self._program_turns.shared()
+
+    def programs_elsewhere(self, peer: str, turns: list[ProgramTurn]) -> None:
+        if self._program_turns is not None:
+            self._program_turns.heard(peer, turns)
+
     def first_token(self, request: SimRequest) -> None:
         """The proxy calibrates the chosen instance's TTFT model with every first chunk it sees, timed from
         the attempt's start as router/dispatch/observe/outcome.py times it: its wait in the router's queue is
@@ -410,8 +434,8 @@ class Replicas(SimPolicy):
     queue (flow control, as the routers it is made of have it). The load balancer in front of them sends each
     session to one router (by a hash of its key), or, with by_session=False, each request to the next router
     in turn. With share_s, each router tells the others through the shared store every share_s seconds what it
-    has in flight on each instance, its flows' counts and where it placed sessions' turns (router/shared/),
-    heard share_latency_s later; without, they share nothing."""
+    has in flight on each instance, its flows' counts, where it placed sessions' turns and the agent programs'
+    turns it started and ended (router/shared/), heard share_latency_s later; without, they share nothing."""
 
     def __init__(
         self,
@@ -439,10 +463,14 @@ class Replicas(SimPolicy):
             # run.py holds requests in one queue judged on the first router's counts
             raise ValueError("several routers are simulated without holding requests for memory")
         self._peer_loads = [PeerLoads(PEERS_STALE_AFTER_S, view.loop.clock) for _ in self.members]
+        if self.sync_interval_s is not None:
+            for router in self.members:
+                router.share_programs()
 
     def sync(self) -> None:
         snapshots = [own_loads(router.view.instances) for router in self.members]
         placed = [router.placed_here() for router in self.members]
+        programs = [router.programs_here() for router in self.members]
 
         def deliver() -> None:
             for number, (router, loads) in enumerate(zip(self.members, self._peer_loads, strict=True)):
@@ -450,6 +478,7 @@ class Replicas(SimPolicy):
                     if peer != number:
                         loads.update(str(peer), snapshot)
                         router.placed_elsewhere(placed[peer])
+                        router.programs_elsewhere(str(peer), programs[peer])
                 loads.apply(router.view.instances)
 
         self.view.loop.at(self.view.loop.now + self.share_latency_s, deliver)

@@ -39,7 +39,8 @@ class Program:
     instance: str  # where its working set is: the instance of its last main turn
     tokens: int  # that turn's prompt
     last_seen: float
-    running: int = 0  # its turns in flight
+    running: int = 0  # its turns in flight through this router
+    running_elsewhere: int = 0  # and through its peers (replicas sharing a store: router/programs/shared.py)
     ended_at: float | None = None  # its last answer's end, once none of its turns runs
     counted: Counted | None = None  # how its working set is counted now
     paused: bool = False  # its working set given up under KV pressure, until its next turn
@@ -73,6 +74,8 @@ class Programs:
         self.on_working_set: Callable[[str, int], None] = _ignored
         self.capacity: Callable[[str], int | None] = _unknown  # an instance's KV cache tokens, if known
         self.gate: ProgramGate[object] = ProgramGate(settings.start_below, settings.max_wait_s, clock)
+        # Told each turn this router starts (key, instance, prompt tokens) and ends (key, "", 0), for peers.
+        self.on_turn: Callable[[str, str, int], None] | None = None
 
     def known(self, session_key: str) -> bool:
         """Whether the program with this key is followed (alive, or its working set lapsed or paused)."""
@@ -128,7 +131,7 @@ class Programs:
         else:
             self._programs.move_to_end(key)
             program.last_seen = sent_at
-            if not program.running and program.ended_at is not None:
+            if not program.running and not program.running_elsewhere and program.ended_at is not None:
                 found = self._next_turn(program, request, sent_at)
             if program.paused:
                 self._resumed(program)
@@ -141,6 +144,8 @@ class Programs:
         self._count(key, program, sent_at)
         self._forget_idle(sent_at)
         self._publish()
+        if self.on_turn is not None:
+            self.on_turn(key, program.instance, program.tokens)
         return found
 
     def turn_ended(self, session_key: str | None) -> None:
@@ -155,9 +160,46 @@ class Programs:
         self._uncount(session_key, program)
         program.running -= 1
         program.last_seen = now
-        if not program.running:
+        if not program.running and not program.running_elsewhere:
             program.ended_at = now
         self._count(session_key, program, now)
+        self._publish()
+        if self.on_turn is not None:
+            self.on_turn(session_key, "", 0)
+
+    def started_elsewhere(self, key: str, instance: str, tokens: int) -> None:
+        """A peer router started a turn of the program at instance, its working set now tokens there."""
+        now = self._clock()
+        self._expire(now)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = Program(instance, tokens, now)
+        else:
+            self._programs.move_to_end(key)
+            program.last_seen = now
+            if program.paused:
+                self._resumed(program)
+        self._uncount(key, program)
+        program.warmed = False
+        program.running_elsewhere += 1
+        program.instance, program.tokens = instance, tokens
+        self._count(key, program, now)
+        self._forget_idle(now)
+        self._publish()
+
+    def ended_elsewhere(self, key: str, turns: int = 1) -> None:
+        """turns of the program that peers started ended (answered, or their router was lost)."""
+        program = self._programs.get(key)
+        if program is None or not program.running_elsewhere:
+            return
+        now = self._clock()
+        self._expire(now)
+        self._uncount(key, program)
+        program.running_elsewhere = max(program.running_elsewhere - turns, 0)
+        program.last_seen = now
+        if not program.running and not program.running_elsewhere:
+            program.ended_at = now
+        self._count(key, program, now)
         self._publish()
 
     def expire(self) -> None:
@@ -202,7 +244,7 @@ class Programs:
         return found
 
     def _count(self, key: str, program: Program, now: float) -> None:
-        if program.running:
+        if program.running or program.running_elsewhere:
             counted: Counted = "running"
         elif program.ended_at is not None and now - program.ended_at <= self.tool_calls.ttl_s:
             counted = "tool_call"

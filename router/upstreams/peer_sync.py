@@ -8,9 +8,12 @@ stale_after_s. Replicas send their snapshots over the shared store's channel and
 on an ipc:// endpoint of its own and subscribing to its siblings' (PeerEndpoints).
 
 Wire format: one frame, msgpack of `{"router": ID, "instances": {NAME: {"in_flight": N, "active_tokens": N,
-"pending_prefill_tokens": N}}, "flows": {KEY: {"in_flight": N, "tokens": N}}, "sessions": {SESSION: NAME}}`,
-ID a random id a router draws at start. "sessions" are the turns it placed since its last snapshot (the
-router's digest of a session's key, and the instance), which its peers' session affinity follows. "flows"
+"pending_prefill_tokens": N}}, "flows": {KEY: {"in_flight": N, "tokens": N}}, "sessions": {SESSION: NAME},
+"programs": [[SESSION, NAME, N], ...], "seq": N}`, ID a random id a router draws at start. "sessions" are the
+turns it placed since its last snapshot (the router's digest of a session's key, and the instance), which its
+peers' session affinity follows. "programs" are the agent programs' turns it started since then (the
+instance, and the prompt's tokens) and ended (NAME ""), which its peers' program tables follow
+(router/programs/shared.py). "flows"
 are flow control's limited flows and objectives (KEY "flow:NAME" or "objective:NAME"): their requests in
 flight here and the prompt tokens sent since the last snapshot, so that each router counts its peers'
 against one limit (router/dispatch/wait/flows_elsewhere.py). Loads are maps, so a later version may add
@@ -70,11 +73,21 @@ class FlowShare(msgspec.Struct):
     tokens: _Count = 0  # prompt tokens sent since the last snapshot
 
 
+class ProgramTurn(msgspec.Struct, array_like=True):
+    """A turn of an agent program this router started (at instance, its prompt tokens) or ended (instance
+    "")."""
+
+    key: Annotated[str, msgspec.Meta(max_length=256)]
+    instance: Annotated[str, msgspec.Meta(max_length=512)]
+    tokens: _Count = 0
+
+
 class PeerSnapshot(msgspec.Struct):
     router: str
     instances: dict[str, InstanceLoad]
     flows: dict[str, FlowShare] = {}
     sessions: dict[str, str] = {}
+    programs: list[ProgramTurn] = []
     seq: int = 0  # its router's count of snapshots: one heard twice (over ZMQ and the store) is applied once
 
 
@@ -86,6 +99,18 @@ class SharedSessions(Protocol):
         ...
 
     def heard(self, placements: dict[str, str]) -> None: ...
+
+
+class SharedPrograms(Protocol):
+    """Agent programs' turns (router/programs/shared.py)."""
+
+    def shared(self) -> list[ProgramTurn]:
+        """The turns this router started and ended since the last call."""
+        ...
+
+    def heard(self, peer: str, turns: list[ProgramTurn]) -> None: ...
+
+    def forget(self, peer: str) -> None: ...
 
 
 class SharedFlows(Protocol):
@@ -128,6 +153,7 @@ class PeerSync:
         self._on_change = on_change
         self._flows: SharedFlows | None = None
         self._sessions: SharedSessions | None = None
+        self._programs: SharedPrograms | None = None
         # Where each snapshot goes besides the ZMQ socket: the shared store's channel (router/shared/).
         self._also_sent: list[Callable[[bytes], Awaitable[None]]] = []
         self._sequence = 0
@@ -144,6 +170,10 @@ class PeerSync:
     def share_sessions(self, sessions: SharedSessions) -> None:
         """Tell peers where this router placed sessions' turns, and hand it theirs."""
         self._sessions = sessions
+
+    def share_programs(self, programs: SharedPrograms) -> None:
+        """Tell peers the agent programs' turns this router starts and ends, and hand it theirs."""
+        self._programs = programs
 
     def send_also(self, send: Callable[[bytes], Awaitable[None]]) -> None:
         """Each snapshot is sent with send too (the shared store's channel, whose follower hands peers'
@@ -194,8 +224,10 @@ class PeerSync:
         own = {} if self._flows is None else self._flows.shared()
         flows = {key: FlowShare(max(n, 0), max(tokens, 0)) for key, (n, tokens) in own.items()}
         sessions = {} if self._sessions is None else self._sessions.placed()
+        programs = [] if self._programs is None else self._programs.shared()
         self._sequence += 1
-        return self._encoder.encode(PeerSnapshot(self.router_id, loads, flows, sessions, self._sequence))
+        snapshot = PeerSnapshot(self.router_id, loads, flows, sessions, programs, self._sequence)
+        return self._encoder.encode(snapshot)
 
     def receive(self, message: bytes) -> None:
         """Take one peer's snapshot; malformed ones, this router's own, new peers past MAX_PEERS and one
@@ -229,6 +261,9 @@ class PeerSync:
         if self._sessions is not None and snapshot.sessions:
             placed = snapshot.sessions.items()
             self._sessions.heard({key: name for key, name in placed if name in names})
+        if self._programs is not None and snapshot.programs:
+            turns = [turn for turn in snapshot.programs if not turn.instance or turn.instance in names]
+            self._programs.heard(snapshot.router, turns)
         self._apply()
 
     def skipped(self) -> None:
@@ -241,6 +276,8 @@ class PeerSync:
             self._heard_seq.pop(peer, None)
             if self._flows is not None:
                 self._flows.forget(peer)
+            if self._programs is not None:
+                self._programs.forget(peer)
         if stale:
             self._apply()
 

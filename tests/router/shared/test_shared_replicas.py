@@ -244,6 +244,7 @@ def test_a_sessions_next_turn_through_another_replica_follows_its_last(
     instance = answered[INSTANCE_HEADER]
     placements = ("first", "same", "moved")
     before = {p: sample(second, "kvroute_session_turns_total", placement=p) or 0 for p in placements}
+    programs_before = program_turns(second)
     time.sleep(0.3)  # a few snapshots
     status, answered, _ = post(
         second + "/v1/chat/completions", json.dumps({**body, "max_tokens": 4}).encode(), headers
@@ -251,3 +252,17 @@ def test_a_sessions_next_turn_through_another_replica_follows_its_last(
     assert status == 200 and answered[INSTANCE_HEADER] == instance
     after = {p: sample(second, "kvroute_session_turns_total", placement=p) or 0 for p in placements}
     assert {p: after[p] - before[p] for p in after} == {"first": 0, "same": 1, "moved": 0}
+    # and its agent program's: a next turn, its KV found where the first replica's turn left it
+    programs_after = program_turns(second)
+    assert {kv: programs_after[kv] - programs_before[kv] for kv in programs_after} == {
+        "first": 0,
+        "kept": 1,
+        "elsewhere": 0,
+        "lost": 0,
+    }
+
+
+def program_turns(url: str) -> dict[str, float]:
+    """The router's program turns by what they found of their KV, over every tool call's length."""
+    found = ("first", "kept", "elsewhere", "lost")
+    return {kv: sample(url, "kvroute_program_turns_total", kv=kv) or 0 for kv in found}

@@ -12,10 +12,14 @@ import zmq.asyncio
 from kvroute.processes import free_port_block
 from router.config import RouterConfig, parse_config
 from router.metrics import RouterMetrics
+from router.programs.settings import ProgramsConfig
+from router.programs.shared import ProgramTurnsShared
+from router.programs.table import Programs, WorkingSets
 from router.upstreams.instances import Upstreams
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad, PeerLoads, own_loads
 from router.upstreams.peer_sync import MAX_PEERS, PeerEndpoints, PeerSync, PeerSyncError
 from scorers.inflight_load import InflightLoadParams, InflightLoadScorer
+from scorers.request import RoutingRequest
 from scorers.ttft_features import memory_wait_s
 from tests.conftest import ManualClock
 
@@ -235,3 +239,22 @@ def test_snapshots_carry_the_sessions_placed_since_the_last_one_and_hand_peers_t
     assert heard.told == [{"s1": "a"}]  # an instance the receiver does not route to is left out
     repeated = {"result": "repeated"}
     assert metrics.registry.get_sample_value("kvroute_peer_snapshots_total", repeated) == 1
+
+
+def test_snapshots_carry_programs_turns_and_a_silent_peers_turns_end() -> None:
+    clock = ManualClock(100.0)
+    context = zmq.asyncio.Context.instance()
+    sender = PeerSync(PeerEndpoints(), Upstreams(config()), RouterMetrics(), context, clock=clock)
+    receiver = PeerSync(PeerEndpoints(), Upstreams(config()), RouterMetrics(), context, clock=clock)
+    mine = Programs(ProgramsConfig(ttl_prior_s=10), RouterMetrics(), clock)
+    theirs = Programs(ProgramsConfig(ttl_prior_s=10), RouterMetrics(), clock)
+    sender.share_programs(ProgramTurnsShared(mine))
+    receiver.share_programs(ProgramTurnsShared(theirs))
+    mine.turn_started(RoutingRequest("m", "s1", 1000, 62, 16, {}), "a", clock.now)
+    mine.turn_started(RoutingRequest("m", "s2", 500, 31, 16, {}), "gone", clock.now)
+    receiver.receive(sender.snapshot())
+    # an instance the receiver does not route to is left out
+    assert theirs.working_sets() == {"a": WorkingSets(running=1, tokens=1000)}
+    clock.now += 1.5  # the sender fell silent with its turn in flight: the turn ends here
+    receiver.expire()
+    assert theirs.working_sets() == {"a": WorkingSets(tool_call=1, tokens=1000)}
