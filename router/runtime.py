@@ -62,6 +62,8 @@ from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
+from router.shared.ab_results import SHARE_S as AB_SHARE_S
+from router.shared.ab_results import SharedABResults
 from router.shared.conversations import SharedConversations
 from router.shared.snapshots import SnapshotChannel
 from router.shared.store import SharedStore
@@ -176,6 +178,7 @@ class Runtime:
         )
         self.bases = {m.name: m.lora_of for m in config.models}  # models change with a restart only
         self.shared_store: SharedStore | None = None  # replicas' (router/shared/), once started
+        self.shared_ab: SharedABResults | None = None  # and their A/B split and results
 
     async def __aenter__(self) -> Runtime:
         # What runs off the loop (asyncio.to_thread) runs where the signals the router handles are blocked.
@@ -276,7 +279,24 @@ class Runtime:
         self.routing.responses.share(SharedConversations(store))
         channel = SnapshotChannel(store, self.peers.receive, self.peers.skipped)
         self.peers.send_also(channel.send)
-        return {"shared-follow": (channel.follow, config.interval_s, False)}
+        self.shared_ab = shared_ab = SharedABResults(
+            store,
+            self.peers.router_id,
+            self.table.ab,
+            lambda: self.config.traffic_weights(),
+            self.adopt_split,
+        )
+        return {
+            "shared-follow": (channel.follow, config.interval_s, False),
+            "shared-ab": (shared_ab.share, AB_SHARE_S, False),
+        }
+
+    def adopt_split(self, weights: dict[str, float]) -> None:
+        """A split set at another replica (router/shared/ab_results.py); ValueError when it cannot be."""
+        table = self.table
+        if not weights.keys() <= table.policies.keys():
+            raise ValueError("the split names a policy this router does not have")
+        self.table = table.with_split(weights)
 
     async def _load_tokenizers(self, config: RouterConfig) -> None:
         """Each model's tokenizer, where the configuration or the instances' answers say it is."""

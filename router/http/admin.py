@@ -84,7 +84,10 @@ def admin_routes(
 
     @routes.post("/ab/reset")
     async def ab_reset() -> JSONResponse:
-        runtime.table.ab.reset()
+        if runtime.shared_ab is None:
+            runtime.table.ab.reset()
+        else:  # every replica's
+            await runtime.shared_ab.reset()
         return JSONResponse({"status": "reset"})
 
     @routes.get("/traffic")
@@ -107,6 +110,8 @@ def admin_routes(
             runtime.table = current.with_split(body.split)
         except ValueError as exc:
             raise bad_request(str(exc), param="split") from exc
+        if runtime.shared_ab is not None:  # every replica's
+            await runtime.shared_ab.split_set(body.split)
         return JSONResponse({"split": runtime.table.split.shares()})
 
     @routes.post("/reload")

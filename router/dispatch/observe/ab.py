@@ -7,6 +7,10 @@ sessions, not requests, to policies, and a session's turns are alike (one long a
 first turns or many cache hits), so the bootstrap resamples sessions with all their recent TTFTs: resampling
 requests would take a few long sessions for many independent samples and make the interval too narrow.
 A request without a session key is a session of its own.
+
+Replicas sharing a store (router/shared/ab_results.py) each export their results, and a report merges its
+peers' with its own: every replica's counts, and each one's most recent EXPORTED_SAMPLES latencies, so that
+each replica's weighs alike in the quantiles and the comparison.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import itertools
 import time
 import zlib
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 MIN_SAMPLES = 30  # per policy, before a verdict
@@ -28,7 +33,8 @@ MIN_SAMPLES = 30  # per policy, before a verdict
 # their count allows (one session: always the same draw), which says nothing.
 MIN_SESSIONS = 10
 _BOOTSTRAP_ROUNDS = 2000
-_BOOTSTRAP_SAMPLES = 2000  # the most recent TTFTs of each policy that a comparison resamples
+_BOOTSTRAP_SAMPLES = 2000  # the most recent TTFTs of each policy that a comparison resamples, per router
+EXPORTED_SAMPLES = _BOOTSTRAP_SAMPLES  # the most recent latencies of each policy a replica tells its peers
 _REPORT_MAX_AGE_S = 1.0  # report_off_loop computes at most this often; callers in between share it
 
 
@@ -55,6 +61,7 @@ class _PolicyStats:
     ttft: deque[float] = field(init=False)
     ttft_sessions: deque[str | None] = field(init=False)  # each TTFT's session key, in step with ttft
     e2e: deque[float] = field(init=False)
+    routers: int = 1  # whose results these are (merged: several replicas'), each resampled as much
 
     def __post_init__(self) -> None:
         self.ttft = deque(maxlen=self.max_samples)
@@ -72,7 +79,7 @@ class _PolicyStats:
     def recent_ttft(self) -> tuple[np.ndarray, np.ndarray, int]:
         """The most recent TTFTs a comparison resamples, a session number for each (0, 1, ...), and how many
         sessions they came from."""
-        start = max(len(self.ttft) - _BOOTSTRAP_SAMPLES, 0)
+        start = max(len(self.ttft) - _BOOTSTRAP_SAMPLES * self.routers, 0)
         values = np.fromiter(itertools.islice(self.ttft, start, None), dtype=float)
         numbers: dict[str, int] = {}
         sessions = np.empty(len(values), dtype=np.intp)
@@ -97,6 +104,29 @@ class Ended:
     pd_path: str | None = None  # and how it was served
 
 
+class PolicyResults(msgspec.Struct, array_like=True):
+    """One policy's results at one replica, as it tells its peers: its counts, and its most recent
+    latencies."""
+
+    requests: int
+    errors: int
+    rejected: int
+    prompt_tokens: int
+    predicted_cached_tokens: int
+    observed_cached_tokens: int
+    observed_prompt_tokens: int
+    by_instance: dict[str, int]
+    by_prefill_instance: dict[str, int]
+    pd_paths: dict[str, int]
+    ttft: list[float]
+    ttft_sessions: list[str | None]
+    e2e: list[float]
+
+
+def _recent(samples: deque[Any]) -> list[Any]:
+    return list(itertools.islice(samples, max(len(samples) - EXPORTED_SAMPLES, 0), None))
+
+
 class ABStats:
     def __init__(self, max_samples: int = 20_000, seed: int = 0) -> None:
         """max_samples: the most recent latencies kept per policy, for quantiles and comparisons."""
@@ -106,6 +136,8 @@ class ABStats:
         self._reporting = asyncio.Lock()
         self._last_report: tuple[float, dict[str, float], dict[str, Any]] | None = None
         self._generation = 0  # a reset or forget while a report is computed makes that report stale
+        # With replicas sharing a store: their latest exported results (router/shared/ab_results.py).
+        self.peers_results: Callable[[], Awaitable[list[dict[str, PolicyResults]]]] | None = None
 
     def _of(self, policy: str) -> _PolicyStats:
         stats = self._stats.get(policy)
@@ -149,6 +181,59 @@ class ABStats:
         stats.requests += 1
         stats.rejected += 1
 
+    @property
+    def requests(self) -> int:
+        """The requests counted, of every policy."""
+        return sum(stats.requests for stats in self._stats.values())
+
+    def export(self) -> dict[str, PolicyResults]:
+        """This router's results, for its peers."""
+        return {
+            name: PolicyResults(
+                stats.requests,
+                stats.errors,
+                stats.rejected,
+                stats.prompt_tokens,
+                stats.predicted_cached_tokens,
+                stats.observed_cached_tokens,
+                stats.observed_prompt_tokens,
+                dict(stats.by_instance),
+                dict(stats.by_prefill_instance),
+                dict(stats.pd_paths),
+                _recent(stats.ttft),
+                _recent(stats.ttft_sessions),
+                _recent(stats.e2e),
+            )
+            for name, stats in self._stats.items()
+        }
+
+    def merge(self, peers: list[dict[str, PolicyResults]]) -> None:
+        """Add peers' exported results to these (a report's copy): their counts, and their recent latencies
+        beside as many of this router's."""
+        if not peers:
+            return
+        for stats in self._stats.values():
+            stats.ttft, stats.e2e = deque(_recent(stats.ttft)), deque(_recent(stats.e2e))
+            stats.ttft_sessions = deque(_recent(stats.ttft_sessions))
+        for results in peers:
+            for name, theirs in results.items():
+                stats = self._of(name)
+                stats.requests += theirs.requests
+                stats.errors += theirs.errors
+                stats.rejected += theirs.rejected
+                stats.prompt_tokens += theirs.prompt_tokens
+                stats.predicted_cached_tokens += theirs.predicted_cached_tokens
+                stats.observed_cached_tokens += theirs.observed_cached_tokens
+                stats.observed_prompt_tokens += theirs.observed_prompt_tokens
+                stats.by_instance.update(theirs.by_instance)
+                stats.by_prefill_instance.update(theirs.by_prefill_instance)
+                stats.pd_paths.update(theirs.pd_paths)
+                stats.ttft.extend(theirs.ttft)
+                stats.ttft_sessions.extend(theirs.ttft_sessions)
+                stats.e2e.extend(theirs.e2e)
+        for stats in self._stats.values():
+            stats.routers = 1 + len(peers)
+
     def reset(self) -> None:
         self._stats.clear()
         self._last_report = None
@@ -168,9 +253,11 @@ class ABStats:
             last = self._last_report
             if last is not None and time.monotonic() - last[0] < _REPORT_MAX_AGE_S and last[1] == split:
                 return last[2]
+            generation = self._generation
+            peers = [] if self.peers_results is None else await self.peers_results()
             snapshot = ABStats(self._max_samples, self._seed)
             snapshot._stats = {name: stats.copy() for name, stats in self._stats.items()}
-            generation = self._generation
+            snapshot.merge(peers)
             report = await asyncio.to_thread(snapshot.report, split)
             if generation == self._generation:
                 self._last_report = time.monotonic(), dict(split), report

@@ -82,3 +82,24 @@ def test_the_report_is_computed_on_a_worker_thread_and_shared_for_a_second(
     assert first["comparisons"][0]["verdict"].startswith("a is faster")
     assert fourth["comparisons"][0]["samples"] == [0, 0]
     assert len(threads) == 2 and threading.current_thread().name not in threads
+
+
+def test_a_report_merged_with_peers_counts_theirs_and_weighs_each_replicas_recent_samples_alike() -> None:
+    async def report() -> dict[str, Any]:
+        mine, theirs = ABStats(), ABStats()
+        for number in range(3000):  # more than a replica tells its peers
+            mine.first_byte("a", 0.1, f"mine-{number % 40}")
+            mine.finished("a", Ended("x", 200, 0.2, 100, 50))
+        for number in range(40):
+            theirs.first_byte("a", 0.3, f"theirs-{number}")
+            theirs.finished("a", Ended("y", 200, 0.4, 100, 0))
+        exported = theirs.export()
+        mine.peers_results = lambda: asyncio.sleep(0, [exported])
+        return await mine.report_off_loop({"a": 1.0})
+
+    results = asyncio.run(report())["policies"]["a"]
+    assert results["requests"] == 3040
+    assert results["requests_per_instance"] == {"x": 3000, "y": 40}
+    assert results["predicted_cached_tokens"] == 3000 * 50
+    # 2,000 of this replica's recent TTFTs beside the peer's 40: the peer's are the top 2%
+    assert results["ttft_ms"]["p50"] == 100.0 and results["ttft_ms"]["p99"] == 300.0
