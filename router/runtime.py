@@ -229,6 +229,7 @@ class Runtime:
         discovery = config.discovery
         self.peers = PeerSync(self._peer_config, self.upstreams, metrics, context, self.room_freed.fire)
         self.peers.share_flows(self.flow_gate.control)
+        self.flow_gate.control.on_taken = self.peers.nudge
         self.peers.share_sessions(_SessionsShared(self))
         if isinstance(self.programs, Programs):
             self.peers.share_programs(ProgramTurnsShared(self.programs))

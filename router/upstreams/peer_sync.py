@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**40)]  # more is no load, and would repel traffic for good
 MAX_PEERS = 64  # routers followed at once; snapshots from more are skipped
 _MAX_MESSAGE_BYTES = 2**20
+# Between a nudged snapshot and the next: what a burst of let-go requests costs in snapshots (at most 500 a
+# second, each a round trip to the store) against how late peers hear of them.
+NUDGED_GAP_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class PeerSync:
         self._flows: SharedFlows | None = None
         self._sessions: SharedSessions | None = None
         self._programs: SharedPrograms | None = None
+        self._nudged: asyncio.Event | None = None  # set by nudge(), while publish() runs
         # Where each snapshot goes besides the ZMQ socket: the shared store's channel (router/shared/).
         self._also_sent: list[Callable[[bytes], Awaitable[None]]] = []
         self._sequence = 0
@@ -286,14 +290,27 @@ class PeerSync:
         self._metrics.peer_routers.set(self.loads.peers)
         self._on_change()
 
+    def nudge(self) -> None:
+        """Something peers must hear soon changed (a request let go into a limited flow): the next snapshot
+        goes within NUDGED_GAP_S rather than at the interval's end."""
+        if self._nudged is not None:
+            self._nudged.set()
+
     async def publish(self) -> None:
+        self._nudged = nudged = asyncio.Event()
         while True:
+            nudged.clear()
             message = self.snapshot()
             if self._publisher is not None:
                 await self._publisher.send(message)
             for send in self._also_sent:
                 await send(message)
-            await asyncio.sleep(self._config.interval_s)
+            try:
+                async with asyncio.timeout(self._config.interval_s):
+                    await nudged.wait()
+                await asyncio.sleep(NUDGED_GAP_S)  # the nudges of a burst go in one snapshot
+            except TimeoutError:
+                pass
 
     async def follow(self) -> None:
         assert self._subscriber is not None

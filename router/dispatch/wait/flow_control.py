@@ -105,6 +105,9 @@ class FlowControl(Generic[T]):
         # they were last told (kept only once they are: shared()).
         self.elsewhere = FlowsElsewhere()
         self._sent_tokens: dict[str, int] | None = None
+        # Told when a request limited in flight is let go: peers are told at once, not an interval later,
+        # so that two routers rarely let go into the same last slot (PeerSync.nudge).
+        self.on_taken: Callable[[], None] | None = None
         self.configure(config)
 
     def configure(self, config: FlowControlConfig) -> None:
@@ -283,6 +286,12 @@ class FlowControl(Generic[T]):
     def _at_limit(self, flow: str, objective: str) -> bool:
         return self._flow_at_limit(flow) or self._objective_at_limit(objective)
 
+    def _limited(self, objective: str) -> bool:
+        """Whether a request of objective counts against a limit in flight."""
+        if self.config.per_flow.max_in_flight is not None:
+            return True
+        return self.config.objective(objective)[1].max_in_flight is not None
+
     def _flow_at_limit(self, flow: str) -> bool:
         limit = self.config.per_flow.max_in_flight
         if limit is None:
@@ -297,6 +306,8 @@ class FlowControl(Generic[T]):
         return in_flight + self.elsewhere.in_flight(objective_key(objective)) >= limit
 
     def _count(self, flow: str, objective: str, change: int) -> None:
+        if change > 0 and self.on_taken is not None and self._limited(objective):
+            self.on_taken()
         for counts, key in ((self._in_flight_flow, flow), (self._in_flight_objective, objective)):
             left = counts.get(key, 0) + change
             if left > 0:

@@ -258,3 +258,27 @@ def test_snapshots_carry_programs_turns_and_a_silent_peers_turns_end() -> None:
     clock.now += 1.5  # the sender fell silent with its turn in flight: the turn ends here
     receiver.expire()
     assert theirs.working_sets() == {"a": WorkingSets(tool_call=1, tokens=1000)}
+
+
+def test_a_nudge_sends_the_next_snapshot_without_waiting_for_the_interval() -> None:
+    async def scenario() -> list[bytes]:
+        sync = PeerSync(
+            PeerEndpoints(interval_s=30.0),
+            Upstreams(config()),
+            RouterMetrics(),
+            zmq.asyncio.Context.instance(),
+        )
+        sent: list[bytes] = []
+
+        async def send(message: bytes) -> None:
+            sent.append(message)
+
+        sync.send_also(send)
+        publishing = asyncio.create_task(sync.publish())
+        await _until(lambda: len(sent) == 1)
+        sync.nudge()
+        await _until(lambda: len(sent) == 2, timeout_s=1.0)  # not 30 s
+        publishing.cancel()
+        return sent
+
+    assert len(asyncio.run(scenario())) == 2
