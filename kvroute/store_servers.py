@@ -26,7 +26,7 @@ def _listening(port: int) -> bool:
     return False
 
 
-def _wait_listening(child: Child, port: int, timeout_s: float = 20.0) -> None:
+def wait_listening(child: Child, port: int, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not _listening(port):
         if child.process.poll() is not None:
@@ -48,7 +48,7 @@ def start_redis(log_dir: Path, port: int | None = None, name: str = "redis") -> 
     """A redis-server listening; port: the one it had before (a restart), else a free one."""
     port = port or free_port_block(1)
     child = spawn(name, redis_argv(port), log_dir)
-    _wait_listening(child, port)
+    wait_listening(child, port)
     return StoreServer(f"redis://127.0.0.1:{port}/0", port, child)
 
 
@@ -72,7 +72,7 @@ def running_nats(log_dir: Path) -> Iterator[StoreServer]:
     argv = [executable, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
     child = spawn("nats", argv, log_dir)
     try:
-        _wait_listening(child, port)
+        wait_listening(child, port)
         yield StoreServer(f"nats://127.0.0.1:{port}", port, child)
     finally:
         child.stop()

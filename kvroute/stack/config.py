@@ -184,6 +184,17 @@ class DisaggregationSection(_Strict):
 
 class RouterSection(_Strict):
     port: Port
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="above 1: that many routers on the ports after port, sharing state through a "
+        "redis-server on the port after theirs, behind nginx's round robin on port",
+    )
+    replica_port: Port | None = Field(
+        default=None,
+        description="with replicas: the first one's port, each next one's up (default: port + 1)",
+    )
     startup_timeout_s: float = Field(default=60.0, gt=0)
     config: dict[str, Any] = Field(
         default_factory=dict, description="merged into the generated router.yaml (policies, pool, ...)"
@@ -261,7 +272,7 @@ class StackConfig(_Strict):
         """The same stack on consecutive ports from base (tests: a block that free_port_block found free)."""
         n = self.vllm.instances
         update: dict[str, Any] = {
-            "router": self.router.model_copy(update={"port": base}),
+            "router": self.router.model_copy(update={"port": base, "replica_port": base + self._own_ports()}),
             "vllm": self.vllm.model_copy(
                 update={"http_port": base + 3, "event_port": base + 3 + n, "replay_port": base + 3 + 2 * n}
             ),
@@ -276,6 +287,11 @@ class StackConfig(_Strict):
         return self.model_copy(update=update)
 
     def port_count(self) -> int:
+        replicas = self.router.replicas
+        return self._own_ports() + (replicas + 1 if replicas > 1 else 0)
+
+    def _own_ports(self) -> int:
+        """The ports of everything but the router's replicas and their store."""
         per_instance = 3 if self.disaggregation is None else 4
         return 3 + per_instance * self.vllm.instances
 

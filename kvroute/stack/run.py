@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from kvroute.balancer import balancer_argv
 from kvroute.processes import (
     Child,
     StartupError,
@@ -38,6 +39,7 @@ from kvroute.processes import (
     wait_all_healthy,
 )
 from kvroute.stack.config import SIDE_CHANNEL_ENV, StackConfig
+from kvroute.store_servers import redis_argv, wait_listening
 from router.config import ConfigError, Role, parse_config
 from router.prompt.tokenization import environment_as_given, resolve_tokenizer_path
 
@@ -229,6 +231,8 @@ class StackPlan:
             config["pool"] = {"master_url": self.master_url}
         if self.config.disaggregation is not None:
             config["disaggregation"] = {"connector": self.config.disaggregation.connector}
+        if self.replica_ports:
+            config["shared"] = {"url": f"redis://{self.config.host}:{self.store_port}/0"}
         for key, value in self.config.router.config.items():  # sections merged, one level down
             both_sections = isinstance(value, dict) and isinstance(config.get(key), dict)
             config[key] = {**config[key], **value} if both_sections else value
@@ -244,7 +248,20 @@ class StackPlan:
                 instance["kv_bootstrap_url"] = f"http://{self.config.host}:{port}"
         return instance
 
-    def router_argv(self) -> list[str]:
+    @property
+    def replica_ports(self) -> list[int]:
+        """The routers' ports behind the balancer (router.replicas above 1); none: one router on the port."""
+        router = self.config.router
+        first = router.replica_port or router.port + 1
+        return [first + n for n in range(router.replicas)] if router.replicas > 1 else []
+
+    @property
+    def store_port(self) -> int:
+        """The replicas' redis-server's: the port after theirs."""
+        router = self.config.router
+        return (router.replica_port or router.port + 1) + router.replicas
+
+    def router_argv(self, port: int | None = None) -> list[str]:
         return [
             sys.executable,
             "-m",
@@ -255,7 +272,7 @@ class StackPlan:
             "--host",
             self.config.host,
             "--port",
-            str(self.config.router.port),
+            str(port or self.config.router.port),
         ]
 
     def write_files(self) -> None:
@@ -340,8 +357,7 @@ class Stack:
             self.timings["vllm_s"] = time.monotonic() - vllm_started
             if self.with_router:
                 router_started = time.monotonic()
-                router = self._spawn("router", plan.router_argv(), plan.router_url + "/health")
-                wait_all_healthy([(router, plan.router_url + "/health")], config.router.startup_timeout_s)
+                self._start_routers()
                 self.timings["router_s"] = time.monotonic() - router_started
             self.timings["total_s"] = time.monotonic() - started
             self.write_state()
@@ -395,6 +411,26 @@ class Stack:
         self._health[name] = health
         self.write_state()  # at once, so that `kvroute stack down` finds it even if `up` never finishes
         return child
+
+    def _start_routers(self) -> None:
+        """The router; or, with router.replicas, the replicas' redis-server, the replicas and their
+        balancer."""
+        plan, config = self.plan, self.plan.config
+        timeout_s = config.router.startup_timeout_s
+        if not plan.replica_ports:
+            router = self._spawn("router", plan.router_argv(), plan.router_url + "/health")
+            wait_all_healthy([(router, plan.router_url + "/health")], timeout_s)
+            return
+        store = self._spawn("shared-store", redis_argv(plan.store_port), "")
+        wait_listening(store, plan.store_port)
+        replicas = []
+        for n, port in enumerate(plan.replica_ports):
+            url = f"http://{config.host}:{port}/health"
+            replicas.append((self._spawn(f"router-{n}", plan.router_argv(port), url), url))
+        wait_all_healthy(replicas, timeout_s)
+        argv = balancer_argv(plan.run_dir / "balancer", config.host, config.router.port, plan.replica_ports)
+        balancer = self._spawn("balancer", argv, plan.router_url + "/health")
+        wait_all_healthy([(balancer, plan.router_url + "/health")], timeout_s)
 
     def _start_vllm(self, index: int) -> Child:
         instance = self.plan.instances[index]
@@ -460,7 +496,7 @@ def stack_status(run_dir: Path) -> list[tuple[str, bool, bool]]:
     if state is None:
         return []
     return [
-        (str(p["name"]), _ours(p), _ours(p) and http_ok(str(p["health"]), timeout_s=2.0))
+        (str(p["name"]), _ours(p), _ours(p) and (not p["health"] or http_ok(str(p["health"]), timeout_s=2.0)))
         for p in state["processes"]
     ]
 

@@ -13,10 +13,9 @@ from typing import Any
 
 import yaml
 
-from kvroute.bench.overhead.backend import find_nginx, nginx_conf_around
+from kvroute.balancer import balancer_argv
 from kvroute.processes import (
     Child,
-    StartupError,
     free_port_block,
     spawn,
     start,
@@ -34,38 +33,11 @@ def parse_replicas(policy: str) -> tuple[int, bool]:
     return int(count), variant == "shared"
 
 
-def balancer_conf(work: Path, port: int, replicas: list[int]) -> str:
-    """Round robin over the replicas, keep-alive upstream connections, answers (streams too) unbuffered, a
-    long prompt kept in memory rather than in a temp file."""
-    servers = "\n".join(f"    server 127.0.0.1:{replica};" for replica in replicas)
-    return nginx_conf_around(
-        work,
-        f"""  client_body_buffer_size 64m;
-  upstream replicas {{
-{servers}
-    keepalive 64;
-  }}
-  server {{
-    listen 127.0.0.1:{port};
-    location / {{
-      proxy_pass http://replicas;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_read_timeout 300s;
-    }}
-  }}""",
-    )
-
-
 @contextlib.contextmanager
 def running_replicas(config: dict[str, Any], policy: str, log_dir: Path) -> Iterator[tuple[str, str]]:
     """The balancer's URL and the first replica's (its metrics), replicas and balancer started for one
     target and stopped by their process groups after it."""
     count, shared = parse_replicas(policy)
-    nginx = find_nginx()
-    if nginx is None:
-        raise StartupError("nginx is not installed (scripts/install_bench_tools.sh)")
     with contextlib.ExitStack() as stack:
         config = copy.deepcopy(config)
         if shared:
@@ -83,10 +55,7 @@ def running_replicas(config: dict[str, Any], policy: str, log_dir: Path) -> Iter
         wait_all_healthy(
             [(child, f"http://127.0.0.1:{port}/metrics") for child, port in zip(children, ports, strict=True)]
         )
-        work = log_dir / "balancer"
-        conf = work / "nginx.conf"
-        conf.write_text(balancer_conf(work, base, ports))
-        argv = [nginx, "-p", str(work), "-e", str(work / "nginx-error.log"), "-c", str(conf)]
+        argv = balancer_argv(log_dir / "balancer", "127.0.0.1", base, ports)
         balancer = spawn("balancer", argv, log_dir)
         stack.callback(balancer.stop)
         url = f"http://127.0.0.1:{base}"
