@@ -105,8 +105,9 @@ class FlowControl(Generic[T]):
         # they were last told (kept only once they are: shared()).
         self.elsewhere = FlowsElsewhere()
         self._sent_tokens: dict[str, int] | None = None
-        # Told when a request limited in flight is let go: peers are told at once, not an interval later,
-        # so that two routers rarely let go into the same last slot (PeerSync.nudge).
+        # Told when a request is let go into a flow or objective at half its limit in flight or more: peers
+        # are told at once, not an interval later, so that two routers rarely let go into the same last
+        # slots (PeerSync.nudge).
         self.on_taken: Callable[[], None] | None = None
         self.configure(config)
 
@@ -286,11 +287,20 @@ class FlowControl(Generic[T]):
     def _at_limit(self, flow: str, objective: str) -> bool:
         return self._flow_at_limit(flow) or self._objective_at_limit(objective)
 
-    def _limited(self, objective: str) -> bool:
-        """Whether a request of objective counts against a limit in flight."""
-        if self.config.per_flow.max_in_flight is not None:
+    def _near_limit(self, flow: str, objective: str) -> bool:
+        """Whether the flow or the objective, limited in flight, holds half its limit or more with its peers'
+        requests: where two routers letting requests go at once could pass it. Far below, peers hear of a
+        request at the interval, at no cost."""
+        limit = self.config.per_flow.max_in_flight
+        in_flight = self._in_flight_flow.get(flow, 0) + self.elsewhere.in_flight(flow_key(flow))
+        if limit is not None and 2 * in_flight >= limit:
             return True
-        return self.config.objective(objective)[1].max_in_flight is not None
+        limit = self.config.objective(objective)[1].max_in_flight
+        in_flight = self._in_flight_objective.get(objective, 0)
+        return (
+            limit is not None
+            and 2 * (in_flight + self.elsewhere.in_flight(objective_key(objective))) >= limit
+        )
 
     def _flow_at_limit(self, flow: str) -> bool:
         limit = self.config.per_flow.max_in_flight
@@ -306,11 +316,11 @@ class FlowControl(Generic[T]):
         return in_flight + self.elsewhere.in_flight(objective_key(objective)) >= limit
 
     def _count(self, flow: str, objective: str, change: int) -> None:
-        if change > 0 and self.on_taken is not None and self._limited(objective):
-            self.on_taken()
         for counts, key in ((self._in_flight_flow, flow), (self._in_flight_objective, objective)):
             left = counts.get(key, 0) + change
             if left > 0:
                 counts[key] = left
             else:
                 counts.pop(key, None)
+        if change > 0 and self.on_taken is not None and self._near_limit(flow, objective):
+            self.on_taken()

@@ -4,10 +4,11 @@ Flow control's per-flow and per-objective limits (router/dispatch/wait/flow_cont
 not for each replica: every router tells its peers, in its load snapshot (router/upstreams/peer_sync.py), its
 limited flows' requests in flight and the prompt tokens it sent since the last snapshot. Each counts the
 latest in-flight counts of every peer against a flow's ``max_in_flight`` beside its own, and takes the tokens
-its peers sent out of its own token bucket for the flow. A request let go into a flow limited in flight
-sends the next snapshot at once (PeerSync.nudge), so that count lags by the snapshot's transit and tokens by
-an interval: for that long several routers may each let go a request into the last slot, so a limit may be
-passed by at most the requests let go in that time; a peer that goes silent counts no more.
+its peers sent out of its own token bucket for the flow. A request let go into a flow at half its limit in
+flight or more sends the next snapshot at once (PeerSync.nudge), so that near its limit a count lags by the
+snapshot's transit, and tokens by an interval: for that long several routers may each let go a request into
+the last slot, so a limit may be passed by at most the requests let go in that time; a peer that goes silent
+counts no more.
 """
 
 from __future__ import annotations
