@@ -343,7 +343,9 @@ class Runtime:
         self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
         metrics.admission_waiting.set_function(lambda: self.admission.waiting)
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
-        observers = Observers(metrics, self.decider, ab_for, self.room_freed, self.programs)
+        # The peers' sync is made after the routing: looked up when a large request is sent.
+        nudge = lambda: self.peers.nudge()  # noqa: E731
+        observers = Observers(metrics, self.decider, ab_for, self.room_freed, self.programs, nudge)
         waiting = Waiting(
             self.flow_gate,
             admission.memory_hold_s,

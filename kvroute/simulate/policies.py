@@ -28,7 +28,7 @@ from router.programs.warm_ups import WarmUps
 from router.shared.settings import SharedConfig
 from router.upstreams.instances import Instance
 from router.upstreams.peer_load import PeerLoads, own_loads
-from router.upstreams.peer_sync import ProgramTurn
+from router.upstreams.peer_sync import NUDGE_CONTEXT_TOKENS, NUDGED_GAP_S, ProgramTurn
 from router.upstreams.room import with_room
 from scorers.policy import Policy
 from scorers.request import RoutingRequest
@@ -435,7 +435,8 @@ class Replicas(SimPolicy):
     session to one router (by a hash of its key), or, with by_session=False, each request to the next router
     in turn. With share_s, each router tells the others through the shared store every share_s seconds what it
     has in flight on each instance, its flows' counts, where it placed sessions' turns and the agent programs'
-    turns it started and ended (router/shared/), heard share_latency_s later; without, they share nothing."""
+    turns it started and ended (router/shared/), and at once (within NUDGED_GAP_S) after a request with a
+    large context, heard share_latency_s later; without, they share nothing."""
 
     def __init__(
         self,
@@ -450,6 +451,7 @@ class Replicas(SimPolicy):
         self.routers = count
         self.share_latency_s = STORE_ROUND_TRIP_S
         self._next = 0
+        self._nudged = False  # an exchange is due within NUDGED_GAP_S
 
     def bind(self, view: RouterView) -> None:
         super().bind(view)
@@ -493,7 +495,23 @@ class Replicas(SimPolicy):
         return self.members[router].view.instances
 
     def route(self, request: SimRequest) -> int:
-        return self.members[request.router].route(request)
+        instance = self.members[request.router].route(request)
+        if self.sync_interval_s is not None and request.trace.input_tokens >= NUDGE_CONTEXT_TOKENS:
+            self._nudge()
+        return instance
+
+    def _nudge(self) -> None:
+        """A large request was sent: the routers tell each other at once, as PeerSync.nudge has them, the
+        nudges within NUDGED_GAP_S in one exchange."""
+        if self._nudged:
+            return
+        self._nudged = True
+
+        def exchange() -> None:
+            self._nudged = False
+            self.sync()
+
+        self.view.loop.at(self.view.loop.now + NUDGED_GAP_S, exchange)
 
     def work(self, request: SimRequest) -> float:
         return self.members[request.router].work(request)

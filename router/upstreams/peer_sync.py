@@ -47,6 +47,10 @@ _MAX_MESSAGE_BYTES = 2**20
 # Between a nudged snapshot and the next: what a burst of let-go requests costs in snapshots (at most 500 a
 # second, each a round trip to the store) against how late peers hear of them.
 NUDGED_GAP_S = 0.002
+# A request sent with a context this large nudges too: its KV memory and prefill weigh on where peers place
+# their next requests (two long agent turns placed by two replicas within an interval would otherwise both
+# see the instance free), and it takes far longer than a snapshot costs.
+NUDGE_CONTEXT_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -291,8 +295,8 @@ class PeerSync:
         self._on_change()
 
     def nudge(self) -> None:
-        """Something peers must hear soon changed (a request let go into a limited flow): the next snapshot
-        goes within NUDGED_GAP_S rather than at the interval's end."""
+        """Something peers must hear soon changed (a request let go into a flow near its limit, one with a
+        large context sent): the next snapshot goes within NUDGED_GAP_S rather than at the interval's end."""
         if self._nudged is not None:
             self._nudged.set()
 

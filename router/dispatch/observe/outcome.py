@@ -24,6 +24,7 @@ from router.dispatch.observe.usage import Usage, answer_usage
 from router.metrics import RouterMetrics
 from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
 from router.upstreams.instances import Instance
+from router.upstreams.peer_sync import NUDGE_CONTEXT_TOKENS
 from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Observers:
     ab_for: Callable[[Policy], ABStats]
     room_freed: Event  # a first byte or an end: requests waiting in the router may go
     programs: Programs | NoPrograms = NO_PROGRAMS
+    # Told when a request with a context of NUDGE_CONTEXT_TOKENS or more is sent: peers hear of it at once.
+    sent_large: Callable[[], None] | None = None
 
     def request_failed(self, policy: Policy) -> None:
         """No instance answered the request: it failed (the A/B counts it against its policy)."""
@@ -161,6 +164,8 @@ class Outcome:
         instance = decision.instance
         probe = instance.breaker.sent()
         instance.start(decision.prompt_tokens, decision.uncached_tokens, decision.chain)
+        if decision.prompt_tokens >= NUDGE_CONTEXT_TOKENS and observers.sent_large is not None:
+            observers.sent_large()
         metrics = observers.metrics
         metrics.in_flight(instance.name).set(instance.own_in_flight)
         metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)

@@ -271,3 +271,34 @@ def program_turns(url: str) -> dict[str, float]:
     """The router's program turns by what they found of their KV, over every tool call's length."""
     found = ("first", "kept", "elsewhere", "lost")
     return {kv: sample(url, "kvroute_program_turns_total", kv=kv) or 0 for kv in found}
+
+
+def test_a_request_with_a_large_context_is_told_to_peers_at_once(
+    fleet: FleetPorts, redis_server: StoreServer, tmp_path: Path
+) -> None:
+    """Between snapshots 5 s apart, a long agent turn sent through one replica reaches the other's counts
+    within a second (PeerSync.nudge): two long turns placed by two replicas at once see each other."""
+    shared = {"url": redis_server.url, "namespace": f"test-{uuid.uuid4().hex[:8]}", "interval_s": 5.0}
+    config = fleet.router_config(shared={**shared, "stale_after_s": 12.0})
+    with (
+        running_router_process(config, tmp_path, "replica-a") as (first, _),
+        running_router_process(config, tmp_path, "replica-b") as (second, _),
+    ):
+        heard_each_other([first, second])
+
+        def applied() -> float:
+            return sample(second, "kvroute_peer_snapshots_total", result="applied") or 0
+
+        before = applied()
+        eventually(lambda: applied() > before, timeout_s=12, what="a periodic snapshot")
+        periodic = applied()
+        body = {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "word " * 9000}],
+            "max_tokens": 1,
+        }
+        sent = time.monotonic()
+        status, _, _ = post(first + "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 200
+        eventually(lambda: applied() > periodic, timeout_s=2, what="the nudged snapshot")
+        assert time.monotonic() - sent < 4  # before the next periodic one
