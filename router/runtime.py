@@ -231,9 +231,9 @@ class Runtime:
         self.peers.share_flows(self.flow_gate.control)
         self.flow_gate.control.on_taken = self.peers.nudge
         self.peers.share_sessions(_SessionsShared(self))
-        if isinstance(self.programs, Programs):
-            self.peers.share_programs(ProgramTurnsShared(self.programs))
         shared_loops = await self._shared(stack)
+        if isinstance(self.programs, Programs) and self.peers.loops():  # peers to tell its turns to
+            self.peers.share_programs(ProgramTurnsShared(self.programs))
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
         failures = metrics.task_failures
