@@ -257,11 +257,15 @@ class ABStats:
             peers = [] if self.peers_results is None else await self.peers_results()
             snapshot = ABStats(self._max_samples, self._seed)
             snapshot._stats = {name: stats.copy() for name, stats in self._stats.items()}
-            snapshot.merge(peers)
-            report = await asyncio.to_thread(snapshot.report, split)
+            report = await asyncio.to_thread(snapshot.merged_report, split, peers)
             if generation == self._generation:
                 self._last_report = time.monotonic(), dict(split), report
             return report
+
+    def merged_report(self, split: dict[str, float], peers: list[dict[str, PolicyResults]]) -> dict[str, Any]:
+        """report() with peers' results merged in first (off the loop: thousands of samples each)."""
+        self.merge(peers)
+        return self.report(split)
 
     def report(self, split: dict[str, float]) -> dict[str, Any]:
         """The A/B JSON: the split (shares), per-policy results, and each policy against the baseline."""
