@@ -437,10 +437,9 @@ class _ProgramFamilies:
         self.programs = _gauge(
             r,
             "kvroute_programs",
-            "Agent programs whose KV working set is at the instance, by state: running (a turn in flight), "
-            "tool_call (answered, within the tool calls' time-to-live), paused (in a tool call, its working "
-            "set given up while the instance's working sets passed programs.pause_above). Every router of a "
-            "fleet that shares its state follows every program: alike at each",
+            "Agent programs whose KV working set is at the instance (alike at every router sharing state), "
+            "by state: running (a turn in flight), tool_call (answered, within the tool calls' time-to-live),"
+            " paused (in a tool call, its working set given up past programs.pause_above)",
             ["vllm_instance", "state"],
             "livemax",
         )
@@ -484,9 +483,8 @@ class _ProgramFamilies:
         self.program_working_set_tokens = _gauge(
             r,
             "kvroute_program_working_set_tokens",
-            "The prompt tokens of the programs running or in a tool call at the instance: their KV "
-            "working set, against its KV cache's tokens (the dashboard's kv_capacity_tokens); alike at every "
-            "router of a fleet that shares its state",
+            "The prompt tokens of the programs running or in a tool call at the instance (alike at every "
+            "router sharing state): their KV working set, against its KV cache (kv_capacity_tokens)",
             ["vllm_instance"],
             "livemax",
         )

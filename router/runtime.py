@@ -34,6 +34,8 @@ from router.dispatch.conductor import Conductor, Stages
 from router.dispatch.decide.decision import Decider, DeciderOptions, LocalTokenizer
 from router.dispatch.intake.admission import Admission
 from router.dispatch.intake.routing_table import RoutingTable
+from router.dispatch.observe.ab_shared import SHARE_S as AB_SHARE_S
+from router.dispatch.observe.ab_shared import SharedABResults
 from router.dispatch.observe.events import Event
 from router.dispatch.observe.outcome import Observers
 from router.dispatch.place.attempts import Attempts
@@ -62,8 +64,6 @@ from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
-from router.shared.ab_results import SHARE_S as AB_SHARE_S
-from router.shared.ab_results import SharedABResults
 from router.shared.conversations import SharedConversations
 from router.shared.snapshots import SnapshotChannel
 from router.shared.store import SharedStore
@@ -92,6 +92,26 @@ DISCOVERY_MAX_BACKOFF_S = 10.0  # between attempts to reach an API server that i
 FLOW_TICK_S = 0.25  # how often waiting requests look for room that appeared without an event
 TOKENIZER_SEARCH_S = 2.0  # how often a model left to its instances' /tokenize looks for its own tokenizer
 _NOT_LOADED = "remote: the instances' /tokenize (the tokenizer found here did not load)"
+
+
+def _programs_told_to_peers(runtime: Runtime) -> None:
+    """The agent programs' turns told to the router's peers, where it has any (router/programs/shared.py)."""
+    if isinstance(runtime.programs, Programs) and runtime.peers.loops():
+        runtime.peers.share_programs(ProgramTurnsShared(runtime.programs))
+
+
+def _one_ab_test(runtime: Runtime, store: SharedStore) -> SharedABResults:
+    """The replicas' one A/B test (router/dispatch/observe/ab_shared.py): a split set at another replica is
+    taken where this router has its policies."""
+
+    def adopt(weights: dict[str, float]) -> None:
+        table = runtime.table
+        if not weights.keys() <= table.policies.keys():
+            raise ValueError("the split names a policy this router does not have")
+        runtime.table = table.with_split(weights)
+
+    config = lambda: runtime.config.traffic_weights()  # noqa: E731 (the configuration a reload replaces)
+    return SharedABResults(store, runtime.peers.router_id, runtime.table.ab, config, adopt)
 
 
 class _SessionsShared:
@@ -232,8 +252,7 @@ class Runtime:
         self.flow_gate.control.on_taken = self.peers.nudge
         self.peers.share_sessions(_SessionsShared(self))
         shared_loops = await self._shared(stack)
-        if isinstance(self.programs, Programs) and self.peers.loops():  # peers to tell its turns to
-            self.peers.share_programs(ProgramTurnsShared(self.programs))
+        _programs_told_to_peers(self)
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
         failures = metrics.task_failures
@@ -280,24 +299,11 @@ class Runtime:
         self.routing.responses.share(SharedConversations(store))
         channel = SnapshotChannel(store, self.peers.receive, self.peers.skipped)
         self.peers.send_also(channel.send)
-        self.shared_ab = shared_ab = SharedABResults(
-            store,
-            self.peers.router_id,
-            self.table.ab,
-            lambda: self.config.traffic_weights(),
-            self.adopt_split,
-        )
+        self.shared_ab = shared_ab = _one_ab_test(self, store)
         return {
             "shared-follow": (channel.follow, config.interval_s, False),
             "shared-ab": (shared_ab.share, AB_SHARE_S, False),
         }
-
-    def adopt_split(self, weights: dict[str, float]) -> None:
-        """A split set at another replica (router/shared/ab_results.py); ValueError when it cannot be."""
-        table = self.table
-        if not weights.keys() <= table.policies.keys():
-            raise ValueError("the split names a policy this router does not have")
-        self.table = table.with_split(weights)
 
     async def _load_tokenizers(self, config: RouterConfig) -> None:
         """Each model's tokenizer, where the configuration or the instances' answers say it is."""
@@ -343,9 +349,10 @@ class Runtime:
         self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
         metrics.admission_waiting.set_function(lambda: self.admission.waiting)
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
-        # The peers' sync is made after the routing: looked up when a large request is sent.
-        nudge = lambda: self.peers.nudge()  # noqa: E731
-        observers = Observers(metrics, self.decider, ab_for, self.room_freed, self.programs, nudge)
+        # (the peers' sync, made after the routing, is looked up when a large request is sent)
+        observers = Observers(
+            metrics, self.decider, ab_for, self.room_freed, self.programs, lambda: self.peers.nudge()
+        )
         waiting = Waiting(
             self.flow_gate,
             admission.memory_hold_s,

@@ -8,9 +8,9 @@ first turns or many cache hits), so the bootstrap resamples sessions with all th
 requests would take a few long sessions for many independent samples and make the interval too narrow.
 A request without a session key is a session of its own.
 
-Replicas sharing a store (router/shared/ab_results.py) each export their results, and a report merges its
-peers' with its own: every replica's counts, and each one's most recent EXPORTED_SAMPLES latencies, so that
-each replica's weighs alike in the quantiles and the comparison.
+Replicas sharing a store (ab_shared.py) each export their results, and a report merges its peers' with its
+own: every replica's counts, and each one's most recent EXPORTED_SAMPLES latencies, so that each replica's
+weigh alike in the quantiles and the comparison.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class ABStats:
         self._reporting = asyncio.Lock()
         self._last_report: tuple[float, dict[str, float], dict[str, Any]] | None = None
         self._generation = 0  # a reset or forget while a report is computed makes that report stale
-        # With replicas sharing a store: their latest exported results (router/shared/ab_results.py).
+        # With replicas sharing a store: their latest exported results (router/dispatch/observe/ab_shared.py).
         self.peers_results: Callable[[], Awaitable[list[dict[str, PolicyResults]]]] | None = None
 
     def _of(self, policy: str) -> _PolicyStats:

@@ -1,4 +1,4 @@
-"""A/B testing across router replicas sharing a real redis-server (router/shared/ab_results.py): a report at
+"""A/B testing across router replicas sharing a real redis-server (router/dispatch/observe/ab_shared.py): a report at
 either replica counts both replicas' requests, a reset at one starts both afresh, and a split set at one is
 taken by the other."""
 
