@@ -257,9 +257,8 @@ class StackPlan:
 
     @property
     def store_port(self) -> int:
-        """The replicas' redis-server's: the port after theirs."""
-        router = self.config.router
-        return (router.replica_port or router.port + 1) + router.replicas
+        """The replicas' redis-server's: the port after theirs (with router.replicas above 1)."""
+        return self.replica_ports[-1] + 1
 
     def router_argv(self, port: int | None = None) -> list[str]:
         return [

@@ -155,15 +155,7 @@ class Programs:
         if program is None or not program.running:
             return
         assert session_key is not None
-        now = self._clock()
-        self._expire(now)
-        self._uncount(session_key, program)
-        program.running -= 1
-        program.last_seen = now
-        if not program.running and not program.running_elsewhere:
-            program.ended_at = now
-        self._count(session_key, program, now)
-        self._publish()
+        self._ended(session_key, program, own=1, elsewhere=0)
         if self.on_turn is not None:
             self.on_turn(session_key, "", 0)
 
@@ -192,10 +184,16 @@ class Programs:
         program = self._programs.get(key)
         if program is None or not program.running_elsewhere:
             return
+        self._ended(key, program, own=0, elsewhere=min(turns, program.running_elsewhere))
+
+    def _ended(self, key: str, program: Program, own: int, elsewhere: int) -> None:
+        """own of the program's turns through this router and elsewhere of its peers' ended: once none
+        runs, it is in its tool call."""
         now = self._clock()
         self._expire(now)
         self._uncount(key, program)
-        program.running_elsewhere = max(program.running_elsewhere - turns, 0)
+        program.running -= own
+        program.running_elsewhere -= elsewhere
         program.last_seen = now
         if not program.running and not program.running_elsewhere:
             program.ended_at = now

@@ -1,10 +1,10 @@
 """Replicas' load snapshots over the shared store's publish/subscribe channel.
 
 Each replica publishes its snapshot (router/upstreams/peer_sync.py: its load in flight per instance, its
-flows' counts and sessions' placements) on the namespace's ``load`` channel every shared.interval_s, from
-PeerSync's publish loop (send()), and follows the channel: every
-replica that publishes there is a peer, with no list of addresses anywhere; one silent for
-shared.stale_after_s counts no more. A snapshot stands alone, so one lost while the store is down is replaced
+flows' counts, sessions' placements and agent programs' turns) on the namespace's ``load`` channel every
+shared.interval_s, from PeerSync's publish loop (send()), and follows the channel: every replica that
+publishes there is a peer, with no list of addresses anywhere; one silent for shared.stale_after_s counts no
+more. A snapshot stands alone, so one lost while the store is down is replaced
 by the next once it is back: the shared state is whole again one interval after the store returns.
 """
 

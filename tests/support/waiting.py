@@ -12,10 +12,8 @@ T = TypeVar("T")
 def eventually(condition: Callable[[], T], timeout_s: float = 30.0, what: str = "") -> T:
     """condition's first truthy value, asked every 20 ms; past timeout_s the test fails, saying what it
     waited for."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what or 'the condition'}"
-        time.sleep(0.02)
+    value = within(condition, timeout_s)
+    assert value is not None, f"not within {timeout_s:g} s: {what or 'the condition'}"
     return value
 
 
