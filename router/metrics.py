@@ -351,6 +351,13 @@ class _FlowFamilies:
             "queue_timeout, rate_limited",
             ["objective", "reason"],
         )
+        self.flow_slot_waits = _counter(
+            r,
+            "kvroute_flow_control_slot_waits",
+            "Requests let go here that waited for a slot of their limit in flight because other replicas "
+            "held the last ones (shared.url: the limit is the tenant's across replicas), by objective",
+            ["objective"],
+        )
 
 
 class _RoutingFamilies:
@@ -685,7 +692,7 @@ class _ControlFamilies:
             r,
             "kvroute_shared_store_errors",
             "Operations on the shared store that failed (it was unreachable or too slow), by operation "
-            "(publish, follow, conversation_read, conversation_write)",
+            "(publish, follow, conversation_read, conversation_write, slots)",
             ["operation"],
         )
         self.peer_snapshots = _counter(

@@ -65,6 +65,7 @@ from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
 from router.shared.conversations import SharedConversations
+from router.shared.slots import SharedSlots
 from router.shared.snapshots import SnapshotChannel
 from router.shared.store import SharedStore
 from router.supervisor import supervise
@@ -98,6 +99,24 @@ def _programs_told_to_peers(runtime: Runtime) -> None:
     """The agent programs' turns told to the router's peers, where it has any (router/programs/shared.py)."""
     if isinstance(runtime.programs, Programs) and runtime.peers.loops():
         runtime.peers.share_programs(ProgramTurnsShared(runtime.programs))
+
+
+def _shared_through(
+    runtime: Runtime, store: SharedStore
+) -> dict[str, tuple[Callable[[], Awaitable[None]], float, bool]]:
+    """What the router shares through the store, and the loops that keep it: stored responses' conversations,
+    its load snapshots on the store's channel, the one A/B test, and flow control's slots of limits in flight
+    (router/shared/slots.py)."""
+    runtime.routing.responses.share(SharedConversations(store))
+    channel = SnapshotChannel(store, runtime.peers.receive, runtime.peers.skipped)
+    runtime.peers.send_also(channel.send)
+    runtime.shared_ab = shared_ab = _one_ab_test(runtime, store)
+    runtime.flow_gate.slots = slots = SharedSlots(store, runtime.peers.router_id)
+    return {
+        "shared-follow": (channel.follow, store.config.interval_s, False),
+        "shared-ab": (shared_ab.share, AB_SHARE_S, False),
+        "shared-slots": (slots.renew, slots.renew_s, False),
+    }
 
 
 def _one_ab_test(runtime: Runtime, store: SharedStore) -> SharedABResults:
@@ -296,14 +315,7 @@ class Runtime:
             return {}
         self.shared_store = store = SharedStore(config, self.metrics)
         stack.push_async_callback(store.close)
-        self.routing.responses.share(SharedConversations(store))
-        channel = SnapshotChannel(store, self.peers.receive, self.peers.skipped)
-        self.peers.send_also(channel.send)
-        self.shared_ab = shared_ab = _one_ab_test(self, store)
-        return {
-            "shared-follow": (channel.follow, config.interval_s, False),
-            "shared-ab": (shared_ab.share, AB_SHARE_S, False),
-        }
+        return _shared_through(self, store)
 
     async def _load_tokenizers(self, config: RouterConfig) -> None:
         """Each model's tokenizer, where the configuration or the instances' answers say it is."""

@@ -27,6 +27,8 @@ class FlowTicket:
     # alone reads (typed loosely here: the context sits below the stages).
     entry: Any = None
     ended: bool = False
+    # The limits in flight whose slots it holds on the replicas' shared store (router/shared/slots.py).
+    slots: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)  # not frozen: one is made per request, and a frozen one's __init__ costs 3x

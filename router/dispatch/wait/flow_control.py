@@ -284,6 +284,18 @@ class FlowControl(Generic[T]):
         bucket.rate = rate  # a reload may have changed it
         return bucket
 
+    def limits_in_flight(self, flow: str, objective: str) -> list[tuple[str, int]]:
+        """The flow's and the objective's limits on requests in flight, where set: (flow_key or
+        objective_key, limit)."""
+        limits = []
+        flow_limit = self.config.per_flow.max_in_flight
+        if flow_limit is not None:
+            limits.append((flow_key(flow), flow_limit))
+        objective_limit = self.config.objective(objective)[1].max_in_flight
+        if objective_limit is not None:
+            limits.append((objective_key(objective), objective_limit))
+        return limits
+
     def _at_limit(self, flow: str, objective: str) -> bool:
         return self._flow_at_limit(flow) or self._objective_at_limit(objective)
 

@@ -11,6 +11,7 @@ call_soon after it), and leave() covers every way out before that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from functools import partial
@@ -24,6 +25,7 @@ from router.dispatch.wait.flow_control import DEFAULT_FLOW, Demand, FlowControl,
 from router.dispatch.wait.flow_queue import Queued
 from router.errors import OpenAIError, too_many_requests
 from router.metrics import RouterMetrics
+from router.shared.slots import SharedSlots
 from router.upstreams.instances import Upstreams
 
 Waiter = asyncio.Future[None]
@@ -34,6 +36,9 @@ Waiter = asyncio.Future[None]
 FLOW_SERIES = 100
 FLOW_LABEL_CHARS = 64
 OTHER_FLOWS = "other"
+# A request waiting for a slot another replica holds asks the store again when room may have appeared here
+# (a peer's snapshot, an end), and at least this often.
+SLOT_RETRY_S = 0.05
 
 
 def flow_of(config: FlowControlConfig, headers: Mapping[str, str], session: str | None) -> str:
@@ -73,6 +78,10 @@ class FlowGate:
         self.control: FlowControl[Waiter] = FlowControl(config)
         self._upstreams, self._metrics = upstreams, metrics
         self._labelled: dict[str, str] = {}  # the flows with a series of their own now: their labels
+        # Replicas sharing a store: the limits in flight held there (set by the runtime, with the store).
+        self.slots: SharedSlots | None = None
+        self._may_take = asyncio.Event()  # set (and replaced) whenever room may have appeared
+        self._slot_waiting = 0  # requests waiting for another replica's slot
 
     @property
     def config(self) -> FlowControlConfig:
@@ -103,6 +112,7 @@ class FlowGate:
         ticket = FlowTicket(flow, name, model, entry=entry)
         if entry is None:
             self._metrics.flow_dispatched(name, "at_once").inc()
+            await self._slotted(ticket, time.monotonic() + control.config.objective(objective)[1].max_queue_s)
             return ticket
         self._metrics.flow_queued(name).inc()
         self._count(name, flow)
@@ -129,7 +139,40 @@ class FlowGate:
             self._count(name, flow)
         self._metrics.flow_dispatched(name, "queued").inc()
         ticket.granted = True
+        await self._slotted(ticket, entry.deadline)
         return ticket
+
+    async def _slotted(self, ticket: FlowTicket, deadline: float) -> None:
+        """With replicas sharing a store, the request's slots of its limits in flight, taken there: while
+        other replicas hold the last of one it waits (its room here given up), until deadline (a 429)."""
+        slots = self.slots
+        limits = self.control.limits_in_flight(ticket.flow, ticket.objective) if slots is not None else []
+        if slots is None or not limits:
+            return
+        try:
+            waited = False
+            while not await slots.take(limits):
+                if not waited:
+                    waited = True
+                    self._metrics.flow_slot_waits(ticket.objective).inc()
+                    if ticket.granted and ticket.entry is not None:  # others may use the room meanwhile
+                        ticket.granted = False
+                        self.control.placed(ticket.entry)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    retry_after_s = max(1, round(self.config.objective(ticket.objective)[1].max_queue_s))
+                    raise self._refused("queue_timeout", retry_after_s, ticket.objective)
+                may_take, self._slot_waiting = self._may_take, self._slot_waiting + 1
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(min(SLOT_RETRY_S, left)):
+                            await may_take.wait()
+                finally:
+                    self._slot_waiting -= 1
+            ticket.slots = tuple(key for key, _ in limits)
+        except BaseException:  # refused, or its client left: it is over
+            self.leave(ticket)
+            raise
 
     def started(self, ticket: FlowTicket | None) -> None:
         """The request let go is about to be counted at its instance, with no await before: the room it
@@ -147,6 +190,8 @@ class FlowGate:
             ticket.granted = False
             self.control.placed(ticket.entry)
         self.control.ended(ticket.flow, ticket.objective)
+        if ticket.slots and self.slots is not None:
+            self.slots.give_back(ticket.slots)
         self.pump()
 
     def _placed(self, entry: Queued[Waiter]) -> None:
@@ -160,7 +205,11 @@ class FlowGate:
             self.pump()
 
     def pump(self) -> None:
-        """Room may have appeared: let go the waiters that may go now."""
+        """Room may have appeared: let go the waiters that may go now (and those waiting for another
+        replica's slot ask the store again)."""
+        if self._slot_waiting:
+            self._may_take.set()
+            self._may_take = asyncio.Event()
         control = self.control
         while (entry := control.next_ready()) is not None:
             entry.item.set_result(None)
