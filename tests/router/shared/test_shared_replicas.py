@@ -101,6 +101,38 @@ def test_replicas_find_each_other_on_the_store_and_share_a_tenants_limit(
     assert max(busy) == TENANT_LIMIT, seen
 
 
+def test_a_tenants_limit_in_flight_is_strict_across_three_replicas_sent_to_at_once(
+    fleet: FleetPorts, redis_server: StoreServer, tmp_path: Path
+) -> None:
+    """Twelve half-second requests of one tenant limited to 3, all sent at once through three replicas in
+    turn: each replica would let 3 go on what its peers told it (nothing yet), so only the store's slots keep
+    the tenant at 3."""
+    limit, namespace = 3, f"test-{uuid.uuid4().hex[:8]}"
+    config = replica_config(fleet, redis_server.url, namespace)
+    config["flow_control"] = {"per_flow": {"max_in_flight": limit}}
+    with contextlib.ExitStack() as stack:
+        replicas = [
+            stack.enter_context(running_router_process(config, tmp_path, f"replica-{n}"))[0] for n in range(3)
+        ]
+        heard_each_other(replicas)
+        statuses: list[int] = []
+        senders = [
+            threading.Thread(target=lambda n=n: statuses.append(chat(replicas[n % 3], "tenant-a", 500)))
+            for n in range(12)
+        ]
+        seen: list[int] = []
+        for sender in senders:
+            sender.start()
+        while any(sender.is_alive() for sender in senders):
+            seen.append(engine_requests(fleet))
+            time.sleep(0.02)
+        waits = "kvroute_flow_control_slot_waits_total"
+        waited = sum(sample(url, waits, objective="default") or 0 for url in replicas)
+    assert statuses == [200] * 12
+    assert max(seen) == limit, seen
+    assert waited > 0  # the replicas did race for the last slots: the store settled it
+
+
 @contextlib.contextmanager
 def kept_busy(replicas: list[str], statuses: list[int]) -> Iterator[None]:
     """Chats through the replicas in turn, one after another in a thread, until the block ends."""
