@@ -546,6 +546,7 @@ class Runtime:
             tools_out_when_none,
             self.tokenizer_watch,
             self.programs,
+            lambda model: model_roots(model, self.upstreams.instances),
         )
         return Decider(
             self.routing_index, self.tokenizers, config.block_size, self.metrics, remote_tokenizer, options

@@ -122,7 +122,7 @@ def _refresh_chat_template(directory: Path) -> None:
 
 
 def build_model(directory: Path) -> None:
-    _build_tokenizer(directory)
+    build_tokenizer(directory)
     (directory / "config.json").write_text(json.dumps(LLAMA_CONFIG, indent=2))
     (directory / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2})
@@ -130,7 +130,7 @@ def build_model(directory: Path) -> None:
     _build_weights(directory)
 
 
-def _build_tokenizer(directory: Path) -> None:
+def build_tokenizer(directory: Path, special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # torch is not needed here
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -140,7 +140,7 @@ def _build_tokenizer(directory: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

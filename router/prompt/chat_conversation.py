@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
+from router.prompt.multimodal.chat_images import ChatImages, is_image_part
 from router.prompt.template_reading import content_format, template_variables
 
 
@@ -66,15 +67,20 @@ _PART_FIELDS = frozenset(
 
 
 def engine_conversation(
-    messages: Sequence[Any], template: str | None, calls_as_given: bool = False
+    messages: Sequence[Any],
+    template: str | None,
+    calls_as_given: bool = False,
+    images: ChatImages | None = None,
 ) -> list[dict[str, Any]]:
     """The messages as vLLM renders them with ``template`` (the model's chat template text).
 
     calls_as_given: assistant tool calls reach the template as given, only their arguments parsed in place,
-    as on vLLM's Responses path (router/prompt/responses_chat.py); the chat request model re-lays them."""
+    as on vLLM's Responses path (router/prompt/responses_chat.py); the chat request model re-lays them.
+    images: where a template reading content as a string gets images, as their placeholders (kept there)."""
     as_parts = template is not None and content_format(template) == "openai"
+    laid_out_images = None if as_parts else images
     conversation = [
-        _message(message, index, as_parts, calls_as_given)
+        _message(message, index, as_parts, calls_as_given, laid_out_images)
         for index, message in enumerate(engine_messages(messages))
     ]
     if any(message["role"] == "developer" for message in conversation) and not _names_developer(template):
@@ -123,16 +129,23 @@ def _apply_chat_template_parameters() -> frozenset[str]:
     return frozenset(p.name for p in parameters if p.kind not in variadic) | {"chat_template", "tokenize"}
 
 
-def _message(message: Any, index: int, as_parts: bool, calls_as_given: bool) -> dict[str, Any]:
+def _message(
+    message: Any, index: int, as_parts: bool, calls_as_given: bool, images: ChatImages | None = None
+) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise InvalidPrompt(f"messages[{index}] must be an object")
     role = message.get("role")
     if not isinstance(role, str):
         raise InvalidPrompt(f"messages[{index}].role must be a string")
-    parts = _parts(message.get("content"), index, strip_billing_header=role == "system", as_parts=as_parts)
+    before = 0 if images is None else len(images.parts)
+    parts = _parts(message.get("content"), index, role == "system", as_parts, images)
     content: str | list[dict[str, Any]]
     if not as_parts:
         content = "\n".join(part["text"] for part in parts if part["text"])
+        if images is not None and len(images.parts) > before:
+            if images.placeholder in content:  # vLLM would count it as one of the images
+                raise InvalidPrompt(f"messages[{index}]'s text holds the image placeholder itself")
+            content = images.content(len(images.parts) - before, content)
     elif role == "tool":  # vLLM hands templates a tool result's text parts as one string
         content = "\n".join(part["text"] for part in parts)
     else:
@@ -157,10 +170,13 @@ def _message(message: Any, index: int, as_parts: bool, calls_as_given: bool) -> 
     return built
 
 
-def _parts(content: Any, index: int, strip_billing_header: bool, as_parts: bool) -> list[dict[str, Any]]:
+def _parts(
+    content: Any, index: int, strip_billing_header: bool, as_parts: bool, images: ChatImages | None = None
+) -> list[dict[str, Any]]:
     """The content's text parts as vLLM lays them out for a template that loops over them: each part's
     text, and the fields vLLM does not know. Claude Code's attribution line changes on every request; vLLM
-    drops it from a system message's plain text parts (and the part, if nothing else is left)."""
+    drops it from a system message's plain text parts (and the part, if nothing else is left). Image parts
+    go to images, where given."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -170,6 +186,9 @@ def _parts(content: Any, index: int, strip_billing_header: bool, as_parts: bool)
     parts = []
     for part in content:
         kind, text = _text_part(part)
+        if kind is None and images is not None and is_image_part(part):
+            images.parts.append(part)
+            continue
         if kind is None:
             raise InvalidPrompt(f"messages[{index}].content: only text parts are supported")
         if strip_billing_header and kind in ("", "text") and (text or "").startswith(_BILLING_HEADER):

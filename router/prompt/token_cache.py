@@ -44,6 +44,8 @@ from typing import Any, NamedTuple
 import msgspec
 import xxhash
 
+from router.prompt.multimodal.block_keys import Placed
+from router.prompt.multimodal.layouts import Idefics3Layout
 from router.prompt.template_inputs import NO_INPUTS, TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 
@@ -241,6 +243,16 @@ class CachedChatTokenizer:
     def cached_tokens(self) -> int:
         """Ids held in memory, each counted once however many prefixes share it."""
         return self._cached_tokens
+
+    @property
+    def image_layout(self) -> Idefics3Layout | None:
+        return self.tokenizer.image_layout
+
+    def chat_with_images(
+        self, model_id: str, messages: Sequence[Any], flags: tuple[bool, bool, bool], inputs: TemplateInputs
+    ) -> tuple[list[int], list[Placed]]:
+        """PromptTokenizer.chat_with_images, not cached: an image's tokens are not its text's."""
+        return self.tokenizer.chat_with_images(model_id, messages, flags, inputs)
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """The ids PromptTokenizer.completion_ids gives, a text prompt through the batch path (no offsets:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ from router.prompt.chat_conversation import (
     engine_template_kwargs,
     engine_tools,
 )
+from router.prompt.multimodal.block_keys import Placed
+from router.prompt.multimodal.chat_images import ChatImages
+from router.prompt.multimodal.layouts import Idefics3Layout, image_layout
+from router.prompt.multimodal.prompt import chat_with_images
 from router.prompt.template_inputs import NO_INPUTS, TemplateInputs
 
 # A batch of texts is encoded on this thread, not handed to the tokenizers library's thread pool: the router
@@ -153,7 +158,10 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         inputs: TemplateInputs = NO_INPUTS,
+        images: ChatImages | None = None,
     ) -> str:
+        """The chat's text as vLLM renders it; images: where its images' parts go, their placeholders left
+        in the text (router/prompt/multimodal/chat_images.py)."""
         tools, template_kwargs = inputs.tools, inputs.template_kwargs
         if add_generation_prompt and continue_final_message:
             raise InvalidPrompt("add_generation_prompt and continue_final_message cannot both be true")
@@ -163,7 +171,7 @@ class PromptTokenizer:
         template = self.template_text(tool_dicts)
         kwargs = engine_template_kwargs(template_kwargs, template) if template_kwargs else {}
         rendered = self._tokenizer.apply_chat_template(
-            engine_conversation(messages, template, inputs.calls_as_given),
+            engine_conversation(messages, template, inputs.calls_as_given, images),
             tools=tool_dicts,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -171,6 +179,21 @@ class PromptTokenizer:
             **kwargs,
         )
         return str(rendered)
+
+    @cached_property
+    def image_layout(self) -> Idefics3Layout | None:
+        """The tokens the model's images become, where its processor is laid out here (else None)."""
+        return image_layout(self.path, lambda text: self.text_ids(text, add_special_tokens=False))
+
+    def chat_with_images(
+        self, model_id: str, messages: Sequence[Any], flags: tuple[bool, bool, bool], inputs: TemplateInputs
+    ) -> tuple[list[int], list[Placed]]:
+        """A chat with images: its ids with the images' tokens, and the images placed in them. flags:
+        add_generation_prompt, continue_final_message, add_special_tokens."""
+        layout = self.image_layout
+        if layout is None:
+            raise InvalidPrompt("the model's images are not laid out here")
+        return chat_with_images(self, layout, model_id, messages, flags, inputs)
 
     def template_text(self, tools: list[Any] | None) -> str | None:
         """The template a chat renders with; of a dict of named ones, the one transformers picks (and vLLM):

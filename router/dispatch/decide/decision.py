@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import xxhash
@@ -26,6 +26,8 @@ from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
 from router.prompt import block_hashing
 from router.prompt.anthropic_chat import TemplateProbes, template_probes
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
+from router.prompt.multimodal.block_keys import Placed, multimodal_chain
+from router.prompt.multimodal.layouts import Idefics3Layout
 from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.responses_chat import ChatTokenizer
@@ -41,6 +43,8 @@ from scorers.request import NO_MATCH, RoutingRequest, TierMatch
 from scorers.ttft_features import features_for, reused_blocks
 from scorers.ttft_model import TTFTFeatures
 
+T = TypeVar("T")
+
 log = logging.getLogger(__name__)
 
 
@@ -54,6 +58,13 @@ class UnreproducibleTemplate(Exception):
 
 class LocalTokenizer(ChatTokenizer, Protocol):
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]: ...
+
+    @property
+    def image_layout(self) -> Idefics3Layout | None: ...
+
+    def chat_with_images(
+        self, model_id: str, messages: Sequence[Any], flags: tuple[bool, bool, bool], inputs: TemplateInputs
+    ) -> tuple[list[int], list[Placed]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +117,8 @@ class DeciderOptions:
     watch: TokenizerWatch | None = None  # where the audit's mismatches are raised (None: one of its own)
     # The agent programs followed: a request of none alive starts one (scorers/program_room.py)
     programs: Programs | NoPrograms = NO_PROGRAMS
+    # A model's --model on its instances, as they report it: what vLLM hashes its images with.
+    model_roots: Callable[[str], Sequence[str]] = lambda model: ()
 
 
 class Decider:
@@ -138,6 +151,7 @@ class Decider:
         self._tokenize_thread = worker_threads.executor(1, "kvroute-tokenize")
         self._placements = SessionPlacements()
         self._programs = options.programs
+        self._model_roots = options.model_roots
 
     async def prepare(
         self,
@@ -155,17 +169,20 @@ class Decider:
             session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
         try:
             with trace.step("tokenize") as step:  # a failure is the span's error
-                ids = await self._token_ids(body, off_loop) if tokenize else []
+                ids, images = await self._prompt(body, off_loop) if tokenize else ([], [])
                 step.set("kvroute.prompt_tokens", len(ids))
         except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
             log.debug("routing without prefix knowledge: %r", exc)
             self._metrics.untokenized(type(exc).__name__).inc()
-            ids = []
+            ids, images = [], []
         lora_name = body.model if body.model in self._adapters else None
         with trace.step("lookup") as step:
-            key = block_hashing.prompt_key(body.cache_salt, lora_name)
-            chain = block_hashing.prompt_chain(ids, self._block_size, key) if ids else []
+            if images:  # each block its images' keys, as the engine's events give them
+                chain = multimodal_chain(ids, self._block_size, images, lora_name, body.cache_salt)
+            else:
+                key = block_hashing.prompt_key(body.cache_salt, lora_name)
+                chain = block_hashing.prompt_chain(ids, self._block_size, key) if ids else []
             # The engine computes the last prompt token whatever it holds, and looks up the blocks before it
             # only: a hybrid model's other groups decide its hit within those (router/index/kv_groups.py).
             reusable = max(len(ids) - 1, 0) // self._block_size
@@ -300,6 +317,23 @@ class Decider:
         self._audit.close()
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
+    async def _prompt(
+        self, body: ChatRequest | CompletionRequest, off_loop: bool
+    ) -> tuple[list[int], list[Placed]]:
+        """The prompt's token ids as the engine will see them, and its images placed in them."""
+        try:
+            return await self._token_ids(body, off_loop), []
+        except InvalidPrompt:
+            local = self._tokenizers.get(body.model)
+            if isinstance(body, CompletionRequest) or local is None or local.image_layout is None:
+                raise
+        roots = self._model_roots(body.model)
+        if len(roots) != 1:  # vLLM hashes an image with its --model: each path its own keys
+            raise InvalidPrompt(f"images are keyed by the model's path on its instances: {len(roots)} known")
+        flags = (body.add_generation_prompt, body.continue_final_message, body.add_special_tokens)
+        inputs = TemplateInputs(None, None, isinstance(body, ResponsesChatRequest))
+        return await self._local(off_loop, local.chat_with_images, roots[0], body.messages, flags, inputs)
+
     async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:
         """The prompt's token ids as the engine will see them; [] when nothing here can tell."""
         if body.truncate_prompt_tokens is not None:
@@ -354,7 +388,7 @@ class Decider:
         # /tokenize keeps the deprecated reasoning_content that the chat endpoint renames.
         return await remote.chat_ids(engine_messages(body.messages), **flags, template_inputs=template_inputs)
 
-    async def _local(self, off_loop: bool, tokenize: Callable[..., list[int]], *args: Any) -> list[int]:
+    async def _local(self, off_loop: bool, tokenize: Callable[..., T], *args: Any) -> T:
         if not off_loop:
             return tokenize(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, tokenize, *args)

@@ -64,7 +64,7 @@ def _value(value: Any) -> Iterator[bytes]:
         for key, element in value.items():
             yield from _framed(str(key).encode())
             yield from _value(element)
-    elif isinstance(value, _EncodedImage):
+    elif isinstance(value, SentImage):
         yield _LEAF
         yield from value.chunks()
     else:
@@ -72,17 +72,26 @@ def _value(value: Any) -> Iterator[bytes]:
         yield from _leaf(value)
 
 
-class _EncodedImage:
-    """An image as vLLM's loader keeps it for hashing: its bytes as sent, and how they were converted."""
+# EXIF orientations that turn an image a quarter: vLLM's loader transposes it, so its width and height swap.
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})
+_ORIENTATION = 0x0112
+
+
+class SentImage:
+    """An image as vLLM's loader keeps it for hashing: its bytes as sent, whether they are converted, and
+    its size as the processor sees it (width, height, once turned upright)."""
 
     def __init__(self, data: bytes) -> None:
         try:
             with Image.open(io.BytesIO(data)) as image:  # the header only: nothing is decoded
-                mode, image_id = image.mode, image.getexif().get(ExifTags.Base.ImageID)
+                exif = image.getexif()
+                mode, (width, height) = image.mode, image.size
         except (UnidentifiedImageError, OSError, ValueError) as error:
             raise UnreadableImage(f"not an image a loader reads: {error}") from None
+        image_id = exif.get(ExifTags.Base.ImageID)
         self.data, self.converted = data, mode != IMAGE_MODE
         self.image_id = image_id.bytes if isinstance(image_id, uuid.UUID) else None
+        self.size = (height, width) if exif.get(_ORIENTATION) in _QUARTER_TURNS else (width, height)
 
     def chunks(self) -> Iterator[bytes]:
         if self.image_id is not None:
@@ -96,10 +105,10 @@ class _EncodedImage:
             yield from _value(self.data)
 
 
-def image_hash(model_id: str, data: bytes, algorithm: str = "blake3") -> str:
-    """The identifier of an image sent as data (its encoded bytes), at an engine serving model_id."""
+def image_hash(model_id: str, image: SentImage, algorithm: str = "blake3") -> str:
+    """The identifier of an image, at an engine serving model_id."""
     digest = blake3() if algorithm == "blake3" else hashlib.new(algorithm)
-    for name, value in (("image", _EncodedImage(data)), ("model_id", model_id)):  # in name order
+    for name, value in (("image", image), ("model_id", model_id)):  # in name order
         for chunk in _framed(name.encode()):
             digest.update(chunk)
         for chunk in _value(value):

@@ -15,7 +15,7 @@ from PIL import Image
 
 from router.prompt import block_hashing
 from router.prompt.multimodal.block_keys import Placed, block_extra_keys, multimodal_chain
-from router.prompt.multimodal.item_hash import UnreadableImage, image_hash
+from router.prompt.multimodal.item_hash import SentImage, UnreadableImage, image_hash
 
 CAPTURE = Path(__file__).parents[2] / "fixtures" / "vllm" / "multimodal_capture.json"
 
@@ -29,7 +29,7 @@ def capture() -> dict[str, Any]:
 def placed(capture: dict[str, Any]) -> list[Placed]:
     images = [base64.b64decode(data) for data in capture["images_png_base64"]]
     return [
-        Placed(image_hash(capture["model_id"], image), where["offset"], where["length"])
+        Placed(image_hash(capture["model_id"], SentImage(image)), where["offset"], where["length"])
         for image, where in zip(images, capture["placeholders"], strict=True)
     ]
 
@@ -44,15 +44,17 @@ def test_the_hash_follows_the_bytes_the_model_and_the_algorithm(capture: dict[st
     model = capture["model_id"]
     other_bytes = io.BytesIO()
     Image.open(io.BytesIO(image)).save(other_bytes, "JPEG")  # the same picture, encoded otherwise
+    sent, other = SentImage(image), SentImage(other_bytes.getvalue())
     hashes = {
-        image_hash(model, image),
-        image_hash(model, other_bytes.getvalue()),
-        image_hash(model + "-other", image),
-        image_hash(model, image, "sha256"),
+        image_hash(model, sent),
+        image_hash(model, other),
+        image_hash(model + "-other", sent),
+        image_hash(model, sent, "sha256"),
     }
     assert len(hashes) == 4
+    assert sent.size == other.size == (60, 45)
     with pytest.raises(UnreadableImage):
-        image_hash(model, b"not an image")
+        SentImage(b"not an image")
 
 
 def test_each_blocks_keys_are_the_events_with_the_items_offset_from_the_block(
