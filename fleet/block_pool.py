@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import cbor2
 
 from router.index.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from router.prompt.multimodal.block_keys import Placed, block_extra_keys
 
 MEDIUM = "GPU"
 
@@ -58,14 +60,27 @@ class BlockHasher:
         parent: bytes | None = None,
         salt: str | None = None,
         lora: Adapter | None = None,
+        items: Sequence[Placed] = (),
     ) -> list[bytes]:
         """salt: vLLM's cache_salt, mixed into a sequence's first block only (parent None); lora: the adapter
-        the request runs with, mixed into every block by name and path (its name when it has no path)."""
+        the request runs with, mixed into every block by name and path (its name when it has no path); items:
+        the prompt's images, each mixed into the blocks it overlaps with its offset from the block's start
+        (token_ids then start at the prompt's start)."""
         hashes: list[bytes] = []
         lora_keys = [] if lora is None else [("lora", lora.name, lora.path or lora.name)]
         for start in range(0, len(token_ids) - block_size + 1, block_size):
             block = tuple(token_ids[start : start + block_size])
-            keys = [*lora_keys, ("cache_salt", salt)] if salt and parent is None else lora_keys
+            end = start + block_size
+            images = [
+                ("mm", i.identifier, i.offset - start)
+                for i in items
+                if i.offset < end and start < i.offset + i.length
+            ]
+            keys = (
+                [*lora_keys, *images, ("cache_salt", salt)]
+                if salt and parent is None
+                else [*lora_keys, *images]
+            )
             parent = self._hash((parent or self._none_hash, block, tuple(keys) if keys else None))
             hashes.append(parent)
         return hashes
@@ -149,14 +164,26 @@ class BlockPool:
         parent: bytes | None,
         cache_salt: str | None = None,
         lora: Adapter | None = None,
+        images: tuple[Sequence[Placed], int] = ((), 0),
     ) -> None:
         """Mark consecutive newly full blocks as cached; one BlockStored covers them all. As vLLM announces
-        them, untagged: an adapter's name in every block's extra keys, then a salt in a sequence's first
-        block's (parent None)."""
+        them, untagged: an adapter's name in every block's extra keys, its images' identifiers and offsets,
+        then a salt in a sequence's first block's (parent None). images: the prompt's, and the index of the
+        first of these blocks in it."""
         adapter = () if lora is None else (lora.name,)
-        extra_keys: list[tuple[str, ...] | None] = [adapter or None] * len(hashes)
+        extra_keys: list[Any] = [adapter or None] * len(hashes)
         if cache_salt and parent is None and hashes:
             extra_keys[0] = (*adapter, cache_salt)
+        items, first = images
+        if items:
+            keys = block_extra_keys(
+                items,
+                (first + len(hashes)) * self.block_size,
+                self.block_size,
+                None if lora is None else lora.name,
+                cache_salt,
+            )
+            extra_keys = keys[first:]
         for block, block_hash in zip(blocks, hashes, strict=True):
             block.block_hash = block_hash
             self._cached.setdefault(block_hash, {})[block.block_id] = block

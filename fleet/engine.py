@@ -15,12 +15,13 @@ bring (kv_load_failure_policy recompute). The prefix-cache counters move as vLLM
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fleet.block_pool import Adapter, Block, BlockHasher, BlockPool, NoFreeBlocks
 from fleet.request_queue import Rank, SchedulingPolicy, preemption_victim, request_queue
 from router.index.events import KVEvent
+from router.prompt.multimodal.block_keys import Placed
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class _Sequence:
     sample: TokenSampler
     block_hashes: list[bytes]
     cache_salt: str | None = None
+    images: tuple[Placed, ...] = ()  # the prompt's images, placed in it
     lora: Adapter | None = None
     outputs: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     blocks: list[Block] = field(default_factory=list)
@@ -137,6 +139,7 @@ class Engine:
         cache: PromptCache | None = None,
         finish_reason: str = "length",
         priority: int = 0,
+        images: Sequence[Placed] = (),
     ) -> AsyncIterator[int]:
         """Yield generated token ids; cancelling the consumer aborts the request and frees its blocks.
         cache_salt: vLLM's, which makes the prompt's cache entries its own; lora: the adapter it runs with,
@@ -144,14 +147,18 @@ class Engine:
         prompt's KV beyond the local cache from a prefill instance (a decode leg), run once the request is
         admitted; the transfer then takes transfer_tokens_per_s; cache: filled in by the first token;
         finish_reason: what it finishes as once it has max_tokens (stop: the model sampled its EOS);
-        priority: the body's, which orders the queue under the priority policy."""
+        priority: the body's, which orders the queue under the priority policy; images: the prompt's, each
+        keying the blocks it overlaps."""
         seq = _Sequence(
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
             sample=sample,
-            block_hashes=self.hasher.chain(prompt_ids, self.pool.block_size, salt=cache_salt, lora=lora),
+            block_hashes=self.hasher.chain(
+                prompt_ids, self.pool.block_size, salt=cache_salt, lora=lora, items=images
+            ),
             cache_salt=cache_salt,
+            images=tuple(images),
             lora=lora,
             connector=connector,
             load=load,
@@ -343,6 +350,7 @@ class Engine:
             seq.block_hashes[first - 1] if first else None,
             seq.cache_salt,
             seq.lora,
+            (seq.images, first),
         )
         seq.num_cached_blocks = num_full
 

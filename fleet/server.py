@@ -26,6 +26,7 @@ from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from fleet.sampling_checks import sampling_error
 from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.multimodal.block_keys import Placed
 from router.prompt.openai_body import (
     BOOLEAN_FIELDS,
     DATA_PARALLEL_RANK_HEADER,
@@ -240,6 +241,7 @@ class Generation:
         self.remote_prefill = bool(side and side.consumes and params and params.get("do_remote_prefill"))
         self.transfer_params: dict[str, Any] = params or {}
         self.cache = PromptCache()
+        self.images: list[Placed] = []  # a chat's images, placed in its prompt
 
     async def tokens(self) -> AsyncIterator[int]:
         load = self._fetch if self.remote_prefill and self.instance.transfers is not None else None
@@ -255,6 +257,7 @@ class Generation:
             self.cache,
             self.finish_reason,
             self.priority,
+            self.images,
         ):
             yield token
 
@@ -388,15 +391,32 @@ def _check_tool_choice(instance: SimInstance, body: dict[str, Any]) -> None:
 
 def validated_chat(instance: SimInstance, body: dict[str, Any]) -> list[int]:
     """A chat request's prompt token ids, after the checks vLLM makes first (generate and render alike)."""
+    return validated_chat_with_images(instance, body)[0]
+
+
+def validated_chat_with_images(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], list[Placed]]:
+    """validated_chat's ids, and the chat's images placed in them: inline images, for a model whose image
+    layout the router's code knows (router/prompt/multimodal/), as vLLM lays them out and hashes them."""
     check_model(instance, body)
     _check_cache_salt(body.get("cache_salt"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError(400, "messages must be a non-empty list", "BadRequestError", "messages")
     _check_tool_choice(instance, body)
-    return _chat_ids(
-        instance, body, body.get("reasoning_effort"), instance.exclude_tools_when_tool_choice_none
+    effort, tools_out = body.get("reasoning_effort"), instance.exclude_tools_when_tool_choice_none
+    try:
+        return _chat_ids(instance, body, effort, tools_out), []
+    except InvalidPrompt:
+        if instance.tokenizer.image_layout is None:
+            raise
+    flags = (
+        body.get("add_generation_prompt", True),
+        body.get("continue_final_message", False),
+        body.get("add_special_tokens", False),
     )
+    tools = None if tools_out and body.get("tool_choice") == "none" else body.get("tools")
+    inputs = TemplateInputs(tools, chat_endpoint_template_kwargs(body.get("chat_template_kwargs"), effort))
+    return instance.tokenizer.chat_with_images(instance.root, messages, flags, inputs)
 
 
 def validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[list[int], bool]:
@@ -411,8 +431,10 @@ def validated_completion(instance: SimInstance, body: dict[str, Any]) -> tuple[l
 
 
 async def _chat(instance: SimInstance, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    ids = await instance.off_loop(validated_chat, instance, body)
-    return await _complete(request, Generation(request, instance, body, ids, chat=True, from_text=True))
+    ids, images = await instance.off_loop(validated_chat_with_images, instance, body)
+    generation = Generation(request, instance, body, ids, chat=True, from_text=True)
+    generation.images = images
+    return await _complete(request, generation)
 
 
 async def _completion(
