@@ -44,6 +44,7 @@ class History:
     texts: list[str] = field(default_factory=list)
     previous_response_id: str = ""  # chain: the last response stored ...
     stored: int = 0  # ... and how many of texts its stored conversation holds
+    images: dict[int, str] = field(default_factory=dict)  # a user text's image (a data: URL), by its index
 
     def answered(self, reply: str, stored_as: str = "") -> None:
         """Record the assistant's reply; stored_as: the id of the stored response that holds it."""
@@ -77,13 +78,23 @@ def request_body(
         "model": model,
         "messages": [
             {"role": "system", "content": history.system},
-            *({"role": role, "content": text} for role, text in history.turns()),
+            *(
+                {"role": role, "content": _chat_content(text, history.images.get(index))}
+                for index, (role, text) in enumerate(history.turns())
+            ),
         ],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def _chat_content(text: str, image: str | None) -> str | list[dict[str, Any]]:
+    """A chat message's content: its text, and the image it carries as a part after it."""
+    if image is None:
+        return text
+    return [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": image}}]
 
 
 def responses_body(history: History, model: str, max_tokens: int, chain: bool) -> dict[str, Any]:

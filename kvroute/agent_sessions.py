@@ -177,6 +177,10 @@ async def run_sessions(base_url: str, plan: SessionPlan) -> SessionRun:
             for turn in range(workload.turns):
                 if time.perf_counter() >= deadline:
                     return
+                if (image := workload.image(index, turn)) is not None:
+                    if plan.api != "chat":
+                        raise ValueError("images are sent on chat sessions only")
+                    history.images[len(history.texts)] = image
                 history.texts.append(workload.user_message(index, turn))
                 body = request_body(plan.api, history, plan.model, workload.max_tokens, plan.responses_chain)
                 reply = await stream_turn(http, base_url, plan.api, body, headers)

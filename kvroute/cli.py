@@ -265,6 +265,7 @@ def _bench_live(args: argparse.Namespace) -> int:
         vllm_router=args.vllm_router,
         smg=args.smg,
         reset_caches=not args.no_reset,
+        images_every=args.images_every,
         out=Path(args.out) if args.out else None,
         log_dir=Path(args.log_dir) if args.log_dir else None,
     )
@@ -652,6 +653,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=("chat", "responses", "messages"),
         default="chat",
         help="sessions' API: /v1/chat/completions, /v1/responses (as Codex), /v1/messages (as Claude Code)",
+    )
+    live.add_argument(
+        "--images-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="chat sessions: every Nth turn's message carries a screenshot (a PNG sent inline); the "
+        "simulated fleet then serves a tiny Idefics3, whose images vLLM and kvroute key alike (0: none)",
     )
     live.add_argument(
         "--responses-chain",

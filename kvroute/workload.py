@@ -6,8 +6,12 @@ user (tool output) message and the assistant's reply, so turn N's prompt holds t
 
 from __future__ import annotations
 
+import base64
+import io
 import random
 from dataclasses import dataclass
+
+from PIL import Image
 
 _WORDS = (
     "def return class import self test assert error file line value request response cache block token "
@@ -29,6 +33,9 @@ class AgentWorkload:
     # sessions that start together from sending their turns together.
     think_time_jitter_s: float = 0.0
     seed: int = 0
+    # Every this many turns (0: none), the user's message carries a screenshot: a PNG of its own, sent inline
+    # (a data: URL), of a size drawn from the seed.
+    image_every: int = 0
 
     def system_prompt(self) -> str:
         rng = random.Random(f"{self.seed}:system")
@@ -39,6 +46,16 @@ class AgentWorkload:
         return f"[session {session} turn {turn}] tool output: " + _text(
             rng, rng.randint(self.min_turn_words, self.max_turn_words)
         )
+
+    def image(self, session: int, turn: int) -> str | None:
+        """The screenshot the turn's message carries, as a data: URL; None for most turns."""
+        if not self.image_every or turn % self.image_every != self.image_every - 1:
+            return None
+        rng = random.Random(f"{self.seed}:{session}:{turn}:image")
+        width, height = rng.randint(48, 200), rng.randint(48, 160)
+        png = io.BytesIO()
+        Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3)).save(png, "PNG")
+        return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
     def think_time(self, session: int, turn: int) -> float:
         """The pause after a turn, before the next."""

@@ -10,7 +10,9 @@ tokens.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from tinymodel import builder
@@ -87,6 +89,27 @@ def build_files(directory: Path) -> None:
     (directory / "preprocessor_config.json").write_text(json.dumps(images, indent=2))
     processor = {"processor_class": "Idefics3Processor", "image_seq_len": IMAGE_SEQ_LEN}
     (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
+
+
+def ensure_files(home: Path | None = None) -> Path:
+    """The model's directory with its files (not its weights: the simulated fleet and the router need none),
+    built first if missing."""
+    target = (home or builder.default_home()) / "models" / VISION_MODEL_NAME
+    if (target / "processor_config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        build_files(staging)
+        staging.chmod(0o755)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "processor_config.json").exists():  # not a concurrent builder winning the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def build_weights(directory: Path) -> None:

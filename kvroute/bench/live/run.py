@@ -72,6 +72,7 @@ from kvroute.trace_replay import ReplayPlan, ReplayRun, resolve_trace
 from kvroute.traces import Trace
 from kvroute.workload import AgentWorkload
 from router.config import RouterConfig, load_config, parse_config
+from tinymodel.vision import VISION_MODEL_NAME, ensure_files
 
 DEFAULT_TARGETS = (
     "kvroute:round-robin",
@@ -182,6 +183,7 @@ class LiveOptions:
     vllm_router: str | None = None  # the binary; default: found next to this Python or on PATH
     smg: str | None = None  # SGLang's model gateway, found the same way
     reset_caches: bool = True
+    images_every: int = 0  # sessions: every this many turns a screenshot; the fleet serves the tiny Idefics3
     out: Path | None = None
     log_dir: Path | None = None
 
@@ -351,6 +353,7 @@ def _workload(options: LiveOptions, fleet: Fleet, trace: Trace | None) -> LiveWo
             turns=options.turns,
             max_tokens=options.max_tokens,
             system_prompt_words=options.system_prompt_words,
+            image_every=options.images_every,
         )
         return SessionWorkload(
             sessions,
@@ -412,9 +415,14 @@ def _fleet(options: LiveOptions, args: Sequence[str], log_dir: Path, console: Co
         bootstrap_port = free_port_block(shape.instances)
         args = (*pd_fleet_args(shape, bootstrap_port), *args)
     ports = FleetPorts.allocate(count)
+    models: dict[str, object] = {}
+    if options.images_every:  # a model whose images the engines and the router lay out alike
+        files = str(ensure_files())
+        args = ("--model", VISION_MODEL_NAME, "--tokenizer", files, *args)
+        models = {"models": [{"name": VISION_MODEL_NAME, "tokenizer": files}]}
     console.print(f"starting {count} simulated vLLM instances ...")
     with running_fleet(ports, log_dir, args):
-        raw = ports.router_config(block_size=_block_size(args))
+        raw = ports.router_config(block_size=_block_size(args), **models)
         if shape is not None:
             raw = pd_router_config(raw, shape, bootstrap_port)
         yield Fleet(parse_config(raw), raw, tuple(args))
