@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -93,15 +94,21 @@ def ensure_model(home: Path | None = None) -> Path:
     if (target / "config.json").exists():
         _refresh_chat_template(target)
         return target
+    return built_once(target, "config.json", build_model)
+
+
+def built_once(target: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """target, built by build in a staging directory beside it and renamed into place, so that a reader
+    never sees half of it and concurrent builders leave one; marker: a file the whole build holds."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
-        build_model(staging)
+        build(staging)
         staging.chmod(0o755)
         try:
             staging.rename(target)
         except OSError:
-            if not (target / "config.json").exists():  # not a concurrent builder winning the race
+            if not (target / marker).exists():  # not a concurrent builder winning the race
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

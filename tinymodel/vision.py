@@ -10,9 +10,7 @@ tokens.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from tinymodel import builder
@@ -97,19 +95,7 @@ def ensure_files(home: Path | None = None) -> Path:
     target = (home or builder.default_home()) / "models" / VISION_MODEL_NAME
     if (target / "processor_config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
-        build_files(staging)
-        staging.chmod(0o755)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "processor_config.json").exists():  # not a concurrent builder winning the race
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return builder.built_once(target, "processor_config.json", build_files)
 
 
 def build_weights(directory: Path) -> None:
