@@ -22,9 +22,17 @@ from aiohttp import web
 
 from fleet.agent_requests import BodyValidationError, read_json_body
 from fleet.engine import PromptCache
-from fleet.server import ClientError, Generation, SimInstance, error_response, json_response, validated_chat
+from fleet.server import (
+    ClientError,
+    Generation,
+    SimInstance,
+    error_response,
+    json_response,
+    validated_chat_with_images,
+)
 from router.prompt.anthropic_chat import anthropic_chat_body, template_probes
 from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.multimodal.block_keys import Placed
 
 _json = msgspec.json.Encoder()
 # What the engine request takes from the Anthropic body beside the converted chat
@@ -58,21 +66,24 @@ def _anthropic_errors(handle: Handler) -> Handler:
     return answer
 
 
-def _chat(instance: SimInstance, body: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-    """The chat vLLM converts the body to, and its prompt's token ids after the chat path's checks."""
+def _chat(
+    instance: SimInstance, body: dict[str, Any]
+) -> tuple[dict[str, Any], tuple[list[int], list[Placed]]]:
+    """The chat vLLM converts the body to, and its prompt's token ids (and images placed in them) after the
+    chat path's checks."""
     chat = anthropic_chat_body(body, template_probes(instance.tokenizer))
     chat.setdefault("model", body.get("model"))
     for name, chat_name in _SAMPLING.items():
         if body.get(name) is not None:
             chat[chat_name] = body[name]
     chat.update({name: body[name] for name in _PASSED if body.get(name) is not None})
-    return chat, validated_chat(instance, chat)
+    return chat, validated_chat_with_images(instance, chat)
 
 
 async def _count_tokens(request: web.Request) -> web.StreamResponse:
     instance: SimInstance = request.app["instance"]
     body = await read_json_body(request, ("model", "messages"))
-    _, ids = await instance.off_loop(_chat, instance, body)
+    _, (ids, _) = await instance.off_loop(_chat, instance, body)
     return json_response(
         {"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}}
     )
@@ -89,8 +100,9 @@ async def _messages(request: web.Request) -> web.StreamResponse:
             "msg": "Value error, max_tokens must be positive",
         }
         raise BodyValidationError([str({**error, "input": max_tokens})], "body.max_tokens")
-    chat, ids = await instance.off_loop(_chat, instance, body)
+    chat, (ids, images) = await instance.off_loop(_chat, instance, body)
     generation = Generation(request, instance, chat, ids, chat=True, from_text=True)
+    generation.images = images
     if body.get("stream"):
         return await _stream(request, generation)
     output = [token async for token in generation.tokens()]

@@ -19,8 +19,9 @@ Two of vLLM's choices depend on the served chat template, found by trying it (``
 system messages inside ``messages`` are merged into the leading one (a template that refuses a system
 message after the first turn), and the effort that stands for disabled thinking. Without them, a body whose
 prompt depends on either raises ``InvalidPrompt``. So does anything this module cannot render as vLLM does
-(images, documents, unknown block types, a value of the wrong JSON type): the router then routes it without
-prefix knowledge, and the engine answers it.
+(documents, unknown block types, a value of the wrong JSON type): the router then routes it without prefix
+knowledge, and the engine answers it. Images become chat image parts, as vLLM's, which the chat path keys
+(router/prompt/multimodal/) or routes by load.
 """
 
 from __future__ import annotations
@@ -227,6 +228,14 @@ def _chat_messages(messages: list[Mapping[str, Any]], probes: TemplateProbes | N
     return converted
 
 
+def _image_url(source: Mapping[str, Any]) -> str:
+    """An image block's source (an object: checked with the block) as vLLM's Messages endpoint hands it on:
+    its URL, or its data as a data URL."""
+    if source.get("type") == "url":
+        return str(source.get("url", ""))
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
 def _convert_blocks(
     blocks: list[Mapping[str, Any]], role: str, chat_message: dict[str, Any], converted: list[dict[str, Any]]
 ) -> None:
@@ -239,8 +248,8 @@ def _convert_blocks(
         kind = block["type"]
         if kind == "text" and block.get("text"):
             parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image" and block.get("source"):
-            raise InvalidPrompt("images are not rendered here")
+        elif kind == "image" and block.get("source"):  # as vLLM passes it on: a chat image part
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
         elif kind == "thinking" and block.get("thinking") is not None:
             reasoning.append(block["thinking"])
         elif kind == "tool_use":

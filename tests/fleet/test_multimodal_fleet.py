@@ -87,3 +87,29 @@ def test_a_chat_of_images_sent_again_and_changed_is_predicted_as_the_instance_fi
     assert predicted == found > 0
     changed, found_changed = chat(vision_router, [first, other], "a")
     assert 0 < changed == found_changed < found
+
+
+def test_a_messages_image_is_keyed_as_the_chat_vllm_converts_it_to(vision_router: str) -> None:
+    """Claude Code's image blocks (base64) through /v1/messages: vLLM converts them to chat image parts, and
+    the router keys them alike."""
+    png = image(4, (120, 80)).partition(",")[2]
+    blocks = [
+        {"type": "text", "text": "Why does this screenshot of the failing test show a timeout? " * 3},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+    ]
+    body = {"model": VISION_MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": blocks}]}
+
+    def send() -> tuple[int, int]:
+        status, headers, answer = post(
+            vision_router + "/v1/messages", json.dumps(body).encode(), {"x-session-id": "m"}
+        )
+        assert status == 200, answer
+        return int(headers[CACHED_BLOCKS_HEADER]), json.loads(answer)["usage"][
+            "cache_read_input_tokens"
+        ] // BLOCK
+
+    assert send() == (0, 0)
+    again: list[tuple[int, int]] = []
+    eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
+    predicted, found = again[-1]
+    assert predicted == found > 0

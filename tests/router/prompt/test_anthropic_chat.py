@@ -136,6 +136,19 @@ def test_a_schema_without_a_type_gets_object_last_and_the_body_is_not_changed() 
     assert schema == {"properties": {"a": {"type": "string"}}}
 
 
+def test_an_image_block_becomes_the_chat_image_part_vllm_makes_of_it() -> None:
+    """By URL as given, inline as a data URL of its media type: the chat path keys it (or routes it by load)."""
+    inline = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    content = [{"type": "text", "text": "look"}, {"type": "image", "source": inline}]
+    content.append({"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}})
+    (message,) = anthropic_chat_body({"messages": [{"role": "user", "content": content}]})["messages"]
+    assert message["content"] == [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    ]
+
+
 @pytest.mark.parametrize(
     ("body", "why"),
     [
@@ -149,12 +162,8 @@ def test_a_schema_without_a_type_gets_object_last_and_the_body_is_not_changed() 
             "text has the wrong type",
         ),
         (
-            {
-                "messages": [
-                    {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}
-                ]
-            },
-            "images",
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": "u"}]}]},
+            "source has the wrong type",
         ),
         (
             {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "t"}]}]},
