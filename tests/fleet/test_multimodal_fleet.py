@@ -113,3 +113,37 @@ def test_a_messages_image_is_keyed_as_the_chat_vllm_converts_it_to(vision_router
     eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
     predicted, found = again[-1]
     assert predicted == found > 0
+
+
+def test_a_chat_with_tools_and_an_image_is_keyed_too(vision_router: str) -> None:
+    """An agent's chat carries tools: rendered here with them (an instance's /tokenize would give its ids
+    without its images' keys)."""
+    tool = {
+        "type": "function",
+        "function": {"name": "read", "parameters": {"type": "object", "properties": {}}},
+    }
+    content = [
+        {"type": "text", "text": "Read the log this screenshot points at. " * 3},
+        {"type": "image_url", "image_url": {"url": image(5, (100, 100))}},
+    ]
+    body = {
+        "model": VISION_MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "tools": [tool],
+        "tool_choice": "none",
+        "max_tokens": 1,
+    }
+
+    def send() -> tuple[int, int]:
+        status, headers, answer = post(
+            vision_router + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": "t"}
+        )
+        assert status == 200, answer
+        cached = json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return int(headers[CACHED_BLOCKS_HEADER]), cached // BLOCK
+
+    assert send() == (0, 0)
+    again: list[tuple[int, int]] = []
+    eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
+    predicted, found = again[-1]
+    assert predicted == found > 0

@@ -27,6 +27,7 @@ from router.prompt import block_hashing
 from router.prompt.anthropic_chat import TemplateProbes, template_probes
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
 from router.prompt.multimodal.block_keys import Placed, multimodal_chain
+from router.prompt.multimodal.chat_images import has_image_parts
 from router.prompt.multimodal.layouts import Idefics3Layout
 from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
 from router.prompt.remote_tokenizer import RemoteTokenizer
@@ -320,18 +321,26 @@ class Decider:
     async def _prompt(
         self, body: ChatRequest | CompletionRequest, off_loop: bool
     ) -> tuple[list[int], list[Placed]]:
-        """The prompt's token ids as the engine will see them, and its images placed in them."""
-        try:
+        """The prompt's token ids as the engine will see them, and its images placed in them: a chat with
+        images, of a model whose images are laid out here, is rendered here whatever it carries (tools too:
+        an instance's /tokenize would give its ids without its images' keys)."""
+        local = self._tokenizers.get(body.model)
+        if isinstance(body, CompletionRequest) or local is None or local.image_layout is None:
             return await self._token_ids(body, off_loop), []
-        except InvalidPrompt:
-            local = self._tokenizers.get(body.model)
-            if isinstance(body, CompletionRequest) or local is None or local.image_layout is None:
-                raise
+        if not has_image_parts(body.messages):
+            return await self._token_ids(body, off_loop), []
+        if body.truncate_prompt_tokens is not None:
+            raise TruncatedPrompt("the engine keeps only the prompt's last tokens")
+        if body.documents is not None or body.chat_template is not None:
+            raise UnreproducibleTemplate("documents or a request's own template reach the template")
         roots = self._model_roots(body.model)
         if len(roots) != 1:  # vLLM hashes an image with its --model: each path its own keys
             raise InvalidPrompt(f"images are keyed by the model's path on its instances: {len(roots)} known")
+        if body.tools is not None and body.tool_choice == "none" and body.model in self._tools_out_when_none:
+            body = msgspec.structs.replace(body, tools=None)
+        kwargs = body.engine_template_inputs().get("chat_template_kwargs")
+        inputs = TemplateInputs(body.tools, kwargs, isinstance(body, ResponsesChatRequest))
         flags = (body.add_generation_prompt, body.continue_final_message, body.add_special_tokens)
-        inputs = TemplateInputs(None, None, isinstance(body, ResponsesChatRequest))
         return await self._local(off_loop, local.chat_with_images, roots[0], body.messages, flags, inputs)
 
     async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:

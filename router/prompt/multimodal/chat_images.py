@@ -32,6 +32,18 @@ def is_image_part(part: Any) -> bool:
     return isinstance(url, str) or (isinstance(url, Mapping) and isinstance(url.get("url"), str))
 
 
+def has_image_parts(messages: Any) -> bool:
+    """Whether any of the chat's messages carries an image part."""
+    if not isinstance(messages, list):
+        return False
+    return any(
+        isinstance(message, Mapping)
+        and isinstance(content := message.get("content"), list)
+        and any(is_image_part(part) for part in content)
+        for message in messages
+    )
+
+
 def image_url(part: Mapping[str, Any]) -> str:
     url = part["image_url"]
     return url if isinstance(url, str) else str(url["url"])
