@@ -27,8 +27,10 @@ from fleet.response_store import ResponseStore
 from fleet.responses_objects import ResponseEcho, TextEvents, new_id, output_message, usage
 from fleet.server import ClientError, Generation, SimInstance, check_model, error_response, json_response
 from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.multimodal.block_keys import Placed
 from router.prompt.openai_body import lax_bool
 from router.prompt.responses_chat import ResponsesChat, responses_chat
+from router.prompt.template_inputs import TemplateInputs
 
 _json = msgspec.json.Encoder()
 _BOOLEANS = ("stream", "background", "store")
@@ -173,14 +175,22 @@ async def _run(request: web.Request, instance: SimInstance, body: dict[str, Any]
         message = "Cannot apply chat template to an empty conversation. Provide at least one message."
         raise ClientError(400, message, "BadRequestError")
 
-    def rendered() -> tuple[ResponsesChat, list[int]]:
+    def rendered() -> tuple[ResponsesChat, tuple[list[int], list[Placed]]]:
         chat = responses_chat(
             body, previous_messages, previous_output, instance.exclude_tools_when_tool_choice_none
         )
-        return chat, chat.token_ids(instance.tokenizer)
+        try:
+            return chat, (chat.token_ids(instance.tokenizer), [])
+        except InvalidPrompt:  # its images, where the model's are laid out as vLLM lays them out
+            if instance.tokenizer.image_layout is None:
+                raise
+        flags = (chat.add_generation_prompt, chat.continue_final_message, True)
+        inputs = TemplateInputs(chat.tools, chat.template_kwargs, calls_as_given=True)
+        return chat, instance.tokenizer.chat_with_images(instance.root, chat.messages, flags, inputs)
 
-    chat, ids = await instance.off_loop(rendered)
+    chat, (ids, images) = await instance.off_loop(rendered)
     generation = _generation(request, instance, body, ids)
+    generation.images = images
     response_id = str(body.get("request_id") or new_id("resp_"))
     echo = ResponseEcho(response_id, int(time.time()), body["model"], body, generation.max_tokens)
     if kept:

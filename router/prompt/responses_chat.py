@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.multimodal.chat_images import is_image_part
 from router.prompt.template_inputs import NO_INPUTS, TemplateInputs
 
 
@@ -307,17 +308,18 @@ def _output_text(part: Any) -> str:
 
 
 def _input_content(content: Any, where: str) -> str | list[Any]:
-    """A string, or input_text parts (vLLM's chat parser reads them as text parts)."""
+    """A string, or input_text parts (vLLM's chat parser reads them as text parts) and input_image parts with
+    an image_url (read as images: router/prompt/multimodal/)."""
     if isinstance(content, str):
         return content
     parts = _list(content, where)
     for part in parts:
-        if (
-            not isinstance(part, Mapping)
-            or part.get("type") != "input_text"
-            or not isinstance(part.get("text"), str)
-        ):
-            raise InvalidPrompt(f"{where}: only input_text parts are supported")
+        if not isinstance(part, Mapping):
+            raise InvalidPrompt(f"{where}: parts must be objects")
+        if part.get("type") == "input_image" and is_image_part(part):
+            continue
+        if part.get("type") != "input_text" or not isinstance(part.get("text"), str):
+            raise InvalidPrompt(f"{where}: only input_text and input_image parts are supported")
     return parts
 
 

@@ -147,3 +147,31 @@ def test_a_chat_with_tools_and_an_image_is_keyed_too(vision_router: str) -> None
     eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
     predicted, found = again[-1]
     assert predicted == found > 0
+
+
+def test_a_responses_input_image_is_keyed_as_vllms_chat_parser_reads_it(vision_router: str) -> None:
+    """Codex's input_image parts through /v1/responses."""
+    content = [
+        {"type": "input_text", "text": "What does this screenshot of the build say? " * 3},
+        {"type": "input_image", "image_url": image(6, (64, 150)), "detail": "auto"},
+    ]
+    body = {
+        "model": VISION_MODEL_NAME,
+        "input": [{"role": "user", "content": content}],
+        "max_output_tokens": 1,
+        "store": False,
+    }
+
+    def send() -> tuple[int, int]:
+        status, headers, answer = post(
+            vision_router + "/v1/responses", json.dumps(body).encode(), {"x-session-id": "r"}
+        )
+        assert status == 200, answer
+        cached = json.loads(answer)["usage"]["input_tokens_details"]["cached_tokens"]
+        return int(headers[CACHED_BLOCKS_HEADER]), cached // BLOCK
+
+    assert send() == (0, 0)
+    again: list[tuple[int, int]] = []
+    eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
+    predicted, found = again[-1]
+    assert predicted == found > 0

@@ -25,8 +25,9 @@ class ChatImages:
 
 
 def is_image_part(part: Any) -> bool:
-    """An OpenAI chat ``image_url`` part (its url a string, or an object holding one)."""
-    if not isinstance(part, Mapping) or part.get("type") != "image_url":
+    """An OpenAI chat ``image_url`` part (its url a string, or an object holding one), or a Responses
+    ``input_image`` part (its ``image_url`` a string), which vLLM's chat parser reads alike."""
+    if not isinstance(part, Mapping) or part.get("type") not in ("image_url", "input_image"):
         return False
     url = part.get("image_url")
     return isinstance(url, str) or (isinstance(url, Mapping) and isinstance(url.get("url"), str))

@@ -180,7 +180,7 @@ OUT = {"type": "output_text", "text": "x"}
         {"input": 5},
         {"input": None},
         {"input": ["text"]},
-        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
         {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
         {"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
         {"input": [{"role": "user", "content": {"text": "x"}}]},
@@ -235,6 +235,13 @@ OUT = {"type": "output_text", "text": "x"}
 def test_what_is_not_reproduced_is_invalid(body: dict[str, Any]) -> None:
     with pytest.raises(InvalidPrompt):
         responses_chat(body)
+
+
+def test_an_input_image_by_url_passes_to_the_chat_as_vllms_parser_reads_it() -> None:
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=", "detail": "auto"}
+    content = [{"type": "input_text", "text": "look"}, image]
+    chat = responses_chat({"input": [{"role": "user", "content": content}]})
+    assert chat.messages[-1]["content"] == content
 
 
 @pytest.mark.parametrize(
