@@ -148,6 +148,16 @@ class TokenizationConfig(_Strict):
         "and one mismatch sends that model's chats of that kind (all of them, after a plain one) to the "
         "engine (0: never check)",
     )
+    image_url_domains: list[str] = Field(
+        default_factory=list,
+        description="images a chat gives by http(s) URL are fetched here (each once, kept a while) to key "
+        "them as the engine does, when their host is one of these or below one (as vLLM's "
+        "--allowed-media-domains); empty: never fetched, such requests are routed by load",
+    )
+    image_max_bytes: int = Field(default=20 * 2**20, ge=1, description="a larger image is not fetched")
+    image_fetch_timeout_s: float = Field(
+        default=5.0, gt=0, description="a fetch that takes longer is given up: the request is routed by load"
+    )
 
 
 class InstanceConfig(_Strict):

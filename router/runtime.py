@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from router import allocator, worker_threads
-from router.config import ConfigError, ModelConfig, RouterConfig
+from router.config import ConfigError, ModelConfig, RouterConfig, TokenizationConfig
 from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
 from router.dispatch.answer.relay import Relay
@@ -60,6 +60,7 @@ from router.index.subscriptions import Subscriptions, events_context
 from router.metrics import RouterMetrics
 from router.programs.shared import ProgramTurnsShared
 from router.programs.table import Programs, followed
+from router.prompt.multimodal.fetch import ImageFetcher
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
@@ -117,6 +118,17 @@ def _shared_through(
         "shared-ab": (shared_ab.share, AB_SHARE_S, False),
         "shared-slots": (slots.renew, slots.renew_s, False),
     }
+
+
+async def _image_fetcher(config: TokenizationConfig, stack: contextlib.AsyncExitStack) -> ImageFetcher | None:
+    """Where images given by URL may be fetched from (tokenization.image_url_domains): their fetcher, over a
+    session of its own (the hosts are not the fleet's); None where none may be."""
+    if not config.image_url_domains:
+        return None
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    return ImageFetcher(
+        session, config.image_url_domains, config.image_max_bytes, config.image_fetch_timeout_s
+    )
 
 
 def _one_ab_test(runtime: Runtime, store: SharedStore) -> SharedABResults:
@@ -251,7 +263,7 @@ class Runtime:
         if tokenizes:
             await self._load_tokenizers(config)
         self._roots_searched = {m.name: self._roots(m) for m in config.models if m.tokenizer is None}
-        self._control = control
+        self._control, self._images = control, await _image_fetcher(config.tokenization, stack)
         self.decider = self._decider(control)
         stack.callback(self.decider.close)
         tracing = start_tracing(config.tracing)
@@ -547,6 +559,7 @@ class Runtime:
             self.tokenizer_watch,
             self.programs,
             lambda model: model_roots(model, self.upstreams.instances),
+            self._images,
         )
         return Decider(
             self.routing_index, self.tokenizers, config.block_size, self.metrics, remote_tokenizer, options

@@ -249,10 +249,15 @@ class CachedChatTokenizer:
         return self.tokenizer.image_layout
 
     def chat_with_images(
-        self, model_id: str, messages: Sequence[Any], flags: tuple[bool, bool, bool], inputs: TemplateInputs
+        self,
+        model_id: str,
+        messages: Sequence[Any],
+        flags: tuple[bool, bool, bool],
+        inputs: TemplateInputs,
+        fetched: Mapping[str, bytes] | None = None,
     ) -> tuple[list[int], list[Placed]]:
         """PromptTokenizer.chat_with_images, not cached: an image's tokens are not its text's."""
-        return self.tokenizer.chat_with_images(model_id, messages, flags, inputs)
+        return self.tokenizer.chat_with_images(model_id, messages, flags, inputs, fetched)
 
     def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """The ids PromptTokenizer.completion_ids gives, a text prompt through the batch path (no offsets:

@@ -28,7 +28,9 @@ from router.prompt.anthropic_chat import TemplateProbes, template_probes
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
 from router.prompt.multimodal.block_keys import Placed, multimodal_chain
 from router.prompt.multimodal.chat_images import has_image_parts
+from router.prompt.multimodal.fetch import ImageFetcher
 from router.prompt.multimodal.layouts import Idefics3Layout
+from router.prompt.multimodal.prompt import remote_image_urls
 from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.responses_chat import ChatTokenizer
@@ -64,7 +66,12 @@ class LocalTokenizer(ChatTokenizer, Protocol):
     def image_layout(self) -> Idefics3Layout | None: ...
 
     def chat_with_images(
-        self, model_id: str, messages: Sequence[Any], flags: tuple[bool, bool, bool], inputs: TemplateInputs
+        self,
+        model_id: str,
+        messages: Sequence[Any],
+        flags: tuple[bool, bool, bool],
+        inputs: TemplateInputs,
+        fetched: Mapping[str, bytes] | None = None,
     ) -> tuple[list[int], list[Placed]]: ...
 
 
@@ -120,6 +127,7 @@ class DeciderOptions:
     programs: Programs | NoPrograms = NO_PROGRAMS
     # A model's --model on its instances, as they report it: what vLLM hashes its images with.
     model_roots: Callable[[str], Sequence[str]] = lambda model: ()
+    images: ImageFetcher | None = None  # fetches the images chats give by URL (None: routed by load)
 
 
 class Decider:
@@ -153,6 +161,7 @@ class Decider:
         self._placements = SessionPlacements()
         self._programs = options.programs
         self._model_roots = options.model_roots
+        self._images = options.images
 
     async def prepare(
         self,
@@ -341,7 +350,13 @@ class Decider:
         kwargs = body.engine_template_inputs().get("chat_template_kwargs")
         inputs = TemplateInputs(body.tools, kwargs, isinstance(body, ResponsesChatRequest))
         flags = (body.add_generation_prompt, body.continue_final_message, body.add_special_tokens)
-        return await self._local(off_loop, local.chat_with_images, roots[0], body.messages, flags, inputs)
+        fetched = {}
+        if urls := remote_image_urls(body.messages):
+            if self._images is None:
+                raise InvalidPrompt("images given by URL are not fetched (tokenization.image_url_domains)")
+            fetched = await self._images.fetch_all(urls)
+        chat = (roots[0], body.messages, flags, inputs, fetched)
+        return await self._local(off_loop, local.chat_with_images, *chat)
 
     async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:
         """The prompt's token ids as the engine will see them; [] when nothing here can tell."""

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.multimodal.block_keys import Placed
-from router.prompt.multimodal.chat_images import ChatImages, image_url
+from router.prompt.multimodal.chat_images import ChatImages, image_url, is_image_part
 from router.prompt.multimodal.item_hash import SentImage, UnreadableImage, image_hash
 from router.prompt.multimodal.layouts import Idefics3Layout, laid_out
 from router.prompt.template_inputs import TemplateInputs
@@ -35,9 +35,27 @@ class ImageChatTokenizer(Protocol):
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
-def sent_image(part: Mapping[str, Any]) -> SentImage:
-    """The image of a part sent as a ``data:`` URL; InvalidPrompt for any other."""
+def remote_image_urls(messages: Any) -> list[str]:
+    """The URLs of the chat's images that are not inline: fetched before it is rendered (fetch.py)."""
+    if not isinstance(messages, list):
+        return []
+    return [
+        url
+        for message in messages
+        if isinstance(message, Mapping) and isinstance(content := message.get("content"), list)
+        for part in content
+        if is_image_part(part) and not (url := image_url(part)).startswith("data:")
+    ]
+
+
+def sent_image(part: Mapping[str, Any], fetched: Mapping[str, bytes]) -> SentImage:
+    """The image of a part: sent inline as a ``data:`` URL, or fetched; InvalidPrompt for any other."""
     url = image_url(part)
+    if url in fetched:
+        try:
+            return SentImage(fetched[url])
+        except UnreadableImage as error:
+            raise InvalidPrompt(f"a fetched image does not read: {error}") from None
     if not url.startswith("data:"):
         raise InvalidPrompt("an image given by URL is not fetched by the router")
     header, _, payload = url[5:].partition(",")
@@ -56,13 +74,15 @@ def chat_with_images(
     messages: Sequence[Any],
     flags: tuple[bool, bool, bool],
     inputs: TemplateInputs,
+    fetched: Mapping[str, bytes] | None = None,
 ) -> tuple[list[int], list[Placed]]:
     """The chat's token ids with its images' tokens, and its images placed in them. flags:
-    add_generation_prompt, continue_final_message, add_special_tokens."""
+    add_generation_prompt, continue_final_message, add_special_tokens; fetched: the bytes of the images given
+    by URL, by URL."""
     add_generation_prompt, continue_final_message, add_special_tokens = flags
     images = ChatImages(layout.placeholder)
     text = tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, inputs, images)
-    sent = [sent_image(part) for part in images.parts]
+    sent = [sent_image(part, fetched or {}) for part in images.parts]
     ids, ranges = laid_out(tokenizer.text_ids(text, add_special_tokens), layout, [s.size for s in sent])
     placed = []
     for part, image, (offset, length) in zip(images.parts, sent, ranges, strict=True):
