@@ -86,7 +86,7 @@ class SentImage:
             with Image.open(io.BytesIO(data)) as image:  # the header only: nothing is decoded
                 exif = image.getexif()
                 mode, (width, height) = image.mode, image.size
-        except (UnidentifiedImageError, OSError, ValueError) as error:
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as error:
             raise UnreadableImage(f"not an image a loader reads: {error}") from None
         image_id = exif.get(ExifTags.Base.ImageID)
         self.data, self.converted = data, mode != IMAGE_MODE
