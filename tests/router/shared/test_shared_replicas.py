@@ -124,6 +124,9 @@ def test_a_tenants_limit_in_flight_is_strict_across_three_replicas_sent_to_at_on
     limit, namespace = 3, f"test-{uuid.uuid4().hex[:8]}"
     config = replica_config(fleet, redis_server.url, namespace)
     config["flow_control"] = {"per_flow": {"max_in_flight": limit}}
+    # Slots live on a lease of 3 x stale_after_s: a replica whose loop the busy machine holds up longer
+    # than that would lose its slots to its peers (as a dead one does).
+    config["shared"] = {**config["shared"], "stale_after_s": 2.0}  # type: ignore[dict-item]
     with contextlib.ExitStack() as stack:
         replicas = [
             stack.enter_context(running_router_process(config, tmp_path, f"replica-{n}"))[0] for n in range(3)
