@@ -106,9 +106,15 @@ class SharedSlots:
 
     async def take(self, limits: Sequence[tuple[str, int]]) -> bool:
         """A slot of each (key, limit), all or none: False when another replica holds the last of one. While
-        the store does not answer, True: the request goes on what this replica knows."""
+        the store does not answer (or is known not to), True: the request goes on what this replica knows."""
+        keys = [key for key, _ in limits]
+        if self._store.known_down:  # no request waits on a store known away: publishing finds it back
+            for key in keys:
+                self._held[key] = self._held.get(key, 0) + 1
+            self._unwritten.update(keys)
+            return True
         answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._takes.append(_Take([key for key, _ in limits], [limit for _, limit in limits], answer))
+        self._takes.append(_Take(keys, [limit for _, limit in limits], answer))
         self._go()
         return await answer
 

@@ -48,6 +48,13 @@ class SharedStore:
         self._down_since = time.monotonic()  # down until its first answer
         self._told = False  # the error log of this time down was written
 
+    @property
+    def known_down(self) -> bool:
+        """Operations have failed, and none succeeded, for stale_after_s or longer: an outage, not a blip
+        (nor a start where nothing has answered yet)."""
+        down_s = time.monotonic() - self._down_since
+        return not self.up and self._told and down_s >= self.config.stale_after_s
+
     def key(self, *parts: str) -> str:
         return ":".join((self.config.namespace, *parts))
 
