@@ -195,10 +195,7 @@ class PromptTokenizer:
     ) -> tuple[list[int], list[Placed]]:
         """A chat with images: its ids with the images' tokens, and the images placed in them. flags:
         add_generation_prompt, continue_final_message, add_special_tokens."""
-        layout = self.image_layout
-        if layout is None:
-            raise InvalidPrompt("the model's images are not laid out here")
-        return chat_with_images(self, layout, model_id, messages, flags, inputs, fetched)
+        return chat_with_images(self, model_id, messages, flags, inputs, fetched)
 
     def template_text(self, tools: list[Any] | None) -> str | None:
         """The template a chat renders with; of a dict of named ones, the one transformers picks (and vLLM):

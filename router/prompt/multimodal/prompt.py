@@ -34,6 +34,9 @@ class ImageChatTokenizer(Protocol):
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    @property
+    def image_layout(self) -> Idefics3Layout | None: ...
+
 
 def remote_image_urls(messages: Any) -> list[str]:
     """The URLs of the chat's images that are not inline: fetched before it is rendered (fetch.py)."""
@@ -69,7 +72,6 @@ def sent_image(part: Mapping[str, Any], fetched: Mapping[str, bytes]) -> SentIma
 
 def chat_with_images(
     tokenizer: ImageChatTokenizer,
-    layout: Idefics3Layout,
     model_id: str,
     messages: Sequence[Any],
     flags: tuple[bool, bool, bool],
@@ -80,6 +82,9 @@ def chat_with_images(
     add_generation_prompt, continue_final_message, add_special_tokens; fetched: the bytes of the images given
     by URL, by URL."""
     add_generation_prompt, continue_final_message, add_special_tokens = flags
+    layout = tokenizer.image_layout
+    if layout is None:
+        raise InvalidPrompt("the model's images are not laid out here")
     images = ChatImages(layout.placeholder)
     text = tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, inputs, images)
     sent = [sent_image(part, fetched or {}) for part in images.parts]
