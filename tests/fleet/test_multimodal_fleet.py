@@ -8,7 +8,7 @@ import base64
 import io
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,15 @@ def test_a_chat_of_images_sent_again_and_changed_is_predicted_as_the_instance_fi
     assert 0 < changed == found_changed < found
 
 
+def predicted_as_found(send: Callable[[], tuple[int, int]]) -> None:
+    """send() first finds nothing; sent again once the router indexed it, it is predicted as found."""
+    assert send() == (0, 0)
+    again: list[tuple[int, int]] = []
+    eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
+    predicted, found = again[-1]
+    assert predicted == found > 0
+
+
 def test_a_messages_image_is_keyed_as_the_chat_vllm_converts_it_to(vision_router: str) -> None:
     """Claude Code's image blocks (base64) through /v1/messages: vLLM converts them to chat image parts, and
     the router keys them alike."""
@@ -108,11 +117,7 @@ def test_a_messages_image_is_keyed_as_the_chat_vllm_converts_it_to(vision_router
             "cache_read_input_tokens"
         ] // BLOCK
 
-    assert send() == (0, 0)
-    again: list[tuple[int, int]] = []
-    eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
-    predicted, found = again[-1]
-    assert predicted == found > 0
+    predicted_as_found(send)
 
 
 def test_a_chat_with_tools_and_an_image_is_keyed_too(vision_router: str) -> None:
@@ -142,11 +147,7 @@ def test_a_chat_with_tools_and_an_image_is_keyed_too(vision_router: str) -> None
         cached = json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
         return int(headers[CACHED_BLOCKS_HEADER]), cached // BLOCK
 
-    assert send() == (0, 0)
-    again: list[tuple[int, int]] = []
-    eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
-    predicted, found = again[-1]
-    assert predicted == found > 0
+    predicted_as_found(send)
 
 
 def test_a_responses_input_image_is_keyed_as_vllms_chat_parser_reads_it(vision_router: str) -> None:
@@ -170,8 +171,4 @@ def test_a_responses_input_image_is_keyed_as_vllms_chat_parser_reads_it(vision_r
         cached = json.loads(answer)["usage"]["input_tokens_details"]["cached_tokens"]
         return int(headers[CACHED_BLOCKS_HEADER]), cached // BLOCK
 
-    assert send() == (0, 0)
-    again: list[tuple[int, int]] = []
-    eventually(lambda: again.append(send()) or again[-1][0] > 0, what="indexed")
-    predicted, found = again[-1]
-    assert predicted == found > 0
+    predicted_as_found(send)
