@@ -345,8 +345,7 @@ class Decider:
         roots = self._model_roots(body.model)
         if len(roots) != 1:  # vLLM hashes an image with its --model: each path its own keys
             raise InvalidPrompt(f"images are keyed by the model's path on its instances: {len(roots)} known")
-        if body.tools is not None and body.tool_choice == "none" and body.model in self._tools_out_when_none:
-            body = msgspec.structs.replace(body, tools=None)
+        body = self._tools_rendered(body)
         kwargs = body.engine_template_inputs().get("chat_template_kwargs")
         inputs = TemplateInputs(body.tools, kwargs, isinstance(body, ResponsesChatRequest))
         flags = (body.add_generation_prompt, body.continue_final_message, body.add_special_tokens)
@@ -357,6 +356,13 @@ class Decider:
             fetched = await self._images.fetch_all(urls)
         chat = (roots[0], body.messages, flags, inputs, fetched)
         return await self._local(off_loop, local.chat_with_images, *chat)
+
+    def _tools_rendered(self, body: ChatRequest) -> ChatRequest:
+        """body with the tools its engine renders: none for a tool_choice "none" on a model run with
+        --exclude-tools-when-tool-choice-none."""
+        if body.tools is not None and body.tool_choice == "none" and body.model in self._tools_out_when_none:
+            return msgspec.structs.replace(body, tools=None)
+        return body
 
     async def _token_ids(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> list[int]:
         """The prompt's token ids as the engine will see them; [] when nothing here can tell."""
@@ -374,8 +380,7 @@ class Decider:
             return await remote.completion_ids(body.prompt, add_special_tokens=body.add_special_tokens)
         if body.documents is not None:
             raise UnreproducibleTemplate("documents reach the template")
-        if body.tools is not None and body.tool_choice == "none" and body.model in self._tools_out_when_none:
-            body = msgspec.structs.replace(body, tools=None)
+        body = self._tools_rendered(body)
         flags = {
             "add_generation_prompt": body.add_generation_prompt,
             "continue_final_message": body.continue_final_message,
