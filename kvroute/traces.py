@@ -12,6 +12,7 @@ import json
 import lzma
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,6 +32,10 @@ class TraceRequest:
     # The tool call before this turn: it is sent no sooner than this long after its session's previous
     # answer (None: as soon as that answer came, if its arrival has passed)
     tool_s: float | None = None
+    # Where the prompt holds images: the hash ids a router that hashes token ids alone names it by. An image's
+    # placeholder tokens are the same whatever the image, and vLLM folds the image into the keys of its
+    # blocks, so these part from block_ids at the first image's block (None: block_ids, a text prompt)
+    text_block_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,8 @@ def agentic_trace(
     min_think_s: float = 1.0,
     think_sigma: float = 1.0,
     tool_calls: bool = False,
+    images_every: int = 0,
+    image_tokens: int = 1_000,
     name: str = "agentic",
 ) -> Trace:
     """Agent sessions that resend a growing context every turn.
@@ -145,27 +152,37 @@ def agentic_trace(
     lengths follow the coding-agent trace published with vllm-router's program scheduling (86.5% of next
     requests within 1 s of the answer, 95.1% within 10 s): log-uniform over 0.05-1 s, 1-10 s and 10-300 s
     with those shares. They are drawn apart from the rest, so the sessions are the same as without.
+
+    With `images_every` N, every Nth turn of a session ends with an image of `image_tokens` (a tool's
+    screenshot; 1,000 is about a 1024x768 one: Qwen2-VL's 972, Anthropic's width x height / 750 = 1,049),
+    which stays in the context after. Those requests carry text_block_ids too.
     """
     rng = random.Random(seed)
     tools = random.Random(f"tool-calls-{seed}")
     shared_blocks = system_tokens // block_tokens
-    next_id = shared_blocks
-    drafts: list[tuple[float, int, float, tuple[int, ...], str, float | None]] = []
+    fresh_ids = itertools.count(shared_blocks)
+    drafts: list[tuple[float, int, float, _TurnIds, str, float | None]] = []
     for number in range(sessions):
         session = f"s{seed}-{number}"
         turns = max(2, min(150, round(median_turns * math.exp(rng.gauss(0.0, 0.45)))))
         arrival = rng.uniform(0.0, span_s)
         context = system_tokens
-        ids: list[int] = list(range(shared_blocks))
+        blocks = _SessionBlocks(shared_blocks, block_tokens, fresh_ids)
         for turn in range(turns):
             context += max(100, min(12_000, round(median_new_tokens * math.exp(rng.gauss(0.0, 0.7)))))
             if context > max_context_tokens:
                 break
-            while len(ids) * block_tokens < context:
-                ids.append(next_id)
-                next_id += 1
+            if (
+                images_every
+                and (turn + 1) % images_every == 0
+                and context + image_tokens <= max_context_tokens
+            ):
+                blocks.grow(context)
+                blocks.add_image(context)
+                context += image_tokens
+            blocks.grow(context)
             tool_s = _tool_call_s(tools) if tool_calls and turn else None
-            drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), tuple(ids), session, tool_s))
+            drafts.append((arrival, context, math.exp(rng.gauss(0.0, 0.6)), blocks.now(), session, tool_s))
             think = median_think_s * math.exp(rng.gauss(0.0, think_sigma))
             arrival += min(max_think_s, max(min_think_s, think))
     input_total = sum(d[1] for d in drafts)
@@ -173,12 +190,46 @@ def agentic_trace(
     scale = input_total / input_output_ratio / weight_total if weight_total else 0.0
     requests = sorted(
         (
-            TraceRequest(a, context, max(1, round(w * scale)), ids, session, tool_s=tool_s)
+            TraceRequest(
+                a, context, max(1, round(w * scale)), ids.ids, session, tool_s=tool_s, text_block_ids=ids.text
+            )
             for a, context, w, ids, session, tool_s in drafts
         ),
         key=lambda r: r.arrival_s,
     )
     return Trace(f"{name}-{seed}", block_tokens, tuple(requests))
+
+
+class _SessionBlocks:
+    """A session's hash ids as its context grows: the engine's, and from its first image on, those of a router
+    that hashes token ids alone (the same until that image's block, fresh ids of their own after)."""
+
+    def __init__(self, shared_blocks: int, block_tokens: int, fresh_ids: Iterator[int]) -> None:
+        self.ids: list[int] = list(range(shared_blocks))
+        self.text: list[int] | None = None
+        self._block_tokens, self._fresh_ids = block_tokens, fresh_ids
+
+    def grow(self, tokens: int) -> None:
+        while len(self.ids) * self._block_tokens < tokens:
+            self.ids.append(next(self._fresh_ids))
+            if self.text is not None:
+                self.text.append(next(self._fresh_ids))
+
+    def add_image(self, at: int) -> None:
+        """An image from token `at` on: the engine's ids of its block and after are new, the text's not."""
+        first = at // self._block_tokens
+        if self.text is None:
+            self.text = list(self.ids)
+        self.ids[first:] = [next(self._fresh_ids) for _ in self.ids[first:]]
+
+    def now(self) -> _TurnIds:
+        return _TurnIds(tuple(self.ids), tuple(self.text) if self.text is not None else None)
+
+
+@dataclass(frozen=True)
+class _TurnIds:
+    ids: tuple[int, ...]
+    text: tuple[int, ...] | None
 
 
 # An agent's tool calls as published with vllm-router's program scheduling: (share, shortest, longest)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cached_property
 
 import numpy as np
@@ -104,6 +105,28 @@ class TraceBlocks:
         chain = before_chain[:start] if start and before_chain is not None else array("Q")
         chain.extend(block_hashing.chain(tokens.ravel().tolist(), self.block_size, parent))
         return chain
+
+    def text_chain(self, number: int) -> array[int] | None:
+        """Request number's chain as a router that hashes token ids alone computes it, where its prompt has
+        images (TraceRequest.text_block_ids); None for a text prompt, whose chain it is."""
+        if self.trace.requests[number].text_block_ids is None:
+            return None
+        return self._text_chains[number]
+
+    @cached_property
+    def _text_chains(self) -> list[array[int]]:
+        previous: dict[str, tuple[TraceRequest, array[int]]] = {}
+        chains = []
+        for request, chain in zip(self.trace.requests, self.chains, strict=True):
+            if request.text_block_ids is not None:
+                as_text = replace(request, block_ids=request.text_block_ids)
+                known = previous.get(request.session) if request.session is not None else None
+                chain = self._chain(as_text, *known) if known else self._chain(as_text)
+                request = as_text
+            chains.append(chain)
+            if request.session is not None:
+                previous[request.session] = (request, chain)
+        return chains
 
     def tokens(self, request: TraceRequest, start: int, end: int) -> list[int]:
         return block_tokens(request.block_ids, self.sub_blocks, self.block_size, start, end)

@@ -34,9 +34,9 @@ def add_simulate_parser(benches: argparse._SubParsersAction[argparse.ArgumentPar
     simulate.add_argument(
         "--trace",
         default=None,
-        help="a JSONL trace (plain or .xz), `mooncake`, `agentic` or `programs` (the agentic sessions, "
-        "each next turn no sooner than its tool call after the answer); default: the Mooncake "
-        "conversation trace",
+        help="a JSONL trace (plain or .xz), `mooncake`, `agentic`, `programs` (the agentic sessions, "
+        "each next turn no sooner than its tool call after the answer) or `images` (the agentic sessions, "
+        "every fourth turn ending with a screenshot); default: the Mooncake conversation trace",
     )
     simulate.add_argument("--instances", type=positive_int, default=None, help="default: 8, or --pd's")
     simulate.add_argument(
@@ -155,6 +155,8 @@ def _trace(args: argparse.Namespace) -> Trace:
         return agentic_trace(seed=args.seed, sessions=args.sessions)
     if args.trace == "programs":  # the agentic sessions, each next turn after its tool call
         return agentic_trace(seed=args.seed, sessions=args.sessions, tool_calls=True, name="programs")
+    if args.trace == "images":  # the agentic sessions, every fourth turn ending with a screenshot
+        return agentic_trace(seed=args.seed, sessions=args.sessions, images_every=4, name="images")
     if args.trace in (None, "mooncake"):
         return mooncake_trace()
     return load_trace(Path(args.trace))

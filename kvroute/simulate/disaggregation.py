@@ -41,6 +41,7 @@ def prefill_leg(request: SimRequest, instance: int = -1) -> SimRequest:
         request.session,
         instance=instance,
         prefills=request,
+        text_chain=request.text_chain,
     )
 
 

@@ -77,6 +77,12 @@ class SimRequest:
     priority: int = 0  # vLLM's: with the priority scheduling policy, the lowest value runs first
     arrival_s: float = 0.0  # when its instance's queue took it
     warm_up: bool = False  # the router's, not a client's: a program's prompt prefilled while its tool runs
+    # Its chain as a router that hashes token ids alone computes it, for a prompt with images (None: chain)
+    text_chain: array[int] | None = None
+
+    def token_keys(self) -> array[int]:
+        """The keys a router that leaves images out of its hashes computes (vllm-router, SGLang's gateway)."""
+        return self.chain if self.text_chain is None else self.text_chain
 
 
 class Engine:

@@ -95,7 +95,7 @@ class VllmRouterSticky(SimPolicy):
         )
         session = request.session
         if session is None:
-            return self._least_loaded(candidates, str(zlib.crc32(request.chain.tobytes())))
+            return self._least_loaded(candidates, str(zlib.crc32(request.token_keys().tobytes())))
         assigned = self._sessions.get(session)
         if assigned is not None:
             worker, last = assigned

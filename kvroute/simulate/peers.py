@@ -106,7 +106,7 @@ class CacheAwareTrees:
         if now >= self._next_eviction:
             self._evict()
             self._next_eviction = now + self._interval
-        chain = request.chain
+        chain = request.token_keys()  # SGLang's gateway hashes no images into its tree
         allowed = [i for i, w in enumerate(self._workers) if w not in request.tried] or [0]
         loads = [loads[i] for i in allowed]
         if max(loads) - min(loads) > self._abs and max(loads) > self._rel * min(loads):
@@ -311,7 +311,8 @@ class VllmRouterKvAware(SimPolicy):
         view, size = self.view, self.view.block_size
         length = request.trace.input_tokens
         reusable = max(length - 1, 0)  # the last prompt token is always computed
-        matches = view.matches(request.chain.tolist(), include_pool=False)
+        # vllm-router hashes the prompt's token ids alone: past an image it matches no engine key
+        matches = view.matches(request.token_keys().tolist(), include_pool=False)
         new_tokens = []
         for instance in view.instances:
             match = matches.get(instance.name, NO_MATCH)

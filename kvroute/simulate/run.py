@@ -182,7 +182,15 @@ class Run:
         """request's prompt prefilled at instance, one token, as the router sends a warm-up; uncached_tokens:
         those it counts as queued there."""
         traced = replace(request.trace, output_tokens=1, session=None)
-        warm = SimRequest(request.number, traced, request.chain, None, self.loop.now, warm_up=True)
+        warm = SimRequest(
+            request.number,
+            traced,
+            request.chain,
+            None,
+            self.loop.now,
+            warm_up=True,
+            text_chain=request.text_chain,
+        )
         warm.instance, warm.dispatched_s = instance, self.loop.now
         warm.uncached_estimate = uncached_tokens
         self.warm_ups += 1
@@ -318,6 +326,7 @@ class Run:
     def _submit(self, number: int) -> None:
         traced = self.trace[number]
         request = SimRequest(number, traced, self.blocks.chains[number], session_of(traced), self.loop.now)
+        request.text_chain = self.blocks.text_chain(number)
         if not self.engines[0].fits(traced) or self.policy.sheds(request):
             self.rejected += 1
             self._release(request)

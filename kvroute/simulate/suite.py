@@ -61,6 +61,10 @@ WORKLOADS: dict[str, Callable[[int, int], Trace]] = {
     "flows": lambda seed, n: skewed_flows_trace(seed, n),
     # Held out: not in the default suite, run with --suite-cells.
     "agent-tools": lambda seed, n: agent_tools_trace(seed).head(n),
+    # The agentic sessions with a screenshot ending every fourth turn: text-only routers' keys part there
+    "images": lambda seed, n: agentic_trace(
+        seed=seed, sessions=AGENTIC_SESSIONS, images_every=4, name="images"
+    ).head(n),
     "mooncake-window": lambda seed, n: mooncake_trace().skip(seed * n).head(n),  # its seed-th n requests
 }
 _NAME = re.compile(r"(?P<kind>[a-z-]+?)(?:-(?P<seed>\d+))?")
