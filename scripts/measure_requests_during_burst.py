@@ -6,12 +6,18 @@ is published, then while the publishers send BLOCKS as fast as ZMQ takes them. P
 and longest, idle and during the burst (those sent between its first message and its last block held).
 
     .venv/bin/python scripts/measure_requests_during_burst.py --blocks 2000000
+    .venv/bin/python scripts/measure_requests_during_burst.py --blocks 2000000 --router-cpu 0
+
+With --router-cpu N the router runs alone on CPU N and the rest (the publishers, the client and the engine) on
+the other CPUs, as a router deployed apart from its engines runs: what the chats then lose during the burst is
+the router's ingest, not the publishers' share of the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -29,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from kvroute.bench.index_ingest import Publishers, publishing  # noqa: E402
 from kvroute.bench.index_workers import wait_held, wait_subscribed  # noqa: E402
-from kvroute.processes import free_port_block, http_ok, start  # noqa: E402
+from kvroute.processes import free_port_block, http_ok, spawn, start  # noqa: E402
 from tests.router.fake_upstreams import healthy, serving_app  # noqa: E402
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
@@ -108,7 +114,10 @@ def router_config(sent: Publishers, engine_port: int) -> dict[str, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=2_000_000)
+    parser.add_argument("--router-cpu", type=int, default=None, help="the router alone on this CPU")
     args = parser.parse_args()
+    if args.router_cpu is not None:  # before the publishers start: they keep this process's CPUs
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.router_cpu})
     app = web.Application()
     app.router.add_get("/health", healthy)
     app.router.add_post("/v1/chat/completions", answer)
@@ -120,7 +129,12 @@ def main() -> int:
         path = Path(scratch) / "router.yaml"
         path.write_text(yaml.safe_dump(router_config(sent, engine_port)))
         port = free_port_block(1)
-        router = start("router", ["serve", "--config", str(path), "--port", str(port)], Path(scratch))
+        serve = ["serve", "--config", str(path), "--port", str(port)]
+        if args.router_cpu is None:
+            router = start("router", serve, Path(scratch))
+        else:
+            pinned = ["taskset", "-c", str(args.router_cpu), sys.executable, "-m", "kvroute.cli", *serve]
+            router = spawn("router", pinned, Path(scratch))
         url = f"http://127.0.0.1:{port}"
         try:
             while not http_ok(url + "/metrics"):
@@ -136,7 +150,7 @@ def main() -> int:
             began = time.monotonic()
             for control in sent.controls:
                 control.send("go")
-            wait_held(url, sent.blocks)
+            wait_held(url, sent.blocks, every_s=0.5)
             ended = time.monotonic()
             client.join()
         except urllib.error.HTTPError as error:

@@ -124,6 +124,25 @@ def _with_scorer(name: str, scorer: str, weight: float) -> Callable[[FleetSpec],
     return make
 
 
+def _reweighted(
+    name: str, scorer: str, weight: float, params: dict[str, object] | None = None
+) -> Callable[[FleetSpec], SimPolicy]:
+    """kvroute's default with one of its scorers at another weight (and with params, when given)."""
+
+    def make(fleet: FleetSpec) -> SimPolicy:
+        config = router_config(fleet)
+        scorers = [
+            ScorerSpec(type=spec.type, weight=weight, params=spec.params if params is None else params)
+            if spec.type == scorer
+            else spec
+            for spec in config.policies["kvroute"].scorers
+        ]
+        config.policies[name] = PolicyConfig(scorers=scorers)
+        return ConfiguredPolicy(name, config, name)
+
+    return make
+
+
 def _with_program_room(name: str, weight: float) -> Callable[[FleetSpec], SimPolicy]:
     """kvroute's default with the program-room scorer at weight (0: none)."""
 
@@ -203,6 +222,12 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-program-room-0": _with_program_room("kvroute-program-room-0", 0.0),
     "kvroute-program-room-1": _with_program_room("kvroute-program-room-1", 1.0),
     "kvroute-program-room-4": _with_program_room("kvroute-program-room-4", 4.0),
+    # room enough only with the whole cache free: a new program scores the KV share its instance has free
+    "kvroute-program-room-whole": _reweighted(
+        "kvroute-program-room-whole", "program-room", 2.0, {"room": 1.0}
+    ),
+    # the spread scorer (placements lately, KV in use) weighed as the TTFT cost is, not at 0.1
+    "kvroute-spread-1": _reweighted("kvroute-spread-1", "spread", 1.0),
     # agent programs admitted and paused by their KV working sets (router/programs/admission.py)
     "kvroute+program-admission": _with_section(
         "kvroute+program-admission", "programs", start_below=1.0, pause_above=0.95, pause_to=0.9
