@@ -596,6 +596,14 @@ class LoadConfig(_Strict):
     scrape_interval_s: float = Field(default=0.2, gt=0, description="GET /metrics on every instance")
     timeout_s: float = Field(default=0.5, gt=0, description="one slow instance must not age the others' load")
     stale_after_s: float = Field(default=1.0, gt=0, description="older engine load is ignored")
+    # One read of vLLM's ~56 KB /metrics cost the router 0.34 ms of CPU here, so every 0.2 s each engine
+    # takes 0.17% of a core: a fleet of 600 would take a core, one of 2,000 more than the router has.
+    max_scrapes_per_s: float = Field(
+        default=200.0,
+        gt=0,
+        description="engines' /metrics read a second at most: a larger fleet is read a share each "
+        "scrape_interval_s, in turn, and its loads go stale that many intervals later",
+    )
 
 
 class HealthConfig(_Strict):

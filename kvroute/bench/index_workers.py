@@ -161,7 +161,9 @@ def _serve(sent: Publishers, scratch: Path, workers: int, block_size: int = BLOC
         "models": [{"name": "m", "tokenizer": "builtin:tiny-llama"}],
         "block_size": block_size,
         "index": {"max_entries": sent.blocks + 1},
-        "health": {"interval_s": 60},  # nothing answers there: probing it is no part of ingest
+        # Nothing answers there: probing it, or reading its load, is no part of ingest
+        "health": {"interval_s": 60},
+        "load": {"scrape_interval_s": 60},
         "instances": [
             {"name": f"p{i}", "url": f"http://127.0.0.1:{dead + i}", "events": endpoint}
             for i, endpoint in enumerate(sent.endpoints)

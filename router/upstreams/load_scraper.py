@@ -186,16 +186,39 @@ class LoadScraper:
         self._unanswered: set[str] = set()  # instances whose /metrics failed since they last answered
         self.interval_s = config.scrape_interval_s
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
-        self._stale_after_s = config.stale_after_s
+        self._stale_after_s = self._stale_s = config.stale_after_s
+        self._per_round = max(1, math.floor(config.max_scrapes_per_s * config.scrape_interval_s))
+        self._rounds = 1  # the rounds it takes to read every engine
+        self._turn = 0  # the engine the next round's share starts at, when a round reads only a share
         self._last_ok: dict[str, float] = {}
 
     async def scrape_all(self) -> None:
-        """One round: every engine's /metrics, concurrently, once for all its data-parallel ranks; loads older
-        than stale_after_s cleared."""
+        """One round: the engines' /metrics (every engine's, or this round's share of a large fleet),
+        concurrently, once for all its data-parallel ranks; loads older than stale_after_s cleared (that many
+        rounds a cycle times, for a fleet read in shares)."""
         by_url: dict[str, list[Instance]] = {}
         for instance in self._fleet.instances:
             by_url.setdefault(instance.url, []).append(instance)
-        await asyncio.gather(*(self._scrape(url, instances) for url, instances in by_url.items()))
+        urls = self._share(list(by_url))
+        await asyncio.gather(*(self._scrape(url, by_url[url]) for url in urls))
+
+    def _share(self, urls: list[str]) -> list[str]:
+        """The engines this round reads: all of them, or, where they outnumber what max_scrapes_per_s allows a
+        round, the next share of them in turn."""
+        rounds = max(1, math.ceil(len(urls) / self._per_round))
+        if rounds != self._rounds:
+            log.info(
+                "reading the load of %d engines over %d rounds (load.max_scrapes_per_s): each every %.1fs",
+                len(urls),
+                rounds,
+                rounds * self.interval_s,
+            )
+            self._rounds, self._stale_s = rounds, self._stale_after_s * rounds
+        if rounds == 1:
+            return urls
+        start = self._turn % len(urls)
+        self._turn = start + self._per_round
+        return (urls[start:] + urls[:start])[: self._per_round]
 
     async def _scrape(self, url: str, instances: list[Instance]) -> None:
         body = None
@@ -225,7 +248,7 @@ class LoadScraper:
             self._last_ok[instance.name] = now
         elif instance.load is not None:
             age = now - self._last_ok.get(instance.name, -math.inf)
-            if age > self._stale_after_s:
+            if age > self._stale_s:
                 log.warning("load of instance %s is stale: no usable /metrics for %.1fs", instance.name, age)
                 instance.load = None
 

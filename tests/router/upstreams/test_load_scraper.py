@@ -349,3 +349,35 @@ def test_the_load_of_a_stopped_instance_goes_stale(tmp_path: Path) -> None:
         since_stopping, since_stopped = asyncio.run(main(child))
     assert since_stopping > 0.5 - 0.05  # what it said last held for stale_after_s
     assert since_stopped < 0.5 + 0.2 + 0.05 + 0.5  # stale_after_s, a timed-out scrape, an interval, slack
+
+
+def test_a_fleet_larger_than_max_scrapes_per_s_allows_is_read_a_share_a_round_in_turn() -> None:
+    """Five engines at two reads a round: each round reads the next two, every engine is read within three
+    rounds, and a load goes stale after three times stale_after_s, as it is read three times as seldom."""
+
+    async def main() -> None:
+        engines, clock = [FakeEngine() for _ in range(5)], ManualClock(1000.0)
+        config = LoadConfig(scrape_interval_s=1.0, max_scrapes_per_s=2.0, stale_after_s=1.0)
+        async with contextlib.AsyncExitStack() as stack:
+            urls = [await stack.enter_async_context(engine.serving()) for engine in engines]
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            raw = {
+                "models": [{"name": "m"}],
+                "instances": [{"name": f"e{n}", "url": u} for n, u in enumerate(urls)],
+            }
+            fleet = Upstreams(parse_config(raw))
+            scraper = LoadScraper(fleet, session, config, clock=clock)
+            reads = []
+            for _ in range(3):
+                await scraper.scrape_all()
+                reads.append([len(engine.headers) for engine in engines])
+                clock.now += 1.0
+            assert reads == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [2, 1, 1, 1, 1]]
+            assert all(instance.load is not None for instance in fleet.instances)
+            engines[2].status = 500  # read again in the next round (engines 2 and 3), then every third
+            for expected_fresh in (True, True, True, False):
+                await scraper.scrape_all()
+                assert (fleet.instances[2].load is not None) is expected_fresh
+                clock.now += 1.0
+
+    asyncio.run(main())
