@@ -610,6 +610,13 @@ class HealthConfig(_Strict):
     interval_s: float = Field(default=2.0, gt=0, description="between two checks of an instance's /health")
     timeout_s: float = Field(default=1.0, gt=0, description="for one check's answer")
     unhealthy_after: int = Field(default=2, ge=1, description="consecutive failed checks")
+    # A check cost the router 0.17 ms of CPU here: 2,000 instances every 2 s took a sixth of a core.
+    max_checks_per_s: float = Field(
+        default=200.0,
+        gt=0,
+        description="checks a second at most: past it the longest due go first and a large fleet's checks "
+        "come less often than interval_s (requests that cannot reach an instance still mark it down at once)",
+    )
 
 
 class CircuitBreakerConfig(_Strict):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import aiohttp
@@ -44,6 +45,7 @@ class HealthChecker:
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._due: dict[str, float] = {}
         self.tick_s = min(config.interval_s, DOWN_PROBE_INTERVAL_S)
+        self._per_tick = max(1, math.floor(config.max_checks_per_s * self.tick_s))
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(i) for i in self._fleet.instances))
@@ -51,6 +53,9 @@ class HealthChecker:
     async def check_due(self) -> None:
         now = time.monotonic()
         due = [i for i in self._fleet.instances if not i.checked or self._due.get(i.name, 0.0) <= now]
+        if len(due) > self._per_tick:  # a large fleet: the longest due now, the rest at later ticks
+            due.sort(key=lambda i: self._due.get(i.name, 0.0) if i.checked else -math.inf)
+            del due[self._per_tick :]
         await asyncio.gather(*(self._check(i) for i in due))
 
     async def _check(self, instance: Instance) -> None:
