@@ -66,12 +66,21 @@ def chat(url: str, images: list[str], session: str) -> tuple[int, int]:
     ]
     content += [{"type": "image_url", "image_url": {"url": url}} for url in images]
     body = {"model": VISION_MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
-    status, headers, answer = post(
-        url + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": session}
-    )
+    return predicted_and_found(url + "/v1/chat/completions", body, session, _chat_cached)
+
+
+def predicted_and_found(
+    url: str, body: dict[str, Any], session: str, cached: Callable[[dict[str, Any]], int]
+) -> tuple[int, int]:
+    """The router's predicted cached blocks, and the instance's cached tokens (cached: read from the answer's
+    usage) in blocks."""
+    status, headers, answer = post(url, json.dumps(body).encode(), {"x-session-id": session})
     assert status == 200, answer
-    cached = json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return int(headers[CACHED_BLOCKS_HEADER]), cached // BLOCK
+    return int(headers[CACHED_BLOCKS_HEADER]), cached(json.loads(answer)["usage"]) // BLOCK
+
+
+def _chat_cached(usage: dict[str, Any]) -> int:
+    return int(usage["prompt_tokens_details"]["cached_tokens"])
 
 
 def test_a_chat_of_images_sent_again_and_changed_is_predicted_as_the_instance_finds_it(
@@ -108,16 +117,10 @@ def test_a_messages_image_is_keyed_as_the_chat_vllm_converts_it_to(vision_router
     ]
     body = {"model": VISION_MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": blocks}]}
 
-    def send() -> tuple[int, int]:
-        status, headers, answer = post(
-            vision_router + "/v1/messages", json.dumps(body).encode(), {"x-session-id": "m"}
-        )
-        assert status == 200, answer
-        return int(headers[CACHED_BLOCKS_HEADER]), json.loads(answer)["usage"][
-            "cache_read_input_tokens"
-        ] // BLOCK
-
-    predicted_as_found(send)
+    url = vision_router + "/v1/messages"
+    predicted_as_found(
+        lambda: predicted_and_found(url, body, "m", lambda usage: usage["cache_read_input_tokens"])
+    )
 
 
 def test_a_chat_with_tools_and_an_image_is_keyed_too(vision_router: str) -> None:
@@ -139,15 +142,8 @@ def test_a_chat_with_tools_and_an_image_is_keyed_too(vision_router: str) -> None
         "max_tokens": 1,
     }
 
-    def send() -> tuple[int, int]:
-        status, headers, answer = post(
-            vision_router + "/v1/chat/completions", json.dumps(body).encode(), {"x-session-id": "t"}
-        )
-        assert status == 200, answer
-        cached = json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
-        return int(headers[CACHED_BLOCKS_HEADER]), cached // BLOCK
-
-    predicted_as_found(send)
+    url = vision_router + "/v1/chat/completions"
+    predicted_as_found(lambda: predicted_and_found(url, body, "t", _chat_cached))
 
 
 def test_a_responses_input_image_is_keyed_as_vllms_chat_parser_reads_it(vision_router: str) -> None:
@@ -163,12 +159,9 @@ def test_a_responses_input_image_is_keyed_as_vllms_chat_parser_reads_it(vision_r
         "store": False,
     }
 
-    def send() -> tuple[int, int]:
-        status, headers, answer = post(
-            vision_router + "/v1/responses", json.dumps(body).encode(), {"x-session-id": "r"}
+    url = vision_router + "/v1/responses"
+    predicted_as_found(
+        lambda: predicted_and_found(
+            url, body, "r", lambda usage: usage["input_tokens_details"]["cached_tokens"]
         )
-        assert status == 200, answer
-        cached = json.loads(answer)["usage"]["input_tokens_details"]["cached_tokens"]
-        return int(headers[CACHED_BLOCKS_HEADER]), cached // BLOCK
-
-    predicted_as_found(send)
+    )
