@@ -334,9 +334,12 @@ class Decider:
         images, of a model whose images are laid out here, is rendered here whatever it carries (tools too:
         an instance's /tokenize would give its ids without its images' keys)."""
         local = self._tokenizers.get(body.model)
-        if isinstance(body, CompletionRequest) or local is None or local.image_layout is None:
-            return await self._token_ids(body, off_loop), []
-        if not has_image_parts(body.messages):
+        if (
+            isinstance(body, CompletionRequest)
+            or local is None
+            or local.image_layout is None
+            or not has_image_parts(body.messages)
+        ):
             return await self._token_ids(body, off_loop), []
         if body.truncate_prompt_tokens is not None:
             raise TruncatedPrompt("the engine keeps only the prompt's last tokens")

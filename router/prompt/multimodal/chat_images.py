@@ -9,7 +9,7 @@ not laid out (it is routed by load).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,16 +33,18 @@ def is_image_part(part: Any) -> bool:
     return isinstance(url, str) or (isinstance(url, Mapping) and isinstance(url.get("url"), str))
 
 
+def image_parts(messages: Any) -> Iterator[Mapping[str, Any]]:
+    """The image parts of the chat's messages, in order."""
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        if isinstance(message, Mapping) and isinstance(content := message.get("content"), list):
+            yield from (part for part in content if is_image_part(part))
+
+
 def has_image_parts(messages: Any) -> bool:
     """Whether any of the chat's messages carries an image part."""
-    if not isinstance(messages, list):
-        return False
-    return any(
-        isinstance(message, Mapping)
-        and isinstance(content := message.get("content"), list)
-        and any(is_image_part(part) for part in content)
-        for message in messages
-    )
+    return next(image_parts(messages), None) is not None
 
 
 def image_url(part: Mapping[str, Any]) -> str:

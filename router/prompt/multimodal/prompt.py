@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.multimodal.block_keys import Placed
-from router.prompt.multimodal.chat_images import ChatImages, image_url, is_image_part
+from router.prompt.multimodal.chat_images import ChatImages, image_parts, image_url
 from router.prompt.multimodal.item_hash import SentImage, UnreadableImage, image_hash
 from router.prompt.multimodal.layouts import Idefics3Layout, laid_out
 from router.prompt.template_inputs import TemplateInputs
@@ -40,15 +40,7 @@ class ImageChatTokenizer(Protocol):
 
 def remote_image_urls(messages: Any) -> list[str]:
     """The URLs of the chat's images that are not inline: fetched before it is rendered (fetch.py)."""
-    if not isinstance(messages, list):
-        return []
-    return [
-        url
-        for message in messages
-        if isinstance(message, Mapping) and isinstance(content := message.get("content"), list)
-        for part in content
-        if is_image_part(part) and not (url := image_url(part)).startswith("data:")
-    ]
+    return [url for part in image_parts(messages) if not (url := image_url(part)).startswith("data:")]
 
 
 def sent_image(part: Mapping[str, Any], fetched: Mapping[str, bytes]) -> SentImage:
