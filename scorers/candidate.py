@@ -68,6 +68,11 @@ class Candidate(Protocol):
         ...
 
     @property
+    def programs_alive(self) -> int:
+        """The agent programs whose working sets program_tokens counts; 0 when programs are not followed."""
+        ...
+
+    @property
     def ttft_model(self) -> TTFTModel:
         """Its time-to-first-token model, calibrated from what the router observes."""
         ...

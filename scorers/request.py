@@ -28,3 +28,4 @@ class RoutingRequest:
     matches: Mapping[str, TierMatch] = field(default_factory=dict)  # by instance name; absent: no match
     chain: Sequence[int] = ()  # the hashes of the prompt's whole blocks (empty: unknown)
     new_program: bool = False  # it starts an agent program, or one whose working set lapsed (router/programs)
+    programs_come_back: bool = True  # most programs come back for another turn: their contexts grow

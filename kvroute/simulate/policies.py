@@ -241,7 +241,7 @@ class ConfiguredPolicy(SimPolicy):
         self._programs = followed(
             self._config.programs,
             metrics,
-            lambda name, tokens: _set_program_tokens(view, name, tokens),
+            lambda name, tokens, programs: _set_working_set(view, name, tokens, programs),
             lambda name: view.instances[view.by_name[name]].kv_capacity_tokens,
             view.loop.clock,
         )
@@ -286,6 +286,7 @@ class ConfiguredPolicy(SimPolicy):
             matches=matches,
             chain=chain,
             new_program=request.session is not None and not self._programs.alive(request.session),
+            programs_come_back=self._programs.come_back,
         )
 
     def work(self, request: SimRequest) -> float:
@@ -532,5 +533,6 @@ class Replicas(SimPolicy):
         self.members[request.router].refused(request)
 
 
-def _set_program_tokens(view: RouterView, name: str, tokens: int) -> None:
-    view.instances[view.by_name[name]].program_tokens = tokens
+def _set_working_set(view: RouterView, name: str, tokens: int, programs: int) -> None:
+    instance = view.instances[view.by_name[name]]
+    instance.program_tokens, instance.programs_alive = tokens, programs

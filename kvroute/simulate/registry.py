@@ -226,6 +226,10 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
     "kvroute-program-room-whole": _reweighted(
         "kvroute-program-room-whole", "program-room", 2.0, {"room": 1.0}
     ),
+    # program room without its bound on programs over an instance's even share: new sessions by room alone
+    "kvroute-program-room-by-room": _reweighted(
+        "kvroute-program-room-by-room", "program-room", 2.0, {"over_even_share": None}
+    ),
     # the spread scorer (placements lately, KV in use) weighed as the TTFT cost is, not at 0.1
     "kvroute-spread-1": _reweighted("kvroute-spread-1", "spread", 1.0),
     # agent programs admitted and paused by their KV working sets (router/programs/admission.py)

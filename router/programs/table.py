@@ -70,8 +70,9 @@ class Programs:
         self._sets: dict[str, WorkingSets] = {}
         self._changed: set[str] = set()
         self.tool_calls = ToolCalls(settings)
-        # Told each instance's working set tokens as they change: the scorers read them there.
-        self.on_working_set: Callable[[str, int], None] = _ignored
+        # Told each instance's working set tokens and programs alive as they change: the scorers read them
+        # there.
+        self.on_working_set: Callable[[str, int, int], None] = _ignored
         self.capacity: Callable[[str], int | None] = _unknown  # an instance's KV cache tokens, if known
         self.gate: ProgramGate[object] = ProgramGate(settings.start_below, settings.max_wait_s, clock)
         # Told each turn this router starts (key, instance, prompt tokens) and ends (key, "", 0), for peers.
@@ -93,6 +94,11 @@ class Programs:
             return []
         self.expire()
         return self.gate.release()
+
+    @property
+    def come_back(self) -> bool:
+        """Whether most programs come back for another turn after their tool call (ToolCalls.come_back)."""
+        return self.tool_calls.come_back
 
     def alive(self, session_key: str) -> bool:
         """Whether the program with this key has a turn running, or is in a tool call within the time-to-live:
@@ -136,6 +142,8 @@ class Programs:
             if program.paused:
                 self._resumed(program)
         self.gate.counted(key)
+        if program.counted == "tool_call":
+            self.tool_calls.tool_call_ended(next_turn=True)
         self._uncount(key, program)
         program.warmed = False
         program.running += 1
@@ -171,6 +179,8 @@ class Programs:
             program.last_seen = now
             if program.paused:
                 self._resumed(program)
+        if program.counted == "tool_call":
+            self.tool_calls.tool_call_ended(next_turn=True)
         self._uncount(key, program)
         program.warmed = False
         program.running_elsewhere += 1
@@ -281,6 +291,7 @@ class Programs:
             key, began = next(iter(self._in_tool_calls.items()))
             if now - began <= ttl:
                 break
+            self.tool_calls.tool_call_ended(next_turn=False)
             self._uncount(key, self._programs[key])
 
     def _forget_idle(self, now: float) -> None:
@@ -331,7 +342,7 @@ class Programs:
             metrics.programs(name, "tool_call").set(sets.tool_call)
             metrics.programs(name, "paused").set(sets.paused)
             metrics.program_working_set_tokens(name).set(sets.tokens)
-            self.on_working_set(name, sets.tokens)
+            self.on_working_set(name, sets.tokens, sets.running + sets.tool_call)
         self._changed.clear()
 
 
@@ -353,7 +364,7 @@ def _kv_found(program: Program, request: RoutingRequest) -> Found:
     return "lost"
 
 
-def _ignored(name: str, tokens: int) -> None:
+def _ignored(name: str, tokens: int, programs: int) -> None:
     pass
 
 
@@ -365,6 +376,8 @@ class NoPrograms:
     """Programs not followed (programs.enabled: false): none ever starts."""
 
     gate: ProgramGate[object] = ProgramGate(None, 0.0)
+
+    come_back = False
 
     def alive(self, session_key: str) -> bool:
         return True
@@ -397,13 +410,13 @@ NO_PROGRAMS = NoPrograms()
 def followed(
     settings: ProgramsConfig,
     metrics: RouterMetrics,
-    on_working_set: Callable[[str, int], None],
+    on_working_set: Callable[[str, int, int], None],
     capacity: Callable[[str], int | None],
     clock: Callable[[], float] = time.perf_counter,
 ) -> Programs | NoPrograms:
     """The programs a router follows as settings say (none when programs.enabled is false), telling
-    on_working_set each instance's working set tokens as they change, and pausing by capacity's KV cache
-    tokens of an instance: the proxy's and the simulator's."""
+    on_working_set each instance's working set tokens and programs alive as they change, and pausing by
+    capacity's KV cache tokens of an instance: the proxy's and the simulator's."""
     if not settings.enabled:
         return NO_PROGRAMS
     programs = Programs(settings, metrics, clock)

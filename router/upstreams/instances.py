@@ -72,6 +72,7 @@ class Instance(CandidateState):
         "max_model_len",
         "models",
         "program_tokens",
+        "programs_alive",
         "role",
         "roots",
         "transfer",
@@ -111,7 +112,9 @@ class Instance(CandidateState):
         self._own_in_flight = 0
         self._own_pending_prefill_tokens = 0
         self._peers = NO_PEER_LOAD
-        self.program_tokens = 0  # set by the agent programs followed (router/programs/)
+        # Set by the agent programs followed (router/programs/): their working sets, and how many are alive.
+        self.program_tokens = 0
+        self.programs_alive = 0
 
     def __repr__(self) -> str:
         return f"Instance({self.name!r}, {self.url!r})"
@@ -285,11 +288,12 @@ class Upstreams:
         self._index()
         return FleetChanges(added, removed, frozenset(in_place))
 
-    def program_working_set(self, name: str, tokens: int) -> None:
-        """The agent programs' KV working sets at instance name are tokens now (router/programs/)."""
+    def program_working_set(self, name: str, tokens: int, programs: int) -> None:
+        """The agent programs' KV working sets at instance name are tokens now, of programs alive
+        (router/programs/)."""
         instance = self._by_name.get(name)
         if instance is not None:
-            instance.program_tokens = tokens
+            instance.program_tokens, instance.programs_alive = tokens, programs
 
     def kv_capacity(self, name: str) -> int | None:
         """Instance name's KV cache tokens, once known."""

@@ -23,6 +23,7 @@ class Fake:
     ttft_model: TTFTModel = field(default_factory=lambda: TTFTModel(TTFTPriors()))
     shared: int = 0  # tokens of any prompt's prefix held by requests in flight
     program_tokens: int = 0
+    programs_alive: int = 0
 
     def shared_tokens(self, chain: Sequence[int]) -> int:
         return self.shared

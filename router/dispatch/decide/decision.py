@@ -207,6 +207,7 @@ class Decider:
             matches=matches,
             chain=chain,
             new_program=session_key is not None and not self._programs.alive(session_key),
+            programs_come_back=self._programs.come_back,
         )
         self._metrics.decision("prepare").observe(time.perf_counter() - started)
         return Prepared(request)

@@ -4,6 +4,7 @@ again of what the previous turn left cached."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import EngineSpec, FleetSpec
 from kvroute.simulate.policies import ConfiguredPolicy
-from kvroute.simulate.registry import router_config
+from kvroute.simulate.registry import policies_for, router_config
 from kvroute.simulate.results import RunResult
 from kvroute.simulate.run import Run
 from kvroute.traces import Trace, TraceRequest, agentic_trace
@@ -152,3 +153,29 @@ def test_kvroute_warms_up_programs_foreseen_without_their_kv_and_serves_every_tu
     result = simulation.run(0.0)
     assert result.completed == len(trace.requests) and result.rejected == 0
     assert result.programs["warm_ups"] >= 1
+
+
+def test_sessions_that_start_together_are_spread_before_their_contexts_grow() -> None:
+    """Without the pool, 24 sessions starting within seconds over 6 instances: each first turn would go where
+    the shared instructions are cached, and a few instances would take every session; kvroute gives none
+    more than one program over its even share."""
+    whole = agentic_trace(sessions=24).with_rate(84.0)
+    turns: Counter[str | None] = Counter()
+    early = []  # each session's first 8 turns: the placements are made by then
+    for request in whole.requests:
+        turns[request.session] += 1
+        if turns[request.session] <= 8:
+            early.append(request)
+    trace = replace(whole, requests=tuple(early))
+    fleet = FleetSpec(6, EngineSpec(), None)
+    most_started = {}
+    for name in ("kvroute", "kvroute-program-room-by-room"):
+        simulation = Run(TraceBlocks(trace, 16), fleet, policies_for(fleet)[name](fleet))
+        simulation.run(0.0)
+        first: dict[str | None, SimRequest] = {}
+        for request in sorted(simulation.done, key=lambda r: r.number):
+            first.setdefault(request.session, request)
+        assert len(first) == 24
+        most_started[name] = max(Counter(r.instance for r in first.values()).values())
+    assert most_started["kvroute"] <= 24 // 6 + 1
+    assert most_started["kvroute-program-room-by-room"] > 24 // 6 + 1  # what the bound is for

@@ -162,3 +162,23 @@ def test_under_kv_pressure_programs_in_a_tool_call_are_paused_the_longest_in_it_
     assert table.working_sets()["a"] == WorkingSets(running=2, tool_call=1, tokens=7_200, paused=1)
     assert not table.alive("mid") and table.alive("old")
     assert metrics.registry.get_sample_value("kvroute_program_pauses_total", {"vllm_instance": "a"}) == 2
+
+
+def test_programs_are_taken_to_come_back_until_most_tool_calls_lapse_without_a_next_turn() -> None:
+    """One-shot questions under session keys (a RAG user each) never send a next turn: once a majority of
+    the latest tool calls lapsed, programs are no longer taken to grow; agents coming back turn it again."""
+    table, clock, _ = programs(ttl_prior_s=10)
+    for n in range(30):
+        table.turn_started(turn(f"q{n}", 1000), "a", clock.now)
+        table.turn_ended(f"q{n}")
+    assert table.come_back  # the prior: nothing has lapsed yet
+    clock.now += 11
+    table.expire()
+    assert not table.come_back
+    for n in range(40):
+        table.turn_started(turn(f"agent{n}", 1000), "a", clock.now)
+        table.turn_ended(f"agent{n}")
+        clock.now += 0.1
+        table.turn_started(turn(f"agent{n}", 1200), "a", clock.now)
+        table.turn_ended(f"agent{n}")
+    assert table.come_back  # 40 came back, 30 lapsed
