@@ -26,11 +26,13 @@ process_ metrics, above.
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Generic, Literal, TypeVar
 
@@ -126,6 +128,27 @@ class UnsetGauge(Collector):
         if self._value is not None:
             family.add_metric([], self._value)
         return [family]
+
+
+# What the event loop took of each LoopCollector for the render in progress in a worker thread: set in the
+# render's context only (asyncio.to_thread runs it in a copy), so a render on the loop collects afresh.
+_TAKEN: ContextVar[dict[LoopCollector, list[Metric]] | None] = ContextVar("metrics_taken", default=None)
+
+
+class LoopCollector(Collector):
+    """A collector reading what the event loop changes (plain dicts and lists: the block index, the
+    instances): collected on the loop, where nothing changes under it, even when a worker thread formats the
+    rest of the render. prometheus_client's own metrics are locked, safe to read from any thread."""
+
+    def __init__(self, inner: Collector) -> None:
+        self._inner = inner
+
+    def take(self) -> list[Metric]:
+        return list(self._inner.collect())
+
+    def collect(self) -> Iterable[Metric]:
+        taken = _TAKEN.get()
+        return self.take() if taken is None else taken.get(self, [])
 
 
 # Counters of what every worker sees alike (module docstring): the largest worker's count, not the sum.
@@ -744,6 +767,11 @@ class RouterMetrics(
         self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.registry = r = _WorkerRegistry() if self.shared_dir else CollectorRegistry(auto_describe=True)
         self._exported = self.registry
+        if isinstance(r, _WorkerRegistry) and self.shared_dir:  # a scrape answers for every worker
+            self._exported = CollectorRegistry(auto_describe=False)
+            self._exported.register(_AllWorkers(self.shared_dir, r.local))
+        self._on_loop: list[LoopCollector] = []
+        self._rendering: asyncio.Future[bytes] | None = None
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds, start time
         build = Gauge(
             "kvroute_build_info",
@@ -773,9 +801,27 @@ class RouterMetrics(
     def _families(self) -> list[Family[Any]]:
         return [family for family in vars(self).values() if isinstance(family, Family)]
 
+    def register_on_loop(self, collector: Collector) -> None:
+        """Exports collector, which reads what the event loop changes: read on the loop by render_off_loop."""
+        on_loop = LoopCollector(collector)
+        self.registry.register(on_loop)
+        self._on_loop.append(on_loop)
+
     def render(self) -> bytes:
-        if self._exported is self.registry and isinstance(self.registry, _WorkerRegistry):
-            assert self.shared_dir is not None
-            self._exported = CollectorRegistry(auto_describe=False)
-            self._exported.register(_AllWorkers(self.shared_dir, self.registry.local))
         return generate_latest(self._exported)
+
+    async def render_off_loop(self) -> bytes:
+        """render()'s text, the loop held only to collect the LoopCollectors: formatting thousands of series
+        takes tens of milliseconds, every request stalled meanwhile. Scrapes that come while a render is in
+        flight share it."""
+        if self._rendering is None:
+            self._rendering = asyncio.ensure_future(self._render_in_thread())
+        # A scrape whose client goes away leaves the render to the others sharing it.
+        return await asyncio.shield(self._rendering)
+
+    async def _render_in_thread(self) -> bytes:
+        try:
+            _TAKEN.set({collector: collector.take() for collector in self._on_loop})
+            return await asyncio.to_thread(self.render)
+        finally:
+            self._rendering = None

@@ -211,7 +211,7 @@ class Runtime:
             self.subscriptions = Subscriptions(self.index, self.metrics, self._context)
         else:
             self._remote_index = self.routing_index = RemoteIndex(shared_index.endpoint, self.metrics)
-        self.metrics.registry.register(
+        self.metrics.register_on_loop(
             IndexCollector(self.index_figures, lambda: {i.name for i in self.upstreams.instances})
         )
         self.tokenizers: dict[str, LocalTokenizer] = {}  # loaded at start, once the instances have answered

@@ -170,7 +170,8 @@ async def _background(
 async def _metrics_site(runtime: Runtime, listen: Listen) -> web.AppRunner:
     async def metrics(request: web.Request) -> web.Response:
         runtime.programs.expire()  # tool calls past their time-to-live no longer count
-        return web.Response(body=runtime.metrics.render(), headers={"Content-Type": _PROMETHEUS_TEXT})
+        body = await runtime.metrics.render_off_loop()
+        return web.Response(body=body, headers={"Content-Type": _PROMETHEUS_TEXT})
 
     async def health(request: web.Request) -> web.Response:
         healthy = [i.name for i in runtime.upstreams.instances if i.healthy]

@@ -244,4 +244,4 @@ def _serve_operations(app: FastAPI, runtime: Runtime) -> None:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         runtime.programs.expire()  # tool calls past their time-to-live no longer count
-        return Response(metrics.render(), media_type=_PROMETHEUS_TEXT)
+        return Response(await metrics.render_off_loop(), media_type=_PROMETHEUS_TEXT)
