@@ -27,5 +27,7 @@ class RoutingRequest:
     block_size: int = 16
     matches: Mapping[str, TierMatch] = field(default_factory=dict)  # by instance name; absent: no match
     chain: Sequence[int] = ()  # the hashes of the prompt's whole blocks (empty: unknown)
-    new_program: bool = False  # it starts an agent program, or one whose working set lapsed (router/programs)
+    # It starts an agent program, or one whose working set lapsed or whose instance's working sets outgrew its
+    # KV cache (router/programs)
+    new_program: bool = False
     programs_come_back: bool = True  # most programs come back for another turn: their contexts grow

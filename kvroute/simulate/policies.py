@@ -285,7 +285,7 @@ class ConfiguredPolicy(SimPolicy):
             block_size=view.block_size,
             matches=matches,
             chain=chain,
-            new_program=request.session is not None and not self._programs.alive(request.session),
+            new_program=request.session is not None and self._programs.placed_anew(request.session),
             programs_come_back=self._programs.come_back,
         )
 

@@ -100,6 +100,17 @@ class Programs:
         """Whether most programs come back for another turn after their tool call (ToolCalls.come_back)."""
         return self.tool_calls.come_back
 
+    def placed_anew(self, session_key: str) -> bool:
+        """Whether a request of this program is placed as one starting (the program-room scorer): it is not
+        alive (new, or back after its working set lapsed), or its instance holds more working sets than its
+        KV cache, so that its programs evict one another's contexts turn after turn and one of them is
+        better moved where there is room (it computes its context again once, not every turn)."""
+        if not self.alive(session_key):
+            return True
+        program = self._programs[session_key]
+        capacity, sets = self.capacity(program.instance), self._sets.get(program.instance)
+        return capacity is not None and sets is not None and sets.tokens > capacity
+
     def alive(self, session_key: str) -> bool:
         """Whether the program with this key has a turn running, or is in a tool call within the time-to-live:
         its working set is counted. A request of a program not alive (new, or back after its working set
@@ -378,6 +389,9 @@ class NoPrograms:
     gate: ProgramGate[object] = ProgramGate(None, 0.0)
 
     come_back = False
+
+    def placed_anew(self, session_key: str) -> bool:
+        return False
 
     def alive(self, session_key: str) -> bool:
         return True

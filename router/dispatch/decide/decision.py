@@ -206,7 +206,7 @@ class Decider:
             block_size=self._block_size,
             matches=matches,
             chain=chain,
-            new_program=session_key is not None and not self._programs.alive(session_key),
+            new_program=session_key is not None and self._programs.placed_anew(session_key),
             programs_come_back=self._programs.come_back,
         )
         self._metrics.decision("prepare").observe(time.perf_counter() - started)

@@ -182,3 +182,25 @@ def test_programs_are_taken_to_come_back_until_most_tool_calls_lapse_without_a_n
         table.turn_started(turn(f"agent{n}", 1200), "a", clock.now)
         table.turn_ended(f"agent{n}")
     assert table.come_back  # 40 came back, 30 lapsed
+
+
+def test_a_program_is_placed_anew_when_new_lapsed_or_its_instance_outgrown() -> None:
+    """While the working sets at its instance fit the KV cache a program's next turn stays where its context
+    is; once they outgrow it, its programs evict one another every turn, and the next to come back is placed
+    as a starting one, where there is room."""
+    table, clock, _ = programs(ttl_prior_s=10)
+    table.capacity = {"a": 10_000, "b": 10_000}.get
+    assert table.placed_anew("s")  # new
+    table.turn_started(turn("s", 4000), "a", clock.now)
+    table.turn_ended("s")
+    assert not table.placed_anew("s")  # in its tool call, its context fits
+    table.turn_started(turn("t", 5000), "a", clock.now)
+    assert not table.placed_anew("s")  # 9,000 of 10,000
+    table.turn_started(turn("u", 2000), "a", clock.now)
+    assert table.placed_anew("s") and table.placed_anew("t")  # 11,000: outgrown
+    table.turn_started(turn("s", 4200), "b", clock.now)  # s moved: a holds 7,000
+    assert not table.placed_anew("t") and not table.placed_anew("s")
+    clock.now += 11
+    table.turn_ended("s")
+    clock.now += 11
+    assert table.placed_anew("s")  # its working set lapsed
