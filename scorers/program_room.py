@@ -5,7 +5,8 @@ goes decides where it grows. An instance's KV cache holds the contexts of the pr
 those in a tool call, which come back for them (their working sets, router/programs/). A new program placed
 where those already fill the cache evicts what a program in a tool call comes back for, and that program
 computes it again. For a request that starts a program (RoutingRequest.new_program: a program new, or back
-after a tool call that outlasted the time-to-live, whose working set lapsed) each candidate scores the KV its
+after a tool call that outlasted the time-to-live, whose working set lapsed, or one whose instance's working
+sets outgrew its cache, which it is better to leave once than to share) each candidate scores the KV its
 working sets (or its contexts in flight, when more) leave free, as a share of `room` (half its cache):
 1 with that much free or more, so that where every instance has room the other scorers decide (a new session
 still goes where the agents' shared instructions are cached), less as the cache fills, 0 when full; a
@@ -15,8 +16,8 @@ nothing for it.
 Room alone does not see that programs grow. Agent sessions often start within seconds of each other, while
 their working sets are small and every instance has room; the TTFT cost then sends each new session where the
 shared instructions are cached, and a few instances take every session. Tens of turns later their contexts
-outgrow those instances' caches and evict one another, while other instances sit idle (docs/benchmarks.md,
-"Agentic sessions without the pool"). So a candidate where the prompt's prefix is cached, and that would
+outgrow those instances' caches and evict one another, while other instances sit idle
+(docs/notes/simulate-investigations.md, "New sessions without the pool"). So a candidate where the prompt's prefix is cached, and that would
 then hold more than `over_even_share` programs above its even share of those alive (by KV capacity), scores
 0 too: sessions group where the instructions are cached only while they stay spread. Computing the
 instructions once more on another instance costs one prefill of them, once. Only while most programs come
