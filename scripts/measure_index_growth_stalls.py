@@ -7,12 +7,11 @@ started.
 
 A table that outgrows its arrays moves to new ones half again as large, a few entries per insert; but the new
 slots are written at hashed, scattered places, so the first batch of the move touches nearly every page of
-the new slot table, each a page fault that zeroes a fresh page (2 MiB ones: the arrays are madvised for huge
-pages). In a VM whose memory the host backs only once touched (free page reporting gives freed pages back),
-a 2 MiB fault took 7-9 ms here, and the batch that starts the move of the holders table of 1.35M blocks
-70-117 ms, nearly all of it system time; the 8 instances' own tables grow together (they are fed in turn),
-one batch of 20-45 ms after another. --no-thp disables huge pages for this process (prctl
-PR_SET_THP_DISABLE), which shows what the faults cost.
+the new slot table, each a page fault that zeroes a fresh page. The arrays are madvised against huge pages so
+that those faults follow the move in 4 KiB steps. In 2 MiB pages, in a VM whose memory the host backs only
+once touched (free page reporting gives freed pages back), a fault took 7-9 ms here, and the batch that
+started the move of the holders table of 1.35M blocks 70-117 ms, nearly all of it system time. --no-thp
+disables huge pages for the whole process (prctl PR_SET_THP_DISABLE), to compare where they are in use.
 
     .venv/bin/python scripts/measure_index_growth_stalls.py --blocks 2000000
     .venv/bin/python scripts/measure_index_growth_stalls.py --blocks 2000000 --no-thp

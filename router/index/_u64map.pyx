@@ -70,10 +70,13 @@ cdef extern from *:
         void *mapped = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (mapped == MAP_FAILED)
             return NULL;
-        /* In 2 MiB pages where the kernel has them to give (transparent huge pages, "madvise" by default on
-           Debian): a probe into a table of millions then misses the cache, not the TLB as well. */
-#ifdef MADV_HUGEPAGE
-        madvise(mapped, bytes, MADV_HUGEPAGE);
+        /* In 4 KiB pages, even where the kernel would give 2 MiB ones (transparent huge pages "always"): a
+           table moves to larger arrays a slice per batch, but the first slice writes the new slots all over
+           them, and in huge pages that faults in the whole array at once (tens of milliseconds of page
+           zeroing on the event loop, scripts/measure_index_growth_stalls.py); in small pages the zeroing
+           follows the move. Lookups miss the TLB more: within a few percent (docs/benchmarks.md). */
+#ifdef MADV_NOHUGEPAGE
+        madvise(mapped, bytes, MADV_NOHUGEPAGE);
 #endif
         return mapped;
     }
