@@ -17,12 +17,12 @@ Room alone does not see that programs grow. Agent sessions often start within se
 their working sets are small and every instance has room; the TTFT cost then sends each new session where the
 shared instructions are cached, and a few instances take every session. Tens of turns later their contexts
 outgrow those instances' caches and evict one another, while other instances sit idle
-(docs/notes/simulate-investigations.md, "New sessions without the pool"). So a candidate where the prompt's prefix is cached, and that would
-then hold more than `over_even_share` programs above its even share of those alive (by KV capacity), scores
-0 too: sessions group where the instructions are cached only while they stay spread. Computing the
-instructions once more on another instance costs one prefill of them, once. Only while most programs come
-back for another turn (RoutingRequest.programs_come_back): a session key on one-shot questions (a RAG
-user) names a program that never grows, and those go where their documents are cached.
+(docs/notes/simulate-investigations.md, "New sessions without the pool"). So a candidate where the prompt's
+prefix is cached, and that would then hold more than `over_even_share` programs above its even share of
+those alive (by KV capacity), scores 0 too: sessions group where the instructions are cached only while they
+stay spread. Computing the instructions once more on another instance costs one prefill of them, once. Only
+while most programs come back for another turn (RoutingRequest.programs_come_back): a session key on one-shot
+questions (a RAG user) names a program that never grows, and those go where their documents are cached.
 """
 
 from __future__ import annotations
