@@ -74,7 +74,7 @@ cdef extern from *:
            table moves to larger arrays a slice per batch, but the first slice writes the new slots all over
            them, and in huge pages that faults in the whole array at once (tens of milliseconds of page
            zeroing on the event loop, scripts/measure_index_growth_stalls.py); in small pages the zeroing
-           follows the move. Lookups miss the TLB more: within a few percent (docs/benchmarks.md). */
+           follows the move. Lookups miss the TLB more: up to a tenth slower here (docs/benchmarks.md). */
 #ifdef MADV_NOHUGEPAGE
         madvise(mapped, bytes, MADV_NOHUGEPAGE);
 #endif
