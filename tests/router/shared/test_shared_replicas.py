@@ -6,6 +6,7 @@ the store is back."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -79,6 +80,13 @@ def engine_requests(fleet: FleetPorts) -> int:
     )
 
 
+def sustained(seen: list[int]) -> list[int]:
+    """The fleet's counts that held for two samples in a row. One sample reads the instances one after
+    another: a request that ends at one already read while the next starts at one read later shows both
+    for one sample, never for two; a request past the limit decodes for hundreds of samples."""
+    return [min(pair) for pair in itertools.pairwise(seen)]
+
+
 def tenant_chats(
     fleet: FleetPorts, replicas: list[str], count: int, max_tokens: int, gap_s: float = 0.0
 ) -> tuple[list[int], list[int]]:
@@ -111,8 +119,7 @@ def test_replicas_find_each_other_on_the_store_and_share_a_tenants_limit(
     # Alone, each replica lets 2 go at once: 4 together most of the time. Sharing, each request takes its slot
     # on the store before it goes (router/shared/slots.py), so the tenant never has more than 2 in flight,
     # however the replicas' snapshots lag.
-    busy = [n for n in seen if n]
-    assert max(busy) == TENANT_LIMIT, seen
+    assert max(sustained(seen)) == TENANT_LIMIT, seen
 
 
 def test_a_tenants_limit_in_flight_is_strict_across_three_replicas_sent_to_at_once(
@@ -136,7 +143,7 @@ def test_a_tenants_limit_in_flight_is_strict_across_three_replicas_sent_to_at_on
         waits = "kvroute_flow_control_slot_waits_total"
         waited = sum(sample(url, waits, objective="default") or 0 for url in replicas)
     assert statuses == [200] * 12
-    assert max(seen) == limit, seen
+    assert max(sustained(seen)) == limit, seen
     assert waited > 0  # the replicas did race for the last slots: the store settled it
 
 
