@@ -34,6 +34,7 @@ POOL_CHECK_FIELDS = {
     "engine_preemptions",
     "simulated_preemptions",
     "trace",
+    "per_request",
 }
 
 
@@ -57,6 +58,7 @@ def test_calibrate_with_the_pool_checks_two_engines_that_load_from_it(tmp_path: 
     pooled = profile.check["pool"]
     assert POOL_CHECK_FIELDS <= set(pooled)
     assert pooled["requests"] == len(check_trace().requests) and pooled["instances"] == 2
+    assert len(pooled["per_request"]) == pooled["requests"]
     # A session's later turns loaded what its previous turn computed on the other instance, on both sides.
     assert pooled["engine_pool_tokens"] > 0 and pooled["simulated_pool_tokens"] > 0
     assert pooled["pool_load_s_per_token"] > 0

@@ -19,6 +19,7 @@ from typing import Any
 from kvroute.bench.calibrate.check import compare, replayed_ttfts, simulated_run, simulated_ttfts
 from kvroute.bench.calibrate.probes import Engine, ProbeFailed, counter
 from kvroute.simulate.hardware import EngineSpec, FleetSpec, PoolSpec
+from kvroute.simulate.run import Run
 from kvroute.traces import Trace
 
 POOL_CHECK_SEED = 1
@@ -75,7 +76,25 @@ async def pool_check(engines: Sequence[Engine], spec: EngineSpec, trace: Trace) 
         "engine_preemptions": int(counted[PREEMPTIONS]),
         "simulated_preemptions": sum(e.preemptions for e in run.engines),
         "trace": trace.name,
+        "per_request": _per_request(route, real, run, spec.block_size),
     }
+
+
+def _per_request(route: Sequence[int], real: list[float], run: Run, block_size: int) -> list[dict[str, Any]]:
+    """Each request's instance, TTFT on the engine and simulated, and tokens hit and loaded in simulation:
+    where the two part, by what the request loaded."""
+    done = sorted(run.done, key=lambda r: r.number)
+    return [
+        {
+            "instance": instance,
+            "engine_ttft_s": round(engine_ttft, 5),
+            "simulated_ttft_s": round(r.first_token_s - r.sent_s, 5),
+            "prompt_tokens": r.trace.input_tokens,
+            "simulated_local_hit_tokens": r.local_hit_blocks * block_size,
+            "simulated_pool_tokens": r.pool_hit_blocks * block_size,
+        }
+        for instance, engine_ttft, r in zip(route, real, done, strict=True)
+    ]
 
 
 async def _counters(engines: Sequence[Engine]) -> dict[str, float]:

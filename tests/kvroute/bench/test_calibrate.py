@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from kvroute.bench.calibrate.check import check_trace, compare, simulated_run, simulated_ttfts
 from kvroute.bench.calibrate.fit import Measured, fit
+from kvroute.bench.calibrate.run import OMP_BIND, engines_config
 from kvroute.cli import main
 from kvroute.simulate.hardware import EngineSpec, FleetSpec
 from kvroute.simulate.profile import Profile, load_profile
@@ -93,3 +95,17 @@ def test_the_check_simulates_the_fixed_trace_and_measures_each_requests_error() 
     checked = compare([2 * t for t in simulated], simulated)
     assert checked["ttft_median_error"] == pytest.approx(0.5)
     assert not math.isnan(checked["ttft_p90_error"])
+
+
+def test_the_pool_checks_engines_each_get_a_core_of_their_own_and_a_lone_engine_keeps_the_stacks() -> None:
+    stack = Path(__file__).resolve().parents[3] / "configs" / "stack-cpu.yaml"
+    alone = engines_config(stack, pool=False)
+    assert alone.vllm.instances == 1 and not alone.vllm.per_instance and alone.pool is None
+    pooled = engines_config(stack, pool=True)
+    cores = sorted(os.sched_getaffinity(0))
+    assert pooled.vllm.instances == 2 and pooled.pool is not None
+    if len(cores) < 2:
+        assert not pooled.vllm.per_instance  # one core: nothing to give each its own
+        return
+    bound = [pooled.vllm.instance(n).env[OMP_BIND] for n in range(2)]
+    assert bound == [str(cores[0]), str(cores[1])]
