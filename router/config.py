@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import os
 import re
@@ -15,7 +14,6 @@ import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -25,6 +23,7 @@ from pydantic import (
 from router import strict_yaml
 from router.label_selector import LABEL_KEY, LabelSelector
 from router.programs.settings import ProgramsConfig
+from router.settings_base import Strict, checked_http_url, checked_zmq_endpoint
 from router.shared.settings import SharedConfig
 from router.tracing.config import TracingConfig
 from router.traffic_split import TrafficSplit
@@ -35,48 +34,11 @@ from scorers.ttft_model import TTFTPriors
 Role = Literal["prefill", "decode", "both"]
 KVConnector = Literal["nixl", "mooncake"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
-_HOST = r"(\[(?P<ipv6>[^\]\s]+)\]|[^/\s:\[\]]+)"  # a name, an IPv4 address or a bracketed IPv6 one
-_HTTP_URL = re.compile(rf"^https?://{_HOST}(:(?P<port>\d{{1,5}}))?/?$")
-_ZMQ_ENDPOINT = re.compile(rf"^(tcp://{_HOST}:(?P<port>\d{{1,5}})|ipc://\S+)$")
-
-
-def _checked_http_url(url: str) -> str:
-    match = _HTTP_URL.match(url)
-    if not match:
-        raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
-    _check_host_and_port(url, match)
-    return url.rstrip("/")
-
-
-def _checked_zmq_endpoint(endpoint: str) -> str:
-    match = _ZMQ_ENDPOINT.match(endpoint)
-    if not match:
-        raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
-    _check_host_and_port(endpoint, match)
-    return endpoint
-
-
-def _check_host_and_port(address: str, match: re.Match[str]) -> None:
-    if match["ipv6"] is not None:
-        try:
-            ipaddress.IPv6Address(match["ipv6"])
-        except ValueError:
-            raise ValueError(f"{address!r}: [{match['ipv6']}] is not an IPv6 address") from None
-    port = match["port"]
-    if port is not None and not 1 <= int(port) <= 65535:
-        raise ValueError(f"{address!r}: port {port} is not in 1-65535")
-
-
-class _Strict(BaseModel):
-    # No setting means infinity: an .inf weight or timeout is a typo, and inf * 0 = nan breaks scoring.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
 REMOTE_TOKENIZER = "remote"
 MIN_TOKEN_LENGTH = 16  # of the admin token: guessing it must be out of reach
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     name: str = Field(
         min_length=1, description="the model's name as clients send it and the engines serve it"
     )
@@ -125,7 +87,7 @@ class ModelConfig(_Strict):
 _INHERITED_BY_ADAPTERS = ("pool_cache_prefix", "pool_store_namespace", "exclude_tools_when_tool_choice_none")
 
 
-class TokenizationConfig(_Strict):
+class TokenizationConfig(Strict):
     cache_max_entries: int = Field(default=65_536, ge=1, description="conversation prefixes kept")
     cache_max_tokens: int = Field(default=2_000_000, ge=1, description="token ids kept over all prefixes")
     max_tokenized_bytes: int = Field(
@@ -160,7 +122,7 @@ class TokenizationConfig(_Strict):
     )
 
 
-class InstanceConfig(_Strict):
+class InstanceConfig(Strict):
     name: Annotated[str, Field(pattern=_NAME, description="the instance's name in headers, metrics and logs")]
     url: str = Field(description="its OpenAI server, http://HOST:PORT")
     events: str | None = Field(
@@ -226,17 +188,17 @@ class InstanceConfig(_Strict):
     @field_validator("url", "kv_bootstrap_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
-        return None if url is None else _checked_http_url(url)
+        return None if url is None else checked_http_url(url)
 
     @field_validator("events", "replay")
     @classmethod
     def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
         if endpoint is None:
             return None
-        return _checked_zmq_endpoint(endpoint)
+        return checked_zmq_endpoint(endpoint)
 
 
-class TrafficConfig(_Strict):
+class TrafficConfig(Strict):
     split: dict[str, float] | None = Field(
         default=None,
         description="policy -> weight (>= 0): each session goes to one policy, by weight; "
@@ -257,7 +219,7 @@ class TrafficConfig(_Strict):
         return split
 
 
-class AdminConfig(_Strict):
+class AdminConfig(Strict):
     token: str | None = Field(
         default=None, min_length=MIN_TOKEN_LENGTH, description="bearer token of /admin/*"
     )
@@ -266,7 +228,7 @@ class AdminConfig(_Strict):
     )
 
 
-class AdmissionConfig(_Strict):
+class AdmissionConfig(Strict):
     max_in_flight: int = Field(default=4096, ge=1, description="requests in the router at once")
     max_in_flight_per_instance: int = Field(
         default=1024, ge=1, description="requests at one instance at once; a full instance is not a candidate"
@@ -288,7 +250,7 @@ class AdmissionConfig(_Strict):
     )
 
 
-class ObjectiveConfig(_Strict):
+class ObjectiveConfig(Strict):
     priority: int = Field(
         default=0,
         description="its band: a higher one's requests leave the router's queue first; may be negative",
@@ -313,7 +275,7 @@ class ObjectiveConfig(_Strict):
     )
 
 
-class FlowLimitsConfig(_Strict):
+class FlowLimitsConfig(Strict):
     max_queued: int | None = Field(
         default=None, ge=0, description="one flow's requests waiting at once; past it: 429. null: no limit"
     )
@@ -327,7 +289,7 @@ class FlowLimitsConfig(_Strict):
     )
 
 
-class FlowControlConfig(_Strict):
+class FlowControlConfig(Strict):
     enabled: bool = Field(
         default=True,
         description="requests wait in the router while every instance that could serve them is saturated, "
@@ -399,7 +361,7 @@ class FlowControlConfig(_Strict):
 _DEFAULT_OBJECTIVE = ObjectiveConfig()
 
 
-class ClientAuthConfig(_Strict):
+class ClientAuthConfig(Strict):
     api_keys_env: str | None = Field(
         default=None,
         description="environment variable with the clients' API keys, comma-separated (named but unset or "
@@ -407,7 +369,7 @@ class ClientAuthConfig(_Strict):
     )
 
 
-class CorsConfig(_Strict):
+class CorsConfig(Strict):
     allow_origins: list[str] = Field(
         default_factory=list,
         description="origins whose browser pages may call the router (CORS); ['*']: any, as vLLM allows by "
@@ -415,7 +377,7 @@ class CorsConfig(_Strict):
     )
 
 
-class UpstreamConfig(_Strict):
+class UpstreamConfig(Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0, description="to open a connection to an instance")
     first_byte_timeout_s: float = Field(
         default=600.0, gt=0, description="streams: to the first chunk (prefill is slow, queues are long)"
@@ -446,7 +408,7 @@ class UpstreamConfig(_Strict):
 TierName = Literal["gpu", "cpu", "pool"]
 
 
-class DisaggregationConfig(_Strict):
+class DisaggregationConfig(Strict):
     """Models served in a prefill leg and a decode leg (router/dispatch/place/prefill_leg.py)."""
 
     connector: KVConnector = Field(
@@ -468,7 +430,7 @@ def _default_medium_tiers() -> dict[str, TierName]:
     return {"GPU": "gpu", "CPU": "cpu", "STORAGE": "cpu", "cpu": "pool"}
 
 
-class IndexConfig(_Strict):
+class IndexConfig(Strict):
     max_entries: int = Field(
         default=10_000_000,
         ge=1,
@@ -484,7 +446,7 @@ class IndexConfig(_Strict):
     )
 
 
-class PoolConfig(_Strict):
+class PoolConfig(Strict):
     master_url: str | None = Field(
         default=None,
         description="the Mooncake master's admin HTTP (its --metrics_port), e.g. http://127.0.0.1:9003; "
@@ -496,10 +458,10 @@ class PoolConfig(_Strict):
     @field_validator("master_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
-        return None if url is None else _checked_http_url(url)
+        return None if url is None else checked_http_url(url)
 
 
-class DiscoveryPorts(_Strict):
+class DiscoveryPorts(Strict):
     http: int = Field(default=8000, ge=1, le=65535, description="the engines' OpenAI API (vllm serve --port)")
     events: int | None = Field(
         default=5557, ge=1, le=65535, description="their KV-event publisher; null: no events endpoint"
@@ -509,7 +471,7 @@ class DiscoveryPorts(_Strict):
     )
 
 
-class DiscoveryConfig(_Strict):
+class DiscoveryConfig(Strict):
     """Instances found in Kubernetes (router/discovery/): Ready pods or endpoints, beside the static
     instances."""
 
@@ -592,7 +554,7 @@ class DiscoveryConfig(_Strict):
         return None
 
 
-class LoadConfig(_Strict):
+class LoadConfig(Strict):
     scrape_interval_s: float = Field(default=0.2, gt=0, description="GET /metrics on every instance")
     timeout_s: float = Field(default=0.5, gt=0, description="one slow instance must not age the others' load")
     stale_after_s: float = Field(default=1.0, gt=0, description="older engine load is ignored")
@@ -606,7 +568,7 @@ class LoadConfig(_Strict):
     )
 
 
-class HealthConfig(_Strict):
+class HealthConfig(Strict):
     interval_s: float = Field(default=2.0, gt=0, description="between two checks of an instance's /health")
     timeout_s: float = Field(default=1.0, gt=0, description="for one check's answer")
     unhealthy_after: int = Field(default=2, ge=1, description="consecutive failed checks")
@@ -619,14 +581,14 @@ class HealthConfig(_Strict):
     )
 
 
-class CircuitBreakerConfig(_Strict):
+class CircuitBreakerConfig(Strict):
     failures: int = Field(
         default=5, ge=1, description="consecutive connection errors, timeouts or 5xx that open the breaker"
     )
     open_s: float = Field(default=10.0, gt=0, description="no requests for this long, then one probe")
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(Strict):
     max_body_bytes: int = Field(
         default=32 * 2**20, ge=1, description="/v1/* request bodies larger than this are answered 413"
     )
@@ -659,7 +621,7 @@ class LimitsConfig(_Strict):
     )
 
 
-class RouterConfig(_Strict):
+class RouterConfig(Strict):
     models: list[ModelConfig] = Field(min_length=1, description="the models routed")
     block_size: int = Field(
         default=16, ge=1, description="the engines' KV block size in tokens (vLLM's --block-size)"

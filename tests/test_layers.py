@@ -49,6 +49,7 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.tracing.config",
         "router.programs.settings",
         "router.shared.settings",
+        "router.settings_base",
     },
     {"router.prompt"},
     {
