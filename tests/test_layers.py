@@ -50,6 +50,7 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.programs.settings",
         "router.shared.settings",
         "router.settings_base",
+        "router.upstreams.settings",
     },
     {"router.prompt"},
     {
