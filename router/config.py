@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from router import strict_yaml
+from router.index.settings import IndexConfig, PoolConfig
 from router.label_selector import LABEL_KEY, LabelSelector
 from router.programs.settings import ProgramsConfig
 from router.settings_base import Strict, checked_http_url, checked_zmq_endpoint
@@ -378,9 +379,6 @@ class CorsConfig(Strict):
     )
 
 
-TierName = Literal["gpu", "cpu", "pool"]
-
-
 class DisaggregationConfig(Strict):
     """Models served in a prefill leg and a decode leg (router/dispatch/place/prefill_leg.py)."""
 
@@ -397,41 +395,6 @@ class DisaggregationConfig(Strict):
         description="a decode instance computes up to this many uncached prompt tokens itself (what it holds "
         "locally or in the pool covers the rest): the prefill leg is skipped",
     )
-
-
-def _default_medium_tiers() -> dict[str, TierName]:
-    return {"GPU": "gpu", "CPU": "cpu", "STORAGE": "cpu", "cpu": "pool"}
-
-
-class IndexConfig(Strict):
-    max_entries: int = Field(
-        default=10_000_000,
-        ge=1,
-        description="(instance, block) entries kept at most: about 60 bytes each, a burst of events over",
-    )
-    speculative_ttl_s: float = Field(
-        default=2.0, ge=0, description="how long a routed request's blocks count before their events arrive"
-    )
-    medium_tiers: dict[str, TierName] = Field(
-        default_factory=_default_medium_tiers,
-        description="tier of a KV event's medium: vLLM's own are GPU, CPU and STORAGE; the "
-        "MooncakeStoreConnector's pool writes say cpu; events without a medium are gpu, unknown ones cpu",
-    )
-
-
-class PoolConfig(Strict):
-    master_url: str | None = Field(
-        default=None,
-        description="the Mooncake master's admin HTTP (its --metrics_port), e.g. http://127.0.0.1:9003; "
-        "unset: pool blocks from KV events are credited unconfirmed",
-    )
-    confirm_ttl_s: float = Field(default=2.0, ge=0, description="how long the master's yes is trusted")
-    timeout_s: float = Field(default=0.2, gt=0, description="a slower master means no pool credit")
-
-    @field_validator("master_url")
-    @classmethod
-    def _http_url(cls, url: str | None) -> str | None:
-        return None if url is None else checked_http_url(url)
 
 
 class DiscoveryPorts(Strict):

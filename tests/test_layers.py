@@ -51,6 +51,7 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.shared.settings",
         "router.settings_base",
         "router.upstreams.settings",
+        "router.index.settings",
     },
     {"router.prompt"},
     {
