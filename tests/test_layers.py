@@ -52,6 +52,7 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.settings_base",
         "router.upstreams.settings",
         "router.index.settings",
+        "router.discovery.settings",
     },
     {"router.prompt"},
     {
