@@ -53,6 +53,8 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.upstreams.settings",
         "router.index.settings",
         "router.discovery.settings",
+        "router.dispatch.wait.settings",
+        "router.dispatch.place.settings",
     },
     {"router.prompt"},
     {
