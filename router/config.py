@@ -24,6 +24,7 @@ from router import strict_yaml
 from router.discovery.settings import DiscoveryConfig
 from router.dispatch.place.settings import DisaggregationConfig
 from router.dispatch.wait.settings import FlowControlConfig
+from router.http.settings import AdminConfig, ClientAuthConfig, CorsConfig
 from router.index.settings import IndexConfig, PoolConfig
 from router.programs.settings import ProgramsConfig
 from router.settings_base import Strict, checked_http_url, checked_zmq_endpoint
@@ -38,7 +39,6 @@ from scorers.ttft_model import TTFTPriors
 Role = Literal["prefill", "decode", "both"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 REMOTE_TOKENIZER = "remote"
-MIN_TOKEN_LENGTH = 16  # of the admin token: guessing it must be out of reach
 
 
 class ModelConfig(Strict):
@@ -222,15 +222,6 @@ class TrafficConfig(Strict):
         return split
 
 
-class AdminConfig(Strict):
-    token: str | None = Field(
-        default=None, min_length=MIN_TOKEN_LENGTH, description="bearer token of /admin/*"
-    )
-    token_env: str | None = Field(
-        default="KVROUTE_ADMIN_TOKEN", description="environment variable holding the token, if token is unset"
-    )
-
-
 class AdmissionConfig(Strict):
     max_in_flight: int = Field(default=4096, ge=1, description="requests in the router at once")
     max_in_flight_per_instance: int = Field(
@@ -250,22 +241,6 @@ class AdmissionConfig(Strict):
         ge=0,
         description="a request no instance has KV memory for waits in the router up to this long, then goes "
         "where memory frees first (router/dispatch/wait/memory_gate.py); 0: off",
-    )
-
-
-class ClientAuthConfig(Strict):
-    api_keys_env: str | None = Field(
-        default=None,
-        description="environment variable with the clients' API keys, comma-separated (named but unset or "
-        "empty: the router refuses to start, rather than serve without keys); null: no client authentication",
-    )
-
-
-class CorsConfig(Strict):
-    allow_origins: list[str] = Field(
-        default_factory=list,
-        description="origins whose browser pages may call the router (CORS); ['*']: any, as vLLM allows by "
-        "default; empty: no CORS headers",
     )
 
 

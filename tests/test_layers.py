@@ -55,6 +55,7 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.discovery.settings",
         "router.dispatch.wait.settings",
         "router.dispatch.place.settings",
+        "router.http.settings",
     },
     {"router.prompt"},
     {
