@@ -11,14 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from router import strict_yaml
 from router.discovery.settings import DiscoveryConfig
