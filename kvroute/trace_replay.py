@@ -35,8 +35,8 @@ from tinymodel.builder import VOCAB_SIZE
 # Token ids of the tiny model's vocabulary with the special tokens (0-2) left out.
 VOCABULARY = range(3, VOCAB_SIZE)
 
-# The headers a gateway names a request's flow (its tenant) and objective in (router/config.py
-# FlowControlConfig); a router without flow control ignores them.
+# The headers a gateway names a request's flow (its tenant) and objective in (FlowControlConfig,
+# router/dispatch/wait/settings.py); a router without flow control ignores them.
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 # Requests the multi-tenant workloads are generated with when all are asked for (their own default).

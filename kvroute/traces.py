@@ -28,7 +28,7 @@ class TraceRequest:
     block_ids: tuple[int, ...]
     session: str | None = None
     flow: str | None = None  # the tenant it comes from (a fairness header); None: its session's
-    objective: str | None = None  # the objective it names (router/config.py FlowControlConfig)
+    objective: str | None = None  # the objective it names (router/dispatch/wait/settings.py)
     # The tool call before this turn: it is sent no sooner than this long after its session's previous
     # answer (None: as soon as that answer came, if its arrival has passed)
     tool_s: float | None = None

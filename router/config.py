@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import os
 import re
@@ -12,71 +11,30 @@ from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from router import strict_yaml
-from router.label_selector import LABEL_KEY, LabelSelector
+from router.discovery.settings import DiscoveryConfig
+from router.dispatch.place.settings import DisaggregationConfig
+from router.dispatch.wait.settings import FlowControlConfig
+from router.http.settings import AdminConfig, ClientAuthConfig, CorsConfig
+from router.index.settings import IndexConfig, PoolConfig
 from router.programs.settings import ProgramsConfig
+from router.settings_base import Strict, checked_http_url, checked_zmq_endpoint
 from router.shared.settings import SharedConfig
 from router.tracing.config import TracingConfig
 from router.traffic_split import TrafficSplit
+from router.upstreams.settings import CircuitBreakerConfig, HealthConfig, LoadConfig, UpstreamConfig
 from scorers.config_keys import suggested
 from scorers.policy_config import PolicyConfig, builtin_policies
 from scorers.ttft_model import TTFTPriors
 
 Role = Literal["prefill", "decode", "both"]
-KVConnector = Literal["nixl", "mooncake"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
-_HOST = r"(\[(?P<ipv6>[^\]\s]+)\]|[^/\s:\[\]]+)"  # a name, an IPv4 address or a bracketed IPv6 one
-_HTTP_URL = re.compile(rf"^https?://{_HOST}(:(?P<port>\d{{1,5}}))?/?$")
-_ZMQ_ENDPOINT = re.compile(rf"^(tcp://{_HOST}:(?P<port>\d{{1,5}})|ipc://\S+)$")
-
-
-def _checked_http_url(url: str) -> str:
-    match = _HTTP_URL.match(url)
-    if not match:
-        raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
-    _check_host_and_port(url, match)
-    return url.rstrip("/")
-
-
-def _checked_zmq_endpoint(endpoint: str) -> str:
-    match = _ZMQ_ENDPOINT.match(endpoint)
-    if not match:
-        raise ValueError(f"{endpoint!r} is not a ZMQ endpoint such as tcp://127.0.0.1:5557")
-    _check_host_and_port(endpoint, match)
-    return endpoint
-
-
-def _check_host_and_port(address: str, match: re.Match[str]) -> None:
-    if match["ipv6"] is not None:
-        try:
-            ipaddress.IPv6Address(match["ipv6"])
-        except ValueError:
-            raise ValueError(f"{address!r}: [{match['ipv6']}] is not an IPv6 address") from None
-    port = match["port"]
-    if port is not None and not 1 <= int(port) <= 65535:
-        raise ValueError(f"{address!r}: port {port} is not in 1-65535")
-
-
-class _Strict(BaseModel):
-    # No setting means infinity: an .inf weight or timeout is a typo, and inf * 0 = nan breaks scoring.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
 REMOTE_TOKENIZER = "remote"
-MIN_TOKEN_LENGTH = 16  # of the admin token: guessing it must be out of reach
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     name: str = Field(
         min_length=1, description="the model's name as clients send it and the engines serve it"
     )
@@ -125,7 +83,7 @@ class ModelConfig(_Strict):
 _INHERITED_BY_ADAPTERS = ("pool_cache_prefix", "pool_store_namespace", "exclude_tools_when_tool_choice_none")
 
 
-class TokenizationConfig(_Strict):
+class TokenizationConfig(Strict):
     cache_max_entries: int = Field(default=65_536, ge=1, description="conversation prefixes kept")
     cache_max_tokens: int = Field(default=2_000_000, ge=1, description="token ids kept over all prefixes")
     max_tokenized_bytes: int = Field(
@@ -160,7 +118,7 @@ class TokenizationConfig(_Strict):
     )
 
 
-class InstanceConfig(_Strict):
+class InstanceConfig(Strict):
     name: Annotated[str, Field(pattern=_NAME, description="the instance's name in headers, metrics and logs")]
     url: str = Field(description="its OpenAI server, http://HOST:PORT")
     events: str | None = Field(
@@ -226,17 +184,17 @@ class InstanceConfig(_Strict):
     @field_validator("url", "kv_bootstrap_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
-        return None if url is None else _checked_http_url(url)
+        return None if url is None else checked_http_url(url)
 
     @field_validator("events", "replay")
     @classmethod
     def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
         if endpoint is None:
             return None
-        return _checked_zmq_endpoint(endpoint)
+        return checked_zmq_endpoint(endpoint)
 
 
-class TrafficConfig(_Strict):
+class TrafficConfig(Strict):
     split: dict[str, float] | None = Field(
         default=None,
         description="policy -> weight (>= 0): each session goes to one policy, by weight; "
@@ -257,16 +215,7 @@ class TrafficConfig(_Strict):
         return split
 
 
-class AdminConfig(_Strict):
-    token: str | None = Field(
-        default=None, min_length=MIN_TOKEN_LENGTH, description="bearer token of /admin/*"
-    )
-    token_env: str | None = Field(
-        default="KVROUTE_ADMIN_TOKEN", description="environment variable holding the token, if token is unset"
-    )
-
-
-class AdmissionConfig(_Strict):
+class AdmissionConfig(Strict):
     max_in_flight: int = Field(default=4096, ge=1, description="requests in the router at once")
     max_in_flight_per_instance: int = Field(
         default=1024, ge=1, description="requests at one instance at once; a full instance is not a candidate"
@@ -288,345 +237,7 @@ class AdmissionConfig(_Strict):
     )
 
 
-class ObjectiveConfig(_Strict):
-    priority: int = Field(
-        default=0,
-        description="its band: a higher one's requests leave the router's queue first; may be negative",
-    )
-    max_queued: int = Field(default=1024, ge=0, description="its requests waiting at once; past it: 429")
-    max_queue_s: float = Field(
-        default=20.0,
-        gt=0,
-        description="the longest one of its requests waits in the router's queue; past it: 429 (keep it "
-        "under a gateway's ext_proc message timeout)",
-    )
-    max_in_flight: int | None = Field(
-        default=None,
-        ge=1,
-        description="its requests sent and not yet answered; past it they wait. null: no limit",
-    )
-    tokens_per_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="prompt tokens a second it may send, a second's worth in a burst; past it: 429 with "
-        "Retry-After. null: no limit",
-    )
-
-
-class FlowLimitsConfig(_Strict):
-    max_queued: int | None = Field(
-        default=None, ge=0, description="one flow's requests waiting at once; past it: 429. null: no limit"
-    )
-    max_in_flight: int | None = Field(
-        default=None, ge=1, description="one flow's requests sent and not yet answered; past it they wait"
-    )
-    tokens_per_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="prompt tokens a second one flow may send; past it: 429. null: no limit",
-    )
-
-
-class FlowControlConfig(_Strict):
-    enabled: bool = Field(
-        default=True,
-        description="requests wait in the router while every instance that could serve them is saturated, "
-        "and leave in order (router/dispatch/wait/flow_control.py); false: each is sent on arrival",
-    )
-    ordering: Literal["spt", "fcfs", "edf"] = Field(
-        default="spt",
-        description="within a priority band: spt (the least predicted uncached work first, aged by waiting, "
-        "and fair between flows by tokens), fcfs (fair between flows by requests, first come first served "
-        "within each), edf (the earliest deadline, no fairness)",
-    )
-    aging_tokens_per_s: float = Field(
-        default=100_000.0,
-        gt=0,
-        description="how ordering weighs work against waiting: a prompt this many tokens longer (its cost: "
-        "spt's predicted uncached tokens, fcfs's 1,000 a request) waits up to a second more than a later "
-        "shorter one",
-    )
-    flow_share_tokens_per_s: float = Field(
-        default=10_000.0,
-        gt=0,
-        description="fairness between flows: a flow that keeps more than this many tokens a second waiting "
-        "falls behind the flows that do not; flows that both do take turns by tokens",
-    )
-    engine_queue_s: float = Field(
-        default=0.05,
-        ge=0,
-        description="an instance is saturated while its queued prefill would keep a new request waiting this "
-        "long (predicted by its TTFT model)",
-    )
-    kv_usage: float = Field(
-        default=1.0,
-        gt=0,
-        le=1,
-        description="an instance is saturated while the contexts in flight there hold this share of its KV "
-        "memory",
-    )
-    fairness_headers: list[str] = Field(
-        default_factory=lambda: ["x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"],
-        description="the request headers naming its flow, first found wins; without one the flow is the "
-        "session (traffic.session_header, or the body's user), else the client's API key, else one default "
-        "flow",
-    )
-    objective_headers: list[str] = Field(
-        default_factory=lambda: ["x-llm-d-inference-objective", "x-gateway-inference-objective"],
-        description="the request headers naming its objective; an unnamed or unknown one is `default`",
-    )
-    objectives: dict[str, ObjectiveConfig] = Field(
-        default_factory=dict,
-        description="objectives by name; `default` (priority 0 unless given here) is every other request's",
-    )
-    per_flow: FlowLimitsConfig = Field(default_factory=FlowLimitsConfig, description="limits on each flow")
-    engine_priority: bool = Field(
-        default=True,
-        description="chat, completions and Responses requests carry their objective's priority to the "
-        "engine as vLLM's `priority` (negated: vLLM runs the lowest first), so an engine run with "
-        "`--scheduling-policy priority` serves its own queue in the objectives' order (vLLM's default fcfs "
-        "ignores it); a client's own `priority` is replaced. Set whether or not flow control is enabled. "
-        "false: bodies go as sent",
-    )
-
-    def objective(self, name: str | None) -> tuple[str, ObjectiveConfig]:
-        """The objective a request names, as configured (an unknown name: `default`)."""
-        if name is not None and name in self.objectives:
-            return name, self.objectives[name]
-        return "default", self.objectives.get("default") or _DEFAULT_OBJECTIVE
-
-
-_DEFAULT_OBJECTIVE = ObjectiveConfig()
-
-
-class ClientAuthConfig(_Strict):
-    api_keys_env: str | None = Field(
-        default=None,
-        description="environment variable with the clients' API keys, comma-separated (named but unset or "
-        "empty: the router refuses to start, rather than serve without keys); null: no client authentication",
-    )
-
-
-class CorsConfig(_Strict):
-    allow_origins: list[str] = Field(
-        default_factory=list,
-        description="origins whose browser pages may call the router (CORS); ['*']: any, as vLLM allows by "
-        "default; empty: no CORS headers",
-    )
-
-
-class UpstreamConfig(_Strict):
-    connect_timeout_s: float = Field(default=5.0, gt=0, description="to open a connection to an instance")
-    first_byte_timeout_s: float = Field(
-        default=600.0, gt=0, description="streams: to the first chunk (prefill is slow, queues are long)"
-    )
-    stream_idle_timeout_s: float = Field(
-        default=60.0, gt=0, description="streams: between chunks once the first one has arrived"
-    )
-    response_timeout_s: float = Field(
-        default=3600.0,
-        gt=0,
-        description="non-streamed requests: the longest from sending one to its answer's last byte (a whole "
-        "answer arrives at the end of the generation)",
-    )
-    max_connections_per_instance: int = Field(
-        default=1024, ge=1, description="one per request in flight there: it caps those too"
-    )
-    api_key_env: str | None = Field(
-        default=None,
-        min_length=1,
-        description="environment variable with the key the instances require (vLLM --api-key), sent to "
-        "them as Authorization: Bearer; clients' own keys never reach them",
-    )
-    attempts: int = Field(
-        default=2, ge=1, description="instances tried when one refuses the connection or drops the request"
-    )
-
-
-TierName = Literal["gpu", "cpu", "pool"]
-
-
-class DisaggregationConfig(_Strict):
-    """Models served in a prefill leg and a decode leg (router/dispatch/place/prefill_leg.py)."""
-
-    connector: KVConnector = Field(
-        default="nixl",
-        description="the prefill-to-decode connector the instances run (inside a MultiConnector or not): "
-        "nixl (NixlConnector: the prefill answer carries what the decode leg needs) or mooncake "
-        "(MooncakeConnector: the router names the transfer, the prefill instance's kv_engine_id and "
-        "kv_bootstrap_url)",
-    )
-    local_prefill_max_tokens: int = Field(
-        default=256,
-        ge=0,
-        description="a decode instance computes up to this many uncached prompt tokens itself (what it holds "
-        "locally or in the pool covers the rest): the prefill leg is skipped",
-    )
-
-
-def _default_medium_tiers() -> dict[str, TierName]:
-    return {"GPU": "gpu", "CPU": "cpu", "STORAGE": "cpu", "cpu": "pool"}
-
-
-class IndexConfig(_Strict):
-    max_entries: int = Field(
-        default=10_000_000,
-        ge=1,
-        description="(instance, block) entries kept at most: about 60 bytes each, a burst of events over",
-    )
-    speculative_ttl_s: float = Field(
-        default=2.0, ge=0, description="how long a routed request's blocks count before their events arrive"
-    )
-    medium_tiers: dict[str, TierName] = Field(
-        default_factory=_default_medium_tiers,
-        description="tier of a KV event's medium: vLLM's own are GPU, CPU and STORAGE; the "
-        "MooncakeStoreConnector's pool writes say cpu; events without a medium are gpu, unknown ones cpu",
-    )
-
-
-class PoolConfig(_Strict):
-    master_url: str | None = Field(
-        default=None,
-        description="the Mooncake master's admin HTTP (its --metrics_port), e.g. http://127.0.0.1:9003; "
-        "unset: pool blocks from KV events are credited unconfirmed",
-    )
-    confirm_ttl_s: float = Field(default=2.0, ge=0, description="how long the master's yes is trusted")
-    timeout_s: float = Field(default=0.2, gt=0, description="a slower master means no pool credit")
-
-    @field_validator("master_url")
-    @classmethod
-    def _http_url(cls, url: str | None) -> str | None:
-        return None if url is None else _checked_http_url(url)
-
-
-class DiscoveryPorts(_Strict):
-    http: int = Field(default=8000, ge=1, le=65535, description="the engines' OpenAI API (vllm serve --port)")
-    events: int | None = Field(
-        default=5557, ge=1, le=65535, description="their KV-event publisher; null: no events endpoint"
-    )
-    replay: int | None = Field(
-        default=None, ge=1, le=65535, description="their KV-event replay endpoint; null: none"
-    )
-
-
-class DiscoveryConfig(_Strict):
-    """Instances found in Kubernetes (router/discovery/): Ready pods or endpoints, beside the static
-    instances."""
-
-    source: Literal["kubernetes", "inferencepool", "endpointslices"] = Field(
-        default="kubernetes",
-        description="kubernetes: pods matching selector; inferencepool: the pods of a Gateway API Inference "
-        "Extension InferencePool (its spec.selector, its target port as ports.http); endpointslices: the "
-        "ready endpoints of a Service's EndpointSlices (discovery.k8s.io/v1), by service or selector",
-    )
-    namespace: str | None = Field(
-        default=None,
-        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
-        description="null: the router pod's own namespace, else default",
-    )
-    kubeconfig: str | None = Field(
-        default=None,
-        min_length=1,
-        description="a kubeconfig file; null: the in-cluster service account in a pod, else $KUBECONFIG or "
-        "~/.kube/config",
-    )
-    selector: str | None = Field(
-        default=None,
-        description="source kubernetes: a label selector on pods; endpointslices: on EndpointSlices",
-    )
-    service: str | None = Field(
-        default=None,
-        pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$",
-        description="source endpointslices: the Service whose slices are read (kubernetes.io/service-name)",
-    )
-    inferencepool: str | None = Field(
-        default=None,
-        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
-        description="source inferencepool: the InferencePool's name (inference.networking.k8s.io/v1, or "
-        "inference.networking.x-k8s.io/v1alpha2)",
-    )
-    ports: DiscoveryPorts = Field(default_factory=DiscoveryPorts)
-    models: list[str] | None = Field(
-        default=None, min_length=1, description="the models the pods serve; null: every model in models"
-    )
-    role_label: str | None = Field(
-        default=None,
-        description="a pod label whose value is prefill, decode or both (llm-d: llm-d.ai/role); source "
-        "endpointslices: a label of the slices (the Service's labels); null: both",
-    )
-    data_parallel_size: int = Field(
-        default=1,
-        ge=1,
-        description="each pod's or endpoint's vllm serve --data-parallel-size (a pod's annotation wins)",
-    )
-
-    @field_validator("selector")
-    @classmethod
-    def _label_selector(cls, selector: str | None) -> str | None:
-        if selector is not None:
-            LabelSelector.parse(selector)
-        return selector
-
-    @field_validator("role_label")
-    @classmethod
-    def _label_key(cls, key: str | None) -> str | None:
-        if key is not None and not LABEL_KEY.match(key):
-            raise ValueError(f"{key!r} is not a label key")
-        return key
-
-    def source_problem(self) -> str | None:
-        """What the source lacks or has too much of, with its key under discovery."""
-        if self.source != "inferencepool" and self.inferencepool is not None:
-            return "inferencepool: only source inferencepool reads a pool"
-        if self.source != "endpointslices" and self.service is not None:
-            return "service: only source endpointslices reads a Service's slices"
-        if self.source == "kubernetes" and self.selector is None:
-            return "selector: source kubernetes needs a label selector, such as app=vllm"
-        if self.source == "inferencepool":
-            if self.inferencepool is None:
-                return "inferencepool: source inferencepool needs the pool's name"
-            if self.selector is not None:
-                return "selector: source inferencepool takes the pool's spec.selector"
-        if self.source == "endpointslices" and (self.service is None) == (self.selector is None):
-            return "service: source endpointslices takes a service or a selector on the slices, one of them"
-        return None
-
-
-class LoadConfig(_Strict):
-    scrape_interval_s: float = Field(default=0.2, gt=0, description="GET /metrics on every instance")
-    timeout_s: float = Field(default=0.5, gt=0, description="one slow instance must not age the others' load")
-    stale_after_s: float = Field(default=1.0, gt=0, description="older engine load is ignored")
-    # One read of vLLM's ~56 KB /metrics cost the router 0.34 ms of CPU here, so every 0.2 s each engine
-    # takes 0.17% of a core: a fleet of 600 would take a core, one of 2,000 more than the router has.
-    max_scrapes_per_s: float = Field(
-        default=200.0,
-        gt=0,
-        description="engines' /metrics read a second at most: a larger fleet is read a share each "
-        "scrape_interval_s, in turn, and its loads go stale that many intervals later",
-    )
-
-
-class HealthConfig(_Strict):
-    interval_s: float = Field(default=2.0, gt=0, description="between two checks of an instance's /health")
-    timeout_s: float = Field(default=1.0, gt=0, description="for one check's answer")
-    unhealthy_after: int = Field(default=2, ge=1, description="consecutive failed checks")
-    # A check cost the router 0.17 ms of CPU here: 2,000 instances every 2 s took a sixth of a core.
-    max_checks_per_s: float = Field(
-        default=200.0,
-        gt=0,
-        description="checks a second at most: past it the longest due go first and a large fleet's checks "
-        "come less often than interval_s (requests that cannot reach an instance still mark it down at once)",
-    )
-
-
-class CircuitBreakerConfig(_Strict):
-    failures: int = Field(
-        default=5, ge=1, description="consecutive connection errors, timeouts or 5xx that open the breaker"
-    )
-    open_s: float = Field(default=10.0, gt=0, description="no requests for this long, then one probe")
-
-
-class LimitsConfig(_Strict):
+class LimitsConfig(Strict):
     max_body_bytes: int = Field(
         default=32 * 2**20, ge=1, description="/v1/* request bodies larger than this are answered 413"
     )
@@ -659,7 +270,7 @@ class LimitsConfig(_Strict):
     )
 
 
-class RouterConfig(_Strict):
+class RouterConfig(Strict):
     models: list[ModelConfig] = Field(min_length=1, description="the models routed")
     block_size: int = Field(
         default=16, ge=1, description="the engines' KV block size in tokens (vLLM's --block-size)"

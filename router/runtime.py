@@ -27,8 +27,8 @@ import aiohttp
 
 from router import allocator, worker_threads
 from router.config import ConfigError, ModelConfig, RouterConfig, TokenizationConfig
-from router.discovery import Discovered, Discovery
 from router.discovery.merge import with_discovered
+from router.discovery.watcher import Discovered, Discovery
 from router.dispatch.answer.relay import Relay
 from router.dispatch.conductor import Conductor, Stages
 from router.dispatch.decide.decision import Decider, DeciderOptions, LocalTokenizer

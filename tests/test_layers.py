@@ -49,6 +49,13 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.tracing.config",
         "router.programs.settings",
         "router.shared.settings",
+        "router.settings_base",
+        "router.upstreams.settings",
+        "router.index.settings",
+        "router.discovery.settings",
+        "router.dispatch.wait.settings",
+        "router.dispatch.place.settings",
+        "router.http.settings",
     },
     {"router.prompt"},
     {

@@ -21,7 +21,8 @@ from typing import Literal
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.peers import DynamoCost
 from kvroute.simulate.policies import SIM_OBJECTIVES, ConfiguredPolicy
-from router.config import FlowControlConfig, RouterConfig
+from router.config import RouterConfig
+from router.dispatch.wait.settings import FlowControlConfig
 
 NO_AGING_TOKENS_PER_S = 1e12  # WSPT orders by work alone: waiting never outweighs a shorter prompt
 # The flag's default where it had one (1.1, 1.2; 16 in 1.3; off from 1.4, its value the user's).

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.peers import DynamoCost
 from kvroute.simulate.view import RouterView
-from router.config import UpstreamConfig
+from router.upstreams.settings import UpstreamConfig
 from scorers.request import NO_MATCH
 
 # ThunderAgentConfig's defaults, the flags' in the reference's table.

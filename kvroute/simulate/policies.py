@@ -16,9 +16,10 @@ from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView, instance_name
-from router.config import FlowControlConfig, RouterConfig, parse_config
+from router.config import RouterConfig, parse_config
 from router.dispatch.decide.decision import Decider, Prepared, uncached_at_best
 from router.dispatch.intake.engine_priority import engine_priority
+from router.dispatch.wait.settings import FlowControlConfig
 from router.dispatch.wait.waiting import PROGRAM_TICK_S
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics

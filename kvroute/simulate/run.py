@@ -18,10 +18,10 @@ from kvroute.simulate.pool import PoolStore
 from kvroute.simulate.results import RunResult, result_of
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
-from router.config import UpstreamConfig
 from router.dispatch.place.sending import RETRY_BACKOFF_S
 from router.dispatch.wait.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
 from router.dispatch.wait.memory_gate import MemoryGate
+from router.upstreams.settings import UpstreamConfig
 from scorers.ttft_model import TTFTPriors
 
 

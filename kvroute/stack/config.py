@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.config import ConfigError, KVConnector, Role, read_yaml, validated
+from router.config import ConfigError, Role, read_yaml, validated
+from router.dispatch.place.settings import KVConnector
 
 PYTHON_ENV = "KVROUTE_STACK_PYTHON"
 Port = Annotated[int, Field(ge=1, le=65535)]

@@ -3,11 +3,12 @@ endpoints of a Service's EndpointSlices, watched and applied to the running rout
 configuration's static instances (router/runtime.py).
 
 ```
+from router.discovery.watcher import Discovery
+
 discovery = Discovery(config.discovery, runtime.discovered, metrics)
 await supervise("discovery", discovery.run, 1.0, metrics.task_failures)  # a broken watch starts over
 ```
 """
 
-from router.discovery.watcher import Discovered, Discovery, FleetSink
-
-__all__ = ["Discovered", "Discovery", "FleetSink"]
+# The watcher is imported from router/discovery/watcher.py, not here: router/config.py imports this package's
+# settings, and the watcher imports router/config.py.

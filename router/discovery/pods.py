@@ -9,7 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import get_args
 
-from router.config import DiscoveryConfig, InstanceConfig, Role
+from router.config import InstanceConfig, Role
+from router.discovery.settings import DiscoveryConfig
 from router.discovery.wire import Pod
 
 HTTP_PORT, EVENTS_PORT, REPLAY_PORT = (

@@ -14,8 +14,9 @@ import ipaddress
 import re
 from typing import get_args
 
-from router.config import DiscoveryConfig, InstanceConfig, Role
+from router.config import InstanceConfig, Role
 from router.discovery.pods import instance_name
+from router.discovery.settings import DiscoveryConfig
 from router.discovery.wire import Endpoint, EndpointSlice
 
 HTTP_PORT, EVENTS_PORT, REPLAY_PORT = "http", "kv-events", "kv-replay"

@@ -17,9 +17,10 @@ from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
-from router.config import ConfigError, DiscoveryConfig, InstanceConfig, data_parallel_ranks
+from router.config import ConfigError, InstanceConfig, data_parallel_ranks
 from router.discovery.kube import Kube, KubeError, error, own_namespace
 from router.discovery.pods import PodError, instance_of
+from router.discovery.settings import DiscoveryConfig
 from router.discovery.slices import EndpointError, instance_of_endpoint
 from router.discovery.wire import (
     EndpointSlice,

@@ -15,8 +15,9 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse
 
-from router.config import MIN_TOKEN_LENGTH, AdminConfig, api_key
+from router.config import api_key
 from router.errors import OpenAIError, bad_request
+from router.http.settings import MIN_TOKEN_LENGTH, AdminConfig
 from router.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.config import ClientAuthConfig, client_api_keys
+from router.config import client_api_keys
 from router.dispatch.apis import KEY_HEADERS, presented_key
 from router.errors import anthropic_route, invalid_api_key
+from router.http.settings import ClientAuthConfig
 
 _GUARDED_PREFIX = "/v1/"
 

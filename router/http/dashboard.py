@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import HTMLResponse, JSONResponse
 
-from router.config import ObjectiveConfig
 from router.dispatch.wait.flow_gate import FlowGate
+from router.dispatch.wait.settings import ObjectiveConfig
 from router.http.admin import check_admin_token
 from router.index.figures import IndexFigures
 from router.index.holdings import Tier

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from router.settings_base import Strict
 
 
-class ProgramsConfig(BaseModel):
+class ProgramsConfig(Strict):
     """Agent programs: the turns of one session (its key: the session header, or what the agents' bodies
     carry) and the tool calls between them. The router keeps each program's KV working set at the instance
     of its last turn (its prompt's tokens) while a turn runs and, for a time-to-live learned from the tool
     calls it observes, while the program runs a tool; and it counts, at each next turn, whether that KV was
     still there. Read at start: a reload that changes it is refused (a restart applies it)."""
-
-    # As router/config.py's sections (which import this one, so not its base class): strict and frozen.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     enabled: bool = Field(default=True, description="follow programs (their metrics, on the dashboard)")
     max_programs: int = Field(

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from router.settings_base import Strict
 
 
-class SharedConfig(BaseModel):
+class SharedConfig(Strict):
     """Several routers in front of one fleet (replicas behind a load balancer) share what they must agree on
     through one Redis (or Valkey) server: each one's load in flight per instance, its flows' requests in
     flight and tokens sent (so a tenant's limits are one limit, not one per replica), and the conversations
     behind stored responses (a follow-up through another replica is routed with prefix knowledge). Replicas
     find each other there: nothing names the others. Without the store each carries on with what it knows.
     Read at start: a reload that changes it is refused (a restart applies it)."""
-
-    # As router/config.py's sections (which import this one, so not its base class): strict and frozen.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     url: str | None = Field(
         default=None,

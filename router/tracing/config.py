@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from router.settings_base import Strict
 
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 DEFAULT_SERVICE_NAME = "kvroute"
@@ -17,14 +19,11 @@ _TRACES_PATH = "/v1/traces"
 _PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 
 
-class TracingConfig(BaseModel):
+class TracingConfig(Strict):
     """OpenTelemetry spans for each request (the request, its steps, each attempt at an instance), exported
     over OTLP; the trace context sent to the engine is the attempt's span, so vLLM's own spans
     (--otlp-traces-endpoint) join the trace. Off unless an endpoint is set, here or in the environment.
     Read at start: a reload that changes it is refused (a restart applies it)."""
-
-    # As router/config.py's sections (which import this one, so not its base class): strict and frozen.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     endpoint: str | None = Field(
         default=None,

@@ -15,9 +15,9 @@ import aiohttp
 import msgspec
 
 from router.bounded_read import read_at_most
-from router.config import HealthConfig
 from router.metrics import RouterMetrics
 from router.upstreams.instances import Instance, Upstreams
+from router.upstreams.settings import HealthConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,13 +7,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.config import CircuitBreakerConfig, InstanceConfig, Role, RouterConfig, api_key
+from router.config import InstanceConfig, Role, RouterConfig, api_key
 from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.upstreams.circuit_breaker import CircuitBreaker
 from router.upstreams.context_residency import ContextResidency
 from router.upstreams.filters import HEALTHY, filtered
 from router.upstreams.inflight_blocks import InflightBlocks
 from router.upstreams.peer_load import NO_PEER_LOAD, PeerLoad
+from router.upstreams.settings import CircuitBreakerConfig
 from scorers._candidate_state import CandidateState
 from scorers.candidate import EngineLoad
 from scorers.request import RoutingRequest

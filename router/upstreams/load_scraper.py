@@ -18,8 +18,8 @@ from collections.abc import Callable
 import aiohttp
 
 from router.bounded_read import read_at_most
-from router.config import LoadConfig
 from router.upstreams.instances import Instance, Upstreams
+from router.upstreams.settings import LoadConfig
 from scorers.candidate import EngineLoad
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from router.config import DisaggregationConfig
 from router.dispatch.context import Received
 from router.dispatch.decide.decision import Decision, Prepared
 from router.dispatch.observe.outcome import BUSY, WHOLE, Asked, Outcome, Part
@@ -23,6 +22,7 @@ from router.dispatch.observe.routing_headers import ATTEMPTS_HEADER
 from router.dispatch.place.failures import REFUSED_CREDENTIALS
 from router.dispatch.place.prefill_leg import NoPrefill, PrefillLeg, Transfer, decode_leg_body
 from router.dispatch.place.sending import Outgoing, SendContext, Sent
+from router.dispatch.place.settings import DisaggregationConfig
 from router.dispatch.place.warm_up import WarmUpSender
 from router.errors import (
     RETRY_AFTER_S,

@@ -19,13 +19,13 @@ from typing import Any
 
 import msgspec
 
-from router.config import KVConnector
 from router.dispatch.context import Received
 from router.dispatch.decide.decision import Decision, Prepared
 from router.dispatch.observe.cached_tokens import reported_cached_tokens
 from router.dispatch.observe.outcome import BUSY, Asked, Outcome, Part
 from router.dispatch.place.failures import NOT_THE_REQUESTS_FAULT
 from router.dispatch.place.sending import Outgoing, SendContext, Sent
+from router.dispatch.place.settings import KVConnector
 from router.errors import upstream_timeout
 from router.tracing.spans import Trace
 from router.upstreams.instances import Instance

@@ -15,7 +15,6 @@ from typing import Literal, NamedTuple
 
 import aiohttp
 
-from router.config import UpstreamConfig
 from router.dispatch.decide.decision import Decider
 from router.dispatch.observe.outcome import Observers
 from router.dispatch.place.failures import DROPPED, NOT_CONNECTED
@@ -23,6 +22,7 @@ from router.dispatch.place.retry_budget import RetryBudget
 from router.upstreams.health import HealthChecker
 from router.upstreams.instances import Instance, Upstreams
 from router.upstreams.room import HasRoom
+from router.upstreams.settings import UpstreamConfig
 
 SentKind = Literal["answered", "not_connected", "dropped", "timed_out", "bad_answer"]
 RETRY_BACKOFF_S = 0.05  # before a retry, per instance tried, jittered

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from router.config import FlowControlConfig, ObjectiveConfig
 from router.dispatch.wait.flow_queue import FlowQueue, Queued
 from router.dispatch.wait.flows_elsewhere import FlowsElsewhere, flow_key, objective_key
 from router.dispatch.wait.saturation import Saturation
+from router.dispatch.wait.settings import FlowControlConfig, ObjectiveConfig
 
 T = TypeVar("T")
 # Whether some instance may take a request now, with (uncached tokens, context tokens) of requests let go and

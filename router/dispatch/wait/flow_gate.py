@@ -18,11 +18,11 @@ from functools import partial
 
 import xxhash
 
-from router.config import FlowControlConfig
 from router.dispatch.apis import KEY_HEADERS
 from router.dispatch.context import FlowTicket
 from router.dispatch.wait.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
 from router.dispatch.wait.flow_queue import Queued
+from router.dispatch.wait.settings import FlowControlConfig
 from router.errors import OpenAIError, too_many_requests
 from router.metrics import RouterMetrics
 from router.shared.slots import SharedSlots

@@ -32,9 +32,10 @@ from kvroute.simulate.results import RESULT_FIELDS
 from kvroute.simulate.run import RETRY_BACKOFF_S, DisaggregatedRun, Run, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
-from router.config import DisaggregationConfig, FlowControlConfig, FlowLimitsConfig
 from router.dispatch.decide.decision import Decision
 from router.dispatch.place.prefill_leg import PrefillLeg
+from router.dispatch.place.settings import DisaggregationConfig
+from router.dispatch.wait.settings import FlowControlConfig, FlowLimitsConfig
 from router.index.events import BlockRemoved, BlockStored, KVEvent
 from router.upstreams.instances import Instance, InstanceSetup
 from scorers.ttft_model import TTFTFeatures

@@ -7,8 +7,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.config import DiscoveryConfig
 from router.discovery.pods import PodError, instance_name, instance_of
+from router.discovery.settings import DiscoveryConfig
 from router.discovery.wire import Pod
 from tests.router.discovery.kube_api import pod
 

@@ -8,7 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.config import ConfigError, DiscoveryConfig, parse_config
+from router.config import ConfigError, parse_config
+from router.discovery.settings import DiscoveryConfig
 from router.discovery.slices import EndpointError, instance_of_endpoint
 from router.discovery.wire import Endpoint, EndpointSlice
 from tests.router.discovery.kube_api import endpoint, endpoint_slice

@@ -19,9 +19,10 @@ import pytest
 import yaml
 
 from kvroute.processes import FleetPorts, running_router
-from router.config import AdminConfig, parse_config
+from router.config import parse_config
 from router.dispatch.intake.routing_table import RoutingTable
 from router.http.admin import admin_token
+from router.http.settings import AdminConfig
 from router.reload import Reloader
 from router.runtime import Runtime
 from tests.conftest import metric, sample

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import Child, FleetPorts, free_port_block, running_fleet
-from router.config import LoadConfig, parse_config
+from router.config import parse_config
 from router.metrics import RouterMetrics
 from router.supervisor import supervise
 from router.upstreams.instances import Upstreams
@@ -25,6 +25,7 @@ from router.upstreams.load_scraper import (
     parse_pool_load_rate,
     parse_start_time,
 )
+from router.upstreams.settings import LoadConfig
 from scorers.candidate import EngineLoad
 from tests.conftest import ManualClock
 

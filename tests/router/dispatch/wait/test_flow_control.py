@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from router.config import FlowControlConfig, ObjectiveConfig
 from router.dispatch.wait.flow_control import Demand, FlowControl, Refused
 from router.dispatch.wait.flow_queue import FlowQueue, Queued
 from router.dispatch.wait.saturation import Saturation
+from router.dispatch.wait.settings import FlowControlConfig, ObjectiveConfig
 from router.upstreams.instances import Instance, InstanceSetup
 from tests.conftest import ManualClock
 
