@@ -32,6 +32,10 @@ from scorers.request import RoutingRequest
 # its program's runs (a side request, a subagent) is concurrent, and not a next turn.
 Found = Literal["first", "kept", "elsewhere", "lost", "unknown", "concurrent"]
 Counted = Literal["running", "tool_call"]
+# The most tool-call lapses, and the most idle programs forgotten, that one look at the clock handles: 65,536
+# programs lapsing at once held the event loop about 100 ms. The rest go at the next looks (each request's,
+# each scrape's); a program looked up meanwhile has its own lapse applied first (_lapse_if_due).
+EXPIRY_BATCH = 1_024
 
 
 @dataclass(slots=True)
@@ -118,7 +122,9 @@ class Programs:
         program = self._programs.get(session_key)
         if program is None:
             return False
-        self._expire(self._clock())
+        now = self._clock()
+        self._expire(now)
+        self._lapse_if_due(session_key, now)
         return program.counted is not None
 
     def __len__(self) -> int:
@@ -139,6 +145,8 @@ class Programs:
         if key is None:
             return None
         self._expire(sent_at)
+        self._lapse_if_due(key, sent_at)
+        self._forget_if_idle(key, sent_at)
         program = self._programs.get(key)
         found: Found = "concurrent"
         if program is None:
@@ -182,6 +190,8 @@ class Programs:
         """A peer router started a turn of the program at instance, its working set now tokens there."""
         now = self._clock()
         self._expire(now)
+        self._lapse_if_due(key, now)
+        self._forget_if_idle(key, now)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = Program(instance, tokens, now)
@@ -234,7 +244,9 @@ class Programs:
         counted there from now on. False: it is no longer in a tool call (its next turn came, or its
         time-to-live lapsed, or it was paused)."""
         program = self._programs.get(session_key)
-        self._expire(self._clock())
+        now = self._clock()
+        self._expire(now)
+        self._lapse_if_due(session_key, now)
         if program is None or program.counted != "tool_call":
             return False
         # Counted again, it is the last of those in a tool call: it lapses once those before it have, moments
@@ -298,26 +310,48 @@ class Programs:
 
     def _expire(self, now: float) -> None:
         ttl = self.tool_calls.ttl_s
-        while self._in_tool_calls:
+        for _ in range(EXPIRY_BATCH):
+            if not self._in_tool_calls:
+                break
             key, began = next(iter(self._in_tool_calls.items()))
             if now - began <= ttl:
                 break
-            self.tool_calls.tool_call_ended(next_turn=False)
-            self._uncount(key, self._programs[key])
+            self._lapse(key)
+
+    def _lapse_if_due(self, key: str, now: float) -> None:
+        """The program's tool call lapsed, if past the time-to-live, though earlier ones wait for a look."""
+        began = self._in_tool_calls.get(key)
+        if began is not None and now - began > self.tool_calls.ttl_s:
+            self._lapse(key)
+
+    def _lapse(self, key: str) -> None:
+        self.tool_calls.tool_call_ended(next_turn=False)
+        self._uncount(key, self._programs[key])
+
+    def _forget_if_idle(self, key: str, now: float) -> None:
+        """The program forgotten, if idle past its end, though earlier ones wait for a look."""
+        program = self._programs.get(key)
+        if program is not None and now - program.last_seen > self._settings.idle_end_s:
+            self._forget(key, program)
 
     def _forget_idle(self, now: float) -> None:
         settings = self._settings
-        while self._programs:
+        for _ in range(EXPIRY_BATCH):
+            if not self._programs:
+                break
             key, program = next(iter(self._programs.items()))
             if (
                 now - program.last_seen <= settings.idle_end_s
                 and len(self._programs) <= settings.max_programs
             ):
                 break
-            self._uncount(key, program)
-            if program.paused:
-                self._resumed(program)
-            del self._programs[key]
+            self._forget(key, program)
+
+    def _forget(self, key: str, program: Program) -> None:
+        self._uncount(key, program)
+        if program.paused:
+            self._resumed(program)
+        del self._programs[key]
 
     def _resumed(self, program: Program) -> None:
         program.paused = False

@@ -9,7 +9,7 @@ import pytest
 
 from router.metrics import RouterMetrics
 from router.programs.settings import ProgramsConfig
-from router.programs.table import Programs, WorkingSets
+from router.programs.table import EXPIRY_BATCH, Programs, WorkingSets
 from scorers.request import RoutingRequest, TierMatch
 from tests.conftest import ManualClock
 
@@ -121,6 +121,30 @@ def test_programs_idle_past_their_end_or_beyond_the_most_followed_are_forgotten(
     clock.now += 61
     table.expire()
     assert len(table) == 0 and table.working_sets() == {"a": WorkingSets()}
+
+
+def test_a_mass_lapse_is_spread_over_looks_but_a_program_looked_up_lapses_at_once() -> None:
+    table, clock, metrics = programs(idle_end_s=100)
+    batch, count = EXPIRY_BATCH, 4 * EXPIRY_BATCH
+    for n in range(count):
+        table.turn_started(turn(f"s{n}", 100), "a", clock.now)
+        table.turn_ended(f"s{n}")
+    clock.now += table.tool_calls.ttl_s + 1  # every tool call lapses at once: a batch a look
+    table.expire()
+    assert table.at("a") == WorkingSets(tool_call=3 * batch, tokens=3 * batch * 100)
+    last = f"s{count - 1}"
+    assert not table.alive(last)  # a batch more, and its own lapse, though earlier ones wait
+    assert table.at("a") == WorkingSets(tool_call=2 * batch - 1, tokens=(2 * batch - 1) * 100)
+    # A next turn past the time-to-live, counted as one, though a batch of lapses before its own still waits.
+    assert table.turn_started(turn(f"s{count - 2}", 200), "a", clock.now) == "lost"
+    assert turns(metrics, "lost", "past_ttl") == 1
+    assert table.at("a") == WorkingSets(running=1, tool_call=batch - 2, tokens=200 + (batch - 2) * 100)
+    table.expire()
+    assert table.at("a") == WorkingSets(running=1, tokens=200)
+    clock.now += 101  # idle past their end: forgotten a batch a look, one turning up again at once
+    table.expire()
+    assert len(table) == count - batch
+    assert table.turn_started(turn(last, 100), "a", clock.now) == "first"
 
 
 def test_a_turn_ended_for_a_program_forgotten_meanwhile_counts_nothing() -> None:
