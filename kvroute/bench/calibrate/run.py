@@ -143,8 +143,8 @@ def engines_config(config_path: Path, pool: bool) -> StackConfig:
 
 def _pinned(instance: InstanceSection, index: int) -> InstanceSection:
     """The instance's compute threads on a core of its own, as each simulated instance has hardware of its
-    own: two engines left to share the cores took 5x their one-engine times (the check's TTFT median error
-    82% without the pool; 24% pinned)."""
+    own: two engines left to share the cores took 5x their one-engine times (the pool check's TTFT median
+    error 79-81%; 24-32% pinned)."""
     core = sorted(os.sched_getaffinity(0))[index]
     return instance.model_copy(update={"env": {**instance.env, OMP_BIND: str(core)}})
 
