@@ -34,7 +34,7 @@ Found = Literal["first", "kept", "elsewhere", "lost", "unknown", "concurrent"]
 Counted = Literal["running", "tool_call"]
 # The most tool-call lapses, and the most idle programs forgotten, that one look at the clock handles: 65,536
 # programs lapsing at once held the event loop about 100 ms. The rest go at the next looks (each request's,
-# each scrape's); a program looked up meanwhile has its own lapse applied first (_lapse_if_due).
+# each scrape's); a program looked up meanwhile has its own lapse applied first (_expire's looked_up).
 EXPIRY_BATCH = 1_024
 
 
@@ -123,8 +123,7 @@ class Programs:
         if program is None:
             return False
         now = self._clock()
-        self._expire(now)
-        self._lapse_if_due(session_key, now)
+        self._expire(now, session_key)
         return program.counted is not None
 
     def __len__(self) -> int:
@@ -144,8 +143,7 @@ class Programs:
         key = request.session_key
         if key is None:
             return None
-        self._expire(sent_at)
-        self._lapse_if_due(key, sent_at)
+        self._expire(sent_at, key)
         self._forget_if_idle(key, sent_at)
         program = self._programs.get(key)
         found: Found = "concurrent"
@@ -189,8 +187,7 @@ class Programs:
     def started_elsewhere(self, key: str, instance: str, tokens: int) -> None:
         """A peer router started a turn of the program at instance, its working set now tokens there."""
         now = self._clock()
-        self._expire(now)
-        self._lapse_if_due(key, now)
+        self._expire(now, key)
         self._forget_if_idle(key, now)
         program = self._programs.get(key)
         if program is None:
@@ -245,8 +242,7 @@ class Programs:
         time-to-live lapsed, or it was paused)."""
         program = self._programs.get(session_key)
         now = self._clock()
-        self._expire(now)
-        self._lapse_if_due(session_key, now)
+        self._expire(now, session_key)
         if program is None or program.counted != "tool_call":
             return False
         # Counted again, it is the last of those in a tool call: it lapses once those before it have, moments
@@ -308,7 +304,9 @@ class Programs:
         program.counted = None
         self._changed.add(program.instance)
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float, looked_up: str | None = None) -> None:
+        """The tool calls past the time-to-live lapsed, the earliest first, a batch at a time; and the one of
+        the program looked_up, if past it, though earlier ones wait for the next look."""
         ttl = self.tool_calls.ttl_s
         for _ in range(EXPIRY_BATCH):
             if not self._in_tool_calls:
@@ -317,12 +315,8 @@ class Programs:
             if now - began <= ttl:
                 break
             self._lapse(key)
-
-    def _lapse_if_due(self, key: str, now: float) -> None:
-        """The program's tool call lapsed, if past the time-to-live, though earlier ones wait for a look."""
-        began = self._in_tool_calls.get(key)
-        if began is not None and now - began > self.tool_calls.ttl_s:
-            self._lapse(key)
+        if looked_up is not None and now - self._in_tool_calls.get(looked_up, now) > ttl:
+            self._lapse(looked_up)
 
     def _lapse(self, key: str) -> None:
         self.tool_calls.tool_call_ended(next_turn=False)

@@ -134,18 +134,18 @@ def engines_config(config_path: Path, pool: bool) -> StackConfig:
         raise ValueError(f"--pool: {config_path} has no pool section")
     instances = POOL_INSTANCES if pool else 1
     update: dict[str, Any] = {"instances": instances}
-    if pool and not config.vllm.per_instance and len(os.sched_getaffinity(0)) >= instances:
-        update["per_instance"] = [_pinned(config.vllm.instance(n), n) for n in range(instances)]
+    cores = sorted(os.sched_getaffinity(0))
+    if pool and not config.vllm.per_instance and len(cores) >= instances:
+        update["per_instance"] = [_pinned(config.vllm.instance(n), cores[n]) for n in range(instances)]
     vllm = config.vllm.model_copy(update=update)
     config = config.model_copy(update={"pool": config.pool if pool else None, "vllm": vllm})
     return config.with_ports(free_port_block(config.port_count()))
 
 
-def _pinned(instance: InstanceSection, index: int) -> InstanceSection:
-    """The instance's compute threads on a core of its own, as each simulated instance has hardware of its
-    own: two engines left to share the cores took 5x their one-engine times (the pool check's TTFT median
-    error 79-81%; 24-32% pinned)."""
-    core = sorted(os.sched_getaffinity(0))[index]
+def _pinned(instance: InstanceSection, core: int) -> InstanceSection:
+    """The instance's compute threads on core, one of its own, as each simulated instance has hardware of
+    its own: two engines left to share the cores took 5x their one-engine times (the pool check's TTFT
+    median error 79-81%; 24-32% pinned)."""
     return instance.model_copy(update={"env": {**instance.env, OMP_BIND: str(core)}})
 
 
