@@ -99,9 +99,11 @@ def test_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(st
             f"keys failed to load, {hit.reply.headers.get('x-kvroute-attempts')} attempts, TTFT {hit.reply.ttft_s:.1f}s"
         )
         if hit.failed_pool_keys:
-            # A load that failed (a Mooncake get timing out on a loaded machine) is looked up and counted
-            # again under kv_load_failure_policy=recompute: each lookup still found the whole prefix.
-            assert hit.external_hit_tokens % loadable == 0 and hit.external_hit_tokens >= loadable, seen
+            # A load that failed (a Mooncake get timing out on a loaded machine) is rescheduled under
+            # kv_load_failure_policy=recompute and looked up again; the second lookup finds what the pool
+            # still answers for, from nothing (the master unreachable) to the whole prefix. The first lookup
+            # found the whole prefix, and the request was still answered.
+            assert hit.external_hit_tokens >= loadable and "[DONE]" in hit.reply.body, seen
         else:
             assert hit.external_hit_tokens == loadable, seen
             # One key a block: what the router's pool load rate (seconds a token) divides by.
