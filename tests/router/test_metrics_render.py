@@ -12,19 +12,16 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 
 import pytest
-import uvicorn
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 import router.runtime
 from kvroute.processes import free_port_block
-from router.config import parse_config
-from router.http.app import create_app
 from router.index.figures import IndexFigures
 from router.index.index_metrics import IndexCollector
 from router.metrics import RouterMetrics
-from router.upstreams.http_session import server_config
 from tests.router.fake_upstreams import only_instance
+from tests.support import in_process
 from tests.support.waiting import eventually
 
 SLOW_S = 1.5
@@ -131,18 +128,8 @@ def _router_with(collector: Collector, monkeypatch: pytest.MonkeyPatch) -> Itera
             self.registry.register(collector)
 
     monkeypatch.setattr(router.runtime, "RouterMetrics", WithCollector)
-    app = create_app(parse_config(only_instance("nowhere", free_port_block(1))))
-    port = free_port_block(1)
-    server = uvicorn.Server(server_config(app.asgi, "127.0.0.1", port))
-    thread = threading.Thread(target=server.run, name="router", daemon=True)
-    thread.start()
-    try:
-        eventually(lambda: server.started, what="the router to start")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the router did not stop"
+    with in_process.serving(only_instance("nowhere", free_port_block(1))) as url:
+        yield url
 
 
 def _get(url: str) -> tuple[int, bytes]:

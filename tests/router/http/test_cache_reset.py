@@ -10,7 +10,6 @@ import contextlib
 import functools
 import json
 import socket
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,15 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import pytest
-import uvicorn
 
 import router.http.app
 from kvroute.processes import FleetPorts, free_port_block, running_fleet
-from router.config import parse_config
-from router.http.app import create_app
 from router.http.cache_reset import RESET_TIMEOUT_S, cache_reset_routes
-from router.upstreams.http_session import server_config
 from tests.conftest import instance_url, sample
+from tests.support import in_process
 from tests.support.http import get_json, post
 from tests.support.waiting import eventually
 
@@ -53,19 +49,8 @@ def serving(
     """The router of raw, its resets waiting timeout_s for each engine, on a free port; yields its URL."""
     routes = functools.partial(cache_reset_routes, timeout_s=timeout_s)
     monkeypatch.setattr(router.http.app, "cache_reset_routes", routes)
-    app = create_app(parse_config(raw))
-    port = free_port_block(1)
-    server = uvicorn.Server(server_config(app.asgi, "127.0.0.1", port))
-    thread = threading.Thread(target=server.run, name="router", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        eventually(lambda: server.started, what="the router to start")
+    with in_process.serving(raw) as url:
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the router did not stop"
 
 
 def call(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
