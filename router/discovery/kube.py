@@ -13,12 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import msgspec
-from kubernetes_asyncio import client, config
 
 from router.discovery.wire import Status
+
+if TYPE_CHECKING:
+    from kubernetes_asyncio import client
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 WATCH_TIMEOUT_S = 300  # the server ends a watch after this; it is resumed from where it stood
@@ -48,6 +51,10 @@ class Kube:
     async def connect(cls, kubeconfig: str | None) -> Kube:
         """kubeconfig: that file; None: the pod's service account when in a pod, else $KUBECONFIG or
         ~/.kube/config."""
+        # Imported here, by a router that discovers: importing the client takes half a second of every
+        # other router's start.
+        from kubernetes_asyncio import client, config
+
         configuration = client.Configuration()
         try:
             if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
@@ -97,6 +104,8 @@ class Kube:
     async def _request(
         self, path: str, query: dict[str, str], limits: aiohttp.ClientTimeout
     ) -> aiohttp.ClientResponse:
+        from kubernetes_asyncio.client import ApiException  # imported by connect() already
+
         try:
             response: aiohttp.ClientResponse = await self._api.call_api(
                 path,
@@ -108,7 +117,7 @@ class Kube:
                 _request_timeout=limits,
                 _return_http_data_only=True,
             )
-        except (aiohttp.ClientError, TimeoutError, client.ApiException) as exc:
+        except (aiohttp.ClientError, TimeoutError, ApiException) as exc:
             raise KubeError(f"GET {path}: {exc!r}") from exc
         if response.status >= 400:
             body = await response.read()
