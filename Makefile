@@ -94,7 +94,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 test: model lint stack-env browser bench-tools stores chart-tools agent-clis image
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --no-loadscope-reorder  # two workers: tests/support/scheduling.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build router/*/_*.c router/*/_*.so scorers/_*.c scorers/_*.so

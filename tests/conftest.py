@@ -6,12 +6,14 @@ import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from router.prompt.tokenization import PromptTokenizer
+from tests.support.scheduling import EnginesTogether, starts_engines
 from tinymodel.builder import ensure_model
 
 INSTANCES = 3
@@ -93,3 +95,15 @@ def ipv6_loopback() -> bool:
         except OSError:
             return False
     return True
+
+
+# `make test` runs the tests on two workers (pytest-xdist, `-n 2`), each file whole on one of them; those that
+# start real engines (tests/stack: vLLM and Mooncake; the container image) all on one, one after another and
+# first: two stacks at once would not fit two cores (tests/support/scheduling.py).
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> EnginesTogether:
+    return EnginesTogether(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not starts_engines(item.nodeid))  # stable: each part keeps its order
