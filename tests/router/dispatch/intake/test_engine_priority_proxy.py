@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
-from tests.conftest import sample
+from tests.conftest import instance_url, sample
 from tests.support.http import post
 from tests.support.waiting import eventually
 
@@ -59,7 +59,12 @@ def test_an_interactive_request_jumps_the_engines_queue_of_batch_requests(
             time.sleep(0.05)  # and reached the engine's queue
             return thread
 
-        threads = [sent("running", 1, 20, "batch", 1)]  # 0.4 s of decode
+        # 3 s of decode: the others must all be queued before it ends, and each is sent only once the
+        # router's /metrics shows the one before (slow when another test run shares the cores).
+        threads = [sent("running", 1, 150, "batch", 1)]
+        # Running at the engine before the others come, not waiting among them (a busy engine's step is late).
+        engine_url = instance_url(ports, 0)
+        eventually(lambda: sample(engine_url, "vllm:num_requests_running") == 1, what="running at the engine")
         threads += [sent(f"batch-{n}", 2 + n, 20, "batch", 2 + n) for n in range(BATCH)]
         threads.append(sent("interactive", 9, 1, "interactive", 2 + BATCH))
         for thread in threads:
