@@ -97,13 +97,23 @@ def ipv6_loopback() -> bool:
     return True
 
 
-# `make test` runs the tests on two workers (pytest-xdist, `-n 2`), each file whole on one of them; those that
-# start real engines (tests/stack: vLLM and Mooncake; the container image) all on one, one after another and
-# first: two stacks at once would not fit two cores (tests/support/scheduling.py).
+# `make test` runs the tests on two workers, the real engines' on one of them (tests/support/scheduling.py).
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> EnginesTogether:
     return EnginesTogether(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The scheduler sees node ids only, so it goes by path: a test marked as starting real engines elsewhere
+    # would run beside the stack.
+    strays = [
+        item.nodeid
+        for item in items
+        if any(item.get_closest_marker(marker) for marker in ("stack", "image"))
+        and not starts_engines(item.nodeid)
+    ]
+    if strays:
+        raise pytest.UsageError(
+            f"marked stack or image, outside tests/support/scheduling.py's paths: {strays}"
+        )
     items.sort(key=lambda item: not starts_engines(item.nodeid))  # stable: each part keeps its order
