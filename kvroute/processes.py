@@ -171,15 +171,33 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 # Below Linux's default ephemeral range (32768-60999): a port the kernel hands to an outgoing connection
 # cannot then be taken from a server started, killed and restarted on it.
 _SERVER_PORTS = range(20000, 32768)
+# "FIRST-LAST": where processes sharing a machine (test workers) each take ports apart from the others.
+PORT_RANGE_ENV = "KVROUTE_SERVER_PORTS"
+# Handed out by this process: a port chosen but not yet listened on (or kept free on purpose, as a dead
+# instance's) still probes free, and must not be handed out again.
+_handed_out: set[int] = set()
+
+
+def server_ports() -> range:
+    """The ports servers are started on: the environment's range, else the default below the ephemeral one."""
+    spec = os.environ.get(PORT_RANGE_ENV)
+    if not spec:
+        return _SERVER_PORTS
+    first, _, last = spec.partition("-")
+    return range(int(first), int(last) + 1)
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
-    """A base port with count consecutive ports free right now."""
+    """A base port with count consecutive ports free right now and not handed out before by this process."""
+    ports = server_ports()
     for _ in range(200):
-        base = random.randrange(_SERVER_PORTS.start, _SERVER_PORTS.stop - count)
-        if all(port_free(base + offset, host) for offset in range(count)):
+        block = range(base := random.randrange(ports.start, ports.stop - count), base + count)
+        if _handed_out.isdisjoint(block) and all(port_free(port, host) for port in block):
+            if sum(port in ports for port in _handed_out) > len(ports) // 2:
+                _handed_out.difference_update(ports)  # those handed out long ago are listened on, or gone
+            _handed_out.update(block)
             return base
-    raise StartupError(f"no block of {count} free ports")
+    raise StartupError(f"no block of {count} free ports in {ports.start}-{ports.stop - 1}")
 
 
 @dataclass(frozen=True)

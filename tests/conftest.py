@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import urllib.request
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.processes import FleetPorts, running_fleet, running_router
+from kvroute.processes import PORT_RANGE_ENV, FleetPorts, running_fleet, running_router, server_ports
 from router.prompt.tokenization import PromptTokenizer
 from tests.support.scheduling import EnginesTogether, starts_engines
 from tinymodel.builder import ensure_model
@@ -101,6 +102,18 @@ def ipv6_loopback() -> bool:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> EnginesTogether:
     return EnginesTogether(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Each worker, and every process it starts, picks its servers' ports from a range of its own: two
+    # workers probing the same free port would both start a server on it.
+    worker = getattr(config, "workerinput", None)
+    if worker is None or PORT_RANGE_ENV in os.environ:
+        return
+    ports, index, count = server_ports(), int(worker["workerid"].removeprefix("gw")), worker["workercount"]
+    share = len(ports) // count
+    first = ports.start + index * share
+    os.environ[PORT_RANGE_ENV] = f"{first}-{first + share - 1}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
