@@ -173,9 +173,10 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 _SERVER_PORTS = range(20000, 32768)
 # "FIRST-LAST": where processes sharing a machine (test workers) each take ports apart from the others.
 PORT_RANGE_ENV = "KVROUTE_SERVER_PORTS"
-# Handed out by this process: a port chosen but not yet listened on (or kept free on purpose, as a dead
-# instance's) still probes free, and must not be handed out again.
-_handed_out: set[int] = set()
+# Where this process hands out its next block: ports are handed out in turn from a random start, so a port
+# chosen but not yet listened on (or kept free on purpose, as a dead instance's) is not handed out again
+# until the range has gone round.
+_next_port: int | None = None  # None: not yet chosen
 
 
 def server_ports() -> range:
@@ -188,15 +189,24 @@ def server_ports() -> range:
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
-    """A base port with count consecutive ports free right now and not handed out before by this process."""
+    """A base port with count consecutive ports free right now, the next such block in this process's turn."""
+    global _next_port
     ports = server_ports()
-    for _ in range(200):
-        block = range(base := random.randrange(ports.start, ports.stop - count), base + count)
-        if _handed_out.isdisjoint(block) and all(port_free(port, host) for port in block):
-            if sum(port in ports for port in _handed_out) > len(ports) // 2:
-                _handed_out.difference_update(ports)  # those handed out long ago are listened on, or gone
-            _handed_out.update(block)
+    if count > len(ports):
+        raise StartupError(f"no block of {count} ports in {ports.start}-{ports.stop - 1}")
+    base = (
+        random.randrange(ports.start, ports.stop)
+        if _next_port is None or _next_port not in ports
+        else _next_port
+    )
+    for _ in range(2 * len(ports)):  # each step passes at least one port: twice round, at most
+        if base + count > ports.stop:
+            base = ports.start
+        busy = next((port for port in range(base, base + count) if not port_free(port, host)), None)
+        if busy is None:
+            _next_port = base + count if base + count < ports.stop else ports.start
             return base
+        base = busy + 1
     raise StartupError(f"no block of {count} free ports in {ports.start}-{ports.stop - 1}")
 
 

@@ -18,6 +18,14 @@ def test_a_port_handed_out_and_not_yet_listened_on_is_not_handed_out_again(
     assert len(set(ports)) == 16 and all(29000 <= port <= 29039 for port in ports)
 
 
+def test_a_large_block_is_found_after_many_small_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PORT_RANGE_ENV, "27000-29099")  # a test worker's share, less than a third of it
+    for _ in range(100):
+        free_port_block(1)
+    base = free_port_block(2000)
+    assert 27000 <= base and base + 2000 <= 29100
+
+
 def test_the_environment_gives_each_worker_its_own_range(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PORT_RANGE_ENV, "21000-21999")
     assert server_ports() == range(21000, 22000)
