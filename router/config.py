@@ -71,6 +71,12 @@ class ModelConfig(Strict):
         description="the engines run with vLLM's --exclude-tools-when-tool-choice-none: a chat whose "
         'tool_choice is "none" is rendered without its tools (for an adapter, its base\'s)',
     )
+    dtype: Literal["float32", "float", "float16", "half", "bfloat16"] | None = Field(
+        default=None,
+        description="the engines' --dtype as they resolved it (their log's dtype=): a completion's "
+        "prompt_embeds are cast to it and hashed as vLLM keys their blocks (default: unknown, such "
+        "completions are routed by load; for an adapter, its base's)",
+    )
     lora_of: str | None = Field(
         default=None,
         min_length=1,
@@ -80,7 +86,12 @@ class ModelConfig(Strict):
 
 
 # An adapter runs on its base's engines: their settings are its own unless it states them.
-_INHERITED_BY_ADAPTERS = ("pool_cache_prefix", "pool_store_namespace", "exclude_tools_when_tool_choice_none")
+_INHERITED_BY_ADAPTERS = (
+    "pool_cache_prefix",
+    "pool_store_namespace",
+    "exclude_tools_when_tool_choice_none",
+    "dtype",
+)
 
 
 class TokenizationConfig(Strict):

@@ -61,6 +61,7 @@ from router.metrics import RouterMetrics
 from router.programs.shared import ProgramTurnsShared
 from router.programs.table import Programs, followed
 from router.prompt.multimodal.fetch import ImageFetcher
+from router.prompt.prompt_embeds import DTYPE_NAMES
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
@@ -560,6 +561,7 @@ class Runtime:
             self.programs,
             lambda model: model_roots(model, self.upstreams.instances),
             self._images,
+            {m.name: DTYPE_NAMES[m.dtype] for m in config.models if m.dtype is not None},
         )
         return Decider(
             self.routing_index, self.tokenizers, config.block_size, self.metrics, remote_tokenizer, options

@@ -151,14 +151,19 @@ def pick_ports(args: argparse.Namespace) -> None:
         s.close()
 
 
-def vllm_flags(model_dir: str, args: argparse.Namespace) -> list[str]:
-    kv_events = {
+def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's --kv-events-config: publishing to the sink's port, with a replay endpoint."""
+    return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://127.0.0.1:{args.event_port}",
         "replay_endpoint": f"tcp://127.0.0.1:{args.replay_port}",
         "topic": TOPIC,
     }
+
+
+def vllm_flags(model_dir: str, args: argparse.Namespace) -> list[str]:
+    kv_events = kv_events_config(args)
     flags = [
         "--model",
         model_dir,

@@ -41,6 +41,7 @@ from capture_vllm_fixtures import (  # noqa: E402
     EventSink,
     add_vllm_options,
     http,
+    kv_events_config,
     log,
     pick_ports,
     stop_vllm,
@@ -105,13 +106,7 @@ def build_adapter(vllm_python: str, model_dir: str, target: Path) -> None:
 
 
 def vllm_flags(model_dir: str, lora_dir: str, args: argparse.Namespace) -> list[str]:
-    kv_events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{args.event_port}",
-        "replay_endpoint": f"tcp://127.0.0.1:{args.replay_port}",
-        "topic": TOPIC,
-    }
+    kv_events = kv_events_config(args)
     return [
         *("--model", model_dir, "--served-model-name", MODEL),
         *("--host", "127.0.0.1", "--port", str(args.port)),

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
 import xxhash
@@ -32,6 +32,7 @@ from router.prompt.multimodal.fetch import ImageFetcher
 from router.prompt.multimodal.layouts import Idefics3Layout
 from router.prompt.multimodal.prompt import remote_image_urls
 from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
+from router.prompt.prompt_embeds import EngineDtype, embedded_prompt
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.responses_chat import ChatTokenizer
 from router.prompt.template_inputs import TemplateInputs
@@ -57,6 +58,18 @@ class TruncatedPrompt(Exception):
 
 class UnreproducibleTemplate(Exception):
     """The request feeds the chat template inputs the router cannot render as the engine will."""
+
+
+class UnknownEngineDtype(Exception):
+    """prompt_embeds for a model whose engines' dtype is not configured: their blocks' keys cannot be told."""
+
+
+class KeyedPrompt(NamedTuple):
+    """The prompt's token ids as the engine will see them, and what keys its blocks besides them."""
+
+    ids: list[int]
+    images: Sequence[Placed] = ()  # placed in the ids
+    embeds: Sequence[bytes] = ()  # each full block's digest of its prompt_embeds rows
 
 
 class LocalTokenizer(ChatTokenizer, Protocol):
@@ -128,6 +141,8 @@ class DeciderOptions:
     # A model's --model on its instances, as they report it: what vLLM hashes its images with.
     model_roots: Callable[[str], Sequence[str]] = lambda model: ()
     images: ImageFetcher | None = None  # fetches the images chats give by URL (None: routed by load)
+    # Each model's engines' dtype, which a completion's prompt_embeds are cast to and hashed in.
+    embeds_dtypes: Mapping[str, EngineDtype] = field(default_factory=dict)
 
 
 class Decider:
@@ -162,6 +177,7 @@ class Decider:
         self._programs = options.programs
         self._model_roots = options.model_roots
         self._images = options.images
+        self._embeds_dtypes = options.embeds_dtypes
 
     async def prepare(
         self,
@@ -179,17 +195,19 @@ class Decider:
             session_key = xxhash.xxh3_64_hexdigest(session_key.encode())
         try:
             with trace.step("tokenize") as step:  # a failure is the span's error
-                ids, images = await self._prompt(body, off_loop) if tokenize else ([], [])
-                step.set("kvroute.prompt_tokens", len(ids))
+                keyed = await self._prompt(body, off_loop) if tokenize else KeyedPrompt([])
+                step.set("kvroute.prompt_tokens", len(keyed.ids))
         except Exception as exc:  # a template's raise_exception, a bad tool schema, a /tokenize failure...
             # The engine is the judge of what it accepts; the router routes without prefix knowledge.
             log.debug("routing without prefix knowledge: %r", exc)
             self._metrics.untokenized(type(exc).__name__).inc()
-            ids, images = [], []
+            keyed = KeyedPrompt([])
+        ids = keyed.ids
         lora_name = body.model if body.model in self._adapters else None
         with trace.step("lookup") as step:
-            if images:  # each block its images' keys, as the engine's events give them
-                chain = multimodal_chain(ids, self._block_size, images, lora_name, body.cache_salt)
+            if keyed.images or keyed.embeds:  # each block its own keys, as the engine's events give them
+                extra = (keyed.images, lora_name, body.cache_salt, keyed.embeds)
+                chain = multimodal_chain(ids, self._block_size, *extra)
             else:
                 key = block_hashing.prompt_key(body.cache_salt, lora_name)
                 chain = block_hashing.prompt_chain(ids, self._block_size, key) if ids else []
@@ -328,20 +346,17 @@ class Decider:
         self._audit.close()
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _prompt(
-        self, body: ChatRequest | CompletionRequest, off_loop: bool
-    ) -> tuple[list[int], list[Placed]]:
+    async def _prompt(self, body: ChatRequest | CompletionRequest, off_loop: bool) -> KeyedPrompt:
         """The prompt's token ids as the engine will see them, and its images placed in them: a chat with
         images, of a model whose images are laid out here, is rendered here whatever it carries (tools too:
         an instance's /tokenize would give its ids without its images' keys)."""
+        if isinstance(body, CompletionRequest):
+            if body.prompt is None:
+                return await self._embedded(body, off_loop)
+            return KeyedPrompt(await self._token_ids(body, off_loop))
         local = self._tokenizers.get(body.model)
-        if (
-            isinstance(body, CompletionRequest)
-            or local is None
-            or local.image_layout is None
-            or not has_image_parts(body.messages)
-        ):
-            return await self._token_ids(body, off_loop), []
+        if local is None or local.image_layout is None or not has_image_parts(body.messages):
+            return KeyedPrompt(await self._token_ids(body, off_loop))
         if body.truncate_prompt_tokens is not None:
             raise TruncatedPrompt("the engine keeps only the prompt's last tokens")
         if body.documents is not None or body.chat_template is not None:
@@ -359,7 +374,22 @@ class Decider:
                 raise InvalidPrompt("images given by URL are not fetched (tokenization.image_url_domains)")
             fetched = await self._images.fetch_all(urls)
         chat = (roots[0], body.messages, flags, inputs, fetched)
-        return await self._local(off_loop, local.chat_with_images, *chat)
+        return KeyedPrompt(*await self._local(off_loop, local.chat_with_images, *chat))
+
+    async def _embedded(self, body: CompletionRequest, off_loop: bool) -> KeyedPrompt:
+        """A completion given as prompt_embeds: one position per row, each token id 0 (vLLM's)."""
+        if body.truncate_prompt_tokens is not None:
+            raise TruncatedPrompt("the engine keeps only the prompt's last positions")
+        embeds = body.prompt_embeds
+        if isinstance(embeds, list) and len(embeds) == 1:
+            embeds = embeds[0]
+        if not isinstance(embeds, str):
+            raise InvalidPrompt("prompt_embeds are several prompts, or not base64")
+        dtype = self._embeds_dtypes.get(body.model)
+        if dtype is None:
+            raise UnknownEngineDtype(f"models[{body.model}].dtype is not set")
+        prompt = await self._local(off_loop, embedded_prompt, embeds, dtype, self._block_size)
+        return KeyedPrompt([0] * prompt.positions, embeds=prompt.block_digests)
 
     def _tools_rendered(self, body: ChatRequest) -> ChatRequest:
         """body with the tools its engine renders: none for a tool_choice "none" on a model run with
@@ -374,8 +404,6 @@ class Decider:
             raise TruncatedPrompt("the engine keeps only the prompt's last tokens")
         local = self._tokenizers.get(body.model)
         if isinstance(body, CompletionRequest):
-            if body.prompt is None:  # embeddings only: nothing the index keys
-                return []
             if local is not None:
                 return await self._local(off_loop, local.completion_ids, body.prompt, body.add_special_tokens)
             remote = self._remote(body.model)

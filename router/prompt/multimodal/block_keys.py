@@ -4,7 +4,8 @@
 A block holds an item when their token ranges overlap (an item's range is its whole placeholder, the tokens
 around its embeddings included). For each such item, in the order of their offsets, the block's keys carry
 ``[identifier, item offset - block start]``: negative in every block after the one the item starts in. A LoRA
-adapter's name comes before them in every block, a cache salt after them in the first. The router mixes each
+adapter's name comes before them in every block, a cache salt after them in the first, and last, for a prompt
+given as embeddings, the digest of the block's rows (router/prompt/prompt_embeds.py). The router mixes each
 block's keys into its hash exactly as it does an event's (router/prompt/block_hashing.py ``chain``), so the
 prompt's hashes equal those the index keeps for the engine's blocks.
 """
@@ -31,8 +32,10 @@ def block_extra_keys(
     block_size: int,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    embeds: Sequence[bytes] = (),
 ) -> list[list[Any] | None]:
-    """Each full block's extra keys as the engine's BlockStored announces them (None: none)."""
+    """Each full block's extra keys as the engine's BlockStored announces them (None: none); embeds: each full
+    block's digest of its prompt_embeds rows."""
     keys: list[list[Any] | None] = []
     ordered = sorted(items, key=lambda item: item.offset)
     first = 0  # the first item that may still overlap a block: items end in offset order too
@@ -47,6 +50,8 @@ def block_extra_keys(
             block.append([item.identifier, item.offset - start])
         if cache_salt is not None and start == 0:
             block.append(cache_salt)
+        if embeds:
+            block.append(embeds[start // block_size])
         keys.append(block or None)
     return keys
 
@@ -57,7 +62,8 @@ def multimodal_chain(
     items: Sequence[Placed],
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    embeds: Sequence[bytes] = (),
 ) -> list[int]:
     """The prompt's block hashes with its items' keys, as the index computes them from the engine's events."""
-    keys = block_extra_keys(items, len(token_ids), block_size, lora_name, cache_salt)
+    keys = block_extra_keys(items, len(token_ids), block_size, lora_name, cache_salt, embeds)
     return block_hashing.chain(token_ids, block_size, block_hashing.root_for(lora_name), keys)

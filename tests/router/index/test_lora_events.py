@@ -15,11 +15,11 @@ import pytest
 
 from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index.block_index import BlockIndex
-from router.index.events import EventDecoder
 from router.metrics import RouterMetrics
 from router.prompt.openai_body import CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
+from tests.support.captured_events import index_of_batches
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 CAPTURE: dict[str, Any] = json.loads((FIXTURES / "lora_capture.json").read_text())
@@ -34,13 +34,7 @@ def request(name: str) -> dict[str, Any]:
 
 def index_of(*names: str) -> BlockIndex:
     """The index after the batches the named requests published."""
-    seqs = {seq for name in names for seq in request(name)["seqs"]}
-    index, decoder = BlockIndex(BLOCK), EventDecoder()
-    for _topic, seq, payload in FRAMES:
-        if int.from_bytes(seq, "big") in seqs:
-            index.apply(("vllm", 0), decoder.decode(payload).events)
-    assert index.stats.mismatched == 0
-    return index
+    return index_of_batches(FRAMES, {seq for name in names for seq in request(name)["seqs"]}, BLOCK)
 
 
 def matched_blocks(index: BlockIndex, name: str, tokenizer: PromptTokenizer) -> int:
