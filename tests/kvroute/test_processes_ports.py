@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from kvroute.processes import PORT_RANGE_ENV, free_port_block, server_ports
+from kvroute.processes import PORT_RANGE_ENV, StartupError, free_port_block, server_ports
 
 
 def test_a_port_handed_out_and_not_yet_listened_on_is_not_handed_out_again(
@@ -19,11 +21,23 @@ def test_a_port_handed_out_and_not_yet_listened_on_is_not_handed_out_again(
 
 
 def test_a_large_block_is_found_after_many_small_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(PORT_RANGE_ENV, "27000-29099")  # a test worker's share, less than a third of it
+    # In this worker's own share of ports, where no other test starts servers meanwhile.
+    share = server_ports()
+    monkeypatch.setenv(PORT_RANGE_ENV, f"{share.stop - 2100}-{share.stop - 1}")
     for _ in range(100):
         free_port_block(1)
     base = free_port_block(2000)
-    assert 27000 <= base and base + 2000 <= 29100
+    assert share.stop - 2100 <= base and base + 2000 <= share.stop
+
+
+def test_a_crowded_range_is_given_up_on_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    share = server_ports()
+    monkeypatch.setenv(PORT_RANGE_ENV, f"{share.stop - 100}-{share.stop - 1}")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", share.stop - 50))  # no block of 60 fits beside it
+        held.listen()
+        with pytest.raises(StartupError, match="no block of 60 free ports"):
+            free_port_block(60)
 
 
 def test_the_environment_gives_each_worker_its_own_range(monkeypatch: pytest.MonkeyPatch) -> None:
