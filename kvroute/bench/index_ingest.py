@@ -37,6 +37,7 @@ VOCAB = 150_000
 _TOKEN_LISTS = 64  # token lists reused by every publisher: parents make each block distinct
 _HASH_SPACE = 1 << 40  # each publisher's block hashes start at its own multiple of this
 SUBSCRIBED_WITHIN_S = 30.0
+STARTED_WITHIN_S = 120.0  # the publisher processes, all of them
 INGEST_WITHIN_S = 600.0  # a run that takes longer is reported as failed, not waited for
 
 
@@ -225,9 +226,12 @@ def publishing(
         process.start()
     controls = [parent for parent, _ in links]
     try:
+        # Each a fresh interpreter importing the encoder: on two busy cores (engines starting beside them)
+        # the eight take tens of seconds together.
+        deadline = time.monotonic() + STARTED_WITHIN_S
         for control in controls:
-            if not control.poll(SUBSCRIBED_WITHIN_S) or control.recv() != "bound":
-                raise RuntimeError("a publisher did not start")
+            if not control.poll(max(0.0, deadline - time.monotonic())) or control.recv() != "bound":
+                raise RuntimeError(f"a publisher did not start within {STARTED_WITHIN_S:.0f} s")
         endpoints = [f"tcp://127.0.0.1:{port + i}" for i in range(engines)]
         yield Publishers(endpoints, controls, messages * blocks_per_message * engines)
     finally:

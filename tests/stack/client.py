@@ -72,7 +72,7 @@ def metric(base: str, name: str, **labels: str) -> float:
     )
 
 
-def wait_steady(read: Callable[[], float], quiet_s: float = 1.0, timeout_s: float = 30.0) -> float:
+def wait_steady(read: Callable[[], float], quiet_s: float = 1.0, timeout_s: float = 60.0) -> float:
     """read() once it has not changed for quiet_s (events and counters land shortly after a response)."""
     deadline = time.monotonic() + timeout_s
     value, since = read(), time.monotonic()
