@@ -277,7 +277,8 @@ def test_a_small_streaming_run_measures_every_target(tmp_path: Path) -> None:
         assert set(result) == {f.name for f in dataclasses.fields(StreamResult)}
         assert result["tokens_per_s"] > 0 and result["ok"] > 0 and result["failed_streams"] == 0, result
         assert result["ttfb_p99_ms"] >= result["ttfb_p50_ms"] > 0
-        assert result["itl_p99_ms"] >= result["itl_p50_ms"] > 0
+        # Tokens that reach the client in one read are 0 ms apart: on two busy cores, half of them may.
+        assert result["itl_p99_ms"] > 0 and result["itl_p99_ms"] >= result["itl_p50_ms"] >= 0
         # The engine's CPU is read from /proc in clock ticks (10 ms): this short a run may take less.
         assert result["client_cores"] > 0 and result["engine_cores"] >= 0
         routed = result["target"] != "direct"
