@@ -6,8 +6,8 @@ for 8 runs: a 1 ms request through `kvroute serve` took up to 220 ms during a 2M
 of one router share these turns instead: a subscriber takes its run only while this turn's ingest has time
 left (SLICE_S), else it waits for a later turn, first come first served, as many let in a turn as its slice
 holds of runs as long as the recent ones (one a turn when each fills a slice; dozens when a fleet of thousands
-sends a message each, which one a turn slowed five times). A request then waits about a slice at each of its
-awaits, and a burst still gets the turns nothing else wants.
+sends a message each, which one a turn slowed five times), sharing the slice rather than taking one each. A
+request then waits about a slice at each of its awaits, and a burst still gets the turns nothing else wants.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ _RECENT = 0.1  # the weight of a run in the recent runs' mean length
 class IngestTurns:
     def __init__(self, slice_s: float = SLICE_S) -> None:
         self.slice_s = slice_s
-        self._spent = 0.0
+        self._spent = 0.0  # of this turn's slice, as the gate counts it (runs let in take it all)
+        self._used = 0.0  # of this turn's slice, by the runs that went in it
         self._run_s = slice_s  # the recent runs' mean length
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._next_turn_due = False
@@ -37,10 +38,17 @@ class IngestTurns:
         self._due()
         await waiter  # cancelled: the next turn passes over it
 
+    def run_ends(self, started: float) -> float:
+        """When a run that began at started (time.perf_counter()) stops taking batches: where this turn's
+        slice runs out. The runs let into one turn share it, rather than taking a slice each (eight runs
+        let in at a burst's start, while the recent runs were a message long, made a turn of eight slices)."""
+        return started + max(self.slice_s - self._used, 0.0)
+
     def spent(self, started: float) -> None:
         """Ingest that began at started (time.perf_counter()) is done for this turn."""
         run_s = time.perf_counter() - started
         self._spent += run_s
+        self._used += run_s
         self._run_s += _RECENT * (run_s - self._run_s)
         self._due()
 
@@ -53,7 +61,7 @@ class IngestTurns:
         """Scheduled during a turn, this runs in the next one: its slice starts afresh, for the waiters whose
         runs it holds (at least one)."""
         self._next_turn_due = False
-        self._spent = 0.0
+        self._spent = self._used = 0.0
         let_in = max(1, int(self.slice_s / max(self._run_s, 1e-6)))
         while self._waiting and let_in:
             waiter = self._waiting.popleft()

@@ -199,11 +199,13 @@ class KVEventSubscriber:
                     run.append(await sub.recv_multipart())
                 await turns.take()  # the turns are given here (a message waiting already takes none)
                 started = time.perf_counter()
-                ends = started + turns.slice_s
+                ends = turns.run_ends(started)
                 # What is queued behind it, taken at once in C (router/index/_zmq_drain.pyx): without a future
                 # and a loop turn each, and without pyzmq's 4 µs a message.
                 run.extend(drain(sub.underlying, _RUN_BATCHES - len(run), _DRAIN_BYTES))
-                while run and time.perf_counter() < ends:  # the rest waits for a later turn
+                first = True  # a run takes one batch at least, however little of the slice is left
+                while run and (first or time.perf_counter() < ends):  # the rest waits for a later turn
+                    first = False
                     numbered = self._parse(run.popleft())
                     if numbered is None:
                         continue

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from router.index.ingest_turns import IngestTurns
 
 
@@ -49,3 +51,30 @@ def test_a_lone_subscriber_goes_on_while_its_turn_has_time() -> None:
         return runs
 
     assert asyncio.run(asyncio.wait_for(main(), 1.0)) == 100
+
+
+def test_runs_let_into_one_turn_share_its_slice() -> None:
+    turns = IngestTurns(slice_s=0.004)
+    budgets: list[float] = []
+
+    async def subscriber() -> None:
+        await turns.take()
+        started = time.perf_counter()
+        ends = turns.run_ends(started)
+        budgets.append(ends - started)
+        while time.perf_counter() < ends:  # a burst's run: as long as it may
+            pass
+        turns.spent(started)
+
+    async def main() -> None:
+        for _ in range(50):  # short runs before (a message each, as before a burst)
+            turns.spent(time.perf_counter() - 0.00001)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a turn of its own: the slice starts afresh
+        # The first takes this turn's slice; the next turn lets the four others in at once.
+        await asyncio.gather(*(subscriber() for _ in range(5)))
+
+    asyncio.run(main())
+    assert budgets[0] == pytest.approx(0.004)
+    # Their budgets add up to about one slice, not four.
+    assert len(budgets) == 5 and sum(budgets[1:]) <= 0.004 * 1.5, budgets
