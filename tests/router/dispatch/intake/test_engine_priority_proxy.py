@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -50,20 +49,25 @@ def test_an_interactive_request_jumps_the_engines_queue_of_batch_requests(
             assert status == 200
             finished.append(name)
 
+        engine_url = instance_url(ports, 0)
+
         def sent(
             name: str, first_token: int, max_tokens: int, objective: str, in_flight: int
         ) -> threading.Thread:
             thread = threading.Thread(target=send, args=(name, first_token, max_tokens, objective))
             thread.start()
             eventually(lambda: sample(url, "kvroute_instance_in_flight") == in_flight, what=f"{name} sent")
-            time.sleep(0.05)  # and reached the engine's queue
+            # and in the engine's queue (the one running aside), not still on its way there
+            queued = in_flight - 1
+            eventually(
+                lambda: sample(engine_url, "vllm:num_requests_waiting") == queued, what=f"{name} queued"
+            )
             return thread
 
         # 3 s of decode: the others must all be queued before it ends, and each is sent only once the
         # router's /metrics shows the one before (slow when another test run shares the cores).
         threads = [sent("running", 1, 150, "batch", 1)]
         # Running at the engine before the others come, not waiting among them (a busy engine's step is late).
-        engine_url = instance_url(ports, 0)
         eventually(lambda: sample(engine_url, "vllm:num_requests_running") == 1, what="running at the engine")
         threads += [sent(f"batch-{n}", 2 + n, 20, "batch", 2 + n) for n in range(BATCH)]
         threads.append(sent("interactive", 9, 1, "interactive", 2 + BATCH))
