@@ -32,23 +32,22 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from capture_vllm_fixtures import (  # noqa: E402
+    BLOCK_SIZE,
+    MODEL,
     EventSink,
     add_vllm_options,
     http,
-    kv_events_config,
     log,
     pick_ports,
     stop_vllm,
     vllm_version,
 )
+from capture_vllm_fixtures import vllm_flags as main_capture_flags  # noqa: E402
 from capture_vllm_lora import ENV, start_vllm  # noqa: E402
 
 from tinymodel import builder as tinymodel  # noqa: E402
 
-MODEL = "tiny-llama"
 SALT = "tenant-a"
-BLOCK_SIZE = 32
-MAX_MODEL_LEN = 2048
 
 # Run by the stack venv's python: each request's tensor, saved by torch.save, base64, one JSON line each.
 # Rows are shared between requests on purpose: a repeat and an extension hit the cache; a changed row
@@ -79,16 +78,8 @@ for name, tensor in plan.items():
 
 
 def vllm_flags(model_dir: str, args: argparse.Namespace) -> list[str]:
-    kv_events = kv_events_config(args)
-    return [
-        *("--model", model_dir, "--served-model-name", MODEL),
-        *("--host", "127.0.0.1", "--port", str(args.port)),
-        *("--block-size", str(BLOCK_SIZE), "--enable-prefix-caching", "--dtype", "bfloat16"),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", str(args.num_gpu_blocks)),
-        *("--kv-events-config", json.dumps(kv_events)),
-        "--enable-prompt-embeds",
-        "--enable-prompt-tokens-details",
-    ]
+    """The main capture's engine, taking prompt embeddings and saying in its usage what was cached."""
+    return [*main_capture_flags(model_dir, args), "--enable-prompt-embeds", "--enable-prompt-tokens-details"]
 
 
 def saved_tensors(vllm_python: str) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from router.prompt.torch_file import BFLOAT16, SavedTensor, UnreadableTensor, read_tensor
+from router.prompt.torch_file import BFLOAT16, UnreadableTensor, read_tensor
 
 EngineDtype = Literal["float32", "float16", "bfloat16"]
 # vLLM's --dtype names for them
@@ -51,7 +51,7 @@ def embedded_prompt(encoded: str, dtype: EngineDtype, block_size: int) -> Embedd
         raise UnreadableTensor(f"a tensor of shape {rows.shape}, not (positions, hidden size)")
     if tensor.dtype not in _FLOATING:
         raise UnreadableTensor(f"a tensor of {tensor.dtype}: vLLM casts only floating-point ones")
-    data = _cast(SavedTensor(rows, tensor.dtype), dtype)
+    data = _cast(rows, tensor.dtype, dtype)
     row_bytes = data.shape[1] * data.itemsize
     raw = np.ascontiguousarray(data).data.cast("B")
     step = block_size * row_bytes
@@ -62,13 +62,13 @@ def embedded_prompt(encoded: str, dtype: EngineDtype, block_size: int) -> Embedd
     return EmbeddedPrompt(len(data), digests)
 
 
-def _cast(tensor: SavedTensor, dtype: EngineDtype) -> np.ndarray:
-    """The values as torch's ``.to(dtype)`` gives them (bfloat16 as uint16 bit patterns)."""
-    if tensor.dtype == dtype:
-        return tensor.values
+def _cast(values: np.ndarray, source: str, dtype: EngineDtype) -> np.ndarray:
+    """values, of the dtype source, as torch's ``.to(dtype)`` gives them (bfloat16 as uint16 bit patterns)."""
+    if source == dtype:
+        return values
     # torch converts a double to a float first, then to half or bfloat16 (c10's Half and BFloat16 take
     # floats): rounding twice, as here.
-    single = _as_float32(tensor)
+    single = _as_float32(values, source)
     if dtype == "float32":
         return single
     if dtype == "float16":
@@ -76,10 +76,10 @@ def _cast(tensor: SavedTensor, dtype: EngineDtype) -> np.ndarray:
     return _bfloat16_bits(single)
 
 
-def _as_float32(tensor: SavedTensor) -> np.ndarray:
-    if tensor.dtype == BFLOAT16:
-        return (tensor.values.astype(np.uint32) << 16).view(np.float32)
-    return tensor.values.astype(np.float32)
+def _as_float32(values: np.ndarray, source: str) -> np.ndarray:
+    if source == BFLOAT16:
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32)
 
 
 def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
