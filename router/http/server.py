@@ -61,6 +61,10 @@ class _GracefulServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        # After the app's start (uvicorn runs it first): what the runtime built for each instance (its
+        # KV-event subscription, its metrics' series) lives as long as start-up's. Frozen only before it, a
+        # fleet of 2,000 left 283,000 objects for each full collection to walk: 130 ms of the loop each.
+        freeze_startup_objects()
         if self.started and not self.should_exit:  # not when a SIGTERM came during the startup
             self._accepting(True)
 
@@ -86,7 +90,7 @@ def run_server(
 ) -> None:
     shared = None if worker is None else SharedIndex(worker.index, hosts=False)
     app = create_app(config, path, None if worker is None else worker.peers, shared)
-    freeze_startup_objects()
+    freeze_startup_objects()  # before the app's start too, whose collections would walk it all
     grace = math.ceil(config.shutdown_grace_s) + _CANCEL_AFTER_S
     headers = [] if worker is None else [(WORKER_HEADER, str(os.getpid()))]
     limits = config.limits

@@ -4,6 +4,7 @@ metric, /health and the dashboard. The engine here is a fake whose /v1/models re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -16,7 +17,9 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import running_router_process
+from router.metrics import RouterMetrics
 from router.prompt.tokenization import PromptTokenizer
+from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
 from tests.conftest import sample
 from tests.router.fake_upstreams import serving_app
 from tests.support.http import get_json, post
@@ -178,3 +181,40 @@ def test_a_model_whose_engine_comes_up_later_is_tokenized_with_its_root_from_the
         assert "the model's root on its instances" in found
         eventually(lambda: get_json(url + "/dashboard/state")["tokenizers"][0]["matched"] == ["engine-a"])
         assert "is tokenized here from now on" in child.log_path.read_text()
+
+
+class _CountingTokenizer:
+    """A model's tokenizer here, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def completion_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
+        return [1, 2, 3]
+
+    def chat_ids(self, messages: Any) -> list[int]:
+        self.calls += 1
+        return [4, 5]
+
+
+class _Engine:
+    """An instance's /tokenize, as RemoteTokenizer answers it: the same ids as here, but for one instance."""
+
+    def __init__(self, instance: str, differs: bool = False) -> None:
+        self.instance, self._differs = instance, differs
+
+    async def completion_ids(self, prompt: Any) -> list[int]:
+        return [9] if self._differs else [1, 2, 3]
+
+    async def chat_ids(self, messages: Any) -> list[int]:
+        return [4, 5]
+
+
+def test_the_ids_here_are_computed_once_a_model_for_every_instance_compared() -> None:
+    watch = TokenizerWatch(RouterMetrics())
+    tokenizer = _CountingTokenizer()
+    engines = [_Engine(f"i{n}", differs=n == 7) for n in range(50)]
+    asyncio.run(check_at_start(watch, {"m": tokenizer}, {"m": engines}))  # type: ignore[dict-item]
+    assert tokenizer.calls == 2  # the text and the chat, not twice for each of 50 instances
+    assert [alarm for alarm in watch.alarms() if "i7" in alarm] and len(watch.alarms()) == 1
