@@ -208,7 +208,10 @@ def test_wide_values_are_shared_and_released(move_step: int) -> None:
     assert table.pop(2) == wide and table.get(1) == 5
     table[3] = wide
     assert table.moving or move_step == MOVE_STEP  # a step at a time: released in the middle of a move
-    del table
+    other = int(str(wide))
+    table[4] = table[5] = other  # the same object twice (a store's blocks): shared as the first one was
+    assert table[4] is table[5] is wide
+    del table, other
     assert sys.getrefcount(wide) == before  # the interning dict went with the table too
 
 
