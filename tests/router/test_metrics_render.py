@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 import urllib.error
@@ -19,7 +20,7 @@ import router.runtime
 from kvroute.processes import free_port_block
 from router.index.figures import IndexFigures
 from router.index.index_metrics import IndexCollector
-from router.metrics import RouterMetrics
+from router.metrics import RENDER_SWITCH_S, RouterMetrics
 from tests.router.fake_upstreams import only_instance
 from tests.support import in_process
 from tests.support.waiting import eventually
@@ -116,6 +117,35 @@ def test_the_loop_runs_while_a_slow_render_is_formatted() -> None:
         return longest
 
     assert asyncio.run(stalls_during_render()) < SLOW_S / 2
+
+
+class SwitchInterval(Collector):
+    """Records Python's thread switch interval whenever it is read (in the render's thread)."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def collect(self) -> Iterable[Metric]:
+        self.seen.append(sys.getswitchinterval())
+        time.sleep(0.05)  # overlapping the other metrics' render
+        return [GaugeMetricFamily("kvroute_test_switch", "Switch interval", self.seen[-1])]
+
+
+def test_a_render_hands_the_gil_back_soon_and_the_interval_comes_back_after_renders_that_overlap() -> None:
+    before = sys.getswitchinterval()
+    first, second = RouterMetrics(), RouterMetrics()
+    seen = SwitchInterval(), SwitchInterval()
+    first.registry.register(seen[0])
+    second.registry.register(seen[1])
+    seen[0].seen.clear()
+    seen[1].seen.clear()  # registering read them once
+
+    async def both() -> None:
+        await asyncio.gather(first.render_off_loop(), second.render_off_loop())
+
+    asyncio.run(both())
+    assert seen[0].seen == seen[1].seen == [RENDER_SWITCH_S]
+    assert sys.getswitchinterval() == before != RENDER_SWITCH_S
 
 
 @contextlib.contextmanager
