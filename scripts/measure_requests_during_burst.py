@@ -1,9 +1,14 @@
-"""How long 1-token chats through a lone `kvroute serve` take while it ingests a burst of KV events.
+"""How long 1-token chats through a lone `kvroute serve` take while it ingests a burst of KV events, and
+how much of that the router adds.
 
 The router follows 8 publisher processes (kvroute bench index's, 32 blocks of 16 tokens a message) and routes
-to one fake engine that answers at once; a client sends chats one after another, first for 3 s while nothing
-is published, then while the publishers send BLOCKS as fast as ZMQ takes them. Prints the chats' p50, p99
-and longest, idle and during the burst (those sent between its first message and its last block held).
+to one fake engine, a process of its own that answers at once; a client sends chats one after another, first
+for 3 s while nothing is published, then while the publishers send BLOCKS as fast as ZMQ takes them. Each chat
+through the router is followed by the same chat sent to the engine directly: on these 2 cores the publishers,
+the client and the engine wait for a CPU as the router does, and the direct chat's time is what the router
+did not add. Prints the p50, p99 and longest of the chats through the router, of the direct ones, and of the
+time added (a chat's time less its direct twin's), idle and during the burst (the chats sent between its first
+message and its last block held).
 
     .venv/bin/python scripts/measure_requests_during_burst.py --blocks 2000000
     .venv/bin/python scripts/measure_requests_during_burst.py --blocks 2000000 --router-cpu 0
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -36,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from kvroute.bench.index_ingest import Publishers, publishing  # noqa: E402
 from kvroute.bench.index_workers import wait_held, wait_subscribed  # noqa: E402
 from kvroute.processes import free_port_block, http_ok, spawn, start  # noqa: E402
-from tests.router.fake_upstreams import healthy, serving_app  # noqa: E402
+from tests.router.fake_upstreams import healthy  # noqa: E402
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
 ANSWER = {
@@ -52,20 +58,33 @@ async def answer(request: web.Request) -> web.Response:
     return web.json_response(ANSWER)
 
 
-def chats_for(url: str, seconds: float, timed: list[tuple[float, float]]) -> None:
-    """(sent at, seconds taken) of each chat sent one after another for seconds."""
+def _chat(url: str) -> float:
+    sent = time.monotonic()
+    request = urllib.request.Request(url + "/v1/chat/completions", CHAT, {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        reply.read()
+    return time.monotonic() - sent
+
+
+def chats_for(url: str, engine: str, seconds: float, timed: list[tuple[float, float, float]]) -> None:
+    """(sent at, seconds taken through the router, seconds taken sent directly to the engine) of each pair of
+    chats sent one after another for seconds."""
     ends = time.monotonic() + seconds
     while True:
         sent = time.monotonic()
-        request = urllib.request.Request(
-            url + "/v1/chat/completions", CHAT, {"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            reply.read()
-        timed.append((sent, time.monotonic() - sent))
+        routed = _chat(url)
+        timed.append((sent, routed, _chat(engine)))
         if time.monotonic() >= ends:
             return
         time.sleep(0.002)
+
+
+def _serve_engine(port: int) -> None:
+    """The fake engine's process."""
+    app = web.Application()
+    app.router.add_get("/health", healthy)
+    app.router.add_post("/v1/chat/completions", answer)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def wait_answering(url: str, within_s: float = 30.0) -> None:
@@ -73,7 +92,7 @@ def wait_answering(url: str, within_s: float = 30.0) -> None:
     ends = time.monotonic() + within_s
     while True:
         try:
-            chats_for(url, 0.0, [])
+            _chat(url)
             return
         except urllib.error.HTTPError:
             if time.monotonic() > ends:
@@ -84,10 +103,15 @@ def wait_answering(url: str, within_s: float = 30.0) -> None:
 def summary(taken: list[float]) -> str:
     taken = sorted(taken)
     p99 = taken[max(0, round(len(taken) * 0.99) - 1)]
-    return (
-        f"{len(taken)} chats, p50 {statistics.median(taken) * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, "
-        f"longest {taken[-1] * 1000:.2f} ms"
-    )
+    p50, longest = statistics.median(taken), taken[-1]
+    return f"p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, longest {longest * 1000:.2f} ms"
+
+
+def report(name: str, timed: list[tuple[float, float, float]]) -> None:
+    print(f"{name}: {len(timed)} chats")
+    print(f"  through the router: {summary([routed for _, routed, _ in timed])}")
+    print(f"  to the engine directly: {summary([direct for _, _, direct in timed])}")
+    print(f"  added by the router: {summary([routed - direct for _, routed, direct in timed])}")
 
 
 def router_config(sent: Publishers, engine_port: int) -> dict[str, object]:
@@ -118,11 +142,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.router_cpu is not None:  # before the publishers start: they keep this process's CPUs
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.router_cpu})
-    app = web.Application()
-    app.router.add_get("/health", healthy)
-    app.router.add_post("/v1/chat/completions", answer)
+    engine_port = free_port_block(1)
+    engine_process = multiprocessing.get_context("spawn").Process(target=_serve_engine, args=(engine_port,))
+    engine_process.start()
+    engine = f"http://127.0.0.1:{engine_port}"
     with (
-        serving_app(app) as engine_port,
         publishing(args.blocks, 32) as sent,
         tempfile.TemporaryDirectory(prefix="kvroute-burst-") as scratch,
     ):
@@ -141,10 +165,10 @@ def main() -> int:
                 time.sleep(0.1)
             wait_subscribed(sent, router)
             wait_answering(url)
-            idle: list[tuple[float, float]] = []
-            chats_for(url, 3.0, idle)
-            during: list[tuple[float, float]] = []
-            client = threading.Thread(target=chats_for, args=(url, 5.0, during))
+            idle: list[tuple[float, float, float]] = []
+            chats_for(url, engine, 3.0, idle)
+            during: list[tuple[float, float, float]] = []
+            client = threading.Thread(target=chats_for, args=(url, engine, 5.0, during))
             client.start()
             time.sleep(0.3)
             began = time.monotonic()
@@ -158,9 +182,13 @@ def main() -> int:
             return 1
         finally:
             router.stop()
-    print(f"idle: {summary([taken for _, taken in idle])}")
-    in_burst = [taken for sent_at, taken in during if began <= sent_at <= ended]
-    print(f"during the burst of {sent.blocks:,} blocks ({ended - began:.2f} s): {summary(in_burst)}")
+            engine_process.terminate()
+            engine_process.join(10)
+    report("idle", idle)
+    report(
+        f"during the burst of {sent.blocks:,} blocks ({ended - began:.2f} s)",
+        [pair for pair in during if began <= pair[0] <= ended],
+    )
     return 0
 
 

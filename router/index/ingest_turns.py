@@ -8,6 +8,9 @@ left (SLICE_S), else it waits for a later turn, first come first served, as many
 holds of runs as long as the recent ones (one a turn when each fills a slice; dozens when a fleet of thousands
 sends a message each, which one a turn slowed five times), sharing the slice rather than taking one each. A
 request then waits about a slice at each of its awaits, and a burst still gets the turns nothing else wants.
+A fifth of a millisecond rather than half: during a 2M-block burst a chat's time added by the router fell
+from a p50 of 3.3-4.1 ms to 2.1 (scripts/measure_requests_during_burst.py), with no ingest lost, from 8
+instances or from 2,000 (kvroute bench index, the whole serve's CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import asyncio
 import time
 from collections import deque
 
-SLICE_S = 0.0005
+SLICE_S = 0.0002
 _RECENT = 0.1  # the weight of a run in the recent runs' mean length
 
 
