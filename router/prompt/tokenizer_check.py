@@ -157,9 +157,13 @@ async def check_at_start(
     template)."""
     checks = []
     for model, tokenizer in tokenizers.items():
-        probes: list[tuple[str, list[int], Any]] = [
-            (TEXT_CHECK, tokenizer.completion_ids(PROBE_TEXT), PROBE_TEXT)
-        ]
+        try:
+            probes: list[tuple[str, list[int], Any]] = [
+                (TEXT_CHECK, tokenizer.completion_ids(PROBE_TEXT), PROBE_TEXT)
+            ]
+        except Exception:  # the others' checks go on; the audit checks this model's chats later
+            log.exception("%s: the start-up text probe does not tokenize here", model)
+            continue
         try:
             probes.append(("start_chat", tokenizer.chat_ids(PROBE_CHAT), PROBE_CHAT))
         except Exception as exc:  # a template that will not render this chat: the text alone is checked
