@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure_requests_during_burst import summary
 
 from kvroute.processes import free_port_block, running_router_process
 
@@ -54,12 +59,6 @@ def _health_latencies(url: str, seconds: float) -> list[float]:
     return latencies
 
 
-def _summary(latencies: list[float]) -> str:
-    ordered = sorted(latencies)
-    p50, p99 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 for q in (0.5, 0.99))
-    return f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, longest {ordered[-1] * 1000:.1f} ms"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--instances", type=int, default=2000)
@@ -85,8 +84,8 @@ def main() -> None:
     took = statistics.median(seconds for seconds, _ in scrapes) * 1000
     size = scrapes[0][1]
     print(f"{args.instances} instances: /metrics {size:,} bytes, {took:.0f} ms (median of {len(scrapes)})")
-    print(f"/health alone: {_summary(alone)}")
-    print(f"/health during scrapes: {_summary(during)}")
+    print(f"/health alone: {summary(alone)}")
+    print(f"/health during scrapes: {summary(during)}")
 
 
 if __name__ == "__main__":
