@@ -15,12 +15,18 @@ message and its last block held).
 
 With --router-cpu N the router runs alone on CPU N and the rest (the publishers, the client and the engine) on
 the other CPUs, as a router deployed apart from its engines runs: what the chats then lose during the burst is
-the router's ingest, not the publishers' share of the same cores.
+the router's ingest, not the publishers' share of the same cores. With --publishers-nice 19 as well, the
+publishers take what CPU the client and the engine leave, as engines on machines of their own would: the
+direct chats then keep their idle times, and the time added is the router's alone.
+
+The followed instances answer /health and /metrics (empty) as engines that are up; with --followed-down their
+HTTP ports are closed, as engines whose HTTP side is down while their events still come.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing
 import os
@@ -44,6 +50,7 @@ from kvroute.bench.index_workers import wait_held, wait_subscribed  # noqa: E402
 from kvroute.processes import free_port_block, http_ok, spawn, start  # noqa: E402
 from tests.router.fake_upstreams import healthy  # noqa: E402
 
+PUBLISHERS = 8  # each the events of one instance
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
 ANSWER = {
     "id": "c",
@@ -114,11 +121,31 @@ def report(name: str, timed: list[tuple[float, float, float]]) -> None:
     print(f"  added by the router: {summary([routed - direct for _, routed, direct in timed])}")
 
 
-def router_config(sent: Publishers, engine_port: int) -> dict[str, object]:
-    dead = free_port_block(len(sent.endpoints))  # the publishers' HTTP side: nothing is routed there
+def _serve_followed(first_port: int, count: int) -> None:
+    """The followed instances' HTTP side, in a process of its own: up, with no load to report."""
+
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_get("/health", healthy)
+        app.router.add_get("/metrics", lambda _: web.Response(text=""))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        for n in range(count):
+            await web.TCPSite(runner, "127.0.0.1", first_port + n).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+def router_config(sent: Publishers, engine_port: int, followed_port: int) -> dict[str, object]:
     # Another model's instances, so that no chat is sent to them: only their events are followed.
     followed = [
-        {"name": f"p{n}", "url": f"http://127.0.0.1:{dead + n}", "events": endpoint, "models": ["followed"]}
+        {
+            "name": f"p{n}",
+            "url": f"http://127.0.0.1:{followed_port + n}",
+            "events": endpoint,
+            "models": ["followed"],
+        }
         for n, endpoint in enumerate(sent.endpoints)
     ]
     return {
@@ -139,6 +166,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=2_000_000)
     parser.add_argument("--router-cpu", type=int, default=None, help="the router alone on this CPU")
+    parser.add_argument("--publishers-nice", type=int, default=0, help="the publishers' niceness (0-19)")
+    parser.add_argument("--followed-down", action="store_true", help="the followed instances' HTTP closed")
     args = parser.parse_args()
     if args.router_cpu is not None:  # before the publishers start: they keep this process's CPUs
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.router_cpu})
@@ -146,12 +175,23 @@ def main() -> int:
     engine_process = multiprocessing.get_context("spawn").Process(target=_serve_engine, args=(engine_port,))
     engine_process.start()
     engine = f"http://127.0.0.1:{engine_port}"
+    followed_port = free_port_block(PUBLISHERS)
+    spawned = [engine_process]
+    if not args.followed_down:
+        spawned.append(
+            multiprocessing.get_context("spawn").Process(
+                target=_serve_followed, args=(followed_port, PUBLISHERS)
+            )
+        )
+        spawned[-1].start()
     with (
-        publishing(args.blocks, 32) as sent,
+        publishing(args.blocks, 32, PUBLISHERS) as sent,
         tempfile.TemporaryDirectory(prefix="kvroute-burst-") as scratch,
     ):
+        for pid in sent.pids:
+            os.setpriority(os.PRIO_PROCESS, pid, args.publishers_nice)
         path = Path(scratch) / "router.yaml"
-        path.write_text(yaml.safe_dump(router_config(sent, engine_port)))
+        path.write_text(yaml.safe_dump(router_config(sent, engine_port, followed_port)))
         port = free_port_block(1)
         serve = ["serve", "--config", str(path), "--port", str(port)]
         if args.router_cpu is None:
@@ -182,8 +222,9 @@ def main() -> int:
             return 1
         finally:
             router.stop()
-            engine_process.terminate()
-            engine_process.join(10)
+            for process in spawned:
+                process.terminate()
+                process.join(10)
     report("idle", idle)
     report(
         f"during the burst of {sent.blocks:,} blocks ({ended - began:.2f} s)",

@@ -187,6 +187,7 @@ class Publishers:
     endpoints: list[str]
     controls: list[Connection]
     blocks: int  # what they send in all
+    pids: tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -233,7 +234,8 @@ def publishing(
             if not control.poll(max(0.0, deadline - time.monotonic())) or control.recv() != "bound":
                 raise RuntimeError(f"a publisher did not start within {STARTED_WITHIN_S:.0f} s")
         endpoints = [f"tcp://127.0.0.1:{port + i}" for i in range(engines)]
-        yield Publishers(endpoints, controls, messages * blocks_per_message * engines)
+        pids = tuple(process.pid for process in processes if process.pid is not None)
+        yield Publishers(endpoints, controls, messages * blocks_per_message * engines, pids)
     finally:
         for control in controls:
             control.send("stop")

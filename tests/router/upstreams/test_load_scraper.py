@@ -205,6 +205,35 @@ def test_a_restart_is_a_later_start_time_after_a_silence() -> None:
     assert asyncio.run(main()) == ["a"]
 
 
+def test_an_engine_the_health_checks_found_down_is_not_asked_and_its_restart_is_seen_once_up() -> None:
+    def started_at(seconds: float) -> bytes:
+        return exposition(("2",), ("1",), ("0.5",)) + f"process_start_time_seconds {seconds}\n".encode()
+
+    async def main() -> tuple[list[int], list[EngineLoad | None], list[str]]:
+        engine, clock, restarts = FakeEngine(), ManualClock(1000.0), []
+        async with engine.serving() as url, aiohttp.ClientSession() as session:
+            fleet = one_instance_fleet(url)
+            scraper = LoadScraper(
+                fleet, session, LoadConfig(stale_after_s=1.0), clock=clock, restarted=restarts.append
+            )
+            asked, loads = [], []
+            engine.body = started_at(1000.0)
+            for healthy, advance in ((True, 0.0), (False, 0.5), (False, 1.0), (True, 0.1)):
+                fleet.instances[0].healthy = healthy
+                clock.now += advance
+                if not healthy:
+                    engine.body = started_at(2000.0)  # it restarts while down
+                await scraper.scrape_all()
+                asked.append(len(engine.headers))
+                loads.append(fleet.instances[0].load)
+            return asked, loads, restarts
+
+    asked, loads, restarts = asyncio.run(main())
+    assert asked == [1, 1, 1, 2]  # not asked while down
+    assert loads == [EngineLoad(2.0, 1.0, 0.5), EngineLoad(2.0, 1.0, 0.5), None, EngineLoad(2.0, 1.0, 0.5)]
+    assert restarts == ["a"]
+
+
 def test_an_instance_never_scraped_has_no_load() -> None:
     async def main() -> EngineLoad | None:
         async with aiohttp.ClientSession() as session:
