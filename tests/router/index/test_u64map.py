@@ -279,3 +279,25 @@ def test_a_store_naming_a_block_twice_enters_nothing(count: int) -> None:
 def test_a_store_of_a_hash_past_64_bits_is_refused() -> None:
     with pytest.raises(OverflowError):
         enter_new(U64Map(), U64Map(), [1, 2**64], [1, 2], 1)
+
+
+def test_a_move_into_mapped_slots_waits_for_their_pages_and_loses_nothing_inserted_meanwhile() -> None:
+    """Slots of a megabyte or more are given their pages some at a time before a move writes them all over
+    (one fault each, thousands in one store, when it did not wait); a small table's move starts at once."""
+    table = U64Map()
+    waits: list[tuple[int, int]] = []  # each move's entries to move at its start, and the inserts it waited
+    before = 0
+    for key in range(400_000):
+        table[key * 7919] = key
+        moving = table.moving
+        if moving > before:
+            waits.append((moving, 0))
+        elif moving and moving == before:
+            waits[-1] = (moving, waits[-1][1] + 1)
+        before = moving
+    small = [waited for entries, waited in waits if entries < 100_000]
+    large = [(entries, waited) for entries, waited in waits if entries > 200_000]
+    assert small and not any(small)
+    # A table of 1.5x the entries, 5/3 slots an entry, 4 bytes a slot, given 16 KiB an insert.
+    assert large and all(waited >= entries * 1.5 * 5 / 3 * 4 // 16384 - 2 for entries, waited in large)
+    assert all(table[key * 7919] == key for key in range(400_000))
