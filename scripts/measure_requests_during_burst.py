@@ -188,8 +188,9 @@ def main() -> int:
         publishing(args.blocks, 32, PUBLISHERS) as sent,
         tempfile.TemporaryDirectory(prefix="kvroute-burst-") as scratch,
     ):
-        for pid in sent.pids:
-            os.setpriority(os.PRIO_PROCESS, pid, args.publishers_nice)
+        for pid in sent.pids:  # every thread: ZMQ's sending thread is not the process's first
+            for thread in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(thread), args.publishers_nice)
         path = Path(scratch) / "router.yaml"
         path.write_text(yaml.safe_dump(router_config(sent, engine_port, followed_port)))
         port = free_port_block(1)
