@@ -209,7 +209,9 @@ class Runtime:
                 medium_tiers={None: Tier.GPU, **tiers},  # events without a medium are vLLM's own GPU cache
             )
             place_in_pool(self.index, config)
-            self.subscriptions = Subscriptions(self.index, self.metrics, self._context)
+            # Requests in progress hold admission's slots; admission is made with the routing, below.
+            busy = lambda: self.admission.admitted > 0  # noqa: E731
+            self.subscriptions = Subscriptions(self.index, self.metrics, self._context, busy)
         else:
             self._remote_index = self.routing_index = RemoteIndex(shared_index.endpoint, self.metrics)
         self.metrics.register_on_loop(

@@ -17,7 +17,10 @@ With --router-cpu N the router runs alone on CPU N and the rest (the publishers,
 the other CPUs, as a router deployed apart from its engines runs: what the chats then lose during the burst is
 the router's ingest, not the publishers' share of the same cores. With --publishers-nice 19 as well, the
 publishers take what CPU the client and the engine leave, as engines on machines of their own would: the
-direct chats then keep their idle times, and the time added is the router's alone.
+direct chats then keep their idle times. One cost of the shared cores is left: the router wakes the engine
+from the other CPU, which a publisher then holds for up to a scheduler slice (~5 ms), where a direct chat hands
+the engine the CPU its client gives up. With --engine-first as well, the engine and the client run whenever
+they are ready (SCHED_FIFO), as on machines of their own: the time added is then the router's alone.
 
 The followed instances answer /health and /metrics (empty) as engines that are up; with --followed-down their
 HTTP ports are closed, as engines whose HTTP side is down while their events still come.
@@ -73,9 +76,13 @@ def _chat(url: str) -> float:
     return time.monotonic() - sent
 
 
-def chats_for(url: str, engine: str, seconds: float, timed: list[tuple[float, float, float]]) -> None:
+def chats_for(
+    url: str, engine: str, seconds: float, timed: list[tuple[float, float, float]], first: bool = False
+) -> None:
     """(sent at, seconds taken through the router, seconds taken sent directly to the engine) of each pair of
-    chats sent one after another for seconds."""
+    chats sent one after another for seconds; first: this thread before any other of its CPU's."""
+    if first:
+        run_first(threading.get_native_id())
     ends = time.monotonic() + seconds
     while True:
         sent = time.monotonic()
@@ -84,6 +91,15 @@ def chats_for(url: str, engine: str, seconds: float, timed: list[tuple[float, fl
         if time.monotonic() >= ends:
             return
         time.sleep(0.002)
+
+
+def run_first(thread: int) -> None:
+    """thread (a process's first thread: the process) takes its CPU whenever it is ready, as on a machine
+    of its own: SCHED_FIFO, which needs CAP_SYS_NICE."""
+    try:
+        os.sched_setscheduler(thread, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError:
+        raise SystemExit("--engine-first needs CAP_SYS_NICE (root) for SCHED_FIFO") from None
 
 
 def _serve_engine(port: int) -> None:
@@ -168,6 +184,11 @@ def main() -> int:
     parser.add_argument("--router-cpu", type=int, default=None, help="the router alone on this CPU")
     parser.add_argument("--publishers-nice", type=int, default=0, help="the publishers' niceness (0-19)")
     parser.add_argument("--followed-down", action="store_true", help="the followed instances' HTTP closed")
+    parser.add_argument(
+        "--engine-first",
+        action="store_true",
+        help="the engine and the client first on their CPU (SCHED_FIFO)",
+    )
     args = parser.parse_args()
     if args.router_cpu is not None:  # before the publishers start: they keep this process's CPUs
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.router_cpu})
@@ -188,6 +209,9 @@ def main() -> int:
         publishing(args.blocks, 32, PUBLISHERS) as sent,
         tempfile.TemporaryDirectory(prefix="kvroute-burst-") as scratch,
     ):
+        if args.engine_first:
+            for thread in os.listdir(f"/proc/{engine_process.pid}/task"):
+                run_first(int(thread))
         for pid in sent.pids:  # every thread: ZMQ's sending thread is not the process's first
             for thread in os.listdir(f"/proc/{pid}/task"):
                 os.setpriority(os.PRIO_PROCESS, int(thread), args.publishers_nice)
@@ -207,9 +231,9 @@ def main() -> int:
             wait_subscribed(sent, router)
             wait_answering(url)
             idle: list[tuple[float, float, float]] = []
-            chats_for(url, engine, 3.0, idle)
+            chats_for(url, engine, 3.0, idle, args.engine_first)
             during: list[tuple[float, float, float]] = []
-            client = threading.Thread(target=chats_for, args=(url, engine, 5.0, during))
+            client = threading.Thread(target=chats_for, args=(url, engine, 5.0, during, args.engine_first))
             client.start()
             time.sleep(0.3)
             began = time.monotonic()

@@ -10,7 +10,8 @@ sends a message each, which one a turn slowed five times), sharing the slice rat
 request then waits about a slice at each of its awaits, and a burst still gets the turns nothing else wants.
 A fifth of a millisecond rather than half: during a 2M-block burst a chat's time added by the router fell
 from a p50 of 3.3-4.1 ms to 2.1 (scripts/measure_requests_during_burst.py), with no ingest lost, from 8
-instances or from 2,000 (kvroute bench index, the whole serve's CPU).
+instances or from 2,000 (kvroute bench index, the whole serve's CPU). While the router has requests in
+progress, and for BUSY_HOLD_S after, a turn's slice is a tenth of that (BUSY_SLICE_S): requests first.
 """
 
 from __future__ import annotations
@@ -18,14 +19,33 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 SLICE_S = 0.0002
+# While the router has requests in progress. At 0.2 ms a turn, ingest's slices at a chat's every await were
+# most of what the router added to it during a 2M-block burst: p50 1.6-1.7, p99 3.4-5.1 ms, against 0.7-0.8
+# and 2.6-3.8 ms at a fiftieth of a millisecond (scripts/measure_requests_during_burst.py --router-cpu 0
+# --publishers-nice 19 --engine-first). Short turns cost ingest ~30% more CPU a block (the whole serve in
+# kvroute bench index: 1.34 M blocks a CPU-second against 1.9), and the burst took 2.0 s against 1.5.
+BUSY_SLICE_S = 0.00002
+# And for this long after: the next request's first steps, before it is admitted, come in short turns too.
+BUSY_HOLD_S = 0.05
 _RECENT = 0.1  # the weight of a run in the recent runs' mean length
 
 
+def _never() -> bool:
+    return False
+
+
 class IngestTurns:
-    def __init__(self, slice_s: float = SLICE_S) -> None:
-        self.slice_s = slice_s
+    def __init__(
+        self, slice_s: float = SLICE_S, busy_slice_s: float = BUSY_SLICE_S, busy: Callable[[], bool] = _never
+    ) -> None:
+        """busy: whether the router has requests in progress; each turn's slice is busy_slice_s while it
+        has, slice_s otherwise."""
+        self.slice_s = self._idle_slice_s = slice_s
+        self._busy_slice_s, self._busy = busy_slice_s, busy
+        self._busy_until = 0.0  # time.perf_counter() until which turns keep the busy slice
         self._spent = 0.0  # of this turn's slice, as the gate counts it (runs let in take it all)
         self._used = 0.0  # of this turn's slice, by the runs that went in it
         self._run_s = slice_s  # the recent runs' mean length
@@ -65,6 +85,10 @@ class IngestTurns:
         runs it holds (at least one)."""
         self._next_turn_due = False
         self._spent = self._used = 0.0
+        now = time.perf_counter()
+        if self._busy():
+            self._busy_until = now + BUSY_HOLD_S
+        self.slice_s = self._busy_slice_s if now < self._busy_until else self._idle_slice_s
         let_in = max(1, int(self.slice_s / max(self._run_s, 1e-6)))
         while self._waiting and let_in:
             waiter = self._waiting.popleft()

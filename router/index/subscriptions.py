@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections.abc import Callable
 
 import zmq.asyncio
 
@@ -45,10 +46,18 @@ def open_files_limit() -> int:
 
 
 class Subscriptions:
-    def __init__(self, index: BlockIndex, metrics: RouterMetrics, context: zmq.asyncio.Context) -> None:
+    def __init__(
+        self,
+        index: BlockIndex,
+        metrics: RouterMetrics,
+        context: zmq.asyncio.Context,
+        busy: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """busy: whether the router has requests in progress (ingest then takes shorter turns)."""
         self._index, self._metrics, self._context = index, metrics, context
         self._running: dict[str, tuple[KVEventSubscriber, asyncio.Task[None]]] = {}
-        self._turns = IngestTurns()  # the event loop's time for ingest, shared by every instance's events
+        # The event loop's time for ingest, shared by every instance's events
+        self._turns = IngestTurns(busy=busy)
 
     def subscribe(self, instances: list[InstanceConfig]) -> None:
         following = len(self._running) + sum(instance.events is not None for instance in instances)

@@ -18,10 +18,12 @@ class Admission:
         self._slots = asyncio.Semaphore(max_in_flight)
         self._queue_size, self._timeout = queue_size, queue_timeout_s
         self.waiting = 0
+        self.admitted = 0  # requests holding a slot
 
     async def enter(self) -> None:
         if not self._slots.locked():
             await self._slots.acquire()
+            self.admitted += 1
             return
         if self.waiting >= self._queue_size:
             raise Overloaded("queue_full")
@@ -31,10 +33,12 @@ class Admission:
             # given in the same turn.
             async with asyncio.timeout(self._timeout):
                 await self._slots.acquire()
+            self.admitted += 1
         except TimeoutError:
             raise Overloaded("queue_timeout") from None
         finally:
             self.waiting -= 1
 
     def leave(self) -> None:
+        self.admitted -= 1
         self._slots.release()

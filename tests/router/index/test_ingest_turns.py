@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from router.index.ingest_turns import IngestTurns
+from router.index.ingest_turns import BUSY_HOLD_S, IngestTurns
 
 
 def test_waiting_subscribers_take_one_run_a_turn_and_a_request_goes_between() -> None:
@@ -78,3 +78,23 @@ def test_runs_let_into_one_turn_share_its_slice() -> None:
     assert budgets[0] == pytest.approx(0.004)
     # Their budgets add up to about one slice, not four.
     assert len(budgets) == 5 and sum(budgets[1:]) <= 0.004 * 1.5, budgets
+
+
+def test_turns_are_short_while_the_router_has_requests_and_for_a_while_after() -> None:
+    requests = [1]
+    turns = IngestTurns(slice_s=0.004, busy_slice_s=0.001, busy=lambda: requests[0] > 0)
+
+    async def next_turn() -> float:
+        turns.spent(time.perf_counter())  # a run ended: the next turn's slice is set at its start
+        await asyncio.sleep(0)
+        return turns.slice_s
+
+    async def main() -> list[float]:
+        slices = [await next_turn()]
+        requests[0] = 0
+        slices.append(await next_turn())  # the last request just ended: still short
+        await asyncio.sleep(BUSY_HOLD_S * 1.5)
+        slices.append(await next_turn())
+        return slices
+
+    assert asyncio.run(main()) == [0.001, 0.001, 0.004]
