@@ -18,9 +18,9 @@ the other CPUs, as a router deployed apart from its engines runs: what the chats
 the router's ingest, not the publishers' share of the same cores. With --publishers-nice 19 as well, the
 publishers take what CPU the client and the engine leave, as engines on machines of their own would: the
 direct chats then keep their idle times. One cost of the shared cores is left: the router wakes the engine
-from the other CPU, which a publisher then holds for up to a scheduler slice (~5 ms), where a direct chat hands
-the engine the CPU its client gives up. With --engine-first as well, the engine and the client run whenever
-they are ready (SCHED_FIFO), as on machines of their own: the time added is then the router's alone.
+from the other CPU, which a publisher then holds for up to a scheduler slice (~5 ms), where a direct chat
+hands the engine the CPU its client gives up. With --engine-first as well, the engine and the client run
+whenever they are ready (SCHED_FIFO), as on machines of their own: the time added is then the router's alone.
 
 The followed instances answer /health and /metrics (empty) as engines that are up; with --followed-down their
 HTTP ports are closed, as engines whose HTTP side is down while their events still come.
