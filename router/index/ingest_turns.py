@@ -39,12 +39,16 @@ def _never() -> bool:
 
 class IngestTurns:
     def __init__(
-        self, slice_s: float = SLICE_S, busy_slice_s: float = BUSY_SLICE_S, busy: Callable[[], bool] = _never
+        self,
+        slice_s: float = SLICE_S,
+        busy_slice_s: float = BUSY_SLICE_S,
+        busy: Callable[[], bool] = _never,
+        busy_hold_s: float = BUSY_HOLD_S,
     ) -> None:
         """busy: whether the router has requests in progress; each turn's slice is busy_slice_s while it
-        has, slice_s otherwise."""
+        has and for busy_hold_s after, slice_s otherwise."""
         self.slice_s = self._idle_slice_s = slice_s
-        self._busy_slice_s, self._busy = busy_slice_s, busy
+        self._busy_slice_s, self._busy, self._busy_hold_s = busy_slice_s, busy, busy_hold_s
         self._busy_until = 0.0  # time.perf_counter() until which turns keep the busy slice
         self._spent = 0.0  # of this turn's slice, as the gate counts it (runs let in take it all)
         self._used = 0.0  # of this turn's slice, by the runs that went in it
@@ -87,7 +91,7 @@ class IngestTurns:
         self._spent = self._used = 0.0
         now = time.perf_counter()
         if self._busy():
-            self._busy_until = now + BUSY_HOLD_S
+            self._busy_until = now + self._busy_hold_s
         self.slice_s = self._busy_slice_s if now < self._busy_until else self._idle_slice_s
         let_in = max(1, int(self.slice_s / max(self._run_s, 1e-6)))
         while self._waiting and let_in:
