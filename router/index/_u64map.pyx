@@ -140,7 +140,7 @@ cdef Py_ssize_t _INTERNED_MOST = 4096  # distinct wide values shared at once; pa
 # loop for a second; in steps, an insert costs a few microseconds more for 1/64 of the inserts that follow.
 MOVE_STEP = 64
 # Bytes of a table's new slots given their pages per insert before its move starts: 4 pages, ~10 µs. A move
-# into a table of 4M entries waits ~1,600 inserts for its 26 MB of slots, of the 2M inserts it has room for.
+# into a table of 4M entries waits ~1,600 inserts for its 26 MB of slots, of the 1.3M inserts it has room for.
 cdef Py_ssize_t _WARMED_PER_INSERT = 16384
 cdef Py_ssize_t _FORGOTTEN_AT_ONCE = 1 << 16  # entries moved between two givings back of their memory
 cdef Py_ssize_t _HOLES_PER_MOVE = 16  # holes skipped in a step count this much less than entries moved
