@@ -100,7 +100,7 @@ cdef extern from *:
             return bytes;
         size_t page = (size_t)sysconf(_SC_PAGESIZE);
         start = start / page * page;
-        end = end < bytes ? (end + page - 1) / page * page : bytes;
+        end = (end + page - 1) / page * page;
         if (end > bytes)
             end = bytes;
 #ifdef MADV_POPULATE_WRITE

@@ -51,7 +51,7 @@ class Subscriptions:
         index: BlockIndex,
         metrics: RouterMetrics,
         context: zmq.asyncio.Context,
-        busy: Callable[[], bool] = lambda: False,
+        busy: Callable[[], bool],
     ) -> None:
         """busy: whether the router has requests in progress (ingest then takes shorter turns)."""
         self._index, self._metrics, self._context = index, metrics, context

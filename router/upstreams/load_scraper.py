@@ -200,19 +200,7 @@ class LoadScraper:
         for instance in self._fleet.instances:
             by_url.setdefault(instance.url, []).append(instance)
         urls = self._share(list(by_url))
-        await asyncio.gather(*(self._scrape(url, by_url[url]) for url in urls if self._any_up(by_url[url])))
-
-    def _any_up(self, instances: list[Instance]) -> bool:
-        """Whether an engine is worth asking: one the health checks found down is probed by them, and
-        asked here again once up; its load goes stale meanwhile, as an unanswered one's does. Each refused
-        connection left ~75 objects in reference cycles (aiohttp's error and its traceback), which a young
-        collection then took 3-5 ms to walk: with 8 engines down, that held the event loop about once a
-        second."""
-        if any(instance.healthy for instance in instances):
-            return True
-        for instance in instances:
-            self._take(instance, None)
-        return False
+        await asyncio.gather(*(self._scrape(url, by_url[url]) for url in urls))
 
     def _share(self, urls: list[str]) -> list[str]:
         """The engines this round reads: all of them, or, where they outnumber what max_scrapes_per_s allows a
@@ -233,12 +221,17 @@ class LoadScraper:
         return (urls[start:] + urls[:start])[: self._per_round]
 
     async def _scrape(self, url: str, instances: list[Instance]) -> None:
+        """An engine the health checks found down is not asked: they probe it, and it is asked here again once
+        up; its load goes stale meanwhile, as an unanswered one's does. Each refused connection left ~75
+        objects in reference cycles (aiohttp's error and its traceback), which a young collection then took
+        3-5 ms to walk: with 8 engines down, that held the event loop about once a second."""
         body = None
         try:
-            metrics = self._session.get(url + "/metrics", headers=_UNCOMPRESSED, timeout=self._timeout)
-            async with metrics as response:
-                if response.status == 200:
-                    body = await read_at_most(response, MAX_METRICS_BYTES)
+            if any(instance.healthy for instance in instances):
+                metrics = self._session.get(url + "/metrics", headers=_UNCOMPRESSED, timeout=self._timeout)
+                async with metrics as response:
+                    if response.status == 200:
+                        body = await read_at_most(response, MAX_METRICS_BYTES)
         except (TimeoutError, aiohttp.ClientError):
             pass
         for instance in instances:
