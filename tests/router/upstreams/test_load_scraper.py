@@ -176,9 +176,14 @@ def test_the_captured_body_has_the_servers_start_time() -> None:
     assert started is not None and started > 1.7e9
 
 
+def with_start_time(body: bytes, seconds: float) -> bytes:
+    """body with the server's process start time, as vLLM reports it."""
+    return body + f"process_start_time_seconds {seconds}\n".encode()
+
+
 def test_a_restart_is_a_later_start_time_after_a_silence() -> None:
     def started_at(seconds: float) -> bytes:
-        return exposition() + f"process_start_time_seconds {seconds}\n".encode()
+        return with_start_time(exposition(), seconds)
 
     async def main() -> list[str]:
         engine, restarts = FakeEngine(), []
@@ -207,7 +212,7 @@ def test_a_restart_is_a_later_start_time_after_a_silence() -> None:
 
 def test_an_engine_the_health_checks_found_down_is_not_asked_and_its_restart_is_seen_once_up() -> None:
     def started_at(seconds: float) -> bytes:
-        return exposition(("2",), ("1",), ("0.5",)) + f"process_start_time_seconds {seconds}\n".encode()
+        return with_start_time(exposition(("2",), ("1",), ("0.5",)), seconds)
 
     async def main() -> tuple[list[int], list[EngineLoad | None], list[str]]:
         engine, clock, restarts = FakeEngine(), ManualClock(1000.0), []
