@@ -235,10 +235,12 @@ class EventDecoder:
         # msgpack arrays start with 0x90-0x9f, 0xdc or 0xdd; everything else is tried as a map.
         view = memoryview(item)
         if view.nbytes and (0x90 <= view[0] <= 0x9F or view[0] in (0xDC, 0xDD)):
-            event = self._array_event.decode(item)
-            return _FROM_ARRAY_FORM[type(event)](*msgspec.structs.astuple(event))  # type: ignore[no-any-return]
-        common = self._common.event(item)
-        return self._map_event.decode(item) if common is None else common  # type: ignore[no-any-return]
+            array_form = self._array_event.decode(item)
+            converted: KVEvent = _FROM_ARRAY_FORM[type(array_form)](*msgspec.structs.astuple(array_form))
+            return converted
+        # typed variables, not ignores: msgspec's stubs type decode() differently across releases
+        common: KVEvent | None = self._common.event(item)
+        return self._map_event.decode(item) if common is None else common
 
 
 class EventEncoder:
