@@ -151,11 +151,21 @@ _LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-f
 
 def not_json(raw: bytes, error: msgspec.DecodeError) -> OpenAIError:
     """The 400 for a body msgspec could not decode, saying what is wrong with it."""
+    if not _is_utf8(raw):  # msgspec 0.23 raises DecodeError where earlier releases raised UnicodeDecodeError
+        return not_utf8()
     reason = str(error)
     if reason == "Input data was truncated" and (lone := _LONE_HIGH_SURROGATE.search(raw)) is not None:
         escape = lone.group().decode()
         reason = f"JSON is malformed: a lone utf-16 surrogate {escape} (byte {lone.start()}) is no character"
     return bad_request(f"The request body is not valid JSON: {reason}", "invalid_json")
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def served_model(named: str | None, only_model: str | None) -> str:

@@ -184,7 +184,11 @@ def check_background_cancel(client: openai.OpenAI) -> None:
         extra_body={"ignore_eos": True},  # no early stop before the cancel
     )
     assert queued.status in ("queued", "in_progress"), queued
-    cancelled = client.responses.cancel(queued.id)
+    try:
+        cancelled = client.responses.cancel(queued.id)
+    except openai.BadRequestError as exc:  # no longer cancellable: say what became of it
+        ended = client.responses.retrieve(queued.id)
+        raise AssertionError(f"{exc}: {ended.status}, {ended.error}, {ended.incomplete_details}") from exc
     assert (cancelled.id, cancelled.status) == (queued.id, "cancelled")
     assert client.responses.retrieve(queued.id).status == "cancelled"
 
