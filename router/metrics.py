@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -219,7 +219,7 @@ class _WorkerRegistry(CollectorRegistry):
     the other collectors registered (the index's, the process's) are kept to be asked in this process."""
 
     def __init__(self) -> None:
-        super().__init__(auto_describe=True)
+        super().__init__(auto_describe=True, support_collectors_without_names=True)
         self.local: list[Collector] = []
 
     def register(self, collector: Collector) -> None:
@@ -797,13 +797,18 @@ class RouterMetrics(
     def __init__(self) -> None:
         # Set by the WorkerPool of `kvroute serve --workers N` for its workers (module docstring).
         self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        self.registry = r = _WorkerRegistry() if self.shared_dir else CollectorRegistry(auto_describe=True)
+        # A collector that named nothing when registered is still asked by a scrape naming samples (name[]).
+        self.registry = r = (
+            _WorkerRegistry()
+            if self.shared_dir
+            else CollectorRegistry(auto_describe=True, support_collectors_without_names=True)
+        )
         self._exported = self.registry
         if isinstance(r, _WorkerRegistry) and self.shared_dir:  # a scrape answers for every worker
-            self._exported = CollectorRegistry(auto_describe=False)
+            self._exported = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
             self._exported.register(_AllWorkers(self.shared_dir, r.local))
         self._on_loop: list[LoopCollector] = []
-        self._rendering: asyncio.Future[bytes] | None = None
+        self._rendering: dict[frozenset[str], asyncio.Future[bytes]] = {}
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds, start time
         build = Gauge(
             "kvroute_build_info",
@@ -839,26 +844,31 @@ class RouterMetrics(
         self.registry.register(on_loop)
         self._on_loop.append(on_loop)
 
-    def render(self) -> bytes:
-        return generate_latest(self._exported)
+    def render(self, names: frozenset[str] = frozenset()) -> bytes:
+        """The exposition; given names (a scrape's name[] parameters, as Prometheus passes them), only the
+        samples of those names: a fleet of thousands renders megabytes, one family a few lines."""
+        if not names:
+            return generate_latest(self._exported)
+        return generate_latest(cast(Collector, self._exported.restricted_registry(names)))
 
-    def _render_yielding(self) -> bytes:
+    def _render_yielding(self, names: frozenset[str]) -> bytes:
         """render(), in a worker thread that hands the GIL back to the event loop soon after it asks."""
         with _GIL_HANDED_BACK_SOON:
-            return self.render()
+            return self.render(names)
 
-    async def render_off_loop(self) -> bytes:
+    async def render_off_loop(self, names: frozenset[str] = frozenset()) -> bytes:
         """render()'s text, the loop held only to collect the LoopCollectors: formatting thousands of series
-        takes tens of milliseconds, every request stalled meanwhile. Scrapes that come while a render is in
-        flight share it."""
-        if self._rendering is None:
-            self._rendering = asyncio.ensure_future(self._render_in_thread())
+        takes tens of milliseconds, every request stalled meanwhile. Scrapes of the same names that come while
+        a render is in flight share it."""
+        rendering = self._rendering.get(names)
+        if rendering is None:
+            self._rendering[names] = rendering = asyncio.ensure_future(self._render_in_thread(names))
         # A scrape whose client goes away leaves the render to the others sharing it.
-        return await asyncio.shield(self._rendering)
+        return await asyncio.shield(rendering)
 
-    async def _render_in_thread(self) -> bytes:
+    async def _render_in_thread(self, names: frozenset[str]) -> bytes:
         try:
             _TAKEN.set({collector: collector.take() for collector in self._on_loop})
-            return await asyncio.to_thread(self._render_yielding)
+            return await asyncio.to_thread(self._render_yielding, names)
         finally:
-            self._rendering = None
+            del self._rendering[names]

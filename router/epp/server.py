@@ -170,7 +170,7 @@ async def _background(
 async def _metrics_site(runtime: Runtime, listen: Listen) -> web.AppRunner:
     async def metrics(request: web.Request) -> web.Response:
         runtime.programs.expire()  # tool calls past their time-to-live no longer count
-        body = await runtime.metrics.render_off_loop()
+        body = await runtime.metrics.render_off_loop(frozenset(request.query.getall("name[]", ())))
         return web.Response(body=body, headers={"Content-Type": _PROMETHEUS_TEXT})
 
     async def health(request: web.Request) -> web.Response:

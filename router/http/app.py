@@ -242,6 +242,7 @@ def _serve_operations(app: FastAPI, runtime: Runtime) -> None:
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
         runtime.programs.expire()  # tool calls past their time-to-live no longer count
-        return Response(await metrics.render_off_loop(), media_type=_PROMETHEUS_TEXT)
+        names = frozenset(request.query_params.getlist("name[]"))  # only these samples, as Prometheus asks
+        return Response(await metrics.render_off_loop(names), media_type=_PROMETHEUS_TEXT)

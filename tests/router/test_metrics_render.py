@@ -185,3 +185,16 @@ def test_health_is_answered_while_metrics_render(monkeypatch: pytest.MonkeyPatch
     assert status in (200, 503)
     assert answered_in < SLOW_S / 2, f"/health waited {answered_in:.2f} s for the render"
     assert scraped[0][0] == 200 and b"kvroute_test_slow 1.0" in scraped[0][1]
+
+
+def test_a_scrape_naming_samples_gets_only_those_and_leaves_the_rest_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prometheus' name[] parameters: two samples' families from a router whose full exposition is slow."""
+    slow = Slow()
+    with _router_with(slow, monkeypatch) as url:
+        slow.armed = True
+        status, named = _get(url + "/metrics?name[]=process_cpu_seconds_total&name[]=kvroute_build_info")
+        status_all, everything = _get(url + "/metrics")
+    families = {line.split()[2] for line in named.decode().splitlines() if line.startswith("# TYPE")}
+    assert (status, families) == (200, {"process_cpu_seconds_total", "kvroute_build_info"})
+    assert status_all == 200 and b"kvroute_test_slow 1.0" in everything
+    assert len(slow.threads) == 1  # read for the full scrape only
