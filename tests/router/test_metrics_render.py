@@ -187,7 +187,9 @@ def test_health_is_answered_while_metrics_render(monkeypatch: pytest.MonkeyPatch
     assert scraped[0][0] == 200 and b"kvroute_test_slow 1.0" in scraped[0][1]
 
 
-def test_a_scrape_naming_samples_gets_only_those_and_leaves_the_rest_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_scrape_naming_samples_gets_only_those_and_leaves_the_rest_unread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Prometheus' name[] parameters: two samples' families from a router whose full exposition is slow."""
     slow = Slow()
     with _router_with(slow, monkeypatch) as url:
