@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,6 +232,9 @@ def test_a_gateway_with_one_filter_is_followed_on_its_routing_stream(
             wait_none_in_flight(picker)
         assert served.startswith("fleet-") and attempts == "1"
         assert metric(picker.metrics_url, "kvroute_requests_total", vllm_instance=served, status="200") >= 1
+        with urllib.request.urlopen(picker.metrics_url + "/metrics?name[]=kvroute_requests_total") as named:
+            types = [line for line in named.read().decode().splitlines() if line.startswith("# TYPE")]
+        assert types == ["# TYPE kvroute_requests_total counter"]  # Prometheus' name[]: that family alone
 
 
 def test_the_picker_holds_envoys_request_while_the_instance_prefills(tmp_path: Path) -> None:
