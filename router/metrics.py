@@ -809,6 +809,7 @@ class RouterMetrics(
             self._exported.register(_AllWorkers(self.shared_dir, r.local))
         self._on_loop: list[LoopCollector] = []
         self._rendering: dict[frozenset[str], asyncio.Future[bytes]] = {}
+        self._one_render = asyncio.Lock()
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds, start time
         build = Gauge(
             "kvroute_build_info",
@@ -845,8 +846,8 @@ class RouterMetrics(
         self._on_loop.append(on_loop)
 
     def render(self, names: frozenset[str] = frozenset()) -> bytes:
-        """The exposition; given names (a scrape's name[] parameters, as Prometheus passes them), only the
-        samples of those names: a fleet of thousands renders megabytes, one family a few lines."""
+        """The exposition; given names (a scrape's name[] parameters, which a scrape config's params send),
+        only the samples of those names: a fleet of thousands renders megabytes, one family a few lines."""
         if not names:
             return generate_latest(self._exported)
         return generate_latest(cast(Collector, self._exported.restricted_registry(names)))
@@ -859,7 +860,8 @@ class RouterMetrics(
     async def render_off_loop(self, names: frozenset[str] = frozenset()) -> bytes:
         """render()'s text, the loop held only to collect the LoopCollectors: formatting thousands of series
         takes tens of milliseconds, every request stalled meanwhile. Scrapes of the same names that come while
-        a render is in flight share it."""
+        a render is in flight share it; renders of different names run one after another, so scrapes naming
+        many sets cannot make many at once."""
         rendering = self._rendering.get(names)
         if rendering is None:
             self._rendering[names] = rendering = asyncio.ensure_future(self._render_in_thread(names))
@@ -868,7 +870,8 @@ class RouterMetrics(
 
     async def _render_in_thread(self, names: frozenset[str]) -> bytes:
         try:
-            _TAKEN.set({collector: collector.take() for collector in self._on_loop})
-            return await asyncio.to_thread(self._render_yielding, names)
+            async with self._one_render:
+                _TAKEN.set({collector: collector.take() for collector in self._on_loop})
+                return await asyncio.to_thread(self._render_yielding, names)
         finally:
             del self._rendering[names]

@@ -244,5 +244,5 @@ def _serve_operations(app: FastAPI, runtime: Runtime) -> None:
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         runtime.programs.expire()  # tool calls past their time-to-live no longer count
-        names = frozenset(request.query_params.getlist("name[]"))  # only these samples, as Prometheus asks
+        names = frozenset(request.query_params.getlist("name[]"))  # only these samples (a scrape's params)
         return Response(await metrics.render_off_loop(names), media_type=_PROMETHEUS_TEXT)

@@ -118,7 +118,7 @@ def decode_body(raw: bytes, kind: type[Body], only_model: str | None = None) -> 
         raise bad_request(f"Invalid request body: {text}", "invalid_field", param) from None
     except msgspec.DecodeError as exc:
         raise not_json(raw, exc) from None
-    except UnicodeDecodeError:  # msgspec's error for a string that is no UTF-8
+    except UnicodeDecodeError:  # msgspec before 0.23, for a string that is no UTF-8 (not_json: from 0.23)
         raise not_utf8() from None
     if isinstance(body, ChatRequest):
         if not body.messages:

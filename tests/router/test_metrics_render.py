@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -200,3 +201,51 @@ def test_a_scrape_naming_samples_gets_only_those_and_leaves_the_rest_unread(
     assert (status, families) == (200, {"process_cpu_seconds_total", "kvroute_build_info"})
     assert status_all == 200 and b"kvroute_test_slow 1.0" in everything
     assert len(slow.threads) == 1  # read for the full scrape only
+
+
+class Overlaps(Collector):
+    """Records how many of its reads overlapped at most (each takes 0.2 s, in the render's thread)."""
+
+    def __init__(self) -> None:
+        self.reading = self.most = 0
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            self.reading += 1
+            self.most = max(self.most, self.reading)
+        time.sleep(0.2)
+        with self._lock:
+            self.reading -= 1
+        return [GaugeMetricFamily("kvroute_test_overlaps", "Reads at once", self.most)]
+
+
+def test_scrapes_naming_different_samples_render_one_after_another() -> None:
+    metrics = RouterMetrics()
+    overlaps = Overlaps()
+    metrics.registry.register(overlaps)
+    overlaps.most = 0  # registering read it once
+
+    async def scrapes() -> list[bytes]:
+        named = [frozenset({"kvroute_test_overlaps", f"kvroute_test_other_{n}"}) for n in range(3)]
+        return await asyncio.gather(*(metrics.render_off_loop(names) for names in named))
+
+    texts = asyncio.run(scrapes())
+    assert overlaps.most == 1
+    assert all(b"kvroute_test_overlaps " in text and b"process_" not in text for text in texts)
+
+
+def test_a_named_scrape_reads_what_the_loop_changes_in_one_process_and_across_workers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The index's family, collected on the loop: named, it comes as in the whole text; in a worker of
+    several, through the collector that merges every worker's, which names nothing when registered."""
+    for workers_dir in (None, tmp_path):
+        if workers_dir is not None:
+            monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(workers_dir))
+        metrics = RouterMetrics()
+        metrics.register_on_loop(IndexCollector(_figures, lambda: {"a", "b"}))
+        named = asyncio.run(metrics.render_off_loop(frozenset({"kvroute_index_blocks"}))).decode()
+        blocks = [line for line in named.splitlines() if not line.startswith("#")]
+        assert len(blocks) == 6 and all(line.startswith("kvroute_index_blocks{") for line in blocks), named
+        assert 'kvroute_index_blocks{tier="gpu",vllm_instance="a"} 3.0' in blocks

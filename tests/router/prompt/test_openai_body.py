@@ -173,8 +173,9 @@ def test_a_body_without_a_model_needs_one_when_several_are_served() -> None:
     [lambda raw: decode_body(raw, ChatRequest), json_object],  # chat and completions; the agents' APIs
 )
 def test_a_body_that_is_no_utf8_is_refused_as_serve_refuses_it(decode: Any) -> None:
-    """Behind a gateway the picker is handed the body with no UTF-8 check before it: msgspec's
-    UnicodeDecodeError is the same 400 as `kvroute serve` answers (router/http/request_limits.py)."""
+    """Behind a gateway the picker is handed the body with no UTF-8 check before it: what msgspec raises for
+    it (UnicodeDecodeError, or DecodeError from 0.23) is the same 400 as `kvroute serve` answers
+    (router/http/request_limits.py)."""
     with pytest.raises(OpenAIError) as raised:
         decode(b'{"model": "\x80", "messages": [{"role": "user", "content": "hi"}]}')
     assert (raised.value.status, raised.value.code) == (400, "invalid_encoding")
