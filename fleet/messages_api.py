@@ -1,7 +1,7 @@
 """The Anthropic Messages API of one simulated instance, as vLLM 0.32 serves it: ``POST /v1/messages`` (a
 stream of events or the whole message) and ``POST /v1/messages/count_tokens``.
 
-As in vLLM, the body becomes a chat completions request (``router.prompt.anthropic_chat``), served as the
+As in vLLM, the body becomes a chat completions request (``router.apis.messages.chat``), served as the
 instance's chats are (the same token ids, checks and engine accounting), and the answer is laid out in
 Anthropic's shape as vLLM's ``AnthropicServingMessages`` builds it: the chat's id (``chatcmpl-...``), one text
 block, ``stop_reason`` mapped from the finish reason, the cache fields of the usage only with
@@ -30,7 +30,7 @@ from fleet.server import (
     json_response,
     validated_chat_with_images,
 )
-from router.prompt.anthropic_chat import anthropic_chat_body, template_probes
+from router.apis.messages.chat import anthropic_chat_body, template_probes
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.multimodal.block_keys import Placed
 

@@ -3,7 +3,7 @@
 ``GET /v1/responses/{id}`` (``stream=true&starting_after=N`` follows a background stream) and
 ``POST /v1/responses/{id}/cancel``.
 
-The prompt is the chat ``router.prompt.responses_chat`` builds from the body (and, with
+The prompt is the chat ``router.apis.responses.chat`` builds from the body (and, with
 ``previous_response_id``, from the stored previous response), tokenized with special tokens as vLLM does;
 it runs on the instance's engine like any chat, so the usage's cached tokens are the engine's prefix hits.
 The body's ``request_id`` is the response's id (else ``resp_`` and 16 hex digits).
@@ -26,10 +26,10 @@ from fleet.agent_requests import BodyValidationError, read_json_body
 from fleet.response_store import ResponseStore
 from fleet.responses_objects import ResponseEcho, TextEvents, new_id, output_message, usage
 from fleet.server import ClientError, Generation, SimInstance, check_model, error_response, json_response
+from router.apis.openai_body import lax_bool
+from router.apis.responses.chat import ResponsesChat, responses_chat
 from router.prompt.chat_conversation import InvalidPrompt
 from router.prompt.multimodal.block_keys import Placed
-from router.prompt.openai_body import lax_bool
-from router.prompt.responses_chat import ResponsesChat, responses_chat
 from router.prompt.template_inputs import TemplateInputs
 
 _json = msgspec.json.Encoder()

@@ -25,14 +25,14 @@ from fleet.response_store import ResponseStore
 from fleet.responses import Envelope, model_card
 from fleet.sampling import request_seed, sampler
 from fleet.sampling_checks import sampling_error
-from router.prompt.chat_conversation import InvalidPrompt
-from router.prompt.multimodal.block_keys import Placed
-from router.prompt.openai_body import (
+from router.apis.openai_body import (
     BOOLEAN_FIELDS,
     DATA_PARALLEL_RANK_HEADER,
     chat_endpoint_template_kwargs,
     lax_bool,
 )
+from router.prompt.chat_conversation import InvalidPrompt
+from router.prompt.multimodal.block_keys import Placed
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 

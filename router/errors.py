@@ -76,7 +76,7 @@ def bad_request(message: str, code: str = "invalid_request", param: str | None =
 
 def not_utf8() -> OpenAIError:
     """A request body that is no UTF-8: refused before routing by `serve` (router/http/request_limits.py), and
-    where the gateway hands the picker a body (router/prompt/openai_body.py)."""
+    where the gateway hands the picker a body (router/apis/openai_body.py)."""
     return bad_request("The request body is not valid UTF-8.", "invalid_encoding")
 
 

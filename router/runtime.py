@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from router import allocator, worker_threads
+from router.apis.completions.prompt_embeds import DTYPE_NAMES
 from router.config import ConfigError, ModelConfig, RouterConfig, TokenizationConfig
 from router.discovery.merge import with_discovered
 from router.discovery.watcher import Discovered, Discovery
@@ -61,7 +62,6 @@ from router.metrics import RouterMetrics
 from router.programs.shared import ProgramTurnsShared
 from router.programs.table import Programs, followed
 from router.prompt.multimodal.fetch import ImageFetcher
-from router.prompt.prompt_embeds import DTYPE_NAMES
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer

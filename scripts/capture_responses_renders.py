@@ -10,8 +10,8 @@ Single requests go to ``POST /v1/responses/render``, which answers the prompt's 
 refuses are kept with their status. ``previous_response_id`` chains (render refuses those) are created
 with ``store`` and ``enable_response_messages``, whose ``input_messages`` hold the prompt's ids; each turn
 keeps the ``output`` it answered, which the next turn's prompt is built from. Writes
-tests/fixtures/vllm/responses_render_capture.json; tests/router/prompt/test_responses_chat.py checks
-router/prompt/responses_chat.py against every case, token for token:
+tests/fixtures/vllm/responses_render_capture.json; tests/router/apis/responses/test_chat.py checks
+router/apis/responses/chat.py against every case, token for token:
 
     .venv/bin/python scripts/capture_responses_renders.py --url http://127.0.0.1:PORT
 """

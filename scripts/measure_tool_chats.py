@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO))
 from kvroute.processes import FleetPorts, free_port_block, running_fleet  # noqa: E402
 from kvroute.stack.config import load_stack_config  # noqa: E402
 from kvroute.stack.run import running_stack  # noqa: E402
+from router.apis.openai_body import ChatRequest  # noqa: E402
 from router.dispatch.decide.decision import Decider  # noqa: E402
 from router.index.block_index import BlockIndex  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.prompt.openai_body import ChatRequest  # noqa: E402
 from router.prompt.remote_tokenizer import RemoteTokenizer  # noqa: E402
 from router.prompt.token_cache import CachedChatTokenizer  # noqa: E402
 from router.prompt.tokenization import PromptTokenizer  # noqa: E402

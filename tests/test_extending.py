@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvroute.processes import FleetPorts
+from router.apis.routes import ROUTED_PATHS, Api
 from router.config import ConfigError, parse_config
-from router.dispatch.apis import ROUTED_PATHS, Api
 from router.upstreams.filters import HEALTHY
 from scorers import registry
 from scorers.candidate import Candidate

@@ -35,6 +35,14 @@ ROUTER_LAYERS: list[set[str]] = [
     {"router.dispatch.observe"},
     {"router.dispatch.decide"},
     {"router.dispatch"},
+    # What the receive stage reads of each API that needs the fleet or the replicas' store: a stored
+    # response's instance, its conversation.
+    {
+        "router.apis.read",
+        "router.apis.responses.ids",
+        "router.apis.responses.stored",
+        "router.apis.messages.read",
+    },
     # Agent programs: what the observe stage tells them, and what waiting reads of them.
     {"router.programs"},
     # A request's spans: dispatch opens them; what they read of a decision is described, not imported.
@@ -57,6 +65,8 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.dispatch.place.settings",
         "router.http.settings",
     },
+    # Each API's body and the chat vLLM renders for it (router/apis/, a folder an API).
+    {"router.apis"},
     {"router.prompt"},
     {
         "router.metrics",
@@ -71,8 +81,17 @@ ROUTER_LAYERS: list[set[str]] = [
 ]
 # The two front doors share everything below them and nothing of each other.
 FRONT_DOORS = ("router.http", "router.epp")
-# What the simulated fleet shares with the router: the prompt's rendering and the KV event wire format.
-FLEET_MAY_IMPORT = ("router.prompt", "router.index.events", "tinymodel", "fleet")
+# What the simulated fleet shares with the router: the prompt's rendering (the agents' APIs' as chats) and the
+# KV event wire format.
+FLEET_MAY_IMPORT = (
+    "router.prompt",
+    "router.apis.openai_body",
+    "router.apis.responses.chat",
+    "router.apis.messages.chat",
+    "router.index.events",
+    "tinymodel",
+    "fleet",
+)
 
 
 def _module_name(path: Path) -> str:

@@ -36,12 +36,12 @@ from kvroute.bench.index_decisions import measure_decisions
 from kvroute.bench.index_ingest import measure_ingest_end_to_end
 from kvroute.bench.index_parts import BLOCK_SIZE, durations, gpu_blocks
 from kvroute.bench.index_workers import measure_router_memory, measure_serve_ingest
+from router.apis.openai_body import ChatRequest
 from router.dispatch.decide.decision import Decider, LocalTokenizer
 from router.index.block_index import BlockIndex
 from router.index.events import BlockHash, BlockStored
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
-from router.prompt.openai_body import ChatRequest
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 from scorers.policy_config import PolicyConfig, ScorerSpec

@@ -6,9 +6,9 @@ router/dispatch/context.py) and how the request is placed; conduct() runs the st
 (their folders under router/dispatch/):
 
     admit      an admission slot, or a 429 when the router is at capacity (intake/admission.py)
-    receive    the body decoded as its API's (apis.py; an agent's as the chat vLLM renders,
-               intake/agent_bodies.py), its model checked, the instance a stored response pins it to, its
-               policy taken from the routing table in force, its flow and objective
+    receive    the body decoded as its API's (router/apis/, a folder each; an agent's as the chat vLLM
+               renders), its model checked, the instance a stored response pins it to, its policy taken
+               from the routing table in force, its flow and objective
     prepare    its prompt tokenized, hashed and looked up in the index (decide/decision.py)
     wait       it waits in the router, holding no instance, for its turn in flow control and for KV memory
                on some instance, then is looked up again (wait/waiting.py)
@@ -28,22 +28,19 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from router.apis.messages.read import read_messages
+from router.apis.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
+from router.apis.read import AgentRead, read_model_only
+from router.apis.responses.history import ResponseHistory
+from router.apis.responses.ids import ResponseIds
+from router.apis.responses.owners import owner_tag
+from router.apis.responses.stored import StoredResponses, response_not_found
+from router.apis.routes import Api, presented_key
 from router.config import TokenizationConfig
-from router.dispatch.apis import Api, presented_key
 from router.dispatch.context import Arrival, FlowTicket, Received, Target
 from router.dispatch.decide.decision import Decider, Prepared
 from router.dispatch.intake.admission import Admission, Overloaded
-from router.dispatch.intake.agent_bodies import (
-    AgentRead,
-    StoredResponses,
-    read_messages,
-    read_model_only,
-    response_not_found,
-)
 from router.dispatch.intake.engine_priority import engine_priority, prioritized, with_engine_priority
-from router.dispatch.intake.response_history import ResponseHistory
-from router.dispatch.intake.response_ids import ResponseIds
-from router.dispatch.intake.response_owners import owner_tag
 from router.dispatch.intake.routing_table import RoutingTable
 from router.dispatch.observe.outcome import Asked, Observers, Outcome, Part
 from router.dispatch.observe.routing_headers import forwarded_headers
@@ -51,7 +48,6 @@ from router.dispatch.place.attempts import Attempts
 from router.dispatch.wait.flow_gate import flow_of, objective_of
 from router.dispatch.wait.waiting import Waiting
 from router.errors import RETRY_AFTER_S, OpenAIError, model_not_found, too_many_requests, unavailable
-from router.prompt.openai_body import ChatRequest, CompletionRequest, decode_body, without_full_kv_report
 from router.tracing.spans import NULL_TRACING, Trace, Tracing
 from router.upstreams.instances import Instance, Upstreams
 from scorers.policy import best_first

@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.dispatch.apis import Api
-from router.prompt.openai_body import ChatRequest, CompletionRequest
+from router.apis.openai_body import ChatRequest, CompletionRequest
+from router.apis.routes import Api
 from router.tracing.spans import NULL_TRACE, Trace
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
@@ -48,7 +48,7 @@ class Arrival:
 @dataclass(frozen=True, slots=True)
 class Target:
     """Where a request may go, and what its attempts send: the client's body, or one made for the instance
-    (a Responses request's id names its instance, router/dispatch/intake/response_ids.py)."""
+    (a Responses request's id names its instance, router/apis/responses/ids.py)."""
 
     api: str = "chat"  # the metrics' label
     pinned: Instance | None = None  # the one instance that may serve it (it holds the stored response)

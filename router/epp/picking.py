@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from router.dispatch.apis import routed_api
+from router.apis.routes import routed_api
 from router.dispatch.conductor import Conductor, Picked
 from router.dispatch.context import Arrival, FlowTicket, Received
 from router.dispatch.decide.decision import Prepared

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
+from router.apis.routes import CANCEL_RESPONSE, RETRIEVE_RESPONSE, ROUTED_PATHS, Api
 from router.config import RouterConfig
-from router.dispatch.apis import CANCEL_RESPONSE, RETRIEVE_RESPONSE, ROUTED_PATHS, Api
 from router.dispatch.observe.routing_headers import (
     ATTEMPTS_HEADER,
     CACHED_BLOCKS_HEADER,

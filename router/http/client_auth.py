@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.apis.routes import KEY_HEADERS, presented_key
 from router.config import client_api_keys
-from router.dispatch.apis import KEY_HEADERS, presented_key
 from router.errors import anthropic_route, invalid_api_key
 from router.http.settings import ClientAuthConfig
 

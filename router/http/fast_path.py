@@ -1,4 +1,4 @@
-"""The routed routes (router/dispatch/apis.py) straight to the proxy, past FastAPI.
+"""The routed routes (router/apis/routes.py) straight to the proxy, past FastAPI.
 
 FastAPI's middleware stack, routing and dependency solving cost more per request than kvroute's routing
 decision (py-spy, docs/bench-overhead.md). The routes are still declared on the app, from the same
@@ -15,7 +15,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.dispatch.apis import routed_api
+from router.apis.routes import routed_api
 from router.errors import OpenAIError
 
 if TYPE_CHECKING:

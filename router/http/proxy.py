@@ -16,8 +16,8 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from router.apis.routes import Api
 from router.dispatch.answer.relay import Relay
-from router.dispatch.apis import Api
 from router.dispatch.conductor import Conductor
 from router.dispatch.context import Arrival, Received
 from router.dispatch.decide.decision import Prepared

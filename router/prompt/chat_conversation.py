@@ -75,7 +75,7 @@ def engine_conversation(
     """The messages as vLLM renders them with ``template`` (the model's chat template text).
 
     calls_as_given: assistant tool calls reach the template as given, only their arguments parsed in place,
-    as on vLLM's Responses path (router/prompt/responses_chat.py); the chat request model re-lays them.
+    as on vLLM's Responses path (router/apis/responses/chat.py); the chat request model re-lays them.
     images: where a template reading content as a string gets images, as their placeholders (kept there)."""
     as_parts = template is not None and content_format(template) == "openai"
     laid_out_images = None if as_parts else images

@@ -1,7 +1,7 @@
 """Stored responses' conversations, and the instances of ids clients chose, on the replicas' shared store.
 
 A Responses follow-up (`previous_response_id`) names a response one replica routed; the instance it must go
-to is read from the id alone (router/dispatch/intake/response_ids.py), but its prompt, the conversation the
+to is read from the id alone (router/apis/responses/ids.py), but its prompt, the conversation the
 response was rendered from and its output, is known only where it was routed. So each replica writes a
 completed stored response's conversation to the store, and one that meets a follow-up whose conversation it
 does not hold reads it from there first (one read, within shared.timeout_s): the follow-up is then routed with

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from router.apis.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.config import InstanceConfig, Role, RouterConfig, api_key
-from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.upstreams.circuit_breaker import CircuitBreaker
 from router.upstreams.context_residency import ContextResidency
 from router.upstreams.filters import HEALTHY, filtered

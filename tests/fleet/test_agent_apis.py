@@ -19,7 +19,7 @@ from fleet.response_store import ResponseStore
 from fleet.sampling import printable_token_ids
 from fleet.server import SimInstance, serve
 from kvroute.processes import free_port_block
-from router.prompt.responses_chat import responses_chat
+from router.apis.responses.chat import responses_chat
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 

@@ -15,8 +15,8 @@ import pytest
 
 from kvroute.processes import FleetPorts, running_fleet, running_router
 from kvroute.workload import AgentWorkload
+from router.apis.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.config import ConfigError, parse_config
-from router.prompt.openai_body import DATA_PARALLEL_RANK_HEADER
 from router.upstreams.instances import Upstreams
 from router.upstreams.load_scraper import LoadScraper, parse_engine_load, parse_kv_capacity
 from router.upstreams.settings import LoadConfig

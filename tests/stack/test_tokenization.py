@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvroute.stack.run import Stack
-from router.prompt.openai_body import ChatRequest
+from router.apis.openai_body import ChatRequest
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 from tests.stack.client import BLOCK, CACHED_HEADER, INSTANCE_HEADER, MODEL, metric, post, wait_steady

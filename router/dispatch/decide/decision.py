@@ -17,6 +17,10 @@ import msgspec
 import xxhash
 
 from router import worker_threads
+from router.apis.completions.prompt_embeds import EngineDtype, embedded_prompt
+from router.apis.messages.chat import TemplateProbes, template_probes
+from router.apis.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
+from router.apis.responses.chat import ChatTokenizer
 from router.dispatch.decide.session_placements import SessionPlacements
 from router.index.block_index import BlockIndex
 from router.index.pool import IndexOnlyMatches, PrefixMatches
@@ -24,17 +28,13 @@ from router.index.routing_index import RoutingIndex
 from router.metrics import RouterMetrics
 from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
 from router.prompt import block_hashing
-from router.prompt.anthropic_chat import TemplateProbes, template_probes
 from router.prompt.chat_conversation import InvalidPrompt, engine_messages
 from router.prompt.multimodal.block_keys import Placed, multimodal_chain
 from router.prompt.multimodal.chat_images import has_image_parts
 from router.prompt.multimodal.fetch import ImageFetcher
 from router.prompt.multimodal.layouts import Idefics3Layout
 from router.prompt.multimodal.prompt import remote_image_urls
-from router.prompt.openai_body import ChatRequest, CompletionRequest, ResponsesChatRequest
-from router.prompt.prompt_embeds import EngineDtype, embedded_prompt
 from router.prompt.remote_tokenizer import RemoteTokenizer
-from router.prompt.responses_chat import ChatTokenizer
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenization_audit import TokenizationAudit
@@ -244,7 +244,7 @@ class Decider:
 
     def anthropic_probes(self, model: str) -> TemplateProbes | None:
         """What vLLM's Messages server finds by trying the model's chat template
-        (router/prompt/anthropic_chat.py); None without a local tokenizer."""
+        (router/apis/messages/chat.py); None without a local tokenizer."""
         tokenizer = getattr(self._tokenizers.get(model), "tokenizer", None)
         return template_probes(tokenizer) if isinstance(tokenizer, PromptTokenizer) else None
 

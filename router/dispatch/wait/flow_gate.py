@@ -18,7 +18,7 @@ from functools import partial
 
 import xxhash
 
-from router.dispatch.apis import KEY_HEADERS
+from router.apis.routes import KEY_HEADERS
 from router.dispatch.context import FlowTicket
 from router.dispatch.wait.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
 from router.dispatch.wait.flow_queue import Queued

@@ -5,9 +5,9 @@ A block holds an item when their token ranges overlap (an item's range is its wh
 around its embeddings included). For each such item, in the order of their offsets, the block's keys carry
 ``[identifier, item offset - block start]``: negative in every block after the one the item starts in. A LoRA
 adapter's name comes before them in every block, a cache salt after them in the first, and last, for a prompt
-given as embeddings, the digest of the block's rows (router/prompt/prompt_embeds.py). The router mixes each
-block's keys into its hash exactly as it does an event's (router/prompt/block_hashing.py ``chain``), so the
-prompt's hashes equal those the index keeps for the engine's blocks.
+given as embeddings, the digest of the block's rows (router/apis/completions/prompt_embeds.py). The router
+mixes each block's keys into its hash exactly as it does an event's (router/prompt/block_hashing.py
+``chain``), so the prompt's hashes equal those the index keeps for the engine's blocks.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from router.apis.openai_body import CompletionRequest
 from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index.block_index import BlockIndex
 from router.metrics import RouterMetrics
-from router.prompt.openai_body import CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from tests.support.captured_events import index_of_batches

@@ -21,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvroute.processes import free_port_block
+from router.apis.openai_body import CompletionRequest
 from router.config import ModelConfig
 from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index import matching
@@ -30,7 +31,6 @@ from router.index.index_host import IndexHost
 from router.index.pool import IndexOnlyMatches, MasterLookup, PoolConfirmer, key_start, pool_key
 from router.index.remote_index import RemoteIndex
 from router.metrics import RouterMetrics
-from router.prompt.openai_body import CompletionRequest
 from scorers.request import TierMatch
 from tests.router.index.test_block_index import (
     BS,

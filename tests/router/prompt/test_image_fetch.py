@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
+from router.apis.openai_body import ChatRequest
 from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index.block_index import BlockIndex
 from router.metrics import RouterMetrics
 from router.prompt.multimodal.fetch import ImageFetcher
-from router.prompt.openai_body import ChatRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from tinymodel.vision import build_files

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from router.apis.openai_body import ChatRequest
 from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index.block_index import BlockIndex
 from router.metrics import RouterMetrics
 from router.prompt import block_hashing
-from router.prompt.openai_body import ChatRequest
 from router.prompt.template_inputs import NO_INPUTS
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from router.apis.openai_body import CompletionRequest
 from router.config import parse_config
-from router.prompt.openai_body import CompletionRequest
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer, local_tokenizer_dir
 from router.runtime import Runtime, SharedIndex

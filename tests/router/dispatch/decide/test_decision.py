@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from router.apis.openai_body import ChatRequest, CompletionRequest
 from router.config import parse_config
 from router.dispatch.decide.decision import Decider, DeciderOptions, Prepared
 from router.index.block_index import BlockIndex
@@ -17,7 +18,6 @@ from router.index.events import BlockStored
 from router.metrics import RouterMetrics
 from router.programs.settings import ProgramsConfig
 from router.programs.table import Programs
-from router.prompt.openai_body import ChatRequest, CompletionRequest
 from router.prompt.remote_tokenizer import TokenizeFailed
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.token_cache import CachedChatTokenizer

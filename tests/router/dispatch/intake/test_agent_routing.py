@@ -6,8 +6,11 @@ import json
 
 import pytest
 
-from router.config import RouterConfig
-from router.dispatch.apis import (
+from router.apis.responses.history import ResponseHistory
+from router.apis.responses.ids import ResponseIds
+from router.apis.responses.owners import UNSCOPED, owner_tag
+from router.apis.responses.stored import StoredResponses, with_request_id
+from router.apis.routes import (
     CANCEL_RESPONSE,
     CHAT,
     MESSAGES,
@@ -16,10 +19,7 @@ from router.dispatch.apis import (
     presented_key,
     routed_api,
 )
-from router.dispatch.intake.agent_bodies import StoredResponses, with_request_id
-from router.dispatch.intake.response_history import ResponseHistory
-from router.dispatch.intake.response_ids import ResponseIds
-from router.dispatch.intake.response_owners import UNSCOPED, owner_tag
+from router.config import RouterConfig
 from router.dispatch.observe.usage import answer_usage
 from router.errors import OpenAIError
 from router.upstreams.instances import Upstreams

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from router.apis.openai_body import ChatRequest, decode_body
 from router.dispatch.intake.engine_priority import engine_priority, with_engine_priority
-from router.prompt.openai_body import ChatRequest, decode_body
 
 
 def test_vllm_runs_the_lowest_value_first_so_the_objectives_priority_is_negated() -> None:

@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from router.prompt.torch_file import BFLOAT16, UnreadableTensor, read_tensor
+from router.apis.completions.torch_file import BFLOAT16, UnreadableTensor, read_tensor
 
 EngineDtype = Literal["float32", "float16", "bfloat16"]
 # vLLM's --dtype names for them

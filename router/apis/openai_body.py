@@ -54,7 +54,7 @@ class ChatRequest(msgspec.Struct):
 
 
 class ResponsesChatRequest(ChatRequest):
-    """A Responses request as the chat vLLM renders it (router/prompt/responses_chat.py): its tool calls
+    """A Responses request as the chat vLLM renders it (router/apis/responses/chat.py): its tool calls
     reach the template in the order vLLM's Responses code builds them, not the chat endpoint's."""
 
 

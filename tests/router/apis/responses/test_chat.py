@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from router.apis.responses.chat import ResponsesChat, responses_chat
 from router.prompt.chat_conversation import InvalidPrompt, engine_conversation
-from router.prompt.responses_chat import ResponsesChat, responses_chat
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 
 CAPTURE = json.loads(
-    (Path(__file__).parents[2] / "fixtures" / "vllm" / "responses_render_capture.json").read_text()
+    (Path(__file__).parents[3] / "fixtures" / "vllm" / "responses_render_capture.json").read_text()
 )
 RENDERS = {case["name"]: case for case in CAPTURE["renders"]}
 CHAINS = {case["name"]: case["turns"] for case in CAPTURE["chains"]}

@@ -15,8 +15,8 @@ from typing import Literal
 
 KEY_HEADERS = ("authorization", "x-api-key")  # where OpenAI's clients and Anthropic's send their key
 
-# How the router reads a body: as a chat or a completion (router/prompt/openai_body.py), as an agent API it
-# renders as vLLM does (router/dispatch/intake/agent_bodies.py), or for its model alone.
+# How the router reads a body: as a chat or a completion (router/apis/openai_body.py), as an agent API it
+# renders as vLLM does (router/apis/responses/stored.py), or for its model alone.
 BodyKind = Literal["chat", "completion", "responses", "messages", "model_only", "none"]
 
 

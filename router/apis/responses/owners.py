@@ -2,7 +2,7 @@
 
 With client keys configured (auth.api_keys_env), a stored response, its conversation and its follow-ups
 belong to the key that created it: another key is told the id does not exist, as an unknown id is. The tag
-is a digest of the key, written into the id the router makes (router/dispatch/intake/response_ids.py) and kept
+is a digest of the key, written into the id the router makes (router/apis/responses/ids.py) and kept
 beside a client's own id, so that every worker and replica checks it with no state of its own. A digest of
 48 bits tells nothing of a key, and no other key has it by chance (one in 2^48).
 """

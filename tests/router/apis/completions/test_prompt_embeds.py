@@ -17,16 +17,16 @@ import msgspec
 import numpy as np
 import pytest
 
+from router.apis.completions.prompt_embeds import DTYPE_NAMES, _bfloat16_bits, embedded_prompt
+from router.apis.completions.torch_file import UnreadableTensor, read_tensor
+from router.apis.openai_body import CompletionRequest
 from router.config import ConfigError, parse_config
 from router.dispatch.decide.decision import Decider, DeciderOptions
 from router.index.block_index import BlockIndex
 from router.metrics import RouterMetrics
-from router.prompt.openai_body import CompletionRequest
-from router.prompt.prompt_embeds import DTYPE_NAMES, _bfloat16_bits, embedded_prompt
-from router.prompt.torch_file import UnreadableTensor, read_tensor
 from tests.support.captured_events import index_of_batches
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "vllm"
 CAPTURE: dict[str, Any] = json.loads((FIXTURES / "prompt_embeds_capture.json").read_text())
 FRAMES: list[list[bytes]] = msgspec.msgpack.decode((FIXTURES / "prompt_embeds_events.msgpack").read_bytes())
 BLOCK = CAPTURE["block_size"]

@@ -36,8 +36,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from router.apis.openai_body import chat_endpoint_template_kwargs, lax_bool
 from router.prompt.chat_conversation import InvalidPrompt
-from router.prompt.openai_body import chat_endpoint_template_kwargs, lax_bool
 from router.prompt.template_inputs import TemplateInputs
 
 if TYPE_CHECKING:

@@ -16,14 +16,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.prompt.anthropic_chat import TemplateProbes, anthropic_chat_body, template_probes
+from router.apis.messages.chat import TemplateProbes, anthropic_chat_body, template_probes
+from router.apis.openai_body import ChatRequest
 from router.prompt.chat_conversation import InvalidPrompt
-from router.prompt.openai_body import ChatRequest
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.tokenization import PromptTokenizer
 
 CAPTURE = json.loads(
-    (Path(__file__).parents[2] / "fixtures" / "vllm" / "messages_render_capture.json").read_text()
+    (Path(__file__).parents[3] / "fixtures" / "vllm" / "messages_render_capture.json").read_text()
 )
 CASES = {f"{case['server']}/{case['name']}": case for case in CAPTURE["cases"]}
 MAIN = TemplateProbes(merge_inline_system=True, disabled_thinking_effort="none")

@@ -3,7 +3,7 @@
 vLLM keeps a stored response (and the conversation it was rendered from) in the memory of the instance
 that made it; a follow-up naming it by `previous_response_id`, a retrieval and a cancellation must go there.
 The router sets the id itself, through vLLM's own `request_id` body field: ``resp_`` + a digest of the
-instance's URL + its owner's tag (router/dispatch/intake/response_owners.py) + a random part. Any router
+instance's URL + its owner's tag (router/apis/responses/owners.py) + a random part. Any router
 (another worker, a replica, this one after a restart) reads the instance and the owner back from the id alone,
 with no state to share or lose. An id a client chose itself is remembered here with both, in this process, for
 as long as it stays among the most recent.
@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import xxhash
 
-from router.dispatch.intake.response_owners import OWNER_CHARS
+from router.apis.responses.owners import OWNER_CHARS
 from router.upstreams.instances import Instance, Upstreams
 
 _PREFIX = "resp_"
@@ -86,7 +86,7 @@ class ResponseIds:
         return response_id[start : start + OWNER_CHARS]
 
     def history_key(self, response_id: str) -> str:
-        """What router/dispatch/intake/response_history.py keeps the response's conversation under: the random
+        """What router/apis/responses/history.py keeps the response's conversation under: the random
         part of an id the router made (it is chosen before the instance is), a client's own id whole."""
         if response_id in self._chosen or not response_id.startswith(_PREFIX):
             return response_id

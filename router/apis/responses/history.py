@@ -1,7 +1,7 @@
 """The conversations behind stored responses, so that a follow-up's prompt is known token for token.
 
 A request naming `previous_response_id` carries only its new input; vLLM renders it after the messages the
-previous response was rendered from and that response's output (router/prompt/responses_chat.py). The router
+previous response was rendered from and that response's output (router/apis/responses/chat.py). The router
 keeps both for the responses it routed, as the instance keeps them, bounded by count and size: a follow-up
 whose previous response is not here (made before a restart, through another worker or replica, or long ago)
 still goes to the instance that holds it, routed without prefix knowledge.

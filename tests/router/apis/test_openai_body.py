@@ -11,8 +11,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import running_router
-from router.errors import OpenAIError
-from router.prompt.openai_body import (
+from router.apis.openai_body import (
     MAX_ARGUMENTS_DEPTH,
     ChatRequest,
     CompletionRequest,
@@ -21,6 +20,7 @@ from router.prompt.openai_body import (
     nesting_depth,
     without_full_kv_report,
 )
+from router.errors import OpenAIError
 from tests.router.fake_upstreams import healthy, only_instance, serving
 from tests.support.http import post
 

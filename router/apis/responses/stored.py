@@ -1,28 +1,19 @@
-"""The bodies routed beside chat and completions, read as the router routes them.
-
-The agents' APIs become the chat vLLM renders for them (router/prompt/responses_chat.py,
-router/prompt/anthropic_chat.py): the router routes that chat by its cached prefix, while the engine gets
-the client's body (a Responses one with the id the router gives it, router/dispatch/intake/response_ids.py).
-What the router cannot render as vLLM does is routed by load, and the engine answers it. The other routes are
-read for their model only.
+"""The Responses API's requests as the router reads them: the chat vLLM renders for a Responses body, with the
+conversation behind its previous_response_id (router/apis/responses/history.py), and the id the router gives
+each response, which names its instance and its owner (router/apis/responses/ids.py); and a stored response's
+retrieval or cancellation, pinned to the instance that holds it. What the router cannot render as vLLM does
+is routed by load, and the engine answers it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import msgspec
 
-from router.dispatch.intake.response_history import ResponseHistory
-from router.dispatch.intake.response_ids import ResponseIds
-from router.dispatch.intake.response_owners import UNSCOPED
-from router.errors import OpenAIError, bad_request
-from router.prompt.anthropic_chat import TemplateProbes, anthropic_chat_body
-from router.prompt.chat_conversation import InvalidPrompt
-from router.prompt.openai_body import (
+from router.apis.openai_body import (
     BOM,
     ChatRequest,
     CompletionRequest,
@@ -30,7 +21,13 @@ from router.prompt.openai_body import (
     json_object,
     served_model,
 )
-from router.prompt.responses_chat import responses_chat
+from router.apis.read import AgentRead, convert
+from router.apis.responses.chat import responses_chat
+from router.apis.responses.history import ResponseHistory
+from router.apis.responses.ids import ResponseIds
+from router.apis.responses.owners import UNSCOPED
+from router.errors import OpenAIError
+from router.prompt.chat_conversation import InvalidPrompt
 from router.shared.conversations import SharedConversations
 from router.upstreams.instances import Instance
 
@@ -52,37 +49,10 @@ class _PreviousOnly(msgspec.Struct):
     previous_response_id: str | None = None
 
 
-class _MessagesMetadata(msgspec.Struct):
-    user_id: str | None = None
-
-
-class _MessagesHead(msgspec.Struct):
-    model: str | None = None
-    stream: bool | None = None
-    metadata: _MessagesMetadata | None = None
-
-
-class _ModelOnly(msgspec.Struct):
-    model: str | None = None
-
-
-@dataclass(slots=True)
-class AgentRead:
-    """What routing takes of such a body."""
-
-    body: ChatRequest | CompletionRequest  # the prompt routed on (an empty one: routed by load)
-    session: str | None = None
-    tokenize: bool = True
-    pinned: Instance | None = None  # the instance that must serve it
-    pinned_by: str | None = None  # the stored response that pins it there
-    body_for: Callable[[Instance], bytes] | None = None  # the body each attempt sends, by its instance
-    watch: Callable[[bytes], None] | None = None  # shown the answer (a whole one, or each run of events)
-
-
 class StoredResponses:
     """The Responses API's requests: ids naming their instance and owner, the conversations behind them.
 
-    owner, in each call: the tag of the client's key (router/dispatch/intake/response_owners.py), or None
+    owner, in each call: the tag of the client's key (router/apis/responses/owners.py), or None
     where no client keys are configured and every stored response is anyone's."""
 
     def __init__(self, ids: ResponseIds, history: ResponseHistory) -> None:
@@ -122,7 +92,7 @@ class StoredResponses:
 
     def read(self, raw: bytes, only_model: str | None, owner: str | None) -> AgentRead:
         fields = json_object(raw)
-        head = _convert(fields, _ResponsesHead)
+        head = convert(fields, _ResponsesHead)
         model = served_model(head.model, only_model)
         previous = head.previous_response_id
         pinned = None if previous is None else self.stored(previous, owner)
@@ -201,46 +171,6 @@ class StoredResponses:
         return body_for
 
 
-def read_messages(
-    raw: bytes, only_model: str | None, probes: Callable[[str], TemplateProbes | None]
-) -> AgentRead:
-    """An Anthropic Messages request, as the chat vLLM serves it; probes: the model's template's."""
-    fields = json_object(raw)
-    head = _convert(fields, _MessagesHead)
-    if (missing := _textless_block(fields)) is not None:
-        raise bad_request(f"{missing}: Field required", "invalid_field", missing)
-    model = served_model(head.model, only_model)
-    session = head.metadata.user_id if head.metadata is not None else None
-    try:
-        chat = msgspec.convert(anthropic_chat_body(fields, probes(model)), ChatRequest, strict=False)
-    except (InvalidPrompt, msgspec.ValidationError):
-        return AgentRead(ChatRequest(messages=[], model=model, stream=head.stream), session, tokenize=False)
-    chat.model = model
-    return AgentRead(chat, session)
-
-
-def _textless_block(fields: dict[str, Any]) -> str | None:
-    """Where a text block has no text (messages.0.content.1.text, system.0.text), which Anthropic's API
-    refuses and vLLM's conversion would drop, leaving a prompt with nothing of the client's."""
-    places: list[tuple[str, Any]] = [("system", fields.get("system"))]
-    messages = fields.get("messages")
-    if isinstance(messages, list):
-        places += [
-            (f"messages.{i}.content", m.get("content")) for i, m in enumerate(messages) if isinstance(m, dict)
-        ]
-    for where, blocks in places:
-        for at, block in enumerate(blocks if isinstance(blocks, list) else ()):
-            if isinstance(block, dict) and block.get("type") == "text" and block.get("text") is None:
-                return f"{where}.{at}.text"
-    return None
-
-
-def read_model_only(raw: bytes, only_model: str | None) -> AgentRead:
-    """A request routed by load and model alone (count_tokens, tokenizer and pooling routes)."""
-    head = _convert(json_object(raw), _ModelOnly)
-    return AgentRead(CompletionRequest(model=served_model(head.model, only_model)), tokenize=False)
-
-
 def response_not_found(response_id: str) -> OpenAIError:
     """vLLM's answer for a stored response it does not hold."""
     return OpenAIError(
@@ -253,10 +183,3 @@ def with_request_id(raw: bytes, response_id: str) -> bytes:
     rest = raw.removeprefix(BOM).lstrip()[1:]
     field = b'{"request_id":' + msgspec.json.encode(response_id)
     return field + (b"," + rest if rest.lstrip()[:1] != b"}" else rest)
-
-
-def _convert(fields: dict[str, Any], kind: type[Any]) -> Any:
-    try:
-        return msgspec.convert(fields, kind, strict=False)
-    except msgspec.ValidationError as exc:
-        raise bad_request(f"Invalid request body: {exc}", "invalid_field") from None
