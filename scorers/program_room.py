@@ -5,9 +5,10 @@ goes decides where it grows. An instance's KV cache holds the contexts of the pr
 those in a tool call, which come back for them (their working sets, router/programs/). A new program placed
 where those already fill the cache evicts what a program in a tool call comes back for, and that program
 computes it again. For a request that starts a program (RoutingRequest.new_program: a program new, or back
-after a tool call that outlasted the time-to-live, whose working set lapsed, or one whose instance's working
-sets outgrew its cache, which it is better to leave once than to share) each candidate scores the KV its
-working sets (or its contexts in flight, when more) leave free, as a share of `room` (half its cache):
+after a tool call that outlasted the time-to-live, whose working set lapsed, or one no larger than the mean of
+those at an instance whose working sets outgrew its cache, which it is better to leave once than to share)
+each candidate scores the KV its working sets (or its contexts in flight, when more) leave free, as a share
+of `room` (half its cache):
 1 with that much free or more, so that where every instance has room the other scorers decide (a new session
 still goes where the agents' shared instructions are cached), less as the cache fills, 0 when full; a
 candidate whose capacity is not known yet scores 0. Any other request scores 0 everywhere: the scorer decides

@@ -108,12 +108,17 @@ class Programs:
         """Whether a request of this program is placed as one starting (the program-room scorer): it is not
         alive (new, or back after its working set lapsed), or its instance holds more working sets than its
         KV cache, so that its programs evict one another's contexts turn after turn and one of them is
-        better moved where there is room (it computes its context again once, not every turn)."""
+        better moved where there is room (it computes its context again once, not every turn). Of those, only
+        a program whose working set is no larger than the mean there moves: a move costs the mover its whole
+        context, and an 80K-token program moved waits seconds for its first token where a small one moved
+        frees room for less."""
         if not self.alive(session_key):
             return True
         program = self._programs[session_key]
         capacity, sets = self.capacity(program.instance), self._sets.get(program.instance)
-        return capacity is not None and sets is not None and sets.tokens > capacity
+        if capacity is None or sets is None or sets.tokens <= capacity:
+            return False
+        return program.tokens * (sets.running + sets.tool_call) <= sets.tokens
 
     def alive(self, session_key: str) -> bool:
         """Whether the program with this key has a turn running, or is in a tool call within the time-to-live:

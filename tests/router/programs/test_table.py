@@ -210,8 +210,9 @@ def test_programs_are_taken_to_come_back_until_most_tool_calls_lapse_without_a_n
 
 def test_a_program_is_placed_anew_when_new_lapsed_or_its_instance_outgrown() -> None:
     """While the working sets at its instance fit the KV cache a program's next turn stays where its context
-    is; once they outgrow it, its programs evict one another every turn, and the next to come back is placed
-    as a starting one, where there is room."""
+    is; once they outgrow it, its programs evict one another every turn, and the next to come back of those
+    no larger than the mean there is placed as a starting one, where there is room: a large one stays, since
+    a move costs the mover its whole context."""
     table, clock, _ = programs(ttl_prior_s=10)
     table.capacity = {"a": 10_000, "b": 10_000}.get
     assert table.placed_anew("s")  # new
@@ -221,10 +222,10 @@ def test_a_program_is_placed_anew_when_new_lapsed_or_its_instance_outgrown() -> 
     table.turn_started(turn("t", 5000), "a", clock.now)
     assert not table.placed_anew("s")  # 9,000 of 10,000
     table.turn_started(turn("u", 2000), "a", clock.now)
-    assert table.placed_anew("s") and table.placed_anew("t")  # 11,000: outgrown
-    table.turn_started(turn("s", 4200), "b", clock.now)  # s moved: a holds 7,000
-    assert not table.placed_anew("t") and not table.placed_anew("s")
-    clock.now += 11
-    table.turn_ended("s")
+    table.turn_ended("u")
+    # 11,000: outgrown; the mean is 3,667
+    assert table.placed_anew("u") and not table.placed_anew("s") and not table.placed_anew("t")
+    table.turn_started(turn("u", 2200), "b", clock.now)  # u moved: a holds 9,000
+    assert not table.placed_anew("t") and not table.placed_anew("s") and not table.placed_anew("u")
     clock.now += 11
     assert table.placed_anew("s")  # its working set lapsed
