@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -33,6 +34,10 @@ pytestmark = pytest.mark.stack
 PROMPT_TOKENS = 3000
 LOADED_KEYS = "vllm:mooncake_store_operation_keys_total"
 TRIALS = 3
+# A save the connector gave up leaves the prompt out of the pool: Mooncake's put ends in OBJECT_NOT_FOUND when
+# the master discarded it while a stalled machine wrote it (seen in a full run, both engines' /metrics late by
+# seconds). That trial is void and another prompt takes its place, at most this many times a test.
+VOID_TRIALS = 3
 ROUND_ROBIN = {POLICY_HEADER: "round-robin"}
 
 
@@ -55,15 +60,26 @@ def pool_keys(stack: Stack) -> float:
     return metric(stack.master_url, "master_key_count")
 
 
-def compute_then_load(stack: Stack, prompt: list[int]) -> PoolHit:
-    """Send prompt round robin until a second instance serves it; the first one computed it into the pool."""
+def failed_saves(url: str) -> float:
+    return metric(url, "vllm:mooncake_store_operation_failed_keys_total", operation="save_put")
+
+
+def compute_then_load(stack: Stack, prompt: list[int]) -> PoolHit | None:
+    """Send prompt round robin until a second instance serves it; the first one computed it into the pool
+    (None: its connector failed to save it there)."""
     keys = pool_keys(stack)
+    saves_failed = {i.name: failed_saves(i.url) for i in stack.instances}
     first = complete(stack.router_url, prompt, ROUND_ROBIN)
     computed_on = instance(stack, first.headers[INSTANCE_HEADER])
     full_blocks = len(prompt) // BLOCK
-    eventually(
-        lambda: pool_keys(stack) >= keys + full_blocks, what=f"{full_blocks} blocks of the prompt in the pool"
-    )
+
+    def saved() -> str | None:
+        if pool_keys(stack) >= keys + full_blocks:
+            return "saved"
+        return "failed" if failed_saves(computed_on.url) > saves_failed[computed_on.name] else None
+
+    if eventually(saved, what=f"{full_blocks} blocks of the prompt in the pool") == "failed":
+        return None
 
     def external_hits(url: str) -> float:
         return wait_steady(lambda: metric(url, "vllm:external_prefix_cache_hits_total"))
@@ -88,10 +104,22 @@ def compute_then_load(stack: Stack, prompt: list[int]) -> PoolHit:
     raise AssertionError(f"round robin kept sending the prompt to {computed_on.name}")
 
 
-def test_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(stack: Stack) -> None:
-    rng = random.Random(40)
-    for _ in range(TRIALS):
+def pool_hits(stack: Stack, rng: random.Random) -> Iterator[PoolHit]:
+    """TRIALS prompts, each computed on one instance and loaded from the pool by the other; one whose save
+    failed is replaced by another, up to VOID_TRIALS times."""
+    hits = void = 0
+    while hits < TRIALS:
         hit = compute_then_load(stack, random_tokens(rng, PROMPT_TOKENS))
+        if hit is None:
+            void += 1
+            assert void <= VOID_TRIALS, f"the connector failed to save {void} prompts to the pool"
+            continue
+        hits += 1
+        yield hit
+
+
+def test_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(stack: Stack) -> None:
+    for hit in pool_hits(stack, random.Random(40)):
         # All full blocks but the last: the engine always computes the last prompt token itself.
         loadable = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
         seen = (
@@ -116,10 +144,8 @@ def test_the_pool_load_rate_reads_from_the_engines_metrics(stack: Stack) -> None
     """Each engine times its pool loads (vllm:mooncake_store_operation_*): parse_pool_load_rate's reading of
     the real body (what `kvroute bench calibrate --pool` simulates the pool with) is their seconds a key over
     a block's tokens."""
-    rng = random.Random(41)
-    for _ in range(TRIALS):  # past MIN_POOL_LOAD_KEYS
-        hit = compute_then_load(stack, random_tokens(rng, PROMPT_TOKENS))
-    url = hit.loaded_on.url
+    hits = list(pool_hits(stack, random.Random(41)))  # past MIN_POOL_LOAD_KEYS
+    url = hits[-1].loaded_on.url
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
         measured = parse_pool_load_rate(response.read())
     seconds = metric(url, "vllm:mooncake_store_operation_time_seconds_sum", operation="load_get", status="ok")
