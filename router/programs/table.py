@@ -110,8 +110,8 @@ class Programs:
         KV cache, so that its programs evict one another's contexts turn after turn and one of them is
         better moved where there is room (it computes its context again once, not every turn). Of those, only
         a program whose working set is no larger than the mean there moves: a move costs the mover its whole
-        context, and an 80K-token program moved waits seconds for its first token where a small one moved
-        frees room for less."""
+        context: an 80K-token program moved waits seconds for its first token, a small one a fraction of
+        that."""
         if not self.alive(session_key):
             return True
         program = self._programs[session_key]
