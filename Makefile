@@ -64,7 +64,7 @@ $(CHART_TOOLS_STAMP): scripts/install_chart_tools.sh $(STAMP)
 
 chart-tools: $(CHART_TOOLS_STAMP)
 
-# Codex CLI (npm registry), which tests/router/test_codex_cli.py runs through kvroute.
+# Codex CLI (npm registry), which tests/scenarios/test_codex_cli.py runs through kvroute.
 AGENT_CLIS_STAMP := $(VENV)/.agent-clis
 $(AGENT_CLIS_STAMP): scripts/install_agent_clis.sh $(STAMP)
 	scripts/install_agent_clis.sh $(VENV)/agent-clis

@@ -3,7 +3,7 @@
 The kernel hands a signal sent to the process to any thread that does not block it. The main thread blocks
 SIGHUP for a moment while it turns its handler into "ignored" at shutdown (router/reload.py): a SIGHUP sent
 then could go to a worker thread and get the default action, set for that moment, which ends the process (a
-run of tests/router/test_signals.py once ended that way). Blocked in every worker thread, each of these
+run of tests/scenarios/test_signals.py once ended that way). Blocked in every worker thread, each of these
 signals waits for the main thread, whose handlers and masks decide what it does.
 """
 

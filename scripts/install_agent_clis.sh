@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The agent CLIs that tests/router/test_codex_cli.py and test_claude_code_cli.py drive through kvroute, into DIR
+# The agent CLIs that tests/scenarios/test_codex_cli.py and test_claude_code_cli.py drive through kvroute, into DIR
 # (the venv's agent-clis/):
 #   scripts/install_agent_clis.sh DIR
 # - @openai/codex (npm): its package pulls the platform's native binary as an optional dependency.

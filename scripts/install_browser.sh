@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian's headless-capable Chromium, for the dashboard's browser tests (tests/router/test_dashboard.py).
+# Debian's headless-capable Chromium, for the dashboard's browser tests (tests/router/http/test_dashboard.py).
 #   scripts/install_browser.sh
 # Idempotent: nothing happens when /usr/bin/chromium is there already.
 set -euo pipefail

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from kvroute.bench.index_ingest import Publishers, publishing  # noqa: E402
 from kvroute.bench.index_workers import wait_held, wait_subscribed  # noqa: E402
 from kvroute.processes import free_port_block, http_ok, spawn, start  # noqa: E402
-from tests.router.fake_upstreams import healthy  # noqa: E402
+from tests.support.fake_upstreams import healthy  # noqa: E402
 
 PUBLISHERS = 8  # each the events of one instance
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()

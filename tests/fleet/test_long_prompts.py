@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from kvroute.processes import FleetPorts, running_fleet
-from tests.router.responsiveness import probed_while
 from tests.support.http import post
+from tests.support.responsiveness import probed_while
 
 WORDS = "alpha beta gamma delta run tests fix the bug".split()
 

@@ -22,8 +22,8 @@ from kvroute.processes import free_port_block
 from router.index.figures import IndexFigures
 from router.index.index_metrics import IndexCollector
 from router.metrics import RENDER_SWITCH_S, RouterMetrics
-from tests.router.fake_upstreams import only_instance
 from tests.support import in_process
+from tests.support.fake_upstreams import only_instance
 from tests.support.waiting import eventually
 
 SLOW_S = 1.5

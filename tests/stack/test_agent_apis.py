@@ -1,5 +1,5 @@
 """The agents' own APIs through kvroute to real vLLM engines, driven by the official SDKs (issue 41): the
-same conversations as tests/router/test_agent_sdks.py, where the engines' prefix hits are vLLM's own.
+same conversations as tests/scenarios/test_agent_sdks.py, where the engines' prefix hits are vLLM's own.
 
 configs/stack-cpu.yaml has the engines store responses (VLLM_ENABLE_RESPONSES_API_STORE=1), take tools
 (--enable-auto-tool-choice, a tool-call parser) and say what they found cached (--enable-prompt-tokens-details).
@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from kvroute.stack.run import VLLM_STOP_TIMEOUT_S, Stack
-from tests.router.test_agent_sdks import (
+from tests.scenarios.test_agent_sdks import (
     INSTANCE_HEADER,
     MAX_OUTPUT,
     MODEL,

@@ -20,9 +20,9 @@ from kvroute.processes import free_port_block, spawn, wait_healthy
 from kvroute.stack.config import load_stack_config
 from router.prompt.template_reading import content_format
 from router.prompt.tokenization import PromptTokenizer
-from tests.router.chat_templates import TEMPLATES
 from tests.stack.client import post
 from tests.stack.conftest import CONFIG, REPO
+from tests.support.chat_templates import TEMPLATES
 from tinymodel import builder as tinymodel
 
 pytestmark = pytest.mark.stack

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import free_port_block, spawn, wait_healthy
-from tests.router.fake_upstreams import healthy, serving
+from tests.support.fake_upstreams import healthy, serving
 from tests.support.http import post
 
 

@@ -21,7 +21,7 @@ from router.apis.openai_body import (
     without_full_kv_report,
 )
 from router.errors import OpenAIError
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.support.fake_upstreams import healthy, only_instance, serving
 from tests.support.http import post
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from kvroute.processes import running_router_process
 from router.http.body_budget import BodyBudget
-from tests.router.fake_upstreams import answering, healthy, only_instance, serving
-from tests.router.test_misbehaving_engine import WHOLE, peak_rss_mib
+from tests.scenarios.test_misbehaving_engine import WHOLE, peak_rss_mib
+from tests.support.fake_upstreams import answering, healthy, only_instance, serving
 from tests.support.http import post
 
 _MIB = 2**20

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kvroute.processes import free_port_block, running_router, start, wait_healthy
 from tests.conftest import sample
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.support.fake_upstreams import healthy, only_instance, serving
 
 HEADER_TIMEOUT_S = 2.0
 MARGIN_S = 6.0  # a loaded machine closes late, never early

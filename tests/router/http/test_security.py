@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.processes import free_port_block, running_router
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.support.fake_upstreams import healthy, only_instance, serving
 from tests.support.http import post
 
 MARKER = "zebra-quartz-7731"  # a word no log line would contain by chance

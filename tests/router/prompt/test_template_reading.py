@@ -8,7 +8,7 @@ import pytest
 
 from router.prompt.chat_conversation import InvalidPrompt, engine_conversation, engine_template_kwargs
 from router.prompt.template_reading import content_format, template_variables
-from tests.router.chat_templates import PARTS_LOOP, TEMPLATES
+from tests.support.chat_templates import PARTS_LOOP, TEMPLATES
 
 
 @pytest.mark.parametrize("name", TEMPLATES)

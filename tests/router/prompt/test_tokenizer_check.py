@@ -21,7 +21,7 @@ from router.metrics import RouterMetrics
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenizer_check import TokenizerWatch, check_at_start
 from tests.conftest import sample
-from tests.router.fake_upstreams import serving_app
+from tests.support.fake_upstreams import serving_app
 from tests.support.http import get_json, post
 from tests.support.waiting import eventually
 

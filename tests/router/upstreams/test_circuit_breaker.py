@@ -12,7 +12,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, running_router
 from router.upstreams.circuit_breaker import CircuitBreaker
 from tests.conftest import ManualClock, metric, sample
-from tests.router.fake_upstreams import first_in_config, healthy, serving
+from tests.support.fake_upstreams import first_in_config, healthy, serving
 from tests.support.http import post
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()

@@ -12,7 +12,7 @@ from router.config import parse_config
 from router.metrics import RouterMetrics
 from router.upstreams.health import HealthChecker
 from router.upstreams.instances import Upstreams
-from tests.router.fake_upstreams import healthy
+from tests.support.fake_upstreams import healthy
 
 
 def test_a_fleet_larger_than_max_checks_per_s_allows_is_checked_a_share_a_tick() -> None:

@@ -14,7 +14,7 @@ from aiohttp import web
 from kvroute.processes import running_router
 from router.dispatch.observe.ab import ABStats, Ended
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.support.fake_upstreams import healthy, only_instance, serving
 from tests.support.http import post
 
 

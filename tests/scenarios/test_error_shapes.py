@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from kvroute.processes import running_router
-from tests.router.fake_upstreams import answering, healthy, only_instance, serving
+from tests.support.fake_upstreams import answering, healthy, only_instance, serving
 from tests.support.http import post
 
 

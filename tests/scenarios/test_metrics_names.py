@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import metric, sample
-from tests.router.test_grafana_dashboard import CHARTS, EXPORTED, metric_names
+from tests.deploy.test_grafana_dashboard import CHARTS, EXPORTED, metric_names
 from tests.support.http import post
 from tests.support.waiting import eventually
 

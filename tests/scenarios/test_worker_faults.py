@@ -13,8 +13,8 @@ import signal
 from pathlib import Path
 
 from kvroute.processes import FleetPorts
-from tests.router.signalling import Requests, accept_queue, alive, new_worker, serving
-from tests.router.test_serve_workers import start_workers
+from tests.scenarios.test_serve_workers import start_workers
+from tests.support.signalling import Requests, accept_queue, alive, new_worker, serving
 from tests.support.waiting import eventually
 
 

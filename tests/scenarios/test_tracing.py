@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from kvroute.processes import free_port_block, running_router, running_router_process
 from router.tracing.otel import CLOSE_WITHIN_S
-from tests.router.fake_upstreams import healthy, serving
+from tests.support.fake_upstreams import healthy, serving
 from tests.support.http import post
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

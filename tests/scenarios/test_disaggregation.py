@@ -16,7 +16,7 @@ from aiohttp import web
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import healthy, serving
+from tests.support.fake_upstreams import healthy, serving
 from tests.support.http import post
 
 ROLES = ("prefill", "prefill", "decode", "decode")

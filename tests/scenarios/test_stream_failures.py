@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvroute.processes import FleetPorts, running_router
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import first_in_config, healthy, serving
+from tests.support.fake_upstreams import first_in_config, healthy, serving
 from tests.support.http import post
 
 STREAM = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()

@@ -20,9 +20,9 @@ import yaml
 
 from kvroute.processes import Child, FleetPorts, free_port_block, http_ok, start
 from router.http.workers import MAX_STARTUP_FAILURES
-from tests.router.signalling import Hangups, Pinger, alive, new_worker, serving, sighup_taken
-from tests.router.test_serve_workers import start_workers
-from tests.router.test_shutdown import EXITED_ON_SIGTERM
+from tests.scenarios.test_serve_workers import start_workers
+from tests.scenarios.test_shutdown import EXITED_ON_SIGTERM
+from tests.support.signalling import Hangups, Pinger, alive, new_worker, serving, sighup_taken
 from tests.support.waiting import eventually
 
 

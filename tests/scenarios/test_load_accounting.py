@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvroute.processes import running_router
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.support.fake_upstreams import healthy, only_instance, serving
 from tests.support.http import get_json, post
 
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.processes import FleetPorts, running_router
 from scorers.ttft_model import TERMS, TTFTPriors
 from tests.conftest import instance_url, ipv6_loopback, metric
-from tests.router.fake_upstreams import answering, healthy, serving
+from tests.support.fake_upstreams import answering, healthy, serving
 from tests.support.http import get_json, post
 
 MODEL = "tiny-llama"

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvroute.processes import spawn
-from tests.router.agent_cli import BIN, NAMES, Run, Stack, engine_hits, one_request, running_stack
+from tests.support.agent_cli import BIN, NAMES, Run, Stack, engine_hits, one_request, running_stack
 
 CLAUDE = BIN / "claude"
 RUN_TIMEOUT_S = 180

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.processes import spawn
-from tests.router.agent_cli import BIN, NAMES, Run, Stack, engine_hits, one_request, running_stack
+from tests.support.agent_cli import BIN, NAMES, Run, Stack, engine_hits, one_request, running_stack
 
 CODEX = BIN / "codex"
 TURN_TIMEOUT_S = 180

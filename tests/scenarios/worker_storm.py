@@ -1,7 +1,7 @@
 """A measurement, not a test: clients in a closed loop against `kvroute serve --workers 2` in front of the
 simulated fleet, one worker SIGKILLed mid-storm; what failed, when, and what waited for the successor.
 
-    .venv/bin/python -m tests.router.worker_storm --runs 3
+    .venv/bin/python -m tests.scenarios.worker_storm --runs 3
 
 Each request is on a connection of its own (one in four streamed), so that the kernel places new connections
 all along. A failure that began before the kill was in flight in the killed worker, or in its accept queue.
@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, start, wait_healthy
-from tests.router.signalling import WORKER, children
+from tests.support.signalling import WORKER, children
 from tests.support.waiting import eventually
 
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import answering, healthy, only_instance, serving
+from tests.support.fake_upstreams import answering, healthy, only_instance, serving
 from tests.support.http import post
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()

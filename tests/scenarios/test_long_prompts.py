@@ -9,9 +9,9 @@ from pathlib import Path
 from aiohttp import web
 
 from kvroute.processes import running_router
-from tests.router.fake_upstreams import healthy, only_instance, serving, serving_app
-from tests.router.responsiveness import probed_while
+from tests.support.fake_upstreams import healthy, only_instance, serving, serving_app
 from tests.support.http import post
+from tests.support.responsiveness import probed_while
 
 WORDS = "alpha beta gamma delta run tests fix the bug in module parse json value error trace".split()
 

@@ -23,8 +23,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.processes import Child, FleetPorts, free_port_block, group_alive, start, wait_healthy
-from tests.router.signalling import alive, children
 from tests.support.http import post
+from tests.support.signalling import alive, children
 from tests.support.waiting import eventually
 
 WORKER = "x-kvroute-worker"
@@ -177,7 +177,7 @@ def test_a_killed_worker_loses_no_later_request_and_is_replaced(served: Served) 
     victim = min(before)
     os.kill(victim, signal.SIGKILL)
     eventually(lambda: not alive(victim))
-    # Once its pool has reaped it and steered new connections away (tests/router/test_worker_faults.py checks
+    # Once its pool has reaped it and steered new connections away (tests/scenarios/test_worker_faults.py checks
     # the connections that come in meanwhile: they wait for the successor).
     eventually(lambda: "exited with -9" in served.child.log_path.read_text())
     for i in range(20):  # the other worker takes every connection meanwhile

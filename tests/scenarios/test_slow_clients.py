@@ -14,7 +14,7 @@ from aiohttp import web
 
 from kvroute.processes import running_router
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import healthy, only_instance, serving
+from tests.support.fake_upstreams import healthy, only_instance, serving
 from tests.support.waiting import eventually
 
 EVENT = b"data: " + json.dumps({"choices": [{"text": "x" * 65_000}]}).encode() + b"\n\n"

@@ -17,7 +17,7 @@ from aiohttp import web
 from kvroute.processes import FleetPorts, free_port_block, running_fleet, running_router
 from router.dispatch.place.retry_budget import RetryBudget
 from tests.conftest import metric, sample
-from tests.router.fake_upstreams import answering, healthy, only_instance, serving, serving_app
+from tests.support.fake_upstreams import answering, healthy, only_instance, serving, serving_app
 from tests.support.http import post
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -1,4 +1,4 @@
-"""An engine that misbehaves at the byte level (tests/router/misbehaving_engine.py): whatever it sends, the
+"""An engine that misbehaves at the byte level (tests/support/misbehaving_engine.py): whatever it sends, the
 client gets an answer in OpenAI's shape or the bytes as the engine sent them, the router's memory stays
 bounded, and the request's slot is freed."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from kvroute.processes import running_router, running_router_process
 from tests.conftest import metric
-from tests.router.fake_upstreams import only_instance
-from tests.router.misbehaving_engine import JSON_HEAD, SSE_HEAD, Misbehaviour, misbehaving
+from tests.support.fake_upstreams import only_instance
 from tests.support.http import post
+from tests.support.misbehaving_engine import JSON_HEAD, SSE_HEAD, Misbehaviour, misbehaving
 
 STREAM = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
 WHOLE = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3}).encode()
