@@ -18,7 +18,6 @@ from kvroute.simulate.pool import PoolStore
 from kvroute.simulate.results import RunResult, result_of
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
-from router.dispatch.place.sending import RETRY_BACKOFF_S
 from router.dispatch.wait.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
 from router.dispatch.wait.memory_gate import MemoryGate
 from router.upstreams.settings import UpstreamConfig
@@ -54,8 +53,7 @@ def simulate(
 
 
 # A refused request is retried, for every policy, as kvroute's proxy retries a 503 before the first byte: on
-# an instance not tried yet, within its default attempts, after its backoff
-# (router/dispatch/place/attempts.py).
+# an instance not tried yet, within its default attempts, at once (router/dispatch/place/verdict.py).
 ATTEMPTS = UpstreamConfig().attempts
 
 
@@ -386,10 +384,10 @@ class Run:
             self.policy.refused(request)
             request.tried |= {request.instance}
             if len(request.tried) < min(ATTEMPTS, len(self.engines)):
-                # As a router retries a 503 that came before the first byte: on another instance, after a
-                # backoff; the client sees one request, later.
-                self.loop.at(self.loop.now + RETRY_BACKOFF_S, lambda: self.dispatch(request))
+                # As the proxy retries a 503 that came before the first byte: on another instance, at once
+                # (router/dispatch/place/verdict.py); the client sees one request.
                 self.retried += 1
+                self.dispatch(request)
             else:
                 self.refused(request)
 

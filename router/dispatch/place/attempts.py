@@ -12,28 +12,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from router.dispatch.context import Received
 from router.dispatch.decide.decision import Decision, Prepared
-from router.dispatch.observe.outcome import BUSY, WHOLE, Asked, Outcome, Part
+from router.dispatch.observe.outcome import WHOLE, Asked, Outcome, Part
 from router.dispatch.observe.routing_headers import ATTEMPTS_HEADER
-from router.dispatch.place.failures import REFUSED_CREDENTIALS
 from router.dispatch.place.prefill_leg import NoPrefill, PrefillLeg, Transfer, decode_leg_body
 from router.dispatch.place.sending import Outgoing, SendContext, Sent
 from router.dispatch.place.settings import DisaggregationConfig
+from router.dispatch.place.verdict import FAILURES, Failure, Verdict, judge
 from router.dispatch.place.warm_up import WarmUpSender
-from router.errors import (
-    RETRY_AFTER_S,
-    OpenAIError,
-    too_many_requests,
-    unavailable,
-    upstream_failed,
-    upstream_redirected,
-    upstream_timeout,
-    upstream_unauthorized,
-)
+from router.errors import RETRY_AFTER_S, OpenAIError, too_many_requests, unavailable
 from router.upstreams.instances import Instance
 from scorers.policy import Policy
 
@@ -45,9 +35,8 @@ class _Tries:
     """One request's attempts so far."""
 
     tried: set[str] = field(default_factory=set)
-    dropped: tuple[str, Exception] | None = None  # the last instance that broke off unanswered
-    refused: tuple[str, int] | None = None  # the last instance that refused the router's key
-    redirected: tuple[str, int, str] | None = None  # the last instance that answered a redirect, and where
+    # Of the instances that passed it on, the last of each kind's error (router/dispatch/place/verdict.py)
+    failures: dict[Failure, OpenAIError] = field(default_factory=dict)
     first_sent: float | None = None  # the client's wait includes the attempts that failed
     transfer: Transfer | None = None  # a prefill leg's KV that the next decode leg may still fetch
     body: dict[str, Any] | None = None  # the client's, decoded once a disaggregated leg needs it
@@ -94,10 +83,13 @@ class Attempts:
                 outcome.abandon(None, failed=False)
                 raise
             span.sent(sent.kind, 0 if sent.upstream is None else sent.upstream.status)
-            if await self._answered(sent, outcome, attempt, tries, stream):
+            verdict = self._settled(sent, outcome, attempt, tries, stream)
+            if verdict.serves:
                 outcome.turn_answered = self._warm_up.follow(received, prepared, path)
                 return outcome
             span.end()
+            if verdict.back_off:
+                await self._retry.back_off(len(tries.tried))
         raise self._none_answered(model, received.policy, tries)
 
     async def _start(
@@ -135,108 +127,47 @@ class Attempts:
         outcome.transferred(transfer.instance.name, transfer.cached_tokens)
         return outcome, decode_leg_body(body, transfer)
 
-    async def _answered(
-        self, sent: Sent, outcome: Outcome, attempt: int, tries: _Tries, stream: bool
-    ) -> bool:
-        """Whether the attempt answers the client; False: try another instance; or the OpenAIError that ends
-        the request."""
-        instance, upstream, policy = outcome.instance, sent.upstream, outcome.policy
-        metrics, model = self._metrics, outcome.model
-        if sent.kind == "not_connected":
-            # Nothing was sent: safe to try another instance, and this one is down for now.
-            outcome.abandon(upstream, admitted=False, withdraw=True)
-            tries.tried.add(instance.name)
-            metrics.upstream_errors(instance.name, "connect").inc()
+    def _settled(self, sent: Sent, outcome: Outcome, attempt: int, tries: _Tries, stream: bool) -> Verdict:
+        """What came of the attempt, judged (router/dispatch/place/verdict.py) and carried out: the outcome
+        answered, or abandoned and counted; the OpenAIError that ends the request, raised."""
+        instance, policy, name = outcome.instance, outcome.policy, outcome.instance.name
+
+        def may_retry() -> bool:
+            return self._may_retry(outcome.model, attempt, tries.tried | {name})
+
+        verdict = judge(sent, name, stream, may_retry)
+        if verdict.serves:
+            assert sent.upstream is not None
+            try:
+                outcome.answered(sent.upstream, sent.first, attempts=len(tries.tried) + 1)
+            except BaseException:
+                outcome.abandon(sent.upstream, failed=False)
+                raise
+            return verdict
+        outcome.abandon(sent.upstream, verdict.failed, verdict.admitted, verdict.withdraw)
+        if verdict.counted is not None:
+            self._metrics.upstream_errors(name, verdict.counted).inc()
+        if verdict.unreachable:
             self._context.health.mark_unreachable(instance)
-            return False
-        if sent.kind == "dropped":
-            # Sent, but the connection broke before the first byte (the instance died or restarted, or closed
-            # a kept-alive connection as it was reused): the client has had nothing yet, so another instance
-            # may serve it, within the retry budget. One drop does not mark the instance down (a request
-            # every engine drops would black out the model): its circuit breaker counts it, and a dead
-            # instance refuses the next connection. What it computed before dying went with it.
-            assert isinstance(sent.error, Exception)
-            outcome.abandon(upstream, withdraw=True)
-            tries.tried.add(instance.name)
-            metrics.upstream_errors(instance.name, "disconnected").inc()
-            tries.dropped = instance.name, sent.error
-            tries.transfer = None  # it may have fetched the KV, which the prefill instance then let go
-            if not self._may_retry(model, attempt, tries.tried):
-                self._observers.request_failed(policy)
-                raise _tried(upstream_failed(instance.name, sent.error), tries.tried) from sent.error
-            metrics.retries(instance.name).inc()
-            await self._retry.back_off(len(tries.tried))
-            return False
-        if sent.kind in ("timed_out", "bad_answer"):
-            # Timed out or answered badly: it may still be running there, so it is not sent again.
-            assert sent.error is not None
-            outcome.abandon(upstream)
-            timed_out = sent.kind == "timed_out"
-            metrics.upstream_errors(instance.name, "timeout" if timed_out else "response").inc()
+        if verdict.ends is not None:
             self._observers.request_failed(policy)
-            tried = tries.tried | {instance.name}
-            if timed_out:
-                limit = "first_byte_timeout_s" if stream else "response_timeout_s"
-                raise _tried(upstream_timeout(instance.name, limit), tried) from sent.error
-            raise _tried(upstream_failed(instance.name, sent.error), tried) from sent.error
-        assert upstream is not None
-        return self._taken(upstream, sent.first, outcome, attempt, tries)
-
-    def _taken(
-        self, upstream: aiohttp.ClientResponse, first: bytes, outcome: Outcome, attempt: int, tries: _Tries
-    ) -> bool:
-        """An answer came: it is the client's, unless the instance refused the router's key or was busy."""
-        instance, metrics = outcome.instance, self._metrics
-        if upstream.status in REFUSED_CREDENTIALS:
-            # The router's key (clients' never reach engines), which vLLM checks before anything else: nothing
-            # ran, and another instance may take it. Counted against this one's breaker.
-            tries.refused = instance.name, upstream.status
-            return self._passed_on(upstream, outcome, tries, "unauthorized")
-        if 300 <= upstream.status < 400:
-            # Not followed: what the instance's URL leads to is no instance the index and the load accounting
-            # know (an ingress redirecting to https, a moved host), and aiohttp would send a 301's or 302's
-            # POST on as a GET. Nothing ran; another instance may take it. Counted against its breaker.
-            tries.redirected = instance.name, upstream.status, upstream.headers.get("Location", "")
-            return self._passed_on(upstream, outcome, tries, "redirect")
-        if upstream.status == BUSY and self._may_retry(outcome.model, attempt, tries.tried | {instance.name}):
-            # vLLM's admission control (--max-num-queued-reqs, --max-num-queued-tokens) and a fleet being
-            # scaled refuse with 503 before anything runs, asking for "a different instance". The last
-            # instance's 503 reaches the client, with its Retry-After.
-            metrics.retries(instance.name).inc()
-            return self._passed_on(upstream, outcome, tries, "busy", failed=False)
-        try:
-            outcome.answered(upstream, first, attempts=len(tries.tried) + 1)
-        except BaseException:
-            outcome.abandon(upstream, failed=False)
-            raise
-        return True
-
-    def _passed_on(
-        self,
-        upstream: aiohttp.ClientResponse,
-        outcome: Outcome,
-        tries: _Tries,
-        kind: str,
-        failed: bool = True,
-    ) -> bool:
-        """The instance answered that nothing ran: the request goes to another (False: not the client's);
-        kind: the upstream error counted; failed: counted against its breaker too."""
-        outcome.abandon(upstream, failed=failed, admitted=False, withdraw=True)
-        tries.tried.add(outcome.instance.name)
-        self._metrics.upstream_errors(outcome.instance.name, kind).inc()
-        return False
+            raise _tried(verdict.ends, tries.tried | {name}) from sent.error
+        tries.tried.add(name)
+        if verdict.failure is not None:
+            kind, error = verdict.failure
+            tries.failures[kind] = error
+        if verdict.lost_transfer:
+            tries.transfer = None
+        if verdict.retried:
+            self._metrics.retries(name).inc()
+        return verdict
 
     def _none_answered(self, model: str, policy: Policy, tries: _Tries) -> OpenAIError:
         """Why no instance answered, once none is left to try."""
-        if tries.dropped is not None:
-            self._observers.request_failed(policy)
-            return _tried(upstream_failed(*tries.dropped), tries.tried)
-        if tries.refused is not None:
-            self._observers.request_failed(policy)
-            return _tried(upstream_unauthorized(*tries.refused), tries.tried)
-        if tries.redirected is not None:
-            self._observers.request_failed(policy)
-            return _tried(upstream_redirected(*tries.redirected), tries.tried)
+        for kind in FAILURES:
+            if kind in tries.failures:
+                self._observers.request_failed(policy)
+                return _tried(tries.failures[kind], tries.tried)
         if tries.tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:
