@@ -11,19 +11,20 @@ from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from router import strict_yaml
 from router.discovery.settings import DiscoveryConfig
+from router.dispatch.intake.settings import AdmissionConfig, TrafficConfig
 from router.dispatch.place.settings import DisaggregationConfig
 from router.dispatch.wait.settings import FlowControlConfig
-from router.http.settings import AdminConfig, ClientAuthConfig, CorsConfig
+from router.http.settings import AdminConfig, ClientAuthConfig, CorsConfig, LimitsConfig
 from router.index.settings import IndexConfig, PoolConfig
 from router.programs.settings import ProgramsConfig
+from router.prompt.settings import TokenizationConfig
 from router.settings_base import Strict, checked_http_url, checked_zmq_endpoint
 from router.shared.settings import SharedConfig
 from router.tracing.config import TracingConfig
-from router.traffic_split import TrafficSplit
 from router.upstreams.settings import CircuitBreakerConfig, HealthConfig, LoadConfig, UpstreamConfig
 from scorers.config_keys import suggested
 from scorers.policy_config import PolicyConfig, builtin_policies
@@ -92,41 +93,6 @@ _INHERITED_BY_ADAPTERS = (
     "exclude_tools_when_tool_choice_none",
     "dtype",
 )
-
-
-class TokenizationConfig(Strict):
-    cache_max_entries: int = Field(default=65_536, ge=1, description="conversation prefixes kept")
-    cache_max_tokens: int = Field(default=2_000_000, ge=1, description="token ids kept over all prefixes")
-    max_tokenized_bytes: int = Field(
-        default=4 * 2**20,
-        ge=0,
-        # its first name, kept for the files that use it; limits.max_body_bytes bounds what is read at all
-        validation_alias=AliasChoices("max_tokenized_bytes", "max_body_bytes"),
-        description="larger bodies are routed without tokenizing (CPU and memory a request may take)",
-    )
-    thread_above_bytes: int = Field(
-        default=64 * 2**10,
-        ge=0,
-        description="larger bodies are tokenized on a worker thread, so the event loop goes on serving",
-    )
-    audit_every: int = Field(
-        default=100,
-        ge=0,
-        description="chats are rendered here; the first of each model and kind (plain, with tools or "
-        "chat_template_kwargs) and one in this many after it are checked against an instance's /tokenize, "
-        "and one mismatch sends that model's chats of that kind (all of them, after a plain one) to the "
-        "engine (0: never check)",
-    )
-    image_url_domains: list[str] = Field(
-        default_factory=list,
-        description="images a chat gives by http(s) URL are fetched here (each once, kept a while) to key "
-        "them as the engine does, when their host is one of these or below one (as vLLM's "
-        "--allowed-media-domains); empty: never fetched, such requests are routed by load",
-    )
-    image_max_bytes: int = Field(default=20 * 2**20, ge=1, description="a larger image is not fetched")
-    image_fetch_timeout_s: float = Field(
-        default=5.0, gt=0, description="a fetch that takes longer is given up: the request is routed by load"
-    )
 
 
 class InstanceConfig(Strict):
@@ -203,82 +169,6 @@ class InstanceConfig(Strict):
         if endpoint is None:
             return None
         return checked_zmq_endpoint(endpoint)
-
-
-class TrafficConfig(Strict):
-    split: dict[str, float] | None = Field(
-        default=None,
-        description="policy -> weight (>= 0): each session goes to one policy, by weight; "
-        "default: everything to default_policy",
-    )
-    session_header: str = Field(
-        default="x-session-id", min_length=1, description="the session key; else the body's `user`"
-    )
-    force_header: str = Field(
-        default="x-kvroute-policy", min_length=1, description="names the policy for one request"
-    )
-
-    @field_validator("split")
-    @classmethod
-    def _weights(cls, split: dict[str, float] | None) -> dict[str, float] | None:
-        if split is not None:
-            TrafficSplit(split)  # the split's own checks, the same as PUT /admin/traffic gets
-        return split
-
-
-class AdmissionConfig(Strict):
-    max_in_flight: int = Field(default=4096, ge=1, description="requests in the router at once")
-    max_in_flight_per_instance: int = Field(
-        default=1024, ge=1, description="requests at one instance at once; a full instance is not a candidate"
-    )
-    max_waiting_per_instance: int | None = Field(
-        default=None,
-        ge=1,
-        description="the engines' waiting-queue limit, where they refuse (503) past it (a gateway's or an "
-        "engine's queue cap; vLLM itself queues without one): an instance whose queue is near it is not a "
-        "candidate while another has room. null: no limit",
-    )
-    queue_size: int = Field(default=1024, ge=0, description="requests waiting for a slot; past it: 429")
-    queue_timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a slot; past it: 429")
-    memory_hold_s: float = Field(
-        default=0.0,
-        ge=0,
-        description="a request no instance has KV memory for waits in the router up to this long, then goes "
-        "where memory frees first (router/dispatch/wait/memory_gate.py); 0: off",
-    )
-
-
-class LimitsConfig(Strict):
-    max_body_bytes: int = Field(
-        default=32 * 2**20, ge=1, description="/v1/* request bodies larger than this are answered 413"
-    )
-    max_buffered_body_bytes: int = Field(
-        default=256 * 2**20,
-        ge=1,
-        description="request bodies read ahead of admission, all requests together (each counts its "
-        "Content-Length, else max_body_bytes): past it, a body waits unread, then 503 after body_timeout_s",
-    )
-    body_timeout_s: float = Field(
-        default=60.0, gt=0, description="a client slower than this to send its body is answered 408"
-    )
-    send_timeout_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="a stream's client that takes no data for this long is cut off, freeing its slot and "
-        "aborting the engine's request (nginx's send_timeout)",
-    )
-    header_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="a connection must send a request's head within this long of opening, or of its previous "
-        "answer's end, or it is closed (408 if the head was begun; nginx's client_header_timeout)",
-    )
-    max_header_bytes: int = Field(
-        default=64 * 2**10,
-        ge=1024,
-        description="a request's head (request line and headers) larger than this is answered 431 and its "
-        "connection closed (Envoy's max_request_headers_kb is 60 KiB)",
-    )
 
 
 class RouterConfig(Strict):

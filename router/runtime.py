@@ -27,7 +27,7 @@ import aiohttp
 
 from router import allocator, worker_threads
 from router.apis.completions.prompt_embeds import DTYPE_NAMES
-from router.config import ConfigError, ModelConfig, RouterConfig, TokenizationConfig
+from router.config import ConfigError, ModelConfig, RouterConfig
 from router.discovery.merge import with_discovered
 from router.discovery.watcher import Discovered, Discovery
 from router.dispatch.answer.relay import Relay
@@ -63,6 +63,7 @@ from router.programs.shared import ProgramTurnsShared
 from router.programs.table import Programs, followed
 from router.prompt.multimodal.fetch import ImageFetcher
 from router.prompt.remote_tokenizer import RemoteTokenizer
+from router.prompt.settings import TokenizationConfig
 from router.prompt.token_cache import CachedChatTokenizer
 from router.prompt.tokenization import PromptTokenizer
 from router.prompt.tokenizer_check import TokenizerWatch, check_at_start

@@ -63,7 +63,9 @@ ROUTER_LAYERS: list[set[str]] = [
         "router.discovery.settings",
         "router.dispatch.wait.settings",
         "router.dispatch.place.settings",
+        "router.dispatch.intake.settings",
         "router.http.settings",
+        "router.prompt.settings",
     },
     # Each API's body and the chat vLLM renders for it (router/apis/, a folder an API).
     {"router.apis"},

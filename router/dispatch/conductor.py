@@ -36,7 +36,6 @@ from router.apis.responses.ids import ResponseIds
 from router.apis.responses.owners import owner_tag
 from router.apis.responses.stored import StoredResponses, response_not_found
 from router.apis.routes import Api, presented_key
-from router.config import TokenizationConfig
 from router.dispatch.context import Arrival, FlowTicket, Received, Target
 from router.dispatch.decide.decision import Decider, Prepared
 from router.dispatch.intake.admission import Admission, Overloaded
@@ -48,6 +47,7 @@ from router.dispatch.place.attempts import Attempts
 from router.dispatch.wait.flow_gate import flow_of, objective_of
 from router.dispatch.wait.waiting import Waiting
 from router.errors import RETRY_AFTER_S, OpenAIError, model_not_found, too_many_requests, unavailable
+from router.prompt.settings import TokenizationConfig
 from router.tracing.spans import NULL_TRACING, Trace, Tracing
 from router.upstreams.instances import Instance, Upstreams
 from scorers.policy import best_first

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-from router.config import LimitsConfig
+from router.http.settings import LimitsConfig
 from router.upstreams.http_protocol import connection_protocol
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from router.config import LimitsConfig
 from router.epp import messages
 from router.epp.grpc_service import start_server
+from router.http.settings import LimitsConfig
 from router.upstreams.http_session import freeze_startup_objects
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from router.config import RouterConfig, TrafficConfig
+from router.config import RouterConfig
+from router.dispatch.intake.settings import TrafficConfig
 from router.dispatch.observe.ab import ABStats
 from router.errors import bad_request
 from router.traffic_split import TrafficSplit
