@@ -241,6 +241,7 @@ class Conductor:
             outcome.ticket = received.ticket
             return outcome
         except OpenAIError as error:
+            self.observers.request_ended(received.policy, error.code)
             if target.pinned_by is None or error.code not in _GONE:
                 raise
             raise response_not_found(target.pinned_by) from error
@@ -252,12 +253,16 @@ class Conductor:
         it gave none), its attempt started, and up to fallbacks others, best first."""
         policy = received.policy
         target = received.target
-        candidates = self._attempts.candidates(prepared, policy, outside or frozenset(), target.pinned)
+        try:
+            candidates = self._attempts.candidates(prepared, outside or frozenset(), target.pinned)
+        except OpenAIError as error:
+            self.observers.request_ended(policy, error.code)
+            raise
         if not candidates and target.pinned_by is not None:
             raise response_not_found(target.pinned_by)
         if not candidates:
             code = "no_healthy_instance" if outside is None else "no_instance_in_subset"
-            self.observers.request_rejected(policy, code)
+            self.observers.request_ended(policy, code)
             message = f"No healthy instance serves `{received.model}` right now. Retry later."
             raise unavailable(message, code, RETRY_AFTER_S)
         decision, scores = self.decider.decide_scored(prepared, policy, candidates, received.trace)

@@ -36,6 +36,12 @@ Leg = Literal["whole", "prefill", "decode"]
 # unsplit: an API the prefill leg cannot serve (the agents'), routed whole to a decode instance
 PdPath = Literal["disaggregated", "skipped", "fallback", "unsplit"]
 _CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
+# The codes of the errors (router/errors.py) that end a request in the place stage: turned away before any
+# instance had it, or failed since none answered it.
+REJECTED = frozenset(
+    {"instances_full", "no_healthy_instance", "no_instance_in_subset", "upstream_unreachable"}
+)
+FAILED = frozenset({"upstream_failed", "upstream_timeout", "upstream_unauthorized", "upstream_redirected"})
 
 
 class Answer(Protocol):
@@ -72,6 +78,15 @@ class Observers:
         """The router turned the request away before any instance had it: code says why."""
         self.metrics.rejected(code).inc()
         self.ab_for(policy).rejected(policy.name)
+
+    def request_ended(self, policy: Policy, code: str | int) -> None:
+        """The place stage ended the request with an error of this code: turned away (no instance could
+        take it), failed (no instance answered it), or neither (the client's own mistake, counted where
+        it was found)."""
+        if code in REJECTED:
+            self.request_rejected(policy, str(code))
+        elif code in FAILED:
+            self.request_failed(policy)
 
 
 class Asked(NamedTuple):

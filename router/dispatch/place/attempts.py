@@ -25,7 +25,6 @@ from router.dispatch.place.verdict import FAILURES, Failure, Verdict, judge
 from router.dispatch.place.warm_up import WarmUpSender
 from router.errors import RETRY_AFTER_S, OpenAIError, too_many_requests, unavailable
 from router.upstreams.instances import Instance
-from scorers.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class Attempts:
         tries = _Tries()
         self._retry.earn()
         for attempt in range(self._retry.attempts):
-            candidates = self.candidates(prepared, received.policy, frozenset(tries.tried), target.pinned)
+            candidates = self.candidates(prepared, frozenset(tries.tried), target.pinned)
             if not candidates:
                 break
             outcome, payload = await self._start(received, prepared, path, candidates, tries)
@@ -90,7 +89,7 @@ class Attempts:
             span.end()
             if verdict.back_off:
                 await self._retry.back_off(len(tries.tried))
-        raise self._none_answered(model, received.policy, tries)
+        raise self._none_answered(model, tries)
 
     async def _start(
         self, received: Received, prepared: Prepared, path: str, candidates: list[Instance], tries: _Tries
@@ -130,7 +129,7 @@ class Attempts:
     def _settled(self, sent: Sent, outcome: Outcome, attempt: int, tries: _Tries, stream: bool) -> Verdict:
         """What came of the attempt, judged (router/dispatch/place/verdict.py) and carried out: the outcome
         answered, or abandoned and counted; the OpenAIError that ends the request, raised."""
-        instance, policy, name = outcome.instance, outcome.policy, outcome.instance.name
+        instance, name = outcome.instance, outcome.instance.name
 
         def may_retry() -> bool:
             return self._may_retry(outcome.model, attempt, tries.tried | {name})
@@ -150,7 +149,6 @@ class Attempts:
         if verdict.unreachable:
             self._context.health.mark_unreachable(instance)
         if verdict.ends is not None:
-            self._observers.request_failed(policy)
             raise _tried(verdict.ends, tries.tried | {name}) from sent.error
         tries.tried.add(name)
         if verdict.failure is not None:
@@ -162,25 +160,19 @@ class Attempts:
             self._metrics.retries(name).inc()
         return verdict
 
-    def _none_answered(self, model: str, policy: Policy, tries: _Tries) -> OpenAIError:
+    def _none_answered(self, model: str, tries: _Tries) -> OpenAIError:
         """Why no instance answered, once none is left to try."""
         for kind in FAILURES:
             if kind in tries.failures:
-                self._observers.request_failed(policy)
                 return _tried(tries.failures[kind], tries.tried)
         if tries.tried:
             message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
         else:
             message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
-        self._observers.request_rejected(policy, code)
         return _tried(unavailable(message + " Retry later.", code, RETRY_AFTER_S), tries.tried)
 
     def candidates(
-        self,
-        prepared: Prepared,
-        policy: Policy,
-        exclude: frozenset[str] = frozenset(),
-        pinned: Instance | None = None,
+        self, prepared: Prepared, exclude: frozenset[str] = frozenset(), pinned: Instance | None = None
     ) -> list[Instance]:
         """The healthy instances serving the request's model (pinned: that one alone, if it is healthy), but
         those in exclude, that have room for one more request of this router (router/upstreams/filters.py);
@@ -192,7 +184,6 @@ class Attempts:
             healthy = [pinned] if pinned.healthy and pinned.name not in exclude else []
         candidates = self._context.room.filter(prepared.request, healthy)
         if healthy and not candidates:
-            self._observers.request_rejected(policy, "instances_full")
             raise too_many_requests(
                 f"Every instance serving `{model}` is at capacity; retry later.",
                 "instances_full",
