@@ -38,7 +38,7 @@ from router.dispatch.intake.routing_table import RoutingTable
 from router.dispatch.observe.ab_shared import SHARE_S as AB_SHARE_S
 from router.dispatch.observe.ab_shared import SharedABResults
 from router.dispatch.observe.events import Event
-from router.dispatch.observe.outcome import Observers
+from router.dispatch.observe.observers import Observers
 from router.dispatch.place.attempts import Attempts
 from router.dispatch.place.sending import RetryPolicy, SendContext, Sender
 from router.dispatch.wait.flow_gate import FlowGate
@@ -378,9 +378,10 @@ class Runtime:
         metrics.admission_waiting.set_function(lambda: self.admission.waiting)
         ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
         # (the peers' sync, made after the routing, is looked up when a large request is sent)
-        observers = Observers(
-            metrics, self.decider, ab_for, self.room_freed, self.programs, lambda: self.peers.nudge()
-        )
+        observers = Observers(metrics, ab_for, self.room_freed, self.programs, lambda: self.peers.nudge())
+        decider = self.decider
+        observers.served.subscribe(lambda served: decider.served(served.decision, served.policy))
+        observers.withdrawn.subscribe(decider.withdraw)
         waiting = Waiting(
             self.flow_gate,
             admission.memory_hold_s,

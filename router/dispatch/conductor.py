@@ -41,7 +41,8 @@ from router.dispatch.decide.decision import Decider, Prepared
 from router.dispatch.intake.admission import Admission, Overloaded
 from router.dispatch.intake.engine_priority import engine_priority, prioritized, with_engine_priority
 from router.dispatch.intake.routing_table import RoutingTable
-from router.dispatch.observe.outcome import Asked, Observers, Outcome, Part
+from router.dispatch.observe.observers import Observers
+from router.dispatch.observe.outcome import Asked, Outcome, Part
 from router.dispatch.observe.routing_headers import forwarded_headers
 from router.dispatch.place.attempts import Attempts
 from router.dispatch.wait.flow_gate import flow_of, objective_of
@@ -255,16 +256,15 @@ class Conductor:
         target = received.target
         try:
             candidates = self._attempts.candidates(prepared, outside or frozenset(), target.pinned)
+            if not candidates and target.pinned_by is not None:
+                raise response_not_found(target.pinned_by)
+            if not candidates:
+                code = "no_healthy_instance" if outside is None else "no_instance_in_subset"
+                message = f"No healthy instance serves `{received.model}` right now. Retry later."
+                raise unavailable(message, code, RETRY_AFTER_S)
         except OpenAIError as error:
             self.observers.request_ended(policy, error.code)
             raise
-        if not candidates and target.pinned_by is not None:
-            raise response_not_found(target.pinned_by)
-        if not candidates:
-            code = "no_healthy_instance" if outside is None else "no_instance_in_subset"
-            self.observers.request_ended(policy, code)
-            message = f"No healthy instance serves `{received.model}` right now. Retry later."
-            raise unavailable(message, code, RETRY_AFTER_S)
         decision, scores = self.decider.decide_scored(prepared, policy, candidates, received.trace)
         others: tuple[Instance, ...] = ()
         if fallbacks and len(candidates) > 1:

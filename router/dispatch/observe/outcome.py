@@ -3,8 +3,9 @@
 An attempt starts (the instance counts it in flight, its circuit breaker may take it as a probe), may see its
 first byte (the TTFT model and the A/B statistics learn), and ends once: finished (answered, refused, broken
 or cut) or abandoned before the client had anything (the instance failed or the client left). Each of those
-updates the instance's counters, its breaker, the metrics, the A/B statistics and the index's speculative
-entries here, and nowhere else.
+updates the instance's counters, its breaker, the metrics and the A/B statistics here, and nowhere else; a
+decision served or withdrawn is told to those subscribed (router/dispatch/observe/observers.py: the decider's
+session placements and its index's speculative entries), which this module does not know.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
 from router.dispatch.context import FlowTicket
-from router.dispatch.decide.decision import Decider, Decision
-from router.dispatch.observe.ab import ABStats, Ended
-from router.dispatch.observe.events import Event
+from router.dispatch.decide.decision import Decision
+from router.dispatch.observe.ab import Ended
+from router.dispatch.observe.observers import Observers, Served
 from router.dispatch.observe.usage import Usage, answer_usage
-from router.metrics import RouterMetrics
-from router.programs.table import NO_PROGRAMS, NoPrograms, Programs
 from router.upstreams.instances import Instance
 from router.upstreams.peer_sync import NUDGE_CONTEXT_TOKENS
 from scorers.policy import Policy
@@ -36,12 +35,6 @@ Leg = Literal["whole", "prefill", "decode"]
 # unsplit: an API the prefill leg cannot serve (the agents'), routed whole to a decode instance
 PdPath = Literal["disaggregated", "skipped", "fallback", "unsplit"]
 _CLIENT_CLOSED = 499  # nginx's code for a client that left before its answer ended
-# The codes of the errors (router/errors.py) that end a request in the place stage: turned away before any
-# instance had it, or failed since none answered it.
-REJECTED = frozenset(
-    {"instances_full", "no_healthy_instance", "no_instance_in_subset", "upstream_unreachable"}
-)
-FAILED = frozenset({"upstream_failed", "upstream_timeout", "upstream_unauthorized", "upstream_redirected"})
 
 
 class Answer(Protocol):
@@ -54,39 +47,6 @@ class Answer(Protocol):
     def release(self) -> object: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Observers:
-    """The parts an outcome tells: metrics, the decider (speculative blocks, served turns), the A/B results
-    of the routing table in force, the requests waiting in the router (flow control, the memory gate), and
-    the agent programs whose turns these are."""
-
-    metrics: RouterMetrics
-    decider: Decider
-    ab_for: Callable[[Policy], ABStats]
-    room_freed: Event  # a first byte or an end: requests waiting in the router may go
-    programs: Programs | NoPrograms = NO_PROGRAMS
-    # Told when a request with a context of NUDGE_CONTEXT_TOKENS or more is sent: peers hear of it at once.
-    sent_large: Callable[[], None] | None = None
-
-    def request_failed(self, policy: Policy) -> None:
-        """No instance answered the request: it failed (the A/B counts it against its policy)."""
-        self.ab_for(policy).failed(policy.name)
-
-    def request_rejected(self, policy: Policy, code: str) -> None:
-        """The router turned the request away before any instance had it: code says why."""
-        self.metrics.rejected(code).inc()
-        self.ab_for(policy).rejected(policy.name)
-
-    def request_ended(self, policy: Policy, code: str | int) -> None:
-        """The place stage ended the request with an error of this code: turned away (no instance could
-        take it), failed (no instance answered it), or neither (the client's own mistake, counted where
-        it was found)."""
-        if code in REJECTED:
-            self.request_rejected(policy, str(code))
-        elif code in FAILED:
-            self.request_failed(policy)
 
 
 class Asked(NamedTuple):
@@ -277,7 +237,7 @@ class Outcome:
         self.upstream, self.first, self.attempts = upstream, first, attempts
         if self.for_client:
             observers, decision = self.observers, self.decision
-            observers.decider.served(decision, self.policy)
+            observers.served.tell(Served(decision, self.policy))
             if decision.request is not None:
                 observers.programs.turn_started(decision.request, decision.instance.name, self.first_sent)
             if self.pd_path is not None:
@@ -343,7 +303,7 @@ class Outcome:
         else:
             self.instance.breaker.abandoned(self.probe)
         if withdraw:
-            self.observers.decider.withdraw(self.decision)
+            self.observers.withdrawn.tell(self.decision)
 
     def finish(self) -> bool:
         """The answer ended, whole, broken, cut or left by its client; False when it had already."""
@@ -354,7 +314,7 @@ class Outcome:
         status = self.upstream.status
         self._end(admitted=status == 200)
         if status >= 400:  # refused or failed: the engine computed nothing of it
-            self.observers.decider.withdraw(self.decision)
+            self.observers.withdrawn.tell(self.decision)
         # A stream that ended neither whole, broken nor cut by the router was left by its client mid-way: its
         # time is not an answer's, and it says nothing of the instance.
         left = self.streamed and status == 200 and not (self.completed or self.broken or self.cut)

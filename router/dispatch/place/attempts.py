@@ -17,13 +17,12 @@ import msgspec
 from router.dispatch.context import Received
 from router.dispatch.decide.decision import Decision, Prepared
 from router.dispatch.observe.outcome import WHOLE, Asked, Outcome, Part
-from router.dispatch.observe.routing_headers import ATTEMPTS_HEADER
 from router.dispatch.place.prefill_leg import NoPrefill, PrefillLeg, Transfer, decode_leg_body
 from router.dispatch.place.sending import Outgoing, SendContext, Sent
 from router.dispatch.place.settings import DisaggregationConfig
-from router.dispatch.place.verdict import FAILURES, Failure, Verdict, judge
+from router.dispatch.place.verdict import Failure, Verdict, judge, none_answered, with_attempts
 from router.dispatch.place.warm_up import WarmUpSender
-from router.errors import RETRY_AFTER_S, OpenAIError, too_many_requests, unavailable
+from router.errors import RETRY_AFTER_S, OpenAIError, too_many_requests
 from router.upstreams.instances import Instance
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class Attempts:
             span.end()
             if verdict.back_off:
                 await self._retry.back_off(len(tries.tried))
-        raise self._none_answered(model, tries)
+        raise none_answered(model, tries.tried, tries.failures)
 
     async def _start(
         self, received: Received, prepared: Prepared, path: str, candidates: list[Instance], tries: _Tries
@@ -135,21 +134,30 @@ class Attempts:
             return self._may_retry(outcome.model, attempt, tries.tried | {name})
 
         verdict = judge(sent, name, stream, may_retry)
-        if verdict.serves:
-            assert sent.upstream is not None
-            try:
-                outcome.answered(sent.upstream, sent.first, attempts=len(tries.tried) + 1)
-            except BaseException:
-                outcome.abandon(sent.upstream, failed=False)
-                raise
+        if not verdict.serves:
+            self._passed_on(verdict, instance, tries)  # marked down first, so that the room freed avoids it
+            outcome.abandon(sent.upstream, verdict.failed, verdict.admitted, verdict.withdraw)
+            if verdict.ends is not None:
+                raise with_attempts(verdict.ends, tries.tried | {name}) from sent.error
             return verdict
-        outcome.abandon(sent.upstream, verdict.failed, verdict.admitted, verdict.withdraw)
+        assert sent.upstream is not None
+        try:
+            outcome.answered(sent.upstream, sent.first, attempts=len(tries.tried) + 1)
+        except BaseException:
+            outcome.abandon(sent.upstream, failed=False)
+            raise
+        return verdict
+
+    def _passed_on(self, verdict: Verdict, instance: Instance, tries: _Tries) -> None:
+        """The instance did not serve the client: counted against it, and, unless the request ends, left out
+        of the next attempts."""
+        name = instance.name
         if verdict.counted is not None:
             self._metrics.upstream_errors(name, verdict.counted).inc()
         if verdict.unreachable:
             self._context.health.mark_unreachable(instance)
         if verdict.ends is not None:
-            raise _tried(verdict.ends, tries.tried | {name}) from sent.error
+            return
         tries.tried.add(name)
         if verdict.failure is not None:
             kind, error = verdict.failure
@@ -158,18 +166,6 @@ class Attempts:
             tries.transfer = None
         if verdict.retried:
             self._metrics.retries(name).inc()
-        return verdict
-
-    def _none_answered(self, model: str, tries: _Tries) -> OpenAIError:
-        """Why no instance answered, once none is left to try."""
-        for kind in FAILURES:
-            if kind in tries.failures:
-                return _tried(tries.failures[kind], tries.tried)
-        if tries.tried:
-            message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
-        else:
-            message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
-        return _tried(unavailable(message + " Retry later.", code, RETRY_AFTER_S), tries.tried)
 
     def candidates(
         self, prepared: Prepared, exclude: frozenset[str] = frozenset(), pinned: Instance | None = None
@@ -206,9 +202,3 @@ class Attempts:
         limit = self._context.room.per_instance_limit
         others = self._upstreams.candidates(model, exclude=frozenset(tried))
         return self._retry.may_retry(attempt, any(other.own_in_flight < limit for other in others))
-
-
-def _tried(error: OpenAIError, tried: set[str]) -> OpenAIError:
-    """error, saying how many instances the request was sent to, as an answer does."""
-    error.headers[ATTEMPTS_HEADER] = str(len(tried))
-    return error

@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 import aiohttp
 
 from router.dispatch.decide.decision import Decider
-from router.dispatch.observe.outcome import Observers
+from router.dispatch.observe.observers import Observers
 from router.dispatch.place.failures import DROPPED, NOT_CONNECTED
 from router.dispatch.place.retry_budget import RetryBudget
 from router.upstreams.health import HealthChecker

@@ -5,15 +5,18 @@ loop (router/dispatch/place/attempts.py) carries the verdict out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from router.dispatch.observe.outcome import BUSY
+from router.dispatch.observe.routing_headers import ATTEMPTS_HEADER
 from router.dispatch.place.failures import REFUSED_CREDENTIALS
 from router.dispatch.place.sending import Sent
 from router.errors import (
+    RETRY_AFTER_S,
     OpenAIError,
+    unavailable,
     upstream_failed,
     upstream_redirected,
     upstream_timeout,
@@ -108,3 +111,22 @@ def _answered(sent: Sent, instance: str, may_retry: Callable[[], bool]) -> Verdi
         # reaches the client, with its Retry-After.
         return Verdict(counted="busy", failed=False, admitted=False, withdraw=True, retried=True)
     return SERVES
+
+
+def none_answered(model: str, tried: set[str], failures: Mapping[Failure, OpenAIError]) -> OpenAIError:
+    """Why no instance answered, once none is left to try: the last instance's that passed it on, of the first
+    kind in FAILURES; else none could be reached (tried) or none was there."""
+    for kind in FAILURES:
+        if kind in failures:
+            return with_attempts(failures[kind], tried)
+    if tried:
+        message, code = f"No instance serving `{model}` could be reached.", "upstream_unreachable"
+    else:
+        message, code = f"No healthy instance serves `{model}` right now.", "no_healthy_instance"
+    return with_attempts(unavailable(message + " Retry later.", code, RETRY_AFTER_S), tried)
+
+
+def with_attempts(error: OpenAIError, tried: set[str]) -> OpenAIError:
+    """error, saying how many instances the request was sent to, as an answer does."""
+    error.headers[ATTEMPTS_HEADER] = str(len(tried))
+    return error

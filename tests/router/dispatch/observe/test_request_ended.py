@@ -1,15 +1,13 @@
 """A request the place stage ends with an error is counted once, by its error's code: turned away, failed, or
-neither (router/dispatch/observe/outcome.py Observers.request_ended)."""
+neither (router/dispatch/observe/observers.py Observers.request_ended)."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.dispatch.decide.decision import Decider
 from router.dispatch.observe.ab import ABStats
 from router.dispatch.observe.events import Event
-from router.dispatch.observe.outcome import FAILED, REJECTED, Observers
-from router.index.block_index import BlockIndex
+from router.dispatch.observe.observers import FAILED, REJECTED, Observers
 from router.metrics import RouterMetrics
 from scorers.policy import Policy
 from scorers.policy_config import builtin_policies
@@ -18,7 +16,7 @@ from scorers.policy_config import builtin_policies
 @pytest.fixture
 def counted() -> tuple[Observers, ABStats, Policy]:
     metrics, ab = RouterMetrics(), ABStats()
-    observers = Observers(metrics, Decider(BlockIndex(4), {}, 4, metrics), lambda _: ab, Event())
+    observers = Observers(metrics, lambda _: ab, Event())
     return observers, ab, Policy("round-robin", builtin_policies()["round-robin"])
 
 
