@@ -20,27 +20,22 @@ def counted() -> tuple[Observers, ABStats, Policy]:
     return observers, ab, Policy("round-robin", builtin_policies()["round-robin"])
 
 
-@pytest.mark.parametrize("code", sorted(REJECTED))
-def test_no_instance_to_take_it_counts_a_rejection(
-    counted: tuple[Observers, ABStats, Policy], code: str
+ENDS = [(code, "rejected") for code in sorted(REJECTED)] + [(code, "failed") for code in sorted(FAILED)]
+
+
+@pytest.mark.parametrize(("code", "ended"), ENDS)
+def test_turned_away_or_failed_is_counted_once_against_its_policy(
+    counted: tuple[Observers, ABStats, Policy], code: str, ended: str
 ) -> None:
     observers, ab, policy = counted
     observers.request_ended(policy, code)
     results = ab.export()["round-robin"]
-    assert (results.requests, results.rejected, results.errors) == (1, 1, 0)
-    assert (
-        observers.metrics.registry.get_sample_value("kvroute_rejected_requests_total", {"reason": code}) == 1
+    rejected = ended == "rejected"
+    assert (results.requests, results.rejected, results.errors) == (1, int(rejected), int(not rejected))
+    refusals = observers.metrics.registry.get_sample_value(
+        "kvroute_rejected_requests_total", {"reason": code}
     )
-
-
-@pytest.mark.parametrize("code", sorted(FAILED))
-def test_no_instance_answering_counts_a_failure(
-    counted: tuple[Observers, ABStats, Policy], code: str
-) -> None:
-    observers, ab, policy = counted
-    observers.request_ended(policy, code)
-    results = ab.export()["round-robin"]
-    assert (results.requests, results.rejected, results.errors) == (1, 0, 1)
+    assert refusals == (1 if rejected else None)  # a failure is not the router's refusal
 
 
 def test_a_clients_mistake_is_not_the_policys(counted: tuple[Observers, ABStats, Policy]) -> None:
