@@ -56,4 +56,4 @@ class Observers:
             self.metrics.rejected(str(code)).inc()
             self.ab_for(policy).rejected(policy.name)
         elif code in FAILED:
-            self.ab_for(policy).failed(policy.name)
+            self.request_failed(policy)
