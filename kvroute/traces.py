@@ -44,6 +44,11 @@ class Trace:
     block_tokens: int
     requests: tuple[TraceRequest, ...]
 
+    @property
+    def has_images(self) -> bool:
+        """Whether any prompt has images (keys beyond its token ids, TraceRequest.text_block_ids)."""
+        return any(r.text_block_ids is not None for r in self.requests)
+
     def with_rate(self, multiplier: float) -> Trace:
         """The same requests arriving `multiplier` times as fast (x2: twice the rate)."""
         if multiplier <= 0:

@@ -16,7 +16,7 @@ from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.registry import policies_for
 from kvroute.simulate.results import RunResult
-from kvroute.simulate.run import simulate
+from kvroute.simulate.simulation import simulate
 from kvroute.traces import Trace
 
 

@@ -106,6 +106,20 @@ class TraceBlocks:
         chain.extend(block_hashing.chain(tokens.ravel().tolist(), self.block_size, parent))
         return chain
 
+    def prompt_ids(self, number: int) -> list[int]:
+        """Request number's prompt as token ids, as a client sends them to the completions API: its chain's
+        blocks' tokens, then its partial last block's."""
+        request = self.trace.requests[number]
+        ids, size = request.block_ids, self.block_size
+        full, tail = divmod(request.input_tokens, size)
+        positions = np.arange(full + (tail > 0), dtype=np.int64)
+        trace_ids = np.asarray(ids, dtype=np.int64)[positions // self.sub_blocks]
+        tokens = np.zeros((len(positions), size), dtype=np.int64)
+        tokens[:, 0] = trace_ids & _LOW
+        tokens[:, 1] = (trace_ids >> 32) & _LOW
+        tokens[:, 2] = positions % self.sub_blocks
+        return tokens.ravel()[: request.input_tokens].tolist()  # type: ignore[no-any-return]
+
     def text_chain(self, number: int) -> array[int] | None:
         """Request number's chain as a router that hashes token ids alone computes it, where its prompt has
         images (TraceRequest.text_block_ids); None for a text prompt, whose chain it is."""

@@ -43,6 +43,8 @@ PEERS_STALE_AFTER_S: float = SharedConfig().stale_after_s
 # loopback (0.14 ms for a snapshot's fan-out): the time between a snapshot's publishing and its hearing.
 STORE_ROUND_TRIP_S = 0.0002
 # The objectives the simulated clients name, by priority: the same for every router that reads them.
+# The largest body a simulated client sends: a prompt of token ids (kvroute/simulate/conducted.py)
+SIM_BODY_BYTES = 2**30
 SIM_OBJECTIVES: dict[str, dict[str, Any]] = {"interactive": {"priority": 10}, "batch": {"priority": -10}}
 
 
@@ -78,6 +80,8 @@ class SimPolicy:
     # The request numbers that end their sessions (their last turns): what a client that tells its router a
     # session is over (Dynamo's session_final) marks.
     last_turns: frozenset[int] = frozenset()
+    # kvroute's own router: run through the product's conductor (kvroute/simulate/conducted.py)
+    conducts = False
 
     def bind(self, view: RouterView) -> None:
         self.view = view
@@ -191,6 +195,9 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
         "admission": {"max_waiting_per_instance": fleet.engine.max_waiting},
         # and the objectives its clients name (kvroute/simulate/workloads.py tenants_trace)
         "flow_control": {"objectives": SIM_OBJECTIVES},
+        # Simulated time stands still while the router decodes a body: no worker thread (the trace's loop
+        # has none) would change when anything happens.
+        "tokenization": {"thread_above_bytes": SIM_BODY_BYTES},
     }
     return parse_config(raw, source="simulation")
 
@@ -222,7 +229,8 @@ class ConfiguredPolicy(SimPolicy):
         self.name = name
         self._shed_sheddable = shed_sheddable
         self.scrape_interval_s = scrape_interval_s if scrape_interval_s else config.load.scrape_interval_s
-        self._config, self._policy_name = config, policy
+        self.config, self.policy_name = config, policy
+        self.conducts = decide  # peers built from kvroute's scorers (decide=False) route by route() alone
         self._decide, self._include_pool, self._calibrate = decide, include_pool, calibrate
         self._lookup = lookup
         self._limit = config.admission.max_in_flight_per_instance
@@ -240,13 +248,13 @@ class ConfiguredPolicy(SimPolicy):
         # The agent programs the router follows (router/programs/), on the trace's clock: what starts one, and
         # the working sets the program-room scorer reads at each instance.
         self._programs = followed(
-            self._config.programs,
+            self.config.programs,
             metrics,
             lambda name, tokens, programs: _set_working_set(view, name, tokens, programs),
             lambda name: view.instances[view.by_name[name]].kv_capacity_tokens,
             view.loop.clock,
         )
-        self._warm_ups = WarmUps(self._config.programs.warm_up, self._programs, metrics)
+        self._warm_ups = WarmUps(self.config.programs.warm_up, self._programs, metrics)
         self._program_turns: ProgramTurnsShared | None = None  # with replicas sharing (Replicas)
         self._send: Callable[[SimRequest], None] = lambda request: None
         self._program_ticking = False
@@ -254,7 +262,7 @@ class ConfiguredPolicy(SimPolicy):
         self._placed: dict[str, str] = {}  # sessions' turns placed since peers were last told
         # Simulated time: session affinity's TTL expires as it would on the trace's clock.
         self._policy = Policy(
-            self._policy_name, self._config.policies[self._policy_name], view.loop.clock, view.tie_rng
+            self.policy_name, self.config.policies[self.policy_name], view.loop.clock, view.tie_rng
         )
         self._pool: PoolConfirmer | None = None
         if view.pool is not None and self._include_pool:
@@ -264,7 +272,7 @@ class ConfiguredPolicy(SimPolicy):
                 StoreLookup(view.pool),
                 {view.model: ""},
                 metrics,
-                self._config.pool.confirm_ttl_s,
+                self.config.pool.confirm_ttl_s,
                 view.loop.clock,
             )
 
@@ -330,7 +338,7 @@ class ConfiguredPolicy(SimPolicy):
     def engine_priority(self, request: SimRequest) -> int:
         """kvroute's: its objective's priority, negated, unless flow_control.engine_priority is off; peers
         built from its scorers (decide=False) send none."""
-        flow_control = self._config.flow_control
+        flow_control = self.config.flow_control
         if not self._decide or not flow_control.engine_priority:
             return 0
         return engine_priority(flow_control.objective(request.trace.objective)[1].priority)

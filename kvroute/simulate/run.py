@@ -16,6 +16,7 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.pool import PoolStore
 from kvroute.simulate.results import RunResult, result_of
+from kvroute.simulate.trace_loop import TraceLoop
 from kvroute.simulate.view import RouterView
 from kvroute.traces import TraceRequest
 from router.dispatch.wait.flow_control import DEFAULT_FLOW, Demand, FlowControl, Refused
@@ -39,19 +40,6 @@ def last_turns(trace: Sequence[TraceRequest]) -> frozenset[int]:
     return frozenset(last.values())
 
 
-def simulate(
-    blocks: TraceBlocks,
-    fleet: FleetSpec,
-    policy: SimPolicy,
-    ideal_hit_rate: float,
-    priors: TTFTPriors | None = None,
-    progress: Callable[[int], None] | None = None,
-    tie_seed: int = 0,
-) -> RunResult:
-    kind = Run if fleet.pd is None else DisaggregatedRun
-    return kind(blocks, fleet, policy, priors, progress, tie_seed).run(ideal_hit_rate)
-
-
 # A refused request is retried, for every policy, as kvroute's proxy retries a 503 before the first byte: on
 # an instance not tried yet, within its default attempts, at once (router/dispatch/place/verdict.py).
 ATTEMPTS = UpstreamConfig().attempts
@@ -72,6 +60,9 @@ class Run:
     ) -> None:
         self.blocks, self.fleet, self.policy, self._progress = blocks, fleet, policy, progress
         self.loop = loop = EventLoop()
+        # The router's coroutines, on the same clock (kvroute/simulate/conducted.py). (Abstract only in what
+        # a loop does with sockets, threads and processes, which a simulated router never asks for.)
+        self.aio = TraceLoop(loop)  # type: ignore[abstract]
         self.pool = pool = PoolStore(fleet.pool_blocks()) if fleet.pool is not None else None
         load_s = fleet.pool.load_s_per_token if fleet.pool is not None else 0.0
         transfer_s = fleet.pd.transfer_s_per_token if fleet.pd is not None else 0.0
@@ -117,7 +108,7 @@ class Run:
                 self._every(policy.sync_interval_s, policy.sync)
                 if len(self.flows) > 1:
                     self._every(policy.sync_interval_s, self._share_flows)
-        loop.run()
+        self.aio.run()
         result = result_of(
             policy.name,
             self.done,

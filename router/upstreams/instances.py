@@ -235,9 +235,12 @@ class FleetChanges(NamedTuple):
 
 
 class Upstreams:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, instances: list[Instance] | None = None) -> None:
+        """instances: config's, made already (a simulated router's, on the trace's clock); None: made here."""
         self._fleet_models = FleetModels(config.ttft)
-        self.instances = [self._instance(i, config) for i in config.instances]
+        if instances is None:
+            instances = [self._instance(i, config) for i in config.instances]
+        self.instances = instances
         self.models = [m.name for m in config.models]
         self._configs = {i.name: i for i in config.instances}
         self._index()

@@ -6,6 +6,7 @@ ended with an error."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -43,6 +44,8 @@ class Observers:
     served: Topic[Served] = field(default_factory=Topic)
     # A decision whose request never ran where it was routed, or whose engine computed nothing of it
     withdrawn: Topic[Decision] = field(default_factory=Topic)
+    # What attempts are timed by (a TTFT sample, the client's wait): the simulated router's is the trace's.
+    clock: Callable[[], float] = time.perf_counter
 
     def request_failed(self, policy: Policy) -> None:
         """No instance answered the request: it failed (the A/B counts it against its policy)."""

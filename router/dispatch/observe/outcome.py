@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
@@ -144,7 +143,7 @@ class Outcome:
         metrics = observers.metrics
         metrics.in_flight(instance.name).set(instance.own_in_flight)
         metrics.ttft_predicted(instance.name).observe(decision.predicted_ttft_s)
-        started = time.perf_counter()
+        started = observers.clock()
         prefill = Prefill(instance, decision.uncached_tokens, observers.room_freed.fire)
         if not asked.streamed and prefill.tokens:
             # A whole answer's first byte comes with its last: its prefill retires when the instance's TTFT
@@ -249,7 +248,7 @@ class Outcome:
         """A decode leg's prefill leg is done: its KV is ready to fetch, and the decode leg's time starts."""
         self.prefill_instance, self.pd_path = prefill_instance, "disaggregated"
         self.prefill_cached_tokens = cached_tokens
-        self.started = time.perf_counter()
+        self.started = self.observers.clock()
 
     def first_byte(self, decoded_tokens: int | None = None) -> None:
         """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown). Only answers
@@ -257,7 +256,7 @@ class Outcome:
         self.prefill.retire()
         if self.status != 200:
             return
-        now = time.perf_counter()
+        now = self.observers.clock()
         waited, elapsed = now - self.first_sent, now - self.started
         metrics, policy = self.observers.metrics, self.policy.name
         decision, name = self.decision, self.instance.name
@@ -338,7 +337,7 @@ class Outcome:
             status = _CLIENT_CLOSED
         metrics, policy = self.observers.metrics, self.policy.name
         metrics.requests(policy, self.instance.name, str(status), self.model, self.api).inc()
-        elapsed = time.perf_counter() - self.first_sent
+        elapsed = self.observers.clock() - self.first_sent
         answered = status == 200 and not failed
         if answered:
             metrics.e2e(policy, self.model).observe(elapsed)

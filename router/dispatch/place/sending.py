@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import aiohttp
 
@@ -19,7 +20,6 @@ from router.dispatch.decide.decision import Decider
 from router.dispatch.observe.observers import Observers
 from router.dispatch.place.failures import DROPPED, NOT_CONNECTED
 from router.dispatch.place.retry_budget import RetryBudget
-from router.upstreams.health import HealthChecker
 from router.upstreams.instances import Instance, Upstreams
 from router.upstreams.room import HasRoom
 from router.upstreams.settings import UpstreamConfig
@@ -47,12 +47,41 @@ class Outgoing(NamedTuple):
     method: str = "POST"  # or GET, retrieving a stored response (without a body)
 
 
+class Reply(Protocol):
+    """What the send loop reads of an instance's answer: aiohttp's response here (the relay reads its body
+    on), or a simulated engine's (kvroute/simulate/)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def release(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(slots=True)
 class Sent:
     kind: SentKind
-    upstream: aiohttp.ClientResponse | None
+    upstream: Reply | None
     first: bytes = b""  # a stream's first chunk or a whole answer, when answered
     error: BaseException | None = None
+
+
+class Sends(Protocol):
+    """What sends attempts: Sender over HTTP, or a simulated fleet's engines (kvroute/simulate/)."""
+
+    async def attempt(self, outgoing: Outgoing, stream: bool) -> Sent: ...
+
+    async def prefill(self, outgoing: Outgoing) -> Sent: ...
+
+
+class MarksUnreachable(Protocol):
+    """What routes around an instance a request could not reach (router/upstreams/health.py)."""
+
+    def mark_unreachable(self, instance: Instance) -> None: ...
 
 
 class Sender:
@@ -163,7 +192,7 @@ class SendContext:
     upstreams: Upstreams
     decider: Decider
     observers: Observers
-    health: HealthChecker
-    sender: Sender
+    health: MarksUnreachable
+    sender: Sends
     retry: RetryPolicy
     room: HasRoom  # the filter of instances with room for one more request

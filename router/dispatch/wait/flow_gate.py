@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import xxhash
@@ -74,8 +74,17 @@ def objective_of(config: FlowControlConfig, headers: Mapping[str, str]) -> str |
 
 
 class FlowGate:
-    def __init__(self, config: FlowControlConfig, upstreams: Upstreams, metrics: RouterMetrics) -> None:
-        self.control: FlowControl[Waiter] = FlowControl(config)
+    def __init__(
+        self,
+        config: FlowControlConfig,
+        upstreams: Upstreams,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """clock: what its queue's waits are timed by, as asyncio's loop times them (a simulated router's
+        runs on the trace's clock)."""
+        self.control: FlowControl[Waiter] = FlowControl(config, clock)
+        self.clock = clock
         self._upstreams, self._metrics = upstreams, metrics
         self._labelled: dict[str, str] = {}  # the flows with a series of their own now: their labels
         # Replicas sharing a store: the limits in flight held there (set by the runtime, with the store).
@@ -112,12 +121,12 @@ class FlowGate:
         ticket = FlowTicket(flow, name, model, entry=entry)
         if entry is None:
             self._metrics.flow_dispatched(name, "at_once").inc()
-            await self._slotted(ticket, time.monotonic() + control.config.objective(objective)[1].max_queue_s)
+            await self._slotted(ticket, self.clock() + control.config.objective(objective)[1].max_queue_s)
             return ticket
         self._metrics.flow_queued(name).inc()
         self._count(name, flow)
         self.pump()  # those waiting may all be held by their limits while this one may go
-        queued_at = time.monotonic()
+        queued_at = self.clock()
         try:
             async with asyncio.timeout(entry.deadline - queued_at):
                 await asyncio.shield(waiter)
@@ -134,7 +143,7 @@ class FlowGate:
                 control.leave(entry)
             raise
         finally:
-            ticket.queued_s = time.monotonic() - queued_at
+            ticket.queued_s = self.clock() - queued_at
             self._metrics.flow_queue_seconds(name).observe(ticket.queued_s)
             self._count(name, flow)
         self._metrics.flow_dispatched(name, "queued").inc()
@@ -158,7 +167,7 @@ class FlowGate:
                     if ticket.granted and ticket.entry is not None:  # others may use the room meanwhile
                         ticket.granted = False
                         self.control.placed(ticket.entry)
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     retry_after_s = max(1, round(self.config.objective(ticket.objective)[1].max_queue_s))
                     raise self._refused("queue_timeout", retry_after_s, ticket.objective)

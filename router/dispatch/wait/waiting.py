@@ -36,7 +36,7 @@ class Waiting:
     ) -> None:
         """memory_hold_s: the memory gate's bound (0: off). Room freed wakes the gates (wake())."""
         self.flow_gate, self._upstreams, self._decider, self._metrics = flow_gate, upstreams, decider, metrics
-        self._memory: MemoryGate[asyncio.Future[None]] = MemoryGate(memory_hold_s)
+        self._memory: MemoryGate[asyncio.Future[None]] = MemoryGate(memory_hold_s, flow_gate.clock)
         self._programs = programs
         self._program_tick: asyncio.TimerHandle | None = None
 

@@ -15,7 +15,7 @@ from kvroute.simulate.hardware import EngineSpec, FleetSpec
 from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.profile import Profile, load_profile
 from kvroute.simulate.results import RunResult
-from kvroute.simulate.run import simulate
+from kvroute.simulate.simulation import simulate
 from kvroute.traces import Trace, TraceRequest
 
 PROFILE = Path(__file__).parents[3] / "configs" / "profiles" / "h100-llama-3.1-8b.json"

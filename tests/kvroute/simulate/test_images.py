@@ -7,7 +7,7 @@ from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import EngineSpec, FleetSpec
 from kvroute.simulate.peers import VllmRouterKvAware
-from kvroute.simulate.run import simulate
+from kvroute.simulate.simulation import simulate
 from kvroute.traces import Trace, TraceRequest, agentic_trace
 
 

@@ -29,7 +29,8 @@ from kvroute.simulate.policies import Replicas, SimPolicy, priors_for
 from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import EXTRA_POLICIES, PD_POLICIES, POLICIES
 from kvroute.simulate.results import RESULT_FIELDS
-from kvroute.simulate.run import DisaggregatedRun, Run, simulate
+from kvroute.simulate.run import DisaggregatedRun, Run
+from kvroute.simulate.simulation import simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
 from router.dispatch.decide.decision import Decision

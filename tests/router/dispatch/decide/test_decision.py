@@ -18,6 +18,7 @@ from router.index.events import BlockStored
 from router.metrics import RouterMetrics
 from router.programs.settings import ProgramsConfig
 from router.programs.table import Programs
+from router.prompt import block_hashing
 from router.prompt.remote_tokenizer import TokenizeFailed
 from router.prompt.template_inputs import TemplateInputs
 from router.prompt.token_cache import CachedChatTokenizer
@@ -556,3 +557,13 @@ def test_a_request_of_no_program_alive_starts_one(tokenizer: PromptTokenizer) ->
     programs.turn_started(first, "i0", time.perf_counter())
     assert not asyncio.run(router.prepare(body, "agent-1")).request.new_program
     assert not asyncio.run(router.prepare(body, None)).request.new_program  # no session: no program
+
+
+def test_a_completion_of_token_ids_is_keyed_without_any_tokenizer() -> None:
+    # vLLM takes token ids as the prompt they are: a model with neither a local tokenizer nor an instance's
+    # /tokenize still has its prefix looked up.
+    router = Decider(BlockIndex(32), {}, 32, RouterMetrics())
+    ids = list(range(100))
+    prepared = asyncio.run(router.prepare(CompletionRequest(model="tiny-llama", prompt=ids), None))
+    assert list(prepared.chain) == block_hashing.prompt_chain(ids, 32)
+    assert prepared.request.prompt_tokens == 100

@@ -1,0 +1,227 @@
+"""kvroute's router in the simulation: the product's conductor (router/dispatch/conductor.py), its stages
+built as router/runtime.py builds them, on the trace's clock (kvroute/simulate/trace_loop.py), sending to
+the simulated engines.
+
+A trace request reaches it as a client sends it: a streamed completion whose prompt is the request's token
+ids (kvroute/simulate/blocks.py), with the headers that name its session, its tenant and its objective. So
+every stage a request goes through in `kvroute serve` (admission, prepare, flow control, the program and
+memory gates, filter, pick, the attempts and their retries, what an outcome tells) is the product's own; only
+the bytes' way differs: EngineSender hands an attempt to its engine and answers with the engine's first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import msgspec
+
+from kvroute.simulate.clock import EventLoop
+from kvroute.simulate.engine import Engine, SimRequest
+from kvroute.simulate.pool import StoreLookup
+from kvroute.simulate.view import RouterView
+from router.apis.routes import COMPLETIONS
+from router.config import RouterConfig
+from router.dispatch.conductor import Conductor, Stages
+from router.dispatch.context import Arrival, Received
+from router.dispatch.decide.decision import Decider, DeciderOptions, Prepared
+from router.dispatch.intake.admission import Admission
+from router.dispatch.intake.routing_table import RoutingTable
+from router.dispatch.observe.events import Event
+from router.dispatch.observe.observers import Observers
+from router.dispatch.observe.outcome import Outcome
+from router.dispatch.place.attempts import Attempts
+from router.dispatch.place.sending import Outgoing, RetryPolicy, SendContext, Sent
+from router.dispatch.wait.flow_gate import FlowGate
+from router.dispatch.wait.waiting import Waiting
+from router.index.pool import PoolConfirmer
+from router.metrics import RouterMetrics
+from router.programs.table import followed
+from router.traffic_split import TrafficSplit
+from router.upstreams.instances import Instance, Upstreams
+from router.upstreams.room import HasRoom
+from scorers.policy import Policy
+
+PATH = "/v1/completions"
+REQUEST_ID = "x-request-id"  # what names the trace request an attempt is of, to its engine
+_FIRST_CHUNK = b'data: {"object":"text_completion","choices":[{"index":0,"text":" "}]}\n\n'
+_BUSY = b'{"error":{"message":"The engine is at capacity.","type":"ServiceUnavailable","code":503}}'
+
+
+class _Priority(msgspec.Struct):
+    priority: int = 0  # vLLM's: the lowest runs first, with its priority scheduling policy
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReply:
+    """An engine's answer as the send loop reads it (router/dispatch/place/sending.py Reply)."""
+
+    status: int
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class EngineSender:
+    """Sends each attempt to its simulated engine (router/dispatch/place/sending.py Sends): a request's answer
+    begins at its first token; an engine that refuses it answers 503, as vLLM's admission control does."""
+
+    def __init__(self, loop: EventLoop, engines: list[Engine], view: RouterView) -> None:
+        self._loop, self._engines, self._view = loop, engines, view
+        self.requests: dict[str, SimRequest] = {}  # by x-request-id: those the clients sent, not yet over
+        self._first: dict[int, asyncio.Future[None]] = {}  # by request number
+        self._warm: dict[int, asyncio.Future[None]] = {}  # by warm-up's number
+        self.refused = 0  # attempts the engines refused
+        self.warm_ups = 0
+
+    async def attempt(self, outgoing: Outgoing, stream: bool) -> Sent:
+        request = self.requests[outgoing.headers[REQUEST_ID]]
+        number = self._view.by_name[outgoing.instance.name]
+        request.instance, request.dispatched_s = number, self._loop.now
+        request.priority = msgspec.json.decode(outgoing.payload, type=_Priority).priority
+        first = self._first[request.number] = asyncio.get_running_loop().create_future()
+        if not self._engines[number].enqueue(request):
+            del self._first[request.number]
+            self.refused += 1
+            request.tried |= {number}
+            return Sent("answered", EngineReply(503), _BUSY)
+        await first
+        return Sent("answered", EngineReply(200, {"content-type": "text/event-stream"}), _FIRST_CHUNK)
+
+    async def prefill(self, outgoing: Outgoing) -> Sent:
+        """A program's next turn warmed up (router/dispatch/place/warm_up.py): its prompt, one token."""
+        answered = self.requests[outgoing.headers[REQUEST_ID]]
+        number = self._view.by_name[outgoing.instance.name]
+        traced = replace(answered.trace, output_tokens=1, session=None)
+        warm = SimRequest(
+            answered.number,
+            traced,
+            answered.chain,
+            None,
+            self._loop.now,
+            warm_up=True,
+            text_chain=answered.text_chain,
+        )
+        warm.instance, warm.dispatched_s = number, self._loop.now
+        self.warm_ups += 1
+        done = asyncio.get_running_loop().create_future()
+        self._warm[id(warm)] = done
+        if not self._engines[number].enqueue(warm):
+            del self._warm[id(warm)]
+            return Sent("answered", EngineReply(503), _BUSY)
+        await done
+        return Sent("answered", EngineReply(200, {"content-type": "application/json"}), b"{}")
+
+    def first_token(self, request: SimRequest) -> None:
+        if not request.warm_up:
+            self._first.pop(request.number).set_result(None)
+
+    def finished(self, request: SimRequest) -> None:
+        if request.warm_up:
+            self._warm.pop(id(request)).set_result(None)
+
+
+@dataclass(frozen=True, slots=True)
+class _ClientHeaders:
+    """The headers a client names its session, tenant and objective in, by the router's configuration."""
+
+    session: str
+    flow: str
+    objective: str
+
+
+class SimulatedRouter:
+    """One kvroute router in front of the simulated fleet: its conductor, over view's index and instances."""
+
+    def __init__(
+        self, config: RouterConfig, policy_name: str, view: RouterView, sender: EngineSender
+    ) -> None:
+        clock, metrics = view.loop.clock, RouterMetrics()
+        upstreams = Upstreams(config, view.instances)
+        flow_gate = FlowGate(config.flow_control, upstreams, metrics, clock)
+        room_freed = Event()
+        programs = followed(
+            config.programs, metrics, upstreams.program_working_set, upstreams.kv_capacity, clock
+        )
+        pool = None
+        if view.pool is not None:
+            # The simulated instances' pool keys carry no pool name: the index files their blocks under "".
+            lookup = StoreLookup(view.pool)
+            ttl_s = config.pool.confirm_ttl_s
+            pool = PoolConfirmer(view.index, lookup, {view.model: ""}, metrics, ttl_s, clock)
+        options = DeciderOptions(pool=pool, programs=programs)
+        self.decider = decider = Decider(view.index, {}, view.block_size, metrics, options=options)
+        # Session affinity's TTL on the trace's clock; ties broken by the run's seed, so that a run repeats.
+        policy = Policy(policy_name, config.policies[policy_name], clock, view.tie_rng)
+        table = RoutingTable({policy_name: policy}, TrafficSplit({policy_name: 1.0}), config.traffic)
+        observers = Observers(metrics, table.ab_for, room_freed, programs, clock=clock)
+        observers.served.subscribe(lambda served: decider.served(served.decision, served.policy))
+        observers.withdrawn.subscribe(decider.withdraw)
+        admission = config.admission
+        waiting = Waiting(flow_gate, admission.memory_hold_s, upstreams, decider, metrics, programs)
+        room_freed.subscribe(waiting.wake)
+        per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)
+        sending = SendContext(
+            upstreams,
+            decider,
+            observers,
+            _Reachable(),
+            sender,
+            RetryPolicy(config.upstream.attempts),
+            HasRoom(per_instance, admission.max_waiting_per_instance),
+        )
+        attempts = Attempts(sending, config.disaggregation, config.programs.warm_up)
+        slots = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
+        stages = Stages(upstreams, slots, waiting, decider, attempts, observers)
+        self.conductor = Conductor(stages, lambda: table, config.tokenization)
+        self.model = view.model
+        self._sender = sender
+        flows = config.flow_control
+        self._headers = _ClientHeaders(
+            config.traffic.session_header, flows.fairness_headers[0], flows.objective_headers[0]
+        )
+
+    async def serve(self, request: SimRequest, prompt: list[int], name: str) -> Outcome:
+        """request through the conductor, as `kvroute serve` takes a streamed completion of prompt: the
+        outcome whose first token came (or the last instance's 503), or the OpenAIError that ended it; name:
+        its x-request-id."""
+        traced = request.trace
+        body = {"model": self.model, "prompt": prompt, "max_tokens": traced.output_tokens, "stream": True}
+        headers = {REQUEST_ID: name, "content-type": "application/json"}
+        named = self._headers
+        if request.session is not None:
+            headers[named.session] = request.session
+        if traced.flow is not None:
+            headers[named.flow] = traced.flow
+        if traced.objective is not None:
+            headers[named.objective] = traced.objective
+        arrival = Arrival(msgspec.json.encode(body), COMPLETIONS, headers)
+        conductor = self.conductor
+
+        async def send(received: Received, prepared: Prepared) -> Outcome:
+            return await conductor.send(received, prepared, PATH)
+
+        self._sender.requests[name] = request  # (kept: a warm-up after its answer sends its prompt again)
+        return await conductor.conduct(arrival, send)
+
+    def ended(self, outcome: Outcome) -> None:
+        """Its answer's last token came (or its error was all of it): the outcome told, its slot freed."""
+        if outcome.status == 200:
+            outcome.complete()
+        if outcome.finish():
+            self.conductor.leave(outcome.ticket)
+
+    def close(self) -> None:
+        self.decider.close()
+
+
+class _Reachable:
+    """A simulated engine is always reachable: nothing marks one down."""
+
+    def mark_unreachable(self, instance: Instance) -> None:
+        raise AssertionError(f"a simulated engine ({instance.name}) was unreachable")

@@ -1,0 +1,80 @@
+"""kvroute's router in the simulation runs the product's conductor, on the trace's clock."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from kvroute.simulate.blocks import TraceBlocks
+from kvroute.simulate.clock import EventLoop
+from kvroute.simulate.conducted_run import ConductedRun
+from kvroute.simulate.hardware import EngineSpec, FleetSpec
+from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
+from kvroute.simulate.run import Run
+from kvroute.simulate.simulation import run_kind
+from kvroute.simulate.trace_loop import TraceLoop
+from kvroute.traces import agentic_trace
+from router.prompt import block_hashing
+
+
+def test_the_trace_loop_wakes_coroutines_at_their_simulated_times_ready_callbacks_first() -> None:
+    clock = EventLoop()
+    loop = TraceLoop(clock)  # type: ignore[abstract]
+    seen: list[tuple[str, float]] = []
+
+    async def sleeper(name: str, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        seen.append((name, clock.now))
+
+    async def timed_out() -> None:
+        try:
+            async with asyncio.timeout(5):
+                await asyncio.sleep(100)
+        except TimeoutError:
+            seen.append(("timed out", clock.now))
+
+    def start() -> None:
+        for name in ("a", "b"):
+            loop.create_task(sleeper(name, 1.0))
+        loop.create_task(timed_out())
+        clock.at(clock.now, lambda: seen.append(("timed", clock.now)))  # due now, but after what is ready
+
+    clock.at(0.5, start)
+    loop.run()
+    # The tasks' first steps ran before the callback timed for the same moment.
+    assert seen == [("timed", 0.5), ("a", 1.5), ("b", 1.5), ("timed out", 5.5)]
+
+
+def _programs(instances: int, sessions: int) -> tuple[TraceBlocks, FleetSpec]:
+    fleet = FleetSpec(instances=instances, engine=EngineSpec(kv_blocks=2_000), pool=None)
+    trace = agentic_trace(seed=0, sessions=sessions, tool_calls=True, name="programs").with_rate(4.0)
+    return TraceBlocks(trace, fleet.engine.block_size), fleet
+
+
+def test_a_prompt_sent_as_token_ids_keys_as_the_trace_blocks() -> None:
+    blocks, _ = _programs(2, 3)
+    for number in range(len(blocks.trace.requests)):
+        ids = blocks.prompt_ids(number)
+        assert len(ids) == blocks.trace.requests[number].input_tokens
+        assert block_hashing.prompt_chain(ids, 16) == list(blocks.chains[number])
+
+
+def test_kvroute_is_simulated_through_the_conductor_and_its_peers_through_their_routes() -> None:
+    blocks, fleet = _programs(2, 3)
+    assert run_kind(blocks, fleet, POLICIES["kvroute"](fleet)) is ConductedRun
+    assert run_kind(blocks, fleet, EXTRA_POLICIES["kvroute+program-admission"](fleet)) is ConductedRun
+    assert run_kind(blocks, fleet, POLICIES["llm-d"](fleet)) is Run  # kvroute's scorers, llm-d's way
+
+
+def test_the_conductor_routes_a_programs_trace_as_the_policys_own_steps_do() -> None:
+    # Where no request waits in the router, the product's stages decide each request as the policy's own
+    # steps (ConfiguredPolicy.route) did, field for field: the same instances, the same engine timelines.
+    blocks, fleet = _programs(3, 12)
+    policy = EXTRA_POLICIES["kvroute+warm-up"]
+    ideal = blocks.ideal_hit_rate()
+    own = dataclasses.asdict(Run(blocks, fleet, policy(fleet)).run(ideal))
+    conducted = dataclasses.asdict(ConductedRun(blocks, fleet, policy(fleet)).run(ideal))
+    del own["wall_s"], conducted["wall_s"]
+    assert conducted["completed"] + conducted["rejected"] == len(blocks.trace.requests)
+    assert conducted["completed"] > 100
+    assert conducted == own
