@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import msgspec
 
 from kvroute.simulate.clock import EventLoop
-from kvroute.simulate.engine import Engine, SimRequest
+from kvroute.simulate.engine import Engine, SimRequest, warm_up_of
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView
 from router.apis.routes import COMPLETIONS
@@ -97,17 +97,7 @@ class EngineSender:
         """A program's next turn warmed up (router/dispatch/place/warm_up.py): its prompt, one token."""
         answered = self.requests[outgoing.headers[REQUEST_ID]]
         number = self._view.by_name[outgoing.instance.name]
-        traced = replace(answered.trace, output_tokens=1, session=None)
-        warm = SimRequest(
-            answered.number,
-            traced,
-            answered.chain,
-            None,
-            self._loop.now,
-            warm_up=True,
-            text_chain=answered.text_chain,
-        )
-        warm.instance, warm.dispatched_s = number, self._loop.now
+        warm = warm_up_of(answered, number, self._loop.now)
         self.warm_ups += 1
         done = asyncio.get_running_loop().create_future()
         self._warm[id(warm)] = done

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleet.request_queue import Rank, preemption_victim, request_queue
 from kvroute.simulate.blocks import TraceBlocks
@@ -83,6 +83,16 @@ class SimRequest:
     def token_keys(self) -> array[int]:
         """The keys a router that leaves images out of its hashes computes (vllm-router, SGLang's gateway)."""
         return self.chain if self.text_chain is None else self.text_chain
+
+
+def warm_up_of(request: SimRequest, instance: int, now: float) -> SimRequest:
+    """request's prompt as the router's warm-up sends it to instance: one token, no client's session."""
+    traced = replace(request.trace, output_tokens=1, session=None)
+    warm = SimRequest(
+        request.number, traced, request.chain, None, now, warm_up=True, text_chain=request.text_chain
+    )
+    warm.instance, warm.dispatched_s = instance, now
+    return warm
 
 
 class Engine:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.disaggregation import PDPolicy
-from kvroute.simulate.engine import Engine, SimRequest
+from kvroute.simulate.engine import Engine, SimRequest, warm_up_of
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.policies import SimPolicy
 from kvroute.simulate.pool import PoolStore
@@ -170,17 +169,7 @@ class Run:
     def _warm(self, request: SimRequest, instance: int, uncached_tokens: int) -> None:
         """request's prompt prefilled at instance, one token, as the router sends a warm-up; uncached_tokens:
         those it counts as queued there."""
-        traced = replace(request.trace, output_tokens=1, session=None)
-        warm = SimRequest(
-            request.number,
-            traced,
-            request.chain,
-            None,
-            self.loop.now,
-            warm_up=True,
-            text_chain=request.text_chain,
-        )
-        warm.instance, warm.dispatched_s = instance, self.loop.now
+        warm = warm_up_of(request, instance, self.loop.now)
         warm.uncached_estimate = uncached_tokens
         self.warm_ups += 1
         self.started(warm)
