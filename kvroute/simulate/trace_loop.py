@@ -98,11 +98,12 @@ class TraceLoop(asyncio.AbstractEventLoop):
         """Run the clock until no event is left, with this loop as the running one meanwhile (what
         asyncio.get_running_loop() gives the router's code); a failure no one awaited is raised at the end."""
         self._running = True
+        outer = asyncio.events._get_running_loop()  # a simulation run from a coroutine (bench calibrate)
         asyncio.events._set_running_loop(self)
         try:
             self._clock.run()
         finally:
-            asyncio.events._set_running_loop(None)
+            asyncio.events._set_running_loop(outer)
             self._running = False
         if self._failures:
             context = self._failures[0]

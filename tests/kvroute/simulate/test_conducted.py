@@ -45,6 +45,14 @@ def test_the_trace_loop_wakes_coroutines_at_their_simulated_times_ready_callback
     assert seen == [("timed", 0.5), ("a", 1.5), ("b", 1.5), ("timed out", 5.5)]
 
 
+def test_a_simulation_run_from_a_coroutine_leaves_its_loop_running() -> None:
+    async def simulate_inside() -> asyncio.AbstractEventLoop:
+        TraceLoop(EventLoop()).run()  # type: ignore[abstract]
+        return asyncio.get_running_loop()
+
+    assert asyncio.run(simulate_inside()) is not None
+
+
 def _programs(instances: int, sessions: int) -> tuple[TraceBlocks, FleetSpec]:
     fleet = FleetSpec(instances=instances, engine=EngineSpec(kv_blocks=2_000), pool=None)
     trace = agentic_trace(seed=0, sessions=sessions, tool_calls=True, name="programs").with_rate(4.0)
