@@ -27,6 +27,12 @@ class EventLoop:
         """callback now, before any callback due at a time."""
         self._ready.append(callback)
 
+    def drain(self) -> None:
+        """Run the callbacks due now, and those they make due now, before returning."""
+        ready = self._ready
+        while ready:
+            ready.popleft()()
+
     def run(self) -> None:
         heap, pop, ready = self._heap, heapq.heappop, self._ready
         while heap or ready:

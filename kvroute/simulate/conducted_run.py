@@ -35,7 +35,7 @@ class ConductedRun(Run):
         self.sender = EngineSender(self.loop, self.engines, self.view)
         self.router = SimulatedRouter(policy.config, policy.policy_name, self.view, self.sender)
         for engine in self.engines:
-            engine.on_first_token, engine.on_finish = self.sender.first_token, self._finished
+            engine.on_first_token, engine.on_finish = self._first_token, self._finished
         self._answers: dict[int, asyncio.Future[None]] = {}  # by request number: its last token
         self._serving: set[asyncio.Task[None]] = set()  # held: asyncio keeps only weak references
         self._busy_answers = 0  # requests whose last instance's 503 was the client's answer
@@ -94,7 +94,15 @@ class ConductedRun(Run):
         self.outstanding -= 1
         self._release(request)
 
+    # The router hears an engine's first token or last one and acts on it (lets queued requests go, sends a
+    # session's next turn) before the engine goes on, as the run's own steps do for every peer: a router's
+    # and a client's reactions take no simulated time, whoever's they are.
+    def _first_token(self, request: SimRequest) -> None:
+        self.sender.first_token(request)
+        self.loop.drain()
+
     def _finished(self, request: SimRequest) -> None:
         self.sender.finished(request)
         if not request.warm_up:
             self._answers.pop(request.number).set_result(None)
+        self.loop.drain()

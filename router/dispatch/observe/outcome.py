@@ -251,9 +251,17 @@ class Outcome:
         self.started = self.observers.clock()
 
     def first_byte(self, decoded_tokens: int | None = None) -> None:
-        """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown). Only answers
-        (200) count as TTFT samples: an error comes back fast and would flatter its policy."""
-        self.prefill.retire()
+        """decoded_tokens: for a whole answer, how many tokens it generated (None: unknown). Its prefill
+        retires once the instance's TTFT model has learnt from it: the room that frees is judged by that
+        model's queue rate (router/dispatch/wait/saturation.py)."""
+        try:
+            self._learn_first_byte(decoded_tokens)
+        finally:
+            self.prefill.retire()
+
+    def _learn_first_byte(self, decoded_tokens: int | None) -> None:
+        """Only answers (200) count as TTFT samples: an error comes back fast and would flatter its
+        policy."""
         if self.status != 200:
             return
         now = self.observers.clock()

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from kvroute.simulate.bench import rate_for_load
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.conducted_run import ConductedRun
-from kvroute.simulate.hardware import EngineSpec, FleetSpec
+from kvroute.simulate.hardware import POOL_PRESETS, EngineSpec, FleetSpec, PoolSpec
 from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
 from kvroute.simulate.run import Run
 from kvroute.simulate.simulation import run_kind
 from kvroute.simulate.trace_loop import TraceLoop
-from kvroute.traces import agentic_trace
+from kvroute.traces import agentic_trace, mooncake_trace
 from router.prompt import block_hashing
 
 
@@ -85,4 +86,19 @@ def test_the_conductor_routes_a_programs_trace_as_the_policys_own_steps_do() -> 
     del own["wall_s"], conducted["wall_s"]
     assert conducted["completed"] + conducted["rejected"] == len(blocks.trace.requests)
     assert conducted["completed"] > 100
+    assert conducted == own
+
+
+def test_the_conductor_queues_and_confirms_the_pool_as_the_policys_own_steps_do() -> None:
+    # The Mooncake trace at load 0.9 with the pool: requests wait in flow control and are let go as first
+    # tokens free room, pool credit is confirmed; the product's stages still decide as the policy's steps did.
+    fleet = FleetSpec(8, EngineSpec(), PoolSpec(load_s_per_token=POOL_PRESETS["rdma"]), event_delay_s=0.05)
+    base = TraceBlocks(mooncake_trace().head(300), fleet.engine.block_size)
+    ideal = base.ideal_hit_rate()
+    blocks = base.with_trace(base.trace.with_rate(rate_for_load(base, fleet, 0.9, ideal)))
+    policy = POLICIES["kvroute"]
+    own = dataclasses.asdict(Run(blocks, fleet, policy(fleet)).run(ideal))
+    conducted = dataclasses.asdict(ConductedRun(blocks, fleet, policy(fleet)).run(ideal))
+    del own["wall_s"], conducted["wall_s"]
+    assert conducted["tail"]["queued_s"] > 0  # some did wait in the router
     assert conducted == own
