@@ -133,7 +133,7 @@ class SimulatedRouter:
     ) -> None:
         clock, metrics = view.loop.clock, RouterMetrics()
         upstreams = Upstreams(config, view.instances)
-        flow_gate = FlowGate(config.flow_control, upstreams, metrics, clock)
+        self.flow_gate = flow_gate = FlowGate(config.flow_control, upstreams, metrics, clock)
         room_freed = Event()
         programs = followed(
             config.programs, metrics, upstreams.program_working_set, upstreams.kv_capacity, clock

@@ -15,6 +15,8 @@ from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.policies import ConfiguredPolicy, SimPolicy
 from kvroute.simulate.results import RunResult
 from kvroute.simulate.run import Run, session_of
+from router.dispatch.wait.flow_gate import Waiter
+from router.dispatch.wait.flow_queue import Queued
 from router.errors import OpenAIError
 from scorers.ttft_model import TTFTPriors
 
@@ -39,6 +41,25 @@ class ConductedRun(Run):
         self._answers: dict[int, asyncio.Future[None]] = {}  # by request number: its last token
         self._serving: set[asyncio.Task[None]] = set()  # held: asyncio keeps only weak references
         self._busy_answers = 0  # requests whose last instance's 503 was the client's answer
+        self._count_backlogged_dispatches()
+
+    def _count_backlogged_dispatches(self) -> None:
+        """What the run's own queue counts as it lets requests go (Run._let_go), counted as the router's
+        flow control lets them go: by the trace's flow, those let go while another flow waited."""
+        control = self.router.flow_gate.control
+        let_go = control.next_ready
+        flows = {request.flow for request in self.trace if request.flow is not None}
+        backlogged = self.backlogged_dispatches
+
+        def counted() -> Queued[Waiter] | None:
+            entry = let_go()
+            if entry is not None and entry.flow in flows:
+                waiting = control.queues()[entry.model].by_flow
+                if len(waiting) > (entry.flow in waiting):
+                    backlogged[entry.flow] = backlogged.get(entry.flow, 0) + 1
+            return entry
+
+        control.next_ready = counted  # type: ignore[method-assign]
 
     def run(self, ideal_hit_rate: float) -> RunResult:
         try:
