@@ -73,7 +73,8 @@ class EngineSender:
 
     def __init__(self, loop: EventLoop, engines: list[Engine], view: RouterView) -> None:
         self._loop, self._engines, self._view = loop, engines, view
-        self.requests: dict[str, SimRequest] = {}  # by x-request-id: those the clients sent, not yet over
+        # By x-request-id, every one the clients sent: a warm-up after an answer sends its prompt again.
+        self.requests: dict[str, SimRequest] = {}
         self._first: dict[int, asyncio.Future[None]] = {}  # by request number
         self._warm: dict[int, asyncio.Future[None]] = {}  # by warm-up's number
         self.refused = 0  # attempts the engines refused
@@ -196,7 +197,7 @@ class SimulatedRouter:
         async def send(received: Received, prepared: Prepared) -> Outcome:
             return await conductor.send(received, prepared, PATH)
 
-        self._sender.requests[name] = request  # (kept: a warm-up after its answer sends its prompt again)
+        self._sender.requests[name] = request
         return await conductor.conduct(arrival, send)
 
     def ended(self, outcome: Outcome) -> None:

@@ -40,7 +40,7 @@ class ConductedRun(Run):
             engine.on_first_token, engine.on_finish = self._first_token, self._finished
         self._answers: dict[int, asyncio.Future[None]] = {}  # by request number: its last token
         self._serving: set[asyncio.Task[None]] = set()  # held: asyncio keeps only weak references
-        self._busy_answers = 0  # requests whose last instance's 503 was the client's answer
+        self._retried = 0  # refusals another attempt followed, as Run.retried counts them
         self._count_backlogged_dispatches()
 
     def _count_backlogged_dispatches(self) -> None:
@@ -66,7 +66,7 @@ class ConductedRun(Run):
             result = super().run(ideal_hit_rate)
         finally:
             self.router.close()
-        result.retried = self.sender.refused - self._busy_answers
+        result.retried = self._retried
         if self.sender.warm_ups:
             result.programs["warm_ups"] = float(self.sender.warm_ups)
         return result
@@ -97,6 +97,7 @@ class ConductedRun(Run):
             outcome = await router.serve(request, prompt, str(request.number))
         except OpenAIError as error:
             del self._answers[request.number]
+            self._retried += max(len(request.tried) - 1, 0)  # the last refusal, if any, ended it
             if error.status == 429:
                 code = str(error.code)
                 self.refused_by_router[code] = self.refused_by_router.get(code, 0) + 1
@@ -104,10 +105,11 @@ class ConductedRun(Run):
             return
         if outcome.status != 200:  # every instance it could try was busy
             del self._answers[request.number]
-            self._busy_answers += 1
+            self._retried += len(request.tried) - 1
             router.ended(outcome)
             self.refused(request)
             return
+        self._retried += len(request.tried)
         request.queued_s = 0.0 if outcome.ticket is None else outcome.ticket.queued_s
         await answer
         router.ended(outcome)

@@ -196,8 +196,8 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
         # and the objectives its clients name (kvroute/simulate/workloads.py tenants_trace)
         "flow_control": {"objectives": SIM_OBJECTIVES},
         # Simulated time stands still while the router decodes a body: no worker thread (the trace's loop
-        # has none) would change when anything happens.
-        "tokenization": {"thread_above_bytes": SIM_BODY_BYTES},
+        # has none) would change when anything happens; and a prompt of token ids is several bytes a token.
+        "tokenization": {"thread_above_bytes": SIM_BODY_BYTES, "max_tokenized_bytes": SIM_BODY_BYTES},
     }
     return parse_config(raw, source="simulation")
 

@@ -113,15 +113,32 @@ def resolve_tokenizer_path(spec: str) -> Path:
     return local_tokenizer_dir(spec) or Path(spec).expanduser()
 
 
+_ID_LIMIT = 2**32  # block keys hash token ids as 32-bit words (router/prompt/block_hashing.py)
+
+
 def completion_text_or_ids(prompt: Any) -> str | list[int]:
     """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        return list(prompt)
+    ids = token_ids_given(prompt)
+    if ids is not None:
+        return ids
     raise InvalidPrompt("prompt must be a string, a list of token ids, or a list holding one of those")
+
+
+def token_ids_given(prompt: Any) -> list[int] | None:
+    """A completions ``prompt`` given as token ids (or a one-element list of them), which vLLM takes as the
+    prompt they are; None for any other prompt. Ids no engine has (below 0, or past what its block keys
+    hash: 32 bits) are an InvalidPrompt: the engine is their judge, the router keys nothing of them."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+        return None
+    if prompt and (min(prompt) < 0 or max(prompt) >= _ID_LIMIT):
+        raise InvalidPrompt("token ids must be between 0 and 2**32 - 1")
+    return list(prompt)
 
 
 class PromptTokenizer:

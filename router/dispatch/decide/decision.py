@@ -36,7 +36,7 @@ from router.prompt.multimodal.layouts import Idefics3Layout
 from router.prompt.multimodal.prompt import remote_image_urls
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.template_inputs import TemplateInputs
-from router.prompt.tokenization import PromptTokenizer, completion_text_or_ids
+from router.prompt.tokenization import PromptTokenizer, token_ids_given
 from router.prompt.tokenization_audit import TokenizationAudit
 from router.prompt.tokenizer_check import TokenizerWatch
 from router.tracing.spans import NULL_TRACE, Trace
@@ -404,8 +404,8 @@ class Decider:
             raise TruncatedPrompt("the engine keeps only the prompt's last tokens")
         local = self._tokenizers.get(body.model)
         if isinstance(body, CompletionRequest):
-            given = completion_text_or_ids(body.prompt)
-            if isinstance(given, list):  # token ids are the engine's prompt as they are: no tokenizer needed
+            given = token_ids_given(body.prompt)
+            if given is not None:  # token ids are the engine's prompt as they are: no tokenizer needed
                 return given
             if local is not None:
                 return await self._local(off_loop, local.completion_ids, body.prompt, body.add_special_tokens)

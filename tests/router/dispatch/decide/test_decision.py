@@ -567,3 +567,11 @@ def test_a_completion_of_token_ids_is_keyed_without_any_tokenizer() -> None:
     prepared = asyncio.run(router.prepare(CompletionRequest(model="tiny-llama", prompt=ids), None))
     assert list(prepared.chain) == block_hashing.prompt_chain(ids, 32)
     assert prepared.request.prompt_tokens == 100
+
+
+@pytest.mark.parametrize("ids", [[-1] * 40, [2**32] * 40])
+def test_token_ids_no_engine_has_are_routed_without_prefix_knowledge(ids: list[int]) -> None:
+    # The engine is their judge (a 400): the router hashes nothing of them, and answers no 500 of its own.
+    router = Decider(BlockIndex(32), {}, 32, RouterMetrics())
+    prepared = asyncio.run(router.prepare(CompletionRequest(model="tiny-llama", prompt=ids), None))
+    assert (prepared.request.prompt_tokens, list(prepared.chain)) == (0, [])
