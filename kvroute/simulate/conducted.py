@@ -76,8 +76,7 @@ class EngineSender:
         # By x-request-id, every one the clients sent: a warm-up after an answer sends its prompt again.
         self.requests: dict[str, SimRequest] = {}
         self._first: dict[int, asyncio.Future[None]] = {}  # by request number
-        self._warm: dict[int, asyncio.Future[None]] = {}  # by warm-up's number
-        self.refused = 0  # attempts the engines refused
+        self._warm: dict[int, asyncio.Future[None]] = {}  # by the warm-up request's id()
         self.warm_ups = 0
 
     async def attempt(self, outgoing: Outgoing, stream: bool) -> Sent:
@@ -88,8 +87,7 @@ class EngineSender:
         first = self._first[request.number] = asyncio.get_running_loop().create_future()
         if not self._engines[number].enqueue(request):
             del self._first[request.number]
-            self.refused += 1
-            request.tried |= {number}
+            request.tried |= {number}  # (what ConductedRun counts retries by)
             return Sent("answered", EngineReply(503), _BUSY)
         await first
         return Sent("answered", EngineReply(200, {"content-type": "text/event-stream"}), _FIRST_CHUNK)
