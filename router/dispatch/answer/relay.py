@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable
 
 import aiohttp
@@ -108,7 +107,7 @@ class Relay:
         upstream = outcome.upstream
         assert isinstance(upstream, aiohttp.ClientResponse)
         loop, content = asyncio.get_running_loop(), upstream.content
-        deadline = loop.time() + self._response_timeout_s - (time.perf_counter() - outcome.started)
+        deadline = loop.time() + self._response_timeout_s - (outcome.observers.clock() - outcome.started)
         tail = outcome.first[-_TAIL_BYTES:]
         self._streams.add(outcome)
         try:
