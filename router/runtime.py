@@ -31,18 +31,16 @@ from router.config import ConfigError, ModelConfig, RouterConfig
 from router.discovery.merge import with_discovered
 from router.discovery.watcher import Discovered, Discovery
 from router.dispatch.answer.relay import Relay
-from router.dispatch.conductor import Conductor, Stages
+from router.dispatch.assembly import Hooks, RouterParts, build_stages, share_with_peers
+from router.dispatch.conductor import Conductor
 from router.dispatch.decide.decision import Decider, DeciderOptions, LocalTokenizer
 from router.dispatch.intake.admission import Admission
 from router.dispatch.intake.routing_table import RoutingTable
 from router.dispatch.observe.ab_shared import SHARE_S as AB_SHARE_S
 from router.dispatch.observe.ab_shared import SharedABResults
 from router.dispatch.observe.events import Event
-from router.dispatch.observe.observers import Observers
-from router.dispatch.place.attempts import Attempts
-from router.dispatch.place.sending import RetryPolicy, SendContext, Sender
+from router.dispatch.place.sending import Sender
 from router.dispatch.wait.flow_gate import FlowGate
-from router.dispatch.wait.waiting import Waiting
 from router.index.block_index import BlockIndex, Tier
 from router.index.figures import IndexFigures, figures_of
 from router.index.index_host import IndexHost
@@ -59,8 +57,7 @@ from router.index.remote_index import RemoteIndex, RemoteMatches
 from router.index.routing_index import RoutingIndex
 from router.index.subscriptions import Subscriptions, events_context
 from router.metrics import RouterMetrics
-from router.programs.shared import ProgramTurnsShared
-from router.programs.table import Programs, followed
+from router.programs.table import followed
 from router.prompt.multimodal.fetch import ImageFetcher
 from router.prompt.remote_tokenizer import RemoteTokenizer
 from router.prompt.settings import TokenizationConfig
@@ -85,7 +82,6 @@ from router.upstreams.model_tokenizers import (
     model_roots,
 )
 from router.upstreams.peer_sync import PeerEndpoints, PeerSync
-from router.upstreams.room import HasRoom
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +92,6 @@ DISCOVERY_MAX_BACKOFF_S = 10.0  # between attempts to reach an API server that i
 FLOW_TICK_S = 0.25  # how often waiting requests look for room that appeared without an event
 TOKENIZER_SEARCH_S = 2.0  # how often a model left to its instances' /tokenize looks for its own tokenizer
 _NOT_LOADED = "remote: the instances' /tokenize (the tokenizer found here did not load)"
-
-
-def _programs_told_to_peers(runtime: Runtime) -> None:
-    """The agent programs' turns told to the router's peers, where it has any (router/programs/shared.py)."""
-    if isinstance(runtime.programs, Programs) and runtime.peers.loops():
-        runtime.peers.share_programs(ProgramTurnsShared(runtime.programs))
 
 
 def _shared_through(
@@ -145,21 +135,6 @@ def _one_ab_test(runtime: Runtime, store: SharedStore) -> SharedABResults:
 
     config = lambda: runtime.config.traffic_weights()  # noqa: E731 (the configuration a reload replaces)
     return SharedABResults(store, runtime.peers.router_id, runtime.table.ab, config, adopt)
-
-
-class _SessionsShared:
-    """Where this router placed sessions' turns, told its peers; theirs, told its policies
-    (router/upstreams/peer_sync.py's SharedSessions)."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
-
-    def placed(self) -> dict[str, str]:
-        return self._runtime.decider.sessions_placed()
-
-    def heard(self, placements: dict[str, str]) -> None:
-        runtime = self._runtime
-        runtime.decider.sessions_placed_elsewhere(placements, runtime.table.policies.values())
 
 
 @dataclass(frozen=True)
@@ -283,11 +258,8 @@ class Runtime:
         # sibling workers and no shared store it binds nothing and runs no loop.
         discovery = config.discovery
         self.peers = PeerSync(self._peer_config, self.upstreams, metrics, context, self.room_freed.fire)
-        self.peers.share_flows(self.flow_gate.control)
-        self.flow_gate.control.on_taken = self.peers.nudge
-        self.peers.share_sessions(_SessionsShared(self))
         shared_loops = await self._shared(stack)
-        _programs_told_to_peers(self)
+        share_with_peers(self.peers, self.router_parts, lambda: self.table.policies.values())
         stack.callback(self.peers.close)
         self.peers.start()  # a publish endpoint that cannot be bound stops the router here
         failures = metrics.task_failures
@@ -373,37 +345,22 @@ class Runtime:
     def _routing(self, session: aiohttp.ClientSession, tracing: Tracing) -> Conductor:
         """The routing service both front doors call, over admission, the send loop and the decider."""
         config, metrics = self.config, self.metrics
-        admission = config.admission
-        self.admission = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
-        metrics.admission_waiting.set_function(lambda: self.admission.waiting)
-        ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
-        # (the peers' sync, made after the routing, is looked up when a large request is sent)
-        observers = Observers(metrics, ab_for, self.room_freed, self.programs, lambda: self.peers.nudge())
-        decider = self.decider
-        observers.served.subscribe(lambda served: decider.served(served.decision, served.policy))
-        observers.withdrawn.subscribe(decider.withdraw)
-        waiting = Waiting(
-            self.flow_gate,
-            admission.memory_hold_s,
-            self.upstreams,
-            self.decider,
+        self.router_parts = parts = RouterParts(
+            config,
             metrics,
-            self.programs,
-        )
-        self.room_freed.subscribe(waiting.wake)
-        # One connection per request in flight: a request never waits for a pooled one.
-        per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)
-        sending = SendContext(
             self.upstreams,
+            self.flow_gate,
             self.decider,
-            observers,
+            self.programs,
+            self.room_freed,
             self.health,
             Sender(session, config.upstream),
-            RetryPolicy(config.upstream.attempts),
-            HasRoom(per_instance, admission.max_waiting_per_instance),
         )
-        attempts = Attempts(sending, config.disaggregation, config.programs.warm_up)
-        stages = Stages(self.upstreams, self.admission, waiting, self.decider, attempts, observers)
+        ab_for = lambda policy: self.table.ab_for(policy)  # noqa: E731 (the table in force at each event)
+        # (the peers' sync, made after the routing, is looked up when a large request is sent)
+        stages = build_stages(parts, Hooks(ab_for, lambda: self.peers.nudge()))
+        self.admission: Admission = stages.admission
+        metrics.admission_waiting.set_function(lambda: self.admission.waiting)
         return Conductor(
             stages,
             lambda: self.table,

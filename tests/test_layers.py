@@ -27,7 +27,7 @@ ROUTER_LAYERS: list[set[str]] = [
     {"router.discovery"},
     # The conductor, then its stages in the order a request meets them, each importing only those after it;
     # the request context and the routed APIs are their floor.
-    {"router.dispatch.conductor"},
+    {"router.dispatch.conductor", "router.dispatch.assembly"},
     {"router.dispatch.intake"},
     {"router.dispatch.wait"},
     {"router.dispatch.answer"},

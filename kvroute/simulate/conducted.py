@@ -12,7 +12,7 @@ the bytes' way differs: EngineSender hands an attempt to its engine and answers 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,24 +23,21 @@ from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView
 from router.apis.routes import COMPLETIONS
 from router.config import RouterConfig
-from router.dispatch.conductor import Conductor, Stages
+from router.dispatch.assembly import Hooks, RouterParts, build_stages, share_with_peers
+from router.dispatch.conductor import Conductor
 from router.dispatch.context import Arrival, Received
 from router.dispatch.decide.decision import Decider, DeciderOptions, Prepared
-from router.dispatch.intake.admission import Admission
 from router.dispatch.intake.routing_table import RoutingTable
 from router.dispatch.observe.events import Event
-from router.dispatch.observe.observers import Observers
 from router.dispatch.observe.outcome import Outcome
-from router.dispatch.place.attempts import Attempts
-from router.dispatch.place.sending import Outgoing, RetryPolicy, SendContext, Sent
+from router.dispatch.place.sending import Outgoing, Sent
 from router.dispatch.wait.flow_gate import FlowGate
-from router.dispatch.wait.waiting import Waiting
 from router.index.pool import PoolConfirmer
 from router.metrics import RouterMetrics
 from router.programs.table import followed
 from router.traffic_split import TrafficSplit
 from router.upstreams.instances import Instance, Upstreams
-from router.upstreams.room import HasRoom
+from router.upstreams.peer_sync import PeerEndpoints, PeerSync
 from scorers.policy import Policy
 
 PATH = "/v1/completions"
@@ -128,8 +125,14 @@ class SimulatedRouter:
     """One kvroute router in front of the simulated fleet: its conductor, over view's index and instances."""
 
     def __init__(
-        self, config: RouterConfig, policy_name: str, view: RouterView, sender: EngineSender
+        self,
+        config: RouterConfig,
+        policy_name: str,
+        view: RouterView,
+        sender: EngineSender,
+        peers: PeerEndpoints | None = None,
     ) -> None:
+        """peers: with replicas that share their state, how often this one tells them (share())."""
         clock, metrics = view.loop.clock, RouterMetrics()
         upstreams = Upstreams(config, view.instances)
         self.flow_gate = flow_gate = FlowGate(config.flow_control, upstreams, metrics, clock)
@@ -148,25 +151,15 @@ class SimulatedRouter:
         # Session affinity's TTL on the trace's clock; ties broken by the run's seed, so that a run repeats.
         policy = Policy(policy_name, config.policies[policy_name], clock, view.tie_rng)
         table = RoutingTable({policy_name: policy}, TrafficSplit({policy_name: 1.0}), config.traffic)
-        observers = Observers(metrics, table.ab_for, room_freed, programs, clock=clock)
-        observers.served.subscribe(lambda served: decider.served(served.decision, served.policy))
-        observers.withdrawn.subscribe(decider.withdraw)
-        admission = config.admission
-        waiting = Waiting(flow_gate, admission.memory_hold_s, upstreams, decider, metrics, programs)
-        room_freed.subscribe(waiting.wake)
-        per_instance = min(admission.max_in_flight_per_instance, config.upstream.max_connections_per_instance)
-        sending = SendContext(
-            upstreams,
-            decider,
-            observers,
-            _Reachable(),
-            sender,
-            RetryPolicy(config.upstream.attempts),
-            HasRoom(per_instance, admission.max_waiting_per_instance),
+        self._parts = RouterParts(
+            config, metrics, upstreams, flow_gate, decider, programs, room_freed, _Reachable(), sender
         )
-        attempts = Attempts(sending, config.disaggregation, config.programs.warm_up)
-        slots = Admission(admission.max_in_flight, admission.queue_size, admission.queue_timeout_s)
-        stages = Stages(upstreams, slots, waiting, decider, attempts, observers)
+        self.peers = (
+            None if peers is None else PeerSync(peers, upstreams, metrics, None, room_freed.fire, clock)
+        )
+        sent_large = None if self.peers is None else self.peers.nudge
+        stages = build_stages(self._parts, Hooks(table.ab_for, sent_large, clock))
+        self._policies = lambda: table.policies.values()
         self.conductor = Conductor(stages, lambda: table, config.tokenization)
         self.model = view.model
         self._sender = sender
@@ -197,6 +190,14 @@ class SimulatedRouter:
 
         self._sender.requests[name] = request
         return await conductor.conduct(arrival, send)
+
+    def share(self, send: Callable[[bytes], Awaitable[None]]) -> dict[str, Callable[[], Awaitable[None]]]:
+        """Its snapshots sent with send (to the other replicas, through their store); the loops that publish
+        them and forget peers gone silent (router/upstreams/peer_sync.py), for the run to run."""
+        assert self.peers is not None, "a router that shares nothing was told to share"
+        self.peers.send_also(send)
+        share_with_peers(self.peers, self._parts, self._policies)
+        return self.peers.loops()
 
     def ended(self, outcome: Outcome) -> None:
         """Its answer's last token came (or its error was all of it): the outcome told, its slot freed."""

@@ -6,18 +6,20 @@ turns, tool calls, what each request waited and found) and the engines; every ro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.conducted import EngineSender, SimulatedRouter
 from kvroute.simulate.engine import SimRequest
 from kvroute.simulate.hardware import FleetSpec
-from kvroute.simulate.policies import ConfiguredPolicy, SimPolicy
+from kvroute.simulate.policies import PEERS_STALE_AFTER_S, ConfiguredPolicy, Replicas, SimPolicy
 from kvroute.simulate.results import RunResult
 from kvroute.simulate.run import Run, session_of
+from router.dispatch.wait.flow_control import FlowControl
 from router.dispatch.wait.flow_gate import Waiter
 from router.dispatch.wait.flow_queue import Queued
 from router.errors import OpenAIError
+from router.upstreams.peer_sync import PeerEndpoints
 from scorers.ttft_model import TTFTPriors
 
 
@@ -31,22 +33,30 @@ class ConductedRun(Run):
         progress: Callable[[int], None] | None = None,
         tie_seed: int = 0,
     ) -> None:
-        if not isinstance(policy, ConfiguredPolicy) or not policy.conducts:
+        if not policy.conducts:
             raise ValueError(f"{policy.name} is no kvroute router")
         super().__init__(blocks, fleet, policy, priors, progress, tie_seed)
         self.sender = EngineSender(self.loop, self.engines, self.view)
-        self.router = SimulatedRouter(policy.config, policy.policy_name, self.view, self.sender)
+        peers = None
+        if policy.sync_interval_s is not None:
+            peers = PeerEndpoints(interval_s=policy.sync_interval_s, stale_after_s=PEERS_STALE_AFTER_S)
+        # Each replica on its own view (its own index fed the same events, its own counts and models).
+        self.routers = [
+            SimulatedRouter(member.config, member.policy_name, member.view, self.sender, peers)
+            for member in _routers_of(policy)
+        ]
         for engine in self.engines:
             engine.on_first_token, engine.on_finish = self._first_token, self._finished
         self._answers: dict[int, asyncio.Future[None]] = {}  # by request number: its last token
         self._serving: set[asyncio.Task[None]] = set()  # held: asyncio keeps only weak references
+        self._sharing: list[asyncio.Task[None]] = []  # the replicas' snapshot loops, while requests go on
         self._retried = 0  # refusals another attempt followed, as Run.retried counts them
-        self._count_backlogged_dispatches()
+        for router in self.routers:
+            self._count_backlogged_dispatches(router.flow_gate.control)
 
-    def _count_backlogged_dispatches(self) -> None:
+    def _count_backlogged_dispatches(self, control: FlowControl[Waiter]) -> None:
         """What the run's own queue counts as it lets requests go (Run._let_go), counted as the router's
         flow control lets them go: by the trace's flow, those let go while another flow waited."""
-        control = self.router.flow_gate.control
         let_go = control.next_ready
         flows = {request.flow for request in self.trace if request.flow is not None}
         backlogged = self.backlogged_dispatches
@@ -61,11 +71,36 @@ class ConductedRun(Run):
 
         control.next_ready = counted  # type: ignore[method-assign]
 
+    def _schedule(self) -> None:
+        """The first arrival and the engines' scrapes, as for any router; replicas that share their state
+        run their own snapshot loops (router/upstreams/peer_sync.py) from then on, in place of the policy's
+        sync."""
+        self.loop.at(self.trace[0].arrival_s, lambda: self._arrive(0))
+        if self.policy.scrape_interval_s is not None:
+            self._every(self.policy.scrape_interval_s, self._scrape)
+        if self.policy.sync_interval_s is not None:
+            self.loop.at(self.trace[0].arrival_s, self._start_sharing)
+
+    def _start_sharing(self) -> None:
+        """Each replica's snapshots reach the others a store's round trip after it sends them."""
+        latency = self.policy.share_latency_s
+        for router in self.routers:
+            others = [other for other in self.routers if other is not router]
+
+            async def send(snapshot: bytes, others: list[SimulatedRouter] = others) -> None:
+                self.loop.at(self.loop.now + latency, lambda: _deliver(snapshot, others))
+
+            for loop in router.share(send).values():
+                task = self.aio.create_task(_running(loop))
+                task.add_done_callback(_failed_at_once)
+                self._sharing.append(task)
+
     def run(self, ideal_hit_rate: float) -> RunResult:
         try:
             result = super().run(ideal_hit_rate)
         finally:
-            self.router.close()
+            for router in self.routers:
+                router.close()
         result.retried = self._retried
         if self.sender.warm_ups:
             result.programs["warm_ups"] = float(self.sender.warm_ups)
@@ -79,6 +114,7 @@ class ConductedRun(Run):
             self._release(request)
             return
         self.outstanding += 1
+        request.router = self.policy.router_of(request)
         task = self.aio.create_task(self._serve(request))
         self._serving.add(task)
         task.add_done_callback(self._served)
@@ -87,9 +123,16 @@ class ConductedRun(Run):
         self._serving.discard(task)
         task.result()  # what failed in the router's code fails the run, at once
 
+    def _release(self, request: SimRequest) -> None:
+        super()._release(request)
+        if self._sharing and not self._going_on():  # the last request ended: the replicas stop telling
+            for task in self._sharing:
+                task.cancel()
+            self._sharing.clear()
+
     async def _serve(self, request: SimRequest) -> None:
         """As a client: sends request, reads its answer to the end."""
-        router = self.router
+        router = self.routers[request.router]
         prompt = self.blocks.prompt_ids(request.number)
         # Its last token may come in the step of its first, before this coroutine is back from the conductor.
         answer = self._answers[request.number] = asyncio.get_running_loop().create_future()
@@ -129,3 +172,27 @@ class ConductedRun(Run):
         if not request.warm_up:
             self._answers.pop(request.number).set_result(None)
         self.loop.drain()
+
+
+def _routers_of(policy: SimPolicy) -> list[ConfiguredPolicy]:
+    """The kvroute routers policy is: itself, or the replicas it runs (bound already)."""
+    members = policy.members if isinstance(policy, Replicas) else [policy]
+    routers = [member for member in members if isinstance(member, ConfiguredPolicy) and member.conducts]
+    if len(routers) != len(members):
+        raise ValueError(f"{policy.name} is no kvroute router")
+    return routers
+
+
+def _deliver(snapshot: bytes, routers: list[SimulatedRouter]) -> None:
+    for router in routers:
+        assert router.peers is not None
+        router.peers.receive(snapshot)
+
+
+async def _running(loop: Callable[[], Awaitable[None]]) -> None:
+    await loop()
+
+
+def _failed_at_once(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.result()  # a replica's snapshot loop that failed fails the run

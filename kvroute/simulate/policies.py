@@ -457,6 +457,7 @@ class Replicas(SimPolicy):
         share_s: float | None = None,
     ) -> None:
         self.name, self._make, self._count, self._by_session = name, make, count, by_session
+        self.conducts = make().conducts  # kvroute's replicas, each through its own conductor
         self.sync_interval_s = share_s
         self.routers = count
         self.share_latency_s = STORE_ROUND_TRIP_S

@@ -98,15 +98,9 @@ class Run:
 
     def run(self, ideal_hit_rate: float) -> RunResult:
         started = time.perf_counter()
-        trace, loop, policy = self.trace, self.loop, self.policy
-        if trace:
-            loop.at(trace[0].arrival_s, lambda: self._arrive(0))
-            if policy.scrape_interval_s is not None:
-                self._every(policy.scrape_interval_s, self._scrape)
-            if policy.sync_interval_s is not None:
-                self._every(policy.sync_interval_s, policy.sync)
-                if len(self.flows) > 1:
-                    self._every(policy.sync_interval_s, self._share_flows)
+        policy = self.policy
+        if self.trace:
+            self._schedule()
         self.aio.run()
         result = result_of(
             policy.name,
@@ -124,6 +118,23 @@ class Run:
         if self.warm_ups:
             result.programs["warm_ups"] = float(self.warm_ups)
         return result
+
+    def _schedule(self) -> None:
+        """The trace's first arrival, and what the routers do every so often from then on."""
+        policy = self.policy
+        self.loop.at(self.trace[0].arrival_s, lambda: self._arrive(0))
+        if policy.scrape_interval_s is not None:
+            self._every(policy.scrape_interval_s, self._scrape)
+        if policy.sync_interval_s is not None:
+            self._every(policy.sync_interval_s, policy.sync)
+            if len(self.flows) > 1:
+                self._every(policy.sync_interval_s, self._share_flows)
+
+    def _going_on(self) -> bool:
+        """Requests are to come, in flight, or held for their sessions' previous turns or tool calls."""
+        trace = self.trace
+        busy = self.outstanding or self._held_back or self._in_tool_calls
+        return bool(busy) or self.loop.now < trace[-1].arrival_s
 
     # The router's own counts of what it sent to each instance (router/upstreams/instances.py).
     def started(self, request: SimRequest) -> None:
@@ -378,14 +389,14 @@ class Run:
 
     def _every(self, interval: float, action: Callable[[], None]) -> None:
         """Do action from the first arrival on, every interval, while requests are to come or in flight."""
-        loop, trace = self.loop, self.trace
+        loop = self.loop
 
         def tick() -> None:
             action()
-            if self.outstanding or self._held_back or self._in_tool_calls or loop.now < trace[-1].arrival_s:
+            if self._going_on():
                 loop.at(loop.now + interval, tick)
 
-        loop.at(trace[0].arrival_s, tick)
+        loop.at(self.trace[0].arrival_s, tick)
 
 
 class DisaggregatedRun(Run):

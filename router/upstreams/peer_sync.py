@@ -149,11 +149,13 @@ class PeerSync:
         config: PeerEndpoints,
         fleet: Upstreams,
         metrics: RouterMetrics,
-        context: zmq.asyncio.Context,
+        context: zmq.asyncio.Context | None,
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """on_change: called after peers' loads changed (a request of theirs may have freed memory)."""
+        """context: the ZMQ sockets' (None: snapshots only through send_also, as the simulated replicas
+        send theirs); on_change: called after peers' loads changed (a request of theirs may have freed
+        memory)."""
         self.router_id = uuid.uuid4().hex[:16]
         self.loads = PeerLoads(config.stale_after_s, clock)
         self._config, self._fleet, self._metrics, self._context = config, fleet, metrics, context
@@ -190,8 +192,13 @@ class PeerSync:
         self._also_sent.append(send)
 
     def start(self) -> None:
+        context = self._context
+        if context is None:
+            if self._config.publish is not None or self._config.subscribe:
+                raise PeerSyncError("the peers' ZMQ endpoints are configured without a ZMQ context")
+            return
         if self._config.publish is not None:
-            self._publisher = self._context.socket(zmq.PUB)
+            self._publisher = context.socket(zmq.PUB)
             self._publisher.setsockopt(zmq.LINGER, 0)
             self._publisher.setsockopt(zmq.SNDHWM, 16)  # past it a slow subscriber misses snapshots
             try:
@@ -201,7 +208,7 @@ class PeerSync:
                     f"the peers' publish endpoint {self._config.publish} cannot be bound: {exc}"
                 ) from None
         if self._config.subscribe:
-            self._subscriber = self._context.socket(zmq.SUB)
+            self._subscriber = context.socket(zmq.SUB)
             self._subscriber.setsockopt(zmq.LINGER, 0)
             self._subscriber.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
             self._subscriber.setsockopt(zmq.RCVHWM, 64)

@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+
 from kvroute.simulate.bench import rate_for_load
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
 from kvroute.simulate.conducted_run import ConductedRun
 from kvroute.simulate.hardware import POOL_PRESETS, EngineSpec, FleetSpec, PoolSpec
+from kvroute.simulate.policies import ConfiguredPolicy, Replicas, router_config
 from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
 from kvroute.simulate.run import Run
 from kvroute.simulate.simulation import run_kind
 from kvroute.simulate.trace_loop import TraceLoop
-from kvroute.traces import agentic_trace, mooncake_trace
+from kvroute.traces import Trace, TraceRequest, agentic_trace, mooncake_trace
+from router.dispatch.wait.settings import FlowLimitsConfig
 from router.prompt import block_hashing
 
 
@@ -102,3 +106,44 @@ def test_the_conductor_queues_and_confirms_the_pool_as_the_policys_own_steps_do(
     del own["wall_s"], conducted["wall_s"]
     assert conducted["tail"]["queued_s"] > 0  # some did wait in the router
     assert conducted == own
+
+
+def test_replicas_of_kvroute_each_run_their_own_conductor_as_the_policys_own_steps_do() -> None:
+    # Two routers sharing nothing, requests in turn: each decides on its own counts, through its own stages.
+    blocks, fleet = _programs(3, 12)
+    policy = POLICIES["kvroute"]
+    ideal = blocks.ideal_hit_rate()
+
+    def replicas() -> Replicas:
+        return Replicas("two", lambda: policy(fleet), 2, by_session=False)
+
+    assert run_kind(blocks, fleet, replicas()) is ConductedRun
+    own = dataclasses.asdict(Run(blocks, fleet, replicas()).run(ideal))
+    conducted = dataclasses.asdict(ConductedRun(blocks, fleet, replicas()).run(ideal))
+    del own["wall_s"], conducted["wall_s"]
+    assert conducted["completed"] > 100
+    assert conducted == own
+
+
+@pytest.mark.parametrize(("share_s", "most"), [(None, 2), (0.05, 1)])
+def test_replicas_sharing_their_snapshots_hold_a_tenants_limit_as_one(
+    share_s: float | None, most: int
+) -> None:
+    """Two kvroute routers in turn, each with a limit of one request in flight for the tenant: sharing
+    nothing, the tenant has two in flight at once; sharing through the product's snapshots (a flow let go
+    at its limit nudges one at once), one."""
+    fleet = FleetSpec(instances=2, engine=EngineSpec(), pool=None)
+    config = router_config(fleet)
+    flows = config.flow_control.model_copy(update={"per_flow": FlowLimitsConfig(max_in_flight=1)})
+    limited = config.model_copy(update={"flow_control": flows})
+    turns = tuple(
+        TraceRequest(0.01 * n, 320, 30, tuple(range(10 * n + 1, 10 * n + 11)), flow="t") for n in range(6)
+    )
+    policy = Replicas(
+        "two", lambda: ConfiguredPolicy("limited", limited, "kvroute"), 2, by_session=False, share_s=share_s
+    )
+    run = ConductedRun(TraceBlocks(Trace("limited", 32, turns), 16), fleet, policy)
+    run.run(0.0)
+    assert len(run.done) == 6
+    spans = [(r.dispatched_s, r.finish_s) for r in run.done]
+    assert max(sum(start <= at < end for start, end in spans) for at, _ in spans) == most
