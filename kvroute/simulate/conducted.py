@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from kvroute.simulate.clock import EventLoop
+from kvroute.simulate.disaggregation import prefill_leg
 from kvroute.simulate.engine import Engine, SimRequest, warm_up_of
 from kvroute.simulate.pool import StoreLookup
 from kvroute.simulate.view import RouterView
@@ -43,11 +45,17 @@ from scorers.policy import Policy
 PATH = "/v1/completions"
 REQUEST_ID = "x-request-id"  # what names the trace request an attempt is of, to its engine
 _FIRST_CHUNK = b'data: {"object":"text_completion","choices":[{"index":0,"text":" "}]}\n\n'
+_TRANSFER = "sim_transfer"  # what names a prefill leg's KV in the kv_transfer_params: its request's number
 _BUSY = b'{"error":{"message":"The engine is at capacity.","type":"ServiceUnavailable","code":503}}'
 
 
-class _Priority(msgspec.Struct):
+class _Sent(msgspec.Struct):
+    """What the simulated engine reads of a request's body."""
+
     priority: int = 0  # vLLM's: the lowest runs first, with its priority scheduling policy
+    # A prefill leg's (do_remote_decode), or a decode leg's: the transfer this sender named in the prefill
+    # leg's answer, as NixlConnector's prefill answer names the KV the decode leg fetches.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,50 +74,87 @@ class EngineReply:
 
 class EngineSender:
     """Sends each attempt to its simulated engine (router/dispatch/place/sending.py Sends): a request's answer
-    begins at its first token; an engine that refuses it answers 503, as vLLM's admission control does."""
+    begins at its first token; an engine that refuses it answers 503, as vLLM's admission control does. On a
+    disaggregated fleet a prefill leg is a one-token request whose engine keeps the prompt's KV until the
+    decode leg that names its transfer fetched it (kvroute/simulate/engine.py)."""
 
-    def __init__(self, loop: EventLoop, engines: list[Engine], view: RouterView) -> None:
-        self._loop, self._engines, self._view = loop, engines, view
+    def __init__(
+        self, loop: EventLoop, engines: list[Engine], view: RouterView, disaggregated: bool = False
+    ) -> None:
+        self._loop, self._engines, self._view, self._disaggregated = loop, engines, view, disaggregated
         # By x-request-id, every one the clients sent: a warm-up after an answer sends its prompt again.
         self.requests: dict[str, SimRequest] = {}
         self._first: dict[int, asyncio.Future[None]] = {}  # by request number
-        self._warm: dict[int, asyncio.Future[None]] = {}  # by the warm-up request's id()
+        self._whole: dict[int, asyncio.Future[None]] = {}  # a warm-up's or a prefill leg's, by its id()
+        self._legs: dict[int, SimRequest] = {}  # by request number: a prefill leg whose KV is to be fetched
+        self._prefilled: set[int] = set()  # requests a prefill leg was sent for
         self.warm_ups = 0
 
     async def attempt(self, outgoing: Outgoing, stream: bool) -> Sent:
         request = self.requests[outgoing.headers[REQUEST_ID]]
         number = self._view.by_name[outgoing.instance.name]
         request.instance, request.dispatched_s = number, self._loop.now
-        request.priority = msgspec.json.decode(outgoing.payload, type=_Priority).priority
+        sent = msgspec.json.decode(outgoing.payload, type=_Sent)
+        request.priority = sent.priority
+        self._fetching(request, sent.kv_transfer_params)
         first = self._first[request.number] = asyncio.get_running_loop().create_future()
         if not self._engines[number].enqueue(request):
             del self._first[request.number]
             request.tried |= {number}  # (what ConductedRun counts retries by)
             return Sent("answered", EngineReply(503), _BUSY)
+        self._legs.pop(request.number, None)  # its KV is this engine's to fetch now
         await first
         return Sent("answered", EngineReply(200, {"content-type": "text/event-stream"}), _FIRST_CHUNK)
 
+    def _fetching(self, request: SimRequest, params: dict[str, Any] | None) -> None:
+        """A decode leg fetches the prefill leg's KV its params name; a whole request (its prefill leg
+        skipped, or none taken: a fallback) computes its prompt."""
+        if params is not None and params.get(_TRANSFER) == request.number:
+            request.prefill, request.path = self._legs[request.number], "disaggregated"
+        elif self._disaggregated:
+            request.prefill = None
+            request.path = "fallback" if request.number in self._prefilled else "skipped"
+
     async def prefill(self, outgoing: Outgoing) -> Sent:
-        """A program's next turn warmed up (router/dispatch/place/warm_up.py): its prompt, one token."""
-        answered = self.requests[outgoing.headers[REQUEST_ID]]
+        """A prefill leg, or a program's next turn warmed up (router/dispatch/place/warm_up.py): its prompt,
+        one token."""
+        request = self.requests[outgoing.headers[REQUEST_ID]]
         number = self._view.by_name[outgoing.instance.name]
-        warm = warm_up_of(answered, number, self._loop.now)
-        self.warm_ups += 1
-        done = asyncio.get_running_loop().create_future()
-        self._warm[id(warm)] = done
-        if not self._engines[number].enqueue(warm):
-            del self._warm[id(warm)]
+        sent = msgspec.json.decode(outgoing.payload, type=_Sent)
+        if sent.kv_transfer_params is None:
+            self.warm_ups += 1
+            one = warm_up_of(request, number, self._loop.now)
+        else:
+            self.release(request)  # a leg computed before whose decode leg no instance took
+            self._prefilled.add(request.number)
+            one = prefill_leg(request, number)
+            one.sent_s = one.dispatched_s = self._loop.now
+            one.priority = sent.priority
+        done = self._whole[id(one)] = asyncio.get_running_loop().create_future()
+        if not self._engines[number].enqueue(one):
+            del self._whole[id(one)]
             return Sent("answered", EngineReply(503), _BUSY)
         await done
-        return Sent("answered", EngineReply(200, {"content-type": "application/json"}), b"{}")
+        if one.warm_up:
+            return Sent("answered", EngineReply(200, {"content-type": "application/json"}), b"{}")
+        self._legs[request.number] = one
+        params = {"do_remote_prefill": True, "remote_engine_id": str(number), _TRANSFER: request.number}
+        answer = msgspec.json.encode({"object": "text_completion", "kv_transfer_params": params})
+        return Sent("answered", EngineReply(200, {"content-type": "application/json"}), answer)
+
+    def release(self, request: SimRequest) -> None:
+        """The prefill leg of request whose KV no decode leg fetched: freed on its engine."""
+        leg = self._legs.pop(request.number, None)
+        if leg is not None:
+            self._engines[leg.instance].release(leg)
 
     def first_token(self, request: SimRequest) -> None:
-        if not request.warm_up:
+        if not request.warm_up and request.prefills is None:
             self._first.pop(request.number).set_result(None)
 
     def finished(self, request: SimRequest) -> None:
-        if request.warm_up:
-            self._warm.pop(id(request)).set_result(None)
+        if request.warm_up or request.prefills is not None:
+            self._whole.pop(id(request)).set_result(None)
 
 
 @dataclass(frozen=True, slots=True)

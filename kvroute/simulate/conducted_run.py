@@ -36,7 +36,7 @@ class ConductedRun(Run):
         if not policy.conducts:
             raise ValueError(f"{policy.name} is no kvroute router")
         super().__init__(blocks, fleet, policy, priors, progress, tie_seed)
-        self.sender = EngineSender(self.loop, self.engines, self.view)
+        self.sender = EngineSender(self.loop, self.engines, self.view, disaggregated=fleet.pd is not None)
         peers = None
         if policy.sync_interval_s is not None:
             peers = PeerEndpoints(interval_s=policy.sync_interval_s, stale_after_s=PEERS_STALE_AFTER_S)
@@ -47,6 +47,7 @@ class ConductedRun(Run):
         ]
         for engine in self.engines:
             engine.on_first_token, engine.on_finish = self._first_token, self._finished
+            engine.on_fetched = self._fetched
         self._answers: dict[int, asyncio.Future[None]] = {}  # by request number: its last token
         self._serving: set[asyncio.Task[None]] = set()  # held: asyncio keeps only weak references
         self._sharing: list[asyncio.Task[None]] = []  # the replicas' snapshot loops, while requests go on
@@ -140,6 +141,7 @@ class ConductedRun(Run):
             outcome = await router.serve(request, prompt, str(request.number))
         except OpenAIError as error:
             del self._answers[request.number]
+            self.sender.release(request)
             self._retried += max(len(request.tried) - 1, 0)  # the last refusal, if any, ended it
             if error.status == 429:
                 code = str(error.code)
@@ -148,6 +150,7 @@ class ConductedRun(Run):
             return
         if outcome.status != 200:  # every instance it could try was busy
             del self._answers[request.number]
+            self.sender.release(request)
             self._retried += len(request.tried) - 1
             router.ended(outcome)
             self.refused(request)
@@ -169,9 +172,14 @@ class ConductedRun(Run):
 
     def _finished(self, request: SimRequest) -> None:
         self.sender.finished(request)
-        if not request.warm_up:
+        if not request.warm_up and request.prefills is None:
             self._answers.pop(request.number).set_result(None)
         self.loop.drain()
+
+    def _fetched(self, request: SimRequest) -> None:
+        """A decode leg has its prompt's KV: the prefill instance frees it."""
+        assert request.prefill is not None
+        self.engines[request.prefill.instance].release(request.prefill)
 
 
 def _routers_of(policy: SimPolicy) -> list[ConfiguredPolicy]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from kvroute.simulate.disaggregation import KvroutePD
 from kvroute.simulate.hardware import FleetSpec
 from kvroute.simulate.pd_peers import DynamoPD, LlmdPD, VllmRouterPD
 from kvroute.simulate.peer_queues import DynamoQueued, LlmdQueued
@@ -271,8 +270,8 @@ EXTRA_POLICIES: dict[str, Callable[[FleetSpec], SimPolicy]] = {
 
 def _kvroute_pd(fleet: FleetSpec) -> SimPolicy:
     """kvroute's builtin policy in front of the disaggregated fleet, with disaggregation's defaults
-    (local_prefill_max_tokens 256) and the link's transfer rate as its TTFT prior."""
-    return KvroutePD("kvroute", router_config(fleet), "kvroute")
+    (local_prefill_max_tokens 256), its legs sent through the conductor as the proxy sends them."""
+    return ConfiguredPolicy("kvroute", router_config(fleet), "kvroute")
 
 
 def _llmd_pd(fleet: FleetSpec) -> SimPolicy:

@@ -31,8 +31,6 @@ def run_kind(blocks: TraceBlocks, fleet: FleetSpec, policy: SimPolicy) -> type[R
     """kvroute's own router through the conductor, on an aggregated fleet and a trace of token prompts (one
     with images keys them beyond their token ids, which a completion's prompt cannot carry); else the run's
     own steps over the policy's route()."""
-    if fleet.pd is not None:
-        return DisaggregatedRun
     if policy.conducts and not blocks.trace.has_images:
         return ConductedRun
-    return Run
+    return Run if fleet.pd is None else DisaggregatedRun

@@ -13,7 +13,8 @@ from kvroute.cli import main
 from kvroute.simulate.bench import rate_for_load, ttft_floor
 from kvroute.simulate.blocks import TraceBlocks
 from kvroute.simulate.clock import EventLoop
-from kvroute.simulate.disaggregation import KvroutePD, PDPolicy, prefill_leg
+from kvroute.simulate.conducted_run import ConductedRun
+from kvroute.simulate.disaggregation import PDPolicy, prefill_leg
 from kvroute.simulate.engine import POOL_MEDIUM, Engine, SimRequest
 from kvroute.simulate.hardware import (
     ATTENTION_S_PER_PAIR,
@@ -30,16 +31,11 @@ from kvroute.simulate.pool import PoolStore, pool_hash
 from kvroute.simulate.registry import EXTRA_POLICIES, PD_POLICIES, POLICIES
 from kvroute.simulate.results import RESULT_FIELDS
 from kvroute.simulate.run import DisaggregatedRun, Run
-from kvroute.simulate.simulation import simulate
+from kvroute.simulate.simulation import run_kind, simulate
 from kvroute.simulate.view import RouterView
 from kvroute.traces import Trace, TraceRequest, agentic_trace
-from router.dispatch.decide.decision import Decision
-from router.dispatch.place.prefill_leg import PrefillLeg
-from router.dispatch.place.settings import DisaggregationConfig
 from router.dispatch.wait.settings import FlowControlConfig, FlowLimitsConfig
 from router.index.events import BlockRemoved, BlockStored, KVEvent
-from router.upstreams.instances import Instance, InstanceSetup
-from scorers.ttft_model import TTFTFeatures
 from tests.kvroute.simulate.fixed_routes import Fixed
 
 SIZE = 4
@@ -710,9 +706,9 @@ def test_a_decode_leg_fetches_the_prompt_the_prefill_leg_computed_and_holds_it_f
 
 
 def test_kvroute_skips_the_prefill_leg_where_the_decode_instance_holds_the_prompt() -> None:
-    """kvroute's own P/D decision (Decider.decide, PrefillLeg.worth_it, Decider.decode_leg): a cold long
-    prompt takes both legs; the session's next turn, 100 tokens longer, goes to the decode instance that
-    holds the rest, alone; a cold one again both legs."""
+    """kvroute's own P/D decision, through its conductor (Decider.decide, PrefillLeg.worth_it,
+    Decider.decode_leg): a cold long prompt takes both legs; the session's next turn, 100 tokens longer,
+    goes to the decode instance that holds the rest, alone; a cold one again both legs."""
     turns = (
         TraceRequest(0.0, 4000, 20, tuple(range(125)), "s"),
         TraceRequest(0.1, 4100, 20, tuple(range(129)), "s"),
@@ -721,7 +717,8 @@ def test_kvroute_skips_the_prefill_leg_where_the_decode_instance_holds_the_promp
     blocks = TraceBlocks(Trace("pd", 32, turns), 16)
     fleet = replace(_pd_fleet(2, 2), engine=EngineSpec(kv_blocks=2000))  # room: no wait for memory to learn
     policy = PD_POLICIES["kvroute"](fleet)
-    run = DisaggregatedRun(blocks, fleet, policy)
+    assert run_kind(blocks, fleet, policy) is ConductedRun
+    run = ConductedRun(blocks, fleet, policy)
     result = run.run(ideal_hit_rate=0.0)
     assert result.completed == 3 and result.rejected == result.failed == 0
     first, second, cold = sorted(run.done, key=lambda r: r.number)
@@ -734,17 +731,6 @@ def test_kvroute_skips_the_prefill_leg_where_the_decode_instance_holds_the_promp
     # Each instance's TTFT model learnt from its own legs: two prefill legs, two decode legs and a whole one.
     observed = {i.name: i.ttft_model.observations for i in run.view.instances}
     assert sum(observed.values()) == 5 and observed[run.view.instances[first.instance].name] == 2
-
-
-def test_kvroutes_prefill_rule_is_the_proxys() -> None:
-    fleet = _pd_fleet(1, 1)
-    policy = PD_POLICIES["kvroute"](fleet)
-    assert isinstance(policy, KvroutePD)
-    proxy = PrefillLeg(None, "nixl", DisaggregationConfig().local_prefill_max_tokens)
-    target = Instance("sim-1", "http://sim-1", frozenset({fleet.model}), setup=InstanceSetup(role="decode"))
-    for prompt, uncached in ((0, 0), (1000, 0), (1000, 256), (1000, 257), (5000, 5000)):
-        decision = Decision(target, prompt, prompt // 16, 0, uncached, TTFTFeatures(0, uncached, 0), 0.1)
-        assert policy.worth_it(decision) == proxy.worth_it(decision), (prompt, uncached)
 
 
 def test_a_refused_prefill_leg_fails_retries_or_falls_back_as_each_router_does() -> None:
