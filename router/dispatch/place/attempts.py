@@ -109,7 +109,7 @@ class Attempts:
             return outcome, raw if target.body_for is None else target.body_for(decision.instance)
         body = tries.body = msgspec.json.decode(raw) if tries.body is None else tries.body
         try:
-            transfer = tries.transfer or await self._prefill.run(
+            transfer = tries.transfer or await self._prefill.transfer_for(
                 received, prepared, path, body, decision.instance.name
             )
         except NoPrefill as exc:

@@ -109,7 +109,7 @@ class PrefillLeg:
     def worth_it(self, decision: Decision) -> bool:
         return prefill_leg_worth_it(decision, self._local_max)
 
-    async def run(
+    async def transfer_for(
         self, received: Received, prepared: Prepared, path: str, body: dict[str, Any], decode_instance: str
     ) -> Transfer:
         """Compute the prompt's KV on the best prefill instance (not the decode one), trying another when one
