@@ -102,7 +102,10 @@ class EngineSender:
             del self._first[request.number]
             request.tried |= {number}  # (what ConductedRun counts retries by)
             return Sent("answered", EngineReply(503), _BUSY)
-        self._legs.pop(request.number, None)  # its KV is this engine's to fetch now
+        if request.prefill is None:
+            self.release(request)  # a prefill leg no decode leg fetches (its request is served whole)
+        else:
+            del self._legs[request.number]  # its KV is this engine's to fetch now
         await first
         return Sent("answered", EngineReply(200, {"content-type": "text/event-stream"}), _FIRST_CHUNK)
 
