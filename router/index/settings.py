@@ -22,7 +22,10 @@ class IndexConfig(Strict):
         description="(instance, block) entries kept at most: about 60 bytes each, a burst of events over",
     )
     speculative_ttl_s: float = Field(
-        default=2.0, ge=0, description="how long a routed request's blocks count before their events arrive"
+        default=2.0,
+        ge=0,
+        description="how long a routed request's blocks count before their events arrive (none of a request "
+        "that loads part of its prompt from CPU or the pool: one admitted meanwhile loads its own copy)",
     )
     medium_tiers: dict[str, TierName] = Field(
         default_factory=_default_medium_tiers,

@@ -273,7 +273,10 @@ class Decider:
         self._metrics.wait_caused_weight(policy.name).set(pick.explained.get(WAIT_CAUSED_WEIGHT, 0.0))
         match = prepared.request.matches.get(instance.name, NO_MATCH)
         held = match.gpu + match.cpu + match.pool
-        speculated = self._index.routed(instance.name, prepared.chain, held)
+        # One that loads part of its prompt first (the connectors load asynchronously) enters nothing it will
+        # compute for the requests behind it: one admitted meanwhile loads and computes its own copy.
+        entered = prepared.chain if not (match.cpu or match.pool) else prepared.chain[:held]
+        speculated = self._index.routed(instance.name, entered, held)
         features = features_for(prepared.request, instance)
         self._metrics.decision("choose").observe(time.perf_counter() - started)
         tokens = prepared.request.prompt_tokens

@@ -455,6 +455,30 @@ def test_a_decision_withdrawn_takes_back_only_its_speculative_blocks() -> None:
     assert index.match(chain) == {second.instance.name: TierMatch(gpu=8)}
 
 
+def test_a_request_that_loads_from_the_pool_enters_nothing_for_the_requests_behind_it() -> None:
+    """vLLM's connectors load a prompt's stored blocks asynchronously: a request admitted while they load
+    loads and computes its own copy. So a decision that loads part of its prompt enters none of what it will
+    compute as cached there (a burst for one hot document would all go to where the first one went); one
+    that computes its prompt does, as the requests behind it in the engine's queue find it computed."""
+    config = parse_config(
+        {"models": [{"name": "m"}], "block_size": 4, "instances": [{"name": "a", "url": "http://a"}]},
+        source="test",
+    )
+    instances = Upstreams(config).instances
+    policy = Policy("round-robin", config.policies["round-robin"])
+    chain = list(range(1, 9))
+    for held, speculates in ((TierMatch(gpu=2, pool=4), False), (TierMatch(gpu=2), True)):
+        index = BlockIndex(4)
+        router = Decider(index, {}, 4, RouterMetrics())
+        request = RoutingRequest(
+            model="m", prompt_tokens=33, prompt_blocks=8, block_size=4, chain=chain, matches={"a": held}
+        )
+        decision = router.decide(Prepared(request), policy, instances)
+        assert (decision.speculated is not None) == speculates
+        computes = chain[held.gpu + held.pool :]  # what it computes, beyond what it found
+        assert bool(index.match(computes)) == speculates
+
+
 def test_plain_chats_are_audited_too_and_a_plain_mismatch_sends_every_chat_to_the_engine(
     tokenizer: PromptTokenizer,
 ) -> None:
