@@ -1,6 +1,9 @@
 """A trace through the fleet behind kvroute's own router, its requests taken by the product's conductor
 (kvroute/simulate/conducted.py) as `kvroute serve` takes them: the run keeps the clients' side (sessions'
 turns, tool calls, what each request waited and found) and the engines; every routing step is the router's.
+On a prefill/decode fleet both legs go through it; several replicas each have their own conductor, the load
+balancer in front choosing one for each request, and those that share tell each other through the
+product's snapshots (router/upstreams/peer_sync.py).
 """
 
 from __future__ import annotations
