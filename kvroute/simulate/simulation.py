@@ -1,5 +1,6 @@
-"""One simulation, by the run its fleet and policy take: kvroute's own router through its conductor
-(kvroute/simulate/conducted_run.py), a peer's policy (kvroute/simulate/run.py), a prefill/decode fleet."""
+"""One simulation, by the run its fleet and policy take: kvroute's own routers through their conductors
+(kvroute/simulate/conducted_run.py), a peer's policy on an aggregated or a prefill/decode fleet
+(kvroute/simulate/run.py)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def simulate(
 
 
 def run_kind(blocks: TraceBlocks, fleet: FleetSpec, policy: SimPolicy) -> type[Run]:
-    """kvroute's own router through the conductor, on an aggregated fleet and a trace of token prompts (one
-    with images keys them beyond their token ids, which a completion's prompt cannot carry); else the run's
-    own steps over the policy's route()."""
+    """kvroute's own routers (one, or several replicas) through their conductors, on any fleet, for a trace
+    of token prompts (one with images keys them beyond their token ids, which a completion's prompt cannot
+    carry); else the run's own steps over the policy's route()."""
     if policy.conducts and not blocks.trace.has_images:
         return ConductedRun
     return Run if fleet.pd is None else DisaggregatedRun
