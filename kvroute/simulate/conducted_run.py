@@ -170,10 +170,12 @@ class ConductedRun(Run):
     # session's next turn) before the engine goes on, as the run's own steps do for every peer: a router's
     # and a client's reactions take no simulated time, whoever's they are.
     def _first_token(self, request: SimRequest) -> None:
+        self.answered_s = self.loop.now
         self.sender.first_token(request)
         self.loop.drain()
 
     def _finished(self, request: SimRequest) -> None:
+        self.answered_s = self.loop.now
         self.sender.finished(request)
         if not request.warm_up and request.prefills is None:
             self._answers.pop(request.number).set_result(None)

@@ -39,6 +39,16 @@ def last_turns(trace: Sequence[TraceRequest]) -> frozenset[int]:
     return frozenset(last.values())
 
 
+# Requests outstanding while no engine gave a first or a last token for this long of simulated time: the
+# simulation waits for something nothing will do (a future never resolved, a request held for good), and
+# fails rather than run its periodic timers forever or report what never finished.
+STALLED_AFTER_S = 600.0
+
+
+class SimulationStalled(RuntimeError):
+    pass
+
+
 # A refused request is retried, for every policy, as kvroute's proxy retries a 503 before the first byte: on
 # an instance not tried yet, within its default attempts, at once (router/dispatch/place/verdict.py).
 ATTEMPTS = UpstreamConfig().attempts
@@ -79,6 +89,7 @@ class Run:
         self.retried = 0  # refused by an instance, then sent to another
         self.warm_ups = 0  # the router's prefills of programs' next turns (programs.warm_up)
         self.outstanding = 0  # sent and not finished, held in the router included
+        self.answered_s = 0.0  # the last first or last token any engine gave (what a stall is judged by)
         self.hold: MemoryGate[SimRequest] = MemoryGate(policy.memory_hold_s, loop.clock)
         # Each router's queue (replicas each have their own, sharing their flows' counts: _share_flows).
         self.flows: list[FlowControl[SimRequest]] = []
@@ -102,6 +113,8 @@ class Run:
         if self.trace:
             self._schedule()
         self.aio.run()
+        if self.outstanding:  # nothing left to happen, and these were never answered
+            raise SimulationStalled(f"{self.outstanding} requests were never answered")
         result = result_of(
             policy.name,
             self.done,
@@ -153,6 +166,7 @@ class Run:
         request.pending = 0
 
     def first_token(self, request: SimRequest) -> None:
+        self.answered_s = self.loop.now
         self.retire(request)
         if request.warm_up:
             return
@@ -160,6 +174,7 @@ class Run:
         self._let_go()
 
     def finish(self, request: SimRequest) -> None:
+        self.answered_s = self.loop.now
         self.ended(request)
         if request.warm_up:  # no client's: room freed, and nothing else
             self.policy.finished(request)
@@ -393,6 +408,9 @@ class Run:
 
         def tick() -> None:
             action()
+            if self.outstanding and loop.now - self.answered_s > STALLED_AFTER_S:
+                silent = f"no engine answered for {STALLED_AFTER_S:.0f} s"
+                raise SimulationStalled(f"{self.outstanding} requests outstanding and {silent}")
             if self._going_on():
                 loop.at(loop.now + interval, tick)
 
@@ -466,6 +484,7 @@ class DisaggregatedRun(Run):
         if whole is None:
             super().finish(request)
             return
+        self.answered_s = self.loop.now
         self.ended(request)  # the prefill leg answered: its KV waits for the decode leg
         self.policy.finished(request)
         if whole.instance < 0:

@@ -14,7 +14,7 @@ from kvroute.simulate.conducted_run import ConductedRun
 from kvroute.simulate.hardware import POOL_PRESETS, EngineSpec, FleetSpec, PoolSpec
 from kvroute.simulate.policies import ConfiguredPolicy, Replicas, router_config
 from kvroute.simulate.registry import EXTRA_POLICIES, POLICIES
-from kvroute.simulate.run import Run
+from kvroute.simulate.run import Run, SimulationStalled
 from kvroute.simulate.simulation import run_kind
 from kvroute.simulate.trace_loop import TraceLoop
 from kvroute.traces import Trace, TraceRequest, agentic_trace, mooncake_trace
@@ -147,3 +147,14 @@ def test_replicas_sharing_their_snapshots_hold_a_tenants_limit_as_one(
     assert len(run.done) == 6
     spans = [(r.dispatched_s, r.finish_s) for r in run.done]
     assert max(sum(start <= at < end for start, end in spans) for at, _ in spans) == most
+
+
+def test_a_run_whose_answers_never_come_fails_rather_than_ticking_forever() -> None:
+    # The engines compute, but the router never hears a last token: its requests stay outstanding, and
+    # only the periodic scrapes are left to happen.
+    blocks, fleet = _programs(2, 3)
+    run = ConductedRun(blocks, fleet, POLICIES["kvroute"](fleet))
+    for engine in run.engines:
+        engine.on_finish = lambda request: None
+    with pytest.raises(SimulationStalled, match="no engine answered for 600 s"):
+        run.run(blocks.ideal_hit_rate())
