@@ -446,7 +446,9 @@ class Replicas(SimPolicy):
     in turn. With share_s, each router tells the others through the shared store every share_s seconds what it
     has in flight on each instance, its flows' counts, where it placed sessions' turns and the agent programs'
     turns it started and ended (router/shared/), and at once (within NUDGED_GAP_S) after a request with a
-    large context, heard share_latency_s later; without, they share nothing."""
+    large context, heard share_latency_s later; without, they share nothing. kvroute's own replicas run
+    through their conductors (kvroute/simulate/conducted_run.py), sharing through the product's PeerSync;
+    sync() and the hooks below serve the run's own steps (traces with images, and policies made for tests)."""
 
     def __init__(
         self,
