@@ -204,7 +204,8 @@ def router_config(fleet: FleetSpec, priors: TTFTPriors | None = None) -> RouterC
 
 class ConfiguredPolicy(SimPolicy):
     """A policy from a RouterConfig, routed through router.dispatch.decide.decision.Decider as the proxy
-    routes it.
+    routes it. kvroute's own (decide=True) runs through its conductor (kvroute/simulate/conducted.py), which
+    reads config and policy_name; route() and the hooks below are its steps for traces with images only.
 
     decide=False asks the policy directly, for peers whose algorithm kvroute's scorers express but which
     neither speculate nor know the pool (llm-d); lookup=False skips the index for policies that never read
