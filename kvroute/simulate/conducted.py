@@ -78,16 +78,13 @@ class EngineSender:
     disaggregated fleet a prefill leg is a one-token request whose engine keeps the prompt's KV until the
     decode leg that names its transfer fetched it (kvroute/simulate/engine.py)."""
 
-    def __init__(
-        self, loop: EventLoop, engines: list[Engine], view: RouterView, disaggregated: bool = False
-    ) -> None:
-        self._loop, self._engines, self._view, self._disaggregated = loop, engines, view, disaggregated
+    def __init__(self, loop: EventLoop, engines: list[Engine], view: RouterView) -> None:
+        self._loop, self._engines, self._view = loop, engines, view
         # By x-request-id, every one the clients sent: a warm-up after an answer sends its prompt again.
         self.requests: dict[str, SimRequest] = {}
         self._first: dict[int, asyncio.Future[None]] = {}  # by request number
         self._whole: dict[int, asyncio.Future[None]] = {}  # a warm-up's or a prefill leg's, by its id()
         self._legs: dict[int, SimRequest] = {}  # by request number: a prefill leg whose KV is to be fetched
-        self._prefilled: set[int] = set()  # requests a prefill leg was sent for
         self.warm_ups = 0
 
     async def attempt(self, outgoing: Outgoing, stream: bool) -> Sent:
@@ -96,7 +93,10 @@ class EngineSender:
         request.instance, request.dispatched_s = number, self._loop.now
         sent = msgspec.json.decode(outgoing.payload, type=_Sent)
         request.priority = sent.priority
-        self._fetching(request, sent.kv_transfer_params)
+        # A decode leg fetches the prefill leg's KV its params name; a whole request computes its prompt.
+        params = sent.kv_transfer_params
+        fetches = params is not None and params.get(_TRANSFER) == request.number
+        request.prefill = self._legs[request.number] if fetches else None
         first = self._first[request.number] = asyncio.get_running_loop().create_future()
         if not self._engines[number].enqueue(request):
             del self._first[request.number]
@@ -109,15 +109,6 @@ class EngineSender:
         await first
         return Sent("answered", EngineReply(200, {"content-type": "text/event-stream"}), _FIRST_CHUNK)
 
-    def _fetching(self, request: SimRequest, params: dict[str, Any] | None) -> None:
-        """A decode leg fetches the prefill leg's KV its params name; a whole request (its prefill leg
-        skipped, or none taken: a fallback) computes its prompt."""
-        if params is not None and params.get(_TRANSFER) == request.number:
-            request.prefill, request.path = self._legs[request.number], "disaggregated"
-        elif self._disaggregated:
-            request.prefill = None
-            request.path = "fallback" if request.number in self._prefilled else "skipped"
-
     async def prefill(self, outgoing: Outgoing) -> Sent:
         """A prefill leg, or a program's next turn warmed up (router/dispatch/place/warm_up.py): its prompt,
         one token."""
@@ -129,7 +120,6 @@ class EngineSender:
             one = warm_up_of(request, number, self._loop.now)
         else:
             self.release(request)  # a leg computed before whose decode leg no instance took
-            self._prefilled.add(request.number)
             one = prefill_leg(request, number)
             one.sent_s = one.dispatched_s = self._loop.now
             one.priority = sent.priority

@@ -39,7 +39,7 @@ class ConductedRun(Run):
         if not policy.conducts:
             raise ValueError(f"{policy.name} is no kvroute router")
         super().__init__(blocks, fleet, policy, priors, progress, tie_seed)
-        self.sender = EngineSender(self.loop, self.engines, self.view, disaggregated=fleet.pd is not None)
+        self.sender = EngineSender(self.loop, self.engines, self.view)
         peers = None
         if policy.sync_interval_s is not None:
             peers = PeerEndpoints(interval_s=policy.sync_interval_s, stale_after_s=PEERS_STALE_AFTER_S)
@@ -160,6 +160,7 @@ class ConductedRun(Run):
             return
         self._retried += len(request.tried)
         request.queued_s = 0.0 if outcome.ticket is None else outcome.ticket.queued_s
+        request.path = outcome.pd_path  # how the router served it, on a disaggregated fleet
         await answer
         router.ended(outcome)
         self.done.append(request)
