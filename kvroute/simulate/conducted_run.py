@@ -50,7 +50,6 @@ class ConductedRun(Run):
         ]
         for engine in self.engines:
             engine.on_first_token, engine.on_finish = self._first_token, self._finished
-            engine.on_fetched = self._fetched
         self._answers: dict[int, asyncio.Future[None]] = {}  # by request number: its last token
         self._serving: set[asyncio.Task[None]] = set()  # held: asyncio keeps only weak references
         self._sharing: list[asyncio.Task[None]] = []  # the replicas' snapshot loops, while requests go on
@@ -181,11 +180,6 @@ class ConductedRun(Run):
         if not request.warm_up and request.prefills is None:
             self._answers.pop(request.number).set_result(None)
         self.loop.drain()
-
-    def _fetched(self, request: SimRequest) -> None:
-        """A decode leg has its prompt's KV: the prefill instance frees it."""
-        assert request.prefill is not None
-        self.engines[request.prefill.instance].release(request.prefill)
 
 
 def _routers_of(policy: SimPolicy) -> list[ConfiguredPolicy]:

@@ -106,6 +106,7 @@ class Run:
         self._in_tool_calls = 0  # turns whose tool call runs
         for engine in self.engines:
             engine.on_first_token, engine.on_finish = self.first_token, self.finish
+            engine.on_fetched = self._fetched
 
     def run(self, ideal_hit_rate: float) -> RunResult:
         started = time.perf_counter()
@@ -131,6 +132,11 @@ class Run:
         if self.warm_ups:
             result.programs["warm_ups"] = float(self.warm_ups)
         return result
+
+    def _fetched(self, request: SimRequest) -> None:
+        """A decode leg has its prompt's KV (a disaggregated fleet): the prefill instance frees it."""
+        assert request.prefill is not None
+        self.engines[request.prefill.instance].release(request.prefill)
 
     def _schedule(self) -> None:
         """The trace's first arrival, and what the routers do every so often from then on."""
@@ -435,8 +441,6 @@ class DisaggregatedRun(Run):
             raise ValueError(f"{policy.name} does not route a disaggregated fleet")
         super().__init__(blocks, fleet, policy, priors, progress, tie_seed)
         self.pd = policy
-        for engine in self.engines:
-            engine.on_fetched = self._fetched
 
     def dispatch(self, request: SimRequest) -> None:
         request.uncached_estimate = request.trace.input_tokens
@@ -501,7 +505,3 @@ class DisaggregatedRun(Run):
         self.ended(request, admitted=False)
         self.policy.refused(request)
         self.refused(request)
-
-    def _fetched(self, request: SimRequest) -> None:
-        assert request.prefill is not None
-        self.engines[request.prefill.instance].release(request.prefill)
